@@ -1,0 +1,120 @@
+"""The syntax tree of a spec. Every node carries the span of its source text."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vega.errors import Span
+
+
+@dataclass(frozen=True)
+class Num:
+    value: float
+    span: Span
+
+
+@dataclass(frozen=True)
+class Bool:
+    value: bool
+    span: Span
+
+
+@dataclass(frozen=True)
+class Name:
+    id: str
+    span: Span
+
+
+@dataclass(frozen=True)
+class Call:
+    fn: str
+    args: tuple[Expr, ...]
+    span: Span
+    fn_span: Span
+
+
+@dataclass(frozen=True)
+class Unary:
+    op: str  # "-" | "not"
+    x: Expr
+    span: Span
+
+
+@dataclass(frozen=True)
+class Binary:
+    op: str  # + - * / ^ < <= > >= == != and or
+    a: Expr
+    b: Expr
+    span: Span
+    op_span: Span
+
+
+Expr = Num | Bool | Name | Call | Unary | Binary
+
+
+@dataclass(frozen=True)
+class StateDecl:
+    name: str
+    init: Expr
+    span: Span
+    name_span: Span
+
+
+@dataclass(frozen=True)
+class Assign:
+    name: str
+    value: Expr
+    span: Span
+    name_span: Span
+
+
+@dataclass(frozen=True)
+class If:
+    cond: Expr
+    then: tuple[Stmt, ...]
+    orelse: tuple[Stmt, ...]
+    span: Span
+
+
+Stmt = StateDecl | Assign | If
+
+
+@dataclass(frozen=True)
+class Range:
+    lo: float
+    hi: float
+    lo_closed: bool
+    hi_closed: bool
+    span: Span
+
+    def contains(self, x: float) -> bool:
+        above = x >= self.lo if self.lo_closed else x > self.lo
+        below = x <= self.hi if self.hi_closed else x < self.hi
+        return above and below
+
+    def __str__(self) -> str:
+        def fmt(v):
+            return "inf" if v == float("inf") else "-inf" if v == float("-inf") else f"{v:g}"
+        return (f"{'[' if self.lo_closed else '('}{fmt(self.lo)}, "
+                f"{fmt(self.hi)}{']' if self.hi_closed else ')'}")
+
+
+@dataclass(frozen=True)
+class Hyper:
+    name: str
+    type: str  # "float" | "bool"
+    default: float | bool
+    range: Range | None
+    span: Span
+    type_span: Span | None
+    default_span: Span
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    class_name: str | None
+    hypers: tuple[Hyper, ...]
+    body: tuple[Stmt, ...]
+    doc: str
+    span: Span
+    name_span: Span

@@ -1,0 +1,344 @@
+"""Checks and lowering: syntax tree -> typed IR, or a SpecError in the user's terms.
+
+One walker does both jobs. In *check* mode (no flags) it walks every branch of
+every compile-time ``if`` and reports the first mistake it finds; in *lower*
+mode (the bool hyperparameters fixed) it follows the taken branches and
+returns the program. A spec that passes the check lowers for every choice of
+flags, so lowering never raises.
+"""
+from __future__ import annotations
+
+import difflib
+import itertools
+from dataclasses import dataclass
+
+from vega.dsl import ast
+from vega.dsl import ir
+from vega.dsl.ir import Kind, Node, Op
+from vega.errors import Span, SpecError
+
+# name -> (allowed argument counts, op by argument count)
+FUNCTIONS: dict[str, dict[int, Op]] = {
+    "sqrt": {1: Op.SQRT},
+    "rsqrt": {1: Op.RSQRT},
+    "exp": {1: Op.EXP},
+    "log": {1: Op.LOG},
+    "abs": {1: Op.ABS},
+    "sign": {1: Op.SIGN},
+    "min": {2: Op.MIN},
+    "max": {1: Op.AMAX, 2: Op.MAX},
+    "clamp": {3: Op.MAX},  # lowered to min(max(x, lo), hi)
+    "where": {3: Op.WHERE},
+    "norm": {1: Op.NORM},
+    "sum": {1: Op.SUM},
+    "mean": {1: Op.MEAN},
+}
+BUILTINS = {"p": "the parameter", "g": "the gradient", "t": "the update's index (1, 2, ...)"}
+INIT_NAMES = {"zeros": 0.0, "ones": 1.0}
+BINARY = {"+": Op.ADD, "-": Op.SUB, "*": Op.MUL, "/": Op.DIV, "^": Op.POW, "<": Op.LT,
+          "<=": Op.LE, ">": Op.GT, ">=": Op.GE, "==": Op.EQ, "!=": Op.NE, "and": Op.AND,
+          "or": Op.OR}
+MAX_FLAGS = 8  # 2**8 specializations is the most a spec may have
+
+
+@dataclass(frozen=True)
+class _Binding:
+    node: Node
+    role: str  # "builtin" | "hyper" | "state" | "value"
+    span: Span | None
+    only_if: Span | None = None  # set when defined in just one branch of an if
+
+
+def _suggest(name: str, candidates) -> str:
+    close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _what(node: Node) -> str:
+    return "a bool" if node.dtype == "bool" else "a number"
+
+
+class _Walker:
+    def __init__(self, spec: ast.Spec, flags: dict[str, bool] | None):
+        self.spec = spec
+        self.flags = flags
+        self.checking = flags is None
+        self.declared: dict[str, Span] = {}  # every state declaration seen (check mode)
+        self.states: list[ir.StateVar] = []  # in declaration order (lower mode)
+        self.assigns_p = False
+
+    # -- header -------------------------------------------------------------
+    def hypers(self) -> tuple[ir.HyperParam, ...]:
+        seen: dict[str, Span] = {}
+        out = []
+        for h in self.spec.hypers:
+            if h.name in seen:
+                raise SpecError(f"hyperparameter '{h.name}' is already declared on line "
+                                f"{seen[h.name].line}", h.span)
+            reserved = self._reserved(h.name)
+            if reserved:
+                raise SpecError(f"'{h.name}' cannot name a hyperparameter: it is {reserved}",
+                                h.span)
+            seen[h.name] = h.span
+            if h.type == "bool" and not isinstance(h.default, bool):
+                raise SpecError(f"bool hyperparameter '{h.name}' needs a default of true or "
+                                f"false, not {h.default:g}", h.default_span)
+            if h.type == "float" and isinstance(h.default, bool):
+                raise SpecError(f"float hyperparameter '{h.name}' needs a numeric default, "
+                                f"not {str(h.default).lower()}", h.default_span)
+            if h.range is not None:
+                r = h.range
+                if h.type == "bool":
+                    raise SpecError(f"bool hyperparameter '{h.name}' cannot have a range", r.span)
+                if r.lo > r.hi or (r.lo == r.hi and not (r.lo_closed and r.hi_closed)):
+                    raise SpecError(f"the range {r} of '{h.name}' is empty", r.span)
+                if not r.contains(h.default):
+                    raise SpecError(f"the default {h.default:g} of '{h.name}' is outside its "
+                                    f"range {r}", h.default_span)
+            out.append(ir.HyperParam(h.name, h.type, h.default, h.range, h.span))
+        nflags = sum(h.type == "bool" for h in out)
+        if nflags > MAX_FLAGS:
+            raise SpecError(f"a spec may have at most {MAX_FLAGS} bool hyperparameters, this "
+                            f"one has {nflags}", self.spec.name_span)
+        return tuple(out)
+
+    @staticmethod
+    def _reserved(name: str) -> str | None:
+        if name in BUILTINS:
+            return BUILTINS[name]
+        if name in FUNCTIONS:
+            return "a function"
+        if name in INIT_NAMES:
+            return "a state initializer"
+        return None
+
+    # -- body ---------------------------------------------------------------
+    def run(self):
+        hypers = self.hypers()
+        env: dict[str, _Binding] = {
+            "p": _Binding(ir.leaf(Op.PARAM, Kind.ELEMENT, "p"), "builtin", None),
+            "g": _Binding(ir.leaf(Op.GRAD, Kind.ELEMENT, "g"), "builtin", None),
+            "t": _Binding(ir.leaf(Op.T, Kind.SCALAR, "t"), "builtin", None),
+        }
+        for h in hypers:
+            if h.type == "float":
+                node = ir.leaf(Op.HYPER, Kind.SCALAR, h.name, h.span)
+            elif self.checking:  # unknown until lowering, but known at compile time
+                node = Node(Op.HYPER, (), h.name, "bool", Kind.CONST, h.span)
+            else:
+                node = ir.const(self.flags[h.name], h.span)
+            env[h.name] = _Binding(node, "hyper", h.span)
+        self.hyper_names = {h.name for h in hypers}
+        env = self.block(self.spec.body, env)
+        if not self.assigns_p:
+            raise SpecError(f"optimizer '{self.spec.name}' never assigns p, so it would not "
+                            "change the parameters", self.spec.name_span)
+        if self.checking:
+            return hypers
+        updates = [("p", env["p"].node)] + [(s.name, env[s.name].node) for s in self.states]
+        return ir.Program(self.spec.name, hypers, tuple(sorted(self.flags.items())),
+                          tuple(self.states), tuple(updates))
+
+    def block(self, stmts, env):
+        for stmt in stmts:
+            env = self.stmt(stmt, env)
+        return env
+
+    def stmt(self, s, env):
+        env = dict(env)
+        if isinstance(s, ast.StateDecl):
+            self._check_new_name(s.name, s.name_span, env, "declare a state")
+            if s.name in self.declared:
+                raise SpecError(f"state '{s.name}' is already declared on line "
+                                f"{self.declared[s.name].line}", s.name_span)
+            self.declared[s.name] = s.name_span
+            init = self.init_expr(s.init, env)
+            if init.dtype != "float":
+                raise SpecError(f"state '{s.name}' must start as a number, not a bool",
+                                s.init.span)
+            self.states.append(ir.StateVar(s.name, init, s.span))
+            env[s.name] = _Binding(ir.leaf(Op.STATE, Kind.ELEMENT, s.name, s.name_span), "state",
+                                   s.name_span)
+        elif isinstance(s, ast.Assign):
+            value = self.expr(s.value, env)
+            old = env.get(s.name)
+            if old is None:
+                self._check_new_name(s.name, s.name_span, env, "assign")
+            elif old.role == "builtin" and s.name != "p":
+                raise SpecError(f"cannot assign to '{s.name}': it is {BUILTINS[s.name]}; give "
+                                "the new value a name of its own", s.name_span)
+            elif old.role == "hyper":
+                raise SpecError(f"cannot assign to '{s.name}': it is a hyperparameter, fixed "
+                                "for the whole step; give the new value a name of its own",
+                                s.name_span)
+            elif old.role == "state" and old.only_if is not None:
+                raise SpecError(f"state '{s.name}' is declared only inside the if on line "
+                                f"{old.only_if.line}", s.name_span)
+            if (s.name == "p" or (old is not None and old.role == "state")) \
+                    and value.dtype != "float":
+                what = "the parameter p" if s.name == "p" else f"state '{s.name}'"
+                raise SpecError(f"{what} must be a number, but this value is a bool",
+                                s.value.span)
+            if s.name == "p":
+                self.assigns_p = True
+            role = old.role if old is not None and old.role in ("builtin", "state") else "value"
+            span = old.span if role == "state" else s.name_span
+            env[s.name] = _Binding(ir.named(value, s.name), role, span)
+        else:
+            env = self.if_stmt(s, env)
+        return env
+
+    def _check_new_name(self, name, span, env, doing):
+        reserved = self._reserved(name)
+        if reserved:
+            raise SpecError(f"cannot {doing} '{name}': it is {reserved}", span)
+        old = env.get(name)
+        if old is not None:
+            if old.role == "hyper":
+                raise SpecError(f"cannot {doing} '{name}': it is a hyperparameter", span)
+            if old.role == "value":
+                raise SpecError(f"cannot declare state '{name}': the name is already a value "
+                                f"assigned on line {old.span.line}", span)
+
+    def if_stmt(self, s: ast.If, env):
+        cond = self.expr(s.cond, env)
+        if cond.dtype != "bool":
+            raise SpecError("the condition of an if must be a bool, but this is a number",
+                            s.cond.span)
+        if cond.kind != Kind.CONST:
+            raise SpecError("an if needs a condition known when the spec compiles (bool "
+                            "hyperparameters, true, false); to choose between values use "
+                            "where(cond, a, b)", s.cond.span)
+        if not self.checking:
+            return self.block(s.then if cond.arg else s.orelse, env)
+        then = self.block(s.then, env)
+        orelse = self.block(s.orelse, env)
+        merged = {}
+        for name in then.keys() | orelse.keys():
+            a, b = then.get(name), orelse.get(name)
+            if a is not None and b is not None:
+                if a.node.dtype != b.node.dtype:
+                    raise SpecError(f"'{name}' is {_what(a.node)} in one branch of this if "
+                                    f"and {_what(b.node)} in the other", s.span)
+                only = a.only_if or b.only_if
+                node = a.node if a.node.kind >= b.node.kind else b.node  # the stricter
+                merged[name] = _Binding(node, a.role, a.span, only)
+            else:
+                one = a or b
+                merged[name] = _Binding(one.node, one.role, one.span, s.span)
+        return merged
+
+    # -- expressions --------------------------------------------------------
+    def init_expr(self, e, env):
+        """A state's initial value: p, constants and hyperparameters only."""
+        init_env = {n: b for n, b in env.items() if b.role == "hyper" or n == "p"}
+        for n, v in INIT_NAMES.items():
+            init_env[n] = _Binding(ir.const(v), "builtin", None)
+        for node in _names(e):
+            if node.id not in init_env and node.id in env:
+                raise SpecError(f"a state's initial value may use only p, hyperparameters and "
+                                f"constants; '{node.id}' has no value before the first step",
+                                node.span)
+        return self.expr(e, init_env)
+
+    def expr(self, e, env) -> Node:
+        if isinstance(e, ast.Num):
+            return ir.const(e.value, e.span)
+        if isinstance(e, ast.Bool):
+            return ir.const(e.value, e.span)
+        if isinstance(e, ast.Name):
+            b = env.get(e.id)
+            if b is None:
+                if e.id in INIT_NAMES:
+                    raise SpecError(f"'{e.id}' may only start a state: state x = {e.id}",
+                                    e.span)
+                if e.id in FUNCTIONS:
+                    raise SpecError(f"'{e.id}' is a function; call it as {e.id}(...)", e.span)
+                raise SpecError(f"undefined name '{e.id}'{_suggest(e.id, env)}", e.span)
+            if b.only_if is not None:
+                raise SpecError(f"'{e.id}' is assigned only in one branch of the if on line "
+                                f"{b.only_if.line}; assign it before the if or in both "
+                                "branches", e.span)
+            return b.node
+        if isinstance(e, ast.Unary):
+            x = self.expr(e.x, env)
+            if e.op == "-":
+                self._need("float", x, e.x, "'-'")
+                return ir.apply(Op.NEG, x, span=e.span)
+            self._need("bool", x, e.x, "'not'")
+            return ir.apply(Op.NOT, x, span=e.span)
+        if isinstance(e, ast.Binary):
+            a, b = self.expr(e.a, env), self.expr(e.b, env)
+            op = BINARY[e.op]
+            need = "bool" if op in ir.LOGIC else "float"
+            self._need(need, a, e.a, f"'{e.op}'")
+            self._need(need, b, e.b, f"'{e.op}'")
+            return ir.apply(op, a, b, span=e.span)
+        return self.call(e, env)
+
+    def call(self, e: ast.Call, env) -> Node:
+        arities = FUNCTIONS.get(e.fn)
+        if arities is None:
+            hint = _suggest(e.fn, FUNCTIONS)
+            if e.fn in env:
+                hint = f"; '{e.fn}' is a value, not a function"
+            raise SpecError(f"unknown function '{e.fn}'{hint}", e.fn_span)
+        if len(e.args) not in arities:
+            counts = " or ".join(str(n) for n in sorted(arities))
+            plural = "" if counts == "1" else "s"
+            raise SpecError(f"{e.fn}() takes {counts} argument{plural}, got {len(e.args)}",
+                            e.span)
+        args = [self.expr(a, env) for a in e.args]
+        op = arities[len(args)]
+        if op is Op.WHERE:
+            self._need("bool", args[0], e.args[0], "the condition of where()")
+            if args[1].dtype != args[2].dtype:
+                raise SpecError(f"where() needs two values of one type, got {_what(args[1])} "
+                                f"and {_what(args[2])}", e.span)
+            return ir.apply(op, *args, span=e.span)
+        for a, node in zip(e.args, args):
+            self._need("float", node, a, f"{e.fn}()")
+        if op in ir.REDUCTIONS and args[0].kind != Kind.ELEMENT:
+            raise SpecError(f"{e.fn}() reduces a tensor, but its argument is the same for "
+                            "every element", e.args[0].span)
+        if e.fn == "clamp":
+            lo = ir.apply(Op.MAX, args[0], args[1], span=e.span)
+            return ir.apply(Op.MIN, lo, args[2], span=e.span)
+        return ir.apply(op, *args, span=e.span)
+
+    @staticmethod
+    def _need(dtype, node, e, where):
+        if node.dtype != dtype:
+            if dtype == "float":
+                raise SpecError(f"{where} needs a number, but this is a bool; use "
+                                "where(cond, 1, 0) to turn a bool into a number", e.span)
+            raise SpecError(f"{where} needs a bool, but this is a number; compare it, "
+                            "e.g. x > 0", e.span)
+
+
+def _names(e):
+    if isinstance(e, ast.Name):
+        yield e
+    elif isinstance(e, ast.Unary):
+        yield from _names(e.x)
+    elif isinstance(e, ast.Binary):
+        yield from _names(e.a)
+        yield from _names(e.b)
+    elif isinstance(e, ast.Call):
+        for a in e.args:
+            yield from _names(a)
+
+
+def check(spec: ast.Spec) -> tuple[ir.HyperParam, ...]:
+    """Raise a SpecError (without source attached) for the first mistake in ``spec``."""
+    return _Walker(spec, None).run()
+
+
+def lower(spec: ast.Spec, flags: dict[str, bool]) -> ir.Program:
+    """The program for one setting of the bool hyperparameters; ``spec`` must be checked."""
+    return _Walker(spec, flags).run()
+
+
+def all_flag_settings(hypers) -> list[dict[str, bool]]:
+    names = [h.name for h in hypers if h.type == "bool"]
+    return [dict(zip(names, vals)) for vals in itertools.product((False, True), repeat=len(names))]

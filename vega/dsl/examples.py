@@ -1,0 +1,124 @@
+"""Example mistakes, next to the grammar: what a user might write and what Vega says.
+
+``PARSE_ERROR_EXAMPLES`` feeds lark's ``match_examples``: when a parse fails,
+the label of the example that fails the same way is the explanation. Each entry
+of ``ERROR_TABLE`` is a whole malformed spec with the message, line and column
+its SpecError must carry; tests/dsl/test_errors.py runs every one.
+"""
+from __future__ import annotations
+
+PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
+    "a spec starts with 'optimizer NAME(hyperparameters) {'": [
+        "adam(lr = 1) { p = p }",
+        "optimizer { p = p }",
+        "state m = zeros",
+    ],
+    "a hyperparameter needs a default: NAME = VALUE": [
+        "optimizer o(lr) { p = p }",
+        "optimizer o(lr, b = 1) { p = p }",
+        "optimizer o(lr = ) { p = p }",
+    ],
+    "hyperparameters are separated by commas": [
+        "optimizer o(lr = 1 b = 2) { p = p }",
+    ],
+    "a hyperparameter's default is a number, true or false": [
+        "optimizer o(lr = a) { p = p }",
+        "optimizer o(lr = 1 + 2) { p = p }",
+    ],
+    "an assignment needs a value after '='": [
+        "optimizer o() { p = }",
+        "optimizer o() { p = p - }",
+        "optimizer o() { p = p * }",
+        "optimizer o() { p = p - p * }",
+        "optimizer o() { p = p ^ }",
+        "optimizer o() { p = - }",
+        "optimizer o() { p = sqrt(p, ) }",
+        "optimizer o() { m = * p }",
+    ],
+    "a statement is 'state NAME = VALUE', 'NAME = VALUE' or an if": [
+        "optimizer o() { p }",
+        "optimizer o() { p + 1 }",
+        "optimizer o() { 1 = p }",
+        "optimizer o() { p == p }",
+    ],
+    "a range is written 'in [lo, hi]', '(lo, hi)', or half-open": [
+        "optimizer o(b = 0.5 in 0, 1) { p = p }",
+        "optimizer o(b = 0.5 in [0 1]) { p = p }",
+    ],
+    "an if's body goes in braces: if cond { ... }": [
+        "optimizer o(f = true) { if f p = p }",
+        "optimizer o(f = true) { if (f) p = p }",
+    ],
+}
+
+# (spec, message fragment, line, column)
+ERROR_TABLE: list[tuple[str, str, int, int]] = [
+    # syntax
+    ("adam(lr = 1e-3) {\n  p = p - lr * g\n}\n", "starts with 'optimizer", 1, 1),
+    ("optimizer o(lr) {\n  p = p - lr * g\n}\n", "needs a default", 1, 15),
+    ("optimizer o(lr = 1 b2 = 2) {\n  p = p\n}\n", "separated by commas", 1, 20),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr *\n}\n", "needs a value", 3, 1),
+    ("optimizer o(lr = 1e-3) {\n  p = (p - lr * g\n}\n", "'(' is never closed", 2, 7),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n", "'{' is never closed", 1, 24),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g)\n}\n", "')' closes nothing", 2, 17),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g ** 2\n}\n", "'a ^ b'", 2, 18),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr @ g\n}\n", "unexpected character '@'", 2, 14),
+    ("optimizer o(b = 0.5 in [0 1]) {\n  p = p\n}\n", "range", 1, 27),
+    ("optimizer o(f = true) {\n  if f p = p\n}\n", "braces", 2, 8),
+    ("optimizer o() {\n  p - g\n}\n", "a statement is", 2, 5),
+    # names
+    ("optimizer o(lr = 1e-3, b1 = 0.9) {\n  state mu = zeros\n  mu = b1 * mu + g\n"
+     "  p = p - lr * muu\n}\n", "undefined name 'muu' (did you mean 'mu'?)", 4, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lrr * g\n}\n", "did you mean 'lr'?", 2, 11),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * m\n  state m = zeros\n}\n",
+     "undefined name 'm'", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  g = g * 2\n  p = p - lr * g\n}\n",
+     "cannot assign to 'g'", 2, 3),
+    ("optimizer o(lr = 1e-3) {\n  t = 1\n  p = p - lr * g\n}\n", "cannot assign to 't'", 2, 3),
+    ("optimizer o(lr = 1e-3) {\n  lr = lr * 2\n  p = p - lr * g\n}\n",
+     "'lr': it is a hyperparameter", 2, 3),
+    ("optimizer o(lr = 1e-3) {\n  state m = zeros\n  state m = ones\n  p = p - lr * g\n}\n",
+     "state 'm' is already declared on line 2", 3, 9),
+    ("optimizer o(lr = 1e-3, lr = 2) {\n  p = p - lr * g\n}\n", "already declared", 1, 24),
+    ("optimizer o(g = 1) {\n  p = p - g\n}\n", "it is the gradient", 1, 13),
+    ("optimizer o(lr = 1e-3) {\n  m = g\n  state m = zeros\n  p = p - lr * m\n}\n",
+     "already a value assigned on line 2", 3, 9),
+    ("optimizer o(lr = 1e-3) {\n  state m = g\n  p = p - lr * m\n}\n",
+     "initial value may use only p", 2, 13),
+    ("optimizer o(lr = 1e-3) {\n  m = zeros\n  p = p - lr * m\n}\n",
+     "may only start a state", 2, 7),
+    # functions
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * sqr(g)\n}\n",
+     "unknown function 'sqr' (did you mean 'sqrt'?)", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * sqrt(g, 2)\n}\n",
+     "sqrt() takes 1 argument, got 2", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * where(g > 0, 1)\n}\n",
+     "where() takes 3 arguments, got 2", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * norm(lr)\n}\n", "reduces a tensor", 2, 21),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * sqrt\n}\n", "is a function", 2, 16),
+    # types
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * (g > 0)\n}\n", "needs a number, but this is a bool",
+     2, 17),
+    ("optimizer o(lr = 1e-3) {\n  p = where(g, p, p - lr)\n}\n",
+     "condition of where() needs a bool", 2, 13),
+    ("optimizer o(lr = 1e-3) {\n  p = g > 0\n}\n", "p must be a number", 2, 7),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g and g\n}\n", "'and' needs a bool", 2, 7),
+    ("optimizer o(lr = 1e-3, f = true) {\n  p = p - lr * g * f\n}\n",
+     "needs a number, but this is a bool", 2, 20),
+    ("optimizer o(lr = 1e-3, momentum = 0.0) {\n  if momentum > 0 {\n    p = p - lr * g\n  }\n}\n",
+     "known when the spec compiles", 2, 6),
+    ("optimizer o(lr = 1e-3) {\n  if lr {\n    p = p - lr * g\n  }\n}\n",
+     "condition of an if must be a bool", 2, 6),
+    ("optimizer o(f: bool = 0.5) {\n  p = p\n}\n", "needs a default of true or false", 1, 23),
+    ("optimizer o(x: float = true) {\n  p = p\n}\n", "needs a numeric default", 1, 24),
+    ("optimizer o(b1 = 1.5 in [0, 1)) {\n  p = p\n}\n", "outside its range [0, 1)", 1, 18),
+    ("optimizer o(b1 = 0.5 in [1, 0]) {\n  p = p\n}\n", "is empty", 1, 25),
+    # flow
+    ("optimizer o(lr = 1e-3) {\n  state m = zeros\n  m = m + g\n}\n", "never assigns p", 1, 11),
+    ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    d = g\n  }\n  p = p - lr * d\n}\n",
+     "assigned only in one branch of the if on line 2", 5, 16),
+    ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    state m = zeros\n  }\n  m = g\n"
+     "  p = p - lr * g\n}\n", "declared only inside the if on line 2", 5, 3),
+    ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    d = g\n  } else {\n    d = g > 0\n  }\n"
+     "  p = p - lr * g\n}\n", "a number in one branch", 2, 3),
+]

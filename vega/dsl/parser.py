@@ -1,0 +1,245 @@
+"""Text -> syntax tree, with lark. Parse errors become SpecErrors with a caret."""
+from __future__ import annotations
+
+from functools import cache
+from importlib.resources import files
+
+import lark
+from lark import Lark, Token, Transformer, v_args
+
+from vega.dsl import ast
+from vega.dsl.examples import PARSE_ERROR_EXAMPLES
+from vega.errors import Span, SpecError
+
+
+@cache
+def _parser() -> Lark:
+    grammar = files("vega.dsl").joinpath("grammar.lark").read_text()
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+def _span(x) -> Span:
+    return Span.of(x if isinstance(x, Token) else x.meta) or Span(1, 1, 1, 2)
+
+
+def _join(a: Span, b: Span) -> Span:
+    return Span(a.line, a.column, b.end_line, b.end_column)
+
+
+class _Build(Transformer):
+    """Builds the AST only; every check happens afterwards (see check.py)."""
+
+    # expressions
+    def number(self, children):
+        (tok,) = children
+        return ast.Num(float(tok), _span(tok))
+
+    def true(self, children):
+        return ast.Bool(True, _span(children[0]))
+
+    def false(self, children):
+        return ast.Bool(False, _span(children[0]))
+
+    def name(self, children):
+        (tok,) = children
+        return ast.Name(str(tok), _span(tok))
+
+    @v_args(meta=True)
+    def call(self, meta, children):
+        fn, *args = children
+        args = tuple(a for a in args if a is not None)
+        return ast.Call(str(fn), args, Span.of(meta), _span(fn))
+
+    @v_args(meta=True)
+    def neg(self, meta, children):
+        return ast.Unary("-", children[0], Span.of(meta))
+
+    @v_args(meta=True)
+    def not_(self, meta, children):
+        return ast.Unary("not", children[0], Span.of(meta))
+
+    def _chain(self, op, children):
+        out = children[0]
+        for nxt in children[1:]:
+            out = ast.Binary(op, out, nxt, _join(out.span, nxt.span), _join(out.span, nxt.span))
+        return out
+
+    def or_(self, children):
+        return self._chain("or", children)
+
+    def and_(self, children):
+        return self._chain("and", children)
+
+    def binary(self, children):
+        a, op, b = children
+        return ast.Binary(str(op), a, b, _join(a.span, b.span), _span(op))
+
+    def comparison(self, children):
+        return self.binary(children)
+
+    def pow(self, children):
+        a, b = children
+        return ast.Binary("^", a, b, _join(a.span, b.span), _join(a.span, b.span))
+
+    # statements
+    @v_args(meta=True)
+    def state_decl(self, meta, children):
+        name, init = children
+        return ast.StateDecl(str(name), init, Span.of(meta), _span(name))
+
+    @v_args(meta=True)
+    def assign(self, meta, children):
+        name, value = children
+        return ast.Assign(str(name), value, Span.of(meta), _span(name))
+
+    def empty(self, children):
+        return None
+
+    def body(self, children):
+        return tuple(c for c in children if c is not None)
+
+    @v_args(meta=True)
+    def if_stmt(self, meta, children):
+        cond, then, *rest = children
+        orelse = rest[0] if rest and rest[0] is not None else ()
+        return ast.If(cond, then, orelse, Span.of(meta))
+
+    def if_chain(self, children):
+        return (children[0],)
+
+    # header
+    def neg_number(self, children):
+        return -float(children[0]), _span(children[0])
+
+    def signed(self, children):
+        return float(children[0]), _span(children[0])
+
+    def bound(self, children):
+        (x,) = children
+        if isinstance(x, tuple):
+            return x[0]
+        return float("-inf") if str(x) == "-inf" else float("inf")
+
+    @v_args(meta=True)
+    def range(self, meta, children):
+        lb, lo, hi, rb = children
+        return ast.Range(lo, hi, lb, rb, Span.of(meta))
+
+    def closed_end(self, children):
+        return True
+
+    def open_end(self, children):
+        return False
+
+    def hyper(self, children):
+        name, type_, default, rng = children
+        if isinstance(default, Token):  # true / false
+            value, dspan = str(default) == "true", _span(default)
+        else:
+            value, dspan = default
+        if type_ is None:
+            kind = "bool" if isinstance(value, bool) else "float"
+        else:
+            kind = str(type_)
+        return ast.Hyper(str(name), kind, value, rng, _join(_span(name), dspan),
+                         _span(type_) if type_ is not None else None, dspan)
+
+    def hypers(self, children):
+        return tuple(h for h in children if h is not None)
+
+    def class_name(self, children):
+        return children[0]
+
+    @v_args(meta=True)
+    def optimizer(self, meta, children):
+        name, cls, hypers, body = children
+        return ast.Spec(str(name), str(cls) if cls is not None else None, hypers, body, "",
+                        Span.of(meta), _span(name))
+
+    def start(self, children):
+        return children[0]
+
+
+def _doc(source: str) -> str:
+    """The comment lines before `optimizer`: the spec's documentation."""
+    lines = []
+    for line in source.splitlines():
+        s = line.strip()
+        if s.startswith("optimizer"):
+            break
+        if s.startswith("#"):
+            lines.append(s[1:].strip())
+    return "\n".join(lines).strip()
+
+
+_TOKEN_WORDS = {
+    "RBRACE": "'}'", "LBRACE": "'{'", "LPAR": "'('", "RPAR": "')'", "NAME": "a name",
+    "NUMBER": "a number", "EQUAL": "'='", "COMMA": "','", "$END": "the end of the file",
+}
+
+
+def _describe_unexpected(err: lark.exceptions.UnexpectedInput) -> str:
+    if isinstance(err, lark.exceptions.UnexpectedCharacters):
+        return f"unexpected character {err.char!r}"
+    if isinstance(err, lark.exceptions.UnexpectedEOF):
+        return "unexpected end of file"
+    tok = err.token
+    if tok.type == "$END":
+        return "unexpected end of file"
+    return f"unexpected {str(tok)!r}"
+
+
+_PAIRS = {")": "(", "}": "{", "]": "["}
+
+
+def _unbalanced(source: str) -> SpecError | None:
+    """The first bracket that is never closed or never opened, if any."""
+    stack: list[tuple[str, int, int]] = []
+    for lineno, line in enumerate(source.splitlines(), 1):
+        for col, ch in enumerate(line.split("#", 1)[0], 1):
+            if ch in "({[":
+                stack.append((ch, lineno, col))
+            elif ch in _PAIRS:
+                opened = [o for o, _, _ in stack]
+                if stack and stack[-1][0] != _PAIRS[ch] and _PAIRS[ch] in opened:
+                    open_ch, open_line, open_col = stack[-1]
+                    return SpecError(f"unbalanced brackets: '{open_ch}' is never closed",
+                                     Span(open_line, open_col, open_line, open_col + 1))
+                if not stack or stack[-1][0] != _PAIRS[ch]:
+                    return SpecError(f"unbalanced brackets: '{ch}' closes nothing",
+                                     Span(lineno, col, lineno, col + 1))
+                stack.pop()
+    if stack:
+        ch, lineno, col = stack[-1]
+        return SpecError(f"unbalanced brackets: '{ch}' is never closed",
+                         Span(lineno, col, lineno, col + 1))
+    return None
+
+
+def parse(source: str, filename: str = "<spec>") -> ast.Spec:
+    """Parse a spec's text into its syntax tree, or raise a SpecError."""
+    try:
+        tree = _parser().parse(source)
+    except lark.exceptions.UnexpectedInput as err:
+        bracket = _unbalanced(source)
+        if bracket is not None:
+            raise bracket.with_source(source, filename) from None
+        if isinstance(err, lark.exceptions.UnexpectedToken) and str(err.token) == "*":
+            lines = source.splitlines()
+            if err.column > 1 and lines[err.line - 1][err.column - 2] == "*":
+                raise SpecError("Vega writes powers as 'a ^ b', not 'a ** b'",
+                                Span(err.line, err.column - 1, err.line, err.column + 1),
+                                source, filename) from None
+        label = err.match_examples(_parser().parse, PARSE_ERROR_EXAMPLES, use_accepts=True)
+        what = _describe_unexpected(err)
+        message = f"{what}: {label}" if label else what
+        line, col = err.line, err.column
+        if line is None or line < 0:  # at the end of input
+            lines = source.splitlines() or [""]
+            line, col = len(lines), len(lines[-1]) + 1
+        width = len(str(err.token)) if isinstance(err, lark.exceptions.UnexpectedToken) else 1
+        raise SpecError(message, Span(line, col, line, col + max(1, width)), source,
+                        filename) from None
+    spec = _Build().transform(tree)
+    return ast.Spec(spec.name, spec.class_name, spec.hypers, spec.body, _doc(source), spec.span,
+                    spec.name_span)
