@@ -1,0 +1,36 @@
+"""Backends: each renders the IR and runs it on lists of tensors.
+
+A backend is a module with a ``Kernel(program)`` class: callable on lists of
+parameters, gradients, states, step counters and hyperparameter values (see
+``vega.codegen.reference.Kernel``), with ``source()`` and ``init(...)``.
+"""
+from __future__ import annotations
+
+from functools import cache
+
+from vega.codegen import reference
+from vega.dsl.ir import Program
+
+BACKENDS = {"reference": reference}
+KNOWN = ("reference", "c", "triton")
+
+
+def check_backend(name: str | None) -> None:
+    if name is not None and name not in KNOWN:
+        raise ValueError(f"backend={name!r} is not one of {', '.join(map(repr, KNOWN))}")
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"backend={name!r} is not available in this version of vega; "
+                         f"available: {', '.join(map(repr, BACKENDS))}")
+
+
+def default_backend(device_type: str) -> str:
+    """The backend for tensors on a device: triton on CUDA, c on the CPU, where built."""
+    preferred = {"cuda": "triton", "cpu": "c"}.get(device_type)
+    return preferred if preferred in BACKENDS else "reference"
+
+
+@cache
+def kernel(backend: str, program: Program):
+    """The compiled kernel of ``program`` on ``backend``, built once."""
+    check_backend(backend)
+    return BACKENDS[backend].Kernel(program)

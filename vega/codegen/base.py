@@ -1,0 +1,112 @@
+"""What every backend shares: a program laid out as a list of lines, and a renderer.
+
+``linearize`` orders a program's DAG into two phases -- the scalar phase (one
+value per step: hyperparameters, ``t`` and what is computed from them, hoisted
+out of the per-element loop) and the element phase (per element, with any
+per-tensor reductions in it) -- and names every value. A backend subclasses
+``Renderer`` and overrides only the ops it spells differently (tinygrad's
+``code_for_op`` table).
+"""
+from __future__ import annotations
+
+import keyword
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from vega.dsl.ir import LEAVES, Kind, Node, Op, Program, walk
+
+
+@dataclass(frozen=True)
+class Line:
+    var: str
+    node: Node
+
+
+@dataclass(frozen=True)
+class Linear:
+    program: Program
+    hypers: tuple[str, ...]  # float hyperparameters, in header order (scalar-phase inputs)
+    scalar_lines: tuple[Line, ...]
+    scalar_outputs: tuple[str, ...]  # scalar values the element phase reads
+    element_lines: tuple[Line, ...]
+    outputs: tuple[tuple[str, Node], ...]  # ("p", node), (state name, node), ...
+    names: dict[int, str]  # id(node) -> variable
+
+    def ref(self, node: Node) -> str:
+        return self.names[id(node)]
+
+
+RESERVED = set(keyword.kwlist) | {"torch", "math", "tl", "triton", "float", "int", "bool"}
+
+
+def safe(name: str) -> str:
+    """A spec name as an identifier no target language reserves."""
+    return f"{name}_" if name in RESERVED or name.startswith("_") else name
+
+
+def linearize(program: Program) -> Linear:
+    roots = [node for _, node in program.updates]
+    order = walk(roots)
+    names: dict[int, str] = {}
+    taken: set[str] = set()
+
+    def fresh(base: str) -> str:
+        base = safe(base)
+        if base not in taken:
+            taken.add(base)
+            return base
+        i = 1
+        while f"{base}_{i}" in taken:
+            i += 1
+        taken.add(f"{base}_{i}")
+        return f"{base}_{i}"
+
+    # leaves keep their spec names: p, g, t, hyperparameters, old state values
+    for leaf in (*program.float_hypers, "p", "g", "t", *program.state_names):
+        fresh(leaf)
+    scalar_lines, element_lines = [], []
+    for node in order:
+        if node.op is Op.CONST:
+            continue
+        if node.op in LEAVES:
+            names[id(node)] = safe(node.arg if node.op in (Op.HYPER, Op.STATE) else node.op.value)
+            continue
+        scalar = node.kind <= Kind.SCALAR
+        lines = scalar_lines if scalar else element_lines
+        var = fresh(node.name or ("s" if scalar else "e") + str(len(lines)))
+        names[id(node)] = var
+        lines.append(Line(var, node))
+    needed = []
+    for line in element_lines:
+        for s in line.node.src:
+            if s.kind <= Kind.SCALAR and s.op is not Op.CONST and id(s) in names:
+                needed.append(names[id(s)])
+    for _, node in program.updates:
+        if node.kind <= Kind.SCALAR and node.op is not Op.CONST:
+            needed.append(names[id(node)])
+    scalar_outputs = tuple(dict.fromkeys(needed))
+    return Linear(program, tuple(safe(h) for h in program.float_hypers), tuple(scalar_lines),
+                  scalar_outputs, tuple(element_lines), program.updates, names)
+
+
+class Renderer(ABC):
+    """Renders one IR node as an expression of its operands' names."""
+
+    infix = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/", Op.LT: "<", Op.LE: "<=",
+             Op.GT: ">", Op.GE: ">=", Op.EQ: "==", Op.NE: "!="}
+    code_for_op: dict = {}
+
+    @abstractmethod
+    def const(self, value) -> str:
+        """A literal in the target language."""
+
+    def operand(self, linear: Linear, node: Node) -> str:
+        return self.const(node.arg) if node.op is Op.CONST else linear.ref(node)
+
+    def expr(self, linear: Linear, node: Node, phase: str) -> str:
+        args = [self.operand(linear, s) for s in node.src]
+        if node.op in self.code_for_op:
+            return self.code_for_op[node.op](self, node, phase, *args)
+        if node.op in self.infix:
+            return f"{args[0]} {self.infix[node.op]} {args[1]}"
+        raise KeyError(f"{type(self).__name__} cannot render {node.op}")

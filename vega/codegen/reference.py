@@ -1,0 +1,185 @@
+"""The reference backend: the IR rendered as eager torch code, any float dtype.
+
+This is the executable meaning of the language and the oracle every other
+backend is tested against. Each program becomes two Python functions, shown
+by ``vega show --backend reference``:
+
+- ``scalars(t, <hyperparameters>)``: the scalar phase, on 0-d tensors;
+- ``update(p, g, <state>, <scalars>)``: the element phase, returning the new
+  parameter and state values.
+
+Arithmetic runs in the *compute dtype*: float64 for float64 parameters,
+float32 otherwise (bfloat16 and float16 parameters are upcast, and rounded to
+nearest even on the way back).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vega.codegen.base import Linear, Renderer, linearize, safe
+from vega.dsl.ir import Kind, Node, Op, Program
+
+
+def _fn(name):
+    return lambda self, node, phase, *a: f"{name}({', '.join(a)})"
+
+
+def _minmax(which):
+    def render(self, node, phase, a, b):
+        x, y = node.src
+        if y.op is Op.CONST:
+            return f"torch.clamp({a}, {'max' if which == 'min' else 'min'}={b})"
+        if x.op is Op.CONST:
+            return f"torch.clamp({b}, {'max' if which == 'min' else 'min'}={a})"
+        return f"torch.{'minimum' if which == 'min' else 'maximum'}({a}, {b})"
+    return render
+
+
+def _where(self, node, phase, c, a, b):
+    if node.src[1].op is Op.CONST and node.src[2].op is Op.CONST:
+        like = "p" if phase == "element" else "t"
+        a = f"{like}.new_full((), {a})"
+    return f"torch.where({c}, {a}, {b})"
+
+
+class TorchRenderer(Renderer):
+    code_for_op = {
+        Op.NEG: lambda self, node, phase, a: f"-{a}",
+        Op.POW: lambda self, node, phase, a, b: f"{a} ** {b}",
+        Op.AND: _fn("torch.logical_and"),
+        Op.OR: _fn("torch.logical_or"),
+        Op.NOT: _fn("torch.logical_not"),
+        Op.WHERE: _where,
+        Op.SQRT: _fn("torch.sqrt"),
+        Op.RSQRT: _fn("torch.rsqrt"),
+        Op.EXP: _fn("torch.exp"),
+        Op.LOG: _fn("torch.log"),
+        Op.ABS: _fn("torch.abs"),
+        Op.SIGN: _fn("torch.sign"),
+        Op.MIN: _minmax("min"),
+        Op.MAX: _minmax("max"),
+        Op.NORM: _fn("torch.linalg.vector_norm"),
+        Op.SUM: _fn("torch.sum"),
+        Op.MEAN: _fn("torch.mean"),
+        Op.AMAX: lambda self, node, phase, a: f"_amax({a})",
+    }
+
+    def const(self, value) -> str:
+        if isinstance(value, bool):
+            return repr(value)
+        if math.isnan(value):
+            return "math.nan"
+        if math.isinf(value):
+            return "math.inf" if value > 0 else "-math.inf"
+        return repr(float(value))
+
+    def output(self, linear: Linear, node: Node) -> str:
+        """An update's value, shaped like the parameter."""
+        if node.op is Op.CONST:
+            return f"torch.full_like(p, {self.const(node.arg)})"
+        ref = linear.ref(node)
+        return ref if node.kind == Kind.ELEMENT else f"{ref}.expand_as(p)"
+
+
+def render(program: Program, linear: Linear | None = None) -> str:
+    """The Python source of the reference kernel for ``program``."""
+    lin = linear or linearize(program)
+    r = TorchRenderer()
+    flags = ", ".join(f"{k}={str(v).lower()}" for k, v in program.flags) or "none"
+    out = [f"# {program.name}: reference kernel (flags: {flags})", ""]
+    out.append(f"def scalars({', '.join(('t',) + lin.hypers)}):")
+    out.append('    """The scalar phase: once per step, on 0-d tensors."""')
+    for line in lin.scalar_lines:
+        out.append(f"    {line.var} = {r.expr(lin, line.node, 'scalar')}")
+    out.append(f"    return ({''.join(v + ', ' for v in lin.scalar_outputs)})")
+    out.append("")
+    state = [safe(s) for s in program.state_names]
+    out.append(f"def update({', '.join(['p', 'g', *state, *lin.scalar_outputs])}):")
+    out.append('    """The element phase: new values of p and of each state."""')
+    for line in lin.element_lines:
+        out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
+    results = [r.output(lin, node) for _, node in lin.outputs]
+    out.append(f"    return ({''.join(v + ', ' for v in results)})")
+    out.append("")
+    for s in program.states:
+        out += _init_function(s.name, s.init, lin.hypers, r)
+    return "\n".join(out)
+
+
+def _init_function(name: str, node: Node, hypers, r: TorchRenderer) -> list[str]:
+    """``init_<name>(p, <hyperparameters>)``: a state's initial value."""
+    lin = linearize(Program("init", (), (), (), (("p", node),)))
+    out = [f"def init_{safe(name)}({', '.join(('p',) + tuple(hypers))}):",
+           f'    """The initial value of state {name}."""']
+    for line in lin.scalar_lines + lin.element_lines:
+        out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
+    out.append(f"    return {r.output(lin, node)}")
+    return out + [""]
+
+
+def _amax(x):
+    return torch.amax(x) if x.numel() else x.new_full((), -math.inf)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class Kernel:
+    """The reference kernel of one program, callable on lists of tensors."""
+
+    backend = "reference"
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.linear = linearize(program)
+        self.text = render(program, self.linear)
+        namespace = {"torch": torch, "math": math, "_amax": _amax}
+        exec(compile(self.text, f"<vega reference: {program.name}>", "exec"), namespace)
+        self._scalars = namespace["scalars"]
+        self._update = namespace["update"]
+        self._inits = [namespace[f"init_{safe(s.name)}"] for s in program.states]
+
+    def source(self) -> str:
+        return self.text
+
+    def _hyper_args(self, values: dict, dtype, device):
+        return [v if isinstance(v, torch.Tensor) and v.dtype == dtype and v.device == device
+                else torch.as_tensor(v, dtype=dtype, device=device)
+                for v in (values[h] for h in self.program.float_hypers)]
+
+    def init(self, p: torch.Tensor, values: dict, state_dtype: torch.dtype) -> list[torch.Tensor]:
+        """Initial state tensors for a (real, floating) parameter."""
+        cd = compute_dtype(p.dtype)
+        pc = p.detach().to(cd)
+        hv = self._hyper_args(values, cd, p.device)
+        return [fn(pc, *hv).to(state_dtype).contiguous().clone() for fn in self._inits]
+
+    def __call__(self, params, grads, states, steps, values, donate):
+        """One update of every tensor; returns (new params, new states) lists.
+
+        ``states`` is a list (one per state variable) of lists of tensors,
+        ``steps`` the 0-d int32 step counter of each tensor, ``values`` the
+        hyperparameter values (0-d tensors or floats) of each tensor.
+        """
+        cache: dict = {}
+        new_params, new_states = [], [[] for _ in self.program.states]
+        for i, (p, g) in enumerate(zip(params, grads)):
+            cd = compute_dtype(p.dtype)
+            key = (id(steps[i]), id(values[i]), cd, p.device)
+            if key not in cache:
+                t = (steps[i] + 1).to(cd)
+                cache[key] = self._scalars(t, *self._hyper_args(values[i], cd, p.device))
+            olds = [s[i] for s in states]
+            outs = self._update(p.to(cd), g.to(cd), *(s.to(cd) for s in olds), *cache[key])
+            for old, new, sink in zip([p, *olds], outs, [new_params, *new_states]):
+                if donate:
+                    old.copy_(new)
+                    sink.append(old)
+                elif new is old:
+                    sink.append(new.clone())
+                else:
+                    sink.append(new.to(old.dtype))
+        return new_params, new_states

@@ -1,0 +1,134 @@
+"""The step itself, shared by the functional API and the torch.optim classes.
+
+Everything here is tensor arithmetic on the device: hyperparameter schedules
+are evaluated at the step counter tensor, the counter advances with a
+saturating add, and nothing is read back to the host.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+
+import torch
+
+from vega import codegen
+from vega.dsl.ir import HyperParam, Program
+
+INT32_MAX = 2**31 - 1
+
+
+def _suggest(name, names) -> str:
+    close = difflib.get_close_matches(name, names, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def check_value(owner: str, h: HyperParam, value):
+    """A hyperparameter value as the step takes it, or ValueError naming it."""
+    if h.type == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{owner}: {h.name}={value!r} must be True or False (it selects "
+                             "the compiled kernel)")
+        return value
+    if isinstance(value, bool) or not (
+            isinstance(value, (numbers.Real, torch.Tensor)) or callable(value)):
+        raise ValueError(f"{owner}: {h.name}={value!r} must be a float, a 0-d tensor or a "
+                         "schedule (a callable of the step counter)")
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or not value.is_floating_point():
+            raise ValueError(f"{owner}: {h.name} must be a 0-d float tensor, got shape "
+                             f"{tuple(value.shape)} and dtype {value.dtype}")
+        return value
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        if math.isnan(value) or (h.range is not None and not h.range.contains(value)):
+            where = f"outside its range {h.range}" if h.range is not None else "not a number"
+            raise ValueError(f"{owner}: {h.name}={value!r} is {where}")
+    return value
+
+
+def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, base: dict | None = None):
+    """Split keyword arguments into (flags, values), defaults filled in, each checked."""
+    known = {h.name: h for h in hypers}
+    for name in given:
+        if name not in known:
+            raise TypeError(f"{owner} got an unexpected hyperparameter {name!r}"
+                            f"{_suggest(name, list(known))}; it takes "
+                            f"{', '.join(known) or 'none'}")
+    flags, values = {}, {}
+    for h in hypers:
+        value = given[h.name] if h.name in given else (base or {}).get(h.name, h.default)
+        value = check_value(owner, h, value)
+        (flags if h.type == "bool" else values)[h.name] = value
+    return flags, values
+
+
+def at_step(values: dict, step: torch.Tensor) -> dict:
+    """Hyperparameter values at a step counter: schedules are called with the tensor."""
+    return {k: (v(step) if callable(v) and not isinstance(v, torch.Tensor) else v)
+            for k, v in values.items()}
+
+
+def advance(step: torch.Tensor, donate: bool) -> torch.Tensor:
+    """The step counter plus one, saturating at the int32 maximum."""
+    inc = (step < INT32_MAX).to(step.dtype)
+    return step.add_(inc) if donate else step + inc
+
+
+def state_dtype_for(p: torch.Tensor, state_dtype: torch.dtype | None) -> torch.dtype:
+    """float32 state for bfloat16/float16 parameters by default, else the parameter's."""
+    if state_dtype is not None:
+        return state_dtype
+    real = p.real.dtype if p.is_complex() else p.dtype
+    base = torch.float32 if real in (torch.bfloat16, torch.float16) else real
+    if p.is_complex():
+        return torch.complex128 if base == torch.float64 else torch.complex64
+    return base
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(x) if x.is_complex() else x
+
+
+def init_leaf(program: Program, p: torch.Tensor, values: dict,
+              state_dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """The initial state tensors of one parameter (built by the reference backend)."""
+    sd = state_dtype_for(p, state_dtype)
+    real_sd = sd.to_real() if sd.is_complex else sd
+    kern = codegen.kernel("reference", program)
+    out = kern.init(_real(p), values, real_sd)
+    return [torch.view_as_complex(s) if p.is_complex() else s for s in out]
+
+
+def run(program: Program, backend: str, params, grads, states, steps, values, donate: bool):
+    """One step of ``program`` over lists of tensors.
+
+    ``states`` is a list, one per state variable, of per-parameter tensor lists;
+    ``steps`` the int32 counter of each parameter (the same tensor may repeat);
+    ``values`` the hyperparameters of each parameter, schedules unevaluated.
+    Returns (new params, new states, new steps) as lists.
+    """
+    evaluated: dict[tuple[int, int], dict] = {}
+    per_tensor = []
+    for step, vals in zip(steps, values):
+        key = (id(step), id(vals))
+        if key not in evaluated:
+            evaluated[key] = at_step(vals, step)
+        per_tensor.append(evaluated[key])
+    kern = codegen.kernel(backend, program)
+    real_p = [_real(p) for p in params]
+    real_s = [[_real(s) for s in col] for col in states]
+    new_p, new_s = kern(real_p, [_real(g) for g in grads], real_s, steps, per_tensor, donate)
+    if not donate:
+        new_p = [torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(params, new_p)]
+        new_s = [[torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(col, ncol)]
+                 for col, ncol in zip(states, new_s)]
+    else:
+        new_p, new_s = list(params), [list(col) for col in states]
+    advanced: dict[int, torch.Tensor] = {}
+    new_steps = []
+    for step in steps:
+        if id(step) not in advanced:
+            advanced[id(step)] = advance(step, donate)
+        new_steps.append(advanced[id(step)])
+    return new_p, new_s, new_steps

@@ -1,0 +1,25 @@
+"""The specs that ship with vega (``specs/*.vega``, installed as ``vega.specs``)."""
+from __future__ import annotations
+
+from functools import cache
+from importlib.resources import files
+
+from vega.runtime.spec import CompiledSpec, compile
+
+
+def _dir():
+    return files("vega.specs")
+
+
+def builtin_names() -> list[str]:
+    """The names of the shipped specs, sorted."""
+    return sorted(f.name[:-5] for f in _dir().iterdir() if f.name.endswith(".vega"))
+
+
+@cache
+def builtin(name: str) -> CompiledSpec:
+    """A shipped spec, compiled once."""
+    if name not in builtin_names():
+        raise ValueError(f"no shipped optimizer {name!r}; there are {', '.join(builtin_names())}")
+    path = _dir().joinpath(f"{name}.vega")
+    return compile(path.read_text(), f"specs/{name}.vega")

@@ -1,0 +1,123 @@
+"""``torch.optim.Optimizer`` classes over compiled specs.
+
+The class only groups parameters and owns their state; the step is
+``vega.runtime.engine.run``, the same as the functional API's. Each parameter
+keeps torch's state layout: ``state[p] = {'mu': ..., 'nu': ..., 'step': ...}``,
+with ``step`` a 0-d int32 tensor on the parameter's device.
+"""
+from __future__ import annotations
+
+import torch
+
+from vega import codegen
+from vega.runtime import engine
+
+_EXTRA = ("backend", "state_dtype")  # per-group settings that are not hyperparameters
+
+
+class SpecOptimizer(torch.optim.Optimizer):
+    """Base of the optimizer classes; see ``CompiledSpec.optimizer_class``."""
+
+    spec = None  # the CompiledSpec, set on each subclass
+
+    def __init__(self, params, *, backend: str | None = None,
+                 state_dtype: torch.dtype | None = None, **hypers):
+        owner = type(self).__name__
+        codegen.check_backend(backend)
+        flags, values = engine.resolve(owner, self.spec.hypers, hypers)
+        super().__init__(params, {**flags, **values, "backend": backend,
+                                  "state_dtype": state_dtype})
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            codegen.check_backend(group.get("backend"))
+            engine.resolve(type(self).__name__, self.spec.hypers,
+                           {h.name: group[h.name] for h in self.spec.hypers})
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+        for p in group["params"]:
+            if not p.is_floating_point() and not p.is_complex():
+                self.param_groups.pop()
+                raise ValueError(f"{type(self).__name__} can only optimize float or complex "
+                                 f"tensors, got one of dtype {p.dtype}")
+
+    def _group_program(self, group):
+        flags = {h.name: group[h.name] for h in self.spec.hypers if h.type == "bool"}
+        values = {h.name: group[h.name] for h in self.spec.hypers if h.type == "float"}
+        engine.resolve(type(self).__name__, self.spec.hypers, {**flags, **values})
+        return self.spec._spec.program(flags), values
+
+    def _init_state(self, p, program, values, group):
+        step = torch.zeros((), dtype=torch.int32, device=p.device)
+        leaves = engine.init_leaf(program, p, engine.at_step(values, step), group["state_dtype"])
+        state = {s.name: leaf for s, leaf in zip(program.states, leaves)}
+        state["step"] = step
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient. Returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            program, values = self._group_program(group)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if p.grad.is_sparse:
+                    raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+                if not self.state.get(p):
+                    self.state[p] = self._init_state(p, program, values, group)
+            want = set(program.state_names) | {"step"}
+            for p in params:
+                if set(self.state[p]) != want:
+                    raise ValueError(
+                        f"{type(self).__name__}: a parameter's state has {sorted(self.state[p])}"
+                        f" but the group's settings need {sorted(want)}; was a bool "
+                        "hyperparameter changed after the first step?")
+            backend = group["backend"] or codegen.default_backend(params[0].device.type)
+            states = [[self.state[p][n] for p in params] for n in program.state_names]
+            engine.run(program, backend, params, [p.grad for p in params], states,
+                       [self.state[p]["step"] for p in params], [values] * len(params),
+                       donate=True)
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loading, keeping vega's state dtypes (float32 state for half
+        parameters, the step counter int32 on the parameter's device)."""
+        saved = state_dict["state"]
+        originals = {k: dict(v) for k, v in saved.items()}
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params):
+            if pid not in originals or p not in self.state:
+                continue
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            sd = engine.state_dtype_for(p, group["state_dtype"])
+            for name, value in originals[pid].items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if name == "step":
+                    self.state[p][name] = value.to(device=p.device, dtype=torch.int32)
+                elif value.is_floating_point() or value.is_complex():
+                    self.state[p][name] = value.to(device=p.device, dtype=sd).clone()
+
+
+def optimizer_class(spec) -> type:
+    """A SpecOptimizer subclass for ``spec``, named after its class name."""
+    lines = [spec.doc or f"The {spec.name} optimizer.", "", "Hyperparameters (defaults):"]
+    for h in spec.hypers:
+        rng = f", in {h.range}" if h.range is not None else ""
+        lines.append(f"    {h.name}: {h.type} = {str(h.default).lower() if h.type == 'bool' else h.default}{rng}")
+    lines += ["", "Also: backend=None|'reference'|'c'|'triton', state_dtype=None."]
+    return type(spec.class_name, (SpecOptimizer,), {
+        "spec": spec, "__doc__": "\n".join(lines), "__module__": "vega.optim",
+        "__qualname__": spec.class_name,
+    })

@@ -1,0 +1,199 @@
+"""A compiled spec: the functional API (init, step), its optimizer class, its sources."""
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from vega import codegen, dsl
+from vega.runtime import engine
+from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
+
+
+class CompiledSpec:
+    """An optimizer compiled from a spec. ``vega.adamw`` and ``vega.compile(text)`` alike.
+
+    - ``init(params, **hypers)`` -> state, a dict of fields shaped like ``params``
+      plus ``step``, an int32 0-d tensor;
+    - ``step(params, grads, state, *, backend=None, donate=False, **hypers)``
+      -> (params, state), pure unless ``donate=True``;
+    - ``optimizer(params, **hypers)`` -> a ``torch.optim.Optimizer``;
+    - ``source(backend)`` -> the generated kernel source.
+    """
+
+    def __init__(self, spec: dsl.Spec):
+        self._spec = spec
+        self.name = spec.name
+        self.class_name = spec.tree.class_name or spec.name.capitalize()
+        self.doc = spec.doc
+        self.hypers = spec.hypers
+        self.defaults = {h.name: h.default for h in spec.hypers}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.defaults.items())
+        return f"<vega optimizer {self.name}({args}) from {self._spec.filename}>"
+
+    @property
+    def source_text(self) -> str:
+        return self._spec.source
+
+    def program(self, **flags):
+        """The IR for one setting of the bool hyperparameters (defaults elsewhere)."""
+        chosen, _ = engine.resolve(self.name, self.hypers, flags)
+        return self._spec.program(chosen)
+
+    def source(self, backend: str = "reference", **flags) -> str:
+        """The generated source of this optimizer's kernel on ``backend``."""
+        codegen.check_backend(backend)
+        return codegen.kernel(backend, self.program(**flags)).source()
+
+    # -- functional API -------------------------------------------------------
+    def init(self, params, *, state_dtype: torch.dtype | None = None, **hypers) -> dict:
+        """A fresh state for ``params`` (any pytree of tensors)."""
+        owner = f"{self.name}_init"
+        flags, values = engine.resolve(owner, self.hypers, hypers)
+        program = self._spec.program(flags)
+        leaves, spec = flatten(params)
+        _check_leaves(owner, "params", params, leaves)
+        device = next((p.device for p in leaves if is_steppable(p)), torch.device("cpu"))
+        step = torch.zeros((), dtype=torch.int32, device=device)
+        vals = engine.at_step(values, step)
+        columns = [[] for _ in program.states]
+        with torch.no_grad():
+            for p in leaves:
+                fresh = (engine.init_leaf(program, p, vals, state_dtype) if is_steppable(p)
+                         else [None] * len(columns))
+                for col, s in zip(columns, fresh):
+                    col.append(s)
+        state = {s.name: unflatten(col, spec) for s, col in zip(program.states, columns)}
+        state["step"] = step
+        return state
+
+    def step(self, params, grads, state, *, backend: str | None = None, donate: bool = False,
+             **hypers):
+        """One update: returns (params, state). Pure unless ``donate=True``."""
+        owner = f"{self.name}_step"
+        codegen.check_backend(backend)
+        flags, values = engine.resolve(owner, self.hypers, hypers)
+        program = self._spec.program(flags)
+        p_leaves, p_spec = flatten(params)
+        _check_leaves(owner, "params", params, p_leaves)
+        g_leaves, g_spec = flatten(grads)
+        if g_spec != p_spec:
+            raise ValueError(f"{owner}: grads do not have the structure of params "
+                             f"({len(g_leaves)} leaves against {len(p_leaves)})")
+        _check_state(owner, self, program, state, p_spec)
+        columns = [flatten(state[n])[0] for n in program.state_names]
+        step = state["step"]
+        names = _paths(params, p_leaves)
+        idx = []
+        for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
+            if not is_steppable(p) or g is None:
+                continue
+            _check_grad(owner, names[i], p, g)
+            for n, col in zip(program.state_names, columns):
+                _check_state_leaf(owner, f"{n}.{names[i]}".rstrip("."), p, col[i])
+            idx.append(i)
+        if backend is None:
+            device = p_leaves[idx[0]].device.type if idx else "cpu"
+            backend = codegen.default_backend(device)
+        with torch.no_grad():
+            new_p, new_s, new_steps = engine.run(
+                program, backend, [p_leaves[i] for i in idx], [g_leaves[i] for i in idx],
+                [[col[i] for i in idx] for col in columns], [step] * len(idx),
+                [values] * len(idx), donate)
+            new_step = new_steps[0] if new_steps else engine.advance(step, donate)
+        out_p = list(p_leaves)
+        out_cols = [list(col) for col in columns]
+        for k, i in enumerate(idx):
+            out_p[i] = new_p[k]
+            if not donate and p_leaves[i].requires_grad:
+                out_p[i].requires_grad_(True)
+            for col, new_col in zip(out_cols, new_s):
+                col[i] = new_col[k]
+        new_state = {n: unflatten(col, p_spec) for n, col in zip(program.state_names, out_cols)}
+        new_state["step"] = new_step
+        return unflatten(out_p, p_spec), new_state
+
+    # -- torch.optim ----------------------------------------------------------
+    @cached_property
+    def optimizer_class(self) -> type:
+        """This optimizer as a ``torch.optim.Optimizer`` subclass."""
+        from vega.runtime.optim import optimizer_class
+        return optimizer_class(self)
+
+    def optimizer(self, params, **kwargs) -> torch.optim.Optimizer:
+        """A ``torch.optim.Optimizer`` over ``params`` (an iterable or param groups)."""
+        return self.optimizer_class(params, **kwargs)
+
+
+def _paths(tree, leaves) -> list[str]:
+    """Names aligned with ``flatten``'s leaves (``None`` leaves get empty names)."""
+    tensor_paths = iter(leaf_paths(tree))
+    return [next(tensor_paths) if leaf is not None else "" for leaf in leaves]
+
+
+def _check_leaves(owner, what, tree, leaves):
+    for name, leaf in zip(_paths(tree, leaves), leaves):
+        if leaf is not None and not isinstance(leaf, torch.Tensor):
+            label = f"leaf '{name}'" if name else "leaf"
+            raise ValueError(f"{owner}: {what} {label} is a {type(leaf).__name__}, not a tensor")
+
+
+def _check_grad(owner, name, p, g):
+    label = f"'{name}'" if name else "(the single tensor)"
+    if not isinstance(g, torch.Tensor):
+        raise ValueError(f"{owner}: grads leaf {label} is a {type(g).__name__}, not a tensor")
+    if g.shape != p.shape:
+        raise ValueError(f"{owner}: grads leaf {label} has shape {tuple(g.shape)}, but the "
+                         f"parameter has shape {tuple(p.shape)}")
+    if g.device != p.device:
+        raise ValueError(f"{owner}: grads leaf {label} is on {g.device}, the parameter on "
+                         f"{p.device}")
+    if g.is_sparse:
+        raise ValueError(f"{owner}: grads leaf {label} is sparse; vega steps dense gradients")
+    if g.is_complex() != p.is_complex():
+        raise ValueError(f"{owner}: grads leaf {label} has dtype {g.dtype}, the parameter "
+                         f"{p.dtype}")
+
+
+def _check_state(owner, cspec, program, state, p_spec):
+    if not isinstance(state, dict):
+        raise ValueError(f"{owner}: state must be the dict that {cspec.name}_init returns, "
+                         f"got {type(state).__name__}")
+    want = set(program.state_names) | {"step"}
+    if set(state) != want:
+        flags = ", ".join(f"{k}={v}" for k, v in program.flags)
+        made = f"{cspec.name}_init(params{', ' + flags if flags else ''})"
+        raise ValueError(f"{owner}: state has fields {sorted(state)}, but this step "
+                         f"({flags or 'no flags'}) needs {sorted(want)}; make it with {made}")
+    step = state["step"]
+    if not (isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.int32):
+        raise ValueError(f"{owner}: state['step'] must be a 0-d int32 tensor, got {step!r}")
+    for n in program.state_names:
+        if flatten(state[n])[1] != p_spec:
+            raise ValueError(f"{owner}: state field '{n}' does not have the structure of params")
+
+
+def _check_state_leaf(owner, name, p, s):
+    if not isinstance(s, torch.Tensor):
+        raise ValueError(f"{owner}: state leaf '{name}' is missing")
+    if s.shape != p.shape or s.device != p.device:
+        raise ValueError(f"{owner}: state leaf '{name}' has shape {tuple(s.shape)} on "
+                         f"{s.device}, but its parameter has {tuple(p.shape)} on {p.device}")
+
+
+def compile(source: str, filename: str = "<spec>") -> CompiledSpec:  # noqa: A001
+    """Compile spec text; raises ``vega.SpecError`` naming the line and column of a mistake."""
+    return CompiledSpec(dsl.load(source, filename))
+
+
+def compile_file(path) -> CompiledSpec:
+    """Compile a ``.vega`` file; errors name the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise FileNotFoundError(f"cannot read spec file {str(path)!r}: {err.strerror}") from err
+    return compile(text, str(path))
