@@ -1,0 +1,140 @@
+"""The language's features: what parses, what it means, how the IR comes out."""
+import math
+
+import pytest
+import torch
+
+import vega
+from vega.dsl.ir import Kind, Op
+
+
+def _program(text, **flags):
+    return vega.compile(text).program(**flags)
+
+
+def _updates(program):
+    return dict(program.updates)
+
+
+def test_header_types_ranges_and_class_name():
+    spec = vega.compile("""
+        # First line is the summary.
+        optimizer my_opt as MyOpt(lr = 1e-3 in [0, inf), b = 0.5 in (0, 1], k: float = 2,
+                                  flag: bool = true, other = false,) {
+            p = p - lr * g
+        }""")
+    assert spec.name == "my_opt" and spec.class_name == "MyOpt"
+    assert spec.doc == "First line is the summary."
+    kinds = {h.name: (h.type, h.default) for h in spec.hypers}
+    assert kinds == {"lr": ("float", 1e-3), "b": ("float", 0.5), "k": ("float", 2.0),
+                     "flag": ("bool", True), "other": ("bool", False)}
+    b = spec.hypers[1].range
+    assert not b.contains(0.0) and b.contains(1.0) and str(b) == "(0, 1]"
+    assert spec.hypers[0].range.contains(1e30) and not spec.hypers[0].range.contains(math.inf)
+
+
+def test_precedence_and_power():
+    prog = _program("optimizer o() { p = -p ^ 2 + 2 * 3 ^ 2 ^ 1 - g / 2 }")
+    # -(p^2) + 18 - g/2, constant part folded
+    node = _updates(prog)["p"]
+    assert node.op is Op.SUB
+    plus = node.src[0]
+    assert plus.op is Op.ADD and plus.src[1].op is Op.CONST and plus.src[1].arg == 18.0
+    assert plus.src[0].op is Op.NEG and plus.src[0].src[0].op is Op.POW
+
+
+def test_scalar_subexpressions_are_hoisted():
+    prog = vega.adamw.program()
+    from vega.codegen.base import linearize
+    lin = linearize(prog)
+    scalar_ops = {line.node.op for line in lin.scalar_lines}
+    assert Op.POW in scalar_ops  # b1 ^ t is computed once per step
+    assert all(line.node.kind == Kind.ELEMENT or line.node.kind == Kind.TENSOR
+               for line in lin.element_lines)
+    assert all(line.node.kind <= Kind.SCALAR for line in lin.scalar_lines)
+
+
+def test_compile_time_if_selects_state_and_code():
+    spec = vega.adam
+    assert spec.program(amsgrad=False).state_names == ("mu", "nu")
+    assert spec.program(amsgrad=True).state_names == ("mu", "nu", "nu_max")
+
+
+def test_if_else_chain_and_boolean_logic():
+    text = """optimizer o(lr = 1.0, a = false, b = false) {
+        if a and not b { d = g } else if b { d = 2 * g } else { d = 3 * g }
+        p = p - lr * d
+    }"""
+    spec = vega.compile(text)
+    p, g = torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    for flags, factor in [({"a": True}, 1), ({"b": True}, 2), ({}, 3), ({"a": True, "b": True}, 2)]:
+        state = spec.init(p)
+        new, _ = spec.step(p, g, state, **flags)
+        assert torch.equal(new, p - factor * g)
+
+
+def test_where_comparisons_and_functions():
+    spec = vega.compile("""optimizer o(lr = 1.0) {
+        d = where(g > 0 and g <= 2, sqrt(abs(g)), -exp(log(abs(g) + 1)))
+        e = clamp(g, -1, 1) + min(g, 0) + max(g, 0) + sign(g) + rsqrt(abs(g) + 1)
+        p = p - lr * (d + e)
+    }""")
+    g = torch.tensor([-3.0, -0.5, 0.0, 0.5, 2.0, 5.0], dtype=torch.float64)
+    p = torch.zeros_like(g)
+    new, _ = spec.step(p, g, spec.init(p))
+    d = torch.where((g > 0) & (g <= 2), g.abs().sqrt(), -(g.abs() + 1))
+    e = g.clamp(-1, 1) + g.clamp(max=0) + g.clamp(min=0) + g.sign() + (g.abs() + 1).rsqrt()
+    torch.testing.assert_close(new, -(d + e), rtol=1e-14, atol=1e-14)
+
+
+def test_per_tensor_reductions():
+    spec = vega.compile("""optimizer o(lr = 1.0) {
+        p = p - lr * (norm(g) + sum(g) + mean(g) + max(g)) * g
+    }""")
+    params = {"a": torch.randn(4, 3, dtype=torch.float64), "b": torch.randn(5, dtype=torch.float64)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    new, _ = spec.step(params, grads, spec.init(params))
+    for k in params:
+        g = grads[k]
+        want = params[k] - (g.norm() + g.sum() + g.mean() + g.max()) * g
+        torch.testing.assert_close(new[k], want, rtol=1e-14, atol=1e-14)
+
+
+def test_state_init_from_hyperparameters_and_p():
+    spec = vega.compile("""optimizer o(lr = 1.0, init = 0.1) {
+        state acc = init
+        state copy = p * 2
+        acc = acc + g * g
+        p = p - lr * g / sqrt(acc) + 0 * copy
+    }""")
+    p = torch.arange(3.0, dtype=torch.float64)
+    state = spec.init(p, init=0.25)
+    assert torch.equal(state["acc"], torch.full((3,), 0.25, dtype=torch.float64))
+    assert torch.equal(state["copy"], 2 * p)
+
+
+def test_scalar_state_update_broadcasts():
+    spec = vega.compile("optimizer o(lr = 1.0) { state s = zeros\n s = lr * 2\n p = p - s * g }")
+    p = torch.zeros(2, 3)
+    new, state = spec.step(p, torch.ones(2, 3), spec.init(p), lr=0.5)
+    assert state["s"].shape == (2, 3) and torch.equal(state["s"], torch.ones(2, 3))
+    assert torch.equal(new, -torch.ones(2, 3))
+
+
+def test_python_keywords_as_names():
+    spec = vega.compile("optimizer o(lambda = 0.5, def = 1.0) { is = g * lambda\n p = p - def * is }")
+    p = torch.ones(3)
+    new, _ = spec.step(p, torch.ones(3), spec.init(p))
+    assert torch.equal(new, torch.full((3,), 0.5))
+
+
+def test_unknown_flag_and_bad_values():
+    with pytest.raises(TypeError, match="unexpected hyperparameter 'amsgard'.*'amsgrad'"):
+        vega.adam.program(amsgard=True)
+    p = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"b1=1\.5 is outside its range \[0, 1\)"):
+        vega.adam_step(p, p, vega.adam_init(p), b1=1.5)
+    with pytest.raises(ValueError, match="lr=-0.1 is outside its range"):
+        vega.optim.AdamW([torch.zeros(2, requires_grad=True)], lr=-0.1)
+    with pytest.raises(ValueError, match="amsgrad=1 must be True or False"):
+        vega.adam_init(p, amsgrad=1)

@@ -1,0 +1,54 @@
+"""The command line: check, show, list, demo."""
+import subprocess
+import sys
+
+import pytest
+
+from vega import cli
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "vega.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_check_good_and_bad(tmp_path):
+    bad = tmp_path / "bad.vega"
+    bad.write_text("optimizer o(lr = 1e-3) {\n  p = p - lr * sqr(g)\n}\n")
+    good = tmp_path / "good.vega"
+    good.write_text("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n}\n")
+    out = run("check", str(good), str(bad))
+    assert out.returncode == 1
+    assert f"{good}: ok: optimizer o(lr=0.001)" in out.stdout
+    assert f"{bad}:2:16: error: unknown function 'sqr' (did you mean 'sqrt'?)" in out.stderr
+    assert "^^^" in out.stderr and "Traceback" not in out.stderr
+    assert run("check", str(good)).returncode == 0
+    assert run("check", str(tmp_path / "nope.vega")).returncode == 1
+
+
+def test_show_list_and_help(capsys):
+    assert cli.main(["show", "adam", "--set", "amsgrad=true"]) == 0
+    text = capsys.readouterr().out
+    assert "def scalars(" in text and "nu_max" in text and "torch.maximum" in text
+    assert cli.main(["show", "adam", "--backend", "cuda"]) == 1
+    assert "backend='cuda' is not one of" in capsys.readouterr().err
+    assert cli.main(["list"]) == 0
+    listing = capsys.readouterr().out
+    for name in ("sgd", "adam", "adamw"):
+        assert name in listing
+    assert "vega.optim.AdamW" in listing
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    helptext = capsys.readouterr().out
+    for command in ("check", "show", "list", "demo"):
+        assert f"vega {command}" in helptext
+
+
+def test_demo_runs_and_learns(capsys):
+    assert cli.main(["demo", "--steps", "60"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("vega.optim", "torch.optim",
+                                                                   "adabelief"))]
+    assert len(rows) == 4
+    losses = [float(r.split()[-4]) for r in rows]
+    assert all(loss < 1.0 for loss in losses)  # ln(3) = 1.0986 at the start

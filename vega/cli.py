@@ -1,0 +1,109 @@
+"""The ``vega`` command: check, show and list specs, run the demo."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vega.errors import SpecError
+
+DESCRIPTION = """\
+Vega: optimizers written as specs, compiled to fused kernels for PyTorch.
+
+commands:
+  vega check FILE...                   compile spec files; print each error, exit 1 on any
+  vega show FILE|NAME [--backend B]    print the kernel generated for a spec
+  vega list                            the optimizers that ship with vega
+  vega demo                            train a small model with vega and torch.optim
+"""
+
+
+def _load(target: str):
+    import vega
+    if Path(target).suffix == ".vega" or Path(target).exists():
+        return vega.compile_file(target)
+    return vega.builtin(target)
+
+
+def _parse_flags(pairs: list[str]) -> dict[str, bool]:
+    flags = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if value.lower() not in ("true", "false"):
+            raise SystemExit(f"vega: --set {pair!r}: write NAME=true or NAME=false")
+        flags[name] = value.lower() == "true"
+    return flags
+
+
+def cmd_check(args) -> int:
+    import vega
+    failed = 0
+    for path in args.files:
+        try:
+            spec = vega.compile_file(path)
+        except (SpecError, FileNotFoundError) as err:
+            print(err, file=sys.stderr)
+            failed += 1
+            continue
+        hypers = ", ".join(f"{h.name}={str(h.default).lower() if h.type == 'bool' else h.default}"
+                           for h in spec.hypers)
+        print(f"{path}: ok: optimizer {spec.name}({hypers})")
+    return 1 if failed else 0
+
+
+def cmd_show(args) -> int:
+    try:
+        spec = _load(args.target)
+        print(spec.source(args.backend, **_parse_flags(args.set)))
+    except (SpecError, FileNotFoundError, ValueError, TypeError) as err:
+        print(err, file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_list(args) -> int:
+    import vega
+    rows = []
+    for name in vega.builtin_names():
+        spec = vega.builtin(name)
+        summary = spec.doc.splitlines()[0] if spec.doc else ""
+        rows.append((name, f"vega.optim.{spec.class_name}", summary))
+    width = [max(len(r[i]) for r in rows) for i in range(2)]
+    for name, cls, summary in rows:
+        print(f"{name:<{width[0]}}  {cls:<{width[1]}}  {summary}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from vega.demo import main as demo_main
+    return demo_main(steps=args.steps, seed=args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vega", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("check", help="compile spec files and report errors")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("show", help="print the generated kernel of a spec")
+    p.add_argument("target", metavar="FILE|NAME", help="a .vega file or a shipped spec's name")
+    p.add_argument("--backend", default="reference", help="reference (default), c or triton")
+    p.add_argument("--set", action="append", default=[], metavar="FLAG=true|false",
+                   help="a bool hyperparameter, e.g. --set amsgrad=true (repeatable)")
+    p.set_defaults(fn=cmd_show)
+    p = sub.add_parser("list", help="list the shipped optimizers")
+    p.set_defaults(fn=cmd_list)
+    p = sub.add_parser("demo", help="train a small model with vega and torch.optim.AdamW")
+    p.add_argument("--steps", type=int, default=400, help="training steps per optimizer")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_demo)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
