@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from functools import cache
 
-from vega.codegen import reference
+from vega.codegen import c, reference
 from vega.dsl.ir import Program
 
-BACKENDS = {"reference": reference}
+BACKENDS = {"reference": reference, "c": c}
 KNOWN = ("reference", "c", "triton")
 
 
@@ -26,6 +26,8 @@ def check_backend(name: str | None) -> None:
 def default_backend(device_type: str) -> str:
     """The backend for tensors on a device: triton on CUDA, c on the CPU, where built."""
     preferred = {"cuda": "triton", "cpu": "c"}.get(device_type)
+    if preferred == "c" and not c.available():
+        return "reference"
     return preferred if preferred in BACKENDS else "reference"
 
 

@@ -36,7 +36,12 @@ class Linear:
         return self.names[id(node)]
 
 
-RESERVED = set(keyword.kwlist) | {"torch", "math", "tl", "triton", "float", "int", "bool"}
+RESERVED = set(keyword.kwlist) | {"torch", "math", "tl", "triton", "float", "int", "bool", "double",
+                                  "const", "static", "void", "return", "for", "while", "if",
+                                  "else", "char", "long", "short", "signed", "unsigned", "struct",
+                                  "union", "enum", "switch", "case", "default", "goto", "do",
+                                  "break", "continue", "sizeof", "typedef", "extern", "register",
+                                  "volatile", "auto", "inline", "restrict"}
 
 
 def safe(name: str) -> str:

@@ -157,13 +157,23 @@ class Kernel:
         hv = self._hyper_args(values, cd, p.device)
         return [fn(pc, *hv).to(state_dtype).contiguous().clone() for fn in self._inits]
 
-    def __call__(self, params, grads, states, steps, values, donate):
-        """One update of every tensor; returns (new params, new states) lists.
+    def __call__(self, params, grads, states, steps, values, donate, *, inv_scale=None,
+                 max_norm=None, skip_nonfinite=False):
+        """One fused step of every tensor: (new params, new states, new steps, finite).
 
         ``states`` is a list (one per state variable) of lists of tensors,
-        ``steps`` the 0-d int32 step counter of each tensor, ``values`` the
-        hyperparameter values (0-d tensors or floats) of each tensor.
+        ``steps`` the 0-d int32 step counter of each tensor (a tensor may repeat),
+        ``values`` the hyperparameter values (0-d tensors or floats) of each tensor.
+
+        The prelude: gradients are multiplied by ``inv_scale`` (a 0-d tensor, the
+        inverse loss scale), then by the clip coefficient
+        ``max_norm / max(norm, max_norm)`` of their joint L2 norm. With
+        ``skip_nonfinite`` (or a loss scale) a step whose gradients are not all
+        finite leaves every parameter, state and step counter as it was;
+        ``finite`` is that flag as a 0-d bool tensor (None when not checked).
         """
+        grads, finite, coef = prelude(grads, inv_scale, max_norm,
+                                      skip_nonfinite or inv_scale is not None)
         cache: dict = {}
         new_params, new_states = [], [[] for _ in self.program.states]
         for i, (p, g) in enumerate(zip(params, grads)):
@@ -173,13 +183,50 @@ class Kernel:
                 t = (steps[i] + 1).to(cd)
                 cache[key] = self._scalars(t, *self._hyper_args(values[i], cd, p.device))
             olds = [s[i] for s in states]
-            outs = self._update(p.to(cd), g.to(cd), *(s.to(cd) for s in olds), *cache[key])
+            gc = g.to(cd)
+            if coef is not None:
+                gc = gc * coef.to(cd)
+            outs = self._update(p.to(cd), gc, *(s.to(cd) for s in olds), *cache[key])
             for old, new, sink in zip([p, *olds], outs, [new_params, *new_states]):
+                new = new.to(old.dtype)
+                if finite is not None:
+                    new = torch.where(finite, new, old)
                 if donate:
                     old.copy_(new)
                     sink.append(old)
-                elif new is old:
-                    sink.append(new.clone())
                 else:
-                    sink.append(new.to(old.dtype))
-        return new_params, new_states
+                    sink.append(new.clone() if new is old else new)
+        return new_params, new_states, advance_steps(steps, finite, donate), finite
+
+
+INT32_MAX = 2**31 - 1
+
+
+def prelude(grads, inv_scale, max_norm, check):
+    """Unscaled gradients, the all-finite flag (or None) and the clip coefficient (or None)."""
+    if inv_scale is not None:
+        grads = [g * inv_scale.to(compute_dtype(g.dtype)) for g in grads]
+    finite = coef = None
+    if check:
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads \
+            else torch.ones((), dtype=torch.bool)
+    if max_norm is not None and grads:
+        sq = torch.stack([g.double().square().sum() for g in grads]).sum()
+        norm = sq.sqrt()
+        coef = max_norm / torch.maximum(norm, torch.as_tensor(max_norm, dtype=norm.dtype,
+                                                              device=norm.device))
+    return grads, finite, coef
+
+
+def advance_steps(steps, finite, donate):
+    """Each distinct step counter plus one (saturating; not on a skipped step)."""
+    done: dict[int, torch.Tensor] = {}
+    out = []
+    for step in steps:
+        if id(step) not in done:
+            inc = (step < INT32_MAX).to(step.dtype)
+            if finite is not None:
+                inc = inc * finite.to(step.dtype)
+            done[id(step)] = step.add_(inc) if donate else step + inc
+        out.append(done[id(step)])
+    return out

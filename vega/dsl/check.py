@@ -136,8 +136,8 @@ class _Walker:
         if self.checking:
             return hypers
         updates = [("p", env["p"].node)] + [(s.name, env[s.name].node) for s in self.states]
-        return ir.Program(self.spec.name, hypers, tuple(sorted(self.flags.items())),
-                          tuple(self.states), tuple(updates))
+        return ir.cse(ir.Program(self.spec.name, hypers, tuple(sorted(self.flags.items())),
+                                 tuple(self.states), tuple(updates)))
 
     def block(self, stmts, env):
         for stmt in stmts:

@@ -200,6 +200,21 @@ class Program:
         return tuple(s.name for s in self.states)
 
 
+def cse(program: Program) -> Program:
+    """The same program with structurally equal subexpressions shared (one node each)."""
+    canon: dict[tuple, Node] = {}
+    memo: dict[int, Node] = {}
+    for node in walk(node for _, node in program.updates):
+        src = tuple(memo[id(s)] for s in node.src)
+        key = (node.op, tuple(id(s) for s in src), node.arg, node.dtype)
+        if key not in canon:
+            canon[key] = node if src == node.src else Node(
+                node.op, src, node.arg, node.dtype, node.kind, node.span, node.name)
+        memo[id(node)] = canon[key]
+    updates = tuple((target, memo[id(node)]) for target, node in program.updates)
+    return Program(program.name, program.hypers, program.flags, program.states, updates)
+
+
 def walk(roots) -> list[Node]:
     """Every node reachable from ``roots``, each once, operands before users."""
     seen: set[int] = set()

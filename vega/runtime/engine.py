@@ -15,9 +15,6 @@ import torch
 from vega import codegen
 from vega.dsl.ir import HyperParam, Program
 
-INT32_MAX = 2**31 - 1
-
-
 def _suggest(name, names) -> str:
     close = difflib.get_close_matches(name, names, n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
@@ -69,12 +66,6 @@ def at_step(values: dict, step: torch.Tensor) -> dict:
             for k, v in values.items()}
 
 
-def advance(step: torch.Tensor, donate: bool) -> torch.Tensor:
-    """The step counter plus one, saturating at the int32 maximum."""
-    inc = (step < INT32_MAX).to(step.dtype)
-    return step.add_(inc) if donate else step + inc
-
-
 def state_dtype_for(p: torch.Tensor, state_dtype: torch.dtype | None) -> torch.dtype:
     """float32 state for bfloat16/float16 parameters by default, else the parameter's."""
     if state_dtype is not None:
@@ -100,13 +91,15 @@ def init_leaf(program: Program, p: torch.Tensor, values: dict,
     return [torch.view_as_complex(s) if p.is_complex() else s for s in out]
 
 
-def run(program: Program, backend: str, params, grads, states, steps, values, donate: bool):
+def run(program: Program, backend: str, params, grads, states, steps, values, donate: bool,
+        **prelude):
     """One step of ``program`` over lists of tensors.
 
     ``states`` is a list, one per state variable, of per-parameter tensor lists;
     ``steps`` the int32 counter of each parameter (the same tensor may repeat);
-    ``values`` the hyperparameters of each parameter, schedules unevaluated.
-    Returns (new params, new states, new steps) as lists.
+    ``values`` the hyperparameters of each parameter, schedules unevaluated;
+    ``prelude``: ``inv_scale``, ``max_norm``, ``skip_nonfinite`` (see the
+    reference kernel). Returns (new params, new states, new steps, finite).
     """
     evaluated: dict[tuple[int, int], dict] = {}
     per_tensor = []
@@ -118,17 +111,12 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     kern = codegen.kernel(backend, program)
     real_p = [_real(p) for p in params]
     real_s = [[_real(s) for s in col] for col in states]
-    new_p, new_s = kern(real_p, [_real(g) for g in grads], real_s, steps, per_tensor, donate)
+    new_p, new_s, new_steps, finite = kern(real_p, [_real(g) for g in grads], real_s, steps,
+                                           per_tensor, donate, **prelude)
     if not donate:
         new_p = [torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(params, new_p)]
         new_s = [[torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(col, ncol)]
                  for col, ncol in zip(states, new_s)]
     else:
         new_p, new_s = list(params), [list(col) for col in states]
-    advanced: dict[int, torch.Tensor] = {}
-    new_steps = []
-    for step in steps:
-        if id(step) not in advanced:
-            advanced[id(step)] = advance(step, donate)
-        new_steps.append(advanced[id(step)])
-    return new_p, new_s, new_steps
+    return new_p, new_s, new_steps, finite

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from vega import codegen, dsl
+from vega.codegen.reference import advance_steps
 from vega.runtime import engine
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
 
@@ -99,11 +100,11 @@ class CompiledSpec:
             device = p_leaves[idx[0]].device.type if idx else "cpu"
             backend = codegen.default_backend(device)
         with torch.no_grad():
-            new_p, new_s, new_steps = engine.run(
+            new_p, new_s, new_steps, _ = engine.run(
                 program, backend, [p_leaves[i] for i in idx], [g_leaves[i] for i in idx],
                 [[col[i] for i in idx] for col in columns], [step] * len(idx),
                 [values] * len(idx), donate)
-            new_step = new_steps[0] if new_steps else engine.advance(step, donate)
+            new_step = new_steps[0] if new_steps else advance_steps([step], None, donate)[0]
         out_p = list(p_leaves)
         out_cols = [list(col) for col in columns]
         for k, i in enumerate(idx):
