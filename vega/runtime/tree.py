@@ -23,8 +23,8 @@ def _key(k) -> str:
 
 def leaf_paths(tree) -> list[str]:
     """Dotted paths of the tensor leaves: ``['layer1.weight', 'layer1.bias', ...]``."""
-    pairs, _ = pytree.tree_flatten_with_path(tree)
-    return [".".join(_key(k) for k in path) for path, _ in pairs]
+    pairs, _ = pytree.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+    return [".".join(_key(k) for k in path) for path, leaf in pairs if leaf is not None]
 
 
 def state_names(state: dict) -> list[str]:
