@@ -47,7 +47,7 @@ def model(seed: int) -> torch.nn.Module:
                                torch.nn.Tanh(), torch.nn.Linear(64, 3))
 
 
-def train(name, make_opt, x, y, steps, seed, batch=128, out=sys.stdout):
+def train(name, make_opt, x, y, steps, seed, out, batch=128):
     net = model(seed)
     opt = make_opt(net.parameters())
     gen = torch.Generator().manual_seed(seed + 1)
@@ -72,7 +72,8 @@ def train(name, make_opt, x, y, steps, seed, batch=128, out=sys.stdout):
             "params": [p.detach().clone() for p in net.parameters()]}
 
 
-def main(steps: int = 400, seed: int = 0, out=sys.stdout) -> int:
+def main(steps: int = 400, seed: int = 0, out=None) -> int:
+    out = out or sys.stdout
     if steps < 1:
         print(f"vega demo: --steps must be at least 1, got {steps}", file=sys.stderr)
         return 2

@@ -104,7 +104,7 @@ void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
 }
 
 void vega_advance(int64_t n, const int64_t *steps, const double *pre) {
-    if (pre && pre[1] != 0) return;  /* a skipped step leaves the counters alone */
+    if (pre && pre[1] != 0 && pre[4] != 0) return;  /* a skipped step leaves the counters alone */
     for (int64_t k = 0; k < n; k++) {
         int32_t *s = (int32_t *)(intptr_t)steps[k];
         if (*s < INT32_MAX) *s += 1;
@@ -264,7 +264,7 @@ class Source:
             f"void {name}(int64_t nt, const int64_t *tab, const double *pre, double *red, int nth) {{",
             "    CT gs = 1, coef = 1;",
             "    if (pre) {",
-            "        if (pre[1] != 0) return;  /* non-finite gradients: skip the step */",
+            "        if (pre[1] != 0 && pre[4] != 0) return;  /* non-finite gradients: skip */",
             "        gs = (CT)pre[2];",
             "        if (pre[3] > 0) coef = (CT)(pre[3] / fmax(sqrt(pre[0]), pre[3]));",
             "    }",
@@ -400,15 +400,35 @@ class Kernel:
             self._libs[dtypes] = lib
         return self._libs[dtypes]
 
-    def __call__(self, params, grads, states, steps, values, donate, *, inv_scale=None,
-                 max_norm=None, skip_nonfinite=False):
-        """The same contract as ``vega.codegen.reference.Kernel.__call__``."""
-        for x in params:
-            if x.device.type != "cpu":
-                raise ValueError(f"backend 'c' runs on CPU tensors, got one on {x.device}; use "
-                                 "backend='triton' or 'reference'")
+    def _group_key(self, p, g, s_dtype):
+        for x, what in ((p, "parameters"), (g, "gradients")):
             if x.dtype not in _DTYPES:
-                raise ValueError(f"backend 'c' does not support parameters of dtype {x.dtype}")
+                raise ValueError(f"backend 'c' does not support {what} of dtype {x.dtype}")
+            if x.device.type != "cpu":
+                raise ValueError(f"backend 'c' runs on CPU tensors, got {what} on {x.device}; "
+                                 "use backend='triton' or 'reference'")
+        if s_dtype not in _DTYPES:
+            raise ValueError(f"backend 'c' does not support state of dtype {s_dtype}")
+        return _DTYPES[p.dtype], _DTYPES[g.dtype], _DTYPES[s_dtype]
+
+    def prelude(self, grads, pre: torch.Tensor) -> None:
+        """Add the gradients' sum of squares and non-finite count, unscaled, into ``pre``."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:
+            g = g.contiguous()
+            groups.setdefault(self._group_key(g, g, g.dtype), []).append(g)
+        nth = torch.get_num_threads()
+        for key, gs in groups.items():
+            rows = [[g.numel(), 0, g.data_ptr()] + [0] * (self._row - 3) for g in gs]
+            table = torch.tensor(rows, dtype=torch.int64).reshape(len(gs), -1)
+            self.library(key).vega_prelude(len(gs), _ptr(table), _ptr(pre), nth)
+
+    @property
+    def _row(self) -> int:
+        return 5 + len(self.program.states)
+
+    def __call__(self, params, grads, states, steps, values, donate, pre=None):
+        """The same contract as ``vega.codegen.reference.Kernel.__call__``."""
         if not donate:  # pure: run in place on copies
             params = [p.clone() for p in params]
             states = [[s.clone() for s in col] for col in states]
@@ -422,54 +442,31 @@ class Kernel:
         groups: dict[tuple[str, str, str], list[int]] = {}
         for i, (p, g) in enumerate(zip(work_p, work_g)):
             sdt = work_s[0][i].dtype if work_s else p.dtype
-            if g.dtype not in _DTYPES or sdt not in _DTYPES:
-                raise ValueError(f"backend 'c' does not support gradients of dtype {g.dtype} "
-                                 f"or state of dtype {sdt}")
             if any(col[i].dtype != sdt for col in work_s):
                 raise ValueError("backend 'c' needs every state tensor of a parameter in one "
                                  "dtype")
-            groups.setdefault((_DTYPES[p.dtype], _DTYPES[g.dtype], _DTYPES[sdt]), []).append(i)
-        tables = {}
+            groups.setdefault(self._group_key(p, g, sdt), []).append(i)
+        nth = torch.get_num_threads()
+        last = None
         for key, idx in groups.items():
             rows = [[work_p[i].numel(), work_p[i].data_ptr(), work_g[i].data_ptr(),
                      *(col[i].data_ptr() for col in work_s), steps[i].data_ptr(),
                      hyp[hyp_index[i]].data_ptr()] for i in idx]
-            tables[key] = torch.tensor(rows, dtype=torch.int64).reshape(len(idx), -1)
-        check = skip_nonfinite or inv_scale is not None
-        pre = None
-        if check or max_norm is not None:
-            pre = torch.zeros(4, dtype=torch.float64)
-            if inv_scale is not None:
-                pre[2:3].copy_(inv_scale.detach().reshape(1))
-            else:
-                pre[2] = 1.0
-            pre[3] = float(max_norm) if max_norm is not None else 0.0
-        nth = torch.get_num_threads()
-        if pre is not None:
-            for key, table in tables.items():
-                self.library(key).vega_prelude(table.shape[0], _ptr(table), _ptr(pre), nth)
-            if not check:  # clipping only: count nothing as overflow
-                pre[1] = 0.0
-        for key, table in tables.items():
-            lib = self.library(key)
-            red = torch.empty(max(1, table.shape[0] * self._nred), dtype=torch.float64)
+            table = torch.tensor(rows, dtype=torch.int64).reshape(len(idx), -1)
+            last = lib = self.library(key)
+            red = torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64)
             for k in range(self._nphases):
-                getattr(lib, f"vega_phase{k}")(table.shape[0], _ptr(table), _ptr(pre), _ptr(red),
-                                               nth)
-            lib.vega_update(table.shape[0], _ptr(table), _ptr(pre), _ptr(red), nth)
+                getattr(lib, f"vega_phase{k}")(len(idx), _ptr(table), _ptr(pre), _ptr(red), nth)
+            lib.vega_update(len(idx), _ptr(table), _ptr(pre), _ptr(red), nth)
         unique = list({id(s): s for s in steps}.values())
-        if unique:
+        if last is not None:
             ptrs = torch.tensor([s.data_ptr() for s in unique], dtype=torch.int64)
-            lib = self.library(next(iter(tables))) if tables else None
-            if lib is not None:
-                lib.vega_advance(len(unique), _ptr(ptrs), _ptr(pre if check else None))
-            else:
-                reference.advance_steps(unique, None, True)
+            last.vega_advance(len(unique), _ptr(ptrs), _ptr(pre))
         for orig, work in zip([*params, *(s for col in states for s in col)],
                               [*work_p, *(s for col in work_s for s in col)]):
             if work is not orig:
                 orig.copy_(work)
-        finite = (pre[1] == 0) if check else None
+        finite = ((pre[1] == 0) | (pre[4] == 0)) if pre is not None else None
         return params, states, steps, finite
 
     def _hyper_tables(self, values):

@@ -157,23 +157,29 @@ class Kernel:
         hv = self._hyper_args(values, cd, p.device)
         return [fn(pc, *hv).to(state_dtype).contiguous().clone() for fn in self._inits]
 
-    def __call__(self, params, grads, states, steps, values, donate, *, inv_scale=None,
-                 max_norm=None, skip_nonfinite=False):
+    def prelude(self, grads, pre: torch.Tensor) -> None:
+        """Add the gradients' sum of squares and non-finite count, unscaled, into ``pre``."""
+        add_prelude(grads, pre)
+
+    def __call__(self, params, grads, states, steps, values, donate, pre=None):
         """One fused step of every tensor: (new params, new states, new steps, finite).
 
         ``states`` is a list (one per state variable) of lists of tensors,
         ``steps`` the 0-d int32 step counter of each tensor (a tensor may repeat),
         ``values`` the hyperparameter values (0-d tensors or floats) of each tensor.
 
-        The prelude: gradients are multiplied by ``inv_scale`` (a 0-d tensor, the
-        inverse loss scale), then by the clip coefficient
-        ``max_norm / max(norm, max_norm)`` of their joint L2 norm. With
-        ``skip_nonfinite`` (or a loss scale) a step whose gradients are not all
-        finite leaves every parameter, state and step counter as it was;
-        ``finite`` is that flag as a 0-d bool tensor (None when not checked).
+        ``pre`` (see ``make_pre``), when given, holds what the prelude gathered
+        over all gradients: gradients are multiplied by the inverse loss scale,
+        then by the clip coefficient ``max_norm / max(norm, max_norm)``; when it
+        asks for the check, a step whose gradients are not all finite leaves
+        every parameter, state and step counter as it was. ``finite`` is that
+        flag as a 0-d bool tensor (None without ``pre``).
         """
-        grads, finite, coef = prelude(grads, inv_scale, max_norm,
-                                      skip_nonfinite or inv_scale is not None)
+        finite = gscale = None
+        if pre is not None:
+            finite = (pre[1] == 0) | (pre[4] == 0)
+            coef = torch.where(pre[3] > 0, pre[3] / torch.maximum(pre[0].sqrt(), pre[3]), 1.0)
+            gscale = (pre[2], coef)
         cache: dict = {}
         new_params, new_states = [], [[] for _ in self.program.states]
         for i, (p, g) in enumerate(zip(params, grads)):
@@ -184,8 +190,8 @@ class Kernel:
                 cache[key] = self._scalars(t, *self._hyper_args(values[i], cd, p.device))
             olds = [s[i] for s in states]
             gc = g.to(cd)
-            if coef is not None:
-                gc = gc * coef.to(cd)
+            if gscale is not None:
+                gc = gc * gscale[0].to(cd) * gscale[1].to(cd)
             outs = self._update(p.to(cd), gc, *(s.to(cd) for s in olds), *cache[key])
             for old, new, sink in zip([p, *olds], outs, [new_params, *new_states]):
                 new = new.to(old.dtype)
@@ -202,20 +208,24 @@ class Kernel:
 INT32_MAX = 2**31 - 1
 
 
-def prelude(grads, inv_scale, max_norm, check):
-    """Unscaled gradients, the all-finite flag (or None) and the clip coefficient (or None)."""
+def make_pre(device, inv_scale=None, max_norm=None, check=False) -> torch.Tensor:
+    """The prelude's float64 record: [sum of squares, non-finite count, inverse loss scale,
+    max_norm (0: no clipping), check (1: skip a step with non-finite gradients)]."""
+    pre = torch.zeros(5, dtype=torch.float64, device=device)
     if inv_scale is not None:
-        grads = [g * inv_scale.to(compute_dtype(g.dtype)) for g in grads]
-    finite = coef = None
-    if check:
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads \
-            else torch.ones((), dtype=torch.bool)
-    if max_norm is not None and grads:
-        sq = torch.stack([g.double().square().sum() for g in grads]).sum()
-        norm = sq.sqrt()
-        coef = max_norm / torch.maximum(norm, torch.as_tensor(max_norm, dtype=norm.dtype,
-                                                              device=norm.device))
-    return grads, finite, coef
+        pre[2:3].copy_(torch.as_tensor(inv_scale).detach().reshape(1))
+    else:
+        pre[2] = 1.0
+    pre[3] = float(max_norm) if max_norm is not None else 0.0
+    pre[4] = 1.0 if check else 0.0
+    return pre
+
+
+def add_prelude(grads, pre: torch.Tensor) -> None:
+    for g in grads:
+        gc = g.to(compute_dtype(g.dtype)) * pre[2].to(compute_dtype(g.dtype))
+        pre[0] += gc.double().square().sum()
+        pre[1] += (~torch.isfinite(gc)).sum()
 
 
 def advance_steps(steps, finite, donate):

@@ -13,6 +13,7 @@ import numbers
 import torch
 
 from vega import codegen
+from vega.codegen.reference import make_pre
 from vega.dsl.ir import HyperParam, Program
 
 def _suggest(name, names) -> str:
@@ -42,6 +43,17 @@ def check_value(owner: str, h: HyperParam, value):
             where = f"outside its range {h.range}" if h.range is not None else "not a number"
             raise ValueError(f"{owner}: {h.name}={value!r} is {where}")
     return value
+
+
+def check_fused(owner: str, max_grad_norm, skip_nonfinite) -> None:
+    """Validate the fused-step options of a step or an optimizer."""
+    if max_grad_norm is not None:
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
+                or not max_grad_norm > 0 or math.isinf(max_grad_norm):
+            raise ValueError(f"{owner}: max_grad_norm={max_grad_norm!r} must be a positive "
+                             "finite number (or None for no clipping)")
+    if not isinstance(skip_nonfinite, bool):
+        raise ValueError(f"{owner}: skip_nonfinite={skip_nonfinite!r} must be True or False")
 
 
 def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, base: dict | None = None):
@@ -91,15 +103,34 @@ def init_leaf(program: Program, p: torch.Tensor, values: dict,
     return [torch.view_as_complex(s) if p.is_complex() else s for s in out]
 
 
+def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor | None:
+    """Gather, over every gradient of every group, what a fused step needs before updating.
+
+    ``parts`` lists (program, backend, grads) per group. Returns the float64
+    record of ``vega.codegen.reference.make_pre`` (None when nothing is asked).
+    """
+    if inv_scale is None and max_norm is None and not check:
+        return None
+    devices = {g.device for _, _, grads in parts for g in grads}
+    if len(devices) > 1:
+        raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "
+                         f"device, got {sorted(map(str, devices))}")
+    device = devices.pop() if devices else torch.device("cpu")
+    pre = make_pre(device, inv_scale, max_norm, check)
+    for program, backend, grads in parts:
+        codegen.kernel(backend, program).prelude([_real(g) for g in grads], pre)
+    return pre
+
+
 def run(program: Program, backend: str, params, grads, states, steps, values, donate: bool,
-        **prelude):
+        pre: torch.Tensor | None = None):
     """One step of ``program`` over lists of tensors.
 
     ``states`` is a list, one per state variable, of per-parameter tensor lists;
     ``steps`` the int32 counter of each parameter (the same tensor may repeat);
     ``values`` the hyperparameters of each parameter, schedules unevaluated;
-    ``prelude``: ``inv_scale``, ``max_norm``, ``skip_nonfinite`` (see the
-    reference kernel). Returns (new params, new states, new steps, finite).
+    ``pre`` the prelude's record (``prelude``). Returns (new params, new
+    states, new steps, finite).
     """
     evaluated: dict[tuple[int, int], dict] = {}
     per_tensor = []
@@ -112,7 +143,7 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     real_p = [_real(p) for p in params]
     real_s = [[_real(s) for s in col] for col in states]
     new_p, new_s, new_steps, finite = kern(real_p, [_real(g) for g in grads], real_s, steps,
-                                           per_tensor, donate, **prelude)
+                                           per_tensor, donate, pre)
     if not donate:
         new_p = [torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(params, new_p)]
         new_s = [[torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(col, ncol)]

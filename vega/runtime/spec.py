@@ -72,10 +72,17 @@ class CompiledSpec:
         return state
 
     def step(self, params, grads, state, *, backend: str | None = None, donate: bool = False,
-             **hypers):
-        """One update: returns (params, state). Pure unless ``donate=True``."""
+             max_grad_norm: float | None = None, skip_nonfinite: bool = False, **hypers):
+        """One update: returns (params, state). Pure unless ``donate=True``.
+
+        Fused into the same step: ``max_grad_norm`` clips the gradients by their
+        joint L2 norm (optax's rule, ``g * max_norm / max(norm, max_norm)``);
+        ``skip_nonfinite`` leaves params and the whole state, step counter
+        included, exactly as they were when any gradient is not finite.
+        """
         owner = f"{self.name}_step"
         codegen.check_backend(backend)
+        engine.check_fused(owner, max_grad_norm, skip_nonfinite)
         flags, values = engine.resolve(owner, self.hypers, hypers)
         program = self._spec.program(flags)
         p_leaves, p_spec = flatten(params)
@@ -100,10 +107,13 @@ class CompiledSpec:
             device = p_leaves[idx[0]].device.type if idx else "cpu"
             backend = codegen.default_backend(device)
         with torch.no_grad():
+            grads_used = [g_leaves[i] for i in idx]
+            pre = engine.prelude([(program, backend, grads_used)], None, max_grad_norm,
+                                 skip_nonfinite)
             new_p, new_s, new_steps, _ = engine.run(
-                program, backend, [p_leaves[i] for i in idx], [g_leaves[i] for i in idx],
+                program, backend, [p_leaves[i] for i in idx], grads_used,
                 [[col[i] for i in idx] for col in columns], [step] * len(idx),
-                [values] * len(idx), donate)
+                [values] * len(idx), donate, pre)
             new_step = new_steps[0] if new_steps else advance_steps([step], None, donate)[0]
         out_p = list(p_leaves)
         out_cols = [list(col) for col in columns]

@@ -1,0 +1,97 @@
+"""Gradient transformations: functions from a gradient pytree to another.
+
+They go between the backward pass and the step, after the seeds'
+``clip_by_global_norm``, ``clip_by_value`` and the joint norm. Pure tensor
+arithmetic over ``torch.utils._pytree`` structures: no value is read back to the
+host, so they trace under ``torch.compile`` and replay under CUDA graphs. Leaves
+that are not float or complex tensors (indices, RNG keys) pass through unchanged
+and do not count in the norm; a complex leaf counts as its two real coordinates.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
+
+
+def _float_leaf(x) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _real_view(g: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(g) if g.is_complex() else g
+
+
+def _positive(who: str, name: str, value) -> None:
+    """A Python number must be positive (a tensor is taken as given: no host sync)."""
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
+            or value <= 0:
+        raise ValueError(f"{who}: {name}={value!r} must be a positive number")
+
+
+def global_norm(grads) -> torch.Tensor:
+    """The joint L2 norm of all float leaves: a 0-d tensor, no host sync.
+
+    Computed in float32 (half-precision leaves are widened), or in float64 if any
+    leaf is float64 (or complex128). ``0.0`` (float32, CPU) if there is no float leaf.
+    """
+    leaves = [_real_view(g) for g in pytree.tree_leaves(grads) if _float_leaf(g)]
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
+    norms = [torch.linalg.vector_norm(g, dtype=dtype) for g in leaves]
+    if len(norms) == 1:
+        return norms[0]
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+
+def clip_by_global_norm(grads, max_norm):
+    """Rescale all float leaves together so that their joint L2 norm is at most ``max_norm``.
+
+    Each leaf becomes ``g * max_norm / max(norm, max_norm)`` (optax's rule: the identity
+    when the norm is below ``max_norm``), the coefficient formed at the norm's precision
+    and applied at the leaf's dtype (in float32 for half-precision leaves). A non-finite
+    norm makes the result non-finite too, so a finite check after clipping still sees
+    the overflow. ``max_norm`` is a positive number (``inf``: no clipping) or a 0-d tensor.
+    """
+    _positive("clip_by_global_norm", "max_norm", max_norm)
+    if not isinstance(max_norm, torch.Tensor) and math.isinf(max_norm):
+        return grads
+    norm = global_norm(grads)
+    if isinstance(max_norm, torch.Tensor):
+        bound = torch.maximum(norm, max_norm.to(norm.device, norm.dtype))
+    else:  # a scalar bound: no host-to-device copy (not allowed under CUDA graph capture)
+        bound = torch.clamp(norm, min=max_norm)
+    coef = max_norm / bound
+
+    def one(g):
+        if not _float_leaf(g):
+            return g
+        if g.dtype in (torch.float16, torch.bfloat16):
+            return (g.float() * coef.to(g.device, torch.float32)).to(g.dtype)
+        real = g.dtype.to_real() if g.dtype.is_complex else g.dtype
+        return g * coef.to(g.device, real)
+    return pytree.tree_map(one, grads)
+
+
+def clip_by_value(grads, max):  # noqa: A002 -- the seeds' name for it
+    """Clamp every element of every float leaf to ``[-max, max]`` (``max`` positive).
+
+    A complex leaf has its real and imaginary parts clamped separately; NaN stays NaN.
+    """
+    _positive("clip_by_value", "max", max)
+
+    def one(g):
+        if not _float_leaf(g):
+            return g
+        if g.is_complex():
+            return torch.view_as_complex(torch.clamp(torch.view_as_real(g), -max, max))
+        return torch.clamp(g, -max, max)
+    return pytree.tree_map(one, grads)

@@ -1,0 +1,522 @@
+"""Learning-rate schedules, evaluated on the device from the step counter.
+
+A schedule maps a step counter ``k >= 0`` (completed steps: 0 for the first
+update, optax's ``count`` convention) to a value. Every schedule is a small
+picklable object with a readable ``repr``, callable two ways:
+
+- on an integer step tensor (int32 or int64, 0-d, any device): a 0-d float32
+  tensor on the same device, computed with tensor operations only -- no
+  ``.item()``, no Python ``if`` on a tensor -- so that a step which calls it
+  compiles under ``torch.compile(fullgraph=True)`` and replays under CUDA graphs
+  as the counter advances. The arithmetic is done in float64 (float32 on MPS,
+  which has no float64) and rounded to float32 once, at the end;
+- on a Python int: a Python float, computed in double precision with ``math``.
+
+The two agree to float32 rounding. A negative tensor step counts as 0 (it cannot
+be checked without reading the tensor back); a negative Python int raises
+``ValueError``. The formulas are those of ``SEMANTICS.md``; where they differ
+from optax the function's docstring says how.
+
+>>> from vega import schedule
+>>> s = schedule.warmup_cosine_decay(init_value=0.0, peak_value=1e-3,
+...                                  warmup_steps=1000, decay_steps=9000)
+>>> s(500)
+0.0005
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+__all__ = [
+    "Schedule", "constant", "linear", "cosine_decay", "exponential_decay", "polynomial_decay",
+    "warmup_cosine", "warmup_cosine_decay", "cosine_decay_restarts", "one_cycle",
+    "piecewise_constant", "join",
+]
+
+
+# -- the two ways of computing: Python doubles and device tensors ----------------------
+
+class _Host:
+    """Operations on Python numbers, in double precision."""
+
+    cos = staticmethod(math.cos)
+    log1p = staticmethod(math.log1p)
+
+    @staticmethod
+    def floor(x):
+        return float(math.floor(x))
+
+    @staticmethod
+    def where(cond, a, b):
+        return a if cond else b
+
+    @staticmethod
+    def clamp(x, lo=None, hi=None):
+        if lo is not None and x < lo:
+            x = lo
+        if hi is not None and x > hi:
+            x = hi
+        return x
+
+    @staticmethod
+    def pow(a, b):
+        try:
+            return float(a) ** b
+        except OverflowError:  # torch gives inf; so do we
+            return math.inf
+
+
+_HOST = _Host()
+
+
+class _Device:
+    """The same operations on 0-d tensors of one device, at one float dtype."""
+
+    cos = staticmethod(torch.cos)
+    log1p = staticmethod(torch.log1p)
+    floor = staticmethod(torch.floor)
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.dtype = torch.float32 if device.type == "mps" else torch.float64
+
+    def tensor(self, x) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return x
+        # torch.full is a fill on the device, not a host-to-device copy (fine under capture).
+        return torch.full((), float(x), dtype=self.dtype, device=self.device)
+
+    def where(self, cond, a, b):
+        return torch.where(cond, self.tensor(a), self.tensor(b))
+
+    @staticmethod
+    def clamp(x, lo=None, hi=None):
+        return torch.clamp(x, min=lo, max=hi)
+
+    @staticmethod
+    def pow(a, b):
+        return a ** b
+
+
+def _cos_factor(r, ops):
+    """``0.5 * (1 + cos(pi * r))``: 1 at r = 0, 0 at r = 1."""
+    return 0.5 * (1 + ops.cos(math.pi * r))
+
+
+def _ramp(start, end, k, n, ops):
+    """Linear from ``start`` at k = 0 to ``end`` at k = n, then ``end`` exactly."""
+    return ops.where(k < n, start + (end - start) * (ops.clamp(k, hi=n) / n), end)
+
+
+def _check_step(step) -> int:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"a schedule takes an integer step (a Python int or an integer "
+                        f"tensor), got {step!r}")
+    if step < 0:
+        raise ValueError(f"step={step!r} must be non-negative")
+    return int(step)
+
+
+class Schedule:
+    """A schedule: ``s(step)`` is its value at a step counter (see the module docstring).
+
+    Subclasses list their parameters in ``_fields`` (shown by ``repr``, compared by
+    ``==``) and define ``_at(k, ops)``, the formula written once for both ways of
+    computing: ``k`` is a Python int or a float tensor, ``ops`` the matching operations.
+    """
+
+    _name = "schedule"
+    _fields: tuple[str, ...] = ()
+
+    def __call__(self, step):
+        if isinstance(step, torch.Tensor):
+            if step.is_complex() or step.dtype == torch.bool:
+                raise TypeError(f"a schedule takes an integer step tensor, got {step.dtype}")
+            ops = _Device(step.device)
+            k = torch.clamp(step.to(ops.dtype), min=0)
+            return ops.tensor(self._at(k, ops)).to(torch.float32)
+        return float(self._at(_check_step(step), _HOST))
+
+    def _at(self, k, ops):
+        raise NotImplementedError
+
+    def _values(self) -> tuple:
+        return tuple(getattr(self, f) for f in self._fields)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{f}={v!r}" for f, v in zip(self._fields, self._values()))
+        return f"{self._name}({args})"
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other) and self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._values()))
+
+
+# -- argument checks --------------------------------------------------------------------
+
+def _real(who: str, name: str, value) -> float:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(float(value))):
+        raise ValueError(f"{who}: {name}={value!r} must be a finite real number")
+    return float(value)
+
+
+def _positive(who: str, name: str, value) -> float:
+    x = _real(who, name, value)
+    if x <= 0:
+        raise ValueError(f"{who}: {name}={value!r} must be positive")
+    return x
+
+
+def _length(who: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{who}: {name}={value!r} must be a positive integer")
+    return int(value)
+
+
+# -- the schedules ----------------------------------------------------------------------
+
+class Constant(Schedule):
+    _name, _fields = "constant", ("value",)
+
+    def __init__(self, value):
+        self.value = _real(self._name, "value", value)
+
+    def _at(self, k, ops):
+        return self.value
+
+
+class Linear(Schedule):
+    _name, _fields = "linear", ("init_value", "end_value", "steps")
+
+    def __init__(self, init_value, end_value, steps):
+        self.init_value = _real(self._name, "init_value", init_value)
+        self.end_value = _real(self._name, "end_value", end_value)
+        self.steps = _length(self._name, "steps", steps)
+
+    def _at(self, k, ops):
+        return _ramp(self.init_value, self.end_value, k, self.steps, ops)
+
+
+class CosineDecay(Schedule):
+    _name, _fields = "cosine_decay", ("init_value", "decay_steps", "alpha")
+
+    def __init__(self, init_value, decay_steps, alpha=0.0):
+        self.init_value = _real(self._name, "init_value", init_value)
+        self.decay_steps = _length(self._name, "decay_steps", decay_steps)
+        self.alpha = _real(self._name, "alpha", alpha)
+
+    def _at(self, k, ops):
+        cf = _cos_factor(ops.clamp(k, hi=self.decay_steps) / self.decay_steps, ops)
+        return self.init_value * ((1 - self.alpha) * cf + self.alpha)
+
+
+class ExponentialDecay(Schedule):
+    _name, _fields = "exponential_decay", ("init_value", "decay_rate", "decay_steps")
+
+    def __init__(self, init_value, decay_rate, decay_steps):
+        self.init_value = _real(self._name, "init_value", init_value)
+        self.decay_rate = _positive(self._name, "decay_rate", decay_rate)
+        self.decay_steps = _length(self._name, "decay_steps", decay_steps)
+
+    def _at(self, k, ops):
+        return self.init_value * ops.pow(self.decay_rate, k / self.decay_steps)
+
+
+class PolynomialDecay(Schedule):
+    _name, _fields = "polynomial_decay", ("init_value", "end_value", "decay_steps", "power")
+
+    def __init__(self, init_value, end_value, decay_steps, power=1.0):
+        self.init_value = _real(self._name, "init_value", init_value)
+        self.end_value = _real(self._name, "end_value", end_value)
+        self.decay_steps = _length(self._name, "decay_steps", decay_steps)
+        self.power = _positive(self._name, "power", power)
+
+    def _at(self, k, ops):
+        frac = 1 - ops.clamp(k, hi=self.decay_steps) / self.decay_steps
+        return self.end_value + (self.init_value - self.end_value) * ops.pow(frac, self.power)
+
+
+class WarmupCosine(Schedule):
+    _name, _fields = "warmup_cosine", ("init_value", "peak_value", "warmup_steps")
+
+    def __init__(self, init_value, peak_value, warmup_steps):
+        self.init_value = _real(self._name, "init_value", init_value)
+        self.peak_value = _real(self._name, "peak_value", peak_value)
+        self.warmup_steps = _length(self._name, "warmup_steps", warmup_steps)
+
+    def _at(self, k, ops):
+        n = self.warmup_steps
+        cf = _cos_factor(ops.clamp(k, hi=n) / n, ops)
+        rising = self.init_value + (self.peak_value - self.init_value) * (1 - cf)
+        return ops.where(k < n, rising, self.peak_value)
+
+
+def _cosine_tail(start, end, j, n, ops):
+    """From ``start`` at j = 0 down (cosine) to ``end`` at j = n, then ``end``."""
+    cf = _cos_factor(ops.clamp(j, lo=0, hi=n) / n, ops)
+    return ops.where(j < n, end + (start - end) * cf, end)
+
+
+class WarmupCosineDecay(Schedule):
+    _name = "warmup_cosine_decay"
+    _fields = ("init_value", "peak_value", "warmup_steps", "decay_steps", "end_value")
+
+    def __init__(self, init_value, peak_value, warmup_steps, decay_steps, end_value=0.0):
+        self.init_value = _real(self._name, "init_value", init_value)
+        self.peak_value = _real(self._name, "peak_value", peak_value)
+        self.warmup_steps = _length(self._name, "warmup_steps", warmup_steps)
+        self.decay_steps = _length(self._name, "decay_steps", decay_steps)
+        self.end_value = _real(self._name, "end_value", end_value)
+
+    def _at(self, k, ops):
+        w = self.warmup_steps
+        warm = _ramp(self.init_value, self.peak_value, k, w, ops)
+        tail = _cosine_tail(self.peak_value, self.end_value, k - w, self.decay_steps, ops)
+        return ops.where(k <= w, warm, tail)
+
+
+class CosineDecayRestarts(Schedule):
+    _name = "cosine_decay_restarts"
+    _fields = ("init_value", "decay_steps", "t_mul", "m_mul", "alpha")
+
+    def __init__(self, init_value, decay_steps, t_mul=1.0, m_mul=1.0, alpha=0.0):
+        self.init_value = _real(self._name, "init_value", init_value)
+        self.decay_steps = _length(self._name, "decay_steps", decay_steps)
+        self.t_mul = _real(self._name, "t_mul", t_mul)
+        if self.t_mul < 1:
+            raise ValueError(f"{self._name}: t_mul={t_mul!r} must be at least 1 (cycles that "
+                             "shrink would end after finitely many steps)")
+        self.m_mul = _positive(self._name, "m_mul", m_mul)
+        self.alpha = _real(self._name, "alpha", alpha)
+
+    def _start(self, c, ops):
+        """The first step of cycle ``c``."""
+        d, t = self.decay_steps, self.t_mul
+        return d * c if t == 1 else d * (ops.pow(t, c) - 1) / (t - 1)
+
+    def _at(self, k, ops):
+        d, t = self.decay_steps, self.t_mul
+        if t == 1:
+            c = ops.floor(k / d)
+        else:
+            c = ops.floor(ops.log1p(k * (t - 1) / d) / math.log(t))
+        # The closed form may be off by one at a cycle boundary through rounding.
+        c = ops.where(k < self._start(c, ops), c - 1, c)
+        c = ops.where(k >= self._start(c + 1, ops), c + 1, c)
+        length = d * ops.pow(t, c)
+        amp = self.init_value * ops.pow(self.m_mul, c)
+        cf = _cos_factor((k - self._start(c, ops)) / length, ops)
+        return amp * ((1 - self.alpha) * cf + self.alpha)
+
+
+class OneCycle(Schedule):
+    _name = "one_cycle"
+    _fields = ("max_value", "total_steps", "div_factor", "final_div_factor", "pct_start")
+
+    def __init__(self, max_value, total_steps, div_factor=25.0, final_div_factor=1e4,
+                 pct_start=0.3):
+        who = self._name
+        self.max_value = _real(who, "max_value", max_value)
+        self.total_steps = _length(who, "total_steps", total_steps)
+        self.div_factor = _positive(who, "div_factor", div_factor)
+        self.final_div_factor = _positive(who, "final_div_factor", final_div_factor)
+        self.pct_start = _real(who, "pct_start", pct_start)
+        if not 0 < self.pct_start < 1:
+            raise ValueError(f"{who}: pct_start={pct_start!r} must lie in (0, 1)")
+        if self._warmup() < 1:
+            raise ValueError(f"{who}: pct_start={pct_start!r} with total_steps={total_steps!r} "
+                             "leaves no warmup step (floor(pct_start * total_steps) is 0)")
+
+    def _warmup(self) -> int:
+        return math.floor(self.pct_start * self.total_steps)
+
+    def _at(self, k, ops):
+        w, peak = self._warmup(), self.max_value
+        warm = _ramp(peak / self.div_factor, peak, k, w, ops)
+        final = peak / self.final_div_factor
+        tail = _cosine_tail(peak, final, k - w, self.total_steps - w, ops)
+        return ops.where(k <= w, warm, tail)
+
+
+class PiecewiseConstant(Schedule):
+    _name, _fields = "piecewise_constant", ("boundaries", "values")
+
+    def __init__(self, boundaries, values):
+        who = self._name
+        try:
+            bounds, vals = tuple(boundaries), tuple(values)
+        except TypeError:
+            raise ValueError(f"{who}: boundaries={boundaries!r} and values={values!r} must be "
+                             "sequences") from None
+        for b in bounds:
+            if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 0:
+                raise ValueError(f"{who}: boundaries={boundaries!r} must be non-negative "
+                                 f"integers, got {b!r}")
+        if any(b2 <= b1 for b1, b2 in zip(bounds, bounds[1:])):
+            raise ValueError(f"{who}: boundaries={boundaries!r} must be strictly increasing")
+        if len(vals) != len(bounds) + 1:
+            raise ValueError(f"{who}: values={values!r} must have len(boundaries) + 1 = "
+                             f"{len(bounds) + 1} entries, got {len(vals)}")
+        self.boundaries = tuple(int(b) for b in bounds)
+        self.values = tuple(_real(who, "values", v) for v in vals)
+
+    def _at(self, k, ops):
+        out = self.values[-1]
+        for b, v in zip(reversed(self.boundaries), reversed(self.values[:-1])):
+            out = ops.where(k <= b, v, out)
+        return out
+
+
+class Join(Schedule):
+    _name, _fields = "join", ("segments",)
+
+    def __init__(self, segments):
+        who = self._name
+        try:
+            segs = tuple(segments)
+        except TypeError:
+            raise ValueError(f"{who}: segments={segments!r} must be a sequence of "
+                             "(steps, schedule) pairs") from None
+        if not segs:
+            raise ValueError(f"{who}: segments={segments!r} must not be empty")
+        checked = []
+        for seg in segs:
+            if not (isinstance(seg, (tuple, list)) and len(seg) == 2):
+                raise ValueError(f"{who}: segment {seg!r} must be a (steps, schedule) pair")
+            n, s = seg
+            n = _length(who, "steps of a segment", n)
+            if isinstance(s, numbers.Real) and not isinstance(s, bool):
+                s = Constant(s)
+            if not callable(s):
+                raise ValueError(f"{who}: segment schedule {s!r} must be a schedule or a number")
+            checked.append((n, s))
+        self.segments = tuple(checked)
+
+    def __repr__(self) -> str:
+        return f"join([{', '.join(f'({n}, {s!r})' for n, s in self.segments)}])"
+
+    def _offsets(self) -> list[int]:
+        out, total = [], 0
+        for n, _ in self.segments:
+            out.append(total)
+            total += n
+        return out
+
+    def __call__(self, step):
+        offsets = self._offsets()
+        scheds = [s for _, s in self.segments]
+        if isinstance(step, torch.Tensor):
+            ops = _Device(step.device)
+
+            def at(i):
+                return ops.tensor(scheds[i](step - offsets[i])).to(torch.float32)
+
+            out = at(len(scheds) - 1)
+            for i in reversed(range(len(scheds) - 1)):
+                out = torch.where(step < offsets[i + 1], at(i), out)
+            return out
+        k = _check_step(step)
+        i = max(i for i, off in enumerate(offsets) if off <= k)
+        return float(scheds[i](k - offsets[i]))
+
+
+# -- the public constructors ------------------------------------------------------------
+
+def constant(value) -> Schedule:
+    """``value`` at every step."""
+    return Constant(value)
+
+
+def linear(init_value, end_value, steps) -> Schedule:
+    """``init + (end - init) * k / steps`` for ``k < steps``, then ``end_value``."""
+    return Linear(init_value, end_value, steps)
+
+
+def cosine_decay(init_value, decay_steps, alpha=0.0) -> Schedule:
+    """``init * ((1 - alpha) * 0.5 * (1 + cos(pi * k / decay_steps)) + alpha)`` for
+    ``k < decay_steps``, then ``alpha * init_value`` (optax's ``cosine_decay_schedule``)."""
+    return CosineDecay(init_value, decay_steps, alpha)
+
+
+def exponential_decay(init_value, decay_rate, decay_steps) -> Schedule:
+    """``init * decay_rate ** (k / decay_steps)``, continuous (no staircase).
+
+    ``decay_rate`` must be positive; above 1 the value grows.
+    """
+    return ExponentialDecay(init_value, decay_rate, decay_steps)
+
+
+def polynomial_decay(init_value, end_value, decay_steps, power=1.0) -> Schedule:
+    """``end + (init - end) * (1 - k / decay_steps) ** power`` for ``k < decay_steps``,
+    then ``end_value``. ``power`` must be positive."""
+    return PolynomialDecay(init_value, end_value, decay_steps, power)
+
+
+def warmup_cosine(init_value, peak_value, warmup_steps) -> Schedule:
+    """A half-cosine rise from ``init_value`` to ``peak_value`` over ``warmup_steps``,
+    then ``peak_value``."""
+    return WarmupCosine(init_value, peak_value, warmup_steps)
+
+
+def warmup_cosine_decay(init_value, peak_value, warmup_steps, decay_steps,
+                        end_value=0.0) -> Schedule:
+    """Linear ``init -> peak`` for ``k <= warmup_steps``, then a cosine decay to
+    ``end_value`` over ``decay_steps`` more steps, then ``end_value``.
+
+    Unlike optax's ``warmup_cosine_decay_schedule``, ``decay_steps`` counts the steps
+    *after* the warmup: the whole schedule lasts ``warmup_steps + decay_steps``.
+    """
+    return WarmupCosineDecay(init_value, peak_value, warmup_steps, decay_steps, end_value)
+
+
+def cosine_decay_restarts(init_value, decay_steps, t_mul=1.0, m_mul=1.0,
+                          alpha=0.0) -> Schedule:
+    """SGDR (Loshchilov & Hutter): cosine cycles restarting from the top.
+
+    Cycle ``c`` lasts ``decay_steps * t_mul ** c`` steps (``t_mul >= 1``) and has
+    amplitude ``amp = init_value * m_mul ** c``; at position ``j`` in it the value is
+    ``amp * ((1 - alpha) * 0.5 * (1 + cos(pi * j / length)) + alpha)``. Unlike
+    TensorFlow's ``CosineDecayRestarts``, the floor ``alpha`` scales with the amplitude.
+    """
+    return CosineDecayRestarts(init_value, decay_steps, t_mul, m_mul, alpha)
+
+
+def one_cycle(max_value, total_steps, div_factor=25.0, final_div_factor=1e4,
+              pct_start=0.3) -> Schedule:
+    """One cycle (Smith): with ``w = floor(pct_start * total_steps)``, linear from
+    ``max_value / div_factor`` to ``max_value`` for ``k <= w``, then a cosine decay to
+    ``max_value / final_div_factor`` over ``total_steps - w`` steps, then that value.
+
+    Unlike torch's ``OneCycleLR`` and optax's ``cosine_onecycle_schedule``, the warmup
+    is linear and the final value is ``max_value / final_div_factor`` (they use
+    ``max_value / (div_factor * final_div_factor)``).
+    """
+    return OneCycle(max_value, total_steps, div_factor, final_div_factor, pct_start)
+
+
+def piecewise_constant(boundaries, values) -> Schedule:
+    """``values[i]`` for the first ``i`` with ``k <= boundaries[i]``, else ``values[-1]``.
+
+    ``boundaries`` are strictly increasing non-negative integers and
+    ``len(values) == len(boundaries) + 1`` (TensorFlow's ``PiecewiseConstantDecay``).
+    Unlike optax's ``piecewise_constant_schedule``, these are the values themselves,
+    not multiplicative scales, and the value changes after a boundary, not at it.
+    """
+    return PiecewiseConstant(boundaries, values)
+
+
+def join(segments) -> Schedule:
+    """Schedules one after another: ``segments`` is ``[(n, schedule), ...]``.
+
+    Each schedule runs for its ``n`` steps, seeing the step number restart at 0 within
+    its segment (``k - sum of earlier n``); the last one continues past the total. A
+    number in place of a schedule is a constant. As optax's ``join_schedules``, but
+    given segment lengths rather than cumulative boundaries.
+    """
+    return Join(segments)
