@@ -1,0 +1,297 @@
+"""The C backend against the reference, over every shipped spec, shape and dtype."""
+import multiprocessing
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import vega
+from vega import codegen
+from vega.codegen import c, cbuild
+
+SPECS = [(name, flags) for name in vega.builtin_names()
+         for flags in vega.builtin(name)._spec.flag_settings()]
+IDS = [f"{n}[{','.join(k for k, v in f.items() if v) or 'plain'}]" for n, f in SPECS]
+
+# (rtol, atol) of the C backend against the reference, by parameter dtype
+TOL = {torch.float64: (1e-12, 1e-14), torch.float32: (1e-5, 1e-6),
+       torch.bfloat16: (1e-2, 1e-2), torch.float16: (1e-2, 1e-3)}
+
+
+def make_params(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(9, 13, generator=gen, dtype=torch.float64)
+    return {
+        "matrix": torch.randn(37, 41, generator=gen, dtype=torch.float64).to(dtype),
+        "odd": torch.randn(1001, generator=gen, dtype=torch.float64).to(dtype),
+        "one": torch.randn(1, generator=gen, dtype=torch.float64).to(dtype),
+        "scalar": torch.randn((), generator=gen, dtype=torch.float64).to(dtype),
+        "empty": torch.zeros(0, 3, dtype=dtype),
+        "transposed": base.to(dtype).t(),  # not contiguous
+    }
+
+
+def grads_for(params, step, scale=1.0):
+    gen = torch.Generator().manual_seed(100 + step)
+    return {k: (scale * torch.randn(p.shape, generator=gen, dtype=torch.float64)).to(p.dtype)
+            for k, p in params.items()}
+
+
+def hyper_values(spec):
+    """Non-default, in-range values for every float hyperparameter."""
+    out = {}
+    for h in spec.hypers:
+        if h.type == "float":
+            out[h.name] = h.default * 0.9 if h.default != 0 else 0.01
+    return out
+
+
+def assert_close(a, b, dtype, what):
+    rtol, atol = TOL[dtype]
+    scale = b.double().abs().max().item() if b.numel() else 0.0
+    torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol * max(1.0, scale),
+                               equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name,flags", SPECS, ids=IDS)
+def test_matches_reference_20_steps(name, flags, dtype):
+    spec = vega.builtin(name)
+    hypers = {**hyper_values(spec), **flags}
+    params = make_params(dtype)
+    ref_p, ref_s = params, spec.init(params, **flags)
+    c_p, c_s = params, spec.init(params, **flags)
+    for step in range(20):
+        grads = grads_for(params, step)
+        ref_p, ref_s = spec.step(ref_p, grads, ref_s, backend="reference", **hypers)
+        c_p, c_s = spec.step(c_p, grads, c_s, backend="c", **hypers)
+        for k in params:
+            assert c_p[k].dtype == dtype and c_p[k].shape == params[k].shape
+            assert_close(c_p[k], ref_p[k], dtype, f"{name} step {step} p.{k}")
+            for field in ref_s:
+                if field != "step":
+                    assert_close(c_s[field][k], ref_s[field][k], dtype, f"{field}.{k}")
+        assert torch.equal(c_s["step"], ref_s["step"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_half_precision_parameters(name, dtype):
+    spec = vega.builtin(name)
+    params = make_params(dtype)
+    ref_p, ref_s = params, spec.init(params)
+    c_p, c_s = params, spec.init(params)
+    assert all(s.dtype == torch.float32 for s in ref_s[spec.program().state_names[0]].values())
+    for step in range(5):
+        grads = grads_for(params, step)
+        ref_p, ref_s = spec.step(ref_p, grads, ref_s, backend="reference", lr=1e-2)
+        c_p, c_s = spec.step(c_p, grads, c_s, backend="c", lr=1e-2)
+        for k in params:
+            assert c_p[k].dtype == dtype
+            assert_close(c_p[k], ref_p[k], dtype, f"p.{k}")
+
+
+def test_bfloat16_rounds_to_nearest_even():
+    """A float32 value halfway between two bfloat16 numbers rounds to the even one."""
+    spec = vega.compile("optimizer o() { p = g }")
+    # 1 + 2^-8 is halfway between bf16 1.0 and 1.0078125: even is 1.0
+    # 1 + 3 * 2^-8 is halfway between 1.0078125 and 1.015625: even is 1.015625
+    g = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)], dtype=torch.float32)
+    p = torch.zeros(3, dtype=torch.bfloat16)
+    out, _ = spec.step(p, g, spec.init(p), backend="c")
+    assert out.tolist() == [1.0, 1.015625, -1.0]
+    assert out.tolist() == g.to(torch.bfloat16).tolist()
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adam"])
+def test_nonfinite_step_is_skipped_exactly(name, backend):
+    spec = vega.builtin(name)
+    params = make_params(torch.float32)
+    state = spec.init(params)
+    params, state = spec.step(params, grads_for(params, 0), state, backend=backend,
+                              skip_nonfinite=True)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        grads = grads_for(params, 1)
+        grads["odd"][500] = bad
+        new_p, new_s = spec.step(params, grads, state, backend=backend, skip_nonfinite=True,
+                                 max_grad_norm=1.0)
+        for k in params:
+            assert torch.equal(new_p[k], params[k])
+        for field in state:
+            if field == "step":
+                assert torch.equal(new_s[field], state[field])
+            else:
+                for k in params:
+                    assert torch.equal(new_s[field][k], state[field][k])
+    # the same in place
+    before = {k: v.clone() for k, v in params.items()}
+    step_before = state["step"].clone()
+    spec.step(params, grads, state, backend=backend, skip_nonfinite=True, donate=True)
+    assert all(torch.equal(params[k], before[k]) for k in params)
+    assert torch.equal(state["step"], step_before)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_clipping_matches_reference(name):
+    spec = vega.builtin(name)
+    params = make_params(torch.float64)
+    ref = (params, spec.init(params))
+    cc = (params, spec.init(params))
+    for step in range(5):
+        grads = grads_for(params, step, scale=10.0)
+        ref = spec.step(*ref[:1], grads, ref[1], backend="reference", max_grad_norm=0.5)
+        cc = spec.step(*cc[:1], grads, cc[1], backend="c", max_grad_norm=0.5)
+        for k in params:
+            assert_close(cc[0][k], ref[0][k], torch.float64, f"p.{k}")
+    # clipping by a large norm is the identity
+    grads = grads_for(params, 9)
+    a, _ = spec.step(params, grads, spec.init(params), backend="c", max_grad_norm=1e9)
+    b, _ = spec.step(params, grads, spec.init(params), backend="c")
+    for k in params:
+        assert torch.equal(a[k], b[k])
+
+
+def test_clip_is_optax_rule():
+    """g * max_norm / max(norm, max_norm) over all leaves together."""
+    spec = vega.compile("optimizer o() { p = g }")
+    grads = {"a": torch.tensor([3.0, 0.0], dtype=torch.float64),
+             "b": torch.tensor([4.0], dtype=torch.float64)}
+    params = {k: torch.zeros_like(v) for k, v in grads.items()}
+    for backend in ("reference", "c"):
+        out, _ = spec.step(params, grads, spec.init(params), backend=backend, max_grad_norm=1.0)
+        assert torch.allclose(out["a"], torch.tensor([0.6, 0.0], dtype=torch.float64))
+        assert torch.allclose(out["b"], torch.tensor([0.8], dtype=torch.float64))
+
+
+REDUCING = """optimizer reducing(lr = 1e-2, b1 = 0.9) {
+    state mu = zeros
+    mu = b1 * mu + (1 - b1) * g
+    r = mu + 0.1 * p
+    trust = where(norm(p) > 0 and norm(r) > 0, norm(p) / norm(r), 1)
+    shift = mean(g) - sum(g) / 1000 + max(abs(r))
+    p = p - lr * trust * r - 1e-3 * shift * max(r / (1 + norm(r)))
+}"""
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_reductions_and_phases(dtype):
+    spec = vega.compile(REDUCING)
+    assert len(c.reduction_phases(spec.program())) == 2  # max(r / (1 + norm(r))) nests
+    params = make_params(dtype)
+    ref, cc = (params, spec.init(params)), (params, spec.init(params))
+    for step in range(10):
+        grads = grads_for(params, step)
+        ref = spec.step(ref[0], grads, ref[1], backend="reference")
+        cc = spec.step(cc[0], grads, cc[1], backend="c")
+        for k in params:
+            assert_close(cc[0][k], ref[0][k], dtype, f"step {step} p.{k}")
+
+
+def test_multi_threaded_steps_are_deterministic():
+    spec = vega.compile(REDUCING)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        params = {"big": torch.randn(300_000, dtype=torch.float32), "small": torch.randn(7)}
+        grads = {k: torch.randn_like(v) for k, v in params.items()}
+        outs = [spec.step(params, grads, spec.init(params), backend="c", max_grad_norm=1.0)[0]
+                for _ in range(3)]
+        for other in outs[1:]:
+            assert all(torch.equal(outs[0][k], other[k]) for k in params)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_one_kernel_call_per_phase_for_many_tensors(monkeypatch):
+    """Multi-tensor: the update runs once per dtype group, not once per tensor."""
+    kern = codegen.kernel("c", vega.adamw.program())
+    params = [torch.randn(5) for _ in range(50)] + [torch.randn(3, dtype=torch.float64)]
+    state = vega.adamw_init(params)
+    vega.adamw_step(params, [torch.randn_like(p) for p in params], state, backend="c")
+    calls = []
+    for key, lib in kern._libs.items():
+        real = lib.vega_update
+
+        class Counting:
+            def __call__(self, *args, _real=real, _key=key):
+                calls.append(_key)
+                return _real(*args)
+        monkeypatch.setattr(lib, "vega_update", Counting())
+    vega.adamw_step(params, [torch.randn_like(p) for p in params], state, backend="c")
+    assert sorted(calls) == [("float32",) * 3, ("float64",) * 3]
+
+
+def test_refuses_unsupported_input_clearly():
+    p = torch.zeros(3, dtype=torch.int32)
+    kern = codegen.kernel("c", vega.sgd.program())
+    with pytest.raises(ValueError, match="does not support parameters of dtype torch.int32"):
+        kern([p], [p], [[p]], [torch.zeros((), dtype=torch.int32)], [{"lr": 1.0, "momentum": 0.0,
+                                                                         "weight_decay": 0.0}], True)
+
+
+# -- the cache -------------------------------------------------------------------
+
+def test_source_is_readable_c():
+    text = vega.adamw.source("c")
+    assert "void vega_update(" in text and "#pragma omp parallel" in text
+    assert "1.0) - v_b1" in text  # the scalar phase is hoisted out of the element loop
+
+
+def _build_in_subprocess(cache_dir, source):
+    os.environ["VEGA_CACHE_DIR"] = cache_dir
+    lib, path, compiled = cbuild.build(source)
+    return str(path), compiled, lib.vega_key().decode()
+
+
+def test_cache_reuse_corruption_and_concurrency(tmp_path, monkeypatch):
+    monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path))
+    spec = vega.compile("optimizer cached(lr = 0.125) { p = p - lr * g * 3 }")
+    source = c.Source(spec.program(), "float32", "float32", "float32").text()
+    _, path, compiled = cbuild.build(source)
+    assert compiled and path.parent == tmp_path / "c" and path.exists()
+    _, path2, compiled2 = cbuild.build(source)
+    assert path2 == path and not compiled2
+    # a corrupt entry is rebuilt, not trusted (checked in a fresh process: this one has the
+    # library mapped already, and writing into a mapped file is no test of anything)
+    path.unlink()
+    path.write_bytes(b"not a shared library")
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        (path3, compiled3, key3), = pool.starmap(_build_in_subprocess, [(str(tmp_path), source)])
+    assert path3 == str(path) and compiled3 and key3 == path.stem
+    path.unlink()
+    # two processes compiling the same kernel at once both succeed
+    with ctx.Pool(2) as pool:
+        results = pool.starmap(_build_in_subprocess, [(str(tmp_path), source)] * 2)
+    assert results[0][0] == results[1][0] and os.path.exists(results[0][0])
+    assert results[0][2] == results[1][2] == path.stem
+    assert not [f for f in os.listdir(tmp_path / "c") if f.startswith(".")]  # no temporaries
+
+
+def test_no_compiler_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(cbuild, "compiler", lambda: None)
+    monkeypatch.setattr(cbuild, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert codegen.default_backend("cpu") == "reference"
+        assert codegen.default_backend("cpu") == "reference"
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "no C compiler found" in messages[0]
+
+
+def test_compile_failure_names_the_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path))
+    with pytest.raises(cbuild.CompilerError, match="failed on a generated kernel"):
+        cbuild.build("this is not C; const char *vega_key(void) { return \"@KEY@\"; }")
+
+
+def test_default_backend_on_cpu_is_c():
+    assert codegen.default_backend("cpu") == "c"
+    out = subprocess.run([sys.executable, "-c", "import vega, torch; p = torch.zeros(2); "
+                          "print(vega.codegen.default_backend('cpu'))"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.strip() == "c"
