@@ -22,6 +22,34 @@ adamw = builtin("adamw")
 adamw_init = adamw.init
 adamw_step = adamw.step
 
+radam = builtin("radam")
+radam_init = radam.init
+radam_step = radam.step
+
+lamb = builtin("lamb")
+lamb_init = lamb.init
+lamb_step = lamb.step
+
+lars = builtin("lars")
+lars_init = lars.init
+lars_step = lars.step
+
+lion = builtin("lion")
+lion_init = lion.init
+lion_step = lion.step
+
+adagrad = builtin("adagrad")
+adagrad_init = adagrad.init
+adagrad_step = adagrad.step
+
+rmsprop = builtin("rmsprop")
+rmsprop_init = rmsprop.init
+rmsprop_step = rmsprop.step
+
+adan = builtin("adan")
+adan_init = adan.init
+adan_step = adan.step
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -29,4 +57,11 @@ __all__ = [
     "compile_file", "optim", "state_names",
     "sgd", "sgd_init", "sgd_step", "adam", "adam_init", "adam_step",
     "adamw", "adamw_init", "adamw_step",
+    "radam", "radam_init", "radam_step",
+    "lamb", "lamb_init", "lamb_step",
+    "lars", "lars_init", "lars_step",
+    "lion", "lion_init", "lion_step",
+    "adagrad", "adagrad_init", "adagrad_step",
+    "rmsprop", "rmsprop_init", "rmsprop_step",
+    "adan", "adan_init", "adan_step",
 ]

@@ -9,5 +9,12 @@ from vega.runtime.optim import SpecOptimizer
 SGD = builtin("sgd").optimizer_class
 Adam = builtin("adam").optimizer_class
 AdamW = builtin("adamw").optimizer_class
+RAdam = builtin("radam").optimizer_class
+LAMB = builtin("lamb").optimizer_class
+LARS = builtin("lars").optimizer_class
+Lion = builtin("lion").optimizer_class
+Adagrad = builtin("adagrad").optimizer_class
+RMSprop = builtin("rmsprop").optimizer_class
+Adan = builtin("adan").optimizer_class
 
-__all__ = ["SpecOptimizer", "SGD", "Adam", "AdamW"]
+__all__ = ["SpecOptimizer", "SGD", "Adam", "AdamW", "RAdam", "LAMB", "LARS", "Lion", "Adagrad", "RMSprop", "Adan"]

@@ -238,7 +238,7 @@ def test_refuses_unsupported_input_clearly():
 def test_source_is_readable_c():
     text = vega.adamw.source("c")
     assert "void vega_update(" in text and "#pragma omp parallel" in text
-    assert "1.0) - v_b1" in text  # the scalar phase is hoisted out of the element loop
+    assert "d_s0 = ((double)1.0) - d_b1" in text  # the scalar phase: hoisted, in double
 
 
 def _build_in_subprocess(cache_dir, source):

@@ -105,11 +105,11 @@ class Renderer(ABC):
     def const(self, value) -> str:
         """A literal in the target language."""
 
-    def operand(self, linear: Linear, node: Node) -> str:
+    def operand(self, linear: Linear, node: Node, phase: str = "element") -> str:
         return self.const(node.arg) if node.op is Op.CONST else linear.ref(node)
 
     def expr(self, linear: Linear, node: Node, phase: str) -> str:
-        args = [self.operand(linear, s) for s in node.src]
+        args = [self.operand(linear, s, phase) for s in node.src]
         if node.op in self.code_for_op:
             return self.code_for_op[node.op](self, node, phase, *args)
         if node.op in self.infix:

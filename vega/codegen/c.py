@@ -58,6 +58,9 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
 static inline CT vmin(CT a, CT b) { return (a < b || a != a) ? a : b; }  /* NaN wins */
 static inline CT vmax(CT a, CT b) { return (a > b || a != a) ? a : b; }
 static inline CT vsign(CT a) { return a > 0 ? (CT)1 : (a < 0 ? (CT)-1 : a); }
+static inline double dmin(double a, double b) { return (a < b || a != a) ? a : b; }
+static inline double dmax(double a, double b) { return (a > b || a != a) ? a : b; }
+static inline double dsign(double a) { return a > 0 ? 1.0 : (a < 0 ? -1.0 : a); }
 
 /* Split [0, total) into nth ranges; tensor i covers [start[i], start[i+1]). */
 static int64_t locate(const int64_t *start, int64_t nt, int64_t x) {
@@ -113,26 +116,29 @@ void vega_advance(int64_t n, const int64_t *steps, const double *pre) {
 """
 
 
-def _fn(name):
-    return lambda self, node, phase, *a: f"{name}({', '.join(a)})"
+def _fn(element, scalar):
+    """A call: the compute-type function in the element loop, the double one in the scalar phase."""
+    return lambda self, node, phase, *a: \
+        f"{scalar if phase == 'scalar' else element}({', '.join(a)})"
 
 
 class CRenderer(Renderer):
     code_for_op = {
         Op.NEG: lambda self, node, phase, a: f"-{a}",
-        Op.POW: _fn("POW"),
+        Op.POW: _fn("POW", "pow"),
         Op.AND: lambda self, node, phase, a, b: f"({a} && {b})",
         Op.OR: lambda self, node, phase, a, b: f"({a} || {b})",
         Op.NOT: lambda self, node, phase, a: f"(!{a})",
         Op.WHERE: lambda self, node, phase, c, a, b: f"({c} ? {a} : {b})",
-        Op.SQRT: _fn("SQRT"),
-        Op.RSQRT: lambda self, node, phase, a: f"((CT)1 / SQRT({a}))",
-        Op.EXP: _fn("EXP"),
-        Op.LOG: _fn("LOG"),
-        Op.ABS: _fn("FABS"),
-        Op.SIGN: _fn("vsign"),
-        Op.MIN: _fn("vmin"),
-        Op.MAX: _fn("vmax"),
+        Op.SQRT: _fn("SQRT", "sqrt"),
+        Op.RSQRT: lambda self, node, phase, a: (f"(1.0 / sqrt({a}))" if phase == "scalar"
+                                                else f"((CT)1 / SQRT({a}))"),
+        Op.EXP: _fn("EXP", "exp"),
+        Op.LOG: _fn("LOG", "log"),
+        Op.ABS: _fn("FABS", "fabs"),
+        Op.SIGN: _fn("vsign", "dsign"),
+        Op.MIN: _fn("vmin", "dmin"),
+        Op.MAX: _fn("vmax", "dmax"),
     }
 
     def const(self, value) -> str:
@@ -144,8 +150,12 @@ class CRenderer(Renderer):
             return "((CT)INFINITY)" if value > 0 else "((CT)-INFINITY)"
         return f"((CT){value!r})"
 
-    def operand(self, linear: Linear, node: Node) -> str:
-        return self.const(node.arg) if node.op is Op.CONST else "v_" + linear.ref(node)
+    def operand(self, linear: Linear, node: Node, phase: str = "element") -> str:
+        if node.op is Op.CONST:
+            return self.const(node.arg)
+        if node.kind <= Kind.SCALAR:  # scalars: double in their phase, CT in the element loop
+            return ("d_" if phase == "scalar" else "v_") + linear.ref(node)
+        return "v_" + linear.ref(node)
 
 
 def reduction_phases(program: Program) -> list[list[Node]]:
@@ -210,12 +220,17 @@ class Source:
         """Per tensor: the scalar phase, the reductions already known, the pointers."""
         lin, r = self.lin, self.r
         out = ["            const double *H_ = (const double *)(intptr_t)row[4 + NSTATE];",
-               "            const CT v_t = (CT)(*(const int32_t *)(intptr_t)row[3 + NSTATE] + 1);"]
+               "            const double d_t = (double)(*(const int32_t *)(intptr_t)row[3 + NSTATE]) + 1;"]
         for k, h in enumerate(lin.hypers):
-            out.append(f"            const CT v_{h} = (CT)H_[{k}];")
-        for line in lin.scalar_lines:
-            out.append(f"            const CT {self._var(line.node)} = "
-                       f"{r.expr(lin, line.node, 'scalar')};")
+            out.append(f"            const double d_{h} = H_[{k}];")
+        for line in lin.scalar_lines:  # the scalar phase, in double like the reference
+            ctype = "int" if line.node.dtype == "bool" else "double"
+            out.append(f"            const {ctype} d_{line.var} = "
+                       f"{r.expr(lin, line.node, 'scalar').replace('(CT)', '(double)')};")
+        for var in ("t", *lin.hypers, *(ln.var for ln in lin.scalar_lines)):
+            node_dtype = next((ln.node.dtype for ln in lin.scalar_lines if ln.var == var), "float")
+            ctype = "int" if node_dtype == "bool" else "CT"
+            out.append(f"            const {ctype} v_{var} = ({ctype})d_{var};")
         for node in uses:
             out.append(f"            const CT {self._var(node)} = "
                        f"(CT)red[i * NRED + {self.slots[id(node)]}];")

@@ -8,9 +8,11 @@ by ``vega show --backend reference``:
 - ``update(p, g, <state>, <scalars>)``: the element phase, returning the new
   parameter and state values.
 
-Arithmetic runs in the *compute dtype*: float64 for float64 parameters,
-float32 otherwise (bfloat16 and float16 parameters are upcast, and rounded to
-nearest even on the way back).
+The scalar phase runs in float64 (as torch.optim computes its step constants
+in Python floats); each scalar is rounded once to the *compute dtype*, in which
+the element phase runs: float64 for float64 parameters, float32 otherwise
+(bfloat16 and float16 parameters are upcast, and rounded to nearest even on
+the way back).
 """
 from __future__ import annotations
 
@@ -186,8 +188,10 @@ class Kernel:
             cd = compute_dtype(p.dtype)
             key = (id(steps[i]), id(values[i]), cd, p.device)
             if key not in cache:
-                t = (steps[i] + 1).to(cd)
-                cache[key] = self._scalars(t, *self._hyper_args(values[i], cd, p.device))
+                # the scalar phase runs in float64, then rounds once to the compute dtype
+                t = (steps[i] + 1).to(torch.float64)
+                scal = self._scalars(t, *self._hyper_args(values[i], torch.float64, p.device))
+                cache[key] = [x.to(cd) if x.is_floating_point() else x for x in scal]
             olds = [s[i] for s in states]
             gc = g.to(cd)
             if gscale is not None:

@@ -1,0 +1,426 @@
+"""The optimizer zoo: radam, lamb, lars, lion, adagrad, rmsprop, adan against outside oracles.
+
+Registry-driven: ``CASES`` lists, per case, a shipped spec, its hyperparameters
+(non-default values), the oracles it is held to and how each oracle's state
+maps onto vega's state fields. The oracles are
+
+- optax (float64), stepped with the same gradients, compared at every step;
+- torch.optim (foreach=False, float64), where torch has the same algorithm,
+  stepped through vega's ``torch.optim`` class side by side;
+- a hand-written implementation of the seeds' rule, where optax's differs
+  (Adan: the official code's difference term; see ``adan_official``).
+
+Conventions are in /work/shared/SEMANTICS.md and each spec's header.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+import vega
+from vega.demo import model, spirals
+
+jax = pytest.importorskip("jax")
+jax.config.update("jax_enable_x64", True)
+jnp = jax.numpy
+optax = pytest.importorskip("optax")
+
+STEPS = 20
+RTOL = 1e-9
+
+
+# -- parameters, gradients, comparison -----------------------------------------------
+
+def make_params() -> dict:
+    """A 5x7 matrix, a (7,) vector that starts at zero (a zero norm for the trust
+    ratios' first step) and a 0-d scalar, in float64."""
+    gen = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(5, 7, generator=gen, dtype=torch.float64),
+            "b": torch.zeros(7, dtype=torch.float64),
+            "s": torch.tensor(0.75, dtype=torch.float64)}
+
+
+def make_grads(k: int) -> dict:
+    """Seeded gradients for step k, with a scale that differs by leaf and by step."""
+    gen = torch.Generator().manual_seed(1000 + k)
+    scale = 1.0 + 0.5 * np.sin(k)
+    return {"w": scale * torch.randn(5, 7, generator=gen, dtype=torch.float64),
+            "b": 0.1 * scale * torch.randn(7, generator=gen, dtype=torch.float64),
+            "s": 3.0 * torch.randn((), generator=gen, dtype=torch.float64)}
+
+
+def _f64(x) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(torch.float64)
+    return torch.from_numpy(np.array(x, dtype=np.float64))
+
+
+def assert_close(actual, expected, what: str, step: int):
+    """Relative to each element, with an absolute floor scaled to the leaf's size."""
+    a, e = _f64(actual), _f64(expected)
+    assert a.shape == e.shape, f"{what} at step {step}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert torch.isfinite(e).all(), f"{what} at step {step}: the oracle is not finite"
+    atol = RTOL * e.abs().max().item()
+    err = (a - e).abs()
+    bad = err > atol + RTOL * e.abs()
+    if bad.any():
+        i = int(torch.argmax((err - RTOL * e.abs()).reshape(-1)))
+        raise AssertionError(f"{what} at step {step}: {a.reshape(-1)[i].item()!r} != "
+                             f"{e.reshape(-1)[i].item()!r} (worst element {i})")
+
+
+# -- the hand-written oracle: Adan as the official code (sail-sg/Adan) steps -----------
+
+def adan_official(params: dict, grads_at: Callable[[int], dict], h: dict, steps: int):
+    """Snapshots of sail-sg/Adan's ``_single_tensor_adan`` with no_prox=True, transcribed.
+
+    optax's adan scales the gradient difference by (1 - b2) where the paper's
+    code uses b2, so for b2 != 0.5 optax is not an oracle for vega's Adan.
+    Kept in the code's in-place order: neg_pre_grad = -g_prev, set to -g at the first
+    step, so that the first difference is 0.
+    """
+    b1, b2, b3 = h["b1"], h["b2"], h["b3"]
+    lr, eps, wd = h["lr"], h["eps"], h["weight_decay"]
+    p = {k: v.clone() for k, v in params.items()}
+    st = {k: {"m": torch.zeros_like(v), "v": torch.zeros_like(v), "n": torch.zeros_like(v)}
+          for k, v in p.items()}
+    out = []
+    for k in range(steps):
+        step = k + 1
+        bc1, bc2, bc3 = 1 - b1 ** step, 1 - b2 ** step, 1 - b3 ** step
+        grads = grads_at(k)
+        snap = {}
+        for name, param in p.items():
+            grad, s = grads[name], st[name]
+            if step == 1:
+                s["neg_pre_grad"] = -grad.clone()
+            neg_grad_or_diff = s["neg_pre_grad"]
+            neg_grad_or_diff.add_(grad)                                    # g - g_prev
+            s["m"].mul_(b1).add_(grad, alpha=1 - b1)
+            s["v"].mul_(b2).add_(neg_grad_or_diff, alpha=1 - b2)
+            neg_grad_or_diff.mul_(b2).add_(grad)                           # g + b2 * diff
+            s["n"].mul_(b3).addcmul_(neg_grad_or_diff, neg_grad_or_diff, value=1 - b3)
+            denom = (s["n"].sqrt() / bc3 ** 0.5).add_(eps)
+            param.mul_(1 - lr * wd)
+            param.addcdiv_(s["m"], denom, value=-lr / bc1)
+            param.addcdiv_(s["v"], denom, value=-lr * b2 / bc2)
+            neg_grad_or_diff.zero_().add_(grad, alpha=-1.0)
+            snap.update({f"p.{name}": param.clone(), f"m.{name}": s["m"].clone(),
+                         f"v.{name}": s["v"].clone(), f"n.{name}": s["n"].clone(),
+                         f"g_prev.{name}": -s["neg_pre_grad"]})
+        out.append(snap)
+    return out
+
+
+# -- the registry ----------------------------------------------------------------------
+
+def _adagrad_lr(h):
+    # torch's lr / (1 + (step - 1) * lr_decay) as an optax schedule (count 0 at step 1)
+    return lambda count: h["lr"] / (1 + count * h["lr_decay"])
+
+
+def _momentum(h):
+    return h["momentum"] or None
+
+
+@dataclass(frozen=True)
+class Case:
+    """One spec, one setting, the oracles it must match.
+
+    optax: hypers -> GradientTransformation; optax_state: vega field -> (optax state -> tree).
+    torch: (params, hypers) -> torch.optim.Optimizer; torch_state: vega field -> torch key.
+    reference: (params, grads_at, hypers, steps) -> list of snapshots {"p.w": ..., "mu.w": ...}.
+    bad: out-of-range values that must raise ValueError naming the argument.
+    """
+    spec: str
+    hypers: dict
+    optax: Callable | None = None
+    optax_state: dict = field(default_factory=dict)
+    torch: Callable | None = None
+    torch_state: dict = field(default_factory=dict)
+    reference: Callable | None = None
+    bad: dict = field(default_factory=dict)
+    lr: float = 1e-2  # for the demo model
+    label: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.spec + (f"-{self.label}" if self.label else "")
+
+
+ADAM_LIKE_BAD = {"lr": -1e-3, "b1": 1.0, "b2": -0.1}
+RMSPROP_STATE = {"nu": lambda s: s[1][0].nu}
+RMSPROP_CENTERED_STATE = {"nu": lambda s: s[1][0].nu, "mu": lambda s: s[1][0].mu}
+
+
+def _rmsprop_optax(h):
+    # L2 weight decay added to the gradient first, as torch does
+    return optax.chain(optax.add_decayed_weights(h["weight_decay"]),
+                       optax.rmsprop(h["lr"], decay=h["alpha"], eps=h["eps"], eps_in_sqrt=False,
+                                     centered=h["centered"], momentum=_momentum(h)))
+
+
+def _rmsprop_torch(ps, h):
+    return torch.optim.RMSprop(ps, lr=h["lr"], alpha=h["alpha"], eps=h["eps"],
+                               weight_decay=h["weight_decay"], momentum=h["momentum"],
+                               centered=h["centered"], foreach=False)
+
+
+def _rmsprop_case(momentum: float, centered: bool) -> Case:
+    # torch keeps momentum_buffer only for momentum > 0; optax's trace holds lr * buf
+    torch_state = {"nu": "square_avg"}
+    if centered:
+        torch_state["mu"] = "grad_avg"
+    if momentum:
+        torch_state["buf"] = "momentum_buffer"
+    return Case("rmsprop", dict(lr=3e-3, alpha=0.9, eps=1e-3, weight_decay=0.05,
+                                momentum=momentum, centered=centered),
+                optax=_rmsprop_optax,
+                optax_state=RMSPROP_CENTERED_STATE if centered else RMSPROP_STATE,
+                torch=_rmsprop_torch, torch_state=torch_state,
+                bad={"lr": -1e-3, "alpha": 1.0, "momentum": -0.5}, lr=1e-2,
+                label=f"momentum{momentum}" + ("-centered" if centered else ""))
+
+
+CASES = [
+    # optax's eps convention (after the bias correction); b2 = 0.95 rectifies from step 6 on,
+    # so both branches run within 20 steps
+    Case("radam", dict(lr=0.02, b1=0.8, b2=0.95, eps=1e-3),
+         optax=lambda h: optax.radam(h["lr"], b1=h["b1"], b2=h["b2"], eps=h["eps"]),
+         optax_state={"mu": lambda s: s[0].mu, "nu": lambda s: s[0].nu},
+         bad=ADAM_LIKE_BAD),
+    # torch.optim.RAdam adds eps to sqrt(nu) before the bias correction (sqrt(1 - b2^t) /
+    # (sqrt(nu) + eps)), unlike optax and vega: the two agree only at eps = 0, so torch is
+    # an oracle for that setting only (see test_radam_torch_eps_differs)
+    Case("radam", dict(lr=0.02, b1=0.8, b2=0.95, eps=0.0),
+         optax=lambda h: optax.radam(h["lr"], b1=h["b1"], b2=h["b2"], eps=h["eps"]),
+         optax_state={"mu": lambda s: s[0].mu, "nu": lambda s: s[0].nu},
+         torch=lambda ps, h: torch.optim.RAdam(ps, lr=h["lr"], betas=(h["b1"], h["b2"]),
+                                               eps=h["eps"], foreach=False),
+         torch_state={"mu": "exp_avg", "nu": "exp_avg_sq"}, label="eps0"),
+    Case("lamb", dict(lr=0.02, b1=0.8, b2=0.95, eps=1e-3, weight_decay=0.1),
+         optax=lambda h: optax.lamb(h["lr"], b1=h["b1"], b2=h["b2"], eps=h["eps"],
+                                    weight_decay=h["weight_decay"]),
+         optax_state={"mu": lambda s: s[0].mu, "nu": lambda s: s[0].nu},
+         bad=ADAM_LIKE_BAD),
+    *[Case("lars", dict(lr=0.5, weight_decay=0.05, trust_coefficient=0.02, eps=1e-3,
+                        momentum=0.8, nesterov=nesterov),
+           optax=lambda h: optax.lars(h["lr"], weight_decay=h["weight_decay"],
+                                      trust_coefficient=h["trust_coefficient"], eps=h["eps"],
+                                      momentum=h["momentum"], nesterov=h["nesterov"]),
+           optax_state={"v": lambda s: s[-1].trace},
+           bad={"lr": -1.0, "momentum": -0.1, "trust_coefficient": -1e-3}, lr=5.0,
+           label="nesterov" if nesterov else "")
+      for nesterov in (False, True)],
+    Case("lion", dict(lr=0.01, b1=0.8, b2=0.95, weight_decay=0.1),
+         optax=lambda h: optax.lion(h["lr"], b1=h["b1"], b2=h["b2"],
+                                    weight_decay=h["weight_decay"]),
+         optax_state={"m": lambda s: s[0].mu},
+         bad={"lr": -1e-4, "b1": 1.5, "b2": 1.0}, lr=1e-3),
+    # optax puts eps inside the square root and starts the sum at 0.1: with eps = 0 and the
+    # same initial value it is the same rule; lr_decay as an optax schedule, weight_decay
+    # (L2, torch's) as add_decayed_weights before it
+    Case("adagrad", dict(lr=0.1, lr_decay=0.05, weight_decay=0.1,
+                         initial_accumulator_value=0.2, eps=0.0),
+         optax=lambda h: optax.chain(
+             optax.add_decayed_weights(h["weight_decay"]),
+             optax.adagrad(_adagrad_lr(h), initial_accumulator_value=h[
+                 "initial_accumulator_value"], eps=h["eps"])),
+         optax_state={"acc": lambda s: s[1][0].sum_of_squares},
+         torch=lambda ps, h: torch.optim.Adagrad(
+             ps, lr=h["lr"], lr_decay=h["lr_decay"], weight_decay=h["weight_decay"],
+             initial_accumulator_value=h["initial_accumulator_value"], eps=h["eps"],
+             foreach=False),
+         torch_state={"acc": "sum"},
+         bad={"lr": -0.1, "initial_accumulator_value": -0.1, "eps": -1.0}, lr=0.05),
+    # where eps goes: a large eps outside the square root, as torch.optim.Adagrad (optax
+    # would need it inside)
+    Case("adagrad", dict(lr=0.1, lr_decay=0.05, weight_decay=0.1,
+                         initial_accumulator_value=0.0, eps=0.3),
+         torch=lambda ps, h: torch.optim.Adagrad(
+             ps, lr=h["lr"], lr_decay=h["lr_decay"], weight_decay=h["weight_decay"],
+             initial_accumulator_value=h["initial_accumulator_value"], eps=h["eps"],
+             foreach=False),
+         torch_state={"acc": "sum"}, label="eps"),
+    *[_rmsprop_case(momentum, centered) for momentum in (0.0, 0.7) for centered in (False, True)],
+    # the seeds' Adan (the official code's b2 * diff) against its transcription
+    Case("adan", dict(lr=0.01, b1=0.9, b2=0.8, b3=0.95, eps=1e-3, weight_decay=0.1),
+         reference=adan_official,
+         bad={"lr": -1e-3, "b1": 1.0, "b2": -0.5, "b3": 2.0}),
+    # at b2 = 0.5 the official code's b2 * diff equals optax's (1 - b2) * diff: optax is an
+    # oracle for that setting, and a check of the transcription above
+    Case("adan", dict(lr=0.01, b1=0.9, b2=0.5, b3=0.95, eps=1e-3, weight_decay=0.1),
+         optax=lambda h: optax.adan(h["lr"], b1=h["b1"], b2=h["b2"], b3=h["b3"], eps=h["eps"],
+                                    eps_root=0.0, weight_decay=h["weight_decay"]),
+         optax_state={"m": lambda s: s[0].m, "v": lambda s: s[0].v, "n": lambda s: s[0].n,
+                      "g_prev": lambda s: s[0].g},
+         reference=adan_official, label="b2half"),
+]
+
+SPECS = ["radam", "lamb", "lars", "lion", "adagrad", "rmsprop", "adan"]
+
+
+def _cases(attr):
+    return [pytest.param(c, id=c.id) for c in CASES if getattr(c, attr)]
+
+
+def _first_case_per_spec():
+    seen = {}
+    for c in CASES:
+        seen.setdefault(c.spec, c)
+    return [pytest.param(c, id=c.spec) for c in seen.values()]
+
+
+# -- trajectories --------------------------------------------------------------------------
+
+def vega_functional(case: Case, steps: int = STEPS) -> list[dict]:
+    opt = vega.builtin(case.spec)
+    params = make_params()
+    state = opt.init(params, **case.hypers)
+    out = []
+    for k in range(steps):
+        params, state = opt.step(params, make_grads(k), state, **case.hypers)
+        assert int(state["step"]) == k + 1
+        snap = {f"p.{n}": v for n, v in params.items()}
+        for f, tree in state.items():
+            if f != "step":
+                snap.update({f"{f}.{n}": v for n, v in tree.items()})
+        out.append(snap)
+    return out
+
+
+def optax_run(case: Case, steps: int = STEPS) -> list[dict]:
+    tx = case.optax(case.hypers)
+    params = {n: jnp.asarray(v.numpy()) for n, v in make_params().items()}
+    state = tx.init(params)
+    out = []
+    for k in range(steps):
+        grads = {n: jnp.asarray(v.numpy()) for n, v in make_grads(k).items()}
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        snap = {f"p.{n}": v for n, v in params.items()}
+        for f, get in case.optax_state.items():
+            snap.update({f"{f}.{n}": v for n, v in get(state).items()})
+        out.append(snap)
+    return out
+
+
+def compare(actual: list[dict], expected: list[dict], oracle: str):
+    assert len(actual) == len(expected)
+    for k, (a, e) in enumerate(zip(actual, expected)):
+        assert e, "empty snapshot"
+        for key, value in e.items():
+            assert key in a, f"vega has no {key} to compare with {oracle}'s"
+            assert_close(a[key], value, f"{key} against {oracle}", k + 1)
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+def test_every_zoo_spec_has_a_case():
+    names = set(vega.builtin_names())
+    assert set(SPECS) <= names, f"missing specs: {set(SPECS) - names}"
+    assert {c.spec for c in CASES} == set(SPECS)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+def test_hypers_are_not_defaults(case):
+    defaults = vega.builtin(case.spec).defaults
+    assert set(case.hypers) == set(defaults), "each case sets every hyperparameter"
+    assert "lr" in case.hypers and case.hypers["lr"] != defaults["lr"]
+
+
+@pytest.mark.parametrize("case", _cases("optax"))
+def test_matches_optax(case):
+    compare(vega_functional(case), optax_run(case), "optax")
+
+
+@pytest.mark.parametrize("case", _cases("reference"))
+def test_matches_reference(case):
+    compare(vega_functional(case), case.reference(make_params(), make_grads, case.hypers, STEPS),
+            "the hand-written reference")
+
+
+@pytest.mark.parametrize("case", _cases("torch"))
+def test_matches_torch(case):
+    """vega's torch.optim class against torch.optim's, on the same float64 tensors."""
+    start = make_params()
+    ours = {n: torch.nn.Parameter(v.clone()) for n, v in start.items()}
+    theirs = {n: torch.nn.Parameter(v.clone()) for n, v in start.items()}
+    opt = vega.builtin(case.spec).optimizer(list(ours.values()), **case.hypers)
+    ref = case.torch(list(theirs.values()), case.hypers)
+    for k in range(STEPS):
+        grads = make_grads(k)
+        for n in start:
+            ours[n].grad = grads[n].clone()
+            theirs[n].grad = grads[n].clone()
+        opt.step()
+        ref.step()
+        for n in start:
+            assert_close(ours[n], theirs[n], f"p.{n} against torch", k + 1)
+            for f, key in case.torch_state.items():
+                assert_close(opt.state[ours[n]][f], ref.state[theirs[n]][key],
+                             f"{f}.{n} against torch's {key}", k + 1)
+            assert int(opt.state[ours[n]]["step"]) == k + 1
+
+
+def test_radam_torch_eps_differs():
+    """torch.optim.RAdam's eps is not optax's (nor vega's): with eps != 0 they part."""
+    h = dict(lr=0.02, b1=0.8, b2=0.95, eps=1e-3)
+    p = torch.nn.Parameter(make_params()["w"].clone())
+    ref = torch.optim.RAdam([p], lr=h["lr"], betas=(h["b1"], h["b2"]), eps=h["eps"],
+                            foreach=False)
+    opt = vega.builtin("radam")
+    params = {"w": make_params()["w"]}
+    state = opt.init(params, **h)
+    for k in range(STEPS):
+        p.grad = make_grads(k)["w"].clone()
+        ref.step()
+        params, state = opt.step(params, {"w": make_grads(k)["w"]}, state, **h)
+    assert not torch.allclose(params["w"], p.detach(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("case", _first_case_per_spec())
+def test_trains_demo_model(case):
+    torch.manual_seed(0)
+    x, y = spirals()
+    net = model(0)
+    opt = vega.builtin(case.spec).optimizer(net.parameters(), lr=case.lr)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    with torch.no_grad():
+        initial = loss_fn(net(x), y).item()
+    for _ in range(60):
+        loss = loss_fn(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        final = loss_fn(net(x), y).item()
+    assert final < initial, f"{case.spec}: loss {initial:.4f} -> {final:.4f}"
+
+
+def _bad_values():
+    seen = set()
+    for c in CASES:
+        for name, value in c.bad.items():
+            if (c.spec, name) not in seen:
+                seen.add((c.spec, name))
+                yield pytest.param(c.spec, name, value, id=f"{c.spec}-{name}")
+
+
+@pytest.mark.parametrize("spec,name,value", list(_bad_values()))
+def test_rejects_out_of_range(spec, name, value):
+    opt = vega.builtin(spec)
+    params = make_params()
+    match = rf"\b{name}={value!r}"
+    with pytest.raises(ValueError, match=match):
+        opt.init(params, **{name: value})
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=match):
+        opt.step(params, make_grads(0), state, **{name: value})
+    with pytest.raises(ValueError, match=match):
+        opt.optimizer([torch.nn.Parameter(params["w"])], **{name: value})
+
