@@ -4,9 +4,11 @@ The functional API follows the OCaml library Vega: ``vega.<name>_init(params)``
 and ``vega.<name>_step(params, grads, state, **hypers)``; ``vega.optim`` has the
 ``torch.optim`` classes; ``vega.compile`` compiles your own spec.
 """
-from vega import optim
+from vega import optim, schedule
 from vega.errors import SpecError, VegaError
 from vega.runtime.library import builtin, builtin_names
+from vega.runtime.loss_scale import LossScale, grads_finite
+from vega.runtime.transforms import clip_by_global_norm, clip_by_value, global_norm
 from vega.runtime.spec import CompiledSpec, compile, compile_file
 from vega.runtime.tree import state_names
 
@@ -54,7 +56,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompiledSpec", "SpecError", "VegaError", "builtin", "builtin_names", "compile",
-    "compile_file", "optim", "state_names",
+    "compile_file", "optim", "state_names", "schedule", "LossScale", "grads_finite",
+    "clip_by_global_norm", "clip_by_value", "global_norm",
     "sgd", "sgd_init", "sgd_step", "adam", "adam_init", "adam_step",
     "adamw", "adamw_init", "adamw_step",
     "radam", "radam_init", "radam_step",

@@ -45,8 +45,12 @@ def check_value(owner: str, h: HyperParam, value):
     return value
 
 
-def check_fused(owner: str, max_grad_norm, skip_nonfinite) -> None:
+def check_fused(owner: str, max_grad_norm, skip_nonfinite, loss_scale=None) -> None:
     """Validate the fused-step options of a step or an optimizer."""
+    from vega.runtime.loss_scale import LossScale
+    if loss_scale is not None and not isinstance(loss_scale, LossScale):
+        raise ValueError(f"{owner}: loss_scale={loss_scale!r} must be a vega.LossScale "
+                         "(LossScale.dynamic() or LossScale.static(s)) or None")
     if max_grad_norm is not None:
         if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
                 or not max_grad_norm > 0 or math.isinf(max_grad_norm):
@@ -101,6 +105,16 @@ def init_leaf(program: Program, p: torch.Tensor, values: dict,
     kern = codegen.kernel("reference", program)
     out = kern.init(_real(p), values, real_sd)
     return [torch.view_as_complex(s) if p.is_complex() else s for s in out]
+
+
+def inverse_scale(loss_scale) -> torch.Tensor | None:
+    """1 / the loss scale, formed in float64 (as GradScaler forms its inv_scale)."""
+    return None if loss_scale is None else loss_scale.loss_scale.double().reciprocal()
+
+
+def finite_of(pre: torch.Tensor | None) -> torch.Tensor | None:
+    """The step's all-finite flag from the prelude's record (True when not checked)."""
+    return None if pre is None else (pre[1] == 0) | (pre[4] == 0)
 
 
 def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor | None:

@@ -37,9 +37,9 @@ __all__ = ["LossScale", "grads_finite"]
 def _at_dtype(x: torch.Tensor, s: torch.Tensor, op) -> torch.Tensor:
     """``op(x, s)`` with the result at ``x``'s dtype.
 
-    Half-precision ``x`` is computed in float32 and rounded back once (as torch's
-    GradScaler does: the scale itself may not fit in float16); a complex ``x`` meets
-    the scale at its real dtype.
+    Half-precision ``x`` is computed in float32 and rounded back once (torch's
+    GradScaler also works in float32: the scale itself may not fit in float16); a
+    complex ``x`` meets the scale at its real dtype.
     """
     if x.dtype in (torch.float16, torch.bfloat16):
         return op(x.float(), s.float()).to(x.dtype)

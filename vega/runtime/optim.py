@@ -21,10 +21,15 @@ class SpecOptimizer(torch.optim.Optimizer):
     spec = None  # the CompiledSpec, set on each subclass
 
     def __init__(self, params, *, backend: str | None = None,
-                 state_dtype: torch.dtype | None = None, **hypers):
+                 state_dtype: torch.dtype | None = None, max_grad_norm: float | None = None,
+                 loss_scale=None, skip_nonfinite: bool = False, **hypers):
         owner = type(self).__name__
         codegen.check_backend(backend)
+        engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
         flags, values = engine.resolve(owner, self.spec.hypers, hypers)
+        self.max_grad_norm = max_grad_norm
+        self.loss_scale = loss_scale
+        self.skip_nonfinite = skip_nonfinite
         super().__init__(params, {**flags, **values, "backend": backend,
                                   "state_dtype": state_dtype})
 
@@ -59,11 +64,19 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter that has a gradient. Returns the closure's loss."""
+        """One fused update of every parameter that has a gradient; returns the closure's loss.
+
+        With ``loss_scale``: gradients are divided by the scale, and the scale is
+        adjusted afterwards (``self.loss_scale`` is replaced). With
+        ``max_grad_norm``: clipped by their joint norm over all groups. With a
+        loss scale or ``skip_nonfinite``: a step whose gradients are not all
+        finite changes no parameter and no state. Nothing is read back to the host.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        work = []
         for group in self.param_groups:
             program, values = self._group_program(group)
             params = [p for p in group["params"] if p.grad is not None]
@@ -82,18 +95,40 @@ class SpecOptimizer(torch.optim.Optimizer):
                         f" but the group's settings need {sorted(want)}; was a bool "
                         "hyperparameter changed after the first step?")
             backend = group["backend"] or codegen.default_backend(params[0].device.type)
+            work.append((program, backend, params, values))
+        check = self.skip_nonfinite or self.loss_scale is not None
+        pre = engine.prelude([(prog, be, [p.grad for p in ps]) for prog, be, ps, _ in work],
+                             engine.inverse_scale(self.loss_scale), self.max_grad_norm, check)
+        for program, backend, params, values in work:
             states = [[self.state[p][n] for p in params] for n in program.state_names]
             engine.run(program, backend, params, [p.grad for p in params], states,
                        [self.state[p]["step"] for p in params], [values] * len(params),
-                       donate=True)
+                       donate=True, pre=pre)
+        if self.loss_scale is not None:
+            self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
         return loss
+
+    def state_dict(self) -> dict:
+        """torch's format, plus the loss scale's two tensors under ``'loss_scale'``."""
+        out = super().state_dict()
+        if self.loss_scale is not None:
+            out["loss_scale"] = {"loss_scale": self.loss_scale.loss_scale,
+                                 "good_steps": self.loss_scale.good_steps}
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, keeping vega's state dtypes (float32 state for half
         parameters, the step counter int32 on the parameter's device)."""
         saved = state_dict["state"]
         originals = {k: dict(v) for k, v in saved.items()}
-        super().load_state_dict(state_dict)
+        scale = state_dict.get("loss_scale")
+        if scale is not None and self.loss_scale is not None:
+            device = self.loss_scale.loss_scale.device
+            self.loss_scale = type(self.loss_scale)._from(
+                (scale["loss_scale"].to(device=device, dtype=torch.float32),
+                 scale["good_steps"].to(device=device, dtype=torch.int32)),
+                self.loss_scale._config())
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "loss_scale"})
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(ids, params):
@@ -116,7 +151,9 @@ def optimizer_class(spec) -> type:
     for h in spec.hypers:
         rng = f", in {h.range}" if h.range is not None else ""
         lines.append(f"    {h.name}: {h.type} = {str(h.default).lower() if h.type == 'bool' else h.default}{rng}")
-    lines += ["", "Also: backend=None|'reference'|'c'|'triton', state_dtype=None."]
+    lines += ["", "Also: backend=None|'reference'|'c'|'triton', state_dtype=None (float32 for "
+              "bfloat16/float16 parameters),", "max_grad_norm=None, loss_scale=None (a "
+              "vega.LossScale), skip_nonfinite=False."]
     return type(spec.class_name, (SpecOptimizer,), {
         "spec": spec, "__doc__": "\n".join(lines), "__module__": "vega.optim",
         "__qualname__": spec.class_name,

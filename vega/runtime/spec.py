@@ -72,17 +72,22 @@ class CompiledSpec:
         return state
 
     def step(self, params, grads, state, *, backend: str | None = None, donate: bool = False,
-             max_grad_norm: float | None = None, skip_nonfinite: bool = False, **hypers):
+             max_grad_norm: float | None = None, skip_nonfinite: bool = False,
+             loss_scale=None, **hypers):
         """One update: returns (params, state). Pure unless ``donate=True``.
 
-        Fused into the same step: ``max_grad_norm`` clips the gradients by their
-        joint L2 norm (optax's rule, ``g * max_norm / max(norm, max_norm)``);
-        ``skip_nonfinite`` leaves params and the whole state, step counter
-        included, exactly as they were when any gradient is not finite.
+        Fused into the same step, in this order: ``loss_scale`` (a
+        ``vega.LossScale``) divides the gradients by the scale; ``max_grad_norm``
+        clips them by their joint L2 norm (optax's rule,
+        ``g * max_norm / max(norm, max_norm)``); with a loss scale or
+        ``skip_nonfinite``, a step whose gradients are not all finite leaves
+        params and the whole state, step counter included, exactly as they were.
+        With ``loss_scale`` the step returns ``(params, state, loss_scale)``, the
+        scale adjusted for the next step.
         """
         owner = f"{self.name}_step"
         codegen.check_backend(backend)
-        engine.check_fused(owner, max_grad_norm, skip_nonfinite)
+        engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
         flags, values = engine.resolve(owner, self.hypers, hypers)
         program = self._spec.program(flags)
         p_leaves, p_spec = flatten(params)
@@ -108,13 +113,15 @@ class CompiledSpec:
             backend = codegen.default_backend(device)
         with torch.no_grad():
             grads_used = [g_leaves[i] for i in idx]
-            pre = engine.prelude([(program, backend, grads_used)], None, max_grad_norm,
-                                 skip_nonfinite)
+            check = skip_nonfinite or loss_scale is not None
+            pre = engine.prelude([(program, backend, grads_used)], engine.inverse_scale(loss_scale),
+                                 max_grad_norm, check)
             new_p, new_s, new_steps, _ = engine.run(
                 program, backend, [p_leaves[i] for i in idx], grads_used,
                 [[col[i] for i in idx] for col in columns], [step] * len(idx),
                 [values] * len(idx), donate, pre)
-            new_step = new_steps[0] if new_steps else advance_steps([step], None, donate)[0]
+            finite = engine.finite_of(pre)
+            new_step = new_steps[0] if new_steps else advance_steps([step], finite, donate)[0]
         out_p = list(p_leaves)
         out_cols = [list(col) for col in columns]
         for k, i in enumerate(idx):
@@ -125,6 +132,8 @@ class CompiledSpec:
                 col[i] = new_col[k]
         new_state = {n: unflatten(col, p_spec) for n, col in zip(program.state_names, out_cols)}
         new_state["step"] = new_step
+        if loss_scale is not None:
+            return unflatten(out_p, p_spec), new_state, loss_scale.adjust(finite)
         return unflatten(out_p, p_spec), new_state
 
     # -- torch.optim ----------------------------------------------------------

@@ -81,7 +81,7 @@ def clip_by_global_norm(grads, max_norm):
     return pytree.tree_map(one, grads)
 
 
-def clip_by_value(grads, max):  # noqa: A002 -- the seeds' name for it
+def clip_by_value(grads, max):  # the seeds' name, shadowing the builtin here
     """Clamp every element of every float leaf to ``[-max, max]`` (``max`` positive).
 
     A complex leaf has its real and imaginary parts clamped separately; NaN stays NaN.

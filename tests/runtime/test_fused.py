@@ -1,0 +1,106 @@
+"""The fused step of the optimizer classes and the functional API: loss scale, clip, skip."""
+import pytest
+import torch
+
+import vega
+
+
+def _params(seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(40, 30, generator=gen, dtype=dtype).requires_grad_(),
+            torch.randn(30, generator=gen, dtype=dtype).requires_grad_()]
+
+
+def _set_grads(params, step, scale=1.0, bad=False):
+    gen = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale
+    if bad:
+        params[1].grad[3] = float("inf")
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_class_matches_unscale_clip_then_plain_step(backend):
+    """opt(loss_scale, max_grad_norm) == unscale, clip_by_global_norm, then a plain step."""
+    scale = 2.0**10
+    fused_ps, plain_ps = _params(), _params()
+    fused = vega.optim.AdamW(fused_ps, lr=1e-2, max_grad_norm=0.5, backend=backend,
+                             loss_scale=vega.LossScale.dynamic(init=scale, growth_interval=3))
+    plain = vega.optim.AdamW(plain_ps, lr=1e-2, backend="reference")
+    for step in range(8):
+        _set_grads(fused_ps, step, scale=fused.loss_scale.loss_scale.item())
+        _set_grads(plain_ps, step)
+        grads = vega.clip_by_global_norm([p.grad for p in plain_ps], 0.5)
+        for p, g in zip(plain_ps, grads):
+            p.grad = g
+        fused.step()
+        plain.step()
+        for a, b in zip(fused_ps, plain_ps):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the scale grew every 3 finite steps: 8 steps -> two growths
+    assert fused.loss_scale.loss_scale.item() == scale * 4
+    assert fused.loss_scale.good_steps.item() == 2
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_overflow_skips_and_backs_off(backend):
+    ps = _params()
+    opt = vega.optim.Adam(ps, lr=1e-2, loss_scale=vega.LossScale.dynamic(init=8.0),
+                          backend=backend)
+    _set_grads(ps, 0)
+    opt.step()
+    before = [p.detach().clone() for p in ps]
+    state = {k: v.clone() for k, v in opt.state[ps[0]].items()}
+    _set_grads(ps, 1, bad=True)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(ps, before))
+    assert all(torch.equal(opt.state[ps[0]][k], state[k]) for k in state)
+    assert opt.loss_scale.loss_scale.item() == 4.0 and opt.loss_scale.good_steps.item() == 0
+    sd = opt.state_dict()
+    assert sd["loss_scale"]["loss_scale"].item() == 4.0
+    other = vega.optim.Adam(_params(), lr=1e-2, loss_scale=vega.LossScale.dynamic())
+    other.load_state_dict(sd)
+    assert other.loss_scale.loss_scale.item() == 4.0
+
+
+def test_functional_step_returns_the_adjusted_scale():
+    params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
+    state = vega.adamw_init(params)
+    ls = vega.LossScale.dynamic(init=4.0, growth_interval=1)
+    grads = {k: torch.randn_like(v) * 4.0 for k, v in params.items()}
+    new_p, new_s, new_ls = vega.adamw_step(params, grads, state, loss_scale=ls)
+    assert new_ls.loss_scale.item() == 8.0
+    ref_p, _ = vega.adamw_step(params, {k: g / 4.0 for k, g in grads.items()}, state)
+    for k in params:
+        torch.testing.assert_close(new_p[k], ref_p[k])
+    grads["b"][0] = float("nan")
+    same_p, same_s, back = vega.adamw_step(new_p, grads, new_s, loss_scale=new_ls)
+    assert all(torch.equal(same_p[k], new_p[k]) for k in params)
+    assert torch.equal(same_s["step"], new_s["step"])
+    assert back.loss_scale.item() == 4.0
+
+
+def test_clipping_spans_param_groups():
+    a, b = _params(), _params()
+    grouped = vega.optim.SGD([{"params": [a[0]]}, {"params": [a[1]], "lr": 0.1}], lr=0.1,
+                             max_grad_norm=1.0)
+    single = vega.optim.SGD(b, lr=0.1)
+    _set_grads(a, 0, scale=10.0)
+    _set_grads(b, 0, scale=10.0)
+    clipped = vega.clip_by_global_norm([p.grad for p in b], 1.0)
+    for p, g in zip(b, clipped):
+        p.grad = g
+    grouped.step()
+    single.step()
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)
+
+
+def test_bad_fused_arguments():
+    with pytest.raises(ValueError, match="max_grad_norm=0.0 must be a positive"):
+        vega.optim.AdamW(_params(), max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="loss_scale=1024.0 must be a vega.LossScale"):
+        vega.optim.AdamW(_params(), loss_scale=1024.0)
+    p = torch.zeros(3)
+    with pytest.raises(ValueError, match="max_grad_norm=-1 must be a positive"):
+        vega.sgd_step(p, p, vega.sgd_init(p), max_grad_norm=-1)

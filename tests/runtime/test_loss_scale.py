@@ -1,0 +1,248 @@
+"""vega.runtime.loss_scale against torch's GradScaler update kernel and jmp's rule."""
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+from vega.runtime.loss_scale import LossScale, grads_finite
+from vega.runtime.tree import leaf_paths
+
+STEPS = 5000
+
+
+def finite_sequence(seed=0, p_overflow=0.03, burst=(2500, 2700)):
+    """Mostly finite steps with random overflows, and a burst of 200 overflows in a row.
+
+    With growth every 5 finite steps the scale climbs to float32's largest power of two
+    (where growing again would overflow, so it stays), then the burst drives it far
+    below 1, then it climbs again.
+    """
+    finite = np.random.default_rng(seed).random(STEPS) > p_overflow
+    finite[burst[0]:burst[1]] = False
+    return finite.tolist()
+
+
+def vega_trajectory(ls, finites):
+    scales, counts = [], []
+    for f in finites:
+        ls = ls.adjust(torch.tensor(f))
+        scales.append(ls.loss_scale)
+        counts.append(ls.good_steps)
+    return torch.stack(scales), torch.stack(counts)
+
+
+def torch_trajectory(init, finites, growth_factor, backoff_factor, interval):
+    """torch.amp.GradScaler's update: torch._amp_update_scale_ (it runs on CPU tensors)."""
+    scale = torch.tensor(init, dtype=torch.float32)
+    tracker = torch.zeros((), dtype=torch.int32)
+    scales, counts = [], []
+    for f in finites:
+        found_inf = torch.tensor(0.0 if f else 1.0)
+        torch._amp_update_scale_(scale, tracker, found_inf, growth_factor, backoff_factor,
+                                 interval)
+        scales.append(scale.clone())
+        counts.append(tracker.clone())
+    return torch.stack(scales), torch.stack(counts)
+
+
+def jmp_trajectory(init, finites, period, factor, min_loss_scale):
+    """jmp's DynamicLossScale.adjust (jmp/_src/loss_scale.py), written out in float32.
+
+    One ``factor`` grows and (divided by) backs off; growth that is not finite keeps
+    the scale; the backed-off scale is floored at ``min_loss_scale`` (1.0 by default in
+    jmp, a floor torch and vega do not have); the counter is
+    ``((counter + 1) % period) * grads_finite``.
+    """
+    scale, counter = np.float32(init), 0
+    factor, floor = np.float32(factor), np.float32(min_loss_scale)
+    scales, counts = [], []
+    with np.errstate(over="ignore"):
+        for f in finites:
+            if f:
+                if counter == period - 1:
+                    grown = scale * factor
+                    scale = grown if np.isfinite(grown) else scale
+                counter = (counter + 1) % period
+            else:
+                scale = max(floor, scale / factor)
+                counter = 0
+            scales.append(scale)
+            counts.append(counter)
+    return torch.tensor(np.array(scales, dtype=np.float32)), torch.tensor(counts, dtype=torch.int32)
+
+
+def test_dynamic_follows_torch_and_jmp():
+    finites = finite_sequence()
+    ls = LossScale.dynamic(init=2.0**15, growth_interval=5)
+    scales, counts = vega_trajectory(ls, finites)
+    assert scales.dtype == torch.float32 and counts.dtype == torch.int32
+
+    t_scales, t_counts = torch_trajectory(2.0**15, finites, 2.0, 0.5, 5)
+    assert torch.equal(scales, t_scales) and torch.equal(counts, t_counts)
+    # The run exercised what it is meant to: the overflow guard and scales below 1.
+    assert scales.max().item() == 2.0**127 and scales.min().item() < 2.0**-60
+
+    # jmp coincides with torch (factor 2, backoff 1/2) once its floor is out of the way.
+    j_scales, j_counts = jmp_trajectory(2.0**15, finites, 5, 2.0, min_loss_scale=0.0)
+    assert torch.equal(scales, j_scales) and torch.equal(counts, j_counts)
+    # With jmp's default floor of 1 the two agree until vega's scale first drops below 1.
+    j_scales, _ = jmp_trajectory(2.0**15, finites, 5, 2.0, min_loss_scale=1.0)
+    first_below = int(torch.nonzero(scales < 1)[0])
+    assert torch.equal(scales[:first_below], j_scales[:first_below])
+    assert j_scales[first_below].item() == 1.0 != scales[first_below].item()
+
+
+def test_dynamic_follows_torch_bitwise_with_odd_factors():
+    """Factors that are not powers of two: the products are formed in double precision
+    and rounded to float32 once, as torch's kernel does."""
+    finites = finite_sequence(seed=1, p_overflow=0.2, burst=(4000, 4010))
+    ls = LossScale.dynamic(init=3.3e4, growth_interval=4, growth_factor=3.0,
+                           backoff_factor=0.7)
+    scales, counts = vega_trajectory(ls, finites)
+    t_scales, t_counts = torch_trajectory(3.3e4, finites, 3.0, 0.7, 4)
+    assert torch.equal(scales.view(torch.int32), t_scales.view(torch.int32))
+    assert torch.equal(counts, t_counts)
+
+
+def test_growth_that_would_overflow_keeps_the_scale():
+    ls = LossScale.dynamic(init=2.0**127, growth_interval=1)
+    ls = ls.adjust(torch.tensor(True))
+    assert ls.loss_scale.item() == 2.0**127 and ls.good_steps.item() == 0
+
+
+def test_static_never_changes():
+    ls = LossScale.static(128.0)
+    assert ls.good_steps.item() == -1 and ls.loss_scale.dtype == torch.float32
+    for f in [True, False, True, True, False]:
+        out = ls.adjust(torch.tensor(f))
+        assert out.loss_scale.item() == 128.0 and out.good_steps.item() == -1
+    ls = LossScale.static(1.0)
+    g = {"w": torch.randn(3)}
+    assert torch.equal(ls.unscale(g)["w"], g["w"])
+
+
+def test_scale_and_unscale_keep_dtypes():
+    ls = LossScale.dynamic(init=2.0**16)        # not representable in float16
+    half = torch.tensor([1.0, -2.0, 65504.0], dtype=torch.float16)
+    grads = {"h": half, "d": torch.tensor([3.0], dtype=torch.float64),
+             "c": torch.tensor([1 + 2j]), "i": torch.arange(3), "s": torch.tensor(4.0)}
+    out = ls.unscale(grads)
+    assert {k: v.dtype for k, v in out.items()} == {k: v.dtype for k, v in grads.items()}
+    assert torch.equal(out["h"], (half.float() / 2.0**16).half())
+    assert out["d"].item() == 3.0 / 2.0**16 and out["s"].item() == 4.0 / 2.0**16
+    assert out["c"].item() == (1 + 2j) / 2.0**16
+    assert out["i"] is grads["i"]
+    loss = torch.tensor(0.5, dtype=torch.float16)
+    assert ls.scale(loss).dtype == torch.float16 and ls.scale(loss).item() == 2.0**15
+    assert ls.scale(torch.tensor(0.5)).item() == 2.0**15
+
+
+def test_grads_finite():
+    ok = {"a": torch.ones(3), "b": [torch.zeros(2, dtype=torch.float16)], "i": torch.arange(2)}
+    got = grads_finite(ok)
+    assert got.dtype == torch.bool and got.dim() == 0 and bool(got)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        tree = {"a": torch.ones(3), "b": [torch.tensor([1.0, bad], dtype=torch.float16)]}
+        assert not bool(grads_finite(tree))
+    assert not bool(grads_finite(torch.tensor([complex(1, float("nan"))])))
+    assert bool(grads_finite({})) and bool(grads_finite({"i": torch.arange(3)}))
+
+
+def sgd(params, state):
+    """A step_fn factory: plain momentum SGD over dicts."""
+    def step_fn(grads):
+        mom = {k: 0.9 * state["mom"][k] + grads[k] for k in grads}
+        new_p = {k: params[k] - 0.1 * mom[k] for k in params}
+        return new_p, {"mom": mom, "step": state["step"] + 1}
+    return step_fn
+
+
+def bits(t):
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("make", [lambda: LossScale.dynamic(init=1024.0, growth_interval=3),
+                                  lambda: LossScale.static(1024.0)], ids=["dynamic", "static"])
+def test_step_applies_or_skips_exactly(make):
+    ls = make()
+    params = {"w": torch.tensor([1.0, -0.0, float("nan")]), "b": torch.tensor(2.0)}
+    state = {"mom": {"w": torch.tensor([0.5, -0.0, 1.0]), "b": torch.tensor(0.25)},
+             "step": torch.tensor(7, dtype=torch.int32)}
+    grads = {"w": torch.tensor([1024.0, 2048.0, -512.0]), "b": torch.tensor(4096.0)}
+
+    (new_p, new_s), ls2 = ls.step(grads, sgd(params, state), (params, state))
+    want_p, want_s = sgd(params, state)(ls.unscale(grads))
+    for a, b in zip(pytree.tree_leaves((new_p, new_s)), pytree.tree_leaves((want_p, want_s))):
+        assert torch.equal(bits(a), bits(b))
+    assert ls2.good_steps.item() == (1 if ls.is_dynamic else -1)
+
+    bad = {"w": torch.tensor([1.0, float("inf"), 0.0]), "b": torch.tensor(1.0)}
+    (kept_p, kept_s), ls3 = ls2.step(bad, sgd(new_p, new_s), (new_p, new_s))
+    for a, b in zip(pytree.tree_leaves((kept_p, kept_s)), pytree.tree_leaves((new_p, new_s))):
+        assert a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+    if ls.is_dynamic:
+        assert ls3.loss_scale.item() == 512.0 and ls3.good_steps.item() == 0
+    else:
+        assert ls3.loss_scale.item() == 1024.0 and ls3.good_steps.item() == -1
+    # the unbound form of the seeds / DESIGN.md
+    (p4, _), _ = LossScale.step(ls2, bad, sgd(new_p, new_s), (new_p, new_s))
+    assert torch.equal(bits(p4["b"]), bits(new_p["b"]))
+
+
+def test_pytree_leaves_and_names():
+    ls = LossScale.dynamic(init=8.0, growth_interval=7, growth_factor=3.0, backoff_factor=0.25)
+    leaves, spec = pytree.tree_flatten(ls)
+    assert len(leaves) == 2 and leaves[0] is ls.loss_scale and leaves[1] is ls.good_steps
+    back = pytree.tree_unflatten([x * 2 for x in leaves], spec)
+    assert isinstance(back, LossScale) and back.loss_scale.item() == 16.0
+    assert (back.growth_interval, back.growth_factor, back.backoff_factor, back.is_dynamic) == \
+        (7, 3.0, 0.25, True)
+    assert leaf_paths({"ls": ls}) == ["ls.loss_scale", "ls.good_steps"]
+    assert "loss_scale=8.0" in repr(ls) and "growth_interval=7" in repr(ls)
+    # Static and dynamic scales have different structures.
+    assert pytree.tree_structure(LossScale.static(8.0)) != spec
+
+
+def test_adjust_compiles_without_graph_break():
+    """A loss-scaled step as one dynamo frame (the eager backend: tracing is the point)."""
+    def train(ls, grads, params):
+        (params,), ls = ls.step(grads, lambda g: (params - 0.1 * g,), (params,))
+        return params, ls
+
+    compiled = torch.compile(train, backend="eager", fullgraph=True)
+    ls = LossScale.dynamic(init=4.0, growth_interval=2)
+    p = torch.ones(3)
+    for g in [torch.ones(3), torch.full((3,), float("inf")), torch.ones(3)]:
+        p2, ls2 = compiled(ls, g * 4.0, p)
+        p_e, ls_e = train(ls, g * 4.0, p)
+        assert torch.equal(p2, p_e) and torch.equal(ls2.loss_scale, ls_e.loss_scale)
+        assert torch.equal(ls2.good_steps, ls_e.good_steps)
+        p, ls = p2, ls2
+
+
+BAD = [
+    (lambda: LossScale.static(0.0), "s=0.0"),
+    (lambda: LossScale.static(-2.0), "s=-2.0"),
+    (lambda: LossScale.static(float("nan")), "s=nan"),
+    (lambda: LossScale.static(float("inf")), "s=inf"),
+    (lambda: LossScale.static(1e39), "s=1e+39"),
+    (lambda: LossScale.static(True), "s=True"),
+    (lambda: LossScale.dynamic(init=0.0), "init=0.0"),
+    (lambda: LossScale.dynamic(init=-1.0), "init=-1.0"),
+    (lambda: LossScale.dynamic(growth_interval=0), "growth_interval=0"),
+    (lambda: LossScale.dynamic(growth_interval=-5), "growth_interval=-5"),
+    (lambda: LossScale.dynamic(growth_interval=2.5), "growth_interval=2.5"),
+    (lambda: LossScale.dynamic(growth_interval=2000.0), "growth_interval=2000.0"),
+    (lambda: LossScale.dynamic(growth_factor=0.0), "growth_factor=0.0"),
+    (lambda: LossScale.dynamic(growth_factor=-2.0), "growth_factor=-2.0"),
+    (lambda: LossScale.dynamic(backoff_factor=0.0), "backoff_factor=0.0"),
+    (lambda: LossScale.dynamic(backoff_factor=-0.5), "backoff_factor=-0.5"),
+]
+
+
+@pytest.mark.parametrize("make,fragment", BAD, ids=[b[1] for b in BAD])
+def test_bad_arguments_raise(make, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        make()

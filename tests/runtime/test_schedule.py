@@ -1,0 +1,238 @@
+"""vega.schedule against optax (float64) where the definitions coincide, and against the
+formulas of SEMANTICS.md, written out by hand, where they do not."""
+import math
+import pickle
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import torch._dynamo.testing
+
+from vega import schedule
+
+jax.config.update("jax_enable_x64", True)
+
+
+def optax_values(fn, n):
+    return np.asarray(jax.vmap(fn)(jnp.arange(n, dtype=jnp.int64)), dtype=np.float64)
+
+
+def device_values(s, n):
+    """The tensor path at steps 0..n-1, alternating int32 and int64 step tensors."""
+    out = []
+    for k in range(n):
+        v = s(torch.tensor(k, dtype=torch.int32 if k % 2 else torch.int64))
+        assert isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() == 0
+        out.append(v.item())
+    return np.array(out)
+
+
+def check(s, expected):
+    """Python-int path to 1e-12, tensor path to 1e-6 relative, against ``expected``."""
+    expected = np.asarray(expected, dtype=np.float64)
+    n = len(expected)
+    scale = max(np.abs(expected).max(), 1e-300)
+    host = [s(k) for k in range(n)]
+    assert all(type(v) is float for v in host)
+    np.testing.assert_allclose(host, expected, rtol=1e-12, atol=1e-12 * scale)
+    np.testing.assert_allclose(device_values(s, n), expected, rtol=1e-6, atol=1e-9 * scale)
+
+
+def sgdr_kwargs(init, decay_steps, t_mul, m_mul, alpha, cycles):
+    """optax.sgdr_schedule's cycles (warmup-free warmup_cosine_decay) for vega's SGDR."""
+    return [dict(init_value=init * m_mul**c, peak_value=init * m_mul**c, warmup_steps=0,
+                 decay_steps=int(decay_steps * t_mul**c), end_value=alpha * init * m_mul**c)
+            for c in range(cycles)]
+
+
+# (id, vega schedule, optax schedule, steps): the definitions coincide.
+AGREE = [
+    ("constant", schedule.constant(0.3), optax.constant_schedule(0.3), 10),
+    ("linear", schedule.linear(0.1, 1.7, 37), optax.linear_schedule(0.1, 1.7, 37), 60),
+    ("linear-down", schedule.linear(1e-3, 0.0, 20), optax.linear_schedule(1e-3, 0.0, 20), 30),
+    ("cosine_decay", schedule.cosine_decay(2e-3, 40, alpha=0.05),
+     optax.cosine_decay_schedule(2e-3, 40, alpha=0.05), 60),
+    ("exponential_decay", schedule.exponential_decay(1.0, 0.3, 17),
+     optax.exponential_decay(1.0, transition_steps=17, decay_rate=0.3), 80),
+    ("exponential_growth", schedule.exponential_decay(0.5, 1.5, 9),
+     optax.exponential_decay(0.5, transition_steps=9, decay_rate=1.5), 40),
+    ("polynomial_decay", schedule.polynomial_decay(1.0, 0.01, 45, power=2.5),
+     optax.polynomial_schedule(1.0, 0.01, 2.5, 45), 60),
+    # optax's cosine interpolation from init to init * scale is the same half-cosine rise.
+    ("warmup_cosine", schedule.warmup_cosine(0.01, 1.0, 25),
+     optax.piecewise_interpolate_schedule("cosine", 0.01, {25: 100.0}), 40),
+    # optax's decay_steps counts the warmup; vega's counts after it: 30 here is optax's 40.
+    ("warmup_cosine_decay", schedule.warmup_cosine_decay(0.0, 1e-3, 10, 30, end_value=1e-5),
+     optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 40, end_value=1e-5), 60),
+    # SGDR: optax's sgdr_schedule takes the cycles one by one; its last cycle does not
+    # restart, so compare over the cycles given (10 + 20 + 40 steps).
+    ("cosine_decay_restarts", schedule.cosine_decay_restarts(1.0, 10, 2.0, 0.5, alpha=0.1),
+     optax.sgdr_schedule(sgdr_kwargs(1.0, 10, 2.0, 0.5, 0.1, 3)), 70),
+    ("cosine_decay_restarts-t1", schedule.cosine_decay_restarts(0.5, 7, m_mul=0.8),
+     optax.sgdr_schedule(sgdr_kwargs(0.5, 7, 1.0, 0.8, 0.0, 6)), 42),
+    # optax.join_schedules restarts the step number too; it takes cumulative boundaries
+    # (10, 30) where vega takes segment lengths (10, 20, ...).
+    ("join", schedule.join([(10, schedule.linear(0.0, 1.0, 10)),
+                            (20, schedule.cosine_decay(1.0, 20)),
+                            (5, schedule.linear(0.1, 0.0, 50))]),
+     optax.join_schedules([optax.linear_schedule(0.0, 1.0, 10),
+                           optax.cosine_decay_schedule(1.0, 20),
+                           optax.linear_schedule(0.1, 0.0, 50)], [10, 30]), 90),
+    # Values, not scales, and the change after a boundary rather than at it: vega's
+    # boundaries (5, 12) with values (1, 0.5, 0.05) are optax's {6: 0.5, 13: 0.1}.
+    ("piecewise_constant", schedule.piecewise_constant([5, 12], [1.0, 0.5, 0.05]),
+     optax.piecewise_constant_schedule(1.0, {6: 0.5, 13: 0.1}), 20),
+]
+
+
+@pytest.mark.parametrize("s,ref,n", [a[1:] for a in AGREE], ids=[a[0] for a in AGREE])
+def test_matches_optax(s, ref, n):
+    check(s, optax_values(ref, n))
+
+
+c, pi = math.cos, math.pi
+
+# Where SEMANTICS.md differs from optax: its formulas, written out step by step.
+BY_HAND = [
+    # warmup_cosine_decay: decay_steps=4 *after* a warmup of 2 (optax would end at step 4).
+    ("warmup_cosine_decay", schedule.warmup_cosine_decay(0.1, 1.0, 2, 4, end_value=0.2),
+     [0.1, 0.55, 1.0,
+      0.2 + 0.8 * 0.5 * (1 + c(pi / 4)), 0.2 + 0.8 * 0.5 * (1 + c(pi / 2)),
+      0.2 + 0.8 * 0.5 * (1 + c(3 * pi / 4)), 0.2, 0.2]),
+    # piecewise_constant: the values themselves; k <= boundary keeps the earlier value
+    # (optax: multiplicative scales, switching at the boundary).
+    ("piecewise_constant", schedule.piecewise_constant([0, 2, 3], [5.0, 4.0, 3.0, 2.0]),
+     [5.0, 4.0, 4.0, 3.0, 2.0, 2.0]),
+    # join: each segment sees its own step from 0; the last continues past the total.
+    ("join", schedule.join([(2, schedule.constant(7.0)), (3, schedule.linear(1.0, 0.0, 4)),
+                            (1, schedule.linear(9.0, 8.0, 2))]),
+     [7.0, 7.0, 1.0, 0.75, 0.5, 9.0, 8.5, 8.0, 8.0]),
+    # one_cycle: w = floor(0.4 * 10) = 4; linear 0.1 -> 1 for k <= 4, then a cosine from
+    # 1 down to max / final_div_factor = 0.01 over 6 steps. torch's OneCycleLR and optax's
+    # cosine_onecycle_schedule warm up by a cosine and end at max / (div * final_div).
+    ("one_cycle", schedule.one_cycle(1.0, 10, div_factor=10.0, final_div_factor=100.0,
+                                     pct_start=0.4),
+     [0.1, 0.325, 0.55, 0.775, 1.0]
+     + [0.01 + 0.99 * 0.5 * (1 + c(pi * j / 6)) for j in range(1, 6)] + [0.01, 0.01]),
+    # cosine_decay_restarts with cycle lengths 4, 6, 9 (t_mul = 1.5), amplitude halving.
+    ("cosine_decay_restarts", schedule.cosine_decay_restarts(2.0, 4, t_mul=1.5, m_mul=0.5,
+                                                             alpha=0.25),
+     [2.0 * (0.75 * 0.5 * (1 + c(pi * j / 4)) + 0.25) for j in range(4)]
+     + [1.0 * (0.75 * 0.5 * (1 + c(pi * j / 6)) + 0.25) for j in range(6)]
+     + [0.5 * (0.75 * 0.5 * (1 + c(pi * j / 9)) + 0.25) for j in range(9)]
+     + [0.25 * (0.75 * 0.5 * (1 + c(pi * j / 13.5)) + 0.25) for j in range(3)]),
+]
+
+
+@pytest.mark.parametrize("s,expected", [a[1:] for a in BY_HAND], ids=[a[0] for a in BY_HAND])
+def test_semantics_by_hand(s, expected):
+    check(s, expected)
+
+
+def test_restarts_far_out_match_a_running_sum():
+    """The closed form for the cycle (log, then corrected by one) against cycle starts
+    accumulated one by one, over many boundaries, on both paths."""
+    s = schedule.cosine_decay_restarts(1.0, 8, t_mul=1.5, m_mul=0.9, alpha=0.1)
+    expected, start, length, amp = [], 0.0, 8.0, 1.0
+    for k in range(3000):
+        while k >= start + length:
+            start, length, amp = start + length, length * 1.5, amp * 0.9
+        expected.append(amp * (0.9 * 0.5 * (1 + c(pi * (k - start) / length)) + 0.1))
+    check(s, expected)
+
+
+ALL = [a[1] for a in AGREE + BY_HAND]
+
+
+def test_repr_pickle_and_eval():
+    for s in ALL:
+        assert pickle.loads(pickle.dumps(s)) == s
+        assert eval(repr(s), vars(schedule)) == s
+    assert repr(schedule.linear(0.0, 1.0, 10)) == \
+        "linear(init_value=0.0, end_value=1.0, steps=10)"
+
+
+def test_tensor_step_keeps_device_and_negative_counts_as_zero():
+    s = schedule.warmup_cosine_decay(0.5, 1.0, 4, 10)
+    assert s(torch.tensor(-3)).item() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match=re.escape("step=-1")):
+        s(-1)
+    with pytest.raises(TypeError):
+        s(1.5)
+    with pytest.raises(TypeError):
+        s(torch.tensor(True))
+
+
+def test_compiles_fullgraph_once():
+    """Every schedule on a step tensor in one compiled frame: no graph break, no
+    recompilation as the step changes, and the eager values. (aot_eager traces what
+    inductor would; a cold inductor compile costs 10-20 s on a small CPU.)"""
+    def f(step):
+        return torch.stack([s(step) for s in ALL])
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for k in [0, 3, 11, 29, 64, 1000]:
+        step = torch.tensor(k, dtype=torch.int32)
+        torch.testing.assert_close(compiled(step), f(step), rtol=1e-6, atol=1e-9)
+    assert counter.frame_count == 1
+
+
+def _cases_bad():
+    S = schedule
+    return [
+        (lambda: S.constant(float("nan")), "value=nan"),
+        (lambda: S.linear(float("inf"), 0.0, 10), "init_value=inf"),
+        (lambda: S.linear(0.0, 1.0, 0), "steps=0"),
+        (lambda: S.linear(0.0, 1.0, -5), "steps=-5"),
+        (lambda: S.linear(0.0, 1.0, 2.5), "steps=2.5"),
+        (lambda: S.linear(0.0, 1.0, 10.0), "steps=10.0"),
+        (lambda: S.linear(0.0, 1.0, True), "steps=True"),
+        (lambda: S.cosine_decay(1.0, 0), "decay_steps=0"),
+        (lambda: S.cosine_decay(1.0, 10, alpha="x"), "alpha='x'"),
+        (lambda: S.exponential_decay(1.0, 0.0, 10), "decay_rate=0.0"),
+        (lambda: S.exponential_decay(1.0, -0.5, 10), "decay_rate=-0.5"),
+        (lambda: S.exponential_decay(1.0, 0.5, 0), "decay_steps=0"),
+        (lambda: S.polynomial_decay(1.0, 0.0, 10, power=0), "power=0"),
+        (lambda: S.polynomial_decay(1.0, 0.0, 10, power=-1.0), "power=-1.0"),
+        (lambda: S.polynomial_decay(1.0, 0.0, -10), "decay_steps=-10"),
+        (lambda: S.warmup_cosine(0.0, 1.0, 0), "warmup_steps=0"),
+        (lambda: S.warmup_cosine_decay(0.0, 1.0, 0, 10), "warmup_steps=0"),
+        (lambda: S.warmup_cosine_decay(0.0, 1.0, 10, -1), "decay_steps=-1"),
+        (lambda: S.cosine_decay_restarts(1.0, 0), "decay_steps=0"),
+        (lambda: S.cosine_decay_restarts(1.0, 10, t_mul=0.5), "t_mul=0.5"),
+        (lambda: S.cosine_decay_restarts(1.0, 10, m_mul=0.0), "m_mul=0.0"),
+        (lambda: S.one_cycle(1.0, 0), "total_steps=0"),
+        (lambda: S.one_cycle(1.0, 100, pct_start=0.0), "pct_start=0.0"),
+        (lambda: S.one_cycle(1.0, 100, pct_start=1.0), "pct_start=1.0"),
+        (lambda: S.one_cycle(1.0, 100, pct_start=-0.1), "pct_start=-0.1"),
+        (lambda: S.one_cycle(1.0, 10, pct_start=0.05), "pct_start=0.05"),
+        (lambda: S.one_cycle(1.0, 100, div_factor=0.0), "div_factor=0.0"),
+        (lambda: S.one_cycle(1.0, 100, final_div_factor=-1.0), "final_div_factor=-1.0"),
+        (lambda: S.piecewise_constant([5, 3], [1.0, 2.0, 3.0]), "boundaries=[5, 3]"),
+        (lambda: S.piecewise_constant([5, 5], [1.0, 2.0, 3.0]), "boundaries=[5, 5]"),
+        (lambda: S.piecewise_constant([5], [1.0]), "values=[1.0]"),
+        (lambda: S.piecewise_constant([5], [1.0, 2.0, 3.0]), "values=[1.0, 2.0, 3.0]"),
+        (lambda: S.piecewise_constant([-1], [1.0, 2.0]), "boundaries=[-1]"),
+        (lambda: S.piecewise_constant([2.5], [1.0, 2.0]), "boundaries=[2.5]"),
+        (lambda: S.piecewise_constant([1], [1.0, float("nan")]), "values=nan"),
+        (lambda: S.join([]), "segments=[]"),
+        (lambda: S.join([(0, S.constant(1.0))]), "steps of a segment=0"),
+        (lambda: S.join([(-2, S.constant(1.0))]), "steps of a segment=-2"),
+        (lambda: S.join([(2.0, S.constant(1.0))]), "steps of a segment=2.0"),
+        (lambda: S.join([(3, "x")]), "'x'"),
+        (lambda: S.join([S.constant(1.0)]), "segment constant(value=1.0)"),
+    ]
+
+
+BAD = _cases_bad()
+
+
+@pytest.mark.parametrize("make,fragment", BAD, ids=[b[1] for b in BAD])
+def test_bad_arguments_raise(make, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        make()

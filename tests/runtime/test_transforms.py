@@ -1,0 +1,109 @@
+"""vega.runtime.transforms against optax (float64) and torch.linalg.vector_norm."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+
+from vega.runtime.transforms import clip_by_global_norm, clip_by_value, global_norm
+
+jax.config.update("jax_enable_x64", True)
+
+
+def grads(dtype=torch.float64, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(5, 7, generator=gen, dtype=dtype) * scale,
+            "b": [torch.randn(7, generator=gen, dtype=dtype) * scale],
+            "s": torch.randn((), generator=gen, dtype=dtype) * scale}
+
+
+def concat(tree):
+    return torch.cat([g.reshape(-1).double() for g in torch.utils._pytree.tree_leaves(tree)])
+
+
+def to_jax(tree):
+    return jax.tree.map(lambda t: jnp.asarray(t.numpy()), tree)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 3.0, 100.0])
+def test_clip_by_global_norm_matches_optax(max_norm):
+    g = grads(scale=2.0)
+    tx = optax.clip_by_global_norm(max_norm)
+    jg = to_jax(g)
+    want, _ = tx.update(jg, tx.init(jg))
+    got = clip_by_global_norm(g, max_norm)
+    for a, b in zip(jax.tree.leaves(to_jax(got)), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-13, atol=0)
+    total = global_norm(got).item()
+    assert total == pytest.approx(min(max_norm, global_norm(g).item()), rel=1e-13)
+
+
+def test_below_threshold_is_identity():
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        g = grads(dtype)
+        out = clip_by_global_norm(g, 1e4)
+        for a, b in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(g)):
+            assert a.dtype == dtype and torch.equal(a, b)
+
+
+def test_global_norm_matches_vector_norm_of_concatenation():
+    g = grads(torch.float32)
+    n = global_norm(g)
+    assert n.dtype == torch.float32 and n.dim() == 0
+    torch.testing.assert_close(n, torch.linalg.vector_norm(concat(g)).float())
+    mixed = {**grads(torch.float32), "d": torch.randn(4, dtype=torch.float64),
+             "h": torch.randn(3).half(), "c": torch.randn(2, dtype=torch.complex64),
+             "i": torch.arange(5)}
+    want = torch.linalg.vector_norm(torch.cat([
+        concat({k: v for k, v in mixed.items() if k not in ("c", "i")}),
+        torch.view_as_real(mixed["c"]).reshape(-1).double()]))
+    n = global_norm(mixed)
+    assert n.dtype == torch.float64
+    torch.testing.assert_close(n, want, rtol=1e-6, atol=0)
+    half = global_norm({"h": torch.full((4,), 300.0, dtype=torch.float16)})
+    assert half.dtype == torch.float32 and half.item() == 600.0   # 300^2 overflows float16
+    assert global_norm({}).item() == 0.0
+
+
+def test_clip_by_global_norm_dtypes_and_non_finite():
+    mixed = {"h": torch.full((4,), 300.0, dtype=torch.float16), "i": torch.arange(3),
+             "c": torch.tensor([3 + 4j])}
+    out = clip_by_global_norm(mixed, 1.0)
+    assert out["h"].dtype == torch.float16 and out["c"].dtype == torch.complex64
+    assert out["i"] is mixed["i"]
+    assert global_norm(out).item() == pytest.approx(1.0, rel=1e-3)
+    inf = clip_by_global_norm({"a": torch.tensor([1.0, float("inf")])}, 1.0)["a"]
+    assert not torch.isfinite(inf).all()          # an overflow stays visible after clipping
+    g = grads()
+    assert clip_by_global_norm(g, float("inf")) is g
+    t = clip_by_global_norm(g, torch.tensor(0.5, dtype=torch.float64))
+    assert global_norm(t).item() == pytest.approx(0.5, rel=1e-13)
+
+
+def test_clip_by_value():
+    g = {"a": torch.tensor([-3.0, -0.5, 0.0, 0.7, 9.0, float("nan")]),
+         "c": torch.tensor([3 - 0.25j]), "i": torch.tensor([10, -10])}
+    out = clip_by_value(g, 1.0)
+    assert torch.equal(out["a"][:5], torch.tensor([-1.0, -0.5, 0.0, 0.7, 1.0]))
+    assert torch.isnan(out["a"][5])
+    assert out["c"].item() == 1 - 0.25j
+    assert out["i"] is g["i"]
+
+
+BAD = [
+    (lambda: clip_by_global_norm(grads(), 0.0), "max_norm=0.0"),
+    (lambda: clip_by_global_norm(grads(), -1.0), "max_norm=-1.0"),
+    (lambda: clip_by_global_norm(grads(), float("nan")), "max_norm=nan"),
+    (lambda: clip_by_value(grads(), 0.0), "max=0.0"),
+    (lambda: clip_by_value(grads(), -2), "max=-2"),
+]
+
+
+@pytest.mark.parametrize("make,fragment", BAD, ids=[b[1] for b in BAD])
+def test_bad_arguments_raise(make, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        make()

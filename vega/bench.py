@@ -1,0 +1,217 @@
+"""``vega bench``: one optimizer step, timed side by side with torch.optim and optax.
+
+Two parameter sets: GPT-2-like (about 40M parameters in 51 tensors) and many
+small tensors (1,000 tensors of at most 10k elements). Every row is the
+median of several steps measured in this one run; ratios compare rows of the
+same run. Also: the time to compile a spec cold and to load it from the cache.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import vega
+
+# torch.optim or pytorch-optimizer counterparts of the other shipped specs:
+# (vega hyperparameters, where the counterpart lives, its class, its kwargs)
+OTHERS = {
+    "sgd": ({"lr": 1e-2, "momentum": 0.9}, "torch", "SGD", {"lr": 1e-2, "momentum": 0.9}),
+    "adam": ({}, "torch", "Adam", {}),
+    "radam": ({}, "torch", "RAdam", {}),
+    "adagrad": ({}, "torch", "Adagrad", {}),
+    "rmsprop": ({}, "torch", "RMSprop", {}),
+    "lamb": ({}, "pytorch_optimizer", "Lamb", {"max_grad_norm": 0.0}),
+    "lars": ({}, "pytorch_optimizer", "LARS", {}),
+    "lion": ({}, "pytorch_optimizer", "Lion", {}),
+    "adan": ({}, "pytorch_optimizer", "Adan", {}),
+    "adafactor": ({}, "pytorch_optimizer", "AdaFactor", {}),
+}
+
+
+def gpt2_like() -> list[tuple[int, ...]]:
+    """4 GPT-2 blocks of width 768 and a 15k-token embedding: 40M parameters, 51 tensors."""
+    d = 768
+    block = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
+             (4 * d, d), (d,)]
+    return [(15000, d), (1024, d)] + block * 4 + [(d,)]
+
+
+def many_small(n: int = 1000, seed: int = 0) -> list[tuple[int, ...]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(int(k),) for k in torch.randint(1, 10_001, (n,), generator=gen)]
+
+
+def _tensors(shapes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) * 1e-2 for s in shapes]
+    return params, grads
+
+
+def _leaves(shapes, grads):
+    out = []
+    for p, g in zip(_tensors(shapes)[0], grads):
+        p.requires_grad_(True)
+        p.grad = g.clone()
+        out.append(p)
+    return out
+
+
+def timeit(fn, budget=2.0, max_runs=7, min_runs=3) -> float:
+    """Median seconds of ``fn()`` after one warm-up call."""
+    fn()
+    times, spent = [], 0.0
+    while len(times) < min_runs or (len(times) < max_runs and spent < budget):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        spent += dt
+    return statistics.median(times)
+
+
+def adamw_rows(shapes, grads, compile_torch=True):
+    rows = {}
+    opt = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3)
+    rows["vega AdamW"] = timeit(opt.step)
+    fused_opt = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3, max_grad_norm=1.0,
+                                 loss_scale=vega.LossScale.static(1.0))
+    rows["vega AdamW + unscale, finite check, clip, skip"] = timeit(fused_opt.step)
+    for label, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}),
+                      ("fused", {"fused": True})):
+        t_opt = torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3, **kw)
+        rows[f"torch AdamW {label}"] = timeit(t_opt.step, budget=3.0 if label != "for-loop"
+                                              else 1.0)
+    ps = _leaves(shapes, grads)
+    t_opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9)
+
+    def composite():
+        scaler.unscale_(t_opt)
+        torch.nn.utils.clip_grad_norm_(ps, 1.0)
+        scaler.step(t_opt)
+        scaler.update()
+    rows["torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW"] = timeit(composite)
+    if compile_torch:
+        c_opt = torch.optim.AdamW(_leaves(shapes, grads), lr=torch.tensor(1e-3), foreach=True)
+        compiled = torch.compile(c_opt.step)
+        t0 = time.perf_counter()
+        compiled()
+        rows["(torch.compile of AdamW: compile seconds)"] = time.perf_counter() - t0
+        rows["torch.compile(AdamW.step)"] = timeit(compiled)
+    rows.update(_optax_row(shapes))
+    return rows
+
+
+def _optax_row(shapes):
+    try:
+        import jax
+        import jax.numpy as jnp
+        import optax
+    except ImportError:
+        return {"optax adamw under jax.jit (not installed)": float("nan")}
+    tx = optax.adamw(1e-3)
+    params = [jnp.asarray(p.numpy()) for p in _tensors(shapes)[0]]
+    grads = [jnp.asarray(g.numpy()) for g in _tensors(shapes)[1]]
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+    box = [params, state]
+
+    def run():
+        box[0], box[1] = step(box[0], box[1], grads)
+        jax.block_until_ready(box[0])
+    return {"optax adamw under jax.jit": timeit(run)}
+
+
+def other_rows(shapes, grads, names):
+    rows = []
+    for name in names:
+        if name not in vega.builtin_names() or name not in OTHERS:
+            continue
+        hypers, module, cls, kwargs = OTHERS[name]
+        opt = vega.builtin(name).optimizer(_leaves(shapes, grads), **hypers)
+        ours = timeit(opt.step)
+        try:
+            mod = torch.optim if module == "torch" else __import__(module)
+            ref_cls = getattr(mod, cls)
+            extra = {"foreach": True} if module == "torch" else {}
+            theirs = timeit(ref_cls(_leaves(shapes, grads), **kwargs, **extra).step)
+            label = f"{'torch.optim' if module == 'torch' else module}.{cls}" + (
+                " foreach" if extra else "")
+        except ImportError:
+            theirs, label = float("nan"), f"{module} (not installed)"
+        rows.append((name, ours, label, theirs))
+    return rows
+
+
+def compile_times() -> tuple[float, float]:
+    """Seconds to compile adamw's float32 kernel cold, and to load it from the cache."""
+    code = ("import time, vega; from vega import codegen; t = time.perf_counter(); "
+            "k = codegen.kernel('c', vega.adamw.program()); k.library(('float32',) * 3); "
+            "print(time.perf_counter() - t)")
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "VEGA_CACHE_DIR": cache}
+        run = [sys.executable, "-c", code]
+        cold = float(subprocess.run(run, env=env, capture_output=True, text=True,
+                                    check=True).stdout)
+        warm = float(subprocess.run(run, env=env, capture_output=True, text=True,
+                                    check=True).stdout)
+    return cold, warm
+
+
+def _machine() -> str:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return (f"{cpu or 'unknown CPU'}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+            f", vega {vega.__version__}")
+
+
+def main(quick: bool = False, compile_torch: bool = True, out=None) -> int:
+    out = out or sys.stdout
+
+    def say(text=""):
+        print(text, file=out, flush=True)
+    say(f"vega bench on {_machine()}")
+    cold, warm = compile_times()
+    say(f"spec compile: cold {cold:.2f} s, from the cache {1e3 * warm:.1f} ms\n")
+    sets = {"GPT-2-like (40M params, 51 tensors)": gpt2_like(),
+            "many-small (1,000 tensors <= 10k)": many_small(200 if quick else 1000)}
+    for title, shapes in sets.items():
+        _, grads = _tensors(shapes)
+        say(f"== {title}: {sum(torch.Size(s).numel() for s in shapes) / 1e6:.1f}M parameters")
+        rows = adamw_rows(shapes, grads, compile_torch=compile_torch and not quick)
+        fused = rows["torch AdamW fused"]
+        say(f"{'AdamW step':<60} {'median ms':>10} {'/ torch fused':>14}")
+        for label, secs in rows.items():
+            ratio = "" if label.startswith("(") else f"{secs / fused:>13.2f}x"
+            say(f"{label:<60} {1e3 * secs:>10.2f} {ratio}")
+        ours_fused = rows["vega AdamW + unscale, finite check, clip, skip"]
+        composite = rows["torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW"]
+        say(f"vega's fused step is {composite / ours_fused:.2f}x faster than torch's "
+            "GradScaler + clip + fused AdamW composite")
+        say(f"\n{'optimizer':<10} {'vega ms':>9}   {'counterpart':<40} {'ms':>9} {'speed-up':>9}")
+        names = [n for n in OTHERS if not quick or n in ("sgd", "lamb")]
+        for name, ours, label, theirs in other_rows(shapes, grads, names):
+            say(f"{name:<10} {1e3 * ours:>9.2f}   {label:<40} {1e3 * theirs:>9.2f} "
+                f"{theirs / ours:>8.2f}x")
+        say()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Optimizer states on disk and leaf by leaf: ``save``, ``load``, ``get_leaf``, ``set_leaf``.
+
+A state file is a safetensors file keyed by the state's leaf names
+(``vega.state_names``: ``mu.layer1.weight``, ..., ``step``), with metadata that
+marks it as a vega state. safetensors has no complex128, so a complex leaf is
+stored as its real view (``torch.view_as_real``: the shape plus a trailing 2)
+and the metadata lists it. A file is written to a temporary name in the target's
+directory, flushed to disk and renamed into place: an interrupted save leaves
+either the old file or none, never a truncated one.
+
+``load(path, like=state)`` checks the file against ``like`` -- the same names,
+shapes and dtypes, the step counter int32 -- and returns a new state with
+``like``'s structure, each tensor on the device of ``like``'s leaf.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import numbers
+import os
+import secrets
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch.utils import _pytree as pytree
+
+from vega.runtime.tree import state_names
+
+__all__ = ["get_leaf", "load", "save", "set_leaf"]
+
+FORMAT = "vega.state"  # the value of the metadata key "vega"
+FORMAT_VERSION = "1"
+
+
+# -- naming the leaves ----------------------------------------------------------------
+
+def _key(k) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _named(state, who: str):
+    """[(name, leaf)] over the state's non-None leaves (names as ``state_names``), and
+    what rebuilds the state from a full list of leaves."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{who}: a state is the dict of fields that <name>_init returns, "
+                         f"got {type(state).__name__}")
+    pairs, spec = pytree.tree_flatten_with_path(state, is_leaf=lambda x: x is None)
+    named, leaves = [], []
+    for path, leaf in pairs:
+        leaves.append(leaf)
+        if leaf is not None:
+            named.append((".".join(_key(k) for k in path), len(leaves) - 1))
+    names = [n for n, _ in named]
+    if names != state_names(state):  # the same rule, computed twice: an internal invariant
+        raise AssertionError(f"leaf names disagree: {names} against {state_names(state)}")
+    seen = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"{who}: two leaves of the state are both named {name!r}; "
+                             "rename a key so that each leaf has its own name")
+        seen.add(name)
+    return named, leaves, spec
+
+
+def _suggest(name: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    shown = ", ".join(map(repr, names[:8])) + (", ..." if len(names) > 8 else "")
+    return f"; the state's leaves are {shown}"
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} of shape {tuple(t.shape)}"
+
+
+# -- files ----------------------------------------------------------------------------
+
+def _write(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write the safetensors file ``path`` (the temporary file of ``save``)."""
+    save_file(tensors, path, metadata=metadata)
+
+
+def save(path, state) -> None:
+    """Write ``state`` to the safetensors file ``path``, keyed by its leaf names.
+
+    The write is atomic: a temporary file in the same directory, flushed to disk
+    (fsync), then renamed over ``path``.
+    """
+    named, leaves, _ = _named(state, "vega.save")
+    tensors, complex_names, storages = {}, [], set()
+    for name, i in named:
+        leaf = leaves[i]
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(f"vega.save: state leaf {name!r} is a {type(leaf).__name__}, "
+                             "not a tensor")
+        t = leaf.detach()
+        if t.is_complex():
+            complex_names.append(name)
+            t = torch.view_as_real(t.resolve_conj())
+        t = t.to("cpu").contiguous()
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key in storages or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # safetensors refuses tensors that share memory
+        storages.add(key)
+        tensors[name] = t
+    metadata = {"vega": FORMAT, "vega.version": FORMAT_VERSION,
+                "vega.complex": json.dumps(complex_names)}
+    target = Path(os.fspath(path))
+    directory = target.parent
+    tmp = str(directory / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies
+    try:
+        mode = (target if target.exists() else Path(tmp)).stat().st_mode & 0o7777
+        _write(tmp, tensors, metadata)
+        os.chmod(tmp, mode)  # safetensors writes its files private (0600)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # the rename itself survives a crash once the directory is flushed
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def _read(path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The tensors of a vega state file and the names of its complex leaves."""
+    where = repr(os.fspath(path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"vega.load: no such file {where}")
+    try:
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("vega") != FORMAT:
+                raise ValueError(f"vega.load: {where} is a safetensors file but not a vega "
+                                 "state (it has no 'vega' metadata); write states with "
+                                 "vega.save")
+            if metadata.get("vega.version") != FORMAT_VERSION:
+                raise ValueError(f"vega.load: {where} is a vega state of format version "
+                                 f"{metadata.get('vega.version')!r}; this vega reads version "
+                                 f"{FORMAT_VERSION!r}")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"vega.load: {where} is not a vega state file (not a readable "
+                         f"safetensors file: {err})") from err
+    try:
+        complex_names = json.loads(metadata.get("vega.complex", "[]"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"vega.load: {where} has corrupt 'vega.complex' metadata") from err
+    return tensors, complex_names
+
+
+def load(path, like) -> dict:
+    """The state saved in ``path``, with the structure of ``like``.
+
+    Every leaf of ``like`` must be in the file with the same shape and dtype, and
+    the file must have no other leaf; each tensor comes back on the device of
+    ``like``'s leaf. Raises ``ValueError`` naming the leaf otherwise, and naming
+    the file when it is not a vega state.
+    """
+    named, leaves, spec = _named(like, "vega.load")
+    tensors, complex_names = _read(path)
+    where = repr(os.fspath(path))
+    names = [n for n, _ in named]
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"vega.load: {where} has no leaf {missing[0]!r}"
+                         f"{_suggest(missing[0], sorted(tensors))}"
+                         + (f" ({len(missing)} leaves missing in all)" if len(missing) > 1
+                            else "") + "; was it saved from a state of another optimizer, "
+                         "other flags or other parameters?")
+    extra = sorted(set(tensors) - set(names))
+    if extra:
+        raise ValueError(f"vega.load: {where} has leaf {extra[0]!r}, which the state given as "
+                         f"like= does not have" + (f" ({len(extra)} such leaves)"
+                                                   if len(extra) > 1 else ""))
+    out = list(leaves)
+    for name, i in named:
+        want = leaves[i]
+        if not isinstance(want, torch.Tensor):
+            raise ValueError(f"vega.load: like= leaf {name!r} is a {type(want).__name__}, "
+                             "not a tensor")
+        got = tensors[name]
+        if name in complex_names:
+            if got.dim() == 0 or got.shape[-1] != 2 or not got.is_floating_point():
+                raise ValueError(f"vega.load: leaf {name!r} in {where} is marked complex but "
+                                 f"is {_describe(got)}")
+            got = torch.view_as_complex(got.contiguous())
+        if got.dtype != want.dtype:
+            raise ValueError(f"vega.load: leaf {name!r} in {where} has dtype {got.dtype}, but "
+                             f"the state given as like= has {want.dtype}")
+        if got.shape != want.shape:
+            raise ValueError(f"vega.load: leaf {name!r} in {where} has shape "
+                             f"{tuple(got.shape)}, but the state given as like= has "
+                             f"{tuple(want.shape)}")
+        out[i] = got.to(want.device)
+    return pytree.tree_unflatten(out, spec)
+
+
+# -- one leaf -------------------------------------------------------------------------
+
+def _find(state, name: str, who: str):
+    named, leaves, spec = _named(state, who)
+    if not isinstance(name, str):
+        raise ValueError(f"{who}: a leaf name is a string such as 'step', got {name!r}")
+    index = dict(named)
+    if name not in index:
+        raise ValueError(f"{who}: the state has no leaf {name!r}{_suggest(name, list(index))}")
+    return index[name], leaves, spec
+
+
+def get_leaf(state, name: str):
+    """The leaf of ``state`` named ``name`` (one of ``vega.state_names(state)``)."""
+    i, leaves, _ = _find(state, name, "vega.get_leaf")
+    return leaves[i]
+
+
+def set_leaf(state, name: str, value):
+    """A new state with leaf ``name`` replaced by ``value``; ``state`` is left as it was.
+
+    ``value`` must have the leaf's shape, dtype and device; a Python number is
+    taken for a 0-d leaf (``set_leaf(state, "step", 100)``). The other leaves are
+    shared with ``state``.
+    """
+    who = "vega.set_leaf"
+    i, leaves, spec = _find(state, name, who)
+    old = leaves[i]
+    if isinstance(value, numbers.Number) and isinstance(old, torch.Tensor) and old.dim() == 0:
+        kind = (numbers.Complex if old.is_complex() else numbers.Real if old.is_floating_point()
+                else numbers.Integral)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(f"{who}: leaf {name!r} is {old.dtype}; {value!r} does not fit it")
+        try:
+            value = torch.tensor(value, dtype=old.dtype, device=old.device)
+        except (RuntimeError, OverflowError) as err:
+            raise ValueError(f"{who}: leaf {name!r} is {old.dtype}; {value!r} does not fit "
+                             "it") from err
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{who}: the value for leaf {name!r} must be a tensor, got "
+                         f"{type(value).__name__}")
+    if isinstance(old, torch.Tensor):
+        if value.dtype != old.dtype or value.shape != old.shape:
+            raise ValueError(f"{who}: leaf {name!r} is {_describe(old)}; the value given is "
+                             f"{_describe(value)}")
+        if value.device != old.device:
+            raise ValueError(f"{who}: leaf {name!r} is on {old.device}; the value given is on "
+                             f"{value.device}")
+    out = list(leaves)
+    out[i] = value
+    return pytree.tree_unflatten(out, spec)
