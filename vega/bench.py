@@ -81,7 +81,8 @@ def adamw_rows(shapes, grads, compile_torch=True):
     opt = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3)
     rows["vega AdamW"] = timeit(opt.step)
     fused_opt = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3, max_grad_norm=1.0,
-                                 loss_scale=vega.LossScale.static(1.0))
+                                 loss_scale=vega.LossScale.dynamic(init=1.0,
+                                                                   growth_interval=10**9))
     rows["vega AdamW + unscale, finite check, clip, skip"] = timeit(fused_opt.step)
     for label, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}),
                       ("fused", {"fused": True})):
@@ -91,6 +92,7 @@ def adamw_rows(shapes, grads, compile_torch=True):
     ps = _leaves(shapes, grads)
     t_opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9)
+    scaler.scale(torch.ones(()))  # GradScaler makes its scale tensor on first use
 
     def composite():
         scaler.unscale_(t_opt)
@@ -99,7 +101,7 @@ def adamw_rows(shapes, grads, compile_torch=True):
         scaler.update()
     rows["torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW"] = timeit(composite)
     if compile_torch:
-        c_opt = torch.optim.AdamW(_leaves(shapes, grads), lr=torch.tensor(1e-3), foreach=True)
+        c_opt = torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3, foreach=True)
         compiled = torch.compile(c_opt.step)
         t0 = time.perf_counter()
         compiled()

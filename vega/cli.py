@@ -15,6 +15,7 @@ commands:
   vega show FILE|NAME [--backend B]    print the kernel generated for a spec
   vega list                            the optimizers that ship with vega
   vega demo                            train a small model with vega and torch.optim
+  vega bench [--quick] [--no-compile]  time one step against torch.optim and optax
 """
 
 
@@ -79,6 +80,11 @@ def cmd_demo(args) -> int:
     return demo_main(steps=args.steps, seed=args.seed)
 
 
+def cmd_bench(args) -> int:
+    from vega.bench import main as bench_main
+    return bench_main(quick=args.quick, compile_torch=not args.no_compile)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vega", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=400, help="training steps per optimizer")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("bench", help="time one optimizer step against torch.optim and optax")
+    p.add_argument("--quick", action="store_true", help="fewer tensors and optimizers")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to build)")
+    p.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

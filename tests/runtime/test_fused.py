@@ -104,3 +104,66 @@ def test_bad_fused_arguments():
     p = torch.zeros(3)
     with pytest.raises(ValueError, match="max_grad_norm=-1 must be a positive"):
         vega.sgd_step(p, p, vega.sgd_init(p), max_grad_norm=-1)
+
+
+def _train(dtype, steps=150, overflow_at=(40,)):
+    from vega.demo import model, spirals
+    x, y = spirals(seed=0)
+    net = model(0).to(dtype)
+    ls = vega.LossScale.dynamic(init=2.0**12, growth_interval=20) if dtype == torch.float16 \
+        else None
+    opt = vega.optim.AdamW(net.parameters(), lr=1e-2, loss_scale=ls, skip_nonfinite=True)
+    gen = torch.Generator().manual_seed(1)
+    skipped = 0
+    for step in range(steps):
+        idx = torch.randint(0, len(x), (128,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(net(x[idx].to(dtype)).float(), y[idx])
+        opt.zero_grad()
+        (opt.loss_scale.scale(loss) if ls is not None else loss).backward()
+        if step in overflow_at:
+            next(net.parameters()).grad[0, 0] = float("inf")
+        before = next(net.parameters()).detach().clone()
+        opt.step()
+        skipped += int(torch.equal(before, next(net.parameters())))
+    with torch.no_grad():
+        final = torch.nn.functional.cross_entropy(net(x.to(dtype)).float(), y).item()
+    return final, skipped, opt
+
+
+def test_float16_with_dynamic_loss_scale_reaches_float32_loss():
+    """float16 parameters and gradients, float32 state, an injected overflow: the final
+    loss is within 0.05 of the float32 run's (both start at ln 3 = 1.10)."""
+    loss32, _, _ = _train(torch.float32)
+    loss16, skipped, opt = _train(torch.float16)
+    assert skipped >= 1  # the injected overflow was skipped
+    assert opt.loss_scale.loss_scale.item() < 2.0**12 * 2.0**8  # it backed off at least once
+    assert all(s.dtype == torch.float32 for st in opt.state.values() for k, s in st.items()
+               if k != "step")
+    assert loss32 < 0.5
+    assert abs(loss16 - loss32) < 0.05, (loss16, loss32)
+
+
+HOST_READS = ["item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__"]
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_no_step_reads_a_tensor_back_to_the_host(backend, monkeypatch):
+    """Any read of a tensor's value into Python during step() fails the test."""
+    ps = _params()
+    opt = vega.optim.AdamW(ps, backend=backend, max_grad_norm=1.0,
+                           loss_scale=vega.LossScale.dynamic(),
+                           lr=vega.schedule.warmup_cosine_decay(0.0, 1e-3, 5, 20))
+    _set_grads(ps, 0)
+    opt.step()  # first step: state made (outside the patched region too)
+
+    def refuse(name):
+        def read(*args, **kwargs):
+            raise AssertionError(f"host read Tensor.{name} inside step()")
+        return read
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    for step in range(1, 4):
+        _set_grads(ps, step, bad=(step == 2))
+        opt.step()
+    monkeypatch.undo()
+    assert opt.state[ps[0]]["step"].item() == 3  # one skipped
