@@ -391,6 +391,7 @@ class Kernel:
         self._nphases = len(reduction_phases(program))
         self._nred = sum(len(p) for p in reduction_phases(program))
         self.last_build: dict = {}  # what the latest library build did: for `vega bench`
+        self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
 
     def source(self, dtypes=("float32", "float32", "float32")) -> str:
         return Source(self.program, *dtypes).text()
@@ -494,8 +495,14 @@ class Kernel:
                 if any(isinstance(v, torch.Tensor) for v in parts):
                     arr = torch.stack([torch.as_tensor(v).detach().to(torch.float64).reshape(())
                                        for v in parts]) if parts else torch.zeros(1)
-                else:
-                    arr = torch.tensor([float(v) for v in parts] or [0.0], dtype=torch.float64)
+                else:  # plain numbers: one array per distinct setting, kept across steps
+                    numbers = tuple(float(v) for v in parts) or (0.0,)
+                    arr = self._hyp_cache.get(numbers)
+                    if arr is None:
+                        if len(self._hyp_cache) > 64:
+                            self._hyp_cache.clear()
+                        arr = self._hyp_cache[numbers] = torch.tensor(numbers,
+                                                                      dtype=torch.float64)
                 seen[id(vals)] = len(arrays)
                 arrays.append(arr)
             index.append(seen[id(vals)])

@@ -181,9 +181,13 @@ class StateVar:
     span: Span | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Program:
-    """One specialization of a spec: its bool hyperparameters fixed."""
+    """One specialization of a spec: its bool hyperparameters fixed.
+
+    Compared and hashed by identity (specs cache their programs), so looking up
+    a program's compiled kernel costs nothing per step.
+    """
 
     name: str
     hypers: tuple[HyperParam, ...]

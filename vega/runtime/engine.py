@@ -147,9 +147,14 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     states, new steps, finite).
     """
     evaluated: dict[tuple[int, int], dict] = {}
+    scheduled: dict[int, bool] = {}
     per_tensor = []
     for step, vals in zip(steps, values):
-        key = (id(step), id(vals))
+        if id(vals) not in scheduled:
+            scheduled[id(vals)] = any(callable(v) and not isinstance(v, torch.Tensor)
+                                      for v in vals.values())
+        # without schedules the values do not depend on the step: one dict for all
+        key = (id(step) if scheduled[id(vals)] else 0, id(vals))
         if key not in evaluated:
             evaluated[key] = at_step(vals, step)
         per_tensor.append(evaluated[key])
