@@ -3,6 +3,7 @@
 Each is a real ``torch.optim.Optimizer``: param groups with their own
 hyperparameters, ``state_dict`` / ``load_state_dict``, ``zero_grad``.
 """
+from vega.runtime.lbfgs import LBFGS
 from vega.runtime.library import builtin
 from vega.runtime.optim import SpecOptimizer
 
@@ -17,4 +18,4 @@ Adagrad = builtin("adagrad").optimizer_class
 RMSprop = builtin("rmsprop").optimizer_class
 Adan = builtin("adan").optimizer_class
 
-__all__ = ["SpecOptimizer", "SGD", "Adam", "AdamW", "RAdam", "LAMB", "LARS", "Lion", "Adagrad", "RMSprop", "Adan"]
+__all__ = ["SpecOptimizer", "SGD", "Adam", "AdamW", "RAdam", "LAMB", "LARS", "Lion", "Adagrad", "RMSprop", "Adan", "LBFGS"]

@@ -1,0 +1,523 @@
+"""vega.runtime.lbfgs against optax.lbfgs(linesearch=None), in float64, step by step.
+
+Each side evaluates the gradient of the same objective at its own parameters,
+so the curvature pairs are the real ones and any difference compounds: the
+parameters are compared after every one of 20 steps, and the whole state at
+the end.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import vega
+from vega.runtime.io import load, save
+from vega.runtime.lbfgs import LBFGS, lbfgs_init, lbfgs_step
+
+jax = pytest.importorskip("jax")
+jax.config.update("jax_enable_x64", True)
+jnp = jax.numpy
+optax = pytest.importorskip("optax")
+
+STEPS = 20
+RTOL = 1e-9
+
+
+# -- the objective: a regularized bilinear least squares, with a quartic term ----------
+#
+# r = w @ b + s * u - y;  f = |r|^2 / 2 + lam (|w|^2 + |b|^2 + s^2) / 2 + mu sum(b^4) / 4.
+# Written once for torch and jax.numpy (the same operators), gradient by hand.
+
+LAM, MU = 0.1, 0.05
+
+
+def consts(dtype=torch.float64):
+    gen = torch.Generator().manual_seed(7)
+    return (torch.randn(5, generator=gen, dtype=torch.float64).to(dtype),
+            torch.randn(5, generator=gen, dtype=torch.float64).to(dtype))
+
+
+def make_params(dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(5, 7, generator=gen, dtype=torch.float64).to(dtype),
+            "b": torch.randn(7, generator=gen, dtype=torch.float64).to(dtype),
+            "s": torch.tensor(0.7, dtype=dtype)}
+
+
+def residual(p, u, y):
+    return p["w"] @ p["b"] + p["s"] * u - y
+
+
+def loss(p, u, y):
+    w, b, s = p["w"], p["b"], p["s"]
+    r = residual(p, u, y)
+    return (0.5 * (r * r).sum() + 0.5 * LAM * ((w * w).sum() + (b * b).sum() + s * s)
+            + 0.25 * MU * (b ** 4).sum())
+
+
+def grad(p, u, y):
+    w, b, s = p["w"], p["b"], p["s"]
+    r = residual(p, u, y)
+    return {"w": r[:, None] * b[None, :] + LAM * w,
+            "b": w.T @ r + LAM * b + MU * b ** 3,
+            "s": (r * u).sum() + LAM * s}
+
+
+def to_jax(tree):
+    return jax.tree.map(lambda t: jnp.asarray(t.detach().numpy()), tree)
+
+
+def assert_close(got: torch.Tensor, want, what: str, rtol: float = RTOL):
+    got = got.detach().numpy()
+    want = np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    scale = max(float(np.abs(want).max(initial=0.0)), 1e-300)
+    err = float(np.abs(got - want).max(initial=0.0))
+    assert err <= rtol * scale, f"{what}: max error {err:.3e} against scale {scale:.3e}"
+
+
+def run_both(memory_size=10, lr=1.0, optax_lr=None, scale_init_precond=True, steps=STEPS,
+             params=None, grad_fn=grad):
+    """Step vega and optax side by side; compare params every step, return both."""
+    u, y = consts()
+    ju, jy = jnp.asarray(u.numpy()), jnp.asarray(y.numpy())
+    params = make_params() if params is None else params
+    tx = optax.lbfgs(learning_rate=lr if optax_lr is None else optax_lr,
+                     memory_size=memory_size, scale_init_precond=scale_init_precond,
+                     linesearch=None)
+    jp = to_jax(params)
+    js = tx.init(jp)
+    kw = {} if memory_size == 10 else {"memory_size": memory_size}
+    state = lbfgs_init(params, **kw)
+    p = params
+
+    @jax.jit
+    def optax_step(jp, js):
+        upd, js = tx.update(grad_fn(jp, ju, jy), js, jp)
+        return optax.apply_updates(jp, upd), js
+
+    for k in range(steps):
+        p, state = lbfgs_step(p, grad_fn(p, u, y), state, lr=lr,
+                              scale_init_precond=scale_init_precond)
+        jp, js = optax_step(jp, js)
+        for name in p:
+            assert_close(p[name], jp[name], f"step {k}: params '{name}'")
+    return p, state, jp, js
+
+
+def compare_state(state, js, memory_size):
+    ls = js[0]  # ScaleByLBFGSState, first in optax's chain
+    assert int(state["step"]) == int(ls.count)
+    assert_close(state["weights"], ls.weights_memory, "weights")
+    for name in state["params_prev"]:
+        assert_close(state["params_prev"][name], ls.params[name], f"params_prev.{name}")
+        assert_close(state["updates_prev"][name], ls.updates[name], f"updates_prev.{name}")
+        assert_close(state["diff_params"][name], ls.diff_params_memory[name],
+                     f"diff_params.{name}")
+        assert_close(state["diff_updates"][name], ls.diff_updates_memory[name],
+                     f"diff_updates.{name}")
+        assert state["diff_params"][name].shape[0] == memory_size
+
+
+# -- against optax ---------------------------------------------------------------------
+
+def test_matches_optax_defaults():
+    p, state, jp, js = run_both()
+    compare_state(state, js, 10)
+    u, y = consts()
+    assert float(loss(p, u, y)) < 0.2 * float(loss(make_params(), u, y))
+
+
+@pytest.mark.parametrize("memory_size,lr", [(4, 0.5), (1, 0.8), (3, 1.0)])
+def test_matches_optax_small_memory_wraps(memory_size, lr):
+    _, state, _, js = run_both(memory_size=memory_size, lr=lr)
+    compare_state(state, js, memory_size)
+    assert int(state["step"]) > memory_size  # the ring buffer wrapped
+
+
+def test_matches_optax_without_initial_scaling():
+    _, state, _, js = run_both(memory_size=5, lr=0.3, scale_init_precond=False)
+    compare_state(state, js, 5)
+
+
+def test_lr_as_tensor_and_as_schedule():
+    run_both(memory_size=6, lr=torch.tensor(0.7, dtype=torch.float64), optax_lr=0.7)
+    # a schedule of the step tensor, evaluated at the completed steps (optax's count)
+    run_both(memory_size=6, lr=lambda k: 0.9 * 0.95 ** k.double(),
+             optax_lr=lambda c: 0.9 * 0.95 ** c)
+
+
+def test_vega_schedule_is_evaluated_at_completed_steps():
+    """A vega.schedule (float32 values) against optax fed the same float32 values."""
+    sched = vega.schedule.linear(init_value=1.0, end_value=0.2, steps=10)
+    values = [float(sched(torch.tensor(k, dtype=torch.int32))) for k in range(STEPS)]
+    run_both(memory_size=4, lr=sched,
+             optax_lr=lambda c: jnp.asarray(values)[jnp.minimum(c, STEPS - 1)])
+
+
+def test_zero_lr_keeps_params_and_records_history():
+    params = make_params()
+    u, y = consts()
+    state = lbfgs_init(params)
+    p = params
+    for _ in range(3):
+        p, state = lbfgs_step(p, grad(p, u, y), state, lr=0.0)
+    for name in params:
+        assert torch.equal(p[name], params[name])
+    assert int(state["step"]) == 3
+    # no parameter movement: the pairs are zero, so their weights are 0, not inf
+    assert torch.equal(state["weights"], torch.zeros(10, dtype=torch.float64))
+
+
+def test_complex_parameters_match_optax():
+    """A complex leaf steps as its two real coordinates: optax takes the real part of
+    every inner product, which is the same thing. The gradient is torch's convention
+    (conj of jax.grad), fed to both."""
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(6, 4, generator=gen, dtype=torch.complex128)
+    t = torch.randn(6, generator=gen, dtype=torch.complex128)
+    ja, jt = jnp.asarray(a.numpy()), jnp.asarray(t.numpy())
+
+    def g(p, A, T):
+        r = A @ p["z"] - T
+        return {"z": A.conj().T @ r + 0.1 * p["z"], "x": 2.0 * (p["x"] - 1.0)}
+
+    params = {"z": torch.randn(4, generator=gen, dtype=torch.complex128),
+              "x": torch.randn(3, generator=gen, dtype=torch.float64)}
+    tx = optax.lbfgs(learning_rate=0.5, memory_size=3, linesearch=None)
+    jp = to_jax(params)
+    js = tx.init(jp)
+    state = lbfgs_init(params, memory_size=3)
+    assert state["diff_params"]["z"].dtype == torch.complex128
+    assert state["weights"].dtype == torch.float64
+    p = params
+
+    @jax.jit
+    def optax_step(jp, js):
+        upd, js = tx.update(g(jp, ja, jt), js, jp)
+        return optax.apply_updates(jp, upd), js
+
+    for k in range(12):
+        p, state = lbfgs_step(p, g(p, a, t), state, lr=0.5)
+        jp, js = optax_step(jp, js)
+        assert p["z"].dtype == torch.complex128
+        for name in p:
+            assert_close(p[name], jp[name], f"step {k}: params '{name}'")
+    assert_close(state["diff_updates"]["z"], js[0].diff_updates_memory["z"], "diff_updates.z")
+
+
+def test_first_step_is_a_capped_gradient_step():
+    params = {"x": torch.tensor([3.0, 4.0], dtype=torch.float64)}
+    grads = {"x": torch.tensor([6.0, 8.0], dtype=torch.float64)}  # norm 10
+    p, _ = lbfgs_step(params, grads, lbfgs_init(params), lr=0.5)
+    torch.testing.assert_close(p["x"], params["x"] - 0.5 * grads["x"] / 10, rtol=0, atol=1e-15)
+    small = {"x": torch.tensor([0.06, 0.08], dtype=torch.float64)}  # norm 0.1: not scaled up
+    p, _ = lbfgs_step(params, small, lbfgs_init(params), lr=0.5)
+    torch.testing.assert_close(p["x"], params["x"] - 0.5 * small["x"], rtol=0, atol=1e-15)
+    zero = {"x": torch.zeros(2, dtype=torch.float64)}
+    p, state = lbfgs_step(params, zero, lbfgs_init(params))
+    assert torch.equal(p["x"], params["x"]) and torch.isfinite(state["weights"]).all()
+
+
+def test_quadratic_converges_to_solution():
+    """On a strongly convex quadratic, L-BFGS at lr 1 reaches the minimizer."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    a = q @ q.T + 0.5 * torch.eye(8, dtype=torch.float64)
+    bvec = torch.randn(8, generator=gen, dtype=torch.float64)
+    x = {"x": torch.zeros(8, dtype=torch.float64)}
+    state = lbfgs_init(x)
+    for _ in range(40):
+        x, state = lbfgs_step(x, {"x": a @ x["x"] - bvec}, state)
+    torch.testing.assert_close(x["x"], torch.linalg.solve(a, bvec), rtol=1e-8, atol=1e-10)
+
+
+# -- the state -------------------------------------------------------------------------
+
+def test_state_structure_and_names():
+    params = {"w": torch.zeros(5, 7, dtype=torch.float64), "b": torch.zeros(7),
+              "s": torch.zeros((), dtype=torch.float64), "idx": torch.arange(3)}
+    state = lbfgs_init(params, memory_size=4)
+    assert vega.state_names(state) == [
+        "diff_params.w", "diff_params.b", "diff_params.s",
+        "diff_updates.w", "diff_updates.b", "diff_updates.s",
+        "weights",
+        "params_prev.w", "params_prev.b", "params_prev.s",
+        "updates_prev.w", "updates_prev.b", "updates_prev.s",
+        "step"]
+    assert state["diff_params"]["w"].shape == (4, 5, 7)
+    assert state["diff_updates"]["s"].shape == (4,)
+    assert state["diff_params"]["b"].dtype == torch.float32
+    assert state["params_prev"]["w"].shape == (5, 7)
+    assert state["diff_params"]["idx"] is None and state["params_prev"]["idx"] is None
+    assert state["weights"].shape == (4,) and state["weights"].dtype == torch.float64
+    assert state["step"].dtype == torch.int32 and state["step"].dim() == 0
+    assert int(state["step"]) == 0
+    assert lbfgs_init(params)["weights"].shape == (10,)
+
+
+def test_state_dtypes():
+    f32 = lbfgs_init({"a": torch.zeros(3)})
+    assert f32["weights"].dtype == torch.float32
+    half = lbfgs_init({"h": torch.zeros(3, dtype=torch.bfloat16)})
+    assert half["diff_params"]["h"].dtype == torch.float32
+    assert half["weights"].dtype == torch.float32
+    chosen = lbfgs_init({"a": torch.zeros(3)}, state_dtype=torch.float64)
+    assert chosen["params_prev"]["a"].dtype == torch.float64
+    assert chosen["weights"].dtype == torch.float64
+
+
+def test_save_and_load_round_trip(tmp_path):
+    params = make_params()
+    u, y = consts()
+    state = lbfgs_init(params, memory_size=3)
+    p = params
+    for _ in range(4):
+        p, state = lbfgs_step(p, grad(p, u, y), state)
+    save(tmp_path / "lbfgs.safetensors", state)
+    back = load(tmp_path / "lbfgs.safetensors", like=lbfgs_init(params, memory_size=3))
+    a, sa = lbfgs_step(p, grad(p, u, y), state)
+    b, sb = lbfgs_step(p, grad(p, u, y), back)
+    for name in a:
+        assert torch.equal(a[name], b[name])
+    assert int(sb["step"]) == 5
+
+
+def test_step_saturates():
+    params = {"x": torch.ones(2, dtype=torch.float64)}
+    state = lbfgs_init(params, memory_size=3)
+    state["step"] = torch.tensor(2 ** 31 - 1, dtype=torch.int32)
+    p, state = lbfgs_step(params, {"x": torch.ones(2, dtype=torch.float64)}, state)
+    assert int(state["step"]) == 2 ** 31 - 1 and torch.isfinite(p["x"]).all()
+
+
+# -- purity, donation, pass-through -----------------------------------------------------
+
+def _leaves(tree):
+    return [x for x in torch.utils._pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _advanced_state(memory_size=4, steps=6):
+    params = make_params()
+    u, y = consts()
+    state = lbfgs_init(params, memory_size=memory_size)
+    p = params
+    for _ in range(steps):
+        p, state = lbfgs_step(p, grad(p, u, y), state)
+    return p, state, grad(p, u, y)
+
+
+def test_pure_by_default():
+    p, state, g = _advanced_state()
+    before = [x.clone() for x in _leaves((p, state, g))]
+    new_p, new_state = lbfgs_step(p, g, state)
+    for a, b in zip(_leaves((p, state, g)), before):
+        assert torch.equal(a, b)
+    old_ptrs = {x.data_ptr() for x in _leaves((p, state, g))}
+    for x in _leaves((new_p, new_state)):
+        assert x.data_ptr() not in old_ptrs  # nothing returned aliases an input
+    assert int(new_state["step"]) == int(state["step"]) + 1
+
+
+def test_donate_updates_in_place_and_agrees_with_pure():
+    p, state, g = _advanced_state()
+    want_p, want_state = lbfgs_step(p, g, state)
+    ids = [id(x) for x in _leaves((p, state))]
+    got_p, got_state = lbfgs_step(p, g, state, donate=True)
+    assert [id(x) for x in _leaves((got_p, got_state))] == ids
+    for a, b in zip(_leaves((got_p, got_state)), _leaves((want_p, want_state))):
+        assert torch.equal(a, b)
+    assert vega.state_names(got_state) == vega.state_names(want_state)
+
+
+def test_non_float_leaves_and_missing_grads_pass_through():
+    params = {**make_params(), "idx": torch.arange(4), "frozen": torch.ones(2, dtype=torch.float64)}
+    u, y = consts()
+    state = lbfgs_init(params, memory_size=3)
+    p = params
+    for _ in range(5):
+        g = {**grad(p, u, y), "idx": None, "frozen": None}
+        p, state = lbfgs_step(p, g, state)
+    assert p["idx"] is params["idx"] and p["frozen"] is params["frozen"]
+    assert state["diff_params"]["idx"] is None
+    assert torch.equal(state["diff_params"]["frozen"], torch.zeros(3, 2, dtype=torch.float64))
+    # the stepped leaves follow optax over just those leaves
+    _, _, jp, _ = run_both(memory_size=3, steps=5)
+    for name in jp:
+        assert_close(p[name], jp[name], name)
+
+
+def test_requires_grad_is_kept():
+    params = {"x": torch.ones(3, dtype=torch.float64, requires_grad=True)}
+    p, _ = lbfgs_step(params, {"x": torch.ones(3, dtype=torch.float64)}, lbfgs_init(params))
+    assert p["x"].requires_grad and p["x"].is_leaf
+
+
+def test_float32_tracks_float64():
+    u, y = consts(torch.float32)
+    u64, y64 = consts()
+    p32, p64 = make_params(torch.float32), make_params()
+    s32, s64 = lbfgs_init(p32, memory_size=5), lbfgs_init(p64, memory_size=5)
+    for _ in range(8):
+        p32, s32 = lbfgs_step(p32, grad(p32, u, y), s32, lr=0.5)
+        p64, s64 = lbfgs_step(p64, grad(p64, u64, y64), s64, lr=0.5)
+    assert p32["w"].dtype == torch.float32 and s32["weights"].dtype == torch.float32
+    for name in p64:
+        torch.testing.assert_close(p32[name].double(), p64[name], rtol=1e-3, atol=1e-4)
+
+
+# -- no host sync: one compiled graph ----------------------------------------------------
+
+def test_compiles_fullgraph_and_matches_eager():
+    params = make_params()
+    u, y = consts()
+    sched = vega.schedule.cosine_decay(init_value=0.8, decay_steps=10)
+
+    def train_step(p, state):
+        return lbfgs_step(p, grad(p, u, y), state, lr=sched)
+
+    compiled = torch.compile(train_step, backend="eager", fullgraph=True)
+    pe, se = params, lbfgs_init(params, memory_size=3)
+    pc, sc = params, lbfgs_init(params, memory_size=3)
+    for _ in range(5):
+        pe, se = train_step(pe, se)
+        pc, sc = compiled(pc, sc)
+    for a, b in zip(_leaves((pc, sc)), _leaves((pe, se))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+# -- validation ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "10", None])
+def test_memory_size_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match=re.escape(f"memory_size={bad!r}")):
+        lbfgs_init(make_params(), memory_size=bad)
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (-0.1, "lr=-0.1 must be a finite number >= 0"), (math.nan, "lr=nan"),
+    (math.inf, "lr=inf"), ("fast", "lr='fast'"), (True, "lr=True"),
+    (torch.tensor([0.1]), "lr must be a 0-d float tensor"),
+    (torch.tensor(1), "lr must be a 0-d float tensor"),
+])
+def test_lr_is_validated(bad, msg):
+    params = make_params()
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        lbfgs_step(params, params, lbfgs_init(params), lr=bad)
+
+
+def test_step_validates_its_inputs():
+    params = make_params()
+    state = lbfgs_init(params, memory_size=4)
+    with pytest.raises(ValueError, match=r"memory_size=5, but the state was made with "
+                                         r"memory_size=4"):
+        lbfgs_step(params, params, state, memory_size=5)
+    lbfgs_step(params, params, state, memory_size=4)  # agreeing is fine
+    with pytest.raises(ValueError, match="memory_size=0"):
+        lbfgs_step(params, params, state, memory_size=0)
+    with pytest.raises(ValueError, match="scale_init_precond=1"):
+        lbfgs_step(params, params, state, scale_init_precond=1)
+    with pytest.raises(ValueError, match="donate='yes'"):
+        lbfgs_step(params, params, state, donate="yes")
+    with pytest.raises(ValueError, match="grads do not have the structure of params"):
+        lbfgs_step(params, {"w": params["w"]}, state)
+    bad = {**params, "w": torch.zeros(7, 5, dtype=torch.float64)}
+    with pytest.raises(ValueError, match=r"grads leaf 'w' has shape \(7, 5\)"):
+        lbfgs_step(params, bad, state)
+    with pytest.raises(ValueError, match="state must be the dict that lbfgs_init returns"):
+        lbfgs_step(params, params, [state])
+    with pytest.raises(ValueError, match="make it with lbfgs_init"):
+        lbfgs_step(params, params, vega.adam_init(params))
+    with pytest.raises(ValueError, match=r"state\['step'\] must be a 0-d int32 tensor"):
+        lbfgs_step(params, params, {**state, "step": torch.tensor(0)})
+    with pytest.raises(ValueError, match="state field 'params_prev' does not have the structure"):
+        lbfgs_step(params, params, {**state, "params_prev": {"w": params["w"]}})
+    other = lbfgs_init({**params, "w": torch.zeros(5, 6, dtype=torch.float64)}, memory_size=4)
+    with pytest.raises(ValueError, match=r"state leaf 'diff_params.w' has shape \(4, 5, 6\)"):
+        lbfgs_step(params, params, other)
+    with pytest.raises(ValueError, match="params leaf 'w' is a float, not a tensor"):
+        lbfgs_init({"w": 1.0})
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        lbfgs_step(params, params, state, momentum=0.9)
+
+
+# -- it trains: full-batch logistic regression, functional and as a torch.optim class ---
+
+def logistic_data():
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(200, 6, generator=gen, dtype=torch.float64)
+    w_true = torch.randn(6, generator=gen, dtype=torch.float64)
+    y = (x @ w_true + 0.5 * torch.randn(200, generator=gen, dtype=torch.float64) > 0).double()
+    return x, y
+
+
+def test_logistic_regression_loss_decreases():
+    x, y = logistic_data()
+
+    def objective(p):
+        return torch.nn.functional.binary_cross_entropy_with_logits(x @ p["w"] + p["b"], y)
+
+    p = {"w": torch.zeros(6, dtype=torch.float64), "b": torch.zeros((), dtype=torch.float64)}
+    state = lbfgs_init(p)
+    start = float(objective(p))
+    losses = []
+    for _ in range(30):
+        g = torch.func.grad(objective)(p)
+        p, state = lbfgs_step(p, g, state, lr=1.0)
+        losses.append(float(objective(p)))
+    assert losses[-1] < 0.6 * start
+    assert all(math.isfinite(v) for v in losses)
+    gnorm = torch.linalg.vector_norm(torch.cat([v.reshape(-1) for v in
+                                                torch.func.grad(objective)(p).values()]))
+    assert float(gnorm) < 1e-6  # converged to the optimum
+
+
+def test_optimizer_class_matches_functional_and_trains():
+    x, y = logistic_data()
+    lin = torch.nn.Linear(6, 1, dtype=torch.float64)
+    opt = LBFGS(lin.parameters(), lr=0.8, memory_size=4)
+    ref = {n: t.detach().clone() for n, t in lin.named_parameters()}
+    state = lbfgs_init(ref, memory_size=4)
+    losses = []
+    for _ in range(15):
+        def closure():
+            opt.zero_grad()
+            out = torch.nn.functional.binary_cross_entropy_with_logits(lin(x).squeeze(1), y)
+            out.backward()
+            return out
+        losses.append(float(opt.step(closure).detach()))
+        g = torch.func.grad(lambda q: torch.nn.functional.binary_cross_entropy_with_logits(
+            torch.func.functional_call(lin, q, (x,)).squeeze(1), y))(ref)
+        ref, state = lbfgs_step(ref, g, state, lr=0.8)
+        for n, t in lin.named_parameters():
+            torch.testing.assert_close(t.detach(), ref[n], rtol=1e-12, atol=1e-14)
+    assert losses[-1] < losses[0]
+    # state_dict round trip keeps dtypes and the int32 counter
+    sd = opt.state_dict()
+    lin2 = torch.nn.Linear(6, 1, dtype=torch.float64)
+    lin2.load_state_dict(lin.state_dict())
+    opt2 = LBFGS(lin2.parameters(), lr=0.8, memory_size=4)
+    opt2.load_state_dict(sd)
+    first = opt2.state[lin2.weight]
+    assert first["step"].dtype == torch.int32 and int(first["step"]) == 15
+    assert first["weights"].dtype == torch.float64 and first["diff_params"].shape == (4, 1, 6)
+
+
+def test_optimizer_class_validates():
+    lin = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="lr=-1"):
+        LBFGS(lin.parameters(), lr=-1)
+    with pytest.raises(ValueError, match="memory_size=0"):
+        LBFGS(lin.parameters(), memory_size=0)
+    with pytest.raises(ValueError, match="parameter groups"):
+        LBFGS([{"params": [lin.weight]}, {"params": [lin.bias]}])
+    half = LBFGS(torch.nn.Linear(2, 1).half().parameters())
+    for p in half.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    half.step()
+    st = half.state[half.param_groups[0]["params"][0]]
+    assert st["diff_params"].dtype == torch.float32 and st["weights"].dtype == torch.float32

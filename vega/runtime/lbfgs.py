@@ -1,0 +1,461 @@
+"""L-BFGS at a fixed rate: ``lbfgs_init`` and ``lbfgs_step``, optax's ``lbfgs`` with no line search.
+
+The two-loop recursion that applies the L-BFGS inverse-Hessian approximation
+takes inner products over *all* parameters with each of the last ``memory_size``
+curvature pairs, one pair after another, each step's coefficient depending on
+the previous one. That is a sequence of global reductions over a history, which
+the spec language (per-element programs, reductions over one tensor or one
+global reduction per phase) cannot say. So L-BFGS is written here, in the
+runtime, as eager tensor arithmetic over the same kind of state as the compiled
+optimizers: a dict of named fields whose parameter-shaped leaves have the
+parameters' structure, plus ``step``.
+
+The rule is optax's ``lbfgs(learning_rate=lr, memory_size=m,
+scale_init_precond=..., linesearch=None)`` (``optax/_src/transform.py``
+``scale_by_lbfgs``), step for step:
+
+1. with ``k`` the completed steps, the newest curvature pair
+   ``s = params - params_prev``, ``y = grads - updates_prev`` and its weight
+   ``rho = 1 / <y, s>`` (0 where ``<y, s> = 0``) are written at slot
+   ``(k - 1) % m`` of the ring buffers; at ``k = 0`` they are all zero, so an
+   unused slot contributes nothing to the recursion;
+2. the initial inverse Hessian is ``gamma * I`` with ``gamma = <y, s> / <y, y>``
+   (1 where ``<y, y> = 0``) -- or, at the first step, ``min(1, 1 / ||g||)``
+   (a trust region of radius 1); ``gamma = 1`` with ``scale_init_precond=False``;
+3. the two-loop recursion runs over the slots from the oldest, ``k % m``, to the
+   newest;
+4. ``params - lr(k) * direction``; the state keeps ``params`` and ``grads`` of
+   this step (before the update) for the next pair.
+
+State (``lbfgs_init``): ``diff_params`` and ``diff_updates`` are the ring
+buffers, each leaf of shape ``(memory_size, *p.shape)``; ``weights`` the
+``(memory_size,)`` vector of ``rho``; ``params_prev`` and ``updates_prev`` the
+previous parameters and gradients (optax's ``params`` and ``updates``);
+``step`` the int32 0-d counter of completed steps, a saturating add. Leaves are
+named ``diff_params.w``, ..., ``weights``, ..., ``step``.
+
+Everything is tensor arithmetic on the device: the slot is ``step % m`` as a
+tensor (``index_copy``, ``index_select``), the first-step case is a
+``torch.where``, and nothing is read back to the host, so a step compiles under
+``torch.compile(fullgraph=True)`` and replays under CUDA graphs. The step is
+pure by default; ``donate=True`` updates params and state in place.
+
+Leaves that are neither float nor complex tensors pass through unchanged (their
+state leaves are ``None``). A complex parameter steps as its two real
+coordinates (``torch.view_as_real``) -- which is also what optax computes,
+since it takes the real part of every inner product. Half-precision parameters
+keep float32 state by default (``state_dtype``), as vega's other optimizers do.
+The inner products and ``weights`` are in float64 if any state leaf is float64,
+else in float32. A float leaf whose gradient is ``None`` is left out of the
+step: it and its state stay as they were (the curvature pairs then cover only
+the leaves that have gradients).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from vega.codegen.reference import advance_steps
+from vega.runtime.engine import state_dtype_for
+from vega.runtime.spec import _check_grad, _check_leaves, _paths
+from vega.runtime.tree import flatten, is_steppable, unflatten
+
+__all__ = ["LBFGS", "lbfgs_init", "lbfgs_step"]
+
+MEMORY_FIELDS = ("diff_params", "diff_updates")
+PREV_FIELDS = ("params_prev", "updates_prev")
+TREE_FIELDS = ("diff_params", "diff_updates", "params_prev", "updates_prev")
+FIELDS = ("diff_params", "diff_updates", "weights", "params_prev", "updates_prev", "step")
+
+
+# -- arguments --------------------------------------------------------------------------
+
+def _check_memory_size(owner: str, memory_size) -> int:
+    if isinstance(memory_size, bool) or not isinstance(memory_size, numbers.Integral) \
+            or memory_size < 1:
+        raise ValueError(f"{owner}: memory_size={memory_size!r} must be a positive integer")
+    return int(memory_size)
+
+
+def _check_lr(owner: str, lr):
+    """A float >= 0, a 0-d float tensor (taken as given: no host sync) or a schedule."""
+    if isinstance(lr, torch.Tensor):
+        if lr.dim() != 0 or not lr.is_floating_point():
+            raise ValueError(f"{owner}: lr must be a 0-d float tensor, got shape "
+                             f"{tuple(lr.shape)} and dtype {lr.dtype}")
+        return lr
+    if callable(lr):
+        return lr
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+        raise ValueError(f"{owner}: lr={lr!r} must be a float, a 0-d tensor or a schedule "
+                         "(a callable of the step counter)")
+    value = float(lr)
+    if math.isnan(value) or math.isinf(value) or value < 0:
+        raise ValueError(f"{owner}: lr={lr!r} must be a finite number >= 0")
+    return value
+
+
+def _check_bool(owner: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}: {name}={value!r} must be True or False")
+
+
+def _scalar_dtype(state_dtypes) -> torch.dtype:
+    """float64 if any (real) state dtype is float64, else float32."""
+    return torch.float64 if any(d == torch.float64 for d in state_dtypes) else torch.float32
+
+
+# -- init -------------------------------------------------------------------------------
+
+def lbfgs_init(params, *, memory_size: int = 10, state_dtype: torch.dtype | None = None) -> dict:
+    """A fresh L-BFGS state for ``params`` (any pytree of tensors).
+
+    ``memory_size`` (a positive int) is the number of curvature pairs kept;
+    ``state_dtype`` the dtype of the parameter-shaped state (default: the
+    parameter's, float32 for bfloat16/float16 parameters).
+    """
+    owner = "lbfgs_init"
+    m = _check_memory_size(owner, memory_size)
+    leaves, spec = flatten(params)
+    _check_leaves(owner, "params", params, leaves)
+    steppable = [p for p in leaves if is_steppable(p)]
+    device = steppable[0].device if steppable else torch.device("cpu")
+    fields = {f: [] for f in TREE_FIELDS}
+    real_dtypes = []
+    with torch.no_grad():
+        for p in leaves:
+            if not is_steppable(p):
+                for f in TREE_FIELDS:
+                    fields[f].append(None)
+                continue
+            sd = state_dtype_for(p, state_dtype)
+            if p.is_complex() and not sd.is_complex:
+                sd = torch.complex128 if sd == torch.float64 else torch.complex64
+            real_dtypes.append(sd.to_real() if sd.is_complex else sd)
+            for f in MEMORY_FIELDS:
+                fields[f].append(torch.zeros((m, *p.shape), dtype=sd, device=p.device))
+            for f in PREV_FIELDS:
+                fields[f].append(torch.zeros(p.shape, dtype=sd, device=p.device))
+    return {
+        "diff_params": unflatten(fields["diff_params"], spec),
+        "diff_updates": unflatten(fields["diff_updates"], spec),
+        "weights": torch.zeros(m, dtype=_scalar_dtype(real_dtypes), device=device),
+        "params_prev": unflatten(fields["params_prev"], spec),
+        "updates_prev": unflatten(fields["updates_prev"], spec),
+        "step": torch.zeros((), dtype=torch.int32, device=device),
+    }
+
+
+# -- step -------------------------------------------------------------------------------
+
+def _check_state(owner: str, state, p_spec, memory_size) -> int:
+    if not isinstance(state, dict):
+        raise ValueError(f"{owner}: state must be the dict that lbfgs_init returns, "
+                         f"got {type(state).__name__}")
+    if set(state) != set(FIELDS):
+        raise ValueError(f"{owner}: state has fields {sorted(state)}, but lbfgs needs "
+                         f"{sorted(FIELDS)}; make it with lbfgs_init(params)")
+    step = state["step"]
+    if not (isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.int32):
+        raise ValueError(f"{owner}: state['step'] must be a 0-d int32 tensor, got {step!r}")
+    weights = state["weights"]
+    if not (isinstance(weights, torch.Tensor) and weights.dim() == 1
+            and weights.dtype in (torch.float32, torch.float64) and weights.shape[0] >= 1):
+        raise ValueError(f"{owner}: state['weights'] must be a float32 or float64 tensor of "
+                         f"shape (memory_size,), got {weights!r}")
+    m = weights.shape[0]
+    if memory_size is not None:
+        given = _check_memory_size(owner, memory_size)
+        if given != m:
+            raise ValueError(f"{owner}: memory_size={memory_size!r}, but the state was made "
+                             f"with memory_size={m}")
+    if weights.device != step.device:
+        raise ValueError(f"{owner}: state['weights'] is on {weights.device}, state['step'] "
+                         f"on {step.device}")
+    for f in TREE_FIELDS:
+        if flatten(state[f])[1] != p_spec:
+            raise ValueError(f"{owner}: state field '{f}' does not have the structure of params")
+    return m
+
+
+def _check_state_leaves(owner: str, name: str, p: torch.Tensor, leaves: dict, m: int) -> None:
+    dtype = None
+    for f, s in leaves.items():
+        label = f"{f}.{name}".rstrip(".")
+        if not isinstance(s, torch.Tensor):
+            raise ValueError(f"{owner}: state leaf '{label}' is missing")
+        want = (m, *p.shape) if f in MEMORY_FIELDS else tuple(p.shape)
+        if tuple(s.shape) != want or s.device != p.device:
+            raise ValueError(f"{owner}: state leaf '{label}' has shape {tuple(s.shape)} on "
+                             f"{s.device}, but needs {want} on {p.device}")
+        if s.is_complex() != p.is_complex() or not (s.is_floating_point() or s.is_complex()):
+            raise ValueError(f"{owner}: state leaf '{label}' has dtype {s.dtype}, the "
+                             f"parameter {p.dtype}")
+        if dtype is not None and s.dtype != dtype:
+            raise ValueError(f"{owner}: state leaf '{label}' has dtype {s.dtype}, the other "
+                             f"state leaves of its parameter {dtype}")
+        dtype = s.dtype
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(x.resolve_conj()) if x.is_complex() else x
+
+
+def _complex_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_complex(x) if like.is_complex() else x
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _tree_dot(xs, ys, dtype, device) -> torch.Tensor:
+    """sum over leaves of <x, y>, each leaf's product in its own precision (at least
+    float32), accumulated in ``dtype`` on ``device``."""
+    total = None
+    for x, y in zip(xs, ys):
+        acc = _acc(x.dtype)
+        d = torch.dot(x.reshape(-1).to(acc), y.reshape(-1).to(acc)).to(device, dtype)
+        total = d if total is None else total + d
+    return torch.zeros((), dtype=dtype, device=device) if total is None else total
+
+
+def _on(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return x.to(like.device, like.dtype)
+
+
+def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate):
+    """One step over lists of real tensors (already viewed as real). Returns the new
+    params, ring buffers, previous params/grads, weights and step."""
+    wd, dev = weights.dtype, weights.device
+    count = step.long()
+    first = step == 0
+    pos = ~first
+    prev_slot = torch.remainder(count - 1, m).reshape(1)
+    order = torch.remainder(count + torch.arange(m, device=dev), m)  # oldest slot first
+
+    # 1. the newest curvature pair, zero at the first step
+    S, Y = [], []
+    for p, g, pp, up in zip(P, G, PP, UP):
+        here = pos.to(pp.device)
+        S.append(torch.where(here, p.to(pp.dtype) - pp, 0))
+        Y.append(torch.where(here, g.to(up.dtype) - up, 0))
+    sy = _tree_dot(Y, S, wd, dev)
+    rho = torch.where(sy == 0, 0, sy.reciprocal())
+    rho = torch.where(pos, rho, 0)
+    if donate:
+        for buf, new in zip(DW + DU, S + Y):
+            buf.index_copy_(0, prev_slot.to(buf.device), new.unsqueeze(0))
+        weights.index_copy_(0, prev_slot, rho.reshape(1))
+        NDW, NDU, NW = DW, DU, weights
+    else:
+        NDW = [b.index_copy(0, prev_slot.to(b.device), s.unsqueeze(0)) for b, s in zip(DW, S)]
+        NDU = [b.index_copy(0, prev_slot.to(b.device), y.unsqueeze(0)) for b, y in zip(DU, Y)]
+        NW = weights.index_copy(0, prev_slot, rho.reshape(1))
+
+    # 2. the scale of the initial inverse Hessian
+    gamma = None
+    if scale_init:
+        yy = _tree_dot(Y, Y, wd, dev)
+        gamma = torch.where(yy > 0, sy / yy, 1.0)
+        gnorm = torch.sqrt(_tree_dot(G, G, wd, dev))
+        gamma = torch.where(first, torch.clamp(gnorm.reciprocal(), max=1.0), gamma)
+
+    # 3. the two-loop recursion, slots from the oldest to the newest
+    OW = [b.index_select(0, order.to(b.device)) for b in NDW]
+    OU = [b.index_select(0, order.to(b.device)) for b in NDU]
+    rhos = NW.index_select(0, order)
+    vec = [g.to(up.dtype) for g, up in zip(G, UP)]
+    alphas = [None] * m
+    for k in reversed(range(m)):
+        a = rhos[k] * _tree_dot([w[k] for w in OW], vec, wd, dev)
+        alphas[k] = a
+        vec = [torch.addcmul(v, u[k], _on(-a, v)) for v, u in zip(vec, OU)]
+    if gamma is not None:
+        vec = [v * _on(gamma, v) for v in vec]
+    for k in range(m):
+        b = rhos[k] * _tree_dot([u[k] for u in OU], vec, wd, dev)
+        vec = [torch.addcmul(v, w[k], _on(alphas[k] - b, v)) for v, w in zip(vec, OW)]
+
+    # 4. the update at the rate lr(step)
+    if callable(lr) and not isinstance(lr, torch.Tensor):
+        lr = lr(step)
+    new_p = []
+    for p, v in zip(P, vec):
+        u = v * (-lr if not isinstance(lr, torch.Tensor) else _on(-lr, v))
+        new_p.append((p.to(u.dtype) + u).to(p.dtype))
+    if donate:
+        for pp, up, p, g, n in zip(PP, UP, P, G, new_p):
+            pp.copy_(p)
+            up.copy_(g)
+            p.copy_(n)
+        NPP, NUP, new_p = PP, UP, P
+    else:
+        NPP = [p.to(pp.dtype, copy=True) for p, pp in zip(P, PP)]
+        NUP = [g.to(up.dtype, copy=True) for g, up in zip(G, UP)]
+    new_step = advance_steps([step], None, donate)[0]
+    return new_p, NDW, NDU, NPP, NUP, NW, new_step
+
+
+def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
+               scale_init_precond: bool = True, donate: bool = False):
+    """One L-BFGS update at the rate ``lr``: returns (params, state). Pure unless ``donate=True``.
+
+    optax's ``lbfgs(learning_rate=lr, memory_size, scale_init_precond,
+    linesearch=None)``: ``params - lr * H g`` with ``H`` the L-BFGS inverse-Hessian
+    approximation from the last ``memory_size`` pairs of parameter and gradient
+    differences. ``lr`` is a float >= 0, a 0-d tensor or a schedule (called with
+    the state's step tensor, the number of completed steps). ``memory_size`` is
+    the state's (given here, it must agree with it). No line search: at a fixed
+    rate the step is only as safe as the rate; the first step has norm at most
+    ``lr`` (its direction is ``g / max(1, ||g||)``).
+    """
+    owner = "lbfgs_step"
+    lr = _check_lr(owner, lr)
+    _check_bool(owner, "scale_init_precond", scale_init_precond)
+    _check_bool(owner, "donate", donate)
+    p_leaves, p_spec = flatten(params)
+    _check_leaves(owner, "params", params, p_leaves)
+    g_leaves, g_spec = flatten(grads)
+    if g_spec != p_spec:
+        raise ValueError(f"{owner}: grads do not have the structure of params "
+                         f"({len(g_leaves)} leaves against {len(p_leaves)})")
+    m = _check_state(owner, state, p_spec, memory_size)
+    cols = {f: flatten(state[f])[0] for f in TREE_FIELDS}
+    names = _paths(params, p_leaves)
+    idx = []
+    for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
+        if not is_steppable(p) or g is None:
+            continue
+        _check_grad(owner, names[i], p, g)
+        _check_state_leaves(owner, names[i], p, {f: cols[f][i] for f in TREE_FIELDS}, m)
+        idx.append(i)
+    weights, step = state["weights"], state["step"]
+    with torch.no_grad():
+        new_p, ndw, ndu, npp, nup, nw, new_step = _lbfgs(
+            [_real(p_leaves[i]) for i in idx], [_real(g_leaves[i]) for i in idx],
+            *([_real(cols[f][i]) for i in idx] for f in TREE_FIELDS),
+            weights, step, lr, m, scale_init_precond, donate)
+    out_p = list(p_leaves)
+    out = {f: list(cols[f]) for f in TREE_FIELDS}
+    for k, i in enumerate(idx):
+        p = p_leaves[i]
+        if not donate:
+            out_p[i] = _complex_like(new_p[k], p)
+            if p.requires_grad:
+                out_p[i].requires_grad_(True)
+            for f, new in zip(TREE_FIELDS, (ndw, ndu, npp, nup)):
+                out[f][i] = _complex_like(new[k], p)
+    return unflatten(out_p, p_spec), {
+        "diff_params": unflatten(out["diff_params"], p_spec),
+        "diff_updates": unflatten(out["diff_updates"], p_spec),
+        "weights": nw,
+        "params_prev": unflatten(out["params_prev"], p_spec),
+        "updates_prev": unflatten(out["updates_prev"], p_spec),
+        "step": new_step,
+    }
+
+
+# -- torch.optim ------------------------------------------------------------------------
+
+class LBFGS(torch.optim.Optimizer):
+    """L-BFGS at a fixed rate as a ``torch.optim.Optimizer``: the rule of ``lbfgs_step``.
+
+    Not ``torch.optim.LBFGS``: there is no line search and no inner loop; ``step``
+    makes one update from the gradients already in ``p.grad`` (a ``closure``, if
+    given, is called once, before the update, and its loss returned). One
+    parameter group (the curvature pairs span all parameters). Hyperparameters:
+    ``lr=1.0`` (a float >= 0, a 0-d tensor or a schedule of the step counter),
+    ``memory_size=10``, ``scale_init_precond=True``; ``state_dtype=None`` (float32
+    state for bfloat16/float16 parameters). Each parameter's state holds its
+    ``diff_params``, ``diff_updates``, ``params_prev`` and ``updates_prev``; the
+    first parameter's state also holds the shared ``weights`` and ``step``.
+    """
+
+    def __init__(self, params, lr=1.0, memory_size: int = 10, scale_init_precond: bool = True,
+                 *, state_dtype: torch.dtype | None = None):
+        owner = "LBFGS"
+        lr = _check_lr(owner, lr)
+        memory_size = _check_memory_size(owner, memory_size)
+        _check_bool(owner, "scale_init_precond", scale_init_precond)
+        super().__init__(params, {"lr": lr, "memory_size": memory_size,
+                                  "scale_init_precond": scale_init_precond,
+                                  "state_dtype": state_dtype})
+        if len(self.param_groups) != 1:
+            raise ValueError("LBFGS does not support per-parameter options (parameter groups): "
+                             "its curvature pairs span all parameters")
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self.param_groups:
+            raise ValueError("LBFGS does not support per-parameter options (parameter groups): "
+                             "its curvature pairs span all parameters")
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            if not is_steppable(p):
+                self.param_groups.pop()
+                raise ValueError(f"LBFGS can only optimize float or complex tensors, got one of "
+                                 f"dtype {p.dtype}")
+
+    def _shared(self, group) -> dict:
+        """The state of the first parameter, which holds ``weights`` and ``step``."""
+        head = group["params"][0]
+        st = self.state[head]
+        if "step" not in st:
+            sds = [state_dtype_for(p, group["state_dtype"]) for p in group["params"]]
+            st["weights"] = torch.zeros(group["memory_size"], device=head.device,
+                                        dtype=_scalar_dtype([d.to_real() if d.is_complex else d
+                                                             for d in sds]))
+            st["step"] = torch.zeros((), dtype=torch.int32, device=head.device)
+        return st
+
+    def _param_state(self, p, group) -> dict:
+        st = self.state[p]
+        if "diff_params" not in st:
+            sd = state_dtype_for(p, group["state_dtype"])
+            m = group["memory_size"]
+            for f in MEMORY_FIELDS:
+                st[f] = torch.zeros((m, *p.shape), dtype=sd, device=p.device)
+            for f in PREV_FIELDS:
+                st[f] = torch.zeros(p.shape, dtype=sd, device=p.device)
+        return st
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient; returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        lr = _check_lr("LBFGS", group["lr"])
+        _check_bool("LBFGS", "scale_init_precond", group["scale_init_precond"])
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return loss
+        for p in params:
+            if p.grad.is_sparse:
+                raise ValueError("LBFGS does not support sparse gradients")
+        shared = self._shared(group)
+        states = [self._param_state(p, group) for p in params]
+        m = shared["weights"].shape[0]
+        _, _, _, _, _, _, shared["step"] = _lbfgs(
+            [_real(p) for p in params], [_real(p.grad) for p in params],
+            *([_real(st[f]) for st in states] for f in TREE_FIELDS),
+            shared["weights"], shared["step"], lr, m, group["scale_init_precond"], True)
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loading, keeping the saved dtypes (torch would cast state to each
+        parameter's dtype) and the step counter int32, on each parameter's device."""
+        originals = {k: dict(v) for k, v in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params):
+            if pid not in originals or p not in self.state:
+                continue
+            for name, value in originals[pid].items():
+                if isinstance(value, torch.Tensor):
+                    self.state[p][name] = value.to(device=p.device, copy=True)
