@@ -286,7 +286,7 @@ class Source:
             "    int64_t *start = starts(nt, tab);",
             "    int64_t total = start[nt];",
             *before,
-            "    #pragma omp parallel num_threads(nth) if (total >= PAR_MIN)",
+            "    #pragma omp parallel num_threads(nth) if (total >= PAR_MIN) firstprivate(gs, coef)",
             "    {",
             "        int tid = omp_get_thread_num(), nthr = omp_get_num_threads();",
             "        int64_t lo = total * tid / nthr, hi = total * (tid + 1) / nthr;",
