@@ -18,4 +18,5 @@ Adagrad = builtin("adagrad").optimizer_class
 RMSprop = builtin("rmsprop").optimizer_class
 Adan = builtin("adan").optimizer_class
 
-__all__ = ["SpecOptimizer", "SGD", "Adam", "AdamW", "RAdam", "LAMB", "LARS", "Lion", "Adagrad", "RMSprop", "Adan", "LBFGS"]
+__all__ = ["SpecOptimizer", "SGD", "Adam", "AdamW", "RAdam", "LAMB", "LARS", "Lion", "Adagrad",
+           "RMSprop", "Adan", "LBFGS"]

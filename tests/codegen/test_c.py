@@ -229,8 +229,8 @@ def test_refuses_unsupported_input_clearly():
     p = torch.zeros(3, dtype=torch.int32)
     kern = codegen.kernel("c", vega.sgd.program())
     with pytest.raises(ValueError, match="does not support parameters of dtype torch.int32"):
-        kern([p], [p], [[p]], [torch.zeros((), dtype=torch.int32)], [{"lr": 1.0, "momentum": 0.0,
-                                                                         "weight_decay": 0.0}], True)
+        values = {"lr": 1.0, "momentum": 0.0, "weight_decay": 0.0}
+        kern([p], [p], [[p]], [torch.zeros((), dtype=torch.int32)], [values], True)
 
 
 # -- the cache -------------------------------------------------------------------

@@ -122,7 +122,8 @@ def test_scalar_state_update_broadcasts():
 
 
 def test_python_keywords_as_names():
-    spec = vega.compile("optimizer o(lambda = 0.5, def = 1.0) { is = g * lambda\n p = p - def * is }")
+    spec = vega.compile("optimizer o(lambda = 0.5, def = 1.0) {\n is = g * lambda\n"
+                        " p = p - def * is }")
     p = torch.ones(3)
     new, _ = spec.step(p, torch.ones(3), spec.init(p))
     assert torch.equal(new, torch.full((3,), 0.5))

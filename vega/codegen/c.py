@@ -65,7 +65,10 @@ static inline double dsign(double a) { return a > 0 ? 1.0 : (a < 0 ? -1.0 : a); 
 /* Split [0, total) into nth ranges; tensor i covers [start[i], start[i+1]). */
 static int64_t locate(const int64_t *start, int64_t nt, int64_t x) {
     int64_t lo = 0, hi = nt;  /* last i with start[i] <= x */
-    while (hi - lo > 1) { int64_t mid = (lo + hi) / 2; if (start[mid] <= x) lo = mid; else hi = mid; }
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (start[mid] <= x) lo = mid; else hi = mid;
+    }
     return lo;
 }
 static int64_t *starts(int64_t nt, const int64_t *tab) {
@@ -102,7 +105,10 @@ void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
         }
         part[2 * tid] = sq; part[2 * tid + 1] = bad;
     }
-    for (int t = 0; t < (nth > 0 ? nth : 1); t++) { pre[0] += part[2 * t]; pre[1] += part[2 * t + 1]; }
+    for (int t = 0; t < (nth > 0 ? nth : 1); t++) {
+        pre[0] += part[2 * t];
+        pre[1] += part[2 * t + 1];
+    }
     free(part); free(start);
 }
 
@@ -220,7 +226,8 @@ class Source:
         """Per tensor: the scalar phase, the reductions already known, the pointers."""
         lin, r = self.lin, self.r
         out = ["            const double *H_ = (const double *)(intptr_t)row[4 + NSTATE];",
-               "            const double d_t = (double)(*(const int32_t *)(intptr_t)row[3 + NSTATE]) + 1;"]
+               "            const double d_t = "
+               "(double)(*(const int32_t *)(intptr_t)row[3 + NSTATE]) + 1;"]
         for k, h in enumerate(lin.hypers):
             out.append(f"            const double d_{h} = H_[{k}];")
         for line in lin.scalar_lines:  # the scalar phase, in double like the reference
@@ -276,7 +283,8 @@ class Source:
 
     def _loop(self, name, before, uses, block_init, body, block_end, finish, simd=""):
         return [
-            f"void {name}(int64_t nt, const int64_t *tab, const double *pre, double *red, int nth) {{",
+            f"void {name}(int64_t nt, const int64_t *tab, const double *pre, double *red, "
+            "int nth) {",
             "    CT gs = 1, coef = 1;",
             "    if (pre) {",
             "        if (pre[1] != 0 && pre[4] != 0) return;  /* non-finite gradients: skip */",
@@ -286,14 +294,16 @@ class Source:
             "    int64_t *start = starts(nt, tab);",
             "    int64_t total = start[nt];",
             *before,
-            "    #pragma omp parallel num_threads(nth) if (total >= PAR_MIN) firstprivate(gs, coef)",
+            "    #pragma omp parallel num_threads(nth) if (total >= PAR_MIN) "
+            "firstprivate(gs, coef)",
             "    {",
             "        int tid = omp_get_thread_num(), nthr = omp_get_num_threads();",
             "        int64_t lo = total * tid / nthr, hi = total * (tid + 1) / nthr;",
             "        int64_t i = lo < hi ? locate(start, nt, lo) : nt;",
             "        while (lo < hi) {",
             "            const int64_t *row = tab + i * ROW;",
-            "            int64_t b = lo - start[i], e = row[0] < hi - start[i] ? row[0] : hi - start[i];",
+            "            int64_t b = lo - start[i];",
+            "            int64_t e = row[0] < hi - start[i] ? row[0] : hi - start[i];",
             *self._block_start(uses),
             *block_init,
             *([f"            #pragma omp simd{simd}"] if simd is not None else []),
@@ -320,7 +330,8 @@ class Source:
         for q, node in enumerate(phase):
             x = self.r.operand(self.lin, node.src[0])
             if node.op is Op.AMAX:
-                body.append(f"                acc{q} = ({x} > acc{q} || {x} != {x}) ? {x} : acc{q};")
+                body.append(f"                acc{q} = ({x} > acc{q} || {x} != {x}) "
+                            f"? {x} : acc{q};")
             elif node.op is Op.NORM:
                 body.append(f"                acc{q} += (double){x} * (double){x};")
             else:
@@ -358,7 +369,7 @@ class Source:
         outs = [node for _, node in self.program.updates]
         lines, used = self._element_lines(outs)
         stores = []
-        for k, (target, node) in enumerate(self.program.updates):
+        for target, node in self.program.updates:
             v = self.r.operand(self.lin, node)
             if target == "p":
                 stores.append(f"                P_[j] = SAVE_P({v});")

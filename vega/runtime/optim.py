@@ -150,7 +150,8 @@ def optimizer_class(spec) -> type:
     lines = [spec.doc or f"The {spec.name} optimizer.", "", "Hyperparameters (defaults):"]
     for h in spec.hypers:
         rng = f", in {h.range}" if h.range is not None else ""
-        lines.append(f"    {h.name}: {h.type} = {str(h.default).lower() if h.type == 'bool' else h.default}{rng}")
+        default = str(h.default).lower() if h.type == "bool" else h.default
+        lines.append(f"    {h.name}: {h.type} = {default}{rng}")
     lines += ["", "Also: backend=None|'reference'|'c'|'triton', state_dtype=None (float32 for "
               "bfloat16/float16 parameters),", "max_grad_norm=None, loss_scale=None (a "
               "vega.LossScale), skip_nonfinite=False."]
