@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from functools import cache
 
-from vega.codegen import c, reference
+from vega.codegen import c, reference, triton
 from vega.dsl.ir import Program
 
 BACKENDS = {"reference": reference, "c": c}
+if triton.available():  # where triton is installed (Linux); CPU tensors need TRITON_INTERPRET=1
+    BACKENDS["triton"] = triton
 KNOWN = ("reference", "c", "triton")
 
 

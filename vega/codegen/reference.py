@@ -205,7 +205,8 @@ class Kernel:
                     old.copy_(new)
                     sink.append(old)
                 else:
-                    sink.append(new.clone() if new is old else new)
+                    # a fresh, contiguous tensor (an expanded scalar update is a view)
+                    sink.append(new.clone() if new is old or not new.is_contiguous() else new)
         return new_params, new_states, advance_steps(steps, finite, donate), finite
 
 

@@ -1,0 +1,372 @@
+"""The Triton backend against the reference, under Triton's CPU interpreter.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors, which
+needs ``TRITON_INTERPRET=1`` in the environment before triton is first
+imported (``torch._dynamo`` imports it); this module sets it before its own
+imports, which is enough when it runs first or alone (else set the variable in
+the environment). On a machine with CUDA it leaves the variable alone and runs
+on the GPU. The interpreter runs every program in Python, about a millisecond
+each: tensors are small and blocks large.
+"""
+import os
+import re
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch._dynamo.testing  # imports triton
+
+triton = pytest.importorskip("triton")
+
+import vega
+from vega import codegen, schedule
+from vega.codegen import triton as triton_backend
+from vega.codegen import triton_runtime
+from vega.codegen.reference import make_pre
+
+codegen.BACKENDS.setdefault("triton", triton_backend)  # until vega.codegen registers it
+DEVICE = "cpu" if triton_runtime.interpreting() else "cuda"
+if DEVICE == "cpu" and not triton_runtime._library_interpreted():
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run with "
+                "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+
+SPECS = [(name, flags) for name in vega.builtin_names()
+         for flags in vega.builtin(name)._spec.flag_settings()]
+IDS = [f"{n}[{','.join(k for k, v in f.items() if v) or 'plain'}]" for n, f in SPECS]
+
+# (rtol, atol) against the reference, by parameter dtype
+TOL = {torch.float64: (1e-12, 1e-14), torch.float32: (1e-5, 1e-6),
+       torch.bfloat16: (1e-2, 1e-2), torch.float16: (1e-2, 1e-3)}
+
+
+def make_params(dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(DEVICE)
+
+    return {"vector": randn(1000), "matrix": randn(37, 41), "scalar": randn(()), "one": randn(1),
+            "empty": randn(0, 3), "transposed": randn(9, 13).t()}
+
+
+def grads_for(params, step, scale=1.0):
+    gen = torch.Generator().manual_seed(100 + step)
+    return {k: (scale * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+            .to(p.dtype).to(DEVICE) for k, p in params.items()}
+
+
+def hyper_values(spec):
+    """Non-default, in-range values for every float hyperparameter."""
+    return {h.name: h.default * 0.9 if h.default != 0 else 0.01
+            for h in spec.hypers if h.type == "float"}
+
+
+def assert_close(a, b, what):
+    rtol, atol = TOL[b.dtype]
+    scale = b.double().abs().max().item() if b.numel() else 0.0
+    torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol * max(1.0, scale),
+                               equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def assert_same(a, b, what):
+    """Bitwise equal (NaN payloads included)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), what
+
+
+def leaves(params, state):
+    yield from (("p." + k, v) for k, v in params.items())
+    for field, tree in state.items():
+        if field == "step":
+            yield "step", tree
+        else:
+            yield from ((f"{field}.{k}", v) for k, v in tree.items())
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+@pytest.mark.parametrize("name,flags", SPECS, ids=IDS)
+def test_matches_reference_5_steps(name, flags, fused):
+    """Every shipped spec, float32, 5 steps; fused: clipping, skip-on-overflow and a NaN
+    gradient at step 3 that must leave everything bitwise unchanged."""
+    spec = vega.builtin(name)
+    hypers = {**hyper_values(spec), **flags}
+    options = {"max_grad_norm": 1.0, "skip_nonfinite": True} if fused else {}
+    params = make_params()
+    ref = (params, spec.init(params, **flags))
+    tri = (params, spec.init(params, **flags))
+    for step in range(5):
+        grads = grads_for(params, step)
+        if fused and step == 3:
+            grads["matrix"][5, 7] = float("nan")
+        ref = spec.step(*ref[:1], grads, ref[1], backend="reference", **options, **hypers)
+        before = tri
+        tri = spec.step(*tri[:1], grads, tri[1], backend="triton", **options, **hypers)
+        for (what, a), (_, b) in zip(leaves(*tri), leaves(*ref)):
+            assert a.dtype == b.dtype and a.shape == b.shape, what
+            if what == "step":
+                assert torch.equal(a, b), what
+            else:
+                assert_close(a, b, f"{name} step {step} {what}")
+        if fused and step == 3:
+            for (what, a), (_, b) in zip(leaves(*tri), leaves(*before)):
+                assert_same(a, b, f"skipped step changed {what}")
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_donate_matches_pure_and_updates_in_place(name):
+    spec = vega.builtin(name)
+    params = make_params()
+    state = spec.init(params)
+    pure = (params, state)
+    donated = ({k: v.clone() for k, v in params.items()},
+               {f: (v.clone() if f == "step" else {k: x.clone() for k, x in v.items()})
+                for f, v in state.items()})
+    objects = [id(v) for _, v in leaves(*donated)]
+    for step in range(3):
+        grads = grads_for(params, step)
+        pure = spec.step(pure[0], grads, pure[1], backend="triton", max_grad_norm=0.5)
+        out = spec.step(donated[0], grads, donated[1], backend="triton", max_grad_norm=0.5,
+                        donate=True)
+        assert [id(v) for _, v in leaves(*out)] == objects
+        for (what, a), (_, b) in zip(leaves(*donated), leaves(*pure)):
+            assert_same(a, b, what)
+    # the pure steps left their inputs alone
+    assert all(torch.equal(params[k], make_params()[k]) for k in params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lamb"])
+def test_other_dtypes_match_reference(name, dtype):
+    """float64 in float64; bfloat16 and float16 parameters with float32 state and arithmetic."""
+    spec = vega.builtin(name)
+    params = make_params(dtype)
+    ref = (params, spec.init(params))
+    tri = (params, spec.init(params))
+    for step in range(3):
+        grads = grads_for(params, step)
+        ref = spec.step(*ref[:1], grads, ref[1], backend="reference", lr=1e-2)
+        tri = spec.step(*tri[:1], grads, tri[1], backend="triton", lr=1e-2)
+        for (what, a), (_, b) in zip(leaves(*tri), leaves(*ref)):
+            assert a.dtype == b.dtype, what
+            if what != "step":
+                assert_close(a, b, f"{dtype} {what}")
+
+
+def test_loss_scale_matches_reference():
+    """float16 parameters, gradients scaled by a dynamic loss scale, an overflow at step 2:
+    unscaled, clipped and skipped in the fused step as in the reference; same scale after."""
+    spec = vega.builtin("adamw")
+    params = make_params(torch.float16)
+    scale = vega.LossScale.dynamic(init=2.0**10, growth_interval=2)
+    ref = (params, spec.init(params), scale)
+    tri = (params, spec.init(params), scale)
+    for step in range(4):
+        grads = {k: (g.float() * 2.0**10).to(g.dtype) for k, g in grads_for(params, step).items()}
+        if step == 2:
+            grads["vector"][3] = float("inf")
+        ref = spec.step(ref[0], grads, ref[1], backend="reference", loss_scale=ref[2],
+                        max_grad_norm=1.0)
+        tri = spec.step(tri[0], grads, tri[1], backend="triton", loss_scale=tri[2],
+                        max_grad_norm=1.0)
+        for (what, a), (_, b) in zip(leaves(*tri[:2]), leaves(*ref[:2])):
+            if what == "step":
+                assert torch.equal(a, b), what
+            else:
+                assert_close(a, b, f"step {step} {what}")
+        assert torch.equal(tri[2].loss_scale, ref[2].loss_scale)
+    assert int(tri[1]["step"]) == 3
+
+
+def test_bfloat16_rounds_to_nearest_even():
+    """A float32 value halfway between two bfloat16 numbers rounds to the even one (the
+    interpreter's own cast truncates)."""
+    spec = vega.compile("optimizer o() { p = g }")
+    g = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-7 + 2**-9, 3.4e38,
+                      float("inf"), -0.0, 1e-40], dtype=torch.float32, device=DEVICE)
+    p = torch.zeros(len(g), dtype=torch.bfloat16, device=DEVICE)
+    out, _ = spec.step(p, g, spec.init(p), backend="triton")
+    assert_same(out, g.to(torch.bfloat16), "bfloat16 rounding")
+    assert out[:2].tolist() == [1.0, 1.015625]
+
+
+def test_mixed_dtypes_and_every_op():
+    """A user spec with every operation and reduction, over float32, bfloat16 and float64
+    parameters in one step (one dtype group each)."""
+    spec = vega.compile("""
+    optimizer odd(lr = 0.1, k = 1.5, c = 2.0) {
+        state m = zeros
+        state s = 1
+        state q = lr * 2
+        a = max(abs(g), 0.001) ^ k
+        m = where(g > 0 and not (p < 0) or t > 3, min(m + a, 10), -sign(g) * exp(-abs(g)))
+        s = rsqrt(s + log(1 + g * g)) + mean(p) - sum(g) / 100 + max(g) + clamp(g, -1, 1)
+        q = lr * c ^ t + max(m)
+        p = p - lr * (m + s * 0.01 + q) / (norm(g) + 1) + norm(m * 0.001)
+    }""")
+    base = make_params()
+    params = {"f32": base["matrix"], "empty": base["empty"], "scalar": base["scalar"],
+              "bf16": base["vector"].to(torch.bfloat16), "f64": base["one"].double()}
+    ref = (params, spec.init(params))
+    tri = (params, spec.init(params))
+    for step in range(4):
+        grads = grads_for(params, step)
+        ref = spec.step(*ref[:1], grads, ref[1], backend="reference", c=1.5)
+        tri = spec.step(*tri[:1], grads, tri[1], backend="triton", c=1.5)
+        for (what, a), (_, b) in zip(leaves(*tri), leaves(*ref)):
+            if what != "step":
+                assert_close(a, b, f"step {step} {what}")
+
+
+def test_names_the_kernels_use_are_renamed():
+    """Spec names that the generated code uses for itself (mask, offsets, finite, P, i,
+    p_ptr, a column's name) or that Python reserves (lambda) are renamed, not shadowed."""
+    spec = vega.compile("""
+    optimizer o(mask = 0.5, lambda = 0.1, i = 2.0, P = 1.0) {
+        state offsets = zeros
+        state p_ptr = 1
+        finite = g * i
+        offsets = offsets * mask + finite
+        p_ptr = p_ptr * P
+        S_OFFSETS = lambda * offsets ^ 2
+        p = p - S_OFFSETS * p_ptr + norm(offsets)
+    }""")
+    params = make_params()
+    ref = (params, spec.init(params))
+    tri = (params, spec.init(params))
+    for step in range(2):
+        grads = grads_for(params, step)
+        ref = spec.step(*ref[:1], grads, ref[1], backend="reference", skip_nonfinite=True)
+        tri = spec.step(*tri[:1], grads, tri[1], backend="triton", skip_nonfinite=True)
+        for (what, a), (_, b) in zip(leaves(*tri), leaves(*ref)):
+            if what != "step":
+                assert_close(a, b, what)
+
+
+def test_complex_parameters_step_as_two_real_coordinates():
+    spec = vega.builtin("adamw")
+    base = make_params()["vector"]
+    params = {"z": torch.complex(base[:100], base[100:200]), "w": base[200:300]}
+    ref = (params, spec.init(params))
+    tri = (params, spec.init(params))
+    for step in range(3):
+        grads = {"z": params["z"] * (0.5 + step), "w": grads_for(params, step)["w"]}
+        ref = spec.step(*ref[:1], grads, ref[1], backend="reference")
+        tri = spec.step(*tri[:1], grads, tri[1], backend="triton")
+        for (what, a), (_, b) in zip(leaves(*tri), leaves(*ref)):
+            assert a.dtype == b.dtype, what
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class Launches:
+    """Counts kernel launches (every launch goes through triton_runtime.launch)."""
+
+    def __init__(self, monkeypatch):
+        self.names = []
+        launch = triton_runtime.launch
+
+        def counting(fn, grid, *args, **meta):
+            self.names.append(fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__)
+            launch(fn, grid, *args, **meta)
+        monkeypatch.setattr(triton_runtime, "launch", counting)
+
+
+@pytest.mark.parametrize("name,donate", [("lamb", False), ("sgd", True)])
+def test_launches_per_step_do_not_grow_with_tensors(monkeypatch, name, donate):
+    """One launch per phase for all tensors: the same launches for 3 tensors as for 300."""
+    spec = vega.builtin(name)
+    counts, launches = {}, Launches(monkeypatch)
+    for n in (3, 300):
+        params = {f"w{i}": torch.randn(5 + i % 7, device=DEVICE) for i in range(n)}
+        grads = {k: torch.randn_like(v) for k, v in params.items()}
+        launches.names.clear()
+        spec.step(params, grads, spec.init(params), backend="triton", max_grad_norm=1.0,
+                  skip_nonfinite=True, donate=donate)
+        counts[n] = list(launches.names)
+    phases = [f"{name}_phase0", f"{name}_finish0"] if name == "lamb" else []
+    assert counts[3] == counts[300] == [f"{name}_prelude", f"{name}_prelude_finish", *phases,
+                                        f"{name}_update", f"{name}_advance"]
+
+
+def test_optimizer_class_launches_do_not_grow(monkeypatch):
+    """torch.optim classes keep a step counter per parameter: one advance launch for all."""
+    counts, launches = {}, Launches(monkeypatch)
+    for n in (3, 300):
+        ws = [torch.nn.Parameter(torch.randn(4, device=DEVICE)) for _ in range(n)]
+        opt = vega.builtin("sgd").optimizer(ws, lr=0.1, momentum=0.9, backend="triton")
+        before = [w.detach().clone() for w in ws]
+        for w in ws:
+            w.grad = torch.ones_like(w)
+        opt.step()
+        launches.names.clear()
+        opt.step()
+        counts[n] = list(launches.names)
+        for w, w0 in zip(ws, before):  # v = 1, then 1.9: w moves by 0.1 + 0.19
+            torch.testing.assert_close(w.detach(), w0 - 0.29)
+        assert all(int(opt.state[w]["step"]) == 2 for w in ws)
+    assert counts[3] == counts[300] == ["sgd_update", "sgd_advance"]
+
+
+def test_compiles_once_as_the_rate_changes():
+    """The kernel as torch custom ops: a step with the rate from a schedule on the step
+    tensor traces in one graph, is not recompiled as the rate changes, and matches eager."""
+    program = vega.builtin("adamw").program()
+    kern = codegen.kernel("triton", program)
+    sched = schedule.warmup_cosine_decay(0.0, 1e-2, 2, 10)
+
+    def step_fn(params, grads, states, step):
+        vals = {"lr": sched(step), "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+        pre = make_pre(step.device, None, 1.0, True)
+        kern.prelude(grads, pre)
+        new_p, new_s, new_t, finite = kern(params, grads, states, [step] * len(params),
+                                           [vals] * len(params), False, pre)
+        return new_p, new_s, new_t[0], finite
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step_fn, backend=counter, fullgraph=True)
+    params = [torch.randn(100, device=DEVICE), torch.randn(7, 3, device=DEVICE)]
+    eager = (params, [[torch.zeros_like(p) for p in params] for _ in range(2)],
+             torch.zeros((), dtype=torch.int32, device=DEVICE))
+    comp = eager
+    frames = None
+    for k in range(4):
+        grads = [torch.randn_like(p) for p in params]
+        if k == 2:
+            grads[1][0, 0] = float("inf")
+        eager = step_fn(eager[0], grads, eager[1], eager[2])
+        comp = compiled(comp[0], grads, comp[1], comp[2])
+        frames = frames or counter.frame_count
+        assert bool(comp[3]) == (k != 2)
+        for a, b in zip([*comp[0], *comp[1][0], *comp[1][1], comp[2]],
+                        [*eager[0], *eager[1][0], *eager[1][1], eager[2]]):
+            assert_same(a, b, f"compiled step {k}")
+    assert counter.frame_count == frames  # compiled on the first call only
+    assert int(comp[2]) == 3
+
+
+def test_source_reads_like_the_tutorial():
+    text = vega.builtin("lamb").source("triton")
+    compile(text, "<lamb>", "exec")
+    assert "BLOCK: tl.constexpr" in text and "@triton.jit" in text
+    for line in text.splitlines():
+        assert len(line) <= 100, line
+        if re.search(r"tl\.(load|store)\(\w+ \+ (offsets|blocks)", line):
+            assert "mask=mask" in line, f"unmasked: {line}"
+    signature = False
+    for line in text.splitlines():
+        signature = signature or line.startswith("def ")
+        if signature and line.startswith("    ") and line.rstrip().endswith(","):
+            assert "  # " in line, f"argument without a comment: {line}"
+        if line.startswith("):"):
+            signature = False
+
+
+def test_cpu_tensors_without_the_interpreter_raise(monkeypatch):
+    if DEVICE != "cpu":
+        pytest.skip("runs on the GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    p = torch.zeros(3)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        vega.sgd_step(p, torch.ones(3), vega.sgd_init(p), backend="triton")

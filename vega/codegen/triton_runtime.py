@@ -1,0 +1,383 @@
+"""Running the Triton kernels: tables, block maps, launches and the torch custom ops.
+
+``step`` is the glue that ``torch.compile`` traces: it checks dtypes, allocates
+outputs (pure steps) and calls the custom op ``vega::triton_step``, whose
+implementation builds the tables and launches the kernels. Nothing here reads
+a device value on the host:
+
+- tables of addresses are built on the host from ``data_ptr()`` (host metadata)
+  and copied to the device from pinned memory without blocking, only when no
+  table with the same addresses is on the device already (gradients
+  reallocated by ``zero_grad(set_to_none=True)`` or the fresh outputs of a
+  pure step give new ones); tables are never overwritten and their pinned
+  sources stay alive, so a captured CUDA graph replays the addresses it was
+  captured with;
+- block maps (block -> tensor, first element) depend only on the tensors'
+  sizes and are built once per parameter set;
+- hyperparameters are a float64 device array: Python floats are copied once
+  per distinct set of values; 0-d tensors (schedules evaluated on the device)
+  are gathered into it on the device.
+
+``launch`` is the only place a kernel is launched (tests count its calls).
+"""
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+from collections import OrderedDict
+
+import torch
+
+from vega.codegen.base import safe
+
+BLOCK_GPU, WARPS_GPU = 2048, 8  # elements per program, and warps, on a GPU
+BLOCK_INTERPRETER = 4096  # under the interpreter every program costs ~1 ms: fewer, larger ones
+PRELUDE_PROGRAMS = 1024  # the prelude's programs each take every PRELUDE_PROGRAMS-th block
+FINISH_BLOCK = 1024  # partial results combined at a time
+ADVANCE_BLOCK = 1024  # step counters per program
+
+_KERNELS: dict = {}  # key -> vega.codegen.triton.Kernel, for the custom ops
+_TABLES: OrderedDict = OrderedDict()  # (device, content) -> (device table, pinned copy)
+_CAPTURED: list = []  # tables first made during a CUDA graph capture, kept for its replays
+_MAPS: dict = {}  # (numels, block, device) -> block map
+
+
+def register(kernel) -> None:
+    _KERNELS[kernel.key] = kernel
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
+
+
+def block_size() -> int:
+    return BLOCK_INTERPRETER if interpreting() else BLOCK_GPU
+
+
+def load_module(text: str, name: str) -> dict:
+    """Execute generated source as a module; its text is kept in ``linecache`` (where
+    ``@triton.jit`` and tracebacks read it)."""
+    import triton  # noqa: F401  (a clear ImportError here, not inside exec)
+
+    filename = f"<vega triton {name}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    namespace = {"__name__": f"vega_triton_{name.replace('-', '_')}"}
+    exec(compile(text, filename, "exec"), namespace)
+    return namespace
+
+
+def launch(fn, grid, *args, **meta) -> None:
+    """Launch one kernel (every launch of the backend goes through here)."""
+    if interpreting():
+        import numpy as np
+
+        with np.errstate(all="ignore"):  # the interpreter's numpy warns on inf and NaN
+            fn[grid](*args, **meta)
+    else:
+        fn[grid](*args, num_warps=meta.pop("num_warps", WARPS_GPU), **meta)
+
+
+def check_device(device: torch.device) -> None:
+    if device.type == "cpu" and not interpreting():
+        raise ValueError("backend='triton' on CPU tensors runs in Triton's interpreter: set the "
+                         "environment variable TRITON_INTERPRET=1 before triton is imported "
+                         "(or use backend='c' or 'reference')")
+    if device.type == "cpu" and not _library_interpreted():
+        raise ValueError("TRITON_INTERPRET=1 was set after triton was imported (torch._dynamo "
+                         "imports it), so triton.language is not interpreted: set it before "
+                         "(in the environment, or first thing in the program)")
+    if device.type != "cpu" and interpreting():
+        raise ValueError(f"TRITON_INTERPRET=1 runs Triton kernels on the CPU, but the tensors "
+                         f"are on {device}: unset it to run on the GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"backend='triton' runs on CUDA tensors, got tensors on {device}")
+
+
+def _library_interpreted() -> bool:
+    """Whether triton.language's own jit functions (tl.sum, ...) run in the interpreter:
+    they are decorated when triton is imported, so only if TRITON_INTERPRET was set then."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
+
+
+# -- tables -------------------------------------------------------------------
+
+def _device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a small table) on ``device``, copied from pinned memory without blocking.
+
+    Tables are kept by content: a step whose addresses did not change reuses its table, and
+    a table is never overwritten, so a captured CUDA graph keeps reading the table (and the
+    pinned copy it replays) it was captured with. A table first made while a graph is being
+    captured is kept for that graph only: its copy runs when the graph replays."""
+    if device.type == "cpu":
+        return host
+    key = (device, host.dtype, tuple(host.shape), host.numpy().tobytes())
+    capturing = torch.cuda.is_current_stream_capturing()
+    if key in _TABLES and not capturing:
+        _TABLES.move_to_end(key)
+        return _TABLES[key][0]
+    pinned = host.pin_memory()
+    dev = pinned.to(device, non_blocking=True)
+    if capturing:
+        _CAPTURED.append((dev, pinned))
+    else:
+        _TABLES[key] = (dev, pinned)
+        if len(_TABLES) > 256:
+            _TABLES.popitem(last=False)
+    return dev
+
+
+class BlockMap:
+    """Which tensor, and which elements of it, each program of a launch works on."""
+
+    def __init__(self, numels: tuple[int, ...], block: int, device: torch.device):
+        counts = torch.tensor([-(-n // block) for n in numels], dtype=torch.int64)
+        first = torch.zeros(len(numels) + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=first[1:])
+        self.nblocks = int(first[-1])
+        tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), counts)
+        start = (torch.arange(self.nblocks, dtype=torch.int64) - first[tensor]) * block
+        host = [tensor.to(torch.int32), start, first]
+        if device.type != "cpu":  # the pinned copies stay alive: a graph may replay the copy
+            host = [x.pin_memory() for x in host]
+        self._host = host
+        self.tensor, self.start, self.first = (x.to(device, non_blocking=True) for x in host)
+
+
+def block_map(numels: tuple[int, ...], block: int, device: torch.device) -> BlockMap:
+    key = (numels, block, device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and key not in _MAPS:
+        _CAPTURED.append(BlockMap(numels, block, device))  # see _device
+        return _CAPTURED[-1]
+    if key not in _MAPS:
+        if len(_MAPS) > 64:
+            _MAPS.clear()
+        _MAPS[key] = BlockMap(numels, block, device)
+    return _MAPS[key]
+
+
+def _hyper_array(device, nhyper, ndicts, tensors, floats, slots) -> torch.Tensor:
+    """float64 [dicts, hyperparameters] on the device; ``slots[d * nhyper + k]`` is
+    ``j >= 0`` for ``tensors[j]``, ``-1 - j`` for ``floats[j]``."""
+    width = max(nhyper, 1)
+    values = [floats[-1 - s] if s < 0 else 0.0 for s in slots] or [0.0] * (ndicts * width)
+    base = _device(torch.tensor(values, dtype=torch.float64).reshape(ndicts, width), device)
+    where = [k for k, s in enumerate(slots) if s >= 0]
+    if not where:
+        return base
+    index = _device(torch.tensor(where, dtype=torch.int64), device)
+    out = base.clone()
+    out.view(-1)[index] = torch.stack([tensors[slots[k]].detach().to(device, torch.float64)
+                                       .reshape(()) for k in where])
+    return out
+
+
+# -- the custom ops -------------------------------------------------------------
+
+DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+          torch.float16: "float16"}
+
+
+def _dtype_key(p, g, s):
+    return DTYPES[p.dtype], DTYPES[g.dtype], DTYPES[s.dtype]
+
+
+@torch.library.custom_op("vega::triton_prelude", mutates_args=("pre",))
+def _prelude_op(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor) -> None:
+    kern = _KERNELS[kernel]
+    check_device(pre.device)
+    name, block = safe(kern.program.name), block_size()
+    groups: dict[str, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(_dtype_key(g, g, g)[0], []).append(g)
+    with _on(pre.device):
+        for gdt, gs in groups.items():
+            numels = tuple(g.numel() for g in gs)
+            bmap = block_map(numels, block, pre.device)
+            if bmap.nblocks == 0:
+                continue
+            table = _device(torch.tensor([[g.numel(), g.data_ptr()] for g in gs],
+                                         dtype=torch.int64), pre.device)
+            mod = kern.module((gdt, gdt, gdt))
+            programs = min(bmap.nblocks, PRELUDE_PROGRAMS)
+            part = torch.empty((programs, 2), dtype=torch.float64, device=pre.device)
+            launch(mod[f"{name}_prelude"], (programs,), table, bmap.tensor, bmap.start,
+                   bmap.nblocks, pre, part, BLOCK=block)
+            launch(mod[f"{name}_prelude_finish"], (1,), part, programs, pre,
+                   BLOCK=PRELUDE_PROGRAMS, num_warps=4)
+
+
+@_prelude_op.register_fake
+def _(kernel, grads, pre) -> None:
+    return None
+
+
+@torch.library.custom_op("vega::triton_step",
+                         mutates_args=("params", "states", "steps", "finite"))
+def _step_op(kernel: str, params: list[torch.Tensor], states: list[torch.Tensor],
+             steps: list[torch.Tensor], finite: torch.Tensor, grads: list[torch.Tensor],
+             old_params: list[torch.Tensor], old_states: list[torch.Tensor],
+             old_steps: list[torch.Tensor], step_index: list[int],
+             hyper_tensors: list[torch.Tensor], hyper_floats: list[float],
+             hyper_slots: list[int], hyper_index: list[int], pre: torch.Tensor | None,
+             inplace: bool) -> None:
+    """One step of every tensor: writes params, states (state-major), steps and finite.
+    ``old_*`` are the inputs of a pure step (empty when ``inplace``)."""
+    kern = _KERNELS[kernel]
+    device = finite.device
+    check_device(device)
+    n, nstate = len(params), len(kern.program.states)
+    src_p, src_s, src_t = (params, states, steps) if inplace else (
+        old_params, old_states, old_steps)
+    nhyper = len(kern.program.float_hypers)
+    width = max(nhyper, 1) * 8
+    name, block = safe(kern.program.name), block_size()
+    has_pre = pre is not None
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(_dtype_key(src_p[i], grads[i], src_s[i] if nstate else src_p[i]),
+                          []).append(i)
+    mod = None
+    with _on(device):
+        hyp = _hyper_array(device, nhyper, max(hyper_index, default=-1) + 1, hyper_tensors,
+                           hyper_floats, hyper_slots)
+        for key, idx in groups.items():
+            mod = kern.module(key)
+            rows = []
+            for i in idx:
+                col = range(i, nstate * n, n)
+                rows.append([params[i].numel(), src_p[i].data_ptr(), grads[i].data_ptr(),
+                             *(src_s[k].data_ptr() for k in col),
+                             src_t[step_index[i]].data_ptr(),
+                             hyp.data_ptr() + hyper_index[i] * width, params[i].data_ptr(),
+                             *(states[k].data_ptr() for k in col)])
+            table = _device(torch.tensor(rows, dtype=torch.int64), device)
+            bmap = block_map(tuple(params[i].numel() for i in idx), block, device)
+            if bmap.nblocks == 0:
+                continue
+            red = torch.empty((len(idx), max(kern.nred, 1)), dtype=torch.float64, device=device)
+            pre_arg = pre if has_pre else red
+            for k, nparts in enumerate(kern.phase_sizes):
+                part = torch.empty((bmap.nblocks, nparts), dtype=torch.float64, device=device)
+                launch(mod[f"{name}_phase{k}"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
+                       pre_arg, red, part, HAS_PRE=has_pre, BLOCK=block)
+                launch(mod[f"{name}_finish{k}"], (len(idx),), table, bmap.first, part, red,
+                       BLOCK=FINISH_BLOCK, num_warps=4)
+            launch(mod[f"{name}_update"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
+                   pre_arg, red, HAS_PRE=has_pre, BLOCK=block)
+        if steps:
+            mod = mod or kern.module(("float32",) * 3)
+            counters = _device(torch.tensor([[a.data_ptr(), b.data_ptr()]
+                                             for a, b in zip(src_t, steps)], dtype=torch.int64),
+                               device)
+            launch(mod[f"{name}_advance"], (-(-len(steps) // ADVANCE_BLOCK),), counters,
+                   len(steps), pre if has_pre else hyp, finite, HAS_PRE=has_pre,
+                   BLOCK=ADVANCE_BLOCK, num_warps=4)
+
+
+@_step_op.register_fake
+def _(kernel, params, states, steps, finite, grads, old_params, old_states, old_steps,
+      step_index, hyper_tensors, hyper_floats, hyper_slots, hyper_index, pre, inplace) -> None:
+    return None
+
+
+def _on(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+# -- the glue that torch.compile traces -------------------------------------------
+
+def _check(kern, what: str, x: torch.Tensor) -> None:
+    if x.dtype not in DTYPES:
+        raise ValueError(f"backend 'triton' does not support {what} of dtype {x.dtype} "
+                         f"(float32, float64, bfloat16 and float16 only)")
+
+
+def _distinct(items: list) -> tuple[list, list[int]]:
+    """The distinct objects of ``items`` (by identity) and the position of each item among
+    them. Under torch.compile by ``is`` (``id()`` would guard on every object's address)."""
+    uniq, index = [], []
+    if torch.compiler.is_compiling():
+        for x in items:
+            j = next((k for k, u in enumerate(uniq) if u is x), len(uniq))
+            if j == len(uniq):
+                uniq.append(x)
+            index.append(j)
+        return uniq, index
+    at: dict[int, int] = {}
+    for x in items:
+        if id(x) not in at:
+            at[id(x)] = len(uniq)
+            uniq.append(x)
+        index.append(at[id(x)])
+    return uniq, index
+
+
+def prelude(kern, grads, pre: torch.Tensor) -> None:
+    for g in grads:
+        _check(kern, "gradients", g)
+    torch.ops.vega.triton_prelude(kern.key, [g.contiguous() for g in grads], pre)
+
+
+def step(kern, params, grads, states, steps, values, donate, pre):
+    """See ``vega.codegen.reference.Kernel.__call__``."""
+    n, nstate = len(params), len(states)
+    device = params[0].device if n else (pre.device if pre is not None else torch.device("cpu"))
+    for p, g in zip(params, grads):
+        _check(kern, "parameters", p)
+        _check(kern, "gradients", g)
+        if p.device != device or g.device != device:
+            raise ValueError(f"backend 'triton' needs every tensor of a step on one device, got "
+                             f"{p.device} and {g.device} besides {device}")
+    for i in range(n):
+        sd = states[0][i].dtype if nstate else params[i].dtype
+        for col in states:
+            _check(kern, "state", col[i])
+            if col[i].dtype != sd:
+                raise ValueError("backend 'triton' needs every state tensor of a parameter in "
+                                 "one dtype")
+    # distinct step counters and hyperparameter sets (the same object is shared by many tensors)
+    uniq_steps, step_index = _distinct(steps)
+    uniq_values, hyper_index = _distinct(values)
+    hyper_tensors, hyper_floats, hyper_slots = [], [], []
+    for vals in uniq_values:
+        for h in kern.program.float_hypers:
+            v = vals[h]
+            if isinstance(v, torch.Tensor):
+                hyper_slots.append(len(hyper_tensors))
+                hyper_tensors.append(v)
+            else:
+                hyper_slots.append(-1 - len(hyper_floats))
+                hyper_floats.append(float(v))
+    grads = [g.contiguous() for g in grads]
+    finite = torch.empty((), dtype=torch.bool, device=device)
+    flat_states = [s for col in states for s in col]
+    if donate:
+        work_p = [p.contiguous() for p in params]
+        work_s = [s.contiguous() for s in flat_states]
+        torch.ops.vega.triton_step(kern.key, work_p, work_s, uniq_steps, finite, grads, [], [],
+                                   [], step_index, hyper_tensors, hyper_floats, hyper_slots,
+                                   hyper_index, pre, True)
+        for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
+            if work is not orig:
+                orig.copy_(work)
+        new_p, new_s, new_t = list(params), [list(col) for col in states], uniq_steps
+    else:
+        old_p = [p.contiguous() for p in params]
+        old_s = [s.contiguous() for s in flat_states]
+        new_p = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
+        flat = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in flat_states]
+        new_t = [torch.empty((), dtype=s.dtype, device=s.device) for s in uniq_steps]
+        torch.ops.vega.triton_step(kern.key, new_p, flat, new_t, finite, grads, old_p, old_s,
+                                   uniq_steps, step_index, hyper_tensors, hyper_floats,
+                                   hyper_slots, hyper_index, pre, False)
+        new_s = [flat[k * n:(k + 1) * n] for k in range(nstate)]
+    if pre is None:
+        finite = None
+    elif not uniq_steps:  # no counter to advance: the flag from the prelude's record
+        finite = (pre[1] == 0) | (pre[4] == 0)
+    return new_p, new_s, [new_t[j] for j in step_index], finite
