@@ -194,12 +194,13 @@ def test_step_applies_or_skips_exactly(make):
 def test_pytree_leaves_and_names():
     ls = LossScale.dynamic(init=8.0, growth_interval=7, growth_factor=3.0, backoff_factor=0.25)
     leaves, spec = pytree.tree_flatten(ls)
-    assert len(leaves) == 2 and leaves[0] is ls.loss_scale and leaves[1] is ls.good_steps
+    assert len(leaves) == 4 and leaves[0] is ls.loss_scale and leaves[1] is ls.good_steps
     back = pytree.tree_unflatten([x * 2 for x in leaves], spec)
     assert isinstance(back, LossScale) and back.loss_scale.item() == 16.0
     assert (back.growth_interval, back.growth_factor, back.backoff_factor, back.is_dynamic) == \
         (7, 3.0, 0.25, True)
-    assert leaf_paths({"ls": ls}) == ["ls.loss_scale", "ls.good_steps"]
+    assert leaf_paths({"ls": ls}) == ["ls.loss_scale", "ls.good_steps", "ls.skipped_steps",
+                                      "ls.min_scale"]
     assert "loss_scale=8.0" in repr(ls) and "growth_interval=7" in repr(ls)
     # Static and dynamic scales have different structures.
     assert pytree.tree_structure(LossScale.static(8.0)) != spec
@@ -222,6 +223,30 @@ def test_adjust_compiles_without_graph_break():
         p, ls = p2, ls2
 
 
+def test_min_scale_and_skipped_count():
+    ls = LossScale.dynamic(init=8.0, min_scale=2.0)
+    for _ in range(4):
+        ls = ls.adjust(torch.tensor(False))
+    assert ls.loss_scale.item() == 2.0 and ls.skipped_steps.item() == 4
+    ls = ls.adjust(torch.tensor(True))
+    assert ls.skipped_steps.item() == 4 and ls.good_steps.item() == 1
+    assert LossScale.dynamic(init=8.0).adjust(False).adjust(False).loss_scale.item() == 2.0
+    assert LossScale.dynamic(init=1.0).adjust(False).loss_scale.item() == 0.5  # no floor
+
+
+def test_traversals():
+    ls = LossScale.dynamic(init=8.0)
+    seen = []
+    ls.iter(seen.append)
+    assert len(seen) == 4 and seen[0] is ls.loss_scale
+    doubled = ls.map(lambda t: t * 2)
+    assert doubled.loss_scale.item() == 16.0 and doubled.growth_interval == ls.growth_interval
+    summed = ls.map2(torch.add, doubled)
+    assert summed.loss_scale.item() == 24.0
+    with pytest.raises(ValueError, match="configured alike"):
+        ls.map2(torch.add, LossScale.static(2.0))
+
+
 BAD = [
     (lambda: LossScale.static(0.0), "s=0.0"),
     (lambda: LossScale.static(-2.0), "s=-2.0"),
@@ -239,6 +264,12 @@ BAD = [
     (lambda: LossScale.dynamic(growth_factor=-2.0), "growth_factor=-2.0"),
     (lambda: LossScale.dynamic(backoff_factor=0.0), "backoff_factor=0.0"),
     (lambda: LossScale.dynamic(backoff_factor=-0.5), "backoff_factor=-0.5"),
+    (lambda: LossScale.dynamic(min_scale=0.0), "min_scale=0.0"),
+    (lambda: LossScale.dynamic(init=2.0, min_scale=4.0), "min_scale=4.0 is above"),
+    (lambda: LossScale.dynamic().adjust("yes"), "finite='yes'"),
+    (lambda: LossScale.dynamic().adjust(torch.ones(3, dtype=torch.bool)), "0-d bool"),
+    (lambda: LossScale.dynamic().adjust(torch.tensor(1.0)), "0-d bool"),
+    (lambda: LossScale.static(2.0).adjust(None), "finite=None"),
 ]
 
 

@@ -1,8 +1,10 @@
 """Loss scales for float16 training, after the seeds and JAX's jmp.
 
-A :class:`LossScale` is a value: two 0-d tensors, the scale factor
-``loss_scale`` (float32) and ``good_steps`` (int32: the finite steps since the
-scale last changed; -1 for a static scale), plus its configuration
+A :class:`LossScale` is a value: four 0-d tensors, the scale factor
+``loss_scale`` (float32), ``good_steps`` (int32: the finite steps since the
+scale last changed; -1 for a static scale), ``skipped_steps`` (int32: how many
+steps ``adjust`` saw overflow; a static scale keeps 0) and ``min_scale``
+(float32: the floor of backing off; 0 for none), plus its configuration
 (``growth_interval``, ``growth_factor``, ``backoff_factor``, and whether it is
 dynamic). It is registered as a torch pytree node whose two leaves are those
 tensors and whose context is the configuration, so a compiled training step takes
@@ -19,8 +21,9 @@ the scale is multiplied by ``growth_factor`` -- unless that overflows float32, w
 the scale is kept -- and the counter restarts; on an overflow the scale is
 multiplied by ``backoff_factor`` and the counter restarts. The products are
 formed in double precision and rounded to float32, as torch's kernels do. There is
-no minimum scale (jmp's ``DynamicLossScale`` floors the backed-off scale at
-``min_loss_scale``, 1 by default). Everything is tensor arithmetic with
+no minimum scale unless ``dynamic(min_scale=...)`` asks for one (jmp's
+``DynamicLossScale`` floors the backed-off scale at ``min_loss_scale``, 1 by
+default). Everything is tensor arithmetic with
 ``torch.where``: no value is read back to the host.
 """
 from __future__ import annotations
@@ -100,14 +103,19 @@ def grads_finite(grads) -> torch.Tensor:
 class LossScale:
     """A loss scale: build it with :meth:`static` or :meth:`dynamic`."""
 
-    __slots__ = ("loss_scale", "good_steps", "growth_interval", "growth_factor",
-                 "backoff_factor", "is_dynamic")
+    __slots__ = ("loss_scale", "good_steps", "skipped_steps", "min_scale", "growth_interval",
+                 "growth_factor", "backoff_factor", "is_dynamic")
 
-    def __init__(self, loss_scale: torch.Tensor, good_steps: torch.Tensor, *,
-                 growth_interval: int = 2000, growth_factor: float = 2.0,
+    def __init__(self, loss_scale: torch.Tensor, good_steps: torch.Tensor,
+                 skipped_steps: torch.Tensor | None = None, min_scale: torch.Tensor | None = None,
+                 *, growth_interval: int = 2000, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, dynamic: bool = True):
         self.loss_scale = loss_scale
         self.good_steps = good_steps
+        self.skipped_steps = skipped_steps if skipped_steps is not None else torch.zeros(
+            (), dtype=torch.int32, device=loss_scale.device)
+        self.min_scale = min_scale if min_scale is not None else torch.zeros(
+            (), dtype=torch.float32, device=loss_scale.device)
         (self.growth_interval, self.growth_factor,
          self.backoff_factor) = _check_config("LossScale", growth_interval, growth_factor,
                                               backoff_factor)
@@ -129,12 +137,23 @@ class LossScale:
     @classmethod
     def dynamic(cls, init: float = 2.0**15, growth_interval: int = 2000,
                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                device=None) -> LossScale:
-        """A fresh adaptive scale, starting at ``init`` with its counter at 0."""
+                min_scale: float | None = None, device=None) -> LossScale:
+        """A fresh adaptive scale, starting at ``init`` with its counter at 0.
+
+        ``min_scale`` (optional, positive): backing off never takes the scale below
+        it (jmp's ``min_loss_scale``; DeepSpeed's ``min_loss_scale``).
+        """
         init = _scale_value("LossScale.dynamic", "init", init)
         _check_config("LossScale.dynamic", growth_interval, growth_factor, backoff_factor)
+        floor = 0.0 if min_scale is None else _scale_value("LossScale.dynamic", "min_scale",
+                                                            min_scale)
+        if floor > init:
+            raise ValueError(f"LossScale.dynamic: min_scale={min_scale!r} is above "
+                             f"init={init!r}")
         return cls(torch.full((), init, dtype=torch.float32, device=device),
                    torch.zeros((), dtype=torch.int32, device=device),
+                   torch.zeros((), dtype=torch.int32, device=device),
+                   torch.full((), floor, dtype=torch.float32, device=device),
                    growth_interval=growth_interval, growth_factor=growth_factor,
                    backoff_factor=backoff_factor, dynamic=True)
 
@@ -145,7 +164,7 @@ class LossScale:
     def _from(cls, leaves, config) -> LossScale:
         """Unchecked: pytree maps may put anything in the leaves."""
         self = object.__new__(cls)
-        self.loss_scale, self.good_steps = leaves
+        self.loss_scale, self.good_steps, self.skipped_steps, self.min_scale = leaves
         (self.growth_interval, self.growth_factor, self.backoff_factor,
          self.is_dynamic) = config
         return self
@@ -159,8 +178,33 @@ class LossScale:
         kind = "dynamic" if self.is_dynamic else "static"
         cfg = (f", growth_interval={self.growth_interval}, growth_factor={self.growth_factor}, "
                f"backoff_factor={self.backoff_factor}") if self.is_dynamic else ""
+        floor = f", min_scale={show(self.min_scale)}" if self.is_dynamic else ""
         return (f"LossScale({kind}, loss_scale={show(self.loss_scale)}, "
-                f"good_steps={show(self.good_steps)}{cfg})")
+                f"good_steps={show(self.good_steps)}, "
+                f"skipped_steps={show(self.skipped_steps)}{cfg}{floor})")
+
+    # -- traversals (the seeds' map, map2, iter) --------------------------------------
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The state tensors, in order: loss_scale, good_steps, skipped_steps, min_scale."""
+        return (self.loss_scale, self.good_steps, self.skipped_steps, self.min_scale)
+
+    def map(self, f) -> LossScale:
+        """``f`` applied to every state tensor (e.g. ``ls.map(lambda t: t.to(device))``)."""
+        return LossScale._from([f(t) for t in self.tensors()], self._config())
+
+    def map2(self, f, other: LossScale) -> LossScale:
+        """``self`` and ``other`` combined tensor by tensor with ``f``."""
+        if not isinstance(other, LossScale) or other._config() != self._config():
+            raise ValueError("LossScale.map2: the other value must be a LossScale configured "
+                             "alike")
+        return LossScale._from([f(a, b) for a, b in zip(self.tensors(), other.tensors())],
+                               self._config())
+
+    def iter(self, f) -> None:
+        """``f`` called on every state tensor."""
+        for t in self.tensors():
+            f(t)
 
     # -- use -------------------------------------------------------------------------
 
@@ -187,22 +231,28 @@ class LossScale:
         ``finite`` is a 0-d bool tensor (from :func:`grads_finite`). A static scale is
         returned unchanged.
         """
+        if isinstance(finite, bool):
+            finite = torch.tensor(finite, device=self.loss_scale.device)
+        elif not isinstance(finite, torch.Tensor) or finite.dim() != 0 or \
+                finite.is_floating_point() or finite.is_complex():
+            raise ValueError(f"LossScale.adjust: finite={finite!r} must be a 0-d bool tensor "
+                             "(vega.grads_finite) or a Python bool")
+        elif finite.dtype != torch.bool:
+            finite = finite != 0
         if not self.is_dynamic:
             return self
         s, n = self.loss_scale, self.good_steps
-        if not isinstance(finite, torch.Tensor):
-            finite = torch.tensor(bool(finite), device=s.device)
-        elif finite.dtype != torch.bool:
-            finite = finite != 0
         wide = _wide(s.device)
         grown = (s.to(wide) * self.growth_factor).to(torch.float32)
         grown = torch.where(torch.isfinite(grown), grown, s)
         backed = (s.to(wide) * self.backoff_factor).to(torch.float32)
+        backed = torch.maximum(backed, self.min_scale)  # min_scale 0: no floor
         successful = n + 1
         at_interval = successful == self.growth_interval
         new_s = torch.where(finite, torch.where(at_interval, grown, s), backed)
         new_n = torch.where(finite & ~at_interval, successful, torch.zeros_like(n))
-        return LossScale._from((new_s, new_n), self._config())
+        skipped = self.skipped_steps + (~finite).to(self.skipped_steps.dtype)
+        return LossScale._from((new_s, new_n, skipped, self.min_scale), self._config())
 
     def step(self, grads, step_fn, state):
         """One loss-scaled step: ``(new state, next loss scale)``.
@@ -228,13 +278,16 @@ class LossScale:
         return pytree.tree_unflatten(kept, old_spec), self.adjust(finite)
 
 
+_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
+
+
 def _flatten(ls: LossScale):
-    return [ls.loss_scale, ls.good_steps], ls._config()
+    return list(ls.tensors()), ls._config()
 
 
 def _flatten_with_keys(ls: LossScale):
-    return ([(pytree.GetAttrKey("loss_scale"), ls.loss_scale),
-             (pytree.GetAttrKey("good_steps"), ls.good_steps)], ls._config())
+    return ([(pytree.GetAttrKey(name), t) for name, t in zip(_LEAVES, ls.tensors())],
+            ls._config())
 
 
 def _unflatten(leaves, config) -> LossScale:

@@ -13,6 +13,7 @@ from vega import codegen
 from vega.runtime import engine
 
 _EXTRA = ("backend", "state_dtype")  # per-group settings that are not hyperparameters
+_LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
 
 
 class SpecOptimizer(torch.optim.Optimizer):
@@ -112,8 +113,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         """torch's format, plus the loss scale's two tensors under ``'loss_scale'``."""
         out = super().state_dict()
         if self.loss_scale is not None:
-            out["loss_scale"] = {"loss_scale": self.loss_scale.loss_scale,
-                                 "good_steps": self.loss_scale.good_steps}
+            out["loss_scale"] = dict(zip(_LOSS_SCALE_LEAVES, self.loss_scale.tensors()))
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -123,11 +123,10 @@ class SpecOptimizer(torch.optim.Optimizer):
         originals = {k: dict(v) for k, v in saved.items()}
         scale = state_dict.get("loss_scale")
         if scale is not None and self.loss_scale is not None:
-            device = self.loss_scale.loss_scale.device
+            mine = dict(zip(_LOSS_SCALE_LEAVES, self.loss_scale.tensors()))
             self.loss_scale = type(self.loss_scale)._from(
-                (scale["loss_scale"].to(device=device, dtype=torch.float32),
-                 scale["good_steps"].to(device=device, dtype=torch.int32)),
-                self.loss_scale._config())
+                [scale.get(name, mine[name]).to(device=mine[name].device, dtype=mine[name].dtype)
+                 for name in _LOSS_SCALE_LEAVES], self.loss_scale._config())
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "loss_scale"})
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
