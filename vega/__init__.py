@@ -6,6 +6,7 @@ and ``vega.<name>_step(params, grads, state, **hypers)``; ``vega.optim`` has the
 """
 from vega import optim, schedule
 from vega.errors import SpecError, VegaError
+from vega.runtime.io import get_leaf, load, save, set_leaf
 from vega.runtime.lbfgs import lbfgs_init, lbfgs_step
 from vega.runtime.library import builtin, builtin_names
 from vega.runtime.loss_scale import LossScale, grads_finite
@@ -58,6 +59,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CompiledSpec", "SpecError", "VegaError", "builtin", "builtin_names", "compile",
     "compile_file", "optim", "state_names", "schedule", "LossScale", "grads_finite",
+    "save", "load", "get_leaf", "set_leaf",
     "clip_by_global_norm", "clip_by_value", "global_norm", "lbfgs_init", "lbfgs_step",
     "sgd", "sgd_init", "sgd_step", "adam", "adam_init", "adam_step",
     "adamw", "adamw_init", "adamw_step",

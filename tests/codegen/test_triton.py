@@ -21,13 +21,13 @@ import torch._dynamo.testing  # imports triton
 
 triton = pytest.importorskip("triton")
 
-import vega
-from vega import codegen, schedule
-from vega.codegen import triton as triton_backend
-from vega.codegen import triton_runtime
-from vega.codegen.reference import make_pre
+import vega  # noqa: E402
+from vega import codegen, schedule  # noqa: E402
+from vega.codegen import triton as triton_backend  # noqa: E402
+from vega.codegen import triton_runtime  # noqa: E402
+from vega.codegen.reference import make_pre  # noqa: E402
 
-codegen.BACKENDS.setdefault("triton", triton_backend)  # until vega.codegen registers it
+assert codegen.BACKENDS["triton"] is triton_backend
 DEVICE = "cpu" if triton_runtime.interpreting() else "cuda"
 if DEVICE == "cpu" and not triton_runtime._library_interpreted():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run with "

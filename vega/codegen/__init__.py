@@ -6,7 +6,9 @@ parameters, gradients, states, step counters and hyperparameter values (see
 """
 from __future__ import annotations
 
-from functools import cache
+from functools import _CacheInfo
+
+import torch
 
 from vega.codegen import c, reference, triton
 from vega.dsl.ir import Program
@@ -33,8 +35,33 @@ def default_backend(device_type: str) -> str:
     return preferred if preferred in BACKENDS else "reference"
 
 
-@cache
+_KERNELS: dict = {}
+_COUNTS = {"hits": 0, "misses": 0}
+
+
 def kernel(backend: str, program: Program):
-    """The compiled kernel of ``program`` on ``backend``, built once."""
-    check_backend(backend)
-    return BACKENDS[backend].Kernel(program)
+    """The compiled kernel of ``program`` on ``backend``, built once.
+
+    A plain dict, not ``functools.cache``: dynamo traces through a cached function
+    as if it were not cached, building a new kernel (and graph-breaking on its
+    ``exec``) inside every compiled step.
+    """
+    key = (backend, program)
+    found = _KERNELS.get(key)
+    counting = not torch.compiler.is_compiling()  # a counter read while tracing is guarded on
+    if found is None:
+        check_backend(backend)
+        found = _KERNELS[key] = BACKENDS[backend].Kernel(program)
+        if counting:
+            _COUNTS["misses"] += 1
+    elif counting:
+        _COUNTS["hits"] += 1
+    return found
+
+
+def _cache_info():
+    """``functools.cache``'s statistics, for tests that count kernel builds."""
+    return _CacheInfo(_COUNTS["hits"], _COUNTS["misses"], None, len(_KERNELS))
+
+
+kernel.cache_info = _cache_info

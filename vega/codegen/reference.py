@@ -163,6 +163,12 @@ class Kernel:
         """Add the gradients' sum of squares and non-finite count, unscaled, into ``pre``."""
         add_prelude(grads, pre)
 
+    def _scalar_phase(self, step, values, cd, device):
+        """The scalar phase in float64, each result rounded once to the compute dtype."""
+        t = (step + 1).to(torch.float64)
+        scal = self._scalars(t, *self._hyper_args(values, torch.float64, device))
+        return [x.to(cd) if x.is_floating_point() else x for x in scal]
+
     def __call__(self, params, grads, states, steps, values, donate, pre=None):
         """One fused step of every tensor: (new params, new states, new steps, finite).
 
@@ -186,17 +192,13 @@ class Kernel:
         new_params, new_states = [], [[] for _ in self.program.states]
         for i, (p, g) in enumerate(zip(params, grads)):
             cd = compute_dtype(p.dtype)
-            key = (id(steps[i]), id(values[i]), cd, p.device)
-            if key not in cache:
-                # the scalar phase runs in float64, then rounds once to the compute dtype
-                t = (steps[i] + 1).to(torch.float64)
-                scal = self._scalars(t, *self._hyper_args(values[i], torch.float64, p.device))
-                cache[key] = [x.to(cd) if x.is_floating_point() else x for x in scal]
+            scalars = memo(cache, (steps[i], values[i]), (cd, p.device),
+                           self._scalar_phase, steps[i], values[i], cd, p.device)
             olds = [s[i] for s in states]
             gc = g.to(cd)
             if gscale is not None:
                 gc = gc * gscale[0].to(cd) * gscale[1].to(cd)
-            outs = self._update(p.to(cd), gc, *(s.to(cd) for s in olds), *cache[key])
+            outs = self._update(p.to(cd), gc, *(s.to(cd) for s in olds), *scalars)
             for old, new, sink in zip([p, *olds], outs, [new_params, *new_states]):
                 new = new.to(old.dtype)
                 if finite is not None:
@@ -235,13 +237,32 @@ def add_prelude(grads, pre: torch.Tensor) -> None:
 
 def advance_steps(steps, finite, donate):
     """Each distinct step counter plus one (saturating; not on a skipped step)."""
-    done: dict[int, torch.Tensor] = {}
-    out = []
-    for step in steps:
-        if id(step) not in done:
-            inc = (step < INT32_MAX).to(step.dtype)
-            if finite is not None:
-                inc = inc * finite.to(step.dtype)
-            done[id(step)] = step.add_(inc) if donate else step + inc
-        out.append(done[id(step)])
-    return out
+    def advance(step):
+        inc = (step < INT32_MAX).to(step.dtype)
+        if finite is not None:
+            inc = inc * finite.to(step.dtype)
+        return step.add_(inc) if donate else step + inc
+    done: dict = {}
+    return [memo(done, (step,), (), advance, step) for step in steps]
+
+
+def memo(seen: dict, objs: tuple, plain: tuple, make, *args):
+    """``make(*args)``, once per distinct ``objs`` (by identity) and ``plain`` (by equality).
+
+    Eagerly a dict keyed by ``id``; under ``torch.compile`` a scan by ``is``: there
+    the ``id`` of an input tensor guards on that very tensor, and each new step
+    counter (a new state) would recompile.
+    """
+    if torch.compiler.is_compiling():
+        for known, known_plain, value in seen.values():
+            if known_plain == plain and len(known) == len(objs) \
+                    and all(a is b for a, b in zip(known, objs, strict=True)):
+                return value
+        key = len(seen)
+    else:
+        key = (*map(id, objs), *plain)
+        if key in seen:
+            return seen[key][2]
+    value = make(*args)
+    seen[key] = (objs, plain, value)  # holding objs keeps their ids from being reused
+    return value

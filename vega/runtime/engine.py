@@ -13,7 +13,7 @@ import numbers
 import torch
 
 from vega import codegen
-from vega.codegen.reference import make_pre
+from vega.codegen.reference import make_pre, memo
 from vega.dsl.ir import HyperParam, Program
 
 def _suggest(name, names) -> str:
@@ -117,6 +117,10 @@ def finite_of(pre: torch.Tensor | None) -> torch.Tensor | None:
     return None if pre is None else (pre[1] == 0) | (pre[4] == 0)
 
 
+def _has_schedule(values: dict) -> bool:
+    return any(callable(v) and not isinstance(v, torch.Tensor) for v in values.values())
+
+
 def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor | None:
     """Gather, over every gradient of every group, what a fused step needs before updating.
 
@@ -146,18 +150,13 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     ``pre`` the prelude's record (``prelude``). Returns (new params, new
     states, new steps, finite).
     """
-    evaluated: dict[tuple[int, int], dict] = {}
-    scheduled: dict[int, bool] = {}
+    evaluated: dict = {}
+    scheduled: dict = {}
     per_tensor = []
     for step, vals in zip(steps, values):
-        if id(vals) not in scheduled:
-            scheduled[id(vals)] = any(callable(v) and not isinstance(v, torch.Tensor)
-                                      for v in vals.values())
         # without schedules the values do not depend on the step: one dict for all
-        key = (id(step) if scheduled[id(vals)] else 0, id(vals))
-        if key not in evaluated:
-            evaluated[key] = at_step(vals, step)
-        per_tensor.append(evaluated[key])
+        keys = (step, vals) if memo(scheduled, (vals,), (), _has_schedule, vals) else (vals,)
+        per_tensor.append(memo(evaluated, keys, (), at_step, vals, step))
     kern = codegen.kernel(backend, program)
     real_p = [_real(p) for p in params]
     real_s = [[_real(s) for s in col] for col in states]

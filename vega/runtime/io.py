@@ -44,8 +44,8 @@ def _key(k) -> str:
 
 
 def _named(state, who: str):
-    """[(name, leaf)] over the state's non-None leaves (names as ``state_names``), and
-    what rebuilds the state from a full list of leaves."""
+    """(name, index) of each non-None leaf, named as ``state_names`` names them; the
+    full list of leaves (None included); the structure that rebuilds the state."""
     if not isinstance(state, dict):
         raise ValueError(f"{who}: a state is the dict of fields that <name>_init returns, "
                          f"got {type(state).__name__}")
@@ -113,6 +113,9 @@ def save(path, state) -> None:
                 "vega.complex": json.dumps(complex_names)}
     target = Path(os.fspath(path))
     directory = target.parent
+    if not directory.is_dir():
+        raise FileNotFoundError(f"vega.save: cannot write {str(target)!r}: no directory "
+                                f"{str(directory)!r}")
     tmp = str(directory / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies
     try:
@@ -140,34 +143,23 @@ def save(path, state) -> None:
         os.close(dfd)
 
 
-def _read(path) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The tensors of a vega state file and the names of its complex leaves."""
-    where = repr(os.fspath(path))
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"vega.load: no such file {where}")
+def _complex_names(f, where: str) -> set[str]:
+    """Check that the open file ``f`` is a vega state; the names of its complex leaves."""
+    metadata = f.metadata() or {}
+    if metadata.get("vega") != FORMAT:
+        raise ValueError(f"vega.load: {where} is a safetensors file but not a vega state (it "
+                         "has no 'vega' metadata); write states with vega.save")
+    if metadata.get("vega.version") != FORMAT_VERSION:
+        raise ValueError(f"vega.load: {where} is a vega state of format version "
+                         f"{metadata.get('vega.version')!r}; this vega reads version "
+                         f"{FORMAT_VERSION!r}")
     try:
-        with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-            if metadata.get("vega") != FORMAT:
-                raise ValueError(f"vega.load: {where} is a safetensors file but not a vega "
-                                 "state (it has no 'vega' metadata); write states with "
-                                 "vega.save")
-            if metadata.get("vega.version") != FORMAT_VERSION:
-                raise ValueError(f"vega.load: {where} is a vega state of format version "
-                                 f"{metadata.get('vega.version')!r}; this vega reads version "
-                                 f"{FORMAT_VERSION!r}")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"vega.load: {where} is not a vega state file (not a readable "
-                         f"safetensors file: {err})") from err
-    try:
-        complex_names = json.loads(metadata.get("vega.complex", "[]"))
-    except json.JSONDecodeError as err:
+        return set(json.loads(metadata.get("vega.complex", "[]")))
+    except (json.JSONDecodeError, TypeError) as err:
         raise ValueError(f"vega.load: {where} has corrupt 'vega.complex' metadata") from err
-    return tensors, complex_names
 
 
-def load(path, like) -> dict:
+def load(path, *, like) -> dict:
     """The state saved in ``path``, with the structure of ``like``.
 
     Every leaf of ``like`` must be in the file with the same shape and dtype, and
@@ -176,42 +168,60 @@ def load(path, like) -> dict:
     the file when it is not a vega state.
     """
     named, leaves, spec = _named(like, "vega.load")
-    tensors, complex_names = _read(path)
+    for name, i in named:
+        if not isinstance(leaves[i], torch.Tensor):
+            raise ValueError(f"vega.load: like= leaf {name!r} is a "
+                             f"{type(leaves[i]).__name__}, not a tensor")
     where = repr(os.fspath(path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"vega.load: no such file {where}")
+    try:
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+            return pytree.tree_unflatten(_read(f, where, named, leaves), spec)
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"vega.load: {where} is not a vega state file (not a readable "
+                         f"safetensors file: {err})") from err
+
+
+def _read(f, where, named, leaves) -> list:
+    """``leaves`` with each named one replaced by its tensor in the open file ``f``."""
+    complex_names = _complex_names(f, where)
+    keys = set(f.keys())
     names = [n for n, _ in named]
-    missing = [n for n in names if n not in tensors]
+    missing = [n for n in names if n not in keys]
     if missing:
         raise ValueError(f"vega.load: {where} has no leaf {missing[0]!r}"
-                         f"{_suggest(missing[0], sorted(tensors))}"
+                         f"{_suggest(missing[0], sorted(keys))}"
                          + (f" ({len(missing)} leaves missing in all)" if len(missing) > 1
                             else "") + "; was it saved from a state of another optimizer, "
                          "other flags or other parameters?")
-    extra = sorted(set(tensors) - set(names))
+    extra = sorted(keys - set(names))
     if extra:
         raise ValueError(f"vega.load: {where} has leaf {extra[0]!r}, which the state given as "
                          f"like= does not have" + (f" ({len(extra)} such leaves)"
                                                    if len(extra) > 1 else ""))
     out = list(leaves)
     for name, i in named:
-        want = leaves[i]
-        if not isinstance(want, torch.Tensor):
-            raise ValueError(f"vega.load: like= leaf {name!r} is a {type(want).__name__}, "
-                             "not a tensor")
-        got = tensors[name]
-        if name in complex_names:
-            if got.dim() == 0 or got.shape[-1] != 2 or not got.is_floating_point():
-                raise ValueError(f"vega.load: leaf {name!r} in {where} is marked complex but "
-                                 f"is {_describe(got)}")
-            got = torch.view_as_complex(got.contiguous())
-        if got.dtype != want.dtype:
-            raise ValueError(f"vega.load: leaf {name!r} in {where} has dtype {got.dtype}, but "
-                             f"the state given as like= has {want.dtype}")
-        if got.shape != want.shape:
-            raise ValueError(f"vega.load: leaf {name!r} in {where} has shape "
-                             f"{tuple(got.shape)}, but the state given as like= has "
-                             f"{tuple(want.shape)}")
-        out[i] = got.to(want.device)
-    return pytree.tree_unflatten(out, spec)
+        want, got = leaves[i], f.get_tensor(name)
+        is_complex = name in complex_names
+        if is_complex and (got.dim() == 0 or got.shape[-1] != 2 or not got.is_floating_point()):
+            raise ValueError(f"vega.load: leaf {name!r} in {where} is marked complex but is "
+                             f"{_describe(got)}")
+        dtype = {torch.float32: torch.complex64, torch.float64: torch.complex128}.get(
+            got.dtype, got.dtype) if is_complex else got.dtype
+        shape = got.shape[:-1] if is_complex else got.shape
+        if dtype != want.dtype:
+            raise ValueError(f"vega.load: leaf {name!r} in {where} has dtype {dtype}, but the "
+                             f"state given as like= has {want.dtype}")
+        if shape != want.shape:
+            raise ValueError(f"vega.load: leaf {name!r} in {where} has shape {tuple(shape)}, "
+                             f"but the state given as like= has {tuple(want.shape)}")
+        # A tensor that owns its memory: safetensors hands out views of the file's bytes,
+        # shared between reads and only as aligned as the file's layout (complex kernels
+        # crash on a complex128 tensor 8-byte aligned), so copy the real coordinates.
+        fresh = torch.empty(got.shape, dtype=got.dtype, device=want.device).copy_(got)
+        out[i] = torch.view_as_complex(fresh) if is_complex else fresh
+    return out
 
 
 # -- one leaf -------------------------------------------------------------------------

@@ -59,6 +59,10 @@ class CompiledSpec:
         _check_leaves(owner, "params", params, leaves)
         device = next((p.device for p in leaves if is_steppable(p)), torch.device("cpu"))
         step = torch.zeros((), dtype=torch.int32, device=device)
+        # Build the kernel a step on these parameters will use by default, here and not in
+        # the first step: dynamo cannot trace the build (it runs generated code), so a
+        # compiled step that is the first to need a kernel would break its graph.
+        codegen.kernel(codegen.default_backend(device.type), program)
         vals = engine.at_step(values, step)
         columns = [[] for _ in program.states]
         with torch.no_grad():

@@ -1,0 +1,213 @@
+"""Compiled training steps, and steps that allocate nothing.
+
+A whole functional training step -- ``torch.func.grad_and_value`` over
+``torch.func.functional_call``, then ``vega.adamw_step`` with a learning rate
+computed from the step tensor and a dynamic loss scale -- compiles under
+``torch.compile(fullgraph=True)`` once and replays as the rate and the scale
+change. A donated step on the C backend allocates no parameter- or state-sized
+tensor.
+"""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+from torch.profiler import ProfilerActivity, profile
+
+import vega
+from vega.codegen import c as c_backend
+
+needs_c = pytest.mark.skipif(not c_backend.available(), reason="no C compiler: no C backend")
+# The C kernels are ctypes calls, which dynamo cannot trace: a compiled step goes through
+# the torch custom ops vega::c_prelude and vega::c_step.
+BACKENDS = ["reference", pytest.param("c", marks=[needs_c])]
+
+
+def schedule(step):
+    return 1e-3 * 0.9 ** step.float()
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def make_training_step(model, backend, donate=False):
+    """A step over (params, optimizer state, loss scale): the loss is scaled, and the
+    vega step unscales, clips and adjusts the scale, fused."""
+    def loss_fn(params, x, y, ls):
+        loss = (torch.func.functional_call(model, params, (x,)) - y).square().mean()
+        return ls.scale(loss), loss
+
+    def train_step(params, state, ls, x, y):
+        grads, (_, loss) = torch.func.grad_and_value(loss_fn, has_aux=True)(params, x, y, ls)
+        params, state, ls = vega.adamw_step(params, grads, state, lr=schedule,
+                                            weight_decay=0.01, max_grad_norm=1.0,
+                                            loss_scale=ls, backend=backend, donate=donate)
+        return params, state, ls, loss
+    return train_step
+
+
+def batches(n):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=gen), torch.randn(8, 1, generator=gen))
+            for _ in range(n)]
+
+
+def fresh(model):
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return params, vega.adamw_init(params), vega.LossScale.dynamic(2.0**10, growth_interval=3)
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_training_step_compiles_once_as_the_rate_changes(backend, donate):
+    torch._dynamo.reset()
+    model = make_model()
+    step = make_training_step(model, backend, donate)
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    eager_p, eager_s, eager_ls = fresh(model)
+    comp_p, comp_s, comp_ls = fresh(model)
+    rates = []
+    for x, y in batches(10):
+        rates.append(float(schedule(comp_s["step"])))
+        eager_p, eager_s, eager_ls, eager_loss = step(eager_p, eager_s, eager_ls, x, y)
+        comp_p, comp_s, comp_ls, comp_loss = compiled(comp_p, comp_s, comp_ls, x, y)
+        torch.testing.assert_close(comp_loss, eager_loss, rtol=1e-6, atol=0)
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times"
+    assert len(set(rates)) == 10  # the rate did change at every step
+    assert float(comp_ls.loss_scale) == float(eager_ls.loss_scale) == 2.0**13  # grew 3 times
+    assert comp_s["step"].dtype == torch.int32 and int(comp_s["step"]) == 10
+    for k in eager_p:
+        torch.testing.assert_close(comp_p[k], eager_p[k], rtol=1e-6, atol=0)
+        for field in ("mu", "nu"):
+            torch.testing.assert_close(comp_s[field][k], eager_s[field][k], rtol=1e-6, atol=0)
+
+
+SIGNUM = """
+# sign of a momentum average: a spec of this test's own, so no other test built its kernels
+optimizer signum(lr = 1e-2 in [0, inf), b = 0.9 in [0, 1)) {
+    state m = zeros
+    m = b * m + (1 - b) * g
+    p = p - lr * sign(m)
+}
+"""
+
+
+@pytest.mark.parametrize("lr", [schedule, 1e-2], ids=["schedule", "float"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_first_step_may_be_the_compiled_one(backend, lr):
+    """No eager step before: the kernel the compiled step needs is built by init, and
+    nothing cached during the first compiled step makes the second recompile."""
+    torch._dynamo.reset()
+    signum = vega.compile(SIGNUM, f"<signum for {backend}, lr {lr}>")
+    model = make_model()
+
+    def loss_fn(params, x, y):
+        return (torch.func.functional_call(model, params, (x,)) - y).square().mean()
+
+    def train_step(params, state, x, y):
+        grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)
+        return (*signum.step(params, grads, state, lr=lr, backend=backend), loss)
+    counter = CompileCounter()
+    compiled = torch.compile(train_step, backend=counter, fullgraph=True)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = signum.init(params)
+    eager_p, eager_s = params, state
+    for x, y in batches(3):
+        params, state, _ = compiled(params, state, x, y)
+    for x, y in batches(3):
+        eager_p, eager_s, _ = train_step(eager_p, eager_s, x, y)
+    assert counter.frame_count == 1 and int(state["step"]) == 3
+    for k in params:
+        torch.testing.assert_close(params[k], eager_p[k], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_training_step_runs_through_aot_autograd(backend):
+    """With functionalization (aot_eager): the C step's in-place custom op is functionalized
+    and written back, and the results still match the eager step."""
+    torch._dynamo.reset()
+    model = make_model()
+    step = make_training_step(model, backend, donate=True)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    eager_p, eager_s, eager_ls = fresh(model)
+    comp_p, comp_s, comp_ls = fresh(model)
+    for x, y in batches(4):
+        eager_p, eager_s, eager_ls, _ = step(eager_p, eager_s, eager_ls, x, y)
+        comp_p, comp_s, comp_ls, _ = compiled(comp_p, comp_s, comp_ls, x, y)
+    assert int(comp_s["step"]) == 4
+    for k in eager_p:
+        torch.testing.assert_close(comp_p[k], eager_p[k], rtol=1e-6, atol=0)
+
+
+@needs_c
+def test_c_custom_ops_pass_opcheck():
+    """Schema, fake (meta) implementation and functionalization of the C kernels' ops."""
+    from vega import codegen
+    from vega.codegen.reference import make_pre
+    kernel = codegen.kernel("c", vega.adamw.program())
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+    grads = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+    states = [torch.zeros_like(p) for _ in range(2) for p in params]  # mu..., nu...
+    steps = [torch.zeros((), dtype=torch.int32)]
+    hypers = [torch.tensor([vega.adamw.defaults[h] for h in vega.adamw.program().float_hypers],
+                           dtype=torch.float64)]
+    pre = make_pre(torch.device("cpu"), None, 1.0, True)
+    torch.library.opcheck(torch.ops.vega.c_prelude.default, (kernel.key, grads, pre.clone()))
+    torch.library.opcheck(torch.ops.vega.c_step.default,
+                          (kernel.key, params, grads, states, steps, [0, 0], hypers, [0, 0], pre))
+
+
+# -- allocations -------------------------------------------------------------------------
+
+N = 1 << 20  # elements of the large parameter
+
+
+def big_allocations(fn, threshold):
+    """(name, bytes) of each allocation of at least ``threshold`` bytes while ``fn`` runs."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return [(e.name, e.cpu_memory_usage) for e in prof.events()
+            if e.cpu_memory_usage >= threshold]
+
+
+def big_problem():
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(N, generator=gen), "b": torch.randn(16, generator=gen)}
+    grads = {"w": torch.randn(N, generator=gen), "b": torch.randn(16, generator=gen)}
+    return params, grads
+
+
+@needs_c
+@pytest.mark.parametrize("fused", [{}, {"max_grad_norm": 1.0, "skip_nonfinite": True}],
+                         ids=["plain", "fused"])
+def test_donated_c_step_allocates_nothing_parameter_sized(fused):
+    params, grads = big_problem()
+    state = vega.adamw_init(params)
+    w, mu = params["w"], state["mu"]["w"]
+    vega.adamw_step(params, grads, state, backend="c", donate=True, **fused)  # build the kernel
+    # a pure step allocates new parameters and state: the probe sees it
+    pure = big_allocations(lambda: vega.adamw_step(params, grads, state, backend="c", **fused),
+                           N * 4)
+    assert len(pure) >= 3, pure
+
+    def donated():
+        out = vega.adamw_step(params, grads, state, backend="c", donate=True, lr=schedule,
+                              **fused)
+        assert out[0]["w"] is w and out[1]["mu"]["w"] is mu
+    # nothing of even one byte per element: no copy, no mask, no temporary
+    assert big_allocations(donated, N) == []
+    assert int(state["step"]) == 2
+
+
+@needs_c
+def test_optimizer_class_step_allocates_nothing_parameter_sized():
+    params, grads = big_problem()
+    ps = [p.requires_grad_(True) for p in params.values()]
+    opt = vega.optim.AdamW(ps, lr=1e-3, max_grad_norm=1.0, backend="c")
+    for p, g in zip(ps, grads.values(), strict=True):
+        p.grad = g
+    opt.step()  # the state is created here: parameter-sized, once
+    assert big_allocations(opt.step, N) == []
+    assert int(opt.state[ps[0]]["step"]) == 2

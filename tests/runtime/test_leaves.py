@@ -1,0 +1,315 @@
+"""Leaves of every kind, and the parameter groups of the optimizer classes.
+
+Complex parameters step as their two real coordinates (torch.optim's convention),
+with complex state; integer and bool leaves pass through; half-precision
+parameters keep float32 state unless ``state_dtype`` says otherwise; param groups
+carry their own hyperparameters; parameters without a gradient are left alone.
+"""
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import vega
+from vega.codegen import c as c_backend
+
+SPECS = vega.builtin_names()
+BACKENDS = ["reference", pytest.param("c", marks=pytest.mark.skipif(
+    not c_backend.available(), reason="no C compiler"))]
+
+
+def bits(t):
+    t = torch.view_as_real(t) if t.is_complex() else t
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_bits(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+# -- complex parameters against torch.optim ---------------------------------------------
+
+# (vega functional, vega class, torch class, hyperparameters, {vega state: torch state})
+COMPLEX_CASES = {
+    "sgd": (vega.sgd, vega.optim.SGD, torch.optim.SGD,
+            {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}, {"v": "momentum_buffer"}),
+    "sgd-nesterov": (vega.sgd, vega.optim.SGD, torch.optim.SGD,
+                     {"lr": 0.05, "momentum": 0.9, "nesterov": True}, {"v": "momentum_buffer"}),
+    "adam": (vega.adam, vega.optim.Adam, torch.optim.Adam,
+             {"lr": 0.01, "weight_decay": 0.01}, {"mu": "exp_avg", "nu": "exp_avg_sq"}),
+    "adam-amsgrad": (vega.adam, vega.optim.Adam, torch.optim.Adam,
+                     {"lr": 0.01, "amsgrad": True},
+                     {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"}),
+}
+
+
+def complex_params():
+    gen = torch.Generator().manual_seed(0)
+    return {"z": torch.randn(6, 4, dtype=torch.complex128, generator=gen),
+            "x": torch.randn(5, dtype=torch.float64, generator=gen),
+            "c": torch.randn((), dtype=torch.complex128, generator=gen)}
+
+
+def complex_grads(k):
+    gen = torch.Generator().manual_seed(100 + k)
+    return {name: torch.randn(p.shape, dtype=p.dtype, generator=gen)
+            for name, p in complex_params().items()}
+
+
+def torch_trajectory(torch_cls, hypers, steps=10):
+    params = {k: v.clone().requires_grad_(True) for k, v in complex_params().items()}
+    opt = torch_cls(params.values(), foreach=False, **hypers)
+    for k in range(steps):
+        for name, p in params.items():
+            p.grad = complex_grads(k)[name]
+        opt.step()
+    return params, opt
+
+
+def assert_close(actual, expected, what):
+    assert actual.dtype == expected.dtype, f"{what}: {actual.dtype} against {expected.dtype}"
+    torch.testing.assert_close(actual.detach(), expected.detach(), rtol=1e-10, atol=1e-10,
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("case", COMPLEX_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_complex_functional_matches_torch(case, backend):
+    spec, _, torch_cls, hypers, state_map = COMPLEX_CASES[case]
+    expected, opt = torch_trajectory(torch_cls, hypers)
+    params = complex_params()
+    state = spec.init(params, **hypers)
+    assert state["mu" if "mu" in state else "v"]["z"].dtype == torch.complex128
+    for k in range(10):
+        params, state = spec.step(params, complex_grads(k), state, backend=backend, **hypers)
+    assert int(state["step"]) == 10
+    for name, p in expected.items():
+        assert_close(params[name], p, f"param {name}")
+        for ours, theirs in state_map.items():
+            assert_close(state[ours][name], opt.state[p][theirs], f"state {ours}.{name}")
+
+
+@pytest.mark.parametrize("case", COMPLEX_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_complex_optimizer_class_matches_torch(case, backend):
+    _, cls, torch_cls, hypers, state_map = COMPLEX_CASES[case]
+    expected, opt = torch_trajectory(torch_cls, hypers)
+    params = {k: v.clone().requires_grad_(True) for k, v in complex_params().items()}
+    ours = cls(params.values(), backend=backend, **hypers)
+    for k in range(10):
+        for name, p in params.items():
+            p.grad = complex_grads(k)[name]
+        ours.step()
+    for name, p in expected.items():
+        q = params[name]
+        assert_close(q, p, f"param {name}")
+        assert ours.state[q]["step"].dtype == torch.int32 and int(ours.state[q]["step"]) == 10
+        for mine, theirs in state_map.items():
+            assert_close(ours.state[q][mine], opt.state[p][theirs], f"state {mine} of {name}")
+
+
+def test_complex_sgd_descends_a_real_objective():
+    """z - lr * z.grad with torch's autograd gradient (2 (z - w) for |z - w|^2) moves
+    z toward w: after n steps from 0, z = w (1 - (1 - 2 lr)^n), both coordinates."""
+    target = torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex128)
+    z = torch.zeros(2, dtype=torch.complex128, requires_grad=True)
+    opt = vega.optim.SGD([z], lr=0.1)
+    for _ in range(30):
+        opt.zero_grad()
+        (z - target).abs().square().sum().backward()
+        opt.step()
+    torch.testing.assert_close(z.detach(), target * (1 - 0.8 ** 30), rtol=1e-12, atol=0)
+
+
+# -- integer and bool leaves pass through ----------------------------------------------
+
+def mixed_params():
+    gen = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(4, 3, generator=gen), "ids": torch.arange(6, dtype=torch.int64),
+            "mask": torch.tensor([True, False, True]), "b": torch.randn(3, generator=gen)}
+
+
+@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
+def test_int_and_bool_leaves_come_out_identical(name, donate):
+    spec = vega.builtin(name)
+    params = mixed_params()
+    ids, mask = params["ids"], params["mask"]
+    ids_before, mask_before = ids.clone(), mask.clone()
+    state = spec.init(params)
+    for field in state:
+        if field != "step":
+            assert state[field]["ids"] is None and state[field]["mask"] is None
+    assert not any(".ids" in n or ".mask" in n for n in vega.state_names(state))
+    grads = {"w": torch.ones(4, 3), "ids": None, "mask": torch.zeros(3, dtype=torch.bool),
+             "b": torch.ones(3)}
+    for _ in range(3):
+        params, state = spec.step(params, grads, state, donate=donate)
+    for key, before in (("ids", ids_before), ("mask", mask_before)):
+        assert params[key].dtype == before.dtype and torch.equal(params[key], before), key
+    if donate:  # donated: the very tensors (pure mode may return them too)
+        assert params["ids"] is ids and params["mask"] is mask
+    assert not torch.equal(params["w"], mixed_params()["w"])  # the float leaves did step
+    assert int(state["step"]) == 3
+
+
+# -- half precision and state_dtype ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_half_params_keep_float32_state_by_default(dtype, backend):
+    params = {"w": torch.randn(4, 3).to(dtype), "b": torch.randn(3).to(dtype)}
+    state = vega.adamw_init(params)
+    assert state["mu"]["w"].dtype == torch.float32 and state["nu"]["b"].dtype == torch.float32
+    params, state = vega.adamw_step(params, {k: torch.ones_like(v) for k, v in params.items()},
+                                    state, backend=backend)
+    assert params["w"].dtype == dtype and state["mu"]["w"].dtype == torch.float32
+    opt_params = [torch.randn(4, 3).to(dtype).requires_grad_(True)]
+    opt = vega.optim.AdamW(opt_params, backend=backend)
+    opt_params[0].grad = torch.ones_like(opt_params[0])
+    opt.step()
+    assert opt.state[opt_params[0]]["mu"].dtype == torch.float32
+    assert opt_params[0].dtype == dtype
+
+
+@pytest.mark.parametrize("pdtype,sdtype", [(torch.bfloat16, torch.float64),
+                                           (torch.float16, torch.float64),
+                                           (torch.float32, torch.float64),
+                                           (torch.float32, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_dtype_selects_the_state_dtype(pdtype, sdtype, backend):
+    params = {"w": torch.randn(4, 3).to(pdtype)}
+    grads = {"w": torch.randn(4, 3).to(pdtype)}
+    state = vega.adam_init(params, state_dtype=sdtype)
+    assert {t.dtype for t in (state["mu"]["w"], state["nu"]["w"])} == {sdtype}
+    new_p, new_s = vega.adam_step(params, grads, state, backend=backend)
+    assert new_p["w"].dtype == pdtype
+    assert new_s["mu"]["w"].dtype == sdtype and new_s["step"].dtype == torch.int32
+    # the class takes it as a keyword, and as a per-group setting
+    p = params["w"].clone().requires_grad_(True)
+    q = params["w"].clone().requires_grad_(True)
+    opt = vega.optim.Adam([{"params": [p]}, {"params": [q], "state_dtype": None}],
+                          state_dtype=sdtype, backend=backend)
+    p.grad, q.grad = grads["w"].clone(), grads["w"].clone()
+    opt.step()
+    assert opt.state[p]["mu"].dtype == sdtype
+    assert opt.state[q]["mu"].dtype == (torch.float32 if pdtype != torch.float64 else pdtype)
+    # and the class's update is the functional one, bit for bit
+    assert same_bits(p.detach(), new_p["w"]) and same_bits(opt.state[p]["nu"], new_s["nu"]["w"])
+
+
+# -- param groups ----------------------------------------------------------------------
+
+def test_param_groups_have_their_own_hyperparameters():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 4, generator=gen)
+    b = torch.randn(4, generator=gen)
+    ga, gb = torch.randn(5, 4, generator=gen), torch.randn(4, generator=gen)
+    pa, pb = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    opt = vega.optim.AdamW([{"params": [pa], "lr": 0.1, "weight_decay": 0.5},
+                            {"params": [pb]}], lr=0.01, b1=0.8)
+    assert opt.param_groups[1]["lr"] == 0.01 and opt.param_groups[0]["b1"] == 0.8
+    state_a = vega.adamw_init({"a": a})
+    state_b = vega.adamw_init({"b": b})
+    fa, fb = {"a": a}, {"b": b}
+    for _ in range(3):
+        pa.grad, pb.grad = ga.clone(), gb.clone()
+        opt.step()
+        fa, state_a = vega.adamw_step(fa, {"a": ga}, state_a, lr=0.1, weight_decay=0.5, b1=0.8)
+        fb, state_b = vega.adamw_step(fb, {"b": gb}, state_b, lr=0.01, b1=0.8)
+    assert same_bits(pa.detach(), fa["a"]) and same_bits(pb.detach(), fb["b"])
+    assert same_bits(opt.state[pa]["nu"], state_a["nu"]["a"])
+    # changing a group's value between steps takes effect at the next step
+    opt.param_groups[1]["lr"] = 0.0
+    before = pb.detach().clone()
+    pa.grad, pb.grad = ga.clone(), gb.clone()
+    opt.step()
+    assert same_bits(pb.detach(), before) and int(opt.state[pb]["step"]) == 4
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"lr": -1.0}, r"lr=-1\.0 is outside its range"),
+    ({"b1": 1.5}, r"b1=1\.5 is outside its range"),
+    ({"eps": float("nan")}, r"eps=nan is"),
+    ({"weight_decay": "0.1"}, r"weight_decay='0\.1' must be a float"),
+    ({"amsgrad": 1}, r"amsgrad=1 must be True or False"),
+    ({"backend": "cuda"}, r"backend='cuda' is not one of"),
+])
+def test_add_param_group_validates_and_does_not_add_a_bad_group(bad, match):
+    p = torch.randn(3, requires_grad=True)
+    opt = vega.optim.Adam([p], lr=1e-2)
+    q = torch.randn(4, requires_grad=True)
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [q], **bad})
+    assert len(opt.param_groups) == 1 and all(x is not q for x in opt.param_groups[0]["params"])
+    opt.add_param_group({"params": [q], "lr": 0.5})  # the same parameter, now valid
+    assert opt.param_groups[1]["lr"] == 0.5 and opt.param_groups[1]["b1"] == 0.9
+    p.grad, q.grad = torch.ones(3), torch.ones(4)
+    opt.step()
+    assert int(opt.state[q]["step"]) == 1
+
+
+def test_add_param_group_refuses_integer_parameters():
+    opt = vega.optim.SGD([torch.randn(2, requires_grad=True)])
+    with pytest.raises(ValueError, match=r"SGD can only optimize float or complex tensors, got "
+                                         r"one of dtype torch\.int64"):
+        opt.add_param_group({"params": [torch.arange(3)]})
+    assert len(opt.param_groups) == 1
+
+
+def test_constructor_validates_hyperparameters():
+    with pytest.raises(ValueError, match=r"lr=-0\.1 is outside its range"):
+        vega.optim.SGD([torch.randn(2, requires_grad=True)], lr=-0.1)
+    with pytest.raises(TypeError, match=r"unexpected hyperparameter 'moment'.*'momentum'"):
+        vega.optim.SGD([torch.randn(2, requires_grad=True)], moment=0.9)
+
+
+# -- parameters without a gradient ----------------------------------------------------
+
+@pytest.mark.parametrize("cls", [vega.builtin(n).optimizer_class for n in SPECS],
+                         ids=lambda c: c.__name__)
+def test_params_without_grad_are_left_alone(cls):
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(4, 3, generator=gen).requires_grad_(True) for _ in range(3)]
+    opt = cls(ps)
+    for p in ps:
+        p.grad = torch.randn(4, 3, generator=gen)
+    opt.step()
+    frozen = {i: (ps[i].detach().clone(), {k: v.clone() for k, v in opt.state[ps[i]].items()})
+              for i in (1, 2)}
+    ps[1].grad = None  # no gradient this step
+    ps[2].grad = None
+    ps[0].grad = torch.randn(4, 3, generator=gen)
+    opt.step()
+    opt.step()
+    assert int(opt.state[ps[0]]["step"]) == 3
+    for i, (value, state) in frozen.items():
+        assert same_bits(ps[i].detach(), value), f"param {i} moved"
+        assert opt.state[ps[i]].keys() == state.keys()
+        for k, v in state.items():
+            assert same_bits(opt.state[ps[i]][k], v), f"param {i}: state {k!r} changed"
+        assert int(opt.state[ps[i]]["step"]) == 1  # torch semantics: its own counter stays
+
+
+def test_param_never_given_a_grad_gets_no_state():
+    p, q = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    opt = vega.optim.Adam([p, q])
+    p.grad = torch.ones(3)
+    opt.step()
+    assert q not in opt.state or not opt.state[q]
+    assert set(opt.state_dict()["state"]) == {0}
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_functional_none_grad_leaves_param_and_state_untouched(name):
+    spec = vega.builtin(name)
+    params = {"a": torch.randn(4, 3), "b": torch.randn(3)}
+    grads = {"a": torch.randn(4, 3), "b": torch.randn(3)}
+    params, state = spec.step(params, grads, spec.init(params))
+    b_before = params["b"].clone()
+    state_before = pytree.tree_map(torch.clone, state)
+    params2, state2 = spec.step(params, {"a": grads["a"], "b": None}, state)
+    assert same_bits(params2["b"], b_before)
+    for field in state:
+        if field != "step":
+            assert same_bits(state2[field]["b"], state_before[field]["b"]), field
+    assert int(state2["step"]) == 2  # the functional state has one counter for all leaves
