@@ -295,3 +295,23 @@ def test_default_backend_on_cpu_is_c():
                           "print(vega.codegen.default_backend('cpu'))"], capture_output=True,
                          text=True, timeout=120)
     assert out.stdout.strip() == "c"
+
+
+def test_address_tables_follow_tensors_that_move():
+    """The kernel reuses its address tables only while every address is the same."""
+    ps = [torch.randn(100, requires_grad=True), torch.randn(7, 3, requires_grad=True)]
+    ref = [p.detach().clone().requires_grad_() for p in ps]
+    opt = vega.optim.AdamW(ps, lr=1e-2, backend="c")
+    ref_opt = vega.optim.AdamW(ref, lr=1e-2, backend="reference")
+    for step in range(6):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=gen) for p in ps]
+        for p, q, g in zip(ps, ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()  # new gradient tensors every step
+        if step == 3:  # a parameter moved to new memory, as `p.data = ...` does
+            ps[0].data = ps[0].data.clone()
+            opt.state[ps[0]]["mu"] = opt.state[ps[0]]["mu"].clone()
+        opt.step()
+        ref_opt.step()
+        for p, q in zip(ps, ref):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -383,6 +383,7 @@ class Source:
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
            torch.float16: "float16"}
+_GROUP_KEYS: dict[tuple, tuple[str, str, str]] = {}  # validated (p, g, state) dtypes
 _ENTRY = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int
 
 
@@ -411,6 +412,7 @@ class Kernel:
         self.key = f"{program.name}/{len(_KERNELS)}"  # how the custom ops find this kernel
         _KERNELS[self.key] = self
         self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
+        self._plan = None  # (addresses, tables) of the last call
 
     def source(self, dtypes=("float32", "float32", "float32")) -> str:
         return Source(self.program, *dtypes).text()
@@ -436,6 +438,11 @@ class Kernel:
         return self._libs[dtypes]
 
     def _group_key(self, p, g, s_dtype):
+        key = (p.dtype, g.dtype, s_dtype)
+        if p.is_cpu and g.is_cpu:  # the common case, checked once per dtype triple
+            found = _GROUP_KEYS.get(key)
+            if found is not None:
+                return found
         for x, what in ((p, "parameters"), (g, "gradients")):
             if x.dtype not in _DTYPES:
                 raise ValueError(f"backend 'c' does not support {what} of dtype {x.dtype}")
@@ -444,7 +451,8 @@ class Kernel:
                                  "use backend='triton' or 'reference'")
         if s_dtype not in _DTYPES:
             raise ValueError(f"backend 'c' does not support state of dtype {s_dtype}")
-        return _DTYPES[p.dtype], _DTYPES[g.dtype], _DTYPES[s_dtype]
+        found = _GROUP_KEYS[key] = (_DTYPES[p.dtype], _DTYPES[g.dtype], _DTYPES[s_dtype])
+        return found
 
     def prelude(self, grads, pre: torch.Tensor) -> None:
         """Add the gradients' sum of squares and non-finite count, unscaled, into ``pre``."""
@@ -473,12 +481,6 @@ class Kernel:
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``."""
-        for i, (p, g) in enumerate(zip(params, grads)):  # refused before any op runs
-            sdt = states[0][i].dtype if states else p.dtype
-            if any(col[i].dtype != sdt for col in states):
-                raise ValueError("backend 'c' needs every state tensor of a parameter in one "
-                                 "dtype")
-            self._group_key(p, g, sdt)
         if not donate:  # pure: run in place on copies
             params = [p.clone() for p in params]
             states = [[s.clone() for s in col] for col in states]
@@ -488,7 +490,9 @@ class Kernel:
         def number(step):
             unique.append(step)
             return len(unique) - 1
-        step_index = [reference.memo(seen, (s,), (), number, s) for s in steps]
+        compiling = torch.compiler.is_compiling()
+        step_index = [reference.memo(seen, (s,), (), number, s, compiling=compiling)
+                      for s in steps]
         if not donate:
             unique = [s.clone() for s in unique]
         hyp, hyp_index = self._hyper_tables(values)
@@ -503,37 +507,60 @@ class Kernel:
 
     def _step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index, pre):
         """The body of ``vega::c_step``: every tensor updated in place."""
+        nth = torch.get_num_threads()
+        everything = (*params, *grads, *flat_states, *hyp)
+        if all(map(torch.Tensor.is_contiguous, everything)):
+            # the tables of the last call serve again when every address is the same
+            ptr = torch.Tensor.data_ptr
+            key = (tuple(map(ptr, everything)), tuple(map(ptr, steps)), tuple(step_index),
+                   tuple(hyp_index), tuple(map(torch.Tensor.numel, params)),
+                   tuple(t.dtype for t in everything))
+            if self._plan is None or self._plan[0] != key:
+                self._plan = (key, self._tables(params, grads, flat_states, steps, step_index,
+                                                hyp, hyp_index))
+            self._launch(self._plan[1], steps, pre, nth)
+            return
+        # some tensor is not contiguous: work on contiguous copies, copied back at the end
+        work_p = [p.contiguous() for p in params]
+        work_s = [s.contiguous() for s in flat_states]
+        tables = self._tables(work_p, [g.contiguous() for g in grads], work_s, steps,
+                              step_index, [h.contiguous() for h in hyp], hyp_index)
+        self._launch(tables, steps, pre, nth)
+        for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
+            if work is not orig:
+                orig.copy_(work)
+
+    def _tables(self, params, grads, flat_states, steps, step_index, hyp, hyp_index):
+        """(library, address table, reduction buffer) per dtype group; checks every tensor."""
         n = len(params)
         states = [flat_states[k * n:(k + 1) * n] for k in range(len(self.program.states))]
-        # contiguous working tensors, copied back at the end where they are not the originals
-        work_p = [p.contiguous() for p in params]
-        work_s = [[s.contiguous() for s in col] for col in states]
-        work_g = [g.contiguous() for g in grads]
-        hyp = [h.contiguous() for h in hyp]
         groups: dict[tuple[str, str, str], list[int]] = {}
-        for i, (p, g) in enumerate(zip(work_p, work_g)):
-            sdt = work_s[0][i].dtype if work_s else p.dtype
+        for i, (p, g) in enumerate(zip(params, grads)):
+            sdt = states[0][i].dtype if states else p.dtype
+            if any(col[i].dtype != sdt for col in states):
+                raise ValueError("backend 'c' needs every state tensor of a parameter in one "
+                                 "dtype")
             groups.setdefault(self._group_key(p, g, sdt), []).append(i)
-        nth = torch.get_num_threads()
-        last = None
+        out = []
         for key, idx in groups.items():
-            rows = [[work_p[i].numel(), work_p[i].data_ptr(), work_g[i].data_ptr(),
-                     *(col[i].data_ptr() for col in work_s),
+            rows = [[params[i].numel(), params[i].data_ptr(), grads[i].data_ptr(),
+                     *(col[i].data_ptr() for col in states),
                      steps[step_index[i]].data_ptr(),
                      hyp[hyp_index[i]].data_ptr()] for i in idx]
             table = torch.tensor(rows, dtype=torch.int64).reshape(len(idx), -1)
-            last = lib = self.library(key)
             red = torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64)
+            out.append((self.library(key), table, red))
+        return out
+
+    def _launch(self, tables, steps, pre, nth):
+        for lib, table, red in tables:
+            n = table.shape[0]
             for k in range(self._nphases):
-                getattr(lib, f"vega_phase{k}")(len(idx), _ptr(table), _ptr(pre), _ptr(red), nth)
-            lib.vega_update(len(idx), _ptr(table), _ptr(pre), _ptr(red), nth)
-        if last is not None:
+                getattr(lib, f"vega_phase{k}")(n, _ptr(table), _ptr(pre), _ptr(red), nth)
+            lib.vega_update(n, _ptr(table), _ptr(pre), _ptr(red), nth)
+        if tables:
             ptrs = torch.tensor([s.data_ptr() for s in steps], dtype=torch.int64)
-            last.vega_advance(len(steps), _ptr(ptrs), _ptr(pre))
-        for orig, work in zip([*params, *(s for col in states for s in col)],
-                              [*work_p, *(s for col in work_s for s in col)]):
-            if work is not orig:
-                orig.copy_(work)
+            tables[-1][0].vega_advance(len(steps), _ptr(ptrs), _ptr(pre))
 
     def _hyper_tables(self, values):
         """A float64 array of hyperparameter values per distinct values dict."""

@@ -243,17 +243,20 @@ def advance_steps(steps, finite, donate):
             inc = inc * finite.to(step.dtype)
         return step.add_(inc) if donate else step + inc
     done: dict = {}
-    return [memo(done, (step,), (), advance, step) for step in steps]
+    compiling = torch.compiler.is_compiling()
+    return [memo(done, (step,), (), advance, step, compiling=compiling) for step in steps]
 
 
-def memo(seen: dict, objs: tuple, plain: tuple, make, *args):
+def memo(seen: dict, objs: tuple, plain: tuple, make, *args, compiling: bool | None = None):
     """``make(*args)``, once per distinct ``objs`` (by identity) and ``plain`` (by equality).
 
     Eagerly a dict keyed by ``id``; under ``torch.compile`` a scan by ``is``: there
     the ``id`` of an input tensor guards on that very tensor, and each new step
-    counter (a new state) would recompile.
+    counter (a new state) would recompile. ``compiling`` saves asking, in loops.
     """
-    if torch.compiler.is_compiling():
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    if compiling:
         for known, known_plain, value in seen.values():
             if known_plain == plain and len(known) == len(objs) \
                     and all(a is b for a, b in zip(known, objs, strict=True)):

@@ -150,18 +150,28 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     ``pre`` the prelude's record (``prelude``). Returns (new params, new
     states, new steps, finite).
     """
-    evaluated: dict = {}
-    scheduled: dict = {}
-    per_tensor = []
-    for step, vals in zip(steps, values):
-        # without schedules the values do not depend on the step: one dict for all
-        keys = (step, vals) if memo(scheduled, (vals,), (), _has_schedule, vals) else (vals,)
-        per_tensor.append(memo(evaluated, keys, (), at_step, vals, step))
+    compiling = torch.compiler.is_compiling()
+    distinct = list({id(v): v for v in values}.values()) if not compiling else values
+    if not any(_has_schedule(v) for v in distinct):
+        per_tensor = values  # nothing depends on the step: the values as they are
+    else:
+        evaluated: dict = {}
+        scheduled: dict = {}
+        per_tensor = []
+        for step, vals in zip(steps, values):
+            keys = (step, vals) if memo(scheduled, (vals,), (), _has_schedule, vals,
+                                        compiling=compiling) else (vals,)
+            per_tensor.append(memo(evaluated, keys, (), at_step, vals, step,
+                                   compiling=compiling))
     kern = codegen.kernel(backend, program)
-    real_p = [_real(p) for p in params]
-    real_s = [[_real(s) for s in col] for col in states]
-    new_p, new_s, new_steps, finite = kern(real_p, [_real(g) for g in grads], real_s, steps,
-                                           per_tensor, donate, pre)
+    if any(p.is_complex() for p in params):  # complex parameters step as real pairs
+        real_p = [_real(p) for p in params]
+        real_s = [[_real(s) for s in col] for col in states]
+        real_g = [_real(g) for g in grads]
+    else:
+        real_p, real_s, real_g = params, states, grads
+    new_p, new_s, new_steps, finite = kern(real_p, real_g, real_s, steps, per_tensor, donate,
+                                           pre)
     if not donate:
         new_p = [torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(params, new_p)]
         new_s = [[torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(col, ncol)]

@@ -83,18 +83,18 @@ class SpecOptimizer(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            want = (*program.state_names, "step")
             for p in params:
                 if p.grad.is_sparse:
                     raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-                if not self.state.get(p):
+                st = self.state.get(p)
+                if not st:
                     self.state[p] = self._init_state(p, program, values, group)
-            want = set(program.state_names) | {"step"}
-            for p in params:
-                if set(self.state[p]) != want:
+                elif len(st) != len(want) or any(n not in st for n in want):
                     raise ValueError(
-                        f"{type(self).__name__}: a parameter's state has {sorted(self.state[p])}"
-                        f" but the group's settings need {sorted(want)}; was a bool "
-                        "hyperparameter changed after the first step?")
+                        f"{type(self).__name__}: a parameter's state has {sorted(st)} but the "
+                        f"group's settings need {sorted(want)}; was a bool hyperparameter "
+                        "changed after the first step?")
             backend = group["backend"] or codegen.default_backend(params[0].device.type)
             work.append((program, backend, params, values))
         check = self.skip_nonfinite or self.loss_scale is not None
