@@ -95,11 +95,20 @@ void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
             const int64_t *row = tab + i * ROW;
             const GSTORE *G_ = (const GSTORE *)(intptr_t)row[2];
             int64_t b = lo - start[i], e = row[0] < hi - start[i] ? row[0] : hi - start[i];
-            #pragma omp simd reduction(+:sq, bad)
-            for (int64_t j = b; j < e; j++) {
-                CT g = LOAD_G(G_[j]) * gs;
-                sq += (double)g * (double)g;
-                bad += isfinite(g) ? 0.0 : 1.0;
+            /* blocks of 2048 summed in the compute type at full SIMD width, the blocks in
+               double; a non-finite element (NaN or inf) sets a flag, not the sum */
+            for (int64_t j0 = b; j0 < e; j0 += 2048) {
+                int64_t j1 = e < j0 + 2048 ? e : j0 + 2048;
+                CT part = 0;
+                int nonfinite = 0;
+                #pragma omp simd reduction(+:part) reduction(|:nonfinite)
+                for (int64_t j = j0; j < j1; j++) {
+                    CT g = LOAD_G(G_[j]) * gs;
+                    part += g * g;
+                    nonfinite |= !(FABS(g) < (CT)INFINITY);
+                }
+                sq += (double)part;
+                bad += nonfinite;
             }
             lo = start[i] + e; i++;
         }
