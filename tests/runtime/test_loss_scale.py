@@ -277,3 +277,21 @@ BAD = [
 def test_bad_arguments_raise(make, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
         make()
+
+
+def test_dynamic_follows_jmp_itself():
+    """jmp's DynamicLossScale, the package itself: with the same floor (jmp's default
+    min_loss_scale 1) the 5,000-step trajectories of scale and counter are identical."""
+    import jax.numpy as jnp
+    import jmp
+
+    finites = finite_sequence()
+    ours = LossScale.dynamic(init=2.0**15, growth_interval=5, min_scale=1.0)
+    theirs = jmp.DynamicLossScale(jnp.float32(2.0**15), period=5,
+                                  min_loss_scale=jnp.float32(1.0))
+    for k, f in enumerate(finites):
+        ours = ours.adjust(torch.tensor(bool(f)))
+        theirs = theirs.adjust(jnp.bool_(bool(f)))
+        assert ours.loss_scale.item() == float(theirs.loss_scale), k
+        assert ours.good_steps.item() == int(theirs.counter), k
+    assert ours.skipped_steps.item() == sum(1 for f in finites if not f)
