@@ -141,7 +141,8 @@ class Schedule:
         return float(self._at(_check_step(step), _HOST))
 
     def _at(self, k, ops):
-        raise NotImplementedError
+        """The value at step ``k`` (a Python int or a float tensor) with ``ops``."""
+        raise TypeError(f"{type(self).__name__} defines neither _at(k, ops) nor __call__")
 
     def _values(self) -> tuple:
         return tuple(getattr(self, f) for f in self._fields)

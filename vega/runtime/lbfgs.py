@@ -59,7 +59,7 @@ import torch
 
 from vega.codegen.reference import advance_steps
 from vega.runtime.engine import state_dtype_for
-from vega.runtime.spec import _check_grad, _check_leaves, _paths
+from vega.runtime.spec import _check_grad, _check_leaves, _paths, flatten_pair
 from vega.runtime.tree import flatten, is_steppable, unflatten
 
 __all__ = ["LBFGS", "lbfgs_init", "lbfgs_step"]
@@ -316,12 +316,7 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
     lr = _check_lr(owner, lr)
     _check_bool(owner, "scale_init_precond", scale_init_precond)
     _check_bool(owner, "donate", donate)
-    p_leaves, p_spec = flatten(params)
-    _check_leaves(owner, "params", params, p_leaves)
-    g_leaves, g_spec = flatten(grads)
-    if g_spec != p_spec:
-        raise ValueError(f"{owner}: grads do not have the structure of params "
-                         f"({len(g_leaves)} leaves against {len(p_leaves)})")
+    p_leaves, p_spec, g_leaves = flatten_pair(owner, params, grads)
     m = _check_state(owner, state, p_spec, memory_size)
     cols = {f: flatten(state[f])[0] for f in TREE_FIELDS}
     names = _paths(params, p_leaves)

@@ -94,12 +94,7 @@ class CompiledSpec:
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
         flags, values = engine.resolve(owner, self.hypers, hypers)
         program = self._spec.program(flags)
-        p_leaves, p_spec = flatten(params)
-        _check_leaves(owner, "params", params, p_leaves)
-        g_leaves, g_spec = flatten(grads)
-        if g_spec != p_spec:
-            raise ValueError(f"{owner}: grads do not have the structure of params "
-                             f"({len(g_leaves)} leaves against {len(p_leaves)})")
+        p_leaves, p_spec, g_leaves = flatten_pair(owner, params, grads)
         _check_state(owner, self, program, state, p_spec)
         columns = [flatten(state[n])[0] for n in program.state_names]
         step = state["step"]
@@ -150,6 +145,17 @@ class CompiledSpec:
     def optimizer(self, params, **kwargs) -> torch.optim.Optimizer:
         """A ``torch.optim.Optimizer`` over ``params`` (an iterable or param groups)."""
         return self.optimizer_class(params, **kwargs)
+
+
+def flatten_pair(owner: str, params, grads):
+    """The leaves of params and of grads, checked to share one structure, and that structure."""
+    p_leaves, p_spec = flatten(params)
+    _check_leaves(owner, "params", params, p_leaves)
+    g_leaves, g_spec = flatten(grads)
+    if g_spec != p_spec:
+        raise ValueError(f"{owner}: grads do not have the structure of params "
+                         f"({len(g_leaves)} leaves against {len(p_leaves)})")
+    return p_leaves, p_spec, g_leaves
 
 
 def _paths(tree, leaves) -> list[str]:
