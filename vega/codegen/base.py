@@ -13,7 +13,7 @@ import keyword
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from vega.dsl.ir import LEAVES, Kind, Node, Op, Program, walk
+from vega.dsl.ir import LEAVES, REDUCTIONS, Kind, Node, Op, Program, walk
 
 
 @dataclass(frozen=True)
@@ -115,3 +115,18 @@ class Renderer(ABC):
         if node.op in self.infix:
             return f"{args[0]} {self.infix[node.op]} {args[1]}"
         raise KeyError(f"{type(self).__name__} cannot render {node.op}")
+
+
+def reduction_phases(program: Program) -> list[list[Node]]:
+    """The reductions of each phase: a reduction runs after those its argument uses."""
+    level: dict[int, int] = {}
+    phases: list[list[Node]] = []
+    for node in walk(node for _, node in program.updates):
+        lv = max((level[id(s)] for s in node.src), default=0)
+        if node.op in REDUCTIONS:
+            while len(phases) <= lv:
+                phases.append([])
+            phases[lv].append(node)
+            lv += 1
+        level[id(node)] = lv
+    return phases

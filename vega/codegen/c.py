@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import math
-import time
 
 import torch
 
 from vega.codegen import cbuild, reference
-from vega.codegen.base import Linear, Renderer, linearize, safe
+from vega.codegen.base import Linear, Renderer, linearize, reduction_phases, safe
 from vega.dsl.ir import REDUCTIONS, Kind, Node, Op, Program, walk
 
 # dtype name -> (C storage type, load to compute type, store from compute type)
@@ -171,21 +170,6 @@ class CRenderer(Renderer):
         if node.kind <= Kind.SCALAR:  # scalars: double in their phase, CT in the element loop
             return ("d_" if phase == "scalar" else "v_") + linear.ref(node)
         return "v_" + linear.ref(node)
-
-
-def reduction_phases(program: Program) -> list[list[Node]]:
-    """The reductions of each phase: a reduction runs after those its argument uses."""
-    level: dict[int, int] = {}
-    phases: list[list[Node]] = []
-    for node in walk(node for _, node in program.updates):
-        lv = max((level[id(s)] for s in node.src), default=0)
-        if node.op in REDUCTIONS:
-            while len(phases) <= lv:
-                phases.append([])
-            phases[lv].append(node)
-            lv += 1
-        level[id(node)] = lv
-    return phases
 
 
 class Source:
@@ -417,7 +401,6 @@ class Kernel:
         self._libs: dict[tuple[str, str, str], ctypes.CDLL] = {}
         self._nphases = len(reduction_phases(program))
         self._nred = sum(len(p) for p in reduction_phases(program))
-        self.last_build: dict = {}  # what the latest library build did: for `vega bench`
         self.key = f"{program.name}/{len(_KERNELS)}"  # how the custom ops find this kernel
         _KERNELS[self.key] = self
         self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
@@ -431,10 +414,7 @@ class Kernel:
 
     def library(self, dtypes: tuple[str, str, str]) -> ctypes.CDLL:
         if dtypes not in self._libs:
-            t0 = time.perf_counter()
-            lib, path, compiled = cbuild.build(self.source(dtypes))
-            self.last_build = {"seconds": time.perf_counter() - t0, "compiled": compiled,
-                               "path": str(path)}
+            lib, _, _ = cbuild.build(self.source(dtypes))
             for name in ["vega_prelude", "vega_update"] + [f"vega_phase{k}"
                                                            for k in range(self._nphases)]:
                 fn = getattr(lib, name)

@@ -41,7 +41,7 @@ import torch
 
 from vega.codegen import reference, triton_runtime
 from vega.codegen.base import Linear, Renderer, linearize, safe
-from vega.codegen.c import reduction_phases
+from vega.codegen.base import reduction_phases
 from vega.dsl.ir import LEAVES, REDUCTIONS, Kind, Node, Op, Program, walk
 
 TL = {"float32": "tl.float32", "float64": "tl.float64", "bfloat16": "tl.bfloat16",

@@ -12,7 +12,6 @@ import torch
 from vega import codegen
 from vega.runtime import engine
 
-_EXTRA = ("backend", "state_dtype")  # per-group settings that are not hyperparameters
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
 
 
