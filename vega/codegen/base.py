@@ -13,6 +13,8 @@ import keyword
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import torch
+
 from vega.dsl.ir import LEAVES, REDUCTIONS, Kind, Node, Op, Program, walk
 
 
@@ -130,3 +132,23 @@ def reduction_phases(program: Program) -> list[list[Node]]:
             lv += 1
         level[id(node)] = lv
     return phases
+
+
+def distinct(items: list) -> tuple[list, list[int]]:
+    """The distinct objects of ``items`` (by identity) and the position of each item among
+    them. Under torch.compile by ``is`` (``id()`` would guard on every object's address)."""
+    uniq, index = [], []
+    if torch.compiler.is_compiling():
+        for x in items:
+            j = next((k for k, u in enumerate(uniq) if u is x), len(uniq))
+            if j == len(uniq):
+                uniq.append(x)
+            index.append(j)
+        return uniq, index
+    at: dict[int, int] = {}
+    for x in items:
+        if id(x) not in at:
+            at[id(x)] = len(uniq)
+            uniq.append(x)
+        index.append(at[id(x)])
+    return uniq, index

@@ -24,7 +24,7 @@ import math
 import torch
 
 from vega.codegen import cbuild, reference
-from vega.codegen.base import Linear, Renderer, linearize, reduction_phases, safe
+from vega.codegen.base import Linear, Renderer, distinct, linearize, reduction_phases, safe
 from vega.dsl.ir import REDUCTIONS, Kind, Node, Op, Program, walk
 
 # dtype name -> (C storage type, load to compute type, store from compute type)
@@ -492,15 +492,7 @@ class Kernel:
         if not donate:  # pure: run in place on copies
             params = [p.clone() for p in params]
             states = [[s.clone() for s in col] for col in states]
-        unique: list[torch.Tensor] = []  # the distinct step counters, by identity
-        seen: dict = {}
-
-        def number(step):
-            unique.append(step)
-            return len(unique) - 1
-        compiling = torch.compiler.is_compiling()
-        step_index = [reference.memo(seen, (s,), (), number, s, compiling=compiling)
-                      for s in steps]
+        unique, step_index = distinct(steps)  # the distinct step counters, by identity
         if not donate:
             unique = [s.clone() for s in unique]
         hyp, hyp_index = self._hyper_tables(values)
@@ -571,31 +563,26 @@ class Kernel:
             tables[-1][0].vega_advance(len(steps), _ptr(ptrs), _ptr(pre))
 
     def _hyper_tables(self, values):
-        """A float64 array of hyperparameter values per distinct values dict."""
-        names = self.program.float_hypers
-        arrays, index, seen = [], [], {}
-        for vals in values:
-            if id(vals) not in seen:
-                parts = [vals[n] for n in names]
-                if any(isinstance(v, torch.Tensor) for v in parts):
-                    arr = torch.stack([torch.as_tensor(v).detach().to(torch.float64).reshape(())
-                                       for v in parts]) if parts else torch.zeros(1)
-                else:  # plain numbers: one array per distinct setting, kept across steps
-                    numbers = tuple(float(v) for v in parts) or (0.0,)
-                    if torch.compiler.is_compiling():  # a graph constant: a cache filled
-                        arr = torch.tensor(numbers, dtype=torch.float64)  # while tracing
-                        # would fail the next call's guards and recompile
-                    else:
-                        arr = self._hyp_cache.get(numbers)
-                        if arr is None:
-                            if len(self._hyp_cache) > 64:
-                                self._hyp_cache.clear()
-                            arr = self._hyp_cache[numbers] = torch.tensor(
-                                numbers, dtype=torch.float64)
-                seen[id(vals)] = len(arrays)
-                arrays.append(arr)
-            index.append(seen[id(vals)])
-        return arrays, index
+        """A float64 array of hyperparameter values per distinct values dict, and the index
+        of each tensor's array."""
+        uniq, index = distinct(values)
+        return [self._hyper_array(vals) for vals in uniq], index
+
+    def _hyper_array(self, vals) -> torch.Tensor:
+        parts = [vals[n] for n in self.program.float_hypers]
+        if any(isinstance(v, torch.Tensor) for v in parts):
+            return torch.stack([torch.as_tensor(v).detach().to(torch.float64).reshape(())
+                                for v in parts])
+        numbers = tuple(float(v) for v in parts) or (0.0,)
+        if torch.compiler.is_compiling():  # a graph constant: a cache filled while tracing
+            return torch.tensor(numbers, dtype=torch.float64)  # would fail the next guards
+        # plain numbers: one array per distinct setting, kept across steps
+        arr = self._hyp_cache.get(numbers)
+        if arr is None:
+            if len(self._hyp_cache) > 64:
+                self._hyp_cache.clear()
+            arr = self._hyp_cache[numbers] = torch.tensor(numbers, dtype=torch.float64)
+        return arr
 
 
 _KERNELS: dict[str, Kernel] = {}

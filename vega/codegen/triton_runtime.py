@@ -29,7 +29,7 @@ from collections import OrderedDict
 
 import torch
 
-from vega.codegen.base import safe
+from vega.codegen.base import distinct, safe
 
 BLOCK_GPU, WARPS_GPU = 2048, 8  # elements per program, and warps, on a GPU
 BLOCK_INTERPRETER = 4096  # under the interpreter every program costs ~1 ms: fewer, larger ones
@@ -297,26 +297,6 @@ def _check(kern, what: str, x: torch.Tensor) -> None:
                          f"(float32, float64, bfloat16 and float16 only)")
 
 
-def _distinct(items: list) -> tuple[list, list[int]]:
-    """The distinct objects of ``items`` (by identity) and the position of each item among
-    them. Under torch.compile by ``is`` (``id()`` would guard on every object's address)."""
-    uniq, index = [], []
-    if torch.compiler.is_compiling():
-        for x in items:
-            j = next((k for k, u in enumerate(uniq) if u is x), len(uniq))
-            if j == len(uniq):
-                uniq.append(x)
-            index.append(j)
-        return uniq, index
-    at: dict[int, int] = {}
-    for x in items:
-        if id(x) not in at:
-            at[id(x)] = len(uniq)
-            uniq.append(x)
-        index.append(at[id(x)])
-    return uniq, index
-
-
 def prelude(kern, grads, pre: torch.Tensor) -> None:
     for g in grads:
         _check(kern, "gradients", g)
@@ -341,8 +321,8 @@ def step(kern, params, grads, states, steps, values, donate, pre):
                 raise ValueError("backend 'triton' needs every state tensor of a parameter in "
                                  "one dtype")
     # distinct step counters and hyperparameter sets (the same object is shared by many tensors)
-    uniq_steps, step_index = _distinct(steps)
-    uniq_values, hyper_index = _distinct(values)
+    uniq_steps, step_index = distinct(steps)
+    uniq_values, hyper_index = distinct(values)
     hyper_tensors, hyper_floats, hyper_slots = [], [], []
     for vals in uniq_values:
         for h in kern.program.float_hypers:
