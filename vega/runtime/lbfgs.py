@@ -59,7 +59,7 @@ import torch
 
 from vega.codegen.reference import advance_steps
 from vega.runtime.engine import state_dtype_for
-from vega.runtime.spec import _check_grad, _check_leaves, _paths, flatten_pair
+from vega.runtime.spec import _check_leaves, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
 
 __all__ = ["LBFGS", "lbfgs_init", "lbfgs_step"]
@@ -319,14 +319,8 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
     p_leaves, p_spec, g_leaves = flatten_pair(owner, params, grads)
     m = _check_state(owner, state, p_spec, memory_size)
     cols = {f: flatten(state[f])[0] for f in TREE_FIELDS}
-    names = _paths(params, p_leaves)
-    idx = []
-    for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
-        if not is_steppable(p) or g is None:
-            continue
-        _check_grad(owner, names[i], p, g)
-        _check_state_leaves(owner, names[i], p, {f: cols[f][i] for f in TREE_FIELDS}, m)
-        idx.append(i)
+    idx = stepped(owner, params, p_leaves, g_leaves, lambda i, name, p: _check_state_leaves(
+        owner, name, p, {f: cols[f][i] for f in TREE_FIELDS}, m))
     weights, step = state["weights"], state["step"]
     with torch.no_grad():
         new_p, ndw, ndu, npp, nup, nw, new_step = _lbfgs(

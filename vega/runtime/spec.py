@@ -98,15 +98,10 @@ class CompiledSpec:
         _check_state(owner, self, program, state, p_spec)
         columns = [flatten(state[n])[0] for n in program.state_names]
         step = state["step"]
-        names = _paths(params, p_leaves)
-        idx = []
-        for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
-            if not is_steppable(p) or g is None:
-                continue
-            _check_grad(owner, names[i], p, g)
+        def check_state(i, name, p):
             for n, col in zip(program.state_names, columns):
-                _check_state_leaf(owner, f"{n}.{names[i]}".rstrip("."), p, col[i])
-            idx.append(i)
+                _check_state_leaf(owner, f"{n}.{name}".rstrip("."), p, col[i])
+        idx = stepped(owner, params, p_leaves, g_leaves, check_state)
         if backend is None:
             device = p_leaves[idx[0]].device.type if idx else "cpu"
             backend = codegen.default_backend(device)
@@ -156,6 +151,20 @@ def flatten_pair(owner: str, params, grads):
         raise ValueError(f"{owner}: grads do not have the structure of params "
                          f"({len(g_leaves)} leaves against {len(p_leaves)})")
     return p_leaves, p_spec, g_leaves
+
+
+def stepped(owner: str, params, p_leaves, g_leaves, check_state) -> list[int]:
+    """The positions of the leaves a step updates: float or complex parameters with a
+    gradient. Each gradient is checked, and ``check_state(i, name, p)`` checks its state."""
+    names = _paths(params, p_leaves)
+    idx = []
+    for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
+        if not is_steppable(p) or g is None:
+            continue
+        _check_grad(owner, names[i], p, g)
+        check_state(i, names[i], p)
+        idx.append(i)
+    return idx
 
 
 def _paths(tree, leaves) -> list[str]:
