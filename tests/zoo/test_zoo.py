@@ -19,15 +19,15 @@ from typing import Callable
 
 import numpy as np
 import pytest
+import jax  # test dependencies (like optax): a missing one fails, never skips
+import jax.numpy as jnp
+import optax
 import torch
 
 import vega
 from vega.demo import model, spirals
 
-jax = pytest.importorskip("jax")
 jax.config.update("jax_enable_x64", True)
-jnp = jax.numpy
-optax = pytest.importorskip("optax")
 
 STEPS = 20
 RTOL = 1e-9
