@@ -54,6 +54,10 @@ adan = builtin("adan")
 adan_init = adan.init
 adan_step = adan.step
 
+adafactor = builtin("adafactor")
+adafactor_init = adafactor.init
+adafactor_step = adafactor.step
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -70,4 +74,5 @@ __all__ = [
     "adagrad", "adagrad_init", "adagrad_step",
     "rmsprop", "rmsprop_init", "rmsprop_step",
     "adan", "adan_init", "adan_step",
+    "adafactor", "adafactor_init", "adafactor_step",
 ]

@@ -17,6 +17,7 @@ Lion = builtin("lion").optimizer_class
 Adagrad = builtin("adagrad").optimizer_class
 RMSprop = builtin("rmsprop").optimizer_class
 Adan = builtin("adan").optimizer_class
+Adafactor = builtin("adafactor").optimizer_class
 
 __all__ = ["SpecOptimizer", "SGD", "Adam", "AdamW", "RAdam", "LAMB", "LARS", "Lion", "Adagrad",
-           "RMSprop", "Adan", "LBFGS"]
+           "RMSprop", "Adan", "Adafactor", "LBFGS"]

@@ -21,7 +21,8 @@ import math
 import torch
 
 from vega.codegen.base import Linear, Renderer, linearize, safe
-from vega.dsl.ir import Kind, Node, Op, Program
+from vega.dsl.check import matrix_axes
+from vega.dsl.ir import AXIS_REDUCTIONS, REDUCTIONS, Kind, Node, Op, Program
 
 
 def _fn(name):
@@ -66,7 +67,22 @@ class TorchRenderer(Renderer):
         Op.SUM: _fn("torch.sum"),
         Op.MEAN: _fn("torch.mean"),
         Op.AMAX: lambda self, node, phase, a: f"_amax({a})",
+        **{op: (lambda axis, how: lambda self, node, phase, a:
+                f"_reduce({a}, geo, {node.src[0].dom!r}, {axis!r}, {how!r})")(*spec)
+           for op, spec in AXIS_REDUCTIONS.items()},
     }
+
+    def expr(self, linear: Linear, node: Node, phase: str) -> str:
+        if node.kind != Kind.ELEMENT or node.op in REDUCTIONS or node.op in AXIS_REDUCTIONS \
+                or all(s.kind != Kind.ELEMENT or s.dom == node.dom for s in node.src):
+            return super().expr(linear, node, phase)
+        # operands of a smaller domain (one value per row, ...) broadcast into this one
+        args = [self.operand(linear, s, phase) if s.kind != Kind.ELEMENT or s.dom == node.dom
+                else f"_broadcast({self.operand(linear, s, phase)}, geo, {s.dom!r}, "
+                     f"{node.dom!r})" for s in node.src]
+        if node.op in self.code_for_op:
+            return self.code_for_op[node.op](self, node, phase, *args)
+        return f"{args[0]} {self.infix[node.op]} {args[1]}"
 
     def const(self, value) -> str:
         if isinstance(value, bool):
@@ -77,12 +93,21 @@ class TorchRenderer(Renderer):
             return "math.inf" if value > 0 else "-math.inf"
         return repr(float(value))
 
-    def output(self, linear: Linear, node: Node) -> str:
-        """An update's value, shaped like the parameter."""
+    def output(self, linear: Linear, node: Node, dom: str = "rc", axes: bool = False) -> str:
+        """An update's value, shaped like the parameter (or its rows, columns: ``dom``)."""
+        if not axes:  # no axis in the program: every value is shaped like p
+            if node.op is Op.CONST:
+                return f"torch.full_like(p, {self.const(node.arg)})"
+            ref = linear.ref(node)
+            return ref if node.kind == Kind.ELEMENT else f"{ref}.expand_as(p)"
         if node.op is Op.CONST:
-            return f"torch.full_like(p, {self.const(node.arg)})"
+            return f"p.new_full(geo.shape({dom!r}), {self.const(node.arg)})"
         ref = linear.ref(node)
-        return ref if node.kind == Kind.ELEMENT else f"{ref}.expand_as(p)"
+        if node.kind == Kind.ELEMENT and node.dom == dom:
+            return ref
+        if node.kind == Kind.ELEMENT:
+            ref = f"_broadcast({ref}, geo, {node.dom!r}, {dom!r})"
+        return f"{ref}.expand(geo.shape({dom!r}))"
 
 
 def render(program: Program, linear: Linear | None = None) -> str:
@@ -98,27 +123,93 @@ def render(program: Program, linear: Linear | None = None) -> str:
     out.append(f"    return ({''.join(v + ', ' for v in lin.scalar_outputs)})")
     out.append("")
     state = [safe(s) for s in program.state_names]
-    out.append(f"def update({', '.join(['p', 'g', *state, *lin.scalar_outputs])}):")
+    axes = program.uses_axes
+    geo = ["geo"] if axes else []
+    out.append(f"def update({', '.join(['p', 'g', *state, *lin.scalar_outputs, *geo])}):")
     out.append('    """The element phase: new values of p and of each state."""')
+    if axes:
+        out.append('    # geo: the matrix view of this tensor (its row and column axes)')
     for line in lin.element_lines:
         out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
-    results = [r.output(lin, node) for _, node in lin.outputs]
+    doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
+    results = [r.output(lin, node, doms[target], axes) for target, node in lin.outputs]
     out.append(f"    return ({''.join(v + ', ' for v in results)})")
     out.append("")
     for s in program.states:
-        out += _init_function(s.name, s.init, lin.hypers, r)
+        out += _init_function(s.name, s.init, lin.hypers, r, s.dom, axes)
     return "\n".join(out)
 
 
-def _init_function(name: str, node: Node, hypers, r: TorchRenderer) -> list[str]:
-    """``init_<name>(p, <hyperparameters>)``: a state's initial value."""
+def _init_function(name: str, node: Node, hypers, r: TorchRenderer, dom: str = "rc",
+                   axes: bool = False) -> list[str]:
+    """``init_<name>(p, <hyperparameters>[, geo])``: a state's initial value."""
     lin = linearize(Program("init", (), (), (), (("p", node),)))
-    out = [f"def init_{safe(name)}({', '.join(('p',) + tuple(hypers))}):",
+    args = ("p",) + tuple(hypers) + (("geo",) if axes else ())
+    out = [f"def init_{safe(name)}({', '.join(args)}):",
            f'    """The initial value of state {name}."""']
     for line in lin.scalar_lines + lin.element_lines:
         out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
-    out.append(f"    return {r.output(lin, node)}")
+    out.append(f"    return {r.output(lin, node, dom, axes)}")
     return out + [""]
+
+
+class Geometry:
+    """The matrix view of one tensor shape, for the reference kernel: which axes are its
+    rows and columns, and the shape of a value of each domain (``vega.dsl.ir``)."""
+
+    def __init__(self, shape):
+        self.full = tuple(shape)
+        self.r, self.c = matrix_axes(self.full)
+        self._shapes = {d: tuple(n for a, n in enumerate(self.full) if self._keeps(d, a))
+                        for d in ("rc", "r", "c", "")}
+
+    def _keeps(self, dom: str, a: int) -> bool:
+        return not ((a == self.r and "r" not in dom) or (a == self.c and "c" not in dom))
+
+    def shape(self, dom: str) -> tuple[int, ...]:
+        return self._shapes[dom]
+
+    def axis(self, which: str) -> int | None:
+        return self.r if which == "r" else self.c
+
+    def position(self, axis: int, dom: str) -> int:
+        """Where ``axis`` sits in the shape of a value of ``dom``."""
+        return sum(self._keeps(dom, a) for a in range(axis))
+
+
+_GEOMETRIES: dict[tuple[int, ...], Geometry] = {}
+
+
+def geometry(shape) -> Geometry:
+    key = tuple(shape)
+    found = _GEOMETRIES.get(key)
+    if found is None:
+        if len(_GEOMETRIES) > 4096:
+            _GEOMETRIES.clear()
+        found = _GEOMETRIES[key] = Geometry(key)
+    return found
+
+
+def _broadcast(x, geo: Geometry, frm: str, to: str):
+    """A value of domain ``frm`` with the axes of ``to`` it lacks put back, of length 1."""
+    for axis in sorted(a for a in (geo.axis(w) for w in to if w not in frm) if a is not None):
+        x = x.unsqueeze(geo.position(axis, to))
+    return x
+
+
+def _reduce(x, geo: Geometry, dom: str, which: str, how: str):
+    """``x`` (of domain ``dom``) reduced over its row (``which='r'``) or column axis."""
+    axis = geo.axis(which)
+    if axis is None:  # a vector's row axis, a scalar's axes: one element long
+        return x
+    dim = geo.position(axis, dom)
+    if how == "sum":
+        return x.sum(dim)
+    if how == "mean":
+        return x.mean(dim)
+    if x.shape[dim] == 0:
+        return x.new_full(x.shape[:dim] + x.shape[dim + 1:], -math.inf)
+    return x.amax(dim)
 
 
 def _amax(x):
@@ -138,7 +229,8 @@ class Kernel:
         self.program = program
         self.linear = linearize(program)
         self.text = render(program, self.linear)
-        namespace = {"torch": torch, "math": math, "_amax": _amax}
+        namespace = {"torch": torch, "math": math, "_amax": _amax, "_broadcast": _broadcast,
+                     "_reduce": _reduce}
         exec(compile(self.text, f"<vega reference: {program.name}>", "exec"), namespace)
         self._scalars = namespace["scalars"]
         self._update = namespace["update"]
@@ -157,6 +249,8 @@ class Kernel:
         cd = compute_dtype(p.dtype)
         pc = p.detach().to(cd)
         hv = self._hyper_args(values, cd, p.device)
+        if self.program.uses_axes:
+            hv.append(geometry(p.shape))
         return [fn(pc, *hv).to(state_dtype).contiguous().clone() for fn in self._inits]
 
     def prelude(self, grads, pre: torch.Tensor) -> None:
@@ -198,7 +292,8 @@ class Kernel:
             gc = g.to(cd)
             if gscale is not None:
                 gc = gc * gscale[0].to(cd) * gscale[1].to(cd)
-            outs = self._update(p.to(cd), gc, *(s.to(cd) for s in olds), *scalars)
+            extra = (geometry(p.shape),) if self.program.uses_axes else ()
+            outs = self._update(p.to(cd), gc, *(s.to(cd) for s in olds), *scalars, *extra)
             for old, new, sink in zip([p, *olds], outs, [new_params, *new_states]):
                 new = new.to(old.dtype)
                 if finite is not None:

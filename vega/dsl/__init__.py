@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vega.dsl import ast, ir
-from vega.dsl.check import all_flag_settings, check, lower
+from vega.dsl.check import all_flag_settings, check, lower, shape_conditions, static_value
 from vega.dsl.parser import parse
 from vega.errors import SpecError
 
@@ -29,12 +29,38 @@ class Spec:
     def doc(self) -> str:
         return self.tree.doc
 
-    def program(self, flags: dict[str, bool]) -> ir.Program:
-        key = tuple(sorted(flags.items()))
+    def program(self, flags: dict[str, bool], shapes: tuple[bool, ...] = ()) -> ir.Program:
+        """The program for these bool hyperparameters and shape-condition outcomes."""
+        key = (tuple(sorted(flags.items())), tuple(shapes))
         if key not in self._programs:
-            self._programs[key] = _guard(lambda: lower(self.tree, dict(key)), self.source,
-                                         self.filename, self.tree)
+            if len(shapes) != len(self.shape_conditions):
+                shapes = (tuple(shapes) + (False,) * len(self.shape_conditions))[
+                    :len(self.shape_conditions)]
+            self._programs[key] = _guard(lambda: lower(self.tree, dict(key[0]), tuple(shapes)),
+                                         self.source, self.filename, self.tree)
         return self._programs[key]
+
+    @property
+    def shape_conditions(self) -> list:
+        """The ``if``s that test a tensor's shape (``ndim(p) >= 2``), in source order."""
+        found = self.__dict__.get("_shape_conditions")
+        if found is None:
+            found = self.__dict__["_shape_conditions"] = shape_conditions(self.tree)
+        return found
+
+    @property
+    def shape_hypers(self) -> tuple[str, ...]:
+        """The hyperparameters the shape conditions read (their values pick programs)."""
+        from vega.dsl.check import _names
+        hypers = {h.name for h in self.hypers}
+        names = (n.id for s in self.shape_conditions for n in _names(s.cond))
+        return tuple(dict.fromkeys(n for n in names if n in hypers))
+
+    def shapes(self, values: dict, shape: tuple[int, ...]) -> tuple[bool, ...]:
+        """The outcome of each shape condition for a tensor of ``shape``; ``values`` maps
+        every hyperparameter to a Python bool or float."""
+        return tuple(bool(static_value(s.cond, values, tuple(shape)))
+                     for s in self.shape_conditions)
 
     def flag_settings(self) -> list[dict[str, bool]]:
         return all_flag_settings(self.hypers)

@@ -57,6 +57,8 @@ class StateDecl:
     init: Expr
     span: Span
     name_span: Span
+    shape: str | None = None  # "rows" | "cols" (one value per row / column); None: like p
+    shape_span: Span | None = None
 
 
 @dataclass(frozen=True)

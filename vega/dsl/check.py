@@ -32,7 +32,17 @@ FUNCTIONS: dict[str, dict[int, Op]] = {
     "norm": {1: Op.NORM},
     "sum": {1: Op.SUM},
     "mean": {1: Op.MEAN},
+    "row_sum": {1: Op.ROW_SUM},
+    "row_mean": {1: Op.ROW_MEAN},
+    "row_max": {1: Op.ROW_MAX},
+    "col_sum": {1: Op.COL_SUM},
+    "col_mean": {1: Op.COL_MEAN},
+    "col_max": {1: Op.COL_MAX},
 }
+# shape queries, known per tensor: allowed only in the condition of an if
+SHAPE_QUERIES = {"ndim": "its number of axes", "nrows": "the length of its row axis",
+                 "ncols": "the length of its column axis"}
+STATE_SHAPES = {None: "rc", "rows": "r", "cols": "c"}
 BUILTINS = {"p": "the parameter", "g": "the gradient", "t": "the update's index (1, 2, ...)"}
 INIT_NAMES = {"zeros": 0.0, "ones": 1.0}
 BINARY = {"+": Op.ADD, "-": Op.SUB, "*": Op.MUL, "/": Op.DIV, "^": Op.POW, "<": Op.LT,
@@ -59,10 +69,13 @@ def _what(node: Node) -> str:
 
 
 class _Walker:
-    def __init__(self, spec: ast.Spec, flags: dict[str, bool] | None):
+    def __init__(self, spec: ast.Spec, flags: dict[str, bool] | None,
+                 shapes: tuple[bool, ...] = ()):
         self.spec = spec
         self.flags = flags
         self.checking = flags is None
+        self.shapes = shapes
+        self.static_index = {id(s): k for k, s in enumerate(shape_conditions(spec))}
         self.declared: dict[str, Span] = {}  # every state declaration seen (check mode)
         self.states: list[ir.StateVar] = []  # in declaration order (lower mode)
         self.assigns_p = False
@@ -106,7 +119,7 @@ class _Walker:
     def _reserved(name: str) -> str | None:
         if name in BUILTINS:
             return BUILTINS[name]
-        if name in FUNCTIONS:
+        if name in FUNCTIONS or name in SHAPE_QUERIES:
             return "a function"
         if name in INIT_NAMES:
             return "a state initializer"
@@ -137,7 +150,7 @@ class _Walker:
             return hypers
         updates = [("p", env["p"].node)] + [(s.name, env[s.name].node) for s in self.states]
         return ir.cse(ir.Program(self.spec.name, hypers, tuple(sorted(self.flags.items())),
-                                 tuple(self.states), tuple(updates)))
+                                 tuple(self.states), tuple(updates), tuple(self.shapes)))
 
     def block(self, stmts, env):
         for stmt in stmts:
@@ -152,13 +165,22 @@ class _Walker:
                 raise SpecError(f"state '{s.name}' is already declared on line "
                                 f"{self.declared[s.name].line}", s.name_span)
             self.declared[s.name] = s.name_span
+            if s.shape not in STATE_SHAPES:
+                raise SpecError(f"a state is shaped like p, or declared ': rows' (one value per "
+                                f"row) or ': cols' (one per column), not ': {s.shape}'"
+                                f"{_suggest(s.shape, ['rows', 'cols'])}", s.shape_span)
+            dom = STATE_SHAPES[s.shape]
             init = self.init_expr(s.init, env)
             if init.dtype != "float":
                 raise SpecError(f"state '{s.name}' must start as a number, not a bool",
                                 s.init.span)
-            self.states.append(ir.StateVar(s.name, init, s.span))
-            env[s.name] = _Binding(ir.leaf(Op.STATE, Kind.ELEMENT, s.name, s.name_span), "state",
-                                   s.name_span)
+            if init.kind == Kind.ELEMENT and ir.join(init.dom, dom) != dom:
+                raise SpecError(f"state '{s.name}' holds {ir.DOMAIN_WORDS[dom]}, but this "
+                                f"initial value has {ir.DOMAIN_WORDS[init.dom][6:]}"
+                                f"{_reduce_hint(init.dom, dom)}", s.init.span)
+            self.states.append(ir.StateVar(s.name, init, s.span, dom))
+            env[s.name] = _Binding(ir.leaf(Op.STATE, Kind.ELEMENT, s.name, s.name_span, dom),
+                                   "state", s.name_span)
         elif isinstance(s, ast.Assign):
             value = self.expr(s.value, env)
             old = env.get(s.name)
@@ -179,6 +201,11 @@ class _Walker:
                 what = "the parameter p" if s.name == "p" else f"state '{s.name}'"
                 raise SpecError(f"{what} must be a number, but this value is a bool",
                                 s.value.span)
+            if old is not None and old.role == "state" and value.kind == Kind.ELEMENT \
+                    and ir.join(value.dom, old.node.dom) != old.node.dom:
+                raise SpecError(f"state '{s.name}' holds {ir.DOMAIN_WORDS[old.node.dom]}, but "
+                                f"this value has {ir.DOMAIN_WORDS[value.dom][6:]}"
+                                f"{_reduce_hint(value.dom, old.node.dom)}", s.value.span)
             if s.name == "p":
                 self.assigns_p = True
             role = old.role if old is not None and old.role in ("builtin", "state") else "value"
@@ -201,6 +228,8 @@ class _Walker:
                                 f"assigned on line {old.span.line}", span)
 
     def if_stmt(self, s: ast.If, env):
+        if id(s) in self.static_index:
+            return self.shape_if(s, env)
         cond = self.expr(s.cond, env)
         if cond.dtype != "bool":
             raise SpecError("the condition of an if must be a bool, but this is a number",
@@ -211,6 +240,19 @@ class _Walker:
                             "where(cond, a, b)", s.cond.span)
         if not self.checking:
             return self.block(s.then if cond.arg else s.orelse, env)
+        return self.both_branches(s, env)
+
+    def shape_if(self, s: ast.If, env):
+        """An if on the shape of the tensor (ndim, nrows, ncols): chosen per tensor."""
+        if not self.checking:
+            taken = self.shapes[self.static_index[id(s)]]
+            return self.block(s.then if taken else s.orelse, env)
+        if _static_type(s.cond, env) != "bool":
+            raise SpecError("the condition of an if must be a bool, but this is a number",
+                            s.cond.span)
+        return self.both_branches(s, env)
+
+    def both_branches(self, s: ast.If, env):
         then = self.block(s.then, env)
         orelse = self.block(s.orelse, env)
         merged = {}
@@ -277,6 +319,9 @@ class _Walker:
         return self.call(e, env)
 
     def call(self, e: ast.Call, env) -> Node:
+        if e.fn in SHAPE_QUERIES:
+            raise SpecError(f"{e.fn}(p), {SHAPE_QUERIES[e.fn]}, differs from tensor to tensor: "
+                            "use it only in the condition of an if", e.span)
         arities = FUNCTIONS.get(e.fn)
         if arities is None:
             hint = _suggest(e.fn, FUNCTIONS)
@@ -290,6 +335,19 @@ class _Walker:
                             e.span)
         args = [self.expr(a, env) for a in e.args]
         op = arities[len(args)]
+        if op in ir.AXIS_REDUCTIONS:
+            x = args[0]
+            self._need("float", x, e.args[0], f"{e.fn}()")
+            axis = ir.AXIS_REDUCTIONS[op][0]
+            if x.kind != Kind.ELEMENT:
+                raise SpecError(f"{e.fn}() reduces an axis of a tensor, but its argument is the "
+                                "same for every element", e.args[0].span)
+            if axis not in x.dom:
+                gone = "column" if axis == "c" else "row"
+                raise SpecError(f"{e.fn}() reduces the {gone} axis, but its argument has "
+                                f"{ir.DOMAIN_WORDS[x.dom][6:]}: it has no {gone} axis left",
+                                e.args[0].span)
+            return ir.apply(op, x, span=e.span)
         if op is Op.WHERE:
             self._need("bool", args[0], e.args[0], "the condition of where()")
             if args[1].dtype != args[2].dtype:
@@ -316,6 +374,117 @@ class _Walker:
                             "e.g. x > 0", e.span)
 
 
+def _reduce_hint(have: str, want: str) -> str:
+    fns = [f for a, f in (("c", "row_mean"), ("r", "col_mean")) if a in have and a not in want]
+    return f"; reduce it with {' and '.join(f + '(...)' for f in fns)}" if fns else ""
+
+
+def _is_shape_cond(e) -> bool:
+    return any(isinstance(c, ast.Call) and c.fn in SHAPE_QUERIES for c in _calls(e))
+
+
+def _calls(e):
+    if isinstance(e, ast.Call):
+        yield e
+        for a in e.args:
+            yield from _calls(a)
+    elif isinstance(e, ast.Unary):
+        yield from _calls(e.x)
+    elif isinstance(e, ast.Binary):
+        yield from _calls(e.a)
+        yield from _calls(e.b)
+
+
+def shape_conditions(spec: ast.Spec) -> list[ast.If]:
+    """The ifs whose condition asks for the tensor's shape, in source order."""
+    out = []
+
+    def visit(stmts):
+        for s in stmts:
+            if isinstance(s, ast.If):
+                if _is_shape_cond(s.cond):
+                    out.append(s)
+                visit(s.then)
+                visit(s.orelse)
+    visit(spec.body)
+    return out
+
+
+_SHAPE_COND_USE = ("a shape condition may use only ndim(p), nrows(p), ncols(p), "
+                   "hyperparameters and numbers")
+
+
+def _static_type(e, env) -> str:
+    """The type of a shape condition's expression, or a SpecError."""
+    if isinstance(e, ast.Num):
+        return "float"
+    if isinstance(e, ast.Bool):
+        return "bool"
+    if isinstance(e, ast.Name):
+        b = env.get(e.id)
+        if b is None:
+            raise SpecError(f"undefined name '{e.id}'{_suggest(e.id, env)}", e.span)
+        if b.role != "hyper":
+            raise SpecError(f"{_SHAPE_COND_USE}; '{e.id}' is not a hyperparameter", e.span)
+        return b.node.dtype
+    if isinstance(e, ast.Call):
+        if e.fn not in SHAPE_QUERIES:
+            raise SpecError(f"{_SHAPE_COND_USE}, not {e.fn}()", e.fn_span)
+        if len(e.args) != 1 or not (isinstance(e.args[0], ast.Name)
+                                    and e.args[0].id in ("p", "g")):
+            raise SpecError(f"{e.fn}() takes the parameter: {e.fn}(p)", e.span)
+        return "float"
+    if isinstance(e, ast.Unary):
+        x = _static_type(e.x, env)
+        want = "float" if e.op == "-" else "bool"
+        if x != want:
+            raise SpecError(f"'{e.op}' needs {'a number' if want == 'float' else 'a bool'}",
+                            e.x.span)
+        return want
+    op = BINARY[e.op]
+    want = "bool" if op in ir.LOGIC else "float"
+    for side in (e.a, e.b):
+        if _static_type(side, env) != want:
+            raise SpecError(f"'{e.op}' needs {'a number' if want == 'float' else 'a bool'} "
+                            "on each side", side.span)
+    return "bool" if op in ir.COMPARISONS or op in ir.LOGIC else "float"
+
+
+def static_value(e, values: dict, shape: tuple[int, ...]):
+    """A shape condition's value for a tensor of ``shape``; ``values`` holds every
+    hyperparameter as a Python bool or float."""
+    if isinstance(e, (ast.Num, ast.Bool)):
+        return e.value
+    if isinstance(e, ast.Name):
+        return values[e.id]
+    if isinstance(e, ast.Call):
+        r, c = matrix_axes(shape)
+        if e.fn == "ndim":
+            return float(len(shape))
+        axis = r if e.fn == "nrows" else c
+        return 1.0 if axis is None else float(shape[axis])
+    if isinstance(e, ast.Unary):
+        x = static_value(e.x, values, shape)
+        return -x if e.op == "-" else not x
+    op = BINARY[e.op]
+    a = static_value(e.a, values, shape)
+    if op is Op.AND and not a:
+        return False
+    if op is Op.OR and a:
+        return True
+    return ir._FOLD[op](a, static_value(e.b, values, shape))
+
+
+def matrix_axes(shape) -> tuple[int | None, int | None]:
+    """The (row, column) axes of a shape's matrix view: its two largest axes, the column
+    axis the largest (ties: the later axis), as optax's Adafactor factors a tensor. A
+    vector has no row axis (it is one row), a scalar neither."""
+    order = sorted(range(len(shape)), key=lambda a: (shape[a], a))
+    if len(order) >= 2:
+        return order[-2], order[-1]
+    return None, (order[-1] if order else None)
+
+
 def _names(e):
     if isinstance(e, ast.Name):
         yield e
@@ -334,9 +503,10 @@ def check(spec: ast.Spec) -> tuple[ir.HyperParam, ...]:
     return _Walker(spec, None).run()
 
 
-def lower(spec: ast.Spec, flags: dict[str, bool]) -> ir.Program:
-    """The program for one setting of the bool hyperparameters; ``spec`` must be checked."""
-    return _Walker(spec, flags).run()
+def lower(spec: ast.Spec, flags: dict[str, bool], shapes: tuple[bool, ...] = ()) -> ir.Program:
+    """The program for one setting of the bool hyperparameters and of the shape conditions
+    (``shapes``, one outcome per ``shape_conditions(spec)``); ``spec`` must be checked."""
+    return _Walker(spec, flags, shapes).run()
 
 
 def all_flag_settings(hypers) -> list[dict[str, bool]]:

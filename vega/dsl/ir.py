@@ -10,6 +10,13 @@ and a *kind* that says how it varies:
   ``norm(p)``);
 - ``ELEMENT``: one value per element (``p``, ``g``, state, and what uses them).
 
+An ``ELEMENT`` node also has a *domain* (``dom``): which axes of the tensor's
+matrix view it keeps. Every tensor is viewed as a batch of matrices whose row
+and column axes are its two largest (the column axis the largest; a vector is
+one row, a scalar a 1x1 matrix). ``"rc"`` is one value per element, ``"r"``
+one per row (the column axis reduced away), ``"c"`` one per column, ``""``
+one per matrix. A value of a smaller domain broadcasts into a larger one.
+
 Nodes compare by identity (``eq=False``), so a DAG with shared subtrees is
 cheap to hash and walk.
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from enum import Enum, IntEnum
 
 from vega.errors import Span
@@ -69,10 +77,29 @@ class Op(Enum):
     SUM = "sum"
     MEAN = "mean"
     AMAX = "amax"
+    # axis reductions over the matrix view: row_* reduce the column axis (one value
+    # per row), col_* the row axis (one value per column)
+    ROW_SUM = "row_sum"
+    ROW_MEAN = "row_mean"
+    ROW_MAX = "row_max"
+    COL_SUM = "col_sum"
+    COL_MEAN = "col_mean"
+    COL_MAX = "col_max"
 
 
 LEAVES = frozenset({Op.CONST, Op.HYPER, Op.T, Op.PARAM, Op.GRAD, Op.STATE})
 REDUCTIONS = frozenset({Op.NORM, Op.SUM, Op.MEAN, Op.AMAX})
+# axis reduction -> (the axis it removes, how it combines: "sum" | "mean" | "max")
+AXIS_REDUCTIONS = {Op.ROW_SUM: ("c", "sum"), Op.ROW_MEAN: ("c", "mean"), Op.ROW_MAX: ("c", "max"),
+                   Op.COL_SUM: ("r", "sum"), Op.COL_MEAN: ("r", "mean"), Op.COL_MAX: ("r", "max")}
+DOMAINS = ("rc", "r", "c", "")  # per element, per row, per column, per matrix
+DOMAIN_WORDS = {"rc": "one value per element", "r": "one value per row",
+                "c": "one value per column", "": "one value per matrix"}
+
+
+def join(*doms: str) -> str:
+    """The smallest domain every one of ``doms`` broadcasts into."""
+    return "".join(a for a in "rc" if any(a in d for d in doms))
 COMPARISONS = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 LOGIC = frozenset({Op.AND, Op.OR, Op.NOT})
 
@@ -113,6 +140,7 @@ class Node:
     kind: Kind = Kind.CONST
     span: Span | None = field(default=None, repr=False)
     name: str | None = None  # the spec's name for this value, for readable output
+    dom: str = "rc"  # for ELEMENT nodes: the axes of the matrix view the value keeps
 
     def __repr__(self) -> str:
         if self.op is Op.CONST:
@@ -127,8 +155,8 @@ def const(value, span: Span | None = None) -> Node:
     return Node(Op.CONST, (), value if dtype == "bool" else float(value), dtype, Kind.CONST, span)
 
 
-def leaf(op: Op, kind: Kind, arg=None, span: Span | None = None) -> Node:
-    return Node(op, (), arg, "float", kind, span)
+def leaf(op: Op, kind: Kind, arg=None, span: Span | None = None, dom: str = "rc") -> Node:
+    return Node(op, (), arg, "float", kind, span, dom=dom)
 
 
 def _result_dtype(op: Op, src: tuple[Node, ...]) -> str:
@@ -153,16 +181,21 @@ def apply(op: Op, *src: Node, span: Span | None = None) -> Node:
                     return b
                 return const(op is Op.OR, span)
     kind = max((s.kind for s in src), default=Kind.CONST)
+    dom = join(*(s.dom for s in src if s.kind == Kind.ELEMENT))
     if op in REDUCTIONS:
-        kind = Kind.TENSOR
-    return Node(op, tuple(src), None, dtype, kind, span)
+        kind, dom = Kind.TENSOR, "rc"
+    elif op in AXIS_REDUCTIONS:
+        dom = dom.replace(AXIS_REDUCTIONS[op][0], "")
+    if kind != Kind.ELEMENT:
+        dom = "rc"
+    return Node(op, tuple(src), None, dtype, kind, span, dom=dom)
 
 
 def named(node: Node, name: str) -> Node:
     """The node labelled with a spec name, unless it is a leaf or already named."""
     if node.op in LEAVES or node.name is not None:
         return node
-    return Node(node.op, node.src, node.arg, node.dtype, node.kind, node.span, name)
+    return Node(node.op, node.src, node.arg, node.dtype, node.kind, node.span, name, node.dom)
 
 
 @dataclass(frozen=True)
@@ -179,11 +212,13 @@ class StateVar:
     name: str
     init: Node  # of p, constants and hyperparameters
     span: Span | None = None
+    dom: str = "rc"  # "rc": shaped like p; "r": one value per row; "c": one per column
 
 
 @dataclass(frozen=True, eq=False)
 class Program:
-    """One specialization of a spec: its bool hyperparameters fixed.
+    """One specialization of a spec: its bool hyperparameters fixed, and the outcome
+    of each shape condition (``if ndim(p) >= 2``) for the tensors it steps.
 
     Compared and hashed by identity (specs cache their programs), so looking up
     a program's compiled kernel costs nothing per step.
@@ -194,6 +229,7 @@ class Program:
     flags: tuple[tuple[str, bool], ...]
     states: tuple[StateVar, ...]
     updates: tuple[tuple[str, Node], ...]  # ("p", node), ("mu", node), ...
+    shapes: tuple[bool, ...] = ()  # the outcomes of the spec's shape conditions, in order
 
     @property
     def float_hypers(self) -> tuple[str, ...]:
@@ -203,6 +239,12 @@ class Program:
     def state_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.states)
 
+    @cached_property
+    def uses_axes(self) -> bool:
+        """Whether any value is not one per element (axis reductions, row/column state)."""
+        return any(s.dom != "rc" for s in self.states) or any(
+            n.op in AXIS_REDUCTIONS for n in walk(node for _, node in self.updates))
+
 
 def cse(program: Program) -> Program:
     """The same program with structurally equal subexpressions shared (one node each)."""
@@ -210,13 +252,14 @@ def cse(program: Program) -> Program:
     memo: dict[int, Node] = {}
     for node in walk(node for _, node in program.updates):
         src = tuple(memo[id(s)] for s in node.src)
-        key = (node.op, tuple(id(s) for s in src), node.arg, node.dtype)
+        key = (node.op, tuple(id(s) for s in src), node.arg, node.dtype, node.dom)
         if key not in canon:
             canon[key] = node if src == node.src else Node(
-                node.op, src, node.arg, node.dtype, node.kind, node.span, node.name)
+                node.op, src, node.arg, node.dtype, node.kind, node.span, node.name, node.dom)
         memo[id(node)] = canon[key]
     updates = tuple((target, memo[id(node)]) for target, node in program.updates)
-    return Program(program.name, program.hypers, program.flags, program.states, updates)
+    return Program(program.name, program.hypers, program.flags, program.states, updates,
+                   program.shapes)
 
 
 def walk(roots) -> list[Node]:

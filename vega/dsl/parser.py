@@ -84,8 +84,10 @@ class _Build(Transformer):
     # statements
     @v_args(meta=True)
     def state_decl(self, meta, children):
-        name, init = children
-        return ast.StateDecl(str(name), init, Span.of(meta), _span(name))
+        name, shape, init = children
+        return ast.StateDecl(str(name), init, Span.of(meta), _span(name),
+                             None if shape is None else str(shape),
+                             None if shape is None else _span(shape))
 
     @v_args(meta=True)
     def assign(self, meta, children):

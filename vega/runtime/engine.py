@@ -76,6 +76,61 @@ def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, base: dict 
     return flags, values
 
 
+def programs(owner: str, spec, flags: dict, values: dict, tensors) -> list[Program | None]:
+    """The program that steps each tensor (None for a None entry).
+
+    A spec without shape conditions has one program per setting of its bool
+    hyperparameters; one with ``if ndim(p) >= 2 ...`` has one per outcome of
+    its conditions, chosen here from each tensor's shape.
+    """
+    if not spec.shape_conditions:
+        program = spec.program(flags)
+        return [None if t is None else program for t in tensors]
+    known = dict(flags)
+    for name in spec.shape_hypers:
+        if name in known:
+            continue
+        v = values[name]
+        if isinstance(v, torch.Tensor) or callable(v):
+            raise ValueError(f"{owner}: {name}={v!r} must be a plain number: it decides, "
+                             "from each tensor's shape, which program steps it")
+        known[name] = float(v)
+    out, seen = [], {}
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        shape = tuple(t.shape)
+        if shape not in seen:
+            seen[shape] = spec.program(flags, spec.shapes(known, shape))
+        out.append(seen[shape])
+    return out
+
+
+def groups(progs) -> list[tuple[Program, list[int]]]:
+    """The positions stepped by each distinct program, in order of first use."""
+    found: dict[int, tuple[Program, list[int]]] = {}
+    for i, prog in enumerate(progs):
+        if prog is not None:
+            found.setdefault(id(prog), (prog, []))[1].append(i)
+    return list(found.values())
+
+
+def state_fields(progs) -> list:
+    """Every state variable of these programs, by name, in order of first appearance."""
+    fields: dict[str, object] = {}
+    for prog in dict.fromkeys(p for p in progs if p is not None):
+        for s in prog.states:
+            fields.setdefault(s.name, s)
+    return list(fields.values())
+
+
+def state_shape(p: torch.Tensor, dom: str) -> tuple[int, ...]:
+    """The shape of a state of domain ``dom`` (``vega.dsl.ir``) for parameter ``p``."""
+    from vega.codegen.reference import geometry
+    return tuple(p.shape) if dom == "rc" else geometry(p.shape).shape(dom)
+
+
 def at_step(values: dict, step: torch.Tensor) -> dict:
     """Hyperparameter values at a step counter: schedules are called with the tensor."""
     return {k: (v(step) if callable(v) and not isinstance(v, torch.Tensor) else v)
@@ -165,6 +220,9 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
                                    compiling=compiling))
     kern = codegen.kernel(backend, program)
     if any(p.is_complex() for p in params):  # complex parameters step as real pairs
+        if program.uses_axes:
+            raise ValueError(f"{program.name}: complex parameters have no matrix view; its row "
+                             "and column reductions step real parameters only")
         real_p = [_real(p) for p in params]
         real_s = [[_real(s) for s in col] for col in states]
         real_g = [_real(g) for g in grads]

@@ -49,11 +49,12 @@ class SpecOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__} can only optimize float or complex "
                                  f"tensors, got one of dtype {p.dtype}")
 
-    def _group_program(self, group):
+    def _group_values(self, group):
+        """The group's (bool hyperparameters, float hyperparameters), checked."""
         flags = {h.name: group[h.name] for h in self.spec.hypers if h.type == "bool"}
         values = {h.name: group[h.name] for h in self.spec.hypers if h.type == "float"}
         engine.resolve(type(self).__name__, self.spec.hypers, {**flags, **values})
-        return self.spec._spec.program(flags), values
+        return flags, values
 
     def _init_state(self, p, program, values, group):
         step = torch.zeros((), dtype=torch.int32, device=p.device)
@@ -77,25 +78,28 @@ class SpecOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = []
+        owner = type(self).__name__
         for group in self.param_groups:
-            program, values = self._group_program(group)
+            flags, values = self._group_values(group)
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            want = (*program.state_names, "step")
-            for p in params:
+            progs = engine.programs(owner, self.spec._spec, flags, values, params)
+            for p, program in zip(params, progs):
                 if p.grad.is_sparse:
-                    raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+                    raise ValueError(f"{owner} does not support sparse gradients")
+                want = (*program.state_names, "step")
                 st = self.state.get(p)
                 if not st:
                     self.state[p] = self._init_state(p, program, values, group)
                 elif len(st) != len(want) or any(n not in st for n in want):
                     raise ValueError(
-                        f"{type(self).__name__}: a parameter's state has {sorted(st)} but the "
+                        f"{owner}: a parameter's state has {sorted(st)} but the "
                         f"group's settings need {sorted(want)}; was a bool hyperparameter "
                         "changed after the first step?")
             backend = group["backend"] or codegen.default_backend(params[0].device.type)
-            work.append((program, backend, params, values))
+            for program, ks in engine.groups(progs):
+                work.append((program, backend, [params[k] for k in ks], values))
         check = self.skip_nonfinite or self.loss_scale is not None
         pre = engine.prelude([(prog, be, [p.grad for p in ps]) for prog, be, ps, _ in work],
                              engine.inverse_scale(self.loss_scale), self.max_grad_norm, check)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from vega import codegen, dsl
+from vega.dsl import ir
 from vega.codegen.reference import advance_steps
 from vega.runtime import engine
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
@@ -54,24 +55,30 @@ class CompiledSpec:
         """A fresh state for ``params`` (any pytree of tensors)."""
         owner = f"{self.name}_init"
         flags, values = engine.resolve(owner, self.hypers, hypers)
-        program = self._spec.program(flags)
         leaves, spec = flatten(params)
         _check_leaves(owner, "params", params, leaves)
+        progs = engine.programs(owner, self._spec, flags, values,
+                                [p if is_steppable(p) else None for p in leaves])
+        if not any(progs):  # nothing to step: the fields of the spec's plain program
+            progs = [self._spec.program(flags)]
+        fields = engine.state_fields(progs)
         device = next((p.device for p in leaves if is_steppable(p)), torch.device("cpu"))
         step = torch.zeros((), dtype=torch.int32, device=device)
-        # Build the kernel a step on these parameters will use by default, here and not in
+        # Build the kernels a step on these parameters will use by default, here and not in
         # the first step: dynamo cannot trace the build (it runs generated code), so a
         # compiled step that is the first to need a kernel would break its graph.
-        codegen.kernel(codegen.default_backend(device.type), program)
+        for program, _ in engine.groups(progs):
+            codegen.kernel(codegen.default_backend(device.type), program)
         vals = engine.at_step(values, step)
-        columns = [[] for _ in program.states]
+        columns = {f.name: [None] * len(leaves) for f in fields}
         with torch.no_grad():
-            for p in leaves:
-                fresh = (engine.init_leaf(program, p, vals, state_dtype) if is_steppable(p)
-                         else [None] * len(columns))
-                for col, s in zip(columns, fresh):
-                    col.append(s)
-        state = {s.name: unflatten(col, spec) for s, col in zip(program.states, columns)}
+            for i, (p, program) in enumerate(zip(leaves, progs)):
+                if program is None or not is_steppable(p):
+                    continue
+                for s, leaf in zip(program.states,
+                                   engine.init_leaf(program, p, vals, state_dtype)):
+                    columns[s.name][i] = leaf
+        state = {f.name: unflatten(columns[f.name], spec) for f in fields}
         state["step"] = step
         return state
 
@@ -93,38 +100,62 @@ class CompiledSpec:
         codegen.check_backend(backend)
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
         flags, values = engine.resolve(owner, self.hypers, hypers)
-        program = self._spec.program(flags)
         p_leaves, p_spec, g_leaves = flatten_pair(owner, params, grads)
-        _check_state(owner, self, program, state, p_spec)
-        columns = [flatten(state[n])[0] for n in program.state_names]
+        progs = engine.programs(owner, self._spec, flags, values,
+                                [p if is_steppable(p) else None for p in p_leaves])
+        fields = engine.state_fields(progs) if any(progs) else \
+            engine.state_fields([self._spec.program(flags)])
+        names = [f.name for f in fields]
+        _check_state(owner, self, flags, names, state, p_spec)
+        columns = {n: flatten(state[n])[0] for n in names}
         step = state["step"]
         def check_state(i, name, p):
-            for n, col in zip(program.state_names, columns):
-                _check_state_leaf(owner, f"{n}.{name}".rstrip("."), p, col[i])
+            for s in progs[i].states:
+                _check_state_leaf(owner, f"{s.name}.{name}".rstrip("."), p, columns[s.name][i],
+                                  s.dom)
         idx = stepped(owner, params, p_leaves, g_leaves, check_state)
         if backend is None:
             device = p_leaves[idx[0]].device.type if idx else "cpu"
             backend = codegen.default_backend(device)
+        work = engine.groups([progs[i] for i in idx])
+        work = [(program, [idx[k] for k in ks]) for program, ks in work]
+        new_p = {}
+        new_cols = {n: {} for n in names}
         with torch.no_grad():
-            grads_used = [g_leaves[i] for i in idx]
             check = skip_nonfinite or loss_scale is not None
-            pre = engine.prelude([(program, backend, grads_used)], engine.inverse_scale(loss_scale),
-                                 max_grad_norm, check)
-            new_p, new_s, new_steps, _ = engine.run(
-                program, backend, [p_leaves[i] for i in idx], grads_used,
-                [[col[i] for i in idx] for col in columns], [step] * len(idx),
-                [values] * len(idx), donate, pre)
+            pre = engine.prelude([(program, backend, [g_leaves[i] for i in ids])
+                                  for program, ids in work],
+                                 engine.inverse_scale(loss_scale), max_grad_norm, check)
             finite = engine.finite_of(pre)
-            new_step = new_steps[0] if new_steps else advance_steps([step], finite, donate)[0]
+            new_step = None
+            for program, ids in work:
+                # several programs share the one counter: each reads it as it was, and
+                # it advances once
+                counter = step if len(work) == 1 or not donate else step.clone()
+                ps, ss, steps, _ = engine.run(
+                    program, backend, [p_leaves[i] for i in ids], [g_leaves[i] for i in ids],
+                    [[columns[n][i] for i in ids] for n in program.state_names],
+                    [counter] * len(ids), [values] * len(ids), donate, pre)
+                if new_step is None:
+                    new_step = steps[0]
+                for k, i in enumerate(ids):
+                    new_p[i] = ps[k]
+                    for n, col in zip(program.state_names, ss):
+                        new_cols[n][i] = col[k]
+            if new_step is None:
+                new_step = advance_steps([step], finite, donate)[0]
+            elif donate and new_step is not step:
+                new_step = step.copy_(new_step)
         out_p = list(p_leaves)
-        out_cols = [list(col) for col in columns]
-        for k, i in enumerate(idx):
-            out_p[i] = new_p[k]
+        for i, p in new_p.items():
+            out_p[i] = p
             if not donate and p_leaves[i].requires_grad:
                 out_p[i].requires_grad_(True)
-            for col, new_col in zip(out_cols, new_s):
-                col[i] = new_col[k]
-        new_state = {n: unflatten(col, p_spec) for n, col in zip(program.state_names, out_cols)}
+        out_cols = {n: list(columns[n]) for n in names}
+        for n, changed in new_cols.items():
+            for i, leaf in changed.items():
+                out_cols[n][i] = leaf
+        new_state = {n: unflatten(out_cols[n], p_spec) for n in names}
         new_state["step"] = new_step
         if loss_scale is not None:
             return unflatten(out_p, p_spec), new_state, loss_scale.adjust(finite)
@@ -197,30 +228,33 @@ def _check_grad(owner, name, p, g):
                          f"{p.dtype}")
 
 
-def _check_state(owner, cspec, program, state, p_spec):
+def _check_state(owner, cspec, flags, names, state, p_spec):
     if not isinstance(state, dict):
         raise ValueError(f"{owner}: state must be the dict that {cspec.name}_init returns, "
                          f"got {type(state).__name__}")
-    want = set(program.state_names) | {"step"}
+    want = set(names) | {"step"}
     if set(state) != want:
-        flags = ", ".join(f"{k}={v}" for k, v in program.flags)
+        flags = ", ".join(f"{k}={v}" for k, v in sorted(flags.items()))
         made = f"{cspec.name}_init(params{', ' + flags if flags else ''})"
         raise ValueError(f"{owner}: state has fields {sorted(state)}, but this step "
                          f"({flags or 'no flags'}) needs {sorted(want)}; make it with {made}")
     step = state["step"]
     if not (isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.int32):
         raise ValueError(f"{owner}: state['step'] must be a 0-d int32 tensor, got {step!r}")
-    for n in program.state_names:
+    for n in names:
         if flatten(state[n])[1] != p_spec:
             raise ValueError(f"{owner}: state field '{n}' does not have the structure of params")
 
 
-def _check_state_leaf(owner, name, p, s):
+def _check_state_leaf(owner, name, p, s, dom="rc"):
     if not isinstance(s, torch.Tensor):
         raise ValueError(f"{owner}: state leaf '{name}' is missing")
-    if s.shape != p.shape or s.device != p.device:
+    want = engine.state_shape(p, dom)
+    if tuple(s.shape) != want or s.device != p.device:
+        whose = "its parameter has" if dom == "rc" else \
+            f"its parameter {tuple(p.shape)} needs {ir.DOMAIN_WORDS[dom]}:"
         raise ValueError(f"{owner}: state leaf '{name}' has shape {tuple(s.shape)} on "
-                         f"{s.device}, but its parameter has {tuple(p.shape)} on {p.device}")
+                         f"{s.device}, but {whose} {want} on {p.device}")
 
 
 def compile(source: str, filename: str = "<spec>") -> CompiledSpec:  # noqa: A001
