@@ -152,3 +152,54 @@ def distinct(items: list) -> tuple[list, list[int]]:
             uniq.append(x)
         index.append(at[id(x)])
     return uniq, index
+
+
+def _inner(shape, axis) -> int:
+    out = 1
+    for n in shape[axis + 1:]:
+        out *= n
+    return out
+
+
+def _numel(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+def axis_geometry(shape) -> tuple[int, ...]:
+    """The integers a compiled kernel needs to walk a tensor's matrix view (see
+    ``vega.dsl.ir``): ``(n_rc, n_r, n_c, n_, Sr, Sc, fr, fc, rr, cc)``.
+
+    ``n_<dom>`` is the number of values of each domain (per element, per row, per
+    column, per matrix); ``Sr``/``Sc`` the lengths of the row and column axes (1 for
+    a missing one); ``fr``/``fc`` their inner strides in the contiguous full tensor;
+    ``rr`` the row axis's inner stride in a per-row value (the full shape without the
+    column axis), ``cc`` the column axis's in a per-column value. With
+    ``drop(i, inner, n) = (i / (inner * n)) * inner + i % inner`` and
+    ``put(o, inner, n, k) = (o / inner) * inner * n + k * inner + o % inner``:
+
+    - element ``i`` reads per-row values at ``drop(i, fc, Sc)``, per-column ones at
+      ``drop(i, fr, Sr)``, per-matrix ones at ``drop(drop(i, fc, Sc), rr, Sr)``;
+    - per-row ``j`` reads per-matrix values at ``drop(j, rr, Sr)``, per-column ``j``
+      at ``drop(j, cc, Sc)``;
+    - ``row_*`` of a full value at row ``o`` combines ``put(o, fc, Sc, k)`` for
+      ``k < Sc``; ``col_*`` of a full value, ``put(o, fr, Sr, k)`` for ``k < Sr``;
+      ``col_*`` of a per-row value, ``put(o, rr, Sr, k)``; ``row_*`` of a per-column
+      value, ``put(o, cc, Sc, k)``.
+    """
+    from vega.dsl.check import matrix_axes
+    shape = tuple(int(n) for n in shape)
+    r, c = matrix_axes(shape)
+    row_shape = tuple(n for a, n in enumerate(shape) if a != c)  # per-row values
+    col_shape = tuple(n for a, n in enumerate(shape) if a != r)
+    mat_shape = tuple(n for a, n in enumerate(shape) if a not in (r, c))
+    sr = shape[r] if r is not None else 1
+    sc = shape[c] if c is not None else 1
+    fr = _inner(shape, r) if r is not None else 1
+    fc = _inner(shape, c) if c is not None else 1
+    rr = _inner(row_shape, r - (c is not None and c < r)) if r is not None else 1
+    cc = _inner(col_shape, c - (r is not None and r < c)) if c is not None else 1
+    return (_numel(shape), _numel(row_shape), _numel(col_shape), _numel(mat_shape),
+            sr, sc, fr, fc, rr, cc)
