@@ -167,3 +167,19 @@ def test_no_step_reads_a_tensor_back_to_the_host(backend, monkeypatch):
         opt.step()
     monkeypatch.undo()
     assert opt.state[ps[0]]["step"].item() == 3  # one skipped
+
+
+def test_loading_a_live_optimizers_state_shares_no_tensor():
+    """Loading another optimizer's state_dict copies it: stepping one leaves the other's
+    state (the step counter included) alone."""
+    ps = [torch.nn.Parameter(torch.randn(4, 3))]
+    qs = [torch.nn.Parameter(ps[0].detach().clone())]
+    a, b = vega.optim.Adam(ps, lr=0.1), vega.optim.Adam(qs, lr=0.1)
+    ps[0].grad = torch.ones(4, 3)
+    a.step()
+    b.load_state_dict(a.state_dict())
+    for name, value in a.state[ps[0]].items():
+        assert value.data_ptr() != b.state[qs[0]][name].data_ptr(), name
+    qs[0].grad = torch.ones(4, 3)
+    b.step()
+    assert int(a.state[ps[0]]["step"]) == 1 and int(b.state[qs[0]]["step"]) == 2

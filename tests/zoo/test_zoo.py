@@ -186,6 +186,59 @@ def _rmsprop_case(momentum: float, centered: bool) -> Case:
                 label=f"momentum{momentum}" + ("-centered" if centered else ""))
 
 
+def _decay_f64(count, rate):
+    """optax's second-moment decay 1 - t^-rate, in float64: optax computes it in float32,
+    vega (SEMANTICS.md) in float64 rounded to the parameters' precision."""
+    return 1.0 - jnp.asarray(count + 1, jnp.float64) ** -rate
+
+
+def _adafactor_optax(h):
+    """optax.adafactor's chain, transform for transform (see optax/_src/alias.py), with the
+    float64 decay; test_adafactor_alias_differs_only_by_the_decay checks it against the alias.
+    vega's relative_step is the schedule min(lr, 1/sqrt(t)), t = count + 1."""
+    lr = h["lr"] if not h["relative_step"] else (
+        lambda count: jnp.minimum(h["lr"], 1.0 / jnp.sqrt(count + 1.0)))
+    tx = [optax.scale_by_factored_rms(h["factored"], h["decay_rate"], h["decay_offset"],
+                                      int(h["min_dim_size_to_factor"]), h["eps"],
+                                      decay_rate_fn=_decay_f64),
+          optax.clip_by_block_rms(h["clipping_threshold"]),
+          optax.scale_by_learning_rate(lr, flip_sign=False)]
+    if h["multiply_by_parameter_scale"]:
+        tx.append(optax.scale_by_param_block_rms(h["param_scale_min"]))
+    if h["use_momentum"]:
+        tx.append(optax.ema(h["momentum"], debias=False, accumulator_dtype=jnp.float64))
+    tx += [optax.add_decayed_weights(h["weight_decay_rate"]), optax.scale(-1)]
+    return optax.chain(*tx)
+
+
+def _factored_only(field_name):
+    """optax keeps a (1,) placeholder where a leaf is not factored (vega: no leaf)."""
+    def get(s):
+        tree = getattr(s[0], field_name)
+        return {n: v for n, v in tree.items() if v.shape != (1,) or field_name == "v"}
+    return get
+
+
+def _adafactor_state(h):
+    out = {"v_row": _factored_only("v_row"), "v_col": _factored_only("v_col"),
+           "v": lambda s: {n: v for n, v in s[0].v.items() if v.shape != (1,)}}
+    if h["use_momentum"]:
+        out["m"] = lambda s: next(x for x in s if isinstance(x, optax.EmaState)).ema
+    return out
+
+
+def _adafactor_case(label, **h):
+    hypers = dict(lr=0.05, decay_rate=0.7, decay_offset=0.0, min_dim_size_to_factor=4.0,
+                  clipping_threshold=0.5, momentum=0.8, weight_decay_rate=0.01, eps=1e-20,
+                  param_scale_min=0.01, factored=True, multiply_by_parameter_scale=True,
+                  relative_step=False, use_momentum=True)
+    hypers.update(h)
+    return Case("adafactor", hypers, optax=_adafactor_optax,
+                optax_state=_adafactor_state(hypers),
+                bad={"lr": -1.0, "decay_rate": -0.5, "clipping_threshold": 0.0,
+                     "momentum": 1.0, "min_dim_size_to_factor": -1.0}, label=label)
+
+
 CASES = [
     # optax's eps convention (after the bias correction); b2 = 0.95 rectifies from step 6 on,
     # so both branches run within 20 steps
@@ -259,9 +312,19 @@ CASES = [
          optax_state={"m": lambda s: s[0].m, "v": lambda s: s[0].v, "n": lambda s: s[0].n,
                       "g_prev": lambda s: s[0].g},
          reference=adan_official, label="b2half"),
+    # the 5x7 matrix factored (min_dim_size_to_factor 4), the vector and scalar not;
+    # clipping active (threshold 0.5), momentum, weight decay, parameter scale
+    _adafactor_case("factored"),
+    # not factored; the relative step size min(lr, 1/sqrt(t)) switches at t = 4
+    _adafactor_case("relative", lr=0.5, factored=False, multiply_by_parameter_scale=False,
+                    relative_step=True, use_momentum=False, decay_offset=0.0),
+    # factored with the parameter scale's floor reached by the zero vector, no momentum,
+    # and a decay offset
+    _adafactor_case("offset", decay_offset=0.5, param_scale_min=0.2, use_momentum=False,
+                    clipping_threshold=float("inf")),
 ]
 
-SPECS = ["radam", "lamb", "lars", "lion", "adagrad", "rmsprop", "adan"]
+SPECS = ["radam", "lamb", "lars", "lion", "adagrad", "rmsprop", "adan", "adafactor"]
 
 
 def _cases(attr):

@@ -141,8 +141,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             for name, value in originals[pid].items():
                 if not isinstance(value, torch.Tensor):
                     continue
-                if name == "step":
-                    self.state[p][name] = value.to(device=p.device, dtype=torch.int32)
+                if name == "step":  # a copy: the step advances in place
+                    self.state[p][name] = value.to(device=p.device, dtype=torch.int32).clone()
                 elif value.is_floating_point() or value.is_complex():
                     self.state[p][name] = value.to(device=p.device, dtype=sd).clone()
 

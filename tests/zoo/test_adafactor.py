@@ -1,0 +1,137 @@
+"""Adafactor beyond the registry in test_zoo.py: tensors of every rank and shape against
+optax, optax's own alias, and how the shape conditions pick a program per tensor."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import jax.numpy as jnp
+import optax
+import pytest
+import torch
+
+import vega
+from .test_zoo import RTOL, _adafactor_optax, _adafactor_state, assert_close
+
+jax.config.update("jax_enable_x64", True)
+
+H = dict(lr=0.05, decay_rate=0.7, decay_offset=0.0, min_dim_size_to_factor=4.0,
+         clipping_threshold=0.5, momentum=0.8, weight_decay_rate=0.01, eps=1e-20,
+         param_scale_min=0.01, factored=True, multiply_by_parameter_scale=True,
+         relative_step=False, use_momentum=True)
+
+# (3, 6, 5): factored over its two largest axes (6 and 5), the 3 a batch of matrices;
+# (7, 5) tall and (5, 7) wide; (4, 4) square (the later axis is the column axis);
+# (2, 9): its row axis is shorter than min_dim_size_to_factor, so it is not factored
+SHAPES = {"cube": (3, 6, 5), "tall": (7, 5), "wide": (5, 7), "square": (4, 4),
+          "thin": (2, 9), "vec": (6,), "scalar": ()}
+
+
+def _params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in SHAPES.items()}
+
+
+def _grads(k):
+    return {n: (1 + k % 3) * v for n, v in _params(100 + k).items()}
+
+
+def _run_vega(h, steps, backend=None):
+    params = _params()
+    state = vega.adafactor_init(params, **h)
+    out = []
+    for k in range(steps):
+        params, state = vega.adafactor_step(params, _grads(k), state, backend=backend, **h)
+        snap = {f"p.{n}": v for n, v in params.items()}
+        for f, tree in state.items():
+            if f != "step":
+                snap.update({f"{f}.{n}": v for n, v in tree.items() if v is not None})
+        out.append(snap)
+    return out, state
+
+
+def _run_optax(tx, getters, steps):
+    params = {n: jnp.asarray(v.numpy()) for n, v in _params().items()}
+    state = tx.init(params)
+    out = []
+    for k in range(steps):
+        grads = {n: jnp.asarray(v.numpy()) for n, v in _grads(k).items()}
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        snap = {f"p.{n}": v for n, v in params.items()}
+        for f, get in getters.items():
+            snap.update({f"{f}.{n}": v for n, v in get(state).items()})
+        out.append(snap)
+    return out
+
+
+def test_every_shape_matches_optax():
+    ours, state = _run_vega(H, 12)
+    theirs = _run_optax(_adafactor_optax(H), _adafactor_state(H), 12)
+    for k, (a, e) in enumerate(zip(ours, theirs)):
+        for key, value in e.items():
+            assert key in a, f"vega has no {key}"
+            assert_close(a[key], value, f"{key} against optax", k + 1)
+    # which tensors were factored, and the shapes of their factors: optax's
+    assert set(n for n, v in state["v_row"].items() if v is not None) == {
+        "cube", "tall", "wide", "square"}
+    assert state["v_row"]["cube"].shape == (3, 5) and state["v_col"]["cube"].shape == (3, 6)
+    assert state["v_row"]["tall"].shape == (5,) and state["v_col"]["tall"].shape == (7,)
+    assert state["v"]["thin"].shape == (2, 9) and state["v"]["cube"] is None
+
+
+def test_optax_alias_differs_only_by_the_decay():
+    """optax.adafactor itself computes 1 - t^-0.8 in float32: the same trajectory to about
+    float32's precision, not to float64's. The test chain with the float64 decay is what
+    vega follows (SEMANTICS.md)."""
+    h = dict(H, use_momentum=False, lr=0.05)
+    alias = optax.adafactor(learning_rate=h["lr"], min_dim_size_to_factor=4,
+                            decay_rate=h["decay_rate"], clipping_threshold=h["clipping_threshold"],
+                            weight_decay_rate=h["weight_decay_rate"], eps=h["eps"])
+    h.update(param_scale_min=1e-3)  # optax's scale_by_param_block_rms default
+    ours, _ = _run_vega(h, 8)
+    theirs = _run_optax(alias, {}, 8)
+    worst = max(float(((a := ours[k][key]) - torch.tensor(np.array(v))).abs().max()
+                      / (a.abs().max() + 1e-30))
+                for k in range(8) for key, v in theirs[k].items())
+    assert worst < 1e-6, worst
+    assert worst > RTOL, "optax's float32 decay should show at float64 precision"
+
+
+def test_shape_hyper_must_be_a_number():
+    params = {"w": torch.randn(5, 7)}
+    with pytest.raises(ValueError, match="min_dim_size_to_factor=.*plain number"):
+        vega.adafactor_init(params, min_dim_size_to_factor=torch.tensor(4.0))
+
+
+def test_state_of_the_wrong_shape_is_named():
+    params = {"w": torch.randn(5, 7, dtype=torch.float64)}
+    state = vega.adafactor_init(params, min_dim_size_to_factor=4)
+    state["v_row"]["w"] = torch.zeros(7, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"v_row\.w.*\(7,\).*one value per row.*\(5,\)"):
+        vega.adafactor_step(params, {"w": torch.ones(5, 7, dtype=torch.float64)}, state,
+                            min_dim_size_to_factor=4)
+
+
+def test_class_steps_mixed_shapes_and_round_trips_its_state():
+    ps = [torch.nn.Parameter(v) for v in _params().values()]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    a = vega.optim.Adafactor(ps, lr=0.05, min_dim_size_to_factor=4)
+    b = vega.optim.Adafactor(qs, lr=0.05, min_dim_size_to_factor=4)
+    for k in range(3):
+        g = _grads(k)
+        for p, q, n in zip(ps, qs, SHAPES):
+            p.grad, q.grad = g[n].clone(), g[n].clone()
+        a.step()
+        if k == 0:  # b resumes from a's state after the first step
+            b.step()
+            b.load_state_dict(a.state_dict())
+        elif k > 0:
+            b.step()
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert set(a.state[ps[0]]) == {"v_row", "v_col", "step"}
+    assert set(a.state[ps[-1]]) == {"v", "step"}
+    # and a functional trajectory is the same
+    ours, _ = _run_vega(dict(lr=0.05, min_dim_size_to_factor=4.0), 3)
+    for p, n in zip(ps, SHAPES):
+        torch.testing.assert_close(p.detach(), ours[-1][f"p.{n}"], rtol=1e-12, atol=1e-14)
