@@ -176,7 +176,7 @@ class _Walker:
                                 s.init.span)
             if init.kind == Kind.ELEMENT and ir.join(init.dom, dom) != dom:
                 raise SpecError(f"state '{s.name}' holds {ir.DOMAIN_WORDS[dom]}, but this "
-                                f"initial value has {ir.DOMAIN_WORDS[init.dom][6:]}"
+                                f"initial value has {_short(init.dom)}"
                                 f"{_reduce_hint(init.dom, dom)}", s.init.span)
             self.states.append(ir.StateVar(s.name, init, s.span, dom))
             env[s.name] = _Binding(ir.leaf(Op.STATE, Kind.ELEMENT, s.name, s.name_span, dom),
@@ -204,7 +204,7 @@ class _Walker:
             if old is not None and old.role == "state" and value.kind == Kind.ELEMENT \
                     and ir.join(value.dom, old.node.dom) != old.node.dom:
                 raise SpecError(f"state '{s.name}' holds {ir.DOMAIN_WORDS[old.node.dom]}, but "
-                                f"this value has {ir.DOMAIN_WORDS[value.dom][6:]}"
+                                f"this value has {_short(value.dom)}"
                                 f"{_reduce_hint(value.dom, old.node.dom)}", s.value.span)
             if s.name == "p":
                 self.assigns_p = True
@@ -345,7 +345,7 @@ class _Walker:
             if axis not in x.dom:
                 gone = "column" if axis == "c" else "row"
                 raise SpecError(f"{e.fn}() reduces the {gone} axis, but its argument has "
-                                f"{ir.DOMAIN_WORDS[x.dom][6:]}: it has no {gone} axis left",
+                                f"{_short(x.dom)}: it has no {gone} axis left",
                                 e.args[0].span)
             return ir.apply(op, x, span=e.span)
         if op is Op.WHERE:
@@ -372,6 +372,10 @@ class _Walker:
                                 "where(cond, 1, 0) to turn a bool into a number", e.span)
             raise SpecError(f"{where} needs a bool, but this is a number; compare it, "
                             "e.g. x > 0", e.span)
+
+
+def _short(dom: str) -> str:
+    return ir.DOMAIN_WORDS[dom].replace("one value per", "one per")
 
 
 def _reduce_hint(have: str, want: str) -> str:

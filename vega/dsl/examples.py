@@ -121,4 +121,24 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "  p = p - lr * g\n}\n", "declared only inside the if on line 2", 5, 3),
     ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    d = g\n  } else {\n    d = g > 0\n  }\n"
      "  p = p - lr * g\n}\n", "a number in one branch", 2, 3),
+    # rows, columns and shapes
+    ("optimizer o(lr = 1e-3) {\n  state v: row = zeros\n  p = p - lr * g\n}\n",
+     "not ': row' (did you mean 'rows'?)", 2, 12),
+    ("optimizer o(lr = 1e-3) {\n  state v: rows = zeros\n  v = g * g\n  p = p - lr * g\n}\n",
+     "state 'v' holds one value per row, but this value has one per element; reduce it with "
+     "row_mean(...)", 3, 7),
+    ("optimizer o(lr = 1e-3) {\n  state v: cols = p\n  p = p - lr * g\n}\n",
+     "holds one value per column, but this initial value has one per element", 2, 19),
+    ("optimizer o(lr = 1e-3) {\n  r = row_mean(g)\n  p = p - lr * row_mean(r)\n}\n",
+     "row_mean() reduces the column axis, but its argument has one per row", 3, 25),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * col_sum(lr)\n}\n",
+     "col_sum() reduces an axis of a tensor", 2, 24),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g * ndim(p)\n}\n",
+     "use it only in the condition of an if", 2, 20),
+    ("optimizer o(lr = 1e-3) {\n  if ndim(p) >= 2 and mean(g) > 0 {\n    p = p - lr * g\n"
+     "  } else {\n    p = p\n  }\n}\n", "a shape condition may use only", 2, 23),
+    ("optimizer o(lr = 1e-3) {\n  if ndim(g * 2) >= 2 {\n    p = p - lr * g\n"
+     "  } else {\n    p = p\n  }\n}\n", "ndim() takes the parameter: ndim(p)", 2, 6),
+    ("optimizer o(lr = 1e-3) {\n  if nrows(p) {\n    p = p - lr * g\n"
+     "  } else {\n    p = p\n  }\n}\n", "condition of an if must be a bool", 2, 6),
 ]
