@@ -52,3 +52,14 @@ def test_demo_runs_and_learns(capsys):
     assert len(rows) == 4
     losses = [float(r.split()[-4]) for r in rows]
     assert all(loss < 1.0 for loss in losses)  # ln(3) = 1.0986 at the start
+
+
+def test_show_takes_a_shape(capsys):
+    from vega.cli import main
+    assert main(["show", "adafactor", "--shape", "256,128"]) == 0
+    out = capsys.readouterr().out
+    assert "def init_v_row" in out and "_reduce(" in out
+    assert main(["show", "adafactor"]) == 0
+    assert "def init_v(" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--shape"):
+        main(["show", "adafactor", "--shape", "a,b"])

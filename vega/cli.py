@@ -12,7 +12,8 @@ Vega: optimizers written as specs, compiled to fused kernels for PyTorch.
 
 commands:
   vega check FILE...                   compile spec files; print each error, exit 1 on any
-  vega show FILE|NAME [--backend B]    print the kernel generated for a spec
+  vega show FILE|NAME [--backend B] [--set FLAG=V] [--shape N,N]
+                                       print the kernel generated for a spec
   vega list                            the optimizers that ship with vega
   vega demo                            train a small model with vega and torch.optim
   vega bench [--quick] [--no-compile]  time one step against torch.optim and optax
@@ -55,7 +56,14 @@ def cmd_check(args) -> int:
 def cmd_show(args) -> int:
     try:
         spec = _load(args.target)
-        print(spec.source(args.backend, **_parse_flags(args.set)))
+        shape = None
+        if args.shape is not None:
+            try:
+                shape = tuple(int(n) for n in args.shape.split(",") if n.strip())
+            except ValueError:
+                raise SystemExit(f"vega: --shape {args.shape!r}: write sizes like 512,768") \
+                    from None
+        print(spec.source(args.backend, shape, **_parse_flags(args.set)))
     except (SpecError, FileNotFoundError, ValueError, TypeError) as err:
         print(err, file=sys.stderr)
         return 1
@@ -97,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="reference", help="reference (default), c or triton")
     p.add_argument("--set", action="append", default=[], metavar="FLAG=true|false",
                    help="a bool hyperparameter, e.g. --set amsgrad=true (repeatable)")
+    p.add_argument("--shape", metavar="N,N,...", help="the kernel for a parameter of this "
+                   "shape, for specs with shape conditions (e.g. adafactor: --shape 512,768)")
     p.set_defaults(fn=cmd_show)
     p = sub.add_parser("list", help="list the shipped optimizers")
     p.set_defaults(fn=cmd_list)

@@ -115,7 +115,11 @@ def render(program: Program, linear: Linear | None = None) -> str:
     lin = linear or linearize(program)
     r = TorchRenderer()
     flags = ", ".join(f"{k}={str(v).lower()}" for k, v in program.flags) or "none"
-    out = [f"# {program.name}: reference kernel (flags: {flags})", ""]
+    out = [f"# {program.name}: reference kernel (flags: {flags})"]
+    if program.shapes:
+        out.append(f"# shape conditions, in source order: "
+                   f"{', '.join(str(s).lower() for s in program.shapes)}")
+    out.append("")
     out.append(f"def scalars({', '.join(('t',) + lin.hypers)}):")
     out.append('    """The scalar phase: once per step, on 0-d tensors."""')
     for line in lin.scalar_lines:

@@ -40,15 +40,22 @@ class CompiledSpec:
     def source_text(self) -> str:
         return self._spec.source
 
-    def program(self, **flags):
-        """The IR for one setting of the bool hyperparameters (defaults elsewhere)."""
-        chosen, _ = engine.resolve(self.name, self.hypers, flags)
-        return self._spec.program(chosen)
+    def program(self, shape=None, **hypers):
+        """The IR for one setting of the bool hyperparameters (defaults elsewhere) and, for a
+        spec with shape conditions (``if ndim(p) >= 2``), for a parameter of ``shape``
+        (without one: every shape condition false)."""
+        flags, values = engine.resolve(self.name, self.hypers, hypers)
+        if shape is None or not self._spec.shape_conditions:
+            return self._spec.program(flags)
+        shape = tuple(int(n) for n in shape)
+        return engine.programs(self.name, self._spec, flags, values,
+                               [torch.empty(shape, device="meta")])[0]
 
-    def source(self, backend: str = "reference", **flags) -> str:
-        """The generated source of this optimizer's kernel on ``backend``."""
+    def source(self, backend: str = "reference", shape=None, **hypers) -> str:
+        """The generated source of this optimizer's kernel on ``backend`` (for a parameter of
+        ``shape``, where the spec has shape conditions)."""
         codegen.check_backend(backend)
-        return codegen.kernel(backend, self.program(**flags)).source()
+        return codegen.kernel(backend, self.program(shape, **hypers)).source()
 
     # -- functional API -------------------------------------------------------
     def init(self, params, *, state_dtype: torch.dtype | None = None, **hypers) -> dict:
