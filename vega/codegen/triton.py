@@ -16,6 +16,14 @@ each program BLOCK consecutive elements of one tensor. A step is:
   reference) and the element program; every write is ``where(finite, new, old)``;
 - ``<name>_advance``: the step counters plus one (saturating), unless skipped.
 
+A program with values per row, column or matrix of the tensors' matrix view
+(``Program.uses_axes``: axis reductions, row and column state) runs instead
+as stages: ``<name>_stage<k>_<domain>`` kernels over the rows, columns,
+matrices or elements of every tensor compute the axis reductions (a loop over
+the reduced axis per output) into temporaries and per-tensor reductions (with
+``<name>_finish<k>_<domain>``), and ``<name>_write_<domain>`` kernels write
+the new values, computed from the old ones (see ``axis_plan``).
+
 Nothing is read back to the host: the learning rate, step, loss scale, clip
 coefficient and finite flag are device values, so a step replays under CUDA
 graphs. The step runs as the torch custom op ``vega::triton_step`` (see
@@ -34,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import math
+from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
 
@@ -42,7 +51,8 @@ import torch
 from vega.codegen import reference, triton_runtime
 from vega.codegen.base import Linear, Renderer, linearize, safe
 from vega.codegen.base import reduction_phases
-from vega.dsl.ir import LEAVES, REDUCTIONS, Kind, Node, Op, Program, walk
+from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, LEAVES, REDUCTIONS, Kind, Node, Op,
+                         Program, walk)
 
 TL = {"float32": "tl.float32", "float64": "tl.float64", "bfloat16": "tl.bfloat16",
       "float16": "tl.float16"}
@@ -154,6 +164,263 @@ def _needed(roots: list[Node]) -> tuple[list[Node], list[Node], list[Node]]:
 
 _WHAT = {Op.NORM: "norm", Op.SUM: "sum", Op.MEAN: "mean", Op.AMAX: "max"}
 
+# -- the staged path: programs with values per row, column or matrix -----------------------
+#
+# A program that uses the matrix view (``Program.uses_axes``) runs as a sequence of launches,
+# each over the values of one domain (``vega.dsl.ir``) of every tensor of a dtype group:
+# stage ``s`` computes the reductions whose arguments need only those of earlier stages (axis
+# reductions into temporaries, one loop over the reduced axis per output; per-tensor ones as
+# per-block partials and a finish); the write launches then compute every new value from the
+# old ones and the temporaries. The write over the elements runs first: the writes of
+# per-row and per-column state read only that state, at the index they write.
+
+AXES_INTERNAL = {"drop", "put", "max_rows", "tmp_ptr", "KBLOCK"}
+DOMS = ("rc", "r", "c", "")  # the order of axis_geometry's counts
+TAG = {"rc": "rc", "r": "r", "c": "c", "": "m"}
+# table columns: axis_geometry(shape)[1:] (its first, the number of elements, is NUMEL)
+GEOMETRY = {"N_R": "number of rows (values of one per row)",
+            "N_C": "number of columns (values of one per column)",
+            "N_M": "number of matrices", "SR": "length of the row axis (1 if none)",
+            "SC": "length of the column axis (1 if none)",
+            "FR": "inner stride of the row axis", "FC": "inner stride of the column axis",
+            "RR": "inner stride of the row axis in a value of one per row",
+            "CC": "inner stride of the column axis in a value of one per column"}
+COUNT = {"rc": "NUMEL", "r": "N_R", "c": "N_C", "": "N_M"}
+# a value of domain b read at an index of domain a: drop(index, inner, n)
+DROP = {("rc", "r"): ("FC", "SC"), ("rc", "c"): ("FR", "SR"), ("r", ""): ("RR", "SR"),
+        ("c", ""): ("CC", "SC")}
+# an axis reduction into domain a of a value of domain b: put(index, inner, n, k) for k < n
+PUT = {("r", "rc"): ("FC", "SC"), ("c", "rc"): ("FR", "SR"), ("", "r"): ("RR", "SR"),
+       ("", "c"): ("CC", "SC")}
+
+
+@dataclass(frozen=True, eq=False)
+class Launch:
+    """One kernel launch of the staged path, over the values of domain ``dom``."""
+
+    kind: str  # "stage" | "finish" (a stage's per-tensor reductions) | "write"
+    stage: int
+    dom: str
+    gathers: tuple[Node, ...] = ()  # axis reductions into dom, stored as temporaries
+    reductions: tuple[Node, ...] = ()  # per-tensor reductions of values of dom
+    targets: tuple[str, ...] = ()  # write: p and the states of dom
+
+    @property
+    def fn(self) -> str:
+        return f"write_{TAG[self.dom]}" if self.kind == "write" else \
+            f"{self.kind}{self.stage}_{TAG[self.dom]}"
+
+    @property
+    def wide(self) -> bool:
+        """Whether its programs loop over a reduced axis (smaller blocks, KBLOCK)."""
+        return bool(self.gathers)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    launches: tuple[Launch, ...]
+    temps: tuple[Node, ...]  # the axis reductions' results, in the order of their T_ columns
+
+
+def axis_plan(program: Program) -> Plan:
+    """The launches of a program that uses the matrix view, in order."""
+    level: dict[int, int] = {}
+    stages: list[dict[str, tuple[list, list]]] = []
+    for node in walk(node for _, node in program.updates):
+        lv = max((level[id(s)] for s in node.src), default=0)
+        if node.op in REDUCTIONS or node.op in AXIS_REDUCTIONS:
+            while len(stages) <= lv:
+                stages.append({})
+            axis = node.op in AXIS_REDUCTIONS
+            gathers, reds = stages[lv].setdefault(node.dom if axis else node.src[0].dom, ([], []))
+            (gathers if axis else reds).append(node)
+            lv += 1
+        level[id(node)] = lv
+    launches = []
+    for k, doms in enumerate(stages):
+        found = [(d, *doms[d]) for d in DOMS if d in doms]
+        launches += [Launch("stage", k, d, tuple(g), tuple(r)) for d, g, r in found]
+        launches += [Launch("finish", k, d, tuple(g), tuple(r)) for d, g, r in found if r]
+    safe_doms = {"p": "rc", **{safe(s.name): s.dom for s in program.states}}
+    for dom in ("rc", "r", "c"):  # the elements first: they read the old rows and columns
+        targets = tuple(x for x, d in safe_doms.items() if d == dom)
+        if targets:
+            launches.append(Launch("write", len(stages), dom, targets=targets))
+    temps = tuple(n for launch in launches if launch.kind == "stage" for n in launch.gathers)
+    return Plan(tuple(launches), temps)
+
+
+class _Ctx:
+    """A block of indices of one domain where values are computed (``index``, ``mask``);
+    a value of a smaller domain is computed at the indices it maps to (``subs``). In a loop
+    over a reduced axis, ``outer`` is the block of outputs: a value of a domain it has is
+    the one computed there, outside the loop."""
+
+    def __init__(self, dom: str, index: str, mask: str, tag: str, lines: list[str],
+                 outer: _Ctx | None = None, root: _Ctx | None = None):
+        self.dom, self.index, self.mask, self.tag, self.lines = dom, index, mask, tag, lines
+        self.outer, self.root = outer, root or self
+        self.names: dict[int, str] = {}
+        self.subs: dict[str, _Ctx] = {}
+
+
+class _Refs:
+    """What ``Renderer.expr`` asks of a Linear: each operand's name."""
+
+    def __init__(self, names: dict[int, str]):
+        self.names = names
+
+    def ref(self, node: Node) -> str:
+        return self.names[id(node)]
+
+
+class _Emitter:
+    """The body of one kernel of the staged path, over the values of domain ``dom``."""
+
+    def __init__(self, src: Source, dom: str):
+        self.src = src
+        self.rx = TritonRenderer(src.ct, {})
+        self.taken = set(src.taken)
+        self.root = _Ctx(dom, "offsets", "mask", "", [])
+        self.top: list[str] = []  # per-tensor values: reductions of earlier stages, and so on
+        self.tensors: dict[int, str] = {}
+        self.rounded: dict[int, Node] = {}  # scalars read (rounded once to ct)
+        self.used: set[str] = set()  # p, g, states read
+        self.stored: set[str] = set()  # targets whose old value is loaded at offsets
+        self.columns: dict = {}
+        self.column_lines: list[str] = []
+
+    def fresh(self, base: str) -> str:
+        new, k = base, 0
+        while new in self.taken:
+            k += 1
+            new = f"{base}_{k}"
+        self.taken.add(new)
+        return new
+
+    def column(self, key) -> str:
+        """A local holding an integer column of this tensor's row (geometry, an offset)."""
+        if key not in self.columns:
+            col = self.src.col[key]
+            self.columns[key] = name = self.fresh(col.lower())
+            self.column_lines.append(f"{name} = tl.load(row + {col})")
+        return self.columns[key]
+
+    def sub(self, ctx: _Ctx, dom: str) -> _Ctx:
+        """The indices of domain ``dom`` that the indices of ``ctx`` (a root) map to."""
+        if dom not in ctx.subs:
+            base = ctx if (ctx.dom, dom) in DROP else self.sub(ctx, "r")  # rc -> r -> matrix
+            inner, n = DROP[(base.dom, dom)]
+            index = self.fresh(f"{ctx.index}_{TAG[dom]}")
+            ctx.lines.append(f"{index} = drop({base.index}, {self.column(inner)}, "
+                             f"{self.column(n)})")
+            ctx.subs[dom] = _Ctx(dom, index, ctx.mask, ctx.tag + TAG[dom], ctx.lines, ctx.outer,
+                                 ctx)
+        return ctx.subs[dom]
+
+    def value(self, node: Node, ctx: _Ctx | None = None) -> str:
+        """The name (or literal) of ``node``'s value at the indices of ``ctx``."""
+        src = self.src
+        if node.op is Op.CONST:
+            return src.r.const(node.arg)
+        if node.kind <= Kind.SCALAR:
+            self.rounded[id(node)] = node
+            return src.var(src.lin.ref(node))
+        if node.kind == Kind.TENSOR:
+            return self.tensor(node)
+        root = ctx.root
+        if node.dom != ctx.dom:
+            if root.outer is not None and set(node.dom) <= set(root.outer.dom):
+                return f"{self.value(node, root.outer)}[:, None]"
+            return self.value(node, self.sub(root, node.dom))
+        if id(node) in ctx.names:
+            return ctx.names[id(node)]
+        if node.op in (Op.PARAM, Op.GRAD, Op.STATE):
+            x = "p" if node.op is Op.PARAM else "g" if node.op is Op.GRAD else safe(node.arg)
+            self.used.add(x)
+            if ctx is self.root and x in self.stored:
+                text = f"{src.stored[x]}.to({src.ct})"
+            else:
+                text = f"tl.load({src.ptr[x]} + {ctx.index}, mask={ctx.mask}).to({src.ct})"
+                if x == "g":
+                    text += " * inv_scale * coef"
+        elif node.op in AXIS_REDUCTIONS:  # the temporary of an earlier stage
+            q = next(q for q, n in enumerate(src.plan.temps) if n is node)
+            text = (f"tl.load(tmp_ptr + {self.column(('T', q))} + {ctx.index}, "
+                    f"mask={ctx.mask})")
+        else:
+            names = {id(s): self.value(s, ctx) for s in node.src if s.op is not Op.CONST}
+            text = self.rx.expr(_Refs(names), node, "element")
+        base = src.var(src.lin.ref(node))
+        name = base if ctx is self.root else self.fresh(f"{base}_{ctx.tag}")
+        ctx.lines.append(f"{name} = {text}")
+        ctx.names[id(node)] = name
+        return name
+
+    def tensor(self, node: Node) -> str:
+        """A per-tensor value, computed once at the top of the kernel."""
+        if id(node) not in self.tensors:
+            src = self.src
+            name = src.var(src.lin.ref(node))
+            if node.op in REDUCTIONS:
+                stage = next(launch.stage for launch in src.plan.launches
+                             if any(n is node for n in launch.reductions))
+                line = (f"{name} = tl.load(red_ptr + i * NRED + {src.slots[id(node)]})"
+                        f".to({src.ct})  # {_WHAT[node.op]} from stage {stage}")
+            else:
+                names = {id(s): self.value(s) for s in node.src if s.op is not Op.CONST}
+                line = f"{name} = {self.rx.expr(_Refs(names), node, 'element')}"
+            self.top.append(line)
+            self.tensors[id(node)] = name
+        return self.tensors[id(node)]
+
+    def gather(self, nodes: tuple[Node, ...]) -> list[str]:
+        """Axis reductions into the root's domain: for each output, a loop over the reduced
+        axis, KBLOCK values at a time (one loop per argument domain). Their names."""
+        root, ct, out = self.root, self.src.ct, {}
+        by_dom: dict[str, list[Node]] = {}
+        for node in nodes:
+            by_dom.setdefault(node.src[0].dom, []).append(node)
+        for dom, group in by_dom.items():
+            inner, n = (self.column(c) for c in PUT[(root.dom, dom)])
+            k0, k, idx, kmask = (self.fresh(x) for x in ("k0", "k", "idx", "kmask"))
+            body: list[str] = []
+            ctx = _Ctx(dom, idx, kmask, "k", body, outer=root)
+            xs = [self.value(node.src[0], ctx) for node in group]
+            init, steps, done = [], [], []
+            for node, x in zip(group, xs):
+                name = self.src.var(self.src.lin.ref(node))
+                how = AXIS_REDUCTIONS[node.op][1]
+                if how == "max":
+                    init.append(f"{name} = tl.full([BLOCK], float(\"-inf\"), {ct})")
+                    steps.append(f"{name} = max_rows({name}, {x}, {kmask})")
+                else:
+                    init.append(f"{name} = tl.zeros([BLOCK], dtype={ct})")
+                    steps.append(f"{name} += tl.sum(tl.where({kmask}, {x}, 0.0), axis=1)")
+                if how == "mean":
+                    done.append(f"{name} = {name} / {n}.to({ct})")
+                root.names[id(node)] = out[id(node)] = name
+            what = ", ".join(f"{n.op.value}({x})" for n, x in zip(group, xs))
+            root.lines += [f"# {what}", *init,
+                           f"for {k0} in range(0, {n}, KBLOCK):",
+                           f"    {k} = {k0} + tl.arange(0, KBLOCK)",
+                           f"    {idx} = put({root.index}[:, None], {inner}, {n}, {k}[None, :])",
+                           f"    {kmask} = {root.mask}[:, None] & ({k} < {n})[None, :]",
+                           *(f"    {line}" for line in body + steps), *done]
+        return [out[id(node)] for node in nodes]
+
+    def kernel(self, tail_pointers: list[str], loads: list[str], nparts: int) -> dict:
+        """The header macro's fields, once the body is generated."""
+        src = self.src
+        pointers = [src._pointer(x) for x in ("p", "g", *src.targets[1:])
+                    if x in self.used or x in self.stored] + tail_pointers
+        scalar_pointers, scalar, round_lines = src._scalar_phase(list(self.rounded.values()))
+        return {"pointers": pointers + scalar_pointers + self.column_lines, "scalar": scalar,
+                "rounded": round_lines, "loads": loads, "lines": self.top + self.root.lines,
+                "part": nparts > 0, "nparts": nparts, "scaled": "g" in self.used,
+                "tmp": True, "kblock": False, "count": src.col.get(COUNT[self.root.dom],
+                                                                    "NUMEL")}
+
 
 class Source:
     """The Triton source of one program for one dtype group."""
@@ -164,13 +431,14 @@ class Source:
         self.ct = "tl.float64" if pdt == "float64" else "tl.float32"
         self.phases = reduction_phases(program)
         self.slots = {id(n): j for j, n in enumerate(n for ph in self.phases for n in ph)}
+        self.plan = axis_plan(program) if program.uses_axes else None
         self._names()
         self.r = TritonRenderer(self.ct, self.rename)
 
     # -- names ----------------------------------------------------------------
     def _names(self) -> None:
         lin, prog = self.lin, self.program
-        taken = set(INTERNAL)
+        taken = set(INTERNAL) | (AXES_INTERNAL if self.plan is not None else set())
         self.rename: dict[str, str] = {}
 
         def claim(name: str, spec: bool = False) -> str:
@@ -207,6 +475,12 @@ class Source:
         for x in self.targets:
             column(f"{x}_out", f"{self.col[x]}_OUT",
                    f"new {'parameter' if x == 'p' else 'state ' + x} (= {self.col[x]} in place)")
+        if self.plan is not None:
+            for key, comment in GEOMETRY.items():
+                column(key, key, comment)
+            for q, node in enumerate(self.plan.temps):
+                column(("T", q), f"T_{v(lin.ref(node))}", f"offset in tmp of {v(lin.ref(node))}, "
+                       f"{DOMAIN_WORDS[node.dom]}")
         for k, col in enumerate(self.cols):
             col["index"] = k
         self.ptr = {x: claim(f"{v(x)}_ptr") for x in ("p", "g", *self.targets[1:])}
@@ -214,11 +488,45 @@ class Source:
         self.stored = {x: claim(f"{v(x)}_stored") for x in self.targets}
         for line in lin.scalar_lines + lin.element_lines:
             claim(line.var, spec=True)
-        self.partname = [claim(f"part{q}") for q in range(max(map(len, self.phases), default=0))]
+        width = max(map(len, self.phases), default=0) if self.plan is None else \
+            max((len(launch.reductions) for launch in self.plan.launches), default=0)
+        self.partname = [claim(f"part{q}") for q in range(width)]
         self.acc = [claim(f"acc{q}") for q in range(len(self.partname))]
+        self.taken = taken
 
     def var(self, name: str) -> str:
         return self.rename.get(name, name)
+
+    def _pointer(self, x: str, out: bool = False) -> str:
+        """The line that reads the address of ``x`` (p, g, a state; or its new value)."""
+        dt = self.dtypes[0 if x == "p" else 1 if x == "g" and not out else 2]
+        name, col = (self.out_ptr[x], self.col[x + "_out"]) if out else (self.ptr[x], self.col[x])
+        return f"{name} = tl.load(row + {col}).to(tl.pointer_type({TL[dt]}))"
+
+    def _scalar_phase(self, rounded: list[Node]) -> tuple[list[str], list[str], list[str]]:
+        """The pointer, scalar-phase and rounding lines that give the element phase the
+        scalars ``rounded`` (computed in float64 from t and the hyperparameters)."""
+        lin, r, v = self.lin, self.r, self.var
+        scalar_nodes = {id(n): n for n in walk(rounded) if n.op is not Op.CONST}
+        hyper_names = {n.arg for n in scalar_nodes.values() if n.op is Op.HYPER}
+        hypers = [(k, h) for k, h in enumerate(self.program.float_hypers) if h in hyper_names]
+        need_t = any(n.op is Op.T for n in scalar_nodes.values())
+        pointers = []
+        if need_t:
+            pointers.append("step_ptr = tl.load(row + STEP).to(tl.pointer_type(tl.int32))")
+        if hypers:
+            pointers.append("hyper_ptr = tl.load(row + HYPER).to(tl.pointer_type(tl.float64))")
+        scalar = []
+        if need_t:
+            scalar.append(f"{v('t')} = tl.load(step_ptr).to(tl.float64) + 1.0")
+        for k, h in hypers:
+            scalar.append(f"{v(safe(h))} = tl.load(hyper_ptr + {k})")
+        for line in lin.scalar_lines:
+            if id(line.node) in scalar_nodes:
+                scalar.append(f"{v(line.var)} = {r.expr(lin, line.node, 'scalar')}")
+        round_lines = [f"{r.operand(lin, n)} = {r.operand(lin, n)}.to({self.ct})"
+                       for n in rounded if n.dtype == "float" and self.ct != "tl.float64"]
+        return pointers, scalar, round_lines
 
     # -- kernels --------------------------------------------------------------
     def _kernel(self, roots: list[Node], update: bool) -> dict:
@@ -234,35 +542,12 @@ class Source:
             rounded.update({id(n): n for _, n in self.program.updates
                             if n.kind <= Kind.SCALAR and n.op is not Op.CONST})
         rounded = list(rounded.values())
-        scalar_nodes = {id(n): n for n in walk(rounded) if n.op is not Op.CONST}
-        hyper_names = {n.arg for n in scalar_nodes.values() if n.op is Op.HYPER}
-        hypers = [(k, h) for k, h in enumerate(self.program.float_hypers) if h in hyper_names]
-        need_t = any(n.op is Op.T for n in scalar_nodes.values())
-        pointers = []
-        for x in ("p", "g", *self.targets[1:]):
-            if x in used or (update and x != "g"):
-                dt = self.dtypes[0 if x == "p" else 1 if x == "g" else 2]
-                pointers.append(f"{self.ptr[x]} = tl.load(row + {self.col[x]})"
-                                f".to(tl.pointer_type({TL[dt]}))")
+        pointers = [self._pointer(x) for x in ("p", "g", *self.targets[1:])
+                    if x in used or (update and x != "g")]
         if update:
-            for x in self.targets:
-                dt = self.dtypes[0 if x == "p" else 2]
-                pointers.append(f"{self.out_ptr[x]} = tl.load(row + {self.col[x + '_out']})"
-                                f".to(tl.pointer_type({TL[dt]}))")
-        if need_t:
-            pointers.append("step_ptr = tl.load(row + STEP).to(tl.pointer_type(tl.int32))")
-        if hypers:
-            pointers.append("hyper_ptr = tl.load(row + HYPER).to(tl.pointer_type(tl.float64))")
-        scalar = []
-        if need_t:
-            scalar.append(f"{v('t')} = tl.load(step_ptr).to(tl.float64) + 1.0")
-        for k, h in hypers:
-            scalar.append(f"{v(safe(h))} = tl.load(hyper_ptr + {k})")
-        for line in lin.scalar_lines:
-            if id(line.node) in scalar_nodes:
-                scalar.append(f"{v(line.var)} = {r.expr(lin, line.node, 'scalar')}")
-        round_lines = [f"{r.operand(lin, n)} = {r.operand(lin, n)}.to({self.ct})"
-                       for n in rounded if n.dtype == "float" and self.ct != "tl.float64"]
+            pointers += [self._pointer(x, out=True) for x in self.targets]
+        scalar_pointers, scalar, round_lines = self._scalar_phase(rounded)
+        pointers += scalar_pointers
         loads = []
         for x in self.targets if update else []:
             loads.append(f"{self.stored[x]} = tl.load({self.ptr[x]} + offsets, mask=mask)")
@@ -286,17 +571,24 @@ class Source:
             body.append(f"{r.operand(lin, n)} = {r.expr(lin, n, 'element')}")
         return {"pointers": pointers, "scalar": scalar, "rounded": round_lines,
                 "loads": loads, "lines": body, "part": not update, "scaled": "g" in used,
-                "nparts": len(roots) if not update else 0}
+                "nparts": len(roots) if not update else 0, "tmp": False, "kblock": False,
+                "count": "NUMEL"}
 
     def _phase_of(self, node: Node) -> int:
         return next(k for k, ph in enumerate(self.phases) if any(n is node for n in ph))
 
     def _phase(self, k: int, phase: list[Node]) -> dict:
         kernel = self._kernel(phase, update=False)
+        xs = [self.r.operand(self.lin, node.src[0]) for node in phase]
+        return {"k": k, "kernel": kernel, **self._reductions(phase, xs, "NUMEL")}
+
+    def _reductions(self, phase: list[Node], xs: list[str], count: str) -> dict:
+        """Per-tensor reductions of the values ``xs`` of one block: each block's partial
+        results, and the finish kernel's lines (``count``: the column of the tensor's
+        number of values)."""
         lin, r, np_ = self.lin, self.r, len(phase)
         partials, acc_init, acc_step, results = [], [], [], []
-        for q, node in enumerate(phase):
-            x = r.operand(lin, node.src[0])
+        for q, (node, x) in enumerate(zip(phase, xs)):
             name, part, acc = r.operand(lin, node), self.partname[q], self.acc[q]
             at = f"part_ptr + pid * {np_} + {q}"
             if node.op is Op.AMAX:
@@ -321,42 +613,94 @@ class Source:
             results.append(f"tl.store(red_ptr + i * NRED + {self.slots[id(node)]}, {value})"
                            f"  # {name}")
         if any(n.op is Op.MEAN for n in phase):
-            results.insert(0, "numel = tl.load(table_ptr + i * ROW + NUMEL).to(tl.float64)")
+            results.insert(0, f"numel = tl.load(table_ptr + i * ROW + {count}).to(tl.float64)")
         what = ", ".join(f"{_WHAT[n.op]}" for n in phase)
-        return {"k": k, "kernel": kernel, "partials": partials, "acc_init": acc_init,
-                "acc_step": acc_step, "results": results, "what": what}
+        return {"partials": partials, "acc_init": acc_init, "acc_step": acc_step,
+                "results": results, "what": what}
 
     def _update(self) -> dict:
         kernel = self._kernel([n for _, n in self.program.updates], update=True)
         lin, r = self.lin, self.r
-        new = {safe(t) if t != "p" else "p": n for t, n in self.program.updates}
+        new = self._new_values()
         stores = []
         for x in self.targets:
-            st = self.dtypes[0 if x == "p" else 2]
-            if x not in new:  # not updated by the program: the old value, as it was
-                stores.append(f"tl.store({self.out_ptr[x]} + offsets, {self.stored[x]}, "
-                              "mask=mask)")
-                continue
-            node = new[x]
-            value = r.operand(lin, node)
-            if node.op is Op.CONST:
-                value = f"tl.full([BLOCK], {value}, {self.ct})"
-            elif node.kind < Kind.ELEMENT:  # one value per tensor: as a block
-                stores.append(f"{value} = {value} + tl.zeros([BLOCK], dtype={self.ct})")
-            if st == "bfloat16":
-                value = f"to_bf16({value})"
-            elif TL[st] != self.ct:
-                value = f"{value}.to({TL[st]})"
-            stores.append(f"tl.store({self.out_ptr[x]} + offsets, tl.where(finite, {value}, "
-                          f"{self.stored[x]}), mask=mask)")
+            stores += self._store(x, new.get(x), r.operand(lin, new[x]) if x in new else "")
         kernel["stores"] = stores
         return kernel
+
+    def _new_values(self) -> dict[str, Node]:
+        return {safe(t) if t != "p" else "p": n for t, n in self.program.updates}
+
+    def _store(self, x: str, node: Node | None, value: str) -> list[str]:
+        """The lines that write ``node`` (named ``value``) as the new value of ``x`` at
+        ``offsets`` where the step is finite (its old value otherwise, or if ``node`` is None)."""
+        st = self.dtypes[0 if x == "p" else 2]
+        stores = []
+        if node is None:  # not updated by the program: the old value, as it was
+            return [f"tl.store({self.out_ptr[x]} + offsets, {self.stored[x]}, mask=mask)"]
+        if node.op is Op.CONST:
+            value = f"tl.full([BLOCK], {value}, {self.ct})"
+        elif node.kind < Kind.ELEMENT:  # one value per tensor: as a block
+            stores.append(f"{value} = {value} + tl.zeros([BLOCK], dtype={self.ct})")
+        if st == "bfloat16":
+            value = f"to_bf16({value})"
+        elif TL[st] != self.ct:
+            value = f"{value}.to({TL[st]})"
+        stores.append(f"tl.store({self.out_ptr[x]} + offsets, tl.where(finite, {value}, "
+                      f"{self.stored[x]}), mask=mask)")
+        return stores
+
+    def _axes(self) -> list[dict]:
+        """The kernels of the staged path, in launch order (see ``axis_plan``)."""
+        out, finishes, new = [], {}, self._new_values()
+        for launch in self.plan.launches:
+            entry = {"fn": launch.fn, "finish": launch.kind == "finish", "dom": launch.dom}
+            what = [f"{n.op.value}({self.var(self.lin.ref(n.src[0]))})"
+                    for n in launch.gathers]
+            if launch.kind == "finish":
+                out.append({**entry, **finishes[launch.stage, launch.dom],
+                            "nparts": len(launch.reductions)})
+                continue
+            em = _Emitter(self, launch.dom)
+            tail = []
+            if launch.kind == "stage":
+                names = em.gather(launch.gathers)
+                for node, name in zip(launch.gathers, names):
+                    q = next(q for q, n in enumerate(self.plan.temps) if n is node)
+                    tail.append(f"tl.store(tmp_ptr + {em.column(('T', q))} + offsets, {name}, "
+                                "mask=mask)")
+                if launch.reductions:
+                    xs = [em.value(n.src[0], em.root) for n in launch.reductions]
+                    red = self._reductions(list(launch.reductions), xs,
+                                           self.col.get(COUNT[launch.dom], "NUMEL"))
+                    finishes[launch.stage, launch.dom] = red
+                    tail += red["partials"]
+                    what += [f"{_WHAT[n.op]}({x})" for n, x in zip(launch.reductions, xs)]
+                kernel = em.kernel([], [], len(launch.reductions))
+                kernel["kblock"] = launch.wide
+                comment = "; ".join(
+                    ([f"the temporaries, {DOMAIN_WORDS[launch.dom]}"] if launch.gathers else [])
+                    + (["this block's share of each reduction"] if launch.reductions else []))
+            else:
+                em.stored = set(launch.targets)
+                values = {x: em.value(new[x], em.root) for x in launch.targets if x in new}
+                for x in launch.targets:
+                    tail += self._store(x, new.get(x), values.get(x, ""))
+                loads = [f"{self.stored[x]} = tl.load({self.ptr[x]} + offsets, mask=mask)"
+                         for x in launch.targets]
+                kernel = em.kernel([self._pointer(x, out=True) for x in launch.targets], loads, 0)
+                comment = "new values where the step is finite; a skipped step writes the old bits"
+                what = [f"new {', '.join(launch.targets)}"]
+            out.append({**entry, "kernel": kernel, "tail": tail, "comment": comment,
+                        "what": ", ".join(what)})
+        return out
 
     def text(self) -> str:
         pdt, gdt, sdt = self.dtypes
         prog = self.program
         flags = ", ".join(f"{k}={str(v).lower()}" for k, v in prog.flags) or "none"
         nodes = walk(n for _, n in prog.updates)
+        axes = self.plan is not None
         return _template().render(
             name=safe(prog.name), flags=flags, pdt=pdt, gdt=gdt, sdt=sdt, ct=self.ct[3:],
             ctl=self.ct,
@@ -365,8 +709,10 @@ class Source:
             needs_pow=any(n.op is Op.POW for n in nodes),
             needs_bf16="bfloat16" in (pdt, sdt),
             needs_nanmax=any(n.op is Op.AMAX for n in nodes),
-            phases=[self._phase(k, ph) for k, ph in enumerate(self.phases)],
-            update=self._update())
+            needs_rowmax=any(n.op in (Op.ROW_MAX, Op.COL_MAX) for n in nodes),
+            phases=[] if axes else [self._phase(k, ph) for k, ph in enumerate(self.phases)],
+            update=None if axes else self._update(),
+            axes=self._axes() if axes else None, doms=TAG)
 
 
 @cache
@@ -389,6 +735,12 @@ class Kernel:
         self._reference = reference.Kernel(program)
         self.phase_sizes = [len(p) for p in reduction_phases(program)]
         self.nred = sum(self.phase_sizes)
+        # the staged path's launches (kind, kernel, domain, wide, partial results)
+        self.plan = None
+        if program.uses_axes:
+            plan = axis_plan(program)
+            self.plan = ([(x.kind, x.fn, DOMS.index(x.dom), x.wide, len(x.reductions))
+                          for x in plan.launches], [DOMS.index(n.dom) for n in plan.temps])
         text = self.source()
         self.key = f"{safe(program.name)}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
         self._modules: dict[tuple, dict] = {}

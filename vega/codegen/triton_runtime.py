@@ -29,10 +29,12 @@ from collections import OrderedDict
 
 import torch
 
-from vega.codegen.base import distinct, safe
+from vega.codegen.base import axis_geometry, distinct, safe
 
 BLOCK_GPU, WARPS_GPU = 2048, 8  # elements per program, and warps, on a GPU
 BLOCK_INTERPRETER = 4096  # under the interpreter every program costs ~1 ms: fewer, larger ones
+# loops over a reduced axis: outputs per program, and values along the axis at a time
+WIDE_GPU, WIDE_INTERPRETER = (64, 64), (512, 16)
 PRELUDE_PROGRAMS = 1024  # the prelude's programs each take every PRELUDE_PROGRAMS-th block
 FINISH_BLOCK = 1024  # partial results combined at a time
 ADVANCE_BLOCK = 1024  # step counters per program
@@ -255,6 +257,9 @@ def _step_op(kernel: str, params: list[torch.Tensor], states: list[torch.Tensor]
                              src_t[step_index[i]].data_ptr(),
                              hyp.data_ptr() + hyper_index[i] * width, params[i].data_ptr(),
                              *(states[k].data_ptr() for k in col)])
+            if kern.plan is not None:
+                _staged(kern, mod, rows, [params[i].shape for i in idx], key[0], pre, device)
+                continue
             table = _device(torch.tensor(rows, dtype=torch.int64), device)
             bmap = block_map(tuple(params[i].numel() for i in idx), block, device)
             if bmap.nblocks == 0:
@@ -277,6 +282,43 @@ def _step_op(kernel: str, params: list[torch.Tensor], states: list[torch.Tensor]
             launch(mod[f"{name}_advance"], (-(-len(steps) // ADVANCE_BLOCK),), counters,
                    len(steps), pre if has_pre else hyp, finite, HAS_PRE=has_pre,
                    BLOCK=ADVANCE_BLOCK, num_warps=4)
+
+
+def _staged(kern, mod, rows, shapes, pdt, pre, device) -> None:
+    """The launches of a program that uses the matrix view, for one dtype group (see
+    ``vega.codegen.triton.axis_plan``): each over the values of one domain of every tensor."""
+    launches, temps = kern.plan
+    name, has_pre = safe(kern.program.name), pre is not None
+    geos = [axis_geometry(shape) for shape in shapes]
+    offsets, total = [], 0  # each tensor's temporaries, one after another in tmp
+    for geo in geos:
+        offsets.append([])
+        for d in temps:
+            offsets[-1].append(total)
+            total += geo[d]
+    table = _device(torch.tensor([row + list(geo[1:]) + off for row, geo, off
+                                  in zip(rows, geos, offsets)], dtype=torch.int64), device)
+    ct = torch.float64 if pdt == "float64" else torch.float32
+    tmp = torch.empty(max(total, 1), dtype=ct, device=device)
+    red = torch.empty((len(rows), max(kern.nred, 1)), dtype=torch.float64, device=device)
+    pre_arg = pre if has_pre else red
+    (wide, kblock) = WIDE_INTERPRETER if interpreting() else WIDE_GPU
+    parts = {}
+    for kind, fn, dom, is_wide, nparts in launches:
+        block = wide if is_wide else block_size()
+        bmap = block_map(tuple(geo[dom] for geo in geos), block, device)
+        if kind == "finish":
+            launch(mod[f"{name}_{fn}"], (len(rows),), table, bmap.first, parts[dom], red,
+                   BLOCK=FINISH_BLOCK, num_warps=4)
+            continue
+        args = [table, bmap.tensor, bmap.start, pre_arg, red, tmp]
+        if nparts:
+            parts[dom] = torch.empty((max(bmap.nblocks, 1), nparts), dtype=torch.float64,
+                                     device=device)
+            args.append(parts[dom])
+        if bmap.nblocks:
+            launch(mod[f"{name}_{fn}"], (bmap.nblocks,), *args, HAS_PRE=has_pre, BLOCK=block,
+                   **({"KBLOCK": kblock} if is_wide else {}))
 
 
 @_step_op.register_fake
