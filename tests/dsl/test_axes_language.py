@@ -40,7 +40,7 @@ def test_axis_reductions_and_row_column_state(shape, r, c):
     assert (state["vc"]["w"] == 1).all()
     hp, hvr, hvc = p.clone(), state["vr"]["w"].clone(), state["vc"]["w"].clone()
     params = {"w": p}
-    for k in range(3):
+    for _k in range(3):
         g = torch.randn(shape, generator=gen, dtype=torch.float64)
         params, state = spec.step(params, {"w": g}, state, backend="reference")
         hp, hvr, hvc = _hand(hp, g, hvr, hvc, 0.1, r, c)
