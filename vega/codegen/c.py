@@ -15,6 +15,11 @@ row per tensor (``numel, p, g, state..., step, hyperparameters`` as addresses)
 
 Reductions combine per-thread partial results in thread order, so a step is
 bitwise reproducible for a given thread count.
+
+A program over a matrix view (row/column reductions or state, ``Program.uses_axes``)
+gets ``vega_axes_step`` instead of the phases and the update: it steps the tensors
+one at a time, each through a sequence of loops over one domain (see
+``AxesSource``), and its results do not depend on the thread count.
 """
 from __future__ import annotations
 
@@ -24,8 +29,11 @@ import math
 import torch
 
 from vega.codegen import cbuild, reference
-from vega.codegen.base import Linear, Renderer, distinct, linearize, reduction_phases, safe
-from vega.dsl.ir import REDUCTIONS, Kind, Node, Op, Program, walk
+from vega.codegen.base import (Linear, Renderer, axis_geometry, distinct, linearize,
+                               reduction_phases, safe)
+from vega.dsl.check import matrix_axes
+from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, DOMAINS, LEAVES, REDUCTIONS, Kind, Node,
+                        Op, Program, walk)
 
 # dtype name -> (C storage type, load to compute type, store from compute type)
 STORAGE = {
@@ -191,6 +199,26 @@ class CRenderer(Renderer):
         return "v_" + linear.ref(node)
 
 
+# how each reduction accumulates its values, and how partial results combine
+_HOW = {Op.AMAX: "max", Op.NORM: "sumsq", Op.SUM: "sum", Op.MEAN: "sum"}
+_PARTIALS = {Op.AMAX: "max", Op.NORM: "sum", Op.SUM: "sum", Op.MEAN: "sum"}
+
+
+def _combine(how: str, acc: str, x: str) -> str:
+    """The statement adding value ``x`` into the double accumulator ``acc``."""
+    if how == "max":  # NaN propagates, as torch.amax
+        return f"{acc} = ({x} > {acc} || {x} != {x}) ? {x} : {acc};"
+    if how == "sumsq":
+        return f"{acc} += (double){x} * (double){x};"
+    return f"{acc} += (double){x};"
+
+
+def _finish(op: Op, acc: str, count: str) -> str:
+    """A per-tensor reduction's value from its combined accumulator over ``count`` values."""
+    return {Op.NORM: f"sqrt({acc})", Op.SUM: acc, Op.MEAN: f"{acc} / {count}",
+            Op.AMAX: acc}[op]
+
+
 class Source:
     """The C source of one program for one dtype group."""
 
@@ -223,12 +251,19 @@ class Source:
         out.append(f"#define FABS fabs{suffix}")
         out.append(f"#define NSTATE {self.nstate}")
         out.append(f"#define NRED {len(self.slots)}")
-        out.append("#define ROW (5 + NSTATE)  /* numel, p, g, state..., step, hyperparameters */")
+        out.append(self.row)
         out.append(HEADER)
+        out += self._entries()
+        return "\n".join(out)
+
+    row = "#define ROW (5 + NSTATE)  /* numel, p, g, state..., step, hyperparameters */"
+
+    def _entries(self) -> list[str]:
+        """The program's entry points (beside the prelude and the step counters')."""
+        out = []
         for k, phase in enumerate(self.phases):
             out += self._phase(k, phase)
-        out += self._update()
-        return "\n".join(out)
+        return out + self._update()
 
     # -- pieces ---------------------------------------------------------------
     def _var(self, node: Node) -> str:
@@ -286,23 +321,41 @@ class Source:
                              f"{r.expr(lin, node, 'element')};")
         return lines, used
 
+    def _load(self, node: Node, index: str) -> str:
+        """The declaration loading leaf ``node`` (p, g or a state) at ``index``."""
+        if node.op is Op.PARAM:
+            return f"const CT v_p = LOAD_P(P_[{index}]);"
+        if node.op is Op.GRAD:
+            return f"const CT v_g = LOAD_G(G_[{index}]) * gs * coef;"
+        k = self.program.state_names.index(node.arg)
+        return f"const CT v_{safe(node.arg)} = LOAD_S(S{k}_[{index}]);"
+
     def _loads(self) -> list[str]:
-        out = ["                const CT v_p = LOAD_P(P_[j]);",
-               "                const CT v_g = LOAD_G(G_[j]) * gs * coef;"]
-        for k, s in enumerate(self.program.states):
-            out.append(f"                const CT v_{safe(s.name)} = LOAD_S(S{k}_[j]);")
-        return out
+        leaves = [Node(Op.PARAM), Node(Op.GRAD)] + [Node(Op.STATE, arg=s.name)
+                                                    for s in self.program.states]
+        return ["                " + self._load(leaf, "j") for leaf in leaves]
+
+    def _store(self, target: str, value: str, index: str) -> str:
+        """The statement writing ``value`` to output ``target`` ("p" or a state) at ``index``."""
+        if target == "p":
+            return f"P_[{index}] = SAVE_P({value});"
+        return f"S{self.program.state_names.index(target)}_[{index}] = SAVE_S({value});"
+
+    @staticmethod
+    def _prologue() -> list[str]:
+        """The gradient scale and clip coefficient from ``pre``, or a skipped step."""
+        return ["    CT gs = 1, coef = 1;",
+                "    if (pre) {",
+                "        if (pre[1] != 0 && pre[4] != 0) return;  /* non-finite gradients: skip */",
+                "        gs = (CT)pre[2];",
+                "        if (pre[3] > 0) coef = (CT)(pre[3] / fmax(sqrt(pre[0]), pre[3]));",
+                "    }"]
 
     def _loop(self, name, before, uses, block_init, body, block_end, finish, simd=""):
         return [
             f"void {name}(int64_t nt, const int64_t *tab, const double *pre, double *red, "
             "int nth) {",
-            "    CT gs = 1, coef = 1;",
-            "    if (pre) {",
-            "        if (pre[1] != 0 && pre[4] != 0) return;  /* non-finite gradients: skip */",
-            "        gs = (CT)pre[2];",
-            "        if (pre[3] > 0) coef = (CT)(pre[3] / fmax(sqrt(pre[0]), pre[3]));",
-            "    }",
+            *self._prologue(),
             "    int64_t *start = starts(nt, tab);",
             "    int64_t total = start[nt];",
             *before,
@@ -340,14 +393,8 @@ class Source:
         ident = ["-INFINITY" if n.op is Op.AMAX else "0" for n in phase]
         body = list(lines)
         for q, node in enumerate(phase):
-            x = self.r.operand(self.lin, node.src[0])
-            if node.op is Op.AMAX:
-                body.append(f"                acc{q} = ({x} > acc{q} || {x} != {x}) "
-                            f"? {x} : acc{q};")
-            elif node.op is Op.NORM:
-                body.append(f"                acc{q} += (double){x} * (double){x};")
-            else:
-                body.append(f"                acc{q} += (double){x};")
+            body.append("                " + _combine(_HOW[node.op], f"acc{q}",
+                                                      self.r.operand(self.lin, node.src[0])))
         sums = [f"acc{q}" for q, n in enumerate(phase) if n.op is not Op.AMAX]
         # a NaN-propagating max is no OpenMP reduction: such a phase runs without simd
         simd = None if len(sums) < nr else f" reduction(+:{', '.join(sums)})"
@@ -365,13 +412,9 @@ class Source:
             finish.append(f"        double r{q} = {ident[q]};")
             finish.append(f"        for (size_t t = 0; t < {nthr}; t++) {{")
             finish.append(f"            double x = part[(t * nt + i) * {nr} + {q}];")
-            if node.op is Op.AMAX:
-                finish.append(f"            r{q} = (x > r{q} || x != x) ? x : r{q};")
-            else:
-                finish.append(f"            r{q} += x;")
+            finish.append(f"            {_combine(_PARTIALS[node.op], f'r{q}', 'x')}")
             finish.append("        }")
-            value = {Op.NORM: f"sqrt(r{q})", Op.SUM: f"r{q}",
-                     Op.MEAN: f"r{q} / (double)tab[i * ROW]", Op.AMAX: f"r{q}"}[node.op]
+            value = _finish(node.op, f"r{q}", "(double)tab[i * ROW]")
             finish.append(f"        red[i * NRED + {self.slots[id(node)]}] = {value};")
         finish += ["    }", "    free(part);"]
         return self._loop(f"vega_phase{k}", before, used, block_init, body, block_end, finish,
@@ -380,15 +423,317 @@ class Source:
     def _update(self) -> list[str]:
         outs = [node for _, node in self.program.updates]
         lines, used = self._element_lines(outs)
-        stores = []
-        for target, node in self.program.updates:
-            v = self.r.operand(self.lin, node)
-            if target == "p":
-                stores.append(f"                P_[j] = SAVE_P({v});")
-            else:
-                idx = self.program.state_names.index(target)
-                stores.append(f"                S{idx}_[j] = SAVE_S({v});")
+        stores = ["                " + self._store(target, self.r.operand(self.lin, node), "j")
+                  for target, node in self.program.updates]
         return self._loop("vega_update", [], used, [], lines + stores, [], [])
+
+
+# -- programs over a matrix view ---------------------------------------------------
+
+NGEO = 13  # the integers after a table row's hyperparameters: axis_geometry, line_lengths
+
+AXES_HEADER = r"""
+#define CHUNK 4096  /* positions a task of a loop over one domain takes (one partial sum) */
+#define GB 64  /* outputs an axis reduction of strided sources combines side by side */
+
+/* the position, among the values of a smaller domain, that position i reads: i with an
+   axis of length n and inner stride inner taken out (vega.codegen.base.axis_geometry) */
+static inline int64_t drop(int64_t i, int64_t inner, int64_t n) {
+    return (i / (inner * n)) * inner + i % inner;
+}
+"""
+
+# a domain in C names: n_rc, n_r, n_c, n_m count its values
+_TAG = {"rc": "rc", "r": "r", "c": "c", "": "m"}
+# (domain of a loop, smaller domain) -> the index into the smaller one's values at position {i}
+_MAPS = {("rc", "r"): "drop({i}, fc, Sc)", ("rc", "c"): "drop({i}, fr, Sr)",
+         ("rc", ""): "drop(drop({i}, fc, Sc), rr, Sr)", ("r", ""): "drop({i}, rr, Sr)",
+         ("c", ""): "drop({i}, cc, Sc)"}
+# (domain of an axis reduction's source, the axis it reduces) -> (inner stride, length)
+_AXIS = {("rc", "c"): ("fc", "Sc"), ("rc", "r"): ("fr", "Sr"), ("r", "r"): ("rr", "Sr"),
+         ("c", "c"): ("cc", "Sc")}
+_IDENT = {"max": "-INFINITY", "sum": "0", "sumsq": "0", "mean": "0"}
+
+
+def line_lengths(shape) -> tuple[int, int, int]:
+    """For the loops over the values per element, per row and per column of a tensor of
+    ``shape``: a length L such that along every run of L positions that starts at a
+    multiple of L, each index map into a smaller domain (``_MAPS``) is affine with step 0
+    or 1. It is the size of the domain's axes after its last matrix axis where that is
+    above 1, else the size of that axis; a domain without a matrix axis maps to the others
+    one to one."""
+    shape = tuple(int(n) for n in shape)
+    r, c = matrix_axes(shape)
+    out = []
+    for dom in ("rc", "r", "c"):
+        kept = [a for a in range(len(shape))
+                if not (a == r and "r" not in dom) and not (a == c and "c" not in dom)]
+        last = max((a for a in kept if a in (r, c)), default=None)
+        if last is None:
+            out.append(max(1, math.prod(shape[a] for a in kept)))
+            continue
+        after = math.prod(shape[a] for a in kept if a > last)
+        out.append(max(1, after if after > 1 else shape[last]))
+    return tuple(out)
+
+
+class AxesSource(Source):
+    """The C source of a program over a matrix view (``Program.uses_axes``).
+
+    ``vega_axes_step`` steps the tensors of the table one at a time. Per tensor, after
+    the scalar phase, come stages of loops, each over the values of one domain (per
+    element, row, column or matrix: ``vega.dsl.ir``); every loop is an OpenMP loop over
+    its outputs with a static schedule, so a step does not depend on the thread count:
+
+    - an axis reduction (``row_mean`` ...) is *materialized*: computed into a buffer of
+      its domain, each output combining its sources in order (in double);
+    - so is any other value that a value of a larger domain reads (a broadcast), or
+      that is written to an output of a larger domain;
+    - a per-tensor reduction (``norm`` ...) accumulates over its argument's domain, in
+      partials of CHUNK positions combined in order;
+    - everything else is computed where it is used, in a loop over its own domain.
+
+    A stage runs once what it reads is done. Every output is computed from the old
+    values: a last pass writes them, by a loop per element (p, state like p), then per
+    row, then per column; a position there reads its own old values, materialized ones,
+    and state of a smaller domain, which only a later loop writes.
+    """
+
+    row = (f"#define ROW (5 + NSTATE + {NGEO})  /* numel, p, g, state..., step, "
+           "hyperparameters, geometry */")
+
+    def __init__(self, program: Program, pdt: str, gdt: str, sdt: str):
+        super().__init__(program, pdt, gdt, sdt)
+        self.nodes = walk(node for _, node in program.updates)
+        self.order = {id(n): k for k, n in enumerate(self.nodes)}
+        self.doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
+        self.mat: dict[int, Node] = {}  # materialized values, by id
+        for node in self.nodes:
+            if node.op in AXIS_REDUCTIONS:
+                self.mat[id(node)] = node
+            elif node.kind == Kind.ELEMENT:
+                for s in node.src:
+                    if s.kind == Kind.ELEMENT and s.op not in LEAVES and s.dom != node.dom:
+                        self.mat[id(s)] = s
+        for target, node in program.updates:
+            if node.kind == Kind.ELEMENT and node.op not in LEAVES \
+                    and node.dom != self.doms[target]:
+                self.mat[id(node)] = node
+        # the stage computing each materialized value and reduction; ``ready``: the stage
+        # after which a value can be read
+        self.stage: dict[int, int] = {}
+        self.ready: dict[int, int] = {}
+        for node in self.nodes:
+            level = max((self.ready[id(s)] for s in node.src), default=0)
+            if id(node) in self.mat or node.op in REDUCTIONS:
+                level += 1
+                self.stage[id(node)] = level
+            self.ready[id(node)] = level
+
+    def _buf(self, node: Node) -> str:
+        return "M_" + self.lin.ref(node)
+
+    def _body(self, roots, dom: str, index, compute=frozenset()) -> list[str]:
+        """Statements computing ``roots`` at one position of a loop over ``dom``: the leaves
+        and materialized values they read, loaded (``index(d)``: the position's index into
+        the values of domain ``d``), and the values in between, computed. ``compute``:
+        materialized roots to compute here rather than load."""
+        found: dict[int, Node] = {}
+        stack = [n for n in roots if n.kind == Kind.ELEMENT]
+        while stack:
+            node = stack.pop()
+            if id(node) in found:
+                continue
+            found[id(node)] = node
+            if node.op not in LEAVES and (id(node) not in self.mat or id(node) in compute):
+                stack.extend(s for s in node.src if s.kind == Kind.ELEMENT)
+        out = []
+        for node in sorted(found.values(), key=lambda n: self.order[id(n)]):
+            ctype = "int" if node.dtype == "bool" else "CT"
+            if node.op in LEAVES:
+                out.append(self._load(node, index(node.dom)))
+            elif id(node) in self.mat and id(node) not in compute:
+                value = f"{self._buf(node)}[{index(node.dom)}]"
+                out.append(f"const {ctype} {self._var(node)} = "
+                           f"{value + ' != 0' if ctype == 'int' else value};")
+            else:
+                out.append(f"const {ctype} {self._var(node)} = "
+                           f"{self.r.expr(self.lin, node, 'element')};")
+        return out
+
+    def _over(self, dom: str, roots, after, what: str, compute=frozenset(),
+              reduce=()) -> list[str]:
+        """A loop over the values of ``dom``: ``roots`` at each position ``j``, then the
+        statements ``after``; ``reduce``: per-tensor reductions of the roots, accumulated
+        in a partial per CHUNK positions, combined in order into their variables."""
+        n, maps = f"n_{_TAG[dom]}", []
+
+        def index(d: str) -> str:
+            if d == dom:
+                return "j"
+            if d not in maps:
+                maps.append(d)
+            return f"b_{_TAG[d]} + (j - lo) * s_{_TAG[d]}"
+
+        nr = len(reduce)
+        body = self._body(roots, dom, index, compute) + list(after) + [
+            _combine(_HOW[node.op], f"acc{q}", self.r.operand(self.lin, node.src[0]))
+            for q, node in enumerate(reduce)]
+        idents = [_IDENT[_HOW[node.op]] for node in reduce]
+        out = [f"{{  /* {what} */", f"    const int64_t nch = ({n} + CHUNK - 1) / CHUNK;"]
+        if reduce:
+            out.append(f"    double *part = (double *)malloc(sizeof(double) * {nr} * "
+                       "(size_t)(nch ? nch : 1));")
+        out += [f"    #pragma omp parallel for schedule(static) num_threads(nth) "
+                f"if ({n} >= PAR_MIN)",
+                "    for (int64_t ch = 0; ch < nch; ch++) {"]
+        if reduce:
+            out.append("        double " + ", ".join(f"acc{q} = {idents[q]}"
+                                                     for q in range(nr)) + ";")
+        out += [f"        const int64_t hi = {n} < (ch + 1) * CHUNK ? {n} : (ch + 1) * CHUNK;",
+                "        for (int64_t lo = ch * CHUNK, e; lo < hi; lo = e) {"]
+        if maps:
+            L = f"L_{_TAG[dom]}"
+            out.append(f"            e = (lo / {L} + 1) * {L} < hi ? (lo / {L} + 1) * {L} : hi;"
+                       "  /* a line: the index maps are affine */")
+            for d in maps:
+                m, t = _MAPS[dom, d], _TAG[d]
+                out += [f"            const int64_t b_{t} = {m.format(i='lo')};",
+                        f"            const int64_t s_{t} = e - lo > 1 ? "
+                        f"{m.format(i='lo + 1')} - b_{t} : 0;"]
+        else:
+            out.append("            e = hi;")
+        sums = [f"acc{q}" for q, node in enumerate(reduce) if node.op is not Op.AMAX]
+        if len(sums) == nr:  # a NaN-propagating max is no OpenMP reduction: no simd
+            out.append("            #pragma omp simd" +
+                       (f" reduction(+:{', '.join(sums)})" if sums else ""))
+        out += ["            for (int64_t j = lo; j < e; j++) {",
+                *("                " + line for line in body),
+                "            }",
+                "        }"]
+        out += [f"        part[ch * {nr} + {q}] = acc{q};" for q in range(nr)]
+        out.append("    }")
+        for q, node in enumerate(reduce):
+            out += [f"    double r{q} = {idents[q]};",
+                    "    for (int64_t k = 0; k < nch; k++) {",
+                    f"        double x = part[k * {nr} + {q}];",
+                    f"        {_combine(_PARTIALS[node.op], f'r{q}', 'x')}",
+                    "    }",
+                    f"    {self._var(node)} = (CT)({_finish(node.op, f'r{q}', f'(double){n}')});"]
+        if reduce:
+            out.append("    free(part);")
+        return out + ["}"]
+
+    def _gather(self, node: Node) -> list[str]:
+        """The loop materializing an axis reduction: output o combines its source at
+        ``(o / inner * len + k) * inner + o % inner`` for k < len, in order."""
+        src = node.src[0]
+        axis, how = AXIS_REDUCTIONS[node.op]
+        inner, length = _AXIS[src.dom, axis]
+        nout, buf, x = f"n_{_TAG[node.dom]}", self._buf(node), self.r.operand(self.lin, src)
+
+        def at(acc: str, indent: str) -> list[str]:  # the source at x, into acc
+            body = self._body([src], src.dom, lambda d: "x" if d == src.dom
+                              else _MAPS[src.dom, d].format(i="x"))
+            body.append(_combine("max" if how == "max" else "sum", acc, x))
+            return [indent + line for line in body]
+        value = "{} / (double)len" if how == "mean" else "{}"
+        ident = _IDENT[how]
+        par = (f"#pragma omp parallel for schedule(static) num_threads(nth) "
+               f"if ({nout} * len >= PAR_MIN)")
+        return [
+            f"{{  /* {buf} = {node.op.value}({x}) */",
+            f"    const int64_t inner = {inner}, len = {length};",
+            "    if (inner == 1) {  /* the sources of an output: one run */",
+            f"        {par}",
+            f"        for (int64_t o = 0; o < {nout}; o++) {{",
+            f"            double acc = {ident};",
+            *([] if how == "max" else ["            #pragma omp simd reduction(+:acc)"]),
+            "            for (int64_t x = o * len; x < (o + 1) * len; x++) {",
+            *at("acc", " " * 16),
+            "            }",
+            f"            {buf}[o] = (CT)({value.format('acc')});",
+            "        }",
+            "    } else if (inner > 1) {  /* GB outputs side by side, their sources by rows */",
+            "        const int64_t nb = (inner + GB - 1) / GB;",
+            f"        {par}",
+            f"        for (int64_t task = 0; task < {nout} / inner * nb; task++) {{",
+            "            const int64_t a = task / nb, b0 = task % nb * GB;",
+            "            const int64_t bn = inner - b0 < GB ? inner - b0 : GB;",
+            "            double acc[GB];",
+            f"            for (int64_t b = 0; b < bn; b++) acc[b] = {ident};",
+            "            for (int64_t k = 0; k < len; k++) {",
+            "                #pragma omp simd",
+            "                for (int64_t b = 0; b < bn; b++) {",
+            "                    const int64_t x = (a * len + k) * inner + b0 + b;",
+            *at("acc[b]", " " * 20),
+            "                }",
+            "            }",
+            "            for (int64_t b = 0; b < bn; b++)",
+            f"                {buf}[a * inner + b0 + b] = (CT)({value.format('acc[b]')});",
+            "        }",
+            "    }",
+            "}",
+        ]
+
+    def _entries(self) -> list[str]:
+        lin, r = self.lin, self.r
+        body = [line[12:] for line in self._block_start([])]
+        body += ["const int64_t *geo = row + 5 + NSTATE;  /* axis_geometry, line_lengths */",
+                 "const int64_t n_rc = geo[0], n_r = geo[1], n_c = geo[2], n_m = geo[3];",
+                 "const int64_t Sr = geo[4], Sc = geo[5], fr = geo[6], fc = geo[7];",
+                 "const int64_t rr = geo[8], cc = geo[9];",
+                 "const int64_t L_rc = geo[10], L_r = geo[11], L_c = geo[12];"]
+        mats = sorted(self.mat.values(), key=lambda n: self.order[id(n)])
+        for m in mats:
+            n = f"n_{_TAG[m.dom]}"
+            body.append(f"CT *{self._buf(m)} = (CT *)malloc(sizeof(CT) * (size_t)({n} > 0 ? "
+                        f"{n} : 1));  /* {DOMAIN_WORDS[m.dom]} */")
+        for level in range(1, max(self.stage.values(), default=0) + 1):
+            here = [n for n in self.nodes if self.stage.get(id(n)) == level]
+            reds = [n for n in here if n.op in REDUCTIONS]
+            body.append(f"/* stage {level} */")
+            body += [f"CT {self._var(n)};" for n in reds]
+            for n in here:
+                if n.op in AXIS_REDUCTIONS:
+                    body += self._gather(n)
+            for dom in DOMAINS:
+                ns = [n for n in here if n.dom == dom and n.op not in AXIS_REDUCTIONS
+                      and n.op not in REDUCTIONS]
+                if ns:
+                    body += self._over(dom, ns, [f"{self._buf(n)}[j] = (CT){self._var(n)};"
+                                                 for n in ns],
+                                       f"{', '.join(map(self._buf, ns))}: "
+                                       f"{DOMAIN_WORDS[dom]}, kept", compute={id(n) for n in ns})
+                rs = [n for n in reds if n.src[0].dom == dom]
+                if rs:
+                    body += self._over(dom, [n.src[0] for n in rs], [], ", ".join(
+                        f"{self._var(n)} = {n.op.value}({r.operand(lin, n.src[0])})"
+                        for n in rs) + f": over {DOMAIN_WORDS[dom]}", reduce=rs)
+            for n in self.nodes:  # per-tensor values, now known
+                if n.kind == Kind.TENSOR and n.op not in REDUCTIONS \
+                        and self.ready[id(n)] == level:
+                    ctype = "int" if n.dtype == "bool" else "CT"
+                    body.append(f"const {ctype} {self._var(n)} = {r.expr(lin, n, 'element')};")
+        body.append("/* the writes, from the old values */")
+        for dom in ("rc", "r", "c"):
+            outs = [(t, n) for t, n in self.program.updates if self.doms[t] == dom]
+            if outs:
+                body += self._over(dom, [n for _, n in outs],
+                                   [self._store(t, r.operand(lin, n), "j") for t, n in outs],
+                                   f"write {', '.join(t for t, _ in outs)}: "
+                                   f"{DOMAIN_WORDS[dom]}")
+        body += [f"free({self._buf(m)});" for m in mats]
+        return [AXES_HEADER,
+                "void vega_axes_step(int64_t nt, const int64_t *tab, const double *pre, "
+                "int nth) {",
+                *self._prologue(),
+                "    for (int64_t i = 0; i < nt; i++) {  /* one tensor at a time */",
+                "        const int64_t *row = tab + i * ROW;",
+                *("        " + line if line else "" for line in body),
+                "    }",
+                "}",
+                ""]
 
 
 # -- running ------------------------------------------------------------------
@@ -420,13 +765,14 @@ class Kernel:
         self._libs: dict[tuple[str, str, str], ctypes.CDLL] = {}
         self._nphases = len(reduction_phases(program))
         self._nred = sum(len(p) for p in reduction_phases(program))
+        self._axes = program.uses_axes  # one vega_axes_step instead of phases and update
         self.key = f"{program.name}/{len(_KERNELS)}"  # how the custom ops find this kernel
         _KERNELS[self.key] = self
         self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
         self._plan = None  # (addresses, tables) of the last call
 
     def source(self, dtypes=("float32", "float32", "float32")) -> str:
-        return Source(self.program, *dtypes).text()
+        return (AxesSource if self._axes else Source)(self.program, *dtypes).text()
 
     def init(self, p, values, state_dtype):
         return self._reference.init(p, values, state_dtype)
@@ -434,11 +780,12 @@ class Kernel:
     def library(self, dtypes: tuple[str, str, str]) -> ctypes.CDLL:
         if dtypes not in self._libs:
             lib, _, _ = cbuild.build(self.source(dtypes))
-            for name in ["vega_prelude", "vega_update"] + [f"vega_phase{k}"
-                                                           for k in range(self._nphases)]:
+            names = ["vega_prelude", "vega_axes_step"] if self._axes else \
+                ["vega_prelude", "vega_update"] + [f"vega_phase{k}" for k in range(self._nphases)]
+            for name in names:
                 fn = getattr(lib, name)
                 fn.restype = None
-                fn.argtypes = _ENTRY if name != "vega_prelude" else (
+                fn.argtypes = _ENTRY if name not in ("vega_prelude", "vega_axes_step") else (
                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
             lib.vega_advance.restype = None
             lib.vega_advance.argtypes = (ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p)
@@ -485,7 +832,7 @@ class Kernel:
 
     @property
     def _row(self) -> int:
-        return 5 + len(self.program.states)
+        return 5 + len(self.program.states) + (NGEO if self._axes else 0)
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``."""
@@ -512,9 +859,10 @@ class Kernel:
         if all(map(torch.Tensor.is_contiguous, everything)):
             # the tables of the last call serve again when every address is the same
             ptr = torch.Tensor.data_ptr
+            sizes = tuple(p.shape for p in params) if self._axes else \
+                tuple(map(torch.Tensor.numel, params))
             key = (tuple(map(ptr, everything)), tuple(map(ptr, steps)), tuple(step_index),
-                   tuple(hyp_index), tuple(map(torch.Tensor.numel, params)),
-                   tuple(t.dtype for t in everything))
+                   tuple(hyp_index), sizes, tuple(t.dtype for t in everything))
             if self._plan is None or self._plan[0] != key:
                 self._plan = (key, self._tables(params, grads, flat_states, steps, step_index,
                                                 hyp, hyp_index))
@@ -546,15 +894,30 @@ class Kernel:
             rows = [[params[i].numel(), params[i].data_ptr(), grads[i].data_ptr(),
                      *(col[i].data_ptr() for col in states),
                      steps[step_index[i]].data_ptr(),
-                     hyp[hyp_index[i]].data_ptr()] for i in idx]
+                     hyp[hyp_index[i]].data_ptr(), *self._geometry(params[i].shape)]
+                    for i in idx]
             table = torch.tensor(rows, dtype=torch.int64).reshape(len(idx), -1)
             red = torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64)
             out.append((self.library(key), table, red))
         return out
 
+    def _geometry(self, shape) -> tuple[int, ...]:
+        """The integers a table row of a program over a matrix view ends with."""
+        if not self._axes:
+            return ()
+        found = _GEOMETRY.get(shape)
+        if found is None:
+            if len(_GEOMETRY) > 4096:
+                _GEOMETRY.clear()
+            found = _GEOMETRY[shape] = (*axis_geometry(shape), *line_lengths(shape))
+        return found
+
     def _launch(self, tables, steps, pre, nth):
         for lib, table, red in tables:
             n = table.shape[0]
+            if self._axes:
+                lib.vega_axes_step(n, _ptr(table), _ptr(pre), nth)
+                continue
             for k in range(self._nphases):
                 getattr(lib, f"vega_phase{k}")(n, _ptr(table), _ptr(pre), _ptr(red), nth)
             lib.vega_update(n, _ptr(table), _ptr(pre), _ptr(red), nth)
@@ -586,6 +949,7 @@ class Kernel:
 
 
 _KERNELS: dict[str, Kernel] = {}
+_GEOMETRY: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> Kernel._geometry
 
 
 @torch.library.custom_op("vega::c_prelude", mutates_args=("pre",), device_types="cpu")
