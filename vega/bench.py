@@ -30,7 +30,7 @@ OTHERS = {
     "lars": ({}, "pytorch_optimizer", "LARS", {}),
     "lion": ({}, "pytorch_optimizer", "Lion", {}),
     "adan": ({}, "pytorch_optimizer", "Adan", {}),
-    "adafactor": ({}, "pytorch_optimizer", "AdaFactor", {}),
+    "adafactor": ({}, "torch", "Adafactor", {"lr": 1e-2}),
 }
 
 
