@@ -203,6 +203,7 @@ def _broadcast(x, geo: Geometry, frm: str, to: str):
 
 def _reduce(x, geo: Geometry, dom: str, which: str, how: str):
     """``x`` (of domain ``dom``) reduced over its row (``which='r'``) or column axis."""
+    assert which in dom, f"reducing axis {which!r} of a value of domain {dom!r}"
     axis = geo.axis(which)
     if axis is None:  # a vector's row axis, a scalar's axes: one element long
         return x
