@@ -213,3 +213,34 @@ def test_optimizer_class_step_allocates_nothing_parameter_sized():
     opt.step()  # the state is created here: parameter-sized, once
     assert big_allocations(opt.step, N) == []
     assert int(opt.state[ps[0]]["step"]) == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_factored_adafactor_compiles_once(backend):
+    """Two programs in one step (a factored matrix, an unfactored vector), row and column
+    state, a scheduled rate and clipping: one graph, replayed, equal to the eager steps."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(6, 5, generator=gen), "b": torch.randn(5, generator=gen)}
+    hypers = dict(lr=schedule, min_dim_size_to_factor=4, use_momentum=True)
+
+    def step(params, grads, state):
+        return vega.adafactor_step(params, grads, state, backend=backend, max_grad_norm=1.0,
+                                   **hypers)
+    # init builds the default backend's kernels; others are built on first use, eagerly
+    step(params, {n: torch.ones_like(v) for n, v in params.items()},
+         vega.adafactor_init(params, **hypers))
+    c_backend._GROUP_KEYS.clear()  # as in a fresh process: the first step is the compiled one
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    comp_p, comp_s = params, vega.adafactor_init(params, **hypers)
+    eager_p, eager_s = params, vega.adafactor_init(params, **hypers)
+    assert comp_s["v_row"]["w"].shape == (5,) and comp_s["v"]["b"].shape == (5,)
+    for k in range(4):
+        grads = {n: torch.randn(v.shape, generator=gen) for n, v in params.items()}
+        comp_p, comp_s = compiled(comp_p, grads, comp_s)
+        eager_p, eager_s = step(eager_p, grads, eager_s)
+    assert counter.frame_count == 1 and int(comp_s["step"]) == 4
+    for n in params:
+        torch.testing.assert_close(comp_p[n], eager_p[n], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(comp_s["v_row"]["w"], eager_s["v_row"]["w"], rtol=1e-6, atol=0)

@@ -35,25 +35,26 @@ def default_backend(device_type: str) -> str:
     return preferred if preferred in BACKENDS else "reference"
 
 
-_KERNELS: dict = {}
-_COUNTS = {"hits": 0, "misses": 0}
+_COUNTS = {"hits": 0, "misses": 0, "size": 0}
 
 
 def kernel(backend: str, program: Program):
-    """The compiled kernel of ``program`` on ``backend``, built once.
+    """The compiled kernel of ``program`` on ``backend``, built once and kept on the
+    program (``program.kernels``, by backend name).
 
-    A plain dict, not ``functools.cache``: dynamo traces through a cached function
-    as if it were not cached, building a new kernel (and graph-breaking on its
-    ``exec``) inside every compiled step.
+    Not ``functools.cache`` nor a dict keyed by programs: dynamo traces through a
+    cached function as if it were not cached (building a new kernel inside every
+    compiled step), and a dict keyed by programs makes it hash every key, each a
+    whole expression DAG, node by node.
     """
-    key = (backend, program)
-    found = _KERNELS.get(key)
+    found = program.kernels.get(backend)
     counting = not torch.compiler.is_compiling()  # a counter read while tracing is guarded on
     if found is None:
         check_backend(backend)
-        found = _KERNELS[key] = BACKENDS[backend].Kernel(program)
+        found = program.kernels[backend] = BACKENDS[backend].Kernel(program)
         if counting:
             _COUNTS["misses"] += 1
+            _COUNTS["size"] += 1
     elif counting:
         _COUNTS["hits"] += 1
     return found
@@ -61,7 +62,7 @@ def kernel(backend: str, program: Program):
 
 def _cache_info():
     """``functools.cache``'s statistics, for tests that count kernel builds."""
-    return _CacheInfo(_COUNTS["hits"], _COUNTS["misses"], None, len(_KERNELS))
+    return _CacheInfo(_COUNTS["hits"], _COUNTS["misses"], None, _COUNTS["size"])
 
 
 kernel.cache_info = _cache_info

@@ -794,7 +794,11 @@ class Kernel:
 
     def _group_key(self, p, g, s_dtype):
         key = (p.dtype, g.dtype, s_dtype)
-        if p.is_cpu and g.is_cpu:  # the common case, checked once per dtype triple
+        compiling = torch.compiler.is_compiling()
+        # eagerly, the common case is checked once per dtype triple; not while tracing, where
+        # reading the cache would guard on its contents (a first compiled step that filled
+        # it would then recompile)
+        if p.is_cpu and g.is_cpu and not compiling:
             found = _GROUP_KEYS.get(key)
             if found is not None:
                 return found
@@ -806,7 +810,9 @@ class Kernel:
                                  "use backend='triton' or 'reference'")
         if s_dtype not in _DTYPES:
             raise ValueError(f"backend 'c' does not support state of dtype {s_dtype}")
-        found = _GROUP_KEYS[key] = (_DTYPES[p.dtype], _DTYPES[g.dtype], _DTYPES[s_dtype])
+        found = (_DTYPES[p.dtype], _DTYPES[g.dtype], _DTYPES[s_dtype])
+        if not compiling:
+            _GROUP_KEYS[key] = found
         return found
 
     def prelude(self, grads, pre: torch.Tensor) -> None:

@@ -231,6 +231,11 @@ class Program:
     updates: tuple[tuple[str, Node], ...]  # ("p", node), ("mu", node), ...
     shapes: tuple[bool, ...] = ()  # the outcomes of the spec's shape conditions, in order
 
+    def __post_init__(self):
+        # the compiled kernels of this program, by backend (vega.codegen.kernel); not a
+        # field, so that it is neither compared nor hashed
+        object.__setattr__(self, "kernels", {})
+
     @property
     def float_hypers(self) -> tuple[str, ...]:
         return tuple(h.name for h in self.hypers if h.type == "float")

@@ -108,18 +108,27 @@ def programs(owner: str, spec, flags: dict, values: dict, tensors) -> list[Progr
 
 
 def groups(progs) -> list[tuple[Program, list[int]]]:
-    """The positions stepped by each distinct program, in order of first use."""
-    found: dict[int, tuple[Program, list[int]]] = {}
+    """The positions stepped by each distinct program, in order of first use.
+
+    Programs are told apart by identity (``is``): under ``torch.compile`` hashing one
+    would make dynamo hash its whole expression DAG, field by field."""
+    found: list[tuple[Program, list[int]]] = []
     for i, prog in enumerate(progs):
-        if prog is not None:
-            found.setdefault(id(prog), (prog, []))[1].append(i)
-    return list(found.values())
+        if prog is None:
+            continue
+        for known, where in found:
+            if known is prog:
+                where.append(i)
+                break
+        else:
+            found.append((prog, [i]))
+    return found
 
 
 def state_fields(progs) -> list:
     """Every state variable of these programs, by name, in order of first appearance."""
     fields: dict[str, object] = {}
-    for prog in dict.fromkeys(p for p in progs if p is not None):
+    for prog, _ in groups(progs):
         for s in prog.states:
             fields.setdefault(s.name, s)
     return list(fields.values())
