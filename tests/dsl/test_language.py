@@ -40,7 +40,22 @@ def test_precedence_and_power():
     assert node.op is Op.SUB
     plus = node.src[0]
     assert plus.op is Op.ADD and plus.src[1].op is Op.CONST and plus.src[1].arg == 18.0
-    assert plus.src[0].op is Op.NEG and plus.src[0].src[0].op is Op.POW
+    # p ^ 2 is p * p: the exponents torch's pow special-cases become plain ops
+    square = plus.src[0].src[0]
+    assert plus.src[0].op is Op.NEG and square.op is Op.MUL and square.src[0] is square.src[1]
+
+
+@pytest.mark.parametrize("exponent,op", [("2", Op.MUL), ("0.5", Op.SQRT), ("-0.5", Op.RSQRT),
+                                         ("-1", Op.DIV), ("-2", Op.DIV), ("1", Op.PARAM),
+                                         ("3", Op.POW), ("-0.25", Op.POW)])
+def test_constant_powers_become_plain_ops(exponent, op):
+    node = _updates(_program(f"optimizer o() {{ p = p ^ {exponent} }}"))["p"]
+    assert node.op is op
+    p = torch.tensor([0.25, 2.0, 9.0], dtype=torch.float64)
+    spec = vega.compile(f"optimizer o() {{ p = p ^ {exponent} }}")
+    new, _ = spec.step({"w": p}, {"w": torch.zeros(3, dtype=torch.float64)}, spec.init({"w": p}),
+                       backend="reference")
+    torch.testing.assert_close(new["w"], p ** float(exponent), rtol=1e-15, atol=0)
 
 
 def test_scalar_subexpressions_are_hoisted():

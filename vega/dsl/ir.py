@@ -180,6 +180,10 @@ def apply(op: Op, *src: Node, span: Span | None = None) -> Node:
                 if a.arg == (op is Op.AND):  # true and x / false or x
                     return b
                 return const(op is Op.OR, span)
+    if op is Op.POW and src[1].op is Op.CONST and src[0].op is not Op.CONST:
+        special = _power(src[0], src[1].arg, span)
+        if special is not None:
+            return special
     kind = max((s.kind for s in src), default=Kind.CONST)
     dom = join(*(s.dom for s in src if s.kind == Kind.ELEMENT))
     if op in REDUCTIONS:
@@ -189,6 +193,24 @@ def apply(op: Op, *src: Node, span: Span | None = None) -> Node:
     if kind != Kind.ELEMENT:
         dom = "rc"
     return Node(op, tuple(src), None, dtype, kind, span, dom=dom)
+
+
+def _power(x: Node, b: float, span: Span | None) -> Node | None:
+    """``x ^ b`` for the exponents torch's pow computes without pow (and so must every
+    backend, to agree with it and to be fast): 1, 2, 0.5, -0.5, -1 and -2."""
+    if b == 1:
+        return x
+    if b == 2:
+        return apply(Op.MUL, x, x, span=span)
+    if b == 0.5:
+        return apply(Op.SQRT, x, span=span)
+    if b == -0.5:
+        return apply(Op.RSQRT, x, span=span)
+    if b == -1:
+        return apply(Op.DIV, const(1.0), x, span=span)
+    if b == -2:
+        return apply(Op.DIV, const(1.0), apply(Op.MUL, x, x, span=span), span=span)
+    return None
 
 
 def named(node: Node, name: str) -> Node:
