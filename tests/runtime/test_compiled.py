@@ -236,7 +236,7 @@ def test_factored_adafactor_compiles_once(backend):
     comp_p, comp_s = params, vega.adafactor_init(params, **hypers)
     eager_p, eager_s = params, vega.adafactor_init(params, **hypers)
     assert comp_s["v_row"]["w"].shape == (5,) and comp_s["v"]["b"].shape == (5,)
-    for k in range(4):
+    for _ in range(4):
         grads = {n: torch.randn(v.shape, generator=gen) for n, v in params.items()}
         comp_p, comp_s = compiled(comp_p, grads, comp_s)
         eager_p, eager_s = step(eager_p, grads, eager_s)
