@@ -157,3 +157,41 @@ def test_state_with_missing_leaves_saves_and_loads(tmp_path):
     params1, _ = vega.adafactor_step(params, _grads(1), state, **h)
     for n in SHAPES:
         assert torch.equal(params1[n], params2[n])
+
+
+def test_matches_torch_where_the_definitions_coincide():
+    """torch.optim.Adafactor is one setting of vega's: relative step and parameter scale on
+    (its eps2 is param_scale_min), every matrix factored (min_dim_size_to_factor 0) with
+    the last axis the longest (torch always factors the last two axes), eps 0 for vega and
+    a tiny eps1 for torch (torch clamps where optax and vega add), no weight decay (torch
+    scales its decay by lr, not by the relative step) and no momentum."""
+    # lr 0.5: the relative step min(lr, 1/sqrt(t)) is 1/sqrt(t) from t = 5 on; torch takes
+    # no clipping threshold below 1
+    h = dict(lr=0.5, decay_rate=0.7, decay_offset=0.0, min_dim_size_to_factor=0.0,
+             clipping_threshold=1.0, momentum=0.9, weight_decay_rate=0.0, eps=0.0,
+             param_scale_min=0.02, factored=True, multiply_by_parameter_scale=True,
+             relative_step=True, use_momentum=False)
+    gen = torch.Generator().manual_seed(5)
+    start = {"w": torch.randn(5, 7, generator=gen, dtype=torch.float64),
+             "c": torch.randn(2, 3, 4, generator=gen, dtype=torch.float64),
+             "b": torch.randn(7, generator=gen, dtype=torch.float64)}
+    ours = {n: torch.nn.Parameter(v.clone()) for n, v in start.items()}
+    theirs = {n: torch.nn.Parameter(v.clone()) for n, v in start.items()}
+    opt = vega.optim.Adafactor(list(ours.values()), **h)
+    ref = torch.optim.Adafactor(list(theirs.values()), lr=h["lr"], beta2_decay=-h["decay_rate"],
+                                eps=(1e-30, h["param_scale_min"]), d=h["clipping_threshold"],
+                                weight_decay=0.0, foreach=False)
+    for k in range(20):
+        for n in start:
+            g = torch.randn(start[n].shape, generator=gen, dtype=torch.float64)
+            ours[n].grad, theirs[n].grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        for n in start:
+            assert_close(ours[n], theirs[n], f"p.{n} against torch", k + 1)
+            mine, its = opt.state[ours[n]], ref.state[theirs[n]]
+            if start[n].dim() > 1:
+                assert_close(mine["v_row"], its["row_var"].squeeze(-1), f"v_row.{n}", k + 1)
+                assert_close(mine["v_col"], its["col_var"].squeeze(-2), f"v_col.{n}", k + 1)
+            else:
+                assert_close(mine["v"], its["variance"], f"v.{n}", k + 1)
