@@ -195,3 +195,27 @@ def test_matches_torch_where_the_definitions_coincide():
                 assert_close(mine["v_col"], its["col_var"].squeeze(-2), f"v_col.{n}", k + 1)
             else:
                 assert_close(mine["v"], its["variance"], f"v.{n}", k + 1)
+
+
+def test_a_state_made_for_other_shape_conditions_is_named():
+    """init and step disagree on min_dim_size_to_factor: the step says which value."""
+    params = {"s": torch.randn(10, 30)}
+    state = vega.adafactor_init(params)  # 128: s keeps a full v
+    with pytest.raises(ValueError, match=r"needs \['step', 'v_col', 'v_row'\].*the same "
+                                         "min_dim_size_to_factor"):
+        vega.adafactor_step(params, {"s": torch.ones(10, 30)}, state, min_dim_size_to_factor=8)
+    # the same fields (a factored at both values, b never), but s lacks its factors
+    params = {"a": torch.randn(130, 140), "s": torch.randn(10, 30), "b": torch.randn(5)}
+    state = vega.adafactor_init(params)
+    with pytest.raises(ValueError, match=r"v_row\.s' is missing.*min_dim_size_to_factor"):
+        vega.adafactor_step(params, {n: torch.ones_like(v) for n, v in params.items()}, state,
+                            min_dim_size_to_factor=8)
+    opt = vega.optim.Adafactor([torch.nn.Parameter(torch.randn(10, 30))])
+    opt.param_groups[0]["params"][0].grad = torch.ones(10, 30)
+    opt.step()
+    opt.param_groups[0]["min_dim_size_to_factor"] = 8.0
+    with pytest.raises(ValueError, match="or min_dim_size_to_factor .* changed"):
+        opt.step()
+    with pytest.raises(ValueError, match="min_dim_size_to_factor=.*plain number"):
+        vega.optim.Adafactor([torch.nn.Parameter(torch.randn(3))],
+                             min_dim_size_to_factor=torch.tensor(4.0))

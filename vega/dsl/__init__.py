@@ -50,9 +50,10 @@ class Spec:
 
     @property
     def shape_hypers(self) -> tuple[str, ...]:
-        """The hyperparameters the shape conditions read (their values pick programs)."""
+        """The float hyperparameters the shape conditions read (their values, with the bool
+        ones, pick each tensor's program)."""
         from vega.dsl.check import _names
-        hypers = {h.name for h in self.hypers}
+        hypers = {h.name for h in self.hypers if h.type == "float"}
         names = (n.id for s in self.shape_conditions for n in _names(s.cond))
         return tuple(dict.fromkeys(n for n in names if n in hypers))
 

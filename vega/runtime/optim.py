@@ -43,6 +43,12 @@ class SpecOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
+        for name in self.spec._spec.shape_hypers:
+            v = group.get(name)
+            if isinstance(v, torch.Tensor) or (callable(v) and not isinstance(v, bool)):
+                self.param_groups.pop()
+                raise ValueError(f"{type(self).__name__}: {name}={v!r} must be a plain number: "
+                                 "it decides, from each tensor's shape, which program steps it")
         for p in group["params"]:
             if not p.is_floating_point() and not p.is_complex():
                 self.param_groups.pop()
@@ -85,6 +91,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             if not params:
                 continue
             progs = engine.programs(owner, self.spec._spec, flags, values, params)
+            shaped = "".join(f", or {n} (it picks each tensor's program)"
+                             for n in self.spec._spec.shape_hypers)
             for p, program in zip(params, progs):
                 if p.grad.is_sparse:
                     raise ValueError(f"{owner} does not support sparse gradients")
@@ -95,8 +103,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                 elif len(st) != len(want) or any(n not in st for n in want):
                     raise ValueError(
                         f"{owner}: a parameter's state has {sorted(st)} but the "
-                        f"group's settings need {sorted(want)}; was a bool hyperparameter "
-                        "changed after the first step?")
+                        f"group's settings need {sorted(want)}; was a bool hyperparameter"
+                        f"{shaped} changed after the first step?")
             backend = group["backend"] or codegen.default_backend(params[0].device.type)
             for program, ks in engine.groups(progs):
                 work.append((program, backend, [params[k] for k in ks], values))

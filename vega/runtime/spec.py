@@ -113,13 +113,20 @@ class CompiledSpec:
         fields = engine.state_fields(progs) if any(progs) else \
             engine.state_fields([self._spec.program(flags)])
         names = [f.name for f in fields]
-        _check_state(owner, self, flags, names, state, p_spec)
+        _check_state(owner, self, flags, names, state, p_spec, self._spec.shape_hypers)
         columns = {n: flatten(state[n])[0] for n in names}
         step = state["step"]
+        shaped = self._spec.shape_hypers
+        hint = "" if not shaped else (
+            f"; this tensor's shape conditions chose a program with state "
+            f"{{states}}: was the state made with other values of "
+            f"{', '.join(shaped)}? make it with {self.name}_init(params, ...) and the same "
+            "values as the step")
+
         def check_state(i, name, p):
             for s in progs[i].states:
                 _check_state_leaf(owner, f"{s.name}.{name}".rstrip("."), p, columns[s.name][i],
-                                  s.dom)
+                                  s.dom, hint.format(states=", ".join(progs[i].state_names)))
         idx = stepped(owner, params, p_leaves, g_leaves, check_state)
         if backend is None:
             device = p_leaves[idx[0]].device.type if idx else "cpu"
@@ -235,7 +242,7 @@ def _check_grad(owner, name, p, g):
                          f"{p.dtype}")
 
 
-def _check_state(owner, cspec, flags, names, state, p_spec):
+def _check_state(owner, cspec, flags, names, state, p_spec, shaped=()):
     if not isinstance(state, dict):
         raise ValueError(f"{owner}: state must be the dict that {cspec.name}_init returns, "
                          f"got {type(state).__name__}")
@@ -243,8 +250,11 @@ def _check_state(owner, cspec, flags, names, state, p_spec):
     if set(state) != want:
         flags = ", ".join(f"{k}={v}" for k, v in sorted(flags.items()))
         made = f"{cspec.name}_init(params{', ' + flags if flags else ''})"
+        also = (f" and the same {', '.join(shaped)} (it picks each tensor's program)"
+                if shaped else "")
         raise ValueError(f"{owner}: state has fields {sorted(state)}, but this step "
-                         f"({flags or 'no flags'}) needs {sorted(want)}; make it with {made}")
+                         f"({flags or 'no flags'}) needs {sorted(want)}; make it with {made}"
+                         f"{also}")
     step = state["step"]
     if not (isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.int32):
         raise ValueError(f"{owner}: state['step'] must be a 0-d int32 tensor, got {step!r}")
@@ -253,9 +263,9 @@ def _check_state(owner, cspec, flags, names, state, p_spec):
             raise ValueError(f"{owner}: state field '{n}' does not have the structure of params")
 
 
-def _check_state_leaf(owner, name, p, s, dom="rc"):
+def _check_state_leaf(owner, name, p, s, dom="rc", hint=""):
     if not isinstance(s, torch.Tensor):
-        raise ValueError(f"{owner}: state leaf '{name}' is missing")
+        raise ValueError(f"{owner}: state leaf '{name}' is missing{hint}")
     want = engine.state_shape(p, dom)
     if tuple(s.shape) != want or s.device != p.device:
         whose = "its parameter has" if dom == "rc" else \
