@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-import jax.numpy as jnp
 import optax
 import pytest
 import torch
 
 import vega
-from .test_zoo import RTOL, _adafactor_optax, _adafactor_state, assert_close
+from .test_zoo import (RTOL, _adafactor_optax, _adafactor_state, assert_close,
+                       optax_trajectory)
 
 jax.config.update("jax_enable_x64", True)
 
@@ -50,18 +50,7 @@ def _run_vega(h, steps, backend=None):
 
 
 def _run_optax(tx, getters, steps):
-    params = {n: jnp.asarray(v.numpy()) for n, v in _params().items()}
-    state = tx.init(params)
-    out = []
-    for k in range(steps):
-        grads = {n: jnp.asarray(v.numpy()) for n, v in _grads(k).items()}
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-        snap = {f"p.{n}": v for n, v in params.items()}
-        for f, get in getters.items():
-            snap.update({f"{f}.{n}": v for n, v in get(state).items()})
-        out.append(snap)
-    return out
+    return optax_trajectory(tx, getters, _params(), _grads, steps)
 
 
 def test_every_shape_matches_optax():

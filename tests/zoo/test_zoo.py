@@ -357,16 +357,22 @@ def vega_functional(case: Case, steps: int = STEPS) -> list[dict]:
 
 
 def optax_run(case: Case, steps: int = STEPS) -> list[dict]:
-    tx = case.optax(case.hypers)
-    params = {n: jnp.asarray(v.numpy()) for n, v in make_params().items()}
+    return optax_trajectory(case.optax(case.hypers), case.optax_state, make_params(),
+                            make_grads, steps)
+
+
+def optax_trajectory(tx, getters: dict, start: dict, grads_at, steps: int) -> list[dict]:
+    """Snapshots {"p.w": ..., "<field>.w": ...} of ``tx`` stepped from ``start`` with
+    ``grads_at(k)``; ``getters`` map vega's state fields to optax's state trees."""
+    params = {n: jnp.asarray(v.numpy()) for n, v in start.items()}
     state = tx.init(params)
     out = []
     for k in range(steps):
-        grads = {n: jnp.asarray(v.numpy()) for n, v in make_grads(k).items()}
+        grads = {n: jnp.asarray(v.numpy()) for n, v in grads_at(k).items()}
         updates, state = tx.update(grads, state, params)
         params = optax.apply_updates(params, updates)
         snap = {f"p.{n}": v for n, v in params.items()}
-        for f, get in case.optax_state.items():
+        for f, get in getters.items():
             snap.update({f"{f}.{n}": v for n, v in get(state).items()})
         out.append(snap)
     return out
