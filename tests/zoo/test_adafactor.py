@@ -208,3 +208,13 @@ def test_a_state_made_for_other_shape_conditions_is_named():
     with pytest.raises(ValueError, match="min_dim_size_to_factor=.*plain number"):
         vega.optim.Adafactor([torch.nn.Parameter(torch.randn(3))],
                              min_dim_size_to_factor=torch.tensor(4.0))
+
+
+def test_complex_parameters_are_refused_where_factored():
+    """A complex tensor has no matrix view: refused at init, by name; unfactored it steps."""
+    params = {"w": torch.randn(6, 5, dtype=torch.complex128)}
+    with pytest.raises(ValueError, match="complex parameters have no matrix view"):
+        vega.adafactor_init(params, min_dim_size_to_factor=4)
+    state = vega.adafactor_init(params)  # 128: not factored, v per element
+    new, state = vega.adafactor_step(params, {"w": torch.ones_like(params["w"])}, state)
+    assert new["w"].dtype == torch.complex128 and state["v"]["w"].shape == (6, 5)

@@ -161,9 +161,17 @@ def _real(x: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(x) if x.is_complex() else x
 
 
+def _no_complex_axes(program: Program) -> None:
+    if program.uses_axes:
+        raise ValueError(f"{program.name}: complex parameters have no matrix view; its row "
+                         "and column reductions step real parameters only")
+
+
 def init_leaf(program: Program, p: torch.Tensor, values: dict,
               state_dtype: torch.dtype | None) -> list[torch.Tensor]:
     """The initial state tensors of one parameter (built by the reference backend)."""
+    if p.is_complex():
+        _no_complex_axes(program)
     sd = state_dtype_for(p, state_dtype)
     real_sd = sd.to_real() if sd.is_complex else sd
     kern = codegen.kernel("reference", program)
@@ -229,9 +237,7 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
                                    compiling=compiling))
     kern = codegen.kernel(backend, program)
     if any(p.is_complex() for p in params):  # complex parameters step as real pairs
-        if program.uses_axes:
-            raise ValueError(f"{program.name}: complex parameters have no matrix view; its row "
-                             "and column reductions step real parameters only")
+        _no_complex_axes(program)
         real_p = [_real(p) for p in params]
         real_s = [[_real(s) for s in col] for col in states]
         real_g = [_real(g) for g in grads]
