@@ -10,11 +10,13 @@ per-tensor reductions in it) -- and names every value. A backend subclasses
 from __future__ import annotations
 
 import keyword
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
+from vega.dsl.check import matrix_axes
 from vega.dsl.ir import LEAVES, REDUCTIONS, Kind, Node, Op, Program, walk
 
 
@@ -154,18 +156,41 @@ def distinct(items: list) -> tuple[list, list[int]]:
     return uniq, index
 
 
-def _inner(shape, axis) -> int:
-    out = 1
-    for n in shape[axis + 1:]:
-        out *= n
-    return out
+class Geometry:
+    """The matrix view of one tensor shape: which axes are its rows and columns, and the
+    shape of a value of each domain (``vega.dsl.ir``)."""
+
+    def __init__(self, shape):
+        self.full = tuple(shape)
+        self.r, self.c = matrix_axes(self.full)
+        self._shapes = {d: tuple(n for a, n in enumerate(self.full) if self._keeps(d, a))
+                        for d in ("rc", "r", "c", "")}
+
+    def _keeps(self, dom: str, a: int) -> bool:
+        return not ((a == self.r and "r" not in dom) or (a == self.c and "c" not in dom))
+
+    def shape(self, dom: str) -> tuple[int, ...]:
+        return self._shapes[dom]
+
+    def axis(self, which: str) -> int | None:
+        return self.r if which == "r" else self.c
+
+    def position(self, axis: int, dom: str) -> int:
+        """Where ``axis`` sits in the shape of a value of ``dom``."""
+        return sum(self._keeps(dom, a) for a in range(axis))
 
 
-def _numel(shape) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
+_GEOMETRIES: dict[tuple[int, ...], Geometry] = {}
+
+
+def geometry(shape) -> Geometry:
+    key = tuple(shape)
+    found = _GEOMETRIES.get(key)
+    if found is None:
+        if len(_GEOMETRIES) > 4096:
+            _GEOMETRIES.clear()
+        found = _GEOMETRIES[key] = Geometry(key)
+    return found
 
 
 def axis_geometry(shape) -> tuple[int, ...]:
@@ -189,17 +214,14 @@ def axis_geometry(shape) -> tuple[int, ...]:
       ``col_*`` of a per-row value, ``put(o, rr, Sr, k)``; ``row_*`` of a per-column
       value, ``put(o, cc, Sc, k)``.
     """
-    from vega.dsl.check import matrix_axes
-    shape = tuple(int(n) for n in shape)
-    r, c = matrix_axes(shape)
-    row_shape = tuple(n for a, n in enumerate(shape) if a != c)  # per-row values
-    col_shape = tuple(n for a, n in enumerate(shape) if a != r)
-    mat_shape = tuple(n for a, n in enumerate(shape) if a not in (r, c))
-    sr = shape[r] if r is not None else 1
-    sc = shape[c] if c is not None else 1
-    fr = _inner(shape, r) if r is not None else 1
-    fc = _inner(shape, c) if c is not None else 1
-    rr = _inner(row_shape, r - (c is not None and c < r)) if r is not None else 1
-    cc = _inner(col_shape, c - (r is not None and r < c)) if c is not None else 1
-    return (_numel(shape), _numel(row_shape), _numel(col_shape), _numel(mat_shape),
-            sr, sc, fr, fc, rr, cc)
+    geo = geometry(tuple(int(n) for n in shape))
+    r, c = geo.r, geo.c
+    row_shape, col_shape = geo.shape("r"), geo.shape("c")  # per-row, per-column values
+    def inner(shape, axis):  # the stride of ``axis`` in a contiguous ``shape``
+        return math.prod(shape[axis + 1:]) if axis is not None else 1
+    sr = geo.full[r] if r is not None else 1
+    sc = geo.full[c] if c is not None else 1
+    rr = inner(row_shape, None if r is None else geo.position(r, "r"))
+    cc = inner(col_shape, None if c is None else geo.position(c, "c"))
+    return (math.prod(geo.full), math.prod(row_shape), math.prod(col_shape),
+            math.prod(geo.shape("")), sr, sc, inner(geo.full, r), inner(geo.full, c), rr, cc)

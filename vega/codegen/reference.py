@@ -20,8 +20,7 @@ import math
 
 import torch
 
-from vega.codegen.base import Linear, Renderer, linearize, safe
-from vega.dsl.check import matrix_axes
+from vega.codegen.base import Geometry, Linear, Renderer, geometry, linearize, safe
 from vega.dsl.ir import AXIS_REDUCTIONS, REDUCTIONS, Kind, Node, Op, Program
 
 
@@ -155,43 +154,6 @@ def _init_function(name: str, node: Node, hypers, r: TorchRenderer, dom: str = "
         out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
     out.append(f"    return {r.output(lin, node, dom, axes)}")
     return out + [""]
-
-
-class Geometry:
-    """The matrix view of one tensor shape, for the reference kernel: which axes are its
-    rows and columns, and the shape of a value of each domain (``vega.dsl.ir``)."""
-
-    def __init__(self, shape):
-        self.full = tuple(shape)
-        self.r, self.c = matrix_axes(self.full)
-        self._shapes = {d: tuple(n for a, n in enumerate(self.full) if self._keeps(d, a))
-                        for d in ("rc", "r", "c", "")}
-
-    def _keeps(self, dom: str, a: int) -> bool:
-        return not ((a == self.r and "r" not in dom) or (a == self.c and "c" not in dom))
-
-    def shape(self, dom: str) -> tuple[int, ...]:
-        return self._shapes[dom]
-
-    def axis(self, which: str) -> int | None:
-        return self.r if which == "r" else self.c
-
-    def position(self, axis: int, dom: str) -> int:
-        """Where ``axis`` sits in the shape of a value of ``dom``."""
-        return sum(self._keeps(dom, a) for a in range(axis))
-
-
-_GEOMETRIES: dict[tuple[int, ...], Geometry] = {}
-
-
-def geometry(shape) -> Geometry:
-    key = tuple(shape)
-    found = _GEOMETRIES.get(key)
-    if found is None:
-        if len(_GEOMETRIES) > 4096:
-            _GEOMETRIES.clear()
-        found = _GEOMETRIES[key] = Geometry(key)
-    return found
 
 
 def _broadcast(x, geo: Geometry, frm: str, to: str):

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vega.dsl import ast, ir
-from vega.dsl.check import all_flag_settings, check, lower, shape_conditions, static_value
+from vega.dsl.check import (_names, all_flag_settings, check, lower, shape_conditions,
+                            static_value)
 from vega.dsl.parser import parse
 from vega.errors import SpecError
 
@@ -20,6 +21,17 @@ class Spec:
     tree: ast.Spec
     hypers: tuple[ir.HyperParam, ...]
     _programs: dict = field(default_factory=dict, repr=False)
+    # the ifs that test a tensor's shape (ndim(p) >= 2), in source order, and the float
+    # hyperparameters they read (their values, with the bool ones, pick each tensor's
+    # program); computed once here: a cached_property's lock is not traceable by dynamo
+    shape_conditions: list = field(init=False, repr=False)
+    shape_hypers: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.shape_conditions = shape_conditions(self.tree)
+        floats = {h.name for h in self.hypers if h.type == "float"}
+        names = (n.id for s in self.shape_conditions for n in _names(s.cond))
+        self.shape_hypers = tuple(dict.fromkeys(n for n in names if n in floats))
 
     @property
     def name(self) -> str:
@@ -30,32 +42,14 @@ class Spec:
         return self.tree.doc
 
     def program(self, flags: dict[str, bool], shapes: tuple[bool, ...] = ()) -> ir.Program:
-        """The program for these bool hyperparameters and shape-condition outcomes."""
-        key = (tuple(sorted(flags.items())), tuple(shapes))
+        """The program for these bool hyperparameters and shape-condition outcomes (missing
+        outcomes are false)."""
+        n = len(self.shape_conditions)
+        key = (tuple(sorted(flags.items())), (tuple(shapes) + (False,) * n)[:n])
         if key not in self._programs:
-            if len(shapes) != len(self.shape_conditions):
-                shapes = (tuple(shapes) + (False,) * len(self.shape_conditions))[
-                    :len(self.shape_conditions)]
-            self._programs[key] = _guard(lambda: lower(self.tree, dict(key[0]), tuple(shapes)),
+            self._programs[key] = _guard(lambda: lower(self.tree, dict(key[0]), key[1]),
                                          self.source, self.filename, self.tree)
         return self._programs[key]
-
-    @property
-    def shape_conditions(self) -> list:
-        """The ``if``s that test a tensor's shape (``ndim(p) >= 2``), in source order."""
-        found = self.__dict__.get("_shape_conditions")
-        if found is None:
-            found = self.__dict__["_shape_conditions"] = shape_conditions(self.tree)
-        return found
-
-    @property
-    def shape_hypers(self) -> tuple[str, ...]:
-        """The float hyperparameters the shape conditions read (their values, with the bool
-        ones, pick each tensor's program)."""
-        from vega.dsl.check import _names
-        hypers = {h.name for h in self.hypers if h.type == "float"}
-        names = (n.id for s in self.shape_conditions for n in _names(s.cond))
-        return tuple(dict.fromkeys(n for n in names if n in hypers))
 
     def shapes(self, values: dict, shape: tuple[int, ...]) -> tuple[bool, ...]:
         """The outcome of each shape condition for a tensor of ``shape``; ``values`` maps

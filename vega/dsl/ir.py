@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
 from enum import Enum, IntEnum
 
 from vega.errors import Span
@@ -254,9 +253,14 @@ class Program:
     shapes: tuple[bool, ...] = ()  # the outcomes of the spec's shape conditions, in order
 
     def __post_init__(self):
-        # the compiled kernels of this program, by backend (vega.codegen.kernel); not a
-        # field, so that it is neither compared nor hashed
+        # Not fields, so neither compared nor hashed; computed here, not lazily, because a
+        # cached_property takes a lock that torch.compile cannot trace.
+        # kernels: the compiled kernels of this program, by backend (vega.codegen.kernel);
+        # uses_axes: whether any value is not one per element (axis reductions, row or
+        # column state).
         object.__setattr__(self, "kernels", {})
+        object.__setattr__(self, "uses_axes", any(s.dom != "rc" for s in self.states) or any(
+            n.op in AXIS_REDUCTIONS for n in walk(node for _, node in self.updates)))
 
     @property
     def float_hypers(self) -> tuple[str, ...]:
@@ -265,12 +269,6 @@ class Program:
     @property
     def state_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.states)
-
-    @cached_property
-    def uses_axes(self) -> bool:
-        """Whether any value is not one per element (axis reductions, row/column state)."""
-        return any(s.dom != "rc" for s in self.states) or any(
-            n.op in AXIS_REDUCTIONS for n in walk(node for _, node in self.updates))
 
 
 def cse(program: Program) -> Program:

@@ -76,6 +76,19 @@ def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, base: dict 
     return flags, values
 
 
+def shape_values(owner: str, spec, flags: dict, values: dict) -> dict:
+    """What the spec's shape conditions read: the bool hyperparameters and the float ones
+    they name, which must be plain numbers (ValueError naming the argument)."""
+    known = dict(flags)
+    for name in spec.shape_hypers:
+        v = values[name]
+        if isinstance(v, (torch.Tensor, bool)) or callable(v):
+            raise ValueError(f"{owner}: {name}={v!r} must be a plain number: it decides, "
+                             "from each tensor's shape, which program steps it")
+        known[name] = float(v)
+    return known
+
+
 def programs(owner: str, spec, flags: dict, values: dict, tensors) -> list[Program | None]:
     """The program that steps each tensor (None for a None entry).
 
@@ -86,15 +99,7 @@ def programs(owner: str, spec, flags: dict, values: dict, tensors) -> list[Progr
     if not spec.shape_conditions:
         program = spec.program(flags)
         return [None if t is None else program for t in tensors]
-    known = dict(flags)
-    for name in spec.shape_hypers:
-        if name in known:
-            continue
-        v = values[name]
-        if isinstance(v, torch.Tensor) or callable(v):
-            raise ValueError(f"{owner}: {name}={v!r} must be a plain number: it decides, "
-                             "from each tensor's shape, which program steps it")
-        known[name] = float(v)
+    known = shape_values(owner, spec, flags, values)
     out, seen = [], {}
     for t in tensors:
         if t is None:
@@ -136,7 +141,7 @@ def state_fields(progs) -> list:
 
 def state_shape(p: torch.Tensor, dom: str) -> tuple[int, ...]:
     """The shape of a state of domain ``dom`` (``vega.dsl.ir``) for parameter ``p``."""
-    from vega.codegen.reference import geometry
+    from vega.codegen.base import geometry
     return tuple(p.shape) if dom == "rc" else geometry(p.shape).shape(dom)
 
 

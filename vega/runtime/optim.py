@@ -40,15 +40,10 @@ class SpecOptimizer(torch.optim.Optimizer):
             codegen.check_backend(group.get("backend"))
             engine.resolve(type(self).__name__, self.spec.hypers,
                            {h.name: group[h.name] for h in self.spec.hypers})
+            engine.shape_values(type(self).__name__, self.spec._spec, {}, group)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
-        for name in self.spec._spec.shape_hypers:
-            v = group.get(name)
-            if isinstance(v, torch.Tensor) or (callable(v) and not isinstance(v, bool)):
-                self.param_groups.pop()
-                raise ValueError(f"{type(self).__name__}: {name}={v!r} must be a plain number: "
-                                 "it decides, from each tensor's shape, which program steps it")
         for p in group["params"]:
             if not p.is_floating_point() and not p.is_complex():
                 self.param_groups.pop()

@@ -57,6 +57,11 @@ class CompiledSpec:
         codegen.check_backend(backend)
         return codegen.kernel(backend, self.program(shape, **hypers)).source()
 
+    def _fields(self, flags, progs) -> list:
+        """The state fields for the programs of these tensors (with none to step, those of
+        the spec's plain program)."""
+        return engine.state_fields(progs if any(progs) else [self._spec.program(flags)])
+
     # -- functional API -------------------------------------------------------
     def init(self, params, *, state_dtype: torch.dtype | None = None, **hypers) -> dict:
         """A fresh state for ``params`` (any pytree of tensors)."""
@@ -66,9 +71,7 @@ class CompiledSpec:
         _check_leaves(owner, "params", params, leaves)
         progs = engine.programs(owner, self._spec, flags, values,
                                 [p if is_steppable(p) else None for p in leaves])
-        if not any(progs):  # nothing to step: the fields of the spec's plain program
-            progs = [self._spec.program(flags)]
-        fields = engine.state_fields(progs)
+        fields = self._fields(flags, progs)
         device = next((p.device for p in leaves if is_steppable(p)), torch.device("cpu"))
         step = torch.zeros((), dtype=torch.int32, device=device)
         # Build the kernels a step on these parameters will use by default, here and not in
@@ -110,23 +113,22 @@ class CompiledSpec:
         p_leaves, p_spec, g_leaves = flatten_pair(owner, params, grads)
         progs = engine.programs(owner, self._spec, flags, values,
                                 [p if is_steppable(p) else None for p in p_leaves])
-        fields = engine.state_fields(progs) if any(progs) else \
-            engine.state_fields([self._spec.program(flags)])
-        names = [f.name for f in fields]
-        _check_state(owner, self, flags, names, state, p_spec, self._spec.shape_hypers)
+        names = [f.name for f in self._fields(flags, progs)]
+        shaped = self._spec.shape_hypers
+        _check_state(owner, self, flags, names, state, p_spec, shaped)
         columns = {n: flatten(state[n])[0] for n in names}
         step = state["step"]
-        shaped = self._spec.shape_hypers
-        hint = "" if not shaped else (
-            f"; this tensor's shape conditions chose a program with state "
-            f"{{states}}: was the state made with other values of "
-            f"{', '.join(shaped)}? make it with {self.name}_init(params, ...) and the same "
-            "values as the step")
 
         def check_state(i, name, p):
             for s in progs[i].states:
-                _check_state_leaf(owner, f"{s.name}.{name}".rstrip("."), p, columns[s.name][i],
-                                  s.dom, hint.format(states=", ".join(progs[i].state_names)))
+                leaf, label = columns[s.name][i], f"{s.name}.{name}".rstrip(".")
+                if leaf is None and shaped:
+                    raise ValueError(
+                        f"{owner}: state leaf '{label}' is missing; this tensor's shape "
+                        f"conditions chose a program with state {', '.join(progs[i].state_names)}"
+                        f": was the state made with other values of {', '.join(shaped)}? make "
+                        f"it with {self.name}_init(params, ...) and the same values as the step")
+                _check_state_leaf(owner, label, p, leaf, s.dom)
         idx = stepped(owner, params, p_leaves, g_leaves, check_state)
         if backend is None:
             device = p_leaves[idx[0]].device.type if idx else "cpu"
@@ -263,9 +265,9 @@ def _check_state(owner, cspec, flags, names, state, p_spec, shaped=()):
             raise ValueError(f"{owner}: state field '{n}' does not have the structure of params")
 
 
-def _check_state_leaf(owner, name, p, s, dom="rc", hint=""):
+def _check_state_leaf(owner, name, p, s, dom="rc"):
     if not isinstance(s, torch.Tensor):
-        raise ValueError(f"{owner}: state leaf '{name}' is missing{hint}")
+        raise ValueError(f"{owner}: state leaf '{name}' is missing")
     want = engine.state_shape(p, dom)
     if tuple(s.shape) != want or s.device != p.device:
         whose = "its parameter has" if dom == "rc" else \
