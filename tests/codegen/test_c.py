@@ -191,6 +191,32 @@ def test_reductions_and_phases(dtype):
             assert_close(cc[0][k], ref[0][k], dtype, f"step {step} p.{k}")
 
 
+DIVIDING = """optimizer dividing(s = 1.0) {
+    p = p - g / s + p / (1 + norm(g))
+}"""
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_division_by_a_per_tensor_value(dtype):
+    """The C loop multiplies by a per-tensor divisor's reciprocal where that is a normal
+    number and divides otherwise: a divisor whose reciprocal is subnormal or overflows
+    (``x * (1 / s)`` would be 0 or inf where ``x / s`` is finite) gives the reference's
+    values, and so do zero, infinite and NaN divisors."""
+    src = vega.adamw.source("c")
+    assert "v_mu_1 * r0_" in src and "recip_ok(v_s2)" in src  # the bias corrections
+    spec = vega.compile(DIVIDING)
+    tiny = 1e-40 if dtype == torch.float32 else 1e-310  # subnormal: 1 / s overflows
+    huge = 3e38 if dtype == torch.float32 else 1.7e308  # 1 / s is subnormal
+    params = {"v": torch.tensor([1e-5, -2e-3, 3.0, 0.0, 1e-30], dtype=dtype)}
+    grads = {"v": torch.tensor([1e-36, -2e-38, 7e-3, 0.0, 1e-30], dtype=dtype)}
+    if dtype == torch.float64:
+        grads = {"v": grads["v"] * 1e-270}
+    for s in (0.7, tiny, -tiny, huge, 0.0, float("inf"), torch.tensor(float("nan"))):
+        ref, _ = spec.step(params, grads, spec.init(params), backend="reference", s=s)
+        out, _ = spec.step(params, grads, spec.init(params), backend="c", s=s)
+        assert_close(out["v"], ref["v"], dtype, f"s={s}")
+
+
 def test_multi_threaded_steps_are_deterministic():
     spec = vega.compile(REDUCING)
     threads = torch.get_num_threads()

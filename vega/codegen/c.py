@@ -68,6 +68,12 @@ static inline CT vsign(CT a) { return a > 0 ? (CT)1 : (a < 0 ? (CT)-1 : a); }
 static inline double dmin(double a, double b) { return (a < b || a != a) ? a : b; }
 static inline double dmax(double a, double b) { return (a > b || a != a) ? a : b; }
 static inline double dsign(double a) { return a > 0 ? 1.0 : (a < 0 ? -1.0 : a); }
+/* Whether x * (1 / c) stands for x / c (within two units in the last place) for every x:
+   unless the reciprocal of a finite nonzero c is subnormal or overflows. */
+static inline int recip_ok(CT c) {
+    CT r = (CT)(1.0 / (double)c);
+    return !(isfinite(c) && c != 0) || isnormal(r);
+}
 
 /* Split [0, total) into nth ranges; tensor i covers [start[i], start[i+1]). */
 static int64_t locate(const int64_t *start, int64_t nt, int64_t x) {
@@ -163,8 +169,18 @@ def _fn(element, scalar):
         f"{scalar if phase == 'scalar' else element}({', '.join(a)})"
 
 
+def _div(self, node, phase, a, b):
+    """``a / b``, or ``a`` times the reciprocal of a per-tensor ``b`` computed once before
+    the loop (a division costs several multiplications: adamw's bias corrections)."""
+    recip = self.recip.get(id(node.src[1])) if phase == "element" else None
+    return f"{a} * {recip}" if recip else f"{a} / {b}"
+
+
 class CRenderer(Renderer):
+    recip: dict[int, str] = {}  # id of a per-tensor divisor -> its reciprocal's variable
+
     code_for_op = {
+        Op.DIV: _div,
         Op.NEG: lambda self, node, phase, a: f"-{a}",
         Op.POW: _fn("POW", "pow"),
         Op.AND: lambda self, node, phase, a, b: f"({a} && {b})",
@@ -294,10 +310,10 @@ class Source:
             out.append(f"            SSTORE *S{k}_ = (SSTORE *)(intptr_t)row[{3 + k}];")
         return out
 
-    def _element_lines(self, roots: list[Node]) -> tuple[list[str], list[Node]]:
-        """Element-phase lines reaching ``roots``, and the earlier reductions they read."""
-        lin, r = self.lin, self.r
-        lines, used = [], []
+    def _element_nodes(self, roots: list[Node]) -> tuple[list[Node], list[Node]]:
+        """The element-phase values reaching ``roots`` in order, and the earlier reductions
+        they read."""
+        nodes, used = [], []
         seen: set[int] = set()
         stack = list(roots)
         needed = []
@@ -316,10 +332,16 @@ class Source:
                 used.append(node)
             elif node.kind >= Kind.TENSOR and node.op not in (Op.PARAM, Op.GRAD, Op.STATE) \
                     and node.op is not Op.CONST and node.op not in REDUCTIONS:
-                ctype = "int" if node.dtype == "bool" else "CT"
-                lines.append(f"                const {ctype} {self._var(node)} = "
-                             f"{r.expr(lin, node, 'element')};")
-        return lines, used
+                nodes.append(node)
+        return nodes, used
+
+    def _element_lines(self, nodes: list[Node]) -> list[str]:
+        lines = []
+        for node in nodes:
+            ctype = "int" if node.dtype == "bool" else "CT"
+            lines.append(f"                const {ctype} {self._var(node)} = "
+                         f"{self.r.expr(self.lin, node, 'element')};")
+        return lines
 
     def _load(self, node: Node, index: str) -> str:
         """The declaration loading leaf ``node`` (p, g or a state) at ``index``."""
@@ -351,7 +373,7 @@ class Source:
                 "        if (pre[3] > 0) coef = (CT)(pre[3] / fmax(sqrt(pre[0]), pre[3]));",
                 "    }"]
 
-    def _loop(self, name, before, uses, block_init, body, block_end, finish, simd=""):
+    def _loop(self, name, before, uses, block_init, nodes, tail, block_end, finish, simd=""):
         return [
             f"void {name}(int64_t nt, const int64_t *tab, const double *pre, double *red, "
             "int nth) {",
@@ -371,11 +393,7 @@ class Source:
             "            int64_t e = row[0] < hi - start[i] ? row[0] : hi - start[i];",
             *self._block_start(uses),
             *block_init,
-            *([f"            #pragma omp simd{simd}"] if simd is not None else []),
-            "            for (int64_t j = b; j < e; j++) {",
-            *self._loads(),
-            *body,
-            "            }",
+            *self._versions(nodes, tail, simd),
             *block_end,
             "            lo = start[i] + e; i++;",
             "        }",
@@ -386,14 +404,41 @@ class Source:
             "",
         ]
 
+    def _versions(self, nodes: list[Node], tail: list[str], simd) -> list[str]:
+        """The element loop computing ``nodes``, then ``tail``. Where it divides by
+        per-tensor values, two versions: one multiplying by their reciprocals, taken when
+        every reciprocal is a normal number (``recip_ok``), and one dividing."""
+        pragma = [f"            #pragma omp simd{simd}"] if simd is not None else []
+
+        def loop(indent: str) -> list[str]:
+            lines = pragma + ["            for (int64_t j = b; j < e; j++) {", *self._loads(),
+                              *self._element_lines(nodes), *tail, "            }"]
+            return [indent + line for line in lines]
+        divisors = {id(n.src[1]): n.src[1] for n in nodes
+                    if n.op is Op.DIV and n.src[1].kind == Kind.SCALAR}
+        if not divisors:
+            return loop("")
+        names = {k: f"r{q}_" for q, k in enumerate(divisors)}
+        values = {k: self.r.operand(self.lin, d) for k, d in divisors.items()}
+        out = [f"            const CT {names[k]} = (CT)(1.0 / (double){values[k]});"
+               for k in divisors]
+        self.r.recip = names
+        try:
+            fast = loop("    ")
+        finally:
+            self.r.recip = {}
+        ok = " && ".join(f"recip_ok({v})" for v in values.values())
+        return out + [f"            if ({ok}) {{", *fast, "            } else {",
+                      *loop("    "), "            }"]
+
     def _phase(self, k: int, phase: list[Node]) -> list[str]:
         """Per-tensor reductions: per-thread partials, combined in thread order."""
-        lines, used = self._element_lines(phase)
+        nodes, used = self._element_nodes(phase)
         nr = len(phase)
         ident = ["-INFINITY" if n.op is Op.AMAX else "0" for n in phase]
-        body = list(lines)
+        tail = []
         for q, node in enumerate(phase):
-            body.append("                " + _combine(_HOW[node.op], f"acc{q}",
+            tail.append("                " + _combine(_HOW[node.op], f"acc{q}",
                                                       self.r.operand(self.lin, node.src[0])))
         sums = [f"acc{q}" for q, n in enumerate(phase) if n.op is not Op.AMAX]
         # a NaN-propagating max is no OpenMP reduction: such a phase runs without simd
@@ -417,15 +462,15 @@ class Source:
             value = _finish(node.op, f"r{q}", "(double)tab[i * ROW]")
             finish.append(f"        red[i * NRED + {self.slots[id(node)]}] = {value};")
         finish += ["    }", "    free(part);"]
-        return self._loop(f"vega_phase{k}", before, used, block_init, body, block_end, finish,
-                          simd)
+        return self._loop(f"vega_phase{k}", before, used, block_init, nodes, tail, block_end,
+                          finish, simd)
 
     def _update(self) -> list[str]:
         outs = [node for _, node in self.program.updates]
-        lines, used = self._element_lines(outs)
+        nodes, used = self._element_nodes(outs)
         stores = ["                " + self._store(target, self.r.operand(self.lin, node), "j")
                   for target, node in self.program.updates]
-        return self._loop("vega_update", [], used, [], lines + stores, [], [])
+        return self._loop("vega_update", [], used, [], nodes, stores, [], [])
 
 
 # -- programs over a matrix view ---------------------------------------------------
