@@ -276,10 +276,47 @@ class Source:
 
     def _entries(self) -> list[str]:
         """The program's entry points (beside the prelude and the step counters')."""
+        self.early = self._early_stores()
         out = []
         for k, phase in enumerate(self.phases):
             out += self._phase(k, phase)
         return out + self._update()
+
+    def _early_stores(self) -> list[list[tuple[str, Node]]]:
+        """Per reduction phase, the state updates it writes: a new state value computed in
+        a phase anyway (lamb's moments, which its norms read) is stored there and loaded
+        by the later loops rather than computed again from the gradient and the old value
+        (which those loops then do not read). Only where the storage holds the compute
+        type exactly, and only where no later loop reads the old value."""
+        pdt, _, sdt = self.dtypes
+        if not self.phases or not (sdt == "float64" or (sdt == "float32" and pdt != "float64")):
+            return [[] for _ in self.phases]
+        banned: set[str] = set()
+        while True:
+            plan, stored, ok = [], {}, True
+            for phase in self.phases:
+                nodes = {id(n) for n in self._element_nodes(phase, stored)[0]}
+                here = [(t, n) for t, n in self.program.updates
+                        if t != "p" and t not in banned and id(n) in nodes
+                        and id(n) not in stored]
+                plan.append(here)
+                stored.update({id(n): t for t, n in here})
+            later = [self._element_nodes(ph, stored)[2] for ph in self.phases[1:]]
+            later.append(self._element_nodes(self._update_roots(stored), stored)[2])
+            for k, here in enumerate(plan):
+                for t, _ in here:
+                    if any(t in reads for reads in later[k:]):
+                        banned.add(t)
+                        ok = False
+            if ok:
+                return plan
+
+    def _stored(self, upto: int) -> dict[int, str]:
+        """The values stored by the phases before ``upto``: id -> state name."""
+        return {id(n): t for here in self.early[:upto] for t, n in here}
+
+    def _update_roots(self, stored) -> list[Node]:
+        return [n for t, n in self.program.updates if not (t != "p" and id(n) in stored)]
 
     # -- pieces ---------------------------------------------------------------
     def _var(self, node: Node) -> str:
@@ -310,10 +347,13 @@ class Source:
             out.append(f"            SSTORE *S{k}_ = (SSTORE *)(intptr_t)row[{3 + k}];")
         return out
 
-    def _element_nodes(self, roots: list[Node]) -> tuple[list[Node], list[Node]]:
-        """The element-phase values reaching ``roots`` in order, and the earlier reductions
-        they read."""
-        nodes, used = [], []
+    def _element_nodes(self, roots: list[Node], stored=None) \
+            -> tuple[list[Node], list[Node], set[str]]:
+        """The element-phase values reaching ``roots`` in order, the earlier reductions they
+        read, and the states whose old values they read. ``stored``: values an earlier
+        loop stored (id -> state), loaded here (among the values), not computed."""
+        stored = stored or {}
+        nodes, used, reads = [], [], set()
         seen: set[int] = set()
         stack = list(roots)
         needed = []
@@ -323,7 +363,9 @@ class Source:
                 continue
             seen.add(id(node))
             needed.append(node)
-            if node.op in REDUCTIONS and node not in roots:
+            if node.op is Op.STATE:
+                reads.add(node.arg)
+            if (node.op in REDUCTIONS and node not in roots) or id(node) in stored:
                 continue
             stack.extend(node.src)
         order = {id(n): k for k, n in enumerate(walk(roots))}
@@ -333,14 +375,17 @@ class Source:
             elif node.kind >= Kind.TENSOR and node.op not in (Op.PARAM, Op.GRAD, Op.STATE) \
                     and node.op is not Op.CONST and node.op not in REDUCTIONS:
                 nodes.append(node)
-        return nodes, used
+        return nodes, used, reads
 
-    def _element_lines(self, nodes: list[Node]) -> list[str]:
+    def _element_lines(self, nodes: list[Node], stored=None) -> list[str]:
         lines = []
         for node in nodes:
             ctype = "int" if node.dtype == "bool" else "CT"
-            lines.append(f"                const {ctype} {self._var(node)} = "
-                         f"{self.r.expr(self.lin, node, 'element')};")
+            if stored and id(node) in stored:
+                value = f"LOAD_S(S{self.program.state_names.index(stored[id(node)])}_[j])"
+            else:
+                value = self.r.expr(self.lin, node, 'element')
+            lines.append(f"                const {ctype} {self._var(node)} = {value};")
         return lines
 
     def _load(self, node: Node, index: str) -> str:
@@ -373,7 +418,8 @@ class Source:
                 "        if (pre[3] > 0) coef = (CT)(pre[3] / fmax(sqrt(pre[0]), pre[3]));",
                 "    }"]
 
-    def _loop(self, name, before, uses, block_init, nodes, tail, block_end, finish, simd=""):
+    def _loop(self, name, before, uses, block_init, nodes, tail, block_end, finish, simd="",
+              stored=None):
         return [
             f"void {name}(int64_t nt, const int64_t *tab, const double *pre, double *red, "
             "int nth) {",
@@ -393,7 +439,7 @@ class Source:
             "            int64_t e = row[0] < hi - start[i] ? row[0] : hi - start[i];",
             *self._block_start(uses),
             *block_init,
-            *self._versions(nodes, tail, simd),
+            *self._versions(nodes, tail, simd, stored),
             *block_end,
             "            lo = start[i] + e; i++;",
             "        }",
@@ -404,7 +450,7 @@ class Source:
             "",
         ]
 
-    def _versions(self, nodes: list[Node], tail: list[str], simd) -> list[str]:
+    def _versions(self, nodes: list[Node], tail: list[str], simd, stored) -> list[str]:
         """The element loop computing ``nodes``, then ``tail``. Where it divides by
         per-tensor values, two versions: one multiplying by their reciprocals, taken when
         every reciprocal is a normal number (``recip_ok``), and one dividing."""
@@ -412,10 +458,11 @@ class Source:
 
         def loop(indent: str) -> list[str]:
             lines = pragma + ["            for (int64_t j = b; j < e; j++) {", *self._loads(),
-                              *self._element_lines(nodes), *tail, "            }"]
+                              *self._element_lines(nodes, stored), *tail, "            }"]
             return [indent + line for line in lines]
         divisors = {id(n.src[1]): n.src[1] for n in nodes
-                    if n.op is Op.DIV and n.src[1].kind == Kind.SCALAR}
+                    if n.op is Op.DIV and n.src[1].kind == Kind.SCALAR
+                    and not (stored and id(n) in stored)}
         if not divisors:
             return loop("")
         names = {k: f"r{q}_" for q, k in enumerate(divisors)}
@@ -433,10 +480,11 @@ class Source:
 
     def _phase(self, k: int, phase: list[Node]) -> list[str]:
         """Per-tensor reductions: per-thread partials, combined in thread order."""
-        nodes, used = self._element_nodes(phase)
+        stored = self._stored(k)
+        nodes, used, _ = self._element_nodes(phase, stored)
         nr = len(phase)
         ident = ["-INFINITY" if n.op is Op.AMAX else "0" for n in phase]
-        tail = []
+        tail = ["                " + self._store(t, self._var(n), "j") for t, n in self.early[k]]
         for q, node in enumerate(phase):
             tail.append("                " + _combine(_HOW[node.op], f"acc{q}",
                                                       self.r.operand(self.lin, node.src[0])))
@@ -463,14 +511,15 @@ class Source:
             finish.append(f"        red[i * NRED + {self.slots[id(node)]}] = {value};")
         finish += ["    }", "    free(part);"]
         return self._loop(f"vega_phase{k}", before, used, block_init, nodes, tail, block_end,
-                          finish, simd)
+                          finish, simd, stored)
 
     def _update(self) -> list[str]:
-        outs = [node for _, node in self.program.updates]
-        nodes, used = self._element_nodes(outs)
+        stored = self._stored(len(self.phases))
+        nodes, used, _ = self._element_nodes(self._update_roots(stored), stored)
         stores = ["                " + self._store(target, self.r.operand(self.lin, node), "j")
-                  for target, node in self.program.updates]
-        return self._loop("vega_update", [], used, [], nodes, stores, [], [])
+                  for target, node in self.program.updates
+                  if target == "p" or id(node) not in stored]
+        return self._loop("vega_update", [], used, [], nodes, stores, [], [], "", stored)
 
 
 # -- programs over a matrix view ---------------------------------------------------
