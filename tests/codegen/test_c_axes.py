@@ -113,7 +113,9 @@ AXES = """optimizer axes(lr = 0.1, b = 0.9) {
 
 AXES_SHAPES = {"wide": (5, 7), "tall": (7, 5), "cube": (2, 6, 5), "four": (3, 2, 4, 7),
                "ones": (7, 1, 2), "row": (1, 3), "square": (4, 4), "vec": (6,),
-               "scalar": (), "strided": (200, 70), "long": (3, 5000), "batch_last": (5, 7, 2)}
+               "scalar": (), "strided": (200, 70), "long": (3, 5000), "batch_last": (5, 7, 2),
+               # a column sum of 3 tiles of 1024 outputs, its rows read in 8 parts
+               "tiles": (40, 2500)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -528,7 +528,7 @@ NGEO = 13  # the integers after a table row's hyperparameters: axis_geometry, li
 
 AXES_HEADER = r"""
 #define CHUNK 4096  /* positions a task of a loop over one domain takes (one partial sum) */
-#define GB 64  /* outputs an axis reduction of strided sources combines side by side */
+#define GB 1024  /* outputs an axis reduction of strided sources combines side by side */
 
 /* the position, among the values of a smaller domain, that position i reads: i with an
    axis of length n and inner stride inner taken out (vega.codegen.base.axis_geometry) */
@@ -670,9 +670,12 @@ class AxesSource(Source):
             return f"b_{_TAG[d]} + (j - lo) * s_{_TAG[d]}"
 
         nr = len(reduce)
-        body = self._body(roots, dom, index, compute) + list(after) + [
-            _combine(_HOW[node.op], f"acc{q}", self.r.operand(self.lin, node.src[0]))
-            for q, node in enumerate(reduce)]
+
+        def render(index) -> list[str]:
+            return self._body(roots, dom, index, compute) + list(after) + [
+                _combine(_HOW[node.op], f"acc{q}", self.r.operand(self.lin, node.src[0]))
+                for q, node in enumerate(reduce)]
+        body = render(index)
         idents = [_IDENT[_HOW[node.op]] for node in reduce]
         out = [f"{{  /* {what} */", f"    const int64_t nch = ({n} + CHUNK - 1) / CHUNK;"]
         if reduce:
@@ -698,13 +701,32 @@ class AxesSource(Source):
         else:
             out.append("            e = hi;")
         sums = [f"acc{q}" for q, node in enumerate(reduce) if node.op is not Op.AMAX]
-        if len(sums) == nr:  # a NaN-propagating max is no OpenMP reduction: no simd
-            out.append("            #pragma omp simd" +
-                       (f" reduction(+:{', '.join(sums)})" if sums else ""))
-        out += ["            for (int64_t j = lo; j < e; j++) {",
-                *("                " + line for line in body),
-                "            }",
-                "        }"]
+        # a NaN-propagating max is no OpenMP reduction: no simd
+        pragma = ["#pragma omp simd" + (f" reduction(+:{', '.join(sums)})" if sums else "")
+                  ] if len(sums) == nr else []
+
+        def loop(lines: list[str], indent: str) -> list[str]:
+            return [indent + line for line in (*pragma, "for (int64_t j = lo; j < e; j++) {",
+                                               *("    " + line for line in lines), "}")]
+        # a value of a smaller domain is read along a line with stride 0 (the line runs
+        # along its axis) or 1 (across it): versions of the loop for those strides read
+        # it as one value or contiguously, not gathered
+        tags = [_TAG[d] for d in maps]
+        strides = {1: [(0,), (1,)], 2: [(0, 1), (1, 0)]}.get(len(tags), [])
+        for v, version in enumerate(strides):
+            def fixed(d: str, version=version) -> str:
+                if d == dom:
+                    return "j"
+                k = maps.index(d)
+                return f"b_{tags[k]}" + (" + (j - lo)" if version[k] else "")
+            test = " && ".join(f"s_{t} == {x}" for t, x in zip(tags, version))
+            out.append(f"            {'} else if' if v else 'if'} ({test}) {{")
+            out += loop(render(fixed), "                ")
+        if strides:
+            out += ["            } else {", *loop(body, "                "), "            }"]
+        else:
+            out += loop(body, "            ")
+        out.append("        }")
         out += [f"        part[ch * {nr} + {q}] = acc{q};" for q in range(nr)]
         out.append("    }")
         for q, node in enumerate(reduce):
@@ -748,24 +770,41 @@ class AxesSource(Source):
             "            }",
             f"            {buf}[o] = (CT)({value.format('acc')});",
             "        }",
-            "    } else if (inner > 1) {  /* GB outputs side by side, their sources by rows */",
-            "        const int64_t nb = (inner + GB - 1) / GB;",
+            "    } else if (inner > 1) {  /* GB outputs side by side, their sources by rows,",
+            "        read a row of a tile at a time; with few tiles, the rows in nk parts */",
+            f"        const int64_t nb = (inner + GB - 1) / GB, na = {nout} / inner;",
+            "        const int64_t nk = na * nb >= 8 || len < 2 ? 1 : (len < 8 ? len : 8);",
+            "        const int64_t kc = (len + nk - 1) / nk;",
+            "        double *part = (double *)malloc(sizeof(double) * (size_t)(na * nb * nk) * GB);",
             f"        {par}",
-            f"        for (int64_t task = 0; task < {nout} / inner * nb; task++) {{",
-            "            const int64_t a = task / nb, b0 = task % nb * GB;",
+            "        for (int64_t task = 0; task < na * nb * nk; task++) {",
+            "            const int64_t tile = task / nk, k0 = task % nk * kc;",
+            "            const int64_t a = tile / nb, b0 = tile % nb * GB;",
             "            const int64_t bn = inner - b0 < GB ? inner - b0 : GB;",
-            "            double acc[GB];",
+            "            const int64_t k1 = k0 + kc < len ? k0 + kc : len;",
+            "            double *acc = part + task * GB;",
             f"            for (int64_t b = 0; b < bn; b++) acc[b] = {ident};",
-            "            for (int64_t k = 0; k < len; k++) {",
+            "            for (int64_t k = k0; k < k1; k++) {",
             "                #pragma omp simd",
             "                for (int64_t b = 0; b < bn; b++) {",
             "                    const int64_t x = (a * len + k) * inner + b0 + b;",
             *at("acc[b]", " " * 20),
             "                }",
             "            }",
-            "            for (int64_t b = 0; b < bn; b++)",
-            f"                {buf}[a * inner + b0 + b] = (CT)({value.format('acc[b]')});",
             "        }",
+            "        for (int64_t tile = 0; tile < na * nb; tile++) {  /* the parts, in order */",
+            "            const int64_t a = tile / nb, b0 = tile % nb * GB;",
+            "            const int64_t bn = inner - b0 < GB ? inner - b0 : GB;",
+            "            for (int64_t b = 0; b < bn; b++) {",
+            "                double r = part[tile * nk * GB + b];",
+            "                for (int64_t q = 1; q < nk; q++) {",
+            "                    const double y = part[(tile * nk + q) * GB + b];",
+            f"                    {_combine('max' if how == 'max' else 'sum', 'r', 'y')}",
+            "                }",
+            f"                {buf}[a * inner + b0 + b] = (CT)({value.format('r')});",
+            "            }",
+            "        }",
+            "        free(part);",
             "    }",
             "}",
         ]
