@@ -218,3 +218,30 @@ def test_complex_parameters_are_refused_where_factored():
     state = vega.adafactor_init(params)  # 128: not factored, v per element
     new, state = vega.adafactor_step(params, {"w": torch.ones_like(params["w"])}, state)
     assert new["w"].dtype == torch.complex128 and state["v"]["w"].shape == (6, 5)
+
+
+def test_shape_conditions_are_evaluated_once_per_shape(monkeypatch):
+    """The program chosen for a shape is kept across steps, for the hyperparameter values
+    the conditions read: a thousand small tensors do not evaluate them every step."""
+    spec = vega.builtin("adafactor")._spec
+    calls = []
+    real = type(spec).shapes
+    monkeypatch.setattr(type(spec), "shapes",
+                        lambda self, values, shape: calls.append(shape) or real(self, values,
+                                                                               shape))
+    spec._chosen.clear()
+    ps = [torch.nn.Parameter(torch.randn(n, 8)) for n in (2, 5, 7)]
+    ps.append(torch.nn.Parameter(torch.randn(5, 8)))
+    opt = vega.optim.Adafactor(ps, lr=0.05, min_dim_size_to_factor=4)
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert sorted(calls) == [(2, 8), (5, 8), (7, 8)]
+    assert set(opt.state[ps[0]]) == {"v", "step"} and set(opt.state[ps[1]]) == {
+        "v_row", "v_col", "step"}
+    # other values of what the conditions read choose again
+    opt.param_groups[0]["min_dim_size_to_factor"] = 6
+    with pytest.raises(ValueError, match="min_dim_size_to_factor"):
+        opt.step()  # (5, 8) is no longer factored: its state does not fit, and says so
+    assert len(calls) == 6

@@ -21,6 +21,7 @@ class Spec:
     tree: ast.Spec
     hypers: tuple[ir.HyperParam, ...]
     _programs: dict = field(default_factory=dict, repr=False)
+    _chosen: dict = field(default_factory=dict, repr=False)  # see ``chosen``
     # the ifs that test a tensor's shape (ndim(p) >= 2), in source order, and the float
     # hyperparameters they read (their values, with the bool ones, pick each tensor's
     # program); computed once here: a cached_property's lock is not traceable by dynamo
@@ -56,6 +57,19 @@ class Spec:
         every hyperparameter to a Python bool or float."""
         return tuple(bool(static_value(s.cond, values, tuple(shape)))
                      for s in self.shape_conditions)
+
+    def chosen(self, values: dict) -> dict:
+        """The programs already chosen by shape for these hyperparameter values (every
+        name a shape condition reads, and the flags): a dict ``shape -> program`` the
+        caller fills, kept across steps, so that a step of a thousand tensors of different
+        shapes does not evaluate the conditions a thousand times."""
+        key = tuple(sorted(values.items()))
+        found = self._chosen.get(key)
+        if found is None:
+            if len(self._chosen) > 64 or sum(map(len, self._chosen.values())) > 100_000:
+                self._chosen.clear()
+            found = self._chosen[key] = {}
+        return found
 
     def flag_settings(self) -> list[dict[str, bool]]:
         return all_flag_settings(self.hypers)

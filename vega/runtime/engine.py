@@ -100,15 +100,16 @@ def programs(owner: str, spec, flags: dict, values: dict, tensors) -> list[Progr
         program = spec.program(flags)
         return [None if t is None else program for t in tensors]
     known = shape_values(owner, spec, flags, values)
-    out, seen = [], {}
+    out, seen = [], spec.chosen(known)
     for t in tensors:
         if t is None:
             out.append(None)
             continue
         shape = tuple(t.shape)
-        if shape not in seen:
-            seen[shape] = spec.program(flags, spec.shapes(known, shape))
-        out.append(seen[shape])
+        found = seen.get(shape)
+        if found is None:
+            found = seen[shape] = spec.program(flags, spec.shapes(known, shape))
+        out.append(found)
     return out
 
 

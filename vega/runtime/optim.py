@@ -88,14 +88,17 @@ class SpecOptimizer(torch.optim.Optimizer):
             progs = engine.programs(owner, self.spec._spec, flags, values, params)
             shaped = "".join(f", or {n} (it picks each tensor's program)"
                              for n in self.spec._spec.shape_hypers)
+            wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
             for p, program in zip(params, progs):
                 if p.grad.is_sparse:
                     raise ValueError(f"{owner} does not support sparse gradients")
-                want = (*program.state_names, "step")
+                want = wants.get(id(program))
+                if want is None:
+                    want = wants[id(program)] = {*program.state_names, "step"}
                 st = self.state.get(p)
                 if not st:
                     self.state[p] = self._init_state(p, program, values, group)
-                elif len(st) != len(want) or any(n not in st for n in want):
+                elif st.keys() != want:
                     raise ValueError(
                         f"{owner}: a parameter's state has {sorted(st)} but the "
                         f"group's settings need {sorted(want)}; was a bool hyperparameter"
