@@ -3,7 +3,11 @@
 Two parameter sets: GPT-2-like (about 40M parameters in 51 tensors) and many
 small tensors (1,000 tensors of at most 10k elements). Every row is the
 median of several steps measured in this one run; ratios compare rows of the
-same run. Also: the time to compile a spec cold and to load it from the cache.
+same run. The rows of a table are timed in rounds, each round stepping every
+row once in turn (``race``): a drift of the machine's speed touches them alike,
+and each step finds its data out of the cache, as it would after a forward and
+backward pass. Also: the time to compile a spec cold and to load it from the
+cache.
 """
 from __future__ import annotations
 
@@ -63,32 +67,38 @@ def _leaves(shapes, grads):
     return out
 
 
-def timeit(fn, budget=2.0, max_runs=7, min_runs=3) -> float:
-    """Median seconds of ``fn()`` after one warm-up call."""
-    fn()
-    times, spent = [], 0.0
-    while len(times) < min_runs or (len(times) < max_runs and spent < budget):
-        t0 = time.perf_counter()
+def race(fns: dict, budget: float = 6.0, max_rounds: int = 9, min_rounds: int = 3) -> dict:
+    """Median seconds of each of ``fns`` (label -> callable), measured in rounds: each
+    round calls every function once, in turn, so that a drift of the machine's speed
+    touches every row alike and each step starts, as in training, with its data out of
+    the cache (the other rows' steps ran in between). One warm-up call each first."""
+    for fn in fns.values():
         fn()
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        spent += dt
-    return statistics.median(times)
+    times: dict = {label: [] for label in fns}
+    spent, rounds = 0.0, 0
+    while rounds < min_rounds or (rounds < max_rounds and spent < budget):
+        for label, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            times[label].append(dt)
+            spent += dt
+        rounds += 1
+    return {label: statistics.median(ts) for label, ts in times.items()}
 
 
 def adamw_rows(shapes, grads, compile_torch=True):
-    rows = {}
+    fns = {}
     opt = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3)
-    rows["vega AdamW"] = timeit(opt.step)
+    fns["vega AdamW"] = opt.step
     fused_opt = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3, max_grad_norm=1.0,
                                  loss_scale=vega.LossScale.dynamic(init=1.0,
                                                                    growth_interval=10**9))
-    rows["vega AdamW + unscale, finite check, clip, skip"] = timeit(fused_opt.step)
+    fns["vega AdamW + unscale, finite check, clip, skip"] = fused_opt.step
     for label, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}),
                       ("fused", {"fused": True})):
-        t_opt = torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3, **kw)
-        rows[f"torch AdamW {label}"] = timeit(t_opt.step, budget=3.0 if label != "for-loop"
-                                              else 1.0)
+        fns[f"torch AdamW {label}"] = torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
+                                                        **kw).step
     ps = _leaves(shapes, grads)
     t_opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9)
@@ -99,15 +109,21 @@ def adamw_rows(shapes, grads, compile_torch=True):
         torch.nn.utils.clip_grad_norm_(ps, 1.0)
         scaler.step(t_opt)
         scaler.update()
-    rows["torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW"] = timeit(composite)
+    fns["torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW"] = composite
+    compile_secs = None
     if compile_torch:
         c_opt = torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3, foreach=True)
         compiled = torch.compile(c_opt.step)
         t0 = time.perf_counter()
         compiled()
-        rows["(torch.compile of AdamW: compile time, not a step)"] = time.perf_counter() - t0
-        rows["torch.compile(AdamW.step)"] = timeit(compiled)
-    rows.update(_optax_row(shapes))
+        compile_secs = time.perf_counter() - t0
+        fns["torch.compile(AdamW.step)"] = compiled
+    fns.update(_optax_row(shapes))
+    rows = race(fns)
+    if not any(label.startswith("optax") for label in rows):
+        rows["optax adamw under jax.jit (not installed)"] = float("nan")
+    if compile_secs is not None:
+        rows["(torch.compile of AdamW: compile time, not a step)"] = compile_secs
     return rows
 
 
@@ -117,7 +133,7 @@ def _optax_row(shapes):
         import jax.numpy as jnp
         import optax
     except ImportError:
-        return {"optax adamw under jax.jit (not installed)": float("nan")}
+        return {}
     tx = optax.adamw(1e-3)
     params = [jnp.asarray(p.numpy()) for p in _tensors(shapes)[0]]
     grads = [jnp.asarray(g.numpy()) for g in _tensors(shapes)[1]]
@@ -132,7 +148,7 @@ def _optax_row(shapes):
     def run():
         box[0], box[1] = step(box[0], box[1], grads)
         jax.block_until_ready(box[0])
-    return {"optax adamw under jax.jit": timeit(run)}
+    return {"optax adamw under jax.jit": run}
 
 
 def other_rows(shapes, grads, names):
@@ -142,15 +158,17 @@ def other_rows(shapes, grads, names):
             continue
         hypers, module, cls, kwargs = OTHERS[name]
         opt = vega.builtin(name).optimizer(_leaves(shapes, grads), **hypers)
-        ours = timeit(opt.step)
         try:
             mod = torch.optim if module == "torch" else __import__(module)
             ref_cls = getattr(mod, cls)
             extra = {"foreach": True} if module == "torch" else {}
-            theirs = timeit(ref_cls(_leaves(shapes, grads), **kwargs, **extra).step)
+            ref = ref_cls(_leaves(shapes, grads), **kwargs, **extra)
             label = f"{'torch.optim' if module == 'torch' else module}.{cls}" + (
                 " foreach" if extra else "")
+            times = race({"vega": opt.step, "theirs": ref.step}, budget=3.0)
+            ours, theirs = times["vega"], times["theirs"]
         except ImportError:
+            ours = race({"vega": opt.step}, budget=3.0)["vega"]
             theirs, label = float("nan"), f"{module} (not installed)"
         rows.append((name, ours, label, theirs))
     return rows
