@@ -20,7 +20,7 @@ def test_rows_of_a_tiny_run():
     for label in ("vega AdamW", "vega AdamW + unscale, finite check, clip, skip",
                   "torch AdamW fused", "torch AdamW foreach", "torch AdamW for-loop",
                   "torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW",
-                  "optax adamw under jax.jit"):
+                  "optax adamw under jax.jit (own process)"):
         assert rows[label] > 0, label
     others = bench.other_rows(shapes, grads, ["sgd", "adafactor"])
     assert [r[0] for r in others] == ["sgd", "adafactor"]
