@@ -24,6 +24,6 @@ def test_rows_of_a_tiny_run():
         assert rows[label] > 0, label
     others = bench.other_rows(shapes, grads, ["sgd", "adafactor"])
     assert [r[0] for r in others] == ["sgd", "adafactor"]
-    for name, ours, label, theirs in others:
+    for _, ours, label, theirs in others:
         assert ours > 0 and label.startswith("torch.optim.") and theirs > 0
     assert not any(math.isnan(v) for v in rows.values())

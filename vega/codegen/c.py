@@ -775,7 +775,8 @@ class AxesSource(Source):
             f"        const int64_t nb = (inner + GB - 1) / GB, na = {nout} / inner;",
             "        const int64_t nk = na * nb >= 8 || len < 2 ? 1 : (len < 8 ? len : 8);",
             "        const int64_t kc = (len + nk - 1) / nk;",
-            "        double *part = (double *)malloc(sizeof(double) * (size_t)(na * nb * nk) * GB);",
+            "        double *part = (double *)malloc(sizeof(double) * (size_t)(na * nb * nk) "
+            "* GB);",
             f"        {par}",
             "        for (int64_t task = 0; task < na * nb * nk; task++) {",
             "            const int64_t tile = task / nk, k0 = task % nk * kc;",
