@@ -63,3 +63,14 @@ def test_show_takes_a_shape(capsys):
     assert "def init_v(" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--shape"):
         main(["show", "adafactor", "--shape", "a,b"])
+
+
+def test_show_sets_a_float_hyperparameter(capsys):
+    from vega.cli import main
+    assert main(["show", "sgd", "--set", "momentum=0.9", "--set", "nesterov=true"]) == 0
+    out = capsys.readouterr().out
+    assert "def init_v(" in out and "nesterov=true" in out
+    assert main(["show", "sgd"]) == 0
+    assert "def init_v(" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="NAME=true, NAME=false or NAME=NUMBER"):
+        main(["show", "sgd", "--set", "momentum=lots"])

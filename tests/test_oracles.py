@@ -63,7 +63,7 @@ def test_functional_matches_torch(case, dtype):
     params, grads = oracles.make_params(dtype), oracles.make_grads(dtype)
     got = oracles.functional_trajectory(case.compiled, case.hypers, params, grads)
     want = oracles.torch_trajectory(case, params, grads)
-    assert _fields(got[0]) == set(case.torch_state) | set(case.torch_unmatched)
+    assert _fields(got[0]) == set(case.torch_state)
     oracles.assert_trajectories_close(got, want, rtol=oracles.RTOL[dtype], check_dtype=True,
                                       who=f"{case.id} {dtype} functional vs torch")
     for k, snap in enumerate(got, start=1):
@@ -76,7 +76,7 @@ def test_optimizer_class_matches_torch(case, dtype):
     params, grads = oracles.make_params(dtype), oracles.make_grads(dtype)
     got = oracles.class_trajectory(case.optimizer_class, case.hypers, params, grads)
     want = oracles.torch_trajectory(case, params, grads)
-    assert _fields(got[0]) == set(case.torch_state) | set(case.torch_unmatched)
+    assert _fields(got[0]) == set(case.torch_state)
     oracles.assert_trajectories_close(got, want, rtol=oracles.RTOL[dtype], check_dtype=True,
                                       who=f"{case.id} {dtype} vega.optim vs torch")
     for k, snap in enumerate(got, start=1):

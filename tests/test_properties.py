@@ -46,7 +46,7 @@ def make_grads(dtype, seed=1):
 
 def state_fields(spec, hypers) -> tuple[str, ...]:
     return spec.program(**{h.name: hypers[h.name] for h in spec.hypers
-                           if h.type == "bool" and h.name in hypers}).state_names
+                           if h.name in hypers}).state_names
 
 
 def named_tensors(tree) -> list[tuple[str, torch.Tensor]]:

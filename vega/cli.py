@@ -12,7 +12,7 @@ Vega: optimizers written as specs, compiled to fused kernels for PyTorch.
 
 commands:
   vega check FILE...                   compile spec files; print each error, exit 1 on any
-  vega show FILE|NAME [--backend B] [--set FLAG=V] [--shape N,N]
+  vega show FILE|NAME [--backend B] [--set NAME=V] [--shape N,N]
                                        print the kernel generated for a spec
   vega list                            the optimizers that ship with vega
   vega demo                            train a small model with vega and torch.optim
@@ -27,14 +27,19 @@ def _load(target: str):
     return vega.builtin(target)
 
 
-def _parse_flags(pairs: list[str]) -> dict[str, bool]:
-    flags = {}
+def _parse_flags(pairs: list[str]) -> dict[str, bool | float]:
+    values: dict[str, bool | float] = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
-        if value.lower() not in ("true", "false"):
-            raise SystemExit(f"vega: --set {pair!r}: write NAME=true or NAME=false")
-        flags[name] = value.lower() == "true"
-    return flags
+        if value.lower() in ("true", "false"):
+            values[name] = value.lower() == "true"
+            continue
+        try:
+            values[name] = float(value)
+        except ValueError:
+            raise SystemExit(f"vega: --set {pair!r}: write NAME=true, NAME=false or "
+                             "NAME=NUMBER") from None
+    return values
 
 
 def cmd_check(args) -> int:
@@ -103,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("show", help="print the generated kernel of a spec")
     p.add_argument("target", metavar="FILE|NAME", help="a .vega file or a shipped spec's name")
     p.add_argument("--backend", default="reference", help="reference (default), c or triton")
-    p.add_argument("--set", action="append", default=[], metavar="FLAG=true|false",
-                   help="a bool hyperparameter, e.g. --set amsgrad=true (repeatable)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=V",
+                   help="a hyperparameter the program depends on, e.g. --set amsgrad=true, "
+                   "--set momentum=0.9 for sgd's momentum buffer (repeatable)")
     p.add_argument("--shape", metavar="N,N,...", help="the kernel for a parameter of this "
                    "shape, for specs with shape conditions (e.g. adafactor: --shape 512,768)")
     p.set_defaults(fn=cmd_show)

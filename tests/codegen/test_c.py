@@ -12,9 +12,13 @@ import vega
 from vega import codegen
 from vega.codegen import c, cbuild
 
+# every setting of the bool hyperparameters; and the programs without a momentum buffer
+# (hyper_values gives momentum 0.01)
 SPECS = [(name, flags) for name in vega.builtin_names()
-         for flags in vega.builtin(name)._spec.flag_settings()]
-IDS = [f"{n}[{','.join(k for k, v in f.items() if v) or 'plain'}]" for n, f in SPECS]
+         for flags in vega.builtin(name)._spec.flag_settings()] + [
+    (name, {"momentum": 0.0}) for name in ("sgd", "rmsprop")]
+IDS = [n + "[" + (",".join(k if v is True else f"{k}={v}" for k, v in f.items()
+                          if v is not False) or "plain") + "]" for n, f in SPECS]
 
 # (rtol, atol) of the C backend against the reference, by parameter dtype
 TOL = {torch.float64: (1e-12, 1e-14), torch.float32: (1e-5, 1e-6),
@@ -62,8 +66,8 @@ def test_matches_reference_20_steps(name, flags, dtype):
     spec = vega.builtin(name)
     hypers = {**hyper_values(spec), **flags}
     params = make_params(dtype)
-    ref_p, ref_s = params, spec.init(params, **flags)
-    c_p, c_s = params, spec.init(params, **flags)
+    ref_p, ref_s = params, spec.init(params, **hypers)
+    c_p, c_s = params, spec.init(params, **hypers)
     for step in range(20):
         grads = grads_for(params, step)
         ref_p, ref_s = spec.step(ref_p, grads, ref_s, backend="reference", **hypers)
@@ -81,14 +85,16 @@ def test_matches_reference_20_steps(name, flags, dtype):
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_half_precision_parameters(name, dtype):
     spec = vega.builtin(name)
+    hypers = {"lr": 1e-2, **({"momentum": 0.9} if name == "sgd" else {})}
     params = make_params(dtype)
-    ref_p, ref_s = params, spec.init(params)
-    c_p, c_s = params, spec.init(params)
-    assert all(s.dtype == torch.float32 for s in ref_s[spec.program().state_names[0]].values())
+    ref_p, ref_s = params, spec.init(params, **hypers)
+    c_p, c_s = params, spec.init(params, **hypers)
+    field = spec.program(**hypers).state_names[0]
+    assert all(s.dtype == torch.float32 for s in ref_s[field].values())
     for step in range(5):
         grads = grads_for(params, step)
-        ref_p, ref_s = spec.step(ref_p, grads, ref_s, backend="reference", lr=1e-2)
-        c_p, c_s = spec.step(c_p, grads, c_s, backend="c", lr=1e-2)
+        ref_p, ref_s = spec.step(ref_p, grads, ref_s, backend="reference", **hypers)
+        c_p, c_s = spec.step(c_p, grads, c_s, backend="c", **hypers)
         for k in params:
             assert c_p[k].dtype == dtype
             assert_close(c_p[k], ref_p[k], dtype, f"p.{k}")
@@ -110,15 +116,16 @@ def test_bfloat16_rounds_to_nearest_even():
 @pytest.mark.parametrize("name", ["adamw", "sgd", "adam"])
 def test_nonfinite_step_is_skipped_exactly(name, backend):
     spec = vega.builtin(name)
+    hypers = {"momentum": 0.9} if name == "sgd" else {}  # every state: sgd's buffer too
     params = make_params(torch.float32)
-    state = spec.init(params)
+    state = spec.init(params, **hypers)
     params, state = spec.step(params, grads_for(params, 0), state, backend=backend,
-                              skip_nonfinite=True)
+                              skip_nonfinite=True, **hypers)
     for bad in (float("nan"), float("inf"), -float("inf")):
         grads = grads_for(params, 1)
         grads["odd"][500] = bad
         new_p, new_s = spec.step(params, grads, state, backend=backend, skip_nonfinite=True,
-                                 max_grad_norm=1.0)
+                                 max_grad_norm=1.0, **hypers)
         for k in params:
             assert torch.equal(new_p[k], params[k])
         for field in state:
@@ -130,7 +137,7 @@ def test_nonfinite_step_is_skipped_exactly(name, backend):
     # the same in place
     before = {k: v.clone() for k, v in params.items()}
     step_before = state["step"].clone()
-    spec.step(params, grads, state, backend=backend, skip_nonfinite=True, donate=True)
+    spec.step(params, grads, state, backend=backend, skip_nonfinite=True, donate=True, **hypers)
     assert all(torch.equal(params[k], before[k]) for k in params)
     assert torch.equal(state["step"], step_before)
 

@@ -33,9 +33,13 @@ if DEVICE == "cpu" and not triton_runtime._library_interpreted():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run with "
                 "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
+# every setting of the bool hyperparameters; and the programs without a momentum buffer
+# (hyper_values gives momentum 0.01)
 SPECS = [(name, flags) for name in vega.builtin_names()
-         for flags in vega.builtin(name)._spec.flag_settings()]
-IDS = [f"{n}[{','.join(k for k, v in f.items() if v) or 'plain'}]" for n, f in SPECS]
+         for flags in vega.builtin(name)._spec.flag_settings()] + [
+    (name, {"momentum": 0.0}) for name in ("sgd", "rmsprop")]
+IDS = [n + "[" + (",".join(k if v is True else f"{k}={v}" for k, v in f.items()
+                          if v is not False) or "plain") + "]" for n, f in SPECS]
 
 # (rtol, atol) against the reference, by parameter dtype
 TOL = {torch.float64: (1e-12, 1e-14), torch.float32: (1e-5, 1e-6),
@@ -95,8 +99,8 @@ def test_matches_reference_5_steps(name, flags, fused):
     hypers = {**hyper_values(spec), **flags}
     options = {"max_grad_norm": 1.0, "skip_nonfinite": True} if fused else {}
     params = make_params()
-    ref = (params, spec.init(params, **flags))
-    tri = (params, spec.init(params, **flags))
+    ref = (params, spec.init(params, **hypers))
+    tri = (params, spec.init(params, **hypers))
     for step in range(5):
         grads = grads_for(params, step)
         if fused and step == 3:

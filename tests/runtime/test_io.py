@@ -210,7 +210,7 @@ def test_extra_leaf_is_named(saved):
 def test_other_optimizer_state_is_refused_naming_a_leaf(saved):
     path, params, _ = saved
     with pytest.raises(ValueError, match=r"has no leaf 'v\.layer1\.weight'"):
-        vega.load(path, like=vega.sgd_init(params))
+        vega.load(path, like=vega.sgd_init(params, momentum=0.9))
 
 
 def test_misshaped_leaf_is_named(saved):

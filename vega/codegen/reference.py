@@ -116,7 +116,7 @@ def render(program: Program, linear: Linear | None = None) -> str:
     flags = ", ".join(f"{k}={str(v).lower()}" for k, v in program.flags) or "none"
     out = [f"# {program.name}: reference kernel (flags: {flags})"]
     if program.shapes:
-        out.append(f"# shape conditions, in source order: "
+        out.append(f"# conditions on the shape or hyperparameter values, in source order: "
                    f"{', '.join(str(s).lower() for s in program.shapes)}")
     out.append("")
     out.append(f"def scalars({', '.join(('t',) + lin.hypers)}):")

@@ -236,8 +236,9 @@ class _Walker:
                             s.cond.span)
         if cond.kind != Kind.CONST:
             raise SpecError("an if needs a condition known when the spec compiles (bool "
-                            "hyperparameters, true, false); to choose between values use "
-                            "where(cond, a, b)", s.cond.span)
+                            "hyperparameters, true, false) or at the step from float "
+                            "hyperparameters and ndim(p), nrows(p), ncols(p); to choose "
+                            "between values use where(cond, a, b)", s.cond.span)
         if not self.checking:
             return self.block(s.then if cond.arg else s.orelse, env)
         return self.both_branches(s, env)
@@ -383,8 +384,11 @@ def _reduce_hint(have: str, want: str) -> str:
     return f"; reduce it with {' and '.join(f + '(...)' for f in fns)}" if fns else ""
 
 
-def _is_shape_cond(e) -> bool:
-    return any(isinstance(c, ast.Call) and c.fn in SHAPE_QUERIES for c in _calls(e))
+def _is_shape_cond(e, floats: set[str]) -> bool:
+    """Whether an if's condition is decided at each step from the tensor's shape or the
+    values of float hyperparameters (``if momentum > 0``): it asks for either."""
+    return any(isinstance(c, ast.Call) and c.fn in SHAPE_QUERIES for c in _calls(e)) or any(
+        n.id in floats for n in _names(e))
 
 
 def _calls(e):
@@ -400,13 +404,15 @@ def _calls(e):
 
 
 def shape_conditions(spec: ast.Spec) -> list[ast.If]:
-    """The ifs whose condition asks for the tensor's shape, in source order."""
+    """The ifs whose condition asks for the tensor's shape or a float hyperparameter's
+    value, in source order."""
     out = []
+    floats = {h.name for h in spec.hypers if h.type == "float"}
 
     def visit(stmts):
         for s in stmts:
             if isinstance(s, ast.If):
-                if _is_shape_cond(s.cond):
+                if _is_shape_cond(s.cond, floats):
                     out.append(s)
                 visit(s.then)
                 visit(s.orelse)
@@ -414,8 +420,8 @@ def shape_conditions(spec: ast.Spec) -> list[ast.If]:
     return out
 
 
-_SHAPE_COND_USE = ("a shape condition may use only ndim(p), nrows(p), ncols(p), "
-                   "hyperparameters and numbers")
+_SHAPE_COND_USE = ("a condition on the shape or on float hyperparameters may use only "
+                   "ndim(p), nrows(p), ncols(p), hyperparameters and numbers")
 
 
 def _static_type(e, env) -> str:

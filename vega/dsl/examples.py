@@ -105,7 +105,7 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g and g\n}\n", "'and' needs a bool", 2, 7),
     ("optimizer o(lr = 1e-3, f = true) {\n  p = p - lr * g * f\n}\n",
      "needs a number, but this is a bool", 2, 20),
-    ("optimizer o(lr = 1e-3, momentum = 0.0) {\n  if momentum > 0 {\n    p = p - lr * g\n  }\n}\n",
+    ("optimizer o(lr = 1e-3) {\n  if mean(g) > 0 {\n    p = p - lr * g\n  }\n}\n",
      "known when the spec compiles", 2, 6),
     ("optimizer o(lr = 1e-3) {\n  if lr {\n    p = p - lr * g\n  }\n}\n",
      "condition of an if must be a bool", 2, 6),
@@ -136,7 +136,8 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g * ndim(p)\n}\n",
      "use it only in the condition of an if", 2, 20),
     ("optimizer o(lr = 1e-3) {\n  if ndim(p) >= 2 and mean(g) > 0 {\n    p = p - lr * g\n"
-     "  } else {\n    p = p\n  }\n}\n", "a shape condition may use only", 2, 23),
+     "  } else {\n    p = p\n  }\n}\n",
+     "a condition on the shape or on float hyperparameters may use only", 2, 23),
     ("optimizer o(lr = 1e-3) {\n  if ndim(g * 2) >= 2 {\n    p = p - lr * g\n"
      "  } else {\n    p = p\n  }\n}\n", "ndim() takes the parameter: ndim(p)", 2, 6),
     ("optimizer o(lr = 1e-3) {\n  if nrows(p) {\n    p = p - lr * g\n"

@@ -83,8 +83,8 @@ def shape_values(owner: str, spec, flags: dict, values: dict) -> dict:
     for name in spec.shape_hypers:
         v = values[name]
         if isinstance(v, (torch.Tensor, bool)) or callable(v):
-            raise ValueError(f"{owner}: {name}={v!r} must be a plain number: it decides, "
-                             "from each tensor's shape, which program steps it")
+            raise ValueError(f"{owner}: {name}={v!r} must be a plain number: an if of "
+                             "the spec reads it to decide which program steps each tensor")
         known[name] = float(v)
     return known
 

@@ -41,13 +41,13 @@ class CompiledSpec:
         return self._spec.source
 
     def program(self, shape=None, **hypers):
-        """The IR for one setting of the bool hyperparameters (defaults elsewhere) and, for a
-        spec with shape conditions (``if ndim(p) >= 2``), for a parameter of ``shape``
-        (without one: every shape condition false)."""
+        """The IR for these hyperparameters (defaults elsewhere) and, for a spec whose ifs
+        read the shape (``if ndim(p) >= 2``), a parameter of ``shape`` (without one: a
+        scalar's, shape ``()``)."""
         flags, values = engine.resolve(self.name, self.hypers, hypers)
-        if shape is None or not self._spec.shape_conditions:
+        if not self._spec.shape_conditions:
             return self._spec.program(flags)
-        shape = tuple(int(n) for n in shape)
+        shape = () if shape is None else tuple(int(n) for n in shape)
         return engine.programs(self.name, self._spec, flags, values,
                                [torch.empty(shape, device="meta")])[0]
 

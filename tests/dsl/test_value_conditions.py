@@ -1,0 +1,76 @@
+"""An if on float hyperparameters' values (``if momentum > 0``): decided at the step."""
+import pytest
+import torch
+
+import vega
+from vega import SpecError, schedule
+
+SPEC = """optimizer heavy(lr = 0.1, momentum = 0.0 in [0, inf), nesterov = false) {
+    d = g
+    if momentum > 0 and not nesterov {
+        state v = zeros
+        v = momentum * v + d
+        d = v
+    }
+    p = p - lr * d
+}"""
+
+
+def test_value_condition_picks_the_program_at_the_step():
+    spec = vega.compile(SPEC)
+    params = {"a": torch.ones(3), "b": torch.ones(2, 2)}
+    grads = {k: torch.full_like(p, 0.5) for k, p in params.items()}
+    plain = spec.init(params)
+    assert set(plain) == {"step"}
+    out, _ = spec.step(params, grads, plain)
+    assert torch.allclose(out["a"], torch.full((3,), 0.95))
+    heavy = spec.init(params, momentum=0.5)
+    assert set(heavy["v"]) == {"a", "b"}
+    p1, heavy = spec.step(params, grads, heavy, momentum=0.5)
+    p2, heavy = spec.step(p1, grads, heavy, momentum=0.5)
+    assert torch.allclose(p2["a"], torch.full((3,), 1 - 0.05 - 0.075))
+    assert torch.allclose(heavy["v"]["b"], torch.full((2, 2), 0.75))
+    # a bool in the same condition still counts: nesterov takes the plain program
+    assert "v" not in spec.init(params, momentum=0.5, nesterov=True)
+    assert "momentum" in spec.source("reference", momentum=0.5) and \
+        "v_1" in spec.source("reference", momentum=0.5)
+
+
+def test_value_condition_needs_a_plain_number():
+    spec = vega.compile(SPEC)
+    params = {"a": torch.ones(3)}
+    for value in (torch.tensor(0.5), schedule.constant(0.5)):
+        with pytest.raises(ValueError, match=r"momentum=.* must be a plain number: an if of "
+                                             "the spec reads it"):
+            spec.init(params, momentum=value)
+
+
+def test_a_value_that_changes_the_state_is_named():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = vega.optim.SGD([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    assert set(opt.state[p]) == {"step"}  # no buffer without momentum, as torch
+    opt.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(ValueError, match=r"or momentum \(it picks each tensor's program\)"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.full((3,), 0.9))  # nothing changed
+
+
+def test_conditions_that_read_tensors_are_still_refused():
+    bad = SPEC.replace("momentum > 0 and not nesterov", "momentum > mean(g)")
+    with pytest.raises(SpecError, match=r"<spec>:3:19: error: a condition on the shape or on "
+                                        r"float hyperparameters may use only .*not mean\(\)"):
+        vega.compile(bad)
+
+
+@pytest.mark.parametrize("name,always,buffer", [("sgd", set(), "v"), ("rmsprop", {"nu"}, "buf")])
+def test_shipped_momentum_buffers_exist_only_with_momentum(name, always, buffer):
+    """As torch keeps a momentum_buffer only for momentum > 0: without one a step moves
+    12 bytes an element fewer."""
+    params = {"w": torch.randn(4, 3)}
+    spec = vega.builtin(name)
+    assert set(spec.init(params)) == always | {"step"}
+    assert set(spec.init(params, momentum=0.9)) == always | {buffer, "step"}
+    assert f"v_{buffer}_1" not in spec.source("c") and f"v_{buffer}_1" in spec.source(
+        "c", momentum=0.9)
