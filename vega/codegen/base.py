@@ -147,12 +147,18 @@ def distinct(items: list) -> tuple[list, list[int]]:
                 uniq.append(x)
             index.append(j)
         return uniq, index
+    ids = list(map(id, items))
+    n = len(set(ids))
+    if n == len(ids):  # each its own (the step counters of a class's parameters)
+        return list(items), list(range(n))
+    if n == 1:  # all one (the hyperparameters of a group)
+        return [items[0]], [0] * len(ids)
     at: dict[int, int] = {}
-    for x in items:
-        if id(x) not in at:
-            at[id(x)] = len(uniq)
+    for x, k in zip(items, ids):
+        if k not in at:
+            at[k] = len(uniq)
             uniq.append(x)
-        index.append(at[id(x)])
+        index.append(at[k])
     return uniq, index
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 
 import torch
 
@@ -1002,7 +1003,7 @@ class Kernel:
             sizes = tuple(p.shape for p in params) if self._axes else \
                 tuple(map(torch.Tensor.numel, params))
             key = (tuple(map(ptr, everything)), tuple(map(ptr, steps)), tuple(step_index),
-                   tuple(hyp_index), sizes, tuple(t.dtype for t in everything))
+                   tuple(hyp_index), sizes, tuple(map(_DTYPE_OF, everything)))
             if self._plan is None or self._plan[0] != key:
                 self._plan = (key, self._tables(params, grads, flat_states, steps, step_index,
                                                 hyp, hyp_index))
@@ -1089,6 +1090,7 @@ class Kernel:
 
 
 _KERNELS: dict[str, Kernel] = {}
+_DTYPE_OF = operator.attrgetter("dtype")
 _GEOMETRY: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> Kernel._geometry
 
 

@@ -89,6 +89,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             shaped = "".join(f", or {n} (it picks each tensor's program)"
                              for n in self.spec._spec.shape_hypers)
             wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
+            sts = []  # each parameter's state dict (one lookup: a tensor hashes in Python)
             for p, program in zip(params, progs):
                 if p.grad.is_sparse:
                     raise ValueError(f"{owner} does not support sparse gradients")
@@ -97,23 +98,24 @@ class SpecOptimizer(torch.optim.Optimizer):
                     want = wants[id(program)] = {*program.state_names, "step"}
                 st = self.state.get(p)
                 if not st:
-                    self.state[p] = self._init_state(p, program, values, group)
+                    st = self.state[p] = self._init_state(p, program, values, group)
                 elif st.keys() != want:
                     raise ValueError(
                         f"{owner}: a parameter's state has {sorted(st)} but the "
                         f"group's settings need {sorted(want)}; was a bool hyperparameter"
                         f"{shaped} changed after the first step?")
+                sts.append(st)
             backend = group["backend"] or codegen.default_backend(params[0].device.type)
             for program, ks in engine.groups(progs):
-                work.append((program, backend, [params[k] for k in ks], values))
+                work.append((program, backend, [params[k] for k in ks], [sts[k] for k in ks],
+                             values))
         check = self.skip_nonfinite or self.loss_scale is not None
-        pre = engine.prelude([(prog, be, [p.grad for p in ps]) for prog, be, ps, _ in work],
+        pre = engine.prelude([(prog, be, [p.grad for p in ps]) for prog, be, ps, _, _ in work],
                              engine.inverse_scale(self.loss_scale), self.max_grad_norm, check)
-        for program, backend, params, values in work:
-            states = [[self.state[p][n] for p in params] for n in program.state_names]
+        for program, backend, params, sts, values in work:
+            states = [[st[n] for st in sts] for n in program.state_names]
             engine.run(program, backend, params, [p.grad for p in params], states,
-                       [self.state[p]["step"] for p in params], [values] * len(params),
-                       donate=True, pre=pre)
+                       [st["step"] for st in sts], [values] * len(params), donate=True, pre=pre)
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
         return loss
