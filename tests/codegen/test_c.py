@@ -393,3 +393,23 @@ def test_address_tables_follow_tensors_that_move():
         ref_opt.step()
         for p, q in zip(ps, ref):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_two_groups_of_one_kernel_keep_their_tables(monkeypatch):
+    """Two param groups (or optimizers) stepped by one kernel alternate: each finds its own
+    address tables again rather than rebuilding them every step."""
+    kern = codegen.kernel("c", vega.adamw.program())
+    built = []
+    real = c.Kernel._tables
+    monkeypatch.setattr(c.Kernel, "_tables",
+                        lambda self, *a: built.append(self) or real(self, *a))
+    a, b = [torch.randn(50, requires_grad=True)], [torch.randn(30, requires_grad=True)]
+    opt = vega.optim.AdamW([{"params": a}, {"params": b, "weight_decay": 0.0}], lr=1e-2)
+    other = vega.optim.AdamW([torch.randn(20, requires_grad=True)], lr=1e-2)
+    for _ in range(4):
+        for p in (*a, *b, *other.param_groups[0]["params"]):
+            p.grad = torch.ones_like(p)  # new gradients, as a backward pass makes
+        opt.step()
+        other.step()
+    assert built.count(kern) == 3  # the first step builds three; later ones reuse them
+    assert len(kern._plans) <= 8

@@ -904,7 +904,9 @@ class Kernel:
         self.key = f"{program.name}/{len(_KERNELS)}"  # how the custom ops find this kernel
         _KERNELS[self.key] = self
         self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
-        self._plan = None  # (addresses, tables) of the last call
+        # addresses -> tables, for the last few calls: two optimizers or two param groups
+        # that share this kernel alternate, and each should find its own tables
+        self._plans: dict = {}
 
     def source(self, dtypes=("float32", "float32", "float32")) -> str:
         return (AxesSource if self._axes else Source)(self.program, *dtypes).text()
@@ -998,16 +1000,23 @@ class Kernel:
         nth = torch.get_num_threads()
         everything = (*params, *grads, *flat_states, *hyp)
         if all(map(torch.Tensor.is_contiguous, everything)):
-            # the tables of the last call serve again when every address is the same
+            # the tables of a recent call serve again when every address but the gradients'
+            # is the same (a backward pass makes new gradients: their column is rewritten)
             ptr = torch.Tensor.data_ptr
             sizes = tuple(p.shape for p in params) if self._axes else \
                 tuple(map(torch.Tensor.numel, params))
-            key = (tuple(map(ptr, everything)), tuple(map(ptr, steps)), tuple(step_index),
-                   tuple(hyp_index), sizes, tuple(map(_DTYPE_OF, everything)))
-            if self._plan is None or self._plan[0] != key:
-                self._plan = (key, self._tables(params, grads, flat_states, steps, step_index,
-                                                hyp, hyp_index))
-            self._launch(self._plan[1], steps, pre, nth)
+            key = (tuple(map(ptr, (*params, *flat_states, *hyp))), tuple(map(ptr, steps)),
+                   tuple(step_index), tuple(hyp_index), sizes, tuple(map(_DTYPE_OF, everything)))
+            tables = self._plans.get(key)
+            if tables is None:
+                if len(self._plans) >= 8:
+                    self._plans.pop(next(iter(self._plans)))
+                tables = self._plans[key] = self._tables(params, grads, flat_states, steps,
+                                                         step_index, hyp, hyp_index)
+            else:
+                for _, table, _, idx in tables:
+                    table[:, 2] = torch.tensor([ptr(grads[i]) for i in idx], dtype=torch.int64)
+            self._launch(tables, steps, pre, nth)
             return
         # some tensor is not contiguous: work on contiguous copies, copied back at the end
         work_p = [p.contiguous() for p in params]
@@ -1020,7 +1029,8 @@ class Kernel:
                 orig.copy_(work)
 
     def _tables(self, params, grads, flat_states, steps, step_index, hyp, hyp_index):
-        """(library, address table, reduction buffer) per dtype group; checks every tensor."""
+        """(library, address table, reduction buffer, positions) per dtype group; checks
+        every tensor."""
         n = len(params)
         states = [flat_states[k * n:(k + 1) * n] for k in range(len(self.program.states))]
         groups: dict[tuple[str, str, str], list[int]] = {}
@@ -1039,7 +1049,7 @@ class Kernel:
                     for i in idx]
             table = torch.tensor(rows, dtype=torch.int64).reshape(len(idx), -1)
             red = torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64)
-            out.append((self.library(key), table, red))
+            out.append((self.library(key), table, red, idx))
         return out
 
     def _geometry(self, shape) -> tuple[int, ...]:
@@ -1054,7 +1064,7 @@ class Kernel:
         return found
 
     def _launch(self, tables, steps, pre, nth):
-        for lib, table, red in tables:
+        for lib, table, red, _ in tables:
             n = table.shape[0]
             if self._axes:
                 lib.vega_axes_step(n, _ptr(table), _ptr(pre), nth)
