@@ -907,6 +907,7 @@ class Kernel:
         # addresses -> tables, for the last few calls: two optimizers or two param groups
         # that share this kernel alternate, and each should find its own tables
         self._plans: dict = {}
+        self._pre_plans: dict = {}  # the prelude's: (sizes, dtypes, devices) -> tables
 
     def source(self, dtypes=("float32", "float32", "float32")) -> str:
         return (AxesSource if self._axes else Source)(self.program, *dtypes).text()
@@ -954,24 +955,37 @@ class Kernel:
 
     def prelude(self, grads, pre: torch.Tensor) -> None:
         """Add the gradients' sum of squares and non-finite count, unscaled, into ``pre``."""
-        for g in grads:
-            self._group_key(g, g, g.dtype)
         if torch.compiler.is_compiling():  # traced as one opaque node
+            for g in grads:
+                self._group_key(g, g, g.dtype)
             c_prelude(self.key, list(grads), pre)
         else:  # eagerly, directly: the op's dispatch costs about 0.7 us a tensor
             self._prelude(grads, pre)
 
     def _prelude(self, grads, pre: torch.Tensor) -> None:
-        """The body of ``vega::c_prelude``."""
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for g in grads:
-            g = g.contiguous()
-            groups.setdefault(self._group_key(g, g, g.dtype), []).append(g)
+        """The body of ``vega::c_prelude``. The tables of gradients of the same sizes, dtypes
+        and devices as a recent call's serve again, with their addresses rewritten."""
+        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        sig = (tuple(map(torch.Tensor.numel, grads)), tuple(map(_DTYPE_OF, grads)),
+               tuple(map(_DEVICE_OF, grads)))
+        tables = self._pre_plans.get(sig)
+        if tables is None:
+            groups: dict[tuple, list[int]] = {}
+            for i, g in enumerate(grads):
+                groups.setdefault(self._group_key(g, g, g.dtype), []).append(i)
+            tables = []
+            for key, idx in groups.items():
+                rows = [[grads[i].numel(), 0, 0] + [0] * (self._row - 3) for i in idx]
+                tables.append((self.library(key),
+                               torch.tensor(rows, dtype=torch.int64).reshape(len(idx), -1), idx))
+            if len(self._pre_plans) >= 8:
+                self._pre_plans.pop(next(iter(self._pre_plans)))
+            self._pre_plans[sig] = tables
         nth = torch.get_num_threads()
-        for key, gs in groups.items():
-            rows = [[g.numel(), 0, g.data_ptr()] + [0] * (self._row - 3) for g in gs]
-            table = torch.tensor(rows, dtype=torch.int64).reshape(len(gs), -1)
-            self.library(key).vega_prelude(len(gs), _ptr(table), _ptr(pre), nth)
+        ptr = torch.Tensor.data_ptr
+        for lib, table, idx in tables:
+            table[:, 2] = torch.tensor([ptr(grads[i]) for i in idx], dtype=torch.int64)
+            lib.vega_prelude(len(idx), _ptr(table), _ptr(pre), nth)
 
     @property
     def _row(self) -> int:
@@ -1101,6 +1115,7 @@ class Kernel:
 
 _KERNELS: dict[str, Kernel] = {}
 _DTYPE_OF = operator.attrgetter("dtype")
+_DEVICE_OF = operator.attrgetter("device")
 _GEOMETRY: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> Kernel._geometry
 
 

@@ -214,7 +214,9 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
     device = devices.pop() if devices else torch.device("cpu")
     pre = make_pre(device, inv_scale, max_norm, check)
     for program, backend, grads in parts:
-        codegen.kernel(backend, program).prelude([_real(g) for g in grads], pre)
+        if any(g.is_complex() for g in grads):
+            grads = [_real(g) for g in grads]
+        codegen.kernel(backend, program).prelude(grads, pre)
     return pre
 
 
