@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vega.dsl import ast, ir
-from vega.dsl.check import (_names, all_flag_settings, check, lower, shape_conditions,
-                            static_value)
+from vega.dsl.check import (SHAPE_QUERIES, _calls, _names, all_flag_settings, check, lower,
+                            shape_conditions, static_value)
 from vega.dsl.parser import parse
 from vega.errors import SpecError
 
@@ -27,12 +27,15 @@ class Spec:
     # program); computed once here: a cached_property's lock is not traceable by dynamo
     shape_conditions: list = field(init=False, repr=False)
     shape_hypers: tuple[str, ...] = field(init=False, repr=False)
+    reads_shape: bool = field(init=False, repr=False)  # a condition asks ndim(p) or the like
 
     def __post_init__(self):
         self.shape_conditions = shape_conditions(self.tree)
         floats = {h.name for h in self.hypers if h.type == "float"}
         names = (n.id for s in self.shape_conditions for n in _names(s.cond))
         self.shape_hypers = tuple(dict.fromkeys(n for n in names if n in floats))
+        self.reads_shape = any(isinstance(c, ast.Call) and c.fn in SHAPE_QUERIES
+                               for s in self.shape_conditions for c in _calls(s.cond))
 
     @property
     def name(self) -> str:

@@ -100,6 +100,9 @@ def programs(owner: str, spec, flags: dict, values: dict, tensors) -> list[Progr
         program = spec.program(flags)
         return [None if t is None else program for t in tensors]
     known = shape_values(owner, spec, flags, values)
+    if not spec.reads_shape:  # conditions on values only: one program for every tensor
+        program = spec.program(flags, spec.shapes(known, ()))
+        return [None if t is None else program for t in tensors]
     out, seen = [], spec.chosen(known)
     for t in tensors:
         if t is None:
