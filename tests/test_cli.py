@@ -72,5 +72,7 @@ def test_show_sets_a_float_hyperparameter(capsys):
     assert "def init_v(" in out and "nesterov=true" in out
     assert main(["show", "sgd"]) == 0
     assert "def init_v(" not in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="NAME=true, NAME=false or NAME=NUMBER"):
+    with pytest.raises(SystemExit, match="momentum is a number: write momentum=0.9"):
         main(["show", "sgd", "--set", "momentum=lots"])
+    with pytest.raises(SystemExit, match="nesterov is a bool: write nesterov=true or"):
+        main(["show", "sgd", "--set", "nesterov=1"])

@@ -5,9 +5,10 @@ small tensors (1,000 tensors of at most 10k elements). Every row is the
 median of several steps measured in this one run; ratios compare rows of the
 same run. The rows of a table are timed in rounds, each round stepping every
 row once in turn (``race``): a drift of the machine's speed touches them alike,
-and each step finds its data out of the cache, as it would after a forward and
-backward pass. Also: the time to compile a spec cold and to load it from the
-cache.
+and a step finds little of its data still in the cache, as after a forward and
+backward pass (the other optimizers of the second table race their counterpart
+alone; optax runs alone in a process of its own). Also: the time to compile a
+spec cold and to load it from the cache.
 """
 from __future__ import annotations
 
@@ -72,8 +73,8 @@ def _leaves(shapes, grads):
 def race(fns: dict, budget: float = 6.0, max_rounds: int = 9, min_rounds: int = 3) -> dict:
     """Median seconds of each of ``fns`` (label -> callable), measured in rounds: each
     round calls every function once, in turn, so that a drift of the machine's speed
-    touches every row alike and each step starts, as in training, with its data out of
-    the cache (the other rows' steps ran in between). One warm-up call each first."""
+    touches every row alike and a step's data may have left the cache (the other rows'
+    steps ran in between). One warm-up call each first."""
     for fn in fns.values():
         fn()
     times: dict = {label: [] for label in fns}

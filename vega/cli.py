@@ -27,18 +27,26 @@ def _load(target: str):
     return vega.builtin(target)
 
 
-def _parse_flags(pairs: list[str]) -> dict[str, bool | float]:
+def _parse_flags(pairs: list[str], hypers=()) -> dict[str, bool | float]:
+    """``--set NAME=V`` values, typed by the spec's hyperparameters (``hypers``); an
+    unknown name is left for the spec to name."""
+    types = {h.name: h.type for h in hypers}
     values: dict[str, bool | float] = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
-        if value.lower() in ("true", "false"):
+        kind = types.get(name)
+        if value.lower() in ("true", "false") and kind != "float":
             values[name] = value.lower() == "true"
             continue
         try:
+            if kind == "bool":
+                raise ValueError
             values[name] = float(value)
         except ValueError:
-            raise SystemExit(f"vega: --set {pair!r}: write NAME=true, NAME=false or "
-                             "NAME=NUMBER") from None
+            hint = {"bool": f"{name} is a bool: write {name}=true or {name}=false",
+                    "float": f"{name} is a number: write {name}=0.9, say"}.get(
+                        kind, "write NAME=true, NAME=false or NAME=NUMBER")
+            raise SystemExit(f"vega: --set {pair!r}: {hint}") from None
     return values
 
 
@@ -68,7 +76,7 @@ def cmd_show(args) -> int:
             except ValueError:
                 raise SystemExit(f"vega: --shape {args.shape!r}: write sizes like 512,768") \
                     from None
-        print(spec.source(args.backend, shape, **_parse_flags(args.set)))
+        print(spec.source(args.backend, shape, **_parse_flags(args.set, spec.hypers)))
     except (SpecError, FileNotFoundError, ValueError, TypeError) as err:
         print(err, file=sys.stderr)
         return 1
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a hyperparameter the program depends on, e.g. --set amsgrad=true, "
                    "--set momentum=0.9 for sgd's momentum buffer (repeatable)")
     p.add_argument("--shape", metavar="N,N,...", help="the kernel for a parameter of this "
-                   "shape, for specs with shape conditions (e.g. adafactor: --shape 512,768)")
+                   "shape, for specs whose ifs read the shape (e.g. adafactor: --shape 512,768)")
     p.set_defaults(fn=cmd_show)
     p = sub.add_parser("list", help="list the shipped optimizers")
     p.set_defaults(fn=cmd_list)

@@ -45,16 +45,36 @@ def test_value_condition_needs_a_plain_number():
             spec.init(params, momentum=value)
 
 
-def test_a_value_that_changes_the_state_is_named():
+def test_momentum_turned_on_and_off_follows_torch():
+    """As torch.optim.SGD: no buffer while momentum is 0; one started when it turns
+    positive (from the gradient: v = 0 * 0.9 + d); kept, unread, when it returns to 0;
+    read again when it turns positive again."""
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    q = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    ours, theirs = vega.optim.SGD([p], lr=0.1), torch.optim.SGD([q], lr=0.1)
+    for step, momentum in enumerate((0.0, 0.9, 0.9, 0.0, 0.9)):
+        for opt in (ours, theirs):
+            opt.param_groups[0]["momentum"] = momentum
+        g = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) * (step + 1)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-12, atol=0)
+        if step == 0:
+            assert set(ours.state[p]) == {"step"}
+    torch.testing.assert_close(ours.state[p]["v"], theirs.state[q]["momentum_buffer"])
+
+
+def test_other_state_mismatches_are_still_named():
     p = torch.nn.Parameter(torch.ones(3))
-    opt = vega.optim.SGD([p], lr=0.1)
+    opt = vega.optim.SGD([p], lr=0.1, momentum=0.9)
     p.grad = torch.ones(3)
     opt.step()
-    assert set(opt.state[p]) == {"step"}  # no buffer without momentum, as torch
-    opt.param_groups[0]["momentum"] = 0.9
-    with pytest.raises(ValueError, match=r"or momentum \(it picks each tensor's program\)"):
+    opt.state[p]["mu"] = torch.zeros(3)  # as from another optimizer's state_dict
+    del opt.state[p]["v"]
+    with pytest.raises(ValueError, match=r"state has \['mu', 'step'\] but the group's "
+                                         r"settings need \['step', 'v'\]"):
         opt.step()
-    assert torch.equal(p.detach(), torch.full((3,), 0.9))  # nothing changed
 
 
 def test_conditions_that_read_tensors_are_still_refused():

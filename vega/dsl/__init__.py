@@ -28,14 +28,19 @@ class Spec:
     shape_conditions: list = field(init=False, repr=False)
     shape_hypers: tuple[str, ...] = field(init=False, repr=False)
     reads_shape: bool = field(init=False, repr=False)  # a condition asks ndim(p) or the like
+    # the states declared under an if on hyperparameter values alone (sgd's v under
+    # `if momentum > 0`): a class creates them when the values turn such an if on
+    value_states: frozenset[str] = field(init=False, repr=False)
 
     def __post_init__(self):
         self.shape_conditions = shape_conditions(self.tree)
         floats = {h.name for h in self.hypers if h.type == "float"}
         names = (n.id for s in self.shape_conditions for n in _names(s.cond))
         self.shape_hypers = tuple(dict.fromkeys(n for n in names if n in floats))
-        self.reads_shape = any(isinstance(c, ast.Call) and c.fn in SHAPE_QUERIES
-                               for s in self.shape_conditions for c in _calls(s.cond))
+        self.reads_shape = any(_reads_shape(s.cond) for s in self.shape_conditions)
+        self.value_states = frozenset(
+            name for s in self.shape_conditions if not _reads_shape(s.cond)
+            for name in _declared(s.then + s.orelse))
 
     @property
     def name(self) -> str:
@@ -76,6 +81,19 @@ class Spec:
 
     def flag_settings(self) -> list[dict[str, bool]]:
         return all_flag_settings(self.hypers)
+
+
+def _reads_shape(cond) -> bool:
+    return any(isinstance(c, ast.Call) and c.fn in SHAPE_QUERIES for c in _calls(cond))
+
+
+def _declared(stmts):
+    """The names of the states declared in ``stmts``, in nested ifs too."""
+    for s in stmts:
+        if isinstance(s, ast.StateDecl):
+            yield s.name
+        elif isinstance(s, ast.If):
+            yield from _declared(s.then + s.orelse)
 
 
 def _guard(fn, source, filename, tree=None):

@@ -92,9 +92,10 @@ def shape_values(owner: str, spec, flags: dict, values: dict) -> dict:
 def programs(owner: str, spec, flags: dict, values: dict, tensors) -> list[Program | None]:
     """The program that steps each tensor (None for a None entry).
 
-    A spec without shape conditions has one program per setting of its bool
-    hyperparameters; one with ``if ndim(p) >= 2 ...`` has one per outcome of
-    its conditions, chosen here from each tensor's shape.
+    A spec without conditions on values or shapes has one program per setting of
+    its bool hyperparameters; one with ``if momentum > 0`` or ``if ndim(p) >= 2``
+    has one per outcome of those conditions, chosen here from the values and each
+    tensor's shape.
     """
     if not spec.shape_conditions:
         program = spec.program(flags)

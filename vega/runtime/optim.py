@@ -64,6 +64,19 @@ class SpecOptimizer(torch.optim.Optimizer):
         state["step"] = step
         return state
 
+    def _adapt_state(self, p, st: dict, want: set, program, values, group) -> bool:
+        """A state a hyperparameter's value turned on or off (sgd's v, when momentum
+        becomes positive or returns to 0): created fresh where missing, kept where no
+        longer read, as torch keeps its momentum_buffer. False for any other mismatch."""
+        lazy = self.spec._spec.value_states
+        missing, extra = want - st.keys(), st.keys() - want
+        if not (missing <= lazy and extra <= lazy):
+            return False
+        if missing:
+            fresh = self._init_state(p, program, values, group)
+            st.update({name: fresh[name] for name in missing})
+        return True
+
     @torch.no_grad()
     def step(self, closure=None):
         """One fused update of every parameter that has a gradient; returns the closure's loss.
@@ -99,7 +112,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                 st = self.state.get(p)
                 if not st:
                     st = self.state[p] = self._init_state(p, program, values, group)
-                elif st.keys() != want:
+                elif st.keys() != want and not self._adapt_state(p, st, want, program, values,
+                                                                  group):
                     raise ValueError(
                         f"{owner}: a parameter's state has {sorted(st)} but the "
                         f"group's settings need {sorted(want)}; was a bool hyperparameter"
