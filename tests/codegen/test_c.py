@@ -218,7 +218,7 @@ def test_division_by_a_per_tensor_value(dtype):
     grads = {"v": torch.tensor([1e-36, -2e-38, 7e-3, 0.0, 1e-30], dtype=dtype)}
     if dtype == torch.float64:
         grads = {"v": grads["v"] * 1e-270}
-    for s in (0.7, tiny, -tiny, huge, 0.0, float("inf"), torch.tensor(float("nan"))):
+    for s in (0.7, tiny, -tiny, huge, 0.0, -0.0, float("inf"), torch.tensor(float("nan"))):
         ref, _ = spec.step(params, grads, spec.init(params), backend="reference", s=s)
         out, _ = spec.step(params, grads, spec.init(params), backend="c", s=s)
         assert_close(out["v"], ref["v"], dtype, f"s={s}")
@@ -231,6 +231,32 @@ KEEPING = """optimizer keeping(lr = 0.1) {
     m = 0.5 * m + g
     v = 0.9 * v + g * g
     p = p - lr * (m / (1 + norm(m) + norm(v)) + old)
+}"""
+
+
+# phase 0 stores a; phase 1 computes b from a's old value (a0): a must not be stored
+# early, though phase 1 itself stores b
+CHAINED = """optimizer chained(lr = 0.1) {
+    state a = zeros
+    state b = ones
+    a0 = a
+    a = 0.5 * a + g
+    n1 = norm(a)
+    b = b + a0 * g / n1
+    n2 = norm(b)
+    p = p - lr * b / n2
+}"""
+
+# a and b take one new value; the update reads a's old one: neither is stored early
+SHARED = """optimizer shared(lr = 0.1) {
+    state a = ones
+    state b = ones
+    a0 = a
+    m = 0.5 * b + g
+    a = m
+    b = m
+    n1 = norm(m)
+    p = p - lr * (m + a0) / n1
 }"""
 
 
@@ -252,7 +278,10 @@ def test_state_written_by_the_reduction_phase(dtype):
     keeping = vega.compile(KEEPING)
     src = keeping.source("c")
     assert _stores(src, "vega_phase0") == "S1_[j]" and _stores(src, "vega_update") == "S0_[j]"
-    for spec in (keeping, vega.lamb):
+    chained, shared = vega.compile(CHAINED), vega.compile(SHARED)
+    assert _stores(chained.source("c"), "vega_phase0") == ""
+    assert _stores(shared.source("c"), "vega_update") == "S0_[j] S1_[j]"
+    for spec in (keeping, vega.lamb, chained, shared):
         params = make_params(dtype)
         ref, cc = (params, spec.init(params)), (params, spec.init(params))
         for step in range(6):
@@ -264,7 +293,7 @@ def test_state_written_by_the_reduction_phase(dtype):
             cc = spec.step(cc[0], grads, cc[1], backend="c", **kw)
             for k in params:
                 assert_close(cc[0][k], ref[0][k], dtype, f"step {step} p.{k}")
-                for name in ("m", "v") if spec is keeping else ("mu", "nu"):
+                for name in {keeping: ("m", "v"), vega.lamb: ("mu", "nu")}.get(spec, "ab"):
                     assert_close(cc[1][name][k], ref[1][name][k], dtype,
                                  f"step {step} {name}.{k}")
 
@@ -433,3 +462,15 @@ def test_prelude_tables_follow_new_gradients():
         ref_opt.step()
         for p, q in zip(ps, ref):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_tables_made_under_inference_mode_serve_outside_it():
+    spec = vega.adam
+    params = {"w": torch.randn(40), "b": torch.randn(3)}
+    state = spec.init(params)
+    for inference in (True, False, True):
+        grads = {k: torch.randn_like(v) for k, v in params.items()}
+        with torch.inference_mode(inference):
+            for kw in ({}, {"max_grad_norm": 1.0}):  # the update's tables, the prelude's
+                spec.step(params, grads, state, backend="c", donate=True, **kw)
+    assert int(state["step"]) == 6

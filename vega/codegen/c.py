@@ -302,12 +302,17 @@ class Source:
                         and id(n) not in stored]
                 plan.append(here)
                 stored.update({id(n): t for t, n in here})
-            later = [self._element_nodes(ph, stored)[2] for ph in self.phases[1:]]
+            # the old values each later loop reads, with what the loops before it stored
+            later = [self._element_nodes(self.phases[j], {
+                id(n): t for here in plan[:j] for t, n in here})[2]
+                for j in range(1, len(self.phases))]
             later.append(self._element_nodes(self._update_roots(stored), stored)[2])
             for k, here in enumerate(plan):
-                for t, _ in here:
+                for t, node in here:
                     if any(t in reads for reads in later[k:]):
-                        banned.add(t)
+                        # and every state whose new value is the same node: the update
+                        # writes none of a node's states once one of them is stored
+                        banned.update(u for u, m in self.program.updates if m is node)
                         ok = False
             if ok:
                 return plan
@@ -581,7 +586,8 @@ class AxesSource(Source):
     its outputs with a static schedule, so a step does not depend on the thread count:
 
     - an axis reduction (``row_mean`` ...) is *materialized*: computed into a buffer of
-      its domain, each output combining its sources in order (in double);
+      its domain, each output combining its sources in order (in double; across rows, in
+      up to 8 fixed parts of the rows, each in order, the parts then in order);
     - so is any other value that a value of a larger domain reads (a broadcast), or
       that is written to an output of a larger domain;
     - a per-tensor reduction (``norm`` ...) accumulates over its argument's domain, in
@@ -743,7 +749,8 @@ class AxesSource(Source):
 
     def _gather(self, node: Node) -> list[str]:
         """The loop materializing an axis reduction: output o combines its source at
-        ``(o / inner * len + k) * inner + o % inner`` for k < len, in order."""
+        ``(o / inner * len + k) * inner + o % inner`` for k < len, in order (where
+        ``inner > 1``: in up to 8 fixed parts of the k, combined in order)."""
         src = node.src[0]
         axis, how = AXIS_REDUCTIONS[node.op]
         inner, length = _AXIS[src.dom, axis]
@@ -776,15 +783,16 @@ class AxesSource(Source):
             f"        const int64_t nb = (inner + GB - 1) / GB, na = {nout} / inner;",
             "        const int64_t nk = na * nb >= 8 || len < 2 ? 1 : (len < 8 ? len : 8);",
             "        const int64_t kc = (len + nk - 1) / nk;",
+            "        const int64_t tw = inner < GB ? inner : GB;  /* a tile's width */",
             "        double *part = (double *)malloc(sizeof(double) * (size_t)(na * nb * nk) "
-            "* GB);",
+            "* (size_t)tw);",
             f"        {par}",
             "        for (int64_t task = 0; task < na * nb * nk; task++) {",
             "            const int64_t tile = task / nk, k0 = task % nk * kc;",
             "            const int64_t a = tile / nb, b0 = tile % nb * GB;",
             "            const int64_t bn = inner - b0 < GB ? inner - b0 : GB;",
             "            const int64_t k1 = k0 + kc < len ? k0 + kc : len;",
-            "            double *acc = part + task * GB;",
+            "            double *acc = part + task * tw;",
             f"            for (int64_t b = 0; b < bn; b++) acc[b] = {ident};",
             "            for (int64_t k = k0; k < k1; k++) {",
             "                #pragma omp simd",
@@ -798,9 +806,9 @@ class AxesSource(Source):
             "            const int64_t a = tile / nb, b0 = tile % nb * GB;",
             "            const int64_t bn = inner - b0 < GB ? inner - b0 : GB;",
             "            for (int64_t b = 0; b < bn; b++) {",
-            "                double r = part[tile * nk * GB + b];",
+            "                double r = part[tile * nk * tw + b];",
             "                for (int64_t q = 1; q < nk; q++) {",
-            "                    const double y = part[(tile * nk + q) * GB + b];",
+            "                    const double y = part[(tile * nk + q) * tw + b];",
             f"                    {_combine('max' if how == 'max' else 'sum', 'r', 'y')}",
             "                }",
             f"                {buf}[a * inner + b0 + b] = (CT)({value.format('r')});",
@@ -976,8 +984,7 @@ class Kernel:
             tables = []
             for key, idx in groups.items():
                 rows = [[grads[i].numel(), 0, 0] + [0] * (self._row - 3) for i in idx]
-                tables.append((self.library(key),
-                               torch.tensor(rows, dtype=torch.int64).reshape(len(idx), -1), idx))
+                tables.append((self.library(key), _table(rows), idx))
             if len(self._pre_plans) >= 8:
                 self._pre_plans.pop(next(iter(self._pre_plans)))
             self._pre_plans[sig] = tables
@@ -1061,7 +1068,7 @@ class Kernel:
                      steps[step_index[i]].data_ptr(),
                      hyp[hyp_index[i]].data_ptr(), *self._geometry(params[i].shape)]
                     for i in idx]
-            table = torch.tensor(rows, dtype=torch.int64).reshape(len(idx), -1)
+            table = _table(rows)
             red = torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64)
             out.append((self.library(key), table, red, idx))
         return out
@@ -1104,13 +1111,23 @@ class Kernel:
         numbers = tuple(float(v) for v in parts) or (0.0,)
         if torch.compiler.is_compiling():  # a graph constant: a cache filled while tracing
             return torch.tensor(numbers, dtype=torch.float64)  # would fail the next guards
-        # plain numbers: one array per distinct setting, kept across steps
-        arr = self._hyp_cache.get(numbers)
+        # plain numbers: one array per distinct setting, kept across steps; keyed by their
+        # spelling, as -0.0 == 0.0 (and x / -0.0 is not x / 0.0)
+        key = tuple(map(float.hex, numbers))
+        arr = self._hyp_cache.get(key)
         if arr is None:
             if len(self._hyp_cache) > 64:
                 self._hyp_cache.clear()
-            arr = self._hyp_cache[numbers] = torch.tensor(numbers, dtype=torch.float64)
+            arr = self._hyp_cache[key] = torch.tensor(numbers, dtype=torch.float64)
         return arr
+
+
+def _table(rows: list[list[int]]) -> torch.Tensor:
+    """An address table, kept across calls and its gradient column rewritten in place: a
+    normal tensor even when made under torch.inference_mode (an inference tensor could
+    not be written outside it)."""
+    with torch.inference_mode(False):
+        return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), -1)
 
 
 _KERNELS: dict[str, Kernel] = {}
