@@ -1032,19 +1032,20 @@ class Kernel:
             if tables is None:
                 if len(self._plans) >= 8:
                     self._plans.pop(next(iter(self._plans)))
-                tables = self._plans[key] = self._tables(params, grads, flat_states, steps,
-                                                         step_index, hyp, hyp_index)
+                tables = self._plans[key] = (
+                    self._tables(params, grads, flat_states, steps, step_index, hyp, hyp_index),
+                    _int64s([ptr(s) for s in steps]))
             else:
-                for _, table, _, idx in tables:
+                for _, table, _, idx in tables[0]:
                     table[:, 2] = torch.tensor([ptr(grads[i]) for i in idx], dtype=torch.int64)
-            self._launch(tables, steps, pre, nth)
+            self._launch(*tables, pre, nth)
             return
         # some tensor is not contiguous: work on contiguous copies, copied back at the end
         work_p = [p.contiguous() for p in params]
         work_s = [s.contiguous() for s in flat_states]
         tables = self._tables(work_p, [g.contiguous() for g in grads], work_s, steps,
                               step_index, [h.contiguous() for h in hyp], hyp_index)
-        self._launch(tables, steps, pre, nth)
+        self._launch(tables, _int64s([s.data_ptr() for s in steps]), pre, nth)
         for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
             if work is not orig:
                 orig.copy_(work)
@@ -1084,7 +1085,9 @@ class Kernel:
             found = _GEOMETRY[shape] = (*axis_geometry(shape), *line_lengths(shape))
         return found
 
-    def _launch(self, tables, steps, pre, nth):
+    def _launch(self, tables, step_ptrs, pre, nth):
+        """Every phase and the update of each dtype group, then the step counters (at the
+        addresses ``step_ptrs``)."""
         for lib, table, red, _ in tables:
             n = table.shape[0]
             if self._axes:
@@ -1094,8 +1097,7 @@ class Kernel:
                 getattr(lib, f"vega_phase{k}")(n, _ptr(table), _ptr(pre), _ptr(red), nth)
             lib.vega_update(n, _ptr(table), _ptr(pre), _ptr(red), nth)
         if tables:
-            ptrs = torch.tensor([s.data_ptr() for s in steps], dtype=torch.int64)
-            tables[-1][0].vega_advance(len(steps), _ptr(ptrs), _ptr(pre))
+            tables[-1][0].vega_advance(len(step_ptrs), _ptr(step_ptrs), _ptr(pre))
 
     def _hyper_tables(self, values):
         """A float64 array of hyperparameter values per distinct values dict, and the index
@@ -1122,12 +1124,16 @@ class Kernel:
         return arr
 
 
-def _table(rows: list[list[int]]) -> torch.Tensor:
-    """An address table, kept across calls and its gradient column rewritten in place: a
+def _int64s(values: list) -> torch.Tensor:
+    """Addresses, kept across calls and rewritten in place (a table's gradient column): a
     normal tensor even when made under torch.inference_mode (an inference tensor could
     not be written outside it)."""
     with torch.inference_mode(False):
-        return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), -1)
+        return torch.tensor(values, dtype=torch.int64)
+
+
+def _table(rows: list[list[int]]) -> torch.Tensor:
+    return _int64s(rows).reshape(len(rows), -1)
 
 
 _KERNELS: dict[str, Kernel] = {}

@@ -95,17 +95,19 @@ class SpecOptimizer(torch.optim.Optimizer):
         owner = type(self).__name__
         for group in self.param_groups:
             flags, values = self._group_values(group)
-            params = [p for p in group["params"] if p.grad is not None]
+            pairs = [(p, p.grad) for p in group["params"]]  # p.grad: one read (a property)
+            params = [p for p, g in pairs if g is not None]
             if not params:
                 continue
+            grads = [g for _, g in pairs if g is not None]
+            if any(g.is_sparse for g in grads):
+                raise ValueError(f"{owner} does not support sparse gradients")
             progs = engine.programs(owner, self.spec._spec, flags, values, params)
             shaped = "".join(f", or {n} (it picks each tensor's program)"
                              for n in self.spec._spec.shape_hypers)
             wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
             sts = []  # each parameter's state dict (one lookup: a tensor hashes in Python)
             for p, program in zip(params, progs):
-                if p.grad.is_sparse:
-                    raise ValueError(f"{owner} does not support sparse gradients")
                 want = wants.get(id(program))
                 if want is None:
                     want = wants[id(program)] = {*program.state_names, "step"}
@@ -121,15 +123,15 @@ class SpecOptimizer(torch.optim.Optimizer):
                 sts.append(st)
             backend = group["backend"] or codegen.default_backend(params[0].device.type)
             for program, ks in engine.groups(progs):
-                work.append((program, backend, [params[k] for k in ks], [sts[k] for k in ks],
-                             values))
+                work.append((program, backend, [params[k] for k in ks], [grads[k] for k in ks],
+                             [sts[k] for k in ks], values))
         check = self.skip_nonfinite or self.loss_scale is not None
-        pre = engine.prelude([(prog, be, [p.grad for p in ps]) for prog, be, ps, _, _ in work],
+        pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _ in work],
                              engine.inverse_scale(self.loss_scale), self.max_grad_norm, check)
-        for program, backend, params, sts, values in work:
+        for program, backend, params, grads, sts, values in work:
             states = [[st[n] for st in sts] for n in program.state_names]
-            engine.run(program, backend, params, [p.grad for p in params], states,
-                       [st["step"] for st in sts], [values] * len(params), donate=True, pre=pre)
+            engine.run(program, backend, params, grads, states, [st["step"] for st in sts],
+                       [values] * len(params), donate=True, pre=pre)
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
         return loss
