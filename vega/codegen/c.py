@@ -303,8 +303,7 @@ class Source:
                 plan.append(here)
                 stored.update({id(n): t for t, n in here})
             # the old values each later loop reads, with what the loops before it stored
-            later = [self._element_nodes(self.phases[j], {
-                id(n): t for here in plan[:j] for t, n in here})[2]
+            later = [self._element_nodes(self.phases[j], _stores_of(plan[:j]))[2]
                 for j in range(1, len(self.phases))]
             later.append(self._element_nodes(self._update_roots(stored), stored)[2])
             for k, here in enumerate(plan):
@@ -319,7 +318,7 @@ class Source:
 
     def _stored(self, upto: int) -> dict[int, str]:
         """The values stored by the phases before ``upto``: id -> state name."""
-        return {id(n): t for here in self.early[:upto] for t, n in here}
+        return _stores_of(self.early[:upto])
 
     def _update_roots(self, stored) -> list[Node]:
         return [n for t, n in self.program.updates if not (t != "p" and id(n) in stored)]
@@ -985,9 +984,7 @@ class Kernel:
             for key, idx in groups.items():
                 rows = [[grads[i].numel(), 0, 0] + [0] * (self._row - 3) for i in idx]
                 tables.append((self.library(key), _table(rows), idx))
-            if len(self._pre_plans) >= 8:
-                self._pre_plans.pop(next(iter(self._pre_plans)))
-            self._pre_plans[sig] = tables
+            _remember(self._pre_plans, sig, tables)
         nth = torch.get_num_threads()
         ptr = torch.Tensor.data_ptr
         for lib, table, idx in tables:
@@ -1030,11 +1027,9 @@ class Kernel:
                    tuple(step_index), tuple(hyp_index), sizes, tuple(map(_DTYPE_OF, everything)))
             tables = self._plans.get(key)
             if tables is None:
-                if len(self._plans) >= 8:
-                    self._plans.pop(next(iter(self._plans)))
-                tables = self._plans[key] = (
+                tables = _remember(self._plans, key, (
                     self._tables(params, grads, flat_states, steps, step_index, hyp, hyp_index),
-                    _int64s([ptr(s) for s in steps]))
+                    _int64s([ptr(s) for s in steps])))
             else:
                 for _, table, _, idx in tables[0]:
                     table[:, 2] = torch.tensor([ptr(grads[i]) for i in idx], dtype=torch.int64)
@@ -1122,6 +1117,19 @@ class Kernel:
                 self._hyp_cache.clear()
             arr = self._hyp_cache[key] = torch.tensor(numbers, dtype=torch.float64)
         return arr
+
+
+def _stores_of(plan) -> dict[int, str]:
+    """The values a plan of early stores writes (``Source._early_stores``): id -> state."""
+    return {id(n): t for here in plan for t, n in here}
+
+
+def _remember(cache: dict, key, value, size: int = 8):
+    """``cache[key] = value``, dropping the oldest entry beyond ``size``; the value."""
+    if len(cache) >= size:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
 
 
 def _int64s(values: list) -> torch.Tensor:

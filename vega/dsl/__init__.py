@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vega.dsl import ast, ir
-from vega.dsl.check import (SHAPE_QUERIES, _calls, _names, all_flag_settings, check, lower,
+from vega.dsl.check import (_names, all_flag_settings, check, lower, reads_shape,
                             shape_conditions, static_value)
 from vega.dsl.parser import parse
 from vega.errors import SpecError
@@ -37,9 +37,9 @@ class Spec:
         floats = {h.name for h in self.hypers if h.type == "float"}
         names = (n.id for s in self.shape_conditions for n in _names(s.cond))
         self.shape_hypers = tuple(dict.fromkeys(n for n in names if n in floats))
-        self.reads_shape = any(_reads_shape(s.cond) for s in self.shape_conditions)
+        self.reads_shape = any(reads_shape(s.cond) for s in self.shape_conditions)
         self.value_states = frozenset(
-            name for s in self.shape_conditions if not _reads_shape(s.cond)
+            name for s in self.shape_conditions if not reads_shape(s.cond)
             for name in _declared(s.then + s.orelse))
 
     @property
@@ -81,10 +81,6 @@ class Spec:
 
     def flag_settings(self) -> list[dict[str, bool]]:
         return all_flag_settings(self.hypers)
-
-
-def _reads_shape(cond) -> bool:
-    return any(isinstance(c, ast.Call) and c.fn in SHAPE_QUERIES for c in _calls(cond))
 
 
 def _declared(stmts):

@@ -384,11 +384,15 @@ def _reduce_hint(have: str, want: str) -> str:
     return f"; reduce it with {' and '.join(f + '(...)' for f in fns)}" if fns else ""
 
 
+def reads_shape(e) -> bool:
+    """Whether an expression asks for the tensor's shape (ndim(p) ...)."""
+    return any(isinstance(c, ast.Call) and c.fn in SHAPE_QUERIES for c in _calls(e))
+
+
 def _is_shape_cond(e, floats: set[str]) -> bool:
     """Whether an if's condition is decided at each step from the tensor's shape or the
     values of float hyperparameters (``if momentum > 0``): it asks for either."""
-    return any(isinstance(c, ast.Call) and c.fn in SHAPE_QUERIES for c in _calls(e)) or any(
-        n.id in floats for n in _names(e))
+    return reads_shape(e) or any(n.id in floats for n in _names(e))
 
 
 def _calls(e):

@@ -97,11 +97,8 @@ def programs(owner: str, spec, flags: dict, values: dict, tensors) -> list[Progr
     has one per outcome of those conditions, chosen here from the values and each
     tensor's shape.
     """
-    if not spec.shape_conditions:
-        program = spec.program(flags)
-        return [None if t is None else program for t in tensors]
-    known = shape_values(owner, spec, flags, values)
-    if not spec.reads_shape:  # conditions on values only: one program for every tensor
+    known = shape_values(owner, spec, flags, values) if spec.shape_conditions else {}
+    if not spec.reads_shape:  # no conditions, or on values only: one program for all
         program = spec.program(flags, spec.shapes(known, ()))
         return [None if t is None else program for t in tensors]
     out, seen = [], spec.chosen(known)
