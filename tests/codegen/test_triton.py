@@ -374,3 +374,18 @@ def test_cpu_tensors_without_the_interpreter_raise(monkeypatch):
     p = torch.zeros(3)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         vega.sgd_step(p, torch.ones(3), vega.sgd_init(p), backend="triton")
+
+
+def test_refuses_a_misshaped_state_before_launching():
+    """A state smaller than its parameter would be read and written past its end."""
+    p = torch.nn.Parameter(torch.randn(1000, device=DEVICE))
+    opt = vega.optim.SGD([p], lr=0.1, momentum=0.9, backend="triton")
+    p.grad = torch.randn(1000, device=DEVICE)
+    opt.step()
+    opt.state[p]["v"] = torch.zeros(3, device=DEVICE)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"backend 'triton': state 'v' of parameter 0 has "
+                                         r"shape \(3,\), but its parameter, of shape \(1000,\), "
+                                         r"needs \(1000,\)"):
+        opt.step()
+    assert torch.equal(p.detach(), before)

@@ -447,6 +447,49 @@ def test_state_dict_keeps_per_group_settings_through_torch_save(tmp_path):
     _continue_both(model, opt, model2, opt2)
 
 
+@pytest.mark.parametrize("name,state", [("sgd", "v"), ("adamw", "nu"), ("adafactor", "v_row"),
+                                        ("adamw", "step")])
+def test_load_state_dict_refuses_a_misshaped_state_and_changes_nothing(name, state):
+    """torch's load_state_dict takes any tensor; a kernel would read and write past a
+    smaller one. The optimizer keeps its state, settings and tensors."""
+    import copy
+    model = _model()
+    extra = {"sgd": {"momentum": 0.9}, "adafactor": {"min_dim_size_to_factor": 4.0}}
+    opt = vega.builtin(name).optimizer(model.parameters(), lr=1e-2, **extra.get(name, {}))
+    _train(model, opt, 2, seed=1)
+    sd = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy(opt.state_dict())
+    sd["state"][0][state] = torch.zeros(3)
+    sd["param_groups"][0]["lr"] = 5.0
+    with pytest.raises(ValueError, match=rf"load_state_dict: state '{state}' of parameter 0 of "
+                                         r"group 0 has shape \(3,\), but (a step counter is 0-d"
+                                         r"|the parameter, of shape \(16, 8\), needs "
+                                         r"\(\d+(, \d+)?,?\))$"):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for k, st in before["state"].items():
+        for key, value in st.items():
+            assert torch.equal(after["state"][k][key], value), (k, key)
+    _train(model, opt, 1, seed=2)  # and it still steps
+
+
+@needs_c
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_step_refuses_a_state_replaced_by_a_misshaped_one(backend):
+    p = torch.nn.Parameter(torch.randn(1000))
+    opt = vega.optim.SGD([p], lr=0.1, momentum=0.9, backend=backend)
+    p.grad = torch.randn(1000)
+    opt.step()
+    opt.state[p]["v"] = torch.zeros(3)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=rf"backend '{backend}': state 'v' of parameter 0 has "
+                                         r"shape \(3,\), but its parameter, of shape "
+                                         r"\(1000,\), needs \(1000,\)"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
 SINGLE_PROCESS = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning")
 

@@ -199,6 +199,19 @@ def geometry(shape) -> Geometry:
     return found
 
 
+def check_states(backend: str, program: Program, params, states) -> None:
+    """Raise ValueError unless every state tensor has the shape its parameter needs
+    (``states``: one list per state variable): a kernel would read and write past a
+    smaller one."""
+    for s, col in zip(program.states, states):
+        for i, (p, x) in enumerate(zip(params, col)):
+            want = tuple(p.shape) if s.dom == "rc" else geometry(p.shape).shape(s.dom)
+            if tuple(x.shape) != want:
+                raise ValueError(f"backend '{backend}': state '{s.name}' of parameter {i} has "
+                                 f"shape {tuple(x.shape)}, but its parameter, of shape "
+                                 f"{tuple(p.shape)}, needs {want}")
+
+
 def axis_geometry(shape) -> tuple[int, ...]:
     """The integers a compiled kernel needs to walk a tensor's matrix view (see
     ``vega.dsl.ir``): ``(n_rc, n_r, n_c, n_, Sr, Sc, fr, fc, rr, cc)``.

@@ -30,8 +30,8 @@ import operator
 import torch
 
 from vega.codegen import cbuild, reference
-from vega.codegen.base import (Linear, Renderer, axis_geometry, distinct, linearize,
-                               reduction_phases, safe)
+from vega.codegen.base import (Linear, Renderer, axis_geometry, check_states, distinct,
+                               linearize, reduction_phases, safe)
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, DOMAINS, LEAVES, REDUCTIONS, Kind, Node,
                         Op, Program, walk)
@@ -1050,6 +1050,7 @@ class Kernel:
         every tensor."""
         n = len(params)
         states = [flat_states[k * n:(k + 1) * n] for k in range(len(self.program.states))]
+        check_states("c", self.program, params, states)
         groups: dict[tuple[str, str, str], list[int]] = {}
         for i, (p, g) in enumerate(zip(params, grads)):
             sdt = states[0][i].dtype if states else p.dtype

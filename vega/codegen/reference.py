@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from vega.codegen.base import Geometry, Linear, Renderer, geometry, linearize, safe
+from vega.codegen.base import (Geometry, Linear, Renderer, check_states, geometry, linearize,
+                               safe)
 from vega.dsl.ir import AXIS_REDUCTIONS, REDUCTIONS, Kind, Node, Op, Program
 
 
@@ -244,6 +245,7 @@ class Kernel:
         every parameter, state and step counter as it was. ``finite`` is that
         flag as a 0-d bool tensor (None without ``pre``).
         """
+        check_states("reference", self.program, params, states)
         finite = gscale = None
         if pre is not None:
             finite = (pre[1] == 0) | (pre[4] == 0)

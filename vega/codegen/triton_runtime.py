@@ -29,7 +29,7 @@ from collections import OrderedDict
 
 import torch
 
-from vega.codegen.base import axis_geometry, distinct, safe
+from vega.codegen.base import axis_geometry, check_states, distinct, safe
 
 BLOCK_GPU, WARPS_GPU = 2048, 8  # elements per program, and warps, on a GPU
 BLOCK_INTERPRETER = 4096  # under the interpreter every program costs ~1 ms: fewer, larger ones
@@ -362,6 +362,7 @@ def step(kern, params, grads, states, steps, values, donate, pre):
             if col[i].dtype != sd:
                 raise ValueError("backend 'triton' needs every state tensor of a parameter in "
                                  "one dtype")
+    check_states("triton", kern.program, params, states)
     # distinct step counters and hyperparameter sets (the same object is shared by many tensors)
     uniq_steps, step_index = distinct(steps)
     uniq_values, hyper_index = distinct(values)

@@ -146,6 +146,15 @@ class SpecOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, keeping vega's state dtypes (float32 state for half
         parameters, the step counter int32 on the parameter's device)."""
+        before = self.state, self.param_groups, self.loss_scale
+        try:
+            self._load(state_dict)
+            self._check_loaded()
+        except (TypeError, ValueError):  # nothing changes
+            self.state, self.param_groups, self.loss_scale = before
+            raise
+
+    def _load(self, state_dict: dict) -> None:
         saved = state_dict["state"]
         originals = {k: dict(v) for k, v in saved.items()}
         scale = state_dict.get("loss_scale")
@@ -169,6 +178,28 @@ class SpecOptimizer(torch.optim.Optimizer):
                     self.state[p][name] = value.to(device=p.device, dtype=torch.int32).clone()
                 elif value.is_floating_point() or value.is_complex():
                     self.state[p][name] = value.to(device=p.device, dtype=sd).clone()
+
+    def _check_loaded(self) -> None:
+        """Each loaded state tensor has the shape its parameter needs (a kernel would read
+        and write past a smaller one)."""
+        owner = type(self).__name__
+        for k, group in enumerate(self.param_groups):
+            flags, values = self._group_values(group)
+            params = [p for p in group["params"] if self.state.get(p)]
+            progs = engine.programs(owner, self.spec._spec, flags, values, params)
+            for p, program in zip(params, progs):
+                for name, dom in [("step", None), *((s.name, s.dom) for s in program.states)]:
+                    x = self.state[p].get(name)
+                    if not isinstance(x, torch.Tensor):
+                        continue  # missing: the step names what it needs
+                    want = () if dom is None else engine.state_shape(p, dom)
+                    if tuple(x.shape) != want:
+                        i = next(i for i, q in enumerate(group["params"]) if q is p)
+                        needs = "a step counter is 0-d" if dom is None else (
+                            f"the parameter, of shape {tuple(p.shape)}, needs {want}")
+                        raise ValueError(
+                            f"{owner}.load_state_dict: state '{name}' of parameter {i} of "
+                            f"group {k} has shape {tuple(x.shape)}, but {needs}")
 
 
 def optimizer_class(spec) -> type:
