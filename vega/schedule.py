@@ -5,7 +5,9 @@ update, optax's ``count`` convention) to a value. Every schedule is a small
 picklable object with a readable ``repr``, callable two ways:
 
 - on an integer step tensor (int32 or int64, 0-d, any device): a 0-d float32
-  tensor on the same device, computed with tensor operations only -- no
+  tensor on the same device (on a tensor of many steps, a float32 tensor of their
+  values, each equal to the value at that step alone), computed with tensor
+  operations only -- no
   ``.item()``, no Python ``if`` on a tensor -- so that a step which calls it
   compiles under ``torch.compile(fullgraph=True)`` and replays under CUDA graphs
   as the counter advances. The arithmetic is done in float64 (float32 on MPS,
@@ -137,8 +139,13 @@ class Schedule:
                 raise TypeError(f"a schedule takes an integer step tensor, got {step.dtype}")
             ops = _Device(step.device)
             k = torch.clamp(step.to(ops.dtype), min=0)
-            return ops.tensor(self._at(k, ops)).to(torch.float32)
+            return ops.tensor(self._at(k, ops)).to(torch.float32).expand(step.shape)
         return float(self._at(_check_step(step), _HOST))
+
+    def elementwise(self) -> bool:
+        """True when a tensor of many steps gives each step's value (every schedule of
+        this module; a ``join`` of them)."""
+        return True
 
     def _at(self, k, ops):
         """The value at step ``k`` (a Python int or a float tensor) with ``ops``."""
@@ -402,6 +409,9 @@ class Join(Schedule):
     def __repr__(self) -> str:
         return f"join([{', '.join(f'({n}, {s!r})' for n, s in self.segments)}])"
 
+    def elementwise(self) -> bool:
+        return all(isinstance(s, Schedule) and s.elementwise() for _, s in self.segments)
+
     def _offsets(self) -> list[int]:
         out, total = [], 0
         for n, _ in self.segments:
@@ -421,7 +431,7 @@ class Join(Schedule):
             out = at(len(scheds) - 1)
             for i in reversed(range(len(scheds) - 1)):
                 out = torch.where(step < offsets[i + 1], at(i), out)
-            return out
+            return out.expand(step.shape)
         k = _check_step(step)
         i = max(i for i, off in enumerate(offsets) if off <= k)
         return float(scheds[i](k - offsets[i]))

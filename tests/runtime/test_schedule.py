@@ -167,6 +167,21 @@ def test_tensor_step_keeps_device_and_negative_counts_as_zero():
         s(torch.tensor(True))
 
 
+def test_a_tensor_of_steps_gives_each_steps_value_bitwise():
+    """What the optimizer classes rely on to evaluate a schedule once for all parameters
+    (each has its own counter): the values on a 1-d tensor of steps are, bit for bit,
+    those of each step alone."""
+    steps = torch.tensor([-2, 0, 1, 2, 3, 5, 9, 10, 11, 17, 29, 30, 31, 64, 99, 1000, 5000,
+                          2**31 - 1], dtype=torch.int32)
+    for s in ALL:
+        assert s.elementwise()
+        many = s(steps)
+        assert many.shape == steps.shape and many.dtype == torch.float32
+        one = torch.stack([s(k) for k in steps])
+        assert torch.equal(many.view(torch.int32), one.view(torch.int32)), repr(s)
+    assert not schedule.join([(5, schedule.constant(1.0)), (5, lambda k: 0.5 * k)]).elementwise()
+
+
 def test_compiles_fullgraph_once():
     """Every schedule on a step tensor in one compiled frame: no graph break, no
     recompilation as the step changes, and the eager values. (aot_eager traces what
@@ -236,3 +251,68 @@ BAD = _cases_bad()
 def test_bad_arguments_raise(make, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
         make()
+
+
+class _Counted(schedule.Linear):
+    calls = 0
+
+    def __call__(self, step):
+        type(self).calls += 1
+        return super().__call__(step)
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_optimizer_class_evaluates_a_schedule_once_a_step(backend):
+    """Each parameter of a class has its own step counter: a vega schedule is evaluated
+    once a step on all of them, and a parameter that missed a step gets its own step's
+    value -- as a functional step of that parameter alone."""
+    import vega
+    from vega.codegen import c as c_backend
+    if backend == "c" and not c_backend.available():
+        pytest.skip("no C compiler: no C backend")
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(10,), (7, 3), ()]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    alone = [p.detach().clone() for p in params]
+    states = [vega.adamw_init(p) for p in alone]
+    lr = _Counted(1e-2, 1e-3, 4)
+    opt = vega.optim.AdamW(params, lr=lr, backend=backend)
+    class_calls = []
+    for k in range(6):
+        for i, p in enumerate(params):
+            p.grad = None if (k, i) in {(1, 1), (2, 1), (3, 2)} else \
+                torch.randn(p.shape, generator=gen)
+        _Counted.calls = 0
+        opt.step()
+        class_calls.append(_Counted.calls)
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                alone[i], states[i] = vega.adamw_step(alone[i], p.grad, states[i], lr=lr,
+                                                      backend=backend)
+    assert class_calls == [1 + 3] + [1] * 5  # (and once a parameter for its initial state)
+    for p, q, st in zip(params, alone, states):
+        assert torch.equal(p.detach(), q)
+        assert torch.equal(opt.state[p]["step"], st["step"])
+        assert torch.equal(opt.state[p]["mu"], st["mu"]) and torch.equal(opt.state[p]["nu"],
+                                                                           st["nu"])
+    assert [int(opt.state[p]["step"]) for p in params] == [6, 4, 5]
+
+
+def test_a_callable_that_is_not_a_vega_schedule_is_called_per_counter():
+    import vega
+    calls = []
+
+    def lr(step):
+        calls.append(step)
+        return 1e-2 / (1.0 + step.to(torch.float64))
+
+    params = [torch.nn.Parameter(torch.ones(4) * i) for i in range(3)]
+    opt = vega.optim.SGD(params, lr=lr, backend="reference")
+    for p in params:
+        p.grad = torch.ones(4)
+    opt.step()
+    del calls[:]  # (the first step evaluates it for each initial state too)
+    opt.step()
+    assert len(calls) == 3
+    expected = torch.ones(4) * 2 - (1e-2 + 1e-2 / 2)
+    torch.testing.assert_close(params[2].detach(), expected, rtol=1e-6, atol=0)

@@ -199,6 +199,22 @@ def geometry(shape) -> Geometry:
     return found
 
 
+@dataclass(frozen=True)
+class HyperRows:
+    """Each tensor's float hyperparameters, evaluated: tensor ``i`` reads row ``index[i]``
+    of ``table`` (float64, a column per name of ``names``; one column of zeros when there
+    are none). What ``vega.runtime.engine.run`` gives a kernel when a value is a schedule:
+    one row per distinct (values, step counter)."""
+    names: tuple[str, ...]
+    table: torch.Tensor
+    index: list[int]
+
+    def dicts(self) -> list[dict]:
+        """The values of each tensor as a dict of 0-d float64 tensors (views of the table)."""
+        rows = [dict(zip(self.names, row.unbind())) for row in self.table.unbind()]
+        return [rows[r] for r in self.index]
+
+
 def check_states(backend: str, program: Program, params, states) -> None:
     """Raise ValueError unless every state tensor has the shape its parameter needs
     (``states``: one list per state variable): a kernel would read and write past a

@@ -30,8 +30,8 @@ import operator
 import torch
 
 from vega.codegen import cbuild, reference
-from vega.codegen.base import (Linear, Renderer, axis_geometry, check_states, distinct,
-                               linearize, reduction_phases, safe)
+from vega.codegen.base import (HyperRows, Linear, Renderer, axis_geometry, check_states,
+                               distinct, linearize, reduction_phases, safe)
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, DOMAINS, LEAVES, REDUCTIONS, Kind, Node,
                         Op, Program, walk)
@@ -900,6 +900,7 @@ class Kernel:
     """
 
     backend = "c"
+    takes_rows = True  # values may come as a HyperRows table
 
     def __init__(self, program: Program):
         self.program = program
@@ -1020,20 +1021,28 @@ class Kernel:
         if all(map(torch.Tensor.is_contiguous, everything)):
             # the tables of a recent call serve again when every address but the gradients'
             # is the same (a backward pass makes new gradients: their column is rewritten)
+            # (and the hyperparameters', when a schedule gave a new table: their column too)
             ptr = torch.Tensor.data_ptr
             sizes = tuple(p.shape for p in params) if self._axes else \
                 tuple(map(torch.Tensor.numel, params))
-            key = (tuple(map(ptr, (*params, *flat_states, *hyp))), tuple(map(ptr, steps)),
-                   tuple(step_index), tuple(hyp_index), sizes, tuple(map(_DTYPE_OF, everything)))
-            tables = self._plans.get(key)
-            if tables is None:
-                tables = _remember(self._plans, key, (
+            key = (tuple(map(ptr, (*params, *flat_states))), tuple(map(ptr, steps)),
+                   tuple(step_index), tuple(hyp_index), tuple(h.shape for h in hyp), sizes,
+                   tuple(map(_DTYPE_OF, everything)))
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = _remember(self._plans, key, [
                     self._tables(params, grads, flat_states, steps, step_index, hyp, hyp_index),
-                    _int64s([ptr(s) for s in steps])))
+                    _int64s([ptr(s) for s in steps]), tuple(map(ptr, hyp))])
             else:
-                for _, table, _, idx in tables[0]:
+                col = 4 + len(self.program.states)  # the hyperparameters' column
+                rows = None if plan[2] == tuple(map(ptr, hyp)) else _row_addresses(hyp)
+                for _, table, _, idx in plan[0]:
                     table[:, 2] = torch.tensor([ptr(grads[i]) for i in idx], dtype=torch.int64)
-            self._launch(*tables, pre, nth)
+                    if rows is not None:
+                        table[:, col] = torch.tensor([rows[hyp_index[i]] for i in idx],
+                                                     dtype=torch.int64)
+                plan[2] = tuple(map(ptr, hyp))
+            self._launch(plan[0], plan[1], pre, nth)
             return
         # some tensor is not contiguous: work on contiguous copies, copied back at the end
         work_p = [p.contiguous() for p in params]
@@ -1059,11 +1068,12 @@ class Kernel:
                                  "dtype")
             groups.setdefault(self._group_key(p, g, sdt), []).append(i)
         out = []
+        at = _row_addresses(hyp)
         for key, idx in groups.items():
             rows = [[params[i].numel(), params[i].data_ptr(), grads[i].data_ptr(),
                      *(col[i].data_ptr() for col in states),
                      steps[step_index[i]].data_ptr(),
-                     hyp[hyp_index[i]].data_ptr(), *self._geometry(params[i].shape)]
+                     at[hyp_index[i]], *self._geometry(params[i].shape)]
                     for i in idx]
             table = _table(rows)
             red = torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64)
@@ -1096,8 +1106,11 @@ class Kernel:
             tables[-1][0].vega_advance(len(step_ptrs), _ptr(step_ptrs), _ptr(pre))
 
     def _hyper_tables(self, values):
-        """A float64 array of hyperparameter values per distinct values dict, and the index
-        of each tensor's array."""
+        """float64 arrays of hyperparameter values (a row each, or a table of rows), and the
+        row of each tensor, counting rows through the arrays in order: one array per
+        distinct values dict, or the table of ``HyperRows``."""
+        if isinstance(values, HyperRows):
+            return [values.table], values.index
         uniq, index = distinct(values)
         return [self._hyper_array(vals) for vals in uniq], index
 
@@ -1118,6 +1131,17 @@ class Kernel:
                 self._hyp_cache.clear()
             arr = self._hyp_cache[key] = torch.tensor(numbers, dtype=torch.float64)
         return arr
+
+
+def _row_addresses(hyp: list[torch.Tensor]) -> list[int]:
+    """The address of each row of these contiguous float64 arrays (a 1-d array is a row)."""
+    out = []
+    for h in hyp:
+        if h.dim() == 1:
+            out.append(h.data_ptr())
+        else:
+            out += range(h.data_ptr(), h.data_ptr() + h.numel() * 8, h.shape[1] * 8)
+    return out
 
 
 def _stores_of(plan) -> dict[int, str]:

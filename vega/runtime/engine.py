@@ -13,7 +13,9 @@ import numbers
 import torch
 
 from vega import codegen
-from vega.codegen.reference import make_pre, memo
+from vega.codegen.base import HyperRows, distinct
+from vega.codegen.reference import make_pre
+from vega.schedule import Schedule
 from vega.dsl.ir import HyperParam, Program
 
 def _suggest(name, names) -> str:
@@ -221,6 +223,44 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
     return pre
 
 
+def hyper_rows(program: Program, values, steps) -> HyperRows:
+    """The float hyperparameters of each tensor, schedules evaluated at its step counter:
+    a row per distinct values dict, or per distinct (values dict, step counter) where the
+    dict holds a schedule. A ``vega.schedule`` schedule is evaluated once, on all the
+    distinct counters stacked (a class's parameters each have their own, and usually all
+    equal); any other callable once per counter."""
+    names = program.float_hypers
+    uniq_v, v_index = distinct(values)
+    uniq_s, s_index = distinct(steps)
+    device = uniq_s[0].device
+    stacked = None
+    blocks, starts, per_step = [], [], []
+    for vals in uniq_v:
+        timed = any(callable(vals[n]) and not isinstance(vals[n], torch.Tensor) for n in names)
+        rows = len(uniq_s) if timed else 1
+        cols = []
+        for n in names:
+            v = vals[n]
+            if isinstance(v, Schedule) and v.elementwise():
+                if stacked is None:
+                    stacked = torch.stack(uniq_s)
+                col = v(stacked)
+            elif callable(v) and not isinstance(v, torch.Tensor):
+                col = torch.stack([torch.as_tensor(v(s)).reshape(()) for s in uniq_s])
+            elif isinstance(v, torch.Tensor):
+                col = v.detach().reshape(()).expand(rows)
+            else:
+                col = torch.full((rows,), float(v), dtype=torch.float64, device=device)
+            cols.append(col.to(device=device, dtype=torch.float64))
+        starts.append(sum(len(b) for b in blocks))
+        per_step.append(timed)
+        blocks.append(torch.stack(cols, dim=1) if cols else
+                      torch.zeros((rows, 1), dtype=torch.float64, device=device))
+    index = [starts[v] + (s if per_step[v] else 0) for v, s in zip(v_index, s_index)]
+    table = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return HyperRows(tuple(names), table.contiguous(), index)
+
+
 def run(program: Program, backend: str, params, grads, states, steps, values, donate: bool,
         pre: torch.Tensor | None = None):
     """One step of ``program`` over lists of tensors.
@@ -232,19 +272,14 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     states, new steps, finite).
     """
     compiling = torch.compiler.is_compiling()
-    distinct = list({id(v): v for v in values}.values()) if not compiling else values
-    if not any(_has_schedule(v) for v in distinct):
+    uniq = list({id(v): v for v in values}.values()) if not compiling else values
+    kern = codegen.kernel(backend, program)
+    if not any(_has_schedule(v) for v in uniq):
         per_tensor = values  # nothing depends on the step: the values as they are
     else:
-        evaluated: dict = {}
-        scheduled: dict = {}
-        per_tensor = []
-        for step, vals in zip(steps, values):
-            keys = (step, vals) if memo(scheduled, (vals,), (), _has_schedule, vals,
-                                        compiling=compiling) else (vals,)
-            per_tensor.append(memo(evaluated, keys, (), at_step, vals, step,
-                                   compiling=compiling))
-    kern = codegen.kernel(backend, program)
+        per_tensor = hyper_rows(program, values, steps)
+        if not getattr(kern, "takes_rows", False):
+            per_tensor = per_tensor.dicts()
     if any(p.is_complex() for p in params):  # complex parameters step as real pairs
         _no_complex_axes(program)
         real_p = [_real(p) for p in params]
