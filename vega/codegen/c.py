@@ -27,6 +27,7 @@ import ctypes
 import math
 import operator
 
+import numpy as np
 import torch
 
 from vega.codegen import cbuild, reference
@@ -914,7 +915,7 @@ class Kernel:
         self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
         # addresses -> tables, for the last few calls: two optimizers or two param groups
         # that share this kernel alternate, and each should find its own tables
-        self._plans: dict = {}
+        self._plans: list[_Plan] = []  # most recent first, at most 8
         self._pre_plans: dict = {}  # the prelude's: (sizes, dtypes, devices) -> tables
 
     def source(self, dtypes=("float32", "float32", "float32")) -> str:
@@ -1015,35 +1016,34 @@ class Kernel:
         return params, states, [unique[k] for k in step_index], finite
 
     def _step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index, pre):
-        """The body of ``vega::c_step``: every tensor updated in place."""
+        """The body of ``vega::c_step``: every tensor updated in place.
+
+        The address tables of a recent call serve again when the parameters, states and
+        step counters are at the same addresses and the gradients have the same sizes and
+        dtypes: a backward pass makes new gradients, whose column is rewritten (as is the
+        hyperparameters', when a schedule gave a new table). A parameter or state at the
+        same address is taken to be the same tensor (its dtype and size; a parameter's
+        layout is checked each call, and a change of its size shows in its gradient's)."""
         nth = torch.get_num_threads()
-        everything = (*params, *grads, *flat_states, *hyp)
-        if all(map(torch.Tensor.is_contiguous, everything)):
-            # the tables of a recent call serve again when every address but the gradients'
-            # is the same (a backward pass makes new gradients: their column is rewritten)
-            # (and the hyperparameters', when a schedule gave a new table: their column too)
+        contiguous = torch.Tensor.is_contiguous
+        if all(map(contiguous, grads)) and all(map(contiguous, params)) \
+                and all(map(contiguous, hyp)):
             ptr = torch.Tensor.data_ptr
-            sizes = tuple(p.shape for p in params) if self._axes else \
-                tuple(map(torch.Tensor.numel, params))
-            key = (tuple(map(ptr, (*params, *flat_states))), tuple(map(ptr, steps)),
-                   tuple(step_index), tuple(hyp_index), tuple(h.shape for h in hyp), sizes,
-                   tuple(map(_DTYPE_OF, everything)))
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = _remember(self._plans, key, [
-                    self._tables(params, grads, flat_states, steps, step_index, hyp, hyp_index),
-                    _int64s([ptr(s) for s in steps]), tuple(map(ptr, hyp))])
-            else:
-                col = 4 + len(self.program.states)  # the hyperparameters' column
-                rows = None if plan[2] == tuple(map(ptr, hyp)) else _row_addresses(hyp)
-                for _, table, _, idx in plan[0]:
-                    table[:, 2] = torch.tensor([ptr(grads[i]) for i in idx], dtype=torch.int64)
-                    if rows is not None:
-                        table[:, col] = torch.tensor([rows[hyp_index[i]] for i in idx],
-                                                     dtype=torch.int64)
-                plan[2] = tuple(map(ptr, hyp))
-            self._launch(plan[0], plan[1], pre, nth)
-            return
+            fixed = list(map(ptr, params)) + list(map(ptr, flat_states)) + list(map(ptr, steps))
+            meta = ([g.shape for g in grads] if self._axes else
+                    list(map(torch.Tensor.numel, grads)), list(map(_DTYPE_OF, grads)),
+                    list(step_index), list(hyp_index), [h.shape for h in hyp])
+            plan = next((p for p in self._plans if p.fixed == fixed and p.meta == meta), None)
+            if plan is None and all(map(contiguous, flat_states)):
+                plan = _Plan(fixed, meta, self._tables(params, grads, flat_states, steps,
+                                                       step_index, hyp, hyp_index),
+                             _int64s(list(map(ptr, steps))))
+                self._plans.insert(0, plan)
+                del self._plans[8:]
+            if plan is not None:
+                plan.point(list(map(ptr, grads)), hyp, hyp_index, 4 + len(self.program.states))
+                self._launch(plan.tables, plan.step_ptrs, pre, nth)
+                return
         # some tensor is not contiguous: work on contiguous copies, copied back at the end
         work_p = [p.contiguous() for p in params]
         work_s = [s.contiguous() for s in flat_states]
@@ -1060,6 +1060,8 @@ class Kernel:
         n = len(params)
         states = [flat_states[k * n:(k + 1) * n] for k in range(len(self.program.states))]
         check_states("c", self.program, params, states)
+        if any(p.shape != g.shape for p, g in zip(params, grads)):
+            raise ValueError("backend 'c': a gradient's shape differs from its parameter's")
         groups: dict[tuple[str, str, str], list[int]] = {}
         for i, (p, g) in enumerate(zip(params, grads)):
             sdt = states[0][i].dtype if states else p.dtype
@@ -1131,6 +1133,34 @@ class Kernel:
                 self._hyp_cache.clear()
             arr = self._hyp_cache[key] = torch.tensor(numbers, dtype=torch.float64)
         return arr
+
+
+class _Plan:
+    """The address tables of one call of a kernel, for the next calls with the same
+    tensors (``Kernel._step``): ``fixed``, the addresses of the parameters, states and
+    step counters; ``meta``, the gradients' sizes and dtypes, and the step counter and
+    hyperparameter row of each tensor."""
+
+    def __init__(self, fixed, meta, tables, step_ptrs):
+        self.fixed, self.meta, self.tables, self.step_ptrs = fixed, meta, tables, step_ptrs
+        self.hyp_ptrs: list[int] = []
+        # each group's table as a numpy array (a view), and its positions
+        self.views = [(table.numpy(), np.asarray(idx, dtype=np.int64))
+                      for _, table, _, idx in tables]
+
+    def point(self, grad_ptrs: list[int], hyp, hyp_index, hyp_col: int) -> None:
+        """Write the gradients' addresses, and the hyperparameter rows' where they moved."""
+        g = np.asarray(grad_ptrs, dtype=np.int64)
+        hyp_ptrs = [h.data_ptr() for h in hyp]
+        rows = None
+        if hyp_ptrs != self.hyp_ptrs:
+            rows = np.asarray(_row_addresses(hyp), dtype=np.int64)[np.asarray(hyp_index,
+                                                                              dtype=np.int64)]
+            self.hyp_ptrs = hyp_ptrs
+        for view, idx in self.views:
+            view[:, 2] = g[idx]
+            if rows is not None:
+                view[:, hyp_col] = rows[idx]
 
 
 def _row_addresses(hyp: list[torch.Tensor]) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+import operator
 
 import torch
 
@@ -223,6 +224,10 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
     return pre
 
 
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
+_DTYPE_OF = operator.attrgetter("dtype")
+
+
 def hyper_rows(program: Program, values, steps) -> HyperRows:
     """The float hyperparameters of each tensor, schedules evaluated at its step counter:
     a row per distinct values dict, or per distinct (values dict, step counter) where the
@@ -280,7 +285,9 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
         per_tensor = hyper_rows(program, values, steps)
         if not getattr(kern, "takes_rows", False):
             per_tensor = per_tensor.dicts()
-    if any(p.is_complex() for p in params):  # complex parameters step as real pairs
+    # complex parameters step as real pairs (the dtypes read in one pass, eagerly)
+    if any(p.is_complex() for p in params) if compiling else \
+            not _COMPLEX.isdisjoint(map(_DTYPE_OF, params)):
         _no_complex_axes(program)
         real_p = [_real(p) for p in params]
         real_s = [[_real(s) for s in col] for col in states]

@@ -7,6 +7,8 @@ with ``step`` a 0-d int32 tensor on the parameter's device.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from vega import codegen
@@ -92,49 +94,98 @@ class SpecOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = []
-        owner = type(self).__name__
         for group in self.param_groups:
             flags, values = self._group_values(group)
-            pairs = [(p, p.grad) for p in group["params"]]  # p.grad: one read (a property)
-            params = [p for p, g in pairs if g is not None]
-            if not params:
-                continue
-            grads = [g for _, g in pairs if g is not None]
-            if any(g.is_sparse for g in grads):
-                raise ValueError(f"{owner} does not support sparse gradients")
-            progs = engine.programs(owner, self.spec._spec, flags, values, params)
-            shaped = "".join(f", or {n} (it picks each tensor's program)"
-                             for n in self.spec._spec.shape_hypers)
-            wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
-            sts = []  # each parameter's state dict (one lookup: a tensor hashes in Python)
-            for p, program in zip(params, progs):
-                want = wants.get(id(program))
-                if want is None:
-                    want = wants[id(program)] = {*program.state_names, "step"}
-                st = self.state.get(p)
-                if not st:
-                    st = self.state[p] = self._init_state(p, program, values, group)
-                elif st.keys() != want and not self._adapt_state(p, st, want, program, values,
-                                                                  group):
-                    raise ValueError(
-                        f"{owner}: a parameter's state has {sorted(st)} but the "
-                        f"group's settings need {sorted(want)}; was a bool hyperparameter"
-                        f"{shaped} changed after the first step?")
-                sts.append(st)
-            backend = group["backend"] or codegen.default_backend(params[0].device.type)
-            for program, ks in engine.groups(progs):
-                work.append((program, backend, [params[k] for k in ks], [grads[k] for k in ks],
-                             [sts[k] for k in ks], values))
+            grads = [p.grad for p in group["params"]]  # p.grad: one read (a property)
+            found = self._planned_work(group, grads, flags, values)
+            work += found if found is not None else self._group_work(group, grads, flags,
+                                                                     values)
         check = self.skip_nonfinite or self.loss_scale is not None
-        pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _ in work],
+        pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work],
                              engine.inverse_scale(self.loss_scale), self.max_grad_norm, check)
-        for program, backend, params, grads, sts, values in work:
-            states = [[st[n] for st in sts] for n in program.state_names]
-            engine.run(program, backend, params, grads, states, [st["step"] for st in sts],
-                       [values] * len(params), donate=True, pre=pre)
+        for program, backend, params, grads, states, steps, values in work:
+            engine.run(program, backend, params, grads, states, steps, [values] * len(params),
+                       donate=True, pre=pre)
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
         return loss
+
+    def _group_work(self, group, grads_all, flags, values) -> list[tuple]:
+        """The engine.run calls of one group: (program, backend, params, grads, states,
+        steps, values) per program; states made where missing; remembered (``_Plan``)."""
+        owner = type(self).__name__
+        params = [p for p, g in zip(group["params"], grads_all) if g is not None]
+        if not params:
+            return []
+        grads = [g for g in grads_all if g is not None]
+        if any(g.is_sparse for g in grads):
+            raise ValueError(f"{owner} does not support sparse gradients")
+        progs = engine.programs(owner, self.spec._spec, flags, values, params)
+        shaped = "".join(f", or {n} (it picks each tensor's program)"
+                         for n in self.spec._spec.shape_hypers)
+        wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
+        sts = []  # each parameter's state dict (one lookup: a tensor hashes in Python)
+        for p, program in zip(params, progs):
+            want = wants.get(id(program))
+            if want is None:
+                want = wants[id(program)] = {*program.state_names, "step"}
+            st = self.state.get(p)
+            if not st:
+                st = self.state[p] = self._init_state(p, program, values, group)
+            elif st.keys() != want and not self._adapt_state(p, st, want, program, values,
+                                                              group):
+                raise ValueError(
+                    f"{owner}: a parameter's state has {sorted(st)} but the "
+                    f"group's settings need {sorted(want)}; was a bool hyperparameter"
+                    f"{shaped} changed after the first step?")
+            sts.append(st)
+        device = params[0].device.type
+        backend = group["backend"] or codegen.default_backend(device)
+        parts = [(program, None if len(ks) == len(params) else ks)
+                 for program, ks in engine.groups(progs)]
+        plan = _Plan(group, self.state, grads_all, flags, self._choosing(values), device,
+                     params, sts, parts)
+        self._plans()[id(group)] = plan
+        return plan.work(backend, grads, sts, values)
+
+    def _choosing(self, values: dict) -> dict:
+        """The float hyperparameters that pick programs (``if momentum > 0``)."""
+        return {n: values[n] for n in self.spec._spec.shape_hypers if n in values}
+
+    def _plans(self) -> dict:
+        plans = self.__dict__.get("_vega_plans")
+        if plans is None:  # (not in __init__: an unpickled optimizer has none)
+            plans = self.__dict__["_vega_plans"] = {}
+        return plans
+
+    def _planned_work(self, group, grads_all, flags, values) -> list[tuple] | None:
+        """``_group_work``'s answer again, when nothing it depends on has changed since the
+        last step: the same parameters with gradients, settings, state dicts and state
+        tensors (checked by identity); None otherwise."""
+        plan = self._plans().get(id(group))
+        ps = group["params"]
+        if plan is None or plan.group is not group or plan.state is not self.state \
+                or len(ps) != len(plan.all_params) \
+                or not all(map(operator.is_, ps, plan.all_params)) \
+                or [g is not None for g in grads_all] != plan.present \
+                or flags != plan.flags or not _same(self._choosing(values), plan.choosing):
+            return None
+        if plan.params is plan.all_params:
+            params, grads = plan.params, grads_all
+        else:
+            params = plan.params
+            grads = [g for g in grads_all if g is not None]
+        if not params or any(g.is_sparse for g in grads) \
+                or params[0].device.type != plan.device:
+            return None if params else []
+        sts = list(map(self.state.get, params))
+        if not all(map(operator.is_, sts, plan.sts)):
+            return None
+        backend = group["backend"] or codegen.default_backend(plan.device)
+        try:
+            return plan.work(backend, grads, sts, values)
+        except KeyError:  # a state tensor was removed: the slow path says what is missing
+            return None
 
     def state_dict(self) -> dict:
         """torch's format, plus the loss scale's two tensors under ``'loss_scale'``."""
@@ -200,6 +251,36 @@ class SpecOptimizer(torch.optim.Optimizer):
                         raise ValueError(
                             f"{owner}.load_state_dict: state '{name}' of parameter {i} of "
                             f"group {k} has shape {tuple(x.shape)}, but {needs}")
+
+
+def _same(a: dict, b: dict) -> bool:
+    """The same hyperparameter values: the same objects, or equal plain numbers."""
+    return a.keys() == b.keys() and all(
+        x is y or (type(x) is float and type(y) is float and x == y)
+        for x, y in ((a[k], b[k]) for k in a))
+
+
+class _Plan:
+    """What a group's step found: the parameters with gradients, their state dicts, and the
+    programs that step them (positions, None for all), for the next steps to reuse."""
+
+    def __init__(self, group, state, grads_all, flags, choosing, device, params, sts, parts):
+        self.group, self.state = group, state
+        self.all_params = list(group["params"])
+        self.present = [g is not None for g in grads_all]
+        self.params = self.all_params if all(self.present) else params
+        self.flags, self.choosing, self.device = dict(flags), choosing, device
+        self.sts, self.parts = sts, parts
+
+    def work(self, backend, grads, sts, values) -> list[tuple]:
+        out = []
+        for program, ks in self.parts:
+            params, gs, ss = (self.params, grads, sts) if ks is None else (
+                [self.params[k] for k in ks], [grads[k] for k in ks], [sts[k] for k in ks])
+            out.append((program, backend, params, gs,
+                        [[st[n] for st in ss] for n in program.state_names],
+                        [st["step"] for st in ss], values))
+        return out
 
 
 def optimizer_class(spec) -> type:
