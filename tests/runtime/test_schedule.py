@@ -289,7 +289,7 @@ def test_optimizer_class_evaluates_a_schedule_once_a_step(backend):
             if p.grad is not None:
                 alone[i], states[i] = vega.adamw_step(alone[i], p.grad, states[i], lr=lr,
                                                       backend=backend)
-    assert class_calls == [1 + 3] + [1] * 5  # (and once a parameter for its initial state)
+    assert class_calls == [1 + 1] + [1] * 5  # (and once for the initial states)
     for p, q, st in zip(params, alone, states):
         assert torch.equal(p.detach(), q)
         assert torch.equal(opt.state[p]["step"], st["step"])
@@ -311,7 +311,8 @@ def test_a_callable_that_is_not_a_vega_schedule_is_called_per_counter():
     for p in params:
         p.grad = torch.ones(4)
     opt.step()
-    del calls[:]  # (the first step evaluates it for each initial state too)
+    assert len(calls) == 1 + 3  # the initial states' value, then each counter's
+    del calls[:]
     opt.step()
     assert len(calls) == 3
     expected = torch.ones(4) * 2 - (1e-2 + 1e-2 / 2)

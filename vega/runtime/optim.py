@@ -59,9 +59,15 @@ class SpecOptimizer(torch.optim.Optimizer):
         engine.resolve(type(self).__name__, self.spec.hypers, {**flags, **values})
         return flags, values
 
-    def _init_state(self, p, program, values, group):
+    def _init_state(self, p, program, values, group, at_zero: dict | None = None):
+        """A new parameter's state. ``at_zero``: the values at step 0 by device, filled
+        here, so that a schedule is evaluated once for all the new parameters of a step."""
         step = torch.zeros((), dtype=torch.int32, device=p.device)
-        leaves = engine.init_leaf(program, p, engine.at_step(values, step), group["state_dtype"])
+        at_zero = {} if at_zero is None else at_zero
+        vals = at_zero.get(p.device)
+        if vals is None:
+            vals = at_zero[p.device] = engine.at_step(values, step)
+        leaves = engine.init_leaf(program, p, vals, group["state_dtype"])
         state = {s.name: leaf for s, leaf in zip(program.states, leaves)}
         state["step"] = step
         return state
@@ -125,13 +131,14 @@ class SpecOptimizer(torch.optim.Optimizer):
                          for n in self.spec._spec.shape_hypers)
         wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
         sts = []  # each parameter's state dict (one lookup: a tensor hashes in Python)
+        at_zero: dict = {}
         for p, program in zip(params, progs):
             want = wants.get(id(program))
             if want is None:
                 want = wants[id(program)] = {*program.state_names, "step"}
             st = self.state.get(p)
             if not st:
-                st = self.state[p] = self._init_state(p, program, values, group)
+                st = self.state[p] = self._init_state(p, program, values, group, at_zero)
             elif st.keys() != want and not self._adapt_state(p, st, want, program, values,
                                                               group):
                 raise ValueError(
