@@ -59,7 +59,7 @@ import torch
 
 from vega.codegen.reference import advance_steps
 from vega.runtime.engine import state_dtype_for
-from vega.runtime.spec import _check_leaves, flatten_pair, stepped
+from vega.runtime.spec import _check_leaves, _label, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
 
 __all__ = ["LBFGS", "lbfgs_init", "lbfgs_step"]
@@ -180,10 +180,20 @@ def _check_state(owner: str, state, p_spec, memory_size) -> int:
     return m
 
 
-def _check_state_leaves(owner: str, name: str, p: torch.Tensor, leaves: dict, m: int) -> None:
+class _Label:
+    """A state leaf's name, ``field.path``, found when a message shows it."""
+
+    def __init__(self, field: str, name):
+        self.field, self.name = field, name
+
+    def __str__(self) -> str:
+        return _label(self.field, self.name)
+
+
+def _check_state_leaves(owner: str, name, p: torch.Tensor, leaves: dict, m: int) -> None:
     dtype = None
     for f, s in leaves.items():
-        label = f"{f}.{name}".rstrip(".")
+        label = _Label(f, name)
         if not isinstance(s, torch.Tensor):
             raise ValueError(f"{owner}: state leaf '{label}' is missing")
         want = (m, *p.shape) if f in MEMORY_FIELDS else tuple(p.shape)

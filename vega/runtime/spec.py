@@ -1,7 +1,7 @@
 """A compiled spec: the functional API (init, step), its optimizer class, its sources."""
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
@@ -115,21 +115,31 @@ class CompiledSpec:
                                 [p if is_steppable(p) else None for p in p_leaves])
         names = [f.name for f in self._fields(flags, progs)]
         shaped = self._spec.shape_hypers
-        _check_state(owner, self, flags, names, state, p_spec, shaped)
-        columns = {n: flatten(state[n])[0] for n in names}
+        columns = _check_state(owner, self, flags, names, state, p_spec, shaped)
         step = state["step"]
 
-        def check_state(i, name, p):
+        def check_state(i, name, p):  # name(): the leaf's path, for messages
             for s in progs[i].states:
-                leaf, label = columns[s.name][i], f"{s.name}.{name}".rstrip(".")
+                leaf = columns[s.name][i]
                 if leaf is None and shaped:
                     raise ValueError(
-                        f"{owner}: state leaf '{label}' is missing; this tensor's shape "
-                        f"conditions chose a program with state {', '.join(progs[i].state_names)}"
-                        f": was the state made with other values of {', '.join(shaped)}? make "
-                        f"it with {self.name}_init(params, ...) and the same values as the step")
-                _check_state_leaf(owner, label, p, leaf, s.dom)
-        idx = stepped(owner, params, p_leaves, g_leaves, check_state)
+                        f"{owner}: state leaf '{_label(s.name, name)}' is missing; this "
+                        f"tensor's shape conditions chose a program with state "
+                        f"{', '.join(progs[i].state_names)}: was the state made with other "
+                        f"values of {', '.join(shaped)}? make it with {self.name}_init(params, "
+                        f"...) and the same values as the step")
+                _check_state_leaf(owner, lambda s=s: _label(s.name, name), p, leaf, s.dom)
+        def states_ok(idx, ps, shapes) -> bool:  # all at once, the common case
+            program = progs[idx[0]] if idx else None
+            if program is None or any(progs[i] is not program for i in idx):
+                return False
+            for s in program.states:
+                leaves = [columns[s.name][i] for i in idx]
+                if s.dom != "rc" or not all(isinstance(x, torch.Tensor) for x in leaves) \
+                        or [x.shape for x in leaves] != shapes or not _all_cpu(leaves):
+                    return False
+            return True
+        idx = stepped(owner, params, p_leaves, g_leaves, check_state, states_ok)
         if backend is None:
             device = p_leaves[idx[0]].device.type if idx else "cpu"
             backend = codegen.default_backend(device)
@@ -154,6 +164,8 @@ class CompiledSpec:
                     [counter] * len(ids), [values] * len(ids), donate, pre)
                 if new_step is None:
                     new_step = steps[0]
+                if donate:  # updated in place: the same tensors
+                    continue
                 for k, i in enumerate(ids):
                     new_p[i] = ps[k]
                     for n, col in zip(program.state_names, ss):
@@ -200,18 +212,44 @@ def flatten_pair(owner: str, params, grads):
     return p_leaves, p_spec, g_leaves
 
 
-def stepped(owner: str, params, p_leaves, g_leaves, check_state) -> list[int]:
+def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None) -> list[int]:
     """The positions of the leaves a step updates: float or complex parameters with a
-    gradient. Each gradient is checked, and ``check_state(i, name, p)`` checks its state."""
-    names = _paths(params, p_leaves)
+    gradient. Each gradient is checked, and ``check_state(i, name, p)`` checks its state;
+    ``name()`` is the leaf's path, for a message (found only then: it costs more than the
+    checks). ``states_ok(positions, params, shapes)``, where given, checks the states of
+    all at once, or says False and leaves it to ``check_state``: the gradients are checked
+    at once too, and tensor by tensor only when something is wrong, to say what."""
+    idx = [i for i, (p, g) in enumerate(zip(p_leaves, g_leaves))
+           if g is not None and is_steppable(p)]
+    if states_ok is not None:
+        ps, gs = [p_leaves[i] for i in idx], [g_leaves[i] for i in idx]
+        shapes = [p.shape for p in ps]
+        if all(isinstance(g, torch.Tensor) for g in gs) and [g.shape for g in gs] == shapes \
+                and _all_cpu(ps) and _all_cpu(gs) and not any(g.is_sparse for g in gs) \
+                and [p.is_complex() for p in ps] == [g.is_complex() for g in gs] \
+                and states_ok(idx, ps, shapes):
+            return idx
+    paths: list[str] = []
+
+    def name_of(i: int) -> str:
+        if not paths:
+            paths.extend(_paths(params, p_leaves))
+        return paths[i]
+
     idx = []
     for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
-        if not is_steppable(p) or g is None:
+        if g is None or not is_steppable(p):
             continue
-        _check_grad(owner, names[i], p, g)
-        check_state(i, names[i], p)
+        name = partial(name_of, i)
+        _check_grad(owner, name, p, g)
+        check_state(i, name, p)
         idx.append(i)
     return idx
+
+
+def _label(field: str, name) -> str:
+    """A state leaf's name: its field and its parameter's path (``name()``)."""
+    return f"{field}.{name()}".rstrip(".")
 
 
 def _paths(tree, leaves) -> list[str]:
@@ -221,14 +259,27 @@ def _paths(tree, leaves) -> list[str]:
 
 
 def _check_leaves(owner, what, tree, leaves):
+    if all(leaf is None or isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return
     for name, leaf in zip(_paths(tree, leaves), leaves):
         if leaf is not None and not isinstance(leaf, torch.Tensor):
             label = f"leaf '{name}'" if name else "leaf"
             raise ValueError(f"{owner}: {what} {label} is a {type(leaf).__name__}, not a tensor")
 
 
+def _all_cpu(tensors) -> bool:
+    return all(t.is_cpu for t in tensors)
+
+
+def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.is_cpu and b.is_cpu) or a.device == b.device
+
+
 def _check_grad(owner, name, p, g):
-    label = f"'{name}'" if name else "(the single tensor)"
+    if isinstance(g, torch.Tensor) and g.shape == p.shape and _same_device(g, p) \
+            and not g.is_sparse and g.is_complex() == p.is_complex():
+        return
+    label = f"'{name()}'" if name() else "(the single tensor)"
     if not isinstance(g, torch.Tensor):
         raise ValueError(f"{owner}: grads leaf {label} is a {type(g).__name__}, not a tensor")
     if g.shape != p.shape:
@@ -239,9 +290,8 @@ def _check_grad(owner, name, p, g):
                          f"{p.device}")
     if g.is_sparse:
         raise ValueError(f"{owner}: grads leaf {label} is sparse; vega steps dense gradients")
-    if g.is_complex() != p.is_complex():
-        raise ValueError(f"{owner}: grads leaf {label} has dtype {g.dtype}, the parameter "
-                         f"{p.dtype}")
+    raise ValueError(f"{owner}: grads leaf {label} has dtype {g.dtype}, the parameter "
+                     f"{p.dtype}")
 
 
 def _check_state(owner, cspec, flags, names, state, p_spec, shaped=()):
@@ -260,19 +310,25 @@ def _check_state(owner, cspec, flags, names, state, p_spec, shaped=()):
     step = state["step"]
     if not (isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.int32):
         raise ValueError(f"{owner}: state['step'] must be a 0-d int32 tensor, got {step!r}")
+    columns = {}
     for n in names:
-        if flatten(state[n])[1] != p_spec:
+        columns[n], spec = flatten(state[n])
+        if spec != p_spec:
             raise ValueError(f"{owner}: state field '{n}' does not have the structure of params")
+    return columns
 
 
 def _check_state_leaf(owner, name, p, s, dom="rc"):
+    """``name()``: the leaf's name, for a message."""
     if not isinstance(s, torch.Tensor):
-        raise ValueError(f"{owner}: state leaf '{name}' is missing")
+        raise ValueError(f"{owner}: state leaf '{name()}' is missing")
+    if dom == "rc" and s.shape == p.shape and _same_device(s, p):
+        return
     want = engine.state_shape(p, dom)
     if tuple(s.shape) != want or s.device != p.device:
         whose = "its parameter has" if dom == "rc" else \
             f"its parameter {tuple(p.shape)} needs {ir.DOMAIN_WORDS[dom]}:"
-        raise ValueError(f"{owner}: state leaf '{name}' has shape {tuple(s.shape)} on "
+        raise ValueError(f"{owner}: state leaf '{name()}' has shape {tuple(s.shape)} on "
                          f"{s.device}, but {whose} {want} on {p.device}")
 
 
