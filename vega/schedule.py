@@ -143,9 +143,9 @@ class Schedule:
         return float(self._at(_check_step(step), _HOST))
 
     def elementwise(self) -> bool:
-        """True when a tensor of many steps gives each step's value (every schedule of
-        this module; a ``join`` of them)."""
-        return True
+        """True when a tensor of many steps gives each step's value: every schedule of
+        this module, a ``join`` of them, and a subclass that defines only ``_at``."""
+        return type(self).__call__ is Schedule.__call__
 
     def _at(self, k, ops):
         """The value at step ``k`` (a Python int or a float tensor) with ``ops``."""

@@ -474,3 +474,73 @@ def test_tables_made_under_inference_mode_serve_outside_it():
             for kw in ({}, {"max_grad_norm": 1.0}):  # the update's tables, the prelude's
                 spec.step(params, grads, state, backend="c", donate=True, **kw)
     assert int(state["step"]) == 6
+
+
+def test_a_state_replaced_at_the_same_address_is_followed():
+    """A tensor freed and another made may take its address: a state of another dtype, a
+    smaller one, or a transposed view of itself at the old address makes new tables (or
+    is refused), never a write past its end or through the old layout."""
+    n = 1000
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(n))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = vega.optim.SGD([p], lr=0.1, momentum=0.9, backend="c")
+    ref = vega.optim.SGD([q], lr=0.1, momentum=0.9, backend="reference")
+
+    def step():
+        g = torch.randn(n)
+        p.grad, q.grad = g, g.clone()
+        opt.step()
+        ref.step()
+
+    step()
+    buf = torch.zeros(2 * n, dtype=torch.bfloat16)  # 4n bytes
+    v32 = buf.view(torch.float32)
+    v32.copy_(opt.state[p]["v"])
+    opt.state[p]["v"] = v32  # float32 state at buf's address
+    step()
+    v16, canary = buf[:n], buf[n:]  # bfloat16 state at the same address
+    v16.copy_(ref.state[q]["v"].to(torch.bfloat16))
+    canary.zero_()
+    opt.state[p]["v"] = v16
+    ref.state[q]["v"] = ref.state[q]["v"].to(torch.bfloat16)
+    step()
+    assert not canary.ne(0).any()
+    torch.testing.assert_close(p, q, rtol=0, atol=0)
+    torch.testing.assert_close(opt.state[p]["v"], ref.state[q]["v"], rtol=0, atol=0)
+    opt.state[p]["v"] = v16[:3]  # smaller, at the same address
+    with pytest.raises(ValueError, match=r"state 'v' of parameter 0 has shape \(3,\)"):
+        opt.step()
+
+
+def test_a_transposed_state_at_the_same_address_steps_as_torch():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5, 5, dtype=torch.float64))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = vega.optim.SGD([p], lr=0.1, momentum=0.9, backend="c")
+    ref = torch.optim.SGD([q], lr=0.1, momentum=0.9)
+    for k in range(3):
+        g = torch.randn(5, 5, dtype=torch.float64)
+        p.grad, q.grad = g, g.clone()
+        opt.step()
+        ref.step()
+        if k == 0:
+            opt.state[p]["v"] = opt.state[p]["v"].t()
+            ref.state[q]["momentum_buffer"] = ref.state[q]["momentum_buffer"].t()
+    torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("lr", [0.1, lambda step: 0.1, torch.tensor(0.1, dtype=torch.float64)],
+                         ids=["float", "callable", "tensor"])
+def test_float64_hyperparameters_are_not_rounded_to_float32(backend, lr):
+    ps = [torch.nn.Parameter(torch.ones(5, dtype=torch.float64)) for _ in range(2)]
+    qs = [torch.nn.Parameter(torch.ones(5, dtype=torch.float64)) for _ in range(2)]
+    opt = vega.optim.SGD(ps, lr=lr, momentum=0.9, backend=backend)
+    ref = torch.optim.SGD(qs, lr=0.1, momentum=0.9)
+    for _ in range(3):
+        for p, q in zip(ps, qs):
+            p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(ps[0], qs[0], rtol=1e-15, atol=1e-15)

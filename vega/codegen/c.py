@@ -1019,31 +1019,30 @@ class Kernel:
         """The body of ``vega::c_step``: every tensor updated in place.
 
         The address tables of a recent call serve again when the parameters, states and
-        step counters are at the same addresses and the gradients have the same sizes and
-        dtypes: a backward pass makes new gradients, whose column is rewritten (as is the
-        hyperparameters', when a schedule gave a new table). A parameter or state at the
-        same address is taken to be the same tensor (its dtype and size; a parameter's
-        layout is checked each call, and a change of its size shows in its gradient's)."""
+        step counters are at the same addresses with the same sizes and dtypes (checked:
+        a tensor freed and another made may take its address), and the gradients have
+        the same dtypes (their sizes are their parameters', as the callers check): a
+        backward pass makes new gradients, whose column is rewritten (as is the
+        hyperparameters', when a schedule gave a new table)."""
         nth = torch.get_num_threads()
-        contiguous = torch.Tensor.is_contiguous
-        if all(map(contiguous, grads)) and all(map(contiguous, params)) \
-                and all(map(contiguous, hyp)):
-            ptr = torch.Tensor.data_ptr
+        everything = [*params, *grads, *flat_states, *hyp]
+        if all(map(torch.Tensor.is_contiguous, everything)):
+            ptr, numel = torch.Tensor.data_ptr, torch.Tensor.numel
             fixed = list(map(ptr, params)) + list(map(ptr, flat_states)) + list(map(ptr, steps))
-            meta = ([g.shape for g in grads] if self._axes else
-                    list(map(torch.Tensor.numel, grads)), list(map(_DTYPE_OF, grads)),
+            meta = ([p.shape for p in params] if self._axes else list(map(numel, params)),
+                    list(map(numel, flat_states)),
+                    list(map(_DTYPE_OF, [*params, *grads, *flat_states, *steps])),
                     list(step_index), list(hyp_index), [h.shape for h in hyp])
             plan = next((p for p in self._plans if p.fixed == fixed and p.meta == meta), None)
-            if plan is None and all(map(contiguous, flat_states)):
+            if plan is None:
                 plan = _Plan(fixed, meta, self._tables(params, grads, flat_states, steps,
                                                        step_index, hyp, hyp_index),
                              _int64s(list(map(ptr, steps))))
                 self._plans.insert(0, plan)
                 del self._plans[8:]
-            if plan is not None:
-                plan.point(list(map(ptr, grads)), hyp, hyp_index, 4 + len(self.program.states))
-                self._launch(plan.tables, plan.step_ptrs, pre, nth)
-                return
+            plan.point(list(map(ptr, grads)), hyp, hyp_index, 4 + len(self.program.states))
+            self._launch(plan.tables, plan.step_ptrs, pre, nth)
+            return
         # some tensor is not contiguous: work on contiguous copies, copied back at the end
         work_p = [p.contiguous() for p in params]
         work_s = [s.contiguous() for s in flat_states]
@@ -1062,6 +1061,10 @@ class Kernel:
         check_states("c", self.program, params, states)
         if any(p.shape != g.shape for p, g in zip(params, grads)):
             raise ValueError("backend 'c': a gradient's shape differs from its parameter's")
+        for t in steps:
+            if t.dtype != torch.int32 or t.dim() != 0:
+                raise ValueError(f"backend 'c': a step counter must be a 0-d int32 tensor, got "
+                                 f"shape {tuple(t.shape)} and dtype {t.dtype}")
         groups: dict[tuple[str, str, str], list[int]] = {}
         for i, (p, g) in enumerate(zip(params, grads)):
             sdt = states[0][i].dtype if states else p.dtype
@@ -1118,9 +1121,10 @@ class Kernel:
 
     def _hyper_array(self, vals) -> torch.Tensor:
         parts = [vals[n] for n in self.program.float_hypers]
-        if any(isinstance(v, torch.Tensor) for v in parts):
-            return torch.stack([torch.as_tensor(v).detach().to(torch.float64).reshape(())
-                                for v in parts])
+        if any(isinstance(v, torch.Tensor) for v in parts):  # (a float as it is, not float32)
+            return torch.stack([v.detach().to(torch.float64).reshape(())
+                                if isinstance(v, torch.Tensor) else
+                                torch.tensor(float(v), dtype=torch.float64) for v in parts])
         numbers = tuple(float(v) for v in parts) or (0.0,)
         if torch.compiler.is_compiling():  # a graph constant: a cache filled while tracing
             return torch.tensor(numbers, dtype=torch.float64)  # would fail the next guards
@@ -1138,8 +1142,8 @@ class Kernel:
 class _Plan:
     """The address tables of one call of a kernel, for the next calls with the same
     tensors (``Kernel._step``): ``fixed``, the addresses of the parameters, states and
-    step counters; ``meta``, the gradients' sizes and dtypes, and the step counter and
-    hyperparameter row of each tensor."""
+    step counters; ``meta``, their sizes and dtypes (and the gradients'), and the step
+    counter and hyperparameter row of each tensor."""
 
     def __init__(self, fixed, meta, tables, step_ptrs):
         self.fixed, self.meta, self.tables, self.step_ptrs = fixed, meta, tables, step_ptrs

@@ -15,7 +15,7 @@ import torch
 
 from vega import codegen
 from vega.codegen.base import HyperRows, distinct
-from vega.codegen.reference import make_pre
+from vega.codegen.reference import make_pre, memo
 from vega.schedule import Schedule
 from vega.dsl.ir import HyperParam, Program
 
@@ -228,16 +228,19 @@ _COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
 _DTYPE_OF = operator.attrgetter("dtype")
 
 
-def hyper_rows(program: Program, values, steps) -> HyperRows:
+def hyper_rows(program: Program, values, steps) -> HyperRows | None:
     """The float hyperparameters of each tensor, schedules evaluated at its step counter:
     a row per distinct values dict, or per distinct (values dict, step counter) where the
     dict holds a schedule. A ``vega.schedule`` schedule is evaluated once, on all the
     distinct counters stacked (a class's parameters each have their own, and usually all
-    equal); any other callable once per counter."""
+    equal); any other callable once per counter. None when the counters are on several
+    devices."""
     names = program.float_hypers
     uniq_v, v_index = distinct(values)
     uniq_s, s_index = distinct(steps)
     device = uniq_s[0].device
+    if any(s.device != device for s in uniq_s):
+        return None
     stacked = None
     blocks, starts, per_step = [], [], []
     for vals in uniq_v:
@@ -251,7 +254,7 @@ def hyper_rows(program: Program, values, steps) -> HyperRows:
                     stacked = torch.stack(uniq_s)
                 col = v(stacked)
             elif callable(v) and not isinstance(v, torch.Tensor):
-                col = torch.stack([torch.as_tensor(v(s)).reshape(()) for s in uniq_s])
+                col = torch.stack([_float64(v(s), device) for s in uniq_s])
             elif isinstance(v, torch.Tensor):
                 col = v.detach().reshape(()).expand(rows)
             else:
@@ -264,6 +267,13 @@ def hyper_rows(program: Program, values, steps) -> HyperRows:
     index = [starts[v] + (s if per_step[v] else 0) for v, s in zip(v_index, s_index)]
     table = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     return HyperRows(tuple(names), table.contiguous(), index)
+
+
+def _float64(x, device) -> torch.Tensor:
+    """A callable's value as a 0-d float64 tensor (a Python float kept exactly)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().reshape(()).to(device=device, dtype=torch.float64)
+    return torch.tensor(float(x), dtype=torch.float64, device=device)
 
 
 def run(program: Program, backend: str, params, grads, states, steps, values, donate: bool,
@@ -282,9 +292,13 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     if not any(_has_schedule(v) for v in uniq):
         per_tensor = values  # nothing depends on the step: the values as they are
     else:
-        per_tensor = hyper_rows(program, values, steps)
-        if not getattr(kern, "takes_rows", False):
-            per_tensor = per_tensor.dicts()
+        rows = hyper_rows(program, values, steps)
+        if rows is None:  # counters on several devices: each tensor's values at its own
+            evaluated: dict = {}
+            per_tensor = [memo(evaluated, (step, vals), (), at_step, vals, step,
+                               compiling=compiling) for step, vals in zip(steps, values)]
+        else:
+            per_tensor = rows if getattr(kern, "takes_rows", False) else rows.dicts()
     # complex parameters step as real pairs (the dtypes read in one pass, eagerly)
     if any(p.is_complex() for p in params) if compiling else \
             not _COMPLEX.isdisjoint(map(_DTYPE_OF, params)):
