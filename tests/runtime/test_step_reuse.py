@@ -99,3 +99,65 @@ def test_params_added_to_a_group_and_a_loaded_state_are_followed(backend):
         opt.step()
         ref.step()
         _same(ours, theirs, opt, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shape_change_that_picks_another_program_is_refused(backend):
+    """adafactor factors a matrix, not a vector: a parameter viewed as a matrix after a
+    step needs other state, and the step says so rather than stepping the old program."""
+    p = torch.nn.Parameter(torch.randn(12))
+    p.grad = torch.randn(12)
+    opt = vega.optim.Adafactor([p], min_dim_size_to_factor=2.0, backend=backend)
+    opt.step()
+    p.data = p.data.view(4, 3)
+    p.grad = torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"state has \['step', 'v'\] but the group's settings "
+                                         r"need \['step', 'v_col', 'v_row'\]"):
+        opt.step()
+
+
+def test_a_loaded_state_leaves_nothing_of_the_old_one_alive():
+    import gc
+    import weakref
+    p = torch.nn.Parameter(torch.randn(100))
+    p.grad = torch.randn(100)
+    opt = vega.optim.Adam([p])
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    old = weakref.ref(opt.state[p]["mu"])
+    for _ in range(3):
+        opt.load_state_dict(saved)
+        opt.step()
+    gc.collect()
+    assert old() is None
+
+
+def test_a_copied_optimizer_keeps_its_fused_settings():
+    p = torch.nn.Parameter(torch.randn(10))
+    opt = vega.optim.AdamW([p], lr=1e-2, max_grad_norm=0.5, skip_nonfinite=True,
+                           loss_scale=vega.LossScale.dynamic(init=8.0))
+    p.grad = torch.randn(10)
+    opt.step()
+    twin = copy.deepcopy(opt)
+    assert (twin.max_grad_norm, twin.skip_nonfinite) == (0.5, True)
+    assert torch.equal(twin.loss_scale.loss_scale, opt.loss_scale.loss_scale)
+    twin_p = twin.param_groups[0]["params"][0]
+    g = torch.randn(10) * 8.0
+    p.grad, twin_p.grad = g, g.clone()
+    opt.step()
+    twin.step()
+    assert torch.equal(p, twin_p)
+
+
+def test_a_schedule_subclass_with_its_own_call_is_called_per_counter():
+    class Steps(vega.schedule.Schedule):
+        def __call__(self, step):  # reads its one step back: not elementwise
+            return torch.tensor(0.1 if int(step) < 1 else 0.01)
+
+    ps = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    opt = vega.optim.SGD(ps, lr=Steps(), backend="reference")
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.ones(3)
+        opt.step()
+    torch.testing.assert_close(ps[1].detach(), torch.full((3,), 1 - 0.1 - 0.01))

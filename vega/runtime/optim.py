@@ -100,10 +100,10 @@ class SpecOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = []
-        for group in self.param_groups:
+        for k, group in enumerate(self.param_groups):
             flags, values = self._group_values(group)
             grads = [p.grad for p in group["params"]]  # p.grad: one read (a property)
-            found = self._planned_work(group, grads, flags, values)
+            found = self._planned_work(k, group, grads, flags, values)
             work += found if found is not None else self._group_work(group, grads, flags,
                                                                      values)
         check = self.skip_nonfinite or self.loss_scale is not None
@@ -151,25 +151,37 @@ class SpecOptimizer(torch.optim.Optimizer):
         parts = [(program, None if len(ks) == len(params) else ks)
                  for program, ks in engine.groups(progs)]
         plan = _Plan(group, self.state, grads_all, flags, self._choosing(values), device,
-                     params, sts, parts)
-        self._plans()[id(group)] = plan
+                     params, sts, parts, self._shapes(params))
+        plans = self._plans()
+        k = next(k for k, g in enumerate(self.param_groups) if g is group)
+        plans += [None] * (k + 1 - len(plans))
+        plans[k] = plan
         return plan.work(backend, grads, sts, values)
+
+    def _shapes(self, params) -> list | None:
+        """The parameters' shapes, where the spec picks programs by shape."""
+        return [p.shape for p in params] if self.spec._spec.reads_shape else None
 
     def _choosing(self, values: dict) -> dict:
         """The float hyperparameters that pick programs (``if momentum > 0``)."""
         return {n: values[n] for n in self.spec._spec.shape_hypers if n in values}
 
-    def _plans(self) -> dict:
+    def _plans(self) -> list:
+        """The last step's _Plan of each group, by position (kept off torch's state: an
+        unpickled or loaded optimizer starts without)."""
         plans = self.__dict__.get("_vega_plans")
-        if plans is None:  # (not in __init__: an unpickled optimizer has none)
-            plans = self.__dict__["_vega_plans"] = {}
+        if plans is None:
+            plans = self.__dict__["_vega_plans"] = []
+        del plans[len(self.param_groups):]
         return plans
 
-    def _planned_work(self, group, grads_all, flags, values) -> list[tuple] | None:
+    def _planned_work(self, k, group, grads_all, flags, values) -> list[tuple] | None:
         """``_group_work``'s answer again, when nothing it depends on has changed since the
         last step: the same parameters with gradients, settings, state dicts and state
-        tensors (checked by identity); None otherwise."""
-        plan = self._plans().get(id(group))
+        tensors (checked by identity), and shapes where the spec picks programs by shape;
+        None otherwise."""
+        plans = self._plans()
+        plan = plans[k] if k < len(plans) else None
         ps = group["params"]
         if plan is None or plan.group is not group or plan.state is not self.state \
                 or len(ps) != len(plan.all_params) \
@@ -182,9 +194,9 @@ class SpecOptimizer(torch.optim.Optimizer):
         else:
             params = plan.params
             grads = [g for g in grads_all if g is not None]
-        if not params or any(g.is_sparse for g in grads) \
-                or params[0].device.type != plan.device:
-            return None if params else []
+        if any(g.is_sparse for g in grads) or params[0].device.type != plan.device \
+                or self._shapes(params) != plan.shapes:
+            return None
         sts = list(map(self.state.get, params))
         if not all(map(operator.is_, sts, plan.sts)):
             return None
@@ -193,6 +205,12 @@ class SpecOptimizer(torch.optim.Optimizer):
             return plan.work(backend, grads, sts, values)
         except KeyError:  # a state tensor was removed: the slow path says what is missing
             return None
+
+    def __getstate__(self) -> dict:
+        """torch's (defaults, state, groups) and the fused-step settings (copy.deepcopy,
+        pickle)."""
+        return {**super().__getstate__(), "max_grad_norm": self.max_grad_norm,
+                "loss_scale": self.loss_scale, "skip_nonfinite": self.skip_nonfinite}
 
     def state_dict(self) -> dict:
         """torch's format, plus the loss scale's two tensors under ``'loss_scale'``."""
@@ -208,9 +226,10 @@ class SpecOptimizer(torch.optim.Optimizer):
         try:
             self._load(state_dict)
             self._check_loaded()
-        except (TypeError, ValueError):  # nothing changes
+        except BaseException:  # nothing changes
             self.state, self.param_groups, self.loss_scale = before
             raise
+        self._plans().clear()
 
     def _load(self, state_dict: dict) -> None:
         saved = state_dict["state"]
@@ -271,13 +290,14 @@ class _Plan:
     """What a group's step found: the parameters with gradients, their state dicts, and the
     programs that step them (positions, None for all), for the next steps to reuse."""
 
-    def __init__(self, group, state, grads_all, flags, choosing, device, params, sts, parts):
+    def __init__(self, group, state, grads_all, flags, choosing, device, params, sts, parts,
+                 shapes):
         self.group, self.state = group, state
         self.all_params = list(group["params"])
         self.present = [g is not None for g in grads_all]
         self.params = self.all_params if all(self.present) else params
         self.flags, self.choosing, self.device = dict(flags), choosing, device
-        self.sts, self.parts = sts, parts
+        self.sts, self.parts, self.shapes = sts, parts, shapes
 
     def work(self, backend, grads, sts, values) -> list[tuple]:
         out = []
