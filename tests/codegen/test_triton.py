@@ -389,3 +389,31 @@ def test_refuses_a_misshaped_state_before_launching():
                                          r"needs \(1000,\)"):
         opt.step()
     assert torch.equal(p.detach(), before)
+
+
+def test_optimizer_class_with_a_schedule_and_counters_that_differ(monkeypatch):
+    """A schedule's values arrive as one table (a row per counter), taken as it is (not
+    a 0-d tensor per value); a parameter that missed a step reads its own row."""
+    given = []
+    real = triton_runtime._hyper_array
+    monkeypatch.setattr(triton_runtime, "_hyper_array",
+                        lambda device, n, d, tensors, *a: given.append(len(tensors))
+                        or real(device, n, d, tensors, *a))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1000,), (37, 41), ()]
+    lr = schedule.linear(1e-2, 1e-3, 4)
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = vega.optim.AdamW(ours, lr=lr, backend="triton")
+    ref_opt = vega.optim.AdamW(ref, lr=lr, backend="reference")
+    for k in range(4):
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            g = torch.randn(p.shape, generator=gen).to(DEVICE)
+            p.grad, q.grad = (None, None) if (k, i) in {(1, 1), (2, 2)} else (g, g.clone())
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert torch.equal(opt.state[p]["step"], ref_opt.state[q]["step"])
+    assert [int(opt.state[p]["step"]) for p in ours] == [4, 3, 3]
+    assert given and set(given) == {1}

@@ -729,6 +729,7 @@ class Kernel:
     """The Triton kernels of one program: one module per dtype group, built on first use."""
 
     backend = "triton"
+    takes_rows = True  # values may come as a HyperRows table
 
     def __init__(self, program: Program):
         self.program = program

@@ -29,7 +29,7 @@ from collections import OrderedDict
 
 import torch
 
-from vega.codegen.base import axis_geometry, check_states, distinct, safe
+from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, safe
 
 BLOCK_GPU, WARPS_GPU = 2048, 8  # elements per program, and warps, on a GPU
 BLOCK_INTERPRETER = 4096  # under the interpreter every program costs ~1 ms: fewer, larger ones
@@ -166,6 +166,8 @@ def _hyper_array(device, nhyper, ndicts, tensors, floats, slots) -> torch.Tensor
     """float64 [dicts, hyperparameters] on the device; ``slots[d * nhyper + k]`` is
     ``j >= 0`` for ``tensors[j]``, ``-1 - j`` for ``floats[j]``."""
     width = max(nhyper, 1)
+    if not slots and len(tensors) == 1 and tensors[0].dim() == 2:  # a HyperRows table
+        return tensors[0].to(device=device, dtype=torch.float64).contiguous()
     values = [floats[-1 - s] if s < 0 else 0.0 for s in slots] or [0.0] * (ndicts * width)
     base = _device(torch.tensor(values, dtype=torch.float64).reshape(ndicts, width), device)
     where = [k for k, s in enumerate(slots) if s >= 0]
@@ -365,8 +367,12 @@ def step(kern, params, grads, states, steps, values, donate, pre):
     check_states("triton", kern.program, params, states)
     # distinct step counters and hyperparameter sets (the same object is shared by many tensors)
     uniq_steps, step_index = distinct(steps)
-    uniq_values, hyper_index = distinct(values)
     hyper_tensors, hyper_floats, hyper_slots = [], [], []
+    if isinstance(values, HyperRows):  # the table as it is: _hyper_array takes it whole
+        uniq_values, hyper_index = [], values.index
+        hyper_tensors.append(values.table)
+    else:
+        uniq_values, hyper_index = distinct(values)
     for vals in uniq_values:
         for h in kern.program.float_hypers:
             v = vals[h]
