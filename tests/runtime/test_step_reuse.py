@@ -161,3 +161,42 @@ def test_a_schedule_subclass_with_its_own_call_is_called_per_counter():
             p.grad = torch.ones(3)
         opt.step()
     torch.testing.assert_close(ps[1].detach(), torch.full((3,), 1 - 0.1 - 0.01))
+
+
+def test_a_cycled_momentum_keeps_the_plan(monkeypatch):
+    """OneCycleLR cycles momentum: while it stays positive the program is the same, and
+    the step reuses its plan."""
+    made = []
+    real = vega.optim.SGD._group_work
+    monkeypatch.setattr(vega.optim.SGD, "_group_work",
+                        lambda self, *a: made.append(1) or real(self, *a))
+    ps = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+    qs = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+    opt = vega.optim.SGD(ps, lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD(qs, lr=0.1, momentum=0.9)
+    for k in range(6):
+        for o in (opt, ref):
+            o.param_groups[0]["momentum"] = 0.85 + 0.01 * k
+        for p, q in zip(ps, qs):
+            p.grad, q.grad = torch.full((4,), float(k)), torch.full((4,), float(k))
+        opt.step()
+        ref.step()
+    assert len(made) == 1
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p.detach(), q.detach())
+
+
+def test_a_schedule_with_a_python_if_in_its_formula_still_steps():
+    """A subclass whose _at reads its step with a Python if cannot take all the counters
+    at once: it is called once per counter instead."""
+    class Halving(vega.schedule.Schedule):
+        def _at(self, k, ops):
+            return 0.1 if k < 1 else 0.05
+
+    ps = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    opt = vega.optim.SGD(ps, lr=Halving())
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.ones(3)
+        opt.step()
+    torch.testing.assert_close(ps[1].detach(), torch.full((3,), 1 - 0.1 - 0.05))

@@ -915,7 +915,7 @@ class Kernel:
         self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
         # addresses -> tables, for the last few calls: two optimizers or two param groups
         # that share this kernel alternate, and each should find its own tables
-        self._plans: list[_Plan] = []  # most recent first, at most 8
+        self._plans: list[_Plan] = []  # most recent first, at most 64
         self._pre_plans: dict = {}  # the prelude's: (sizes, dtypes, devices) -> tables
 
     def source(self, dtypes=("float32", "float32", "float32")) -> str:
@@ -1021,15 +1021,15 @@ class Kernel:
         The address tables of a recent call serve again when the parameters, states and
         step counters are at the same addresses with the same sizes and dtypes (checked:
         a tensor freed and another made may take its address), and the gradients have
-        the same dtypes (their sizes are their parameters', as the callers check): a
-        backward pass makes new gradients, whose column is rewritten (as is the
-        hyperparameters', when a schedule gave a new table)."""
+        the same sizes and dtypes: a backward pass makes new gradients, whose column is
+        rewritten (as is the hyperparameters', when a schedule gave a new table)."""
         nth = torch.get_num_threads()
         everything = [*params, *grads, *flat_states, *hyp]
         if all(map(torch.Tensor.is_contiguous, everything)):
             ptr, numel = torch.Tensor.data_ptr, torch.Tensor.numel
             fixed = list(map(ptr, params)) + list(map(ptr, flat_states)) + list(map(ptr, steps))
             meta = ([p.shape for p in params] if self._axes else list(map(numel, params)),
+                    [g.shape for g in grads] if self._axes else list(map(numel, grads)),
                     list(map(numel, flat_states)),
                     list(map(_DTYPE_OF, [*params, *grads, *flat_states, *steps])),
                     list(step_index), list(hyp_index), [h.shape for h in hyp])
@@ -1038,8 +1038,8 @@ class Kernel:
                 plan = _Plan(fixed, meta, self._tables(params, grads, flat_states, steps,
                                                        step_index, hyp, hyp_index),
                              _int64s(list(map(ptr, steps))))
-                self._plans.insert(0, plan)
-                del self._plans[8:]
+                self._plans.insert(0, plan)  # (each group of each optimizer has one)
+                del self._plans[64:]
             plan.point(list(map(ptr, grads)), hyp, hyp_index, 4 + len(self.program.states))
             self._launch(plan.tables, plan.step_ptrs, pre, nth)
             return
@@ -1062,9 +1062,10 @@ class Kernel:
         if any(p.shape != g.shape for p, g in zip(params, grads)):
             raise ValueError("backend 'c': a gradient's shape differs from its parameter's")
         for t in steps:
-            if t.dtype != torch.int32 or t.dim() != 0:
-                raise ValueError(f"backend 'c': a step counter must be a 0-d int32 tensor, got "
-                                 f"shape {tuple(t.shape)} and dtype {t.dtype}")
+            if t.dtype != torch.int32 or t.dim() != 0 or not t.is_cpu:
+                raise ValueError(f"backend 'c': a step counter must be a 0-d int32 tensor on "
+                                 f"the CPU, got shape {tuple(t.shape)} and dtype {t.dtype} on "
+                                 f"{t.device}")
         groups: dict[tuple[str, str, str], list[int]] = {}
         for i, (p, g) in enumerate(zip(params, grads)):
             sdt = states[0][i].dtype if states else p.dtype
@@ -1114,15 +1115,15 @@ class Kernel:
         """float64 arrays of hyperparameter values (a row each, or a table of rows), and the
         row of each tensor, counting rows through the arrays in order: one array per
         distinct values dict, or the table of ``HyperRows``."""
-        if isinstance(values, HyperRows):
-            return [values.table], values.index
+        if isinstance(values, HyperRows):  # (on the counters' device: the CPU, as checked)
+            return [values.table.cpu()], values.index
         uniq, index = distinct(values)
         return [self._hyper_array(vals) for vals in uniq], index
 
     def _hyper_array(self, vals) -> torch.Tensor:
         parts = [vals[n] for n in self.program.float_hypers]
         if any(isinstance(v, torch.Tensor) for v in parts):  # (a float as it is, not float32)
-            return torch.stack([v.detach().to(torch.float64).reshape(())
+            return torch.stack([v.detach().to(device="cpu", dtype=torch.float64).reshape(())
                                 if isinstance(v, torch.Tensor) else
                                 torch.tensor(float(v), dtype=torch.float64) for v in parts])
         numbers = tuple(float(v) for v in parts) or (0.0,)

@@ -241,25 +241,12 @@ def hyper_rows(program: Program, values, steps) -> HyperRows | None:
     device = uniq_s[0].device
     if any(s.device != device for s in uniq_s):
         return None
-    stacked = None
+    stacked: list = []  # the counters stacked, once
     blocks, starts, per_step = [], [], []
     for vals in uniq_v:
         timed = any(callable(vals[n]) and not isinstance(vals[n], torch.Tensor) for n in names)
         rows = len(uniq_s) if timed else 1
-        cols = []
-        for n in names:
-            v = vals[n]
-            if isinstance(v, Schedule) and v.elementwise():
-                if stacked is None:
-                    stacked = torch.stack(uniq_s)
-                col = v(stacked)
-            elif callable(v) and not isinstance(v, torch.Tensor):
-                col = torch.stack([_float64(v(s), device) for s in uniq_s])
-            elif isinstance(v, torch.Tensor):
-                col = v.detach().reshape(()).expand(rows)
-            else:
-                col = torch.full((rows,), float(v), dtype=torch.float64, device=device)
-            cols.append(col.to(device=device, dtype=torch.float64))
+        cols = [_column(vals[n], uniq_s, stacked, rows, device) for n in names]
         starts.append(sum(len(b) for b in blocks))
         per_step.append(timed)
         blocks.append(torch.stack(cols, dim=1) if cols else
@@ -267,6 +254,22 @@ def hyper_rows(program: Program, values, steps) -> HyperRows | None:
     index = [starts[v] + (s if per_step[v] else 0) for v, s in zip(v_index, s_index)]
     table = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     return HyperRows(tuple(names), table.contiguous(), index)
+
+
+def _column(v, counters, stacked: list, rows: int, device) -> torch.Tensor:
+    """A hyperparameter's value at each counter (``rows`` of them), float64."""
+    if isinstance(v, Schedule) and v.elementwise() and len(counters) > 1:
+        if not stacked:
+            stacked.append(torch.stack(counters))
+        try:
+            return v(stacked[0]).to(device=device, dtype=torch.float64)
+        except (RuntimeError, TypeError):  # an _at with a Python if on the step: one by one
+            pass
+    if callable(v) and not isinstance(v, torch.Tensor):
+        return torch.stack([_float64(v(s), device) for s in counters])
+    if isinstance(v, torch.Tensor):
+        return v.detach().reshape(()).to(device=device, dtype=torch.float64).expand(rows)
+    return torch.full((rows,), float(v), dtype=torch.float64, device=device)
 
 
 def _float64(x, device) -> torch.Tensor:

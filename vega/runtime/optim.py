@@ -175,6 +175,18 @@ class SpecOptimizer(torch.optim.Optimizer):
         del plans[len(self.param_groups):]
         return plans
 
+    def _same_programs(self, flags, values, plan) -> bool:
+        """The hyperparameters that pick programs pick the plan's: for a spec whose ifs
+        read values only, the one program they pick now (a cycled momentum that stays
+        positive keeps it); for one that reads shapes too, the same values."""
+        spec = self.spec._spec
+        if not spec.shape_conditions:
+            return True
+        if spec.reads_shape:
+            return _same(self._choosing(values), plan.choosing)
+        program = engine.programs(type(self).__name__, spec, flags, values, plan.params[:1])[0]
+        return len(plan.parts) == 1 and program is plan.parts[0][0]
+
     def _planned_work(self, k, group, grads_all, flags, values) -> list[tuple] | None:
         """``_group_work``'s answer again, when nothing it depends on has changed since the
         last step: the same parameters with gradients, settings, state dicts and state
@@ -187,7 +199,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 or len(ps) != len(plan.all_params) \
                 or not all(map(operator.is_, ps, plan.all_params)) \
                 or [g is not None for g in grads_all] != plan.present \
-                or flags != plan.flags or not _same(self._choosing(values), plan.choosing):
+                or flags != plan.flags or not self._same_programs(flags, values, plan):
             return None
         if plan.params is plan.all_params:
             params, grads = plan.params, grads_all
