@@ -215,13 +215,18 @@ class HyperRows:
         return [rows[r] for r in self.index]
 
 
+def state_shape(p: torch.Tensor, dom: str) -> tuple[int, ...]:
+    """The shape of a state of domain ``dom`` (``vega.dsl.ir``) for parameter ``p``."""
+    return tuple(p.shape) if dom == "rc" else geometry(p.shape).shape(dom)
+
+
 def check_states(backend: str, program: Program, params, states) -> None:
     """Raise ValueError unless every state tensor has the shape its parameter needs
     (``states``: one list per state variable): a kernel would read and write past a
     smaller one."""
     for s, col in zip(program.states, states):
         for i, (p, x) in enumerate(zip(params, col)):
-            want = tuple(p.shape) if s.dom == "rc" else geometry(p.shape).shape(s.dom)
+            want = state_shape(p, s.dom)
             if tuple(x.shape) != want:
                 raise ValueError(f"backend '{backend}': state '{s.name}' of parameter {i} has "
                                  f"shape {tuple(x.shape)}, but its parameter, of shape "

@@ -913,8 +913,8 @@ class Kernel:
         self.key = f"{program.name}/{len(_KERNELS)}"  # how the custom ops find this kernel
         _KERNELS[self.key] = self
         self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
-        # addresses -> tables, for the last few calls: two optimizers or two param groups
-        # that share this kernel alternate, and each should find its own tables
+        # the tables of the last calls: the optimizers and param groups that share this
+        # kernel alternate, and each should find its own
         self._plans: list[_Plan] = []  # most recent first, at most 64
         self._pre_plans: dict = {}  # the prelude's: (sizes, dtypes, devices) -> tables
 
@@ -977,20 +977,20 @@ class Kernel:
         grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
         sig = (tuple(map(torch.Tensor.numel, grads)), tuple(map(_DTYPE_OF, grads)),
                tuple(map(_DEVICE_OF, grads)))
-        tables = self._pre_plans.get(sig)
-        if tables is None:
+        found = self._pre_plans.get(sig)
+        if found is None:
             groups: dict[tuple, list[int]] = {}
             for i, g in enumerate(grads):
                 groups.setdefault(self._group_key(g, g, g.dtype), []).append(i)
             tables = []
             for key, idx in groups.items():
                 rows = [[grads[i].numel(), 0, 0] + [0] * (self._row - 3) for i in idx]
-                tables.append((self.library(key), _table(rows), idx))
-            _remember(self._pre_plans, sig, tables)
+                tables.append((self.library(key), _table(rows), None, idx))
+            found = _remember(self._pre_plans, sig, (tables, _views(tables)))
+        tables, views = found
+        _write_column(views, 2, list(map(torch.Tensor.data_ptr, grads)))
         nth = torch.get_num_threads()
-        ptr = torch.Tensor.data_ptr
-        for lib, table, idx in tables:
-            table[:, 2] = torch.tensor([ptr(grads[i]) for i in idx], dtype=torch.int64)
+        for lib, table, _, idx in tables:
             lib.vega_prelude(len(idx), _ptr(table), _ptr(pre), nth)
 
     @property
@@ -1149,23 +1149,28 @@ class _Plan:
     def __init__(self, fixed, meta, tables, step_ptrs):
         self.fixed, self.meta, self.tables, self.step_ptrs = fixed, meta, tables, step_ptrs
         self.hyp_ptrs: list[int] = []
-        # each group's table as a numpy array (a view), and its positions
-        self.views = [(table.numpy(), np.asarray(idx, dtype=np.int64))
-                      for _, table, _, idx in tables]
+        self.views = _views(tables)
 
     def point(self, grad_ptrs: list[int], hyp, hyp_index, hyp_col: int) -> None:
         """Write the gradients' addresses, and the hyperparameter rows' where they moved."""
-        g = np.asarray(grad_ptrs, dtype=np.int64)
+        _write_column(self.views, 2, grad_ptrs)
         hyp_ptrs = [h.data_ptr() for h in hyp]
-        rows = None
         if hyp_ptrs != self.hyp_ptrs:
-            rows = np.asarray(_row_addresses(hyp), dtype=np.int64)[np.asarray(hyp_index,
-                                                                              dtype=np.int64)]
+            at = _row_addresses(hyp)
+            _write_column(self.views, hyp_col, [at[r] for r in hyp_index])
             self.hyp_ptrs = hyp_ptrs
-        for view, idx in self.views:
-            view[:, 2] = g[idx]
-            if rows is not None:
-                view[:, hyp_col] = rows[idx]
+
+
+def _views(tables) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each dtype group's address table as a numpy array (a view), and its positions."""
+    return [(table.numpy(), np.asarray(idx, dtype=np.int64)) for _, table, _, idx in tables]
+
+
+def _write_column(views, col: int, values: list[int]) -> None:
+    """Column ``col`` of every table: ``values`` (one per tensor) at each row's position."""
+    values = np.asarray(values, dtype=np.int64)
+    for view, idx in views:
+        view[:, col] = values[idx]
 
 
 def _row_addresses(hyp: list[torch.Tensor]) -> list[int]:

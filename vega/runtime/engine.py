@@ -144,12 +144,6 @@ def state_fields(progs) -> list:
     return list(fields.values())
 
 
-def state_shape(p: torch.Tensor, dom: str) -> tuple[int, ...]:
-    """The shape of a state of domain ``dom`` (``vega.dsl.ir``) for parameter ``p``."""
-    from vega.codegen.base import geometry
-    return tuple(p.shape) if dom == "rc" else geometry(p.shape).shape(dom)
-
-
 def at_step(values: dict, step: torch.Tensor) -> dict:
     """Hyperparameter values at a step counter: schedules are called with the tensor."""
     return {k: (v(step) if callable(v) and not isinstance(v, torch.Tensor) else v)
@@ -242,13 +236,14 @@ def hyper_rows(program: Program, values, steps) -> HyperRows | None:
     if any(s.device != device for s in uniq_s):
         return None
     stacked: list = []  # the counters stacked, once
-    blocks, starts, per_step = [], [], []
+    blocks, starts, per_step, nrows = [], [], [], 0
     for vals in uniq_v:
         timed = any(callable(vals[n]) and not isinstance(vals[n], torch.Tensor) for n in names)
         rows = len(uniq_s) if timed else 1
         cols = [_column(vals[n], uniq_s, stacked, rows, device) for n in names]
-        starts.append(sum(len(b) for b in blocks))
+        starts.append(nrows)
         per_step.append(timed)
+        nrows += rows
         blocks.append(torch.stack(cols, dim=1) if cols else
                       torch.zeros((rows, 1), dtype=torch.float64, device=device))
     index = [starts[v] + (s if per_step[v] else 0) for v, s in zip(v_index, s_index)]

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from functools import partial
 
 import torch
 
@@ -180,31 +181,21 @@ def _check_state(owner: str, state, p_spec, memory_size) -> int:
     return m
 
 
-class _Label:
-    """A state leaf's name, ``field.path``, found when a message shows it."""
-
-    def __init__(self, field: str, name):
-        self.field, self.name = field, name
-
-    def __str__(self) -> str:
-        return _label(self.field, self.name)
-
-
 def _check_state_leaves(owner: str, name, p: torch.Tensor, leaves: dict, m: int) -> None:
     dtype = None
     for f, s in leaves.items():
-        label = _Label(f, name)
+        label = partial(_label, f, name)  # found only for a message
         if not isinstance(s, torch.Tensor):
-            raise ValueError(f"{owner}: state leaf '{label}' is missing")
+            raise ValueError(f"{owner}: state leaf '{label()}' is missing")
         want = (m, *p.shape) if f in MEMORY_FIELDS else tuple(p.shape)
         if tuple(s.shape) != want or s.device != p.device:
-            raise ValueError(f"{owner}: state leaf '{label}' has shape {tuple(s.shape)} on "
+            raise ValueError(f"{owner}: state leaf '{label()}' has shape {tuple(s.shape)} on "
                              f"{s.device}, but needs {want} on {p.device}")
         if s.is_complex() != p.is_complex() or not (s.is_floating_point() or s.is_complex()):
-            raise ValueError(f"{owner}: state leaf '{label}' has dtype {s.dtype}, the "
+            raise ValueError(f"{owner}: state leaf '{label()}' has dtype {s.dtype}, the "
                              f"parameter {p.dtype}")
         if dtype is not None and s.dtype != dtype:
-            raise ValueError(f"{owner}: state leaf '{label}' has dtype {s.dtype}, the other "
+            raise ValueError(f"{owner}: state leaf '{label()}' has dtype {s.dtype}, the other "
                              f"state leaves of its parameter {dtype}")
         dtype = s.dtype
 

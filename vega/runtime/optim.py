@@ -12,6 +12,7 @@ import operator
 import torch
 
 from vega import codegen
+from vega.codegen.base import state_shape
 from vega.runtime import engine
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -104,7 +105,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             flags, values = self._group_values(group)
             grads = [p.grad for p in group["params"]]  # p.grad: one read (a property)
             found = self._planned_work(k, group, grads, flags, values)
-            work += found if found is not None else self._group_work(group, grads, flags,
+            work += found if found is not None else self._group_work(k, group, grads, flags,
                                                                      values)
         check = self.skip_nonfinite or self.loss_scale is not None
         pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work],
@@ -116,8 +117,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
         return loss
 
-    def _group_work(self, group, grads_all, flags, values) -> list[tuple]:
-        """The engine.run calls of one group: (program, backend, params, grads, states,
+    def _group_work(self, k, group, grads_all, flags, values) -> list[tuple]:
+        """The engine.run calls of group ``k``: (program, backend, params, grads, states,
         steps, values) per program; states made where missing; remembered (``_Plan``)."""
         owner = type(self).__name__
         params = [p for p, g in zip(group["params"], grads_all) if g is not None]
@@ -153,7 +154,6 @@ class SpecOptimizer(torch.optim.Optimizer):
         plan = _Plan(group, self.state, grads_all, flags, self._choosing(values), device,
                      params, sts, parts, self._shapes(params))
         plans = self._plans()
-        k = next(k for k, g in enumerate(self.param_groups) if g is group)
         plans += [None] * (k + 1 - len(plans))
         plans[k] = plan
         return plan.work(backend, grads, sts, values)
@@ -281,7 +281,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                     x = self.state[p].get(name)
                     if not isinstance(x, torch.Tensor):
                         continue  # missing: the step names what it needs
-                    want = () if dom is None else engine.state_shape(p, dom)
+                    want = () if dom is None else state_shape(p, dom)
                     if tuple(x.shape) != want:
                         i = next(i for i, q in enumerate(group["params"]) if q is p)
                         needs = "a step counter is 0-d" if dom is None else (

@@ -8,6 +8,7 @@ import torch
 
 from vega import codegen, dsl
 from vega.dsl import ir
+from vega.codegen.base import state_shape
 from vega.codegen.reference import advance_steps
 from vega.runtime import engine
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
@@ -324,7 +325,7 @@ def _check_state_leaf(owner, name, p, s, dom="rc"):
         raise ValueError(f"{owner}: state leaf '{name()}' is missing")
     if dom == "rc" and s.shape == p.shape and _same_device(s, p):
         return
-    want = engine.state_shape(p, dom)
+    want = state_shape(p, dom)
     if tuple(s.shape) != want or s.device != p.device:
         whose = "its parameter has" if dom == "rc" else \
             f"its parameter {tuple(p.shape)} needs {ir.DOMAIN_WORDS[dom]}:"
