@@ -2,15 +2,19 @@
 
 One shared library per program and dtype group (parameter, gradient and state
 dtypes). Its entry points each take the whole group at once -- a table with one
-row per tensor (``numel, p, g, state..., step, hyperparameters`` as addresses)
--- and split the work across threads by element ranges over all tensors:
+row per tensor (``numel, p, g, state..., step, hyperparameters, p out, state
+out...`` as addresses) -- and split the work across threads by element ranges
+over all tensors:
 
 - ``vega_prelude``: adds the sum of squares of the unscaled gradients and the
   count of non-finite elements into ``pre``;
 - ``vega_phase<k>``: per-tensor reductions (``norm``, ``sum``, ``mean``, ``max``)
   of phase k, into ``red``; values needed on both sides are recomputed;
 - ``vega_update``: the spec's element program, skipping every write when
-  ``pre`` counted a non-finite gradient;
+  ``pre`` counted a non-finite gradient. It reads p and the states at their
+  addresses and writes them at the "out" ones: the same addresses for a step in
+  place, new tensors for a pure step, which so takes one pass, not a copy and
+  then a step (a skipped pure step copies the inputs there);
 - ``vega_advance``: the step counters plus one, unless skipped.
 
 Reductions combine per-thread partial results in thread order, so a step is
@@ -19,7 +23,8 @@ bitwise reproducible for a given thread count.
 A program over a matrix view (row/column reductions or state, ``Program.uses_axes``)
 gets ``vega_axes_step`` instead of the phases and the update: it steps the tensors
 one at a time, each through a sequence of loops over one domain (see
-``AxesSource``), and its results do not depend on the thread count.
+``AxesSource``), and its results do not depend on the thread count. It steps in
+place (a pure step runs it on copies), as does any step with a non-contiguous tensor.
 """
 from __future__ import annotations
 
@@ -274,7 +279,12 @@ class Source:
         out += self._entries()
         return "\n".join(out)
 
-    row = "#define ROW (5 + NSTATE)  /* numel, p, g, state..., step, hyperparameters */"
+    row = ("#define ROW (6 + 2 * NSTATE)  /* numel, p, g, state..., step, hyperparameters, "
+           "p out, state out... */")
+    # the columns of the addresses the update writes: after the hyperparameters, so that a
+    # step out of place reads its inputs and writes new tensors (the same addresses as the
+    # inputs' for a step in place)
+    out_p, out_s = "5 + NSTATE", "6 + NSTATE + {k}"
 
     def _entries(self) -> list[str]:
         """The program's entry points (beside the prelude and the step counters')."""
@@ -347,10 +357,13 @@ class Source:
         for node in uses:
             out.append(f"            const CT {self._var(node)} = "
                        f"(CT)red[i * NRED + {self.slots[id(node)]}];")
-        out += ["            PSTORE *P_ = (PSTORE *)(intptr_t)row[1];",
-                "            const GSTORE *G_ = (const GSTORE *)(intptr_t)row[2];"]
+        out += ["            const PSTORE *P_ = (const PSTORE *)(intptr_t)row[1];",
+                "            const GSTORE *G_ = (const GSTORE *)(intptr_t)row[2];",
+                f"            PSTORE *PO_ = (PSTORE *)(intptr_t)row[{self.out_p}];"]
         for k in range(self.nstate):
-            out.append(f"            SSTORE *S{k}_ = (SSTORE *)(intptr_t)row[{3 + k}];")
+            out.append(f"            const SSTORE *S{k}_ = (const SSTORE *)(intptr_t)row[{3 + k}];")
+            out.append(f"            SSTORE *SO{k}_ = (SSTORE *)(intptr_t)"
+                       f"row[{self.out_s.format(k=k)}];")
         return out
 
     def _element_nodes(self, roots: list[Node], stored=None) \
@@ -388,7 +401,7 @@ class Source:
         for node in nodes:
             ctype = "int" if node.dtype == "bool" else "CT"
             if stored and id(node) in stored:
-                value = f"LOAD_S(S{self.program.state_names.index(stored[id(node)])}_[j])"
+                value = f"LOAD_S(SO{self.program.state_names.index(stored[id(node)])}_[j])"
             else:
                 value = self.r.expr(self.lin, node, 'element')
             lines.append(f"                const {ctype} {self._var(node)} = {value};")
@@ -411,25 +424,25 @@ class Source:
     def _store(self, target: str, value: str, index: str) -> str:
         """The statement writing ``value`` to output ``target`` ("p" or a state) at ``index``."""
         if target == "p":
-            return f"P_[{index}] = SAVE_P({value});"
-        return f"S{self.program.state_names.index(target)}_[{index}] = SAVE_S({value});"
+            return f"PO_[{index}] = SAVE_P({value});"
+        return f"SO{self.program.state_names.index(target)}_[{index}] = SAVE_S({value});"
 
     @staticmethod
-    def _prologue() -> list[str]:
+    def _prologue(skip: str = "return;") -> list[str]:
         """The gradient scale and clip coefficient from ``pre``, or a skipped step."""
         return ["    CT gs = 1, coef = 1;",
                 "    if (pre) {",
-                "        if (pre[1] != 0 && pre[4] != 0) return;  /* non-finite gradients: skip */",
+                f"        if (pre[1] != 0 && pre[4] != 0) {skip}  /* non-finite gradients: skip */",
                 "        gs = (CT)pre[2];",
                 "        if (pre[3] > 0) coef = (CT)(pre[3] / fmax(sqrt(pre[0]), pre[3]));",
                 "    }"]
 
     def _loop(self, name, before, uses, block_init, nodes, tail, block_end, finish, simd="",
-              stored=None):
+              stored=None, skip="return;"):
         return [
             f"void {name}(int64_t nt, const int64_t *tab, const double *pre, double *red, "
             "int nth) {",
-            *self._prologue(),
+            *self._prologue(skip),
             "    int64_t *start = starts(nt, tab);",
             "    int64_t total = start[nt];",
             *before,
@@ -525,7 +538,28 @@ class Source:
         stores = ["                " + self._store(target, self.r.operand(self.lin, node), "j")
                   for target, node in self.program.updates
                   if target == "p" or id(node) not in stored]
-        return self._loop("vega_update", [], used, [], nodes, stores, [], [], "", stored)
+        return PASS_THROUGH.splitlines() + self._loop(
+            "vega_update", [], used, [], nodes, stores, [], [], "", stored,
+            skip="{ pass_through(nt, tab); return; }")
+
+
+PASS_THROUGH = r"""
+/* A skipped step out of place: each output (p out, state out) a copy of its input. */
+static void pass_through(int64_t nt, const int64_t *tab) {
+    for (int64_t i = 0; i < nt; i++) {
+        const int64_t *row = tab + i * ROW;
+        size_t n = (size_t)row[0];
+        if (n == 0) continue;
+        if (row[5 + NSTATE] != row[1])
+            memcpy((void *)(intptr_t)row[5 + NSTATE], (const void *)(intptr_t)row[1],
+                   n * sizeof(PSTORE));
+        for (int k = 0; k < NSTATE; k++)
+            if (row[6 + NSTATE + k] != row[3 + k])
+                memcpy((void *)(intptr_t)row[6 + NSTATE + k], (const void *)(intptr_t)row[3 + k],
+                       n * sizeof(SSTORE));
+    }
+}
+"""
 
 
 # -- programs over a matrix view ---------------------------------------------------
@@ -602,6 +636,7 @@ class AxesSource(Source):
 
     row = (f"#define ROW (5 + NSTATE + {NGEO})  /* numel, p, g, state..., step, "
            "hyperparameters, geometry */")
+    out_p, out_s = "1", "3 + {k}"  # in place only
 
     def __init__(self, program: Program, pdt: str, gdt: str, sdt: str):
         super().__init__(program, pdt, gdt, sdt)
@@ -995,26 +1030,40 @@ class Kernel:
 
     @property
     def _row(self) -> int:
-        return 5 + len(self.program.states) + (NGEO if self._axes else 0)
+        n = len(self.program.states)
+        return 5 + n + NGEO if self._axes else 6 + 2 * n
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``."""
-        if not donate:  # pure: run in place on copies
-            params = [p.clone() for p in params]
-            states = [[s.clone() for s in col] for col in states]
         unique, step_index = distinct(steps)  # the distinct step counters, by identity
         if not donate:
             unique = [s.clone() for s in unique]
         hyp, hyp_index = self._hyper_tables(values)
-        args = (params, list(grads), [s for col in states for s in col], unique, step_index,
-                hyp, hyp_index, pre)
-        if torch.compiler.is_compiling():  # traced as one opaque node
-            c_step(self.key, *args)
-        else:  # eagerly, directly: the op's dispatch costs about 0.7 us a tensor
-            self._step(*args)
+        grads = list(grads)
+        flat = [s for col in states for s in col]
+        compiling = torch.compiler.is_compiling()
+        if not donate and not compiling and not self._axes \
+                and all(map(torch.Tensor.is_contiguous, [*params, *grads, *flat, *hyp])):
+            # pure, out of place: the kernel reads the old tensors and writes new ones
+            new_p, new_flat = list(map(torch.empty_like, params)), list(map(torch.empty_like, flat))
+            tables = self._tables(params, grads, flat, unique, step_index, hyp, hyp_index,
+                                  [*new_p, *new_flat])
+            self._launch(tables, _int64s(list(map(torch.Tensor.data_ptr, unique))), pre,
+                         torch.get_num_threads())
+            params, flat = new_p, new_flat
+        else:
+            if not donate:  # pure: in place on copies
+                params = [p.clone() for p in params]
+                flat = [s.clone() for s in flat]
+            args = (params, grads, flat, unique, step_index, hyp, hyp_index, pre)
+            if compiling:  # traced as one opaque node
+                c_step(self.key, *args)
+            else:  # eagerly, directly: the op's dispatch costs about 0.7 us a tensor
+                self._step(*args)
+        n = len(params)
+        states = [flat[k * n:(k + 1) * n] for k in range(len(states))]
         finite = ((pre[1] == 0) | (pre[4] == 0)) if pre is not None else None
         return params, states, [unique[k] for k in step_index], finite
-
     def _step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index, pre):
         """The body of ``vega::c_step``: every tensor updated in place.
 
@@ -1053,38 +1102,64 @@ class Kernel:
             if work is not orig:
                 orig.copy_(work)
 
-    def _tables(self, params, grads, flat_states, steps, step_index, hyp, hyp_index):
+    def _tables(self, params, grads, flat_states, steps, step_index, hyp, hyp_index,
+                outs=None):
         """(library, address table, reduction buffer, positions) per dtype group; checks
-        every tensor."""
+        every tensor. ``outs``: the tensors an out-of-place step writes (the parameters',
+        then the states' as in ``flat_states``), new contiguous tensors like the inputs; by
+        default the step writes in place."""
         n = len(params)
         states = [flat_states[k * n:(k + 1) * n] for k in range(len(self.program.states))]
         check_states("c", self.program, params, states)
-        if any(p.shape != g.shape for p, g in zip(params, grads)):
+        if list(map(_SHAPE_OF, params)) != list(map(_SHAPE_OF, grads)):
             raise ValueError("backend 'c': a gradient's shape differs from its parameter's")
         for t in steps:
             if t.dtype != torch.int32 or t.dim() != 0 or not t.is_cpu:
                 raise ValueError(f"backend 'c': a step counter must be a 0-d int32 tensor on "
                                  f"the CPU, got shape {tuple(t.shape)} and dtype {t.dtype} on "
                                  f"{t.device}")
-        groups: dict[tuple[str, str, str], list[int]] = {}
-        for i, (p, g) in enumerate(zip(params, grads)):
-            sdt = states[0][i].dtype if states else p.dtype
-            if any(col[i].dtype != sdt for col in states):
-                raise ValueError("backend 'c' needs every state tensor of a parameter in one "
-                                 "dtype")
-            groups.setdefault(self._group_key(p, g, sdt), []).append(i)
+        for col in states:
+            bad = next((x for x in col if not x.is_cpu), None)
+            if bad is not None:
+                raise ValueError(f"backend 'c' runs on CPU tensors, got a state on {bad.device}")
+        groups = self._dtype_groups(params, grads, states)
+        ptr = torch.Tensor.data_ptr
+        steps_at, hyp_at = list(map(ptr, steps)), _row_addresses(hyp)
+        columns = [list(map(torch.Tensor.numel, params)), list(map(ptr, params)),
+                   list(map(ptr, grads)), *(list(map(ptr, col)) for col in states),
+                   [steps_at[k] for k in step_index], [hyp_at[r] for r in hyp_index]]
+        if self._axes:
+            assert outs is None, "a program over a matrix view steps in place"
+            columns += zip(*(self._geometry(p.shape) for p in params))
+        else:
+            outs = [*params, *flat_states] if outs is None else outs
+            columns += (list(map(ptr, outs[k * n:(k + 1) * n])) for k in range(len(states) + 1))
+        every = np.array(columns, dtype=np.int64).reshape(len(columns), n).T
         out = []
-        at = _row_addresses(hyp)
-        for key, idx in groups.items():
-            rows = [[params[i].numel(), params[i].data_ptr(), grads[i].data_ptr(),
-                     *(col[i].data_ptr() for col in states),
-                     steps[step_index[i]].data_ptr(),
-                     at[hyp_index[i]], *self._geometry(params[i].shape)]
-                    for i in idx]
-            table = _table(rows)
+        for key, idx in groups:
+            table = _from_numpy(every if len(idx) == n else every[idx])
             red = torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64)
             out.append((self.library(key), table, red, idx))
         return out
+
+    def _dtype_groups(self, params, grads, states) -> list[tuple[tuple[str, str, str], list]]:
+        """The (parameter, gradient, state) dtypes and the positions of the tensors of
+        each, checked."""
+        n = len(params)
+        pd, gd = list(map(_DTYPE_OF, params)), list(map(_DTYPE_OF, grads))
+        sd = [list(map(_DTYPE_OF, col)) for col in states]
+        if any(a != sd[0] for a in sd[1:]):
+            raise ValueError("backend 'c' needs every state tensor of a parameter in one "
+                             "dtype")
+        sd = sd[0] if sd else pd
+        if n and pd.count(pd[0]) == n and gd.count(gd[0]) == n and sd.count(sd[0]) == n:
+            # one dtype group (the common case): the devices checked in one pass
+            if all(map(_IS_CPU, params)) and all(map(_IS_CPU, grads)):
+                return [(self._group_key(params[0], grads[0], sd[0]), list(range(n)))]
+        groups: dict[tuple[str, str, str], list[int]] = {}
+        for i, (p, g) in enumerate(zip(params, grads)):
+            groups.setdefault(self._group_key(p, g, sd[i]), []).append(i)
+        return list(groups.items())
 
     def _geometry(self, shape) -> tuple[int, ...]:
         """The integers a table row of a program over a matrix view ends with."""
@@ -1209,9 +1284,17 @@ def _table(rows: list[list[int]]) -> torch.Tensor:
     return _int64s(rows).reshape(len(rows), -1)
 
 
+def _from_numpy(a: np.ndarray) -> torch.Tensor:
+    """An int64 table as a contiguous tensor (a normal one, as ``_int64s``)."""
+    with torch.inference_mode(False):
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+
 _KERNELS: dict[str, Kernel] = {}
 _DTYPE_OF = operator.attrgetter("dtype")
 _DEVICE_OF = operator.attrgetter("device")
+_SHAPE_OF = operator.attrgetter("shape")
+_IS_CPU = operator.attrgetter("is_cpu")
 _GEOMETRY: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> Kernel._geometry
 
 
