@@ -8,7 +8,7 @@ from vega import codegen
 from vega.codegen import c
 from vega.codegen.base import axis_geometry
 
-from .test_c import assert_close
+from .test_c import assert_close, pure_against_donated
 
 
 def run_both(spec, params, steps, grads_at, **kwargs):
@@ -186,15 +186,18 @@ def test_nan_gradient_propagates_through_row_max():
     assert torch.isnan(cs["r"]["cube"]).sum() == 1
 
 
+EMPTY = """optimizer empty(lr = 0.1) {
+    state r: rows = zeros
+    state c: cols = zeros
+    r = row_mean(g)
+    c = col_mean(g) + col_sum(g) + col_max(g)
+    p = p - lr * (r + c + mean(g))
+}"""
+
+
 def test_empty_axes():
     """A (0, 3) tensor: no rows, three columns of nothing; means of nothing are NaN."""
-    spec = vega.compile("""optimizer empty(lr = 0.1) {
-        state r: rows = zeros
-        state c: cols = zeros
-        r = row_mean(g)
-        c = col_mean(g) + col_sum(g) + col_max(g)
-        p = p - lr * (r + c + mean(g))
-    }""")
+    spec = vega.compile(EMPTY)
     shapes = {"empty": (0, 3), "zero_cols": (3, 0, 2), "tall": (7, 5)}
     params = randn(shapes, torch.float64, 4)
     (cp, cs), _ = run_both(spec, params, 2, lambda k: randn(shapes, torch.float64, 500 + k))
@@ -290,3 +293,18 @@ def test_a_kernel_per_program_and_no_reference_fallback(monkeypatch):
     vega.adafactor_step(params, randn(ADA_SHAPES, torch.float32, 900), state, backend="c",
                         **ADA_HYPERS)
     assert codegen.kernel("c", vega.adafactor.program((5, 7), **ADA_HYPERS))._axes
+
+
+@pytest.mark.parametrize("source", ["adafactor", BROADCAST, EMPTY])
+def test_pure_steps_over_a_matrix_view_write_new_tensors(source, monkeypatch):
+    """Out of place as the elementwise programs: adafactor factored and not, states per
+    row and per column, empty axes."""
+    shapes = {"tall": (7, 5), "cube": (3, 6, 5), "empty": (0, 3), "zero_cols": (3, 0, 2),
+              "vec": (6,), "scalar": ()}
+    for dtype in (torch.float64, torch.float32):
+        if source == "adafactor":
+            for flags in ADA_FLAGS:
+                pure_against_donated(vega.adafactor, dict(ADA_HYPERS, **flags),
+                                     randn(ADA_SHAPES, dtype, 7), monkeypatch)
+        else:
+            pure_against_donated(vega.compile(source), {}, randn(shapes, dtype, 7), monkeypatch)

@@ -23,8 +23,9 @@ bitwise reproducible for a given thread count.
 A program over a matrix view (row/column reductions or state, ``Program.uses_axes``)
 gets ``vega_axes_step`` instead of the phases and the update: it steps the tensors
 one at a time, each through a sequence of loops over one domain (see
-``AxesSource``), and its results do not depend on the thread count. It steps in
-place (a pure step runs it on copies), as does any step with a non-contiguous tensor.
+``AxesSource``), and its results do not depend on the thread count. Its table
+rows have the same columns, with the geometry before the outputs. A step with a
+non-contiguous tensor runs on contiguous copies, in place.
 """
 from __future__ import annotations
 
@@ -634,9 +635,9 @@ class AxesSource(Source):
     and state of a smaller domain, which only a later loop writes.
     """
 
-    row = (f"#define ROW (5 + NSTATE + {NGEO})  /* numel, p, g, state..., step, "
-           "hyperparameters, geometry */")
-    out_p, out_s = "1", "3 + {k}"  # in place only
+    row = (f"#define ROW (6 + 2 * NSTATE + {NGEO})  /* numel, p, g, state..., step, "
+           "hyperparameters, geometry, p out, state out... */")
+    out_p, out_s = f"5 + NSTATE + {NGEO}", f"6 + NSTATE + {NGEO} + {{k}}"
 
     def __init__(self, program: Program, pdt: str, gdt: str, sdt: str):
         super().__init__(program, pdt, gdt, sdt)
@@ -854,6 +855,24 @@ class AxesSource(Source):
             "}",
         ]
 
+    def _pass_through(self) -> list[str]:
+        """A skipped step out of place: each output a copy of its input (a state of n_r,
+        n_c or n_m values, as its domain has)."""
+        out = ["/* A skipped step out of place: each output a copy of its input. */",
+               "static void pass_through(int64_t nt, const int64_t *tab) {",
+               "    for (int64_t i = 0; i < nt; i++) {",
+               "        const int64_t *row = tab + i * ROW, *geo = row + 5 + NSTATE;",
+               f"        if (row[0] > 0 && row[{self.out_p}] != row[1])",
+               f"            memcpy((void *)(intptr_t)row[{self.out_p}], "
+               "(const void *)(intptr_t)row[1], (size_t)row[0] * sizeof(PSTORE));"]
+        for k, st in enumerate(self.program.states):
+            n = f"geo[{DOMAINS.index(st.dom)}]"  # axis_geometry: n_rc, n_r, n_c, n_m
+            col = self.out_s.format(k=k)
+            out += [f"        if ({n} > 0 && row[{col}] != row[{3 + k}])",
+                    f"            memcpy((void *)(intptr_t)row[{col}], "
+                    f"(const void *)(intptr_t)row[{3 + k}], (size_t){n} * sizeof(SSTORE));"]
+        return out + ["    }", "}", ""]
+
     def _entries(self) -> list[str]:
         lin, r = self.lin, self.r
         body = [line[12:] for line in self._block_start([])]
@@ -903,9 +922,10 @@ class AxesSource(Source):
                                    f"{DOMAIN_WORDS[dom]}")
         body += [f"free({self._buf(m)});" for m in mats]
         return [AXES_HEADER,
+                *self._pass_through(),
                 "void vega_axes_step(int64_t nt, const int64_t *tab, const double *pre, "
                 "int nth) {",
-                *self._prologue(),
+                *self._prologue("{ pass_through(nt, tab); return; }"),
                 "    for (int64_t i = 0; i < nt; i++) {  /* one tensor at a time */",
                 "        const int64_t *row = tab + i * ROW;",
                 *("        " + line if line else "" for line in body),
@@ -1030,8 +1050,7 @@ class Kernel:
 
     @property
     def _row(self) -> int:
-        n = len(self.program.states)
-        return 5 + n + NGEO if self._axes else 6 + 2 * n
+        return 6 + 2 * len(self.program.states) + (NGEO if self._axes else 0)
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``."""
@@ -1042,7 +1061,7 @@ class Kernel:
         grads = list(grads)
         flat = [s for col in states for s in col]
         compiling = torch.compiler.is_compiling()
-        if not donate and not compiling and not self._axes \
+        if not donate and not compiling \
                 and all(map(torch.Tensor.is_contiguous, [*params, *grads, *flat, *hyp])):
             # pure, out of place: the kernel reads the old tensors and writes new ones
             new_p, new_flat = list(map(torch.empty_like, params)), list(map(torch.empty_like, flat))
@@ -1129,11 +1148,9 @@ class Kernel:
                    list(map(ptr, grads)), *(list(map(ptr, col)) for col in states),
                    [steps_at[k] for k in step_index], [hyp_at[r] for r in hyp_index]]
         if self._axes:
-            assert outs is None, "a program over a matrix view steps in place"
             columns += zip(*(self._geometry(p.shape) for p in params))
-        else:
-            outs = [*params, *flat_states] if outs is None else outs
-            columns += (list(map(ptr, outs[k * n:(k + 1) * n])) for k in range(len(states) + 1))
+        outs = [*params, *flat_states] if outs is None else outs
+        columns += (list(map(ptr, outs[k * n:(k + 1) * n])) for k in range(len(states) + 1))
         every = np.array(columns, dtype=np.int64).reshape(len(columns), n).T
         out = []
         for key, idx in groups:
