@@ -16,6 +16,7 @@ from vega.codegen.base import state_shape
 from vega.runtime import engine
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
+_IS_SPARSE = operator.attrgetter("is_sparse")
 
 
 class SpecOptimizer(torch.optim.Optimizer):
@@ -125,7 +126,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         if not params:
             return []
         grads = [g for g in grads_all if g is not None]
-        if any(g.is_sparse for g in grads):
+        if any(map(_IS_SPARSE, grads)):
             raise ValueError(f"{owner} does not support sparse gradients")
         progs = engine.programs(owner, self.spec._spec, flags, values, params)
         shaped = "".join(f", or {n} (it picks each tensor's program)"
@@ -206,7 +207,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         else:
             params = plan.params
             grads = [g for g in grads_all if g is not None]
-        if any(g.is_sparse for g in grads) or params[0].device.type != plan.device \
+        if any(map(_IS_SPARSE, grads)) or params[0].device.type != plan.device \
                 or self._shapes(params) != plan.shapes:
             return None
         sts = list(map(self.state.get, params))
