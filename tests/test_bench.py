@@ -17,7 +17,7 @@ def test_rows_of_a_tiny_run():
     shapes = [(3, 4), (5,)]
     _, grads = bench._tensors(shapes)
     rows = bench.adamw_rows(shapes, grads, compile_torch=False)
-    for label in ("vega AdamW", "vega AdamW + unscale, finite check, clip, skip",
+    for label in ("vega AdamW", "vega AdamW + unscale, finite check, clip, skip", bench.FUNCTIONAL,
                   "torch AdamW fused", "torch AdamW foreach", "torch AdamW for-loop",
                   "torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW",
                   "optax adamw under jax.jit (own process)"):

@@ -41,6 +41,9 @@ OTHERS = {
 }
 
 
+FUNCTIONAL = "vega adamw_step (functional, pure: new tensors, as optax)"
+
+
 def gpt2_like() -> list[tuple[int, ...]]:
     """4 GPT-2 blocks of width 768 and a 15k-token embedding: 40M parameters, 51 tensors."""
     d = 768
@@ -98,6 +101,13 @@ def adamw_rows(shapes, grads, compile_torch=True):
                                  loss_scale=vega.LossScale.dynamic(init=1.0,
                                                                    growth_interval=10**9))
     fns["vega AdamW + unscale, finite check, clip, skip"] = fused_opt.step
+    # the functional step, pure as optax's: new parameters and state each step
+    box = [list(_tensors(shapes)[0]), None]
+    box[1] = vega.adamw_init(box[0])
+
+    def functional():
+        box[0], box[1] = vega.adamw_step(box[0], grads, box[1], lr=1e-3)
+    fns[FUNCTIONAL] = functional
     for label, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}),
                       ("fused", {"fused": True})):
         fns[f"torch AdamW {label}"] = torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
