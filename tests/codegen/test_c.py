@@ -636,3 +636,29 @@ def pure_against_donated(spec, hypers, params, monkeypatch):
 def _leaves(tree) -> list[torch.Tensor]:
     """The tensors of ``tree`` (a state has None where a tensor's program lacks a field)."""
     return [x for x in torch.utils._pytree.tree_leaves(tree) if x is not None]
+
+
+def test_non_contiguous_gradients_are_read_while_the_kernel_runs():
+    """A non-contiguous gradient is stepped from a contiguous copy, which must live until
+    the kernel has run (the table holds only its address: a copy freed before the launch
+    was read after other tensors had taken its memory)."""
+    torch.manual_seed(0)
+    for n in (8, 64, 200, 300):
+        params = {"w": torch.randn(n, n), "b": torch.randn(n)}
+        grads = {"w": torch.randn(n, n).t(), "b": torch.randn(2 * n)[::2]}
+        for name in ("sgd", "adamw", "lion"):
+            spec = vega.builtin(name)
+            hypers = {"momentum": 0.9} if name == "sgd" else {}
+            ref = spec.step(params, grads, spec.init(params, **hypers), backend="reference",
+                            **hypers)[0]
+            out = spec.step(params, grads, spec.init(params, **hypers), backend="c",
+                            **hypers)[0]
+            for k in params:
+                assert_close(out[k], ref[k], torch.float32, f"{name} n={n} {k}")
+            # the class, whose gradients are the .grad of each parameter
+            ps = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+            for k, p in ps.items():
+                p.grad = grads[k]
+            getattr(vega.optim, spec.class_name)(list(ps.values()), **hypers).step()
+            for k in params:
+                assert_close(ps[k].detach(), ref[k], torch.float32, f"{name} class n={n} {k}")

@@ -1083,6 +1083,7 @@ class Kernel:
         states = [flat[k * n:(k + 1) * n] for k in range(len(states))]
         finite = ((pre[1] == 0) | (pre[4] == 0)) if pre is not None else None
         return params, states, [unique[k] for k in step_index], finite
+
     def _step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index, pre):
         """The body of ``vega::c_step``: every tensor updated in place.
 
@@ -1112,10 +1113,12 @@ class Kernel:
             self._launch(plan.tables, plan.step_ptrs, pre, nth)
             return
         # some tensor is not contiguous: work on contiguous copies, copied back at the end
+        # (every copy held until the kernel has run: the table keeps only addresses)
         work_p = [p.contiguous() for p in params]
+        work_g = [g.contiguous() for g in grads]
         work_s = [s.contiguous() for s in flat_states]
-        tables = self._tables(work_p, [g.contiguous() for g in grads], work_s, steps,
-                              step_index, [h.contiguous() for h in hyp], hyp_index)
+        work_h = [h.contiguous() for h in hyp]
+        tables = self._tables(work_p, work_g, work_s, steps, step_index, work_h, hyp_index)
         self._launch(tables, _int64s([s.data_ptr() for s in steps]), pre, nth)
         for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
             if work is not orig:
