@@ -184,6 +184,31 @@ REDUCING = """optimizer reducing(lr = 1e-2, b1 = 0.9) {
 }"""
 
 
+# new values that are per-tensor reductions themselves, written to state like p
+REDUCED_STATE = """optimizer reduced(lr = 0.1) {
+    state s = ones
+    state m = zeros
+    s = norm(g)
+    m = max(g) + s
+    p = p - lr * g * s + 0.01 * m
+}"""
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_state_set_to_a_reduction(dtype):
+    spec = vega.compile(REDUCED_STATE)
+    params = make_params(dtype)
+    ref, cc = (params, spec.init(params)), (params, spec.init(params))
+    for step in range(3):
+        grads = grads_for(params, step)
+        ref = spec.step(ref[0], grads, ref[1], backend="reference")
+        cc = spec.step(cc[0], grads, cc[1], backend="c")
+        for k in params:
+            for what, x, y in (("p", cc[0][k], ref[0][k]), ("s", cc[1]["s"][k], ref[1]["s"][k]),
+                               ("m", cc[1]["m"][k], ref[1]["m"][k])):
+                assert_close(x, y, dtype, f"step {step} {what}.{k}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_reductions_and_phases(dtype):
     spec = vega.compile(REDUCING)

@@ -417,3 +417,21 @@ def test_optimizer_class_with_a_schedule_and_counters_that_differ(monkeypatch):
         assert torch.equal(opt.state[p]["step"], ref_opt.state[q]["step"])
     assert [int(opt.state[p]["step"]) for p in ours] == [4, 3, 3]
     assert given and set(given) == {1}
+
+
+def test_a_state_set_to_a_reduction():
+    """A new value that is a per-tensor reduction itself (s = norm(g)), read by the update
+    from its phase."""
+    from .test_c import REDUCED_STATE
+    spec = vega.compile(REDUCED_STATE)
+    params = make_params()
+    ref, tri = (params, spec.init(params)), (params, spec.init(params))
+    for step in range(2):
+        grads = grads_for(params, step)
+        ref = spec.step(ref[0], grads, ref[1], backend="reference")
+        tri = spec.step(tri[0], grads, tri[1], backend="triton")
+        for (name, x), (_, y) in zip(leaves(*tri), leaves(*ref)):
+            if name == "step":
+                assert torch.equal(x, y)
+            else:
+                assert_close(x, y, f"step {step} {name}")

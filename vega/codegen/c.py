@@ -535,7 +535,10 @@ class Source:
 
     def _update(self) -> list[str]:
         stored = self._stored(len(self.phases))
-        nodes, used, _ = self._element_nodes(self._update_roots(stored), stored)
+        roots = self._update_roots(stored)
+        nodes, used, _ = self._element_nodes(roots, stored)
+        # a per-tensor reduction that is itself a new value (s = norm(g)): from its phase too
+        used += [n for n in roots if n.op in REDUCTIONS and all(u is not n for u in used)]
         stores = ["                " + self._store(target, self.r.operand(self.lin, node), "j")
                   for target, node in self.program.updates
                   if target == "p" or id(node) not in stored]

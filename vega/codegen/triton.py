@@ -140,9 +140,11 @@ class TritonRenderer(Renderer):
         return f"tl.full((), {text}, {'tl.float64' if phase == 'scalar' else self.ct})"
 
 
-def _needed(roots: list[Node]) -> tuple[list[Node], list[Node], list[Node]]:
+def _needed(roots: list[Node], computed: list[Node]) -> tuple[list[Node], list[Node], list[Node]]:
     """The element-phase lines reaching ``roots`` (operands first), the reductions of earlier
-    phases they read (values are recomputed, reductions are not), and every node reached."""
+    phases they read (values are recomputed, reductions are not), and every node reached.
+    ``computed``: the reductions of this phase (a root of the update may be an earlier
+    phase's reduction: s = norm(g))."""
     seen: set[int] = set()
     stack, needed = list(roots), []
     while stack:
@@ -151,14 +153,14 @@ def _needed(roots: list[Node]) -> tuple[list[Node], list[Node], list[Node]]:
             continue
         seen.add(id(node))
         needed.append(node)
-        if node.op in REDUCTIONS and not any(node is r for r in roots):
+        if node.op in REDUCTIONS and not any(node is r for r in computed):
             continue
         stack.extend(node.src)
     order = {id(n): k for k, n in enumerate(walk(roots))}
     needed.sort(key=lambda n: order[id(n)])
     lines = [n for n in needed if n.kind >= Kind.TENSOR and n.op not in LEAVES
              and n.op not in REDUCTIONS]
-    earlier = [n for n in needed if n.op in REDUCTIONS and not any(n is r for r in roots)]
+    earlier = [n for n in needed if n.op in REDUCTIONS and not any(n is r for r in computed)]
     return lines, earlier, needed
 
 
@@ -531,7 +533,7 @@ class Source:
     # -- kernels --------------------------------------------------------------
     def _kernel(self, roots: list[Node], update: bool) -> dict:
         lin, r, v = self.lin, self.r, self.var
-        lines, earlier, needed = _needed(roots)
+        lines, earlier, needed = _needed(roots, [] if update else roots)
         used = {"p" if n.op is Op.PARAM else "g" if n.op is Op.GRAD else safe(n.arg)
                 for n in needed if n.op in (Op.PARAM, Op.GRAD, Op.STATE)}
         # the scalars the element lines read (rounded once to ct), and the scalar lines they need
