@@ -7,8 +7,9 @@ same run. The rows of a table are timed in rounds, each round stepping every
 row once in turn (``race``): a drift of the machine's speed touches them alike,
 and a step finds little of its data still in the cache, as after a forward and
 backward pass (the other optimizers of the second table race their counterpart
-alone; optax runs alone in a process of its own). Also: the time to compile a
-spec cold and to load it from the cache.
+alone; optax, and vega's pure functional step raced with torch's fused step, run
+in processes of their own, first). Also: the time to compile a spec cold and to
+load it from the cache.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ OTHERS = {
 }
 
 
-FUNCTIONAL = "vega adamw_step (functional, pure: new tensors, as optax)"
+FUNCTIONAL = "vega adamw_step, functional and pure (own process)"
+FUNCTIONAL_FUSED = "(torch AdamW fused, raced with the functional step)"
 
 
 def gpt2_like() -> list[tuple[int, ...]]:
@@ -94,6 +96,10 @@ def race(fns: dict, budget: float = 6.0, max_rounds: int = 9, min_rounds: int = 
 
 
 def adamw_rows(shapes, grads, compile_torch=True):
+    # the rows of processes of their own first, while this one holds little memory: on a
+    # virtual machine, the fresh pages of a pure step cost up to 4x more when the memory
+    # of other processes is large (pages the host has to find again)
+    alone = {**functional_rows(shapes), **_optax_row(shapes)}
     fns = {}
     opt = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3)
     fns["vega AdamW"] = opt.step
@@ -101,13 +107,6 @@ def adamw_rows(shapes, grads, compile_torch=True):
                                  loss_scale=vega.LossScale.dynamic(init=1.0,
                                                                    growth_interval=10**9))
     fns["vega AdamW + unscale, finite check, clip, skip"] = fused_opt.step
-    # the functional step, pure as optax's: new parameters and state each step
-    box = [list(_tensors(shapes)[0]), None]
-    box[1] = vega.adamw_init(box[0])
-
-    def functional():
-        box[0], box[1] = vega.adamw_step(box[0], grads, box[1], lr=1e-3)
-    fns[FUNCTIONAL] = functional
     for label, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}),
                       ("fused", {"fused": True})):
         fns[f"torch AdamW {label}"] = torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
@@ -132,10 +131,38 @@ def adamw_rows(shapes, grads, compile_torch=True):
         compile_secs = time.perf_counter() - t0
         fns["torch.compile(AdamW.step)"] = compiled
     rows = race(fns)
-    rows.update(_optax_row(shapes))
+    rows.update(alone)
     if compile_secs is not None:
         rows["(torch.compile of AdamW: compile time, not a step)"] = compile_secs
     return rows
+
+
+def functional_rows(shapes) -> dict:
+    """vega's functional AdamW step, pure as optax's (new parameters and state each step),
+    raced against torch's fused step in a process of their own, as optax's: the pure
+    step's allocations slowed the rows timed beside it (the allocator returns freed memory
+    to the system, and takes it back at a cost a step later), and were slowed by theirs."""
+    code = ("import json, sys; from vega.bench import functional_seconds; "
+            "print(*functional_seconds([tuple(s) for s in json.loads(sys.argv[1])]))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(shapes)], capture_output=True,
+                         text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"timing the functional step failed:\n{out.stderr[-2000:]}")
+    ours, fused = map(float, out.stdout.split()[-2:])
+    return {FUNCTIONAL: ours, FUNCTIONAL_FUSED: fused}
+
+
+def functional_seconds(shapes) -> tuple[float, float]:
+    """Median seconds of vega's pure adamw_step and of torch's fused AdamW, raced."""
+    _, grads = _tensors(shapes)
+    box = [list(_tensors(shapes)[0]), None]
+    box[1] = vega.adamw_init(box[0])
+
+    def functional():
+        box[0], box[1] = vega.adamw_step(box[0], grads, box[1], lr=1e-3)
+    fused = torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3, fused=True).step
+    times = race({"vega": functional, "fused": fused})
+    return times["vega"], times["fused"]
 
 
 def _optax_row(shapes) -> dict:
@@ -248,10 +275,16 @@ def main(quick: bool = False, compile_torch: bool = True, out=None) -> int:
         fused = rows["torch AdamW fused"]
         say(f"{'AdamW step':<60} {'median ms':>10} {'/ torch fused':>14}")
         for label, secs in rows.items():
+            if label == FUNCTIONAL_FUSED:
+                continue
             if label.startswith("("):
                 say(f"{label:<60} {secs:>10.1f} s")
                 continue
-            say(f"{label:<60} {1e3 * secs:>10.2f} {secs / fused:>13.2f}x")
+            alone = label == FUNCTIONAL  # its ratio: to torch's fused step in its own race
+            base = rows[FUNCTIONAL_FUSED] if alone else fused
+            say(f"{label:<60} {1e3 * secs:>10.2f} {secs / base:>13.2f}x" + "*" * alone)
+        say(f"* new parameters and state each step, as optax's; raced with torch's fused step "
+            f"alone ({1e3 * rows[FUNCTIONAL_FUSED]:.2f} ms there)")
         ours_fused = rows["vega AdamW + unscale, finite check, clip, skip"]
         composite = rows["torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW"]
         say(f"vega's fused step is {composite / ours_fused:.2f}x faster than torch's "
