@@ -148,6 +148,46 @@ def test_pure_step_leaves_inputs_untouched_and_returns_new_tensors(setting):
     assert any(not torch.equal(new_params[k], params[k]) for k in SHAPES), "nothing stepped"
 
 
+# new values that are inputs (s = p, the old p; k = g) or each other's (v = m)
+ALIASING = """optimizer aliasing(lr = 0.5, b = 0.5) {
+    state s = zeros
+    state m = zeros
+    state v = zeros
+    state k = zeros
+    s = p
+    m = b * m + g
+    v = m
+    k = g
+    p = p - lr * m
+}"""
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_a_new_value_that_is_an_input_or_another_output(backend):
+    """Donated, a state set to the old p gets the old p, not the one just written; pure,
+    every output is a tensor of its own, none an input."""
+    spec = vega.compile(ALIASING)
+    params, grads = make_params(torch.float32), make_grads(torch.float32)
+    state = spec.init(params)
+    new_p, new_s = spec.step(params, grads, state, backend=backend)
+    for k in SHAPES:
+        assert_same_bits(new_s["s"][k], params[k], f"pure s.{k}")
+        assert_same_bits(new_s["v"][k], new_s["m"][k], f"pure v.{k}")
+        assert_same_bits(new_s["k"][k], grads[k], f"pure k.{k}")
+    inputs = named_tensors({"params": params, "grads": grads, "state": state})
+    outputs = named_tensors({"params": new_p, "state": new_s})
+    ptrs = {x.data_ptr() for _, x in inputs}
+    for name, x in outputs:
+        assert x.data_ptr() not in ptrs, f"the pure step's {name} is an input's memory"
+    assert len({x.data_ptr() for _, x in outputs}) == len(outputs), "outputs share memory"
+    donated_p, donated_s = spec.step({k: v.clone() for k, v in params.items()}, grads,
+                                     pytree.tree_map(torch.clone, state), backend=backend,
+                                     donate=True)
+    for (name, x), (_, y) in zip(named_tensors((donated_p, donated_s)),
+                                 named_tensors((new_p, new_s))):
+        assert_same_bits(x, y, f"donated against pure {name}")
+
+
 def test_donated_step_updates_in_place_with_the_pure_values(setting):
     spec, hypers = setting
     params = make_params(torch.float32)

@@ -263,16 +263,25 @@ class Kernel:
                 gc = gc * gscale[0].to(cd) * gscale[1].to(cd)
             extra = (geometry(p.shape),) if self.program.uses_axes else ()
             outs = self._update(p.to(cd), gc, *(s.to(cd) for s in olds), *scalars, *extra)
-            for old, new, sink in zip([p, *olds], outs, [new_params, *new_states]):
+            # every new value first, then the writes: a new value may be an input itself
+            # (s = p), which an earlier write in place would change
+            inputs, news = [p, g, *olds], []
+            for old, new in zip([p, *olds], outs):
                 new = new.to(old.dtype)
                 if finite is not None:
                     new = torch.where(finite, new, old)
+                elif any(new is x for x in (*inputs, *news)) or (
+                        not donate and not new.is_contiguous()):
+                    # an input, or another output (s = p; v = m): a tensor of its own;
+                    # fresh and contiguous when pure (an expanded scalar update is a view)
+                    new = new.clone(memory_format=torch.contiguous_format)
+                news.append(new)
+            for old, new, sink in zip([p, *olds], news, [new_params, *new_states]):
                 if donate:
                     old.copy_(new)
                     sink.append(old)
                 else:
-                    # a fresh, contiguous tensor (an expanded scalar update is a view)
-                    sink.append(new.clone() if new is old or not new.is_contiguous() else new)
+                    sink.append(new)
         return new_params, new_states, advance_steps(steps, finite, donate), finite
 
 
