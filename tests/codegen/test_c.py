@@ -184,12 +184,15 @@ REDUCING = """optimizer reducing(lr = 1e-2, b1 = 0.9) {
 }"""
 
 
-# new values that are per-tensor reductions themselves, written to state like p
+# new values that are per-tensor reductions themselves, written to state like p (n: the
+# same one twice)
 REDUCED_STATE = """optimizer reduced(lr = 0.1) {
     state s = ones
     state m = zeros
+    state n = zeros
     s = norm(g)
     m = max(g) + s
+    n = s
     p = p - lr * g * s + 0.01 * m
 }"""
 
@@ -204,8 +207,8 @@ def test_a_state_set_to_a_reduction(dtype):
         ref = spec.step(ref[0], grads, ref[1], backend="reference")
         cc = spec.step(cc[0], grads, cc[1], backend="c")
         for k in params:
-            for what, x, y in (("p", cc[0][k], ref[0][k]), ("s", cc[1]["s"][k], ref[1]["s"][k]),
-                               ("m", cc[1]["m"][k], ref[1]["m"][k])):
+            for what, x, y in [("p", cc[0][k], ref[0][k])] + [
+                    (n, cc[1][n][k], ref[1][n][k]) for n in "smn"]:
                 assert_close(x, y, dtype, f"step {step} {what}.{k}")
 
 

@@ -538,7 +538,9 @@ class Source:
         roots = self._update_roots(stored)
         nodes, used, _ = self._element_nodes(roots, stored)
         # a per-tensor reduction that is itself a new value (s = norm(g)): from its phase too
-        used += [n for n in roots if n.op in REDUCTIONS and all(u is not n for u in used)]
+        for n in roots:
+            if n.op in REDUCTIONS and all(u is not n for u in used):
+                used.append(n)
         stores = ["                " + self._store(target, self.r.operand(self.lin, node), "j")
                   for target, node in self.program.updates
                   if target == "p" or id(node) not in stored]
