@@ -690,3 +690,19 @@ def test_non_contiguous_gradients_are_read_while_the_kernel_runs():
             getattr(vega.optim, spec.class_name)(list(ps.values()), **hypers).step()
             for k in params:
                 assert_close(ps[k].detach(), ref[k], torch.float32, f"{name} class n={n} {k}")
+
+
+SIGNS = torch.tensor([float("nan"), -0.0, 0.0, 2.5, -3.0, float("inf"), -float("inf")])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_sign_keeps_nan_and_signed_zeros(dtype):
+    """sign(x): 1 above zero, -1 below, x itself otherwise (NaN, -0.0 and 0.0), on every
+    backend; torch.sign gives 0 for NaN."""
+    spec = vega.compile("optimizer signs() {\n    p = sign(g)\n}")
+    params, grads = {"x": torch.ones(7, dtype=dtype)}, {"x": SIGNS.to(dtype)}
+    want = torch.tensor([float("nan"), -0.0, 0.0, 1, -1, 1, -1], dtype=dtype)
+    for backend in ("reference", "c"):
+        got = spec.step(params, grads, spec.init(params), backend=backend)[0]["x"]
+        assert got.isnan().tolist() == want.isnan().tolist(), (backend, got)
+        assert _same_bits(got[1:], want[1:]), (backend, got)  # -0.0 too

@@ -435,3 +435,12 @@ def test_a_state_set_to_a_reduction():
                 assert torch.equal(x, y)
             else:
                 assert_close(x, y, f"step {step} {name}")
+
+
+def test_sign_keeps_nan_and_signed_zeros():
+    from .test_c import SIGNS
+    spec = vega.compile("optimizer signs() {\n    p = sign(g)\n}")
+    params, grads = {"x": torch.ones(7, device=DEVICE)}, {"x": SIGNS.to(DEVICE)}
+    got = spec.step(params, grads, spec.init(params), backend="triton")[0]["x"]
+    ref = spec.step(params, grads, spec.init(params), backend="reference")[0]["x"]
+    assert_same(got, ref, "sign")

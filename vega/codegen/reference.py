@@ -60,7 +60,7 @@ class TorchRenderer(Renderer):
         Op.EXP: _fn("torch.exp"),
         Op.LOG: _fn("torch.log"),
         Op.ABS: _fn("torch.abs"),
-        Op.SIGN: _fn("torch.sign"),
+        Op.SIGN: _fn("_sign"),
         Op.MIN: _minmax("min"),
         Op.MAX: _minmax("max"),
         Op.NORM: _fn("torch.linalg.vector_norm"),
@@ -184,6 +184,12 @@ def _amax(x):
     return torch.amax(x) if x.numel() else x.new_full((), -math.inf)
 
 
+def _sign(x):
+    """1 above zero, -1 below, x itself otherwise: NaN stays NaN (torch.sign gives 0) and
+    -0.0 stays -0.0, as in the C and Triton kernels (and numpy's and jax's sign)."""
+    return torch.where(x > 0, 1.0, torch.where(x < 0, -1.0, x))
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -197,8 +203,8 @@ class Kernel:
         self.program = program
         self.linear = linearize(program)
         self.text = render(program, self.linear)
-        namespace = {"torch": torch, "math": math, "_amax": _amax, "_broadcast": _broadcast,
-                     "_reduce": _reduce}
+        namespace = {"torch": torch, "math": math, "_amax": _amax, "_sign": _sign,
+                     "_broadcast": _broadcast, "_reduce": _reduce}
         exec(compile(self.text, f"<vega reference: {program.name}>", "exec"), namespace)
         self._scalars = namespace["scalars"]
         self._update = namespace["update"]
