@@ -706,3 +706,21 @@ def test_sign_keeps_nan_and_signed_zeros(dtype):
         got = spec.step(params, grads, spec.init(params), backend=backend)[0]["x"]
         assert got.isnan().tolist() == want.isnan().tolist(), (backend, got)
         assert _same_bits(got[1:], want[1:]), (backend, got)  # -0.0 too
+
+
+# number literals beside float64 values, and where() of two bool literals
+LITERALS = """optimizer literals(f = true) {
+    c = where(g > 0, true, f)
+    d = where(t > 1, false, true)
+    p = where(c and d, min(g, 1e-3) + where(g > 1, 0.1, 0.2), max(p, 1e-3))
+}"""
+
+
+@pytest.mark.parametrize("f", [False, True])
+def test_literals_keep_their_digits_and_types(f):
+    spec = vega.compile(LITERALS)
+    params = {"x": torch.tensor([1.0, -1.0, 3.0], dtype=torch.float64)}
+    grads = {"x": torch.tensor([5.0, -5.0, 0.5], dtype=torch.float64)}
+    ref = spec.step(params, grads, spec.init(params), backend="reference", f=f)[0]["x"]
+    got = spec.step(params, grads, spec.init(params), backend="c", f=f)[0]["x"]
+    assert _same_bits(got, ref) and ref[0].item() == 0.001 + 0.1

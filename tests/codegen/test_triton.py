@@ -444,3 +444,15 @@ def test_sign_keeps_nan_and_signed_zeros():
     got = spec.step(params, grads, spec.init(params), backend="triton")[0]["x"]
     ref = spec.step(params, grads, spec.init(params), backend="reference")[0]["x"]
     assert_same(got, ref, "sign")
+
+
+@pytest.mark.parametrize("f", [False, True])
+def test_literals_keep_their_digits_and_types(f):
+    """A float literal in min, max or where is not rounded to float32 beside float64."""
+    from .test_c import LITERALS
+    spec = vega.compile(LITERALS)
+    params = {"x": torch.tensor([1.0, -1.0, 3.0], dtype=torch.float64, device=DEVICE)}
+    grads = {"x": torch.tensor([5.0, -5.0, 0.5], dtype=torch.float64, device=DEVICE)}
+    ref = spec.step(params, grads, spec.init(params), backend="reference", f=f)[0]["x"]
+    got = spec.step(params, grads, spec.init(params), backend="triton", f=f)[0]["x"]
+    assert_same(got, ref, "literals")

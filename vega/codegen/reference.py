@@ -43,7 +43,8 @@ def _minmax(which):
 def _where(self, node, phase, c, a, b):
     if node.src[1].op is Op.CONST and node.src[2].op is Op.CONST:
         like = "p" if phase == "element" else "t"
-        a = f"{like}.new_full((), {a})"
+        kind = ", dtype=torch.bool" if node.dtype == "bool" else ""
+        a = f"{like}.new_full((), {a}{kind})"
     return f"torch.where({c}, {a}, {b})"
 
 

@@ -69,8 +69,15 @@ def _call(name):
 
 
 def _minmax(which):
-    return lambda self, node, phase, a, b: \
-        f"tl.{which}({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
+    def render(self, node, phase, a, b):
+        a, b = (self.number(s, x, phase) for s, x in zip(node.src, (a, b)))
+        return f"tl.{which}({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
+    return render
+
+
+def _where(self, node, phase, c, a, b):
+    a, b = (self.number(s, x, phase) for s, x in zip(node.src[1:], (a, b)))
+    return f"tl.where({c}, {a}, {b})"
 
 
 def _logic(node, a, b, op, mixed):
@@ -100,7 +107,7 @@ class TritonRenderer(Renderer):
         Op.OR: lambda self, node, phase, a, b: _logic(node, a, b, "|",
                                                       f"tl.where({a}, True, {b})"),
         Op.NOT: lambda self, node, phase, a: f"~{a}",
-        Op.WHERE: _call("tl.where"),
+        Op.WHERE: _where,
         Op.SQRT: lambda self, node, phase, a: (
             f"tl.sqrt_rn({a})" if phase == "element" and self.ct == "tl.float32"
             else f"tl.sqrt({a})"),
@@ -133,8 +140,14 @@ class TritonRenderer(Renderer):
         name = linear.ref(node)
         return self.rename.get(name, name)
 
+    def number(self, node: Node, text: str, phase: str) -> str:
+        """``tensor`` for a number literal; a bool one as it is."""
+        return text if node.dtype == "bool" else self.tensor(node, text, phase)
+
     def tensor(self, node: Node, text: str, phase: str) -> str:
-        """An operand as a Triton value: a literal becomes a 0-d tensor."""
+        """An operand as a Triton value: a literal becomes a 0-d tensor of the phase's type
+        (a bare literal is float32 to tl.minimum, tl.where and the like: 1e-3 would lose
+        digits beside float64 values)."""
         if node.op is not Op.CONST:
             return text
         return f"tl.full((), {text}, {'tl.float64' if phase == 'scalar' else self.ct})"
