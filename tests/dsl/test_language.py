@@ -154,3 +154,34 @@ def test_unknown_flag_and_bad_values():
         vega.optim.AdamW([torch.zeros(2, requires_grad=True)], lr=-0.1)
     with pytest.raises(ValueError, match="amsgrad=1 must be True or False"):
         vega.adam_init(p, amsgrad=1)
+
+
+# (expression of A and B, a, b): folded where both are literals, computed by the kernels'
+# scalar phase where they are hyperparameters; the two must agree bit for bit
+FOLDS = [("A ^ B", 0.0, -1.0), ("A ^ B", -0.0, -1.0), ("A ^ B", -8.0, 0.5),
+         ("A ^ B", 10.0, 400.0), ("exp(A) + B", 1000.0, 0.0), ("A / B", 1.0, -0.0),
+         ("A / B", 0.0, 0.0), ("min(A, sqrt(B))", 1.0, -1.0), ("max(sqrt(B), A)", 1.0, -1.0),
+         ("min(A, B)", -0.0, 0.0), ("max(A, B)", 0.0, -0.0), ("sign(A) + B", -0.0, -0.0),
+         ("sign(sqrt(B)) + A", 0.0, -1.0), ("log(A) * B", 0.0, 1.0), ("rsqrt(A) + B", -0.0, 0.0)]
+
+
+@pytest.mark.parametrize("expr,a,b", FOLDS, ids=[f"{e}|{a}|{b}" for e, a, b in FOLDS])
+def test_constant_folding_computes_what_the_kernels_compute(expr, a, b):
+    """Folding literals never fails to compile (0 ^ -1 is inf, (-8) ^ 0.5 NaN, exp(1000)
+    inf) and gives the value the kernels give the same expression of hyperparameters:
+    NaN through min, max and sign, signed zeros."""
+    def lit(x):
+        return f"({x})" if str(x)[0] != "-" else f"(-{str(x)[1:]})"
+    folded = vega.compile("optimizer folded() {\n    p = p * 0 + "
+                          f"{expr.replace('A', lit(a)).replace('B', lit(b))}\n}}")
+    unfolded = vega.compile("optimizer unfolded(a = 1.0, b = 1.0) {\n"
+                            f"    p = p * 0 + {expr.replace('A', 'a').replace('B', 'b')}\n}}")
+    params = {"w": torch.ones(3, dtype=torch.float64)}
+    grads = {"w": torch.ones(3, dtype=torch.float64)}
+    want = folded.step(params, grads, folded.init(params), backend="reference")[0]["w"]
+    for backend in ("reference", "c"):
+        got = unfolded.step(params, grads, unfolded.init(params, a=a, b=b), backend=backend,
+                            a=a, b=b)[0]["w"]
+        assert torch.equal(got.isnan(), want.isnan()), (backend, got, want)
+        same = got.isnan() | (got.view(torch.int64) == want.view(torch.int64))
+        assert same.all(), (backend, got, want)

@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
+import numpy as np
+
 from vega.errors import Span
 
 
@@ -102,14 +104,24 @@ def join(*doms: str) -> str:
 COMPARISONS = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 LOGIC = frozenset({Op.AND, Op.OR, Op.NOT})
 
-# Python meaning of each foldable op, used for constant folding.
+def _ieee(fn):
+    """``fn`` on float64 values as the kernels compute it: inf or NaN where Python's
+    arithmetic would raise (0 ^ -1, exp(1000)) or turn complex ((-8) ^ 0.5)."""
+    def run(*args):
+        with np.errstate(all="ignore"):
+            return float(fn(*(np.float64(a) for a in args)))
+    return run
+
+
+# Python meaning of each foldable op, used for constant folding: what a kernel computes
+# (NaN propagates through min, max and sign; signed zeros and infinities as IEEE has them).
 _FOLD = {
     Op.NEG: lambda a: -a,
     Op.ADD: lambda a, b: a + b,
     Op.SUB: lambda a, b: a - b,
     Op.MUL: lambda a, b: a * b,
-    Op.DIV: lambda a, b: a / b if b != 0 else math.copysign(math.inf, a) if a else math.nan,
-    Op.POW: lambda a, b: float(a) ** b,
+    Op.DIV: _ieee(np.divide),
+    Op.POW: _ieee(np.power),
     Op.LT: lambda a, b: a < b,
     Op.LE: lambda a, b: a <= b,
     Op.GT: lambda a, b: a > b,
@@ -119,14 +131,14 @@ _FOLD = {
     Op.AND: lambda a, b: a and b,
     Op.OR: lambda a, b: a or b,
     Op.NOT: lambda a: not a,
-    Op.SQRT: lambda a: math.sqrt(a) if a >= 0 else math.nan,
-    Op.RSQRT: lambda a: 1 / math.sqrt(a) if a > 0 else (math.inf if a == 0 else math.nan),
-    Op.EXP: math.exp,
-    Op.LOG: lambda a: math.log(a) if a > 0 else (-math.inf if a == 0 else math.nan),
+    Op.SQRT: _ieee(np.sqrt),
+    Op.RSQRT: _ieee(lambda a: 1 / np.sqrt(a)),
+    Op.EXP: _ieee(np.exp),
+    Op.LOG: _ieee(np.log),
     Op.ABS: abs,
-    Op.SIGN: lambda a: float((a > 0) - (a < 0)),
-    Op.MIN: min,
-    Op.MAX: max,
+    Op.SIGN: lambda a: a if a != a or a == 0 else math.copysign(1.0, a),
+    Op.MIN: lambda a, b: a if a < b or a != a else b,
+    Op.MAX: lambda a, b: a if a > b or a != a else b,
 }
 
 
