@@ -110,3 +110,22 @@ def test_shape_conditions_show_and_choose_programs():
     assert "def init_m" not in spec.source() and "def init_m" in spec.source(shape=(4, 5))
     assert "hyperparameter values, in source order: true" in spec.source(shape=(4, 5))
     assert "_reduce(" in vega.adafactor.source(shape=(256, 128))
+
+
+def test_a_state_like_p_may_hold_a_per_row_value_and_then_a_per_element_one():
+    """A state's assignments are checked against its declared shape, not against the value
+    it holds by then (a state like p set to a row mean may be set to g again)."""
+    spec = vega.compile("""optimizer o(lr = 0.1) {
+        state v = zeros
+        v = row_mean(g)
+        w = v * 2
+        v = g + w
+        p = p - lr * v
+    }""")
+    p = {"w": torch.arange(12.0, dtype=torch.float64).reshape(3, 4)}
+    g = {"w": torch.arange(12.0, dtype=torch.float64).reshape(3, 4)}
+    for backend in ("reference", "c"):
+        new_p, new_s = spec.step(p, g, spec.init(p), backend=backend)
+        want = g["w"] + 2 * g["w"].mean(1, keepdim=True)
+        torch.testing.assert_close(new_s["v"]["w"], want)
+        torch.testing.assert_close(new_p["w"], p["w"] - 0.1 * want)

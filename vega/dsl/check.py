@@ -201,11 +201,14 @@ class _Walker:
                 what = "the parameter p" if s.name == "p" else f"state '{s.name}'"
                 raise SpecError(f"{what} must be a number, but this value is a bool",
                                 s.value.span)
-            if old is not None and old.role == "state" and value.kind == Kind.ELEMENT \
-                    and ir.join(value.dom, old.node.dom) != old.node.dom:
-                raise SpecError(f"state '{s.name}' holds {ir.DOMAIN_WORDS[old.node.dom]}, but "
-                                f"this value has {_short(value.dom)}"
-                                f"{_reduce_hint(value.dom, old.node.dom)}", s.value.span)
+            if old is not None and old.role == "state" and value.kind == Kind.ELEMENT:
+                # against the declared shape, not the value the state holds by now (a
+                # state like p may hold a per-row value, and take a per-element one again)
+                dom = next(v.dom for v in self.states if v.name == s.name)
+                if ir.join(value.dom, dom) != dom:
+                    raise SpecError(f"state '{s.name}' holds {ir.DOMAIN_WORDS[dom]}, but this "
+                                    f"value has {_short(value.dom)}"
+                                    f"{_reduce_hint(value.dom, dom)}", s.value.span)
             if s.name == "p":
                 self.assigns_p = True
             role = old.role if old is not None and old.role in ("builtin", "state") else "value"
