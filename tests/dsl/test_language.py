@@ -185,3 +185,17 @@ def test_constant_folding_computes_what_the_kernels_compute(expr, a, b):
         assert torch.equal(got.isnan(), want.isnan()), (backend, got, want)
         same = got.isnan() | (got.view(torch.int64) == want.view(torch.int64))
         assert same.all(), (backend, got, want)
+
+
+def test_a_state_declared_after_p_is_assigned_starts_from_the_parameter():
+    spec = vega.compile("""optimizer o(lr = 0.1) {
+        p = p - lr * g
+        state s = 2 * p
+        s = s + g
+    }""")
+    params = {"w": torch.ones(2, dtype=torch.float64)}
+    grads = {"w": torch.ones(2, dtype=torch.float64)}
+    assert spec.init(params)["s"]["w"].tolist() == [2.0, 2.0]
+    for backend in ("reference", "c"):
+        new_p, new_s = spec.step(params, grads, spec.init(params), backend=backend)
+        assert new_p["w"].tolist() == [0.9, 0.9] and new_s["s"]["w"].tolist() == [3.0, 3.0]

@@ -277,7 +277,9 @@ class _Walker:
     # -- expressions --------------------------------------------------------
     def init_expr(self, e, env):
         """A state's initial value: p, constants and hyperparameters only."""
-        init_env = {n: b for n, b in env.items() if b.role == "hyper" or n == "p"}
+        init_env = {n: b for n, b in env.items() if b.role == "hyper"}
+        # the parameter as the optimizer receives it, also where the body has assigned p
+        init_env["p"] = _Binding(ir.leaf(Op.PARAM, Kind.ELEMENT, "p"), "builtin", None)
         for n, v in INIT_NAMES.items():
             init_env[n] = _Binding(ir.const(v), "builtin", None)
         for node in _names(e):
