@@ -199,3 +199,29 @@ def test_a_state_declared_after_p_is_assigned_starts_from_the_parameter():
     for backend in ("reference", "c"):
         new_p, new_s = spec.step(params, grads, spec.init(params), backend=backend)
         assert new_p["w"].tolist() == [0.9, 0.9] and new_s["s"]["w"].tolist() == [3.0, 3.0]
+
+
+# specs whose check walks both branches (a value per element), and a setting that makes
+# the value smaller: the reduction spreads it over the elements, as the check saw it
+SETTINGS_THAT_SHRINK = [
+    ("optimizer o(lr = 0.1, f = true) {\n    p = p - lr * sum(where(f, g, 0))\n}",
+     {"f": False}, 1.0, 1.0),
+    ("optimizer o(lr = 0.1, f = true) {\n    if f {\n        y = g\n    } else {\n"
+     "        y = lr\n    }\n    p = p - lr * mean(y)\n}", {"f": False}, 0.99, 0.99),
+    ("optimizer o(lr = 0.1) {\n    if ndim(p) >= 2 {\n        y = g\n    } else {\n"
+     "        y = row_mean(g)\n    }\n    p = p - lr * row_sum(y)\n}", {}, 0.7, 0.6),
+    ("optimizer o(lr = 0.1, f = true) {\n    if f {\n        p = p - lr * g\n    }\n}",
+     {"f": False}, 1.0, 1.0),  # p as it is
+]
+
+
+@pytest.mark.parametrize("source,hypers,w,v", SETTINGS_THAT_SHRINK)
+def test_every_setting_a_spec_compiles_with_steps(source, hypers, w, v):
+    spec = vega.compile(source)
+    params = {"w": torch.ones(2, 3, dtype=torch.float64), "v": torch.ones(4, dtype=torch.float64)}
+    grads = {k: torch.ones_like(x) for k, x in params.items()}
+    for backend in ("reference", "c"):
+        new_p, _ = spec.step(params, grads, spec.init(params, **hypers), backend=backend,
+                             **hypers)
+        torch.testing.assert_close(new_p["w"], torch.full((2, 3), w, dtype=torch.float64))
+        torch.testing.assert_close(new_p["v"], torch.full((4,), v, dtype=torch.float64))

@@ -143,7 +143,7 @@ class _Walker:
             env[h.name] = _Binding(node, "hyper", h.span)
         self.hyper_names = {h.name for h in hypers}
         env = self.block(self.spec.body, env)
-        if not self.assigns_p:
+        if not self.assigns_p and self.checking:  # (a setting may leave p as it is)
             raise SpecError(f"optimizer '{self.spec.name}' never assigns p, so it would not "
                             "change the parameters", self.spec.name_span)
         if self.checking:
@@ -345,6 +345,8 @@ class _Walker:
             x = args[0]
             self._need("float", x, e.args[0], f"{e.fn}()")
             axis = ir.AXIS_REDUCTIONS[op][0]
+            if not self.checking and (x.kind != Kind.ELEMENT or axis not in x.dom):
+                x = _spread(x, e.span)
             if x.kind != Kind.ELEMENT:
                 raise SpecError(f"{e.fn}() reduces an axis of a tensor, but its argument is the "
                                 "same for every element", e.args[0].span)
@@ -362,6 +364,8 @@ class _Walker:
             return ir.apply(op, *args, span=e.span)
         for a, node in zip(e.args, args):
             self._need("float", node, a, f"{e.fn}()")
+        if op in ir.REDUCTIONS and args[0].kind != Kind.ELEMENT and not self.checking:
+            args[0] = _spread(args[0], e.span)
         if op in ir.REDUCTIONS and args[0].kind != Kind.ELEMENT:
             raise SpecError(f"{e.fn}() reduces a tensor, but its argument is the same for "
                             "every element", e.args[0].span)
@@ -378,6 +382,15 @@ class _Walker:
                                 "where(cond, 1, 0) to turn a bool into a number", e.span)
             raise SpecError(f"{where} needs a bool, but this is a number; compare it, "
                             "e.g. x > 0", e.span)
+
+
+def _spread(x: Node, span) -> Node:
+    """``x`` as one value per element (``where(p == p, x, x)``), for a reduction whose
+    argument the check saw per element and this setting made smaller: a bool
+    hyperparameter that folded ``where(f, g, 0)`` to 0, or an if that took the branch
+    assigning a number or a per-row value."""
+    p = ir.leaf(Op.PARAM, Kind.ELEMENT, "p")
+    return ir.apply(Op.WHERE, ir.apply(Op.EQ, p, p, span=span), x, x, span=span)
 
 
 def _short(dom: str) -> str:
