@@ -269,7 +269,10 @@ class Kernel:
             if gscale is not None:
                 gc = gc * gscale[0].to(cd) * gscale[1].to(cd)
             extra = (geometry(p.shape),) if self.program.uses_axes else ()
-            outs = self._update(p.to(cd), gc, *(s.to(cd) for s in olds), *scalars, *extra)
+            # on contiguous values: a reduction sums in the same order whether the tensors
+            # are the caller's (donated, maybe transposed) or a pure step's fresh outputs
+            outs = self._update(p.to(cd).contiguous(), gc.contiguous(),
+                                *(s.to(cd).contiguous() for s in olds), *scalars, *extra)
             # every new value first, then the writes: a new value may be an input itself
             # (s = p), which an earlier write in place would change
             inputs, news = [p, g, *olds], []
