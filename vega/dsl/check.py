@@ -267,7 +267,7 @@ class _Walker:
                     raise SpecError(f"'{name}' is {_what(a.node)} in one branch of this if "
                                     f"and {_what(b.node)} in the other", s.span)
                 only = a.only_if or b.only_if
-                node = a.node if a.node.kind >= b.node.kind else b.node  # the stricter
+                node = _wider(a.node, b.node)
                 merged[name] = _Binding(node, a.role, a.span, only)
             else:
                 one = a or b
@@ -382,6 +382,19 @@ class _Walker:
                                 "where(cond, 1, 0) to turn a bool into a number", e.span)
             raise SpecError(f"{where} needs a bool, but this is a number; compare it, "
                             "e.g. x > 0", e.span)
+
+
+def _wider(a: Node, b: Node) -> Node:
+    """Of the values of a name after the two branches of an if, the one a later statement
+    must accept in every setting: the higher kind (per element over a number), and of
+    two per-element values the larger domain (a per-element one over a per-column one;
+    per row and per column together are per element)."""
+    if a.kind != b.kind:
+        return a if a.kind > b.kind else b
+    if a.kind != Kind.ELEMENT:
+        return a
+    dom = ir.join(a.dom, b.dom)
+    return a if a.dom == dom else b if b.dom == dom else _spread(a, a.span)
 
 
 def _spread(x: Node, span) -> Node:

@@ -129,6 +129,9 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "row_mean(...)", 3, 7),
     ("optimizer o(lr = 1e-3) {\n  state v: rows = zeros\n  v = lr\n  v = g\n  p = p - lr * v\n}\n",
      "state 'v' holds one value per row, but this value has one per element", 4, 7),
+    ("optimizer o(lr = 1e-3, f = true) {\n  state v: cols = zeros\n  if f {\n"
+     "    y = col_mean(g)\n  } else {\n    y = g\n  }\n  v = y\n  p = p - lr * v\n}\n",
+     "state 'v' holds one value per column, but this value has one per element", 8, 7),
     ("optimizer o(lr = 1e-3) {\n  state v: cols = p\n  p = p - lr * g\n}\n",
      "holds one value per column, but this initial value has one per element", 2, 19),
     ("optimizer o(lr = 1e-3) {\n  r = row_mean(g)\n  p = p - lr * row_mean(r)\n}\n",
