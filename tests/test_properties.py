@@ -188,6 +188,32 @@ def test_a_new_value_that_is_an_input_or_another_output(backend):
         assert_same_bits(x, y, f"donated against pure {name}")
 
 
+# new values that are views of an input: col_sum of a vector (no row axis: the vector
+# itself) and a per-row state spread over the elements
+VIEWS = """optimizer views(lr = 0.5) {
+    state a: rows = ones
+    state b = zeros
+    state s = zeros
+    s = col_sum(p)
+    b = a
+    a = row_max(g)
+    p = p - lr * g
+}"""
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_a_new_value_that_is_a_view_of_an_input(backend):
+    spec = vega.compile(VIEWS)
+    params = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    grads = {"w": torch.tensor([3.0, 4.0], dtype=torch.float64)}
+    for donate in (False, True):
+        p = {"w": params["w"].clone()}
+        new_p, new_s = spec.step(p, grads, spec.init(p), backend=backend, donate=donate)
+        assert new_s["s"]["w"].tolist() == [1.0, 2.0], donate  # the old p
+        assert new_s["b"]["w"].tolist() == [1.0, 1.0], donate  # the old a
+        assert new_s["a"]["w"].tolist() == 4.0 and new_p["w"].tolist() == [-0.5, 0.0]
+
+
 @pytest.mark.parametrize("backend", ["reference", "c"])
 def test_donated_transposed_tensors_step_bitwise_as_pure(backend):
     """Reductions over a transposed parameter sum in the same order donated (the tensor

@@ -724,3 +724,22 @@ def test_literals_keep_their_digits_and_types(f):
     ref = spec.step(params, grads, spec.init(params), backend="reference", f=f)[0]["x"]
     got = spec.step(params, grads, spec.init(params), backend="c", f=f)[0]["x"]
     assert _same_bits(got, ref) and ref[0].item() == 0.001 + 0.1
+
+
+def test_a_literal_beyond_float32_is_inf_in_float32():
+    """1e39 (or exp(100), folded) beside float32 values is inf there, as the C cast rounds
+    it; torch refuses such a number in clamp and where, so the reference rounds it first."""
+    params = {"w": torch.tensor([1.0, -2.0])}
+    grads = {"w": torch.tensor([3.0, 4.0])}
+    for expr in ("max(g, 1e39)", "max(g, exp(100))", "where(g > 3.5, 1e39, -1e39)",
+                 "min(g, 3.4028235e38)"):
+        spec = vega.compile(f"optimizer big() {{\n    p = {expr}\n}}")
+        ref = spec.step(params, grads, spec.init(params), backend="reference")[0]["w"]
+        got = spec.step(params, grads, spec.init(params), backend="c")[0]["w"]
+        assert _same_bits(got, ref), (expr, got, ref)
+    # and in float64 a number as it is
+    spec = vega.compile("optimizer big() {\n    p = max(g, 1e39)\n}")
+    wide = {"w": params["w"].double()}
+    for backend in ("reference", "c"):
+        out = spec.step(wide, {"w": grads["w"].double()}, spec.init(wide), backend=backend)
+        assert out[0]["w"].tolist() == [1e39, 1e39]

@@ -94,15 +94,28 @@ class TorchRenderer(Renderer):
             return "math.inf" if value > 0 else "-math.inf"
         return repr(float(value))
 
+    def operand(self, linear: Linear, node: Node, phase: str = "element") -> str:
+        if node.op is Op.CONST and phase == "element":
+            return self.number(node.arg)
+        return super().operand(linear, node, phase)
+
+    def number(self, value) -> str:
+        """A literal of the element phase: one beyond float32's range as the element type
+        rounds it (inf in float32, as the kernels' cast; torch refuses it in clamp, where
+        and full)."""
+        if not isinstance(value, bool) and math.isfinite(value) and abs(value) > _F32_MAX:
+            return f"_fit({self.const(value)}, p)"
+        return self.const(value)
+
     def output(self, linear: Linear, node: Node, dom: str = "rc", axes: bool = False) -> str:
         """An update's value, shaped like the parameter (or its rows, columns: ``dom``)."""
         if not axes:  # no axis in the program: every value is shaped like p
             if node.op is Op.CONST:
-                return f"torch.full_like(p, {self.const(node.arg)})"
+                return f"torch.full_like(p, {self.number(node.arg)})"
             ref = linear.ref(node)
             return ref if node.kind == Kind.ELEMENT else f"{ref}.expand_as(p)"
         if node.op is Op.CONST:
-            return f"p.new_full(geo.shape({dom!r}), {self.const(node.arg)})"
+            return f"p.new_full(geo.shape({dom!r}), {self.number(node.arg)})"
         ref = linear.ref(node)
         if node.kind == Kind.ELEMENT and node.dom == dom:
             return ref
@@ -185,6 +198,24 @@ def _amax(x):
     return torch.amax(x) if x.numel() else x.new_full((), -math.inf)
 
 
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage (not empty). Under torch.compile,
+    whether they are one tensor: there the writes are functionalized, views and all."""
+    if torch.compiler.is_compiling():
+        return a is b
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _fit(value: float, like: torch.Tensor) -> float:
+    """``value`` rounded to ``like``'s dtype (float32: inf beyond its range)."""
+    if like.dtype == torch.float64:
+        return value
+    return float(torch.tensor(value, dtype=torch.float64).to(like.dtype))
+
+
 def _sign(x):
     """1 above zero, -1 below, x itself otherwise: NaN stays NaN (torch.sign gives 0) and
     -0.0 stays -0.0, as in the C and Triton kernels (and numpy's and jax's sign)."""
@@ -205,7 +236,7 @@ class Kernel:
         self.linear = linearize(program)
         self.text = render(program, self.linear)
         namespace = {"torch": torch, "math": math, "_amax": _amax, "_sign": _sign,
-                     "_broadcast": _broadcast, "_reduce": _reduce}
+                     "_fit": _fit, "_broadcast": _broadcast, "_reduce": _reduce}
         exec(compile(self.text, f"<vega reference: {program.name}>", "exec"), namespace)
         self._scalars = namespace["scalars"]
         self._update = namespace["update"]
@@ -280,9 +311,10 @@ class Kernel:
                 new = new.to(old.dtype)
                 if finite is not None:
                     new = torch.where(finite, new, old)
-                elif any(new is x for x in (*inputs, *news)) or (
+                elif any(_shares(new, x) for x in (*inputs, *news)) or (
                         not donate and not new.is_contiguous()):
-                    # an input, or another output (s = p; v = m): a tensor of its own;
+                    # an input or another output, or a view of one (s = p; v = m; col_sum
+                    # of a vector; a per-row state spread over p): a tensor of its own;
                     # fresh and contiguous when pure (an expanded scalar update is a view)
                     new = new.clone(memory_format=torch.contiguous_format)
                 news.append(new)
