@@ -743,3 +743,27 @@ def test_a_literal_beyond_float32_is_inf_in_float32():
     for backend in ("reference", "c"):
         out = spec.step(wide, {"w": grads["w"].double()}, spec.init(wide), backend=backend)
         assert out[0]["w"].tolist() == [1e39, 1e39]
+
+
+EQUAL_VALUES = """optimizer zeros(a = 0.0, b = 0.0) {
+    state s = zeros
+    s = max(g, 0) + 0 * min(a, b)
+    p = 1 / (min(g, -p) + 0 * max(g, a)) + 1 / max(a, b)
+}"""
+
+
+def test_min_and_max_of_equal_values_give_the_second():
+    """min and max of 0.0 and -0.0 (in either order, of tensors, hyperparameters and
+    literals) give the second, on every backend; NaN in either wins."""
+    spec = vega.compile(EQUAL_VALUES)
+    params = {"w": torch.tensor([0.0, -0.0, 1.0, float("nan")], dtype=torch.float64)}
+    grads = {"w": torch.tensor([-0.0, 0.0, float("nan"), 2.0], dtype=torch.float64)}
+    outs = {}
+    for backend in ("reference", "c"):
+        outs[backend] = spec.step(params, grads, spec.init(params), backend=backend, a=-0.0)
+    ref, got = outs["reference"], outs["c"]
+    assert _same_bits(got[0]["w"], ref[0]["w"]) and _same_bits(got[1]["s"]["w"], ref[1]["s"]["w"])
+    # max(-0.0, 0) is the literal's +0.0; min(-0.0, -0.0) and min(0.0, 0.0) the second;
+    # 1 / max(-0.0, 0.0) = inf
+    assert ref[1]["s"]["w"][:2].tolist() == [0.0, 0.0]
+    assert not torch.signbit(ref[1]["s"]["w"][0])

@@ -456,3 +456,18 @@ def test_literals_keep_their_digits_and_types(f):
     ref = spec.step(params, grads, spec.init(params), backend="reference", f=f)[0]["x"]
     got = spec.step(params, grads, spec.init(params), backend="triton", f=f)[0]["x"]
     assert_same(got, ref, "literals")
+
+
+def test_min_and_max_of_equal_values_give_the_second():
+    from .test_c import EQUAL_VALUES
+    spec = vega.compile(EQUAL_VALUES)
+    params = {"w": torch.tensor([0.0, -0.0, 1.0, float("nan")], dtype=torch.float64,
+                                device=DEVICE)}
+    grads = {"w": torch.tensor([-0.0, 0.0, float("nan"), 2.0], dtype=torch.float64,
+                               device=DEVICE)}
+    ref = spec.step(params, grads, spec.init(params), backend="reference", a=-0.0)
+    tri = spec.step(params, grads, spec.init(params), backend="triton", a=-0.0)
+    for (name, x), (_, y) in zip(leaves(*tri), leaves(*ref)):
+        nan = x.isnan()
+        assert torch.equal(nan, y.isnan()), name
+        assert_same(x[~nan], y[~nan], name)  # signed zeros and infinities (not NaN's bits)

@@ -30,13 +30,16 @@ def _fn(name):
 
 
 def _minmax(which):
+    # a where, as the C and Triton kernels: a NaN in either wins, and of two equal values
+    # (0.0 and -0.0) the second (torch.minimum and clamp differ between 0-d tensors and
+    # vectors there)
+    cmp = "<" if which == "min" else ">"
+
     def render(self, node, phase, a, b):
-        x, y = node.src
-        if y.op is Op.CONST:
-            return f"torch.clamp({a}, {'max' if which == 'min' else 'min'}={b})"
-        if x.op is Op.CONST:
-            return f"torch.clamp({b}, {'max' if which == 'min' else 'min'}={a})"
-        return f"torch.{'minimum' if which == 'min' else 'maximum'}({a}, {b})"
+        x = node.src[0]
+        if x.op is Op.CONST and x.arg == x.arg:  # a number: a NaN b fails the test
+            return f"torch.where({a} {cmp} {b}, {a}, {b})"
+        return f"torch.where(({a} {cmp} {b}) | ({a} != {a}), {a}, {b})"
     return render
 
 

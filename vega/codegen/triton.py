@@ -69,9 +69,15 @@ def _call(name):
 
 
 def _minmax(which):
+    # a where, as the C kernels and the reference: a NaN in either wins, and of two equal
+    # values (0.0 and -0.0) the second
+    cmp = "<" if which == "minimum" else ">"
+
     def render(self, node, phase, a, b):
+        nan = node.src[0].op is not Op.CONST or node.src[0].arg != node.src[0].arg
         a, b = (self.number(s, x, phase) for s, x in zip(node.src, (a, b)))
-        return f"tl.{which}({a}, {b}, propagate_nan=tl.PropagateNan.ALL)"
+        return f"tl.where(({a} {cmp} {b}) | ({a} != {a}), {a}, {b})" if nan else \
+            f"tl.where({a} {cmp} {b}, {a}, {b})"  # (a NaN b fails the test: b)
     return render
 
 
@@ -100,7 +106,8 @@ class TritonRenderer(Renderer):
     """Triton expressions; the scalar phase in float64, the element phase in ``ct``."""
 
     code_for_op = {
-        Op.NEG: lambda self, node, phase, a: f"-{a}",
+        # (Triton's -x is 0 - x: +0.0 for x = 0.0, where C and torch give -0.0)
+        Op.NEG: lambda self, node, phase, a: f"{a} * -1.0",
         Op.POW: _pow,
         Op.AND: lambda self, node, phase, a, b: _logic(node, a, b, "&",
                                                        f"tl.where({a}, {b}, False)"),
@@ -141,8 +148,11 @@ class TritonRenderer(Renderer):
         return self.rename.get(name, name)
 
     def number(self, node: Node, text: str, phase: str) -> str:
-        """``tensor`` for a number literal; a bool one as it is."""
-        return text if node.dtype == "bool" else self.tensor(node, text, phase)
+        """``tensor`` for a number literal where float32 would round it (float64 values);
+        a bool one, or one beside float32 values, as it is."""
+        if node.dtype == "bool" or (phase == "element" and self.ct == "tl.float32"):
+            return text
+        return self.tensor(node, text, phase)
 
     def tensor(self, node: Node, text: str, phase: str) -> str:
         """An operand as a Triton value: a literal becomes a 0-d tensor of the phase's type
