@@ -748,7 +748,7 @@ def test_a_literal_beyond_float32_is_inf_in_float32():
 EQUAL_VALUES = """optimizer zeros(a = 0.0, b = 0.0) {
     state s = zeros
     s = max(g, 0) + 0 * min(a, b)
-    p = 1 / (min(g, -p) + 0 * max(g, a)) + 1 / max(a, b)
+    p = 1 / (min(g, -p) + 0 * max(g, a)) + 1 / max(a, b) + 0 * min(a, g)
 }"""
 
 

@@ -76,7 +76,8 @@ def _minmax(which):
     def render(self, node, phase, a, b):
         nan = node.src[0].op is not Op.CONST or node.src[0].arg != node.src[0].arg
         a, b = (self.number(s, x, phase) for s, x in zip(node.src, (a, b)))
-        return f"tl.where(({a} {cmp} {b}) | ({a} != {a}), {a}, {b})" if nan else \
+        # (two wheres, not an or: the interpreter cannot or a scalar bool with a block)
+        return f"tl.where({a} != {a}, {a}, tl.where({a} {cmp} {b}, {a}, {b}))" if nan else \
             f"tl.where({a} {cmp} {b}, {a}, {b})"  # (a NaN b fails the test: b)
     return render
 
