@@ -142,14 +142,23 @@ def functional_rows(shapes) -> dict:
     raced against torch's fused step in a process of their own, as optax's: the pure
     step's allocations slowed the rows timed beside it (the allocator returns freed memory
     to the system, and takes it back at a cost a step later), and were slowed by theirs."""
-    code = ("import json, sys; from vega.bench import functional_seconds; "
-            "print(*functional_seconds([tuple(s) for s in json.loads(sys.argv[1])]))")
+    ours, fused = _in_own_process("functional_seconds", shapes, 2)
+    return {FUNCTIONAL: ours, FUNCTIONAL_FUSED: fused}
+
+
+def _in_own_process(function: str, shapes, count: int) -> list[float]:
+    """The ``count`` numbers ``vega.bench.<function>(shapes)`` returns, run in a new
+    Python process."""
+    code = (f"import json, sys; from vega.bench import {function}; "
+            f"out = {function}([tuple(s) for s in json.loads(sys.argv[1])]); "
+            "print(json.dumps(list(out) if isinstance(out, tuple) else [out]))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(shapes)], capture_output=True,
                          text=True, timeout=900)
     if out.returncode != 0:
-        raise RuntimeError(f"timing the functional step failed:\n{out.stderr[-2000:]}")
-    ours, fused = map(float, out.stdout.split()[-2:])
-    return {FUNCTIONAL: ours, FUNCTIONAL_FUSED: fused}
+        raise RuntimeError(f"{function} failed:\n{out.stderr[-2000:]}")
+    numbers = json.loads(out.stdout.strip().splitlines()[-1])  # (NaN: json's NaN)
+    assert len(numbers) == count, numbers
+    return [float(x) for x in numbers]
 
 
 def functional_seconds(shapes) -> tuple[float, float]:
@@ -169,13 +178,7 @@ def _optax_row(shapes) -> dict:
     """optax's adamw under jax.jit, timed in a process of its own: XLA's worker threads
     keep spinning after a step, and slowed every row timed after them here (by 1.5-2x
     on the many-small set)."""
-    code = ("import json, sys; from vega.bench import optax_seconds; "
-            "print(optax_seconds([tuple(s) for s in json.loads(sys.argv[1])]))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(shapes)], capture_output=True,
-                         text=True, timeout=900)
-    if out.returncode != 0:
-        raise RuntimeError(f"timing optax failed:\n{out.stderr[-2000:]}")
-    secs = float(out.stdout.split()[-1])
+    secs, = _in_own_process("optax_seconds", shapes, 1)
     if math.isnan(secs):
         return {"optax adamw under jax.jit (not installed)": secs}
     return {"optax adamw under jax.jit (own process)": secs}
