@@ -197,15 +197,20 @@ REDUCED_STATE = """optimizer reduced(lr = 0.1) {
 }"""
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_a_state_set_to_a_reduction(dtype):
-    spec = vega.compile(REDUCED_STATE)
-    params = make_params(dtype)
+def steps_against_reference(spec, params, steps):
+    """(step, reference result, C result) after each of ``steps`` steps from one state."""
     ref, cc = (params, spec.init(params)), (params, spec.init(params))
-    for step in range(3):
+    for step in range(steps):
         grads = grads_for(params, step)
         ref = spec.step(ref[0], grads, ref[1], backend="reference")
         cc = spec.step(cc[0], grads, cc[1], backend="c")
+        yield step, ref, cc
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_state_set_to_a_reduction(dtype):
+    params = make_params(dtype)
+    for step, ref, cc in steps_against_reference(vega.compile(REDUCED_STATE), params, 3):
         for k in params:
             for what, x, y in [("p", cc[0][k], ref[0][k])] + [
                     (n, cc[1][n][k], ref[1][n][k]) for n in "smn"]:
@@ -217,11 +222,7 @@ def test_reductions_and_phases(dtype):
     spec = vega.compile(REDUCING)
     assert len(c.reduction_phases(spec.program())) == 2  # max(r / (1 + norm(r))) nests
     params = make_params(dtype)
-    ref, cc = (params, spec.init(params)), (params, spec.init(params))
-    for step in range(10):
-        grads = grads_for(params, step)
-        ref = spec.step(ref[0], grads, ref[1], backend="reference")
-        cc = spec.step(cc[0], grads, cc[1], backend="c")
+    for step, ref, cc in steps_against_reference(spec, params, 10):
         for k in params:
             assert_close(cc[0][k], ref[0][k], dtype, f"step {step} p.{k}")
 

@@ -533,6 +533,28 @@ class Source:
         return self._loop(f"vega_phase{k}", before, used, block_init, nodes, tail, block_end,
                           finish, simd, stored)
 
+    def _count(self, dom: str) -> str:
+        """The number of values of a state of domain ``dom`` in a table row: numel."""
+        return "row[0]"
+
+    def _pass_through(self) -> list[str]:
+        """A skipped step out of place: each output (p out, state out) a copy of its input."""
+        copies = [("row[0]", self.out_p, "1", "PSTORE")] + [
+            (self._count(st.dom), self.out_s.format(k=k), str(3 + k), "SSTORE")
+            for k, st in enumerate(self.program.states)]
+        out = ["/* A skipped step out of place: each output a copy of its input. */",
+               "static void pass_through(int64_t nt, const int64_t *tab) {",
+               "    for (int64_t i = 0; i < nt; i++) {",
+               "        const int64_t *row = tab + i * ROW;"]
+        if any(n.startswith("geo") for n, *_ in copies):
+            out.append("        const int64_t *geo = row + 5 + NSTATE;  /* axis_geometry */")
+        for n, to, src, store in copies:
+            out += [f"        if ({n} > 0 && row[{to}] != row[{src}])",
+                    f"            memcpy((void *)(intptr_t)row[{to}],",
+                    f"                   (const void *)(intptr_t)row[{src}], (size_t){n} * "
+                    f"sizeof({store}));"]
+        return out + ["    }", "}", ""]
+
     def _update(self) -> list[str]:
         stored = self._stored(len(self.phases))
         roots = self._update_roots(stored)
@@ -544,28 +566,11 @@ class Source:
         stores = ["                " + self._store(target, self.r.operand(self.lin, node), "j")
                   for target, node in self.program.updates
                   if target == "p" or id(node) not in stored]
-        return PASS_THROUGH.splitlines() + self._loop(
+        return self._pass_through() + self._loop(
             "vega_update", [], used, [], nodes, stores, [], [], "", stored,
             skip="{ pass_through(nt, tab); return; }")
 
 
-PASS_THROUGH = r"""
-/* A skipped step out of place: each output (p out, state out) a copy of its input. */
-static void pass_through(int64_t nt, const int64_t *tab) {
-    for (int64_t i = 0; i < nt; i++) {
-        const int64_t *row = tab + i * ROW;
-        size_t n = (size_t)row[0];
-        if (n == 0) continue;
-        if (row[5 + NSTATE] != row[1])
-            memcpy((void *)(intptr_t)row[5 + NSTATE], (const void *)(intptr_t)row[1],
-                   n * sizeof(PSTORE));
-        for (int k = 0; k < NSTATE; k++)
-            if (row[6 + NSTATE + k] != row[3 + k])
-                memcpy((void *)(intptr_t)row[6 + NSTATE + k], (const void *)(intptr_t)row[3 + k],
-                       n * sizeof(SSTORE));
-    }
-}
-"""
 
 
 # -- programs over a matrix view ---------------------------------------------------
@@ -860,23 +865,9 @@ class AxesSource(Source):
             "}",
         ]
 
-    def _pass_through(self) -> list[str]:
-        """A skipped step out of place: each output a copy of its input (a state of n_r,
-        n_c or n_m values, as its domain has)."""
-        out = ["/* A skipped step out of place: each output a copy of its input. */",
-               "static void pass_through(int64_t nt, const int64_t *tab) {",
-               "    for (int64_t i = 0; i < nt; i++) {",
-               "        const int64_t *row = tab + i * ROW, *geo = row + 5 + NSTATE;",
-               f"        if (row[0] > 0 && row[{self.out_p}] != row[1])",
-               f"            memcpy((void *)(intptr_t)row[{self.out_p}], "
-               "(const void *)(intptr_t)row[1], (size_t)row[0] * sizeof(PSTORE));"]
-        for k, st in enumerate(self.program.states):
-            n = f"geo[{DOMAINS.index(st.dom)}]"  # axis_geometry: n_rc, n_r, n_c, n_m
-            col = self.out_s.format(k=k)
-            out += [f"        if ({n} > 0 && row[{col}] != row[{3 + k}])",
-                    f"            memcpy((void *)(intptr_t)row[{col}], "
-                    f"(const void *)(intptr_t)row[{3 + k}], (size_t){n} * sizeof(SSTORE));"]
-        return out + ["    }", "}", ""]
+    def _count(self, dom: str) -> str:
+        """The number of values of a state of domain ``dom`` (``geo``: axis_geometry)."""
+        return f"geo[{DOMAINS.index(dom)}]"
 
     def _entries(self) -> list[str]:
         lin, r = self.lin, self.r
