@@ -1,4 +1,6 @@
-"""Test session set-up: Triton's interpreter for the triton backend on machines without CUDA."""
+"""Test session set-up: Triton's interpreter for the triton backend on machines without CUDA,
+and the native tensor scanner built before the first test, so that every class step that
+can go direct does, on every run (not only once a background build has finished)."""
 import os
 
 import torch
@@ -6,3 +8,8 @@ import torch
 # triton.language reads TRITON_INTERPRET when triton is first imported (torch._dynamo imports it)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_sessionstart(session):
+    from vega.codegen import native
+    native.scanner(wait=True)  # None where it cannot be built: the Python path then

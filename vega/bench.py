@@ -25,6 +25,7 @@ import time
 import torch
 
 import vega
+from vega.codegen import native
 
 # torch.optim or pytorch-optimizer counterparts of the other shipped specs:
 # (vega hyperparameters, where the counterpart lives, its class, its kwargs)
@@ -265,6 +266,8 @@ def main(quick: bool = False, compile_torch: bool = True, out=None) -> int:
     def say(text=""):
         print(text, file=out, flush=True)
     say(f"vega bench on {_machine()}")
+    native.scanner(wait=True)  # built now if need be: no row is timed while it builds
+    say(native.status())
     cold, warm = compile_times()
     say(f"spec compile: cold {cold:.2f} s, from the cache {1e3 * warm:.1f} ms\n")
     sets = {"GPT-2-like (40M params, 51 tensors)": gpt2_like(),

@@ -36,7 +36,7 @@ import operator
 import numpy as np
 import torch
 
-from vega.codegen import cbuild, reference
+from vega.codegen import cbuild, native, reference
 from vega.codegen.base import (HyperRows, Linear, Renderer, axis_geometry, check_states,
                                distinct, linearize, reduction_phases, safe)
 from vega.dsl.check import matrix_axes
@@ -990,6 +990,10 @@ class Kernel:
             self._libs[dtypes] = lib
         return self._libs[dtypes]
 
+    def direct(self, scanner, params, grads, flat_states, steps, values) -> Direct:
+        """A ``Direct`` plan of these tensors' steps (see there)."""
+        return Direct(self, scanner, params, grads, flat_states, steps, values)
+
     def _group_key(self, p, g, s_dtype):
         key = (p.dtype, g.dtype, s_dtype)
         compiling = torch.compiler.is_compiling()
@@ -1026,6 +1030,12 @@ class Kernel:
         """The body of ``vega::c_prelude``. The tables of gradients of the same sizes, dtypes
         and devices as a recent call's serve again, with their addresses rewritten."""
         grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        self._run_prelude(self._prelude_plan(grads), list(map(torch.Tensor.data_ptr, grads)),
+                          pre)
+
+    def _prelude_plan(self, grads) -> tuple[list, list]:
+        """The prelude's (tables, views) for contiguous gradients of these sizes, dtypes and
+        devices (kept for the next calls)."""
         sig = (tuple(map(torch.Tensor.numel, grads)), tuple(map(_DTYPE_OF, grads)),
                tuple(map(_DEVICE_OF, grads)))
         found = self._pre_plans.get(sig)
@@ -1038,8 +1048,12 @@ class Kernel:
                 rows = [[grads[i].numel(), 0, 0] + [0] * (self._row - 3) for i in idx]
                 tables.append((self.library(key), _table(rows), None, idx))
             found = _remember(self._pre_plans, sig, (tables, _views(tables)))
-        tables, views = found
-        _write_column(views, 2, list(map(torch.Tensor.data_ptr, grads)))
+        return found
+
+    @staticmethod
+    def _run_prelude(plan, grad_ptrs, pre: torch.Tensor) -> None:
+        tables, views = plan
+        _write_column(views, 2, grad_ptrs)
         nth = torch.get_num_threads()
         for lib, table, _, idx in tables:
             lib.vega_prelude(len(idx), _ptr(table), _ptr(pre), nth)
@@ -1089,6 +1103,11 @@ class Kernel:
         the same sizes and dtypes: a backward pass makes new gradients, whose column is
         rewritten (as is the hyperparameters', when a schedule gave a new table)."""
         nth = torch.get_num_threads()
+        scanner = None if self._axes else native.scanner()
+        if scanner is not None and self._native_step(scanner, params, grads, flat_states,
+                                                     steps, step_index, hyp, hyp_index, pre,
+                                                     nth):
+            return
         everything = [*params, *grads, *flat_states, *hyp]
         if all(map(torch.Tensor.is_contiguous, everything)):
             ptr, numel = torch.Tensor.data_ptr, torch.Tensor.numel
@@ -1119,6 +1138,43 @@ class Kernel:
         for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
             if work is not orig:
                 orig.copy_(work)
+
+    def _native_step(self, scanner, params, grads, flat_states, steps, step_index, hyp,
+                     hyp_index, pre, nth) -> bool:
+        """``_step`` with the tensors read by the native scanner; False, having done nothing,
+        where a tensor is not a contiguous CPU tensor (the Python path then copies it, or
+        says what is wrong)."""
+        found = self._native_plan(scanner, params, grads, flat_states, steps, step_index, hyp,
+                                  hyp_index)
+        if found is None:
+            return False
+        plan, grad_ptrs = found
+        plan.point(grad_ptrs, hyp, hyp_index, 4 + len(self.program.states))
+        self._launch(plan.tables, plan.step_ptrs, pre, nth)
+        return True
+
+    def _native_plan(self, scanner, params, grads, flat_states, steps, step_index, hyp,
+                     hyp_index) -> tuple[_Plan, np.ndarray] | None:
+        """The plan of these tensors (a recent one, or new), found with the native scanner:
+        one call for the parameters, states and counters and one for the gradients; and
+        the gradients' addresses. None where a tensor is not a contiguous CPU tensor."""
+        fixed = scanner.scan([*params, *flat_states, *steps])
+        grad_rows = scanner.scan(grads)
+        if not (np.all(fixed[:, 2] & native.READY == native.READY)
+                and np.all(grad_rows[:, 2] & native.READY == native.READY)
+                and all(map(torch.Tensor.is_contiguous, hyp))):
+            return None
+        key = fixed.tobytes()
+        meta = (grad_rows[:, 1:].tobytes(), list(step_index), list(hyp_index),
+                [h.shape for h in hyp])
+        plan = next((p for p in self._plans if p.fixed == key and p.meta == meta), None)
+        if plan is None:  # (its tables check every tensor, as on the Python path)
+            plan = _Plan(key, meta, self._tables(params, grads, flat_states, steps,
+                                                 step_index, hyp, hyp_index),
+                         _int64s(list(map(torch.Tensor.data_ptr, steps))))
+            self._plans.insert(0, plan)
+            del self._plans[64:]
+        return plan, grad_rows[:, 0]
 
     def _tables(self, params, grads, flat_states, steps, step_index, hyp, hyp_index,
                 outs=None):
@@ -1229,6 +1285,47 @@ class Kernel:
                 self._hyp_cache.clear()
             arr = self._hyp_cache[key] = torch.tensor(numbers, dtype=torch.float64)
         return arr
+
+
+class Direct:
+    """One optimizer group's steps on this backend without the per-tensor work of Python: the
+    address tables of its parameters, states and step counters, and its gradients' for the
+    prelude, built once from tensors that the step has checked (``Kernel._tables``), with
+    what each tensor was (address, size, dtype and layout, read by the native scanner) so
+    that a later step can check in a few calls that they still are. Only for a program that
+    steps every tensor alike (no matrix view), plain float hyperparameters (one row for all
+    tensors) and contiguous CPU tensors, each parameter with its own step counter."""
+
+    def __init__(self, kernel: Kernel, scanner, params, grads, flat_states, steps, values):
+        n = len(params)
+        self.kernel, self.scanner, self.n = kernel, scanner, n
+        self.hyp_index = [0] * n  # (one row for all)
+        found = kernel._native_plan(scanner, params, grads, flat_states, steps, list(range(n)),
+                                    [kernel._hyper_array(values)], self.hyp_index)
+        if found is None:
+            raise ValueError("a Direct plan needs contiguous CPU tensors")
+        self.plan = found[0]
+        self.pre_plan = kernel._prelude_plan(grads)
+        self.held = [*flat_states, *steps]  # (held: the tables keep only their addresses)
+        self.held_rows = scanner.scan(self.held).tobytes()
+        self.param_rows = scanner.scan(params).tobytes()
+        self.grad_meta = scanner.scan(grads)[:, 1:].copy()
+
+    def current(self, rows: np.ndarray) -> bool:
+        """Whether ``rows`` (``scan(params, grads=True)``) show the same parameters, and
+        gradients of the same sizes, dtypes and layout, and the states and counters are as
+        they were."""
+        return (rows[:, :3].tobytes() == self.param_rows
+                and np.array_equal(rows[:, 4:], self.grad_meta)
+                and self.scanner.scan(self.held).tobytes() == self.held_rows)
+
+    def prelude(self, grad_ptrs: np.ndarray, pre: torch.Tensor) -> None:
+        self.kernel._run_prelude(self.pre_plan, grad_ptrs, pre)
+
+    def launch(self, grad_ptrs: np.ndarray, values: dict, pre, nth: int) -> None:
+        hyp = self.kernel._hyper_array(values)  # (the same array while the values are)
+        self.plan.point(grad_ptrs, [hyp], self.hyp_index, 4 + len(self.kernel.program.states))
+        self.kernel._launch(self.plan.tables, self.plan.step_ptrs, pre, nth)
 
 
 class _Plan:
