@@ -294,9 +294,11 @@ def test_optimizer_class_second_step_reuses_the_compiled_kernel(setting):
         p.grad = g
     opt.step()
     first = vega.codegen.kernel.cache_info()
-    opt.step()
+    before = [p.detach().clone() for p in tensors]
+    opt.step()  # (direct: it needs no kernel look-up at all)
     second = vega.codegen.kernel.cache_info()
-    assert second.misses == first.misses and second.hits > first.hits
+    assert second.misses == first.misses
+    assert any(not torch.equal(p, b) for p, b in zip(tensors, before)), "it did not step"
 
 
 # -- leaves that are not floats ------------------------------------------------------------

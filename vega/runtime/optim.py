@@ -7,12 +7,16 @@ with ``step`` a 0-d int32 tensor on the parameter's device.
 """
 from __future__ import annotations
 
+import collections
 import operator
 
+import numpy as np
 import torch
 
 from vega import codegen
+from vega.codegen import native
 from vega.codegen.base import state_shape
+from vega.codegen.reference import make_pre
 from vega.runtime import engine
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -36,6 +40,12 @@ class SpecOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite = skip_nonfinite
         super().__init__(params, {**flags, **values, "backend": backend,
                                   "state_dtype": state_dtype})
+        self.state = _StateDict(dict, self.state)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)  # (load_state_dict comes here too, with a new state)
+        if not isinstance(self.state, _StateDict):
+            self.state = _StateDict(dict, self.state)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -101,6 +111,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._direct_step():
+            return loss
         work = []
         for k, group in enumerate(self.param_groups):
             flags, values = self._group_values(group)
@@ -116,7 +128,92 @@ class SpecOptimizer(torch.optim.Optimizer):
                        donate=True, pre=pre)
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
+        self._plan_direct(work)
         return loss
+
+    def _prelude_record(self):
+        """The prelude's record for this step on the CPU, or None when nothing is asked."""
+        check = self.skip_nonfinite or self.loss_scale is not None
+        inv = engine.inverse_scale(self.loss_scale)
+        if inv is None and self.max_grad_norm is None and not check:
+            return None
+        return make_pre(torch.device("cpu"), inv, self.max_grad_norm, check)
+
+    def _direct_step(self) -> bool:
+        """The step through ``_Direct`` plans, where the last step left one and nothing it
+        depends on has changed (checked with the native scanner: a few calls a group, not a
+        few a tensor); False, having changed nothing, otherwise."""
+        direct = self.__dict__.get("_vega_direct")
+        if direct is None or torch.compiler.is_compiling():
+            return False
+        if direct.state is not self.state or self.state.version != direct.version \
+                or len(self.param_groups) != len(direct.groups):
+            return self._drop_direct()
+        ready = []
+        for group, d in zip(self.param_groups, direct.groups):
+            ps = group["params"]
+            if group is not d.group or len(ps) != d.n or not all(map(operator.is_, ps,
+                                                                     d.params)) \
+                    or group["backend"] != d.backend:
+                return self._drop_direct()
+            flags, values = self._group_values(group)
+            if flags != d.flags or not _plain(values) \
+                    or not self._same_programs(flags, values, d.plan):
+                return self._drop_direct()
+            rows = d.c.scanner.scan(ps, grads=True)
+            if not d.c.current(rows) or not d.c.scanner.same_items(d.sts, d.names, d.held):
+                return self._drop_direct()
+            ready.append((d.c, np.ascontiguousarray(rows[:, 3]), values))
+        pre = self._prelude_record()
+        if pre is not None:
+            for c, grad_ptrs, _ in ready:
+                c.prelude(grad_ptrs, pre)
+        nth = torch.get_num_threads()
+        for c, grad_ptrs, values in ready:
+            c.launch(grad_ptrs, values, pre, nth)
+        if self.loss_scale is not None:
+            self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
+        self.__dict__["_vega_direct_misses"] = 0
+        return True
+
+    def _drop_direct(self) -> bool:
+        """Forget the ``_Direct`` plan (the Python path plans again); False."""
+        del self.__dict__["_vega_direct"]
+        self.__dict__["_vega_direct_misses"] = self.__dict__.get("_vega_direct_misses", 0) + 1
+        return False
+
+    def _plan_direct(self, work) -> None:
+        """After a step on the Python path: a ``_Direct`` plan for the next steps, where every
+        group is one program on the C backend over parameters that all have gradients
+        (contiguous, real, on the CPU), with plain float hyperparameters, of a spec whose ifs
+        read no shape. Not after a few plans in a row were dropped (something changes every
+        step)."""
+        if self.__dict__.get("_vega_direct_misses", 0) > 4 or torch.compiler.is_compiling() \
+                or not isinstance(self.state, _StateDict) or self.spec._spec.reads_shape:
+            return  # (a spec whose ifs read shapes: the Python path checks them every step)
+        scanner = native.scanner()
+        plans = self._plans()
+        if scanner is None or not self.param_groups or len(work) != len(self.param_groups) \
+                or len(plans) != len(self.param_groups):
+            return
+        groups = []
+        for group, plan, (program, backend, params, grads, states, steps, values) in zip(
+                self.param_groups, plans, work):
+            if plan is None or plan.group is not group or plan.params is not plan.all_params \
+                    or params is not plan.params or len(plan.parts) != 1 or backend != "c" \
+                    or program.uses_axes \
+                    or not _plain(values) or len(set(map(id, steps))) != len(steps):
+                return
+            flat = [s for col in states for s in col]
+            rows = scanner.scan([*params, *grads, *flat, *steps])
+            complex_codes = [scanner.codes[torch.complex64], scanner.codes[torch.complex128]]
+            if not np.all(rows[:, 2] & native.READY == native.READY) \
+                    or np.isin(rows[:len(params), 2] & 0xFF, complex_codes).any():
+                return
+            kernel = codegen.kernel("c", program)
+            groups.append(_DirectGroup(group, plan, program, kernel.direct(
+                scanner, params, grads, flat, steps, values)))
+        self.__dict__["_vega_direct"] = _Direct(self.state, groups)
 
     def _group_work(self, k, group, grads_all, flags, values) -> list[tuple]:
         """The engine.run calls of group ``k``: (program, backend, params, grads, states,
@@ -243,6 +340,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             self.state, self.param_groups, self.loss_scale = before
             raise
         self._plans().clear()
+        self.__dict__.pop("_vega_direct", None)  # (it holds the old state's tensors)
 
     def _load(self, state_dict: dict) -> None:
         saved = state_dict["state"]
@@ -290,6 +388,66 @@ class SpecOptimizer(torch.optim.Optimizer):
                         raise ValueError(
                             f"{owner}.load_state_dict: state '{name}' of parameter {i} of "
                             f"group {k} has shape {tuple(x.shape)}, but {needs}")
+
+
+class _StateDict(collections.defaultdict):
+    """The optimizer's ``state``, torch's defaultdict of each parameter's dict, which counts
+    the changes made to it (``version``): a ``_Direct`` plan holds the dicts it found, and is
+    dropped when one was replaced, added or removed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.version = 0
+
+    def __setitem__(self, key, value):
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.version += 1
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self.version += 1
+        return super().__ior__(other)
+
+    def _changing(name):  # noqa: N805 (a helper of the class body)
+        def method(self, *args, **kwargs):
+            self.version += 1
+            return getattr(collections.defaultdict, name)(self, *args, **kwargs)
+        method.__name__ = name
+        return method
+
+    pop, popitem, clear, update, setdefault = map(
+        _changing, ("pop", "popitem", "clear", "update", "setdefault"))
+    del _changing
+
+
+class _DirectGroup:
+    """A group's part of a ``_Direct`` plan: what it was planned for (the group's ``_Plan``),
+    and its C plan."""
+
+    def __init__(self, group, plan, program, c):
+        self.group, self.plan, self.params, self.n = group, plan, plan.all_params, len(
+            plan.all_params)
+        self.backend, self.flags = group["backend"], plan.flags
+        self.sts = list(plan.sts)
+        self.names = (*program.state_names, "step")
+        self.held = [st[name] for name in self.names for st in self.sts]
+        self.c = c
+
+
+class _Direct:
+    """The plan of ``SpecOptimizer._direct_step``: the state mapping as it was (and its
+    version), and each group's part."""
+
+    def __init__(self, state, groups):
+        self.state, self.version, self.groups = state, state.version, groups
+
+
+def _plain(values: dict) -> bool:
+    """Whether every float hyperparameter is a plain number (no schedule, no tensor)."""
+    return all(type(v) is float for v in values.values())
 
 
 def _same(a: dict, b: dict) -> bool:
