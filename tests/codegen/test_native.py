@@ -1,5 +1,9 @@
 """The native tensor scanner reads what Python reads of a tensor, and its build is cached like
 the kernels' (atomic, a corrupt file rebuilt, off with VEGA_NATIVE=0)."""
+import ctypes
+import errno
+import os
+import sys
 import time
 
 import pytest
@@ -50,7 +54,7 @@ def test_scan_reads_what_python_reads():
                torch.arange(12.0).view(3, 4)[:, 1], torch.zeros(4, dtype=torch.bfloat16),
                torch.zeros(4, dtype=torch.float16), torch.zeros((), dtype=torch.int32),
                torch.zeros(3, dtype=torch.complex64), torch.zeros(5).to_sparse(), None]
-    rows = scanner.scan(tensors, grads=True)
+    rows, held = scanner.scan_grads(tensors)
     assert rows.shape == (len(tensors), 6)
     for t, row in zip(tensors, rows):
         assert _native_row(scanner, row[:3]) == _python_row(t)
@@ -59,6 +63,21 @@ def test_scan_reads_what_python_reads():
     assert (plain == rows[:, :3]).all()
     with pytest.raises(TypeError, match="item 1 is of type int, not a tensor"):
         scanner.scan([p, 3])
+
+
+@needs_cxx
+def test_scan_grads_holds_the_gradients_until_dropped():
+    """A kernel reads the gradients without the GIL, while another thread may drop them
+    (zero_grad): the handle keeps their memory."""
+    scanner = native.scanner(wait=True)
+    p = torch.nn.Parameter(torch.zeros(1000))
+    p.grad = torch.full((1000,), 3.0)
+    rows, held = scanner.scan_grads([p])
+    address = int(rows[0, 3])
+    p.grad = None  # the last Python reference
+    junk = [torch.full((1000,), 7.0) for _ in range(20)]  # would take the freed memory
+    assert ctypes.c_float.from_address(address).value == 3.0
+    del held, junk
 
 
 @needs_cxx
@@ -111,3 +130,44 @@ def test_no_compiler_means_the_python_path(fresh, monkeypatch):
     monkeypatch.setattr(native, "_paths", lambda: None)
     assert native.scanner(wait=True) is None
     assert "no C++ compiler" in native.status()
+
+
+@needs_cxx
+def test_a_failing_compiler_is_said_once_and_remembered(fresh, monkeypatch):
+    command, target = native._paths()
+    failing = [sys.executable, "-c", "import sys; sys.exit('the compiler says no')"]
+    monkeypatch.setattr(native, "_paths", lambda: (failing, target))
+    assert native.scanner(wait=True) is None
+    assert "the compiler says no" in native.status()
+    assert native._failed_file(target).exists()
+    native._state.update(module=None, pending=None, failed=None)
+    assert native.scanner() is None  # no second build: the failure is remembered
+    assert native._state["pending"] is None and "the compiler says no" in native.status()
+
+
+@needs_cxx
+def test_a_build_that_cannot_start_leaves_the_python_path(fresh, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+    monkeypatch.setattr(native.subprocess, "Popen", refuse)
+    assert native.scanner() is None
+    assert "could not start" in native.status()
+    _, target = native._paths()
+    assert not native._lock(target).exists()
+
+
+@needs_cxx
+def test_a_stale_lock_is_taken_over(fresh):
+    _, target = native._paths()
+    target.parent.mkdir(parents=True)
+    lock = native._lock(target)
+    lock.touch()
+    assert native.scanner() is None
+    assert native._state["pending"][1] is None  # a fresh lock: another process builds
+    an_hour_ago = time.time() - 3600
+    os.utime(lock, (an_hour_ago, an_hour_ago))  # ... which died
+    native._state["next_poll"] = 0.0
+    assert native.scanner() is None
+    assert native._state["pending"][1] is not None  # this process builds it now
+    assert native.scanner(wait=True) is not None
+    assert not lock.exists()

@@ -119,12 +119,15 @@ CHANGES = {
         "params"].append(torch.nn.Parameter(torch.ones(5))),
     "a group is added": lambda opt, ps: opt.add_param_group(
         {"params": [torch.nn.Parameter(torch.ones(3))]}),
+    "the group's parameters become a tuple": lambda opt, ps: opt.param_groups[0].__setitem__(
+        "params", tuple(opt.param_groups[0]["params"])),
     "the state is loaded back": lambda opt, ps: opt.load_state_dict(
         copy.deepcopy(opt.state_dict())),
 }
 
 
-KEPT = {"the learning rate changes", "clipping is turned on"}  # still direct
+KEPT = {"the learning rate changes", "clipping is turned on",  # still direct
+        "the group's parameters become a tuple"}
 PYTHON_ONLY = {"the learning rate becomes a schedule", "the backend changes"}  # from then on
 
 
@@ -205,3 +208,28 @@ def test_a_copied_or_loaded_optimizer_plans_its_own_direct_step():
         twin.step()
         _equal(copied_ps, theirs, copied, twin)
     assert "_vega_direct" in copied.__dict__
+
+
+def test_gradients_dropped_while_a_group_steps_are_still_read(monkeypatch):
+    """The kernels run without the GIL: another thread may drop a gradient (zero_grad) while
+    an earlier group's kernel runs. The direct step holds the gradients it scanned."""
+    a = [torch.nn.Parameter(torch.zeros(1000))]
+    b = [torch.nn.Parameter(torch.zeros(1000))]
+    opt = vega.optim.SGD([{"params": a}, {"params": b}], lr=0.1)
+    for _ in range(2):
+        a[0].grad, b[0].grad = torch.ones(1000), torch.full((1000,), 3.0)
+        opt.step()
+    assert "_vega_direct" in opt.__dict__
+    real = c_backend.Direct.launch
+    launched = []
+
+    def launch(self, *args):
+        real(self, *args)
+        if not launched:  # as another thread would, between the two groups' kernels
+            b[0].grad = None
+            launched.append([torch.full((1000,), 7.0) for _ in range(20)])
+    monkeypatch.setattr(c_backend.Direct, "launch", launch)
+    a[0].grad, b[0].grad = torch.ones(1000), torch.full((1000,), 3.0)
+    opt.step()
+    assert launched  # it was the direct step
+    torch.testing.assert_close(b[0].detach(), torch.full((1000,), -0.9))  # 3 steps of 0.3

@@ -10,6 +10,7 @@
 #include <ATen/core/TensorBase.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -55,9 +56,22 @@ PyObject *init(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+// The gradients a scan found, each held (a reference to its TensorImpl) until this capsule
+// is freed: a kernel that reads them runs without the GIL, while another thread may drop
+// them (zero_grad).
+const char *HELD = "vega_native.held";
+
+void release(PyObject *capsule) {
+    auto *held = static_cast<std::vector<c10::TensorImpl *> *>(
+        PyCapsule_GetPointer(capsule, HELD));
+    for (c10::TensorImpl *g : *held) c10::raw::intrusive_ptr::decref(g);
+    delete held;
+}
+
 // scan(tensors, address, grads): for each item of the list ``tensors`` (a tensor or None),
 // three int64 at ``address`` (address, numel, flags; zeros for None); with ``grads`` true,
-// three more for the tensor's .grad (zeros where it has none).
+// three more for the tensor's .grad (zeros where it has none), and the result is a capsule
+// holding those gradients (else None).
 PyObject *scan(PyObject *, PyObject *args) {
     PyObject *list;
     unsigned long long address;
@@ -69,6 +83,18 @@ PyObject *scan(PyObject *, PyObject *args) {
     }
     int64_t *out = reinterpret_cast<int64_t *>(static_cast<uintptr_t>(address));
     const Py_ssize_t n = PyList_GET_SIZE(list), width = grads ? 6 : 3;
+    auto *held = grads ? new std::vector<c10::TensorImpl *>() : nullptr;
+    PyObject *result = Py_None;
+    if (held) {
+        held->reserve(n);
+        result = PyCapsule_New(held, HELD, release);
+        if (result == nullptr) {
+            delete held;
+            return nullptr;
+        }
+    } else {
+        Py_INCREF(result);
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *obj = PyList_GET_ITEM(list, i);
         int64_t *row = out + i * width;
@@ -77,14 +103,15 @@ PyObject *scan(PyObject *, PyObject *args) {
             continue;
         }
         if (!PyObject_TypeCheck(obj, tensor_type)) {
-            PyErr_Format(PyExc_TypeError, "vega native scanner: item %zd is of type %s, not a tensor",
-                         i, Py_TYPE(obj)->tp_name);
+            PyErr_Format(PyExc_TypeError, "vega native scanner: item %zd is of type %s, not "
+                         "a tensor", i, Py_TYPE(obj)->tp_name);
+            Py_DECREF(result);
             return nullptr;
         }
         const c10::TensorImpl *t = impl_of(obj);
         describe(t, row);
-        if (grads) {
-            const c10::TensorImpl *g = nullptr;
+        if (grads && t != nullptr) {
+            c10::TensorImpl *g = nullptr;
             try {
                 const at::TensorBase &grad =
                     reinterpret_cast<const at::TensorBase &>(t->grad());
@@ -93,10 +120,16 @@ PyObject *scan(PyObject *, PyObject *args) {
                 g = nullptr;
                 row[2] &= ~STRIDED;  // a parameter whose gradient torch will not show us
             }
+            if (g != nullptr) {
+                c10::raw::intrusive_ptr::incref(g);
+                held->push_back(g);
+            }
             describe(g, row + 3);
+        } else if (grads) {
+            for (Py_ssize_t k = 3; k < 6; k++) row[k] = 0;
         }
     }
-    Py_RETURN_NONE;
+    return result;
 }
 
 // same_items(dicts, names, expected): whether dicts[i][names[k]] is expected[k * n + i] for

@@ -46,8 +46,8 @@ _state: dict = {"module": None, "pending": None, "failed": None, "next_poll": 0.
 
 class Scanner:
     """``scan(tensors)``: an (n, 3) int64 array of (address, numel, flags) per tensor (zeros
-    for None); ``scan(params, grads=True)``: (n, 6), each parameter's then its gradient's.
-    ``dtype_of`` maps the low byte of flags to the torch dtype."""
+    for None); ``scan_grads(params)``: (n, 6), each parameter's then its gradient's, and a
+    handle holding the gradients. ``codes`` maps a torch dtype to the low byte of flags."""
 
     def __init__(self, module):
         self._module = module
@@ -61,10 +61,20 @@ class Scanner:
         """Whether ``dicts[i][names[k]] is expected[k * len(dicts) + i]`` for all i, k."""
         return self._module.same_items(dicts, names, expected)
 
-    def scan(self, tensors: list, grads: bool = False) -> np.ndarray:
-        out = np.empty((len(tensors), 6 if grads else 3), dtype=np.int64)
-        self._module.scan(tensors, out.ctypes.data, grads)
+    def scan(self, tensors: list) -> np.ndarray:
+        tensors = tensors if type(tensors) is list else list(tensors)
+        out = np.empty((len(tensors), 3), dtype=np.int64)
+        self._module.scan(tensors, out.ctypes.data, False)
         return out
+
+    def scan_grads(self, params: list) -> tuple[np.ndarray, object]:
+        """(n, 6) rows, each parameter's then its gradient's, and a handle that holds the
+        gradients alive until it is dropped (keep it until the kernel that reads them has
+        run: it runs without the GIL, and another thread may drop them)."""
+        params = params if type(params) is list else list(params)
+        out = np.empty((len(params), 6), dtype=np.int64)
+        held = self._module.scan(params, out.ctypes.data, True)
+        return out, held
 
 
 def _key(cxx: tuple[str, str], include: list[str]) -> str:
@@ -137,7 +147,7 @@ def _checked(path: Path) -> Scanner | None:
     p.grad = torch.randn(4, 3).t()
     xs = [p, torch.zeros(()), torch.empty(0, dtype=torch.float64), torch.zeros(5)[1:],
           torch.zeros(0).to_sparse()]
-    got = scanner.scan(xs, grads=True)
+    got, _ = scanner.scan_grads(xs)
     for x, row in zip(xs, got):
         for t, (ptr, numel, flags) in ((x, row[:3]), (x.grad, row[3:])):
             if t is None:
@@ -155,9 +165,28 @@ def _checked(path: Path) -> Scanner | None:
     return scanner
 
 
+def _failed_file(target: Path) -> Path:
+    """Where a failed build of ``target`` says why: later processes do not try again (a new
+    torch, compiler or source is a new target)."""
+    return target.with_name(target.name + ".failed")
+
+
+def _lock(target: Path) -> Path:
+    return target.with_name(target.name + ".building")
+
+
+def _stale(lock: Path) -> bool:
+    """Whether ``lock`` is missing, or older than a build takes (its builder died)."""
+    try:
+        return time.time() - lock.stat().st_mtime > 120
+    except FileNotFoundError:
+        return True
+
+
 def build() -> str | None:
     """Compile the library into a temporary file and rename it into place (atomic: another
-    process sees no library or a whole one); the compiler's complaint, or None."""
+    process sees no library or a whole one); the compiler's complaint (also written beside
+    the target), or None."""
     found = _paths()
     if found is None:
         return "no C++ compiler, Python headers or torch headers"
@@ -168,78 +197,92 @@ def build() -> str | None:
     try:
         proc = subprocess.run([*command, "-o", tmp], capture_output=True, text=True,
                               timeout=600, stdin=subprocess.DEVNULL)
-        if proc.returncode != 0:
-            return "the C++ compiler failed: " + (proc.stderr or proc.stdout)[-2000:]
-        os.replace(tmp, target)
-        return None
+        if proc.returncode == 0:
+            os.replace(tmp, target)
+            return None
+        error = "the C++ compiler failed: " + (proc.stderr or proc.stdout)[-2000:]
+    except (OSError, subprocess.SubprocessError) as e:
+        error = f"the C++ compiler could not run: {e}"
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-
-
-def _lock(target: Path) -> Path:
-    return target.with_name(target.name + ".building")
+    error += f" (kept in {_failed_file(target)}: delete it to try again)"
+    _failed_file(target).write_text(error)
+    return error
 
 
 def _spawn(target: Path) -> None:
     """Build in a process of its own (``python -m vega.codegen.native``), unless another is
     building it now (its lock file younger than two minutes): it installs the library even
-    if this process ends first."""
+    if this process ends first. A build that cannot start leaves the Python path."""
     lock = _lock(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    made = False
     try:
-        if time.time() - lock.stat().st_mtime < 120:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not _stale(lock):
             _state["pending"] = (target, None, None)
             return
-        lock.unlink()  # stale: its builder died
-    except FileNotFoundError:
-        pass
-    try:
-        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:  # another process took it just now
-        _state["pending"] = (target, None, None)
-        return
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "vega.codegen.native", str(lock)],
-                            stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-    _state["pending"] = (target, proc, log)
+        lock.unlink(missing_ok=True)
+        try:
+            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            made = True
+        except FileExistsError:  # another process took it just now
+            _state["pending"] = (target, None, None)
+            return
+        log = tempfile.TemporaryFile()
+        proc = subprocess.Popen([sys.executable, "-m", "vega.codegen.native", str(lock)],
+                                stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        _state["pending"] = (target, proc, log)
+    except OSError as e:
+        if made:
+            lock.unlink(missing_ok=True)
+        _state["pending"], _state["failed"] = None, f"its build could not start: {e}"
 
 
 def _poll(wait: bool) -> None:
     """Load the library if its build has finished (at most twice a second unless waiting)."""
-    target, proc, log = _state["pending"]
     now = time.monotonic()
     if not wait and now < _state["next_poll"]:
         return
     _state["next_poll"] = now + 0.5
+    target, proc, log = _state["pending"]
     if proc is not None:
         if wait:
-            proc.wait()
+            try:
+                proc.wait(timeout=900)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         elif proc.poll() is None:
             return
-    elif wait:  # another process is building: wait for it, or build here if it gave up
-        deadline = now + 600
-        while not target.exists() and _lock(target).exists() and time.monotonic() < deadline:
+    else:  # another process builds it: wait for it (or for its lock to go stale)
+        deadline = now + 900
+        while not target.exists() and not _stale(_lock(target)) and not \
+                _failed_file(target).exists() and wait and time.monotonic() < deadline:
             time.sleep(0.2)
-        if not target.exists():
-            error = build()
-            if error is not None:
-                _state["pending"], _state["failed"] = None, error
-                return
-    elif not target.exists():
-        if not _lock(target).exists():  # the other builder gave up: build here
-            _spawn(target)
-        return
+        if not target.exists() and not _failed_file(target).exists():
+            if _stale(_lock(target)):  # it died, or gave up: build here
+                _spawn(target)
+                if wait and _state["pending"] is not None:
+                    _poll(True)
+            return
     _state["pending"] = None
     if target.exists():
         _state["module"] = _checked(target)
         if _state["module"] is None:
             _state["failed"] = "built, but its answers differ from torch's"
+            _failed_file(target).write_text(_state["failed"])
+    elif _failed_file(target).exists():
+        _state["failed"] = _failed_file(target).read_text()
     else:
         log.seek(0)
         _state["failed"] = log.read().decode(errors="replace")[-2000:] or "the build failed"
     if log is not None:
         log.close()
+
+
+def _off() -> bool:
+    return os.environ.get("VEGA_NATIVE", "").lower() in ("0", "off", "false", "no")
 
 
 def scanner(wait: bool | None = None) -> Scanner | None:
@@ -248,10 +291,9 @@ def scanner(wait: bool | None = None) -> Scanner | None:
     module = _state["module"]
     if module is not None or _state["failed"] is not None:
         return module
-    setting = os.environ.get("VEGA_NATIVE", "")
-    if setting == "0":
+    if _off():
         return None
-    wait = setting == "sync" if wait is None else wait
+    wait = os.environ.get("VEGA_NATIVE", "").lower() == "sync" if wait is None else wait
     with _lock_:
         if _state["module"] is not None or _state["failed"] is not None:
             return _state["module"]
@@ -266,20 +308,26 @@ def scanner(wait: bool | None = None) -> Scanner | None:
             _state["failed"] = "no C++ compiler, Python headers or torch headers"
             return None
         _, target = found
+        if _failed_file(target).exists():
+            _state["failed"] = _failed_file(target).read_text()
+            return None
         if target.exists():
             _state["module"] = _checked(target)
             if _state["module"] is not None:
                 return _state["module"]
-            target.unlink(missing_ok=True)  # corrupt or stale: rebuilt
+            target.unlink(missing_ok=True)  # corrupt: rebuilt
         if wait:
             error = build()
             if error is None:
                 _state["module"] = _checked(target)
-            _state["failed"] = error if error is not None else (
-                None if _state["module"] is not None else "built, but its answers differ "
-                "from torch's")
+                if _state["module"] is None:
+                    error = "built, but its answers differ from torch's"
+                    _failed_file(target).write_text(error)
+            _state["failed"] = error
             return _state["module"]
         _spawn(target)
+        if _state["pending"] is not None and _state["pending"][1] is None:
+            _poll(False)  # (another process's build may have finished already)
         return None
 
 
@@ -287,7 +335,7 @@ def status() -> str:
     """Whether steps use the scanner, in words (``vega bench`` prints it)."""
     if _state["module"] is not None:
         return "native tensor scanner in use"
-    if os.environ.get("VEGA_NATIVE", "") == "0":
+    if _off():
         return "native tensor scanner off (VEGA_NATIVE=0)"
     if _state["failed"] is not None:
         return f"native tensor scanner unavailable: {_state['failed']}"

@@ -160,16 +160,16 @@ class SpecOptimizer(torch.optim.Optimizer):
             if flags != d.flags or not _plain(values) \
                     or not self._same_programs(flags, values, d.plan):
                 return self._drop_direct()
-            rows = d.c.scanner.scan(ps, grads=True)
+            rows, held = d.c.scanner.scan_grads(ps)  # (held: the gradients, until launched)
             if not d.c.current(rows) or not d.c.scanner.same_items(d.sts, d.names, d.held):
                 return self._drop_direct()
-            ready.append((d.c, np.ascontiguousarray(rows[:, 3]), values))
+            ready.append((d.c, np.ascontiguousarray(rows[:, 3]), values, held))
         pre = self._prelude_record()
         if pre is not None:
-            for c, grad_ptrs, _ in ready:
+            for c, grad_ptrs, _, _ in ready:
                 c.prelude(grad_ptrs, pre)
         nth = torch.get_num_threads()
-        for c, grad_ptrs, values in ready:
+        for c, grad_ptrs, values, _ in ready:
             c.launch(grad_ptrs, values, pre, nth)
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
