@@ -237,6 +237,26 @@ def steps_against_reference(spec, params, steps):
         yield step, ref, cc
 
 
+STORED_THEN_REDUCED = """optimizer stored_then_reduced(lr = 0.1) {
+    state s = zeros
+    s = norm(g) * 2
+    m = norm(p * s)
+    p = p - lr * g * (s + m)
+}"""
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_per_tensor_value_of_a_stored_state_stays_in_the_loop(dtype):
+    """m reads s, which an earlier phase stored and the update loads per element: m is not
+    computed before the loop (where s is not yet declared) with the values of the tensor."""
+    params = {**make_params(dtype), "long": torch.randn(40001, dtype=torch.float64).to(dtype)}
+    spec = vega.compile(STORED_THEN_REDUCED)
+    for step, ref, cc in steps_against_reference(spec, params, 3):
+        for k in params:
+            assert_close(cc[0][k], ref[0][k], dtype, f"step {step} p.{k}")
+            assert_close(cc[1]["s"][k], ref[1]["s"][k], dtype, f"step {step} s.{k}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_state_set_to_a_reduction(dtype):
     params = make_params(dtype)

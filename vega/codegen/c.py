@@ -480,9 +480,15 @@ class Source:
         pragma = [f"            #pragma omp simd{simd}"] if simd is not None else []
         # values of the tensor, not of an element (a trust ratio): once, before the loops,
         # where gcc would not vectorize a select on them in four quarters
-        hoisted = [n for n in nodes if n.kind == Kind.TENSOR and not (stored and id(n) in stored)]
+        # (not one that reads a value stored by an earlier phase: loaded per element)
+        inside, out = {id(n) for n in nodes}, set()
+        for n in nodes:
+            if n.kind == Kind.TENSOR and not (stored and id(n) in stored) \
+                    and all(id(s) in out or id(s) not in inside for s in n.src):
+                out.add(id(n))
+        hoisted = [n for n in nodes if id(n) in out]
         head = [line[4:] for line in self._element_lines(hoisted, stored)]
-        nodes = [n for n in nodes if all(n is not h for h in hoisted)]
+        nodes = [n for n in nodes if id(n) not in out]
 
         def loop(indent: str) -> list[str]:
             body = [*self._loads(), *self._element_lines(nodes, stored), *tail]
@@ -1335,7 +1341,7 @@ class Direct:
         self.grad_meta = scanner.scan(grads)[:, 1:].copy()
 
     def current(self, rows: np.ndarray) -> bool:
-        """Whether ``rows`` (``scan(params, grads=True)``) show the same parameters, and
+        """Whether ``rows`` (``scan_grads(params)``) show the same parameters, and
         gradients of the same sizes, dtypes and layout, and the states and counters are as
         they were."""
         return (rows[:, :3].tobytes() == self.param_rows
