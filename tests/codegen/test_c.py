@@ -91,15 +91,36 @@ def test_long_tensors_read_in_quarters_match_reference(name, flags, dtype):
         torch.set_num_threads(threads)
 
 
-def _against_reference(name, flags, dtype, params, steps):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name,flags", ELEMENTWISE,
+                         ids=[i for i, s in zip(IDS, SPECS) if s in ELEMENTWISE])
+def test_many_small_tensors_on_two_threads_match_reference(name, flags, dtype):
+    """Tensors of at most FUSED_MAX elements: a spec with per-tensor reductions runs each
+    tensor's phases and update on one thread (vega_fused), the tensors shared between two
+    threads by where they start, an empty one among them."""
+    gen = torch.Generator().manual_seed(2)
+    sizes = [int(k) for k in torch.randint(1, 6000, (24,), generator=gen)]
+    sizes[7] = 0
+    params = {f"t{k}": torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
+              for k, n in enumerate(sizes)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _against_reference(name, flags, dtype, params, 4, donate=True)  # (in place: once)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _against_reference(name, flags, dtype, params, steps, donate=False):
     spec = vega.builtin(name)
     hypers = {**hyper_values(spec), **flags}
     ref_p, ref_s = params, spec.init(params, **hypers)
-    c_p, c_s = params, spec.init(params, **hypers)
+    c_p = {k: v.clone() for k, v in params.items()} if donate else params
+    c_s = spec.init(c_p, **hypers)
     for step in range(steps):
         grads = grads_for(params, step)
         ref_p, ref_s = spec.step(ref_p, grads, ref_s, backend="reference", **hypers)
-        c_p, c_s = spec.step(c_p, grads, c_s, backend="c", **hypers)
+        c_p, c_s = spec.step(c_p, grads, c_s, backend="c", donate=donate, **hypers)
         for k in params:
             assert c_p[k].dtype == dtype and c_p[k].shape == params[k].shape
             assert_close(c_p[k], ref_p[k], dtype, f"{name} step {step} p.{k}")

@@ -296,7 +296,7 @@ class Source:
         out = []
         for k, phase in enumerate(self.phases):
             out += self._phase(k, phase)
-        return out + self._update()
+        return out + self._update() + self._fused()
 
     def _early_stores(self) -> list[list[tuple[str, Node]]]:
         """Per reduction phase, the state updates it writes: a new state value computed in
@@ -527,11 +527,10 @@ class Source:
         return head + out + [f"            if ({ok}) {{", *fast, "            } else {",
                       *loop("    "), "            }"]
 
-    def _phase(self, k: int, phase: list[Node]) -> list[str]:
-        """Per-tensor reductions: per-thread partials, combined in thread order."""
+    def _phase_parts(self, k: int, phase: list[Node]):
+        """(stored, nodes, used, identities, loop tail, simd clause) of phase ``k``."""
         stored = self._stored(k)
         nodes, used, _ = self._element_nodes(phase, stored)
-        nr = len(phase)
         ident = ["-INFINITY" if n.op is Op.AMAX else "0" for n in phase]
         tail = ["                " + self._store(t, self._var(n), "j") for t, n in self.early[k]]
         for q, node in enumerate(phase):
@@ -539,7 +538,13 @@ class Source:
                                                       self.r.operand(self.lin, node.src[0])))
         sums = [f"acc{q}" for q, n in enumerate(phase) if n.op is not Op.AMAX]
         # a NaN-propagating max is no OpenMP reduction: such a phase runs without simd
-        simd = None if len(sums) < nr else f" reduction(+:{', '.join(sums)})"
+        simd = None if len(sums) < len(phase) else f" reduction(+:{', '.join(sums)})"
+        return stored, nodes, used, ident, tail, simd
+
+    def _phase(self, k: int, phase: list[Node]) -> list[str]:
+        """Per-tensor reductions: per-thread partials, combined in thread order."""
+        stored, nodes, used, ident, tail, simd = self._phase_parts(k, phase)
+        nr = len(phase)
         nthr = "(size_t)(nth > 0 ? nth : 1)"
         before = [f"    static const double ident[{nr}] = {{{', '.join(ident)}}};",
                   f"    size_t nslots = {nthr} * (size_t)nt * {nr};",
@@ -561,6 +566,54 @@ class Source:
         finish += ["    }", "    free(part);"]
         return self._loop(f"vega_phase{k}", before, used, block_init, nodes, tail, block_end,
                           finish, simd, stored)
+
+    def _fused(self) -> list[str]:
+        """``vega_fused``, for tables of small tensors only (``FUSED_MAX``): each thread takes
+        whole tensors and runs every phase and then the update on one tensor before the
+        next, so that the update reads what the phases read from the cache, not from
+        memory. A tensor's reductions are summed by one thread, in one pass."""
+        if not self.phases:
+            return []
+        body = []
+        for k, phase in enumerate(self.phases):
+            stored, nodes, used, ident, tail, simd = self._phase_parts(k, phase)
+            body += ["            {  /* phase %d */" % k, *self._block_start(used),
+                     "            double " + ", ".join(
+                         f"acc{q} = {ident[q]}" for q in range(len(phase))) + ";",
+                     *self._versions(nodes, tail, simd, stored)]
+            for q, node in enumerate(phase):
+                body += [f"            double r{q} = {ident[q]};",
+                         f"            {_combine(_PARTIALS[node.op], f'r{q}', f'acc{q}')}",
+                         f"            red[i * NRED + {self.slots[id(node)]}] = "
+                         f"{_finish(node.op, f'r{q}', '(double)row[0]')};"]
+            body.append("            }")
+        stored, nodes, used, stores = self._update_parts()
+        body += ["            {  /* the update */", *self._block_start(used),
+                 *self._versions(nodes, stores, "", stored), "            }"]
+        return [
+            "void vega_fused(int64_t nt, const int64_t *tab, const double *pre, double *red, "
+            "int nth) {",
+            *self._prologue("{ pass_through(nt, tab); return; }"),
+            "    int64_t *start = starts(nt, tab);",
+            "    int64_t total = start[nt];",
+            "    #pragma omp parallel num_threads(nth) if (total >= PAR_MIN) "
+            "firstprivate(gs, coef)",
+            "    {",
+            "        int tid = omp_get_thread_num(), nthr = omp_get_num_threads();",
+            "        int64_t lo = total * tid / nthr, hi = total * (tid + 1) / nthr;",
+            "        /* the tensors that start in [lo, hi), whole */",
+            "        int64_t i = lo < hi ? locate(start, nt, lo) : nt;",
+            "        if (i < nt && start[i] < lo) i++;",
+            "        for (; i < nt && start[i] < hi; i++) {",
+            "            const int64_t *row = tab + i * ROW;",
+            "            const int64_t b = 0, e = row[0];",
+            *body,
+            "        }",
+            "    }",
+            "    free(start);",
+            "}",
+            "",
+        ]
 
     def _count(self, dom: str) -> str:
         """The number of values of a state of domain ``dom`` in a table row: numel."""
@@ -584,7 +637,8 @@ class Source:
                     f"sizeof({store}));"]
         return out + ["    }", "}", ""]
 
-    def _update(self) -> list[str]:
+    def _update_parts(self):
+        """(stored, nodes, used, stores) of the update."""
         stored = self._stored(len(self.phases))
         roots = self._update_roots(stored)
         nodes, used, _ = self._element_nodes(roots, stored)
@@ -595,6 +649,10 @@ class Source:
         stores = ["                " + self._store(target, self.r.operand(self.lin, node), "j")
                   for target, node in self.program.updates
                   if target == "p" or id(node) not in stored]
+        return stored, nodes, used, stores
+
+    def _update(self) -> list[str]:
+        stored, nodes, used, stores = self._update_parts()
         return self._pass_through() + self._loop(
             "vega_update", [], used, [], nodes, stores, [], [], "", stored,
             skip="{ pass_through(nt, tab); return; }")
@@ -1008,7 +1066,8 @@ class Kernel:
         if dtypes not in self._libs:
             lib, _, _ = cbuild.build(self.source(dtypes))
             names = ["vega_prelude", "vega_axes_step"] if self._axes else \
-                ["vega_prelude", "vega_update"] + [f"vega_phase{k}" for k in range(self._nphases)]
+                ["vega_prelude", "vega_update"] + [f"vega_phase{k}" for k in range(
+                    self._nphases)] + (["vega_fused"] if self._nphases else [])
             for name in names:
                 fn = getattr(lib, name)
                 fn.restype = None
@@ -1281,6 +1340,9 @@ class Kernel:
             if self._axes:
                 lib.vega_axes_step(n, _ptr(table), _ptr(pre), nth)
                 continue
+            if self._nphases and _all_small(table):  # (each tensor's phases and update)
+                lib.vega_fused(n, _ptr(table), _ptr(pre), _ptr(red), nth)
+                continue
             for k in range(self._nphases):
                 getattr(lib, f"vega_phase{k}")(n, _ptr(table), _ptr(pre), _ptr(red), nth)
             lib.vega_update(n, _ptr(table), _ptr(pre), _ptr(red), nth)
@@ -1376,6 +1438,14 @@ class _Plan:
             at = _row_addresses(hyp)
             _write_column(self.views, hyp_col, [at[r] for r in hyp_index])
             self.hyp_ptrs = hyp_ptrs
+
+
+FUSED_MAX = 65536  # vega_fused steps tables of tensors no longer than this
+
+
+def _all_small(table: torch.Tensor) -> bool:
+    """Whether every tensor of an address table has at most FUSED_MAX elements."""
+    return bool(table.numpy()[:, 0].max(initial=0) <= FUSED_MAX)
 
 
 def _views(tables) -> list[tuple[np.ndarray, np.ndarray]]:
