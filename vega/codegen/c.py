@@ -1340,7 +1340,7 @@ class Kernel:
             if self._axes:
                 lib.vega_axes_step(n, _ptr(table), _ptr(pre), nth)
                 continue
-            if self._nphases and _all_small(table):  # (each tensor's phases and update)
+            if self._nphases and _fused_fits(table, nth):  # (each tensor's phases, update)
                 lib.vega_fused(n, _ptr(table), _ptr(pre), _ptr(red), nth)
                 continue
             for k in range(self._nphases):
@@ -1443,9 +1443,13 @@ class _Plan:
 FUSED_MAX = 65536  # vega_fused steps tables of tensors no longer than this
 
 
-def _all_small(table: torch.Tensor) -> bool:
-    """Whether every tensor of an address table has at most FUSED_MAX elements."""
-    return bool(table.numpy()[:, 0].max(initial=0) <= FUSED_MAX)
+def _fused_fits(table: torch.Tensor, nth: int) -> bool:
+    """Whether vega_fused suits an address table: every tensor has at most FUSED_MAX
+    elements, and there are enough of them that ``nth`` threads taking whole tensors each
+    get about as much work (at least four of the largest's worth each)."""
+    sizes = table.numpy()[:, 0]
+    largest = int(sizes.max(initial=0))
+    return largest <= FUSED_MAX and int(sizes.sum()) >= 4 * max(nth, 1) * largest
 
 
 def _views(tables) -> list[tuple[np.ndarray, np.ndarray]]:
