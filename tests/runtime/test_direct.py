@@ -81,6 +81,29 @@ def test_direct_steps_equal_the_python_path_bitwise(name, dtype):
     assert direct == [False] + [True] * 5  # the first step plans; the others are direct
 
 
+SCHEDULES = {
+    "cosine_decay": lambda: vega.schedule.cosine_decay(1e-2, 10),
+    "warmup_cosine_decay": lambda: vega.schedule.warmup_cosine_decay(0.0, 1e-2, 3, 10),
+    "a plain callable": lambda: (lambda step: 1e-2 / (1.0 + step.double())),
+    "a tensor": lambda: torch.tensor(3e-3, dtype=torch.float64),
+}
+
+
+@pytest.mark.parametrize("lr", SCHEDULES)
+@pytest.mark.parametrize("name", ["adamw", "lion", "lamb"])
+def test_direct_steps_with_a_schedule_equal_the_python_path(name, lr):
+    ours, theirs, opt, twin, direct = _twins(name, torch.float32, lr=SCHEDULES[lr]())
+    for step in range(6):
+        _grads(ours, theirs, step)
+        if step == 4:  # one parameter's counter falls behind: rows per counter
+            opt.state[ours[2]]["step"].fill_(0)
+            twin.state[theirs[2]]["step"].fill_(0)
+        opt.step()
+        twin.step()
+        _equal(ours, theirs, opt, twin)
+    assert direct == [False] + [True] * 5
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd", "lamb"])
 def test_direct_fused_steps_skip_and_clip_as_the_python_path(name):
     ours, theirs, opt, twin, direct = _twins(
@@ -111,6 +134,8 @@ CHANGES = {
     "the learning rate changes": lambda opt, ps: opt.param_groups[0].__setitem__("lr", 0.05),
     "the learning rate becomes a schedule": lambda opt, ps: opt.param_groups[0].__setitem__(
         "lr", vega.schedule.cosine_decay(0.1, 10)),
+    "the learning rate becomes a tensor": lambda opt, ps: opt.param_groups[0].__setitem__(
+        "lr", torch.tensor(0.03, dtype=torch.float64)),
     "momentum is turned off": lambda opt, ps: opt.param_groups[0].__setitem__("momentum", 0.0),
     "the backend changes": lambda opt, ps: opt.param_groups[0].__setitem__("backend",
                                                                           "reference"),
@@ -127,8 +152,9 @@ CHANGES = {
 
 
 KEPT = {"the learning rate changes", "clipping is turned on",  # still direct
-        "the group's parameters become a tuple"}
-PYTHON_ONLY = {"the learning rate becomes a schedule", "the backend changes"}  # from then on
+        "the group's parameters become a tuple", "the learning rate becomes a schedule",
+        "the learning rate becomes a tensor"}
+PYTHON_ONLY = {"the backend changes"}  # from then on
 
 
 def _all_params(opt):

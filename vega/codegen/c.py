@@ -1384,15 +1384,18 @@ class Direct:
     prelude, built once from tensors that the step has checked (``Kernel._tables``), with
     what each tensor was (address, size, dtype and layout, read by the native scanner) so
     that a later step can check in a few calls that they still are. Only for a program that
-    steps every tensor alike (no matrix view), plain float hyperparameters (one row for all
-    tensors) and contiguous CPU tensors, each parameter with its own step counter."""
+    steps every tensor alike (no matrix view) and contiguous CPU tensors, each parameter
+    with its own step counter."""
 
     def __init__(self, kernel: Kernel, scanner, params, grads, flat_states, steps, values):
         n = len(params)
         self.kernel, self.scanner, self.n = kernel, scanner, n
         self.hyp_index = [0] * n  # (one row for all)
+        self.last_index = self.hyp_index
+        first = {k: 0.0 if callable(v) and not isinstance(v, torch.Tensor) else v
+                 for k, v in values.items()}  # (a schedule's column: written at each launch)
         found = kernel._native_plan(scanner, params, grads, flat_states, steps, list(range(n)),
-                                    [kernel._hyper_array(values)], self.hyp_index)
+                                    [kernel._hyper_array(first)], self.hyp_index)
         if found is None:
             raise ValueError("a Direct plan needs contiguous CPU tensors")
         self.plan = found[0]
@@ -1413,9 +1416,16 @@ class Direct:
     def prelude(self, grad_ptrs: np.ndarray, pre: torch.Tensor) -> None:
         self.kernel._run_prelude(self.pre_plan, grad_ptrs, pre)
 
-    def launch(self, grad_ptrs: np.ndarray, values: dict, pre, nth: int) -> None:
-        hyp = self.kernel._hyper_array(values)  # (the same array while the values are)
-        self.plan.point(grad_ptrs, [hyp], self.hyp_index, 4 + len(self.kernel.program.states))
+    def launch(self, grad_ptrs: np.ndarray, values, pre, nth: int) -> None:
+        """Step, with ``values`` a dict of the group's (a number or a 0-d tensor each) or
+        their ``HyperRows`` at the counters (schedules)."""
+        if isinstance(values, HyperRows):
+            hyp, index = [values.table.cpu()], values.index
+        else:  # (the same array while the numbers are)
+            hyp, index = [self.kernel._hyper_array(values)], self.hyp_index
+        if index != self.last_index:  # rows moved: rewrite the column even at old addresses
+            self.plan.hyp_ptrs, self.last_index = [], index
+        self.plan.point(grad_ptrs, hyp, index, 4 + len(self.kernel.program.states))
         self.kernel._launch(self.plan.tables, self.plan.step_ptrs, pre, nth)
 
 

@@ -157,20 +157,25 @@ class SpecOptimizer(torch.optim.Optimizer):
                     or group["backend"] != d.backend:
                 return self._drop_direct()
             flags, values = self._group_values(group)
-            if flags != d.flags or not _plain(values) \
-                    or not self._same_programs(flags, values, d.plan):
+            if flags != d.flags or not self._same_programs(flags, values, d.plan):
                 return self._drop_direct()
             rows, held = d.c.scanner.scan_grads(ps)  # (held: the gradients, until launched)
             if not d.c.current(rows) or not d.c.scanner.same_items(d.sts, d.names, d.held):
                 return self._drop_direct()
-            ready.append((d.c, np.ascontiguousarray(rows[:, 3]), values, held))
+            ready.append((d, np.ascontiguousarray(rows[:, 3]), values, held))
+        for k, (d, grad_ptrs, values, held) in enumerate(ready):  # (checked: each once)
+            if any(map(_scheduled, values.values())):  # at the counters, as run() does
+                rows = engine.hyper_rows(d.program, [values] * d.n, d.steps)
+                if rows is None:  # (not on the CPU: checked, but as run() would)
+                    return self._drop_direct()
+                ready[k] = (d, grad_ptrs, rows, held)
         pre = self._prelude_record()
         if pre is not None:
-            for c, grad_ptrs, _, _ in ready:
-                c.prelude(grad_ptrs, pre)
+            for d, grad_ptrs, _, _ in ready:
+                d.c.prelude(grad_ptrs, pre)
         nth = torch.get_num_threads()
-        for c, grad_ptrs, values, _ in ready:
-            c.launch(grad_ptrs, values, pre, nth)
+        for d, grad_ptrs, values, _ in ready:
+            d.c.launch(grad_ptrs, values, pre, nth)
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
         self.__dict__["_vega_direct_misses"] = 0
@@ -185,9 +190,9 @@ class SpecOptimizer(torch.optim.Optimizer):
     def _plan_direct(self, work) -> None:
         """After a step on the Python path: a ``_Direct`` plan for the next steps, where every
         group is one program on the C backend over parameters that all have gradients
-        (contiguous, real, on the CPU), with plain float hyperparameters, of a spec whose ifs
-        read no shape. Not after a few plans in a row were dropped (something changes every
-        step)."""
+        (contiguous, real, on the CPU), of a spec whose ifs read no shape; hyperparameters
+        may be numbers, CPU tensors or schedules. Not after a few plans in a row were
+        dropped (something changes every step)."""
         if self.__dict__.get("_vega_direct_misses", 0) > 4 or torch.compiler.is_compiling() \
                 or not isinstance(self.state, _StateDict) or self.spec._spec.reads_shape:
             return  # (a spec whose ifs read shapes: the Python path checks them every step)
@@ -201,8 +206,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                 self.param_groups, plans, work):
             if plan is None or plan.group is not group or plan.params is not plan.all_params \
                     or params is not plan.params or len(plan.parts) != 1 or backend != "c" \
-                    or program.uses_axes \
-                    or not _plain(values) or len(set(map(id, steps))) != len(steps):
+                    or program.uses_axes or len(set(map(id, steps))) != len(steps) \
+                    or not all(map(_cpu_or_plain, values.values())):
                 return
             flat = [s for col in states for s in col]
             rows = scanner.scan([*params, *grads, *flat, *steps])
@@ -434,6 +439,7 @@ class _DirectGroup:
         self.sts = list(plan.sts)
         self.names = (*program.state_names, "step")
         self.held = [st[name] for name in self.names for st in self.sts]
+        self.program, self.steps = program, self.held[-self.n:]
         self.c = c
 
 
@@ -445,9 +451,13 @@ class _Direct:
         self.state, self.version, self.groups = state, state.version, groups
 
 
-def _plain(values: dict) -> bool:
-    """Whether every float hyperparameter is a plain number (no schedule, no tensor)."""
-    return all(type(v) is float for v in values.values())
+def _scheduled(v) -> bool:
+    return callable(v) and not isinstance(v, torch.Tensor)
+
+
+def _cpu_or_plain(v) -> bool:
+    """A hyperparameter value the direct step takes: a number, a schedule or a CPU tensor."""
+    return not isinstance(v, torch.Tensor) or v.device.type == "cpu"
 
 
 def _same(a: dict, b: dict) -> bool:
