@@ -441,8 +441,9 @@ class Source:
                 "        if (pre[3] > 0) coef = (CT)(pre[3] / fmax(sqrt(pre[0]), pre[3]));",
                 "    }"]
 
-    def _loop(self, name, before, uses, block_init, nodes, tail, block_end, finish, simd="",
-              stored=None, skip="return;"):
+    def _parallel(self, name: str, skip: str, before=()) -> list[str]:
+        """An entry point's head: the prologue, the tensors' starts, and a thread's share
+        [lo, hi) of all their elements, from tensor i (the one holding lo) on."""
         return [
             f"void {name}(int64_t nt, const int64_t *tab, const double *pre, double *red, "
             "int nth) {",
@@ -455,7 +456,12 @@ class Source:
             "    {",
             "        int tid = omp_get_thread_num(), nthr = omp_get_num_threads();",
             "        int64_t lo = total * tid / nthr, hi = total * (tid + 1) / nthr;",
-            "        int64_t i = lo < hi ? locate(start, nt, lo) : nt;",
+            "        int64_t i = lo < hi ? locate(start, nt, lo) : nt;"]
+
+    def _loop(self, name, before, uses, block_init, nodes, tail, block_end, finish, simd="",
+              stored=None, skip="return;"):
+        return [
+            *self._parallel(name, skip, before),
             "        while (lo < hi) {",
             "            const int64_t *row = tab + i * ROW;",
             "            int64_t b = lo - start[i];",
@@ -591,19 +597,8 @@ class Source:
         body += ["            {  /* the update */", *self._block_start(used),
                  *self._versions(nodes, stores, "", stored), "            }"]
         return [
-            "void vega_fused(int64_t nt, const int64_t *tab, const double *pre, double *red, "
-            "int nth) {",
-            *self._prologue("{ pass_through(nt, tab); return; }"),
-            "    int64_t *start = starts(nt, tab);",
-            "    int64_t total = start[nt];",
-            "    #pragma omp parallel num_threads(nth) if (total >= PAR_MIN) "
-            "firstprivate(gs, coef)",
-            "    {",
-            "        int tid = omp_get_thread_num(), nthr = omp_get_num_threads();",
-            "        int64_t lo = total * tid / nthr, hi = total * (tid + 1) / nthr;",
-            "        /* the tensors that start in [lo, hi), whole */",
-            "        int64_t i = lo < hi ? locate(start, nt, lo) : nt;",
-            "        if (i < nt && start[i] < lo) i++;",
+            *self._parallel("vega_fused", "{ pass_through(nt, tab); return; }"),
+            "        if (i < nt && start[i] < lo) i++;  /* the tensors that start in [lo, hi) */",
             "        for (; i < nt && start[i] < hi; i++) {",
             "            const int64_t *row = tab + i * ROW;",
             "            const int64_t b = 0, e = row[0];",

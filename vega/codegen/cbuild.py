@@ -39,10 +39,14 @@ def cache_dir() -> Path:
 @cache
 def compiler() -> tuple[str, str] | None:
     """(path, version line) of the C compiler, or None where there is none."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if not name:
-            continue
-        path = shutil.which(name)
+    return find_compiler(os.environ.get("CC"), "cc", "gcc", "clang")
+
+
+def find_compiler(*names: str | None) -> tuple[str, str] | None:
+    """(path, version line) of the first of ``names`` (None: skipped) that is on the PATH
+    and answers ``--version``, or None."""
+    for name in names:
+        path = shutil.which(name) if name else None
         if path is None:
             continue
         try:

@@ -19,7 +19,6 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -86,17 +85,7 @@ def _key(cxx: tuple[str, str], include: list[str]) -> str:
 @cache
 def _cxx() -> tuple[str, str] | None:
     """(path, version line) of the C++ compiler, or None."""
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        path = shutil.which(name) if name else None
-        if path is None:
-            continue
-        try:
-            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if out.returncode == 0:
-            return path, (out.stdout.splitlines() or [""])[0]
-    return None
+    return cbuild.find_compiler(os.environ.get("CXX"), "c++", "g++", "clang++")
 
 
 def _layout_ok() -> bool:
