@@ -81,6 +81,15 @@ def test_scan_grads_holds_the_gradients_until_dropped():
 
 
 @needs_cxx
+def test_stacked_counters_are_torch_stack_of_them():
+    scanner = native.scanner(wait=True)
+    counters = [torch.tensor(k * 7 - 3, dtype=torch.int32) for k in range(50)]
+    addresses = torch.tensor([c.data_ptr() for c in counters], dtype=torch.int64)
+    got = scanner.stacked_counters(addresses)
+    assert got.dtype == torch.int32 and torch.equal(got, torch.stack(counters))
+
+
+@needs_cxx
 def test_same_items_compares_by_identity():
     scanner = native.scanner(wait=True)
     a, b = torch.zeros(2), torch.zeros(2)

@@ -156,7 +156,21 @@ PyObject *same_items(PyObject *, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
+// gather_int32(addresses, n, out): out[i] = *(int32_t *)addresses[i] for i < n (the step
+// counters of a group, stacked without a tensor op a counter).
+PyObject *gather_int32(PyObject *, PyObject *args) {
+    unsigned long long addresses, out;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "KnK", &addresses, &n, &out)) return nullptr;
+    const int64_t *from = reinterpret_cast<const int64_t *>(static_cast<uintptr_t>(addresses));
+    int32_t *to = reinterpret_cast<int32_t *>(static_cast<uintptr_t>(out));
+    for (Py_ssize_t i = 0; i < n; i++)
+        to[i] = *reinterpret_cast<const int32_t *>(static_cast<uintptr_t>(from[i]));
+    Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"gather_int32", gather_int32, METH_VARARGS, "gather_int32(addresses, n, out)"},
     {"same_items", same_items, METH_VARARGS, "same_items(dicts, names, expected)"},
     {"init", init, METH_VARARGS, "init(torch.Tensor, offset of the TensorImpl pointer)"},
     {"scan", scan, METH_VARARGS, "scan(tensors, address, grads)"},

@@ -56,6 +56,13 @@ class Scanner:
                       torch.int32, torch.int64, torch.complex64, torch.complex128):
             self.codes[dtype] = int(self.scan([torch.empty(1, dtype=dtype)])[0, 2]) & 0xFF
 
+    def stacked_counters(self, addresses: torch.Tensor) -> torch.Tensor:
+        """A new int32 tensor of the step counters at ``addresses`` (an int64 CPU tensor),
+        as ``torch.stack`` of the counters would give."""
+        out = torch.empty(addresses.numel(), dtype=torch.int32)
+        self._module.gather_int32(addresses.data_ptr(), addresses.numel(), out.data_ptr())
+        return out
+
     def same_items(self, dicts: list, names: tuple, expected: list) -> bool:
         """Whether ``dicts[i][names[k]] is expected[k * len(dicts) + i]`` for all i, k."""
         return self._module.same_items(dicts, names, expected)

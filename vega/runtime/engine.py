@@ -251,6 +251,21 @@ def hyper_rows(program: Program, values, steps) -> HyperRows | None:
     return HyperRows(tuple(names), table.contiguous(), index)
 
 
+def group_rows(program: Program, values: dict, steps: list,
+               stacked: torch.Tensor) -> HyperRows:
+    """``hyper_rows(program, [values] * n, steps)`` for n distinct counters on one device
+    (a class's group), with the counters already stacked (``stacked``): the same table,
+    without telling the counters apart again."""
+    names = program.float_hypers
+    timed = any(callable(values[n]) and not isinstance(values[n], torch.Tensor) for n in names)
+    rows = len(steps) if timed else 1
+    cols = [_column(values[n], steps, [stacked], rows, stacked.device) for n in names]
+    table = torch.stack(cols, dim=1) if cols else torch.zeros(
+        (rows, 1), dtype=torch.float64, device=stacked.device)
+    index = list(range(len(steps))) if timed else [0] * len(steps)
+    return HyperRows(tuple(names), table.contiguous(), index)
+
+
 def _column(v, counters, stacked: list, rows: int, device) -> torch.Tensor:
     """A hyperparameter's value at each counter (``rows`` of them), float64."""
     if isinstance(v, Schedule) and v.elementwise() and len(counters) > 1:

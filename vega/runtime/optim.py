@@ -165,10 +165,9 @@ class SpecOptimizer(torch.optim.Optimizer):
             ready.append((d, np.ascontiguousarray(rows[:, 3]), values, held))
         for k, (d, grad_ptrs, values, held) in enumerate(ready):  # (checked: each once)
             if any(map(_scheduled, values.values())):  # at the counters, as run() does
-                rows = engine.hyper_rows(d.program, [values] * d.n, d.steps)
-                if rows is None:  # (not on the CPU: checked, but as run() would)
-                    return self._drop_direct()
-                ready[k] = (d, grad_ptrs, rows, held)
+                stacked = d.c.scanner.stacked_counters(d.c.plan.step_ptrs)
+                ready[k] = (d, grad_ptrs, engine.group_rows(d.program, values, d.steps,
+                                                            stacked), held)
         pre = self._prelude_record()
         if pre is not None:
             for d, grad_ptrs, _, _ in ready:
