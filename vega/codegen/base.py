@@ -136,6 +136,11 @@ def reduction_phases(program: Program) -> list[list[Node]]:
     return phases
 
 
+def is_schedule(v) -> bool:
+    """Whether a hyperparameter value is a schedule (a callable of the step counter)."""
+    return callable(v) and not isinstance(v, torch.Tensor)
+
+
 def distinct(items: list) -> tuple[list, list[int]]:
     """The distinct objects of ``items`` (by identity) and the position of each item among
     them. Under torch.compile by ``is`` (``id()`` would guard on every object's address)."""

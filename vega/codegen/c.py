@@ -38,7 +38,7 @@ import torch
 
 from vega.codegen import cbuild, native, reference
 from vega.codegen.base import (HyperRows, Linear, Renderer, axis_geometry, check_states,
-                               distinct, linearize, reduction_phases, safe)
+                               distinct, is_schedule, linearize, reduction_phases, safe)
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, DOMAINS, LEAVES, REDUCTIONS, Kind, Node,
                         Op, Program, walk)
@@ -1073,9 +1073,15 @@ class Kernel:
             self._libs[dtypes] = lib
         return self._libs[dtypes]
 
-    def direct(self, scanner, params, grads, flat_states, steps, values) -> Direct:
-        """A ``Direct`` plan of these tensors' steps (see there)."""
-        return Direct(self, scanner, params, grads, flat_states, steps, values)
+    def direct(self, scanner, params, grads, flat_states, steps, values) -> Direct | None:
+        """A ``Direct`` plan of these tensors' steps (see there); None where a tensor is not
+        a contiguous CPU tensor."""
+        found = self._native_plan(scanner, params, grads, flat_states, steps,
+                                  list(range(len(params))), [self._hyper_array(
+                                      {k: 0.0 if is_schedule(v) else v  # (written at launch)
+                                       for k, v in values.items()})], [0] * len(params))
+        return None if found is None else Direct(self, scanner, found[0], grads, flat_states,
+                                                 steps)
 
     def _group_key(self, p, g, s_dtype):
         key = (p.dtype, g.dtype, s_dtype)
@@ -1187,12 +1193,10 @@ class Kernel:
         rewritten (as is the hyperparameters', when a schedule gave a new table)."""
         nth = torch.get_num_threads()
         scanner = None if self._axes else native.scanner()
-        if scanner is not None and self._native_step(scanner, params, grads, flat_states,
-                                                     steps, step_index, hyp, hyp_index, pre,
-                                                     nth):
-            return
-        everything = [*params, *grads, *flat_states, *hyp]
-        if all(map(torch.Tensor.is_contiguous, everything)):
+        found = None if scanner is None else self._native_plan(
+            scanner, params, grads, flat_states, steps, step_index, hyp, hyp_index)
+        if found is None and all(map(torch.Tensor.is_contiguous,
+                                     [*params, *grads, *flat_states, *hyp])):
             ptr, numel = torch.Tensor.data_ptr, torch.Tensor.numel
             fixed = list(map(ptr, params)) + list(map(ptr, flat_states)) + list(map(ptr, steps))
             meta = ([p.shape for p in params] if self._axes else list(map(numel, params)),
@@ -1200,14 +1204,11 @@ class Kernel:
                     list(map(numel, flat_states)),
                     list(map(_DTYPE_OF, [*params, *grads, *flat_states, *steps])),
                     list(step_index), list(hyp_index), [h.shape for h in hyp])
-            plan = next((p for p in self._plans if p.fixed == fixed and p.meta == meta), None)
-            if plan is None:
-                plan = _Plan(fixed, meta, self._tables(params, grads, flat_states, steps,
-                                                       step_index, hyp, hyp_index),
-                             _int64s(list(map(ptr, steps))))
-                self._plans.insert(0, plan)  # (each group of each optimizer has one)
-                del self._plans[64:]
-            plan.point(list(map(ptr, grads)), hyp, hyp_index, 4 + len(self.program.states))
+            found = (self._plan_for(fixed, meta, params, grads, flat_states, steps, step_index,
+                                    hyp, hyp_index), list(map(ptr, grads)))
+        if found is not None:
+            plan, grad_ptrs = found
+            plan.point(grad_ptrs, hyp, hyp_index, 4 + len(self.program.states))
             self._launch(plan.tables, plan.step_ptrs, pre, nth)
             return
         # some tensor is not contiguous: work on contiguous copies, copied back at the end
@@ -1222,42 +1223,35 @@ class Kernel:
             if work is not orig:
                 orig.copy_(work)
 
-    def _native_step(self, scanner, params, grads, flat_states, steps, step_index, hyp,
-                     hyp_index, pre, nth) -> bool:
-        """``_step`` with the tensors read by the native scanner; False, having done nothing,
-        where a tensor is not a contiguous CPU tensor (the Python path then copies it, or
-        says what is wrong)."""
-        found = self._native_plan(scanner, params, grads, flat_states, steps, step_index, hyp,
-                                  hyp_index)
-        if found is None:
-            return False
-        plan, grad_ptrs = found
-        plan.point(grad_ptrs, hyp, hyp_index, 4 + len(self.program.states))
-        self._launch(plan.tables, plan.step_ptrs, pre, nth)
-        return True
+    def _plan_for(self, fixed, meta, params, grads, flat_states, steps, step_index, hyp,
+                  hyp_index) -> _Plan:
+        """The recent plan made for ``fixed`` and ``meta``, or a new one (its tables check
+        every tensor)."""
+        plan = next((p for p in self._plans if p.fixed == fixed and p.meta == meta), None)
+        if plan is None:
+            plan = _Plan(fixed, meta, self._tables(params, grads, flat_states, steps,
+                                                   step_index, hyp, hyp_index),
+                         _int64s(list(map(torch.Tensor.data_ptr, steps))))
+            self._plans.insert(0, plan)  # (each group of each optimizer has one)
+            del self._plans[64:]
+        return plan
 
     def _native_plan(self, scanner, params, grads, flat_states, steps, step_index, hyp,
                      hyp_index) -> tuple[_Plan, np.ndarray] | None:
-        """The plan of these tensors (a recent one, or new), found with the native scanner:
-        one call for the parameters, states and counters and one for the gradients; and
-        the gradients' addresses. None where a tensor is not a contiguous CPU tensor."""
+        """The plan of these tensors, found with the native scanner: one call for the
+        parameters, states and counters and one for the gradients (the plan's key is what
+        they read); and the gradients' addresses. None where a tensor is not a contiguous
+        CPU tensor (the Python path then copies it, or says what is wrong)."""
         fixed = scanner.scan([*params, *flat_states, *steps])
         grad_rows = scanner.scan(grads)
         if not (np.all(fixed[:, 2] & native.READY == native.READY)
                 and np.all(grad_rows[:, 2] & native.READY == native.READY)
                 and all(map(torch.Tensor.is_contiguous, hyp))):
             return None
-        key = fixed.tobytes()
         meta = (grad_rows[:, 1:].tobytes(), list(step_index), list(hyp_index),
                 [h.shape for h in hyp])
-        plan = next((p for p in self._plans if p.fixed == key and p.meta == meta), None)
-        if plan is None:  # (its tables check every tensor, as on the Python path)
-            plan = _Plan(key, meta, self._tables(params, grads, flat_states, steps,
-                                                 step_index, hyp, hyp_index),
-                         _int64s(list(map(torch.Tensor.data_ptr, steps))))
-            self._plans.insert(0, plan)
-            del self._plans[64:]
-        return plan, grad_rows[:, 0]
+        return self._plan_for(fixed.tobytes(), meta, params, grads, flat_states, steps,
+                              step_index, hyp, hyp_index), grad_rows[:, 0]
 
     def _tables(self, params, grads, flat_states, steps, step_index, hyp, hyp_index,
                 outs=None):
@@ -1382,31 +1376,21 @@ class Direct:
     steps every tensor alike (no matrix view) and contiguous CPU tensors, each parameter
     with its own step counter."""
 
-    def __init__(self, kernel: Kernel, scanner, params, grads, flat_states, steps, values):
-        n = len(params)
-        self.kernel, self.scanner, self.n = kernel, scanner, n
-        self.hyp_index = [0] * n  # (one row for all)
-        self.last_index = self.hyp_index
-        first = {k: 0.0 if callable(v) and not isinstance(v, torch.Tensor) else v
-                 for k, v in values.items()}  # (a schedule's column: written at each launch)
-        found = kernel._native_plan(scanner, params, grads, flat_states, steps, list(range(n)),
-                                    [kernel._hyper_array(first)], self.hyp_index)
-        if found is None:
-            raise ValueError("a Direct plan needs contiguous CPU tensors")
-        self.plan = found[0]
+    def __init__(self, kernel: Kernel, scanner, plan: _Plan, grads, flat_states, steps):
+        self.kernel, self.scanner, self.plan = kernel, scanner, plan
+        self.hyp_index = [0] * len(grads)  # (one row for all, when no value is a schedule)
         self.pre_plan = kernel._prelude_plan(grads)
         self.held = [*flat_states, *steps]  # (held: the tables keep only their addresses)
-        self.held_rows = scanner.scan(self.held).tobytes()
-        self.param_rows = scanner.scan(params).tobytes()
-        self.grad_meta = scanner.scan(grads)[:, 1:].copy()
+        self.steps = steps
 
     def current(self, rows: np.ndarray) -> bool:
         """Whether ``rows`` (``scan_grads(params)``) show the same parameters, and
         gradients of the same sizes, dtypes and layout, and the states and counters are as
-        they were."""
-        return (rows[:, :3].tobytes() == self.param_rows
-                and np.array_equal(rows[:, 4:], self.grad_meta)
-                and self.scanner.scan(self.held).tobytes() == self.held_rows)
+        they were: what the plan was made for (its key: the scan of the parameters, states
+        and counters; and the gradients' sizes and flags)."""
+        return (rows[:, 4:].tobytes() == self.plan.meta[0]
+                and rows[:, :3].tobytes() + self.scanner.scan(self.held).tobytes()
+                == self.plan.fixed)
 
     def prelude(self, grad_ptrs: np.ndarray, pre: torch.Tensor) -> None:
         self.kernel._run_prelude(self.pre_plan, grad_ptrs, pre)
@@ -1418,8 +1402,6 @@ class Direct:
             hyp, index = [values.table.cpu()], values.index
         else:  # (the same array while the numbers are)
             hyp, index = [self.kernel._hyper_array(values)], self.hyp_index
-        if index != self.last_index:  # rows moved: rewrite the column even at old addresses
-            self.plan.hyp_ptrs, self.last_index = [], index
         self.plan.point(grad_ptrs, hyp, index, 4 + len(self.kernel.program.states))
         self.kernel._launch(self.plan.tables, self.plan.step_ptrs, pre, nth)
 
@@ -1433,16 +1415,19 @@ class _Plan:
     def __init__(self, fixed, meta, tables, step_ptrs):
         self.fixed, self.meta, self.tables, self.step_ptrs = fixed, meta, tables, step_ptrs
         self.hyp_ptrs: list[int] = []
+        self.hyp_index: list[int] = []
         self.views = _views(tables)
 
     def point(self, grad_ptrs: list[int], hyp, hyp_index, hyp_col: int) -> None:
-        """Write the gradients' addresses, and the hyperparameter rows' where they moved."""
+        """Write the gradients' addresses, and the hyperparameter rows' where they moved or
+        the tensors read other rows (a direct step's schedule table after a plain one)."""
         _write_column(self.views, 2, grad_ptrs)
         hyp_ptrs = [h.data_ptr() for h in hyp]
-        if hyp_ptrs != self.hyp_ptrs:
+        if hyp_ptrs != self.hyp_ptrs or (hyp_index is not self.hyp_index
+                                         and hyp_index != self.hyp_index):
             at = _row_addresses(hyp)
             _write_column(self.views, hyp_col, [at[r] for r in hyp_index])
-            self.hyp_ptrs = hyp_ptrs
+            self.hyp_ptrs, self.hyp_index = hyp_ptrs, hyp_index
 
 
 FUSED_MAX = 65536  # vega_fused steps tables of tensors no longer than this

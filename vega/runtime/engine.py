@@ -14,7 +14,7 @@ import operator
 import torch
 
 from vega import codegen
-from vega.codegen.base import HyperRows, distinct
+from vega.codegen.base import HyperRows, distinct, is_schedule
 from vega.codegen.reference import make_pre, memo
 from vega.schedule import Schedule
 from vega.dsl.ir import HyperParam, Program
@@ -146,7 +146,7 @@ def state_fields(progs) -> list:
 
 def at_step(values: dict, step: torch.Tensor) -> dict:
     """Hyperparameter values at a step counter: schedules are called with the tensor."""
-    return {k: (v(step) if callable(v) and not isinstance(v, torch.Tensor) else v)
+    return {k: (v(step) if is_schedule(v) else v)
             for k, v in values.items()}
 
 
@@ -194,7 +194,14 @@ def finite_of(pre: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _has_schedule(values: dict) -> bool:
-    return any(callable(v) and not isinstance(v, torch.Tensor) for v in values.values())
+    return any(map(is_schedule, values.values()))
+
+
+def record(device, inv_scale=None, max_norm=None, check=False) -> torch.Tensor | None:
+    """A fresh prelude record on ``device`` (``make_pre``), or None when nothing is asked."""
+    if inv_scale is None and max_norm is None and not check:
+        return None
+    return make_pre(device, inv_scale, max_norm, check)
 
 
 def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor | None:
@@ -209,8 +216,7 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
     if len(devices) > 1:
         raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "
                          f"device, got {sorted(map(str, devices))}")
-    device = devices.pop() if devices else torch.device("cpu")
-    pre = make_pre(device, inv_scale, max_norm, check)
+    pre = record(devices.pop() if devices else torch.device("cpu"), inv_scale, max_norm, check)
     for program, backend, grads in parts:
         if any(g.is_complex() for g in grads):
             grads = [_real(g) for g in grads]
@@ -238,14 +244,11 @@ def hyper_rows(program: Program, values, steps) -> HyperRows | None:
     stacked: list = []  # the counters stacked, once
     blocks, starts, per_step, nrows = [], [], [], 0
     for vals in uniq_v:
-        timed = any(callable(vals[n]) and not isinstance(vals[n], torch.Tensor) for n in names)
-        rows = len(uniq_s) if timed else 1
-        cols = [_column(vals[n], uniq_s, stacked, rows, device) for n in names]
+        block, timed = _block(names, vals, uniq_s, stacked, device)
         starts.append(nrows)
         per_step.append(timed)
-        nrows += rows
-        blocks.append(torch.stack(cols, dim=1) if cols else
-                      torch.zeros((rows, 1), dtype=torch.float64, device=device))
+        nrows += block.shape[0]
+        blocks.append(block)
     index = [starts[v] + (s if per_step[v] else 0) for v, s in zip(v_index, s_index)]
     table = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     return HyperRows(tuple(names), table.contiguous(), index)
@@ -257,13 +260,19 @@ def group_rows(program: Program, values: dict, steps: list,
     (a class's group), with the counters already stacked (``stacked``): the same table,
     without telling the counters apart again."""
     names = program.float_hypers
-    timed = any(callable(values[n]) and not isinstance(values[n], torch.Tensor) for n in names)
-    rows = len(steps) if timed else 1
-    cols = [_column(values[n], steps, [stacked], rows, stacked.device) for n in names]
-    table = torch.stack(cols, dim=1) if cols else torch.zeros(
-        (rows, 1), dtype=torch.float64, device=stacked.device)
+    table, timed = _block(names, values, steps, [stacked], stacked.device)
     index = list(range(len(steps))) if timed else [0] * len(steps)
     return HyperRows(tuple(names), table.contiguous(), index)
+
+
+def _block(names, vals: dict, counters: list, stacked: list, device):
+    """(the rows of one values dict: one per counter where it holds a schedule, else one;
+    whether it does). ``stacked``: the counters stacked, filled on first need."""
+    timed = any(is_schedule(vals[n]) for n in names)
+    rows = len(counters) if timed else 1
+    cols = [_column(vals[n], counters, stacked, rows, device) for n in names]
+    return (torch.stack(cols, dim=1) if cols else
+            torch.zeros((rows, 1), dtype=torch.float64, device=device)), timed
 
 
 def _column(v, counters, stacked: list, rows: int, device) -> torch.Tensor:
@@ -275,7 +284,7 @@ def _column(v, counters, stacked: list, rows: int, device) -> torch.Tensor:
             return v(stacked[0]).to(device=device, dtype=torch.float64)
         except (RuntimeError, TypeError):  # an _at with a Python if on the step: one by one
             pass
-    if callable(v) and not isinstance(v, torch.Tensor):
+    if is_schedule(v):
         return torch.stack([_float64(v(s), device) for s in counters])
     if isinstance(v, torch.Tensor):
         return v.detach().reshape(()).to(device=device, dtype=torch.float64).expand(rows)

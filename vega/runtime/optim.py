@@ -16,7 +16,6 @@ import torch
 from vega import codegen
 from vega.codegen import native
 from vega.codegen.base import state_shape
-from vega.codegen.reference import make_pre
 from vega.runtime import engine
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -131,14 +130,6 @@ class SpecOptimizer(torch.optim.Optimizer):
         self._plan_direct(work)
         return loss
 
-    def _prelude_record(self):
-        """The prelude's record for this step on the CPU, or None when nothing is asked."""
-        check = self.skip_nonfinite or self.loss_scale is not None
-        inv = engine.inverse_scale(self.loss_scale)
-        if inv is None and self.max_grad_norm is None and not check:
-            return None
-        return make_pre(torch.device("cpu"), inv, self.max_grad_norm, check)
-
     def _direct_step(self) -> bool:
         """The step through ``_Direct`` plans, where the last step left one and nothing it
         depends on has changed (checked with the native scanner: a few calls a group, not a
@@ -152,23 +143,25 @@ class SpecOptimizer(torch.optim.Optimizer):
         ready = []
         for group, d in zip(self.param_groups, direct.groups):
             ps = group["params"]
-            if group is not d.group or len(ps) != d.n or not all(map(operator.is_, ps,
-                                                                     d.params)) \
+            if group is not d.plan.group or len(ps) != len(d.plan.all_params) \
+                    or not all(map(operator.is_, ps, d.plan.all_params)) \
                     or group["backend"] != d.backend:
                 return self._drop_direct()
             flags, values = self._group_values(group)
-            if flags != d.flags or not self._same_programs(flags, values, d.plan):
+            if flags != d.plan.flags or not self._same_programs(flags, values, d.plan):
                 return self._drop_direct()
             rows, held = d.c.scanner.scan_grads(ps)  # (held: the gradients, until launched)
-            if not d.c.current(rows) or not d.c.scanner.same_items(d.sts, d.names, d.held):
+            if not d.c.current(rows) or not d.c.scanner.same_items(d.plan.sts, d.names,
+                                                                   d.c.held):
                 return self._drop_direct()
             ready.append((d, np.ascontiguousarray(rows[:, 3]), values, held))
         for k, (d, grad_ptrs, values, held) in enumerate(ready):  # (checked: each once)
-            if any(map(_scheduled, values.values())):  # at the counters, as run() does
+            if any(map(engine.is_schedule, values.values())):  # at the counters, as run()
                 stacked = d.c.scanner.stacked_counters(d.c.plan.step_ptrs)
-                ready[k] = (d, grad_ptrs, engine.group_rows(d.program, values, d.steps,
+                ready[k] = (d, grad_ptrs, engine.group_rows(d.program, values, d.c.steps,
                                                             stacked), held)
-        pre = self._prelude_record()
+        pre = engine.record(torch.device("cpu"), engine.inverse_scale(self.loss_scale),
+                            self.max_grad_norm, self.skip_nonfinite or self.loss_scale is not None)
         if pre is not None:
             for d, grad_ptrs, _, _ in ready:
                 d.c.prelude(grad_ptrs, pre)
@@ -208,15 +201,13 @@ class SpecOptimizer(torch.optim.Optimizer):
                     or program.uses_axes or len(set(map(id, steps))) != len(steps) \
                     or not all(map(_cpu_or_plain, values.values())):
                 return
-            flat = [s for col in states for s in col]
-            rows = scanner.scan([*params, *grads, *flat, *steps])
-            complex_codes = [scanner.codes[torch.complex64], scanner.codes[torch.complex128]]
-            if not np.all(rows[:, 2] & native.READY == native.READY) \
-                    or np.isin(rows[:len(params), 2] & 0xFF, complex_codes).any():
+            if any(map(torch.Tensor.is_complex, params)):  # (they step as real views)
                 return
-            kernel = codegen.kernel("c", program)
-            groups.append(_DirectGroup(group, plan, program, kernel.direct(
-                scanner, params, grads, flat, steps, values)))
+            c = codegen.kernel("c", program).direct(
+                scanner, params, grads, [s for col in states for s in col], steps, values)
+            if c is None:  # not every tensor a contiguous CPU tensor
+                return
+            groups.append(_DirectGroup(group, plan, program, c))
         self.__dict__["_vega_direct"] = _Direct(self.state, groups)
 
     def _group_work(self, k, group, grads_all, flags, values) -> list[tuple]:
@@ -428,18 +419,13 @@ class _StateDict(collections.defaultdict):
 
 
 class _DirectGroup:
-    """A group's part of a ``_Direct`` plan: what it was planned for (the group's ``_Plan``),
-    and its C plan."""
+    """A group's part of a ``_Direct`` plan: what it was planned for (the group's ``_Plan``,
+    its backend setting), and its C plan (``vega.codegen.c.Direct``, which holds the state
+    tensors and counters, state by state in ``names`` order)."""
 
     def __init__(self, group, plan, program, c):
-        self.group, self.plan, self.params, self.n = group, plan, plan.all_params, len(
-            plan.all_params)
-        self.backend, self.flags = group["backend"], plan.flags
-        self.sts = list(plan.sts)
+        self.plan, self.backend, self.program, self.c = plan, group["backend"], program, c
         self.names = (*program.state_names, "step")
-        self.held = [st[name] for name in self.names for st in self.sts]
-        self.program, self.steps = program, self.held[-self.n:]
-        self.c = c
 
 
 class _Direct:
@@ -448,10 +434,6 @@ class _Direct:
 
     def __init__(self, state, groups):
         self.state, self.version, self.groups = state, state.version, groups
-
-
-def _scheduled(v) -> bool:
-    return callable(v) and not isinstance(v, torch.Tensor)
 
 
 def _cpu_or_plain(v) -> bool:
