@@ -12,6 +12,7 @@ import torch
 
 from vega.codegen import c, reference, triton
 from vega.dsl.ir import Program
+from vega.tracing import untraced
 
 BACKENDS = {"reference": reference, "c": c}
 if triton.available():  # where triton is installed (Linux); CPU tensors need TRITON_INTERPRET=1
@@ -27,8 +28,12 @@ def check_backend(name: str | None) -> None:
                          f"available: {', '.join(map(repr, BACKENDS))}")
 
 
+@torch.compiler.assume_constant_result
 def default_backend(device_type: str) -> str:
-    """The backend for tensors on a device: triton on CUDA, c on the CPU, where built."""
+    """The backend for tensors on a device: triton on CUDA, c on the CPU, where built.
+
+    A constant to ``torch.compile``: dynamo calls it while tracing and keeps its answer
+    (it looks for a compiler on the PATH, which dynamo cannot trace)."""
     preferred = {"cuda": "triton", "cpu": "c"}.get(device_type)
     if preferred == "c" and not c.available():
         return "reference"
@@ -45,10 +50,16 @@ def kernel(backend: str, program: Program):
     Not ``functools.cache`` nor a dict keyed by programs: dynamo traces through a
     cached function as if it were not cached (building a new kernel inside every
     compiled step), and a dict keyed by programs makes it hash every key, each a
-    whole expression DAG, node by node.
+    whole expression DAG, node by node. While dynamo traces a step, the lookup (and a
+    build, where this kernel is new) runs outside the trace (``vega.tracing``).
     """
+    if torch.compiler.is_compiling():
+        return untraced(_kernel, backend, program, False)
+    return _kernel(backend, program, True)
+
+
+def _kernel(backend: str, program: Program, counting: bool):
     found = program.kernels.get(backend)
-    counting = not torch.compiler.is_compiling()  # a counter read while tracing is guarded on
     if found is None:
         check_backend(backend)
         found = program.kernels[backend] = BACKENDS[backend].Kernel(program)

@@ -18,6 +18,7 @@ from vega.codegen.base import HyperRows, distinct, is_schedule
 from vega.codegen.reference import make_pre, memo
 from vega.schedule import Schedule
 from vega.dsl.ir import HyperParam, Program
+from vega.tracing import untraced
 
 def _suggest(name, names) -> str:
     close = difflib.get_close_matches(name, names, n=1)
@@ -92,19 +93,23 @@ def shape_values(owner: str, spec, flags: dict, values: dict) -> dict:
     return known
 
 
-def programs(owner: str, spec, flags: dict, values: dict, tensors) -> list[Program | None]:
+def programs(owner: str, spec, flags: dict, values: dict, tensors,
+             held: tuple = ()) -> list[Program | None]:
     """The program that steps each tensor (None for a None entry).
 
     A spec without conditions on values or shapes has one program per setting of
     its bool hyperparameters; one with ``if momentum > 0`` or ``if ndim(p) >= 2``
     has one per outcome of those conditions, chosen here from the values and each
-    tensor's shape.
+    tensor's shape. ``held``: conditions taken as true whatever they say (one bool per
+    shape condition, ``Spec.held_open``). Lowering a program runs outside a dynamo
+    trace (``vega.tracing``).
     """
     known = shape_values(owner, spec, flags, values) if spec.shape_conditions else {}
+    fkey = tuple(sorted(flags.items()))
     if not spec.reads_shape:  # no conditions, or on values only: one program for all
-        program = spec.program(flags, spec.shapes(known, ()))
+        program = untraced(_lower, spec, fkey, _or(spec.shapes(known, ()), held))
         return [None if t is None else program for t in tensors]
-    out, seen = [], spec.chosen(known)
+    out, seen = [], spec.chosen({**known, "\0held": held})
     for t in tensors:
         if t is None:
             out.append(None)
@@ -112,9 +117,19 @@ def programs(owner: str, spec, flags: dict, values: dict, tensors) -> list[Progr
         shape = tuple(t.shape)
         found = seen.get(shape)
         if found is None:
-            found = seen[shape] = spec.program(flags, spec.shapes(known, shape))
+            found = seen[shape] = untraced(_lower, spec, fkey,
+                                           _or(spec.shapes(known, shape), held))
         out.append(found)
     return out
+
+
+def _or(outcomes: tuple, held: tuple) -> tuple:
+    return tuple(a or b for a, b in zip(outcomes, held)) + outcomes[len(held):] \
+        if held else outcomes
+
+
+def _lower(spec, fkey: tuple, outcomes: tuple) -> Program:
+    return spec.program(dict(fkey), outcomes)
 
 
 def groups(progs) -> list[tuple[Program, list[int]]]:

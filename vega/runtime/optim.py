@@ -22,6 +22,14 @@ _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
 _IS_SPARSE = operator.attrgetter("is_sparse")
 
 
+def _any_sparse(grads) -> bool:
+    """Whether any gradient is sparse (a map of an attrgetter, fast, where dynamo is not
+    tracing: it cannot trace one)."""
+    if torch.compiler.is_compiling():
+        return any(g.is_sparse for g in grads)
+    return any(map(_IS_SPARSE, grads))
+
+
 class SpecOptimizer(torch.optim.Optimizer):
     """Base of the optimizer classes; see ``CompiledSpec.optimizer_class``."""
 
@@ -218,7 +226,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         if not params:
             return []
         grads = [g for g in grads_all if g is not None]
-        if any(map(_IS_SPARSE, grads)):
+        if _any_sparse(grads):
             raise ValueError(f"{owner} does not support sparse gradients")
         progs = engine.programs(owner, self.spec._spec, flags, values, params)
         shaped = "".join(f", or {n} (it picks each tensor's program)"
@@ -299,7 +307,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         else:
             params = plan.params
             grads = [g for g in grads_all if g is not None]
-        if any(map(_IS_SPARSE, grads)) or params[0].device.type != plan.device \
+        if _any_sparse(grads) or params[0].device.type != plan.device \
                 or self._shapes(params) != plan.shapes:
             return None
         sts = list(map(self.state.get, params))

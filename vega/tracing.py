@@ -1,0 +1,39 @@
+"""Host-side work that a compiled step needs but dynamo cannot trace.
+
+A step looks up (and, the first time, builds) its programs and kernels: lowering a
+spec, running a C compiler, loading a library, executing generated code. Under
+``torch.compile`` dynamo would try to trace all of that and break the graph on the
+first system call. ``untraced(make, *args)`` runs ``make(*args)`` eagerly instead,
+also while dynamo traces, and hands the result to the trace as an attribute of a
+holder object, which dynamo reads with a guard on its identity and whose methods it
+traces as usual. ``make`` must be a plain function whose result depends only on its
+arguments (constants, or objects compared by identity): dynamo keeps the answer.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class _Held:
+    """What ``untraced`` handed to a trace, one attribute each."""
+
+
+_HELD = _Held()
+
+
+def untraced(make, *args):
+    """``make(*args)``, computed outside dynamo's trace when called inside one."""
+    if not torch.compiler.is_compiling():
+        return make(*args)
+    return getattr(_HELD, _held(make, *args))
+
+
+@torch.compiler.assume_constant_result
+def _held(make, *args) -> str:
+    """dynamo calls this with the real arguments while tracing and keeps the name it
+    returns as a constant."""
+    found = make(*args)
+    name = f"v{id(found):x}"
+    if getattr(_HELD, name, None) is not found:
+        setattr(_HELD, name, found)
+    return name
