@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vega.dsl import ast, ir
-from vega.dsl.check import (_names, all_flag_settings, check, lower, reads_shape,
+from vega.dsl.check import (_names, all_flag_settings, check, lower, open_value, reads_shape,
                             shape_conditions, static_value)
 from vega.dsl.parser import parse
 from vega.errors import SpecError
@@ -31,6 +31,9 @@ class Spec:
     # the states declared under an if on hyperparameter values alone (sgd's v under
     # `if momentum > 0`): a class creates them when the values turn such an if on
     value_states: frozenset[str] = field(init=False, repr=False)
+    # per shape condition: the float hyperparameters it reads, and the states its then
+    # branch declares, where it reads values alone (None where it reads the shape)
+    _value_ifs: tuple = field(init=False, repr=False)
 
     def __post_init__(self):
         self.shape_conditions = shape_conditions(self.tree)
@@ -41,6 +44,11 @@ class Spec:
         self.value_states = frozenset(
             name for s in self.shape_conditions if not reads_shape(s.cond)
             for name in _declared(s.then + s.orelse))
+        self._value_ifs = tuple(
+            None if reads_shape(s.cond) else
+            (frozenset(n.id for n in _names(s.cond) if n.id in floats),
+             frozenset(_declared(s.then)))
+            for s in self.shape_conditions)
 
     @property
     def name(self) -> str:
@@ -65,6 +73,28 @@ class Spec:
         every hyperparameter to a Python bool or float."""
         return tuple(bool(static_value(s.cond, values, tuple(shape)))
                      for s in self.shape_conditions)
+
+    def held_open(self, flags: dict, values: dict, open_names, present=None) -> tuple:
+        """The conditions on values alone (``if momentum > 0``) to take as true whatever
+        the values of ``open_names`` (float hyperparameters) are: those that other values
+        (``flags``, and ``values`` of the names not open) do not decide and that read an
+        open name; with ``present`` (a state's field names), only those whose then
+        branch declares states, all of them present. A tuple of bools, one per shape
+        condition, for ``program``'s ``shapes`` (or-ed in)."""
+        out = []
+        for s, info in zip(self.shape_conditions, self._value_ifs):
+            hold = False
+            if info is not None and info[0] & set(open_names):
+                known = {**flags, **{k: v for k, v in values.items() if k not in open_names}}
+                hold = open_value(s.cond, known) is None and (
+                    present is None or (bool(info[1]) and info[1] <= set(present)))
+            out.append(hold)
+        return tuple(out)
+
+    @property
+    def value_hypers(self) -> frozenset:
+        """The float hyperparameters that an if on values alone reads."""
+        return frozenset().union(*(i[0] for i in self._value_ifs if i is not None))
 
     def chosen(self, values: dict) -> dict:
         """The programs already chosen by shape for these hyperparameter values (every

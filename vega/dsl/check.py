@@ -520,6 +520,27 @@ def static_value(e, values: dict, shape: tuple[int, ...]):
     return ir._FOLD[op](a, static_value(e.b, values, shape))
 
 
+def open_value(e, values: dict):
+    """A condition on hyperparameter values alone where a name missing from ``values``
+    may take any value: True or False where the known names decide it, else None."""
+    if isinstance(e, (ast.Num, ast.Bool)):
+        return e.value
+    if isinstance(e, ast.Name):
+        return values.get(e.id)
+    if isinstance(e, ast.Unary):
+        x = open_value(e.x, values)
+        return None if x is None else (-x if e.op == "-" else not x)
+    op = BINARY[e.op]
+    a, b = open_value(e.a, values), open_value(e.b, values)
+    if op is Op.AND and ((a is not None and not a) or (b is not None and not b)):
+        return False
+    if op is Op.OR and ((a is not None and a) or (b is not None and b)):
+        return True
+    if a is None or b is None:
+        return None
+    return ir._FOLD[op](a, b)
+
+
 def matrix_axes(shape) -> tuple[int | None, int | None]:
     """The (row, column) axes of a shape's matrix view: its two largest axes, the column
     axis the largest (ties: the later axis), as optax's Adafactor factors a tensor. A

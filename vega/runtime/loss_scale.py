@@ -225,12 +225,22 @@ class LossScale:
             return _at_dtype(g, self.loss_scale, torch.div) if _float_leaf(g) else g
         return pytree.tree_map(one, grads)
 
-    def adjust(self, finite) -> LossScale:
+    def adjust(self, finite, *, growth_interval: int | None = None,
+               growth_factor: float | None = None,
+               backoff_factor: float | None = None) -> LossScale:
         """The scale for the next step, given whether this step's gradients were finite.
 
         ``finite`` is a 0-d bool tensor (from :func:`grads_finite`). A static scale is
-        returned unchanged.
+        returned unchanged. ``growth_interval``, ``growth_factor`` and
+        ``backoff_factor``, where given, replace the scale's own settings for this call
+        only (the returned scale keeps its own); each must be positive (``ValueError``).
+        With a shorter interval than the counter has reached, the scale grows at once.
         """
+        interval, grow, back = _check_config(
+            "LossScale.adjust",
+            self.growth_interval if growth_interval is None else growth_interval,
+            self.growth_factor if growth_factor is None else growth_factor,
+            self.backoff_factor if backoff_factor is None else backoff_factor)
         if isinstance(finite, bool):
             finite = torch.tensor(finite, device=self.loss_scale.device)
         elif not isinstance(finite, torch.Tensor) or finite.dim() != 0 or \
@@ -243,12 +253,12 @@ class LossScale:
             return self
         s, n = self.loss_scale, self.good_steps
         wide = _wide(s.device)
-        grown = (s.to(wide) * self.growth_factor).to(torch.float32)
+        grown = (s.to(wide) * grow).to(torch.float32)
         grown = torch.where(torch.isfinite(grown), grown, s)
-        backed = (s.to(wide) * self.backoff_factor).to(torch.float32)
+        backed = (s.to(wide) * back).to(torch.float32)
         backed = torch.maximum(backed, self.min_scale)  # min_scale 0: no floor
         successful = n + 1
-        at_interval = successful == self.growth_interval
+        at_interval = successful >= interval
         new_s = torch.where(finite, torch.where(at_interval, grown, s), backed)
         new_n = torch.where(finite & ~at_interval, successful, torch.zeros_like(n))
         skipped = self.skipped_steps + (~finite).to(self.skipped_steps.dtype)

@@ -58,10 +58,10 @@ class CompiledSpec:
         codegen.check_backend(backend)
         return codegen.kernel(backend, self.program(shape, **hypers)).source()
 
-    def _fields(self, flags, progs) -> list:
+    def _fields(self, flags, progs, held=()) -> list:
         """The state fields for the programs of these tensors (with none to step, those of
         the spec's plain program)."""
-        return engine.state_fields(progs if any(progs) else [self._spec.program(flags)])
+        return engine.state_fields(progs if any(progs) else [self._spec.program(flags, held)])
 
     # -- functional API -------------------------------------------------------
     def init(self, params, *, state_dtype: torch.dtype | None = None, **hypers) -> dict:
@@ -70,9 +70,12 @@ class CompiledSpec:
         flags, values = engine.resolve(owner, self.hypers, hypers)
         leaves, spec = flatten(params)
         _check_leaves(owner, "params", params, leaves)
+        # a state an if on values declares (sgd's v under `if momentum > 0`) is made
+        # unless the values given here turn the if off: sgd_init(params) has v
+        held = self._spec.held_open(flags, values, self._spec.value_hypers - hypers.keys())
         progs = engine.programs(owner, self._spec, flags, values,
-                                [p if is_steppable(p) else None for p in leaves])
-        fields = self._fields(flags, progs)
+                                [p if is_steppable(p) else None for p in leaves], held)
+        fields = self._fields(flags, progs, held)
         device = next((p.device for p in leaves if is_steppable(p)), torch.device("cpu"))
         step = torch.zeros((), dtype=torch.int32, device=device)
         # Build the kernels a step on these parameters will use by default, here and not in
@@ -112,9 +115,14 @@ class CompiledSpec:
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
         flags, values = engine.resolve(owner, self.hypers, hypers)
         p_leaves, p_spec, g_leaves = flatten_pair(owner, params, grads)
+        # a state that an if on values declares steps whenever the state holds it, by
+        # the values given (sgd's v with momentum 0: v = g)
+        held = self._spec.held_open(flags, values, self._spec.value_hypers,
+                                    present=state.keys()) \
+            if isinstance(state, dict) and self._spec.value_hypers else ()
         progs = engine.programs(owner, self._spec, flags, values,
-                                [p if is_steppable(p) else None for p in p_leaves])
-        names = [f.name for f in self._fields(flags, progs)]
+                                [p if is_steppable(p) else None for p in p_leaves], held)
+        names = [f.name for f in self._fields(flags, progs, held)]
         shaped = self._spec.shape_hypers
         columns = _check_state(owner, self, flags, names, state, p_spec, shaped)
         step = state["step"]
