@@ -4,17 +4,19 @@ A schedule maps a step counter ``k >= 0`` (completed steps: 0 for the first
 update, optax's ``count`` convention) to a value. Every schedule is a small
 picklable object with a readable ``repr``, callable two ways:
 
-- on an integer step tensor (int32 or int64, 0-d, any device): a 0-d float32
-  tensor on the same device (on a tensor of many steps, a float32 tensor of their
-  values, each equal to the value at that step alone), computed with tensor
+- on an integer step tensor (int32 or int64, 0-d, any device): a 0-d float64
+  tensor on the same device (float32 on MPS, which has no float64; on a tensor of
+  many steps, a tensor of their values, each equal to the value at that step
+  alone), computed with tensor
   operations only -- no
   ``.item()``, no Python ``if`` on a tensor -- so that a step which calls it
   compiles under ``torch.compile(fullgraph=True)`` and replays under CUDA graphs
-  as the counter advances. The arithmetic is done in float64 (float32 on MPS,
-  which has no float64) and rounded to float32 once, at the end;
+  as the counter advances. A float64 value reaches a float64 parameter's update
+  whole; a kernel for lower precision rounds it as it rounds a Python float;
 - on a Python int: a Python float, computed in double precision with ``math``.
 
-The two agree to float32 rounding. A negative tensor step counts as 0 (it cannot
+The two agree to float64 rounding (the tensor path uses torch's ``cos`` and
+``pow``, the Python path ``math``'s). A negative tensor step counts as 0 (it cannot
 be checked without reading the tensor back); a negative Python int raises
 ``ValueError``. The formulas are those of ``SEMANTICS.md``; where they differ
 from optax the function's docstring says how.
@@ -139,7 +141,7 @@ class Schedule:
                 raise TypeError(f"a schedule takes an integer step tensor, got {step.dtype}")
             ops = _Device(step.device)
             k = torch.clamp(step.to(ops.dtype), min=0)
-            return ops.tensor(self._at(k, ops)).to(torch.float32).expand(step.shape)
+            return ops.tensor(self._at(k, ops)).to(ops.dtype).expand(step.shape)
         return float(self._at(_check_step(step), _HOST))
 
     def elementwise(self) -> bool:
@@ -426,7 +428,7 @@ class Join(Schedule):
             ops = _Device(step.device)
 
             def at(i):
-                return ops.tensor(scheds[i](step - offsets[i])).to(torch.float32)
+                return ops.tensor(scheds[i](step - offsets[i])).to(ops.dtype)
 
             out = at(len(scheds) - 1)
             for i in reversed(range(len(scheds) - 1)):
