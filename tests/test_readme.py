@@ -1,4 +1,5 @@
-"""The README's examples run as written, and its test command is what CI runs."""
+"""The README's examples run as written, and its test command is what CI runs; README and
+docs speak of the project only and link only to files in the repository."""
 import contextlib
 import io
 import re
@@ -20,3 +21,71 @@ def test_ci_runs_the_readme_test_command():
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.startswith(("#", "set ", "cd "))]
     assert ci and ci[-1] in (ROOT / "README.md").read_text()
+
+
+def _pages():
+    """README.md and every page under docs/."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+# Pages that are not in the repository, and sentences about how the work went rather
+# than about the project.
+FORBIDDEN = ("SEMANTICS.md", "DESIGN.md", "the seeds", "this session", "so far",
+             "the run before this one", "the issue's")
+
+
+def test_pages_speak_of_the_project_only():
+    found = [f"{page.relative_to(ROOT)}:{n}: {phrase!r}"
+             for page in _pages()
+             for n, line in enumerate(page.read_text().splitlines(), 1)
+             for phrase in FORBIDDEN if phrase.lower() in line.lower()]
+    assert not found, "\n".join(found)
+
+
+def test_sources_name_no_page_outside_the_repository():
+    sources = [f for d in ("vega", "specs", "bench") for f in sorted((ROOT / d).rglob("*"))
+               if f.suffix in (".py", ".vega", ".lark")]
+    found = [f"{f.relative_to(ROOT)}:{n}: {phrase!r}"
+             for f in sources
+             for n, line in enumerate(f.read_text().splitlines(), 1)
+             for phrase in ("SEMANTICS.md", "DESIGN.md", "the seeds'", "after the seeds")
+             if phrase.lower() in line.lower()]
+    assert not found, "\n".join(found)
+
+
+def _prose(page: Path) -> str:
+    """The page without its fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6} (.*)$", _prose(page), re.M):
+        slug = _slug(heading)
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_relative_links_point_into_the_repository():
+    broken = []
+    for page in _pages():
+        text = re.sub(r"`[^`\n]*`", "", _prose(page))  # code spans are not links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):  # https:, mailto:, ...
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(ROOT)}: {target}"
+            if not dest.is_relative_to(ROOT) or not dest.exists():
+                broken.append(f"{where} (no such file in the repository)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{where} (no heading with that anchor)")
+    assert not broken, "\n".join(broken)

@@ -18,8 +18,8 @@ picklable object with a readable ``repr``, callable two ways:
 The two agree to float64 rounding (the tensor path uses torch's ``cos`` and
 ``pow``, the Python path ``math``'s). A negative tensor step counts as 0 (it cannot
 be checked without reading the tensor back); a negative Python int raises
-``ValueError``. The formulas are those of ``SEMANTICS.md``; where they differ
-from optax the function's docstring says how.
+``ValueError``. The formulas are written out in ``docs/conventions.md``; where
+they differ from optax the function's docstring says how.
 
 >>> from vega import schedule
 >>> s = schedule.warmup_cosine_decay(init_value=0.0, peak_value=1e-3,

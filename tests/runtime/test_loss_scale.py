@@ -186,7 +186,7 @@ def test_step_applies_or_skips_exactly(make):
         assert ls3.loss_scale.item() == 512.0 and ls3.good_steps.item() == 0
     else:
         assert ls3.loss_scale.item() == 1024.0 and ls3.good_steps.item() == -1
-    # the unbound form of the seeds / DESIGN.md
+    # the unbound form, as the OCaml library Vega writes it
     (p4, _), _ = LossScale.step(ls2, bad, sgd(new_p, new_s), (new_p, new_s))
     assert torch.equal(bits(p4["b"]), bits(new_p["b"]))
 

@@ -1,5 +1,5 @@
 """vega.schedule against optax (float64) where the definitions coincide, and against the
-formulas of SEMANTICS.md, written out by hand, where they do not."""
+formulas of docs/conventions.md, written out by hand, where they do not."""
 import math
 import pickle
 import re
@@ -96,7 +96,7 @@ def test_matches_optax(s, ref, n):
 
 c, pi = math.cos, math.pi
 
-# Where SEMANTICS.md differs from optax: its formulas, written out step by step.
+# Where docs/conventions.md differs from optax: its formulas, written out step by step.
 BY_HAND = [
     # warmup_cosine_decay: decay_steps=4 *after* a warmup of 2 (optax would end at step 4).
     ("warmup_cosine_decay", schedule.warmup_cosine_decay(0.1, 1.0, 2, 4, end_value=0.2),

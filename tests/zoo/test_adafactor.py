@@ -71,7 +71,7 @@ def test_every_shape_matches_optax():
 def test_optax_alias_differs_only_by_the_decay():
     """optax.adafactor itself computes 1 - t^-0.8 in float32: the same trajectory to about
     float32's precision, not to float64's. The test chain with the float64 decay is what
-    vega follows (SEMANTICS.md)."""
+    vega follows (docs/conventions.md)."""
     h = dict(H, use_momentum=False, lr=0.05)
     alias = optax.adafactor(learning_rate=h["lr"], min_dim_size_to_factor=4,
                             decay_rate=h["decay_rate"], clipping_threshold=h["clipping_threshold"],

@@ -7,10 +7,10 @@ maps onto vega's state fields. The oracles are
 - optax (float64), stepped with the same gradients, compared at every step;
 - torch.optim (foreach=False, float64), where torch has the same algorithm,
   stepped through vega's ``torch.optim`` class side by side;
-- a hand-written implementation of the seeds' rule, where optax's differs
+- a hand-written implementation of vega's rule, where optax's differs
   (Adan: the official code's difference term; see ``adan_official``).
 
-Conventions are in /work/shared/SEMANTICS.md and each spec's header.
+Conventions are in docs/conventions.md and each spec's header.
 """
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def _rmsprop_case(momentum: float, centered: bool) -> Case:
 
 def _decay_f64(count, rate):
     """optax's second-moment decay 1 - t^-rate, in float64: optax computes it in float32,
-    vega (SEMANTICS.md) in float64 rounded to the parameters' precision."""
+    vega (docs/conventions.md) in float64 rounded to the parameters' precision."""
     return 1.0 - jnp.asarray(count + 1, jnp.float64) ** -rate
 
 
@@ -300,7 +300,7 @@ CASES = [
              foreach=False),
          torch_state={"acc": "sum"}, label="eps"),
     *[_rmsprop_case(momentum, centered) for momentum in (0.0, 0.7) for centered in (False, True)],
-    # the seeds' Adan (the official code's b2 * diff) against its transcription
+    # vega's Adan (the official code's b2 * diff) against its transcription
     Case("adan", dict(lr=0.01, b1=0.9, b2=0.8, b3=0.95, eps=1e-3, weight_decay=0.1),
          reference=adan_official,
          bad={"lr": -1e-3, "b1": 1.0, "b2": -0.5, "b3": 2.0}),

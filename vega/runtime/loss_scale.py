@@ -1,4 +1,4 @@
-"""Loss scales for float16 training, after the seeds and JAX's jmp.
+"""Loss scales for float16 training, after the OCaml library Vega and JAX's jmp.
 
 A :class:`LossScale` is a value: four 0-d tensors, the scale factor
 ``loss_scale`` (float32), ``good_steps`` (int32: the finite steps since the
@@ -6,14 +6,14 @@ scale last changed; -1 for a static scale), ``skipped_steps`` (int32: how many
 steps ``adjust`` saw overflow; a static scale keeps 0) and ``min_scale``
 (float32: the floor of backing off; 0 for none), plus its configuration
 (``growth_interval``, ``growth_factor``, ``backoff_factor``, and whether it is
-dynamic). It is registered as a torch pytree node whose two leaves are those
+dynamic). It is registered as a torch pytree node whose four leaves are those
 tensors and whose context is the configuration, so a compiled training step takes
 it as input and returns the adjusted one as output; a float captured instead would
 be burned into the trace as a constant.
 
 Names: the tensor field is ``loss_scale`` (jmp's name) and the method that
-multiplies the loss is ``scale`` (jmp's, and the seeds' ``scale ls x``); the
-seeds' record field ``scale`` is renamed so the two do not collide.
+multiplies the loss is ``scale`` (jmp's, and the OCaml library's ``scale ls x``);
+that library's record field ``scale`` is renamed so the two do not collide.
 
 ``adjust`` is exactly ``torch._amp_update_scale_`` (what ``torch.amp.GradScaler``
 runs): on a finite step the counter advances and on reaching ``growth_interval``
@@ -183,7 +183,7 @@ class LossScale:
                 f"good_steps={show(self.good_steps)}, "
                 f"skipped_steps={show(self.skipped_steps)}{cfg}{floor})")
 
-    # -- traversals (the seeds' map, map2, iter) --------------------------------------
+    # -- traversals (the OCaml library's map, map2, iter) ------------------------------
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The state tensors, in order: loss_scale, good_steps, skipped_steps, min_scale."""

@@ -1,6 +1,6 @@
 """Gradient transformations: functions from a gradient pytree to another.
 
-They go between the backward pass and the step, after the seeds'
+They go between the backward pass and the step, after the OCaml library Vega's
 ``clip_by_global_norm``, ``clip_by_value`` and the joint norm. Pure tensor
 arithmetic over ``torch.utils._pytree`` structures: no value is read back to the
 host, so they trace under ``torch.compile`` and replay under CUDA graphs. Leaves
@@ -81,7 +81,7 @@ def clip_by_global_norm(grads, max_norm):
     return pytree.tree_map(one, grads)
 
 
-def clip_by_value(grads, max):  # the seeds' name, shadowing the builtin here
+def clip_by_value(grads, max):  # the OCaml library's name, shadowing the builtin here
     """Clamp every element of every float leaf to ``[-max, max]`` (``max`` positive).
 
     A complex leaf has its real and imaginary parts clamped separately; NaN stays NaN.
