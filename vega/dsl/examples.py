@@ -23,6 +23,7 @@ PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
     ],
     "a hyperparameter's default is a number, true or false": [
         "optimizer o(lr = a) { p = p }",
+        "optimizer o(lr = 1, b = a) { p = p }",
         "optimizer o(lr = 1 + 2) { p = p }",
     ],
     "an assignment needs a value after '='": [
@@ -64,6 +65,8 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g ** 2\n}\n", "'a ^ b'", 2, 18),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr @ g\n}\n", "unexpected character '@'", 2, 14),
     ("optimizer o(b = 0.5 in [0 1]) {\n  p = p\n}\n", "range", 1, 27),
+    ("optimizer o(lr = 1 in [0, 1), b = abc) {\n  p = p\n}\n",
+     "unexpected 'abc': a hyperparameter's default is a number", 1, 35),
     ("optimizer o(f = true) {\n  if f p = p\n}\n", "braces", 2, 8),
     ("optimizer o() {\n  p - g\n}\n", "a statement is", 2, 5),
     # names
