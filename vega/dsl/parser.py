@@ -26,6 +26,11 @@ def _join(a: Span, b: Span) -> Span:
     return Span(a.line, a.column, b.end_line, b.end_column)
 
 
+def _number(tok: Token) -> float:
+    """A NUMBER or a CONSTANT (inf, nan, pi) token's value."""
+    return ast.CONSTANTS[str(tok)] if tok.type == "CONSTANT" else float(tok)
+
+
 class _Build(Transformer):
     """Builds the AST only; every check happens afterwards (see check.py)."""
 
@@ -42,6 +47,8 @@ class _Build(Transformer):
 
     def name(self, children):
         (tok,) = children
+        if str(tok) in ast.CONSTANTS:  # inf, nan, pi
+            return ast.Num(ast.CONSTANTS[str(tok)], _span(tok))
         return ast.Name(str(tok), _span(tok))
 
     @v_args(meta=True)
@@ -111,16 +118,13 @@ class _Build(Transformer):
 
     # header
     def neg_number(self, children):
-        return -float(children[0]), _span(children[0])
+        return -_number(children[0]), _span(children[0])
 
     def signed(self, children):
-        return float(children[0]), _span(children[0])
+        return _number(children[0]), _span(children[0])
 
     def bound(self, children):
-        (x,) = children
-        if isinstance(x, tuple):
-            return x[0]
-        return float("-inf") if str(x) == "-inf" else float("inf")
+        return children[0][0]
 
     @v_args(meta=True)
     def range(self, meta, children):
