@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from vega import cli
+import vega
+from vega import cli, codegen
 
 
 def run(*args):
@@ -27,7 +28,7 @@ def test_check_good_and_bad(tmp_path):
 
 
 def test_show_list_and_help(capsys):
-    assert cli.main(["show", "adam", "--set", "amsgrad=true"]) == 0
+    assert cli.main(["show", "adam", "--backend", "reference", "--set", "amsgrad=true"]) == 0
     text = capsys.readouterr().out
     assert "def scalars(" in text and "nu_max" in text and "torch.where(" in text
     assert cli.main(["show", "adam", "--backend", "cuda"]) == 1
@@ -42,6 +43,26 @@ def test_show_list_and_help(capsys):
     helptext = capsys.readouterr().out
     for command in ("check", "show", "list", "demo"):
         assert f"vega {command}" in helptext
+    assert "the kernel a step on CPU tensors runs (C where a C compiler is found, else the " \
+        "reference)" in " ".join(helptext.split())
+    with pytest.raises(SystemExit):
+        cli.main(["show", "--help"])
+    assert "(default: the kernel a step on CPU tensors runs, c where a C compiler is found, " \
+        "else reference)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_show_prints_the_kernel_a_cpu_step_runs(capsys, monkeypatch):
+    """By default the C kernel, where there is a C compiler; else the reference."""
+    assert cli.main(["show", "adamw"]) == 0
+    want = vega.builtin("adamw").source(codegen.default_backend("cpu"))
+    assert capsys.readouterr().out == want + "\n"
+    if codegen.c.available():
+        assert want.startswith("/* vega C kernel: adamw")
+    assert cli.main(["show", "adamw", "--backend", "reference"]) == 0
+    assert capsys.readouterr().out.startswith("# adamw: reference kernel")
+    monkeypatch.setattr(codegen.c, "available", lambda: False)
+    assert cli.main(["show", "adamw"]) == 0
+    assert capsys.readouterr().out.startswith("# adamw: reference kernel")
 
 
 def test_demo_runs_and_learns(capsys):
@@ -56,10 +77,10 @@ def test_demo_runs_and_learns(capsys):
 
 def test_show_takes_a_shape(capsys):
     from vega.cli import main
-    assert main(["show", "adafactor", "--shape", "256,128"]) == 0
+    assert main(["show", "adafactor", "--backend", "reference", "--shape", "256,128"]) == 0
     out = capsys.readouterr().out
     assert "def init_v_row" in out and "_reduce(" in out
-    assert main(["show", "adafactor"]) == 0
+    assert main(["show", "adafactor", "--backend", "reference"]) == 0
     assert "def init_v(" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--shape"):
         main(["show", "adafactor", "--shape", "a,b"])
@@ -67,10 +88,11 @@ def test_show_takes_a_shape(capsys):
 
 def test_show_sets_a_float_hyperparameter(capsys):
     from vega.cli import main
-    assert main(["show", "sgd", "--set", "momentum=0.9", "--set", "nesterov=true"]) == 0
+    assert main(["show", "sgd", "--backend", "reference", "--set", "momentum=0.9", "--set",
+                 "nesterov=true"]) == 0
     out = capsys.readouterr().out
     assert "def init_v(" in out and "nesterov=true" in out
-    assert main(["show", "sgd"]) == 0
+    assert main(["show", "sgd", "--backend", "reference"]) == 0
     assert "def init_v(" not in capsys.readouterr().out
     with pytest.raises(SystemExit, match="momentum is a number: write momentum=0.9"):
         main(["show", "sgd", "--set", "momentum=lots"])

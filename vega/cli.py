@@ -13,7 +13,8 @@ Vega: optimizers written as specs, compiled to fused kernels for PyTorch.
 commands:
   vega check FILE...                   compile spec files; print each error, exit 1 on any
   vega show FILE|NAME [--backend B] [--set NAME=V] [--shape N,N]
-                                       print the kernel generated for a spec
+                                       print the kernel a step on CPU tensors runs (C where
+                                       a C compiler is found, else the reference)
   vega list                            the optimizers that ship with vega
   vega demo                            train a small model with vega and torch.optim
   vega bench [--quick] [--no-compile]  time one step against torch.optim and optax
@@ -67,6 +68,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_show(args) -> int:
+    from vega import codegen
     try:
         spec = _load(args.target)
         shape = None
@@ -76,7 +78,8 @@ def cmd_show(args) -> int:
             except ValueError:
                 raise SystemExit(f"vega: --shape {args.shape!r}: write sizes like 512,768") \
                     from None
-        print(spec.source(args.backend, shape, **_parse_flags(args.set, spec.hypers)))
+        backend = args.backend or codegen.default_backend("cpu")
+        print(spec.source(backend, shape, **_parse_flags(args.set, spec.hypers)))
     except (SpecError, FileNotFoundError, ValueError, TypeError) as err:
         print(err, file=sys.stderr)
         return 1
@@ -113,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="compile spec files and report errors")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.set_defaults(fn=cmd_check)
-    p = sub.add_parser("show", help="print the generated kernel of a spec")
+    p = sub.add_parser("show", help="print the kernel a spec compiles to (by default the "
+                       "one a CPU step runs)")
     p.add_argument("target", metavar="FILE|NAME", help="a .vega file or a shipped spec's name")
-    p.add_argument("--backend", default="reference", help="reference (default), c or triton")
+    p.add_argument("--backend", help="reference, c or triton (default: the kernel a step on "
+                   "CPU tensors runs, c where a C compiler is found, else reference)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=V",
                    help="a hyperparameter the program depends on, e.g. --set amsgrad=true, "
                    "--set momentum=0.9 for sgd's momentum buffer (repeatable)")
