@@ -1,4 +1,5 @@
 """The command line: check, show, list, demo."""
+import os
 import subprocess
 import sys
 
@@ -63,6 +64,39 @@ def test_show_prints_the_kernel_a_cpu_step_runs(capsys, monkeypatch):
     monkeypatch.setattr(codegen.c, "available", lambda: False)
     assert cli.main(["show", "adamw"]) == 0
     assert capsys.readouterr().out.startswith("# adamw: reference kernel")
+
+
+def _into_a_closed_pipe(*args):
+    """The command with its output a pipe whose reader has gone, as in ``vega show adamw |
+    head`` once head has read its lines and exited (closed before the command starts,
+    not after a few bytes: a small output would fit in the pipe and never fail)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-m", "vega.cli", *args], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("args", [("show", "adamw"), ("list",), ("demo", "--steps", "2"),
+                                  ("bench", "--quick")], ids=["show", "list", "demo", "bench"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(args):
+    """Each command stops at its first line out (demo and bench print as they go)."""
+    out = _into_a_closed_pipe(*args)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""  # no traceback, no "Exception ignored ... BrokenPipeError"
+
+
+def test_check_into_a_closed_pipe_still_checks_every_file(tmp_path):
+    good = tmp_path / "good.vega"
+    good.write_text("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n}\n")
+    bad = tmp_path / "bad.vega"
+    bad.write_text("optimizer o(lr = 1e-3) {\n  p = p - lr * sqr(g)\n}\n")
+    out = _into_a_closed_pipe("check", str(good), str(good), str(bad))
+    assert out.returncode == 1 and "unknown function 'sqr'" in out.stderr
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
+    assert _into_a_closed_pipe("check", str(good)).returncode == 0
 
 
 def test_demo_runs_and_learns(capsys):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -51,6 +52,27 @@ def _parse_flags(pairs: list[str], hypers=()) -> dict[str, bool | float]:
     return values
 
 
+def _silence(stream) -> None:
+    """Point ``stream`` at the null device: its reader has gone (``vega show adamw |
+    head``), and what is left to write, its buffer included, goes nowhere instead of
+    failing again at exit (Python's "Exception ignored ... BrokenPipeError")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
+
+
+def _say(text, stream=None) -> None:
+    """``print``, except that a reader that has gone silences the stream rather than
+    stopping the command: ``vega check`` checks every file for its exit status."""
+    stream = stream or sys.stdout
+    try:
+        print(text, file=stream)
+    except BrokenPipeError:
+        _silence(stream)
+
+
 def cmd_check(args) -> int:
     import vega
     failed = 0
@@ -58,12 +80,12 @@ def cmd_check(args) -> int:
         try:
             spec = vega.compile_file(path)
         except (SpecError, FileNotFoundError) as err:
-            print(err, file=sys.stderr)
+            _say(err, sys.stderr)
             failed += 1
             continue
         hypers = ", ".join(f"{h.name}={str(h.default).lower() if h.type == 'bool' else h.default}"
                            for h in spec.hypers)
-        print(f"{path}: ok: optimizer {spec.name}({hypers})")
+        _say(f"{path}: ok: optimizer {spec.name}({hypers})")
     return 1 if failed else 0
 
 
@@ -138,10 +160,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to build)")
     p.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    return args.fn(args)
+    status = 0
+    try:
+        if args.command is None:
+            parser.print_help()
+        else:
+            status = args.fn(args)
+        sys.stdout.flush()  # here, where a reader that has gone can be told from a failure
+    except BrokenPipeError:
+        # the reader of the output has gone (vega show adamw | head): what it did not take
+        # was not wanted, so stop quietly: 0, or the status of a command that had finished
+        # (vega check, which goes on checking files, says whether any failed)
+        _silence(sys.stdout)
+        try:
+            sys.stderr.flush()
+        except BrokenPipeError:  # the same pipe (2>&1)
+            _silence(sys.stderr)
+    return status
 
 
 if __name__ == "__main__":
