@@ -1,10 +1,12 @@
 """The command line: check, show, list, demo."""
+import os
 import subprocess
 import sys
 
 import pytest
 
-from vega import cli
+import vega
+from vega import cli, codegen
 
 
 def run(*args):
@@ -27,7 +29,7 @@ def test_check_good_and_bad(tmp_path):
 
 
 def test_show_list_and_help(capsys):
-    assert cli.main(["show", "adam", "--set", "amsgrad=true"]) == 0
+    assert cli.main(["show", "adam", "--backend", "reference", "--set", "amsgrad=true"]) == 0
     text = capsys.readouterr().out
     assert "def scalars(" in text and "nu_max" in text and "torch.where(" in text
     assert cli.main(["show", "adam", "--backend", "cuda"]) == 1
@@ -42,6 +44,59 @@ def test_show_list_and_help(capsys):
     helptext = capsys.readouterr().out
     for command in ("check", "show", "list", "demo"):
         assert f"vega {command}" in helptext
+    assert "the kernel a step on CPU tensors runs (C where a C compiler is found, else the " \
+        "reference)" in " ".join(helptext.split())
+    with pytest.raises(SystemExit):
+        cli.main(["show", "--help"])
+    assert "(default: the kernel a step on CPU tensors runs, c where a C compiler is found, " \
+        "else reference)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_show_prints_the_kernel_a_cpu_step_runs(capsys, monkeypatch):
+    """By default the C kernel, where there is a C compiler; else the reference."""
+    assert cli.main(["show", "adamw"]) == 0
+    want = vega.builtin("adamw").source(codegen.default_backend("cpu"))
+    assert capsys.readouterr().out == want + "\n"
+    if codegen.c.available():
+        assert want.startswith("/* vega C kernel: adamw")
+    assert cli.main(["show", "adamw", "--backend", "reference"]) == 0
+    assert capsys.readouterr().out.startswith("# adamw: reference kernel")
+    monkeypatch.setattr(codegen.c, "available", lambda: False)
+    assert cli.main(["show", "adamw"]) == 0
+    assert capsys.readouterr().out.startswith("# adamw: reference kernel")
+
+
+def _into_a_closed_pipe(*args):
+    """The command with its output a pipe whose reader has gone, as in ``vega show adamw |
+    head`` once head has read its lines and exited (closed before the command starts,
+    not after a few bytes: a small output would fit in the pipe and never fail)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-m", "vega.cli", *args], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("args", [("show", "adamw"), ("list",), ("demo", "--steps", "2"),
+                                  ("bench", "--quick")], ids=["show", "list", "demo", "bench"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(args):
+    """Each command stops at its first line out (demo and bench print as they go)."""
+    out = _into_a_closed_pipe(*args)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""  # no traceback, no "Exception ignored ... BrokenPipeError"
+
+
+def test_check_into_a_closed_pipe_still_checks_every_file(tmp_path):
+    good = tmp_path / "good.vega"
+    good.write_text("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n}\n")
+    bad = tmp_path / "bad.vega"
+    bad.write_text("optimizer o(lr = 1e-3) {\n  p = p - lr * sqr(g)\n}\n")
+    out = _into_a_closed_pipe("check", str(good), str(good), str(bad))
+    assert out.returncode == 1 and "unknown function 'sqr'" in out.stderr
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
+    assert _into_a_closed_pipe("check", str(good)).returncode == 0
 
 
 def test_demo_runs_and_learns(capsys):
@@ -56,10 +111,10 @@ def test_demo_runs_and_learns(capsys):
 
 def test_show_takes_a_shape(capsys):
     from vega.cli import main
-    assert main(["show", "adafactor", "--shape", "256,128"]) == 0
+    assert main(["show", "adafactor", "--backend", "reference", "--shape", "256,128"]) == 0
     out = capsys.readouterr().out
     assert "def init_v_row" in out and "_reduce(" in out
-    assert main(["show", "adafactor"]) == 0
+    assert main(["show", "adafactor", "--backend", "reference"]) == 0
     assert "def init_v(" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--shape"):
         main(["show", "adafactor", "--shape", "a,b"])
@@ -67,10 +122,11 @@ def test_show_takes_a_shape(capsys):
 
 def test_show_sets_a_float_hyperparameter(capsys):
     from vega.cli import main
-    assert main(["show", "sgd", "--set", "momentum=0.9", "--set", "nesterov=true"]) == 0
+    assert main(["show", "sgd", "--backend", "reference", "--set", "momentum=0.9", "--set",
+                 "nesterov=true"]) == 0
     out = capsys.readouterr().out
     assert "def init_v(" in out and "nesterov=true" in out
-    assert main(["show", "sgd"]) == 0
+    assert main(["show", "sgd", "--backend", "reference"]) == 0
     assert "def init_v(" not in capsys.readouterr().out
     with pytest.raises(SystemExit, match="momentum is a number: write momentum=0.9"):
         main(["show", "sgd", "--set", "momentum=lots"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,8 @@ Vega: optimizers written as specs, compiled to fused kernels for PyTorch.
 commands:
   vega check FILE...                   compile spec files; print each error, exit 1 on any
   vega show FILE|NAME [--backend B] [--set NAME=V] [--shape N,N]
-                                       print the kernel generated for a spec
+                                       print the kernel a step on CPU tensors runs (C where
+                                       a C compiler is found, else the reference)
   vega list                            the optimizers that ship with vega
   vega demo                            train a small model with vega and torch.optim
   vega bench [--quick] [--no-compile]  time one step against torch.optim and optax
@@ -50,6 +52,27 @@ def _parse_flags(pairs: list[str], hypers=()) -> dict[str, bool | float]:
     return values
 
 
+def _silence(stream) -> None:
+    """Point ``stream`` at the null device: its reader has gone (``vega show adamw |
+    head``), and what is left to write, its buffer included, goes nowhere instead of
+    failing again at exit (Python's "Exception ignored ... BrokenPipeError")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
+
+
+def _say(text, stream=None) -> None:
+    """``print``, except that a reader that has gone silences the stream rather than
+    stopping the command: ``vega check`` checks every file for its exit status."""
+    stream = stream or sys.stdout
+    try:
+        print(text, file=stream)
+    except BrokenPipeError:
+        _silence(stream)
+
+
 def cmd_check(args) -> int:
     import vega
     failed = 0
@@ -57,16 +80,17 @@ def cmd_check(args) -> int:
         try:
             spec = vega.compile_file(path)
         except (SpecError, FileNotFoundError) as err:
-            print(err, file=sys.stderr)
+            _say(err, sys.stderr)
             failed += 1
             continue
         hypers = ", ".join(f"{h.name}={str(h.default).lower() if h.type == 'bool' else h.default}"
                            for h in spec.hypers)
-        print(f"{path}: ok: optimizer {spec.name}({hypers})")
+        _say(f"{path}: ok: optimizer {spec.name}({hypers})")
     return 1 if failed else 0
 
 
 def cmd_show(args) -> int:
+    from vega import codegen
     try:
         spec = _load(args.target)
         shape = None
@@ -76,7 +100,8 @@ def cmd_show(args) -> int:
             except ValueError:
                 raise SystemExit(f"vega: --shape {args.shape!r}: write sizes like 512,768") \
                     from None
-        print(spec.source(args.backend, shape, **_parse_flags(args.set, spec.hypers)))
+        backend = args.backend or codegen.default_backend("cpu")
+        print(spec.source(backend, shape, **_parse_flags(args.set, spec.hypers)))
     except (SpecError, FileNotFoundError, ValueError, TypeError) as err:
         print(err, file=sys.stderr)
         return 1
@@ -113,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="compile spec files and report errors")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.set_defaults(fn=cmd_check)
-    p = sub.add_parser("show", help="print the generated kernel of a spec")
+    p = sub.add_parser("show", help="print the kernel a spec compiles to (by default the "
+                       "one a CPU step runs)")
     p.add_argument("target", metavar="FILE|NAME", help="a .vega file or a shipped spec's name")
-    p.add_argument("--backend", default="reference", help="reference (default), c or triton")
+    p.add_argument("--backend", help="reference, c or triton (default: the kernel a step on "
+                   "CPU tensors runs, c where a C compiler is found, else reference)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=V",
                    help="a hyperparameter the program depends on, e.g. --set amsgrad=true, "
                    "--set momentum=0.9 for sgd's momentum buffer (repeatable)")
@@ -133,10 +160,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to build)")
     p.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    return args.fn(args)
+    status = 0
+    try:
+        if args.command is None:
+            parser.print_help()
+        else:
+            status = args.fn(args)
+        sys.stdout.flush()  # here, where a reader that has gone can be told from a failure
+    except BrokenPipeError:
+        # the reader of the output has gone (vega show adamw | head): what it did not take
+        # was not wanted, so stop quietly: 0, or the status of a command that had finished
+        # (vega check, which goes on checking files, says whether any failed)
+        _silence(sys.stdout)
+        try:
+            sys.stderr.flush()
+        except BrokenPipeError:  # the same pipe (2>&1)
+            _silence(sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """The C backend against the reference, over every shipped spec, shape and dtype."""
+import math
 import multiprocessing
 import os
 import subprocess
@@ -815,6 +816,54 @@ def test_a_literal_beyond_float32_is_inf_in_float32():
     for backend in ("reference", "c"):
         out = spec.step(wide, {"w": grads["w"].double()}, spec.init(wide), backend=backend)
         assert out[0]["w"].tolist() == [1e39, 1e39]
+
+
+NAMED_NUMBERS = """optimizer named(lr = 1.0, cap = inf, floor = -inf, k = pi in [-pi, pi]) {
+    state a = zeros
+    state b = zeros
+    state c = zeros
+    state d = zeros
+    state e = zeros
+    a = min(g, inf) + max(g, floor) - min(g, cap)
+    b = where(g > 0, inf, -inf)
+    c = where(g > 0, nan, g * 0 + pi)
+    d = k * lr * g
+    e = pi
+    p = p - lr * pi * g
+}"""
+
+
+def named_numbers_expected(p, g):
+    """What NAMED_NUMBERS computes, in torch with Python's math constants."""
+    pi, inf = torch.full_like(g, math.pi), torch.full_like(g, math.inf)
+    return {"p": p - (1.0 * math.pi) * g, "a": g, "c": torch.where(g > 0, math.nan, pi),
+            "b": torch.where(g > 0, inf, -inf), "d": (math.pi * 1.0) * g, "e": pi}
+
+
+def test_inf_nan_and_pi_are_numbers_on_every_backend():
+    """inf, nan and pi in expressions, defaults and ranges: in float64 exactly Python's
+    math.inf, math.nan and math.pi, on the reference and in C; in float32 both round pi
+    alike."""
+    spec = vega.compile(NAMED_NUMBERS)
+    assert [h.default for h in spec.hypers[1:]] == [math.inf, -math.inf, math.pi]
+    for dtype in (torch.float64, torch.float32):
+        params = {"w": torch.tensor([2.0, -3.0, 1.0, -0.5], dtype=dtype)}
+        grads = {"w": torch.tensor([1.0, -1.0, 0.25, -2.0], dtype=dtype)}
+        outs = {}
+        for backend in ("reference", "c"):
+            new_p, new_s = spec.step(params, grads, spec.init(params), backend=backend)
+            outs[backend] = {"p": new_p["w"], **{k: v["w"] for k, v in new_s.items()
+                                                 if k != "step"}}
+        want = named_numbers_expected(params["w"], grads["w"])
+        for name, ref in outs["reference"].items():
+            got = outs["c"][name]
+            torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m: f"{dtype} {name}: {m}")
+            if dtype == torch.float64:
+                torch.testing.assert_close(ref, want[name], rtol=0, atol=0, equal_nan=True,
+                                           msg=lambda m: f"{name}: {m}")
+        assert outs["c"]["e"].tolist() == [torch.tensor(math.pi, dtype=dtype).item()] * 4
+    assert outs["c"]["e"].dtype == torch.float32
 
 
 EQUAL_VALUES = """optimizer zeros(a = 0.0, b = 0.0) {

@@ -8,6 +8,7 @@ the environment). On a machine with CUDA it leaves the variable alone and runs
 on the GPU. The interpreter runs every program in Python, about a millisecond
 each: tensors are small and blocks large.
 """
+import math
 import os
 import re
 
@@ -444,6 +445,25 @@ def test_sign_keeps_nan_and_signed_zeros():
     got = spec.step(params, grads, spec.init(params), backend="triton")[0]["x"]
     ref = spec.step(params, grads, spec.init(params), backend="reference")[0]["x"]
     assert_same(got, ref, "sign")
+
+
+def test_inf_nan_and_pi_are_numbers():
+    """Triton's float("inf"), float("nan") and pi's digits: the reference's values, and in
+    float64 Python's."""
+    from .test_c import NAMED_NUMBERS, named_numbers_expected
+    spec = vega.compile(NAMED_NUMBERS)
+    for dtype in (torch.float64, torch.float32):
+        params = {"w": torch.tensor([2.0, -3.0, 1.0, -0.5], dtype=dtype, device=DEVICE)}
+        grads = {"w": torch.tensor([1.0, -1.0, 0.25, -2.0], dtype=dtype, device=DEVICE)}
+        ref = spec.step(params, grads, spec.init(params), backend="reference")
+        tri = spec.step(params, grads, spec.init(params), backend="triton")
+        want = named_numbers_expected(params["w"], grads["w"])
+        for (name, x), (_, y) in zip(leaves(*tri), leaves(*ref)):
+            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m: f"{dtype} {name}: {m}")
+        if dtype == torch.float64:
+            assert tri[1]["e"]["w"].tolist() == [math.pi] * 4
+            torch.testing.assert_close(tri[0]["w"], want["p"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("f", [False, True])

@@ -144,6 +144,72 @@ def test_python_keywords_as_names():
     assert torch.equal(new, torch.full((3,), 0.5))
 
 
+NAMED = [("inf", math.inf), ("-inf", -math.inf), ("nan", math.nan), ("pi", math.pi),
+         ("-pi", -math.pi), ("2 * pi", 2 * math.pi), ("pi / 2", math.pi / 2),
+         ("inf - inf", math.nan), ("min(pi, inf)", math.pi), ("-inf < pi", True)]
+
+
+@pytest.mark.parametrize("text,value", NAMED, ids=[t for t, _ in NAMED])
+def test_inf_nan_and_pi_are_numbers_in_expressions(text, value):
+    """Each a literal that folds like any number (where a name would be undefined)."""
+    if isinstance(value, bool):  # where(x, g, p) with x known: g or p
+        node = _updates(_program(f"optimizer o() {{\n    x = {text}\n"
+                                 "    p = where(x, g, p)\n}"))["p"]
+        assert node.op is (Op.GRAD if value else Op.PARAM)
+        return
+    node = _updates(_program(f"optimizer o() {{\n    x = {text}\n"
+                             "    p = where(g > 0, x, p)\n}"))["p"]
+    got = node.src[1].arg
+    assert got == value or (math.isnan(value) and math.isnan(got)), (text, got)
+
+
+def test_inf_nan_and_pi_in_defaults_and_ranges():
+    spec = vega.compile("""optimizer o(cap = inf, low = -inf, k = pi in [-pi, pi],
+                                      b = 0.5 in (-inf, pi)) {
+        p = p - b * max(min(g, cap), low) * k
+    }""")
+    assert [h.default for h in spec.hypers] == [math.inf, -math.inf, math.pi, 0.5]
+    k, b = spec.hypers[2].range, spec.hypers[3].range
+    assert str(k) == "[-pi, pi]" and str(b) == "(-inf, pi)"
+    assert k.contains(math.pi) and k.contains(-math.pi) and not k.contains(3.1416)
+    p = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"k=3\.2 is outside its range \[-pi, pi\]"):
+        spec.step(p, p, spec.init(p), k=3.2)
+
+
+def test_pi_is_exact_in_a_float64_step():
+    """pi, as a literal and as a default, is Python's math.pi to the last bit."""
+    spec = vega.compile("optimizer o(k = pi) {\n    state s = zeros\n    s = p * 0 + k\n"
+                        "    p = p * 0 + pi\n}")
+    p = {"w": torch.tensor([1.0, -2.0], dtype=torch.float64)}
+    new_p, new_s = spec.step(p, p, spec.init(p), backend="reference")
+    assert new_p["w"].tolist() == [math.pi] * 2 and new_s["s"]["w"].tolist() == [math.pi] * 2
+
+
+def test_names_that_begin_like_a_constant_are_names():
+    spec = vega.compile("""optimizer o(inflation = 2.0, pie = 0.5, nan_ok = true) {
+        info = g * inflation
+        pi2 = info * pie
+        p = p - where(nan_ok, pi2, 0)
+    }""")
+    p = torch.ones(2)
+    assert spec.step(p, p, spec.init(p))[0].tolist() == [0.0, 0.0]
+
+
+def test_a_condition_on_a_hyperparameter_against_inf():
+    """inf in the condition of an if on a float hyperparameter's value."""
+    spec = vega.compile("""optimizer clipped(lr = 1.0, clip = inf in [0, inf]) {
+        if clip < inf {
+            p = p - lr * min(g, clip)
+        } else {
+            p = p - lr * g
+        }
+    }""")
+    p, g = torch.zeros(2), torch.tensor([3.0, 0.5])
+    assert spec.step(p, g, spec.init(p))[0].tolist() == [-3.0, -0.5]
+    assert spec.step(p, g, spec.init(p), clip=1.0)[0].tolist() == [-1.0, -0.5]
+
+
 def test_unknown_flag_and_bad_values():
     with pytest.raises(TypeError, match="unexpected hyperparameter 'amsgard'.*'amsgrad'"):
         vega.adam.program(amsgard=True)

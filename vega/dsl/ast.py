@@ -1,9 +1,14 @@
 """The syntax tree of a spec. Every node carries the span of its source text."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from vega.errors import Span
+
+# the numbers a spec may write by name, in expressions, defaults and range bounds; their
+# names are reserved (no hyperparameter, state or value may take one)
+CONSTANTS = {"inf": math.inf, "nan": math.nan, "pi": math.pi}
 
 
 @dataclass(frozen=True)
@@ -94,8 +99,11 @@ class Range:
         return above and below
 
     def __str__(self) -> str:
-        def fmt(v):
-            return "inf" if v == float("inf") else "-inf" if v == float("-inf") else f"{v:g}"
+        def fmt(v):  # inf and pi as written (3.14159 would hide that the bound is exact)
+            for name in ("inf", "pi"):
+                if abs(v) == CONSTANTS[name]:
+                    return name if v > 0 else "-" + name
+            return f"{v:g}"
         return (f"{'[' if self.lo_closed else '('}{fmt(self.lo)}, "
                 f"{fmt(self.hi)}{']' if self.hi_closed else ')'}")
 

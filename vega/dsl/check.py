@@ -99,10 +99,17 @@ class _Walker:
             if h.type == "float" and isinstance(h.default, bool):
                 raise SpecError(f"float hyperparameter '{h.name}' needs a numeric default, "
                                 f"not {str(h.default).lower()}", h.default_span)
+            if h.type == "float" and h.default != h.default:
+                raise SpecError(f"the default of '{h.name}' cannot be nan: a hyperparameter "
+                                "that is not a number is refused at every step",
+                                h.default_span)
             if h.range is not None:
                 r = h.range
                 if h.type == "bool":
                     raise SpecError(f"bool hyperparameter '{h.name}' cannot have a range", r.span)
+                if r.lo != r.lo or r.hi != r.hi:
+                    raise SpecError(f"the range {r} of '{h.name}' has a nan bound; an open "
+                                    "end is written -inf or inf", r.span)
                 if r.lo > r.hi or (r.lo == r.hi and not (r.lo_closed and r.hi_closed)):
                     raise SpecError(f"the range {r} of '{h.name}' is empty", r.span)
                 if not r.contains(h.default):
@@ -123,6 +130,8 @@ class _Walker:
             return "a function"
         if name in INIT_NAMES:
             return "a state initializer"
+        if name in ast.CONSTANTS:
+            return "a number (inf, nan and pi are reserved names)"
         return None
 
     # -- body ---------------------------------------------------------------
@@ -302,6 +311,9 @@ class _Walker:
                                     e.span)
                 if e.id in FUNCTIONS:
                     raise SpecError(f"'{e.id}' is a function; call it as {e.id}(...)", e.span)
+                if e.id.lower() in ast.CONSTANTS:  # Inf, NaN, PI
+                    raise SpecError(f"undefined name '{e.id}' (did you mean "
+                                    f"'{e.id.lower()}'?)", e.span)
                 raise SpecError(f"undefined name '{e.id}'{_suggest(e.id, env)}", e.span)
             if b.only_if is not None:
                 raise SpecError(f"'{e.id}' is assigned only in one branch of the if on line "

@@ -21,8 +21,9 @@ PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
     "hyperparameters are separated by commas": [
         "optimizer o(lr = 1 b = 2) { p = p }",
     ],
-    "a hyperparameter's default is a number, true or false": [
+    "a hyperparameter's default is a number, true, false, inf, nan or pi": [
         "optimizer o(lr = a) { p = p }",
+        "optimizer o(lr = 1, b = a) { p = p }",
         "optimizer o(lr = 1 + 2) { p = p }",
     ],
     "an assignment needs a value after '='": [
@@ -45,6 +46,10 @@ PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
         "optimizer o(b = 0.5 in 0, 1) { p = p }",
         "optimizer o(b = 0.5 in [0 1]) { p = p }",
     ],
+    "a range's bounds are numbers, inf, -inf or pi": [
+        "optimizer o(b = 0.5 in [a, 1]) { p = p }",
+        "optimizer o(b = 0.5 in [0, a]) { p = p }",
+    ],
     "an if's body goes in braces: if cond { ... }": [
         "optimizer o(f = true) { if f p = p }",
         "optimizer o(f = true) { if (f) p = p }",
@@ -64,6 +69,8 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g ** 2\n}\n", "'a ^ b'", 2, 18),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr @ g\n}\n", "unexpected character '@'", 2, 14),
     ("optimizer o(b = 0.5 in [0 1]) {\n  p = p\n}\n", "range", 1, 27),
+    ("optimizer o(lr = 1 in [0, 1), b = abc) {\n  p = p\n}\n",
+     "unexpected 'abc': a hyperparameter's default is a number", 1, 35),
     ("optimizer o(f = true) {\n  if f p = p\n}\n", "braces", 2, 8),
     ("optimizer o() {\n  p - g\n}\n", "a statement is", 2, 5),
     # names
@@ -87,6 +94,15 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "initial value may use only p", 2, 13),
     ("optimizer o(lr = 1e-3) {\n  m = zeros\n  p = p - lr * m\n}\n",
      "may only start a state", 2, 7),
+    ("optimizer o(inf = 1) {\n  p = p\n}\n",
+     "'inf' cannot name a hyperparameter: it is a number (inf, nan and pi are reserved "
+     "names)", 1, 13),
+    ("optimizer o(lr = 1e-3) {\n  state pi = zeros\n  p = p - lr * g\n}\n",
+     "cannot declare a state 'pi': it is a number", 2, 9),
+    ("optimizer o(lr = 1e-3) {\n  nan = g != g\n  p = p - lr * g\n}\n",
+     "cannot assign 'nan': it is a number", 2, 3),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g * PI\n}\n",
+     "undefined name 'PI' (did you mean 'pi'?)", 2, 20),
     # functions
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * sqr(g)\n}\n",
      "unknown function 'sqr' (did you mean 'sqrt'?)", 2, 16),
@@ -113,6 +129,14 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(x: float = true) {\n  p = p\n}\n", "needs a numeric default", 1, 24),
     ("optimizer o(b1 = 1.5 in [0, 1)) {\n  p = p\n}\n", "outside its range [0, 1)", 1, 18),
     ("optimizer o(b1 = 0.5 in [1, 0]) {\n  p = p\n}\n", "is empty", 1, 25),
+    ("optimizer o(lr = nan) {\n  p = p\n}\n", "the default of 'lr' cannot be nan", 1, 18),
+    ("optimizer o(lr = 1 in [0, nan]) {\n  p = p\n}\n",
+     "the range [0, nan] of 'lr' has a nan bound", 1, 23),
+    ("optimizer o(lr = pie) {\n  p = p\n}\n",
+     "unexpected 'pie': a hyperparameter's default is a number, true, false, inf, nan or pi",
+     1, 18),
+    ("optimizer o(lr = 1 in [0, Inf)) {\n  p = p\n}\n",
+     "unexpected 'Inf': a range's bounds are numbers, inf, -inf or pi", 1, 27),
     # flow
     ("optimizer o(lr = 1e-3) {\n  state m = zeros\n  m = m + g\n}\n", "never assigns p", 1, 11),
     ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    d = g\n  }\n  p = p - lr * d\n}\n",

@@ -26,6 +26,11 @@ def _join(a: Span, b: Span) -> Span:
     return Span(a.line, a.column, b.end_line, b.end_column)
 
 
+def _number(tok: Token) -> float:
+    """A NUMBER or a CONSTANT (inf, nan, pi) token's value."""
+    return ast.CONSTANTS[str(tok)] if tok.type == "CONSTANT" else float(tok)
+
+
 class _Build(Transformer):
     """Builds the AST only; every check happens afterwards (see check.py)."""
 
@@ -42,6 +47,8 @@ class _Build(Transformer):
 
     def name(self, children):
         (tok,) = children
+        if str(tok) in ast.CONSTANTS:  # inf, nan, pi
+            return ast.Num(ast.CONSTANTS[str(tok)], _span(tok))
         return ast.Name(str(tok), _span(tok))
 
     @v_args(meta=True)
@@ -111,16 +118,13 @@ class _Build(Transformer):
 
     # header
     def neg_number(self, children):
-        return -float(children[0]), _span(children[0])
+        return -_number(children[0]), _span(children[0])
 
     def signed(self, children):
-        return float(children[0]), _span(children[0])
+        return _number(children[0]), _span(children[0])
 
     def bound(self, children):
-        (x,) = children
-        if isinstance(x, tuple):
-            return x[0]
-        return float("-inf") if str(x) == "-inf" else float("inf")
+        return children[0][0]
 
     @v_args(meta=True)
     def range(self, meta, children):
@@ -191,7 +195,42 @@ def _describe_unexpected(err: lark.exceptions.UnexpectedInput) -> str:
     return f"unexpected {str(tok)!r}"
 
 
-_PAIRS = {")": "(", "}": "{", "]": "["}
+@cache
+def _example_errors() -> tuple[tuple[str, lark.exceptions.UnexpectedInput], ...]:
+    out = []
+    for label, examples in PARSE_ERROR_EXAMPLES.items():
+        for text in examples:
+            try:
+                _parser().parse(text)
+            except lark.exceptions.UnexpectedInput as err:
+                out.append((label, err))
+    return tuple(out)
+
+
+def _label(err: lark.exceptions.UnexpectedInput) -> str | None:
+    """The label of the example mistake that fails as ``err`` does: one in the same parser
+    state expecting the same tokens, at the same token if any, else at a token of its
+    type (``lr = pie`` as ``lr = a``), else the first. lark's ``match_examples`` does
+    this, but lark 1.3 raises TypeError (formatting a debug message) when two errors
+    share a state and not their expected tokens."""
+    found = typed = None
+    for label, ex in _example_errors():
+        tokens = all(isinstance(e, lark.exceptions.UnexpectedToken) for e in (ex, err))
+        if ex.state != err.state or (tokens and ex.accepts != err.accepts):
+            continue
+        token, ex_token = getattr(err, "token", None), getattr(ex, "token", None)
+        if token is not None and ex_token is not None:
+            if token == ex_token:
+                return label
+            if typed is None and token.type == ex_token.type:
+                typed = label
+        found = found or label
+    return typed or found
+
+
+# what each closing bracket may close: a range is half-open as well as closed, so ']'
+# and ')' close '[' and '(' alike ([0, inf) is balanced)
+_PAIRS = {")": "([", "}": "{", "]": "(["}
 
 
 def _unbalanced(source: str) -> SpecError | None:
@@ -203,11 +242,12 @@ def _unbalanced(source: str) -> SpecError | None:
                 stack.append((ch, lineno, col))
             elif ch in _PAIRS:
                 opened = [o for o, _, _ in stack]
-                if stack and stack[-1][0] != _PAIRS[ch] and _PAIRS[ch] in opened:
+                if stack and stack[-1][0] not in _PAIRS[ch] \
+                        and any(o in _PAIRS[ch] for o in opened):
                     open_ch, open_line, open_col = stack[-1]
                     return SpecError(f"unbalanced brackets: '{open_ch}' is never closed",
                                      Span(open_line, open_col, open_line, open_col + 1))
-                if not stack or stack[-1][0] != _PAIRS[ch]:
+                if not stack or stack[-1][0] not in _PAIRS[ch]:
                     return SpecError(f"unbalanced brackets: '{ch}' closes nothing",
                                      Span(lineno, col, lineno, col + 1))
                 stack.pop()
@@ -232,7 +272,7 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
                 raise SpecError("Vega writes powers as 'a ^ b', not 'a ** b'",
                                 Span(err.line, err.column - 1, err.line, err.column + 1),
                                 source, filename) from None
-        label = err.match_examples(_parser().parse, PARSE_ERROR_EXAMPLES, use_accepts=True)
+        label = _label(err)
         what = _describe_unexpected(err)
         message = f"{what}: {label}" if label else what
         line, col = err.line, err.column
