@@ -54,8 +54,8 @@ def hyper_values(spec):
     return out
 
 
-def assert_close(a, b, dtype, what):
-    rtol, atol = TOL[dtype]
+def assert_close(a, b, dtype, what, tol=None):
+    rtol, atol = (tol or TOL)[dtype]
     scale = b.double().abs().max().item() if b.numel() else 0.0
     torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol * max(1.0, scale),
                                equal_nan=True, msg=lambda m: f"{what}: {m}")
@@ -68,6 +68,11 @@ def test_matches_reference_20_steps(name, flags, dtype):
 
 
 LONG = (16383, 16384, 16387, 40001, 65539)  # about SPLIT_MIN, on one thread and on two
+# A per-tensor reduction (adafactor's update RMS, lamb's norms) over tens of thousands of
+# float64 terms, summed in another order than torch's, differs from it by up to about
+# n * eps relative: on some x86 machines (other vector widths under -march=native) that
+# reaches 6e-14 on parameters of magnitude 5, past TOL's absolute 1e-14 per unit of scale.
+LONG_TOL = {**TOL, torch.float64: (1e-12, 1e-13)}
 
 
 # the programs of element loops (adafactor's factored setting runs loops of its own)
@@ -87,7 +92,7 @@ def test_long_tensors_read_in_quarters_match_reference(name, flags, dtype):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        _against_reference(name, flags, dtype, params, 5)
+        _against_reference(name, flags, dtype, params, 5, tol=LONG_TOL)
     finally:
         torch.set_num_threads(threads)
 
@@ -112,7 +117,7 @@ def test_many_small_tensors_on_two_threads_match_reference(name, flags, dtype):
         torch.set_num_threads(threads)
 
 
-def _against_reference(name, flags, dtype, params, steps, donate=False):
+def _against_reference(name, flags, dtype, params, steps, donate=False, tol=None):
     spec = vega.builtin(name)
     hypers = {**hyper_values(spec), **flags}
     ref_p, ref_s = params, spec.init(params, **hypers)
@@ -124,12 +129,12 @@ def _against_reference(name, flags, dtype, params, steps, donate=False):
         c_p, c_s = spec.step(c_p, grads, c_s, backend="c", donate=donate, **hypers)
         for k in params:
             assert c_p[k].dtype == dtype and c_p[k].shape == params[k].shape
-            assert_close(c_p[k], ref_p[k], dtype, f"{name} step {step} p.{k}")
+            assert_close(c_p[k], ref_p[k], dtype, f"{name} step {step} p.{k}", tol)
             for field in ref_s:
                 if field != "step" and ref_s[field][k] is None:  # (adafactor: not factored)
                     assert c_s[field][k] is None
                 elif field != "step":
-                    assert_close(c_s[field][k], ref_s[field][k], dtype, f"{field}.{k}")
+                    assert_close(c_s[field][k], ref_s[field][k], dtype, f"{field}.{k}", tol)
         assert torch.equal(c_s["step"], ref_s["step"])
 
 
