@@ -45,6 +45,12 @@ SHAPE_QUERIES = {"ndim": "its number of axes", "nrows": "the length of its row a
 STATE_SHAPES = {None: "rc", "rows": "r", "cols": "c"}
 BUILTINS = {"p": "the parameter", "g": "the gradient", "t": "the update's index (1, 2, ...)"}
 INIT_NAMES = {"zeros": 0.0, "ones": 1.0}
+# the keyword arguments of init, step and the optimizer classes beside the hyperparameters,
+# and the names a param group already holds: a hyperparameter of one of these names would
+# be taken for the other
+API_NAMES = ("params", "grads", "state", "self", "backend", "donate", "max_grad_norm",
+             "loss_scale", "skip_nonfinite", "state_dtype")
+STEP_COUNTER = "step"  # a state dict's step counter
 BINARY = {"+": Op.ADD, "-": Op.SUB, "*": Op.MUL, "/": Op.DIV, "^": Op.POW, "<": Op.LT,
           "<=": Op.LE, ">": Op.GT, ">=": Op.GE, "==": Op.EQ, "!=": Op.NE, "and": Op.AND,
           "or": Op.OR}
@@ -88,7 +94,9 @@ class _Walker:
             if h.name in seen:
                 raise SpecError(f"hyperparameter '{h.name}' is already declared on line "
                                 f"{seen[h.name].line}", h.span)
-            reserved = self._reserved(h.name)
+            reserved = self._reserved(h.name) or (
+                "a keyword of vega's steps and optimizer classes" if h.name in API_NAMES
+                else None)
             if reserved:
                 raise SpecError(f"'{h.name}' cannot name a hyperparameter: it is {reserved}",
                                 h.span)
@@ -170,6 +178,9 @@ class _Walker:
         env = dict(env)
         if isinstance(s, ast.StateDecl):
             self._check_new_name(s.name, s.name_span, env, "declare a state")
+            if s.name == STEP_COUNTER:
+                raise SpecError("cannot declare state 'step': it is the step counter every "
+                                "state holds", s.name_span)
             if s.name in self.declared:
                 raise SpecError(f"state '{s.name}' is already declared on line "
                                 f"{self.declared[s.name].line}", s.name_span)
