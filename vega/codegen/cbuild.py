@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -73,9 +74,71 @@ def available() -> bool:
     return False
 
 
-def key_of(source: str) -> str:
+# the arguments of the compiler proper (gcc's cc1, clang's -cc1) that say which CPU it builds for
+_TARGET_ARGS = ("--param", "-target-cpu", "-target-feature", "-tune-cpu", "-triple")
+
+
+def _native_target(verbose: str) -> str | None:
+    """What ``-march=native`` resolved to, from ``cc -march=native -E -v``'s report of how it
+    ran the compiler proper: gcc's cc1 line (``-march=skylake-avx512 -mavx2 -mno-sse4a ...
+    --param l1-cache-size=32 ...``) or clang's -cc1 line (``-target-cpu ... -target-feature
+    +avx2 ...``), its other words (file names, directories) left out; None if neither is there."""
+    for line in verbose.splitlines():
+        words = [w.strip('"') for w in line.split()]  # clang quotes each word
+        cpu = [w for w in words if w.startswith("-march=")] or \
+            [b for a, b in zip(words, words[1:]) if a == "-target-cpu"]
+        if not cpu or cpu[0] in ("-march=native", "native"):
+            continue
+        kept = [f"{a} {b}" if a in _TARGET_ARGS else a for a, b in zip(words, words[1:] + [""])
+                if a in _TARGET_ARGS or a.startswith("-m")]
+        return " ".join(kept)
+    return None
+
+
+def _cpuinfo() -> str:
+    """The CPU in /proc/cpuinfo's words (model and feature flags), or the platform's."""
+    fields = ("vendor_id", "cpu family", "model", "model name", "flags", "Features",
+              "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in fields and name not in found:
+                    found[name] = value.strip()
+    except OSError:
+        pass
+    described = "; ".join(f"{k}: {found[k]}" for k in fields if k in found)
+    return f"cpuinfo {platform.machine()} {described or platform.processor()}"
+
+
+@cache
+def target_cpu() -> str:
+    """The CPU the kernels are built for: what ``-march=native`` means on this machine, asked
+    of the compiler once per process (one preprocessor run, some 20-100 ms), or /proc/cpuinfo's
+    model and flags where the compiler will not say. Part of the cache key, so that a cache
+    shared between machines (a network home, a container image) never hands one CPU's kernel
+    to another, where an instruction it lacks would kill the process (SIGILL)."""
     cc = compiler()
-    text = "\0".join([source, cc[1] if cc else "", *FLAGS])
+    if cc is not None:
+        try:
+            proc = subprocess.run([cc[0], "-march=native", "-E", "-v", "-x", "c", "-"],
+                                  capture_output=True, text=True, timeout=60,
+                                  stdin=subprocess.DEVNULL)
+            found = _native_target(proc.stderr) if proc.returncode == 0 else None
+            if found:
+                return found
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return _cpuinfo()
+
+
+def key_of(source: str) -> str:
+    """The cache key of ``source``: a hash of it, the compiler's version, the flags and the
+    target CPU."""
+    cc = compiler()
+    text = "\0".join([source, cc[1] if cc else "", *FLAGS, target_cpu()])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
