@@ -1,28 +1,55 @@
 """The C toolchain: compile a kernel's source to a shared library, cached on disk.
 
 The cache lives in ``$VEGA_CACHE_DIR`` (default ``~/.cache/vega``), one
-``<key>.so`` per kernel, the key a hash of the source, the compiler's version
-and the flags. Libraries are written to a temporary name and renamed into
+``<key>.so`` per kernel in its ``c/`` directory, the key a hash of the source,
+the compiler's version, the flags and the CPU ``-march=native`` builds for
+(``target_cpu``). Libraries are written to a temporary name and renamed into
 place, so two processes compiling the same kernel at once both succeed; a
 library that does not load, or does not report its own key, is rebuilt.
+
+Loading a library runs its code, so the cache is trusted only as far as it is
+this user's own (``safe_dir``, ``untrusted``):
+
+- the cache directory and its ``c/`` (or ``native/``) are created owner-only
+  (0o700), and are used only if they are owned by this user and not writable by
+  group or others; where one is not, this process builds into a private
+  directory of its own (``tempfile.mkdtemp``, removed at exit) instead;
+- a library is loaded only if it is a regular file (not a link) owned by this
+  user, not writable by group or others, and its SHA-256 is the one its build
+  recorded beside it (``sha256-<name>``, written with it under the directory's
+  lock, so that a reader sees a library and the hash of the same build); this
+  is checked before it is opened, since opening runs its constructors;
+- any other library is rebuilt, with one warning per process (``warn_once``).
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
 import warnings
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: installs there are not locked
+    fcntl = None
 
 from vega.errors import VegaError
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
          "-fno-math-errno", "-ffp-contract=off", "-fno-strict-aliasing")
+# in the keys: a cache written before libraries had their hashes recorded is not looked at
+# (each of its libraries would only be rebuilt, with a warning)
+FORMAT = "sha256-recorded"
 _lock = threading.Lock()
 
 
@@ -31,9 +58,161 @@ class CompilerError(VegaError):
 
 
 def cache_dir() -> Path:
+    """Where the kernels are cached (``safe_dir`` says whether they may be)."""
     root = os.environ.get("VEGA_CACHE_DIR")
     path = Path(root) if root else Path.home() / ".cache" / "vega"
     return path / "c"
+
+
+_cache_warned = False
+
+
+def warn_once(message: str) -> None:
+    """Warn of a cache that cannot be trusted, once per process (not once per kernel)."""
+    global _cache_warned
+    if not _cache_warned:
+        _cache_warned = True
+        warnings.warn(f"{message} (further such problems in this process are not reported)",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _unsafe(st: os.stat_result) -> str | None:
+    """What makes a file or directory with this status untrustworthy, or None."""
+    if st.st_uid != os.geteuid():
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = " and ".join(w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH))
+                           if st.st_mode & bit)
+        return f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):#o})"
+    return None
+
+
+def _private(path: Path) -> str | None:
+    """Make the directory ``path`` owner-only where it is missing (its parents as the umask
+    has them); what makes it unsafe to build into, or None."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700)  # the umask can only take bits away
+        os.chmod(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        return f"it cannot be created ({e.strerror})"
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"it cannot be read ({e.strerror})"
+    return "it is not a directory" if not stat.S_ISDIR(st.st_mode) else _unsafe(st)
+
+
+_fallback: Path | None = None  # this process's private directory, where the cache is unsafe
+
+
+def safe_dir(path: Path) -> Path:
+    """``path`` (a directory in the cache, as ``cache_dir()``), created owner-only where
+    missing, if it and the cache directory above it are this user's and not writable by
+    group or others; else the directory of the same name in a private directory of this
+    process (removed at exit), with one warning."""
+    global _fallback
+    for directory in (path.parent, path):
+        problem = _private(directory)
+        if problem is not None:
+            break
+    else:
+        return path
+    if _fallback is None:
+        _fallback = Path(tempfile.mkdtemp(prefix="vega-cache-"))  # 0o700, a new name
+        atexit.register(shutil.rmtree, _fallback, True)
+    warn_once(f"vega: not using the cache directory {directory}: {problem}; building into "
+              f"{_fallback}, private to this process, instead")
+    private = _fallback / path.name
+    private.mkdir(mode=0o700, exist_ok=True)
+    return private
+
+
+def hash_file(path: Path) -> Path:
+    """Where the SHA-256 of the library at ``path`` is recorded."""
+    return path.with_name(f"sha256-{path.name}")
+
+
+@contextmanager
+def _locked(directory: Path, exclusive: bool):
+    """Hold ``directory``'s lock (flock on the directory itself): installs take it
+    exclusive, readers shared, so that a reader sees a library and its hash of one build."""
+    fd = None
+    if fcntl is not None:
+        try:
+            fd = os.open(directory, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        except OSError:  # a file system without locks: unlocked, as before
+            pass
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _read(path: Path) -> tuple[bytes | None, str | None]:
+    """The bytes of the regular file at ``path`` (not followed if a link), read from one
+    open file whose owner and mode were checked; or (None, why not)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError as e:
+        return None, f"it cannot be opened ({e.strerror}; a link is not followed)"
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return None, "it is not a regular file"
+        problem = _unsafe(st)
+        return (None, problem) if problem else (f.read(), None)
+
+
+def untrusted(path: Path) -> str | None:
+    """Why the library at ``path`` must not be loaded, or None where it may: it must be
+    this user's, not writable by group or others, and hash to its recorded SHA-256."""
+    data, problem = _read(path)
+    if problem is not None:
+        return problem
+    if not os.path.lexists(hash_file(path)):
+        return f"no SHA-256 was recorded for it ({hash_file(path).name} is missing)"
+    recorded, problem = _read(hash_file(path))
+    if problem is not None:
+        return f"its recorded SHA-256 {hash_file(path).name} is unusable: {problem}"
+    if recorded.split()[:1] != [hashlib.sha256(data).hexdigest().encode()]:
+        return f"its SHA-256 differs from the one its build recorded in {hash_file(path).name}"
+    return None
+
+
+def install(built: str | Path, target: Path) -> None:
+    """Move the library ``built`` (in ``target``'s directory) to ``target``, owner-only,
+    its SHA-256 recorded beside it: both renamed into place (atomic: a reader sees the old
+    file or the new one) under the directory's lock."""
+    os.chmod(built, 0o700)
+    with open(built, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    fd, tmp = tempfile.mkstemp(suffix=".sha256", prefix=f".{target.name}-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{digest}  {target.name}\n")  # as sha256sum writes it
+        with _locked(target.parent, exclusive=True):
+            os.replace(tmp, hash_file(target))
+            os.replace(built, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_verified(path: Path, load):
+    """``(load(path), None)`` if the library at ``path`` may be loaded (``untrusted``),
+    checked and loaded under its directory's lock, so that no install comes in between;
+    else ``(None, why not)``."""
+    with _locked(path.parent, exclusive=False):
+        problem = untrusted(path)
+        return (None, problem) if problem else (load(path), None)
 
 
 @cache
@@ -73,9 +252,71 @@ def available() -> bool:
     return False
 
 
-def key_of(source: str) -> str:
+# the arguments of the compiler proper (gcc's cc1, clang's -cc1) that say which CPU it builds for
+_TARGET_ARGS = ("--param", "-target-cpu", "-target-feature", "-tune-cpu", "-triple")
+
+
+def _native_target(verbose: str) -> str | None:
+    """What ``-march=native`` resolved to, from ``cc -march=native -E -v``'s report of how it
+    ran the compiler proper: gcc's cc1 line (``-march=skylake-avx512 -mavx2 -mno-sse4a ...
+    --param l1-cache-size=32 ...``) or clang's -cc1 line (``-target-cpu ... -target-feature
+    +avx2 ...``), its other words (file names, directories) left out; None if neither is there."""
+    for line in verbose.splitlines():
+        words = [w.strip('"') for w in line.split()]  # clang quotes each word
+        cpu = [w for w in words if w.startswith("-march=")] or \
+            [b for a, b in zip(words, words[1:]) if a == "-target-cpu"]
+        if not cpu or cpu[0] in ("-march=native", "native"):
+            continue
+        kept = [f"{a} {b}" if a in _TARGET_ARGS else a for a, b in zip(words, words[1:] + [""])
+                if a in _TARGET_ARGS or a.startswith("-m")]
+        return " ".join(kept)
+    return None
+
+
+def _cpuinfo() -> str:
+    """The CPU in /proc/cpuinfo's words (model and feature flags), or the platform's."""
+    fields = ("vendor_id", "cpu family", "model", "model name", "flags", "Features",
+              "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in fields and name not in found:
+                    found[name] = value.strip()
+    except OSError:
+        pass
+    described = "; ".join(f"{k}: {found[k]}" for k in fields if k in found)
+    return f"cpuinfo {platform.machine()} {described or platform.processor()}"
+
+
+@cache
+def target_cpu() -> str:
+    """The CPU the kernels are built for: what ``-march=native`` means on this machine, asked
+    of the compiler once per process (one preprocessor run, some 20-100 ms), or /proc/cpuinfo's
+    model and flags where the compiler will not say. Part of the cache key, so that a cache
+    shared between machines (a network home, a container image) never hands one CPU's kernel
+    to another, where an instruction it lacks would kill the process (SIGILL)."""
     cc = compiler()
-    text = "\0".join([source, cc[1] if cc else "", *FLAGS])
+    if cc is not None:
+        try:
+            proc = subprocess.run([cc[0], "-march=native", "-E", "-v", "-x", "c", "-"],
+                                  capture_output=True, text=True, timeout=60,
+                                  stdin=subprocess.DEVNULL)
+            found = _native_target(proc.stderr) if proc.returncode == 0 else None
+            if found:
+                return found
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return _cpuinfo()
+
+
+def key_of(source: str) -> str:
+    """The cache key of ``source``: a hash of it, the compiler's version, the flags and the
+    target CPU."""
+    cc = compiler()
+    text = "\0".join([source, cc[1] if cc else "", *FLAGS, target_cpu(), FORMAT])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -101,14 +342,16 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
         raise CompilerError("no C compiler found")
     key = key_of(source)
     source = source.replace("@KEY@", key)
-    out_dir = cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"{key}.so"
     with _lock:
-        if target.exists():
-            lib = _load(target, key)
+        out_dir = safe_dir(cache_dir())
+        target = out_dir / f"{key}.so"
+        if os.path.lexists(target):
+            lib, problem = load_verified(target, lambda path: _load(path, key))
             if lib is not None:
                 return lib, target, False
+            if problem is not None:
+                warn_once(f"vega: not loading the cached kernel {target}: {problem}; "
+                          f"rebuilding it")
         fd, tmp_c = tempfile.mkstemp(suffix=".c", prefix=f".{key}-", dir=out_dir)
         tmp_so = tmp_c[:-2] + ".so"
         try:
@@ -119,12 +362,13 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
             if proc.returncode != 0:
                 raise CompilerError(f"{cc[0]} failed on a generated kernel (a bug in vega; "
                                     f"please report it):\n{proc.stderr[-4000:]}")
-            os.replace(tmp_so, target)  # atomic: readers see the old file or the new one
+            install(tmp_so, target)
         finally:
             for leftover in (tmp_c, tmp_so):
                 if os.path.exists(leftover):
                     os.unlink(leftover)
-        lib = _load(target, key)
+        lib, problem = load_verified(target, lambda path: _load(path, key))
         if lib is None:
-            raise CompilerError(f"the compiled kernel {target} does not load")
+            raise CompilerError(f"the compiled kernel {target} does not load"
+                                + (f": {problem}" if problem else ""))
         return lib, target, True

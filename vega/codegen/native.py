@@ -8,7 +8,10 @@ It is compiled against the installed torch by the system C++ compiler, once, in 
 background (about 20 s): steps use the Python reads until it is ready, and always where it
 cannot be built (no C++ compiler or Python headers) or the tensor layout check fails. The
 library is cached beside the kernels, keyed by its source, the compiler, the flags and the
-torch and Python versions, and written atomically (``vega.codegen.cbuild``).
+torch and Python versions (it is built for the compiler's default target, not
+``-march=native``, so the CPU is no part of its key), written atomically and trusted as the
+kernels are: loaded only if it is this user's, not writable by others and hashes to its
+recorded SHA-256 (``vega.codegen.cbuild``).
 
 ``VEGA_NATIVE=0`` turns it off; ``VEGA_NATIVE=sync`` builds it on first use, waiting.
 """
@@ -34,7 +37,7 @@ import torch
 from vega.codegen import cbuild
 
 SOURCE = Path(__file__).with_name("native.cpp")
-FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-w")
+FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-w")  # the default target, not -march=native
 DEFINED, STRIDED, CONTIGUOUS, CPU = 1 << 8, 1 << 9, 1 << 10, 1 << 11
 READY = STRIDED | CONTIGUOUS | CPU  # what every tensor of a native C step must be
 _OFFSET = object.__basicsize__  # where a torch.Tensor object holds its TensorImpl pointer
@@ -85,7 +88,7 @@ class Scanner:
 
 def _key(cxx: tuple[str, str], include: list[str]) -> str:
     text = "\0".join([SOURCE.read_text(), cxx[1], *FLAGS, *include, torch.__version__,
-                      sys.version, sysconfig.get_config_var("EXT_SUFFIX") or ""])
+                      sys.version, sysconfig.get_config_var("EXT_SUFFIX") or "", cbuild.FORMAT])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -133,6 +136,18 @@ def _load(path: Path):
     return module
 
 
+_DIFFERS = "built, but its answers differ from torch's"
+
+
+def _opened(path: Path) -> tuple[Scanner | None, str | None]:
+    """(the scanner of the library at ``path``, None) if it may be loaded (``cbuild.untrusted``:
+    checked before it is opened) and its answers match Python's; else (None, why not)."""
+    scanner, problem = cbuild.load_verified(path, _checked)
+    if problem is not None:
+        return None, f"{path} is not trusted: {problem}"
+    return (scanner, None) if scanner is not None else (None, _DIFFERS)
+
+
 def _checked(path: Path) -> Scanner | None:
     """The scanner of the library at ``path``, if its answers match Python's."""
     try:
@@ -171,6 +186,10 @@ def _lock(target: Path) -> Path:
     return target.with_name(target.name + ".building")
 
 
+def _target_of(lock: Path) -> Path:
+    return lock.with_name(lock.name.removesuffix(".building"))
+
+
 def _stale(lock: Path) -> bool:
     """Whether ``lock`` is missing, or older than a build takes (its builder died)."""
     try:
@@ -179,22 +198,27 @@ def _stale(lock: Path) -> bool:
         return True
 
 
-def build() -> str | None:
+def _placed(target: Path) -> Path:
+    """``target`` in the cache if its directory is safe, else in this process's private one."""
+    return cbuild.safe_dir(target.parent) / target.name
+
+
+def build(target: Path | None = None) -> str | None:
     """Compile the library into a temporary file and rename it into place (atomic: another
-    process sees no library or a whole one); the compiler's complaint (also written beside
-    the target), or None."""
+    process sees no library or a whole one) at ``target`` (default: ``_paths``'s, placed
+    by ``_placed``); the compiler's complaint (also written beside the target), or None."""
     found = _paths()
     if found is None:
         return "no C++ compiler, Python headers or torch headers"
-    command, target = found
-    target.parent.mkdir(parents=True, exist_ok=True)
+    command, default = found
+    target = _placed(default) if target is None else target
     fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{target.stem}-", dir=target.parent)
     os.close(fd)
     try:
         proc = subprocess.run([*command, "-o", tmp], capture_output=True, text=True,
                               timeout=600, stdin=subprocess.DEVNULL)
         if proc.returncode == 0:
-            os.replace(tmp, target)
+            cbuild.install(tmp, target)
             return None
         error = "the C++ compiler failed: " + (proc.stderr or proc.stdout)[-2000:]
     except (OSError, subprocess.SubprocessError) as e:
@@ -214,7 +238,6 @@ def _spawn(target: Path) -> None:
     lock = _lock(target)
     made = False
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         if not _stale(lock):
             _state["pending"] = (target, None, None)
             return
@@ -264,10 +287,12 @@ def _poll(wait: bool) -> None:
             return
     _state["pending"] = None
     if target.exists():
-        _state["module"] = _checked(target)
-        if _state["module"] is None:
-            _state["failed"] = "built, but its answers differ from torch's"
-            _failed_file(target).write_text(_state["failed"])
+        _state["module"], problem = _opened(target)
+        if problem == _DIFFERS:  # not worth building again
+            _failed_file(target).write_text(problem)
+        elif problem is not None:
+            cbuild.warn_once(f"vega: not loading the native tensor scanner: {problem}")
+        _state["failed"] = problem
     elif _failed_file(target).exists():
         _state["failed"] = _failed_file(target).read_text()
     else:
@@ -303,21 +328,23 @@ def scanner(wait: bool | None = None) -> Scanner | None:
         if found is None:
             _state["failed"] = "no C++ compiler, Python headers or torch headers"
             return None
-        _, target = found
+        target = _placed(found[1])
         if _failed_file(target).exists():
             _state["failed"] = _failed_file(target).read_text()
             return None
-        if target.exists():
-            _state["module"] = _checked(target)
+        if os.path.lexists(target):
+            _state["module"], problem = _opened(target)
             if _state["module"] is not None:
                 return _state["module"]
-            target.unlink(missing_ok=True)  # corrupt: rebuilt
+            if problem != _DIFFERS:
+                cbuild.warn_once(f"vega: not loading the native tensor scanner: {problem}; "
+                                 f"rebuilding it")
+            target.unlink(missing_ok=True)  # corrupt or untrusted: rebuilt
         if wait:
-            error = build()
+            error = build(target)
             if error is None:
-                _state["module"] = _checked(target)
-                if _state["module"] is None:
-                    error = "built, but its answers differ from torch's"
+                _state["module"], error = _opened(target)
+                if error == _DIFFERS:
                     _failed_file(target).write_text(error)
             _state["failed"] = error
             return _state["module"]
@@ -340,8 +367,8 @@ def status() -> str:
 
 
 if __name__ == "__main__":  # the background build of ``_spawn``: python -m vega.codegen.native LOCK
-    try:
-        message = build()
+    try:  # the library goes where the lock is (the cache, or the parent's private directory)
+        message = build(_target_of(Path(sys.argv[1])) if len(sys.argv) > 1 else None)
     finally:
         if len(sys.argv) > 1:
             Path(sys.argv[1]).unlink(missing_ok=True)
