@@ -27,3 +27,62 @@ def test_rows_of_a_tiny_run():
     for _, ours, label, theirs in others:
         assert ours > 0 and label.startswith("torch.optim.") and theirs > 0
     assert not any(math.isnan(v) for v in rows.values())
+
+
+def test_bandwidth_bound_is_measured():
+    rate, loop = bench.bandwidth(elements=1 << 16, repeats=2)
+    if bench.cbuild.available():
+        assert rate > 1e8 and loop in ("plain", "quarters")
+    else:
+        assert math.isnan(rate) and loop == "no C compiler"
+
+
+def test_bytes_a_step_moves_per_parameter():
+    """Read p, g and each state, write p and each state (4 bytes each); a second read of
+    the inputs before a per-tensor reduction; the fused step's second read of g."""
+    assert bench.bytes_per_param("adamw") == 28
+    assert bench.bytes_per_param("adamw", fused=True) == 32
+    assert bench.bytes_per_param("sgd", {"momentum": 0.9}) == 20
+    assert bench.bytes_per_param("sgd", {"momentum": 0.0}) == 12
+    assert bench.bytes_per_param("adan") == 44
+    assert bench.bytes_per_param("lion") == 20
+    assert bench.bytes_per_param("lamb") == 44  # norms of p and of the update first
+    assert bench.bytes_per_param("lars", {"momentum": 0.9}) == 32
+
+
+def _fake_run():
+    rows = {label: 0.01 for label in (
+        "vega AdamW", "vega AdamW + unscale, finite check, clip, skip", "torch AdamW fused",
+        "torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW", bench.FUNCTIONAL,
+        bench.FUNCTIONAL_FUSED)}
+    rows["vega AdamW"] = 0.007
+    return {"tiny": {"nparams": 10**6, "rows": rows,
+                     "others": [("sgd", 0.005, "torch.optim.SGD foreach", 0.01)]}}
+
+
+def test_every_row_prints_its_bytes_and_bound():
+    lines = []
+    bench.report(_fake_run(), 4e9, lambda text="": lines.append(text))
+    text = "\n".join(lines)
+    # 28 B a parameter of 1M at 4 GB/s: 7 ms, so vega's 7 ms plain step is 1.00x the bound
+    assert any(line.startswith("vega AdamW ") and "28 B/param" in line and "1.00x bound" in line
+               for line in lines), text
+    assert any("32 B/param" in line and "1.25x bound" in line for line in lines), text
+    assert any(line.startswith("sgd ") and "20 B/param" in line and "1.00x bound" in line
+               for line in lines), text
+    found = bench.ratios(_fake_run(), 4e9)
+    assert abs(found[("tiny", "vega AdamW / bound")] - 1.0) < 1e-12
+    assert abs(found[("tiny", "sgd: speed-up")] - 2.0) < 1e-12
+
+
+def test_the_header_names_the_cpu_caches_and_threads():
+    text = bench._machine()
+    assert "threads" in text and "torch" in text
+    assert "L2" in text or "caches unknown" in text
+
+
+def test_repeat_must_be_positive():
+    import pytest
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="repeat="):
+            bench.main(repeat=bad, out=open("/dev/null", "w"))

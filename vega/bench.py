@@ -25,7 +25,8 @@ import time
 import torch
 
 import vega
-from vega.codegen import native
+from vega.codegen import cbuild, native
+from vega.dsl.ir import REDUCTIONS, walk
 
 # torch.optim or pytorch-optimizer counterparts of the other shipped specs:
 # (vega hyperparameters, where the counterpart lives, its class, its kwargs)
@@ -94,6 +95,100 @@ def race(fns: dict, budget: float = 6.0, max_rounds: int = 9, min_rounds: int = 
             spent += dt
         rounds += 1
     return {label: statistics.median(ts) for label, ts in times.items()}
+
+
+# -- the memory-bandwidth bound --------------------------------------------------------
+
+# An AdamW-like loop over p, g, m and v (reads 16 bytes an element, writes 12), timed on
+# this run's threads: as a plain OpenMP split, and with each thread's share read as four
+# quarters side by side (more loads in flight); the faster is the machine's bound.
+_STREAM_C = r"""
+#include <math.h>
+#include <stdint.h>
+const char *vega_key(void) { return "@KEY@"; }
+static inline void one(float *restrict p, const float *restrict g, float *restrict m,
+                       float *restrict v, int64_t i) {
+    float gi = g[i];
+    float mi = 0.9f * m[i] + 0.1f * gi;
+    float vi = 0.999f * v[i] + 0.001f * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = p[i] - 1e-3f * (mi / (sqrtf(vi) + 1e-8f) + 0.01f * p[i]);
+}
+void vega_stream_plain(float *restrict p, const float *restrict g, float *restrict m,
+                       float *restrict v, int64_t n) {
+    #pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) one(p, g, m, v, i);
+}
+void vega_stream_quarters(float *restrict p, const float *restrict g, float *restrict m,
+                          float *restrict v, int64_t n) {
+    #pragma omp parallel
+    {
+        int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        int64_t lo = n * id / nt, hi = n * (id + 1) / nt, q = (hi - lo) / 4;
+        #pragma omp simd
+        for (int64_t i = 0; i < q; i++) {
+            one(p, g, m, v, lo + i);
+            one(p, g, m, v, lo + q + i);
+            one(p, g, m, v, lo + 2 * q + i);
+            one(p, g, m, v, lo + 3 * q + i);
+        }
+        for (int64_t i = lo + 4 * q; i < hi; i++) one(p, g, m, v, i);
+    }
+}
+""".replace("#include <stdint.h>", "#include <stdint.h>\n#include <omp.h>")
+STREAM_BYTES = 28  # a float32 element of the loop above: 4 reads and 3 writes
+
+
+def bandwidth(elements: int = 1 << 24, repeats: int = 7) -> tuple[float, str]:
+    """(bytes a second, which loop) of the faster of ``_STREAM_C``'s two loops over four
+    float32 arrays of ``elements`` each (256 MB in all by default), the best of
+    ``repeats`` timings each, on torch's thread count; (NaN, why) without a C compiler."""
+    import ctypes
+    if not cbuild.available():
+        return float("nan"), "no C compiler"
+    lib, _, _ = cbuild.build(_STREAM_C)
+    arrays = [torch.full((elements,), x) for x in (0.5, 0.01, 0.0, 0.0)]
+    ptrs = [ctypes.c_void_p(a.data_ptr()) for a in arrays]
+    best, which = 0.0, ""
+    for name in ("vega_stream_plain", "vega_stream_quarters"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+        fn(*ptrs, elements)  # pages touched, threads started
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(*ptrs, elements)
+            rate = STREAM_BYTES * elements / (time.perf_counter() - t0)
+            if rate > best:
+                best, which = rate, name.removeprefix("vega_stream_")
+    return best, which
+
+
+def bytes_per_param(name: str, hypers: dict | None = None, fused: bool = False,
+                    itemsize: int = 4) -> int:
+    """The bytes a step of shipped spec ``name`` must move for each parameter, all tensors
+    of ``itemsize`` bytes: read p, g and every state, write p and every state; a rule with
+    per-tensor reductions (lamb's and lars's norms, adafactor's update RMS) reads its
+    inputs once more before the update; ``fused`` (loss scale, finite check, clip) reads
+    the gradients once more before it."""
+    hypers = hypers or {}
+    spec = vega.builtin(name)
+    flags = {h.name: hypers[h.name] for h in spec.hypers if h.type == "bool" and h.name in hypers}
+    program = spec.program(shape=(768, 768), **flags, **{
+        k: v for k, v in hypers.items() if k not in flags and k in spec._spec.shape_hypers})
+    states = sum(1 for st in program.states if st.dom == "rc")
+    reads, writes = 2 + states, 1 + states
+    if any(n.op in REDUCTIONS for n in walk(node for _, node in program.updates)):
+        reads += 2 + states
+    return (reads + writes + int(fused)) * itemsize
+
+
+def _bound_note(secs: float, nbytes: int, nparams: int, rate: float) -> str:
+    """``B/param`` and the time over the bound (bytes / bandwidth), for a row."""
+    if not (rate > 0) or math.isnan(rate):
+        return f"{nbytes:>4} B/param"
+    return f"{nbytes:>4} B/param {secs / (nbytes * nparams / rate):>6.2f}x bound"
 
 
 def adamw_rows(shapes, grads, compile_torch=True):
@@ -248,38 +343,78 @@ def compile_times() -> tuple[float, float]:
     return cold, warm
 
 
-def _machine() -> str:
-    cpu = ""
+def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), "")
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), "") or "unknown CPU"
     except OSError:
-        pass
-    return (f"{cpu or 'unknown CPU'}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-            f", vega {vega.__version__}")
+        return "unknown CPU"
 
 
-def main(quick: bool = False, compile_torch: bool = True, out=None) -> int:
-    out = out or sys.stdout
+def _caches() -> str:
+    """This CPU's caches as the kernel lists them for cpu0: ``L1d 48K, L2 2048K, ...``;
+    with how many CPUs share each, where more than one."""
+    out = []
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        return "caches unknown"
+    for entry in entries:
+        if not entry.startswith("index"):
+            continue
+        try:
+            def read(name, entry=entry):
+                with open(os.path.join(base, entry, name)) as f:
+                    return f.read().strip()
+            level, kind, size = read("level"), read("type"), read("size")
+            shared = read("shared_cpu_list")
+        except OSError:
+            continue
+        if kind == "Instruction":
+            continue
+        label = f"L{level}" + ("d" if kind == "Data" else "")
+        n = sum(int(b) - int(a) + 1 if "-" in part else 1
+                for part in shared.split(",") for a, _, b in [part.partition("-")])
+        out.append(f"{label} {size}" + (f" (shared by {n} CPUs)" if n > 1 else ""))
+    return ", ".join(out) or "caches unknown"
 
-    def say(text=""):
-        print(text, file=out, flush=True)
-    say(f"vega bench on {_machine()}")
-    native.scanner(wait=True)  # built now if need be: no row is timed while it builds
-    say(native.status())
-    cold, warm = compile_times()
-    say(f"spec compile: cold {cold:.2f} s, from the cache {1e3 * warm:.1f} ms\n")
+
+def _machine() -> str:
+    return (f"{_cpu_model()}; {_caches()}; {torch.get_num_threads()} threads; "
+            f"torch {torch.__version__}, vega {vega.__version__}")
+
+
+ADAMW_BYTES = {"vega AdamW": ("adamw", False), "torch AdamW fused": ("adamw", False),
+               "vega AdamW + unscale, finite check, clip, skip": ("adamw", True)}
+
+
+def measure(quick: bool, compile_torch: bool) -> dict:
+    """One run of the comparison: per parameter set, its parameter count, the AdamW rows
+    (label -> median seconds) and the other optimizers' rows."""
     sets = {"GPT-2-like (40M params, 51 tensors)": gpt2_like(),
             "many-small (1,000 tensors <= 10k)": many_small(200 if quick else 1000)}
+    out = {}
     for title, shapes in sets.items():
         _, grads = _tensors(shapes)
-        say(f"== {title}: {sum(torch.Size(s).numel() for s in shapes) / 1e6:.1f}M parameters")
         # torch.compile of 1,000 tensors takes minutes on 2 cores: the large set only
         rows = adamw_rows(shapes, grads, compile_torch=compile_torch and not quick
                           and len(shapes) < 100)
+        names = [n for n in OTHERS if not quick or n in ("sgd", "lamb")]
+        out[title] = {"nparams": sum(torch.Size(s).numel() for s in shapes), "rows": rows,
+                      "others": other_rows(shapes, grads, names)}
+    return out
+
+
+def report(run: dict, rate: float, say) -> None:
+    """Print one run's tables: each row's median, its ratio, its bytes a parameter and its
+    time over the bandwidth bound."""
+    for title, res in run.items():
+        rows, nparams = res["rows"], res["nparams"]
+        say(f"== {title}: {nparams / 1e6:.1f}M parameters")
         fused = rows["torch AdamW fused"]
-        say(f"{'AdamW step':<60} {'median ms':>10} {'/ torch fused':>14}")
+        say(f"{'AdamW step':<60} {'median ms':>10} {'/ torch fused':>14}   bytes and bound")
         for label, secs in rows.items():
             if label == FUNCTIONAL_FUSED:
                 continue
@@ -288,19 +423,80 @@ def main(quick: bool = False, compile_torch: bool = True, out=None) -> int:
                 continue
             alone = label == FUNCTIONAL  # its ratio: to torch's fused step in its own race
             base = rows[FUNCTIONAL_FUSED] if alone else fused
-            say(f"{label:<60} {1e3 * secs:>10.2f} {secs / base:>13.2f}x" + "*" * alone)
+            note = ""
+            if label in ADAMW_BYTES:
+                name, with_prelude = ADAMW_BYTES[label]
+                note = "   " + _bound_note(secs, bytes_per_param(name, fused=with_prelude),
+                                           nparams, rate)
+            say(f"{label:<60} {1e3 * secs:>10.2f} {secs / base:>13.2f}x" + "*" * alone + note)
         say(f"* new parameters and state each step, as optax's; raced with torch's fused step "
             f"alone ({1e3 * rows[FUNCTIONAL_FUSED]:.2f} ms there)")
         ours_fused = rows["vega AdamW + unscale, finite check, clip, skip"]
         composite = rows["torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW"]
         say(f"vega's fused step is {composite / ours_fused:.2f}x faster than torch's "
             "GradScaler + clip + fused AdamW composite")
-        say(f"\n{'optimizer':<10} {'vega ms':>9}   {'counterpart':<40} {'ms':>9} {'speed-up':>9}")
-        names = [n for n in OTHERS if not quick or n in ("sgd", "lamb")]
-        for name, ours, label, theirs in other_rows(shapes, grads, names):
+        say(f"\n{'optimizer':<10} {'vega ms':>9}   {'counterpart':<40} {'ms':>9} {'speed-up':>9}"
+            "   vega's bytes and bound")
+        for name, ours, label, theirs in res["others"]:
+            note = _bound_note(ours, bytes_per_param(name, OTHERS[name][0]), nparams, rate)
             say(f"{name:<10} {1e3 * ours:>9.2f}   {label:<40} {1e3 * theirs:>9.2f} "
-                f"{theirs / ours:>8.2f}x")
+                f"{theirs / ours:>8.2f}x   {note}")
         say()
+
+
+def ratios(run: dict, rate: float) -> dict:
+    """The figures a repeated run summarizes: (set, what) -> a number."""
+    out = {}
+    for title, res in run.items():
+        rows, nparams = res["rows"], res["nparams"]
+        fused = rows["torch AdamW fused"]
+        for label, secs in rows.items():
+            if label.startswith("(") or label == FUNCTIONAL_FUSED:
+                continue
+            base = rows[FUNCTIONAL_FUSED] if label == FUNCTIONAL else fused
+            out[(title, f"{label} / torch fused")] = secs / base
+            if label in ADAMW_BYTES and rate > 0:
+                name, with_prelude = ADAMW_BYTES[label]
+                out[(title, f"{label} / bound")] = secs / (
+                    bytes_per_param(name, fused=with_prelude) * nparams / rate)
+        composite = rows["torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW"]
+        out[(title, "composite / vega fused step")] = composite / rows[
+            "vega AdamW + unscale, finite check, clip, skip"]
+        for name, ours, _, theirs in res["others"]:
+            out[(title, f"{name}: speed-up")] = theirs / ours
+            if rate > 0:
+                out[(title, f"{name} / bound")] = ours / (
+                    bytes_per_param(name, OTHERS[name][0]) * nparams / rate)
+    return out
+
+
+def main(quick: bool = False, compile_torch: bool = True, out=None, repeat: int = 1) -> int:
+    out = out or sys.stdout
+
+    def say(text=""):
+        print(text, file=out, flush=True)
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat={repeat!r} must be a positive integer")
+    say(f"vega bench on {_machine()}")
+    native.scanner(wait=True)  # built now if need be: no row is timed while it builds
+    say(native.status())
+    cold, warm = compile_times()
+    say(f"spec compile: cold {cold:.2f} s, from the cache {1e3 * warm:.1f} ms")
+    summary: dict = {}
+    for k in range(repeat):
+        rate, loop = bandwidth()
+        say(f"\nbandwidth bound{f' (run {k + 1} of {repeat})' if repeat > 1 else ''}: "
+            + (f"{rate / 1e9:.1f} GB/s, an AdamW-like float32 loop over 256 MB ({loop} "
+               f"split), {STREAM_BYTES} B an element" if rate > 0 else loop) + "\n")
+        run = measure(quick, compile_torch)
+        report(run, rate, say)
+        for key, value in ratios(run, rate).items():
+            summary.setdefault(key, []).append(value)
+    if repeat > 1:
+        say(f"== {repeat} runs: median [min, max] of each ratio")
+        for (title, what), values in summary.items():
+            say(f"{title[:20]:<20} {what:<68} {statistics.median(values):>7.2f} "
+                f"[{min(values):.2f}, {max(values):.2f}]")
     return 0
 
 

@@ -18,8 +18,20 @@ commands:
                                        a C compiler is found, else the reference)
   vega list                            the optimizers that ship with vega
   vega demo                            train a small model with vega and torch.optim
-  vega bench [--quick] [--no-compile]  time one step against torch.optim and optax
+  vega bench [--quick] [--no-compile] [--repeat N]
+                                       time one step against torch.optim and optax, and
+                                       against the machine's memory-bandwidth bound
 """
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return n
 
 
 def _load(target: str):
@@ -128,7 +140,7 @@ def cmd_demo(args) -> int:
 
 def cmd_bench(args) -> int:
     from vega.bench import main as bench_main
-    return bench_main(quick=args.quick, compile_torch=not args.no_compile)
+    return bench_main(quick=args.quick, compile_torch=not args.no_compile, repeat=args.repeat)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="time one optimizer step against torch.optim and optax")
     p.add_argument("--quick", action="store_true", help="fewer tensors and optimizers")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to build)")
+    p.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
+                   help="run the whole comparison N times; print each ratio's median and range")
     p.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
     status = 0
