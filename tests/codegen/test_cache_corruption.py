@@ -1,0 +1,197 @@
+"""A damaged kernel cache never crashes or hangs a later run: whatever is found at a library's
+place, or at its recorded hash's, is checked before it is opened (a regular file, this
+user's, of a bounded size, hashing to its record), and what does not pass is rebuilt with
+one warning. A library is loaded from a copy
+of the bytes checked, under a name of its own, so a rebuilt library at the same path is
+never handed the handle of the old one.
+
+Where a crash (SIGBUS, SIGSEGV) or a hang is possible, the run is a child process, with a
+timeout: the test asserts it ended cleanly and said what it should."""
+import ctypes
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import vega
+from vega.codegen import cbuild
+
+pytestmark = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler here")
+REPO = Path(vega.__file__).resolve().parents[1]
+# a kernel library as cbuild.build takes one: it reports its key, and answers 42
+SOURCE = 'const char *vega_key(void) { return "@KEY@"; }\nint vega_answer(void) { return 42; }\n'
+GIB = 1 << 30
+
+# The address space of a child capped a little above what its interpreter holds, so that
+# reading a huge file whole fails at once (MemoryError) rather than filling this machine's
+# memory.
+CAP = r"""
+import resource
+size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size + (512 << 20), resource.RLIM_INFINITY))
+"""
+# A later run: build the library (from the cache if it may be), and call it. cbuild alone,
+# without the vega package and torch above it (which take some 20 s to import on a busy
+# machine): it needs neither.
+LATER_RUN = r"""
+import sys, types
+for name in ("vega", "vega.codegen"):
+    sys.modules[name] = types.ModuleType(name)
+    sys.modules[name].__path__ = [name.replace(".", "/")]
+from vega.codegen import cbuild
+""" + CAP + r"""
+import ctypes, json, sys, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    lib, path, compiled = cbuild.build(sys.argv[1])
+lib.vega_answer.restype = ctypes.c_int
+print(json.dumps({"compiled": compiled, "answer": lib.vega_answer(),
+                  "warned": [str(w.message) for w in caught]}))
+"""
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A new cache directory (not yet made), and no cache warning or private directory yet."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("VEGA_CACHE_DIR", str(root))
+    monkeypatch.setattr(cbuild, "_cache_warned", False)
+    monkeypatch.setattr(cbuild, "_fallback", None)
+    return root
+
+
+def child(code: str, *args: str, timeout: float = 120, native_scanner: str = "0") -> dict:
+    """Run ``code`` in a new interpreter (this checkout's vega, the cache of ``cache``, and
+    ``VEGA_NATIVE=native_scanner``); its JSON answer, once it has ended cleanly within
+    ``timeout`` seconds."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VEGA_NATIVE": native_scanner}
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                              text=True, timeout=timeout, cwd=REPO, env=env,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the run hung (no end within {timeout} s)")
+    assert proc.returncode == 0, \
+        f"the run ended with status {proc.returncode} (a negative one: killed by that " \
+        f"signal)\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def library(cache) -> Path:
+    """The library of SOURCE, built into ``cache`` by this process; its path."""
+    _, path, compiled = cbuild.build(SOURCE)
+    assert compiled and path.parent == cache / "c" and cbuild.untrusted(path) is None
+    return path
+
+
+def truncate(path):
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def zero_a_page(path):
+    with open(path, "r+b") as f:
+        f.seek(4096)
+        f.write(bytes(4096))
+
+
+def random_bytes(path):
+    size = path.stat().st_size
+    path.unlink()
+    path.write_bytes(os.urandom(size))
+    os.chmod(path, 0o700)
+
+
+def fifo(path):
+    path.unlink()
+    os.mkfifo(path, 0o600)
+
+
+def directory(path):
+    path.unlink()
+    path.mkdir(mode=0o700)
+    (path / "inside").write_text("x")
+
+
+def huge(path):
+    """A sparse file of 2 GiB: reading it whole would take 2 GiB of memory."""
+    with open(path, "r+b") as f:
+        f.truncate(2 * GIB)
+
+
+def key_not_answered(path):
+    """Another library in its place, hash recorded: it loads, but reports no key."""
+    src = path.with_name("other.c")
+    src.write_text("int vega_answer(void) { return 7; }\n")
+    subprocess.run([cbuild.compiler()[0], "-shared", "-fPIC", str(src), "-o", str(path)],
+                   check=True, capture_output=True)
+    src.unlink()
+    os.chmod(path, 0o700)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    cbuild.hash_file(path).write_text(f"{digest}  {path.name}\n")
+
+
+@pytest.mark.parametrize("what, spoil, expected", [
+    ("library", truncate, "SHA-256 differs"),
+    ("library", zero_a_page, "SHA-256 differs"),
+    ("library", random_bytes, "SHA-256 differs"),
+    ("library", fifo, "not a regular file but a FIFO"),
+    ("library", directory, "not a regular file but a directory"),
+    ("library", huge, "more than the 67108864 it may be"),
+    ("library", key_not_answered, "does not load, or does not report its key"),
+    ("hash", random_bytes, "SHA-256 differs"),
+    ("hash", fifo, "not a regular file but a FIFO"),
+    ("hash", directory, "not a regular file but a directory"),
+    ("hash", huge, "more than the 4096 it may be"),
+], ids=lambda x: getattr(x, "__name__", None) if callable(x) else None)
+def test_a_damaged_cache_entry_is_rebuilt_by_a_later_run(cache, what, spoil, expected):
+    path = library(cache)
+    spoil(path if what == "library" else cbuild.hash_file(path))
+    ran = child(LATER_RUN, SOURCE)
+    assert ran["compiled"] and ran["answer"] == 42
+    warned = [w for w in ran["warned"] if w.startswith("vega: not ")]
+    assert len(warned) == 1 and str(path) in warned[0] and expected in warned[0], warned
+    assert cbuild.untrusted(path) is None  # the rebuilt one, trusted by the next run
+
+
+def test_a_rebuilt_library_is_loaded_anew_not_as_the_old_handle(cache):
+    """In one process: a cached library that loads but does not answer its key is rebuilt at
+    the same path, and the rebuilt one is what is loaded (the dynamic loader hands back the
+    library it already has for a path, and ctypes never unloads one)."""
+    path = library(cache)
+    key_not_answered(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lib, again, compiled = cbuild.build(SOURCE)
+    assert again == path and compiled
+    assert lib.vega_key().decode() == cbuild.key_of(SOURCE)
+    assert any("does not report its key" in str(w.message) for w in caught)
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".load-")]  # copies gone
+
+
+def test_the_cache_file_is_not_what_is_loaded(cache):
+    """What is loaded is a copy of the bytes that were checked: changing the cached file
+    afterwards (truncating it under a mapping would be SIGBUS) does not reach the library."""
+    path = library(cache)
+    lib, problem = cbuild.load_verified(path, lambda p: (p, cbuild._load(p, cbuild.key_of(
+        SOURCE))))
+    assert problem is None and lib[0] != path and lib[0].parent == path.parent
+    assert lib[1] is not None and not lib[0].exists()
+    truncate(path)
+    lib[1].vega_answer.restype = ctypes.c_int
+    assert lib[1].vega_answer() == 42
+
+
+def test_reads_are_capped_and_open_no_fifo(tmp_path):
+    fifo_path = tmp_path / "fifo"
+    os.mkfifo(fifo_path, 0o600)
+    assert cbuild.read_capped(fifo_path, 10) == (None, "it is not a regular file but a FIFO")
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 11)
+    os.chmod(big, 0o600)
+    assert cbuild.read_capped(big, 10)[1] == "it is 11 bytes, more than the 10 it may be"
+    assert cbuild.read_capped(big, 11) == (b"x" * 11, None)
