@@ -1,7 +1,7 @@
 """A damaged kernel cache never crashes or hangs a later run: whatever is found at a library's
-place, or at its recorded hash's, is checked before it is opened (a regular file, this
-user's, of a bounded size, hashing to its record), and what does not pass is rebuilt with
-one warning. A library is loaded from a copy
+place, or at its recorded hash's, or at the native scanner's record of a failed build, is
+checked before it is opened (a regular file, this user's, of a bounded size, hashing to its
+record), and what does not pass is rebuilt with one warning. A library is loaded from a copy
 of the bytes checked, under a name of its own, so a rebuilt library at the same path is
 never handed the handle of the old one.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import vega
-from vega.codegen import cbuild
+from vega.codegen import cbuild, native
 
 pytestmark = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler here")
 REPO = Path(vega.__file__).resolve().parents[1]
@@ -195,3 +195,61 @@ def test_reads_are_capped_and_open_no_fifo(tmp_path):
     os.chmod(big, 0o600)
     assert cbuild.read_capped(big, 10)[1] == "it is 11 bytes, more than the 10 it may be"
     assert cbuild.read_capped(big, 11) == (b"x" * 11, None)
+
+
+# -- the native scanner's record of a failed build ---------------------------------
+
+NATIVE_RUN = "from vega.codegen import native\n" + CAP + r"""
+import json, sys, warnings
+from pathlib import Path
+target = Path(sys.argv[1])
+native._paths = lambda: (["false"], target)  # a build that fails at once
+native._layout_ok = lambda: True
+spawned = []
+native._spawn = lambda t: spawned.append(str(t))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    if sys.argv[2] == "scan":
+        answer = native.scanner(wait=False)
+    else:
+        answer = native.build(target)
+print(json.dumps({"answer": None if answer is None else str(answer), "spawned": spawned,
+                  "failed": native._state["failed"],
+                  "warned": [str(w.message) for w in caught]}))
+"""
+
+
+@pytest.mark.parametrize("spoil", [fifo, directory, huge], ids=["fifo", "directory", "huge"])
+def test_an_unreadable_native_failure_record_is_removed_and_the_build_tried_again(
+        cache, tmp_path, spoil):
+    target = tmp_path / "native" / "vega_native-test.so"
+    target.parent.mkdir(mode=0o700)
+    record = native._failed_file(target)
+    record.write_text("x")
+    os.chmod(record, 0o600)
+    spoil(record)
+    ran = child(NATIVE_RUN, str(target), "scan", native_scanner="")
+    assert ran["answer"] is None and ran["spawned"] == [str(target)] and ran["failed"] is None
+    assert len(ran["warned"]) == 1 and str(record) in ran["warned"][0]
+    assert not os.path.lexists(record)
+
+
+def test_a_native_failure_record_of_random_bytes_is_read_as_a_failure(cache, tmp_path):
+    target = tmp_path / "native" / "vega_native-test.so"
+    target.parent.mkdir(mode=0o700)
+    native._failed_file(target).write_bytes(b"\xff\xfe compiler said \x80\n")
+    ran = child(NATIVE_RUN, str(target), "scan", native_scanner="")
+    assert ran["answer"] is None and ran["spawned"] == [] and ran["warned"] == []
+    assert "compiler said" in ran["failed"]
+
+
+@pytest.mark.parametrize("spoil", [fifo, directory], ids=["fifo", "directory"])
+def test_a_failed_native_build_replaces_whatever_is_at_its_record(cache, tmp_path, spoil):
+    target = tmp_path / "native" / "vega_native-test.so"
+    target.parent.mkdir(mode=0o700)
+    record = native._failed_file(target)
+    record.write_text("x")
+    spoil(record)
+    ran = child(NATIVE_RUN, str(target), "build", native_scanner="")
+    assert "the C++ compiler failed" in ran["answer"]
+    assert record.is_file() and "the C++ compiler failed" in record.read_text()
