@@ -3,11 +3,13 @@ place, or at its recorded hash's, or at the native scanner's record of a failed 
 checked before it is opened (a regular file, this user's, of a bounded size, hashing to its
 record), and what does not pass is rebuilt with one warning. A library is loaded from a copy
 of the bytes checked, under a name of its own, so a rebuilt library at the same path is
-never handed the handle of the old one.
+never handed the handle of the old one. An unusable ``VEGA_CACHE_DIR`` (a file, or a path
+under one) is not used: kernels build into a private directory, with one warning naming it.
 
 Where a crash (SIGBUS, SIGSEGV) or a hang is possible, the run is a child process, with a
 timeout: the test asserts it ended cleanly and said what it should."""
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -253,3 +255,67 @@ def test_a_failed_native_build_replaces_whatever_is_at_its_record(cache, tmp_pat
     ran = child(NATIVE_RUN, str(target), "build", native_scanner="")
     assert "the C++ compiler failed" in ran["answer"]
     assert record.is_file() and "the C++ compiler failed" in record.read_text()
+
+
+# -- an unusable VEGA_CACHE_DIR ---------------------------------------------------
+
+@pytest.mark.parametrize("where, expected", [
+    ("a file", "it is a file, not a directory"),
+    ("under a file", "it cannot be created ({file} is not a directory)"),
+    ("not writable", "it is not writable")])
+def test_an_unusable_cache_dir_is_not_used_with_one_warning_naming_it(
+        cache, tmp_path, monkeypatch, where, expected):
+    file = tmp_path / "a-file"
+    file.write_text("not a directory")
+    root = {"a file": file, "under a file": file / "sub", "not writable": cache}[where]
+    monkeypatch.setenv("VEGA_CACHE_DIR", str(root))
+    if where == "not writable":  # (root writes anywhere: the check is os.access's)
+        cache.mkdir(mode=0o700)
+        monkeypatch.setattr(cbuild.os, "access", lambda path, mode: Path(path) != cache)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = [cbuild.build(SOURCE + f"// {n}\n") for n in range(2)]
+    assert all(compiled for _, _, compiled in built)
+    private = built[0][1].parent
+    assert built[1][1].parent == private and not private.is_relative_to(tmp_path)
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(warned) == 1, warned
+    assert f"VEGA_CACHE_DIR={root}" in warned[0] and expected.format(file=file) in warned[0]
+    assert str(private.parent) in warned[0]
+    assert file.read_text() == "not a directory"
+
+
+def test_an_optimizer_steps_with_an_unusable_cache_dir(tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("")
+    code = r"""
+import json, warnings, torch, vega
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = vega.optim.Adam([p], lr=0.5, backend="c")
+    opt.step()
+    opt.step()
+print(json.dumps({"p": p.tolist(), "warned": [str(w.message) for w in caught]}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VEGA_NATIVE": "0",
+           "VEGA_CACHE_DIR": str(file / "sub")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran = json.loads(proc.stdout.splitlines()[-1])
+    assert ran["p"] == pytest.approx([0.0] * 3, abs=1e-6)
+    assert len(ran["warned"]) == 1 and "VEGA_CACHE_DIR=" in ran["warned"][0]
+
+
+def test_no_private_directory_either_is_a_clear_error(cache, tmp_path, monkeypatch):
+    file = tmp_path / "a-file"
+    file.write_text("")
+    monkeypatch.setenv("VEGA_CACHE_DIR", str(file))
+
+    def no_room(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(cbuild.tempfile, "mkdtemp", no_room)
+    with pytest.raises(cbuild.CacheError, match="VEGA_CACHE_DIR=.*a-file.*nor can a private"):
+        cbuild.build(SOURCE)

@@ -11,9 +11,11 @@ Loading a library runs its code, so the cache is trusted only as far as it is
 this user's own (``safe_dir``, ``untrusted``):
 
 - the cache directory and its ``c/`` (or ``native/``) are created owner-only
-  (0o700), and are used only if they are owned by this user and not writable by
-  group or others; where one is not, this process builds into a private
-  directory of its own (``tempfile.mkdtemp``, removed at exit) instead;
+  (0o700), and are used only if they are directories owned by this user, not
+  writable by group or others, and writable by this user; where one is not (or
+  ``VEGA_CACHE_DIR`` names a file, or a path under one), this process builds into
+  a private directory of its own (``tempfile.mkdtemp``, removed at exit) instead,
+  with a warning that names ``VEGA_CACHE_DIR``;
 - a library is loaded only if it is a regular file (not a link, a FIFO, a
   directory) owned by this user, not writable by group or others, of at most
   ``LIBRARY_LIMIT`` bytes, and its SHA-256 is the one its build recorded beside it
@@ -65,6 +67,10 @@ class CompilerError(VegaError):
     """The C compiler rejected a generated kernel: a bug in vega, with the compiler's words."""
 
 
+class CacheError(VegaError, OSError):
+    """Neither the kernel cache directory nor a private temporary one can be used."""
+
+
 def cache_dir() -> Path:
     """Where the kernels are cached (``safe_dir`` says whether they may be)."""
     root = os.environ.get("VEGA_CACHE_DIR")
@@ -95,32 +101,66 @@ def _unsafe(st: os.stat_result) -> str | None:
     return None
 
 
+def _blocked(path: Path, error: OSError) -> str:
+    """Why the directory ``path`` cannot be made or read: the first of its parents that is
+    not a directory (a file where ``VEGA_CACHE_DIR`` names a directory under it), else the
+    system's words."""
+    for parent in reversed(path.parents):
+        try:
+            if not stat.S_ISDIR(os.stat(parent).st_mode):
+                return f"{parent} is not a directory"
+        except OSError:
+            break
+    return error.strerror or str(error)
+
+
 def _private(path: Path) -> str | None:
     """Make the directory ``path`` owner-only where it is missing (its parents as the umask
-    has them); what makes it unsafe to build into, or None."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.mkdir(mode=0o700)  # the umask can only take bits away
-        os.chmod(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        return f"it cannot be created ({e.strerror})"
+    has them); what makes it unsafe or unusable to build into, or None."""
     try:
         st = os.stat(path)
+    except FileNotFoundError:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700)  # the umask can only take bits away
+            os.chmod(path, 0o700)
+        except FileExistsError:  # made by another process just now (or a parent is a file)
+            pass
+        except OSError as e:
+            return f"it cannot be created ({_blocked(path, e)})"
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            return f"it cannot be created ({_blocked(path, e)})"
     except OSError as e:
-        return f"it cannot be read ({e.strerror})"
-    return "it is not a directory" if not stat.S_ISDIR(st.st_mode) else _unsafe(st)
+        how = "created" if isinstance(e, NotADirectoryError) else "read"
+        return f"it cannot be {how} ({_blocked(path, e)})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is a file, not a directory" if stat.S_ISREG(st.st_mode) else \
+            "it is not a directory"
+    problem = _unsafe(st)
+    if problem is None and not os.access(path, os.W_OK | os.X_OK):
+        problem = "it is not writable"  # (a read-only file system, or mode 0o500)
+    return problem
 
 
 _fallback: Path | None = None  # this process's private directory, where the cache is unsafe
 
 
+def _named() -> str:
+    """Where the cache directory comes from, in words."""
+    root = os.environ.get("VEGA_CACHE_DIR")
+    return f"VEGA_CACHE_DIR={root}" if root else \
+        "the default, as VEGA_CACHE_DIR is not set"
+
+
 def safe_dir(path: Path) -> Path:
     """``path`` (a directory in the cache, as ``cache_dir()``), created owner-only where
-    missing, if it and the cache directory above it are this user's and not writable by
-    group or others; else the directory of the same name in a private directory of this
-    process (removed at exit), with one warning."""
+    missing, if it and the cache directory above it are this user's, not writable by group
+    or others, and writable by this user; else the directory of the same name in a private
+    directory of this process (removed at exit), with one warning that names
+    ``VEGA_CACHE_DIR``. Raises ``CacheError`` where that private directory cannot be made
+    either."""
     global _fallback
     for directory in (path.parent, path):
         problem = _private(directory)
@@ -129,10 +169,18 @@ def safe_dir(path: Path) -> Path:
     else:
         return path
     if _fallback is None:
-        _fallback = Path(tempfile.mkdtemp(prefix="vega-cache-"))  # 0o700, a new name
+        try:
+            _fallback = Path(tempfile.mkdtemp(prefix="vega-cache-"))  # 0o700, a new name
+        except OSError as e:
+            raise CacheError(
+                f"vega: the kernel cache directory {directory} ({_named()}) cannot be used: "
+                f"{problem}; nor can a private one be made in {tempfile.gettempdir()} "
+                f"({e.strerror}); set VEGA_CACHE_DIR to a directory of your own") from e
         atexit.register(shutil.rmtree, _fallback, True)
-    warn_once(f"vega: not using the cache directory {directory}: {problem}; building into "
-              f"{_fallback}, private to this process, instead")
+    warn_once(f"vega: not using the kernel cache directory {directory} ({_named()}): "
+              f"{problem}; building into {_fallback}, private to this process and removed "
+              f"at exit, instead (set VEGA_CACHE_DIR to a directory of your own to keep "
+              f"kernels between runs)")
     private = _fallback / path.name
     private.mkdir(mode=0o700, exist_ok=True)
     return private
