@@ -18,6 +18,10 @@ class _Held:
     """What ``untraced`` handed to a trace, one attribute each."""
 
 
+# Held for the life of the process, on purpose: a compiled graph calls a kernel by its name
+# (the custom ops vega::c_step, vega::triton_step), and dynamo keeps that graph as long as
+# it likes, so the kernels a trace used must outlive the optimizer that made them (the
+# backends' own tables of kernels are weak). One entry per kernel a trace used, not per spec.
 _HELD = _Held()
 
 

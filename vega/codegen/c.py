@@ -30,8 +30,10 @@ non-contiguous tensor runs on contiguous copies, in place.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import operator
+import weakref
 
 import numpy as np
 import torch
@@ -1043,8 +1045,10 @@ class Kernel:
         self._nphases = len(reduction_phases(program))
         self._nred = sum(len(p) for p in reduction_phases(program))
         self._axes = program.uses_axes  # one vega_axes_step instead of phases and update
-        self.key = f"{program.name}/{len(_KERNELS)}"  # how the custom ops find this kernel
-        _KERNELS[self.key] = self
+        # how the custom ops find this kernel: a name never given to another, held weakly
+        # (the kernel lives as long as its program, whose ``kernels`` holds it)
+        self.key = f"{program.name}/{next(_SERIAL)}"
+        _KERNELS[self.key] = weakref.ref(self, lambda _, key=self.key: _KERNELS.pop(key, None))
         self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
         # the tables of the last calls: the optimizers and param groups that share this
         # kernel alternate, and each should find its own
@@ -1496,7 +1500,10 @@ def _from_numpy(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a))
 
 
-_KERNELS: dict[str, Kernel] = {}
+# key -> a weak reference to the Kernel, for the custom ops: a kernel is released with its
+# program (a kernel a torch.compile'd step uses is held by ``vega.tracing``)
+_KERNELS: dict[str, weakref.ref] = {}
+_SERIAL = itertools.count()
 _DTYPE_OF = operator.attrgetter("dtype")
 _DEVICE_OF = operator.attrgetter("device")
 _SHAPE_OF = operator.attrgetter("shape")
@@ -1504,10 +1511,19 @@ _IS_CPU = operator.attrgetter("is_cpu")
 _GEOMETRY: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> Kernel._geometry
 
 
+def kernel_of(key: str) -> Kernel:
+    """The live kernel named ``key``."""
+    ref = _KERNELS.get(key)
+    found = ref() if ref is not None else None
+    if found is None:
+        raise RuntimeError(f"vega: the C kernel {key!r} was released with its optimizer")
+    return found
+
+
 @torch.library.custom_op("vega::c_prelude", mutates_args=("pre",), device_types="cpu")
 def c_prelude(key: str, grads: list[torch.Tensor], pre: torch.Tensor) -> None:
     """Add the sum of squares and the non-finite count of ``grads`` into ``pre``."""
-    _KERNELS[key]._prelude(grads, pre)
+    kernel_of(key)._prelude(grads, pre)
 
 
 @c_prelude.register_fake
@@ -1523,7 +1539,7 @@ def c_step(key: str, params: list[torch.Tensor], grads: list[torch.Tensor],
            pre: torch.Tensor | None) -> None:
     """One step of the kernel named ``key``, in place. ``states`` is flat, state by state;
     parameter ``i`` counts on ``steps[step_index[i]]`` with ``hypers[hyper_index[i]]``."""
-    _KERNELS[key]._step(params, grads, states, steps, step_index, hypers, hyper_index, pre)
+    kernel_of(key)._step(params, grads, states, steps, step_index, hypers, hyper_index, pre)
 
 
 @c_step.register_fake

@@ -11,21 +11,31 @@ Loading a library runs its code, so the cache is trusted only as far as it is
 this user's own (``safe_dir``, ``untrusted``):
 
 - the cache directory and its ``c/`` (or ``native/``) are created owner-only
-  (0o700), and are used only if they are owned by this user and not writable by
-  group or others; where one is not, this process builds into a private
-  directory of its own (``tempfile.mkdtemp``, removed at exit) instead;
-- a library is loaded only if it is a regular file (not a link) owned by this
-  user, not writable by group or others, and its SHA-256 is the one its build
-  recorded beside it (``sha256-<name>``, written with it under the directory's
-  lock, so that a reader sees a library and the hash of the same build); this
-  is checked before it is opened, since opening runs its constructors;
-- any other library is rebuilt, with one warning per process (``warn_once``).
+  (0o700), and are used only if they are directories owned by this user, not
+  writable by group or others, and writable by this user; where one is not (or
+  ``VEGA_CACHE_DIR`` names a file, or a path under one), this process builds into
+  a private directory of its own (``tempfile.mkdtemp``, removed at exit) instead,
+  with a warning that names ``VEGA_CACHE_DIR``;
+- a library is loaded only if it is a regular file (not a link, a FIFO, a
+  directory) owned by this user, not writable by group or others, of at most
+  ``LIBRARY_LIMIT`` bytes, and its SHA-256 is the one its build recorded beside it
+  (``sha256-<name>``, a regular file of at most ``HASH_LIMIT`` bytes, written with
+  it under the directory's lock, so that a reader sees a library and the hash of
+  the same build); this is checked before it is opened, since opening runs its
+  constructors, and without opening anything but a regular file (``read_capped``:
+  a FIFO would block the read);
+- what is loaded is a copy of the bytes checked, under a name of its own
+  (``load_verified``), so that no later change to the cache reaches a mapped
+  library and a rebuilt one is not handed the old one's handle;
+- any other library is rebuilt in its place, with one warning per process
+  (``warn_once``).
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -55,6 +65,10 @@ _lock = threading.Lock()
 
 class CompilerError(VegaError):
     """The C compiler rejected a generated kernel: a bug in vega, with the compiler's words."""
+
+
+class CacheError(VegaError, OSError):
+    """Neither the kernel cache directory nor a private temporary one can be used."""
 
 
 def cache_dir() -> Path:
@@ -87,32 +101,66 @@ def _unsafe(st: os.stat_result) -> str | None:
     return None
 
 
+def _blocked(path: Path, error: OSError) -> str:
+    """Why the directory ``path`` cannot be made or read: the first of its parents that is
+    not a directory (a file where ``VEGA_CACHE_DIR`` names a directory under it), else the
+    system's words."""
+    for parent in reversed(path.parents):
+        try:
+            if not stat.S_ISDIR(os.stat(parent).st_mode):
+                return f"{parent} is not a directory"
+        except OSError:
+            break
+    return error.strerror or str(error)
+
+
 def _private(path: Path) -> str | None:
     """Make the directory ``path`` owner-only where it is missing (its parents as the umask
-    has them); what makes it unsafe to build into, or None."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.mkdir(mode=0o700)  # the umask can only take bits away
-        os.chmod(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        return f"it cannot be created ({e.strerror})"
+    has them); what makes it unsafe or unusable to build into, or None."""
     try:
         st = os.stat(path)
+    except FileNotFoundError:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700)  # the umask can only take bits away
+            os.chmod(path, 0o700)
+        except FileExistsError:  # made by another process just now (or a parent is a file)
+            pass
+        except OSError as e:
+            return f"it cannot be created ({_blocked(path, e)})"
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            return f"it cannot be created ({_blocked(path, e)})"
     except OSError as e:
-        return f"it cannot be read ({e.strerror})"
-    return "it is not a directory" if not stat.S_ISDIR(st.st_mode) else _unsafe(st)
+        how = "created" if isinstance(e, NotADirectoryError) else "read"
+        return f"it cannot be {how} ({_blocked(path, e)})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is a file, not a directory" if stat.S_ISREG(st.st_mode) else \
+            "it is not a directory"
+    problem = _unsafe(st)
+    if problem is None and not os.access(path, os.W_OK | os.X_OK):
+        problem = "it is not writable"  # (a read-only file system, or mode 0o500)
+    return problem
 
 
 _fallback: Path | None = None  # this process's private directory, where the cache is unsafe
 
 
+def _named() -> str:
+    """Where the cache directory comes from, in words."""
+    root = os.environ.get("VEGA_CACHE_DIR")
+    return f"VEGA_CACHE_DIR={root}" if root else \
+        "the default, as VEGA_CACHE_DIR is not set"
+
+
 def safe_dir(path: Path) -> Path:
     """``path`` (a directory in the cache, as ``cache_dir()``), created owner-only where
-    missing, if it and the cache directory above it are this user's and not writable by
-    group or others; else the directory of the same name in a private directory of this
-    process (removed at exit), with one warning."""
+    missing, if it and the cache directory above it are this user's, not writable by group
+    or others, and writable by this user; else the directory of the same name in a private
+    directory of this process (removed at exit), with one warning that names
+    ``VEGA_CACHE_DIR``. Raises ``CacheError`` where that private directory cannot be made
+    either."""
     global _fallback
     for directory in (path.parent, path):
         problem = _private(directory)
@@ -121,10 +169,18 @@ def safe_dir(path: Path) -> Path:
     else:
         return path
     if _fallback is None:
-        _fallback = Path(tempfile.mkdtemp(prefix="vega-cache-"))  # 0o700, a new name
+        try:
+            _fallback = Path(tempfile.mkdtemp(prefix="vega-cache-"))  # 0o700, a new name
+        except OSError as e:
+            raise CacheError(
+                f"vega: the kernel cache directory {directory} ({_named()}) cannot be used: "
+                f"{problem}; nor can a private one be made in {tempfile.gettempdir()} "
+                f"({e.strerror}); set VEGA_CACHE_DIR to a directory of your own") from e
         atexit.register(shutil.rmtree, _fallback, True)
-    warn_once(f"vega: not using the cache directory {directory}: {problem}; building into "
-              f"{_fallback}, private to this process, instead")
+    warn_once(f"vega: not using the kernel cache directory {directory} ({_named()}): "
+              f"{problem}; building into {_fallback}, private to this process and removed "
+              f"at exit, instead (set VEGA_CACHE_DIR to a directory of your own to keep "
+              f"kernels between runs)")
     private = _fallback / path.name
     private.mkdir(mode=0o700, exist_ok=True)
     return private
@@ -153,38 +209,86 @@ def _locked(directory: Path, exclusive: bool):
             os.close(fd)
 
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+# not following a link, not inherited by compilers, and not waiting on a FIFO (its open for
+# reading blocks until something writes to it; O_NONBLOCK makes no difference to a file)
+_OPEN = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | \
+    getattr(os, "O_NONBLOCK", 0)
+LIBRARY_LIMIT = 64 << 20  # bytes: a kernel's library is some 100 KB, the native scanner's 1 MB
+HASH_LIMIT = 4096  # bytes: a recorded SHA-256 is one line
+_KINDS = ((stat.S_ISLNK, "a symbolic link (a link is not followed)"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
-def _read(path: Path) -> tuple[bytes | None, str | None]:
-    """The bytes of the regular file at ``path`` (not followed if a link), read from one
-    open file whose owner and mode were checked; or (None, why not)."""
+def _not_regular(st: os.stat_result) -> str | None:
+    """Why an entry with this (l)status is not a regular file, or None."""
+    if stat.S_ISREG(st.st_mode):
+        return None
+    kind = next((what for test, what in _KINDS if test(st.st_mode)), "no regular file")
+    return f"it is not a regular file but {kind}"
+
+
+def read_capped(path: Path, limit: int) -> tuple[bytes | None, str | None]:
+    """The bytes of the regular file at ``path``, of this user's and not writable by group or
+    others, at most ``limit`` of them, read from one open file; or (None, why not). Nothing
+    else is opened (a FIFO, a device), no link followed, and nothing larger read."""
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        problem = _not_regular(os.lstat(path))
+    except OSError as e:
+        return None, f"it cannot be read ({e.strerror})"
+    if problem is not None:
+        return None, problem
+    try:
+        fd = os.open(path, _OPEN)
     except OSError as e:
         return None, f"it cannot be opened ({e.strerror}; a link is not followed)"
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            return None, "it is not a regular file"
-        problem = _unsafe(st)
-        return (None, problem) if problem else (f.read(), None)
+        st = os.fstat(f.fileno())  # (what was opened: it may have been replaced since)
+        problem = _not_regular(st) or _unsafe(st)
+        if problem is None and st.st_size > limit:
+            problem = f"it is {st.st_size} bytes, more than the {limit} it may be"
+        if problem is not None:
+            return None, problem
+        data = f.read(limit + 1)
+        return (None, f"it grew past {limit} bytes") if len(data) > limit else (data, None)
+
+
+def _verified(path: Path) -> tuple[bytes | None, str | None]:
+    """The bytes of the library at ``path`` if they may be loaded, else (None, why not)."""
+    data, problem = read_capped(path, LIBRARY_LIMIT)
+    if problem is not None:
+        return None, problem
+    recorded = hash_file(path)
+    if not os.path.lexists(recorded):
+        return None, f"no SHA-256 was recorded for it ({recorded.name} is missing)"
+    digest, problem = read_capped(recorded, HASH_LIMIT)
+    if problem is not None:
+        return None, f"its recorded SHA-256 {recorded.name} is unusable: {problem}"
+    if digest.split()[:1] != [hashlib.sha256(data).hexdigest().encode()]:
+        return None, f"its SHA-256 differs from the one its build recorded in {recorded.name}"
+    return data, None
 
 
 def untrusted(path: Path) -> str | None:
-    """Why the library at ``path`` must not be loaded, or None where it may: it must be
-    this user's, not writable by group or others, and hash to its recorded SHA-256."""
-    data, problem = _read(path)
-    if problem is not None:
-        return problem
-    if not os.path.lexists(hash_file(path)):
-        return f"no SHA-256 was recorded for it ({hash_file(path).name} is missing)"
-    recorded, problem = _read(hash_file(path))
-    if problem is not None:
-        return f"its recorded SHA-256 {hash_file(path).name} is unusable: {problem}"
-    if recorded.split()[:1] != [hashlib.sha256(data).hexdigest().encode()]:
-        return f"its SHA-256 differs from the one its build recorded in {hash_file(path).name}"
-    return None
+    """Why the library at ``path`` must not be loaded, or None where it may: it must be a
+    regular file of this user's, not writable by group or others, of at most
+    ``LIBRARY_LIMIT`` bytes, and hash to the SHA-256 recorded beside it."""
+    return _verified(path)[1]
+
+
+def remove(path: Path) -> None:
+    """Remove whatever is at ``path`` in the cache (a file, a link, a FIFO, a directory)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def install(built: str | Path, target: Path) -> None:
@@ -199,6 +303,9 @@ def install(built: str | Path, target: Path) -> None:
         with os.fdopen(fd, "w") as f:
             f.write(f"{digest}  {target.name}\n")  # as sha256sum writes it
         with _locked(target.parent, exclusive=True):
+            for path in (hash_file(target), target):  # (a directory there is not replaced)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    remove(path)
             os.replace(tmp, hash_file(target))
             os.replace(built, target)
     finally:
@@ -206,13 +313,31 @@ def install(built: str | Path, target: Path) -> None:
             os.unlink(tmp)
 
 
+_copies = itertools.count()
+
+
 def load_verified(path: Path, load):
-    """``(load(path), None)`` if the library at ``path`` may be loaded (``untrusted``),
-    checked and loaded under its directory's lock, so that no install comes in between;
-    else ``(None, why not)``."""
+    """``(load(copy), None)`` if the library at ``path`` may be loaded (``untrusted``), else
+    ``(None, why not)``. It is checked under its directory's lock, so that no install comes
+    in between, and what is loaded is a copy of the very bytes checked, under a name of its
+    own (removed once loaded): no later change to the file in the cache can reach a library
+    once mapped (a file truncated under a mapping kills the process with SIGBUS), and a
+    library rebuilt at the same path is not handed the old one (the dynamic loader keeps
+    libraries by path, and never unloads a ctypes one)."""
     with _locked(path.parent, exclusive=False):
-        problem = untrusted(path)
-        return (None, problem) if problem else (load(path), None)
+        data, problem = _verified(path)
+    if problem is not None:
+        return None, problem
+    suffix = path.name[path.name.index("."):] if "." in path.name else ""
+    fd, copy = tempfile.mkstemp(suffix=suffix, dir=path.parent,
+                                prefix=f".load-{os.getpid()}-{next(_copies)}-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(copy, 0o700)
+        return load(Path(copy)), None
+    finally:
+        os.unlink(copy)
 
 
 @cache
@@ -326,7 +451,7 @@ def _load(path: Path, key: str):
         lib.vega_key.restype = ctypes.c_char_p
         if lib.vega_key().decode() == key:
             return lib
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, UnicodeDecodeError):
         pass
     return None
 
@@ -349,9 +474,9 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
             lib, problem = load_verified(target, lambda path: _load(path, key))
             if lib is not None:
                 return lib, target, False
-            if problem is not None:
-                warn_once(f"vega: not loading the cached kernel {target}: {problem}; "
-                          f"rebuilding it")
+            warn_once(f"vega: not loading the cached kernel {target}: "
+                      f"{problem or 'it does not load, or does not report its key'}; "
+                      f"rebuilding it")
         fd, tmp_c = tempfile.mkstemp(suffix=".c", prefix=f".{key}-", dir=out_dir)
         tmp_so = tmp_c[:-2] + ".so"
         try:

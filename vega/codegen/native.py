@@ -182,6 +182,46 @@ def _failed_file(target: Path) -> Path:
     return target.with_name(target.name + ".failed")
 
 
+FAILED_LIMIT = 64 << 10  # bytes: a failure record holds the last 2000 characters of an error
+
+
+def _failure(target: Path) -> str | None:
+    """Why a build of ``target`` failed, as recorded beside it, or None where nothing is. A
+    record that is not a regular file of this user's (a FIFO, a directory), or is larger
+    than ``FAILED_LIMIT``, is not read (a FIFO would block the read) but removed, with one
+    warning: the library is built again. Bytes that are not text are replaced."""
+    path = _failed_file(target)
+    if not os.path.lexists(path):
+        return None
+    data, problem = cbuild.read_capped(path, FAILED_LIMIT)
+    if problem is None:
+        return data.decode(errors="replace")
+    cbuild.warn_once(f"vega: not reading {path}: {problem}; removing it and building the "
+                     f"native tensor scanner again")
+    cbuild.remove(path)
+    return None
+
+
+def _record_failure(target: Path, text: str) -> None:
+    """Record ``text`` as why a build of ``target`` failed: written to a new file renamed into
+    place, so that whatever was there (a FIFO: writing into it would block) is replaced. A
+    record that cannot be written is not: the build is tried again by a later process."""
+    path = _failed_file(target)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        if os.path.isdir(path) and not os.path.islink(path):
+            cbuild.remove(path)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    finally:
+        if tmp is not None and os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
 def _lock(target: Path) -> Path:
     return target.with_name(target.name + ".building")
 
@@ -227,7 +267,7 @@ def build(target: Path | None = None) -> str | None:
         if os.path.exists(tmp):
             os.unlink(tmp)
     error += f" (kept in {_failed_file(target)}: delete it to try again)"
-    _failed_file(target).write_text(error)
+    _record_failure(target, error)
     return error
 
 
@@ -241,7 +281,7 @@ def _spawn(target: Path) -> None:
         if not _stale(lock):
             _state["pending"] = (target, None, None)
             return
-        lock.unlink(missing_ok=True)
+        cbuild.remove(lock)
         try:
             os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             made = True
@@ -276,28 +316,29 @@ def _poll(wait: bool) -> None:
             return
     else:  # another process builds it: wait for it (or for its lock to go stale)
         deadline = now + 900
-        while not target.exists() and not _stale(_lock(target)) and not \
-                _failed_file(target).exists() and wait and time.monotonic() < deadline:
+        while not os.path.lexists(target) and not _stale(_lock(target)) and not \
+                os.path.lexists(_failed_file(target)) and wait and time.monotonic() < deadline:
             time.sleep(0.2)
-        if not target.exists() and not _failed_file(target).exists():
+        if not os.path.lexists(target) and not os.path.lexists(_failed_file(target)):
             if _stale(_lock(target)):  # it died, or gave up: build here
                 _spawn(target)
                 if wait and _state["pending"] is not None:
                     _poll(True)
             return
     _state["pending"] = None
-    if target.exists():
+    if os.path.lexists(target):
         _state["module"], problem = _opened(target)
         if problem == _DIFFERS:  # not worth building again
-            _failed_file(target).write_text(problem)
+            _record_failure(target, problem)
         elif problem is not None:
             cbuild.warn_once(f"vega: not loading the native tensor scanner: {problem}")
         _state["failed"] = problem
-    elif _failed_file(target).exists():
-        _state["failed"] = _failed_file(target).read_text()
     else:
-        log.seek(0)
-        _state["failed"] = log.read().decode(errors="replace")[-2000:] or "the build failed"
+        failure = _failure(target)
+        if failure is None and log is not None:
+            log.seek(0)
+            failure = log.read().decode(errors="replace")[-2000:]
+        _state["failed"] = failure or "the build failed"
     if log is not None:
         log.close()
 
@@ -329,8 +370,9 @@ def scanner(wait: bool | None = None) -> Scanner | None:
             _state["failed"] = "no C++ compiler, Python headers or torch headers"
             return None
         target = _placed(found[1])
-        if _failed_file(target).exists():
-            _state["failed"] = _failed_file(target).read_text()
+        failure = _failure(target)
+        if failure is not None:
+            _state["failed"] = failure
             return None
         if os.path.lexists(target):
             _state["module"], problem = _opened(target)
@@ -339,13 +381,13 @@ def scanner(wait: bool | None = None) -> Scanner | None:
             if problem != _DIFFERS:
                 cbuild.warn_once(f"vega: not loading the native tensor scanner: {problem}; "
                                  f"rebuilding it")
-            target.unlink(missing_ok=True)  # corrupt or untrusted: rebuilt
+            cbuild.remove(target)  # corrupt or untrusted: rebuilt
         if wait:
             error = build(target)
             if error is None:
                 _state["module"], error = _opened(target)
                 if error == _DIFFERS:
-                    _failed_file(target).write_text(error)
+                    _record_failure(target, error)
             _state["failed"] = error
             return _state["module"]
         _spawn(target)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import math
 from dataclasses import dataclass
 from functools import cache
@@ -741,6 +742,9 @@ class Source:
             axes=self._axes() if axes else None, doms=TAG)
 
 
+_SERIAL = itertools.count()
+
+
 @cache
 def _template():
     import jinja2
@@ -769,7 +773,9 @@ class Kernel:
             self.plan = ([(x.kind, x.fn, DOMS.index(x.dom), x.wide, len(x.reductions))
                           for x in plan.launches], [DOMS.index(n.dom) for n in plan.temps])
         text = self.source()
-        self.key = f"{safe(program.name)}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+        # the modules' name, by their source; the custom ops' name for this kernel, its own
+        self.module_name = f"{safe(program.name)}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+        self.key = f"{self.module_name}-{next(_SERIAL)}"
         self._modules: dict[tuple, dict] = {}
         triton_runtime.register(self)
 
@@ -781,7 +787,7 @@ class Kernel:
         key = (dtypes, triton_runtime.interpreting())
         if key not in self._modules:
             self._modules[key] = triton_runtime.load_module(
-                self.source(dtypes), f"{self.key}-{'-'.join(dtypes)}")
+                self.source(dtypes), f"{self.module_name}-{'-'.join(dtypes)}")
         return self._modules[key]
 
     def init(self, p, values, state_dtype):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -39,14 +40,27 @@ PRELUDE_PROGRAMS = 1024  # the prelude's programs each take every PRELUDE_PROGRA
 FINISH_BLOCK = 1024  # partial results combined at a time
 ADVANCE_BLOCK = 1024  # step counters per program
 
-_KERNELS: dict = {}  # key -> vega.codegen.triton.Kernel, for the custom ops
+# key -> a weak reference to the vega.codegen.triton.Kernel, for the custom ops: a kernel is
+# released with its program (one a torch.compile'd step uses is held by ``vega.tracing``)
+_KERNELS: dict[str, weakref.ref] = {}
 _TABLES: OrderedDict = OrderedDict()  # (device, content) -> (device table, pinned copy)
 _CAPTURED: list = []  # tables first made during a CUDA graph capture, kept for its replays
 _MAPS: dict = {}  # (numels, block, device) -> block map
 
 
 def register(kernel) -> None:
-    _KERNELS[kernel.key] = kernel
+    """Let the custom ops find ``kernel`` by its key (unique to it), while it lives."""
+    key = kernel.key
+    _KERNELS[key] = weakref.ref(kernel, lambda _, key=key: _KERNELS.pop(key, None))
+
+
+def kernel_of(key: str):
+    """The live kernel named ``key``."""
+    ref = _KERNELS.get(key)
+    found = ref() if ref is not None else None
+    if found is None:
+        raise RuntimeError(f"vega: the Triton kernel {key!r} was released with its optimizer")
+    return found
 
 
 def interpreting() -> bool:
@@ -192,7 +206,7 @@ def _dtype_key(p, g, s):
 
 @torch.library.custom_op("vega::triton_prelude", mutates_args=("pre",))
 def _prelude_op(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor) -> None:
-    kern = _KERNELS[kernel]
+    kern = kernel_of(kernel)
     check_device(pre.device)
     name, block = safe(kern.program.name), block_size()
     groups: dict[str, list[torch.Tensor]] = {}
@@ -231,7 +245,7 @@ def _step_op(kernel: str, params: list[torch.Tensor], states: list[torch.Tensor]
              inplace: bool) -> None:
     """One step of every tensor: writes params, states (state-major), steps and finite.
     ``old_*`` are the inputs of a pure step (empty when ``inplace``)."""
-    kern = _KERNELS[kernel]
+    kern = kernel_of(kernel)
     device = finite.device
     check_device(device)
     n, nstate = len(params), len(kern.program.states)
