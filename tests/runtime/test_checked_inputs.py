@@ -1,0 +1,79 @@
+"""Inputs that are refused with a ValueError naming them, not taken silently nor failing with
+a raw error: loaded states and loss scales, hyperparameters past the float range,
+schedules that return something other than one value, state dtypes, state leaves, state
+files' leaves and keys, spec files, and the loss scale's settings (docs/robustness.md,
+"Inputs that are checked")."""
+import copy
+import math
+import os
+import re
+
+import pytest
+import torch
+
+import vega
+from vega import LossScale
+
+
+def _params(n=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(4, 3, generator=gen)) for _ in range(n)]
+
+
+def _stepped(opt, params, steps=2, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return opt
+
+
+def _snapshot(opt):
+    """What load_state_dict may not change when it refuses: every state tensor, the groups'
+    settings, the loss scale's tensors (copies)."""
+    state = {i: {k: v.clone() for k, v in opt.state[p].items()}
+             for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    scale = None if opt.loss_scale is None else [t.clone() for t in opt.loss_scale.tensors()]
+    return state, groups, scale, opt.state, opt.param_groups
+
+
+def _unchanged(opt, snap):
+    state, groups, scale, state_obj, groups_obj = snap
+    assert opt.state is state_obj and opt.param_groups is groups_obj
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        assert opt.state[p].keys() == state[i].keys()
+        for k, v in state[i].items():
+            assert torch.equal(opt.state[p][k], v), (i, k)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+    if scale is not None:
+        for a, b in zip(opt.loss_scale.tensors(), scale):
+            assert torch.equal(a, b)
+
+
+# -- loss scale settings --------------------------------------------------------------
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(backoff_factor=2), "backoff_factor=2 must be below 1"),
+    (dict(backoff_factor=1.0), "backoff_factor=1.0 must be below 1"),
+    (dict(growth_factor=1.0), "growth_factor=1.0 must be above 1"),
+    (dict(growth_factor=0.5), "growth_factor=0.5 must be above 1"),
+    (dict(growth_factor=10**400), "growth_factor=1000"),
+    (dict(backoff_factor=0.0), "backoff_factor=0.0 must be positive"),
+])
+def test_loss_scale_factors_are_those_gradscaler_takes(kw, message):
+    """torch.amp.GradScaler: growth_factor > 1, backoff_factor < 1 (and vega: > 0)."""
+    (name, value), = kw.items()
+    for who, call in [
+            ("LossScale.dynamic", lambda: LossScale.dynamic(**kw)),
+            ("LossScale", lambda: LossScale(torch.tensor(8.0), torch.tensor(0, dtype=torch.int32),
+                                            **kw)),
+            ("LossScale.adjust", lambda: LossScale.dynamic().adjust(True, **kw)),
+            ("LossScale.adjust", lambda: LossScale.static(4.0).adjust(True, **kw))]:
+        with pytest.raises(ValueError, match=rf"^{re.escape(who)}: {re.escape(message)}"):
+            call()
+    torch.amp.GradScaler("cpu", growth_factor=1.5, backoff_factor=0.9)  # the edges it takes
+    ls = LossScale.dynamic(init=4.0, growth_factor=1.5, backoff_factor=0.9)
+    assert math.isclose(ls.adjust(False).loss_scale.item(), 3.6, rel_tol=1e-6)
