@@ -53,6 +53,44 @@ def _unchanged(opt, snap):
             assert torch.equal(a, b)
 
 
+# -- hyperparameters and state dtypes -------------------------------------------------
+
+def test_a_number_past_the_float_range_is_a_value_error():
+    p = torch.ones(3)
+    for call, owner in [(lambda: vega.optim.AdamW([torch.nn.Parameter(p)], lr=10**400),
+                         "AdamW"),
+                        (lambda: vega.adamw_init([p], lr=10**400), "adamw_init"),
+                        (lambda: vega.adamw_step([p], [p], vega.adamw_init([p]), lr=10**400),
+                         "adamw_step")]:
+        with pytest.raises(ValueError, match=rf"^{owner}: lr=1000000.*0000 is too large for a "
+                                             r"float$"):
+            call()
+    with pytest.raises(ValueError, match=r"max_grad_norm=1000.* must be a positive finite"):
+        vega.optim.AdamW([torch.nn.Parameter(p)], max_grad_norm=10**400)
+    with pytest.raises(ValueError, match=r"LossScale.static: s=1000.* must be positive and "
+                                         r"finite"):
+        LossScale.static(10**400)
+
+
+@pytest.mark.parametrize("dtype", ["float32", torch.int32, torch.bool, 32, float])
+def test_state_dtype_is_a_torch_float_dtype(dtype):
+    p = torch.nn.Parameter(torch.ones(3))
+    words = "must be None or a torch float dtype"
+    with pytest.raises(ValueError, match=rf"^adamw_init: state_dtype=.* {words}"):
+        vega.adamw_init([p.detach()], state_dtype=dtype)
+    with pytest.raises(ValueError, match=rf"^AdamW: state_dtype=.* {words}"):
+        vega.optim.AdamW([p], state_dtype=dtype)
+    opt = vega.optim.AdamW([p])
+    with pytest.raises(ValueError, match=rf"^AdamW: state_dtype=.* {words}"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "state_dtype": dtype})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match=rf"^lbfgs_init: state_dtype=.* {words}"):
+        vega.lbfgs_init([p.detach()], state_dtype=dtype)
+    with pytest.raises(ValueError, match=rf"^LBFGS: state_dtype=.* {words}"):
+        vega.optim.LBFGS([p], state_dtype=dtype)
+    vega.adamw_init([p.detach()], state_dtype=torch.float64)  # a dtype is taken
+
+
 # -- loss scale settings --------------------------------------------------------------
 
 @pytest.mark.parametrize("kw,message", [

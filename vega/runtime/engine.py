@@ -25,16 +25,31 @@ def _suggest(name, names) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def shown(value) -> str:
+    """``repr(value)`` for a message, cut short where long (an int of 400 digits)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
+
+
+def check_state_dtype(owner: str, state_dtype) -> None:
+    """``state_dtype``: None or a torch float (or complex) dtype; ValueError naming it."""
+    if state_dtype is None or (isinstance(state_dtype, torch.dtype) and (
+            state_dtype.is_floating_point or state_dtype.is_complex)):
+        return
+    raise ValueError(f"{owner}: state_dtype={shown(state_dtype)} must be None or a torch float "
+                     "dtype (torch.float32, torch.float64, torch.bfloat16, ...)")
+
+
 def check_value(owner: str, h: HyperParam, value):
     """A hyperparameter value as the step takes it, or ValueError naming it."""
     if h.type == "bool":
         if not isinstance(value, bool):
-            raise ValueError(f"{owner}: {h.name}={value!r} must be True or False (it selects "
+            raise ValueError(f"{owner}: {h.name}={shown(value)} must be True or False (it selects "
                              "the compiled kernel)")
         return value
     if isinstance(value, bool) or not (
             isinstance(value, (numbers.Real, torch.Tensor)) or callable(value)):
-        raise ValueError(f"{owner}: {h.name}={value!r} must be a float, a 0-d tensor or a "
+        raise ValueError(f"{owner}: {h.name}={shown(value)} must be a float, a 0-d tensor or a "
                          "schedule (a callable of the step counter)")
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or not value.is_floating_point():
@@ -42,10 +57,14 @@ def check_value(owner: str, h: HyperParam, value):
                              f"{tuple(value.shape)} and dtype {value.dtype}")
         return value
     if isinstance(value, numbers.Real):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int (or Fraction) past the float range: 10**400
+            raise ValueError(f"{owner}: {h.name}={shown(value)} is too large for a float")\
+                from None
         if math.isnan(value) or (h.range is not None and not h.range.contains(value)):
             where = f"outside its range {h.range}" if h.range is not None else "not a number"
-            raise ValueError(f"{owner}: {h.name}={value!r} is {where}")
+            raise ValueError(f"{owner}: {h.name}={shown(value)} is {where}")
     return value
 
 
@@ -57,11 +76,19 @@ def check_fused(owner: str, max_grad_norm, skip_nonfinite, loss_scale=None) -> N
                          "(LossScale.dynamic() or LossScale.static(s)) or None")
     if max_grad_norm is not None:
         if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
-                or not max_grad_norm > 0 or math.isinf(max_grad_norm):
-            raise ValueError(f"{owner}: max_grad_norm={max_grad_norm!r} must be a positive "
+                or not max_grad_norm > 0 or not _finite(max_grad_norm):
+            raise ValueError(f"{owner}: max_grad_norm={shown(max_grad_norm)} must be a positive "
                              "finite number (or None for no clipping)")
     if not isinstance(skip_nonfinite, bool):
         raise ValueError(f"{owner}: skip_nonfinite={skip_nonfinite!r} must be True or False")
+
+
+def _finite(x: numbers.Real) -> bool:
+    """Whether a real number is a finite float (10**400 is not)."""
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, base: dict | None = None):

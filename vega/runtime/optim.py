@@ -59,6 +59,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             codegen.check_backend(group.get("backend"))
+            engine.check_state_dtype(type(self).__name__, group.get("state_dtype"))
             engine.resolve(type(self).__name__, self.spec.hypers,
                            {h.name: group[h.name] for h in self.spec.hypers})
             engine.shape_values(type(self).__name__, self.spec._spec, {}, group)

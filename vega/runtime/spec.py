@@ -68,6 +68,7 @@ class CompiledSpec:
         """A fresh state for ``params`` (any pytree of tensors)."""
         owner = f"{self.name}_init"
         flags, values = engine.resolve(owner, self.hypers, hypers)
+        engine.check_state_dtype(owner, state_dtype)
         leaves, spec = flatten(params)
         _check_leaves(owner, "params", params, leaves)
         # a state an if on values declares (sgd's v under `if momentum > 0`) is made
