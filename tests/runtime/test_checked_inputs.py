@@ -91,6 +91,61 @@ def test_state_dtype_is_a_torch_float_dtype(dtype):
     vega.adamw_init([p.detach()], state_dtype=torch.float64)  # a dtype is taken
 
 
+# -- schedules ------------------------------------------------------------------------
+
+BAD_SCHEDULES = {
+    "a vector": (lambda step: torch.full((3,), 1e-3), r"a tensor of shape \(3,\) and dtype "
+                 r"torch\.float32; a schedule returns one value"),
+    "a string": (lambda step: "0.001", r"'0.001', a str"),
+    "None": (lambda step: None, r"None, a NoneType"),
+    "a bool tensor": (lambda step: step > 0, r"a tensor of shape \(\) and dtype torch\.bool"),
+    "a complex tensor": (lambda step: torch.tensor(1e-3j), r"a tensor of shape \(\) and dtype "
+                         r"torch\.complex64"),
+    "a huge int": (lambda step: 10**400, r"1000.*, too large for a float"),
+}
+
+
+def _schedule_calls(lr):
+    """Each way a schedule is evaluated: the functional init and step (one tensor, several:
+    counters stacked), the class step on the reference and the default backend (the
+    direct step's rows, from the second step)."""
+    def functional(params):
+        state = vega.adamw_init(params)
+        vega.adamw_step(params, [torch.ones_like(p) for p in params], state, lr=lr)
+
+    def classes(backend):
+        ps = _params(3)
+        opt = vega.optim.AdamW(ps, backend=backend)
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()  # (a constant lr: the direct step is planned)
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+    return {
+        "init": lambda: vega.adamw_init([torch.ones(3)], lr=lr),
+        "step of one tensor": lambda: functional([torch.ones(3)]),
+        "step of several": lambda: functional([torch.ones(3), torch.ones(2, 2)]),
+        "class on reference": lambda: classes("reference"),
+        "class on the default backend": lambda: classes(None),
+    }
+
+
+@pytest.mark.parametrize("what", BAD_SCHEDULES)
+def test_a_schedule_that_returns_no_single_value_is_named(what):
+    lr, message = BAD_SCHEDULES[what]
+    for where, call in _schedule_calls(lr).items():
+        with pytest.raises(ValueError, match=rf"hyperparameter 'lr': its schedule returned "
+                                             rf"{message}"):
+            call()
+
+
+def test_a_schedule_may_return_a_number_or_a_one_element_tensor():
+    for lr in (lambda step: 1e-3, lambda step: torch.tensor([1e-3]),
+               lambda step: step.double() * 0 + 1e-3, lambda step: step + 1):
+        for call in _schedule_calls(lr).values():
+            call()
+
+
 # -- loss scale settings --------------------------------------------------------------
 
 @pytest.mark.parametrize("kw,message", [

@@ -187,9 +187,39 @@ def state_fields(progs) -> list:
 
 
 def at_step(values: dict, step: torch.Tensor) -> dict:
-    """Hyperparameter values at a step counter: schedules are called with the tensor."""
-    return {k: (v(step) if is_schedule(v) else v)
+    """Hyperparameter values at a step counter: schedules are called with the tensor (and
+    what they return checked, ``scheduled``)."""
+    return {k: (scheduled(k, v(step)) if is_schedule(v) else v)
             for k, v in values.items()}
+
+
+def scheduled(name: str, x):
+    """``x``, what the schedule of hyperparameter ``name`` returned at one step counter, if
+    it is one value: a real number, or a real tensor of one element; else ValueError naming
+    the hyperparameter. Its dtype and shape are checked, never its value (no host sync)."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() == 1 and not x.is_complex() and x.dtype != torch.bool:
+            return x
+        raise ValueError(f"hyperparameter {name!r}: its schedule returned a tensor of shape "
+                         f"{tuple(x.shape)} and dtype {x.dtype}; a schedule returns one value "
+                         "at a step counter: a number or a 0-d float tensor")
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        if _fits(x):
+            return x
+        raise ValueError(f"hyperparameter {name!r}: its schedule returned {shown(x)}, too large "
+                         "for a float")
+    raise ValueError(f"hyperparameter {name!r}: its schedule returned {shown(x)}, a "
+                     f"{type(x).__name__}; a schedule returns one value at a step counter: a "
+                     "number or a 0-d float tensor")
+
+
+def _fits(x: numbers.Real) -> bool:
+    """Whether a real number converts to a float (10**400 does not)."""
+    try:
+        float(x)
+    except OverflowError:
+        return False
+    return True
 
 
 def state_dtype_for(p: torch.Tensor, state_dtype: torch.dtype | None) -> torch.dtype:
@@ -312,22 +342,24 @@ def _block(names, vals: dict, counters: list, stacked: list, device):
     whether it does). ``stacked``: the counters stacked, filled on first need."""
     timed = any(is_schedule(vals[n]) for n in names)
     rows = len(counters) if timed else 1
-    cols = [_column(vals[n], counters, stacked, rows, device) for n in names]
+    cols = [_column(n, vals[n], counters, stacked, rows, device) for n in names]
     return (torch.stack(cols, dim=1) if cols else
             torch.zeros((rows, 1), dtype=torch.float64, device=device)), timed
 
 
-def _column(v, counters, stacked: list, rows: int, device) -> torch.Tensor:
-    """A hyperparameter's value at each counter (``rows`` of them), float64."""
+def _column(name: str, v, counters, stacked: list, rows: int, device) -> torch.Tensor:
+    """Hyperparameter ``name``'s value ``v`` at each counter (``rows`` of them), float64."""
     if isinstance(v, Schedule) and v.elementwise() and len(counters) > 1:
         if not stacked:
             stacked.append(torch.stack(counters))
         try:
-            return v(stacked[0]).to(device=device, dtype=torch.float64)
+            out = v(stacked[0])
+            if isinstance(out, torch.Tensor) and out.shape == stacked[0].shape:
+                return out.to(device=device, dtype=torch.float64)
         except (RuntimeError, TypeError):  # an _at with a Python if on the step: one by one
             pass
     if is_schedule(v):
-        return torch.stack([_float64(v(s), device) for s in counters])
+        return torch.stack([_float64(scheduled(name, v(s)), device) for s in counters])
     if isinstance(v, torch.Tensor):
         return v.detach().reshape(()).to(device=device, dtype=torch.float64).expand(rows)
     return torch.full((rows,), float(v), dtype=torch.float64, device=device)
