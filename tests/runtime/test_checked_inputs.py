@@ -146,6 +146,27 @@ def test_a_schedule_may_return_a_number_or_a_one_element_tensor():
             call()
 
 
+# -- state leaves of the functional step ----------------------------------------------
+
+@pytest.mark.parametrize("mu,message", [
+    ([1.0], r"state leaf 'mu\.0' is 1\.0, a float, not a tensor"),
+    ([[1.0]], r"state field 'mu' does not have the structure of params: params have a leaf "
+              r"at '0', 'mu' has a float at '0\.0'"),
+    ([torch.ones(3), torch.ones(3)], r"state field 'mu' does not have the structure of "
+                                     r"params: params have nothing more, 'mu' has a tensor at "
+                                     r"'1'"),
+    ((torch.ones(3),), r"state field 'mu' does not have the structure of params: 'mu' is a "
+                       r"tuple, params a list"),
+    ([None], r"state leaf 'mu\.0' is missing"),
+])
+def test_a_state_leaf_that_is_not_a_tensor_is_named(mu, message):
+    p = torch.ones(3)
+    state = vega.adamw_init([p])
+    state["mu"] = mu
+    with pytest.raises(ValueError, match=rf"^adamw_step: {message}"):
+        vega.adamw_step([p], [p], state)
+
+
 # -- loss scale settings --------------------------------------------------------------
 
 @pytest.mark.parametrize("kw,message", [

@@ -324,14 +324,52 @@ def _check_state(owner, cspec, flags, names, state, p_spec, shaped=()):
     for n in names:
         columns[n], spec = flatten(state[n])
         if spec != p_spec:
-            raise ValueError(f"{owner}: state field '{n}' does not have the structure of params")
+            raise ValueError(f"{owner}: state field '{n}' does not have the structure of "
+                             f"params{_where_unlike(n, state[n], p_spec)}")
     return columns
+
+
+def _where_unlike(field: str, sub, p_spec) -> str:
+    """Where a state field's tree first differs from the parameters', for a message: the
+    first leaf path (in order) that the two do not share, and what each holds there."""
+    params = unflatten([None] * p_spec.num_leaves, p_spec)
+    ours, theirs = _typed_paths(params), _typed_paths(sub)
+    for k in range(max(len(ours), len(theirs))):
+        a = ours[k] if k < len(ours) else None
+        b = theirs[k] if k < len(theirs) else None
+        if a is None or b is None or a[0] != b[0]:
+            said = [f"params {'have nothing more' if a is None else f'have {a[1]} at {a[0]!r}'}",
+                    f"'{field}' {'has nothing more' if b is None else f'has {b[1]} at {b[0]!r}'}"]
+            return f": {said[0]}, {said[1]}"
+        if b[1] != "a leaf" and b[1] != "a tensor":
+            return f": '{field}' has {b[1]} at {b[0]!r}, where params have a tensor"
+    if type(sub) is not type(params):
+        return f": '{field}' is a {type(sub).__name__}, params a {type(params).__name__}"
+    return ""
+
+
+def _typed_paths(tree) -> list[tuple[str, str]]:
+    """(dotted path, what is there) of each leaf of ``tree``, None counted as a leaf."""
+    from torch.utils import _pytree as pytree
+
+    from vega.runtime.tree import _key
+    pairs, _ = pytree.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+    out = []
+    for path, leaf in pairs:
+        name = ".".join(_key(k) for k in path) or "(the root)"
+        what = "a leaf" if leaf is None else "a tensor" if isinstance(leaf, torch.Tensor) \
+            else f"a {type(leaf).__name__}"
+        out.append((name, what))
+    return out
 
 
 def _check_state_leaf(owner, name, p, s, dom="rc"):
     """``name()``: the leaf's name, for a message."""
-    if not isinstance(s, torch.Tensor):
+    if s is None:
         raise ValueError(f"{owner}: state leaf '{name()}' is missing")
+    if not isinstance(s, torch.Tensor):
+        raise ValueError(f"{owner}: state leaf '{name()}' is {engine.shown(s)}, a "
+                         f"{type(s).__name__}, not a tensor")
     if dom == "rc" and s.shape == p.shape and _same_device(s, p):
         return
     want = state_shape(p, dom)
