@@ -167,6 +167,42 @@ def test_a_state_leaf_that_is_not_a_tensor_is_named(mu, message):
         vega.adamw_step([p], [p], state)
 
 
+# -- state files ----------------------------------------------------------------------
+
+def test_save_refuses_a_meta_or_sparse_leaf(tmp_path):
+    path = tmp_path / "s.safetensors"
+    with pytest.raises(ValueError, match=r"^vega\.save: state leaf 'mu\.w' is a meta tensor"):
+        vega.save(path, {"mu": {"w": torch.empty(3, device="meta")}, "step": torch.zeros(())})
+    with pytest.raises(ValueError, match=r"^vega\.save: state leaf 'mu' is a torch\.sparse_coo "
+                                         r"tensor"):
+        vega.save(path, {"mu": torch.ones(3).to_sparse()})
+    assert not os.listdir(tmp_path)  # nothing written, not even the temporary file
+
+
+@pytest.mark.parametrize("state,where", [
+    ({"": torch.ones(3)}, ""),
+    ({"mu": {"": torch.ones(3)}, "step": torch.zeros((), dtype=torch.int32)}, " under 'mu'"),
+    ({"": {"w": torch.ones(3)}}, ""),
+    ({"mu": {"a": {"": torch.ones(3)}}}, " under 'mu.a'"),
+])
+def test_an_empty_key_is_refused_on_save_and_load(tmp_path, state, where):
+    message = rf"the state has an empty key{re.escape(where)}; each leaf is named by its keys"
+    path = tmp_path / "s.safetensors"
+    with pytest.raises(ValueError, match=rf"^vega\.save: {message}"):
+        vega.save(path, state)
+    vega.save(path, {"mu": torch.ones(3)})
+    with pytest.raises(ValueError, match=rf"^vega\.load: {message}"):
+        vega.load(path, like=state)
+    with pytest.raises(ValueError, match=rf"^vega\.get_leaf: {message}"):
+        vega.get_leaf(state, "mu")
+
+
+def test_a_state_made_for_params_with_an_empty_key_cannot_be_saved(tmp_path):
+    state = vega.adamw_init({"": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"empty key under 'mu'"):
+        vega.save(tmp_path / "s.safetensors", state)
+
+
 # -- loss scale settings --------------------------------------------------------------
 
 @pytest.mark.parametrize("kw,message", [
