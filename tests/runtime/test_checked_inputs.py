@@ -53,6 +53,180 @@ def _unchanged(opt, snap):
             assert torch.equal(a, b)
 
 
+# -- the loss scale of a loaded state_dict --------------------------------------------
+
+BAD_SCALES = [
+    ("loss_scale", torch.tensor(-4.0), "'loss_scale' is -4.0; it must be positive and finite"),
+    ("loss_scale", torch.tensor(float("nan")), "'loss_scale' is nan"),
+    ("loss_scale", torch.tensor(float("inf")), "'loss_scale' is inf"),
+    ("loss_scale", torch.tensor(0.0), "'loss_scale' is 0.0"),
+    ("loss_scale", torch.tensor(4.0, dtype=torch.float64), "0-d torch.float32 tensor"),
+    ("loss_scale", torch.tensor([4.0]), "0-d torch.float32 tensor"),
+    ("loss_scale", 1024.0, "'loss_scale' is 1024.0; it must be a 0-d torch.float32"),
+    ("good_steps", torch.tensor(-2, dtype=torch.int32), "'good_steps' is -2"),
+    ("good_steps", torch.tensor(3.0), "0-d torch.int32 tensor"),
+    ("skipped_steps", torch.tensor(-1, dtype=torch.int32), "'skipped_steps' is -1"),
+    ("min_scale", torch.tensor(float("nan")), "'min_scale' is nan"),
+    ("min_scale", torch.tensor(1e9), "'min_scale' is 1000000000.0, above the scale"),
+    ("scale", torch.tensor(2.0), "'loss_scale' has 'scale'; a loss scale has loss_scale, "),
+]
+
+
+@pytest.mark.parametrize("entry,value,message", BAD_SCALES,
+                         ids=[f"{e}={m[:24]}" for e, _, m in BAD_SCALES])
+def test_load_state_dict_refuses_a_loss_scale_no_scale_has(entry, value, message):
+    """A negative scale flips the sign of every update; a NaN one skips every step."""
+    ps = _params()
+    opt = _stepped(vega.optim.AdamW(ps, lr=1e-2, loss_scale=LossScale.dynamic(init=64.0)), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["loss_scale"][entry] = value
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match=r"^AdamW\.load_state_dict: .*" + re.escape(message)):
+        opt.load_state_dict(sd)
+    _unchanged(opt, snap)
+    _stepped(opt, ps, 1)  # and it still steps
+
+
+def test_load_state_dict_takes_a_loss_scale_it_can_step_with():
+    ps = _params()
+    opt = _stepped(vega.optim.AdamW(ps, lr=1e-2, loss_scale=LossScale.dynamic(init=64.0)), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["loss_scale"]["loss_scale"] = torch.tensor(8.0)
+    del sd["loss_scale"]["min_scale"]  # (a missing entry keeps the optimizer's own)
+    other = vega.optim.AdamW(_params(), lr=1e-2, loss_scale=LossScale.dynamic(min_scale=2.0))
+    other.load_state_dict(sd)
+    assert other.loss_scale.loss_scale.item() == 8.0
+    assert other.loss_scale.min_scale.item() == 2.0
+    assert other.loss_scale.good_steps.item() == 2
+
+
+# -- another optimizer's state --------------------------------------------------------
+
+def _torch_sgd_state():
+    ps = _params()
+    opt = torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    return _stepped(opt, ps).state_dict()
+
+
+def _torch_adam_state():
+    ps = _params()
+    return _stepped(torch.optim.Adam(ps, lr=0.1), ps).state_dict()
+
+
+def _vega_state(cls, **kw):
+    ps = _params()
+    return _stepped(cls(ps, **kw), ps).state_dict()
+
+
+OTHERS = [
+    (vega.optim.SGD, lambda: _vega_state(vega.optim.Adam),
+     r"group 0 of the state has no 'momentum', 'nesterov' and has 'amsgrad', 'b1', 'b2', 'eps', "
+     r"unknown to SGD; it seems to be the state of vega\.optim\.Adam or vega\.optim\.AdamW"),
+    (vega.optim.SGD, _torch_sgd_state,
+     r"group 0 of the state has no 'backend', 'state_dtype' and has .*'dampening'.*; it seems "
+     r"to be the state of torch\.optim\.SGD"),
+    (vega.optim.Adam, _torch_adam_state,
+     r"group 0 of the state has no 'b1', 'b2', 'backend', 'state_dtype' and has 'betas', .*; "
+     r"it seems to be the state of torch\.optim\.Adam"),
+    (vega.optim.LARS, lambda: _vega_state(vega.optim.SGD, momentum=0.9),
+     r"group 0 of the state has no 'eps', 'trust_coefficient'; it seems to be the state of "
+     r"vega\.optim\.SGD"),
+]
+
+
+@pytest.mark.parametrize("cls,make,message", OTHERS, ids=["Adam>SGD", "torch.SGD>SGD",
+                                                         "torch.Adam>Adam", "SGD>LARS"])
+def test_load_state_dict_of_another_optimizer_says_whose_it_seems(cls, make, message):
+    ps = _params()
+    opt = _stepped(cls(ps, lr=0.1), ps)
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}\.load_state_dict: {message}"):
+        opt.load_state_dict(make())
+    _unchanged(opt, snap)
+    _stepped(opt, ps, 1)
+
+
+def test_load_state_dict_refuses_state_entries_of_another_optimizer():
+    """Groups alike, per-parameter entries not: torch's SGD's ``momentum_buffer`` in vega's
+    SGD, a renamed moment in Adam."""
+    ps = _params()
+    opt = _stepped(vega.optim.Adam(ps, lr=0.1), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][1]["exp_avg"] = sd["state"][1].pop("mu")
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match=r"^Adam\.load_state_dict: the state of parameter 1 of "
+                                         r"group 0 has \['exp_avg', 'nu', 'step'\], but Adam with "
+                                         r"these settings keeps \['mu', 'nu', 'step'\]; missing "
+                                         r"\['mu'\]; unknown \['exp_avg'\]"):
+        opt.load_state_dict(sd)
+    _unchanged(opt, snap)
+
+
+def test_load_state_dict_still_takes_a_state_a_value_turns_on_or_off():
+    """sgd's ``v``: saved without momentum, loaded and stepped with (the step makes it), and
+    back."""
+    ps = _params()
+    plain = _stepped(vega.optim.SGD(ps, lr=0.1), ps).state_dict()
+    qs = _params()
+    opt = vega.optim.SGD(qs, lr=0.1)
+    opt.load_state_dict(copy.deepcopy(plain))
+    opt.param_groups[0]["momentum"] = 0.9
+    _stepped(opt, qs, 1)
+    assert "v" in opt.state[qs[0]]
+    back = vega.optim.SGD(_params(), lr=0.1)
+    back.load_state_dict(copy.deepcopy(opt.state_dict()))  # v kept, as torch keeps buffers
+
+
+@pytest.mark.parametrize("value,message", [
+    (torch.tensor(-3, dtype=torch.int32), "is -3; a step counter is a whole number"),
+    (torch.tensor(float("nan")), "is nan"),
+    (torch.tensor(2.5), "is 2.5"),
+    (torch.tensor(2.0**40), "is 1099511627776.0"),
+    (torch.tensor(True), "of dtype torch.bool"),
+    (7, "of parameter 0 of group 0 is 7, not a tensor"),
+])
+def test_load_state_dict_refuses_a_step_counter_out_of_range(value, message):
+    ps = _params()
+    opt = _stepped(vega.optim.Adam(ps, lr=0.1), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["step"] = value
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match=r"^Adam\.load_state_dict: state 'step' .*"
+                                         + re.escape(message)):
+        opt.load_state_dict(sd)
+    _unchanged(opt, snap)
+
+
+def test_load_state_dict_takes_torch_adams_float_step_counter():
+    ps = _params()
+    opt = _stepped(vega.optim.Adam(ps, lr=0.1), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    for st in sd["state"].values():
+        st["step"] = st["step"].float()
+    other = vega.optim.Adam(_params(), lr=0.1)
+    other.load_state_dict(sd)
+    assert all(st["step"].dtype == torch.int32 and int(st["step"]) == 2
+               for st in other.state.values())
+
+
+@pytest.mark.parametrize("broken,message", [
+    (lambda sd: sd.pop("state"), "a state_dict is a dict with 'state' and 'param_groups'"),
+    (lambda sd: sd["state"].__setitem__(0, [1.0]), r"state_dict\['state'\] must be a dict"),
+    (lambda sd: sd["param_groups"][0].__setitem__("state_dtype", "float32"),
+     "state_dtype='float32' must be None or a torch float dtype"),
+    (lambda sd: sd["param_groups"][0].__setitem__("lr", 10**400), "lr=1000.* is too large"),
+])
+def test_load_state_dict_refuses_a_malformed_state_dict(broken, message):
+    ps = _params()
+    opt = _stepped(vega.optim.Adam(ps, lr=0.1), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    broken(sd)
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd)
+    _unchanged(opt, snap)
+
+
 # -- hyperparameters and state dtypes -------------------------------------------------
 
 def test_a_number_past_the_float_range_is_a_value_error():
