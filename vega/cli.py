@@ -79,7 +79,7 @@ def cmd_check(args) -> int:
     for path in args.files:
         try:
             spec = vega.compile_file(path)
-        except (SpecError, FileNotFoundError) as err:
+        except (SpecError, FileNotFoundError) as err:  # said, and on to the next file
             _say(err, sys.stderr)
             failed += 1
             continue

@@ -401,3 +401,33 @@ def test_loss_scale_factors_are_those_gradscaler_takes(kw, message):
     torch.amp.GradScaler("cpu", growth_factor=1.5, backoff_factor=0.9)  # the edges it takes
     ls = LossScale.dynamic(init=4.0, growth_factor=1.5, backoff_factor=0.9)
     assert math.isclose(ls.adjust(False).loss_scale.item(), 3.6, rel_tol=1e-6)
+
+
+# -- spec files -----------------------------------------------------------------------
+
+GOOD = "optimizer o(lr = 1e-3) {\n  p = p - lr * g\n}\n"
+
+
+def test_compile_file_reads_only_a_regular_file_of_utf8_text(tmp_path):
+    """(A device without end and a FIFO: tests/test_cli.py, in a bounded process.)"""
+    with pytest.raises(vega.SpecError, match=r"/dev/null: error: a character device, not a "
+                                             r"regular file"):
+        vega.compile_file("/dev/null")
+    with pytest.raises(vega.SpecError, match=r": error: a directory, not a regular file"):
+        vega.compile_file(tmp_path)
+    binary = tmp_path / "bin.vega"
+    binary.write_bytes(b"optimizer o() {\n  p = p\n}\n# \xff\xfe\n")
+    with pytest.raises(vega.SpecError, match=r"bin\.vega: error: not UTF-8 text \(byte 0xff at "
+                                             r"offset 28\)"):
+        vega.compile_file(binary)
+    big = tmp_path / "big.vega"
+    big.write_text(GOOD + "#" * (1 << 20) + "\n")
+    with pytest.raises(vega.SpecError, match=r"big\.vega: error: larger than 1048576 bytes "
+                                             r"\(1 MiB\)"):
+        vega.compile_file(big)
+    with pytest.raises(FileNotFoundError, match=r"missing\.vega: error: cannot read spec file: "
+                                                r"No such file"):
+        vega.compile_file(tmp_path / "missing.vega")
+    crlf = tmp_path / "crlf.vega"
+    crlf.write_bytes(GOOD.replace("\n", "\r\n").encode())
+    assert vega.compile_file(crlf).name == "o"  # line ends read as open() reads text

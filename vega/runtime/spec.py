@@ -1,6 +1,10 @@
 """A compiled spec: the functional API (init, step), its optimizer class, its sources."""
 from __future__ import annotations
 
+import math
+import operator
+import os
+import stat
 from functools import cached_property, partial
 from pathlib import Path
 
@@ -385,11 +389,58 @@ def compile(source: str, filename: str = "<spec>") -> CompiledSpec:  # noqa: A00
     return CompiledSpec(dsl.load(source, filename))
 
 
+MAX_SPEC_BYTES = 1 << 20  # 1 MiB: the shipped specs are a few KiB
+
+
 def compile_file(path) -> CompiledSpec:
-    """Compile a ``.vega`` file; errors name the file."""
-    path = Path(path)
+    """Compile a ``.vega`` file; errors name the file.
+
+    The file must be a regular file (not a directory, a FIFO or a device: nothing is
+    opened that could block or never end) of at most 1 MiB of UTF-8 text; otherwise
+    ``vega.SpecError`` ("FILE: error: ..."). A file that cannot be read at all (missing,
+    unreadable) raises ``FileNotFoundError``, naming it."""
+    name = str(Path(path))
+    return compile(read_spec_file(name), name)
+
+
+def read_spec_file(name: str) -> str:
+    """The text of spec file ``name``, its line ends made ``\\n`` (as ``open`` reads text);
+    ``compile_file``'s checks."""
+    def unreadable(err: OSError):
+        return FileNotFoundError(f"{name}: error: cannot read spec file: {err.strerror}")
+
+    def refused(why: str):
+        return dsl.SpecError(why, filename=name)
     try:
-        text = path.read_text()
+        mode = os.stat(name).st_mode  # (before opening: a FIFO would block the open)
     except OSError as err:
-        raise FileNotFoundError(f"cannot read spec file {str(path)!r}: {err.strerror}") from err
-    return compile(text, str(path))
+        raise unreadable(err) from err
+    _regular(mode, refused)
+    try:
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as err:
+        raise unreadable(err) from err
+    with os.fdopen(fd, "rb") as f:
+        _regular(os.fstat(f.fileno()).st_mode, refused)  # (the file opened is the one seen)
+        try:
+            data = f.read(MAX_SPEC_BYTES + 1)
+        except OSError as err:
+            raise unreadable(err) from err
+    if len(data) > MAX_SPEC_BYTES:
+        raise refused(f"larger than {MAX_SPEC_BYTES} bytes (1 MiB), the most a spec file may "
+                      "have; is it a spec?")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise refused(f"not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}); "
+                      "a spec file is UTF-8 text") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _regular(mode: int, refused) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a character device" if stat.S_ISCHR(mode) else "a block device"
+            if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    raise refused(f"{kind}, not a regular file; a spec is read from a .vega file")
