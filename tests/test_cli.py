@@ -1,5 +1,6 @@
 """The command line: check, show, list, demo."""
 import os
+import re
 import subprocess
 import sys
 
@@ -186,3 +187,19 @@ def test_show_reports_a_file_it_cannot_read(tmp_path, capsys):
     assert out.returncode == 1 and out.stderr == (
         "/dev/zero: error: a character device, not a regular file; a spec is read from a "
         ".vega file\n")
+
+
+@pytest.mark.parametrize("shape,message", [
+    ("-1,2", "a size is a whole number >= 0, got -1"),
+    ("1000000000000000000000000000000", "too large: a tensor has at most 2**63 - 1 elements"),
+    ("4294967296,4294967296", "too large"),
+    ("0,100000000000000000000000", "too large"),
+])
+def test_show_refuses_a_shape_no_tensor_has(shape, message):
+    from vega.cli import main
+    with pytest.raises(SystemExit, match=re.escape(f"vega: --shape {shape!r}: {message}")):
+        main(["show", "adafactor", f"--shape={shape}"])
+    if shape == "-1,2":  # (one run of the command itself: each takes seconds)
+        out = run("show", "adafactor", f"--shape={shape}")
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert out.stderr == f"vega: --shape {shape!r}: {message}\n"

@@ -431,3 +431,12 @@ def test_compile_file_reads_only_a_regular_file_of_utf8_text(tmp_path):
     crlf = tmp_path / "crlf.vega"
     crlf.write_bytes(GOOD.replace("\n", "\r\n").encode())
     assert vega.compile_file(crlf).name == "o"  # line ends read as open() reads text
+
+
+def test_program_refuses_a_shape_no_tensor_has():
+    for shape, message in [((-1, 2), "has a negative size"), ((10**30,), "is too large"),
+                           ((2**32, 2**32), "is too large"), ((2.5,), "whole numbers"),
+                           (5, "whole numbers")]:
+        with pytest.raises(ValueError, match=rf"^adafactor\.program: shape=.* {message}"):
+            vega.adafactor.program(shape)
+    assert vega.adafactor.program(torch.Size([3, 4])) is vega.adafactor.program([3, 4])

@@ -52,7 +52,7 @@ class CompiledSpec:
         flags, values = engine.resolve(self.name, self.hypers, hypers)
         if not self._spec.shape_conditions:
             return self._spec.program(flags)
-        shape = () if shape is None else tuple(int(n) for n in shape)
+        shape = () if shape is None else _checked_shape(f"{self.name}.program", shape)
         return engine.programs(self.name, self._spec, flags, values,
                                [torch.empty(shape, device="meta")])[0]
 
@@ -213,6 +213,24 @@ class CompiledSpec:
     def optimizer(self, params, **kwargs) -> torch.optim.Optimizer:
         """A ``torch.optim.Optimizer`` over ``params`` (an iterable or param groups)."""
         return self.optimizer_class(params, **kwargs)
+
+
+def _checked_shape(owner: str, shape) -> tuple[int, ...]:
+    """A parameter shape given as sizes: whole numbers >= 0 (ints, numpy's, 0-d integer
+    tensors) whose product a tensor's element count holds; ValueError naming it."""
+    try:
+        sizes = tuple(operator.index(n) for n in shape if not isinstance(n, bool))
+        if len(sizes) != len(shape):
+            raise TypeError
+    except TypeError:
+        raise ValueError(f"{owner}: shape={engine.shown(shape)} must be a sequence of whole "
+                         "numbers >= 0") from None
+    if any(n < 0 for n in sizes):
+        raise ValueError(f"{owner}: shape={engine.shown(shape)} has a negative size")
+    if math.prod(sizes) > 2**63 - 1 or any(n > 2**63 - 1 for n in sizes):
+        raise ValueError(f"{owner}: shape={engine.shown(shape)} is too large: a tensor has at "
+                         "most 2**63 - 1 elements")
+    return sizes
 
 
 def flatten_pair(owner: str, params, grads):
