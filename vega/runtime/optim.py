@@ -194,15 +194,20 @@ class SpecOptimizer(torch.optim.Optimizer):
         group is one program on the C backend over parameters that all have gradients
         (contiguous, real, on the CPU), of a spec whose ifs read no shape; hyperparameters
         may be numbers, CPU tensors or schedules. Not after a few plans in a row were
-        dropped (something changes every step)."""
-        if self.__dict__.get("_vega_direct_misses", 0) > 4 or torch.compiler.is_compiling() \
-                or not isinstance(self.state, _StateDict) or self.spec._spec.reads_shape:
+        dropped (something changes every step: planning would cost more than it saves),
+        until a step finds its tensors as the step before found them (``_steady``)."""
+        if torch.compiler.is_compiling() or not isinstance(self.state, _StateDict) \
+                or self.spec._spec.reads_shape:
             return  # (a spec whose ifs read shapes: the Python path checks them every step)
         scanner = native.scanner()
         plans = self._plans()
         if scanner is None or not self.param_groups or len(work) != len(self.param_groups) \
                 or len(plans) != len(self.param_groups):
             return
+        if self.__dict__.get("_vega_direct_misses", 0) > 4:
+            if not self._steady(scanner, work):
+                return
+            self.__dict__["_vega_direct_misses"] = 0  # (planned again: re-armed)
         groups = []
         for group, plan, (program, backend, params, grads, states, steps, values) in zip(
                 self.param_groups, plans, work):
@@ -219,6 +224,22 @@ class SpecOptimizer(torch.optim.Optimizer):
                 return
             groups.append(_DirectGroup(group, plan, program, c))
         self.__dict__["_vega_direct"] = _Direct(self.state, groups)
+
+    def _steady(self, scanner, work) -> bool:
+        """Whether this step's tensors are the last step's (where the last step was on the
+        Python path too): each parameter, state tensor and step counter at the same
+        address, of the same size, dtype and layout, the gradients of the same sizes,
+        dtypes and layouts (at any address: new ones each step), stepped by the same
+        programs on the same backends. One native scan per list, remembered for the next."""
+        parts = []
+        for program, backend, params, grads, states, steps, _ in work:
+            parts += [scanner.scan(params).tobytes(), scanner.scan(grads)[:, 1:].tobytes(),
+                      scanner.scan([s for col in states for s in col] + list(steps)).tobytes(),
+                      f"{id(program)} {backend} {len(params)}".encode()]
+        key = b"\0".join(parts)
+        last = self.__dict__.get("_vega_direct_last")
+        self.__dict__["_vega_direct_last"] = key
+        return key == last
 
     def _group_work(self, k, group, grads_all, flags, values) -> list[tuple]:
         """The engine.run calls of group ``k``: (program, backend, params, grads, states,
