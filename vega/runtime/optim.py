@@ -412,13 +412,13 @@ class SpecOptimizer(torch.optim.Optimizer):
                                             self.loss_scale)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "loss_scale"})
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(ids, params):
-            if pid not in originals or p not in self.state:
-                continue
-            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        params = [(p, g) for g in self.param_groups for p in g["params"]]
+        for group in self.param_groups:
             engine.check_state_dtype(f"{type(self).__name__}.load_state_dict",
                                      group["state_dtype"])
+        for pid, (p, group) in zip(ids, params):
+            if pid not in originals or p not in self.state:
+                continue
             sd = engine.state_dtype_for(p, group["state_dtype"])
             for name, value in originals[pid].items():
                 if not isinstance(value, torch.Tensor):
@@ -438,10 +438,9 @@ class SpecOptimizer(torch.optim.Optimizer):
         for k, group in enumerate(self.param_groups):
             engine.check_state_dtype(f"{owner}.load_state_dict", group["state_dtype"])
             flags, values = self._group_values(group)
-            params = [p for p in group["params"] if self.state.get(p)]
-            progs = engine.programs(owner, self.spec._spec, flags, values, params)
-            for p, program in zip(params, progs):
-                i = next(i for i, q in enumerate(group["params"]) if q is p)
+            held = [(i, p) for i, p in enumerate(group["params"]) if self.state.get(p)]
+            progs = engine.programs(owner, self.spec._spec, flags, values, [p for _, p in held])
+            for (i, p), program in zip(held, progs):
                 where = f"parameter {i} of group {k}"
                 st = self.state[p]
                 want = {*program.state_names, "step"}
