@@ -1,5 +1,6 @@
 """The command line: check, show, list, demo."""
 import os
+import re
 import subprocess
 import sys
 
@@ -9,8 +10,18 @@ import vega
 from vega import cli, codegen
 
 
-def run(*args):
+def run(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "vega.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_bounded(*args):
+    """``run``, in at most 4 GiB of address space (set by the child itself, before it
+    imports vega) and 120 seconds: a command that reads a device without end, or blocks on
+    a FIFO, fails the test instead of the machine."""
+    child = ("import resource, runpy; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)); "
+             "runpy.run_module('vega.cli', run_name='__main__', alter_sys=True)")
+    return subprocess.run([sys.executable, "-c", child, *args], capture_output=True,
                           text=True, timeout=120)
 
 
@@ -132,3 +143,63 @@ def test_show_sets_a_float_hyperparameter(capsys):
         main(["show", "sgd", "--set", "momentum=lots"])
     with pytest.raises(SystemExit, match="nesterov is a bool: write nesterov=true or"):
         main(["show", "sgd", "--set", "nesterov=1"])
+
+
+def test_check_reports_each_file_it_cannot_read_and_goes_on(tmp_path):
+    """A device read without end (/dev/zero), a FIFO that would block, a directory, a file
+    that is not UTF-8, one over 1 MiB, a missing one: each its own line, no traceback, the
+    files after them checked, exit 1."""
+    good = tmp_path / "good.vega"
+    good.write_text("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n}\n")
+    binary = tmp_path / "bin.vega"
+    binary.write_bytes(b"\xff\xfe optimizer")
+    big = tmp_path / "big.vega"
+    big.write_bytes(b" " * ((1 << 20) + 1))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    files = ["/dev/zero", str(binary), str(tmp_path), str(fifo), str(tmp_path / "nope.vega"),
+             str(big), str(good)]
+    out = run_bounded("check", *files)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    assert out.stderr.splitlines() == [
+        "/dev/zero: error: a character device, not a regular file; a spec is read from a "
+        ".vega file",
+        f"{binary}: error: not UTF-8 text (byte 0xff at offset 0); a spec file is UTF-8 text",
+        f"{tmp_path}: error: a directory, not a regular file; a spec is read from a .vega file",
+        f"{fifo}: error: a FIFO, not a regular file; a spec is read from a .vega file",
+        f"{tmp_path / 'nope.vega'}: error: cannot read spec file: No such file or directory",
+        f"{big}: error: larger than 1048576 bytes (1 MiB), the most a spec file may have; is "
+        "it a spec?"]
+    assert out.stdout == f"{good}: ok: optimizer o(lr=0.001)\n"
+
+
+def test_show_reports_a_file_it_cannot_read(tmp_path, capsys):
+    from vega.cli import main
+    binary = tmp_path / "bin.vega"
+    binary.write_bytes(b"\xff\xfe optimizer")
+    for target, message in [("/dev/null", "a character device, not a regular file"),
+                            (str(binary), "not UTF-8 text"),
+                            (str(tmp_path), "a directory, not a regular file")]:
+        assert main(["show", target]) == 1
+        assert f"{target}: error: {message}" in capsys.readouterr().err
+    out = run_bounded("show", "/dev/zero")
+    assert out.returncode == 1 and out.stderr == (
+        "/dev/zero: error: a character device, not a regular file; a spec is read from a "
+        ".vega file\n")
+
+
+@pytest.mark.parametrize("shape,message", [
+    ("-1,2", "a size is a whole number >= 0, got -1"),
+    ("1000000000000000000000000000000", "too large: a tensor has at most 2**63 - 1 elements"),
+    ("4294967296,4294967296", "too large"),
+    ("0,100000000000000000000000", "too large"),
+])
+def test_show_refuses_a_shape_no_tensor_has(shape, message):
+    from vega.cli import main
+    with pytest.raises(SystemExit, match=re.escape(f"vega: --shape {shape!r}: {message}")):
+        main(["show", "adafactor", f"--shape={shape}"])
+    if shape == "-1,2":  # (one run of the command itself: each takes seconds)
+        out = run("show", "adafactor", f"--shape={shape}")
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert out.stderr == f"vega: --shape {shape!r}: {message}\n"

@@ -91,7 +91,7 @@ def cmd_check(args) -> int:
     for path in args.files:
         try:
             spec = vega.compile_file(path)
-        except (SpecError, FileNotFoundError) as err:
+        except (SpecError, FileNotFoundError) as err:  # said, and on to the next file
             _say(err, sys.stderr)
             failed += 1
             continue
@@ -107,17 +107,33 @@ def cmd_show(args) -> int:
         spec = _load(args.target)
         shape = None
         if args.shape is not None:
-            try:
-                shape = tuple(int(n) for n in args.shape.split(",") if n.strip())
-            except ValueError:
-                raise SystemExit(f"vega: --shape {args.shape!r}: write sizes like 512,768") \
-                    from None
+            shape = _parse_shape(args.shape)
         backend = args.backend or codegen.default_backend("cpu")
         print(spec.source(backend, shape, **_parse_flags(args.set, spec.hypers)))
     except (SpecError, FileNotFoundError, ValueError, TypeError) as err:
         print(err, file=sys.stderr)
         return 1
     return 0
+
+
+MAX_NUMEL = 2**63 - 1  # what a tensor's element count holds
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    """``--shape 512,768``: sizes >= 0 whose product a tensor's element count holds."""
+    try:
+        shape = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        raise SystemExit(f"vega: --shape {text!r}: write sizes like 512,768") from None
+    numel = 1
+    for n in shape:
+        if n < 0:
+            raise SystemExit(f"vega: --shape {text!r}: a size is a whole number >= 0, got {n}")
+        numel *= n
+    if numel > MAX_NUMEL or any(n > MAX_NUMEL for n in shape):
+        raise SystemExit(f"vega: --shape {text!r}: too large: a tensor has at most 2**63 - 1 "
+                         "elements")
+    return shape
 
 
 def cmd_list(args) -> int:

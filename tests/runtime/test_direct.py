@@ -259,3 +259,39 @@ def test_gradients_dropped_while_a_group_steps_are_still_read(monkeypatch):
     opt.step()
     assert launched  # it was the direct step
     torch.testing.assert_close(b[0].detach(), torch.full((1000,), -0.9))  # 3 steps of 0.3
+
+
+def test_the_direct_step_comes_back_after_a_run_of_disruptive_steps():
+    """A parameter moved to new memory before each of 6 steps sends each back to the Python
+    path, and after 5 dropped plans in a row none is made (planning would cost more than it
+    saves); once a step finds its tensors as the step before found them, the direct step is
+    planned again, and it steps bitwise as the Python path."""
+    ours, theirs, opt, twin, direct = _twins("adamw", torch.float32)
+    for step in range(2):
+        _grads(ours, theirs, step)
+        opt.step()
+        twin.step()
+    for step in range(2, 8):
+        for p in (ours[0], theirs[0]):
+            p.data = p.data.clone()
+        _grads(ours, theirs, step)
+        opt.step()
+        twin.step()
+        _equal(ours, theirs, opt, twin)
+    assert direct == [False, True] + [False] * 6
+    assert opt.__dict__["_vega_direct_misses"] > 4 and "_vega_direct" not in opt.__dict__
+    for step in range(8, 12):
+        _grads(ours, theirs, step)
+        opt.step()
+        twin.step()
+        _equal(ours, theirs, opt, twin)
+    assert direct[8:] == [False, True, True, True]  # a steady step, then direct again
+    assert "_vega_direct" in opt.__dict__ and opt.__dict__["_vega_direct_misses"] == 0
+    for step in range(12, 14):  # and disruption still sends it back
+        for p in (ours[0], theirs[0]):
+            p.data = p.data.clone()
+        _grads(ours, theirs, step)
+        opt.step()
+        twin.step()
+        _equal(ours, theirs, opt, twin)
+    assert direct[12:] == [False, False]

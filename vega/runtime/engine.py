@@ -25,16 +25,31 @@ def _suggest(name, names) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def shown(value) -> str:
+    """``repr(value)`` for a message, cut short where long (an int of 400 digits)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
+
+
+def check_state_dtype(owner: str, state_dtype) -> None:
+    """``state_dtype``: None or a torch float (or complex) dtype; ValueError naming it."""
+    if state_dtype is None or (isinstance(state_dtype, torch.dtype) and (
+            state_dtype.is_floating_point or state_dtype.is_complex)):
+        return
+    raise ValueError(f"{owner}: state_dtype={shown(state_dtype)} must be None or a torch float "
+                     "dtype (torch.float32, torch.float64, torch.bfloat16, ...)")
+
+
 def check_value(owner: str, h: HyperParam, value):
     """A hyperparameter value as the step takes it, or ValueError naming it."""
     if h.type == "bool":
         if not isinstance(value, bool):
-            raise ValueError(f"{owner}: {h.name}={value!r} must be True or False (it selects "
+            raise ValueError(f"{owner}: {h.name}={shown(value)} must be True or False (it selects "
                              "the compiled kernel)")
         return value
     if isinstance(value, bool) or not (
             isinstance(value, (numbers.Real, torch.Tensor)) or callable(value)):
-        raise ValueError(f"{owner}: {h.name}={value!r} must be a float, a 0-d tensor or a "
+        raise ValueError(f"{owner}: {h.name}={shown(value)} must be a float, a 0-d tensor or a "
                          "schedule (a callable of the step counter)")
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or not value.is_floating_point():
@@ -42,10 +57,14 @@ def check_value(owner: str, h: HyperParam, value):
                              f"{tuple(value.shape)} and dtype {value.dtype}")
         return value
     if isinstance(value, numbers.Real):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int (or Fraction) past the float range: 10**400
+            raise ValueError(f"{owner}: {h.name}={shown(value)} is too large for a float")\
+                from None
         if math.isnan(value) or (h.range is not None and not h.range.contains(value)):
             where = f"outside its range {h.range}" if h.range is not None else "not a number"
-            raise ValueError(f"{owner}: {h.name}={value!r} is {where}")
+            raise ValueError(f"{owner}: {h.name}={shown(value)} is {where}")
     return value
 
 
@@ -57,11 +76,19 @@ def check_fused(owner: str, max_grad_norm, skip_nonfinite, loss_scale=None) -> N
                          "(LossScale.dynamic() or LossScale.static(s)) or None")
     if max_grad_norm is not None:
         if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
-                or not max_grad_norm > 0 or math.isinf(max_grad_norm):
-            raise ValueError(f"{owner}: max_grad_norm={max_grad_norm!r} must be a positive "
+                or not max_grad_norm > 0 or not _finite(max_grad_norm):
+            raise ValueError(f"{owner}: max_grad_norm={shown(max_grad_norm)} must be a positive "
                              "finite number (or None for no clipping)")
     if not isinstance(skip_nonfinite, bool):
         raise ValueError(f"{owner}: skip_nonfinite={skip_nonfinite!r} must be True or False")
+
+
+def _finite(x: numbers.Real) -> bool:
+    """Whether a real number is a finite float (10**400 is not)."""
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, base: dict | None = None):
@@ -160,9 +187,39 @@ def state_fields(progs) -> list:
 
 
 def at_step(values: dict, step: torch.Tensor) -> dict:
-    """Hyperparameter values at a step counter: schedules are called with the tensor."""
-    return {k: (v(step) if is_schedule(v) else v)
+    """Hyperparameter values at a step counter: schedules are called with the tensor (and
+    what they return checked, ``scheduled``)."""
+    return {k: (scheduled(k, v(step)) if is_schedule(v) else v)
             for k, v in values.items()}
+
+
+def scheduled(name: str, x):
+    """``x``, what the schedule of hyperparameter ``name`` returned at one step counter, if
+    it is one value: a real number, or a real tensor of one element; else ValueError naming
+    the hyperparameter. Its dtype and shape are checked, never its value (no host sync)."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() == 1 and not x.is_complex() and x.dtype != torch.bool:
+            return x
+        raise ValueError(f"hyperparameter {name!r}: its schedule returned a tensor of shape "
+                         f"{tuple(x.shape)} and dtype {x.dtype}; a schedule returns one value "
+                         "at a step counter: a number or a 0-d float tensor")
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        if _fits(x):
+            return x
+        raise ValueError(f"hyperparameter {name!r}: its schedule returned {shown(x)}, too large "
+                         "for a float")
+    raise ValueError(f"hyperparameter {name!r}: its schedule returned {shown(x)}, a "
+                     f"{type(x).__name__}; a schedule returns one value at a step counter: a "
+                     "number or a 0-d float tensor")
+
+
+def _fits(x: numbers.Real) -> bool:
+    """Whether a real number converts to a float (10**400 does not)."""
+    try:
+        float(x)
+    except OverflowError:
+        return False
+    return True
 
 
 def state_dtype_for(p: torch.Tensor, state_dtype: torch.dtype | None) -> torch.dtype:
@@ -285,22 +342,24 @@ def _block(names, vals: dict, counters: list, stacked: list, device):
     whether it does). ``stacked``: the counters stacked, filled on first need."""
     timed = any(is_schedule(vals[n]) for n in names)
     rows = len(counters) if timed else 1
-    cols = [_column(vals[n], counters, stacked, rows, device) for n in names]
+    cols = [_column(n, vals[n], counters, stacked, rows, device) for n in names]
     return (torch.stack(cols, dim=1) if cols else
             torch.zeros((rows, 1), dtype=torch.float64, device=device)), timed
 
 
-def _column(v, counters, stacked: list, rows: int, device) -> torch.Tensor:
-    """A hyperparameter's value at each counter (``rows`` of them), float64."""
+def _column(name: str, v, counters, stacked: list, rows: int, device) -> torch.Tensor:
+    """Hyperparameter ``name``'s value ``v`` at each counter (``rows`` of them), float64."""
     if isinstance(v, Schedule) and v.elementwise() and len(counters) > 1:
         if not stacked:
             stacked.append(torch.stack(counters))
         try:
-            return v(stacked[0]).to(device=device, dtype=torch.float64)
+            out = v(stacked[0])
+            if isinstance(out, torch.Tensor) and out.shape == stacked[0].shape:
+                return out.to(device=device, dtype=torch.float64)
         except (RuntimeError, TypeError):  # an _at with a Python if on the step: one by one
             pass
     if is_schedule(v):
-        return torch.stack([_float64(v(s), device) for s in counters])
+        return torch.stack([_float64(scheduled(name, v(s)), device) for s in counters])
     if isinstance(v, torch.Tensor):
         return v.detach().reshape(()).to(device=device, dtype=torch.float64).expand(rows)
     return torch.full((rows,), float(v), dtype=torch.float64, device=device)

@@ -53,8 +53,15 @@ def _named(state, who: str):
     named, leaves = [], []
     for path, leaf in pairs:
         leaves.append(leaf)
+        keys = [_key(k) for k in path]
+        if "" in keys:  # named by its path, the leaf would have no name or another's
+            at = ".".join(keys[:keys.index("")])
+            raise ValueError(f"{who}: the state has an empty key"
+                             + (f" under {at!r}" if at else "") + "; each leaf is named by its "
+                             "keys joined with '.', and an empty one leaves a name empty or "
+                             "ambiguous: give it a name")
         if leaf is not None:
-            named.append((".".join(_key(k) for k in path), len(leaves) - 1))
+            named.append((".".join(keys), len(leaves) - 1))
     names = [n for n, _ in named]
     if names != state_names(state):  # the same rule, computed twice: an internal invariant
         raise AssertionError(f"leaf names disagree: {names} against {state_names(state)}")
@@ -99,6 +106,12 @@ def save(path, state) -> None:
         if not isinstance(leaf, torch.Tensor):
             raise ValueError(f"vega.save: state leaf {name!r} is a {type(leaf).__name__}, "
                              "not a tensor")
+        if leaf.device.type == "meta":
+            raise ValueError(f"vega.save: state leaf {name!r} is a meta tensor: it has a shape "
+                             "but no values to save")
+        if leaf.layout != torch.strided:
+            raise ValueError(f"vega.save: state leaf {name!r} is a {leaf.layout} tensor; a "
+                             "state file holds dense tensors (save its .to_dense())")
         t = leaf.detach()
         if t.is_complex():
             complex_names.append(name)

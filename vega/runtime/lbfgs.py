@@ -59,7 +59,7 @@ from functools import partial
 import torch
 
 from vega.codegen.reference import advance_steps
-from vega.runtime.engine import state_dtype_for
+from vega.runtime.engine import check_state_dtype, state_dtype_for
 from vega.runtime.spec import _check_leaves, _label, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
 
@@ -119,6 +119,7 @@ def lbfgs_init(params, *, memory_size: int = 10, state_dtype: torch.dtype | None
     """
     owner = "lbfgs_init"
     m = _check_memory_size(owner, memory_size)
+    check_state_dtype(owner, state_dtype)
     leaves, spec = flatten(params)
     _check_leaves(owner, "params", params, leaves)
     steppable = [p for p in leaves if is_steppable(p)]
@@ -370,6 +371,7 @@ class LBFGS(torch.optim.Optimizer):
         lr = _check_lr(owner, lr)
         memory_size = _check_memory_size(owner, memory_size)
         _check_bool(owner, "scale_init_precond", scale_init_precond)
+        check_state_dtype(owner, state_dtype)
         super().__init__(params, {"lr": lr, "memory_size": memory_size,
                                   "scale_init_precond": scale_init_precond,
                                   "state_dtype": state_dtype})

@@ -55,12 +55,20 @@ def _wide(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
+
+
 def _positive_real(who: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{who}: {name}={value!r} must be a positive number")
-    x = float(value)
+        raise ValueError(f"{who}: {name}={_shown(value)} must be a positive number")
+    try:
+        x = float(value)
+    except OverflowError:  # 10**400
+        x = math.inf
     if not (math.isfinite(x) and x > 0):
-        raise ValueError(f"{who}: {name}={value!r} must be positive and finite")
+        raise ValueError(f"{who}: {name}={_shown(value)} must be positive and finite")
     return x
 
 
@@ -73,12 +81,23 @@ def _scale_value(who: str, name: str, value) -> float:
 
 
 def _check_config(who: str, growth_interval, growth_factor, backoff_factor) -> tuple:
+    """The settings of a dynamic scale, as ``torch.amp.GradScaler`` takes them: a positive
+    interval, a growth factor above 1 (growing that does not grow), a backoff factor in
+    (0, 1) (backing off that does not shrink the scale would skip step after step)."""
     if (isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral)
             or growth_interval <= 0):
-        raise ValueError(f"{who}: growth_interval={growth_interval!r} must be a positive "
-                         "integer")
-    return (int(growth_interval), _positive_real(who, "growth_factor", growth_factor),
-            _positive_real(who, "backoff_factor", backoff_factor))
+        raise ValueError(f"{who}: growth_interval={_shown(growth_interval)} must be a "
+                         "positive integer")
+    grow = _positive_real(who, "growth_factor", growth_factor)
+    back = _positive_real(who, "backoff_factor", backoff_factor)
+    if not grow > 1.0:
+        raise ValueError(f"{who}: growth_factor={growth_factor!r} must be above 1 (growing "
+                         "multiplies the scale by it; torch.amp.GradScaler asks the same)")
+    if not back < 1.0:
+        raise ValueError(f"{who}: backoff_factor={backoff_factor!r} must be below 1 (backing "
+                         "off after an overflow multiplies the scale by it; "
+                         "torch.amp.GradScaler asks the same)")
+    return int(growth_interval), grow, back
 
 
 def _float_leaf(x) -> bool:
@@ -233,7 +252,9 @@ class LossScale:
         ``finite`` is a 0-d bool tensor (from :func:`grads_finite`). A static scale is
         returned unchanged. ``growth_interval``, ``growth_factor`` and
         ``backoff_factor``, where given, replace the scale's own settings for this call
-        only (the returned scale keeps its own); each must be positive (``ValueError``).
+        only (the returned scale keeps its own); as the scale's own, the interval must be
+        a positive integer, the growth factor above 1 and the backoff factor in (0, 1)
+        (``ValueError``).
         With a shorter interval than the counter has reached, the scale grows at once.
         """
         interval, grow, back = _check_config(

@@ -8,6 +8,7 @@ with ``step`` a 0-d int32 tensor on the parameter's device.
 from __future__ import annotations
 
 import collections
+import math
 import operator
 
 import numpy as np
@@ -59,6 +60,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             codegen.check_backend(group.get("backend"))
+            engine.check_state_dtype(type(self).__name__, group.get("state_dtype"))
             engine.resolve(type(self).__name__, self.spec.hypers,
                            {h.name: group[h.name] for h in self.spec.hypers})
             engine.shape_values(type(self).__name__, self.spec._spec, {}, group)
@@ -192,15 +194,20 @@ class SpecOptimizer(torch.optim.Optimizer):
         group is one program on the C backend over parameters that all have gradients
         (contiguous, real, on the CPU), of a spec whose ifs read no shape; hyperparameters
         may be numbers, CPU tensors or schedules. Not after a few plans in a row were
-        dropped (something changes every step)."""
-        if self.__dict__.get("_vega_direct_misses", 0) > 4 or torch.compiler.is_compiling() \
-                or not isinstance(self.state, _StateDict) or self.spec._spec.reads_shape:
+        dropped (something changes every step: planning would cost more than it saves),
+        until a step finds its tensors as the step before found them (``_steady``)."""
+        if torch.compiler.is_compiling() or not isinstance(self.state, _StateDict) \
+                or self.spec._spec.reads_shape:
             return  # (a spec whose ifs read shapes: the Python path checks them every step)
         scanner = native.scanner()
         plans = self._plans()
         if scanner is None or not self.param_groups or len(work) != len(self.param_groups) \
                 or len(plans) != len(self.param_groups):
             return
+        if self.__dict__.get("_vega_direct_misses", 0) > 4:
+            if not self._steady(scanner, work):
+                return
+            self.__dict__["_vega_direct_misses"] = 0  # (planned again: re-armed)
         groups = []
         for group, plan, (program, backend, params, grads, states, steps, values) in zip(
                 self.param_groups, plans, work):
@@ -217,6 +224,22 @@ class SpecOptimizer(torch.optim.Optimizer):
                 return
             groups.append(_DirectGroup(group, plan, program, c))
         self.__dict__["_vega_direct"] = _Direct(self.state, groups)
+
+    def _steady(self, scanner, work) -> bool:
+        """Whether this step's tensors are the last step's (where the last step was on the
+        Python path too): each parameter, state tensor and step counter at the same
+        address, of the same size, dtype and layout, the gradients of the same sizes,
+        dtypes and layouts (at any address: new ones each step), stepped by the same
+        programs on the same backends. One native scan per list, remembered for the next."""
+        parts = []
+        for program, backend, params, grads, states, steps, _ in work:
+            parts += [scanner.scan(params).tobytes(), scanner.scan(grads)[:, 1:].tobytes(),
+                      scanner.scan([s for col in states for s in col] + list(steps)).tobytes(),
+                      f"{id(program)} {backend} {len(params)}".encode()]
+        key = b"\0".join(parts)
+        last = self.__dict__.get("_vega_direct_last")
+        self.__dict__["_vega_direct_last"] = key
+        return key == last
 
     def _group_work(self, k, group, grads_all, flags, values) -> list[tuple]:
         """The engine.run calls of group ``k``: (program, backend, params, grads, states,
@@ -334,9 +357,16 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, keeping vega's state dtypes (float32 state for half
-        parameters, the step counter int32 on the parameter's device)."""
+        parameters, the step counter int32 on the parameter's device).
+
+        Checked first, each refusal a ``ValueError`` that leaves the optimizer as it was:
+        the groups carry this optimizer's hyperparameters (not another optimizer's), each
+        parameter's state has this optimizer's entries at the shapes its parameter needs,
+        and the loss scale's tensors are 0-d, of their dtypes, with values a scale can take.
+        """
         before = self.state, self.param_groups, self.loss_scale
         try:
+            self._check_saved(state_dict)
             self._load(state_dict)
             self._check_loaded()
         except BaseException:  # nothing changes
@@ -345,52 +375,219 @@ class SpecOptimizer(torch.optim.Optimizer):
         self._plans().clear()
         self.__dict__.pop("_vega_direct", None)  # (it holds the old state's tensors)
 
+    def _check_saved(self, state_dict) -> None:
+        """What torch's loading would take without a word but the step cannot: a state_dict
+        without its two entries, or groups without this optimizer's hyperparameters."""
+        owner = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else \
+                type(state_dict).__name__
+            raise ValueError(f"{owner}: a state_dict is a dict with 'state' and 'param_groups' "
+                             f"(what state_dict() returns), got {got}")
+        if not isinstance(state_dict["state"], dict) or not all(
+                isinstance(v, dict) for v in state_dict["state"].values()):
+            raise ValueError(f"{owner}: state_dict['state'] must be a dict of each parameter's "
+                             "state dict (by parameter id)")
+        want = _group_keys(self.spec)
+        groups = state_dict["param_groups"]
+        for k, group in enumerate(groups if isinstance(groups, (list, tuple)) else ()):
+            if not isinstance(group, dict) or "params" not in group:
+                raise ValueError(f"{owner}: param_groups[{k}] is not a parameter group (a dict "
+                                 "with 'params')")
+            missing = sorted(want - group.keys())
+            if missing:
+                unknown = sorted(group.keys() - want - _GROUP_EXTRAS)
+                raise ValueError(
+                    f"{owner}: group {k} of the state has no {', '.join(map(repr, missing))}"
+                    + (f" and has {', '.join(map(repr, unknown))}, unknown to "
+                       f"{type(self).__name__}" if unknown else "")
+                    + f"; {_seems_from(group.keys(), type(self).__name__)}")
+
     def _load(self, state_dict: dict) -> None:
         saved = state_dict["state"]
         originals = {k: dict(v) for k, v in saved.items()}
         scale = state_dict.get("loss_scale")
         if scale is not None and self.loss_scale is not None:
-            mine = dict(zip(_LOSS_SCALE_LEAVES, self.loss_scale.tensors()))
-            self.loss_scale = type(self.loss_scale)._from(
-                [scale.get(name, mine[name]).to(device=mine[name].device, dtype=mine[name].dtype)
-                 for name in _LOSS_SCALE_LEAVES], self.loss_scale._config())
+            self.loss_scale = _loaded_scale(f"{type(self).__name__}.load_state_dict", scale,
+                                            self.loss_scale)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "loss_scale"})
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(ids, params):
+        params = [(p, g) for g in self.param_groups for p in g["params"]]
+        for group in self.param_groups:
+            engine.check_state_dtype(f"{type(self).__name__}.load_state_dict",
+                                     group["state_dtype"])
+        for pid, (p, group) in zip(ids, params):
             if pid not in originals or p not in self.state:
                 continue
-            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
             sd = engine.state_dtype_for(p, group["state_dtype"])
             for name, value in originals[pid].items():
                 if not isinstance(value, torch.Tensor):
                     continue
                 if name == "step":  # a copy: the step advances in place
+                    _check_step(type(self).__name__, pid, value)
                     self.state[p][name] = value.to(device=p.device, dtype=torch.int32).clone()
                 elif value.is_floating_point() or value.is_complex():
                     self.state[p][name] = value.to(device=p.device, dtype=sd).clone()
 
     def _check_loaded(self) -> None:
-        """Each loaded state tensor has the shape its parameter needs (a kernel would read
-        and write past a smaller one)."""
+        """Each loaded state has this optimizer's entries (those its settings read, give or
+        take one a value turns on or off, as sgd's ``v``), tensors, each of the shape its
+        parameter needs (a kernel would read and write past a smaller one)."""
         owner = type(self).__name__
+        lazy = self.spec._spec.value_states
         for k, group in enumerate(self.param_groups):
+            engine.check_state_dtype(f"{owner}.load_state_dict", group["state_dtype"])
             flags, values = self._group_values(group)
-            params = [p for p in group["params"] if self.state.get(p)]
-            progs = engine.programs(owner, self.spec._spec, flags, values, params)
-            for p, program in zip(params, progs):
+            held = [(i, p) for i, p in enumerate(group["params"]) if self.state.get(p)]
+            progs = engine.programs(owner, self.spec._spec, flags, values, [p for _, p in held])
+            for (i, p), program in zip(held, progs):
+                where = f"parameter {i} of group {k}"
+                st = self.state[p]
+                want = {*program.state_names, "step"}
+                missing, extra = want - st.keys(), st.keys() - want
+                if not (missing <= lazy and extra <= lazy):
+                    raise ValueError(
+                        f"{owner}.load_state_dict: the state of {where} has "
+                        f"{sorted(map(str, st))}, but {owner} with these settings keeps "
+                        f"{sorted(want)}" + "".join(
+                            f"; {label} {sorted(map(str, names))}"
+                            for label, names in (("missing", missing - lazy),
+                                                 ("unknown", extra - lazy)) if names)
+                        + f"; {_seems_from(st.keys(), owner, states=True)}")
                 for name, dom in [("step", None), *((s.name, s.dom) for s in program.states)]:
-                    x = self.state[p].get(name)
+                    if name not in st:
+                        continue  # one a value turns on: the step makes it
+                    x = st[name]
                     if not isinstance(x, torch.Tensor):
-                        continue  # missing: the step names what it needs
-                    want = () if dom is None else state_shape(p, dom)
-                    if tuple(x.shape) != want:
-                        i = next(i for i, q in enumerate(group["params"]) if q is p)
+                        raise ValueError(f"{owner}.load_state_dict: state '{name}' of {where} "
+                                         f"is {engine.shown(x)}, not a tensor")
+                    want_shape = () if dom is None else state_shape(p, dom)
+                    if tuple(x.shape) != want_shape:
                         needs = "a step counter is 0-d" if dom is None else (
-                            f"the parameter, of shape {tuple(p.shape)}, needs {want}")
+                            f"the parameter, of shape {tuple(p.shape)}, needs {want_shape}")
                         raise ValueError(
-                            f"{owner}.load_state_dict: state '{name}' of parameter {i} of "
-                            f"group {k} has shape {tuple(x.shape)}, but {needs}")
+                            f"{owner}.load_state_dict: state '{name}' of {where} has "
+                            f"shape {tuple(x.shape)}, but {needs}")
+
+
+_GROUP_EXTRAS = frozenset({"params", "param_names", "initial_lr"})  # (torch's, its schedulers')
+
+
+def _group_keys(cspec) -> frozenset:
+    """The keys of a parameter group of ``cspec``'s optimizer class, ``params`` aside."""
+    return frozenset({*(h.name for h in cspec.hypers), "backend", "state_dtype"})
+
+
+def _optimizer_keys() -> dict[str, frozenset]:
+    """The group keys of each optimizer class a state_dict may come from: vega's and
+    torch's (torch's from their signatures: their defaults are their keyword arguments)."""
+    import inspect
+
+    from vega.runtime.library import builtin, builtin_names
+    found = {f"vega.optim.{builtin(n).class_name}": _group_keys(builtin(n))
+             for n in builtin_names()}
+    found["vega.optim.LBFGS"] = frozenset({"lr", "memory_size", "scale_init_precond",
+                                           "state_dtype"})
+    for name in sorted(dir(torch.optim)):
+        cls = getattr(torch.optim, name)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) \
+                and cls is not torch.optim.Optimizer:
+            try:
+                keys = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+            except (TypeError, ValueError):
+                continue
+            found[f"torch.optim.{name}"] = frozenset(keys)
+    return found
+
+
+def _seems_from(keys, owner: str, states: bool = False) -> str:
+    """Which optimizers a state with these group keys (or, ``states``, these per-parameter
+    state entries) seems to come from, as the end of a message."""
+    keys = frozenset(map(str, keys)) - _GROUP_EXTRAS
+    if states:
+        known = {f"torch.optim.{n}": frozenset(s) for n, s in _TORCH_STATES.items()}
+    else:
+        known = _optimizer_keys()
+    best, score = [], 0.0
+    for name, theirs in known.items():
+        s = len(keys & theirs) / max(1, len(keys | theirs))
+        if s > score + 1e-9:
+            best, score = [name], s
+        elif abs(s - score) <= 1e-9 and s > 0:
+            best.append(name)
+    best = [n for n in best if n != f"vega.optim.{owner}"]
+    if best and score >= 0.6:
+        return (f"it seems to be the state of {' or '.join(best)}; load an optimizer's state "
+                "into an optimizer of the same class")
+    return f"was it saved from another optimizer than vega.optim.{owner}?"
+
+
+# the per-parameter state entries of torch.optim's optimizers (a state's own words)
+_TORCH_STATES = {
+    "SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq"),
+    "AdamW": ("step", "exp_avg", "exp_avg_sq"), "Adagrad": ("step", "sum"),
+    "RMSprop": ("step", "square_avg"), "Adamax": ("step", "exp_avg", "exp_inf"),
+    "NAdam": ("step", "mu_product", "exp_avg", "exp_avg_sq"),
+    "RAdam": ("step", "exp_avg", "exp_avg_sq"), "Adadelta": ("step", "square_avg", "acc_delta"),
+}
+
+
+def _check_step(owner: str, pid, value: torch.Tensor) -> None:
+    """A saved step counter (int32 in vega's states, float32 in torch's) holds a count that
+    an int32 counter takes: a whole number in [0, 2**31 - 1]. (A counter of another shape is
+    refused after loading, by ``_check_loaded``.)"""
+    if value.numel() != 1 or value.device.type == "meta":
+        return
+    if value.is_complex() or value.dtype == torch.bool:
+        raise ValueError(f"{owner}.load_state_dict: state 'step' of parameter id {pid!r} is "
+                         f"of dtype {value.dtype}; a step counter is a whole number")
+    x = value.item()
+    if not (math.isfinite(x) and float(x).is_integer() and 0 <= x <= 2**31 - 1):
+        raise ValueError(f"{owner}.load_state_dict: state 'step' of parameter id {pid!r} is "
+                         f"{x!r}; a step counter is a whole number in [0, 2**31 - 1]")
+
+
+# what each of the loss scale's tensors holds: (dtype, the test of its value, its words)
+_SCALE_RULES = {
+    "loss_scale": (torch.float32, lambda x: math.isfinite(x) and x > 0, "positive and finite"),
+    "good_steps": (torch.int32, lambda x: x >= -1, "at least -1 (-1: a static scale)"),
+    "skipped_steps": (torch.int32, lambda x: x >= 0, "at least 0"),
+    "min_scale": (torch.float32, lambda x: math.isfinite(x) and x >= 0,
+                  "at least 0 and finite (0: no floor)"),
+}
+
+
+def _loaded_scale(owner: str, scale, current):
+    """The loss scale of a state_dict's ``'loss_scale'`` entry, with ``current``'s
+    configuration and devices; ValueError naming the entry and its value where it is not a
+    scale's (a negative scale flips every update; a NaN one skips every step)."""
+    if not isinstance(scale, dict):
+        raise ValueError(f"{owner}: 'loss_scale' is {engine.shown(scale)}; it is the dict of "
+                         f"{', '.join(_LOSS_SCALE_LEAVES)} that state_dict() writes")
+    unknown = sorted(map(str, scale.keys() - set(_LOSS_SCALE_LEAVES)))
+    if unknown:
+        raise ValueError(f"{owner}: 'loss_scale' has {', '.join(map(repr, unknown))}; a loss "
+                         f"scale has {', '.join(_LOSS_SCALE_LEAVES)}")
+    mine = dict(zip(_LOSS_SCALE_LEAVES, current.tensors()))
+    got = {}
+    for name in _LOSS_SCALE_LEAVES:
+        if name not in scale:
+            got[name] = mine[name]
+            continue
+        x = scale[name]
+        dtype, ok, words = _SCALE_RULES[name]
+        if not isinstance(x, torch.Tensor) or x.dim() != 0 or x.dtype != dtype:
+            raise ValueError(f"{owner}: loss_scale entry '{name}' is {engine.shown(x)}; it must be "
+                             f"a 0-d {dtype} tensor")
+        value = x.item()
+        if not ok(value):
+            raise ValueError(f"{owner}: loss_scale entry '{name}' is {value!r}; it must be "
+                             f"{words}")
+        got[name] = x.to(device=mine[name].device).clone()
+    if got["min_scale"].item() > got["loss_scale"].item():
+        raise ValueError(f"{owner}: loss_scale entry 'min_scale' is {got['min_scale'].item()!r}, "
+                         f"above the scale, {got['loss_scale'].item()!r}")
+    return type(current)._from([got[n] for n in _LOSS_SCALE_LEAVES], current._config())
 
 
 class _StateDict(collections.defaultdict):

@@ -1,6 +1,10 @@
 """A compiled spec: the functional API (init, step), its optimizer class, its sources."""
 from __future__ import annotations
 
+import math
+import operator
+import os
+import stat
 from functools import cached_property, partial
 from pathlib import Path
 
@@ -48,7 +52,7 @@ class CompiledSpec:
         flags, values = engine.resolve(self.name, self.hypers, hypers)
         if not self._spec.shape_conditions:
             return self._spec.program(flags)
-        shape = () if shape is None else tuple(int(n) for n in shape)
+        shape = () if shape is None else _checked_shape(f"{self.name}.program", shape)
         return engine.programs(self.name, self._spec, flags, values,
                                [torch.empty(shape, device="meta")])[0]
 
@@ -68,6 +72,7 @@ class CompiledSpec:
         """A fresh state for ``params`` (any pytree of tensors)."""
         owner = f"{self.name}_init"
         flags, values = engine.resolve(owner, self.hypers, hypers)
+        engine.check_state_dtype(owner, state_dtype)
         leaves, spec = flatten(params)
         _check_leaves(owner, "params", params, leaves)
         # a state an if on values declares (sgd's v under `if momentum > 0`) is made
@@ -210,6 +215,24 @@ class CompiledSpec:
         return self.optimizer_class(params, **kwargs)
 
 
+def _checked_shape(owner: str, shape) -> tuple[int, ...]:
+    """A parameter shape given as sizes: whole numbers >= 0 (ints, numpy's, 0-d integer
+    tensors) whose product a tensor's element count holds; ValueError naming it."""
+    try:
+        sizes = tuple(operator.index(n) for n in shape if not isinstance(n, bool))
+        if len(sizes) != len(shape):
+            raise TypeError
+    except TypeError:
+        raise ValueError(f"{owner}: shape={engine.shown(shape)} must be a sequence of whole "
+                         "numbers >= 0") from None
+    if any(n < 0 for n in sizes):
+        raise ValueError(f"{owner}: shape={engine.shown(shape)} has a negative size")
+    if math.prod(sizes) > 2**63 - 1 or any(n > 2**63 - 1 for n in sizes):
+        raise ValueError(f"{owner}: shape={engine.shown(shape)} is too large: a tensor has at "
+                         "most 2**63 - 1 elements")
+    return sizes
+
+
 def flatten_pair(owner: str, params, grads):
     """The leaves of params and of grads, checked to share one structure, and that structure."""
     p_leaves, p_spec = flatten(params)
@@ -323,14 +346,52 @@ def _check_state(owner, cspec, flags, names, state, p_spec, shaped=()):
     for n in names:
         columns[n], spec = flatten(state[n])
         if spec != p_spec:
-            raise ValueError(f"{owner}: state field '{n}' does not have the structure of params")
+            raise ValueError(f"{owner}: state field '{n}' does not have the structure of "
+                             f"params{_where_unlike(n, state[n], p_spec)}")
     return columns
+
+
+def _where_unlike(field: str, sub, p_spec) -> str:
+    """Where a state field's tree first differs from the parameters', for a message: the
+    first leaf path (in order) that the two do not share, and what each holds there."""
+    params = unflatten([None] * p_spec.num_leaves, p_spec)
+    ours, theirs = _typed_paths(params), _typed_paths(sub)
+    for k in range(max(len(ours), len(theirs))):
+        a = ours[k] if k < len(ours) else None
+        b = theirs[k] if k < len(theirs) else None
+        if a is None or b is None or a[0] != b[0]:
+            said = [f"params {'have nothing more' if a is None else f'have {a[1]} at {a[0]!r}'}",
+                    f"'{field}' {'has nothing more' if b is None else f'has {b[1]} at {b[0]!r}'}"]
+            return f": {said[0]}, {said[1]}"
+        if b[1] != "a leaf" and b[1] != "a tensor":
+            return f": '{field}' has {b[1]} at {b[0]!r}, where params have a tensor"
+    if type(sub) is not type(params):
+        return f": '{field}' is a {type(sub).__name__}, params a {type(params).__name__}"
+    return ""
+
+
+def _typed_paths(tree) -> list[tuple[str, str]]:
+    """(dotted path, what is there) of each leaf of ``tree``, None counted as a leaf."""
+    from torch.utils import _pytree as pytree
+
+    from vega.runtime.tree import _key
+    pairs, _ = pytree.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+    out = []
+    for path, leaf in pairs:
+        name = ".".join(_key(k) for k in path) or "(the root)"
+        what = "a leaf" if leaf is None else "a tensor" if isinstance(leaf, torch.Tensor) \
+            else f"a {type(leaf).__name__}"
+        out.append((name, what))
+    return out
 
 
 def _check_state_leaf(owner, name, p, s, dom="rc"):
     """``name()``: the leaf's name, for a message."""
-    if not isinstance(s, torch.Tensor):
+    if s is None:
         raise ValueError(f"{owner}: state leaf '{name()}' is missing")
+    if not isinstance(s, torch.Tensor):
+        raise ValueError(f"{owner}: state leaf '{name()}' is {engine.shown(s)}, a "
+                         f"{type(s).__name__}, not a tensor")
     if dom == "rc" and s.shape == p.shape and _same_device(s, p):
         return
     want = state_shape(p, dom)
@@ -346,11 +407,58 @@ def compile(source: str, filename: str = "<spec>") -> CompiledSpec:  # noqa: A00
     return CompiledSpec(dsl.load(source, filename))
 
 
+MAX_SPEC_BYTES = 1 << 20  # 1 MiB: the shipped specs are a few KiB
+
+
 def compile_file(path) -> CompiledSpec:
-    """Compile a ``.vega`` file; errors name the file."""
-    path = Path(path)
+    """Compile a ``.vega`` file; errors name the file.
+
+    The file must be a regular file (not a directory, a FIFO or a device: nothing is
+    opened that could block or never end) of at most 1 MiB of UTF-8 text; otherwise
+    ``vega.SpecError`` ("FILE: error: ..."). A file that cannot be read at all (missing,
+    unreadable) raises ``FileNotFoundError``, naming it."""
+    name = str(Path(path))
+    return compile(read_spec_file(name), name)
+
+
+def read_spec_file(name: str) -> str:
+    """The text of spec file ``name``, its line ends made ``\\n`` (as ``open`` reads text);
+    ``compile_file``'s checks."""
+    def unreadable(err: OSError):
+        return FileNotFoundError(f"{name}: error: cannot read spec file: {err.strerror}")
+
+    def refused(why: str):
+        return dsl.SpecError(why, filename=name)
     try:
-        text = path.read_text()
+        mode = os.stat(name).st_mode  # (before opening: a FIFO would block the open)
     except OSError as err:
-        raise FileNotFoundError(f"cannot read spec file {str(path)!r}: {err.strerror}") from err
-    return compile(text, str(path))
+        raise unreadable(err) from err
+    _regular(mode, refused)
+    try:
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as err:
+        raise unreadable(err) from err
+    with os.fdopen(fd, "rb") as f:
+        _regular(os.fstat(f.fileno()).st_mode, refused)  # (the file opened is the one seen)
+        try:
+            data = f.read(MAX_SPEC_BYTES + 1)
+        except OSError as err:
+            raise unreadable(err) from err
+    if len(data) > MAX_SPEC_BYTES:
+        raise refused(f"larger than {MAX_SPEC_BYTES} bytes (1 MiB), the most a spec file may "
+                      "have; is it a spec?")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise refused(f"not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}); "
+                      "a spec file is UTF-8 text") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _regular(mode: int, refused) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a character device" if stat.S_ISCHR(mode) else "a block device"
+            if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    raise refused(f"{kind}, not a regular file; a spec is read from a .vega file")

@@ -1,0 +1,442 @@
+"""Inputs that are refused with a ValueError naming them, not taken silently nor failing with
+a raw error: loaded states and loss scales, hyperparameters past the float range,
+schedules that return something other than one value, state dtypes, state leaves, state
+files' leaves and keys, spec files, and the loss scale's settings (docs/robustness.md,
+"Inputs that are checked")."""
+import copy
+import math
+import os
+import re
+
+import pytest
+import torch
+
+import vega
+from vega import LossScale
+
+
+def _params(n=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(4, 3, generator=gen)) for _ in range(n)]
+
+
+def _stepped(opt, params, steps=2, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return opt
+
+
+def _snapshot(opt):
+    """What load_state_dict may not change when it refuses: every state tensor, the groups'
+    settings, the loss scale's tensors (copies)."""
+    state = {i: {k: v.clone() for k, v in opt.state[p].items()}
+             for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    scale = None if opt.loss_scale is None else [t.clone() for t in opt.loss_scale.tensors()]
+    return state, groups, scale, opt.state, opt.param_groups
+
+
+def _unchanged(opt, snap):
+    state, groups, scale, state_obj, groups_obj = snap
+    assert opt.state is state_obj and opt.param_groups is groups_obj
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        assert opt.state[p].keys() == state[i].keys()
+        for k, v in state[i].items():
+            assert torch.equal(opt.state[p][k], v), (i, k)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+    if scale is not None:
+        for a, b in zip(opt.loss_scale.tensors(), scale):
+            assert torch.equal(a, b)
+
+
+# -- the loss scale of a loaded state_dict --------------------------------------------
+
+BAD_SCALES = [
+    ("loss_scale", torch.tensor(-4.0), "'loss_scale' is -4.0; it must be positive and finite"),
+    ("loss_scale", torch.tensor(float("nan")), "'loss_scale' is nan"),
+    ("loss_scale", torch.tensor(float("inf")), "'loss_scale' is inf"),
+    ("loss_scale", torch.tensor(0.0), "'loss_scale' is 0.0"),
+    ("loss_scale", torch.tensor(4.0, dtype=torch.float64), "0-d torch.float32 tensor"),
+    ("loss_scale", torch.tensor([4.0]), "0-d torch.float32 tensor"),
+    ("loss_scale", 1024.0, "'loss_scale' is 1024.0; it must be a 0-d torch.float32"),
+    ("good_steps", torch.tensor(-2, dtype=torch.int32), "'good_steps' is -2"),
+    ("good_steps", torch.tensor(3.0), "0-d torch.int32 tensor"),
+    ("skipped_steps", torch.tensor(-1, dtype=torch.int32), "'skipped_steps' is -1"),
+    ("min_scale", torch.tensor(float("nan")), "'min_scale' is nan"),
+    ("min_scale", torch.tensor(1e9), "'min_scale' is 1000000000.0, above the scale"),
+    ("scale", torch.tensor(2.0), "'loss_scale' has 'scale'; a loss scale has loss_scale, "),
+]
+
+
+@pytest.mark.parametrize("entry,value,message", BAD_SCALES,
+                         ids=[f"{e}={m[:24]}" for e, _, m in BAD_SCALES])
+def test_load_state_dict_refuses_a_loss_scale_no_scale_has(entry, value, message):
+    """A negative scale flips the sign of every update; a NaN one skips every step."""
+    ps = _params()
+    opt = _stepped(vega.optim.AdamW(ps, lr=1e-2, loss_scale=LossScale.dynamic(init=64.0)), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["loss_scale"][entry] = value
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match=r"^AdamW\.load_state_dict: .*" + re.escape(message)):
+        opt.load_state_dict(sd)
+    _unchanged(opt, snap)
+    _stepped(opt, ps, 1)  # and it still steps
+
+
+def test_load_state_dict_takes_a_loss_scale_it_can_step_with():
+    ps = _params()
+    opt = _stepped(vega.optim.AdamW(ps, lr=1e-2, loss_scale=LossScale.dynamic(init=64.0)), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["loss_scale"]["loss_scale"] = torch.tensor(8.0)
+    del sd["loss_scale"]["min_scale"]  # (a missing entry keeps the optimizer's own)
+    other = vega.optim.AdamW(_params(), lr=1e-2, loss_scale=LossScale.dynamic(min_scale=2.0))
+    other.load_state_dict(sd)
+    assert other.loss_scale.loss_scale.item() == 8.0
+    assert other.loss_scale.min_scale.item() == 2.0
+    assert other.loss_scale.good_steps.item() == 2
+
+
+# -- another optimizer's state --------------------------------------------------------
+
+def _torch_sgd_state():
+    ps = _params()
+    opt = torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    return _stepped(opt, ps).state_dict()
+
+
+def _torch_adam_state():
+    ps = _params()
+    return _stepped(torch.optim.Adam(ps, lr=0.1), ps).state_dict()
+
+
+def _vega_state(cls, **kw):
+    ps = _params()
+    return _stepped(cls(ps, **kw), ps).state_dict()
+
+
+OTHERS = [
+    (vega.optim.SGD, lambda: _vega_state(vega.optim.Adam),
+     r"group 0 of the state has no 'momentum', 'nesterov' and has 'amsgrad', 'b1', 'b2', 'eps', "
+     r"unknown to SGD; it seems to be the state of vega\.optim\.Adam or vega\.optim\.AdamW"),
+    (vega.optim.SGD, _torch_sgd_state,
+     r"group 0 of the state has no 'backend', 'state_dtype' and has .*'dampening'.*; it seems "
+     r"to be the state of torch\.optim\.SGD"),
+    (vega.optim.Adam, _torch_adam_state,
+     r"group 0 of the state has no 'b1', 'b2', 'backend', 'state_dtype' and has 'betas', .*; "
+     r"it seems to be the state of torch\.optim\.Adam"),
+    (vega.optim.LARS, lambda: _vega_state(vega.optim.SGD, momentum=0.9),
+     r"group 0 of the state has no 'eps', 'trust_coefficient'; it seems to be the state of "
+     r"vega\.optim\.SGD"),
+]
+
+
+@pytest.mark.parametrize("cls,make,message", OTHERS, ids=["Adam>SGD", "torch.SGD>SGD",
+                                                         "torch.Adam>Adam", "SGD>LARS"])
+def test_load_state_dict_of_another_optimizer_says_whose_it_seems(cls, make, message):
+    ps = _params()
+    opt = _stepped(cls(ps, lr=0.1), ps)
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}\.load_state_dict: {message}"):
+        opt.load_state_dict(make())
+    _unchanged(opt, snap)
+    _stepped(opt, ps, 1)
+
+
+def test_load_state_dict_refuses_state_entries_of_another_optimizer():
+    """Groups alike, per-parameter entries not: torch's SGD's ``momentum_buffer`` in vega's
+    SGD, a renamed moment in Adam."""
+    ps = _params()
+    opt = _stepped(vega.optim.Adam(ps, lr=0.1), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][1]["exp_avg"] = sd["state"][1].pop("mu")
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match=r"^Adam\.load_state_dict: the state of parameter 1 of "
+                                         r"group 0 has \['exp_avg', 'nu', 'step'\], but Adam with "
+                                         r"these settings keeps \['mu', 'nu', 'step'\]; missing "
+                                         r"\['mu'\]; unknown \['exp_avg'\]"):
+        opt.load_state_dict(sd)
+    _unchanged(opt, snap)
+
+
+def test_load_state_dict_still_takes_a_state_a_value_turns_on_or_off():
+    """sgd's ``v``: saved without momentum, loaded and stepped with (the step makes it), and
+    back."""
+    ps = _params()
+    plain = _stepped(vega.optim.SGD(ps, lr=0.1), ps).state_dict()
+    qs = _params()
+    opt = vega.optim.SGD(qs, lr=0.1)
+    opt.load_state_dict(copy.deepcopy(plain))
+    opt.param_groups[0]["momentum"] = 0.9
+    _stepped(opt, qs, 1)
+    assert "v" in opt.state[qs[0]]
+    back = vega.optim.SGD(_params(), lr=0.1)
+    back.load_state_dict(copy.deepcopy(opt.state_dict()))  # v kept, as torch keeps buffers
+
+
+@pytest.mark.parametrize("value,message", [
+    (torch.tensor(-3, dtype=torch.int32), "is -3; a step counter is a whole number"),
+    (torch.tensor(float("nan")), "is nan"),
+    (torch.tensor(2.5), "is 2.5"),
+    (torch.tensor(2.0**40), "is 1099511627776.0"),
+    (torch.tensor(True), "of dtype torch.bool"),
+    (7, "of parameter 0 of group 0 is 7, not a tensor"),
+])
+def test_load_state_dict_refuses_a_step_counter_out_of_range(value, message):
+    ps = _params()
+    opt = _stepped(vega.optim.Adam(ps, lr=0.1), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["step"] = value
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match=r"^Adam\.load_state_dict: state 'step' .*"
+                                         + re.escape(message)):
+        opt.load_state_dict(sd)
+    _unchanged(opt, snap)
+
+
+def test_load_state_dict_takes_torch_adams_float_step_counter():
+    ps = _params()
+    opt = _stepped(vega.optim.Adam(ps, lr=0.1), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    for st in sd["state"].values():
+        st["step"] = st["step"].float()
+    other = vega.optim.Adam(_params(), lr=0.1)
+    other.load_state_dict(sd)
+    assert all(st["step"].dtype == torch.int32 and int(st["step"]) == 2
+               for st in other.state.values())
+
+
+@pytest.mark.parametrize("broken,message", [
+    (lambda sd: sd.pop("state"), "a state_dict is a dict with 'state' and 'param_groups'"),
+    (lambda sd: sd["state"].__setitem__(0, [1.0]), r"state_dict\['state'\] must be a dict"),
+    (lambda sd: sd["param_groups"][0].__setitem__("state_dtype", "float32"),
+     "state_dtype='float32' must be None or a torch float dtype"),
+    (lambda sd: sd["param_groups"][0].__setitem__("lr", 10**400), "lr=1000.* is too large"),
+])
+def test_load_state_dict_refuses_a_malformed_state_dict(broken, message):
+    ps = _params()
+    opt = _stepped(vega.optim.Adam(ps, lr=0.1), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    broken(sd)
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd)
+    _unchanged(opt, snap)
+
+
+# -- hyperparameters and state dtypes -------------------------------------------------
+
+def test_a_number_past_the_float_range_is_a_value_error():
+    p = torch.ones(3)
+    for call, owner in [(lambda: vega.optim.AdamW([torch.nn.Parameter(p)], lr=10**400),
+                         "AdamW"),
+                        (lambda: vega.adamw_init([p], lr=10**400), "adamw_init"),
+                        (lambda: vega.adamw_step([p], [p], vega.adamw_init([p]), lr=10**400),
+                         "adamw_step")]:
+        with pytest.raises(ValueError, match=rf"^{owner}: lr=1000000.*0000 is too large for a "
+                                             r"float$"):
+            call()
+    with pytest.raises(ValueError, match=r"max_grad_norm=1000.* must be a positive finite"):
+        vega.optim.AdamW([torch.nn.Parameter(p)], max_grad_norm=10**400)
+    with pytest.raises(ValueError, match=r"LossScale.static: s=1000.* must be positive and "
+                                         r"finite"):
+        LossScale.static(10**400)
+
+
+@pytest.mark.parametrize("dtype", ["float32", torch.int32, torch.bool, 32, float])
+def test_state_dtype_is_a_torch_float_dtype(dtype):
+    p = torch.nn.Parameter(torch.ones(3))
+    words = "must be None or a torch float dtype"
+    with pytest.raises(ValueError, match=rf"^adamw_init: state_dtype=.* {words}"):
+        vega.adamw_init([p.detach()], state_dtype=dtype)
+    with pytest.raises(ValueError, match=rf"^AdamW: state_dtype=.* {words}"):
+        vega.optim.AdamW([p], state_dtype=dtype)
+    opt = vega.optim.AdamW([p])
+    with pytest.raises(ValueError, match=rf"^AdamW: state_dtype=.* {words}"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "state_dtype": dtype})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match=rf"^lbfgs_init: state_dtype=.* {words}"):
+        vega.lbfgs_init([p.detach()], state_dtype=dtype)
+    with pytest.raises(ValueError, match=rf"^LBFGS: state_dtype=.* {words}"):
+        vega.optim.LBFGS([p], state_dtype=dtype)
+    vega.adamw_init([p.detach()], state_dtype=torch.float64)  # a dtype is taken
+
+
+# -- schedules ------------------------------------------------------------------------
+
+BAD_SCHEDULES = {
+    "a vector": (lambda step: torch.full((3,), 1e-3), r"a tensor of shape \(3,\) and dtype "
+                 r"torch\.float32; a schedule returns one value"),
+    "a string": (lambda step: "0.001", r"'0.001', a str"),
+    "None": (lambda step: None, r"None, a NoneType"),
+    "a bool tensor": (lambda step: step > 0, r"a tensor of shape \(\) and dtype torch\.bool"),
+    "a complex tensor": (lambda step: torch.tensor(1e-3j), r"a tensor of shape \(\) and dtype "
+                         r"torch\.complex64"),
+    "a huge int": (lambda step: 10**400, r"1000.*, too large for a float"),
+}
+
+
+def _schedule_calls(lr):
+    """Each way a schedule is evaluated: the functional init and step (one tensor, several:
+    counters stacked), the class step on the reference and the default backend (the
+    direct step's rows, from the second step)."""
+    def functional(params):
+        state = vega.adamw_init(params)
+        vega.adamw_step(params, [torch.ones_like(p) for p in params], state, lr=lr)
+
+    def classes(backend):
+        ps = _params(3)
+        opt = vega.optim.AdamW(ps, backend=backend)
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()  # (a constant lr: the direct step is planned)
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+    return {
+        "init": lambda: vega.adamw_init([torch.ones(3)], lr=lr),
+        "step of one tensor": lambda: functional([torch.ones(3)]),
+        "step of several": lambda: functional([torch.ones(3), torch.ones(2, 2)]),
+        "class on reference": lambda: classes("reference"),
+        "class on the default backend": lambda: classes(None),
+    }
+
+
+@pytest.mark.parametrize("what", BAD_SCHEDULES)
+def test_a_schedule_that_returns_no_single_value_is_named(what):
+    lr, message = BAD_SCHEDULES[what]
+    for where, call in _schedule_calls(lr).items():
+        with pytest.raises(ValueError, match=rf"hyperparameter 'lr': its schedule returned "
+                                             rf"{message}"):
+            call()
+
+
+def test_a_schedule_may_return_a_number_or_a_one_element_tensor():
+    for lr in (lambda step: 1e-3, lambda step: torch.tensor([1e-3]),
+               lambda step: step.double() * 0 + 1e-3, lambda step: step + 1):
+        for call in _schedule_calls(lr).values():
+            call()
+
+
+# -- state leaves of the functional step ----------------------------------------------
+
+@pytest.mark.parametrize("mu,message", [
+    ([1.0], r"state leaf 'mu\.0' is 1\.0, a float, not a tensor"),
+    ([[1.0]], r"state field 'mu' does not have the structure of params: params have a leaf "
+              r"at '0', 'mu' has a float at '0\.0'"),
+    ([torch.ones(3), torch.ones(3)], r"state field 'mu' does not have the structure of "
+                                     r"params: params have nothing more, 'mu' has a tensor at "
+                                     r"'1'"),
+    ((torch.ones(3),), r"state field 'mu' does not have the structure of params: 'mu' is a "
+                       r"tuple, params a list"),
+    ([None], r"state leaf 'mu\.0' is missing"),
+])
+def test_a_state_leaf_that_is_not_a_tensor_is_named(mu, message):
+    p = torch.ones(3)
+    state = vega.adamw_init([p])
+    state["mu"] = mu
+    with pytest.raises(ValueError, match=rf"^adamw_step: {message}"):
+        vega.adamw_step([p], [p], state)
+
+
+# -- state files ----------------------------------------------------------------------
+
+def test_save_refuses_a_meta_or_sparse_leaf(tmp_path):
+    path = tmp_path / "s.safetensors"
+    with pytest.raises(ValueError, match=r"^vega\.save: state leaf 'mu\.w' is a meta tensor"):
+        vega.save(path, {"mu": {"w": torch.empty(3, device="meta")}, "step": torch.zeros(())})
+    with pytest.raises(ValueError, match=r"^vega\.save: state leaf 'mu' is a torch\.sparse_coo "
+                                         r"tensor"):
+        vega.save(path, {"mu": torch.ones(3).to_sparse()})
+    assert not os.listdir(tmp_path)  # nothing written, not even the temporary file
+
+
+@pytest.mark.parametrize("state,where", [
+    ({"": torch.ones(3)}, ""),
+    ({"mu": {"": torch.ones(3)}, "step": torch.zeros((), dtype=torch.int32)}, " under 'mu'"),
+    ({"": {"w": torch.ones(3)}}, ""),
+    ({"mu": {"a": {"": torch.ones(3)}}}, " under 'mu.a'"),
+])
+def test_an_empty_key_is_refused_on_save_and_load(tmp_path, state, where):
+    message = rf"the state has an empty key{re.escape(where)}; each leaf is named by its keys"
+    path = tmp_path / "s.safetensors"
+    with pytest.raises(ValueError, match=rf"^vega\.save: {message}"):
+        vega.save(path, state)
+    vega.save(path, {"mu": torch.ones(3)})
+    with pytest.raises(ValueError, match=rf"^vega\.load: {message}"):
+        vega.load(path, like=state)
+    with pytest.raises(ValueError, match=rf"^vega\.get_leaf: {message}"):
+        vega.get_leaf(state, "mu")
+
+
+def test_a_state_made_for_params_with_an_empty_key_cannot_be_saved(tmp_path):
+    state = vega.adamw_init({"": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"empty key under 'mu'"):
+        vega.save(tmp_path / "s.safetensors", state)
+
+
+# -- loss scale settings --------------------------------------------------------------
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(backoff_factor=2), "backoff_factor=2 must be below 1"),
+    (dict(backoff_factor=1.0), "backoff_factor=1.0 must be below 1"),
+    (dict(growth_factor=1.0), "growth_factor=1.0 must be above 1"),
+    (dict(growth_factor=0.5), "growth_factor=0.5 must be above 1"),
+    (dict(growth_factor=10**400), "growth_factor=1000"),
+    (dict(backoff_factor=0.0), "backoff_factor=0.0 must be positive"),
+])
+def test_loss_scale_factors_are_those_gradscaler_takes(kw, message):
+    """torch.amp.GradScaler: growth_factor > 1, backoff_factor < 1 (and vega: > 0)."""
+    (name, value), = kw.items()
+    for who, call in [
+            ("LossScale.dynamic", lambda: LossScale.dynamic(**kw)),
+            ("LossScale", lambda: LossScale(torch.tensor(8.0), torch.tensor(0, dtype=torch.int32),
+                                            **kw)),
+            ("LossScale.adjust", lambda: LossScale.dynamic().adjust(True, **kw)),
+            ("LossScale.adjust", lambda: LossScale.static(4.0).adjust(True, **kw))]:
+        with pytest.raises(ValueError, match=rf"^{re.escape(who)}: {re.escape(message)}"):
+            call()
+    torch.amp.GradScaler("cpu", growth_factor=1.5, backoff_factor=0.9)  # the edges it takes
+    ls = LossScale.dynamic(init=4.0, growth_factor=1.5, backoff_factor=0.9)
+    assert math.isclose(ls.adjust(False).loss_scale.item(), 3.6, rel_tol=1e-6)
+
+
+# -- spec files -----------------------------------------------------------------------
+
+GOOD = "optimizer o(lr = 1e-3) {\n  p = p - lr * g\n}\n"
+
+
+def test_compile_file_reads_only_a_regular_file_of_utf8_text(tmp_path):
+    """(A device without end and a FIFO: tests/test_cli.py, in a bounded process.)"""
+    with pytest.raises(vega.SpecError, match=r"/dev/null: error: a character device, not a "
+                                             r"regular file"):
+        vega.compile_file("/dev/null")
+    with pytest.raises(vega.SpecError, match=r": error: a directory, not a regular file"):
+        vega.compile_file(tmp_path)
+    binary = tmp_path / "bin.vega"
+    binary.write_bytes(b"optimizer o() {\n  p = p\n}\n# \xff\xfe\n")
+    with pytest.raises(vega.SpecError, match=r"bin\.vega: error: not UTF-8 text \(byte 0xff at "
+                                             r"offset 28\)"):
+        vega.compile_file(binary)
+    big = tmp_path / "big.vega"
+    big.write_text(GOOD + "#" * (1 << 20) + "\n")
+    with pytest.raises(vega.SpecError, match=r"big\.vega: error: larger than 1048576 bytes "
+                                             r"\(1 MiB\)"):
+        vega.compile_file(big)
+    with pytest.raises(FileNotFoundError, match=r"missing\.vega: error: cannot read spec file: "
+                                                r"No such file"):
+        vega.compile_file(tmp_path / "missing.vega")
+    crlf = tmp_path / "crlf.vega"
+    crlf.write_bytes(GOOD.replace("\n", "\r\n").encode())
+    assert vega.compile_file(crlf).name == "o"  # line ends read as open() reads text
+
+
+def test_program_refuses_a_shape_no_tensor_has():
+    for shape, message in [((-1, 2), "has a negative size"), ((10**30,), "is too large"),
+                           ((2**32, 2**32), "is too large"), ((2.5,), "whole numbers"),
+                           (5, "whole numbers")]:
+        with pytest.raises(ValueError, match=rf"^adafactor\.program: shape=.* {message}"):
+            vega.adafactor.program(shape)
+    assert vega.adafactor.program(torch.Size([3, 4])) is vega.adafactor.program([3, 4])
