@@ -30,8 +30,10 @@ non-contiguous tensor runs on contiguous copies, in place.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import operator
+import threading
 
 import numpy as np
 import torch
@@ -1043,13 +1045,19 @@ class Kernel:
         self._nphases = len(reduction_phases(program))
         self._nred = sum(len(p) for p in reduction_phases(program))
         self._axes = program.uses_axes  # one vega_axes_step instead of phases and update
-        self.key = f"{program.name}/{len(_KERNELS)}"  # how the custom ops find this kernel
+        # how the custom ops find this kernel (a counter, not len(_KERNELS): two threads
+        # making kernels at once would take the same number)
+        self.key = f"{program.name}/{next(_KERNEL_NUMBERS)}"
         _KERNELS[self.key] = self
         self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
         # the tables of the last calls: the optimizers and param groups that share this
-        # kernel alternate, and each should find its own
+        # kernel alternate, and each should find its own. A step plan is keyed by the
+        # addresses of the tensors it writes, so two threads stepping their own tensors
+        # never share one; the prelude's tables are keyed by sizes alone, so each thread
+        # keeps its own (a launch runs without the GIL: another thread rewriting the
+        # gradient column of a shared table would make this one read its gradients)
         self._plans: list[_Plan] = []  # most recent first, at most 64
-        self._pre_plans: dict = {}  # the prelude's: (sizes, dtypes, devices) -> tables
+        self._local = threading.local()  # .pre_plans: (sizes, dtypes, devices) -> tables
 
     def source(self, dtypes=("float32", "float32", "float32")) -> str:
         return (AxesSource if self._axes else Source)(self.program, *dtypes).text()
@@ -1124,20 +1132,28 @@ class Kernel:
 
     def _prelude_plan(self, grads) -> tuple[list, list]:
         """The prelude's (tables, views) for contiguous gradients of these sizes, dtypes and
-        devices (kept for the next calls)."""
+        devices, kept for this thread's next calls."""
         sig = (tuple(map(torch.Tensor.numel, grads)), tuple(map(_DTYPE_OF, grads)),
                tuple(map(_DEVICE_OF, grads)))
-        found = self._pre_plans.get(sig)
+        plans = getattr(self._local, "pre_plans", None)
+        if plans is None:
+            plans = self._local.pre_plans = {}
+        found = plans.get(sig)
         if found is None:
-            groups: dict[tuple, list[int]] = {}
-            for i, g in enumerate(grads):
-                groups.setdefault(self._group_key(g, g, g.dtype), []).append(i)
-            tables = []
-            for key, idx in groups.items():
-                rows = [[grads[i].numel(), 0, 0] + [0] * (self._row - 3) for i in idx]
-                tables.append((self.library(key), _table(rows), None, idx))
-            found = _remember(self._pre_plans, sig, (tables, _views(tables)))
+            found = _remember(plans, sig, self._new_prelude_plan(grads))
         return found
+
+    def _new_prelude_plan(self, grads) -> tuple[list, list]:
+        """New prelude (tables, views) for contiguous gradients like these: the tables of one
+        caller (a thread, a ``Direct`` plan), whose gradient column it rewrites."""
+        groups: dict[tuple, list[int]] = {}
+        for i, g in enumerate(grads):
+            groups.setdefault(self._group_key(g, g, g.dtype), []).append(i)
+        tables = []
+        for key, idx in groups.items():
+            rows = [[grads[i].numel(), 0, 0] + [0] * (self._row - 3) for i in idx]
+            tables.append((self.library(key), _table(rows), None, idx))
+        return tables, _views(tables)
 
     @staticmethod
     def _run_prelude(plan, grad_ptrs, pre: torch.Tensor) -> None:
@@ -1379,7 +1395,9 @@ class Direct:
     def __init__(self, kernel: Kernel, scanner, plan: _Plan, grads, flat_states, steps):
         self.kernel, self.scanner, self.plan = kernel, scanner, plan
         self.hyp_index = [0] * len(grads)  # (one row for all, when no value is a schedule)
-        self.pre_plan = kernel._prelude_plan(grads)
+        # its own prelude tables: a kernel's recent ones serve every caller of the thread
+        # with gradients of these sizes, and this plan may step in another thread
+        self.pre_plan = kernel._new_prelude_plan(grads)
         self.held = [*flat_states, *steps]  # (held: the tables keep only their addresses)
         self.steps = steps
 
@@ -1497,6 +1515,7 @@ def _from_numpy(a: np.ndarray) -> torch.Tensor:
 
 
 _KERNELS: dict[str, Kernel] = {}
+_KERNEL_NUMBERS = itertools.count()
 _DTYPE_OF = operator.attrgetter("dtype")
 _DEVICE_OF = operator.attrgetter("device")
 _SHAPE_OF = operator.attrgetter("shape")
