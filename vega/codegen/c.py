@@ -41,6 +41,7 @@ import torch
 from vega.codegen import cbuild, native, reference
 from vega.codegen.base import (HyperRows, Linear, Renderer, axis_geometry, check_states,
                                distinct, is_schedule, linearize, reduction_phases, safe)
+from vega.codegen.tensors import resolved
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, DOMAINS, LEAVES, REDUCTIONS, Kind, Node,
                         Op, Program, walk)
@@ -1126,7 +1127,8 @@ class Kernel:
     def _prelude(self, grads, pre: torch.Tensor) -> None:
         """The body of ``vega::c_prelude``. The tables of gradients of the same sizes, dtypes
         and devices as a recent call's serve again, with their addresses rewritten."""
-        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        grads = [g if g.is_contiguous() and not g.is_neg() else resolved(g).contiguous()
+                 for g in grads]
         self._run_prelude(self._prelude_plan(grads), list(map(torch.Tensor.data_ptr, grads)),
                           pre)
 
@@ -1176,8 +1178,8 @@ class Kernel:
         grads = list(grads)
         flat = [s for col in states for s in col]
         compiling = torch.compiler.is_compiling()
-        if not donate and not compiling \
-                and all(map(torch.Tensor.is_contiguous, [*params, *grads, *flat, *hyp])):
+        if not donate and not compiling and _as_stored([*params, *grads, *flat]) \
+                and all(map(torch.Tensor.is_contiguous, hyp)):
             # pure, out of place: the kernel reads the old tensors and writes new ones
             new_p, new_flat = list(map(torch.empty_like, params)), list(map(torch.empty_like, flat))
             tables = self._tables(params, grads, flat, unique, step_index, hyp, hyp_index,
@@ -1211,8 +1213,8 @@ class Kernel:
         scanner = None if self._axes else native.scanner()
         found = None if scanner is None else self._native_plan(
             scanner, params, grads, flat_states, steps, step_index, hyp, hyp_index)
-        if found is None and all(map(torch.Tensor.is_contiguous,
-                                     [*params, *grads, *flat_states, *hyp])):
+        if found is None and _as_stored([*params, *grads, *flat_states]) \
+                and all(map(torch.Tensor.is_contiguous, hyp)):
             ptr, numel = torch.Tensor.data_ptr, torch.Tensor.numel
             fixed = list(map(ptr, params)) + list(map(ptr, flat_states)) + list(map(ptr, steps))
             meta = ([p.shape for p in params] if self._axes else list(map(numel, params)),
@@ -1227,11 +1229,12 @@ class Kernel:
             plan.point(grad_ptrs, hyp, hyp_index, 4 + len(self.program.states))
             self._launch(plan.tables, plan.step_ptrs, pre, nth)
             return
-        # some tensor is not contiguous: work on contiguous copies, copied back at the end
-        # (every copy held until the kernel has run: the table keeps only addresses)
-        work_p = [p.contiguous() for p in params]
-        work_g = [g.contiguous() for g in grads]
-        work_s = [s.contiguous() for s in flat_states]
+        # some tensor is not contiguous, or holds its values negated (a negative bit): work
+        # on contiguous copies of the values, copied back at the end (every copy held until
+        # the kernel has run: the table keeps only addresses)
+        work_p = [resolved(p).contiguous() for p in params]
+        work_g = [resolved(g).contiguous() for g in grads]
+        work_s = [resolved(s).contiguous() for s in flat_states]
         work_h = [h.contiguous() for h in hyp]
         tables = self._tables(work_p, work_g, work_s, steps, step_index, work_h, hyp_index)
         self._launch(tables, _int64s([s.data_ptr() for s in steps]), pre, nth)
@@ -1512,6 +1515,14 @@ def _from_numpy(a: np.ndarray) -> torch.Tensor:
     """An int64 table as a contiguous tensor (a normal one, as ``_int64s``)."""
     with torch.inference_mode(False):
         return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _as_stored(tensors) -> bool:
+    """Whether a kernel may read (and write) each of these tensors at its address: each is
+    contiguous and holds its values as they are (no negative bit: a real view of a complex
+    tensor's conjugate, ``x.conj().imag``, stores them negated)."""
+    return all(map(torch.Tensor.is_contiguous, tensors)) \
+        and not any(map(torch.Tensor.is_neg, tensors))
 
 
 _KERNELS: dict[str, Kernel] = {}

@@ -177,7 +177,10 @@ def state_dtype_for(p: torch.Tensor, state_dtype: torch.dtype | None) -> torch.d
 
 
 def _real(x: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(x) if x.is_complex() else x
+    """A complex tensor's real view (of its values: a conjugate, ``x.conj()``, resolved into
+    a copy first; it has no real view. ``resolve_conj`` returns ``x`` itself where it is no
+    conjugate, and dynamo cannot trace ``is_conj()``)."""
+    return torch.view_as_real(x.resolve_conj()) if x.is_complex() else x
 
 
 def _no_complex_axes(program: Program) -> None:
@@ -353,4 +356,9 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
                  for col, ncol in zip(states, new_s)]
     else:
         new_p, new_s = list(params), [list(col) for col in states]
+        if real_p is not params and not compiling:  # a conjugate stepped as a copy: back
+            for orig, real in zip([*params, *(s for col in states for s in col)],
+                                  [*real_p, *(s for col in real_s for s in col)]):
+                if orig.is_complex() and orig.is_conj():
+                    orig.copy_(torch.view_as_complex(real))
     return new_p, new_s, new_steps, finite
