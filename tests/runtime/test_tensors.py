@@ -1,8 +1,16 @@
-"""Tensors with a negative or conjugate bit (``x.conj().imag``, ``x.conj()``) step as their
-values on every backend: read resolved, and written in place through a resolved copy that
-is copied back (``vega.codegen.tensors``)."""
+"""The tensors a step accepts (``vega.codegen.tensors``): tensor subclasses with operations of
+their own (DTensor, TwoTensor) step on the reference backend, or are refused by name on a
+compiled one, never read at address 0; tensors with a negative or conjugate bit step as
+their values. A check where a crash is possible runs in a child process."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
+from torch.testing._internal.two_tensor import TwoTensor
 
 import vega
 from vega import codegen
@@ -11,13 +19,186 @@ from vega.codegen import native
 
 pytestmark = pytest.mark.skipif(not c_backend.available(), reason="needs a C compiler")
 
+ROOT = Path(__file__).resolve().parents[2]
 # the backends that read memory at addresses (Triton's interpreter where there is no GPU),
 # and the reference, which steps through torch's operations
 BACKENDS = ["c", "reference", *(["triton"] if "triton" in codegen.BACKENDS else [])]
 
 
+def _child(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python (this checkout's vega, the scanner waited for)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "VEGA_NATIVE": "sync"}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"rc={done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done
+
+
 def _rand(*shape, seed=0, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+# -- tensor subclasses with operations of their own --------------------------------------
+
+def test_wrapper_subclasses_step_on_the_reference_backend_or_are_refused_by_name():
+    """TwoTensor's data_ptr() is 0: a C kernel given it read address 0 (a segfault). Unless a
+    backend is named it steps on the reference backend, each of its two tensors as a plain
+    tensor would; backend='c' refuses it, naming the leaf and the type."""
+    out = _child("""
+        import torch, vega
+        from torch.testing._internal.two_tensor import TwoTensor
+        gen = torch.Generator().manual_seed(0)
+        a, b, ga, gb = (torch.randn(5, generator=gen) for _ in range(4))
+
+        def plain(x, g):
+            return vega.adamw.step({"w": x}, {"w": g}, vega.adamw.init({"w": x}),
+                                   backend="reference")[0]["w"]
+        for donate in (False, True):
+            w, g = TwoTensor(a.clone(), b.clone()), TwoTensor(ga, gb)
+            state = vega.adamw.init({"w": w})
+            new, st = vega.adamw.step({"w": w}, {"w": g}, state, donate=donate)
+            assert type(new["w"]) is TwoTensor and int(st["step"]) == 1
+            assert torch.equal(new["w"].a, plain(a, ga)) and torch.equal(new["w"].b, plain(b, gb))
+            assert (new["w"] is w) == donate
+        # named backends that read memory refuse it, whichever leaf it is
+        cases = [({"w": TwoTensor(a, b)}, {"w": TwoTensor(ga, gb)}, "params leaf 'w'"),
+                 ({"w": a.clone()}, {"w": TwoTensor(ga, gb)}, "grads leaf 'w'")]
+        for params, grads, label in cases:
+            state = vega.adamw.init({"w": a})
+            for donate in (False, True):
+                try:
+                    vega.adamw.step(params, grads, state, backend="c", donate=donate)
+                except ValueError as e:
+                    assert f"adamw_step: {label} is a TwoTensor, a tensor subclass" in str(e), e
+                    assert "backend='reference'" in str(e)
+                else:
+                    raise AssertionError("not refused")
+        state = vega.adamw.init({"w": a})
+        state["mu"]["w"] = TwoTensor(torch.zeros(5), torch.zeros(5))
+        try:
+            vega.adamw.step({"w": a.clone()}, {"w": ga}, state, backend="c")
+        except ValueError as e:
+            assert "state leaf 'mu.w' is a TwoTensor" in str(e), e
+        else:
+            raise AssertionError("not refused")
+        # the kernel itself refuses what has no address, called directly
+        from vega.runtime import engine
+        program = vega.adamw.program()
+        state = vega.adamw.init({"w": a})
+        try:
+            engine.run(program, "c", [TwoTensor(a, b)], [ga], [[state["mu"]["w"]],
+                       [state["nu"]["w"]]], [state["step"]], [vega.adamw.defaults], True)
+        except ValueError as e:
+            assert "backend 'c': parameter 0 is a TwoTensor" in str(e), e
+        else:
+            raise AssertionError("not refused")
+        # a fused step sums the gradients as plain tensors: refused, not guessed
+        try:
+            vega.adamw.step({"w": TwoTensor(a, b)}, {"w": TwoTensor(ga, gb)},
+                            vega.adamw.init({"w": TwoTensor(a, b)}), max_grad_norm=1.0)
+        except ValueError as e:
+            assert "one is a TwoTensor" in str(e) and "clip_grad_norm_" in str(e), e
+        else:
+            raise AssertionError("not refused")
+        print("ok")
+    """)
+    assert out.stdout.strip() == "ok"
+
+
+def test_the_class_routes_wrapper_subclasses_and_its_direct_step_drops_them():
+    out = _child("""
+        import torch, vega
+        from torch.testing._internal.two_tensor import TwoTensor
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+        grads = [(torch.randn(6, generator=gen), torch.randn(6, generator=gen))
+                 for _ in range(3)]
+        w = torch.nn.Parameter(TwoTensor(a.clone(), b.clone()))
+        x, y = torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.clone())
+        opt = vega.adamw.optimizer([w])
+        ox, oy = vega.adamw.optimizer([x], backend="reference"), \\
+            vega.adamw.optimizer([y], backend="reference")
+        for ga, gb in grads:
+            w.grad, x.grad, y.grad = TwoTensor(ga, gb), ga, gb
+            opt.step(); ox.step(); oy.step()
+        assert type(w) is TwoTensor and torch.equal(w.a, x) and torch.equal(w.b, y)
+        assert "_vega_direct" not in opt.__dict__
+        try:
+            vega.adamw.optimizer([w], backend="c").step()
+        except ValueError as e:
+            assert "AdamW: parameter 0 of group 0 is a TwoTensor" in str(e), e
+        else:
+            raise AssertionError("not refused")
+
+        # a direct step (plain tensors) whose gradient becomes a TwoTensor: the scanner sends
+        # it back to the Python path, which steps it on the reference backend
+        p, q = torch.nn.Parameter(a.clone()), torch.nn.Parameter(a.clone())
+        opt, twin = vega.adamw.optimizer([p]), vega.adamw.optimizer([q])
+        for ga, _ in grads:
+            p.grad, q.grad = ga.clone(), ga.clone()
+            opt.step(); twin.step()
+        assert "_vega_direct" in opt.__dict__
+        g = grads[0][1]
+        p.grad, q.grad = TwoTensor(g.clone(), g.clone()), g.clone()
+        opt.step(); twin.step()
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+        # and its state becoming one, with backend='c' named: refused by name
+        opt = vega.adamw.optimizer([p], backend="c")
+        for _ in range(3):
+            p.grad = g.clone()
+            opt.step()
+        before = p.detach().clone()
+        opt.state[p]["nu"] = TwoTensor(torch.ones(6), torch.ones(6))
+        try:
+            opt.step()
+        except ValueError as e:
+            assert "parameter 0 of group 0 (its state 'nu') is a TwoTensor" in str(e), e
+        else:
+            raise AssertionError("not refused")
+        assert torch.equal(p, before) and int(opt.state[p]["step"]) == 3
+        print("ok")
+    """)
+    assert out.stdout.strip() == "ok"
+
+
+def test_dtensor_never_crashes():
+    """DTensor (one process, one rank): stepped through its own operations, or refused with
+    a clear error; never its address 0 given to a kernel."""
+    out = _child("""
+        import os, socket, torch, torch.distributed as dist, vega
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from torch.distributed.tensor import distribute_tensor, Shard
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (1,))
+        gen = torch.Generator().manual_seed(0)
+        a, g = torch.randn(4, 4, generator=gen), torch.randn(4, 4, generator=gen)
+        w, dg = distribute_tensor(a, mesh, [Shard(0)]), distribute_tensor(g, mesh, [Shard(0)])
+        want = vega.adamw.step({"w": a}, {"w": g}, vega.adamw.init({"w": a}),
+                               backend="reference")[0]["w"]
+        new, _ = vega.adamw.step({"w": w}, {"w": dg}, vega.adamw.init({"w": w}))
+        assert torch.equal(new["w"].full_tensor(), want)
+        p = torch.nn.Parameter(distribute_tensor(a, mesh, [Shard(0)]))
+        p.grad = dg
+        vega.adamw.optimizer([p]).step()
+        assert torch.equal(p.full_tensor(), want)
+        for call in (lambda: vega.adamw.optimizer([p], backend="c").step(),
+                     lambda: vega.adamw.step({"w": w}, {"w": dg}, vega.adamw.init({"w": w}),
+                                             max_grad_norm=1.0)):
+            try:
+                call()
+            except ValueError as e:
+                assert "DTensor" in str(e), e
+            else:
+                raise AssertionError("not refused")
+        dist.destroy_process_group()
+        print("ok")
+    """)
+    assert out.stdout.strip() == "ok"
 
 
 # -- negative and conjugate bits ----------------------------------------------------------

@@ -41,7 +41,7 @@ import torch
 from vega.codegen import cbuild, native, reference
 from vega.codegen.base import (HyperRows, Linear, Renderer, axis_geometry, check_states,
                                distinct, is_schedule, linearize, reduction_phases, safe)
-from vega.codegen.tensors import resolved
+from vega.codegen.tensors import has_own_ops, own_ops_words, resolved
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, DOMAINS, LEAVES, REDUCTIONS, Kind, Node,
                         Op, Program, walk)
@@ -1129,8 +1129,10 @@ class Kernel:
         and devices as a recent call's serve again, with their addresses rewritten."""
         grads = [g if g.is_contiguous() and not g.is_neg() else resolved(g).contiguous()
                  for g in grads]
-        self._run_prelude(self._prelude_plan(grads), list(map(torch.Tensor.data_ptr, grads)),
-                          pre)
+        ptrs = list(map(torch.Tensor.data_ptr, grads))
+        if 0 in ptrs:  # (an empty tensor may have no address; a wrapper subclass has none)
+            self._check_readable([("gradient", grads)])
+        self._run_prelude(self._prelude_plan(grads), ptrs, pre)
 
     def _prelude_plan(self, grads) -> tuple[list, list]:
         """The prelude's (tables, views) for contiguous gradients of these sizes, dtypes and
@@ -1222,8 +1224,11 @@ class Kernel:
                     list(map(numel, flat_states)),
                     list(map(_DTYPE_OF, [*params, *grads, *flat_states, *steps])),
                     list(step_index), list(hyp_index), [h.shape for h in hyp])
+            grad_ptrs = list(map(ptr, grads))
+            if 0 in grad_ptrs:  # (an empty tensor may have no address; a wrapper, none)
+                self._check_readable([("gradient", grads)])
             found = (self._plan_for(fixed, meta, params, grads, flat_states, steps, step_index,
-                                    hyp, hyp_index), list(map(ptr, grads)))
+                                    hyp, hyp_index), grad_ptrs)
         if found is not None:
             plan, grad_ptrs = found
             plan.point(grad_ptrs, hyp, hyp_index, 4 + len(self.program.states))
@@ -1232,6 +1237,10 @@ class Kernel:
         # some tensor is not contiguous, or holds its values negated (a negative bit): work
         # on contiguous copies of the values, copied back at the end (every copy held until
         # the kernel has run: the table keeps only addresses)
+        self._check_readable([("parameter", params), ("gradient", grads),
+                              *((f"state '{s.name}'", flat_states[k * len(params):
+                                                                  (k + 1) * len(params)])
+                                for k, s in enumerate(self.program.states))])
         work_p = [resolved(p).contiguous() for p in params]
         work_g = [resolved(g).contiguous() for g in grads]
         work_s = [resolved(s).contiguous() for s in flat_states]
@@ -1241,6 +1250,19 @@ class Kernel:
         for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
             if work is not orig:
                 orig.copy_(work)
+
+    @staticmethod
+    def _check_readable(named) -> None:
+        """Raise ValueError for a tensor with elements but no address: a tensor subclass
+        with operations of its own (a wrapper: DTensor), whose storage the kernels cannot
+        read. ``named``: (what, tensors) pairs."""
+        for what, tensors in named:
+            for i, t in enumerate(tensors):
+                if t.numel() and t.data_ptr() == 0:
+                    words = own_ops_words(t) if has_own_ops(t) else \
+                        "has no storage the kernels can read (its data_ptr() is 0)"
+                    raise ValueError(f"backend 'c': {what} {i} {words}; use "
+                                     f"backend='reference'")
 
     def _plan_for(self, fixed, meta, params, grads, flat_states, steps, step_index, hyp,
                   hyp_index) -> _Plan:
@@ -1303,6 +1325,12 @@ class Kernel:
         outs = [*params, *flat_states] if outs is None else outs
         columns += (list(map(ptr, outs[k * n:(k + 1) * n])) for k in range(len(states) + 1))
         every = np.array(columns, dtype=np.int64).reshape(len(columns), n).T
+        # every tensor read has an address (a wrapper subclass has none)
+        read = every[:, 1:3 + len(states)]
+        if n and not read.all():
+            self._check_readable([("parameter", params), ("gradient", grads),
+                                  *((f"state '{s.name}'", col)
+                                    for s, col in zip(self.program.states, states))])
         out = []
         for key, idx in groups:
             table = _from_numpy(every if len(idx) == n else every[idx])

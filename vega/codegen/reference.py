@@ -203,10 +203,14 @@ def _amax(x):
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are views of one storage (not empty). Under torch.compile,
-    whether they are one tensor: there the writes are functionalized, views and all."""
+    whether they are one tensor: there the writes are functionalized, views and all. A
+    tensor subclass without a storage of its own (a wrapper: DTensor) is taken to share."""
     if torch.compiler.is_compiling():
         return a is b
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    except (RuntimeError, NotImplementedError):  # (no storage: its operations make copies)
+        return True
 
 
 _F32_MAX = float(torch.finfo(torch.float32).max)

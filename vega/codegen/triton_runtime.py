@@ -30,7 +30,7 @@ from collections import OrderedDict
 import torch
 
 from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, safe
-from vega.codegen.tensors import resolved
+from vega.codegen.tensors import has_own_ops, own_ops_words, resolved
 
 BLOCK_GPU, WARPS_GPU = 2048, 8  # elements per program, and warps, on a GPU
 BLOCK_INTERPRETER = 4096  # under the interpreter every program costs ~1 ms: fewer, larger ones
@@ -337,6 +337,9 @@ def _on(device: torch.device):
 # -- the glue that torch.compile traces -------------------------------------------
 
 def _check(kern, what: str, x: torch.Tensor) -> None:
+    if has_own_ops(x):  # (no storage of its own to read: DTensor)
+        raise ValueError(f"backend 'triton': {what} {own_ops_words(x)}; use "
+                         f"backend='reference'")
     if x.dtype not in DTYPES:
         raise ValueError(f"backend 'triton' does not support {what} of dtype {x.dtype} "
                          f"(float32, float64, bfloat16 and float16 only)")

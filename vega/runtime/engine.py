@@ -16,6 +16,7 @@ import torch
 from vega import codegen
 from vega.codegen.base import HyperRows, distinct, is_schedule
 from vega.codegen.reference import make_pre, memo
+from vega.codegen.tensors import first_with_own_ops
 from vega.schedule import Schedule
 from vega.dsl.ir import HyperParam, Program
 from vega.tracing import untraced
@@ -230,6 +231,15 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
     """
     if inv_scale is None and max_norm is None and not check:
         return None
+    for _, _, grads in parts:
+        k = first_with_own_ops(grads) if not torch.compiler.is_compiling() else None
+        if k is not None:
+            raise ValueError(
+                f"a fused step (max_grad_norm, loss_scale, skip_nonfinite) sums over every "
+                f"gradient as plain tensors, but one is a {type(grads[k]).__name__}, a tensor "
+                f"subclass with operations of its own (whose norm is its own: a DTensor's "
+                f"spans its shards); step without them, clipping with "
+                f"torch.nn.utils.clip_grad_norm_")
     devices = {g.device for _, _, grads in parts for g in grads}
     if len(devices) > 1:
         raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "

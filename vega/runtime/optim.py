@@ -16,6 +16,7 @@ import torch
 from vega import codegen
 from vega.codegen import native
 from vega.codegen.base import state_shape
+from vega.codegen.tensors import first_with_own_ops, own_ops_words
 from vega.runtime import engine
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -125,8 +126,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             flags, values = self._group_values(group)
             grads = [p.grad for p in group["params"]]  # p.grad: one read (a property)
             found = self._planned_work(k, group, grads, flags, values)
-            work += found if found is not None else self._group_work(k, group, grads, flags,
-                                                                     values)
+            work += self._routed(group, found if found is not None else
+                                 self._group_work(k, group, grads, flags, values))
         check = self.skip_nonfinite or self.loss_scale is not None
         pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work],
                              engine.inverse_scale(self.loss_scale), self.max_grad_norm, check)
@@ -137,6 +138,39 @@ class SpecOptimizer(torch.optim.Optimizer):
             self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
         self._plan_direct(work)
         return loss
+
+    def _routed(self, group, work: list[tuple]) -> list[tuple]:
+        """``work`` (a group's engine.run calls) on the reference backend where a tensor
+        is a subclass with operations of its own (DTensor: ``vega.codegen.tensors``) and
+        the group names no backend; ValueError where it names another."""
+        out = []
+        for item in work:
+            program, backend, params, grads, states, steps, values = item
+            if backend != "reference" and not torch.compiler.is_compiling():
+                for what, tensors in (("", params), (" (its gradient)", grads),
+                                      *((f" (its state '{n}')", col)
+                                        for n, col in zip(program.state_names, states))):
+                    i = first_with_own_ops(tensors)
+                    if i is None:
+                        continue
+                    if group["backend"] is None:
+                        item = (program, "reference", *item[2:])
+                        break
+                    raise ValueError(
+                        f"{type(self).__name__}: {self._name(params[i])}{what} "
+                        f"{own_ops_words(tensors[i])}; backend={backend!r} cannot step it: "
+                        f"use backend='reference' (where such tensors step unless a backend "
+                        f"is given)")
+            out.append(item)
+        return out
+
+    def _name(self, p) -> str:
+        """A parameter's name in a message: its position in its group."""
+        for k, group in enumerate(self.param_groups):
+            for j, q in enumerate(group["params"]):
+                if q is p:
+                    return f"parameter {j} of group {k}"
+        return "a parameter"
 
     def _direct_step(self) -> bool:
         """The step through ``_Direct`` plans, where the last step left one and nothing it

@@ -9,6 +9,7 @@ import torch
 from vega import codegen, dsl
 from vega.dsl import ir
 from vega.codegen.base import state_shape
+from vega.codegen.tensors import first_with_own_ops, own_ops_words
 from vega.codegen.reference import advance_steps
 from vega.runtime import engine
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
@@ -149,9 +150,18 @@ class CompiledSpec:
                     return False
             return True
         idx = stepped(owner, params, p_leaves, g_leaves, check_state, states_ok)
+        # a tensor subclass with operations of its own (DTensor): only the reference
+        # backend steps it, through those operations
+        own = _own_ops(params, p_leaves, g_leaves, columns, names, idx) \
+            if backend != "reference" and not torch.compiler.is_compiling() else None
         if backend is None:
             device = p_leaves[idx[0]].device.type if idx else "cpu"
-            backend = codegen.default_backend(device)
+            backend = "reference" if own is not None else codegen.default_backend(device)
+        elif own is not None:
+            label, t = own
+            raise ValueError(f"{owner}: {label} {own_ops_words(t)}; backend={backend!r} cannot "
+                             f"step it: use backend='reference' (where such tensors step "
+                             f"unless a backend is given)")
         work = engine.groups([progs[i] for i in idx])
         work = [(program, [idx[k] for k in ks]) for program, ks in work]
         new_p = {}
@@ -254,6 +264,23 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None)
         check_state(i, name, p)
         idx.append(i)
     return idx
+
+
+def _own_ops(params, p_leaves, g_leaves, columns, names, idx):
+    """(the leaf's label, the tensor) of the first leaf stepped (at a position of ``idx``)
+    that is a tensor subclass with operations of its own
+    (``vega.codegen.tensors.has_own_ops``), or None."""
+    every = len(idx) == len(p_leaves)
+    for what, leaves in (("params", p_leaves), ("grads", g_leaves),
+                         *((n, columns[n]) for n in names)):
+        k = first_with_own_ops(leaves if every else [leaves[i] for i in idx])
+        if k is not None:
+            k = k if every else idx[k]
+            path = _paths(params, p_leaves)[k]
+            label = f"{what} leaf '{path}'" if what in ("params", "grads") else \
+                f"state leaf '{_label(what, lambda: path)}'"
+            return label, leaves[k]
+    return None
 
 
 def _label(field: str, name) -> str:
