@@ -1,7 +1,9 @@
 """The tensors a step accepts (``vega.codegen.tensors``): tensor subclasses with operations of
 their own (DTensor, TwoTensor) step on the reference backend, or are refused by name on a
 compiled one, never read at address 0; tensors with a negative or conjugate bit step as
-their values. A check where a crash is possible runs in a child process."""
+their values; a step in place checks every tensor it writes before writing any (an
+expanded tensor, two that share memory, an inference tensor). A check where a crash is
+possible runs in a child process."""
 import os
 import subprocess
 import sys
@@ -282,3 +284,131 @@ def test_the_class_steps_negated_gradients_and_states_directly_as_their_values()
             assert torch.equal(p, q)
     if native.scanner() is not None:  # (a negated tensor does not go direct: copied)
         assert "_vega_direct" not in opt.__dict__ and "_vega_direct" in twin.__dict__
+
+
+# -- what a step in place writes -----------------------------------------------------------
+
+def _snapshot(params, state):
+    return [t.clone() for t in [*params.values(), *state["mu"].values(), *state["nu"].values(),
+                                state["step"]]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", ["params", "state"])
+def test_an_expanded_tensor_is_refused_before_anything_is_written(backend, which):
+    """A stride-0 tensor: the C backend stepped contiguous copies, advanced the counter, then
+    failed to copy back (a half-made step)."""
+    params = {"a": _rand(4, seed=1), "w": _rand(5, seed=2)}
+    grads = {"a": _rand(4, seed=3), "w": _rand(5, seed=4)}
+    state = vega.adamw.init(params)
+    if which == "params":
+        params["w"] = torch.zeros(1).expand(5)
+        label = "params leaf 'w'"
+    else:
+        state["nu"]["w"] = torch.zeros(1).expand(5)
+        label = "state leaf 'nu.w'"
+    before = _snapshot(params, state)
+    with pytest.raises(ValueError, match=f"adamw_step: {label} has elements at one memory "
+                                         f"location"):
+        vega.adamw.step(params, grads, state, backend=backend, donate=True)
+    for x, y in zip(before, _snapshot(params, state)):
+        assert torch.equal(x, y)
+    vega.adamw.step(params, grads, state, backend=backend, donate=False)  # pure: fine
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_kernels_refuse_an_expanded_tensor_themselves(backend):
+    from vega.runtime import engine
+    program = vega.sgd.program(momentum=0.0)
+    w, step = torch.zeros(1).expand(5), torch.zeros((), dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"backend '{backend}': parameter 0 has elements at "
+                                         f"one memory location"):
+        engine.run(program, backend, [w], [torch.ones(5)], [], [step],
+                   [{"lr": 0.1, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0}], True)
+    assert int(step) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leaves_that_share_memory_are_refused_in_place_and_fine_when_pure(backend):
+    w = _rand(6, seed=1)
+    ga, gb = _rand(6, seed=2), _rand(6, seed=3)
+    # one tensor as two parameters
+    params = {"a": w, "b": w}
+    state = vega.adamw.init(params)
+    before = _snapshot({"w": w}, state)
+    with pytest.raises(ValueError, match="params leaf 'b' shares memory with params leaf 'a'"):
+        vega.adamw.step(params, {"a": ga, "b": gb}, state, backend=backend, donate=True)
+    assert all(torch.equal(x, y) for x, y in zip(before, _snapshot({"w": w}, state)))
+    new, _ = vega.adamw.step(params, {"a": ga, "b": gb}, state, backend=backend)
+    for k, g in (("a", ga), ("b", gb)):
+        alone, _ = vega.adamw.step({"w": w}, {"w": g}, vega.adamw.init({"w": w}), backend=backend)
+        assert torch.equal(new[k], alone["w"])
+    # a state that is a view of its parameter, and two halves of one tensor (which do not)
+    base = _rand(12, seed=4)
+    params = {"w": base[:6]}
+    state = vega.adamw.init(params)
+    state["mu"]["w"] = base[:6].view(2, 3).view(6)
+    with pytest.raises(ValueError, match="state leaf 'mu.w' shares memory with params leaf 'w'"):
+        vega.adamw.step(params, {"w": ga}, state, backend=backend, donate=True)
+    halves = {"a": base[:6], "b": base[6:]}
+    vega.adamw.step(halves, {"a": ga, "b": gb}, vega.adamw.init(halves), backend=backend,
+                    donate=True)
+    # interleaved columns of one matrix share no element either
+    m = _rand(4, 3, seed=5)
+    cols = {str(k): m[:, k] for k in range(3)}
+    vega.adamw.step(cols, {k: torch.ones(4) for k in cols}, vega.adamw.init(cols),
+                    backend=backend, donate=True)
+    cols["3"] = m[:, 1]
+    with pytest.raises(ValueError, match="params leaf '3' shares memory with params leaf '1'"):
+        vega.adamw.step(cols, {k: torch.ones(4) for k in cols}, vega.adamw.init(cols),
+                        backend=backend, donate=True)
+
+
+def test_the_class_refuses_what_it_cannot_write_before_writing_any_group():
+    a = torch.nn.Parameter(_rand(5, seed=1))
+    w = torch.nn.Parameter(torch.zeros(1).expand(5))
+    opt = vega.adamw.optimizer([{"params": [a]}, {"params": [w]}])
+    a.grad, w.grad = torch.ones(5), torch.ones(5)
+    before = a.detach().clone()
+    with pytest.raises(ValueError, match="AdamW: parameter 0 of group 1 has elements at one "
+                                         "memory location"):
+        opt.step()
+    assert torch.equal(a, before) and int(opt.state[a]["step"]) == 0
+    # a state replaced by a view of its parameter, after the step went direct
+    p, q = torch.nn.Parameter(_rand(8, seed=2)), torch.nn.Parameter(_rand(8, seed=3))
+    opt = vega.adamw.optimizer([p, q])
+    for _ in range(4):
+        p.grad, q.grad = torch.ones(8), torch.ones(8)
+        opt.step()
+    opt.state[q]["mu"] = q.detach()
+    before = [p.detach().clone(), q.detach().clone(), opt.state[p]["step"].clone()]
+    with pytest.raises(ValueError, match="AdamW: state 'mu' of parameter 1 of group 0 shares "
+                                         "memory with parameter 1 of group 0"):
+        opt.step()
+    assert all(torch.equal(x, y) for x, y in zip(before, [p, q, opt.state[p]["step"]]))
+
+
+# -- inference tensors ---------------------------------------------------------------------
+
+def test_inference_tensors_are_written_only_inside_inference_mode():
+    with torch.inference_mode():
+        w = _rand(6, seed=1)
+    w.grad = torch.ones(6)
+    opt = vega.adamw.optimizer([w])
+    with pytest.raises(ValueError, match="AdamW: parameter 0 of group 0 is an inference tensor"):
+        opt.step()
+    assert torch.equal(w, _rand(6, seed=1))
+    with torch.inference_mode():  # there it may (as torch.optim), the direct step too
+        for _ in range(4):
+            opt.step()
+    assert native.scanner() is None or "_vega_direct" in opt.__dict__
+    before = w.clone()
+    with pytest.raises(ValueError, match="is an inference tensor"):
+        opt.step()  # out of it again: the direct plan does not step
+    assert torch.equal(w, before) and int(opt.state[w]["step"]) == 4
+    # functional: in place refused (naming the leaf), pure fine
+    state = vega.adamw.init({"w": w})
+    with pytest.raises(ValueError, match="adamw_step: params leaf 'w' is an inference tensor"):
+        vega.adamw.step({"w": w}, {"w": torch.ones(6)}, state, donate=True)
+    assert torch.equal(w, before) and int(state["step"]) == 0
+    vega.adamw.step({"w": w}, {"w": torch.ones(6)}, state)

@@ -41,7 +41,8 @@ import torch
 from vega.codegen import cbuild, native, reference
 from vega.codegen.base import (HyperRows, Linear, Renderer, axis_geometry, check_states,
                                distinct, is_schedule, linearize, reduction_phases, safe)
-from vega.codegen.tensors import has_own_ops, own_ops_words, resolved
+from vega.codegen.tensors import (has_own_ops, own_ops_words, refuse_inplace, resolved, roles,
+                                  shared_pair)
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, DOMAINS, LEAVES, REDUCTIONS, Kind, Node,
                         Op, Program, walk)
@@ -1217,6 +1218,9 @@ class Kernel:
             scanner, params, grads, flat_states, steps, step_index, hyp, hyp_index)
         if found is None and _as_stored([*params, *grads, *flat_states]) \
                 and all(map(torch.Tensor.is_contiguous, hyp)):
+            if not torch.is_inference_mode_enabled() and any(map(
+                    torch.Tensor.is_inference, [*params, *flat_states, *steps])):
+                self._refuse_writes(params, flat_states, steps)
             ptr, numel = torch.Tensor.data_ptr, torch.Tensor.numel
             fixed = list(map(ptr, params)) + list(map(ptr, flat_states)) + list(map(ptr, steps))
             meta = ([p.shape for p in params] if self._axes else list(map(numel, params)),
@@ -1236,7 +1240,9 @@ class Kernel:
             return
         # some tensor is not contiguous, or holds its values negated (a negative bit): work
         # on contiguous copies of the values, copied back at the end (every copy held until
-        # the kernel has run: the table keeps only addresses)
+        # the kernel has run: the table keeps only addresses). What is to be written is
+        # checked first: a copy back that failed would leave a step half made.
+        self._refuse_writes(params, flat_states, steps)
         self._check_readable([("parameter", params), ("gradient", grads),
                               *((f"state '{s.name}'", flat_states[k * len(params):
                                                                   (k + 1) * len(params)])
@@ -1250,6 +1256,13 @@ class Kernel:
         for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
             if work is not orig:
                 orig.copy_(work)
+
+    def _refuse_writes(self, params, flat_states, steps, scan=None) -> None:
+        """Raise ValueError where a step in place cannot write these parameters, states (flat,
+        state by state) and step counters (``vega.codegen.tensors.inplace_problem``): an
+        inference tensor outside inference mode, elements at one memory location, two that
+        share memory. ``scan``: the native scanner's rows of them, where read already."""
+        refuse_inplace("c", self.program.state_names, params, flat_states, steps, scan)
 
     @staticmethod
     def _check_readable(named) -> None:
@@ -1289,6 +1302,8 @@ class Kernel:
                 and np.all(grad_rows[:, 2] & native.READY == native.READY)
                 and all(map(torch.Tensor.is_contiguous, hyp))):
             return None
+        if (fixed[:, 2] & native.INFERENCE).any() and not torch.is_inference_mode_enabled():
+            self._refuse_writes(params, flat_states, steps, fixed)
         meta = (grad_rows[:, 1:].tobytes(), list(step_index), list(hyp_index),
                 [h.shape for h in hyp])
         return self._plan_for(fixed.tobytes(), meta, params, grads, flat_states, steps,
@@ -1322,15 +1337,27 @@ class Kernel:
                    [steps_at[k] for k in step_index], [hyp_at[r] for r in hyp_index]]
         if self._axes:
             columns += zip(*(self._geometry(p.shape) for p in params))
+        in_place = outs is None
         outs = [*params, *flat_states] if outs is None else outs
         columns += (list(map(ptr, outs[k * n:(k + 1) * n])) for k in range(len(states) + 1))
         every = np.array(columns, dtype=np.int64).reshape(len(columns), n).T
-        # every tensor read has an address (a wrapper subclass has none)
+        # every tensor read has an address (a wrapper subclass has none); those written in
+        # place share no memory (each is contiguous here: its span is its memory)
         read = every[:, 1:3 + len(states)]
         if n and not read.all():
             self._check_readable([("parameter", params), ("gradient", grads),
                                   *((f"state '{s.name}'", col)
                                     for s, col in zip(self.program.states, states))])
+        if in_place:
+            written = [*params, *flat_states, *steps]
+            lo = np.array([*columns[1], *(a for col in columns[3:3 + len(states)] for a in col),
+                           *steps_at], dtype=np.int64)
+            hi = lo + np.array([t.numel() * t.element_size() for t in written], dtype=np.int64)
+            pair = shared_pair(written, lo, hi)
+            if pair is not None:
+                named = roles(self.program.state_names, n, len(steps))
+                raise ValueError(f"backend 'c': {named[pair[0]]} "
+                                 f"{pair[2].format(other=named[pair[1]])}")
         out = []
         for key, idx in groups:
             table = _from_numpy(every if len(idx) == n else every[idx])
@@ -1431,6 +1458,9 @@ class Direct:
         self.pre_plan = kernel._new_prelude_plan(grads)
         self.held = [*flat_states, *steps]  # (held: the tables keep only their addresses)
         self.steps = steps
+        # made of inference tensors (inside inference mode): it steps only there
+        fixed = np.frombuffer(plan.fixed, dtype=np.int64).reshape(-1, 3)
+        self.inference = bool((fixed[:, 2] & native.INFERENCE).any())
 
     def current(self, rows: np.ndarray) -> bool:
         """Whether ``rows`` (``scan_grads(params)``) show the same parameters, and

@@ -22,6 +22,7 @@ import torch
 
 from vega.codegen.base import (Geometry, Linear, Renderer, check_states, geometry, linearize,
                                safe)
+from vega.codegen.tensors import refuse_inplace
 from vega.dsl.ir import AXIS_REDUCTIONS, REDUCTIONS, Kind, Node, Op, Program
 
 
@@ -291,6 +292,10 @@ class Kernel:
         flag as a 0-d bool tensor (None without ``pre``).
         """
         check_states("reference", self.program, params, states)
+        if donate and not torch.compiler.is_compiling():  # all checked before any is written
+            refuse_inplace("reference", self.program.state_names, params,
+                           [s for col in states for s in col],
+                           list({id(s): s for s in steps}.values()))
         finite = gscale = None
         if pre is not None:
             finite = (pre[1] == 0) | (pre[4] == 0)

@@ -30,7 +30,7 @@ from collections import OrderedDict
 import torch
 
 from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, safe
-from vega.codegen.tensors import has_own_ops, own_ops_words, resolved
+from vega.codegen.tensors import has_own_ops, own_ops_words, refuse_inplace, resolved
 
 BLOCK_GPU, WARPS_GPU = 2048, 8  # elements per program, and warps, on a GPU
 BLOCK_INTERPRETER = 4096  # under the interpreter every program costs ~1 ms: fewer, larger ones
@@ -391,6 +391,9 @@ def step(kern, params, grads, states, steps, values, donate, pre):
     finite = torch.empty((), dtype=torch.bool, device=device)
     flat_states = [s for col in states for s in col]
     if donate:
+        if not torch.compiler.is_compiling():  # all checked before any is written
+            refuse_inplace("triton", kern.program.state_names, params, flat_states,
+                           uniq_steps)
         work_p = [resolved(p).contiguous() for p in params]
         work_s = [resolved(s).contiguous() for s in flat_states]
         torch.ops.vega.triton_step(kern.key, work_p, work_s, uniq_steps, finite, grads, [], [],

@@ -15,8 +15,8 @@ import torch
 
 from vega import codegen
 from vega.codegen import native
-from vega.codegen.base import state_shape
-from vega.codegen.tensors import first_with_own_ops, own_ops_words
+from vega.codegen.base import distinct, state_shape
+from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
 from vega.runtime import engine
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -128,6 +128,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             found = self._planned_work(k, group, grads, flags, values)
             work += self._routed(group, found if found is not None else
                                  self._group_work(k, group, grads, flags, values))
+        if not torch.compiler.is_compiling():  # all checked before any is written
+            self._check_writes(work)
         check = self.skip_nonfinite or self.loss_scale is not None
         pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work],
                              engine.inverse_scale(self.loss_scale), self.max_grad_norm, check)
@@ -172,6 +174,36 @@ class SpecOptimizer(torch.optim.Optimizer):
                     return f"parameter {j} of group {k}"
         return "a parameter"
 
+    def _check_writes(self, work) -> None:
+        """Raise ValueError where the step cannot write a parameter, a state or a step
+        counter in place (``vega.codegen.tensors.inplace_problem``), naming it: checked for
+        every tensor of every group before any is written."""
+        written, where = [], []  # where: (state name, or None for parameters; parameters)
+        for program, _, params, _, states, steps, _ in work:
+            written += params
+            where.append((None, params))
+            for name, col in zip(program.state_names, states):
+                written += col
+                where.append((name, params))
+            uniq, index = distinct(steps)  # (a counter shared by several: written once)
+            written += uniq
+            where.append(("step", [params[index.index(u)] for u in range(len(uniq))]
+                          if len(uniq) != len(steps) else params))
+        problem = inplace_problem(written)
+        if problem is None:
+            return
+
+        def label(k: int) -> str:
+            for name, params in where:
+                if k < len(params):
+                    p = self._name(params[k])
+                    return p if name is None else f"state '{name}' of {p}"
+                k -= len(params)
+            return "a tensor"
+        k, other, words = problem
+        raise ValueError(f"{type(self).__name__}: {label(k)} "
+                         f"{words.format(other=label(other)) if other is not None else words}")
+
     def _direct_step(self) -> bool:
         """The step through ``_Direct`` plans, where the last step left one and nothing it
         depends on has changed (checked with the native scanner: a few calls a group, not a
@@ -192,6 +224,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             flags, values = self._group_values(group)
             if flags != d.plan.flags or not self._same_programs(flags, values, d.plan):
                 return self._drop_direct()
+            if d.c.inference and not torch.is_inference_mode_enabled():
+                return self._drop_direct()  # (the Python path says what is wrong)
             rows, held = d.c.scanner.scan_grads(ps)  # (held: the gradients, until launched)
             if not d.c.current(rows) or not d.c.scanner.same_items(d.plan.sts, d.names,
                                                                    d.c.held):

@@ -9,7 +9,7 @@ import torch
 from vega import codegen, dsl
 from vega.dsl import ir
 from vega.codegen.base import state_shape
-from vega.codegen.tensors import first_with_own_ops, own_ops_words
+from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
 from vega.codegen.reference import advance_steps
 from vega.runtime import engine
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
@@ -164,6 +164,8 @@ class CompiledSpec:
                              f"unless a backend is given)")
         work = engine.groups([progs[i] for i in idx])
         work = [(program, [idx[k] for k in ks]) for program, ks in work]
+        if donate and not torch.compiler.is_compiling():  # all checked before any is written
+            _check_writes(owner, params, p_leaves, columns, work, step)
         new_p = {}
         new_cols = {n: {} for n in names}
         with torch.no_grad():
@@ -281,6 +283,36 @@ def _own_ops(params, p_leaves, g_leaves, columns, names, idx):
                 f"state leaf '{_label(what, lambda: path)}'"
             return label, leaves[k]
     return None
+
+
+def _check_writes(owner, params, p_leaves, columns, work, step) -> None:
+    """Raise ValueError, naming the leaf, where a step in place (``donate=True``) cannot write
+    a parameter, state or the step counter (``vega.codegen.tensors.inplace_problem``):
+    checked for every tensor before any is written."""
+    written, where = [], []  # where: (field or None for params, positions) per run
+    for program, ids in work:
+        written += [p_leaves[i] for i in ids]
+        where.append((None, ids))
+        for n in program.state_names:
+            written += [columns[n][i] for i in ids]
+            where.append((n, ids))
+    written.append(step)
+    problem = inplace_problem(written)
+    if problem is None:
+        return
+    paths = _paths(params, p_leaves)
+
+    def label(k: int) -> str:
+        for field, ids in where:
+            if k < len(ids):
+                path = paths[ids[k]]
+                return f"params leaf '{path}'" if field is None else \
+                    f"state leaf '{_label(field, lambda: path)}'"
+            k -= len(ids)
+        return "state['step']"
+    k, other, words = problem
+    raise ValueError(f"{owner}: {label(k)} "
+                     f"{words.format(other=label(other)) if other is not None else words}")
 
 
 def _label(field: str, name) -> str:
