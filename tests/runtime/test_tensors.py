@@ -2,8 +2,9 @@
 their own (DTensor, TwoTensor) step on the reference backend, or are refused by name on a
 compiled one, never read at address 0; tensors with a negative or conjugate bit step as
 their values; a step in place checks every tensor it writes before writing any (an
-expanded tensor, two that share memory, an inference tensor). A check where a crash is
-possible runs in a child process."""
+expanded tensor, two that share memory, an inference tensor) and advances each
+parameter's version counter, as an in-place torch operation does. A check where a crash
+is possible runs in a child process."""
 import os
 import subprocess
 import sys
@@ -388,7 +389,33 @@ def test_the_class_refuses_what_it_cannot_write_before_writing_any_group():
     assert all(torch.equal(x, y) for x, y in zip(before, [p, q, opt.state[p]["step"]]))
 
 
-# -- inference tensors ---------------------------------------------------------------------
+# -- versions and inference tensors ----------------------------------------------------------
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_a_step_in_place_advances_the_parameters_versions(backend):
+    """As torch.optim: a graph that saved a parameter refuses backward after the step."""
+    w = torch.nn.Parameter(_rand(10, seed=1))
+    opt = vega.adamw.optimizer([w], backend=backend)
+    for step in range(5):  # the Python path, then the direct one
+        w.grad = torch.ones(10)
+        loss = (w * w).sum()
+        version = w._version
+        opt.step()
+        assert w._version > version
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    if backend is not None:
+        return
+    assert native.scanner() is None or "_vega_direct" in opt.__dict__
+    # the functional step in place
+    w = _rand(10, seed=2).requires_grad_(True)
+    state = vega.adamw.init({"w": w})
+    loss = (w * w).sum()
+    with torch.no_grad():
+        vega.adamw.step({"w": w}, {"w": torch.ones(10)}, state, donate=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
 
 def test_inference_tensors_are_written_only_inside_inference_mode():
     with torch.inference_mode():

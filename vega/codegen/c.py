@@ -37,6 +37,7 @@ import threading
 
 import numpy as np
 import torch
+from torch.autograd.graph import increment_version
 
 from vega.codegen import cbuild, native, reference
 from vega.codegen.base import (HyperRows, Linear, Renderer, axis_geometry, check_states,
@@ -1090,8 +1091,8 @@ class Kernel:
                                   list(range(len(params))), [self._hyper_array(
                                       {k: 0.0 if is_schedule(v) else v  # (written at launch)
                                        for k, v in values.items()})], [0] * len(params))
-        return None if found is None else Direct(self, scanner, found[0], grads, flat_states,
-                                                 steps)
+        return None if found is None else Direct(self, scanner, found[0], params, grads,
+                                                 flat_states, steps)
 
     def _group_key(self, p, g, s_dtype):
         key = (p.dtype, g.dtype, s_dtype)
@@ -1237,6 +1238,7 @@ class Kernel:
             plan, grad_ptrs = found
             plan.point(grad_ptrs, hyp, hyp_index, 4 + len(self.program.states))
             self._launch(plan.tables, plan.step_ptrs, pre, nth)
+            _written(params)
             return
         # some tensor is not contiguous, or holds its values negated (a negative bit): work
         # on contiguous copies of the values, copied back at the end (every copy held until
@@ -1256,6 +1258,7 @@ class Kernel:
         for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
             if work is not orig:
                 orig.copy_(work)
+        _written(params)
 
     def _refuse_writes(self, params, flat_states, steps, scan=None) -> None:
         """Raise ValueError where a step in place cannot write these parameters, states (flat,
@@ -1450,7 +1453,7 @@ class Direct:
     steps every tensor alike (no matrix view) and contiguous CPU tensors, each parameter
     with its own step counter."""
 
-    def __init__(self, kernel: Kernel, scanner, plan: _Plan, grads, flat_states, steps):
+    def __init__(self, kernel: Kernel, scanner, plan: _Plan, params, grads, flat_states, steps):
         self.kernel, self.scanner, self.plan = kernel, scanner, plan
         self.hyp_index = [0] * len(grads)  # (one row for all, when no value is a schedule)
         # its own prelude tables: a kernel's recent ones serve every caller of the thread
@@ -1458,6 +1461,7 @@ class Direct:
         self.pre_plan = kernel._new_prelude_plan(grads)
         self.held = [*flat_states, *steps]  # (held: the tables keep only their addresses)
         self.steps = steps
+        self.params = list(params)  # (each step advances their versions: ``_written``)
         # made of inference tensors (inside inference mode): it steps only there
         fixed = np.frombuffer(plan.fixed, dtype=np.int64).reshape(-1, 3)
         self.inference = bool((fixed[:, 2] & native.INFERENCE).any())
@@ -1483,6 +1487,7 @@ class Direct:
             hyp, index = [self.kernel._hyper_array(values)], self.hyp_index
         self.plan.point(grad_ptrs, hyp, index, 4 + len(self.kernel.program.states))
         self.kernel._launch(self.plan.tables, self.plan.step_ptrs, pre, nth)
+        increment_version(self.params)  # (``_written``)
 
 
 class _Plan:
@@ -1581,6 +1586,17 @@ def _as_stored(tensors) -> bool:
     tensor's conjugate, ``x.conj().imag``, stores them negated)."""
     return all(map(torch.Tensor.is_contiguous, tensors)) \
         and not any(map(torch.Tensor.is_neg, tensors))
+
+
+def _written(params) -> None:
+    """Tell autograd that a step in place wrote these parameters (their version counters
+    advance, as an in-place torch operation's would): a graph that saved one of them (``loss
+    = (w * w).sum()``) then refuses to run backward through its old value, as after
+    torch.optim's step. The parameters only: they are what graphs save, and advancing the
+    states' and step counters' versions too costs about a tenth of a step over a thousand
+    small tensors (the counters of tensors the kernel has just evicted from the cache)."""
+    if not torch.compiler.is_compiling():
+        increment_version(params)
 
 
 _KERNELS: dict[str, Kernel] = {}
