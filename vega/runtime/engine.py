@@ -177,11 +177,14 @@ def state_dtype_for(p: torch.Tensor, state_dtype: torch.dtype | None) -> torch.d
     return base
 
 
-def _real(x: torch.Tensor) -> torch.Tensor:
+def _real(x: torch.Tensor, resolve: bool = True) -> torch.Tensor:
     """A complex tensor's real view (of its values: a conjugate, ``x.conj()``, resolved into
     a copy first; it has no real view. ``resolve_conj`` returns ``x`` itself where it is no
-    conjugate, and dynamo cannot trace ``is_conj()``)."""
-    return torch.view_as_real(x.resolve_conj()) if x.is_complex() else x
+    conjugate, and dynamo cannot trace ``is_conj()``). Not ``resolve``: the view of ``x``
+    itself (torch refuses a conjugate)."""
+    if not x.is_complex():
+        return x
+    return torch.view_as_real(x.resolve_conj() if resolve else x)
 
 
 def _no_complex_axes(program: Program) -> None:
@@ -353,8 +356,11 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     if any(p.is_complex() for p in params) if compiling else \
             not _COMPLEX.isdisjoint(map(_DTYPE_OF, params)):
         _no_complex_axes(program)
-        real_p = [_real(p) for p in params]
-        real_s = [[_real(s) for s in col] for col in states]
+        # a conjugate written in place steps as a resolved copy, copied back below; while
+        # dynamo traces, which cannot ask which are conjugates, it is refused as before
+        writes = not (donate and compiling)
+        real_p = [_real(p, writes) for p in params]
+        real_s = [[_real(s, writes) for s in col] for col in states]
         real_g = [_real(g) for g in grads]
     else:
         real_p, real_s, real_g = params, states, grads
