@@ -33,14 +33,18 @@ import ctypes
 import itertools
 import math
 import operator
+import threading
 import weakref
 
 import numpy as np
 import torch
+from torch.autograd.graph import increment_version
 
 from vega.codegen import cbuild, native, reference
 from vega.codegen.base import (HyperRows, Linear, Renderer, axis_geometry, check_states,
                                distinct, is_schedule, linearize, reduction_phases, safe)
+from vega.codegen.tensors import (has_own_ops, own_ops_words, refuse_inplace, resolved, roles,
+                                  shared_pair)
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, DOMAINS, LEAVES, REDUCTIONS, Kind, Node,
                         Op, Program, walk)
@@ -1045,15 +1049,21 @@ class Kernel:
         self._nphases = len(reduction_phases(program))
         self._nred = sum(len(p) for p in reduction_phases(program))
         self._axes = program.uses_axes  # one vega_axes_step instead of phases and update
-        # how the custom ops find this kernel: a name never given to another, held weakly
-        # (the kernel lives as long as its program, whose ``kernels`` holds it)
+        # how the custom ops find this kernel: a name never given to another (a counter,
+        # not len(_KERNELS): two threads making kernels at once would take the same
+        # number), held weakly (the kernel lives as long as its program, whose ``kernels``
+        # holds it)
         self.key = f"{program.name}/{next(_SERIAL)}"
         _KERNELS[self.key] = weakref.ref(self, lambda _, key=self.key: _KERNELS.pop(key, None))
         self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
         # the tables of the last calls: the optimizers and param groups that share this
-        # kernel alternate, and each should find its own
+        # kernel alternate, and each should find its own. A step plan is keyed by the
+        # addresses of the tensors it writes, so two threads stepping their own tensors
+        # never share one; the prelude's tables are keyed by sizes alone, so each thread
+        # keeps its own (a launch runs without the GIL: another thread rewriting the
+        # gradient column of a shared table would make this one read its gradients)
         self._plans: list[_Plan] = []  # most recent first, at most 64
-        self._pre_plans: dict = {}  # the prelude's: (sizes, dtypes, devices) -> tables
+        self._local = threading.local()  # .pre_plans: (sizes, dtypes, devices) -> tables
 
     def source(self, dtypes=("float32", "float32", "float32")) -> str:
         return (AxesSource if self._axes else Source)(self.program, *dtypes).text()
@@ -1084,8 +1094,8 @@ class Kernel:
                                   list(range(len(params))), [self._hyper_array(
                                       {k: 0.0 if is_schedule(v) else v  # (written at launch)
                                        for k, v in values.items()})], [0] * len(params))
-        return None if found is None else Direct(self, scanner, found[0], grads, flat_states,
-                                                 steps)
+        return None if found is None else Direct(self, scanner, found[0], params, grads,
+                                                 flat_states, steps)
 
     def _group_key(self, p, g, s_dtype):
         key = (p.dtype, g.dtype, s_dtype)
@@ -1122,26 +1132,37 @@ class Kernel:
     def _prelude(self, grads, pre: torch.Tensor) -> None:
         """The body of ``vega::c_prelude``. The tables of gradients of the same sizes, dtypes
         and devices as a recent call's serve again, with their addresses rewritten."""
-        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-        self._run_prelude(self._prelude_plan(grads), list(map(torch.Tensor.data_ptr, grads)),
-                          pre)
+        grads = [g if g.is_contiguous() and not g.is_neg() else resolved(g).contiguous()
+                 for g in grads]
+        ptrs = list(map(torch.Tensor.data_ptr, grads))
+        if 0 in ptrs:  # (an empty tensor may have no address; a wrapper subclass has none)
+            self._check_readable([("gradient", grads)])
+        self._run_prelude(self._prelude_plan(grads), ptrs, pre)
 
     def _prelude_plan(self, grads) -> tuple[list, list]:
         """The prelude's (tables, views) for contiguous gradients of these sizes, dtypes and
-        devices (kept for the next calls)."""
+        devices, kept for this thread's next calls."""
         sig = (tuple(map(torch.Tensor.numel, grads)), tuple(map(_DTYPE_OF, grads)),
                tuple(map(_DEVICE_OF, grads)))
-        found = self._pre_plans.get(sig)
+        plans = getattr(self._local, "pre_plans", None)
+        if plans is None:
+            plans = self._local.pre_plans = {}
+        found = plans.get(sig)
         if found is None:
-            groups: dict[tuple, list[int]] = {}
-            for i, g in enumerate(grads):
-                groups.setdefault(self._group_key(g, g, g.dtype), []).append(i)
-            tables = []
-            for key, idx in groups.items():
-                rows = [[grads[i].numel(), 0, 0] + [0] * (self._row - 3) for i in idx]
-                tables.append((self.library(key), _table(rows), None, idx))
-            found = _remember(self._pre_plans, sig, (tables, _views(tables)))
+            found = _remember(plans, sig, self._new_prelude_plan(grads))
         return found
+
+    def _new_prelude_plan(self, grads) -> tuple[list, list]:
+        """New prelude (tables, views) for contiguous gradients like these: the tables of one
+        caller (a thread, a ``Direct`` plan), whose gradient column it rewrites."""
+        groups: dict[tuple, list[int]] = {}
+        for i, g in enumerate(grads):
+            groups.setdefault(self._group_key(g, g, g.dtype), []).append(i)
+        tables = []
+        for key, idx in groups.items():
+            rows = [[grads[i].numel(), 0, 0] + [0] * (self._row - 3) for i in idx]
+            tables.append((self.library(key), _table(rows), None, idx))
+        return tables, _views(tables)
 
     @staticmethod
     def _run_prelude(plan, grad_ptrs, pre: torch.Tensor) -> None:
@@ -1164,8 +1185,8 @@ class Kernel:
         grads = list(grads)
         flat = [s for col in states for s in col]
         compiling = torch.compiler.is_compiling()
-        if not donate and not compiling \
-                and all(map(torch.Tensor.is_contiguous, [*params, *grads, *flat, *hyp])):
+        if not donate and not compiling and _as_stored([*params, *grads, *flat]) \
+                and all(map(torch.Tensor.is_contiguous, hyp)):
             # pure, out of place: the kernel reads the old tensors and writes new ones
             new_p, new_flat = list(map(torch.empty_like, params)), list(map(torch.empty_like, flat))
             tables = self._tables(params, grads, flat, unique, step_index, hyp, hyp_index,
@@ -1199,8 +1220,11 @@ class Kernel:
         scanner = None if self._axes else native.scanner()
         found = None if scanner is None else self._native_plan(
             scanner, params, grads, flat_states, steps, step_index, hyp, hyp_index)
-        if found is None and all(map(torch.Tensor.is_contiguous,
-                                     [*params, *grads, *flat_states, *hyp])):
+        if found is None and _as_stored([*params, *grads, *flat_states]) \
+                and all(map(torch.Tensor.is_contiguous, hyp)):
+            if not torch.is_inference_mode_enabled() and any(map(
+                    torch.Tensor.is_inference, [*params, *flat_states, *steps])):
+                self._refuse_writes(params, flat_states, steps)
             ptr, numel = torch.Tensor.data_ptr, torch.Tensor.numel
             fixed = list(map(ptr, params)) + list(map(ptr, flat_states)) + list(map(ptr, steps))
             meta = ([p.shape for p in params] if self._axes else list(map(numel, params)),
@@ -1208,24 +1232,56 @@ class Kernel:
                     list(map(numel, flat_states)),
                     list(map(_DTYPE_OF, [*params, *grads, *flat_states, *steps])),
                     list(step_index), list(hyp_index), [h.shape for h in hyp])
+            grad_ptrs = list(map(ptr, grads))
+            if 0 in grad_ptrs:  # (an empty tensor may have no address; a wrapper, none)
+                self._check_readable([("gradient", grads)])
             found = (self._plan_for(fixed, meta, params, grads, flat_states, steps, step_index,
-                                    hyp, hyp_index), list(map(ptr, grads)))
+                                    hyp, hyp_index), grad_ptrs)
         if found is not None:
             plan, grad_ptrs = found
             plan.point(grad_ptrs, hyp, hyp_index, 4 + len(self.program.states))
             self._launch(plan.tables, plan.step_ptrs, pre, nth)
+            _written(params)
             return
-        # some tensor is not contiguous: work on contiguous copies, copied back at the end
-        # (every copy held until the kernel has run: the table keeps only addresses)
-        work_p = [p.contiguous() for p in params]
-        work_g = [g.contiguous() for g in grads]
-        work_s = [s.contiguous() for s in flat_states]
+        # some tensor is not contiguous, or holds its values negated (a negative bit): work
+        # on contiguous copies of the values, copied back at the end (every copy held until
+        # the kernel has run: the table keeps only addresses). What is to be written is
+        # checked first: a copy back that failed would leave a step half made.
+        self._refuse_writes(params, flat_states, steps)
+        self._check_readable([("parameter", params), ("gradient", grads),
+                              *((f"state '{s.name}'", flat_states[k * len(params):
+                                                                  (k + 1) * len(params)])
+                                for k, s in enumerate(self.program.states))])
+        work_p = [resolved(p).contiguous() for p in params]
+        work_g = [resolved(g).contiguous() for g in grads]
+        work_s = [resolved(s).contiguous() for s in flat_states]
         work_h = [h.contiguous() for h in hyp]
         tables = self._tables(work_p, work_g, work_s, steps, step_index, work_h, hyp_index)
         self._launch(tables, _int64s([s.data_ptr() for s in steps]), pre, nth)
         for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
             if work is not orig:
                 orig.copy_(work)
+        _written(params)
+
+    def _refuse_writes(self, params, flat_states, steps, scan=None) -> None:
+        """Raise ValueError where a step in place cannot write these parameters, states (flat,
+        state by state) and step counters (``vega.codegen.tensors.inplace_problem``): an
+        inference tensor outside inference mode, elements at one memory location, two that
+        share memory. ``scan``: the native scanner's rows of them, where read already."""
+        refuse_inplace("c", self.program.state_names, params, flat_states, steps, scan)
+
+    @staticmethod
+    def _check_readable(named) -> None:
+        """Raise ValueError for a tensor with elements but no address: a tensor subclass
+        with operations of its own (a wrapper: DTensor), whose storage the kernels cannot
+        read. ``named``: (what, tensors) pairs."""
+        for what, tensors in named:
+            for i, t in enumerate(tensors):
+                if t.numel() and t.data_ptr() == 0:
+                    words = own_ops_words(t) if has_own_ops(t) else \
+                        "has no storage the kernels can read (its data_ptr() is 0)"
+                    raise ValueError(f"backend 'c': {what} {i} {words}; use "
+                                     f"backend='reference'")
 
     def _plan_for(self, fixed, meta, params, grads, flat_states, steps, step_index, hyp,
                   hyp_index) -> _Plan:
@@ -1252,6 +1308,8 @@ class Kernel:
                 and np.all(grad_rows[:, 2] & native.READY == native.READY)
                 and all(map(torch.Tensor.is_contiguous, hyp))):
             return None
+        if (fixed[:, 2] & native.INFERENCE).any() and not torch.is_inference_mode_enabled():
+            self._refuse_writes(params, flat_states, steps, fixed)
         meta = (grad_rows[:, 1:].tobytes(), list(step_index), list(hyp_index),
                 [h.shape for h in hyp])
         return self._plan_for(fixed.tobytes(), meta, params, grads, flat_states, steps,
@@ -1285,9 +1343,27 @@ class Kernel:
                    [steps_at[k] for k in step_index], [hyp_at[r] for r in hyp_index]]
         if self._axes:
             columns += zip(*(self._geometry(p.shape) for p in params))
+        in_place = outs is None
         outs = [*params, *flat_states] if outs is None else outs
         columns += (list(map(ptr, outs[k * n:(k + 1) * n])) for k in range(len(states) + 1))
         every = np.array(columns, dtype=np.int64).reshape(len(columns), n).T
+        # every tensor read has an address (a wrapper subclass has none); those written in
+        # place share no memory (each is contiguous here: its span is its memory)
+        read = every[:, 1:3 + len(states)]
+        if n and not read.all():
+            self._check_readable([("parameter", params), ("gradient", grads),
+                                  *((f"state '{s.name}'", col)
+                                    for s, col in zip(self.program.states, states))])
+        if in_place:
+            written = [*params, *flat_states, *steps]
+            lo = np.array([*columns[1], *(a for col in columns[3:3 + len(states)] for a in col),
+                           *steps_at], dtype=np.int64)
+            hi = lo + np.array([t.numel() * t.element_size() for t in written], dtype=np.int64)
+            pair = shared_pair(written, lo, hi)
+            if pair is not None:
+                named = roles(self.program.state_names, n, len(steps))
+                raise ValueError(f"backend 'c': {named[pair[0]]} "
+                                 f"{pair[2].format(other=named[pair[1]])}")
         out = []
         for key, idx in groups:
             table = _from_numpy(every if len(idx) == n else every[idx])
@@ -1380,12 +1456,18 @@ class Direct:
     steps every tensor alike (no matrix view) and contiguous CPU tensors, each parameter
     with its own step counter."""
 
-    def __init__(self, kernel: Kernel, scanner, plan: _Plan, grads, flat_states, steps):
+    def __init__(self, kernel: Kernel, scanner, plan: _Plan, params, grads, flat_states, steps):
         self.kernel, self.scanner, self.plan = kernel, scanner, plan
         self.hyp_index = [0] * len(grads)  # (one row for all, when no value is a schedule)
-        self.pre_plan = kernel._prelude_plan(grads)
+        # its own prelude tables: a kernel's recent ones serve every caller of the thread
+        # with gradients of these sizes, and this plan may step in another thread
+        self.pre_plan = kernel._new_prelude_plan(grads)
         self.held = [*flat_states, *steps]  # (held: the tables keep only their addresses)
         self.steps = steps
+        self.params = list(params)  # (each step advances their versions: ``_written``)
+        # made of inference tensors (inside inference mode): it steps only there
+        fixed = np.frombuffer(plan.fixed, dtype=np.int64).reshape(-1, 3)
+        self.inference = bool((fixed[:, 2] & native.INFERENCE).any())
 
     def current(self, rows: np.ndarray) -> bool:
         """Whether ``rows`` (``scan_grads(params)``) show the same parameters, and
@@ -1408,6 +1490,7 @@ class Direct:
             hyp, index = [self.kernel._hyper_array(values)], self.hyp_index
         self.plan.point(grad_ptrs, hyp, index, 4 + len(self.kernel.program.states))
         self.kernel._launch(self.plan.tables, self.plan.step_ptrs, pre, nth)
+        increment_version(self.params)  # (``_written``)
 
 
 class _Plan:
@@ -1498,6 +1581,25 @@ def _from_numpy(a: np.ndarray) -> torch.Tensor:
     """An int64 table as a contiguous tensor (a normal one, as ``_int64s``)."""
     with torch.inference_mode(False):
         return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _as_stored(tensors) -> bool:
+    """Whether a kernel may read (and write) each of these tensors at its address: each is
+    contiguous and holds its values as they are (no negative bit: a real view of a complex
+    tensor's conjugate, ``x.conj().imag``, stores them negated)."""
+    return all(map(torch.Tensor.is_contiguous, tensors)) \
+        and not any(map(torch.Tensor.is_neg, tensors))
+
+
+def _written(params) -> None:
+    """Tell autograd that a step in place wrote these parameters (their version counters
+    advance, as an in-place torch operation's would): a graph that saved one of them (``loss
+    = (w * w).sum()``) then refuses to run backward through its old value, as after
+    torch.optim's step. The parameters only: they are what graphs save, and advancing the
+    states' and step counters' versions too costs about a tenth of a step over a thousand
+    small tensors (the counters of tensors the kernel has just evicted from the cache)."""
+    if not torch.compiler.is_compiling():
+        increment_version(params)
 
 
 # key -> a weak reference to the Kernel, for the custom ops: a kernel is released with its

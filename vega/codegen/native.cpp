@@ -17,8 +17,11 @@ namespace {
 PyTypeObject *tensor_type = nullptr;  // torch.Tensor, set by init()
 Py_ssize_t impl_offset = 0;           // where a tensor object holds its TensorImpl *
 
-// flags: the ScalarType in the low byte, and these bits
-constexpr int64_t DEFINED = 1 << 8, STRIDED = 1 << 9, CONTIGUOUS = 1 << 10, CPU = 1 << 11;
+// flags: the ScalarType in the low byte, and these bits: RESOLVED, neither the negative nor
+// the conjugate bit set (a kernel reads the values as stored); INFERENCE, made under
+// torch.inference_mode()
+constexpr int64_t DEFINED = 1 << 8, STRIDED = 1 << 9, CONTIGUOUS = 1 << 10, CPU = 1 << 11,
+                  RESOLVED = 1 << 12, INFERENCE = 1 << 13;
 
 // (address, numel, flags) of one tensor; a tensor that is not a strided tensor with storage
 // (sparse, a wrapper subclass, meta) is DEFINED alone, and any error of torch's leaves it so.
@@ -32,6 +35,8 @@ void describe(const c10::TensorImpl *t, int64_t *out) {
         int64_t flags = DEFINED | STRIDED | (int64_t)(uint8_t)c10::typeMetaToScalarType(t->dtype());
         if (t->is_contiguous()) flags |= CONTIGUOUS;
         if (t->device_type() == c10::DeviceType::CPU) flags |= CPU;
+        if (!t->is_neg() && !t->is_conj()) flags |= RESOLVED;
+        if (const_cast<c10::TensorImpl *>(t)->is_inference()) flags |= INFERENCE;
         out[0] = (int64_t)(intptr_t)t->data();
         out[1] = t->numel();
         out[2] = flags;

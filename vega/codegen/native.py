@@ -39,7 +39,8 @@ from vega.codegen import cbuild
 SOURCE = Path(__file__).with_name("native.cpp")
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-w")  # the default target, not -march=native
 DEFINED, STRIDED, CONTIGUOUS, CPU = 1 << 8, 1 << 9, 1 << 10, 1 << 11
-READY = STRIDED | CONTIGUOUS | CPU  # what every tensor of a native C step must be
+RESOLVED, INFERENCE = 1 << 12, 1 << 13  # no negative or conjugate bit; an inference tensor
+READY = STRIDED | CONTIGUOUS | CPU | RESOLVED  # what every tensor of a native C step must be
 _OFFSET = object.__basicsize__  # where a torch.Tensor object holds its TensorImpl pointer
 
 _lock_ = threading.Lock()
@@ -156,8 +157,11 @@ def _checked(path: Path) -> Scanner | None:
         return None
     p = torch.nn.Parameter(torch.randn(3, 4))
     p.grad = torch.randn(4, 3).t()
+    with torch.inference_mode():
+        inference = torch.zeros(2)
     xs = [p, torch.zeros(()), torch.empty(0, dtype=torch.float64), torch.zeros(5)[1:],
-          torch.zeros(0).to_sparse()]
+          torch.zeros(0).to_sparse(), torch.tensor([1 + 2j]).conj(),
+          torch.tensor([1 + 2j]).conj().imag, inference]
     got, _ = scanner.scan_grads(xs)
     for x, row in zip(xs, got):
         for t, (ptr, numel, flags) in ((x, row[:3]), (x.grad, row[3:])):
@@ -169,8 +173,10 @@ def _checked(path: Path) -> Scanner | None:
                 if flags != DEFINED:
                     return None
                 continue
-            want = (t.data_ptr(), t.numel(), bool(flags & CONTIGUOUS), flags & 0xFF)
-            if want != (ptr, numel, t.is_contiguous(), scanner.codes[t.dtype]) \
+            want = (t.data_ptr(), t.numel(), bool(flags & CONTIGUOUS), flags & 0xFF,
+                    bool(flags & RESOLVED), bool(flags & INFERENCE))
+            if want != (ptr, numel, t.is_contiguous(), scanner.codes[t.dtype],
+                        not (t.is_neg() or t.is_conj()), t.is_inference()) \
                     or not flags & CPU or not flags & STRIDED:
                 return None
     return scanner

@@ -22,6 +22,7 @@ import torch
 
 from vega.codegen.base import (Geometry, Linear, Renderer, check_states, geometry, linearize,
                                safe)
+from vega.codegen.tensors import refuse_inplace
 from vega.dsl.ir import AXIS_REDUCTIONS, REDUCTIONS, Kind, Node, Op, Program
 
 
@@ -203,10 +204,14 @@ def _amax(x):
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are views of one storage (not empty). Under torch.compile,
-    whether they are one tensor: there the writes are functionalized, views and all."""
+    whether they are one tensor: there the writes are functionalized, views and all. A
+    tensor subclass without a storage of its own (a wrapper: DTensor) is taken to share."""
     if torch.compiler.is_compiling():
         return a is b
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    except (RuntimeError, NotImplementedError):  # (no storage: its operations make copies)
+        return True
 
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
@@ -287,6 +292,10 @@ class Kernel:
         flag as a 0-d bool tensor (None without ``pre``).
         """
         check_states("reference", self.program, params, states)
+        if donate and not torch.compiler.is_compiling():  # all checked before any is written
+            refuse_inplace("reference", self.program.state_names, params,
+                           [s for col in states for s in col],
+                           list({id(s): s for s in steps}.values()))
         finite = gscale = None
         if pre is not None:
             finite = (pre[1] == 0) | (pre[4] == 0)

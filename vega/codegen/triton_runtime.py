@@ -31,6 +31,7 @@ from collections import OrderedDict
 import torch
 
 from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, safe
+from vega.codegen.tensors import has_own_ops, own_ops_words, refuse_inplace, resolved
 
 BLOCK_GPU, WARPS_GPU = 2048, 8  # elements per program, and warps, on a GPU
 BLOCK_INTERPRETER = 4096  # under the interpreter every program costs ~1 ms: fewer, larger ones
@@ -350,6 +351,9 @@ def _on(device: torch.device):
 # -- the glue that torch.compile traces -------------------------------------------
 
 def _check(kern, what: str, x: torch.Tensor) -> None:
+    if has_own_ops(x):  # (no storage of its own to read: DTensor)
+        raise ValueError(f"backend 'triton': {what} {own_ops_words(x)}; use "
+                         f"backend='reference'")
     if x.dtype not in DTYPES:
         raise ValueError(f"backend 'triton' does not support {what} of dtype {x.dtype} "
                          f"(float32, float64, bfloat16 and float16 only)")
@@ -358,7 +362,7 @@ def _check(kern, what: str, x: torch.Tensor) -> None:
 def prelude(kern, grads, pre: torch.Tensor) -> None:
     for g in grads:
         _check(kern, "gradients", g)
-    torch.ops.vega.triton_prelude(kern.key, [g.contiguous() for g in grads], pre)
+    torch.ops.vega.triton_prelude(kern.key, [resolved(g).contiguous() for g in grads], pre)
 
 
 def step(kern, params, grads, states, steps, values, donate, pre):
@@ -396,12 +400,16 @@ def step(kern, params, grads, states, steps, values, donate, pre):
             else:
                 hyper_slots.append(-1 - len(hyper_floats))
                 hyper_floats.append(float(v))
-    grads = [g.contiguous() for g in grads]
+    # each read as its values (resolved: no negative bit), contiguous
+    grads = [resolved(g).contiguous() for g in grads]
     finite = torch.empty((), dtype=torch.bool, device=device)
     flat_states = [s for col in states for s in col]
     if donate:
-        work_p = [p.contiguous() for p in params]
-        work_s = [s.contiguous() for s in flat_states]
+        if not torch.compiler.is_compiling():  # all checked before any is written
+            refuse_inplace("triton", kern.program.state_names, params, flat_states,
+                           uniq_steps)
+        work_p = [resolved(p).contiguous() for p in params]
+        work_s = [resolved(s).contiguous() for s in flat_states]
         torch.ops.vega.triton_step(kern.key, work_p, work_s, uniq_steps, finite, grads, [], [],
                                    [], step_index, hyper_tensors, hyper_floats, hyper_slots,
                                    hyper_index, pre, True)
@@ -410,8 +418,8 @@ def step(kern, params, grads, states, steps, values, donate, pre):
                 orig.copy_(work)
         new_p, new_s, new_t = list(params), [list(col) for col in states], uniq_steps
     else:
-        old_p = [p.contiguous() for p in params]
-        old_s = [s.contiguous() for s in flat_states]
+        old_p = [resolved(p).contiguous() for p in params]
+        old_s = [resolved(s).contiguous() for s in flat_states]
         new_p = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
         flat = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in flat_states]
         new_t = [torch.empty((), dtype=s.dtype, device=s.device) for s in uniq_steps]

@@ -16,6 +16,7 @@ import torch
 from vega import codegen
 from vega.codegen.base import HyperRows, distinct, is_schedule
 from vega.codegen.reference import make_pre, memo
+from vega.codegen.tensors import first_with_own_ops
 from vega.schedule import Schedule
 from vega.dsl.ir import HyperParam, Program
 from vega.tracing import untraced
@@ -233,8 +234,14 @@ def state_dtype_for(p: torch.Tensor, state_dtype: torch.dtype | None) -> torch.d
     return base
 
 
-def _real(x: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(x) if x.is_complex() else x
+def _real(x: torch.Tensor, resolve: bool = True) -> torch.Tensor:
+    """A complex tensor's real view (of its values: a conjugate, ``x.conj()``, resolved into
+    a copy first; it has no real view. ``resolve_conj`` returns ``x`` itself where it is no
+    conjugate, and dynamo cannot trace ``is_conj()``). Not ``resolve``: the view of ``x``
+    itself (torch refuses a conjugate)."""
+    if not x.is_complex():
+        return x
+    return torch.view_as_real(x.resolve_conj() if resolve else x)
 
 
 def _no_complex_axes(program: Program) -> None:
@@ -284,6 +291,15 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
     """
     if inv_scale is None and max_norm is None and not check:
         return None
+    for _, _, grads in parts:
+        k = first_with_own_ops(grads) if not torch.compiler.is_compiling() else None
+        if k is not None:
+            raise ValueError(
+                f"a fused step (max_grad_norm, loss_scale, skip_nonfinite) sums over every "
+                f"gradient as plain tensors, but one is a {type(grads[k]).__name__}, a tensor "
+                f"subclass with operations of its own (whose norm is its own: a DTensor's "
+                f"spans its shards); step without them, clipping with "
+                f"torch.nn.utils.clip_grad_norm_")
     devices = {g.device for _, _, grads in parts for g in grads}
     if len(devices) > 1:
         raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "
@@ -399,8 +415,11 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     if any(p.is_complex() for p in params) if compiling else \
             not _COMPLEX.isdisjoint(map(_DTYPE_OF, params)):
         _no_complex_axes(program)
-        real_p = [_real(p) for p in params]
-        real_s = [[_real(s) for s in col] for col in states]
+        # a conjugate written in place steps as a resolved copy, copied back below; while
+        # dynamo traces, which cannot ask which are conjugates, it is refused as before
+        writes = not (donate and compiling)
+        real_p = [_real(p, writes) for p in params]
+        real_s = [[_real(s, writes) for s in col] for col in states]
         real_g = [_real(g) for g in grads]
     else:
         real_p, real_s, real_g = params, states, grads
@@ -412,4 +431,9 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
                  for col, ncol in zip(states, new_s)]
     else:
         new_p, new_s = list(params), [list(col) for col in states]
+        if real_p is not params and not compiling:  # a conjugate stepped as a copy: back
+            for orig, real in zip([*params, *(s for col in states for s in col)],
+                                  [*real_p, *(s for col in real_s for s in col)]):
+                if orig.is_complex() and orig.is_conj():
+                    orig.copy_(torch.view_as_complex(real))
     return new_p, new_s, new_steps, finite

@@ -16,7 +16,8 @@ import torch
 
 from vega import codegen
 from vega.codegen import native
-from vega.codegen.base import state_shape
+from vega.codegen.base import distinct, state_shape
+from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
 from vega.runtime import engine
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -127,8 +128,10 @@ class SpecOptimizer(torch.optim.Optimizer):
             flags, values = self._group_values(group)
             grads = [p.grad for p in group["params"]]  # p.grad: one read (a property)
             found = self._planned_work(k, group, grads, flags, values)
-            work += found if found is not None else self._group_work(k, group, grads, flags,
-                                                                     values)
+            work += self._routed(group, found if found is not None else
+                                 self._group_work(k, group, grads, flags, values))
+        if not torch.compiler.is_compiling():  # all checked before any is written
+            self._check_writes(work)
         check = self.skip_nonfinite or self.loss_scale is not None
         pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work],
                              engine.inverse_scale(self.loss_scale), self.max_grad_norm, check)
@@ -139,6 +142,69 @@ class SpecOptimizer(torch.optim.Optimizer):
             self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
         self._plan_direct(work)
         return loss
+
+    def _routed(self, group, work: list[tuple]) -> list[tuple]:
+        """``work`` (a group's engine.run calls) on the reference backend where a tensor
+        is a subclass with operations of its own (DTensor: ``vega.codegen.tensors``) and
+        the group names no backend; ValueError where it names another."""
+        out = []
+        for item in work:
+            program, backend, params, grads, states, steps, values = item
+            if backend != "reference" and not torch.compiler.is_compiling():
+                for what, tensors in (("", params), (" (its gradient)", grads),
+                                      *((f" (its state '{n}')", col)
+                                        for n, col in zip(program.state_names, states))):
+                    i = first_with_own_ops(tensors)
+                    if i is None:
+                        continue
+                    if group["backend"] is None:
+                        item = (program, "reference", *item[2:])
+                        break
+                    raise ValueError(
+                        f"{type(self).__name__}: {self._name(params[i])}{what} "
+                        f"{own_ops_words(tensors[i])}; backend={backend!r} cannot step it: "
+                        f"use backend='reference' (where such tensors step unless a backend "
+                        f"is given)")
+            out.append(item)
+        return out
+
+    def _name(self, p) -> str:
+        """A parameter's name in a message: its position in its group."""
+        for k, group in enumerate(self.param_groups):
+            for j, q in enumerate(group["params"]):
+                if q is p:
+                    return f"parameter {j} of group {k}"
+        return "a parameter"
+
+    def _check_writes(self, work) -> None:
+        """Raise ValueError where the step cannot write a parameter, a state or a step
+        counter in place (``vega.codegen.tensors.inplace_problem``), naming it: checked for
+        every tensor of every group before any is written."""
+        written, where = [], []  # where: (state name, or None for parameters; parameters)
+        for program, _, params, _, states, steps, _ in work:
+            written += params
+            where.append((None, params))
+            for name, col in zip(program.state_names, states):
+                written += col
+                where.append((name, params))
+            uniq, index = distinct(steps)  # (a counter shared by several: written once)
+            written += uniq
+            where.append(("step", [params[index.index(u)] for u in range(len(uniq))]
+                          if len(uniq) != len(steps) else params))
+        problem = inplace_problem(written)
+        if problem is None:
+            return
+
+        def label(k: int) -> str:
+            for name, params in where:
+                if k < len(params):
+                    p = self._name(params[k])
+                    return p if name is None else f"state '{name}' of {p}"
+                k -= len(params)
+            return "a tensor"
+        k, other, words = problem
+        raise ValueError(f"{type(self).__name__}: {label(k)} "
+                         f"{words.format(other=label(other)) if other is not None else words}")
 
     def _direct_step(self) -> bool:
         """The step through ``_Direct`` plans, where the last step left one and nothing it
@@ -160,6 +226,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             flags, values = self._group_values(group)
             if flags != d.plan.flags or not self._same_programs(flags, values, d.plan):
                 return self._drop_direct()
+            if d.c.inference and not torch.is_inference_mode_enabled():
+                return self._drop_direct()  # (the Python path says what is wrong)
             rows, held = d.c.scanner.scan_grads(ps)  # (held: the gradients, until launched)
             if not d.c.current(rows) or not d.c.scanner.same_items(d.plan.sts, d.names,
                                                                    d.c.held):

@@ -13,6 +13,7 @@ import torch
 from vega import codegen, dsl
 from vega.dsl import ir
 from vega.codegen.base import state_shape
+from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
 from vega.codegen.reference import advance_steps
 from vega.runtime import engine
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
@@ -154,11 +155,22 @@ class CompiledSpec:
                     return False
             return True
         idx = stepped(owner, params, p_leaves, g_leaves, check_state, states_ok)
+        # a tensor subclass with operations of its own (DTensor): only the reference
+        # backend steps it, through those operations
+        own = _own_ops(params, p_leaves, g_leaves, columns, names, idx) \
+            if backend != "reference" and not torch.compiler.is_compiling() else None
         if backend is None:
             device = p_leaves[idx[0]].device.type if idx else "cpu"
-            backend = codegen.default_backend(device)
+            backend = "reference" if own is not None else codegen.default_backend(device)
+        elif own is not None:
+            label, t = own
+            raise ValueError(f"{owner}: {label} {own_ops_words(t)}; backend={backend!r} cannot "
+                             f"step it: use backend='reference' (where such tensors step "
+                             f"unless a backend is given)")
         work = engine.groups([progs[i] for i in idx])
         work = [(program, [idx[k] for k in ks]) for program, ks in work]
+        if donate and not torch.compiler.is_compiling():  # all checked before any is written
+            _check_writes(owner, params, p_leaves, columns, work, step)
         new_p = {}
         new_cols = {n: {} for n in names}
         with torch.no_grad():
@@ -277,6 +289,53 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None)
         check_state(i, name, p)
         idx.append(i)
     return idx
+
+
+def _own_ops(params, p_leaves, g_leaves, columns, names, idx):
+    """(the leaf's label, the tensor) of the first leaf stepped (at a position of ``idx``)
+    that is a tensor subclass with operations of its own
+    (``vega.codegen.tensors.has_own_ops``), or None."""
+    every = len(idx) == len(p_leaves)
+    for what, leaves in (("params", p_leaves), ("grads", g_leaves),
+                         *((n, columns[n]) for n in names)):
+        k = first_with_own_ops(leaves if every else [leaves[i] for i in idx])
+        if k is not None:
+            k = k if every else idx[k]
+            path = _paths(params, p_leaves)[k]
+            label = f"{what} leaf '{path}'" if what in ("params", "grads") else \
+                f"state leaf '{_label(what, lambda: path)}'"
+            return label, leaves[k]
+    return None
+
+
+def _check_writes(owner, params, p_leaves, columns, work, step) -> None:
+    """Raise ValueError, naming the leaf, where a step in place (``donate=True``) cannot write
+    a parameter, state or the step counter (``vega.codegen.tensors.inplace_problem``):
+    checked for every tensor before any is written."""
+    written, where = [], []  # where: (field or None for params, positions) per run
+    for program, ids in work:
+        written += [p_leaves[i] for i in ids]
+        where.append((None, ids))
+        for n in program.state_names:
+            written += [columns[n][i] for i in ids]
+            where.append((n, ids))
+    written.append(step)
+    problem = inplace_problem(written)
+    if problem is None:
+        return
+    paths = _paths(params, p_leaves)
+
+    def label(k: int) -> str:
+        for field, ids in where:
+            if k < len(ids):
+                path = paths[ids[k]]
+                return f"params leaf '{path}'" if field is None else \
+                    f"state leaf '{_label(field, lambda: path)}'"
+            k -= len(ids)
+        return "state['step']"
+    k, other, words = problem
+    raise ValueError(f"{owner}: {label(k)} "
+                     f"{words.format(other=label(other)) if other is not None else words}")
 
 
 def _label(field: str, name) -> str:

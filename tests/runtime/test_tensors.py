@@ -1,0 +1,441 @@
+"""The tensors a step accepts (``vega.codegen.tensors``): tensor subclasses with operations of
+their own (DTensor, TwoTensor) step on the reference backend, or are refused by name on a
+compiled one, never read at address 0; tensors with a negative or conjugate bit step as
+their values; a step in place checks every tensor it writes before writing any (an
+expanded tensor, two that share memory, an inference tensor) and advances each
+parameter's version counter, as an in-place torch operation does. A check where a crash
+is possible runs in a child process."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing._internal.two_tensor import TwoTensor
+
+import vega
+from vega import codegen
+from vega.codegen import c as c_backend
+from vega.codegen import native
+
+pytestmark = pytest.mark.skipif(not c_backend.available(), reason="needs a C compiler")
+
+ROOT = Path(__file__).resolve().parents[2]
+# the backends that read memory at addresses (Triton's interpreter where there is no GPU),
+# and the reference, which steps through torch's operations
+BACKENDS = ["c", "reference", *(["triton"] if "triton" in codegen.BACKENDS else [])]
+
+
+def _child(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python (this checkout's vega, the scanner waited for)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "VEGA_NATIVE": "sync"}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"rc={done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+# -- tensor subclasses with operations of their own --------------------------------------
+
+def test_wrapper_subclasses_step_on_the_reference_backend_or_are_refused_by_name():
+    """TwoTensor's data_ptr() is 0: a C kernel given it read address 0 (a segfault). Unless a
+    backend is named it steps on the reference backend, each of its two tensors as a plain
+    tensor would; backend='c' refuses it, naming the leaf and the type."""
+    out = _child("""
+        import torch, vega
+        from torch.testing._internal.two_tensor import TwoTensor
+        gen = torch.Generator().manual_seed(0)
+        a, b, ga, gb = (torch.randn(5, generator=gen) for _ in range(4))
+
+        def plain(x, g):
+            return vega.adamw.step({"w": x}, {"w": g}, vega.adamw.init({"w": x}),
+                                   backend="reference")[0]["w"]
+        for donate in (False, True):
+            w, g = TwoTensor(a.clone(), b.clone()), TwoTensor(ga, gb)
+            state = vega.adamw.init({"w": w})
+            new, st = vega.adamw.step({"w": w}, {"w": g}, state, donate=donate)
+            assert type(new["w"]) is TwoTensor and int(st["step"]) == 1
+            assert torch.equal(new["w"].a, plain(a, ga)) and torch.equal(new["w"].b, plain(b, gb))
+            assert (new["w"] is w) == donate
+        # named backends that read memory refuse it, whichever leaf it is
+        cases = [({"w": TwoTensor(a, b)}, {"w": TwoTensor(ga, gb)}, "params leaf 'w'"),
+                 ({"w": a.clone()}, {"w": TwoTensor(ga, gb)}, "grads leaf 'w'")]
+        for params, grads, label in cases:
+            state = vega.adamw.init({"w": a})
+            for donate in (False, True):
+                try:
+                    vega.adamw.step(params, grads, state, backend="c", donate=donate)
+                except ValueError as e:
+                    assert f"adamw_step: {label} is a TwoTensor, a tensor subclass" in str(e), e
+                    assert "backend='reference'" in str(e)
+                else:
+                    raise AssertionError("not refused")
+        state = vega.adamw.init({"w": a})
+        state["mu"]["w"] = TwoTensor(torch.zeros(5), torch.zeros(5))
+        try:
+            vega.adamw.step({"w": a.clone()}, {"w": ga}, state, backend="c")
+        except ValueError as e:
+            assert "state leaf 'mu.w' is a TwoTensor" in str(e), e
+        else:
+            raise AssertionError("not refused")
+        # the kernel itself refuses what has no address, called directly
+        from vega.runtime import engine
+        program = vega.adamw.program()
+        state = vega.adamw.init({"w": a})
+        try:
+            engine.run(program, "c", [TwoTensor(a, b)], [ga], [[state["mu"]["w"]],
+                       [state["nu"]["w"]]], [state["step"]], [vega.adamw.defaults], True)
+        except ValueError as e:
+            assert "backend 'c': parameter 0 is a TwoTensor" in str(e), e
+        else:
+            raise AssertionError("not refused")
+        # a fused step sums the gradients as plain tensors: refused, not guessed
+        try:
+            vega.adamw.step({"w": TwoTensor(a, b)}, {"w": TwoTensor(ga, gb)},
+                            vega.adamw.init({"w": TwoTensor(a, b)}), max_grad_norm=1.0)
+        except ValueError as e:
+            assert "one is a TwoTensor" in str(e) and "clip_grad_norm_" in str(e), e
+        else:
+            raise AssertionError("not refused")
+        print("ok")
+    """)
+    assert out.stdout.strip() == "ok"
+
+
+def test_the_class_routes_wrapper_subclasses_and_its_direct_step_drops_them():
+    out = _child("""
+        import torch, vega
+        from torch.testing._internal.two_tensor import TwoTensor
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+        grads = [(torch.randn(6, generator=gen), torch.randn(6, generator=gen))
+                 for _ in range(3)]
+        w = torch.nn.Parameter(TwoTensor(a.clone(), b.clone()))
+        x, y = torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.clone())
+        opt = vega.adamw.optimizer([w])
+        ox, oy = vega.adamw.optimizer([x], backend="reference"), \\
+            vega.adamw.optimizer([y], backend="reference")
+        for ga, gb in grads:
+            w.grad, x.grad, y.grad = TwoTensor(ga, gb), ga, gb
+            opt.step(); ox.step(); oy.step()
+        assert type(w) is TwoTensor and torch.equal(w.a, x) and torch.equal(w.b, y)
+        assert "_vega_direct" not in opt.__dict__
+        try:
+            vega.adamw.optimizer([w], backend="c").step()
+        except ValueError as e:
+            assert "AdamW: parameter 0 of group 0 is a TwoTensor" in str(e), e
+        else:
+            raise AssertionError("not refused")
+
+        # a direct step (plain tensors) whose gradient becomes a TwoTensor: the scanner sends
+        # it back to the Python path, which steps it on the reference backend
+        p, q = torch.nn.Parameter(a.clone()), torch.nn.Parameter(a.clone())
+        opt, twin = vega.adamw.optimizer([p]), vega.adamw.optimizer([q])
+        for ga, _ in grads:
+            p.grad, q.grad = ga.clone(), ga.clone()
+            opt.step(); twin.step()
+        assert "_vega_direct" in opt.__dict__
+        g = grads[0][1]
+        p.grad, q.grad = TwoTensor(g.clone(), g.clone()), g.clone()
+        opt.step(); twin.step()
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+        # and its state becoming one, with backend='c' named: refused by name
+        opt = vega.adamw.optimizer([p], backend="c")
+        for _ in range(3):
+            p.grad = g.clone()
+            opt.step()
+        before = p.detach().clone()
+        opt.state[p]["nu"] = TwoTensor(torch.ones(6), torch.ones(6))
+        try:
+            opt.step()
+        except ValueError as e:
+            assert "parameter 0 of group 0 (its state 'nu') is a TwoTensor" in str(e), e
+        else:
+            raise AssertionError("not refused")
+        assert torch.equal(p, before) and int(opt.state[p]["step"]) == 3
+        print("ok")
+    """)
+    assert out.stdout.strip() == "ok"
+
+
+def test_dtensor_never_crashes():
+    """DTensor (one process, one rank): stepped through its own operations, or refused with
+    a clear error; never its address 0 given to a kernel."""
+    out = _child("""
+        import os, socket, torch, torch.distributed as dist, vega
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from torch.distributed.tensor import distribute_tensor, Shard
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (1,))
+        gen = torch.Generator().manual_seed(0)
+        a, g = torch.randn(4, 4, generator=gen), torch.randn(4, 4, generator=gen)
+        w, dg = distribute_tensor(a, mesh, [Shard(0)]), distribute_tensor(g, mesh, [Shard(0)])
+        want = vega.adamw.step({"w": a}, {"w": g}, vega.adamw.init({"w": a}),
+                               backend="reference")[0]["w"]
+        new, _ = vega.adamw.step({"w": w}, {"w": dg}, vega.adamw.init({"w": w}))
+        assert torch.equal(new["w"].full_tensor(), want)
+        p = torch.nn.Parameter(distribute_tensor(a, mesh, [Shard(0)]))
+        p.grad = dg
+        vega.adamw.optimizer([p]).step()
+        assert torch.equal(p.full_tensor(), want)
+        for call in (lambda: vega.adamw.optimizer([p], backend="c").step(),
+                     lambda: vega.adamw.step({"w": w}, {"w": dg}, vega.adamw.init({"w": w}),
+                                             max_grad_norm=1.0)):
+            try:
+                call()
+            except ValueError as e:
+                assert "DTensor" in str(e), e
+            else:
+                raise AssertionError("not refused")
+        dist.destroy_process_group()
+        print("ok")
+    """)
+    assert out.stdout.strip() == "ok"
+
+
+# -- negative and conjugate bits ----------------------------------------------------------
+
+def _neg(x: torch.Tensor) -> torch.Tensor:
+    """A tensor whose values are ``x``'s, stored negated (its negative bit set)."""
+    out = torch._neg_view(-x)
+    assert out.is_neg() and torch.equal(out, x)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("which", ["params", "grads", "state"])
+def test_a_negative_bit_is_read_and_written_as_the_values(backend, donate, which):
+    p, g = _rand(7, seed=1), _rand(7, seed=2)
+    state = vega.adamw.init({"w": p})
+    state["mu"]["w"] = _rand(7, seed=3) * 0.1
+    plain = {"w": p.clone()}, {"w": g.clone()}, {
+        "mu": {"w": state["mu"]["w"].clone()}, "nu": {"w": state["nu"]["w"].clone()},
+        "step": state["step"].clone()}
+    params, grads = {"w": p.clone()}, {"w": g.clone()}
+    if which == "params":
+        params = {"w": _neg(p)}
+    elif which == "grads":
+        grads = {"w": _neg(g)}
+    else:
+        state["mu"]["w"] = _neg(state["mu"]["w"])
+    want_p, want_s = vega.adamw.step(*plain, backend=backend, donate=donate)
+    got_p, got_s = vega.adamw.step(params, grads, state, backend=backend, donate=donate)
+    assert torch.equal(got_p["w"], want_p["w"])
+    assert torch.equal(got_s["mu"]["w"], want_s["mu"]["w"])
+    if donate and which == "params":  # written in place into the negated view
+        assert got_p["w"] is params["w"] and params["w"].is_neg()
+
+
+def test_the_imaginary_part_of_a_conjugate_steps_as_its_values():
+    """``z.conj().imag`` holds -3 (its negative bit set), which the C kernel read as +3."""
+    z = torch.tensor([2 + 3j])
+    w = z.conj().imag
+    assert w.is_neg() and w.is_contiguous()
+    g = torch.tensor([0.5])
+    for donate in (False, True):
+        want, _ = vega.sgd.step({"w": torch.tensor([-3.0])}, {"w": g},
+                                vega.sgd.init({"w": w}), lr=0.1, donate=donate)
+        got, _ = vega.sgd.step({"w": w}, {"w": g}, vega.sgd.init({"w": w}), lr=0.1,
+                               donate=donate)
+        assert torch.equal(got["w"], want["w"]) and torch.equal(want["w"], torch.tensor([-3.05]))
+    assert torch.equal(z, torch.tensor([2 + 3.05j]))  # (stored negated, through the view)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("donate", [False, True])
+def test_conjugate_complex_tensors_step_as_their_values(backend, donate):
+    z = torch.complex(_rand(5, seed=4), _rand(5, seed=5))
+    g = torch.complex(_rand(5, seed=6), _rand(5, seed=7))
+    plain = vega.adamw.step({"w": z.conj().resolve_conj()}, {"w": g.conj().resolve_conj()},
+                            vega.adamw.init({"w": z}), backend=backend)
+    params = {"w": z.clone().conj()}
+    got = vega.adamw.step(params, {"w": g.conj()}, vega.adamw.init({"w": z.conj()}),
+                          backend=backend, donate=donate)
+    assert torch.equal(got[0]["w"], plain[0]["w"])
+    assert torch.equal(got[1]["mu"]["w"], plain[1]["mu"]["w"])
+    if donate:
+        assert got[0]["w"] is params["w"] and params["w"].is_conj()
+
+
+def test_the_class_steps_negated_gradients_and_states_directly_as_their_values():
+    ps = [torch.nn.Parameter(_rand(40, seed=k)) for k in range(3)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt, twin = vega.adamw.optimizer(ps), vega.adamw.optimizer(qs)
+    for step in range(6):
+        for k, (p, q) in enumerate(zip(ps, qs)):
+            g = _rand(40, seed=100 * step + k)
+            p.grad, q.grad = (_neg(g) if k != 1 else g.clone()), g
+        if step == 3:  # a state with its negative bit, the plan made already
+            opt.state[ps[2]]["mu"] = _neg(opt.state[ps[2]]["mu"].clone())
+        opt.step()
+        twin.step()
+        for p, q in zip(ps, qs):
+            assert torch.equal(p, q)
+    if native.scanner() is not None:  # (a negated tensor does not go direct: copied)
+        assert "_vega_direct" not in opt.__dict__ and "_vega_direct" in twin.__dict__
+
+
+# -- what a step in place writes -----------------------------------------------------------
+
+def _snapshot(params, state):
+    return [t.clone() for t in [*params.values(), *state["mu"].values(), *state["nu"].values(),
+                                state["step"]]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", ["params", "state"])
+def test_an_expanded_tensor_is_refused_before_anything_is_written(backend, which):
+    """A stride-0 tensor: the C backend stepped contiguous copies, advanced the counter, then
+    failed to copy back (a half-made step)."""
+    params = {"a": _rand(4, seed=1), "w": _rand(5, seed=2)}
+    grads = {"a": _rand(4, seed=3), "w": _rand(5, seed=4)}
+    state = vega.adamw.init(params)
+    if which == "params":
+        params["w"] = torch.zeros(1).expand(5)
+        label = "params leaf 'w'"
+    else:
+        state["nu"]["w"] = torch.zeros(1).expand(5)
+        label = "state leaf 'nu.w'"
+    before = _snapshot(params, state)
+    with pytest.raises(ValueError, match=f"adamw_step: {label} has elements at one memory "
+                                         f"location"):
+        vega.adamw.step(params, grads, state, backend=backend, donate=True)
+    for x, y in zip(before, _snapshot(params, state)):
+        assert torch.equal(x, y)
+    vega.adamw.step(params, grads, state, backend=backend, donate=False)  # pure: fine
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_kernels_refuse_an_expanded_tensor_themselves(backend):
+    from vega.runtime import engine
+    program = vega.sgd.program(momentum=0.0)
+    w, step = torch.zeros(1).expand(5), torch.zeros((), dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"backend '{backend}': parameter 0 has elements at "
+                                         f"one memory location"):
+        engine.run(program, backend, [w], [torch.ones(5)], [], [step],
+                   [{"lr": 0.1, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0}], True)
+    assert int(step) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leaves_that_share_memory_are_refused_in_place_and_fine_when_pure(backend):
+    w = _rand(6, seed=1)
+    ga, gb = _rand(6, seed=2), _rand(6, seed=3)
+    # one tensor as two parameters
+    params = {"a": w, "b": w}
+    state = vega.adamw.init(params)
+    before = _snapshot({"w": w}, state)
+    with pytest.raises(ValueError, match="params leaf 'b' shares memory with params leaf 'a'"):
+        vega.adamw.step(params, {"a": ga, "b": gb}, state, backend=backend, donate=True)
+    assert all(torch.equal(x, y) for x, y in zip(before, _snapshot({"w": w}, state)))
+    new, _ = vega.adamw.step(params, {"a": ga, "b": gb}, state, backend=backend)
+    for k, g in (("a", ga), ("b", gb)):
+        alone, _ = vega.adamw.step({"w": w}, {"w": g}, vega.adamw.init({"w": w}), backend=backend)
+        assert torch.equal(new[k], alone["w"])
+    # a state that is a view of its parameter, and two halves of one tensor (which do not)
+    base = _rand(12, seed=4)
+    params = {"w": base[:6]}
+    state = vega.adamw.init(params)
+    state["mu"]["w"] = base[:6].view(2, 3).view(6)
+    with pytest.raises(ValueError, match="state leaf 'mu.w' shares memory with params leaf 'w'"):
+        vega.adamw.step(params, {"w": ga}, state, backend=backend, donate=True)
+    halves = {"a": base[:6], "b": base[6:]}
+    vega.adamw.step(halves, {"a": ga, "b": gb}, vega.adamw.init(halves), backend=backend,
+                    donate=True)
+    # interleaved columns of one matrix share no element either
+    m = _rand(4, 3, seed=5)
+    cols = {str(k): m[:, k] for k in range(3)}
+    vega.adamw.step(cols, {k: torch.ones(4) for k in cols}, vega.adamw.init(cols),
+                    backend=backend, donate=True)
+    cols["3"] = m[:, 1]
+    with pytest.raises(ValueError, match="params leaf '3' shares memory with params leaf '1'"):
+        vega.adamw.step(cols, {k: torch.ones(4) for k in cols}, vega.adamw.init(cols),
+                        backend=backend, donate=True)
+
+
+def test_the_class_refuses_what_it_cannot_write_before_writing_any_group():
+    a = torch.nn.Parameter(_rand(5, seed=1))
+    w = torch.nn.Parameter(torch.zeros(1).expand(5))
+    opt = vega.adamw.optimizer([{"params": [a]}, {"params": [w]}])
+    a.grad, w.grad = torch.ones(5), torch.ones(5)
+    before = a.detach().clone()
+    with pytest.raises(ValueError, match="AdamW: parameter 0 of group 1 has elements at one "
+                                         "memory location"):
+        opt.step()
+    assert torch.equal(a, before) and int(opt.state[a]["step"]) == 0
+    # a state replaced by a view of its parameter, after the step went direct
+    p, q = torch.nn.Parameter(_rand(8, seed=2)), torch.nn.Parameter(_rand(8, seed=3))
+    opt = vega.adamw.optimizer([p, q])
+    for _ in range(4):
+        p.grad, q.grad = torch.ones(8), torch.ones(8)
+        opt.step()
+    opt.state[q]["mu"] = q.detach()
+    before = [p.detach().clone(), q.detach().clone(), opt.state[p]["step"].clone()]
+    with pytest.raises(ValueError, match="AdamW: state 'mu' of parameter 1 of group 0 shares "
+                                         "memory with parameter 1 of group 0"):
+        opt.step()
+    assert all(torch.equal(x, y) for x, y in zip(before, [p, q, opt.state[p]["step"]]))
+
+
+# -- versions and inference tensors ----------------------------------------------------------
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_a_step_in_place_advances_the_parameters_versions(backend):
+    """As torch.optim: a graph that saved a parameter refuses backward after the step."""
+    w = torch.nn.Parameter(_rand(10, seed=1))
+    opt = vega.adamw.optimizer([w], backend=backend)
+    for step in range(5):  # the Python path, then the direct one
+        w.grad = torch.ones(10)
+        loss = (w * w).sum()
+        version = w._version
+        opt.step()
+        assert w._version > version
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    if backend is not None:
+        return
+    assert native.scanner() is None or "_vega_direct" in opt.__dict__
+    # the functional step in place
+    w = _rand(10, seed=2).requires_grad_(True)
+    state = vega.adamw.init({"w": w})
+    loss = (w * w).sum()
+    with torch.no_grad():
+        vega.adamw.step({"w": w}, {"w": torch.ones(10)}, state, donate=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_inference_tensors_are_written_only_inside_inference_mode():
+    with torch.inference_mode():
+        w = _rand(6, seed=1)
+    w.grad = torch.ones(6)
+    opt = vega.adamw.optimizer([w])
+    with pytest.raises(ValueError, match="AdamW: parameter 0 of group 0 is an inference tensor"):
+        opt.step()
+    assert torch.equal(w, _rand(6, seed=1))
+    with torch.inference_mode():  # there it may (as torch.optim), the direct step too
+        for _ in range(4):
+            opt.step()
+    assert native.scanner() is None or "_vega_direct" in opt.__dict__
+    before = w.clone()
+    with pytest.raises(ValueError, match="is an inference tensor"):
+        opt.step()  # out of it again: the direct plan does not step
+    assert torch.equal(w, before) and int(opt.state[w]["step"]) == 4
+    # functional: in place refused (naming the leaf), pure fine
+    state = vega.adamw.init({"w": w})
+    with pytest.raises(ValueError, match="adamw_step: params leaf 'w' is an inference tensor"):
+        vega.adamw.step({"w": w}, {"w": torch.ones(6)}, state, donate=True)
+    assert torch.equal(w, before) and int(state["step"]) == 0
+    vega.adamw.step({"w": w}, {"w": torch.ones(6)}, state)

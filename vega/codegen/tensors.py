@@ -1,0 +1,232 @@
+"""What a step may read and write of a tensor, shared by the backends and the runtime.
+
+- A tensor subclass with operations of its own (``__torch_dispatch__``: DTensor, a wrapper
+  such as ``TwoTensor``) holds no storage of its own that a compiled kernel could read (its
+  ``data_ptr()`` is 0): only the reference backend, which steps it through its own
+  operations, takes it.
+- A tensor with its negative or conjugate bit set (``x.conj().imag``, ``x.conj()``) stores
+  its values negated or conjugated: a kernel that reads its memory reads it resolved
+  (``resolve_neg``, ``resolve_conj``), and one that writes it in place writes a resolved
+  copy that is copied back (``copy_`` negates or conjugates on the way).
+- A step in place writes every parameter, state and step counter: none may be an inference
+  tensor outside ``torch.inference_mode()`` (as torch's in-place operations refuse), none
+  may have two elements at one memory location (an expanded tensor), and no two may share
+  one. These are checked before anything is written (``inplace_problem``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vega.codegen import native
+
+_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_PLAIN_OR_NONE = _PLAIN_TYPES | {type(None)}
+_NO_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def has_own_ops(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor subclass with operations of its own (``__torch_dispatch__``)."""
+    cls = type(t)
+    return cls not in _PLAIN_TYPES and \
+        getattr(cls, "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH
+
+
+def first_with_own_ops(tensors) -> int | None:
+    """The position of the first tensor with operations of its own (``has_own_ops``), or None
+    (one pass over the types, in the common case of plain tensors and parameters). ``None``
+    items are skipped."""
+    tensors = tensors if isinstance(tensors, list) else list(tensors)
+    if _PLAIN_OR_NONE.issuperset(map(type, tensors)):
+        return None
+    return next((i for i, t in enumerate(tensors)
+                 if t is not None and has_own_ops(t)), None)
+
+
+def own_ops_words(t: torch.Tensor) -> str:
+    """What is wrong with a tensor ``has_own_ops`` finds, for a compiled backend's message."""
+    return (f"is a {type(t).__name__}, a tensor subclass with operations of its own, whose "
+            f"storage vega's compiled kernels cannot read")
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its values as stored: itself, or a copy without the conjugate and negative
+    bits (asked by resolving, which returns ``t`` itself where neither is set: dynamo
+    cannot trace ``is_conj()``)."""
+    return t.resolve_conj().resolve_neg()
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` are one memory location (an expanded tensor, a
+    stride-0 axis of length > 1, or any other overlapping layout)."""
+    if t.numel() < 2 or t.is_contiguous():
+        return False
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    extent = 1  # elements each axis leaves room for, inner axes first
+    for st, sz in dims:
+        if st < extent:
+            break
+        extent += (sz - 1) * st
+    else:
+        return False
+    if dims[0][0] == 0:
+        return True
+    return _offsets(t).unique().numel() != t.numel()  # some unusual layout: every element
+
+
+def _offsets(t: torch.Tensor) -> torch.Tensor:
+    """The offset in elements from ``t.data_ptr()`` of every element of ``t``."""
+    at = torch.zeros((), dtype=torch.int64)
+    for sz, st in zip(t.shape, t.stride()):
+        at = at.unsqueeze(-1) + torch.arange(sz, dtype=torch.int64) * st
+    return at.reshape(-1)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` that ``t``'s elements lie within (0, 0 when it has none)."""
+    lo = t.data_ptr()
+    if t.numel() == 0 or lo == 0:
+        return 0, 0
+    last = sum((sz - 1) * st for sz, st in zip(t.shape, t.stride()))
+    return lo, lo + (last + 1) * t.element_size()
+
+
+def inference_outside(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an inference tensor and this is not inside inference mode."""
+    return t.is_inference() and not torch.is_inference_mode_enabled()
+
+
+INFERENCE_WORDS = ("is an inference tensor (made under torch.inference_mode()), which a step "
+                   "in place cannot update outside inference mode (torch: \"Inplace update "
+                   "to inference tensor outside InferenceMode is not allowed\"); clone it, "
+                   "or step inside torch.inference_mode()")
+OVERLAP_WORDS = ("has elements at one memory location (an expanded tensor, a stride 0): a "
+                 "step in place cannot write it; pass a contiguous copy (.contiguous())")
+SHARE_WORDS = "shares memory with {other}: a step in place would write that memory twice"
+
+
+def inplace_problem(tensors, scan: np.ndarray | None = None) -> tuple[int, int | None, str] | None:
+    """The first problem a step in place would meet writing all of ``tensors`` (None where
+    there is none): (position, another position or None, a ``*_WORDS`` text, where ``{other}``
+    stands for the other's name). Read with the native scanner where it is ready
+    (``vega.codegen.native``; ``scan``: its rows of ``tensors``, where read already), which
+    spares the per-tensor reads of contiguous tensors."""
+    tensors = tensors if isinstance(tensors, list) else list(tensors)
+    if scan is None and tensors and not torch.compiler.is_compiling():
+        scanner = native.scanner()
+        if scanner is not None:
+            scan = scanner.scan(tensors)
+    if scan is not None:
+        itemsizes = _itemsizes()
+        flags = scan[:, 2]
+        if (flags & native.INFERENCE).any() and not torch.is_inference_mode_enabled():
+            return next(i for i, f in enumerate(flags) if f & native.INFERENCE), None, \
+                INFERENCE_WORDS
+        odd = np.flatnonzero((flags & (native.STRIDED | native.CONTIGUOUS)) == native.STRIDED)
+        for i in odd:  # (not contiguous: read one by one)
+            if overlaps_itself(tensors[i]):
+                return int(i), None, OVERLAP_WORDS
+        size = itemsizes[flags & 0xFF]
+        size[(flags & native.STRIDED) == 0] = 0  # (no storage to read: a wrapper subclass)
+        lo = scan[:, 0].copy()
+        hi = lo + scan[:, 1] * size
+        for i in odd:
+            lo[i], hi[i] = _span(tensors[i])
+    else:
+        spans = []
+        for i, t in enumerate(tensors):
+            if inference_outside(t):
+                return i, None, INFERENCE_WORDS
+            if overlaps_itself(t):
+                return i, None, OVERLAP_WORDS
+            spans.append(_span(t))
+        lo = np.array([s[0] for s in spans], dtype=np.int64)
+        hi = np.array([s[1] for s in spans], dtype=np.int64)
+    return shared_pair(tensors, lo, hi)
+
+
+def roles(state_names, n: int, nsteps: int) -> list[str]:
+    """What each tensor a kernel's step in place writes is, for a message: the ``n``
+    parameters, then each state's (flat, state by state), then the ``nsteps`` counters."""
+    return [*(f"parameter {i}" for i in range(n)),
+            *(f"state '{s}' of parameter {i}" for s in state_names for i in range(n)),
+            *(f"step counter {k}" for k in range(nsteps))]
+
+
+def refuse_inplace(backend: str, state_names, params, flat_states, steps,
+                   scan: np.ndarray | None = None) -> None:
+    """Raise ValueError where a kernel's step in place cannot write these parameters, states
+    (flat, state by state) and step counters (``inplace_problem``, ``scan`` as there)."""
+    problem = inplace_problem([*params, *flat_states, *steps], scan)
+    if problem is not None:
+        i, j, words = problem
+        named = roles(state_names, len(params), len(steps))
+        raise ValueError(f"backend '{backend}': {named[i]} "
+                         f"{words.format(other=named[j]) if j is not None else words}")
+
+
+_ITEMSIZES: list[np.ndarray] = []  # the native scanner's dtype codes -> element sizes
+
+
+def _itemsizes() -> np.ndarray:
+    if not _ITEMSIZES:
+        table = np.zeros(256, dtype=np.int64)
+        for dtype, code in native.scanner().codes.items():
+            table[code] = dtype.itemsize
+        _ITEMSIZES.append(table)
+    return _ITEMSIZES[0]
+
+
+def shared_pair(tensors, lo: np.ndarray, hi: np.ndarray) -> tuple[int, int, str] | None:
+    """Two tensors that share a memory location, by their spans ``[lo, hi)`` (empty where
+    ``hi <= lo``: no element, or no storage to read): where spans meet, contiguous tensors
+    share memory; others (views of one matrix's columns) are compared element by element."""
+    keep = np.flatnonzero(hi > lo)
+    if len(keep) < 2:
+        return None
+    order = keep[np.argsort(lo[keep], kind="stable")]
+    reach = np.maximum.accumulate(hi[order])
+    meets = lo[order[1:]] < reach[:-1]  # order[k + 1] meets a span before it
+    if not meets.any():  # (the common case)
+        return None
+    found = []
+    k = 0
+    while k < len(meets):  # each run of spans that meet: a cluster
+        if not meets[k]:
+            k += 1
+            continue
+        end = k
+        while end < len(meets) and meets[end]:
+            end += 1
+        pair = _cluster_pair(tensors, [int(i) for i in order[k:end + 1]], lo, hi)
+        if pair is not None:
+            found.append(pair)
+        k = end
+    if not found:
+        return None
+    a, b = min(found, key=lambda ab: (max(ab), min(ab)))
+    return max(a, b), min(a, b), SHARE_WORDS
+
+
+def _cluster_pair(tensors, members: list[int], lo, hi) -> tuple[int, int] | None:
+    """Two of ``members`` (spans that meet, by ``lo``) that share an element's memory."""
+    ts = [tensors[i] for i in members]
+    if all(t.is_contiguous() for t in ts):
+        for k in range(1, len(members)):  # the first whose span meets one before it
+            j = members[k]
+            i = next(i for i in members[:k] if hi[i] > lo[j])
+            return i, j
+    size = ts[0].element_size()
+    base = ts[0].data_ptr()
+    if any(t.element_size() != size or (t.data_ptr() - base) % size for t in ts):
+        j = members[1]  # (views of one memory as several dtypes: taken as shared)
+        return members[0], j
+    at = torch.cat([_offsets(t) + (t.data_ptr() - base) // size for t in ts])
+    who = torch.cat([torch.full((t.numel(),), k, dtype=torch.int64) for k, t in enumerate(ts)])
+    at, order = torch.sort(at, stable=True)
+    who = who[order]
+    same = torch.nonzero(at[1:] == at[:-1]).reshape(-1)
+    if same.numel() == 0:
+        return None
+    k = int(same[0])
+    return members[int(who[k])], members[int(who[k + 1])]
