@@ -271,27 +271,20 @@ def test_the_direct_step_comes_back_after_a_run_of_disruptive_steps():
         _grads(ours, theirs, step)
         opt.step()
         twin.step()
-    for step in range(2, 8):
-        for p in (ours[0], theirs[0]):
-            p.data = p.data.clone()
-        _grads(ours, theirs, step)
-        opt.step()
-        twin.step()
-        _equal(ours, theirs, opt, twin)
+    def steps(numbers, disrupt):
+        for step in numbers:
+            if disrupt:  # the first parameter moved to new memory
+                for p in (ours[0], theirs[0]):
+                    p.data = p.data.clone()
+            _grads(ours, theirs, step)
+            opt.step()
+            twin.step()
+            _equal(ours, theirs, opt, twin)
+    steps(range(2, 8), disrupt=True)
     assert direct == [False, True] + [False] * 6
     assert opt.__dict__["_vega_direct_misses"] > 4 and "_vega_direct" not in opt.__dict__
-    for step in range(8, 12):
-        _grads(ours, theirs, step)
-        opt.step()
-        twin.step()
-        _equal(ours, theirs, opt, twin)
+    steps(range(8, 12), disrupt=False)
     assert direct[8:] == [False, True, True, True]  # a steady step, then direct again
     assert "_vega_direct" in opt.__dict__ and opt.__dict__["_vega_direct_misses"] == 0
-    for step in range(12, 14):  # and disruption still sends it back
-        for p in (ours[0], theirs[0]):
-            p.data = p.data.clone()
-        _grads(ours, theirs, step)
-        opt.step()
-        twin.step()
-        _equal(ours, theirs, opt, twin)
+    steps(range(12, 14), disrupt=True)  # and disruption still sends it back
     assert direct[12:] == [False, False]
