@@ -1,6 +1,6 @@
 """Test session set-up: Triton's interpreter for the triton backend on machines without CUDA,
-and the native tensor scanner built before the first test, so that every class step that
-can go direct does, on every run (not only once a background build has finished)."""
+and the C backend's native operator built before the first test, so that every C step that
+can go through it does, on every run (not only once a background build has finished)."""
 import os
 
 import torch
@@ -12,4 +12,4 @@ if not torch.cuda.is_available():
 
 def pytest_sessionstart(session):
     from vega.codegen import native
-    native.scanner(wait=True)  # None where it cannot be built: the Python path then
+    native.module(wait=True)  # None where it cannot be built: the Python path then

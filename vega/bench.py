@@ -478,7 +478,7 @@ def main(quick: bool = False, compile_torch: bool = True, out=None, repeat: int 
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"repeat={repeat!r} must be a positive integer")
     say(f"vega bench on {_machine()}")
-    native.scanner(wait=True)  # built now if need be: no row is timed while it builds
+    native.module(wait=True)  # built now if need be: no row is timed while it builds
     say(native.status())
     cold, warm = compile_times()
     say(f"spec compile: cold {cold:.2f} s, from the cache {1e3 * warm:.1f} ms")

@@ -1,5 +1,5 @@
 """A damaged kernel cache never crashes or hangs a later run: whatever is found at a library's
-place, or at its recorded hash's, or at the native scanner's record of a failed build, is
+place, or at its recorded hash's, or at the native operator's record of a failed build, is
 checked before it is opened (a regular file, this user's, of a bounded size, hashing to its
 record), and what does not pass is rebuilt with one warning. A library is loaded from a copy
 of the bytes checked, under a name of its own, so a rebuilt library at the same path is
@@ -199,20 +199,19 @@ def test_reads_are_capped_and_open_no_fifo(tmp_path):
     assert cbuild.read_capped(big, 11) == (b"x" * 11, None)
 
 
-# -- the native scanner's record of a failed build ---------------------------------
+# -- the native operator's record of a failed build ---------------------------------
 
 NATIVE_RUN = "from vega.codegen import native\n" + CAP + r"""
 import json, sys, warnings
 from pathlib import Path
 target = Path(sys.argv[1])
 native._paths = lambda: (["false"], target)  # a build that fails at once
-native._layout_ok = lambda: True
 spawned = []
 native._spawn = lambda t: spawned.append(str(t))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     if sys.argv[2] == "scan":
-        answer = native.scanner(wait=False)
+        answer = native.module(wait=False)
     else:
         answer = native.build(target)
 print(json.dumps({"answer": None if answer is None else str(answer), "spawned": spawned,

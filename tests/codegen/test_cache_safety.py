@@ -261,7 +261,7 @@ def test_a_changed_library_is_rebuilt_with_one_warning(cache, tmp_path, change, 
     assert not list(cache.glob("c/other-loaded"))
 
 
-# -- the native scanner -----------------------------------------------------------
+# -- the native operator -----------------------------------------------------------
 
 @needs_root
 def test_an_untrusted_native_scanner_is_not_loaded_but_rebuilt(cache, tmp_path, monkeypatch):
@@ -279,7 +279,7 @@ def test_an_untrusted_native_scanner_is_not_loaded_but_rebuilt(cache, tmp_path, 
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            scanner = native.scanner(wait=True)
+            scanner = native.module(wait=True)
     finally:
         native._state.clear()
         native._state.update(saved)

@@ -46,6 +46,7 @@ from vega.codegen.base import (HyperRows, Linear, Renderer, axis_geometry, check
 from vega.codegen.tensors import (has_own_ops, own_ops_words, refuse_inplace, resolved, roles,
                                   shared_pair)
 from vega.dsl.check import matrix_axes
+from vega.tracing import untraced
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, DOMAINS, LEAVES, REDUCTIONS, Kind, Node,
                         Op, Program, walk)
 
@@ -1053,8 +1054,12 @@ class Kernel:
         # not len(_KERNELS): two threads making kernels at once would take the same
         # number), held weakly (the kernel lives as long as its program, whose ``kernels``
         # holds it)
-        self.key = f"{program.name}/{next(_SERIAL)}"
+        self.id = next(_SERIAL)
+        self.key = f"{program.name}/{self.id}"
         _KERNELS[self.key] = weakref.ref(self, lambda _, key=self.key: _KERNELS.pop(key, None))
+        self._native = None  # the native operator's module this kernel is registered with
+        self._native_libs: set[tuple[str, str, str]] = set()  # (and these libraries)
+        self._native_lock = threading.Lock()
         self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
         # the tables of the last calls: the optimizers and param groups that share this
         # kernel alternate, and each should find its own. A step plan is keyed by the
@@ -1087,15 +1092,42 @@ class Kernel:
             self._libs[dtypes] = lib
         return self._libs[dtypes]
 
-    def direct(self, scanner, params, grads, flat_states, steps, values) -> Direct | None:
-        """A ``Direct`` plan of these tensors' steps (see there); None where a tensor is not
-        a contiguous CPU tensor."""
-        found = self._native_plan(scanner, params, grads, flat_states, steps,
-                                  list(range(len(params))), [self._hyper_array(
-                                      {k: 0.0 if is_schedule(v) else v  # (written at launch)
-                                       for k, v in values.items()})], [0] * len(params))
-        return None if found is None else Direct(self, scanner, found[0], params, grads,
-                                                 flat_states, steps)
+    def _registered(self, mod) -> None:
+        """Register this kernel, and each of its libraries built so far, with the native
+        operator's module ``mod`` (``vega.codegen.native``), which calls their entry points;
+        dropped from it when this kernel is released."""
+        with self._native_lock:
+            if self._native is not mod:
+                p = self.program
+                mod.add_kernel(self.id, p.name, len(p.states), self._nphases, self._nred,
+                               len(p.float_hypers), self._axes, [_DOMS[s.dom] for s in p.states])
+                self._native, self._native_libs = mod, set()
+                weakref.finalize(self, mod.drop_kernel, self.id)
+            for dtypes, lib in list(self._libs.items()):
+                if dtypes in self._native_libs:
+                    continue
+
+                def at(name: str) -> int:
+                    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+                mod.add_library(
+                    self.id, " ".join(dtypes), at("vega_prelude"), at("vega_advance"),
+                    0 if self._axes else at("vega_update"),
+                    at("vega_fused") if self._nphases and not self._axes else 0,
+                    at("vega_axes_step") if self._axes else 0,
+                    [] if self._axes else [at(f"vega_phase{k}") for k in range(self._nphases)])
+                self._native_libs.add(dtypes)
+
+    def _native_call(self, mod, call, *args) -> None:
+        """``call(self.id, *args)``, a function of the native module, building the libraries
+        it asks for (each call checks every tensor before it writes any)."""
+        self._registered(mod)
+        for _ in range(8):  # (a library for each dtype group it meets)
+            try:
+                return call(self.id, *args)
+            except mod.MissingLibrary as e:
+                self.library(tuple(str(e.args[0]).split()))
+                self._registered(mod)
+        return call(self.id, *args)
 
     def _group_key(self, p, g, s_dtype):
         key = (p.dtype, g.dtype, s_dtype)
@@ -1125,9 +1157,18 @@ class Kernel:
         if torch.compiler.is_compiling():  # traced as one opaque node
             for g in grads:
                 self._group_key(g, g, g.dtype)
-            c_prelude(self.key, list(grads), pre)
-        else:  # eagerly, directly: the op's dispatch costs about 0.7 us a tensor
-            self._prelude(grads, pre)
+            if not untraced(_native_ready, self, tuple({(g.dtype,) * 3 for g in grads})):
+                c_prelude(self.key, list(grads), pre)
+                return
+            torch.ops.vega_c.prelude(self.id, list(grads), pre)
+            return
+        mod = native.module()
+        if mod is not None:  # the native operator, called directly
+            try:
+                return self._native_call(mod, mod.prelude, list(grads), pre)
+            except ValueError:
+                pass  # (the Python path says which tensor is wrong, or reads a copy)
+        self._prelude(grads, pre)
 
     def _prelude(self, grads, pre: torch.Tensor) -> None:
         """The body of ``vega::c_prelude``. The tables of gradients of the same sizes, dtypes
@@ -1154,7 +1195,7 @@ class Kernel:
 
     def _new_prelude_plan(self, grads) -> tuple[list, list]:
         """New prelude (tables, views) for contiguous gradients like these: the tables of one
-        caller (a thread, a ``Direct`` plan), whose gradient column it rewrites."""
+        caller (a thread), whose gradient column it rewrites."""
         groups: dict[tuple, list[int]] = {}
         for i, g in enumerate(grads):
             groups.setdefault(self._group_key(g, g, g.dtype), []).append(i)
@@ -1189,10 +1230,21 @@ class Kernel:
                 and all(map(torch.Tensor.is_contiguous, hyp)):
             # pure, out of place: the kernel reads the old tensors and writes new ones
             new_p, new_flat = list(map(torch.empty_like, params)), list(map(torch.empty_like, flat))
-            tables = self._tables(params, grads, flat, unique, step_index, hyp, hyp_index,
-                                  [*new_p, *new_flat])
-            self._launch(tables, _int64s(list(map(torch.Tensor.data_ptr, unique))), pre,
-                         torch.get_num_threads())
+            mod = native.module()
+            done = False
+            if mod is not None:
+                try:
+                    self._native_call(mod, mod.step, params, grads, flat, unique, step_index,
+                                      hyp, hyp_index, pre, self._geometries(params),
+                                      [*new_p, *new_flat])
+                    done = True
+                except ValueError:
+                    pass  # (the Python path says which tensor is wrong)
+            if not done:
+                tables = self._tables(params, grads, flat, unique, step_index, hyp, hyp_index,
+                                      [*new_p, *new_flat])
+                self._launch(tables, _int64s(list(map(torch.Tensor.data_ptr, unique))), pre,
+                             torch.get_num_threads())
             params, flat = new_p, new_flat
         else:
             if not donate:  # pure: in place on copies
@@ -1200,27 +1252,61 @@ class Kernel:
                 flat = [s.clone() for s in flat]
             args = (params, grads, flat, unique, step_index, hyp, hyp_index, pre)
             if compiling:  # traced as one opaque node
-                c_step(self.key, *args)
-            else:  # eagerly, directly: the op's dispatch costs about 0.7 us a tensor
+                self._traced_step(*args)
+            else:  # eagerly, directly (the operator's dispatch costs more a tensor)
                 self._step(*args)
         n = len(params)
         states = [flat[k * n:(k + 1) * n] for k in range(len(states))]
         finite = ((pre[1] == 0) | (pre[4] == 0)) if pre is not None else None
         return params, states, [unique[k] for k in step_index], finite
 
-    def _step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index, pre):
-        """The body of ``vega::c_step``: every tensor updated in place.
+    def _traced_step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index,
+                     pre) -> None:
+        """The step as torch.compile traces it: one call of the native operator
+        ``vega_c::step`` (or, where it cannot be built, of the Python custom op
+        ``vega::c_step``), after the libraries it needs are built."""
+        sd = [s.dtype for s in flat_states[:len(params)]] if self.program.states else \
+            [p.dtype for p in params]
+        if not untraced(_native_ready, self, tuple({(p.dtype, g.dtype, d) for p, g, d in
+                                                    zip(params, grads, sd)})):
+            c_step(self.key, params, grads, flat_states, steps, step_index, hyp, hyp_index, pre)
+            return
+        torch.ops.vega_c.step(self.id, params, grads, flat_states, steps, step_index, hyp,
+                              hyp_index, pre, self._geometries(params), [])
 
-        The address tables of a recent call serve again when the parameters, states and
-        step counters are at the same addresses with the same sizes and dtypes (checked:
-        a tensor freed and another made may take its address), and the gradients have
-        the same sizes and dtypes: a backward pass makes new gradients, whose column is
-        rewritten (as is the hyperparameters', when a schedule gave a new table)."""
+    def _geometries(self, params) -> list[int]:
+        """Each parameter's ``_geometry``, one after another (none for an element-wise
+        program)."""
+        return [x for p in params for x in self._geometry(p.shape)] if self._axes else []
+
+    def _step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index, pre):
+        """The body of ``vega::c_step``: every tensor updated in place, by the native operator
+        where it is built (it checks every tensor and builds the address tables), else here.
+        What the operator refuses comes here too, which says which tensor is wrong, or steps
+        contiguous copies of those not stored as the kernels read them."""
+        mod = native.module()
+        if mod is not None:
+            try:
+                self._native_call(mod, mod.step, params, grads, flat_states, steps, step_index,
+                                  hyp, hyp_index, pre, self._geometries(params), [])
+                return
+            except ValueError:
+                pass
+        self._python_step(mod, params, grads, flat_states, steps, step_index, hyp, hyp_index,
+                          pre)
+
+    def _python_step(self, mod, params, grads, flat_states, steps, step_index, hyp, hyp_index,
+                     pre):
+        """``_step`` in Python: the address tables of a recent call serve again when the
+        parameters, states and step counters are at the same addresses with the same sizes
+        and dtypes (checked: a tensor freed and another made may take its address), and the
+        gradients have the same sizes and dtypes: a backward pass makes new gradients, whose
+        column is rewritten (as is the hyperparameters', when a schedule gave a new table).
+        Where the native operator ``mod`` is built (and refused these tensors), only the
+        checks and the copies."""
         nth = torch.get_num_threads()
-        scanner = None if self._axes else native.scanner()
-        found = None if scanner is None else self._native_plan(
-            scanner, params, grads, flat_states, steps, step_index, hyp, hyp_index)
-        if found is None and _as_stored([*params, *grads, *flat_states]) \
+        found = None
+        if mod is None and _as_stored([*params, *grads, *flat_states]) \
                 and all(map(torch.Tensor.is_contiguous, hyp)):
             if not torch.is_inference_mode_enabled() and any(map(
                     torch.Tensor.is_inference, [*params, *flat_states, *steps])):
@@ -1263,12 +1349,12 @@ class Kernel:
                 orig.copy_(work)
         _written(params)
 
-    def _refuse_writes(self, params, flat_states, steps, scan=None) -> None:
+    def _refuse_writes(self, params, flat_states, steps) -> None:
         """Raise ValueError where a step in place cannot write these parameters, states (flat,
         state by state) and step counters (``vega.codegen.tensors.inplace_problem``): an
         inference tensor outside inference mode, elements at one memory location, two that
-        share memory. ``scan``: the native scanner's rows of them, where read already."""
-        refuse_inplace("c", self.program.state_names, params, flat_states, steps, scan)
+        share memory."""
+        refuse_inplace("c", self.program.state_names, params, flat_states, steps)
 
     @staticmethod
     def _check_readable(named) -> None:
@@ -1295,25 +1381,6 @@ class Kernel:
             self._plans.insert(0, plan)  # (each group of each optimizer has one)
             del self._plans[64:]
         return plan
-
-    def _native_plan(self, scanner, params, grads, flat_states, steps, step_index, hyp,
-                     hyp_index) -> tuple[_Plan, np.ndarray] | None:
-        """The plan of these tensors, found with the native scanner: one call for the
-        parameters, states and counters and one for the gradients (the plan's key is what
-        they read); and the gradients' addresses. None where a tensor is not a contiguous
-        CPU tensor (the Python path then copies it, or says what is wrong)."""
-        fixed = scanner.scan([*params, *flat_states, *steps])
-        grad_rows = scanner.scan(grads)
-        if not (np.all(fixed[:, 2] & native.READY == native.READY)
-                and np.all(grad_rows[:, 2] & native.READY == native.READY)
-                and all(map(torch.Tensor.is_contiguous, hyp))):
-            return None
-        if (fixed[:, 2] & native.INFERENCE).any() and not torch.is_inference_mode_enabled():
-            self._refuse_writes(params, flat_states, steps, fixed)
-        meta = (grad_rows[:, 1:].tobytes(), list(step_index), list(hyp_index),
-                [h.shape for h in hyp])
-        return self._plan_for(fixed.tobytes(), meta, params, grads, flat_states, steps,
-                              step_index, hyp, hyp_index), grad_rows[:, 0]
 
     def _tables(self, params, grads, flat_states, steps, step_index, hyp, hyp_index,
                 outs=None):
@@ -1447,52 +1514,6 @@ class Kernel:
         return arr
 
 
-class Direct:
-    """One optimizer group's steps on this backend without the per-tensor work of Python: the
-    address tables of its parameters, states and step counters, and its gradients' for the
-    prelude, built once from tensors that the step has checked (``Kernel._tables``), with
-    what each tensor was (address, size, dtype and layout, read by the native scanner) so
-    that a later step can check in a few calls that they still are. Only for a program that
-    steps every tensor alike (no matrix view) and contiguous CPU tensors, each parameter
-    with its own step counter."""
-
-    def __init__(self, kernel: Kernel, scanner, plan: _Plan, params, grads, flat_states, steps):
-        self.kernel, self.scanner, self.plan = kernel, scanner, plan
-        self.hyp_index = [0] * len(grads)  # (one row for all, when no value is a schedule)
-        # its own prelude tables: a kernel's recent ones serve every caller of the thread
-        # with gradients of these sizes, and this plan may step in another thread
-        self.pre_plan = kernel._new_prelude_plan(grads)
-        self.held = [*flat_states, *steps]  # (held: the tables keep only their addresses)
-        self.steps = steps
-        self.params = list(params)  # (each step advances their versions: ``_written``)
-        # made of inference tensors (inside inference mode): it steps only there
-        fixed = np.frombuffer(plan.fixed, dtype=np.int64).reshape(-1, 3)
-        self.inference = bool((fixed[:, 2] & native.INFERENCE).any())
-
-    def current(self, rows: np.ndarray) -> bool:
-        """Whether ``rows`` (``scan_grads(params)``) show the same parameters, and
-        gradients of the same sizes, dtypes and layout, and the states and counters are as
-        they were: what the plan was made for (its key: the scan of the parameters, states
-        and counters; and the gradients' sizes and flags)."""
-        return (rows[:, 4:].tobytes() == self.plan.meta[0]
-                and rows[:, :3].tobytes() + self.scanner.scan(self.held).tobytes()
-                == self.plan.fixed)
-
-    def prelude(self, grad_ptrs: np.ndarray, pre: torch.Tensor) -> None:
-        self.kernel._run_prelude(self.pre_plan, grad_ptrs, pre)
-
-    def launch(self, grad_ptrs: np.ndarray, values, pre, nth: int) -> None:
-        """Step, with ``values`` a dict of the group's (a number or a 0-d tensor each) or
-        their ``HyperRows`` at the counters (schedules)."""
-        if isinstance(values, HyperRows):
-            hyp, index = [values.table.cpu()], values.index
-        else:  # (the same array while the numbers are)
-            hyp, index = [self.kernel._hyper_array(values)], self.hyp_index
-        self.plan.point(grad_ptrs, hyp, index, 4 + len(self.kernel.program.states))
-        self.kernel._launch(self.plan.tables, self.plan.step_ptrs, pre, nth)
-        increment_version(self.params)  # (``_written``)
-
-
 class _Plan:
     """The address tables of one call of a kernel, for the next calls with the same
     tensors (``Kernel._step``): ``fixed``, the addresses of the parameters, states and
@@ -1611,6 +1632,24 @@ _DEVICE_OF = operator.attrgetter("device")
 _SHAPE_OF = operator.attrgetter("shape")
 _IS_CPU = operator.attrgetter("is_cpu")
 _GEOMETRY: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> Kernel._geometry
+
+
+_DOMS = {"rc": 0, "r": 1, "c": 2, "": 3}  # a state's domain -> its length in a geometry row
+
+
+def _native_ready(kernel: Kernel, triples) -> bool:
+    """Whether the native operator is built (waiting for it), with ``kernel`` and its
+    libraries for these (parameter, gradient, state) dtype triples registered: what a traced
+    call of the operator needs, since it cannot build them."""
+    mod = native.module(wait=True)
+    if mod is None:
+        return False
+    for triple in triples:
+        if any(d not in _DTYPES for d in triple):
+            raise ValueError(f"backend 'c' does not support tensors of dtypes {triple}")
+        kernel.library(tuple(_DTYPES[d] for d in triple))
+    kernel._registered(mod)
+    return True
 
 
 def kernel_of(key: str) -> Kernel:

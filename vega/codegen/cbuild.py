@@ -213,7 +213,7 @@ def _locked(directory: Path, exclusive: bool):
 # reading blocks until something writes to it; O_NONBLOCK makes no difference to a file)
 _OPEN = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | \
     getattr(os, "O_NONBLOCK", 0)
-LIBRARY_LIMIT = 64 << 20  # bytes: a kernel's library is some 100 KB, the native scanner's 1 MB
+LIBRARY_LIMIT = 64 << 20  # bytes: a kernel's library is some 100 KB, the native operator's a few MB
 HASH_LIMIT = 4096  # bytes: a recorded SHA-256 is one line
 _KINDS = ((stat.S_ISLNK, "a symbolic link (a link is not followed)"), (stat.S_ISDIR, "a directory"),
           (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),

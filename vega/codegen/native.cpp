@@ -1,189 +1,435 @@
-// vega's tensor scanner: what the C backend reads of each tensor before a step (its address,
-// element count, dtype and layout, and its parameter's gradient), for a list of tensors in
-// one call, instead of five or six Python calls a tensor.
+// vega's C backend as a torch operator: vega_c::step and vega_c::prelude, over lists of
+// tensors (Tensor[]), registered with TORCH_LIBRARY. They check the tensors through ATen's
+// public API (data_ptr, numel, sizes, scalar_type, is_contiguous, device), build the address
+// tables the generated kernels read (one row a tensor; the row layout is the program's, see
+// vega.codegen.c.Kernel), and call the generated C kernels, which vega.codegen.c loads as
+// plain shared libraries and registers here by the addresses of their entry points.
 //
-// It reads a tensor's TensorImpl through the pointer a torch.Tensor object holds right after
-// its Python object header. vega.codegen.native checks that layout on real tensors (against
-// Tensor._cdata) before it loads this module, and never uses it where the check fails.
-#include <Python.h>
-#include <c10/core/TensorImpl.h>
-#include <ATen/core/TensorBase.h>
+// The same functions are bound for Python with pybind11 (``step`` and ``prelude``): an eager
+// step calls them directly, as torch.optim calls torch._fused_adamw_, and torch.compile
+// traces the operators (their fake implementations, in Python, do nothing: every output is
+// a mutated argument).
+//
+// A tensor the kernels cannot read as it is stored (not contiguous, with a negative or
+// conjugate bit, not on the CPU, of another dtype) and anything else wrong raises
+// ValueError before anything is written; vega.codegen.c then says which tensor, and steps
+// contiguous copies where that is all that was wrong.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace {
 
-PyTypeObject *tensor_type = nullptr;  // torch.Tensor, set by init()
-Py_ssize_t impl_offset = 0;           // where a tensor object holds its TensorImpl *
+constexpr int64_t NGEO = 13;          // the geometry integers of a row of a matrix-view program
+constexpr int64_t FUSED_MAX = 65536;  // vega_fused steps tables of tensors no longer than this
 
-// flags: the ScalarType in the low byte, and these bits: RESOLVED, neither the negative nor
-// the conjugate bit set (a kernel reads the values as stored); INFERENCE, made under
-// torch.inference_mode()
-constexpr int64_t DEFINED = 1 << 8, STRIDED = 1 << 9, CONTIGUOUS = 1 << 10, CPU = 1 << 11,
-                  RESOLVED = 1 << 12, INFERENCE = 1 << 13;
+using Entry = void (*)(int64_t, const int64_t *, const double *, double *, int);
+using AxesEntry = void (*)(int64_t, const int64_t *, const double *, int);
+using PreludeEntry = void (*)(int64_t, const int64_t *, double *, int);
+using AdvanceEntry = void (*)(int64_t, const int64_t *, const double *);
 
-// (address, numel, flags) of one tensor; a tensor that is not a strided tensor with storage
-// (sparse, a wrapper subclass, meta) is DEFINED alone, and any error of torch's leaves it so.
-void describe(const c10::TensorImpl *t, int64_t *out) {
-    out[0] = out[1] = out[2] = 0;
-    if (t == nullptr) return;
-    out[2] = DEFINED;
-    try {
-        if (t->layout() != c10::kStrided || !t->has_storage() || !t->storage_initialized())
-            return;
-        int64_t flags = DEFINED | STRIDED | (int64_t)(uint8_t)c10::typeMetaToScalarType(t->dtype());
-        if (t->is_contiguous()) flags |= CONTIGUOUS;
-        if (t->device_type() == c10::DeviceType::CPU) flags |= CPU;
-        if (!t->is_neg() && !t->is_conj()) flags |= RESOLVED;
-        if (const_cast<c10::TensorImpl *>(t)->is_inference()) flags |= INFERENCE;
-        out[0] = (int64_t)(intptr_t)t->data();
-        out[1] = t->numel();
-        out[2] = flags;
-    } catch (...) {
-        out[0] = out[1] = 0;
-        out[2] = DEFINED;
-    }
-}
-
-const c10::TensorImpl *impl_of(PyObject *obj) {
-    return *reinterpret_cast<c10::TensorImpl *const *>(reinterpret_cast<char *>(obj) +
-                                                       impl_offset);
-}
-
-PyObject *init(PyObject *, PyObject *args) {
-    PyObject *type;
-    Py_ssize_t offset;
-    if (!PyArg_ParseTuple(args, "O!n", &PyType_Type, &type, &offset)) return nullptr;
-    Py_INCREF(type);
-    tensor_type = reinterpret_cast<PyTypeObject *>(type);
-    impl_offset = offset;
-    Py_RETURN_NONE;
-}
-
-// The gradients a scan found, each held (a reference to its TensorImpl) until this capsule
-// is freed: a kernel that reads them runs without the GIL, while another thread may drop
-// them (zero_grad).
-const char *HELD = "vega_native.held";
-
-void release(PyObject *capsule) {
-    auto *held = static_cast<std::vector<c10::TensorImpl *> *>(
-        PyCapsule_GetPointer(capsule, HELD));
-    for (c10::TensorImpl *g : *held) c10::raw::intrusive_ptr::decref(g);
-    delete held;
-}
-
-// scan(tensors, address, grads): for each item of the list ``tensors`` (a tensor or None),
-// three int64 at ``address`` (address, numel, flags; zeros for None); with ``grads`` true,
-// three more for the tensor's .grad (zeros where it has none), and the result is a capsule
-// holding those gradients (else None).
-PyObject *scan(PyObject *, PyObject *args) {
-    PyObject *list;
-    unsigned long long address;
-    int grads;
-    if (!PyArg_ParseTuple(args, "O!Kp", &PyList_Type, &list, &address, &grads)) return nullptr;
-    if (tensor_type == nullptr) {
-        PyErr_SetString(PyExc_RuntimeError, "vega native scanner: init() was not called");
-        return nullptr;
-    }
-    int64_t *out = reinterpret_cast<int64_t *>(static_cast<uintptr_t>(address));
-    const Py_ssize_t n = PyList_GET_SIZE(list), width = grads ? 6 : 3;
-    auto *held = grads ? new std::vector<c10::TensorImpl *>() : nullptr;
-    PyObject *result = Py_None;
-    if (held) {
-        held->reserve(n);
-        result = PyCapsule_New(held, HELD, release);
-        if (result == nullptr) {
-            delete held;
-            return nullptr;
-        }
-    } else {
-        Py_INCREF(result);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *obj = PyList_GET_ITEM(list, i);
-        int64_t *row = out + i * width;
-        if (obj == Py_None) {
-            for (Py_ssize_t k = 0; k < width; k++) row[k] = 0;
-            continue;
-        }
-        if (!PyObject_TypeCheck(obj, tensor_type)) {
-            PyErr_Format(PyExc_TypeError, "vega native scanner: item %zd is of type %s, not "
-                         "a tensor", i, Py_TYPE(obj)->tp_name);
-            Py_DECREF(result);
-            return nullptr;
-        }
-        const c10::TensorImpl *t = impl_of(obj);
-        describe(t, row);
-        if (grads && t != nullptr) {
-            c10::TensorImpl *g = nullptr;
-            try {
-                const at::TensorBase &grad =
-                    reinterpret_cast<const at::TensorBase &>(t->grad());
-                g = grad.defined() ? grad.unsafeGetTensorImpl() : nullptr;
-            } catch (...) {
-                g = nullptr;
-                row[2] &= ~STRIDED;  // a parameter whose gradient torch will not show us
-            }
-            if (g != nullptr) {
-                c10::raw::intrusive_ptr::incref(g);
-                held->push_back(g);
-            }
-            describe(g, row + 3);
-        } else if (grads) {
-            for (Py_ssize_t k = 3; k < 6; k++) row[k] = 0;
-        }
-    }
-    return result;
-}
-
-// same_items(dicts, names, expected): whether dicts[i][names[k]] is expected[k * n + i] for
-// every dict i (of n) and name k (a missing key, or a dicts[i] that is not a dict: false).
-PyObject *same_items(PyObject *, PyObject *args) {
-    PyObject *dicts, *names, *expected;
-    if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &dicts, &PyTuple_Type, &names,
-                          &PyList_Type, &expected))
-        return nullptr;
-    const Py_ssize_t n = PyList_GET_SIZE(dicts), m = PyTuple_GET_SIZE(names);
-    if (PyList_GET_SIZE(expected) != n * m) Py_RETURN_FALSE;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *d = PyList_GET_ITEM(dicts, i);
-        if (!PyDict_Check(d)) Py_RETURN_FALSE;
-        for (Py_ssize_t k = 0; k < m; k++) {
-            PyObject *v = PyDict_GetItemWithError(d, PyTuple_GET_ITEM(names, k));
-            if (v == nullptr) {
-                if (PyErr_Occurred()) return nullptr;
-                Py_RETURN_FALSE;
-            }
-            if (v != PyList_GET_ITEM(expected, k * n + i)) Py_RETURN_FALSE;
-        }
-    }
-    Py_RETURN_TRUE;
-}
-
-// gather_int32(addresses, n, out): out[i] = *(int32_t *)addresses[i] for i < n (the step
-// counters of a group, stacked without a tensor op a counter).
-PyObject *gather_int32(PyObject *, PyObject *args) {
-    unsigned long long addresses, out;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "KnK", &addresses, &n, &out)) return nullptr;
-    const int64_t *from = reinterpret_cast<const int64_t *>(static_cast<uintptr_t>(addresses));
-    int32_t *to = reinterpret_cast<int32_t *>(static_cast<uintptr_t>(out));
-    for (Py_ssize_t i = 0; i < n; i++)
-        to[i] = *reinterpret_cast<const int32_t *>(static_cast<uintptr_t>(from[i]));
-    Py_RETURN_NONE;
-}
-
-PyMethodDef methods[] = {
-    {"gather_int32", gather_int32, METH_VARARGS, "gather_int32(addresses, n, out)"},
-    {"same_items", same_items, METH_VARARGS, "same_items(dicts, names, expected)"},
-    {"init", init, METH_VARARGS, "init(torch.Tensor, offset of the TensorImpl pointer)"},
-    {"scan", scan, METH_VARARGS, "scan(tensors, address, grads)"},
-    {nullptr, nullptr, 0, nullptr},
+// The entry points of one library: one (parameter, gradient, state) dtype triple.
+struct Library {
+    PreludeEntry prelude = nullptr;
+    AdvanceEntry advance = nullptr;
+    Entry update = nullptr;          // element-wise programs
+    Entry fused = nullptr;           // (programs with reductions)
+    AxesEntry axes_step = nullptr;   // matrix-view programs
+    std::vector<Entry> phases;
 };
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "vega_native", nullptr, -1, methods};
+// What the tables of one program hold: see vega.codegen.c.Kernel.
+struct Kernel {
+    std::string name;
+    int64_t nstates = 0, nphases = 0, nred = 0, nhyper = 0;
+    bool axes = false;
+    std::vector<int64_t> doms;  // each state's length: 0 its parameter's, 1-3 geometry[k]
+    std::map<std::string, std::shared_ptr<const Library>> libs;  // "p g s" dtypes
+    int64_t row() const { return 6 + 2 * nstates + (axes ? NGEO : 0); }
+};
+
+std::mutex registry_lock;
+std::unordered_map<int64_t, std::shared_ptr<Kernel>> registry;
+
+[[noreturn]] void fail(const std::string &what) { throw std::invalid_argument(what); }
+
+std::shared_ptr<Kernel> kernel_of(int64_t id) {
+    std::lock_guard<std::mutex> guard(registry_lock);
+    auto found = registry.find(id);
+    if (found == registry.end())
+        throw std::runtime_error("vega: C kernel " + std::to_string(id) +
+                                 " was released with its optimizer");
+    return found->second;
+}
+
+const char *dtype_name(c10::ScalarType t) {
+    switch (t) {
+        case c10::ScalarType::Float: return "float32";
+        case c10::ScalarType::Double: return "float64";
+        case c10::ScalarType::BFloat16: return "bfloat16";
+        case c10::ScalarType::Half: return "float16";
+        default: return nullptr;
+    }
+}
+
+// The error a missing library gives: Python builds it and calls again.
+struct MissingLibrary : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+std::shared_ptr<const Library> library_of(const Kernel &k, const std::string &key) {
+    std::lock_guard<std::mutex> guard(registry_lock);
+    auto found = k.libs.find(key);
+    if (found == k.libs.end()) throw MissingLibrary(key);
+    return found->second;
+}
+
+// A tensor a kernel reads (and writes) at its address: a strided CPU tensor of a float dtype
+// the kernels take, contiguous, holding its values as they are.
+void check_plain(const at::Tensor &t, const char *what, size_t i) {
+    if (!t.defined()) fail(std::string("backend 'c': ") + what + " " + std::to_string(i) +
+                           " is undefined (None)");
+    if (t.layout() != c10::kStrided || !t.device().is_cpu() || !t.is_contiguous() ||
+        t.is_neg() || t.is_conj() || dtype_name(t.scalar_type()) == nullptr ||
+        (t.numel() && t.data_ptr() == nullptr))
+        fail(std::string("backend 'c': ") + what + " " + std::to_string(i) +
+             " is not a contiguous CPU tensor of float32, float64, bfloat16 or float16 "
+             "holding its values as stored");
+}
+
+struct Span {
+    uintptr_t lo, hi;
+};
+
+// Whether two of the tensors written in place share memory (each contiguous: its span is
+// its memory). The spans of the last call of this thread for this kernel are kept: the same
+// tensors again (a training loop) are not sorted again.
+bool any_shared(int64_t id, const std::vector<Span> &spans) {
+    thread_local std::unordered_map<int64_t, std::vector<Span>> last;
+    auto &seen = last[id];
+    if (seen.size() == spans.size() &&
+        std::memcmp(seen.data(), spans.data(), spans.size() * sizeof(Span)) == 0)
+        return false;
+    std::vector<Span> sorted;
+    sorted.reserve(spans.size());
+    for (const Span &s : spans)
+        if (s.hi > s.lo) sorted.push_back(s);
+    std::sort(sorted.begin(), sorted.end(),
+              [](const Span &a, const Span &b) { return a.lo < b.lo; });
+    uintptr_t reach = 0;
+    for (size_t k = 0; k < sorted.size(); k++) {
+        if (k && sorted[k].lo < reach) return true;
+        reach = std::max(reach, sorted[k].hi);
+    }
+    if (last.size() > 64) last.clear();
+    last[id] = spans;
+    return false;
+}
+
+Span span_of(const at::Tensor &t) {
+    auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return {lo, lo + static_cast<uintptr_t>(t.numel()) * t.element_size()};
+}
+
+struct Group {
+    std::shared_ptr<const Library> lib;
+    std::vector<int64_t> rows;  // the address table, row after row
+    int64_t n = 0, largest = 0, total = 0;
+};
+
+void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::TensorList states,
+               at::TensorList steps, c10::IntArrayRef step_index, at::TensorList hypers,
+               c10::IntArrayRef hyper_index, const c10::optional<at::Tensor> &pre,
+               c10::IntArrayRef geometry, at::TensorList outs) {
+    auto k = kernel_of(id);
+    const size_t n = params.size(), ns = static_cast<size_t>(k->nstates);
+    const bool in_place = outs.empty();
+    if (grads.size() != n || states.size() != ns * n || step_index.size() != n ||
+        hyper_index.size() != n || (k->axes && geometry.size() != NGEO * n) ||
+        (!k->axes && !geometry.empty()) || (!in_place && outs.size() != (ns + 1) * n))
+        fail("backend 'c': the lists of a step do not match: " + std::to_string(n) +
+             " parameters, " + std::to_string(grads.size()) + " gradients, " +
+             std::to_string(states.size()) + " state tensors for " + std::to_string(ns) +
+             " states, " + std::to_string(step_index.size()) + " step indices, " +
+             std::to_string(hyper_index.size()) + " hyperparameter indices");
+    // the step counters: 0-d int32 CPU tensors
+    std::vector<int64_t> step_at(steps.size());
+    for (size_t j = 0; j < steps.size(); j++) {
+        const at::Tensor &t = steps[j];
+        if (!t.defined() || t.layout() != c10::kStrided || !t.device().is_cpu() ||
+            t.scalar_type() != c10::ScalarType::Int || t.dim() != 0)
+            fail("backend 'c': a step counter must be a 0-d int32 tensor on the CPU");
+        step_at[j] = reinterpret_cast<intptr_t>(t.data_ptr());
+    }
+    // the hyperparameter rows: contiguous float64 CPU arrays, a 1-d array one row
+    std::vector<int64_t> hyp_at;
+    for (const at::Tensor &h : hypers) {
+        if (!h.defined() || h.layout() != c10::kStrided || !h.device().is_cpu() ||
+            h.scalar_type() != c10::ScalarType::Double || !h.is_contiguous() ||
+            h.dim() < 1 || h.dim() > 2 || h.size(-1) < k->nhyper)
+            fail("backend 'c': hyperparameters must be contiguous float64 CPU rows of " +
+                 std::to_string(k->nhyper));
+        auto base = reinterpret_cast<intptr_t>(h.data_ptr());
+        int64_t rows = h.dim() == 1 ? 1 : h.size(0), width = h.size(-1) * 8;
+        for (int64_t r = 0; r < rows; r++) hyp_at.push_back(base + r * width);
+    }
+    double *record = nullptr;
+    if (pre.has_value() && pre->defined()) {
+        const at::Tensor &r = *pre;
+        if (r.layout() != c10::kStrided || !r.device().is_cpu() || !r.is_contiguous() ||
+            r.scalar_type() != c10::ScalarType::Double || r.numel() < 5)
+            fail("backend 'c': the prelude's record must be a contiguous float64 CPU tensor");
+        record = r.data_ptr<double>();
+    }
+    if (!in_place)
+        for (size_t i = 0; i < outs.size(); i++) check_plain(outs[i], "output", i);
+    // every tensor checked, the rows built, the tensors grouped by dtypes
+    std::vector<Group> groups;
+    std::vector<std::string> keys;
+    std::vector<Span> spans;
+    if (in_place) spans.reserve(n * (ns + 1) + steps.size());
+    const int64_t width = k->row();
+    for (size_t i = 0; i < n; i++) {
+        const at::Tensor &p = params[i], &g = grads[i];
+        check_plain(p, "parameter", i);
+        check_plain(g, "gradient", i);
+        if (!p.sizes().equals(g.sizes()))
+            fail("backend 'c': gradient " + std::to_string(i) +
+                 "'s shape differs from its parameter's");
+        const int64_t *geo = k->axes ? geometry.data() + NGEO * i : nullptr;
+        if (geo && geo[0] != p.numel()) fail("backend 'c': a geometry row does not match");
+        c10::ScalarType sd = p.scalar_type();
+        for (size_t s = 0; s < ns; s++) {
+            const at::Tensor &x = states[s * n + i];
+            check_plain(x, "state tensor", s * n + i);
+            if (s == 0) sd = x.scalar_type();
+            else if (x.scalar_type() != sd)
+                fail("backend 'c' needs every state tensor of a parameter in one dtype");
+            int64_t dom = k->doms[s];
+            if (dom == 0 ? !x.sizes().equals(p.sizes()) : (!geo || x.numel() != geo[dom]))
+                fail("backend 'c': state " + std::to_string(s) + " of parameter " +
+                     std::to_string(i) + " has the wrong shape");
+        }
+        if (step_index[i] < 0 || step_index[i] >= static_cast<int64_t>(steps.size()) ||
+            hyper_index[i] < 0 || hyper_index[i] >= static_cast<int64_t>(hyp_at.size()))
+            fail("backend 'c': a step or hyperparameter index is out of range");
+        std::string key = std::string(dtype_name(p.scalar_type())) + " " +
+                          dtype_name(g.scalar_type()) + " " + dtype_name(sd);
+        size_t gi = std::find(keys.begin(), keys.end(), key) - keys.begin();
+        if (gi == keys.size()) {
+            keys.push_back(key);
+            groups.emplace_back();
+            groups.back().lib = library_of(*k, key);
+            groups.back().rows.reserve(width * n);
+        }
+        Group &grp = groups[gi];
+        auto &rows = grp.rows;
+        rows.push_back(p.numel());
+        rows.push_back(reinterpret_cast<intptr_t>(p.data_ptr()));
+        rows.push_back(reinterpret_cast<intptr_t>(g.data_ptr()));
+        for (size_t s = 0; s < ns; s++)
+            rows.push_back(reinterpret_cast<intptr_t>(states[s * n + i].data_ptr()));
+        rows.push_back(step_at[step_index[i]]);
+        rows.push_back(hyp_at[hyper_index[i]]);
+        if (geo) rows.insert(rows.end(), geo, geo + NGEO);
+        for (size_t s = 0; s <= ns; s++) {
+            const at::Tensor &o = in_place ? (s == 0 ? p : states[(s - 1) * n + i])
+                                           : outs[s * n + i];
+            if (!in_place && !o.sizes().equals(s == 0 ? p.sizes() : states[(s - 1) * n + i].sizes()))
+                fail("backend 'c': an output's shape differs from its input's");
+            rows.push_back(reinterpret_cast<intptr_t>(o.data_ptr()));
+            if (in_place) spans.push_back(span_of(o));
+        }
+        grp.n++;
+        grp.largest = std::max(grp.largest, p.numel());
+        grp.total += p.numel();
+    }
+    if (in_place) {
+        const bool inference_mode = c10::InferenceMode::is_enabled();
+        for (size_t i = 0; i < n && !inference_mode; i++) {
+            bool inference = params[i].is_inference();
+            for (size_t s = 0; s < ns && !inference; s++)
+                inference = states[s * n + i].is_inference();
+            if (inference) fail("backend 'c': an inference tensor cannot be written in place "
+                                "outside inference mode");
+        }
+        for (const at::Tensor &t : steps) {
+            if (t.is_inference() && !inference_mode)
+                fail("backend 'c': an inference tensor cannot be written in place outside "
+                     "inference mode");
+            spans.push_back(span_of(t));
+        }
+        // (a step counter shared by several parameters appears once)
+        if (any_shared(id, spans)) fail("backend 'c': two tensors a step writes share memory");
+    }
+    if (groups.empty()) return;
+    const int nth = at::get_num_threads();
+    std::vector<std::vector<double>> reds(groups.size());
+    for (size_t gi = 0; gi < groups.size(); gi++)
+        reds[gi].assign(std::max<int64_t>(1, groups[gi].n * k->nred), 0.0);
+    for (size_t gi = 0; gi < groups.size(); gi++) {
+        Group &grp = groups[gi];
+        const Library &lib = *grp.lib;
+        const int64_t *tab = grp.rows.data();
+        double *red = reds[gi].data();
+        if (k->axes) {
+            lib.axes_step(grp.n, tab, record, nth);
+        } else if (k->nphases && grp.largest <= FUSED_MAX &&
+                   grp.total >= 4 * std::max(nth, 1) * grp.largest) {
+            lib.fused(grp.n, tab, record, red, nth);
+        } else {
+            for (const Entry phase : lib.phases) phase(grp.n, tab, record, red, nth);
+            lib.update(grp.n, tab, record, red, nth);
+        }
+    }
+    groups.back().lib->advance(static_cast<int64_t>(step_at.size()), step_at.data(), record);
+}
+
+void prelude_impl(int64_t id, at::TensorList grads, const at::Tensor &pre) {
+    auto k = kernel_of(id);
+    if (!pre.defined() || pre.layout() != c10::kStrided || !pre.device().is_cpu() ||
+        !pre.is_contiguous() || pre.scalar_type() != c10::ScalarType::Double ||
+        pre.numel() < 5)
+        fail("backend 'c': the prelude's record must be a contiguous float64 CPU tensor");
+    const int64_t width = k->row();
+    std::vector<std::string> keys;
+    std::vector<Group> groups;
+    for (size_t i = 0; i < grads.size(); i++) {
+        const at::Tensor &g = grads[i];
+        check_plain(g, "gradient", i);
+        const char *d = dtype_name(g.scalar_type());
+        std::string key = std::string(d) + " " + d + " " + d;
+        size_t gi = std::find(keys.begin(), keys.end(), key) - keys.begin();
+        if (gi == keys.size()) {
+            keys.push_back(key);
+            groups.emplace_back();
+            groups.back().lib = library_of(*k, key);
+        }
+        auto &rows = groups[gi].rows;
+        size_t at = rows.size();
+        rows.resize(at + width, 0);
+        rows[at] = g.numel();
+        rows[at + 2] = reinterpret_cast<intptr_t>(g.data_ptr());
+        groups[gi].n++;
+    }
+    const int nth = at::get_num_threads();
+    double *record = pre.data_ptr<double>();
+    for (Group &grp : groups) grp.lib->prelude(grp.n, grp.rows.data(), record, nth);
+}
+
+// -- the operators -------------------------------------------------------------------------
+
+void step_op(int64_t id, at::TensorList params, at::TensorList grads, at::TensorList states,
+             at::TensorList steps, at::IntArrayRef step_index, at::TensorList hypers,
+             at::IntArrayRef hyper_index, const c10::optional<at::Tensor> &pre,
+             at::IntArrayRef geometry, at::TensorList outs) {
+    step_impl(id, params, grads, states, steps, step_index, hypers, hyper_index, pre, geometry,
+              outs);
+}
+
+void prelude_op(int64_t id, at::TensorList grads, const at::Tensor &pre) {
+    prelude_impl(id, grads, pre);
+}
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit_vega_native(void) { return PyModule_Create(&module); }
+TORCH_LIBRARY(vega_c, m) {
+    m.def("step(int kernel, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, "
+          "Tensor(c!)[] steps, int[] step_index, Tensor[] hypers, int[] hyper_index, "
+          "Tensor(d!)? pre, int[] geometry, Tensor(e!)[] outs) -> ()");
+    m.def("prelude(int kernel, Tensor[] grads, Tensor(a!) pre) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(vega_c, CPU, m) {
+    m.impl("step", &step_op);
+    m.impl("prelude", &prelude_op);
+}
+
+// -- Python --------------------------------------------------------------------------------
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(vega_native, m) {
+    py::register_exception<MissingLibrary>(m, "MissingLibrary", PyExc_LookupError);
+    m.def("add_kernel", [](int64_t id, std::string name, int64_t nstates, int64_t nphases,
+                           int64_t nred, int64_t nhyper, bool axes, std::vector<int64_t> doms) {
+        if (static_cast<int64_t>(doms.size()) != nstates) fail("add_kernel: doms");
+        auto k = std::make_shared<Kernel>();
+        k->name = std::move(name);
+        k->nstates = nstates, k->nphases = nphases, k->nred = nred, k->nhyper = nhyper;
+        k->axes = axes;
+        k->doms = std::move(doms);
+        std::lock_guard<std::mutex> guard(registry_lock);
+        registry[id] = k;
+    });
+    m.def("add_library", [](int64_t id, std::string key, int64_t prelude, int64_t advance,
+                            int64_t update, int64_t fused, int64_t axes_step,
+                            std::vector<int64_t> phases) {
+        auto lib = std::make_shared<Library>();
+        lib->prelude = reinterpret_cast<PreludeEntry>(prelude);
+        lib->advance = reinterpret_cast<AdvanceEntry>(advance);
+        lib->update = reinterpret_cast<Entry>(update);
+        lib->fused = reinterpret_cast<Entry>(fused);
+        lib->axes_step = reinterpret_cast<AxesEntry>(axes_step);
+        for (int64_t f : phases) lib->phases.push_back(reinterpret_cast<Entry>(f));
+        auto k = kernel_of(id);
+        std::lock_guard<std::mutex> guard(registry_lock);
+        k->libs[key] = lib;
+    });
+    m.def("drop_kernel", [](int64_t id) {
+        std::lock_guard<std::mutex> guard(registry_lock);
+        registry.erase(id);
+    });
+    // the eager calls: the arguments converted with the GIL held, the work done without it;
+    // the parameters' versions advance as after an in-place torch operation
+    m.def("step", [](int64_t id, const std::vector<at::Tensor> &params,
+                     const std::vector<at::Tensor> &grads, const std::vector<at::Tensor> &states,
+                     const std::vector<at::Tensor> &steps, const std::vector<int64_t> &step_index,
+                     const std::vector<at::Tensor> &hypers, const std::vector<int64_t> &hyper_index,
+                     const c10::optional<at::Tensor> &pre, const std::vector<int64_t> &geometry,
+                     const std::vector<at::Tensor> &outs) {
+        {
+            py::gil_scoped_release unlocked;
+            at::NoGradGuard no_grad;
+            step_impl(id, params, grads, states, steps, step_index, hypers, hyper_index, pre,
+                      geometry, outs);
+        }
+        if (outs.empty() && !c10::InferenceMode::is_enabled())
+            for (const at::Tensor &p : params)
+                if (!p.is_inference()) torch::autograd::impl::bump_version(p);
+    });
+    // whether a step in place may write every one of these tensors: none an inference
+    // tensor outside inference mode, each contiguous, no two sharing memory (False where one
+    // is not contiguous: vega.codegen.tensors.inplace_problem then reads it in Python)
+    m.def("writable", [](const std::vector<at::Tensor> &tensors) {
+        const bool inference_mode = c10::InferenceMode::is_enabled();
+        std::vector<Span> spans;
+        spans.reserve(tensors.size());
+        for (const at::Tensor &t : tensors) {
+            if (!t.defined() || t.layout() != c10::kStrided || !t.is_contiguous() ||
+                (t.is_inference() && !inference_mode) || (t.numel() && !t.data_ptr()))
+                return false;
+            spans.push_back(span_of(t));
+        }
+        return !any_shared(-1, spans);
+    });
+    m.def("prelude", [](int64_t id, const std::vector<at::Tensor> &grads, const at::Tensor &pre) {
+        py::gil_scoped_release unlocked;
+        prelude_impl(id, grads, pre);
+    });
+}

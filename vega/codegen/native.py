@@ -1,23 +1,23 @@
-"""The native tensor scanner: a small C++ extension that reads, for a list of tensors in one
-call, what the C backend checks before each step (address, element count, dtype, layout and
-device, and a parameter's gradient), about 40 ns a tensor against 1-2 us for the same reads
-in Python. It serves the C backend's step over many small tensors, where those reads were
-most of the time a step took.
+"""vega's C++ operator: ``vega_c::step`` and ``vega_c::prelude`` (``native.cpp``), a small
+extension registered with ``TORCH_LIBRARY`` that checks the tensors of a C backend step through
+ATen's public API, builds the kernels' address tables and calls the generated C kernels. It
+takes a list of tensors in one call, about 0.1 us a tensor, against 1-2 us for the same work
+in Python, which was most of the time a step over many small tensors took.
 
-It is compiled against the installed torch by the system C++ compiler, once, in the
-background (about 20 s): steps use the Python reads until it is ready, and always where it
-cannot be built (no C++ compiler or Python headers) or the tensor layout check fails. The
-library is cached beside the kernels, keyed by its source, the compiler, the flags and the
-torch and Python versions (it is built for the compiler's default target, not
-``-march=native``, so the CPU is no part of its key), written atomically and trusted as the
-kernels are: loaded only if it is this user's, not writable by others and hashes to its
-recorded SHA-256 (``vega.codegen.cbuild``).
+It is compiled against the installed torch with torch's own headers and flags
+(``torch.utils.cpp_extension``'s include and library paths, its C++ ABI setting) by the system
+C++ compiler, once, in the background (a minute or so): steps use the Python path
+(``vega.codegen.c``, ctypes) until it is ready, and always where it cannot be built (no C++
+compiler or Python headers). The library is cached beside the kernels, keyed by its source,
+the compiler, the flags and the torch and Python versions (it is built for the compiler's
+default target, not ``-march=native``, so the CPU is no part of its key), written atomically
+and trusted as the kernels are: loaded only if it is this user's, not writable by others and
+hashes to its recorded SHA-256 (``vega.codegen.cbuild``).
 
 ``VEGA_NATIVE=0`` turns it off; ``VEGA_NATIVE=sync`` builds it on first use, waiting.
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -31,60 +31,18 @@ import time
 from functools import cache
 from pathlib import Path
 
-import numpy as np
 import torch
+from torch.utils import cpp_extension
 
 from vega.codegen import cbuild
 
 SOURCE = Path(__file__).with_name("native.cpp")
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-w")  # the default target, not -march=native
-DEFINED, STRIDED, CONTIGUOUS, CPU = 1 << 8, 1 << 9, 1 << 10, 1 << 11
-RESOLVED, INFERENCE = 1 << 12, 1 << 13  # no negative or conjugate bit; an inference tensor
-READY = STRIDED | CONTIGUOUS | CPU | RESOLVED  # what every tensor of a native C step must be
-_OFFSET = object.__basicsize__  # where a torch.Tensor object holds its TensorImpl pointer
+NAME = "vega_native"
 
 _lock_ = threading.Lock()
 _state: dict = {"module": None, "pending": None, "failed": None, "next_poll": 0.0}
-
-
-class Scanner:
-    """``scan(tensors)``: an (n, 3) int64 array of (address, numel, flags) per tensor (zeros
-    for None); ``scan_grads(params)``: (n, 6), each parameter's then its gradient's, and a
-    handle holding the gradients. ``codes`` maps a torch dtype to the low byte of flags."""
-
-    def __init__(self, module):
-        self._module = module
-        module.init(torch.Tensor, _OFFSET)
-        self.codes: dict[torch.dtype, int] = {}
-        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
-                      torch.int32, torch.int64, torch.complex64, torch.complex128):
-            self.codes[dtype] = int(self.scan([torch.empty(1, dtype=dtype)])[0, 2]) & 0xFF
-
-    def stacked_counters(self, addresses: torch.Tensor) -> torch.Tensor:
-        """A new int32 tensor of the step counters at ``addresses`` (an int64 CPU tensor),
-        as ``torch.stack`` of the counters would give."""
-        out = torch.empty(addresses.numel(), dtype=torch.int32)
-        self._module.gather_int32(addresses.data_ptr(), addresses.numel(), out.data_ptr())
-        return out
-
-    def same_items(self, dicts: list, names: tuple, expected: list) -> bool:
-        """Whether ``dicts[i][names[k]] is expected[k * len(dicts) + i]`` for all i, k."""
-        return self._module.same_items(dicts, names, expected)
-
-    def scan(self, tensors: list) -> np.ndarray:
-        tensors = tensors if type(tensors) is list else list(tensors)
-        out = np.empty((len(tensors), 3), dtype=np.int64)
-        self._module.scan(tensors, out.ctypes.data, False)
-        return out
-
-    def scan_grads(self, params: list) -> tuple[np.ndarray, object]:
-        """(n, 6) rows, each parameter's then its gradient's, and a handle that holds the
-        gradients alive until it is dropped (keep it until the kernel that reads them has
-        run: it runs without the GIL, and another thread may drop them)."""
-        params = params if type(params) is list else list(params)
-        out = np.empty((len(params), 6), dtype=np.int64)
-        held = self._module.scan(params, out.ctypes.data, True)
-        return out, held
+_LOADED: list = []  # the module once loaded: a process registers its operators once
 
 
 def _key(cxx: tuple[str, str], include: list[str]) -> str:
@@ -99,87 +57,74 @@ def _cxx() -> tuple[str, str] | None:
     return cbuild.find_compiler(os.environ.get("CXX"), "c++", "g++", "clang++")
 
 
-def _layout_ok() -> bool:
-    """Whether a tensor object holds its TensorImpl pointer right after its Python header (as
-    torch 2.13 does; older releases kept a MaybeOwned there), checked on a few kinds of
-    tensor against ``Tensor._cdata``."""
-    try:
-        samples = [torch.zeros(3), torch.nn.Parameter(torch.zeros(2, 2)),
-                   torch.zeros((), dtype=torch.int32), torch.empty(0), torch.zeros(4)[1:]]
-        return all(ctypes.c_void_p.from_address(id(t) + _OFFSET).value == t._cdata
-                   for t in samples)
-    except (AttributeError, TypeError, ValueError):
-        return False
-
-
 def _paths():
-    """(compiler, command without output, target) or None where it cannot be built."""
+    """(command without output, target) or None where it cannot be built."""
     cxx = _cxx()
     py_include = sysconfig.get_paths().get("include")
-    torch_dir = Path(torch.__file__).parent
-    if cxx is None or not py_include or not (Path(py_include) / "Python.h").exists() \
-            or not (torch_dir / "include" / "c10" / "core" / "TensorImpl.h").exists():
+    if cxx is None or not py_include or not (Path(py_include) / "Python.h").exists():
         return None
-    include = [f"-I{torch_dir / 'include'}", f"-I{py_include}",
-               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    libs = [f"-L{torch_dir / 'lib'}", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    torch_include = cpp_extension.include_paths()
+    if not (Path(torch_include[0]) / "torch" / "library.h").exists():
+        return None
+    include = [*(f"-I{d}" for d in torch_include), f"-I{py_include}",
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+               f"-DTORCH_EXTENSION_NAME={NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    libs = [*(f"-L{d}" for d in cpp_extension.library_paths()), "-lc10", "-ltorch",
+            "-ltorch_cpu", "-ltorch_python",
+            *(f"-Wl,-rpath,{d}" for d in cpp_extension.library_paths())]
     key = _key(cxx, include)
     out_dir = cbuild.cache_dir().parent / "native"
-    target = out_dir / f"vega_native-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    target = out_dir / f"{NAME}-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     return [cxx[0], *FLAGS, *include, str(SOURCE), *libs], target
 
 
 def _load(path: Path):
-    loader = importlib.machinery.ExtensionFileLoader("vega_native", str(path))
-    spec = importlib.util.spec_from_file_location("vega_native", str(path), loader=loader)
+    if _LOADED:  # (its operators are registered: a second library could not register them)
+        return _LOADED[0]
+    loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
+    spec = importlib.util.spec_from_file_location(NAME, str(path), loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
+    _register_fakes()
+    _LOADED.append(module)
     return module
 
 
-_DIFFERS = "built, but its answers differ from torch's"
+def _register_fakes() -> None:
+    """The operators' fake implementations, for torch.compile: every output is a mutated
+    argument, so they do nothing."""
+    def step(kernel, params, grads, states, steps, step_index, hypers, hyper_index, pre,
+             geometry, outs):
+        return None
+
+    def prelude(kernel, grads, pre):
+        return None
+    torch.library.register_fake("vega_c::step", step)
+    torch.library.register_fake("vega_c::prelude", prelude)
 
 
-def _opened(path: Path) -> tuple[Scanner | None, str | None]:
-    """(the scanner of the library at ``path``, None) if it may be loaded (``cbuild.untrusted``:
-    checked before it is opened) and its answers match Python's; else (None, why not)."""
-    scanner, problem = cbuild.load_verified(path, _checked)
+_DIFFERS = "built, but it does not have the operators"
+
+
+def _opened(path: Path):
+    """(the module of the library at ``path``, None) if it may be loaded (``cbuild.untrusted``:
+    checked before it is opened) and has the operators; else (None, why not)."""
+    module, problem = cbuild.load_verified(path, _checked)
     if problem is not None:
         return None, f"{path} is not trusted: {problem}"
-    return (scanner, None) if scanner is not None else (None, _DIFFERS)
+    return (module, None) if module is not None else (None, _DIFFERS)
 
 
-def _checked(path: Path) -> Scanner | None:
-    """The scanner of the library at ``path``, if its answers match Python's."""
+def _checked(path: Path):
+    """The module of the library at ``path``, if it registered its operators."""
     try:
-        scanner = Scanner(_load(path))
-    except (ImportError, OSError, AttributeError, TypeError, ValueError):
+        module = _load(path)
+    except (ImportError, OSError, AttributeError, TypeError, ValueError, RuntimeError):
         return None
-    p = torch.nn.Parameter(torch.randn(3, 4))
-    p.grad = torch.randn(4, 3).t()
-    with torch.inference_mode():
-        inference = torch.zeros(2)
-    xs = [p, torch.zeros(()), torch.empty(0, dtype=torch.float64), torch.zeros(5)[1:],
-          torch.zeros(0).to_sparse(), torch.tensor([1 + 2j]).conj(),
-          torch.tensor([1 + 2j]).conj().imag, inference]
-    got, _ = scanner.scan_grads(xs)
-    for x, row in zip(xs, got):
-        for t, (ptr, numel, flags) in ((x, row[:3]), (x.grad, row[3:])):
-            if t is None:
-                if flags != 0:
-                    return None
-                continue
-            if t.layout != torch.strided:
-                if flags != DEFINED:
-                    return None
-                continue
-            want = (t.data_ptr(), t.numel(), bool(flags & CONTIGUOUS), flags & 0xFF,
-                    bool(flags & RESOLVED), bool(flags & INFERENCE))
-            if want != (ptr, numel, t.is_contiguous(), scanner.codes[t.dtype],
-                        not (t.is_neg() or t.is_conj()), t.is_inference()) \
-                    or not flags & CPU or not flags & STRIDED:
-                return None
-    return scanner
+    if not all(hasattr(module, f) for f in ("step", "prelude", "add_kernel", "add_library")) \
+            or not hasattr(torch.ops.vega_c, "step"):
+        return None
+    return module
 
 
 def _failed_file(target: Path) -> Path:
@@ -203,7 +148,7 @@ def _failure(target: Path) -> str | None:
     if problem is None:
         return data.decode(errors="replace")
     cbuild.warn_once(f"vega: not reading {path}: {problem}; removing it and building the "
-                     f"native tensor scanner again")
+                     f"native operator again")
     cbuild.remove(path)
     return None
 
@@ -337,7 +282,7 @@ def _poll(wait: bool) -> None:
         if problem == _DIFFERS:  # not worth building again
             _record_failure(target, problem)
         elif problem is not None:
-            cbuild.warn_once(f"vega: not loading the native tensor scanner: {problem}")
+            cbuild.warn_once(f"vega: not loading the native operator: {problem}")
         _state["failed"] = problem
     else:
         failure = _failure(target)
@@ -353,9 +298,9 @@ def _off() -> bool:
     return os.environ.get("VEGA_NATIVE", "").lower() in ("0", "off", "false", "no")
 
 
-def scanner(wait: bool | None = None) -> Scanner | None:
-    """The scanner if it is ready, else None (starting its build on the first call). ``wait``:
-    block until it is built (default: ``VEGA_NATIVE=sync``)."""
+def module(wait: bool | None = None):
+    """The operator's Python module if it is ready, else None (starting its build on the first
+    call). ``wait``: block until it is built (default: ``VEGA_NATIVE=sync``)."""
     module = _state["module"]
     if module is not None or _state["failed"] is not None:
         return module
@@ -368,9 +313,6 @@ def scanner(wait: bool | None = None) -> Scanner | None:
         if _state["pending"] is not None:
             _poll(wait)
             return _state["module"]
-        if not _layout_ok():
-            _state["failed"] = "this torch lays its tensor objects out differently"
-            return None
         found = _paths()
         if found is None:
             _state["failed"] = "no C++ compiler, Python headers or torch headers"
@@ -385,7 +327,7 @@ def scanner(wait: bool | None = None) -> Scanner | None:
             if _state["module"] is not None:
                 return _state["module"]
             if problem != _DIFFERS:
-                cbuild.warn_once(f"vega: not loading the native tensor scanner: {problem}; "
+                cbuild.warn_once(f"vega: not loading the native operator: {problem}; "
                                  f"rebuilding it")
             cbuild.remove(target)  # corrupt or untrusted: rebuilt
         if wait:
@@ -403,15 +345,15 @@ def scanner(wait: bool | None = None) -> Scanner | None:
 
 
 def status() -> str:
-    """Whether steps use the scanner, in words (``vega bench`` prints it)."""
+    """Whether steps use the operator, in words (``vega bench`` prints it)."""
     if _state["module"] is not None:
-        return "native tensor scanner in use"
+        return "native operator in use"
     if _off():
-        return "native tensor scanner off (VEGA_NATIVE=0)"
+        return "native operator off (VEGA_NATIVE=0)"
     if _state["failed"] is not None:
-        return f"native tensor scanner unavailable: {_state['failed']}"
-    return "native tensor scanner still building" if _state["pending"] else \
-        "native tensor scanner not started"
+        return f"native operator unavailable: {_state['failed']}"
+    return "native operator still building" if _state["pending"] else \
+        "native operator not started"
 
 
 if __name__ == "__main__":  # the background build of ``_spawn``: python -m vega.codegen.native LOCK

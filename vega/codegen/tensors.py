@@ -18,8 +18,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vega.codegen import native
-
 _PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _PLAIN_OR_NONE = _PLAIN_TYPES | {type(None)}
 _NO_DISPATCH = torch.Tensor.__torch_dispatch__
@@ -105,43 +103,19 @@ OVERLAP_WORDS = ("has elements at one memory location (an expanded tensor, a str
 SHARE_WORDS = "shares memory with {other}: a step in place would write that memory twice"
 
 
-def inplace_problem(tensors, scan: np.ndarray | None = None) -> tuple[int, int | None, str] | None:
+def inplace_problem(tensors) -> tuple[int, int | None, str] | None:
     """The first problem a step in place would meet writing all of ``tensors`` (None where
     there is none): (position, another position or None, a ``*_WORDS`` text, where ``{other}``
-    stands for the other's name). Read with the native scanner where it is ready
-    (``vega.codegen.native``; ``scan``: its rows of ``tensors``, where read already), which
-    spares the per-tensor reads of contiguous tensors."""
-    tensors = tensors if isinstance(tensors, list) else list(tensors)
-    if scan is None and tensors and not torch.compiler.is_compiling():
-        scanner = native.scanner()
-        if scanner is not None:
-            scan = scanner.scan(tensors)
-    if scan is not None:
-        itemsizes = _itemsizes()
-        flags = scan[:, 2]
-        if (flags & native.INFERENCE).any() and not torch.is_inference_mode_enabled():
-            return next(i for i, f in enumerate(flags) if f & native.INFERENCE), None, \
-                INFERENCE_WORDS
-        odd = np.flatnonzero((flags & (native.STRIDED | native.CONTIGUOUS)) == native.STRIDED)
-        for i in odd:  # (not contiguous: read one by one)
-            if overlaps_itself(tensors[i]):
-                return int(i), None, OVERLAP_WORDS
-        size = itemsizes[flags & 0xFF]
-        size[(flags & native.STRIDED) == 0] = 0  # (no storage to read: a wrapper subclass)
-        lo = scan[:, 0].copy()
-        hi = lo + scan[:, 1] * size
-        for i in odd:
-            lo[i], hi[i] = _span(tensors[i])
-    else:
-        spans = []
-        for i, t in enumerate(tensors):
-            if inference_outside(t):
-                return i, None, INFERENCE_WORDS
-            if overlaps_itself(t):
-                return i, None, OVERLAP_WORDS
-            spans.append(_span(t))
-        lo = np.array([s[0] for s in spans], dtype=np.int64)
-        hi = np.array([s[1] for s in spans], dtype=np.int64)
+    stands for the other's name)."""
+    spans = []
+    for i, t in enumerate(tensors):
+        if inference_outside(t):
+            return i, None, INFERENCE_WORDS
+        if overlaps_itself(t):
+            return i, None, OVERLAP_WORDS
+        spans.append(_span(t))
+    lo = np.array([s[0] for s in spans], dtype=np.int64)
+    hi = np.array([s[1] for s in spans], dtype=np.int64)
     return shared_pair(tensors, lo, hi)
 
 
@@ -153,28 +127,15 @@ def roles(state_names, n: int, nsteps: int) -> list[str]:
             *(f"step counter {k}" for k in range(nsteps))]
 
 
-def refuse_inplace(backend: str, state_names, params, flat_states, steps,
-                   scan: np.ndarray | None = None) -> None:
+def refuse_inplace(backend: str, state_names, params, flat_states, steps) -> None:
     """Raise ValueError where a kernel's step in place cannot write these parameters, states
-    (flat, state by state) and step counters (``inplace_problem``, ``scan`` as there)."""
-    problem = inplace_problem([*params, *flat_states, *steps], scan)
+    (flat, state by state) and step counters (``inplace_problem``)."""
+    problem = inplace_problem([*params, *flat_states, *steps])
     if problem is not None:
         i, j, words = problem
         named = roles(state_names, len(params), len(steps))
         raise ValueError(f"backend '{backend}': {named[i]} "
                          f"{words.format(other=named[j]) if j is not None else words}")
-
-
-_ITEMSIZES: list[np.ndarray] = []  # the native scanner's dtype codes -> element sizes
-
-
-def _itemsizes() -> np.ndarray:
-    if not _ITEMSIZES:
-        table = np.zeros(256, dtype=np.int64)
-        for dtype, code in native.scanner().codes.items():
-            table[code] = dtype.itemsize
-        _ITEMSIZES.append(table)
-    return _ITEMSIZES[0]
 
 
 def shared_pair(tensors, lo: np.ndarray, hi: np.ndarray) -> tuple[int, int, str] | None:

@@ -7,7 +7,6 @@ with ``step`` a 0-d int32 tensor on the parameter's device.
 """
 from __future__ import annotations
 
-import collections
 import math
 import operator
 
@@ -49,12 +48,6 @@ class SpecOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite = skip_nonfinite
         super().__init__(params, {**flags, **values, "backend": backend,
                                   "state_dtype": state_dtype})
-        self.state = _StateDict(dict, self.state)
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)  # (load_state_dict comes here too, with a new state)
-        if not isinstance(self.state, _StateDict):
-            self.state = _StateDict(dict, self.state)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -121,8 +114,6 @@ class SpecOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._direct_step():
-            return loss
         work = []
         for k, group in enumerate(self.param_groups):
             flags, values = self._group_values(group)
@@ -140,7 +131,6 @@ class SpecOptimizer(torch.optim.Optimizer):
                        donate=True, pre=pre)
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
-        self._plan_direct(work)
         return loss
 
     def _routed(self, group, work: list[tuple]) -> list[tuple]:
@@ -191,6 +181,9 @@ class SpecOptimizer(torch.optim.Optimizer):
             written += uniq
             where.append(("step", [params[index.index(u)] for u in range(len(uniq))]
                           if len(uniq) != len(steps) else params))
+        mod = native.module()
+        if mod is not None and mod.writable(written):  # (the common case, in one call)
+            return
         problem = inplace_problem(written)
         if problem is None:
             return
@@ -205,109 +198,6 @@ class SpecOptimizer(torch.optim.Optimizer):
         k, other, words = problem
         raise ValueError(f"{type(self).__name__}: {label(k)} "
                          f"{words.format(other=label(other)) if other is not None else words}")
-
-    def _direct_step(self) -> bool:
-        """The step through ``_Direct`` plans, where the last step left one and nothing it
-        depends on has changed (checked with the native scanner: a few calls a group, not a
-        few a tensor); False, having changed nothing, otherwise."""
-        direct = self.__dict__.get("_vega_direct")
-        if direct is None or torch.compiler.is_compiling():
-            return False
-        if direct.state is not self.state or self.state.version != direct.version \
-                or len(self.param_groups) != len(direct.groups):
-            return self._drop_direct()
-        ready = []
-        for group, d in zip(self.param_groups, direct.groups):
-            ps = group["params"]
-            if group is not d.plan.group or len(ps) != len(d.plan.all_params) \
-                    or not all(map(operator.is_, ps, d.plan.all_params)) \
-                    or group["backend"] != d.backend:
-                return self._drop_direct()
-            flags, values = self._group_values(group)
-            if flags != d.plan.flags or not self._same_programs(flags, values, d.plan):
-                return self._drop_direct()
-            if d.c.inference and not torch.is_inference_mode_enabled():
-                return self._drop_direct()  # (the Python path says what is wrong)
-            rows, held = d.c.scanner.scan_grads(ps)  # (held: the gradients, until launched)
-            if not d.c.current(rows) or not d.c.scanner.same_items(d.plan.sts, d.names,
-                                                                   d.c.held):
-                return self._drop_direct()
-            ready.append((d, np.ascontiguousarray(rows[:, 3]), values, held))
-        for k, (d, grad_ptrs, values, held) in enumerate(ready):  # (checked: each once)
-            if any(map(engine.is_schedule, values.values())):  # at the counters, as run()
-                stacked = d.c.scanner.stacked_counters(d.c.plan.step_ptrs)
-                ready[k] = (d, grad_ptrs, engine.group_rows(d.program, values, d.c.steps,
-                                                            stacked), held)
-        pre = engine.record(torch.device("cpu"), engine.inverse_scale(self.loss_scale),
-                            self.max_grad_norm, self.skip_nonfinite or self.loss_scale is not None)
-        if pre is not None:
-            for d, grad_ptrs, _, _ in ready:
-                d.c.prelude(grad_ptrs, pre)
-        nth = torch.get_num_threads()
-        for d, grad_ptrs, values, _ in ready:
-            d.c.launch(grad_ptrs, values, pre, nth)
-        if self.loss_scale is not None:
-            self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
-        self.__dict__["_vega_direct_misses"] = 0
-        return True
-
-    def _drop_direct(self) -> bool:
-        """Forget the ``_Direct`` plan (the Python path plans again); False."""
-        del self.__dict__["_vega_direct"]
-        self.__dict__["_vega_direct_misses"] = self.__dict__.get("_vega_direct_misses", 0) + 1
-        return False
-
-    def _plan_direct(self, work) -> None:
-        """After a step on the Python path: a ``_Direct`` plan for the next steps, where every
-        group is one program on the C backend over parameters that all have gradients
-        (contiguous, real, on the CPU), of a spec whose ifs read no shape; hyperparameters
-        may be numbers, CPU tensors or schedules. Not after a few plans in a row were
-        dropped (something changes every step: planning would cost more than it saves),
-        until a step finds its tensors as the step before found them (``_steady``)."""
-        if torch.compiler.is_compiling() or not isinstance(self.state, _StateDict) \
-                or self.spec._spec.reads_shape:
-            return  # (a spec whose ifs read shapes: the Python path checks them every step)
-        scanner = native.scanner()
-        plans = self._plans()
-        if scanner is None or not self.param_groups or len(work) != len(self.param_groups) \
-                or len(plans) != len(self.param_groups):
-            return
-        if self.__dict__.get("_vega_direct_misses", 0) > 4:
-            if not self._steady(scanner, work):
-                return
-            self.__dict__["_vega_direct_misses"] = 0  # (planned again: re-armed)
-        groups = []
-        for group, plan, (program, backend, params, grads, states, steps, values) in zip(
-                self.param_groups, plans, work):
-            if plan is None or plan.group is not group or plan.params is not plan.all_params \
-                    or params is not plan.params or len(plan.parts) != 1 or backend != "c" \
-                    or program.uses_axes or len(set(map(id, steps))) != len(steps) \
-                    or not all(map(_cpu_or_plain, values.values())):
-                return
-            if any(map(torch.Tensor.is_complex, params)):  # (they step as real views)
-                return
-            c = codegen.kernel("c", program).direct(
-                scanner, params, grads, [s for col in states for s in col], steps, values)
-            if c is None:  # not every tensor a contiguous CPU tensor
-                return
-            groups.append(_DirectGroup(group, plan, program, c))
-        self.__dict__["_vega_direct"] = _Direct(self.state, groups)
-
-    def _steady(self, scanner, work) -> bool:
-        """Whether this step's tensors are the last step's (where the last step was on the
-        Python path too): each parameter, state tensor and step counter at the same
-        address, of the same size, dtype and layout, the gradients of the same sizes,
-        dtypes and layouts (at any address: new ones each step), stepped by the same
-        programs on the same backends. One native scan per list, remembered for the next."""
-        parts = []
-        for program, backend, params, grads, states, steps, _ in work:
-            parts += [scanner.scan(params).tobytes(), scanner.scan(grads)[:, 1:].tobytes(),
-                      scanner.scan([s for col in states for s in col] + list(steps)).tobytes(),
-                      f"{id(program)} {backend} {len(params)}".encode()]
-        key = b"\0".join(parts)
-        last = self.__dict__.get("_vega_direct_last")
-        self.__dict__["_vega_direct_last"] = key
-        return key == last
 
     def _group_work(self, k, group, grads_all, flags, values) -> list[tuple]:
         """The engine.run calls of group ``k``: (program, backend, params, grads, states,
@@ -441,7 +331,6 @@ class SpecOptimizer(torch.optim.Optimizer):
             self.state, self.param_groups, self.loss_scale = before
             raise
         self._plans().clear()
-        self.__dict__.pop("_vega_direct", None)  # (it holds the old state's tensors)
 
     def _check_saved(self, state_dict) -> None:
         """What torch's loading would take without a word but the step cannot: a state_dict
@@ -656,62 +545,6 @@ def _loaded_scale(owner: str, scale, current):
         raise ValueError(f"{owner}: loss_scale entry 'min_scale' is {got['min_scale'].item()!r}, "
                          f"above the scale, {got['loss_scale'].item()!r}")
     return type(current)._from([got[n] for n in _LOSS_SCALE_LEAVES], current._config())
-
-
-class _StateDict(collections.defaultdict):
-    """The optimizer's ``state``, torch's defaultdict of each parameter's dict, which counts
-    the changes made to it (``version``): a ``_Direct`` plan holds the dicts it found, and is
-    dropped when one was replaced, added or removed."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.version = 0
-
-    def __setitem__(self, key, value):
-        self.version += 1
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key):
-        self.version += 1
-        super().__delitem__(key)
-
-    def __ior__(self, other):
-        self.version += 1
-        return super().__ior__(other)
-
-    def _changing(name):  # noqa: N805 (a helper of the class body)
-        def method(self, *args, **kwargs):
-            self.version += 1
-            return getattr(collections.defaultdict, name)(self, *args, **kwargs)
-        method.__name__ = name
-        return method
-
-    pop, popitem, clear, update, setdefault = map(
-        _changing, ("pop", "popitem", "clear", "update", "setdefault"))
-    del _changing
-
-
-class _DirectGroup:
-    """A group's part of a ``_Direct`` plan: what it was planned for (the group's ``_Plan``,
-    its backend setting), and its C plan (``vega.codegen.c.Direct``, which holds the state
-    tensors and counters, state by state in ``names`` order)."""
-
-    def __init__(self, group, plan, program, c):
-        self.plan, self.backend, self.program, self.c = plan, group["backend"], program, c
-        self.names = (*program.state_names, "step")
-
-
-class _Direct:
-    """The plan of ``SpecOptimizer._direct_step``: the state mapping as it was (and its
-    version), and each group's part."""
-
-    def __init__(self, state, groups):
-        self.state, self.version, self.groups = state, state.version, groups
-
-
-def _cpu_or_plain(v) -> bool:
-    """A hyperparameter value the direct step takes: a number, a schedule or a CPU tensor."""
-    return not isinstance(v, torch.Tensor) or v.device.type == "cpu"
 
 
 def _same(a: dict, b: dict) -> bool:

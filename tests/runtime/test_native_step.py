@@ -1,6 +1,7 @@
-"""The optimizer classes' direct step (``SpecOptimizer._direct_step``: the C backend's tables
-checked with the native scanner instead of per-tensor Python) gives bitwise what the Python
-path gives, and each change between steps sends it back to the Python path."""
+"""The C backend's step through its native operator (``vega_c::step``, ``native.cpp``) gives
+bitwise what the Python path (ctypes, the same kernels) gives, step after step, whatever
+changes between steps; the class step gives bitwise what the functional step gives."""
+import contextlib
 import copy
 
 import pytest
@@ -14,18 +15,28 @@ pytestmark = pytest.mark.skipif(
     not c_backend.available() or native._paths() is None,
     reason="needs a C and a C++ compiler")
 
-# every shipped spec the direct step takes (adafactor's ifs read shapes: never direct)
 SPECS = {"sgd": {"momentum": 0.9, "weight_decay": 0.01}, "adam": {}, "adamw": {},
          "radam": {}, "lamb": {}, "lars": {"lr": 0.1}, "lion": {}, "adagrad": {},
-         "rmsprop": {"momentum": 0.5}, "adan": {}}
+         "rmsprop": {"momentum": 0.5}, "adan": {}, "adafactor": {}}
 SHAPES = [(33,), (4, 5), (), (1,), (0,), (7, 3), (1000,)]
 
 
 @pytest.fixture(autouse=True)
-def scanner():
-    found = native.scanner(wait=True)
+def operator():
+    found = native.module(wait=True)
     assert found is not None, native.status()
     return found
+
+
+@contextlib.contextmanager
+def python_path():
+    """Steps here go the Python way: as where the operator cannot be built."""
+    real = native.module
+    native.module = lambda wait=None: None
+    try:
+        yield
+    finally:
+        native.module = real
 
 
 def _params(dtype, seed=0):
@@ -34,18 +45,42 @@ def _params(dtype, seed=0):
             for s in SHAPES]
 
 
+class _Twin:
+    """An optimizer stepped on the Python path."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def step(self):
+        with python_path():
+            self.opt.step()
+
+    def __getattr__(self, name):
+        return getattr(self.opt, name)
+
+
 def _twins(name, dtype, **extra):
-    """Two optimizers over equal parameters: the first steps directly where it can, the
-    second never does."""
+    """Two optimizers over equal parameters: the first steps through the native operator,
+    the second on the Python path; ``native`` records, for each step of the first, whether
+    every C backend call of it went through the operator."""
     cls = getattr(vega.optim, vega.builtin(name).class_name)
     ours, theirs = _params(dtype), _params(dtype)
     opt = cls(ours, **SPECS[name], **extra)
-    twin = cls(theirs, **SPECS[name], **copy.deepcopy(extra))
-    twin._plan_direct = lambda work: None
-    direct = []
-    real = opt._direct_step
-    opt._direct_step = lambda: direct.append(real()) or direct[-1]
-    return ours, theirs, opt, twin, direct
+    twin = _Twin(cls(theirs, **SPECS[name], **copy.deepcopy(extra)))
+    native_steps, calls = [], []
+    real_step, real_python = opt.step, c_backend.Kernel._python_step
+
+    def step():
+        calls.clear()
+        c_backend.Kernel._python_step = lambda self, *a: calls.append(False) or real_python(
+            self, *a)
+        try:
+            real_step()
+        finally:
+            c_backend.Kernel._python_step = real_python
+        native_steps.append(not calls)
+    opt.step = step
+    return ours, theirs, opt, twin, native_steps
 
 
 def _grads(ours, theirs, step, scale=1.0, bad=False):
@@ -71,14 +106,14 @@ def _equal(ours, theirs, opt, twin):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("name", SPECS)
-def test_direct_steps_equal_the_python_path_bitwise(name, dtype):
+def test_native_steps_equal_the_python_path_bitwise(name, dtype):
     ours, theirs, opt, twin, direct = _twins(name, dtype)
     for step in range(6):
         _grads(ours, theirs, step)
         opt.step()
         twin.step()
         _equal(ours, theirs, opt, twin)
-    assert direct == [False] + [True] * 5  # the first step plans; the others are direct
+    assert direct == [True] * 6
 
 
 SCHEDULES = {
@@ -91,7 +126,7 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("lr", SCHEDULES)
 @pytest.mark.parametrize("name", ["adamw", "lion", "lamb"])
-def test_direct_steps_with_a_schedule_equal_the_python_path(name, lr):
+def test_native_steps_with_a_schedule_equal_the_python_path(name, lr):
     ours, theirs, opt, twin, direct = _twins(name, torch.float32, lr=SCHEDULES[lr]())
     for step in range(6):
         _grads(ours, theirs, step)
@@ -101,11 +136,11 @@ def test_direct_steps_with_a_schedule_equal_the_python_path(name, lr):
         opt.step()
         twin.step()
         _equal(ours, theirs, opt, twin)
-    assert direct == [False] + [True] * 5
+    assert direct == [True] * 6
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd", "lamb"])
-def test_direct_fused_steps_skip_and_clip_as_the_python_path(name):
+def test_native_fused_steps_skip_and_clip_as_the_python_path(name):
     ours, theirs, opt, twin, direct = _twins(
         name, torch.float32, max_grad_norm=0.5,
         loss_scale=vega.LossScale.dynamic(init=2.0 ** 10, growth_interval=2))
@@ -114,7 +149,7 @@ def test_direct_fused_steps_skip_and_clip_as_the_python_path(name):
         opt.step()
         twin.step()
         _equal(ours, theirs, opt, twin)
-    assert direct.count(True) == 7
+    assert direct == [True] * 8
     assert float(opt.loss_scale.loss_scale) != 2.0 ** 10  # it grew, and fell at the skip
 
 
@@ -151,10 +186,7 @@ CHANGES = {
 }
 
 
-KEPT = {"the learning rate changes", "clipping is turned on",  # still direct
-        "the group's parameters become a tuple", "the learning rate becomes a schedule",
-        "the learning rate becomes a tensor"}
-PYTHON_ONLY = {"the backend changes"}  # from then on
+PYTHON_WAY = {"the backend changes"}  # (the reference backend: no C step at all)
 
 
 def _all_params(opt):
@@ -167,7 +199,7 @@ def test_each_change_is_followed_as_on_the_python_path(change):
     for step in range(6):
         if step == 3:
             CHANGES[change](opt, ours)
-            CHANGES[change](twin, theirs)
+            CHANGES[change](twin.opt, theirs)
         _grads(ours, theirs, step)
         for extra, twin_extra in zip(_all_params(opt)[len(ours):],
                                      _all_params(twin)[len(theirs):]):
@@ -175,13 +207,14 @@ def test_each_change_is_followed_as_on_the_python_path(change):
         opt.step()
         twin.step()
         _equal(_all_params(opt), _all_params(twin), opt, twin)
-    assert direct[:3] == [False, True, True]
-    # the change sent the step back to the Python path, which planned a direct step again
-    assert direct[3] is (change in KEPT) and direct[5] is (change not in PYTHON_ONLY)
+    assert direct == [True] * 6
 
 
 @pytest.mark.parametrize("grads", ["missing", "not contiguous", "float64", "sparse"])
-def test_gradients_it_cannot_take_go_the_python_way(grads):
+def test_gradients_of_any_layout_and_dtype_step_as_on_the_python_path(grads):
+    """A gradient that is not contiguous is refused by the operator and stepped as a
+    contiguous copy; a float64 gradient of a float32 parameter is a dtype group of its own,
+    whose library is built when first met."""
     ours, theirs, opt, twin, direct = _twins("adamw", torch.float32)
     for step in range(5):
         _grads(ours, theirs, step)
@@ -201,7 +234,10 @@ def test_gradients_it_cannot_take_go_the_python_way(grads):
         opt.step()
         twin.step()
         _equal(ours, theirs, opt, twin)
-    assert direct[3] is False and direct[1:3] == [True, True]
+    if grads == "sparse":  # (the refused step records nothing)
+        assert direct == [True] * 4
+    else:
+        assert direct == [True] * 3 + [grads != "not contiguous", True]
 
 
 def test_a_state_tensor_resized_in_place_is_refused_not_written_past():
@@ -214,77 +250,70 @@ def test_a_state_tensor_resized_in_place_is_refused_not_written_past():
     _grads(ours, theirs, 3)
     with pytest.raises(ValueError, match="state 'mu'"):
         opt.step()
-    assert direct[-1] is False
     assert all(torch.equal(p, b) for p, b in zip(ours, before))  # nothing stepped
 
 
-def test_a_copied_or_loaded_optimizer_plans_its_own_direct_step():
-    ours, theirs, opt, twin, direct = _twins("lion", torch.float32)
-    for step in range(3):
-        _grads(ours, theirs, step)
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_the_class_step_is_the_functional_step_bitwise(name):
+    """``vega.optim.<Class>.step()`` gathers each group's tensors and calls what
+    ``vega.<name>_step`` calls: the same parameters and state, bit for bit."""
+    spec = vega.builtin(name)
+    cls = getattr(vega.optim, spec.class_name)
+    params = _params(torch.float32)
+    opt = cls(params, **SPECS[name], max_grad_norm=1.0)
+    flat = {str(k): p.detach().clone() for k, p in enumerate(_params(torch.float32))}
+    state = spec.init(flat, **SPECS[name])
+    for step in range(4):
+        gen = torch.Generator().manual_seed(100 + step)
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
         opt.step()
-        twin.step()
-    copied = copy.deepcopy(opt)
-    assert "_vega_direct" not in copied.__dict__
-    assert type(copied.state).__name__ == "_StateDict"
-    copied_ps = copied.param_groups[0]["params"]
-    for step in range(3, 6):
-        _grads(copied_ps, theirs, step)
-        copied.step()
-        twin.step()
-        _equal(copied_ps, theirs, copied, twin)
-    assert "_vega_direct" in copied.__dict__
+        flat, state = spec.step(flat, {str(k): g for k, g in enumerate(grads)}, state,
+                                **SPECS[name], max_grad_norm=1.0)
+    for k, p in enumerate(params):
+        assert torch.equal(p.detach(), flat[str(k)]), k
+        assert opt.state[p].keys() == state.keys()
+        for s, tree in state.items():  # (the functional step counts on one 0-d tensor)
+            leaf = tree if isinstance(tree, torch.Tensor) else tree[str(k)]
+            assert torch.equal(opt.state[p][s], leaf), (k, s)
 
 
-def test_gradients_dropped_while_a_group_steps_are_still_read(monkeypatch):
-    """The kernels run without the GIL: another thread may drop a gradient (zero_grad) while
-    an earlier group's kernel runs. The direct step holds the gradients it scanned."""
-    a = [torch.nn.Parameter(torch.zeros(1000))]
-    b = [torch.nn.Parameter(torch.zeros(1000))]
-    opt = vega.optim.SGD([{"params": a}, {"params": b}], lr=0.1)
-    for _ in range(2):
-        a[0].grad, b[0].grad = torch.ones(1000), torch.full((1000,), 3.0)
-        opt.step()
-    assert "_vega_direct" in opt.__dict__
-    real = c_backend.Direct.launch
-    launched = []
-
-    def launch(self, *args):
-        real(self, *args)
-        if not launched:  # as another thread would, between the two groups' kernels
-            b[0].grad = None
-            launched.append([torch.full((1000,), 7.0) for _ in range(20)])
-    monkeypatch.setattr(c_backend.Direct, "launch", launch)
-    a[0].grad, b[0].grad = torch.ones(1000), torch.full((1000,), 3.0)
-    opt.step()
-    assert launched  # it was the direct step
-    torch.testing.assert_close(b[0].detach(), torch.full((1000,), -0.9))  # 3 steps of 0.3
+def test_the_operator_is_registered_with_its_mutations():
+    """``vega_c::step`` and ``vega_c::prelude`` are torch operators whose schemas mark what
+    they write."""
+    schema = torch.ops.vega_c.step.default._schema
+    written = {a.name for a in schema.arguments if a.alias_info is not None
+               and a.alias_info.is_write}
+    assert written == {"params", "states", "steps", "pre", "outs"}
+    schema = torch.ops.vega_c.prelude.default._schema
+    assert {a.name for a in schema.arguments if a.alias_info is not None
+            and a.alias_info.is_write} == {"pre"}
 
 
-def test_the_direct_step_comes_back_after_a_run_of_disruptive_steps():
-    """A parameter moved to new memory before each of 6 steps sends each back to the Python
-    path, and after 5 dropped plans in a row none is made (planning would cost more than it
-    saves); once a step finds its tensors as the step before found them, the direct step is
-    planned again, and it steps bitwise as the Python path."""
-    ours, theirs, opt, twin, direct = _twins("adamw", torch.float32)
-    for step in range(2):
-        _grads(ours, theirs, step)
-        opt.step()
-        twin.step()
-    def steps(numbers, disrupt):
-        for step in numbers:
-            if disrupt:  # the first parameter moved to new memory
-                for p in (ours[0], theirs[0]):
-                    p.data = p.data.clone()
-            _grads(ours, theirs, step)
-            opt.step()
-            twin.step()
-            _equal(ours, theirs, opt, twin)
-    steps(range(2, 8), disrupt=True)
-    assert direct == [False, True] + [False] * 6
-    assert opt.__dict__["_vega_direct_misses"] > 4 and "_vega_direct" not in opt.__dict__
-    steps(range(8, 12), disrupt=False)
-    assert direct[8:] == [False, True, True, True]  # a steady step, then direct again
-    assert "_vega_direct" in opt.__dict__ and opt.__dict__["_vega_direct_misses"] == 0
-    steps(range(12, 14), disrupt=True)  # and disruption still sends it back
-    assert direct[12:] == [False, False]
+def test_the_operator_refuses_lists_that_do_not_match(operator):
+    kernel = c_backend.Kernel(vega.builtin("adamw").program())
+    kernel._registered(operator)
+    p, g = torch.zeros(3), torch.zeros(3)
+    with pytest.raises(ValueError, match="the lists of a step do not match"):
+        operator.step(kernel.id, [p], [g, g], [p.clone(), p.clone()], [torch.zeros((),
+                      dtype=torch.int32)], [0], [torch.zeros(8, dtype=torch.float64)], [0],
+                      None, [], [])
+    with pytest.raises(ValueError, match="a step counter must be a 0-d int32"):
+        operator.step(kernel.id, [p], [g], [p.clone(), p.clone()], [torch.zeros(1)], [0],
+                      [torch.zeros(8, dtype=torch.float64)], [0], None, [], [])
+    assert torch.equal(p, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="was released"):
+        operator.step(10 ** 9, [p], [g], [], [], [0], [], [0], None, [], [])
+
+
+def test_no_private_layout_is_read():
+    """Nothing in the package reads torch's private tensor layout."""
+    import pathlib
+    import re
+    root = pathlib.Path(vega.__file__).parent
+    found = [f"{path}: {line.strip()}" for path in sorted(root.rglob("*"))
+             if path.suffix in (".py", ".cpp", ".c", ".h", ".j2")
+             for line in path.read_text().splitlines()
+             if re.search(r"_cdata|__basicsize__|TensorImpl", line)]
+    assert found == []
