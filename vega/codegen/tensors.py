@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vega.codegen import native
+
 _PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _PLAIN_OR_NONE = _PLAIN_TYPES | {type(None)}
 _NO_DISPATCH = torch.Tensor.__torch_dispatch__
@@ -106,7 +108,13 @@ SHARE_WORDS = "shares memory with {other}: a step in place would write that memo
 def inplace_problem(tensors) -> tuple[int, int | None, str] | None:
     """The first problem a step in place would meet writing all of ``tensors`` (None where
     there is none): (position, another position or None, a ``*_WORDS`` text, where ``{other}``
-    stands for the other's name)."""
+    stands for the other's name). Where the C backend's native operator is built, one call
+    of it answers for contiguous tensors (the common case)."""
+    tensors = tensors if isinstance(tensors, list) else list(tensors)
+    if not torch.compiler.is_compiling():
+        mod = native.module()
+        if mod is not None and mod.writable(tensors):
+            return None
     spans = []
     for i, t in enumerate(tensors):
         if inference_outside(t):

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from vega import codegen
-from vega.codegen import native
 from vega.codegen.base import distinct, state_shape
 from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
 from vega.runtime import engine
@@ -181,9 +180,6 @@ class SpecOptimizer(torch.optim.Optimizer):
             written += uniq
             where.append(("step", [params[index.index(u)] for u in range(len(uniq))]
                           if len(uniq) != len(steps) else params))
-        mod = native.module()
-        if mod is not None and mod.writable(written):  # (the common case, in one call)
-            return
         problem = inplace_problem(written)
         if problem is None:
             return
