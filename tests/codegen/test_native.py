@@ -47,7 +47,15 @@ def copying(monkeypatch):
 
 
 @needs_cxx
-def test_built_once_in_the_background_then_loaded_from_the_cache(fresh):
+def test_built_once_in_the_background_then_loaded_from_the_cache(copying, fresh, monkeypatch,
+                                                                  tmp_path):
+    # the build's own process finds the stand-in as its C++ compiler (CXX)
+    stand_in = tmp_path / "c++"
+    stand_in.write_text(f"#!{sys.executable}\nimport shutil, sys\n"
+                        f"print('stand-in 1') if sys.argv[1:] == ['--version'] else "
+                        f"shutil.copy({str(copying)!r}, sys.argv[-1])\n")
+    stand_in.chmod(0o700)
+    monkeypatch.setenv("CXX", str(stand_in))
     assert native.module() is None  # the build starts in a process of its own
     assert native.status() == "native operator still building"
     deadline = time.monotonic() + 600

@@ -1289,6 +1289,7 @@ class Kernel:
             try:
                 self._native_call(mod, mod.step, params, grads, flat_states, steps, step_index,
                                   hyp, hyp_index, pre, self._geometries(params), [])
+                _written(params)
                 return
             except ValueError:
                 pass

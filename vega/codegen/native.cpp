@@ -16,9 +16,7 @@
 // contiguous copies where that is all that was wrong.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
@@ -395,23 +393,17 @@ PYBIND11_MODULE(vega_native, m) {
         std::lock_guard<std::mutex> guard(registry_lock);
         registry.erase(id);
     });
-    // the eager calls: the arguments converted with the GIL held, the work done without it;
-    // the parameters' versions advance as after an in-place torch operation
+    // the eager calls: the arguments converted with the GIL held, the work done without it
+    // (vega.codegen.c advances the parameters' versions, as an in-place torch operation would)
     m.def("step", [](int64_t id, const std::vector<at::Tensor> &params,
                      const std::vector<at::Tensor> &grads, const std::vector<at::Tensor> &states,
                      const std::vector<at::Tensor> &steps, const std::vector<int64_t> &step_index,
                      const std::vector<at::Tensor> &hypers, const std::vector<int64_t> &hyper_index,
                      const c10::optional<at::Tensor> &pre, const std::vector<int64_t> &geometry,
                      const std::vector<at::Tensor> &outs) {
-        {
-            py::gil_scoped_release unlocked;
-            at::NoGradGuard no_grad;
-            step_impl(id, params, grads, states, steps, step_index, hypers, hyper_index, pre,
-                      geometry, outs);
-        }
-        if (outs.empty() && !c10::InferenceMode::is_enabled())
-            for (const at::Tensor &p : params)
-                if (!p.is_inference()) torch::autograd::impl::bump_version(p);
+        py::gil_scoped_release unlocked;
+        step_impl(id, params, grads, states, steps, step_index, hypers, hyper_index, pre,
+                  geometry, outs);
     });
     // whether a step in place may write every one of these tensors: none an inference
     // tensor outside inference mode, each contiguous, no two sharing memory (False where one
