@@ -17,6 +17,7 @@ import torch
 from vega import codegen
 from vega.codegen import native
 from vega.codegen.base import distinct, state_shape
+from vega.codegen.record import finite_of
 from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
 from vega.runtime import engine
 
@@ -139,7 +140,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             engine.run(program, backend, params, grads, states, steps, [values] * len(params),
                        donate=True, pre=pre)
         if self.loss_scale is not None:
-            self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
+            self.loss_scale = self.loss_scale.adjust(finite_of(pre))
         self._plan_direct(work)
         return loss
 
@@ -247,7 +248,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         for d, grad_ptrs, values, _ in ready:
             d.c.launch(grad_ptrs, values, pre, nth)
         if self.loss_scale is not None:
-            self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
+            self.loss_scale = self.loss_scale.adjust(finite_of(pre))
         self.__dict__["_vega_direct_misses"] = 0
         return True
 
