@@ -5,7 +5,7 @@ hyperparameters, ``state_dict`` / ``load_state_dict``, ``zero_grad``.
 """
 from vega.runtime.lbfgs import LBFGS
 from vega.runtime.library import builtin
-from vega.runtime.optim import SpecOptimizer
+from vega.runtime.optimizer import SpecOptimizer
 
 SGD = builtin("sgd").optimizer_class
 Adam = builtin("adam").optimizer_class

@@ -220,7 +220,7 @@ class CompiledSpec:
     @cached_property
     def optimizer_class(self) -> type:
         """This optimizer as a ``torch.optim.Optimizer`` subclass."""
-        from vega.runtime.optim import optimizer_class
+        from vega.runtime.optimizer import optimizer_class
         return optimizer_class(self)
 
     def optimizer(self, params, **kwargs) -> torch.optim.Optimizer:
