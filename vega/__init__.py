@@ -14,49 +14,27 @@ from vega.runtime.transforms import clip_by_global_norm, clip_by_value, global_n
 from vega.runtime.spec import CompiledSpec, compile, compile_file
 from vega.runtime.tree import state_names
 
-sgd = builtin("sgd")
-sgd_init = sgd.init
-sgd_step = sgd.step
+# The shipped specs, each compiled when one of its names is first used (``__getattr__``):
+# vega.<name> (its CompiledSpec), vega.<name>_init and vega.<name>_step.
+_SHIPPED = ("sgd", "adam", "adamw", "radam", "lamb", "lars", "lion", "adagrad", "rmsprop",
+            "adan", "adafactor")
+_LAZY = {name + suffix: (name, attr) for name in _SHIPPED
+         for suffix, attr in (("", None), ("_init", "init"), ("_step", "step"))}
 
-adam = builtin("adam")
-adam_init = adam.init
-adam_step = adam.step
 
-adamw = builtin("adamw")
-adamw_init = adamw.init
-adamw_step = adamw.step
+def __getattr__(name: str):
+    found = _LAZY.get(name)
+    if found is None:
+        raise AttributeError(f"module 'vega' has no attribute {name!r}")
+    spec = builtin(found[0])
+    value = spec if found[1] is None else getattr(spec, found[1])
+    globals()[name] = value  # (found directly from now on)
+    return value
 
-radam = builtin("radam")
-radam_init = radam.init
-radam_step = radam.step
 
-lamb = builtin("lamb")
-lamb_init = lamb.init
-lamb_step = lamb.step
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
-lars = builtin("lars")
-lars_init = lars.init
-lars_step = lars.step
-
-lion = builtin("lion")
-lion_init = lion.init
-lion_step = lion.step
-
-adagrad = builtin("adagrad")
-adagrad_init = adagrad.init
-adagrad_step = adagrad.step
-
-rmsprop = builtin("rmsprop")
-rmsprop_init = rmsprop.init
-rmsprop_step = rmsprop.step
-
-adan = builtin("adan")
-adan_init = adan.init
-adan_step = adan.step
-
-adafactor = builtin("adafactor")
-adafactor_init = adafactor.init
-adafactor_step = adafactor.step
 
 __version__ = "0.1.0"
 
@@ -65,14 +43,5 @@ __all__ = [
     "compile_file", "optim", "state_names", "schedule", "LossScale", "grads_finite",
     "save", "load", "get_leaf", "set_leaf",
     "clip_by_global_norm", "clip_by_value", "global_norm", "lbfgs_init", "lbfgs_step",
-    "sgd", "sgd_init", "sgd_step", "adam", "adam_init", "adam_step",
-    "adamw", "adamw_init", "adamw_step",
-    "radam", "radam_init", "radam_step",
-    "lamb", "lamb_init", "lamb_step",
-    "lars", "lars_init", "lars_step",
-    "lion", "lion_init", "lion_step",
-    "adagrad", "adagrad_init", "adagrad_step",
-    "rmsprop", "rmsprop_init", "rmsprop_step",
-    "adan", "adan_init", "adan_step",
-    "adafactor", "adafactor_init", "adafactor_step",
+    *_LAZY,
 ]

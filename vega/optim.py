@@ -1,23 +1,29 @@
 """``torch.optim``-compatible classes for the shipped specs.
 
 Each is a real ``torch.optim.Optimizer``: param groups with their own
-hyperparameters, ``state_dict`` / ``load_state_dict``, ``zero_grad``.
+hyperparameters, ``state_dict`` / ``load_state_dict``, ``zero_grad``. A class
+compiles its spec when first used, not when ``vega.optim`` is imported.
 """
 from vega.runtime.lbfgs import LBFGS
 from vega.runtime.library import builtin
-from vega.runtime.optim import SpecOptimizer
+from vega.runtime.optimizer import SpecOptimizer
 
-SGD = builtin("sgd").optimizer_class
-Adam = builtin("adam").optimizer_class
-AdamW = builtin("adamw").optimizer_class
-RAdam = builtin("radam").optimizer_class
-LAMB = builtin("lamb").optimizer_class
-LARS = builtin("lars").optimizer_class
-Lion = builtin("lion").optimizer_class
-Adagrad = builtin("adagrad").optimizer_class
-RMSprop = builtin("rmsprop").optimizer_class
-Adan = builtin("adan").optimizer_class
-Adafactor = builtin("adafactor").optimizer_class
+# each class is made when first used (``__getattr__``): the shipped spec it steps
+_SPECS = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RAdam": "radam", "LAMB": "lamb",
+          "LARS": "lars", "Lion": "lion", "Adagrad": "adagrad", "RMSprop": "rmsprop",
+          "Adan": "adan", "Adafactor": "adafactor"}
 
-__all__ = ["SpecOptimizer", "SGD", "Adam", "AdamW", "RAdam", "LAMB", "LARS", "Lion", "Adagrad",
-           "RMSprop", "Adan", "Adafactor", "LBFGS"]
+
+def __getattr__(name: str):
+    spec = _SPECS.get(name)
+    if spec is None:
+        raise AttributeError(f"module 'vega.optim' has no attribute {name!r}")
+    cls = globals()[name] = builtin(spec).optimizer_class  # (found directly from now on)
+    return cls
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SPECS})
+
+
+__all__ = ["SpecOptimizer", *_SPECS, "LBFGS"]

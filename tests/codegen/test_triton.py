@@ -26,7 +26,7 @@ import vega  # noqa: E402
 from vega import codegen, schedule  # noqa: E402
 from vega.codegen import triton as triton_backend  # noqa: E402
 from vega.codegen import triton_runtime  # noqa: E402
-from vega.codegen.reference import make_pre  # noqa: E402
+from vega.codegen.record import make_pre  # noqa: E402
 
 assert codegen.BACKENDS["triton"] is triton_backend
 DEVICE = "cpu" if triton_runtime.interpreting() else "cuda"

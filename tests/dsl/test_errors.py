@@ -4,8 +4,128 @@ import random
 import pytest
 
 import vega
-from vega.dsl.examples import ERROR_TABLE, PARSE_ERROR_EXAMPLES
+from vega.dsl.parse_errors import PARSE_ERROR_EXAMPLES
 from vega.errors import SpecError
+
+# Example mistakes: each a whole malformed spec with the message, line and column its
+# SpecError must carry.
+# (spec, message fragment, line, column)
+ERROR_TABLE: list[tuple[str, str, int, int]] = [
+    # syntax
+    ("adam(lr = 1e-3) {\n  p = p - lr * g\n}\n", "starts with 'optimizer", 1, 1),
+    ("optimizer o(lr) {\n  p = p - lr * g\n}\n", "needs a default", 1, 15),
+    ("optimizer o(lr = 1 b2 = 2) {\n  p = p\n}\n", "separated by commas", 1, 20),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr *\n}\n", "needs a value", 3, 1),
+    ("optimizer o(lr = 1e-3) {\n  p = (p - lr * g\n}\n", "'(' is never closed", 2, 7),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n", "'{' is never closed", 1, 24),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g)\n}\n", "')' closes nothing", 2, 17),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g ** 2\n}\n", "'a ^ b'", 2, 18),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr @ g\n}\n", "unexpected character '@'", 2, 14),
+    ("optimizer o(b = 0.5 in [0 1]) {\n  p = p\n}\n", "range", 1, 27),
+    ("optimizer o(lr = 1 in [0, 1), b = abc) {\n  p = p\n}\n",
+     "unexpected 'abc': a hyperparameter's default is a number", 1, 35),
+    ("optimizer o(f = true) {\n  if f p = p\n}\n", "braces", 2, 8),
+    ("optimizer o() {\n  p - g\n}\n", "a statement is", 2, 5),
+    # names
+    ("optimizer o(lr = 1e-3, b1 = 0.9) {\n  state mu = zeros\n  mu = b1 * mu + g\n"
+     "  p = p - lr * muu\n}\n", "undefined name 'muu' (did you mean 'mu'?)", 4, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lrr * g\n}\n", "did you mean 'lr'?", 2, 11),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * m\n  state m = zeros\n}\n",
+     "undefined name 'm'", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  g = g * 2\n  p = p - lr * g\n}\n",
+     "cannot assign to 'g'", 2, 3),
+    ("optimizer o(lr = 1e-3) {\n  t = 1\n  p = p - lr * g\n}\n", "cannot assign to 't'", 2, 3),
+    ("optimizer o(lr = 1e-3) {\n  lr = lr * 2\n  p = p - lr * g\n}\n",
+     "'lr': it is a hyperparameter", 2, 3),
+    ("optimizer o(lr = 1e-3) {\n  state m = zeros\n  state m = ones\n  p = p - lr * g\n}\n",
+     "state 'm' is already declared on line 2", 3, 9),
+    ("optimizer o(lr = 1e-3, lr = 2) {\n  p = p - lr * g\n}\n", "already declared", 1, 24),
+    ("optimizer o(g = 1) {\n  p = p - g\n}\n", "it is the gradient", 1, 13),
+    ("optimizer o(lr = 1e-3) {\n  m = g\n  state m = zeros\n  p = p - lr * m\n}\n",
+     "already a value assigned on line 2", 3, 9),
+    ("optimizer o(lr = 1e-3) {\n  state m = g\n  p = p - lr * m\n}\n",
+     "initial value may use only p", 2, 13),
+    ("optimizer o(lr = 1e-3) {\n  m = zeros\n  p = p - lr * m\n}\n",
+     "may only start a state", 2, 7),
+    ("optimizer o(inf = 1) {\n  p = p\n}\n",
+     "'inf' cannot name a hyperparameter: it is a number (inf, nan and pi are reserved "
+     "names)", 1, 13),
+    ("optimizer o(lr = 1e-3) {\n  state pi = zeros\n  p = p - lr * g\n}\n",
+     "cannot declare a state 'pi': it is a number", 2, 9),
+    ("optimizer o(lr = 1e-3) {\n  nan = g != g\n  p = p - lr * g\n}\n",
+     "cannot assign 'nan': it is a number", 2, 3),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g * PI\n}\n",
+     "undefined name 'PI' (did you mean 'pi'?)", 2, 20),
+    # functions
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * sqr(g)\n}\n",
+     "unknown function 'sqr' (did you mean 'sqrt'?)", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * sqrt(g, 2)\n}\n",
+     "sqrt() takes 1 argument, got 2", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * where(g > 0, 1)\n}\n",
+     "where() takes 3 arguments, got 2", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * norm(lr)\n}\n", "reduces a tensor", 2, 21),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * sqrt\n}\n", "is a function", 2, 16),
+    # types
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * (g > 0)\n}\n", "needs a number, but this is a bool",
+     2, 17),
+    ("optimizer o(lr = 1e-3) {\n  p = where(g, p, p - lr)\n}\n",
+     "condition of where() needs a bool", 2, 13),
+    ("optimizer o(lr = 1e-3) {\n  p = g > 0\n}\n", "p must be a number", 2, 7),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g and g\n}\n", "'and' needs a bool", 2, 7),
+    ("optimizer o(lr = 1e-3, f = true) {\n  p = p - lr * g * f\n}\n",
+     "needs a number, but this is a bool", 2, 20),
+    ("optimizer o(lr = 1e-3) {\n  if mean(g) > 0 {\n    p = p - lr * g\n  }\n}\n",
+     "known when the spec compiles", 2, 6),
+    ("optimizer o(lr = 1e-3) {\n  if lr {\n    p = p - lr * g\n  }\n}\n",
+     "condition of an if must be a bool", 2, 6),
+    ("optimizer o(f: bool = 0.5) {\n  p = p\n}\n", "needs a default of true or false", 1, 23),
+    ("optimizer o(x: float = true) {\n  p = p\n}\n", "needs a numeric default", 1, 24),
+    ("optimizer o(b1 = 1.5 in [0, 1)) {\n  p = p\n}\n", "outside its range [0, 1)", 1, 18),
+    ("optimizer o(b1 = 0.5 in [1, 0]) {\n  p = p\n}\n", "is empty", 1, 25),
+    ("optimizer o(lr = nan) {\n  p = p\n}\n", "the default of 'lr' cannot be nan", 1, 18),
+    ("optimizer o(lr = 1 in [0, nan]) {\n  p = p\n}\n",
+     "the range [0, nan] of 'lr' has a nan bound", 1, 23),
+    ("optimizer o(lr = pie) {\n  p = p\n}\n",
+     "unexpected 'pie': a hyperparameter's default is a number, true, false, inf, nan or pi",
+     1, 18),
+    ("optimizer o(lr = 1 in [0, Inf)) {\n  p = p\n}\n",
+     "unexpected 'Inf': a range's bounds are numbers, inf, -inf or pi", 1, 27),
+    # flow
+    ("optimizer o(lr = 1e-3) {\n  state m = zeros\n  m = m + g\n}\n", "never assigns p", 1, 11),
+    ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    d = g\n  }\n  p = p - lr * d\n}\n",
+     "assigned only in one branch of the if on line 2", 5, 16),
+    ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    state m = zeros\n  }\n  m = g\n"
+     "  p = p - lr * g\n}\n", "declared only inside the if on line 2", 5, 3),
+    ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    d = g\n  } else {\n    d = g > 0\n  }\n"
+     "  p = p - lr * g\n}\n", "a number in one branch", 2, 3),
+    # rows, columns and shapes
+    ("optimizer o(lr = 1e-3) {\n  state v: row = zeros\n  p = p - lr * g\n}\n",
+     "not ': row' (did you mean 'rows'?)", 2, 12),
+    ("optimizer o(lr = 1e-3) {\n  state v: rows = zeros\n  v = g * g\n  p = p - lr * g\n}\n",
+     "state 'v' holds one value per row, but this value has one per element; reduce it with "
+     "row_mean(...)", 3, 7),
+    ("optimizer o(lr = 1e-3) {\n  state v: rows = zeros\n  v = lr\n  v = g\n  p = p - lr * v\n}\n",
+     "state 'v' holds one value per row, but this value has one per element", 4, 7),
+    ("optimizer o(lr = 1e-3, f = true) {\n  state v: cols = zeros\n  if f {\n"
+     "    y = col_mean(g)\n  } else {\n    y = g\n  }\n  v = y\n  p = p - lr * v\n}\n",
+     "state 'v' holds one value per column, but this value has one per element", 8, 7),
+    ("optimizer o(lr = 1e-3) {\n  state v: cols = p\n  p = p - lr * g\n}\n",
+     "holds one value per column, but this initial value has one per element", 2, 19),
+    ("optimizer o(lr = 1e-3) {\n  r = row_mean(g)\n  p = p - lr * row_mean(r)\n}\n",
+     "row_mean() reduces the column axis, but its argument has one per row", 3, 25),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * col_sum(lr)\n}\n",
+     "col_sum() reduces an axis of a tensor", 2, 24),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g * ndim(p)\n}\n",
+     "use it only in the condition of an if", 2, 20),
+    ("optimizer o(lr = 1e-3) {\n  if ndim(p) >= 2 and mean(g) > 0 {\n    p = p - lr * g\n"
+     "  } else {\n    p = p\n  }\n}\n",
+     "a condition on the shape or on float hyperparameters may use only", 2, 23),
+    ("optimizer o(lr = 1e-3) {\n  if ndim(g * 2) >= 2 {\n    p = p - lr * g\n"
+     "  } else {\n    p = p\n  }\n}\n", "ndim() takes the parameter: ndim(p)", 2, 6),
+    ("optimizer o(lr = 1e-3) {\n  if nrows(p) {\n    p = p - lr * g\n"
+     "  } else {\n    p = p\n  }\n}\n", "condition of an if must be a bool", 2, 6),
+]
+
 
 
 @pytest.mark.parametrize("source,fragment,line,column", ERROR_TABLE,

@@ -146,7 +146,7 @@ def test_training_step_runs_through_aot_autograd(backend):
 def test_c_custom_ops_pass_opcheck():
     """Schema, fake (meta) implementation and functionalization of the C kernels' ops."""
     from vega import codegen
-    from vega.codegen.reference import make_pre
+    from vega.codegen.record import make_pre
     kernel = codegen.kernel("c", vega.adamw.program())
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.autograd.graph import increment_version
 
-from vega.codegen import cbuild, native, reference
+from vega.codegen import cbuild, native, record, reference
 from vega.codegen.base import (HyperRows, Linear, Renderer, axis_geometry, check_states,
                                distinct, is_schedule, linearize, reduction_phases, safe)
 from vega.codegen.tensors import (has_own_ops, own_ops_words, refuse_inplace, resolved, roles,
@@ -102,7 +102,7 @@ static int64_t locate(const int64_t *start, int64_t nt, int64_t x) {
 static int64_t *starts(int64_t nt, const int64_t *tab) {
     int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (nt + 1));
     start[0] = 0;
-    for (int64_t i = 0; i < nt; i++) start[i + 1] = start[i] + tab[i * ROW];
+    for (int64_t i = 0; i < nt; i++) start[i + 1] = start[i] + tab[i * ROW + COL_NUMEL];
     return start;
 }
 #define PAR_MIN 32768  /* fewer elements than this run on one thread */
@@ -111,10 +111,11 @@ static int64_t *starts(int64_t nt, const int64_t *tab) {
                             them in flight to use the memory bandwidth */
 
 void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
-    /* pre[0] += sum of squares of g * pre[2]; pre[1] += count of non-finite elements */
+    /* pre[PRE_SUM_SQ] += sum of squares of g * pre[PRE_INV_SCALE];
+       pre[PRE_NONFINITE] += count of non-finite elements */
     int64_t *start = starts(nt, tab);
     int64_t total = start[nt];
-    const CT gs = (CT)pre[2];
+    const CT gs = (CT)pre[PRE_INV_SCALE];
     double *part = (double *)calloc(2 * (size_t)(nth > 0 ? nth : 1), sizeof(double));
     #pragma omp parallel num_threads(nth) if (total >= PAR_MIN)
     {
@@ -124,8 +125,9 @@ void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
         int64_t i = lo < hi ? locate(start, nt, lo) : nt;
         while (lo < hi) {
             const int64_t *row = tab + i * ROW;
-            const GSTORE *G_ = (const GSTORE *)(intptr_t)row[2];
-            int64_t b = lo - start[i], e = row[0] < hi - start[i] ? row[0] : hi - start[i];
+            const GSTORE *G_ = (const GSTORE *)(intptr_t)row[COL_G];
+            int64_t numel = row[COL_NUMEL];
+            int64_t b = lo - start[i], e = numel < hi - start[i] ? numel : hi - start[i];
             /* blocks of 512 summed in the compute type at full SIMD width, the blocks in
                double; a non-finite element (NaN or inf) sets a flag, not the sum. Four
                quarters of the range are read at once: one stream alone does not keep
@@ -165,14 +167,15 @@ void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
         part[2 * tid] = sq; part[2 * tid + 1] = bad;
     }
     for (int t = 0; t < (nth > 0 ? nth : 1); t++) {
-        pre[0] += part[2 * t];
-        pre[1] += part[2 * t + 1];
+        pre[PRE_SUM_SQ] += part[2 * t];
+        pre[PRE_NONFINITE] += part[2 * t + 1];
     }
     free(part); free(start);
 }
 
 void vega_advance(int64_t n, const int64_t *steps, const double *pre) {
-    if (pre && pre[1] != 0 && pre[4] != 0) return;  /* a skipped step leaves the counters alone */
+    if (pre && pre[PRE_NONFINITE] != 0 && pre[PRE_CHECK] != 0)
+        return;  /* a skipped step leaves the counters alone */
     for (int64_t k = 0; k < n; k++) {
         int32_t *s = (int32_t *)(intptr_t)steps[k];
         if (*s < INT32_MAX) *s += 1;
@@ -283,19 +286,20 @@ class Source:
         for name in ("SQRT", "EXP", "LOG", "POW"):
             out.append(f"#define {name} {name.lower()}{suffix}")
         out.append(f"#define FABS fabs{suffix}")
-        out.append(f"#define NSTATE {self.nstate}")
         out.append(f"#define NRED {len(self.slots)}")
-        out.append(self.row)
+        out += record.c_defines()  # the prelude's record
+        out += self.columns.c_defines()  # the address table's row
         out.append(HEADER)
         out += self._entries()
         return "\n".join(out)
 
-    row = ("#define ROW (6 + 2 * NSTATE)  /* numel, p, g, state..., step, hyperparameters, "
-           "p out, state out... */")
-    # the columns of the addresses the update writes: after the hyperparameters, so that a
-    # step out of place reads its inputs and writes new tensors (the same addresses as the
-    # inputs' for a step in place)
-    out_p, out_s = "5 + NSTATE", "6 + NSTATE + {k}"
+    @property
+    def columns(self) -> record.Columns:
+        """The address table's columns (``vega.codegen.record.TABLE_COLUMNS``). Those the
+        update writes come after the hyperparameters, so that a step out of place reads its
+        inputs and writes new tensors (the same addresses as the inputs' for a step in
+        place)."""
+        return record.table_columns(self.nstate)
 
     def _entries(self) -> list[str]:
         """The program's entry points (beside the prelude and the step counters')."""
@@ -352,9 +356,9 @@ class Source:
     def _block_start(self, uses: list[Node]) -> list[str]:
         """Per tensor: the scalar phase, the reductions already known, the pointers."""
         lin, r = self.lin, self.r
-        out = ["            const double *H_ = (const double *)(intptr_t)row[4 + NSTATE];",
+        out = ["            const double *H_ = (const double *)(intptr_t)row[COL_HYPER];",
                "            const double d_t = "
-               "(double)(*(const int32_t *)(intptr_t)row[3 + NSTATE]) + 1;"]
+               "(double)(*(const int32_t *)(intptr_t)row[COL_STEP]) + 1;"]
         for k, h in enumerate(lin.hypers):
             out.append(f"            const double d_{h} = H_[{k}];")
         for line in lin.scalar_lines:  # the scalar phase, in double like the reference
@@ -368,13 +372,14 @@ class Source:
         for node in uses:
             out.append(f"            const CT {self._var(node)} = "
                        f"(CT)red[i * NRED + {self.slots[id(node)]}];")
-        out += ["            const PSTORE *P_ = (const PSTORE *)(intptr_t)row[1];",
-                "            const GSTORE *G_ = (const GSTORE *)(intptr_t)row[2];",
-                f"            PSTORE *PO_ = (PSTORE *)(intptr_t)row[{self.out_p}];"]
+        out += ["            const PSTORE *P_ = (const PSTORE *)(intptr_t)row[COL_P];",
+                "            const GSTORE *G_ = (const GSTORE *)(intptr_t)row[COL_G];",
+                "            PSTORE *PO_ = (PSTORE *)(intptr_t)row[COL_P_OUT];"]
         for k in range(self.nstate):
-            out.append(f"            const SSTORE *S{k}_ = (const SSTORE *)(intptr_t)row[{3 + k}];")
+            out.append(f"            const SSTORE *S{k}_ = (const SSTORE *)(intptr_t)"
+                       f"row[COL_STATE + {k}];")
             out.append(f"            SSTORE *SO{k}_ = (SSTORE *)(intptr_t)"
-                       f"row[{self.out_s.format(k=k)}];")
+                       f"row[COL_STATE_OUT + {k}];")
         return out
 
     def _element_nodes(self, roots: list[Node], stored=None) \
@@ -443,9 +448,12 @@ class Source:
         """The gradient scale and clip coefficient from ``pre``, or a skipped step."""
         return ["    CT gs = 1, coef = 1;",
                 "    if (pre) {",
-                f"        if (pre[1] != 0 && pre[4] != 0) {skip}  /* non-finite gradients: skip */",
-                "        gs = (CT)pre[2];",
-                "        if (pre[3] > 0) coef = (CT)(pre[3] / fmax(sqrt(pre[0]), pre[3]));",
+                f"        if (pre[PRE_NONFINITE] != 0 && pre[PRE_CHECK] != 0) {skip}  "
+                "/* non-finite gradients: skip */",
+                "        gs = (CT)pre[PRE_INV_SCALE];",
+                "        if (pre[PRE_MAX_NORM] > 0)",
+                "            coef = (CT)(pre[PRE_MAX_NORM] / fmax(sqrt(pre[PRE_SUM_SQ]), "
+                "pre[PRE_MAX_NORM]));",
                 "    }"]
 
     def _parallel(self, name: str, skip: str, before=()) -> list[str]:
@@ -472,7 +480,8 @@ class Source:
             "        while (lo < hi) {",
             "            const int64_t *row = tab + i * ROW;",
             "            int64_t b = lo - start[i];",
-            "            int64_t e = row[0] < hi - start[i] ? row[0] : hi - start[i];",
+            "            int64_t e = row[COL_NUMEL] < hi - start[i] ? row[COL_NUMEL] : "
+            "hi - start[i];",
             *self._block_start(uses),
             *block_init,
             *self._versions(nodes, tail, simd, stored),
@@ -574,7 +583,7 @@ class Source:
             finish.append(f"            double x = part[(t * nt + i) * {nr} + {q}];")
             finish.append(f"            {_combine(_PARTIALS[node.op], f'r{q}', 'x')}")
             finish.append("        }")
-            value = _finish(node.op, f"r{q}", "(double)tab[i * ROW]")
+            value = _finish(node.op, f"r{q}", "(double)tab[i * ROW + COL_NUMEL]")
             finish.append(f"        red[i * NRED + {self.slots[id(node)]}] = {value};")
         finish += ["    }", "    free(part);"]
         return self._loop(f"vega_phase{k}", before, used, block_init, nodes, tail, block_end,
@@ -598,7 +607,7 @@ class Source:
                 body += [f"            double r{q} = {ident[q]};",
                          f"            {_combine(_PARTIALS[node.op], f'r{q}', f'acc{q}')}",
                          f"            red[i * NRED + {self.slots[id(node)]}] = "
-                         f"{_finish(node.op, f'r{q}', '(double)row[0]')};"]
+                         f"{_finish(node.op, f'r{q}', '(double)row[COL_NUMEL]')};"]
             body.append("            }")
         stored, nodes, used, stores = self._update_parts()
         body += ["            {  /* the update */", *self._block_start(used),
@@ -608,7 +617,7 @@ class Source:
             "        if (i < nt && start[i] < lo) i++;  /* the tensors that start in [lo, hi) */",
             "        for (; i < nt && start[i] < hi; i++) {",
             "            const int64_t *row = tab + i * ROW;",
-            "            const int64_t b = 0, e = row[0];",
+            "            const int64_t b = 0, e = row[COL_NUMEL];",
             *body,
             "        }",
             "    }",
@@ -619,19 +628,19 @@ class Source:
 
     def _count(self, dom: str) -> str:
         """The number of values of a state of domain ``dom`` in a table row: numel."""
-        return "row[0]"
+        return "row[COL_NUMEL]"
 
     def _pass_through(self) -> list[str]:
         """A skipped step out of place: each output (p out, state out) a copy of its input."""
-        copies = [("row[0]", self.out_p, "1", "PSTORE")] + [
-            (self._count(st.dom), self.out_s.format(k=k), str(3 + k), "SSTORE")
+        copies = [("row[COL_NUMEL]", "COL_P_OUT", "COL_P", "PSTORE")] + [
+            (self._count(st.dom), f"COL_STATE_OUT + {k}", f"COL_STATE + {k}", "SSTORE")
             for k, st in enumerate(self.program.states)]
         out = ["/* A skipped step out of place: each output a copy of its input. */",
                "static void pass_through(int64_t nt, const int64_t *tab) {",
                "    for (int64_t i = 0; i < nt; i++) {",
                "        const int64_t *row = tab + i * ROW;"]
         if any(n.startswith("geo") for n, *_ in copies):
-            out.append("        const int64_t *geo = row + 5 + NSTATE;  /* axis_geometry */")
+            out.append("        const int64_t *geo = row + COL_GEO;  /* axis_geometry */")
         for n, to, src, store in copies:
             out += [f"        if ({n} > 0 && row[{to}] != row[{src}])",
                     f"            memcpy((void *)(intptr_t)row[{to}],",
@@ -734,9 +743,10 @@ class AxesSource(Source):
     and state of a smaller domain, which only a later loop writes.
     """
 
-    row = (f"#define ROW (6 + 2 * NSTATE + {NGEO})  /* numel, p, g, state..., step, "
-           "hyperparameters, geometry, p out, state out... */")
-    out_p, out_s = f"5 + NSTATE + {NGEO}", f"6 + NSTATE + {NGEO} + {{k}}"
+    @property
+    def columns(self) -> record.Columns:
+        """The address table's columns, with the geometry."""
+        return record.table_columns(self.nstate, NGEO)
 
     def __init__(self, program: Program, pdt: str, gdt: str, sdt: str):
         super().__init__(program, pdt, gdt, sdt)
@@ -961,7 +971,7 @@ class AxesSource(Source):
     def _entries(self) -> list[str]:
         lin, r = self.lin, self.r
         body = [line[12:] for line in self._block_start([])]
-        body += ["const int64_t *geo = row + 5 + NSTATE;  /* axis_geometry, line_lengths */",
+        body += ["const int64_t *geo = row + COL_GEO;  /* axis_geometry, line_lengths */",
                  "const int64_t n_rc = geo[0], n_r = geo[1], n_c = geo[2], n_m = geo[3];",
                  "const int64_t Sr = geo[4], Sc = geo[5], fr = geo[6], fc = geo[7];",
                  "const int64_t rr = geo[8], cc = geo[9];",
@@ -1050,6 +1060,7 @@ class Kernel:
         self._nphases = len(reduction_phases(program))
         self._nred = sum(len(p) for p in reduction_phases(program))
         self._axes = program.uses_axes  # one vega_axes_step instead of phases and update
+        self.columns = record.table_columns(len(program.states), NGEO if self._axes else 0)
         # how the custom ops find this kernel: a name never given to another (a counter,
         # not len(_KERNELS): two threads making kernels at once would take the same
         # number), held weakly (the kernel lives as long as its program, whose ``kernels``
@@ -1099,8 +1110,11 @@ class Kernel:
         with self._native_lock:
             if self._native is not mod:
                 p = self.program
+                c = self.columns
                 mod.add_kernel(self.id, p.name, len(p.states), self._nphases, self._nred,
-                               len(p.float_hypers), self._axes, [_DOMS[s.dom] for s in p.states])
+                               len(p.float_hypers), self._axes, [_DOMS[s.dom] for s in p.states],
+                               [c.numel, c.p, c.g, c.state, c.step, c.hyper, c.geo, c.p_out,
+                                c.state_out, c.width])
                 self._native, self._native_libs = mod, set()
                 weakref.finalize(self, mod.drop_kernel, self.id)
             for dtypes, lib in list(self._libs.items()):
@@ -1201,21 +1215,17 @@ class Kernel:
             groups.setdefault(self._group_key(g, g, g.dtype), []).append(i)
         tables = []
         for key, idx in groups.items():
-            rows = [[grads[i].numel(), 0, 0] + [0] * (self._row - 3) for i in idx]
+            rows = [_prelude_row(self.columns, grads[i].numel()) for i in idx]
             tables.append((self.library(key), _table(rows), None, idx))
         return tables, _views(tables)
 
     @staticmethod
     def _run_prelude(plan, grad_ptrs, pre: torch.Tensor) -> None:
         tables, views = plan
-        _write_column(views, 2, grad_ptrs)
+        _write_column(views, _G, grad_ptrs)
         nth = torch.get_num_threads()
         for lib, table, _, idx in tables:
             lib.vega_prelude(len(idx), _ptr(table), _ptr(pre), nth)
-
-    @property
-    def _row(self) -> int:
-        return 6 + 2 * len(self.program.states) + (NGEO if self._axes else 0)
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``."""
@@ -1257,7 +1267,7 @@ class Kernel:
                 self._step(*args)
         n = len(params)
         states = [flat[k * n:(k + 1) * n] for k in range(len(states))]
-        finite = ((pre[1] == 0) | (pre[4] == 0)) if pre is not None else None
+        finite = record.finite_of(pre)
         return params, states, [unique[k] for k in step_index], finite
 
     def _traced_step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index,
@@ -1326,7 +1336,7 @@ class Kernel:
                                     hyp, hyp_index), grad_ptrs)
         if found is not None:
             plan, grad_ptrs = found
-            plan.point(grad_ptrs, hyp, hyp_index, 4 + len(self.program.states))
+            plan.point(grad_ptrs, hyp, hyp_index, self.columns.hyper)
             self._launch(plan.tables, plan.step_ptrs, pre, nth)
             _written(params)
             return
@@ -1406,25 +1416,30 @@ class Kernel:
         groups = self._dtype_groups(params, grads, states)
         ptr = torch.Tensor.data_ptr
         steps_at, hyp_at = list(map(ptr, steps)), _row_addresses(hyp)
-        columns = [list(map(torch.Tensor.numel, params)), list(map(ptr, params)),
-                   list(map(ptr, grads)), *(list(map(ptr, col)) for col in states),
-                   [steps_at[k] for k in step_index], [hyp_at[r] for r in hyp_index]]
-        if self._axes:
-            columns += zip(*(self._geometry(p.shape) for p in params))
         in_place = outs is None
         outs = [*params, *flat_states] if outs is None else outs
-        columns += (list(map(ptr, outs[k * n:(k + 1) * n])) for k in range(len(states) + 1))
+        cols = self.columns
+        columns = cols.arrange(  # (each a list of columns, one value per tensor)
+            numel=[list(map(torch.Tensor.numel, params))], p=[list(map(ptr, params))],
+            g=[list(map(ptr, grads))], state=[list(map(ptr, col)) for col in states],
+            step=[[steps_at[k] for k in step_index]], hyper=[[hyp_at[r] for r in hyp_index]],
+            geo=np.array([self._geometry(p.shape) for p in params],
+                         dtype=np.int64).reshape(n, cols.ngeo).T,
+            p_out=[list(map(ptr, outs[:n]))],
+            state_out=[list(map(ptr, outs[k * n:(k + 1) * n]))
+                       for k in range(1, cols.nstate + 1)])
         every = np.array(columns, dtype=np.int64).reshape(len(columns), n).T
         # every tensor read has an address (a wrapper subclass has none); those written in
         # place share no memory (each is contiguous here: its span is its memory)
-        read = every[:, 1:3 + len(states)]
+        read = every[:, cols.p:cols.step]  # p, g, states
         if n and not read.all():
             self._check_readable([("parameter", params), ("gradient", grads),
                                   *((f"state '{s.name}'", col)
                                     for s, col in zip(self.program.states, states))])
         if in_place:
             written = [*params, *flat_states, *steps]
-            lo = np.array([*columns[1], *(a for col in columns[3:3 + len(states)] for a in col),
+            lo = np.array([*columns[cols.p], *(a for col in columns[cols.state:cols.step]
+                                               for a in col),
                            *steps_at], dtype=np.int64)
             hi = lo + np.array([t.numel() * t.element_size() for t in written], dtype=np.int64)
             pair = shared_pair(written, lo, hi)
@@ -1530,7 +1545,7 @@ class _Plan:
     def point(self, grad_ptrs: list[int], hyp, hyp_index, hyp_col: int) -> None:
         """Write the gradients' addresses, and the hyperparameter rows' where they moved or
         the tensors read other rows (a direct step's schedule table after a plain one)."""
-        _write_column(self.views, 2, grad_ptrs)
+        _write_column(self.views, _G, grad_ptrs)
         hyp_ptrs = [h.data_ptr() for h in hyp]
         if hyp_ptrs != self.hyp_ptrs or (hyp_index is not self.hyp_index
                                          and hyp_index != self.hyp_index):
@@ -1554,6 +1569,16 @@ def _fused_fits(table: torch.Tensor, nth: int) -> bool:
 def _views(tables) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each dtype group's address table as a numpy array (a view), and its positions."""
     return [(table.numpy(), np.asarray(idx, dtype=np.int64)) for _, table, _, idx in tables]
+
+
+_G = record.table_columns(0).g  # the gradient's column (before any column per state)
+
+
+def _prelude_row(columns: record.Columns, numel: int) -> list[int]:
+    """A table row for the prelude: the gradient's size, its address written at each call."""
+    row = [0] * columns.width
+    row[columns.numel] = numel
+    return row
 
 
 def _write_column(views, col: int, values: list[int]) -> None:

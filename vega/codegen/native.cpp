@@ -33,7 +33,6 @@
 
 namespace {
 
-constexpr int64_t NGEO = 13;          // the geometry integers of a row of a matrix-view program
 constexpr int64_t FUSED_MAX = 65536;  // vega_fused steps tables of tensors no longer than this
 
 using Entry = void (*)(int64_t, const int64_t *, const double *, double *, int);
@@ -51,14 +50,21 @@ struct Library {
     std::vector<Entry> phases;
 };
 
+// Where each column of a table row starts, and the row's width: given by
+// vega.codegen.record.table_columns, the one definition the generated kernels read too.
+struct Columns {
+    int64_t numel, p, g, state, step, hyper, geo, p_out, state_out, width;
+    int64_t ngeo() const { return p_out - geo; }  // geometry integers (a matrix-view program)
+};
+
 // What the tables of one program hold: see vega.codegen.c.Kernel.
 struct Kernel {
     std::string name;
     int64_t nstates = 0, nphases = 0, nred = 0, nhyper = 0;
     bool axes = false;
     std::vector<int64_t> doms;  // each state's length: 0 its parameter's, 1-3 geometry[k]
+    Columns col{};
     std::map<std::string, std::shared_ptr<const Library>> libs;  // "p g s" dtypes
-    int64_t row() const { return 6 + 2 * nstates + (axes ? NGEO : 0); }
 };
 
 std::mutex registry_lock;
@@ -158,7 +164,7 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
     const size_t n = params.size(), ns = static_cast<size_t>(k->nstates);
     const bool in_place = outs.empty();
     if (grads.size() != n || states.size() != ns * n || step_index.size() != n ||
-        hyper_index.size() != n || (k->axes && geometry.size() != NGEO * n) ||
+        hyper_index.size() != n || (k->axes && geometry.size() != static_cast<size_t>(k->col.ngeo()) * n) ||
         (!k->axes && !geometry.empty()) || (!in_place && outs.size() != (ns + 1) * n))
         fail("backend 'c': the lists of a step do not match: " + std::to_string(n) +
              " parameters, " + std::to_string(grads.size()) + " gradients, " +
@@ -201,7 +207,7 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
     std::vector<std::string> keys;
     std::vector<Span> spans;
     if (in_place) spans.reserve(n * (ns + 1) + steps.size());
-    const int64_t width = k->row();
+    const int64_t width = k->col.width;
     for (size_t i = 0; i < n; i++) {
         const at::Tensor &p = params[i], &g = grads[i];
         check_plain(p, "parameter", i);
@@ -209,7 +215,7 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
         if (!p.sizes().equals(g.sizes()))
             fail("backend 'c': gradient " + std::to_string(i) +
                  "'s shape differs from its parameter's");
-        const int64_t *geo = k->axes ? geometry.data() + NGEO * i : nullptr;
+        const int64_t *geo = k->axes ? geometry.data() + k->col.ngeo() * i : nullptr;
         if (geo && geo[0] != p.numel()) fail("backend 'c': a geometry row does not match");
         c10::ScalarType sd = p.scalar_type();
         for (size_t s = 0; s < ns; s++) {
@@ -233,24 +239,29 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
             keys.push_back(key);
             groups.emplace_back();
             groups.back().lib = library_of(*k, key);
-            groups.back().rows.reserve(width * n);
+            groups.back().rows.reserve(static_cast<size_t>(width) * n);
         }
         Group &grp = groups[gi];
-        auto &rows = grp.rows;
-        rows.push_back(p.numel());
-        rows.push_back(reinterpret_cast<intptr_t>(p.data_ptr()));
-        rows.push_back(reinterpret_cast<intptr_t>(g.data_ptr()));
-        for (size_t s = 0; s < ns; s++)
-            rows.push_back(reinterpret_cast<intptr_t>(states[s * n + i].data_ptr()));
-        rows.push_back(step_at[step_index[i]]);
-        rows.push_back(hyp_at[hyper_index[i]]);
-        if (geo) rows.insert(rows.end(), geo, geo + NGEO);
+        const Columns &c = k->col;
+        const size_t at = grp.rows.size();
+        grp.rows.resize(at + width, 0);
+        int64_t *row = grp.rows.data() + at;
+        auto address = [](const at::Tensor &t) {
+            return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
+        };
+        row[c.numel] = p.numel();
+        row[c.p] = address(p);
+        row[c.g] = address(g);
+        for (size_t s = 0; s < ns; s++) row[c.state + s] = address(states[s * n + i]);
+        row[c.step] = step_at[step_index[i]];
+        row[c.hyper] = hyp_at[hyper_index[i]];
+        if (geo) std::copy(geo, geo + c.ngeo(), row + c.geo);
         for (size_t s = 0; s <= ns; s++) {
-            const at::Tensor &o = in_place ? (s == 0 ? p : states[(s - 1) * n + i])
-                                           : outs[s * n + i];
-            if (!in_place && !o.sizes().equals(s == 0 ? p.sizes() : states[(s - 1) * n + i].sizes()))
+            const at::Tensor &in = s == 0 ? p : states[(s - 1) * n + i];
+            const at::Tensor &o = in_place ? in : outs[s * n + i];
+            if (!in_place && !o.sizes().equals(in.sizes()))
                 fail("backend 'c': an output's shape differs from its input's");
-            rows.push_back(reinterpret_cast<intptr_t>(o.data_ptr()));
+            row[s == 0 ? c.p_out : c.state_out + s - 1] = address(o);
             if (in_place) spans.push_back(span_of(o));
         }
         grp.n++;
@@ -304,7 +315,7 @@ void prelude_impl(int64_t id, at::TensorList grads, const at::Tensor &pre) {
         !pre.is_contiguous() || pre.scalar_type() != c10::ScalarType::Double ||
         pre.numel() < 5)
         fail("backend 'c': the prelude's record must be a contiguous float64 CPU tensor");
-    const int64_t width = k->row();
+    const int64_t width = k->col.width;
     std::vector<std::string> keys;
     std::vector<Group> groups;
     for (size_t i = 0; i < grads.size(); i++) {
@@ -321,8 +332,8 @@ void prelude_impl(int64_t id, at::TensorList grads, const at::Tensor &pre) {
         auto &rows = groups[gi].rows;
         size_t at = rows.size();
         rows.resize(at + width, 0);
-        rows[at] = g.numel();
-        rows[at + 2] = reinterpret_cast<intptr_t>(g.data_ptr());
+        rows[at + k->col.numel] = g.numel();
+        rows[at + k->col.g] = reinterpret_cast<intptr_t>(g.data_ptr());
         groups[gi].n++;
     }
     const int nth = at::get_num_threads();
@@ -365,9 +376,13 @@ namespace py = pybind11;
 PYBIND11_MODULE(vega_native, m) {
     py::register_exception<MissingLibrary>(m, "MissingLibrary", PyExc_LookupError);
     m.def("add_kernel", [](int64_t id, std::string name, int64_t nstates, int64_t nphases,
-                           int64_t nred, int64_t nhyper, bool axes, std::vector<int64_t> doms) {
-        if (static_cast<int64_t>(doms.size()) != nstates) fail("add_kernel: doms");
+                           int64_t nred, int64_t nhyper, bool axes, std::vector<int64_t> doms,
+                           std::vector<int64_t> columns) {
+        if (static_cast<int64_t>(doms.size()) != nstates || columns.size() != 10)
+            fail("add_kernel: one domain a state and ten column starts");
         auto k = std::make_shared<Kernel>();
+        k->col = {columns[0], columns[1], columns[2], columns[3], columns[4],
+                  columns[5], columns[6], columns[7], columns[8], columns[9]};
         k->name = std::move(name);
         k->nstates = nstates, k->nphases = nphases, k->nred = nred, k->nhyper = nhyper;
         k->axes = axes;

@@ -22,6 +22,8 @@ import torch
 
 from vega.codegen.base import (Geometry, Linear, Renderer, check_states, geometry, linearize,
                                safe)
+from vega.codegen.record import Pre, finite_of
+from vega.codegen.steps import advance_steps, memo
 from vega.codegen.tensors import refuse_inplace
 from vega.dsl.ir import AXIS_REDUCTIONS, REDUCTIONS, Kind, Node, Op, Program
 
@@ -284,7 +286,7 @@ class Kernel:
         ``steps`` the 0-d int32 step counter of each tensor (a tensor may repeat),
         ``values`` the hyperparameter values (0-d tensors or floats) of each tensor.
 
-        ``pre`` (see ``make_pre``), when given, holds what the prelude gathered
+        ``pre`` (``vega.codegen.record``), when given, holds what the prelude gathered
         over all gradients: gradients are multiplied by the inverse loss scale,
         then by the clip coefficient ``max_norm / max(norm, max_norm)``; when it
         asks for the check, a step whose gradients are not all finite leaves
@@ -298,9 +300,11 @@ class Kernel:
                            list({id(s): s for s in steps}.values()))
         finite = gscale = None
         if pre is not None:
-            finite = (pre[1] == 0) | (pre[4] == 0)
-            coef = torch.where(pre[3] > 0, pre[3] / torch.maximum(pre[0].sqrt(), pre[3]), 1.0)
-            gscale = (pre[2], coef)
+            finite = finite_of(pre)
+            max_norm = pre[Pre.MAX_NORM]
+            coef = torch.where(max_norm > 0,
+                               max_norm / torch.maximum(pre[Pre.SUM_SQ].sqrt(), max_norm), 1.0)
+            gscale = (pre[Pre.INV_SCALE], coef)
         cache: dict = {}
         new_params, new_states = [], [[] for _ in self.program.states]
         for i, (p, g) in enumerate(zip(params, grads)):
@@ -339,60 +343,8 @@ class Kernel:
         return new_params, new_states, advance_steps(steps, finite, donate), finite
 
 
-INT32_MAX = 2**31 - 1
-
-
-def make_pre(device, inv_scale=None, max_norm=None, check=False) -> torch.Tensor:
-    """The prelude's float64 record: [sum of squares, non-finite count, inverse loss scale,
-    max_norm (0: no clipping), check (1: skip a step with non-finite gradients)]."""
-    pre = torch.zeros(5, dtype=torch.float64, device=device)
-    if inv_scale is not None:
-        pre[2:3].copy_(torch.as_tensor(inv_scale).detach().reshape(1))
-    else:
-        pre[2] = 1.0
-    pre[3] = float(max_norm) if max_norm is not None else 0.0
-    pre[4] = 1.0 if check else 0.0
-    return pre
-
-
 def add_prelude(grads, pre: torch.Tensor) -> None:
     for g in grads:
-        gc = g.to(compute_dtype(g.dtype)) * pre[2].to(compute_dtype(g.dtype))
-        pre[0] += gc.double().square().sum()
-        pre[1] += (~torch.isfinite(gc)).sum()
-
-
-def advance_steps(steps, finite, donate):
-    """Each distinct step counter plus one (saturating; not on a skipped step)."""
-    def advance(step):
-        inc = (step < INT32_MAX).to(step.dtype)
-        if finite is not None:
-            inc = inc * finite.to(step.dtype)
-        return step.add_(inc) if donate else step + inc
-    done: dict = {}
-    compiling = torch.compiler.is_compiling()
-    return [memo(done, (step,), (), advance, step, compiling=compiling) for step in steps]
-
-
-def memo(seen: dict, objs: tuple, plain: tuple, make, *args, compiling: bool | None = None):
-    """``make(*args)``, once per distinct ``objs`` (by identity) and ``plain`` (by equality).
-
-    Eagerly a dict keyed by ``id``; under ``torch.compile`` a scan by ``is``: there
-    the ``id`` of an input tensor guards on that very tensor, and each new step
-    counter (a new state) would recompile. ``compiling`` saves asking, in loops.
-    """
-    if compiling is None:
-        compiling = torch.compiler.is_compiling()
-    if compiling:
-        for known, known_plain, value in seen.values():
-            if known_plain == plain and len(known) == len(objs) \
-                    and all(a is b for a, b in zip(known, objs, strict=True)):
-                return value
-        key = len(seen)
-    else:
-        key = (*map(id, objs), *plain)
-        if key in seen:
-            return seen[key][2]
-    value = make(*args)
-    seen[key] = (objs, plain, value)  # holding objs keeps their ids from being reused
-    return value
+        gc = g.to(compute_dtype(g.dtype)) * pre[Pre.INV_SCALE].to(compute_dtype(g.dtype))
+        pre[Pre.SUM_SQ] += gc.double().square().sum()
+        pre[Pre.NONFINITE] += (~torch.isfinite(gc)).sum()

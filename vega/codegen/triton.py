@@ -52,6 +52,7 @@ import torch
 from vega.codegen import reference, triton_runtime
 from vega.codegen.base import Linear, Renderer, linearize, safe
 from vega.codegen.base import reduction_phases
+from vega.codegen.record import PRE_SLOTS, named
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, LEAVES, REDUCTIONS, Kind, Node, Op,
                          Program, walk)
 
@@ -732,7 +733,7 @@ class Source:
             name=safe(prog.name), flags=flags, pdt=pdt, gdt=gdt, sdt=sdt, ct=self.ct[3:],
             ctl=self.ct,
             gct="tl.float64" if gdt == "float64" else "tl.float32", gtl=TL[gdt],
-            columns=self.cols, nred=len(self.slots),
+            columns=self.cols, nred=len(self.slots), pre_slots=named("PRE", PRE_SLOTS),
             needs_pow=any(n.op is Op.POW for n in nodes),
             needs_bf16="bfloat16" in (pdt, sdt),
             needs_nanmax=any(n.op is Op.AMAX for n in nodes),

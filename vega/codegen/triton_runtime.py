@@ -31,6 +31,7 @@ from collections import OrderedDict
 import torch
 
 from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, safe
+from vega.codegen.record import finite_of
 from vega.codegen.tensors import has_own_ops, own_ops_words, refuse_inplace, resolved
 
 BLOCK_GPU, WARPS_GPU = 2048, 8  # elements per program, and warps, on a GPU
@@ -430,5 +431,5 @@ def step(kern, params, grads, states, steps, values, donate, pre):
     if pre is None:
         finite = None
     elif not uniq_steps:  # no counter to advance: the flag from the prelude's record
-        finite = (pre[1] == 0) | (pre[4] == 0)
+        finite = finite_of(pre)
     return new_p, new_s, [new_t[j] for j in step_index], finite

@@ -8,7 +8,7 @@ import lark
 from lark import Lark, Token, Transformer, v_args
 
 from vega.dsl import ast
-from vega.dsl.examples import PARSE_ERROR_EXAMPLES
+from vega.dsl.parse_errors import PARSE_ERROR_EXAMPLES
 from vega.errors import Span, SpecError
 
 

@@ -15,7 +15,8 @@ import torch
 
 from vega import codegen
 from vega.codegen.base import HyperRows, distinct, is_schedule
-from vega.codegen.reference import make_pre, memo
+from vega.codegen.record import make_pre
+from vega.codegen.steps import memo
 from vega.codegen.tensors import first_with_own_ops
 from vega.schedule import Schedule
 from vega.dsl.ir import HyperParam, Program
@@ -267,11 +268,6 @@ def inverse_scale(loss_scale) -> torch.Tensor | None:
     return None if loss_scale is None else loss_scale.loss_scale.double().reciprocal()
 
 
-def finite_of(pre: torch.Tensor | None) -> torch.Tensor | None:
-    """The step's all-finite flag from the prelude's record (True when not checked)."""
-    return None if pre is None else (pre[1] == 0) | (pre[4] == 0)
-
-
 def _has_schedule(values: dict) -> bool:
     return any(map(is_schedule, values.values()))
 
@@ -287,7 +283,7 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
     """Gather, over every gradient of every group, what a fused step needs before updating.
 
     ``parts`` lists (program, backend, grads) per group. Returns the float64
-    record of ``vega.codegen.reference.make_pre`` (None when nothing is asked).
+    record of ``vega.codegen.record.make_pre`` (None when nothing is asked).
     """
     if inv_scale is None and max_norm is None and not check:
         return None

@@ -58,7 +58,7 @@ from functools import partial
 
 import torch
 
-from vega.codegen.reference import advance_steps
+from vega.codegen.steps import advance_steps
 from vega.runtime.engine import check_state_dtype, state_dtype_for
 from vega.runtime.spec import _check_leaves, _label, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten

@@ -13,8 +13,9 @@ import torch
 from vega import codegen, dsl
 from vega.dsl import ir
 from vega.codegen.base import state_shape
+from vega.codegen.record import finite_of
 from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
-from vega.codegen.reference import advance_steps
+from vega.codegen.steps import advance_steps
 from vega.runtime import engine
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
 
@@ -178,7 +179,7 @@ class CompiledSpec:
             pre = engine.prelude([(program, backend, [g_leaves[i] for i in ids])
                                   for program, ids in work],
                                  engine.inverse_scale(loss_scale), max_grad_norm, check)
-            finite = engine.finite_of(pre)
+            finite = finite_of(pre)
             new_step = None
             for program, ids in work:
                 # several programs share the one counter: each reads it as it was, and
@@ -219,7 +220,7 @@ class CompiledSpec:
     @cached_property
     def optimizer_class(self) -> type:
         """This optimizer as a ``torch.optim.Optimizer`` subclass."""
-        from vega.runtime.optim import optimizer_class
+        from vega.runtime.optimizer import optimizer_class
         return optimizer_class(self)
 
     def optimizer(self, params, **kwargs) -> torch.optim.Optimizer:

@@ -15,6 +15,7 @@ import torch
 
 from vega import codegen
 from vega.codegen.base import distinct, state_shape
+from vega.codegen.record import finite_of
 from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
 from vega.runtime import engine
 
@@ -129,7 +130,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             engine.run(program, backend, params, grads, states, steps, [values] * len(params),
                        donate=True, pre=pre)
         if self.loss_scale is not None:
-            self.loss_scale = self.loss_scale.adjust(engine.finite_of(pre))
+            self.loss_scale = self.loss_scale.adjust(finite_of(pre))
         return loss
 
     def _routed(self, group, work: list[tuple]) -> list[tuple]:

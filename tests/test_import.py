@@ -1,0 +1,56 @@
+"""Importing vega compiles nothing; the shipped optimizers are built when first used."""
+import json
+import pickle
+import subprocess
+import sys
+
+import torch
+
+import vega
+import vega.optim
+from vega.runtime.library import builtin, builtin_names
+
+# whether the spec grammar was ever built (a spec's first parse builds it) and how many
+# shipped specs were compiled, after importing vega, then after naming one step
+PROBE = """
+import json
+import vega, vega.optim
+from vega.dsl import parser
+from vega.runtime import library
+seen = [(parser._parser.cache_info().currsize, library._compiled.cache_info().currsize)]
+vega.adamw_step
+seen.append((parser._parser.cache_info().currsize, library._compiled.cache_info().currsize))
+print(json.dumps(seen))
+"""
+
+
+def test_import_parses_no_spec():
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                         check=True)
+    at_import, after_use = json.loads(out.stdout.splitlines()[-1])
+    assert at_import == [0, 0], "import vega parsed or compiled a spec"
+    assert after_use == [1, 1]  # (the probe sees a compile: naming a step is one)
+
+
+def test_shipped_names_resolve():
+    assert set(vega.__all__) <= set(dir(vega))
+    assert set(vega.optim.__all__) <= set(dir(vega.optim))
+    names = sorted(n for n in vega.__all__ if n.endswith("_step") and n != "lbfgs_step")
+    assert names == [f"{n}_step" for n in builtin_names()]
+    from vega import adamw_step
+    assert adamw_step == builtin("adamw").step and vega.adamw is builtin("adamw")
+    made = [n for n in vega.optim.__all__ if n not in ("SpecOptimizer", "LBFGS")]
+    assert sorted(getattr(vega.optim, n).spec.name for n in made) == builtin_names()
+    for name in made:
+        cls = getattr(vega.optim, name)
+        assert cls.__name__ == name and cls.__module__ == "vega.optim"
+
+
+def test_a_lazily_made_class_pickles():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = vega.optim.Lion([p], lr=0.1, backend="reference")
+    opt.step()
+    back = pickle.loads(pickle.dumps(opt))
+    assert type(back) is vega.optim.Lion
+    assert torch.equal(back.param_groups[0]["params"][0], p)

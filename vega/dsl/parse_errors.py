@@ -1,0 +1,57 @@
+"""Example parse errors, next to the grammar: what a user might write, and what it means.
+
+When a parse fails, the parser (``vega.dsl.parser``) finds the example here that
+fails the same way, as lark's ``match_examples`` does, and its label is the
+explanation. tests/dsl/test_errors.py checks that each example is explained by
+its own label.
+"""
+from __future__ import annotations
+
+PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
+    "a spec starts with 'optimizer NAME(hyperparameters) {'": [
+        "adam(lr = 1) { p = p }",
+        "optimizer { p = p }",
+        "state m = zeros",
+    ],
+    "a hyperparameter needs a default: NAME = VALUE": [
+        "optimizer o(lr) { p = p }",
+        "optimizer o(lr, b = 1) { p = p }",
+        "optimizer o(lr = ) { p = p }",
+    ],
+    "hyperparameters are separated by commas": [
+        "optimizer o(lr = 1 b = 2) { p = p }",
+    ],
+    "a hyperparameter's default is a number, true, false, inf, nan or pi": [
+        "optimizer o(lr = a) { p = p }",
+        "optimizer o(lr = 1, b = a) { p = p }",
+        "optimizer o(lr = 1 + 2) { p = p }",
+    ],
+    "an assignment needs a value after '='": [
+        "optimizer o() { p = }",
+        "optimizer o() { p = p - }",
+        "optimizer o() { p = p * }",
+        "optimizer o() { p = p - p * }",
+        "optimizer o() { p = p ^ }",
+        "optimizer o() { p = - }",
+        "optimizer o() { p = sqrt(p, ) }",
+        "optimizer o() { m = * p }",
+    ],
+    "a statement is 'state NAME = VALUE', 'NAME = VALUE' or an if": [
+        "optimizer o() { p }",
+        "optimizer o() { p + 1 }",
+        "optimizer o() { 1 = p }",
+        "optimizer o() { p == p }",
+    ],
+    "a range is written 'in [lo, hi]', '(lo, hi)', or half-open": [
+        "optimizer o(b = 0.5 in 0, 1) { p = p }",
+        "optimizer o(b = 0.5 in [0 1]) { p = p }",
+    ],
+    "a range's bounds are numbers, inf, -inf or pi": [
+        "optimizer o(b = 0.5 in [a, 1]) { p = p }",
+        "optimizer o(b = 0.5 in [0, a]) { p = p }",
+    ],
+    "an if's body goes in braces: if cond { ... }": [
+        "optimizer o(f = true) { if f p = p }",
+        "optimizer o(f = true) { if (f) p = p }",
+    ],
+}
