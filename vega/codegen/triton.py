@@ -50,7 +50,7 @@ from importlib.resources import files
 import torch
 
 from vega.codegen import reference, triton_runtime
-from vega.codegen.base import Linear, Renderer, linearize, safe
+from vega.codegen.base import Linear, Renderer, hyper_var, linearize, state_var
 from vega.codegen.base import reduction_phases
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, LEAVES, REDUCTIONS, Kind, Node, Op,
                          Program, walk)
@@ -268,9 +268,9 @@ def axis_plan(program: Program) -> Plan:
         found = [(d, *doms[d]) for d in DOMS if d in doms]
         launches += [Launch("stage", k, d, tuple(g), tuple(r)) for d, g, r in found]
         launches += [Launch("finish", k, d, tuple(g), tuple(r)) for d, g, r in found if r]
-    safe_doms = {"p": "rc", **{safe(s.name): s.dom for s in program.states}}
+    var_doms = {"p": "rc", **{state_var(s.name): s.dom for s in program.states}}
     for dom in ("rc", "r", "c"):  # the elements first: they read the old rows and columns
-        targets = tuple(x for x, d in safe_doms.items() if d == dom)
+        targets = tuple(x for x, d in var_doms.items() if d == dom)
         if targets:
             launches.append(Launch("write", len(stages), dom, targets=targets))
     temps = tuple(n for launch in launches if launch.kind == "stage" for n in launch.gathers)
@@ -363,7 +363,7 @@ class _Emitter:
         if id(node) in ctx.names:
             return ctx.names[id(node)]
         if node.op in (Op.PARAM, Op.GRAD, Op.STATE):
-            x = "p" if node.op is Op.PARAM else "g" if node.op is Op.GRAD else safe(node.arg)
+            x = src.lin.ref(node)
             self.used.add(x)
             if ctx is self.root and x in self.stored:
                 text = f"{src.stored[x]}.to({src.ct})"
@@ -479,9 +479,9 @@ class Source:
                 self.rename[name] = new
             return new
 
-        for name in ["p", "g", "t", *lin.hypers, *(safe(s) for s in prog.state_names)]:
+        for name in ["p", "g", "t", *lin.hypers, *(state_var(s) for s in prog.state_names)]:
             claim(name, spec=True)
-        self.targets = ["p", *(safe(s) for s in prog.state_names)]  # table order
+        self.targets = ["p", *(state_var(s) for s in prog.state_names)]  # table order
         v = self.var
         self.cols: list[dict] = [{"name": "NUMEL", "comment": "number of elements"}]
         self.col = {}
@@ -494,7 +494,7 @@ class Source:
         column("p", "P", "parameter")
         column("g", "G", "gradient")
         for s in prog.state_names:
-            column(safe(s), f"S_{safe(s)}", f"state {s}")
+            column(state_var(s), f"S_{state_var(s)}", f"state {s}")
         self.col["step"], self.col["hyper"] = "STEP", "HYPER"
         self.cols.append({"name": "STEP", "comment": "int32 step counter (completed steps)"})
         hyp = ", ".join(prog.float_hypers) or "none"
@@ -547,7 +547,7 @@ class Source:
         if need_t:
             scalar.append(f"{v('t')} = tl.load(step_ptr).to(tl.float64) + 1.0")
         for k, h in hypers:
-            scalar.append(f"{v(safe(h))} = tl.load(hyper_ptr + {k})")
+            scalar.append(f"{v(hyper_var(h))} = tl.load(hyper_ptr + {k})")
         for line in lin.scalar_lines:
             if id(line.node) in scalar_nodes:
                 scalar.append(f"{v(line.var)} = {r.expr(lin, line.node, 'scalar')}")
@@ -559,8 +559,7 @@ class Source:
     def _kernel(self, roots: list[Node], update: bool) -> dict:
         lin, r, v = self.lin, self.r, self.var
         lines, earlier, needed = _needed(roots, [] if update else roots)
-        used = {"p" if n.op is Op.PARAM else "g" if n.op is Op.GRAD else safe(n.arg)
-                for n in needed if n.op in (Op.PARAM, Op.GRAD, Op.STATE)}
+        used = {lin.ref(n) for n in needed if n.op in (Op.PARAM, Op.GRAD, Op.STATE)}
         # the scalars the element lines read (rounded once to ct), and the scalar lines they need
         readers = [n for n in needed if n.kind >= Kind.TENSOR and not any(n is e for e in earlier)]
         rounded = {id(s): s for m in readers for s in m.src
@@ -656,7 +655,7 @@ class Source:
         return kernel
 
     def _new_values(self) -> dict[str, Node]:
-        return {safe(t) if t != "p" else "p": n for t, n in self.program.updates}
+        return {state_var(t) if t != "p" else "p": n for t, n in self.program.updates}
 
     def _store(self, x: str, node: Node | None, value: str) -> list[str]:
         """The lines that write ``node`` (named ``value``) as the new value of ``x`` at
@@ -729,7 +728,7 @@ class Source:
         nodes = walk(n for _, n in prog.updates)
         axes = self.plan is not None
         return _template().render(
-            name=safe(prog.name), flags=flags, pdt=pdt, gdt=gdt, sdt=sdt, ct=self.ct[3:],
+            name=prog.name, flags=flags, pdt=pdt, gdt=gdt, sdt=sdt, ct=self.ct[3:],
             ctl=self.ct,
             gct="tl.float64" if gdt == "float64" else "tl.float32", gtl=TL[gdt],
             columns=self.cols, nred=len(self.slots),
@@ -774,7 +773,7 @@ class Kernel:
                           for x in plan.launches], [DOMS.index(n.dom) for n in plan.temps])
         text = self.source()
         # the modules' name, by their source; the custom ops' name for this kernel, its own
-        self.module_name = f"{safe(program.name)}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+        self.module_name = f"{program.name}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
         self.key = f"{self.module_name}-{next(_SERIAL)}"
         self._modules: dict[tuple, dict] = {}
         triton_runtime.register(self)
