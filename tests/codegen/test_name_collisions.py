@@ -13,8 +13,9 @@ optimizer's name is swept too (it names the Triton kernels).
 
 The steps run in two child processes side by side (reference and C; Triton), which a
 kernel reading the wrong address may crash: Triton's under its interpreter on CPU
-tensors (``TRITON_INTERPRET=1``, ~70 elements) where there is no GPU.
+tensors (``TRITON_INTERPRET=1``, ~1,000 elements a tensor) where there is no GPU.
 """
+import ast
 import io
 import json
 import keyword
@@ -38,6 +39,11 @@ TIMEOUT = 600
 LISTED = ["N_R", "N_C", "N_M", "SR", "SC", "FR", "FC", "RR", "CC", "hyper", "geo", "p_out",
           "zz_m_out", "zz_r_out", "zz_c_out", "torch", "math", "None", "self", "lambda",
           "int", "double", "INFINITY", "sqrt", "restrict", "omp"]
+# the language's own words: its keywords and constants, the builtins, some functions (a
+# keyword is a name where no operator may stand: state not, hyperparameter and)
+LANGUAGE = ["optimizer", "as", "state", "if", "else", "and", "or", "not", "in", "float",
+            "bool", "true", "false", "inf", "nan", "pi", "p", "g", "t", "sqrt", "abs", "max",
+            "sum", "row_mean", "ndim", "zeros", "rows", "cols"]
 # C: the keywords, and the macros of the headers a kernel includes (a name that is not a
 # macro matters only where the generated code uses it: then it is one of its identifiers)
 C_WORDS = """auto break case char const continue default do double else enum extern float
@@ -66,7 +72,7 @@ VALUE = """optimizer zz_tiny(zz_lr = 0.01) {{
 }}"""
 NAME = "optimizer {x}(zz_lr = 0.1) {{ p = p - zz_lr * g }}"
 OPTIMIZER_NAMES = ["lambda", "None", "triton", "vega"]
-SHAPES = {"matrix": (6, 7), "vector": (30,)}  # the first steps over its matrix view
+SHAPES = {"matrix": (24, 40), "vector": (1000,)}  # the first steps over its matrix view
 # the names spec_text gives its own values, and the plain and filler names: not swept
 TEMPLATE = re.compile(r"zz_(lr|m|r|c|u|d|n|probe|tiny)|zq[a-z]\d+|zf\d+_\d+")
 
@@ -135,6 +141,31 @@ def _c_names(text: str) -> set[str]:
     return set(re.findall(r"(?<![\w.])[A-Za-z_]\w*", text))
 
 
+def _template_names() -> set[str]:
+    """The identifiers of the code in the backends' templates (less the template's own
+    tags, comments and docstrings): helpers a probe may not call (vpow, to_bf16)."""
+    out = set()
+    for path in (ROOT / "vega" / "codegen" / "templates").glob("*.j2"):
+        text = re.sub(r"\{#.*?#\}|\{%.*?%\}|\{\{.*?\}\}|\"\"\".*?\"\"\"|#[^\n]*", " ",
+                      path.read_text(), flags=re.S)
+        out |= set(re.findall(r"(?<![\w.])[A-Za-z_]\w*", text))
+    return out
+
+
+def _literal_names() -> set[str]:
+    """The identifiers in the string literals of the backends' Python (the pieces of code
+    they generate, and what else they spell), those that read like code rather than
+    prose: with an underscore inside."""
+    out = set()
+    for path in (ROOT / "vega" / "codegen").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = re.sub(r"/\*.*?\*/", " ", node.value, flags=re.S)
+                out |= {x for x in re.findall(r"(?<![\w.])[A-Za-z_]\w*", text)
+                        if "_" in x.strip("_")}
+    return out
+
+
 def _backends() -> list[str]:
     from vega import codegen
     return [b for b in ("reference", "c", "triton") if b in codegen.BACKENDS]
@@ -149,20 +180,31 @@ def _sources(text: str) -> dict[str, list[str]]:
 
 @cache
 def _legal(name: str, role: str) -> bool:
-    """Whether the language accepts ``name`` in ``role`` (or as the optimizer's: "name")."""
+    """Whether the language accepts ``name`` in ``role`` (or as the optimizer's: "name"):
+    in a small spec where it is a value, or else in ``spec_text`` with it in that role
+    (the header and the places a name takes there: a keyword such as and is a name where
+    no operator may stand)."""
     from vega import SpecError, dsl
     from vega.dsl.check import API_NAMES, BUILTINS, STEP_COUNTER
     if name in BUILTINS:  # (p may be assigned: as a value it is the update)
         return False
-    if role == "hyper":
-        return name not in API_NAMES and _legal(name, "value")
-    if role == "state":
-        return name != STEP_COUNTER and _legal(name, "value")
+    if role == "hyper" and name in API_NAMES or role in ROLES[1:4] and name == STEP_COUNTER:
+        return False
     try:
         dsl.load((NAME if role == "name" else VALUE).format(x=name))
         return True
     except SpecError:
+        if role == "name":
+            return False
+    try:
+        dsl.load(spec_text("zz_probe", {**plain_names(1), role: [name]}))
+        return True
+    except SpecError:
         return False
+
+
+def _anywhere(name: str) -> bool:
+    return any(_legal(name, role) for role in ROLES)
 
 
 def _shape(name: str) -> str:
@@ -192,8 +234,11 @@ def candidates() -> tuple[list[str], list[str]]:
     for x in sorted(found):
         if "zq" not in x:  # (of the plain names, which no spec of the sweep has)
             shapes.setdefault(_shape(x), x)
-    names = sorted(set(shapes.values()) | set(LISTED) | set(C_WORDS) | set(PY_WORDS))
-    names = [x for x in names if not TEMPLATE.fullmatch(x) and _legal(x, "value")]
+    for x in sorted(_template_names() | _literal_names()):
+        shapes.setdefault(_shape(x), x)
+    names = sorted(set(shapes.values()) | set(LISTED) | set(LANGUAGE) | set(C_WORDS)
+                   | set(PY_WORDS))
+    names = [x for x in names if not TEMPLATE.fullmatch(x) and _anywhere(x)]
     # optimizer names: a name less what follows the optimizer's in a kernel's (read, of
     # read_prelude), the Triton modules' own functions, and a few words
     kernels = {d for d in defs if "zz_probe" in d}
@@ -221,8 +266,7 @@ def batches() -> tuple[dict[str, str], list[tuple[str, dict[str, str]]], dict]:
         chosen = {}
         for j, role in enumerate(ROLES):
             group = groups[(j + r) % len(ROLES)]
-            legal = role if role in ("hyper", "value") else "state"
-            chosen[role] = [x if _legal(x, legal) else f"zf{r}{j}_{i}"
+            chosen[role] = [x if _legal(x, role) else f"zf{r}{j}_{i}"
                             for i, x in enumerate(group)]
             chosen[role] += [f"zf{r}{j}_{i}" for i in range(len(group), m)]
         label = f"sweep{r}"
@@ -378,12 +422,32 @@ def test_the_sweep_has_every_name_in_every_role_the_language_allows():
     _, _, roles = batches()
     for role in ROLES:
         held = {x for chosen in roles.values() for x in chosen[role]}
-        legal = "state" if role in ("rows", "cols") else role
-        missing = [x for x in names if _legal(x, legal) and x not in held]
+        missing = [x for x in names if _legal(x, role) and x not in held]
         assert not missing, (role, missing)
-        for x in LISTED + C_WORDS + keyword.kwlist:
-            assert x in held or not _legal(x, legal), (role, x)
+        for x in LISTED + LANGUAGE + C_WORDS + keyword.kwlist:
+            assert x in held or not _legal(x, role), (role, x)
     assert len(names) > 300 and "read" in opt
+
+
+def test_a_name_the_sweep_leaves_out_is_a_word_of_the_language_and_a_spec_error():
+    """Where the sweep does not use a name, the language refuses it there (a SpecError,
+    never a backend's error), and it is a word of the language's own or of the API."""
+    import vega
+    from vega import SpecError
+    from vega.dsl.check import API_NAMES, FUNCTIONS, INIT_NAMES, SHAPE_QUERIES, STEP_COUNTER
+    own = {*LANGUAGE, *FUNCTIONS, *SHAPE_QUERIES, *INIT_NAMES}
+    pool = (set(LISTED) | set(LANGUAGE) | set(C_WORDS) | set(PY_WORDS) | _template_names()
+            | _literal_names())
+    refused = [(x, role) for x in sorted(pool) if not TEMPLATE.fullmatch(x) for role in ROLES
+               if not _legal(x, role)]
+    for x, role in refused:
+        assert x in own or (role == "hyper" and x in API_NAMES) or x == STEP_COUNTER, (x, role)
+        if (x, role) == ("p", "value"):  # (a value named p is the update)
+            continue
+        with pytest.raises(SpecError):
+            vega.compile(spec_text("zz_probe", {**plain_names(1), role: [x]}))
+    for x in ("inf", "nan", "pi", "true", "false", "g", "t", "sqrt"):
+        assert all((x, role) in refused for role in ROLES), x
 
 
 @pytest.mark.parametrize("backend", ["reference", "c", "triton"])
