@@ -712,8 +712,8 @@ class Source:
         nodes = walk(n for _, n in prog.updates)
         axes = self.plan is not None
         return _template().render(
-            name=kernel_prefix(prog), optimizer=prog.name, flags=flags, pdt=pdt, gdt=gdt, sdt=sdt, ct=self.ct[3:],
-            ctl=self.ct,
+            name=kernel_prefix(prog), optimizer=prog.name, flags=flags, pdt=pdt, gdt=gdt,
+            sdt=sdt, ct=self.ct[3:], ctl=self.ct,
             gct="tl.float64" if gdt == "float64" else "tl.float32", gtl=TL[gdt],
             columns=self.cols, nred=len(self.slots),
             needs_pow=any(n.op is Op.POW for n in nodes),
