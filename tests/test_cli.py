@@ -124,9 +124,9 @@ def test_show_takes_a_shape(capsys):
     from vega.cli import main
     assert main(["show", "adafactor", "--backend", "reference", "--shape", "256,128"]) == 0
     out = capsys.readouterr().out
-    assert "def init_v_row" in out and "_reduce(" in out
+    assert "def init_s_v_row" in out and "_reduce(" in out
     assert main(["show", "adafactor", "--backend", "reference"]) == 0
-    assert "def init_v(" in capsys.readouterr().out
+    assert "def init_s_v(" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--shape"):
         main(["show", "adafactor", "--shape", "a,b"])
 
@@ -136,9 +136,9 @@ def test_show_sets_a_float_hyperparameter(capsys):
     assert main(["show", "sgd", "--backend", "reference", "--set", "momentum=0.9", "--set",
                  "nesterov=true"]) == 0
     out = capsys.readouterr().out
-    assert "def init_v(" in out and "nesterov=true" in out
+    assert "def init_s_v(" in out and "nesterov=true" in out
     assert main(["show", "sgd", "--backend", "reference"]) == 0
-    assert "def init_v(" not in capsys.readouterr().out
+    assert "def init_s_v(" not in capsys.readouterr().out
     with pytest.raises(SystemExit, match="momentum is a number: write momentum=0.9"):
         main(["show", "sgd", "--set", "momentum=lots"])
     with pytest.raises(SystemExit, match="nesterov is a bool: write nesterov=true or"):

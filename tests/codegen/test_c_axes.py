@@ -87,7 +87,7 @@ def test_adafactor_bfloat16():
 def test_adafactor_source_is_readable_c():
     text = vega.adafactor.source("c", (512, 768), min_dim_size_to_factor=4)
     assert "void vega_axes_step(" in text and "void vega_update(" not in text
-    assert "= row_mean(v_g2) */" in text and "= col_mean(v_v_row_1) */" in text
+    assert "= row_mean(v_v_g2) */" in text and "= col_mean(v_v_v_row) */" in text
     assert "write p: one value per element" in text
     # a tensor that is not factored: the multi-tensor kernel
     assert "void vega_update(" in vega.adafactor.source("c", (512,), min_dim_size_to_factor=4)

@@ -236,9 +236,9 @@ def test_source():
     for dtypes in (("float32",) * 3, ("bfloat16", "bfloat16", "float32"), ("float64",) * 3):
         text = kern.source(dtypes)
         compile(text, "<adafactor>", "exec")
-        assert "def adafactor_write_r(" in text and "put(offsets[:, None]" in text
+        assert "def vega_adafactor_write_r(" in text and "put(offsets[:, None]" in text
         for line in text.splitlines():
             assert len(line) <= 100 or line.lstrip().startswith("#") or "  # " in line, line
     shown = spec.source("triton", shape=(256, 512), use_momentum=True)
     assert shown == kern.source()  # the public view of the factored kernel
-    assert "def adafactor_write_r(" not in spec.source("triton")  # a vector's: not factored
+    assert "def vega_adafactor_write_r(" not in spec.source("triton")  # a vector's: not factored

@@ -107,7 +107,7 @@ def test_shape_conditions_show_and_choose_programs():
     assert spec.program(shape=(4, 5)).state_names == ("m",)
     assert spec.program(shape=(2, 5)).state_names == ()
     assert spec.program().state_names == ()  # no shape: every condition false
-    assert "def init_m" not in spec.source() and "def init_m" in spec.source(shape=(4, 5))
+    assert "def init_s_m" not in spec.source() and "def init_s_m" in spec.source(shape=(4, 5))
     assert "hyperparameter values, in source order: true" in spec.source(shape=(4, 5))
     assert "_reduce(" in vega.adafactor.source(shape=(256, 128))
 

@@ -9,7 +9,6 @@ per-tensor reductions in it) -- and names every value. A backend subclasses
 """
 from __future__ import annotations
 
-import keyword
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -40,17 +39,37 @@ class Linear:
         return self.names[id(node)]
 
 
-RESERVED = set(keyword.kwlist) | {"torch", "math", "tl", "triton", "float", "int", "bool", "double",
-                                  "const", "static", "void", "return", "for", "while", "if",
-                                  "else", "char", "long", "short", "signed", "unsigned", "struct",
-                                  "union", "enum", "switch", "case", "default", "goto", "do",
-                                  "break", "continue", "sizeof", "typedef", "extern", "register",
-                                  "volatile", "auto", "inline", "restrict"}
+# Names, by construction rather than by a list of names to avoid: every identifier the
+# backends make from a spec's names lives in a namespace of its own, which no other
+# identifier of the generated code enters, so that no spec name can meet a name a
+# backend uses for itself (a keyword of the target language, a library's function or
+# macro, a pointer, a table column, a helper) nor another spec name. A value of a
+# program is named by ``linearize``:
+#
+# - ``p``, ``g``, ``t``: the builtins (no spec may declare these names);
+# - ``h_<name>``: a hyperparameter, ``s_<name>``: a state's old value;
+# - ``v_<name>``: a value the spec names (deduplicated: ``v_u``, ``v_u_1``, ...), and
+#   ``v_<k>`` (a digit: no spec name starts with one) a value it does not.
+#
+# In the reference's and the Triton kernels' Python, no other identifier is p, g or t
+# or begins with ``h_``, ``s_``, ``v_``, ``p_``, ``g_`` or ``t_`` (a name made from a
+# value's for the same value elsewhere, Triton's ``p_k``, begins with it); a name made
+# from a value's for something else (an address, a table column) is a prefix of its own
+# and the value's name (Triton's ``ptr_s_mu``): distinct prefixes, distinct names. C's
+# identifiers for values are ``v_``, ``d_`` or ``m_`` and the value's name, and no other
+# begins so. The optimizer's name is never an identifier of its own: Triton's kernels
+# are ``vega_<name>_<what>``.
+HYPER_PREFIX, STATE_PREFIX, VALUE_PREFIX = "h_", "s_", "v_"
 
 
-def safe(name: str) -> str:
-    """A spec name as an identifier no target language reserves."""
-    return f"{name}_" if name in RESERVED or name.startswith("_") else name
+def hyper_var(name: str) -> str:
+    """The identifier of float hyperparameter ``name`` in generated code."""
+    return HYPER_PREFIX + name
+
+
+def state_var(name: str) -> str:
+    """The identifier of the old value of state ``name`` in generated code."""
+    return STATE_PREFIX + name
 
 
 def linearize(program: Program) -> Linear:
@@ -60,7 +79,6 @@ def linearize(program: Program) -> Linear:
     taken: set[str] = set()
 
     def fresh(base: str) -> str:
-        base = safe(base)
         if base not in taken:
             taken.add(base)
             return base
@@ -70,19 +88,18 @@ def linearize(program: Program) -> Linear:
         taken.add(f"{base}_{i}")
         return f"{base}_{i}"
 
-    # leaves keep their spec names: p, g, t, hyperparameters, old state values
-    for leaf in (*program.float_hypers, "p", "g", "t", *program.state_names):
-        fresh(leaf)
+    leaf_names = {Op.PARAM: "p", Op.GRAD: "g", Op.T: "t"}
     scalar_lines, element_lines = [], []
     for node in order:
         if node.op is Op.CONST:
             continue
         if node.op in LEAVES:
-            names[id(node)] = safe(node.arg if node.op in (Op.HYPER, Op.STATE) else node.op.value)
+            names[id(node)] = hyper_var(node.arg) if node.op is Op.HYPER else \
+                state_var(node.arg) if node.op is Op.STATE else leaf_names[node.op]
             continue
         scalar = node.kind <= Kind.SCALAR
         lines = scalar_lines if scalar else element_lines
-        var = fresh(node.name or ("s" if scalar else "e") + str(len(lines)))
+        var = fresh(VALUE_PREFIX + (node.name or str(len(scalar_lines) + len(element_lines))))
         names[id(node)] = var
         lines.append(Line(var, node))
     needed = []
@@ -94,8 +111,9 @@ def linearize(program: Program) -> Linear:
         if node.kind <= Kind.SCALAR and node.op is not Op.CONST:
             needed.append(names[id(node)])
     scalar_outputs = tuple(dict.fromkeys(needed))
-    return Linear(program, tuple(safe(h) for h in program.float_hypers), tuple(scalar_lines),
-                  scalar_outputs, tuple(element_lines), program.updates, names)
+    return Linear(program, tuple(hyper_var(h) for h in program.float_hypers),
+                  tuple(scalar_lines), scalar_outputs, tuple(element_lines), program.updates,
+                  names)
 
 
 class Renderer(ABC):

@@ -26,6 +26,12 @@ one at a time, each through a sequence of loops over one domain (see
 ``AxesSource``), and its results do not depend on the thread count. Its table
 rows have the same columns, with the geometry before the outputs. A step with a
 non-contiguous tensor runs on contiguous copies, in place.
+
+Each value x of the program (``vega.codegen.base.linearize``: p, g, t, h_<hyperparameter>,
+s_<state>, v_<value>) is ``v_x`` in the compute type, ``d_x`` in double (the scalar
+phase) and ``m_x`` where it is kept in a buffer; no other identifier of a kernel, nor a
+macro of the headers it includes, begins with v_, d_ or m_, so that no spec name can meet
+a C keyword, a macro or a local.
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ from torch.autograd.graph import increment_version
 
 from vega.codegen import cbuild, native, record, reference
 from vega.codegen.base import (HyperRows, Linear, Renderer, axis_geometry, check_states,
-                               distinct, is_schedule, linearize, reduction_phases, safe)
+                               distinct, is_schedule, linearize, reduction_phases, state_var)
 from vega.codegen.tensors import (has_own_ops, own_ops_words, refuse_inplace, resolved, roles,
                                   shared_pair)
 from vega.dsl.check import matrix_axes
@@ -430,7 +436,7 @@ class Source:
         if node.op is Op.GRAD:
             return f"const CT v_g = LOAD_G(G_[{index}]) * gs * coef;"
         k = self.program.state_names.index(node.arg)
-        return f"const CT v_{safe(node.arg)} = LOAD_S(S{k}_[{index}]);"
+        return f"const CT v_{state_var(node.arg)} = LOAD_S(S{k}_[{index}]);"
 
     def _loads(self) -> list[str]:
         leaves = [Node(Op.PARAM), Node(Op.GRAD)] + [Node(Op.STATE, arg=s.name)
@@ -777,7 +783,7 @@ class AxesSource(Source):
             self.ready[id(node)] = level
 
     def _buf(self, node: Node) -> str:
-        return "M_" + self.lin.ref(node)
+        return "m_" + self.lin.ref(node)
 
     def _body(self, roots, dom: str, index, compute=frozenset()) -> list[str]:
         """Statements computing ``roots`` at one position of a loop over ``dom``: the leaves

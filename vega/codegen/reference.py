@@ -8,6 +8,10 @@ by ``vega show --backend reference``:
 - ``update(p, g, <state>, <scalars>)``: the element phase, returning the new
   parameter and state values.
 
+A spec's names appear as ``h_<hyperparameter>``, ``s_<state>`` and ``v_<value>``
+(``vega.codegen.base.linearize``): no spec name can meet the module's own names
+(``torch``, ``math``, ``geo``, the helpers) nor a Python keyword.
+
 The scalar phase runs in float64 (as torch.optim computes its step constants
 in Python floats); each scalar is rounded once to the *compute dtype*, in which
 the element phase runs: float64 for float64 parameters, float32 otherwise
@@ -21,7 +25,7 @@ import math
 import torch
 
 from vega.codegen.base import (Geometry, Linear, Renderer, check_states, geometry, linearize,
-                               safe)
+                               state_var)
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import advance_steps, memo
 from vega.codegen.tensors import refuse_inplace
@@ -146,7 +150,7 @@ def render(program: Program, linear: Linear | None = None) -> str:
         out.append(f"    {line.var} = {r.expr(lin, line.node, 'scalar')}")
     out.append(f"    return ({''.join(v + ', ' for v in lin.scalar_outputs)})")
     out.append("")
-    state = [safe(s) for s in program.state_names]
+    state = [state_var(s) for s in program.state_names]
     axes = program.uses_axes
     geo = ["geo"] if axes else []
     out.append(f"def update({', '.join(['p', 'g', *state, *lin.scalar_outputs, *geo])}):")
@@ -166,10 +170,10 @@ def render(program: Program, linear: Linear | None = None) -> str:
 
 def _init_function(name: str, node: Node, hypers, r: TorchRenderer, dom: str = "rc",
                    axes: bool = False) -> list[str]:
-    """``init_<name>(p, <hyperparameters>[, geo])``: a state's initial value."""
+    """``init_s_<name>(p, <hyperparameters>[, geo])``: a state's initial value."""
     lin = linearize(Program("init", (), (), (), (("p", node),)))
     args = ("p",) + tuple(hypers) + (("geo",) if axes else ())
-    out = [f"def init_{safe(name)}({', '.join(args)}):",
+    out = [f"def init_{state_var(name)}({', '.join(args)}):",
            f'    """The initial value of state {name}."""']
     for line in lin.scalar_lines + lin.element_lines:
         out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
@@ -250,7 +254,7 @@ class Kernel:
         exec(compile(self.text, f"<vega reference: {program.name}>", "exec"), namespace)
         self._scalars = namespace["scalars"]
         self._update = namespace["update"]
-        self._inits = [namespace[f"init_{safe(s.name)}"] for s in program.states]
+        self._inits = [namespace[f"init_{state_var(s.name)}"] for s in program.states]
 
     def source(self) -> str:
         return self.text

@@ -7,21 +7,21 @@ tensor of the group: a device table holds each tensor's addresses (numel, p,
 g, state..., step counter, hyperparameters, outputs) and a block map gives
 each program BLOCK consecutive elements of one tensor. A step is:
 
-- ``<name>_prelude`` and ``<name>_prelude_finish``: the gradients' sum of
+- ``vega_<name>_prelude`` and ``vega_<name>_prelude_finish``: the gradients' sum of
   squares and non-finite count, unscaled, added into ``pre``;
-- ``<name>_phase<k>`` and ``<name>_finish<k>``: per-tensor reductions
+- ``vega_<name>_phase<k>`` and ``vega_<name>_finish<k>``: per-tensor reductions
   (``norm``, ``sum``, ``mean``, ``max``), per block then per tensor in block
   order (deterministic); values needed on both sides are recomputed;
-- ``<name>_update``: the scalar phase (float64, once per program, as in the
+- ``vega_<name>_update``: the scalar phase (float64, once per program, as in the
   reference) and the element program; every write is ``where(finite, new, old)``;
-- ``<name>_advance``: the step counters plus one (saturating), unless skipped.
+- ``vega_<name>_advance``: the step counters plus one (saturating), unless skipped.
 
 A program with values per row, column or matrix of the tensors' matrix view
 (``Program.uses_axes``: axis reductions, row and column state) runs instead
-as stages: ``<name>_stage<k>_<domain>`` kernels over the rows, columns,
+as stages: ``vega_<name>_stage<k>_<domain>`` kernels over the rows, columns,
 matrices or elements of every tensor compute the axis reductions (a loop over
 the reduced axis per output) into temporaries and per-tensor reductions (with
-``<name>_finish<k>_<domain>``), and ``<name>_write_<domain>`` kernels write
+``vega_<name>_finish<k>_<domain>``), and ``vega_<name>_write_<domain>`` kernels write
 the new values, computed from the old ones (see ``axis_plan``).
 
 Nothing is read back to the host: the learning rate, step, loss scale, clip
@@ -50,7 +50,7 @@ from importlib.resources import files
 import torch
 
 from vega.codegen import reference, triton_runtime
-from vega.codegen.base import Linear, Renderer, linearize, safe
+from vega.codegen.base import Linear, Renderer, linearize, state_var
 from vega.codegen.base import reduction_phases
 from vega.codegen.record import PRE_SLOTS, named
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, LEAVES, REDUCTIONS, Kind, Node, Op,
@@ -59,11 +59,14 @@ from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, LEAVES, REDUCTIONS, Kind
 TL = {"float32": "tl.float32", "float64": "tl.float64", "bfloat16": "tl.bfloat16",
       "float16": "tl.float16"}
 
-# names the kernels use for themselves; a spec value with one of these names is renamed
-INTERNAL = {"triton", "tl", "pid", "i", "row", "offsets", "mask", "inv_scale", "coef", "finite",
-            "table_ptr", "block_tensor_ptr", "block_start_ptr", "pre_ptr", "red_ptr", "part_ptr",
-            "step_ptr", "hyper_ptr", "HAS_PRE", "BLOCK", "ROW", "NRED", "NUMEL", "STEP", "HYPER",
-            "vpow", "to_bf16", "nanmax", "read_prelude"}
+# Names (see vega.codegen.base): a value of the program is p, g, t, h_<hyperparameter>,
+# s_<state> or v_<value>, and a value computed at other indices (a state read per row in a
+# loop over the elements) that name with a suffix (s_v_row_r, p_k); every other identifier
+# of a module is the kernels' own, none of which is p, g or t or begins with h_, s_, v_,
+# p_, g_ or t_. Those made for a value x: its table columns C_x (its address) and O_x (the
+# address of its new value), the locals ptr_x and out_x (those addresses) and old_x (its
+# old value, as stored); T_x, the column of an axis reduction's offset in the temporaries,
+# and off_x, the local holding it. The kernels are vega_<optimizer name>_<what>.
 
 
 def _call(name):
@@ -132,8 +135,8 @@ class TritonRenderer(Renderer):
         Op.MAX: _minmax("maximum"),
     }
 
-    def __init__(self, ct: str, rename: dict[str, str]):
-        self.ct, self.rename = ct, rename
+    def __init__(self, ct: str):
+        self.ct = ct
 
     def const(self, value) -> str:
         if isinstance(value, bool):
@@ -147,8 +150,7 @@ class TritonRenderer(Renderer):
     def operand(self, linear: Linear, node: Node, phase: str = "element") -> str:
         if node.op is Op.CONST:
             return self.const(node.arg)
-        name = linear.ref(node)
-        return self.rename.get(name, name)
+        return linear.ref(node)
 
     def number(self, node: Node, text: str, phase: str) -> str:
         """``tensor`` for a number literal where float32 would round it (float64 values);
@@ -202,7 +204,6 @@ _WHAT = {Op.NORM: "norm", Op.SUM: "sum", Op.MEAN: "mean", Op.AMAX: "max"}
 # old ones and the temporaries. The write over the elements runs first: the writes of
 # per-row and per-column state read only that state, at the index they write.
 
-AXES_INTERNAL = {"drop", "put", "max_rows", "tmp_ptr", "KBLOCK"}
 DOMS = ("rc", "r", "c", "")  # the order of axis_geometry's counts
 TAG = {"rc": "rc", "r": "r", "c": "c", "": "m"}
 # table columns: axis_geometry(shape)[1:] (its first, the number of elements, is NUMEL)
@@ -269,9 +270,9 @@ def axis_plan(program: Program) -> Plan:
         found = [(d, *doms[d]) for d in DOMS if d in doms]
         launches += [Launch("stage", k, d, tuple(g), tuple(r)) for d, g, r in found]
         launches += [Launch("finish", k, d, tuple(g), tuple(r)) for d, g, r in found if r]
-    safe_doms = {"p": "rc", **{safe(s.name): s.dom for s in program.states}}
+    var_doms = {"p": "rc", **{state_var(s.name): s.dom for s in program.states}}
     for dom in ("rc", "r", "c"):  # the elements first: they read the old rows and columns
-        targets = tuple(x for x, d in safe_doms.items() if d == dom)
+        targets = tuple(x for x, d in var_doms.items() if d == dom)
         if targets:
             launches.append(Launch("write", len(stages), dom, targets=targets))
     temps = tuple(n for launch in launches if launch.kind == "stage" for n in launch.gathers)
@@ -307,7 +308,7 @@ class _Emitter:
 
     def __init__(self, src: Source, dom: str):
         self.src = src
-        self.rx = TritonRenderer(src.ct, {})
+        self.rx = TritonRenderer(src.ct)
         self.taken = set(src.taken)
         self.root = _Ctx(dom, "offsets", "mask", "", [])
         self.top: list[str] = []  # per-tensor values: reductions of earlier stages, and so on
@@ -327,10 +328,13 @@ class _Emitter:
         return new
 
     def column(self, key) -> str:
-        """A local holding an integer column of this tensor's row (geometry, an offset)."""
+        """A local holding an integer column of this tensor's row: a geometry column (``key``
+        its name, the local's in lower case) or the offset of temporary ``q`` (``key``:
+        ("T", q); the local off_x, x the temporary's value)."""
         if key not in self.columns:
             col = self.src.col[key]
-            self.columns[key] = name = self.fresh(col.lower())
+            self.columns[key] = name = key.lower() if isinstance(key, str) else \
+                "off_" + self.src.lin.ref(self.src.plan.temps[key[1]])
             self.column_lines.append(f"{name} = tl.load(row + {col})")
         return self.columns[key]
 
@@ -353,7 +357,7 @@ class _Emitter:
             return src.r.const(node.arg)
         if node.kind <= Kind.SCALAR:
             self.rounded[id(node)] = node
-            return src.var(src.lin.ref(node))
+            return src.lin.ref(node)
         if node.kind == Kind.TENSOR:
             return self.tensor(node)
         root = ctx.root
@@ -364,7 +368,7 @@ class _Emitter:
         if id(node) in ctx.names:
             return ctx.names[id(node)]
         if node.op in (Op.PARAM, Op.GRAD, Op.STATE):
-            x = "p" if node.op is Op.PARAM else "g" if node.op is Op.GRAD else safe(node.arg)
+            x = src.lin.ref(node)
             self.used.add(x)
             if ctx is self.root and x in self.stored:
                 text = f"{src.stored[x]}.to({src.ct})"
@@ -379,7 +383,7 @@ class _Emitter:
         else:
             names = {id(s): self.value(s, ctx) for s in node.src if s.op is not Op.CONST}
             text = self.rx.expr(_Refs(names), node, "element")
-        base = src.var(src.lin.ref(node))
+        base = src.lin.ref(node)
         name = base if ctx is self.root else self.fresh(f"{base}_{ctx.tag}")
         ctx.lines.append(f"{name} = {text}")
         ctx.names[id(node)] = name
@@ -389,7 +393,7 @@ class _Emitter:
         """A per-tensor value, computed once at the top of the kernel."""
         if id(node) not in self.tensors:
             src = self.src
-            name = src.var(src.lin.ref(node))
+            name = src.lin.ref(node)
             if node.op in REDUCTIONS:
                 stage = next(launch.stage for launch in src.plan.launches
                              if any(n is node for n in launch.reductions))
@@ -417,7 +421,7 @@ class _Emitter:
             xs = [self.value(node.src[0], ctx) for node in group]
             init, steps, done = [], [], []
             for node, x in zip(group, xs):
-                name = self.src.var(self.src.lin.ref(node))
+                name = self.src.lin.ref(node)
                 how = AXIS_REDUCTIONS[node.op][1]
                 if how == "max":
                     init.append(f"{name} = tl.full([BLOCK], float(\"-inf\"), {ct})")
@@ -446,8 +450,7 @@ class _Emitter:
         return {"pointers": pointers + scalar_pointers + self.column_lines, "scalar": scalar,
                 "rounded": round_lines, "loads": loads, "lines": self.top + self.root.lines,
                 "part": nparts > 0, "nparts": nparts, "scaled": "g" in self.used,
-                "tmp": True, "kblock": False, "count": src.col.get(COUNT[self.root.dom],
-                                                                    "NUMEL")}
+                "tmp": True, "kblock": False, "count": COUNT[self.root.dom]}
 
 
 class Source:
@@ -461,80 +464,61 @@ class Source:
         self.slots = {id(n): j for j, n in enumerate(n for ph in self.phases for n in ph)}
         self.plan = axis_plan(program) if program.uses_axes else None
         self._names()
-        self.r = TritonRenderer(self.ct, self.rename)
+        self.r = TritonRenderer(self.ct)
 
     # -- names ----------------------------------------------------------------
     def _names(self) -> None:
+        """The table's columns and the names made for the program's values (see the names
+        above, and ``vega.codegen.base``): each the value's name behind a prefix of its own."""
         lin, prog = self.lin, self.program
-        taken = set(INTERNAL) | (AXES_INTERNAL if self.plan is not None else set())
-        self.rename: dict[str, str] = {}
-
-        def claim(name: str, spec: bool = False) -> str:
-            """A free identifier for ``name``; a spec's value renamed where it collides."""
-            new, k = name, 0
-            while new in taken:
-                k += 1
-                new = f"{name}_{k}" if k > 1 else f"{name}_v"
-            taken.add(new)
-            if spec and new != name:
-                self.rename[name] = new
-            return new
-
-        for name in ["p", "g", "t", *lin.hypers, *(safe(s) for s in prog.state_names)]:
-            claim(name, spec=True)
-        self.targets = ["p", *(safe(s) for s in prog.state_names)]  # table order
-        v = self.var
+        self.targets = ["p", *(state_var(s) for s in prog.state_names)]  # table order
+        # the columns, keyed ("in", x) and ("out", x) for value x's, ("T", q) for the offset
+        # of temporary q, by their own names for the others
         self.cols: list[dict] = [{"name": "NUMEL", "comment": "number of elements"}]
         self.col = {}
 
-        def column(key, base, comment):
-            name = claim(base.upper())
+        def column(key, name, comment):
             self.col[key] = name
             self.cols.append({"name": name, "comment": comment})
 
-        column("p", "P", "parameter")
-        column("g", "G", "gradient")
-        for s in prog.state_names:
-            column(safe(s), f"S_{safe(s)}", f"state {s}")
-        self.col["step"], self.col["hyper"] = "STEP", "HYPER"
-        self.cols.append({"name": "STEP", "comment": "int32 step counter (completed steps)"})
-        hyp = ", ".join(prog.float_hypers) or "none"
-        self.cols.append({"name": "HYPER", "comment": f"float64 hyperparameters: {hyp}"})
+        what = {"p": "parameter", "g": "gradient", **{state_var(s): f"state {s}"
+                                                      for s in prog.state_names}}
+        for x in ("p", "g", *self.targets[1:]):
+            column(("in", x), f"C_{x}", what[x])
+        column("STEP", "STEP", "int32 step counter (completed steps)")
+        column("HYPER", "HYPER", "float64 hyperparameters: "
+               f"{', '.join(prog.float_hypers) or 'none'}")
         for x in self.targets:
-            column(f"{x}_out", f"{self.col[x]}_OUT",
-                   f"new {'parameter' if x == 'p' else 'state ' + x} (= {self.col[x]} in place)")
+            column(("out", x), f"O_{x}", f"new {what[x]} (= C_{x} in place)")
         if self.plan is not None:
             for key, comment in GEOMETRY.items():
                 column(key, key, comment)
             for q, node in enumerate(self.plan.temps):
-                column(("T", q), f"T_{v(lin.ref(node))}", f"offset in tmp of {v(lin.ref(node))}, "
+                column(("T", q), f"T_{lin.ref(node)}", f"offset in tmp of {lin.ref(node)}, "
                        f"{DOMAIN_WORDS[node.dom]}")
         for k, col in enumerate(self.cols):
             col["index"] = k
-        self.ptr = {x: claim(f"{v(x)}_ptr") for x in ("p", "g", *self.targets[1:])}
-        self.out_ptr = {x: claim(f"{v(x)}_out_ptr") for x in self.targets}
-        self.stored = {x: claim(f"{v(x)}_stored") for x in self.targets}
-        for line in lin.scalar_lines + lin.element_lines:
-            claim(line.var, spec=True)
+        self.ptr = {x: f"ptr_{x}" for x in ("p", "g", *self.targets[1:])}
+        self.out_ptr = {x: f"out_{x}" for x in self.targets}
+        self.stored = {x: f"old_{x}" for x in self.targets}
         width = max(map(len, self.phases), default=0) if self.plan is None else \
             max((len(launch.reductions) for launch in self.plan.launches), default=0)
-        self.partname = [claim(f"part{q}") for q in range(width)]
-        self.acc = [claim(f"acc{q}") for q in range(len(self.partname))]
-        self.taken = taken
-
-    def var(self, name: str) -> str:
-        return self.rename.get(name, name)
+        self.partname = [f"part{q}" for q in range(width)]
+        self.acc = [f"acc{q}" for q in range(width)]
+        # the values' names: the emitter's names for values at other indices avoid them
+        self.taken = set(lin.names.values())
 
     def _pointer(self, x: str, out: bool = False) -> str:
         """The line that reads the address of ``x`` (p, g, a state; or its new value)."""
         dt = self.dtypes[0 if x == "p" else 1 if x == "g" and not out else 2]
-        name, col = (self.out_ptr[x], self.col[x + "_out"]) if out else (self.ptr[x], self.col[x])
+        name, col = (self.out_ptr[x], self.col["out", x]) if out else \
+            (self.ptr[x], self.col["in", x])
         return f"{name} = tl.load(row + {col}).to(tl.pointer_type({TL[dt]}))"
 
     def _scalar_phase(self, rounded: list[Node]) -> tuple[list[str], list[str], list[str]]:
         """The pointer, scalar-phase and rounding lines that give the element phase the
         scalars ``rounded`` (computed in float64 from t and the hyperparameters)."""
-        lin, r, v = self.lin, self.r, self.var
+        lin, r = self.lin, self.r
         scalar_nodes = {id(n): n for n in walk(rounded) if n.op is not Op.CONST}
         hyper_names = {n.arg for n in scalar_nodes.values() if n.op is Op.HYPER}
         hypers = [(k, h) for k, h in enumerate(self.program.float_hypers) if h in hyper_names]
@@ -546,22 +530,21 @@ class Source:
             pointers.append("hyper_ptr = tl.load(row + HYPER).to(tl.pointer_type(tl.float64))")
         scalar = []
         if need_t:
-            scalar.append(f"{v('t')} = tl.load(step_ptr).to(tl.float64) + 1.0")
+            scalar.append("t = tl.load(step_ptr).to(tl.float64) + 1.0")
         for k, h in hypers:
-            scalar.append(f"{v(safe(h))} = tl.load(hyper_ptr + {k})")
+            scalar.append(f"{lin.hypers[k]} = tl.load(hyper_ptr + {k})")
         for line in lin.scalar_lines:
             if id(line.node) in scalar_nodes:
-                scalar.append(f"{v(line.var)} = {r.expr(lin, line.node, 'scalar')}")
+                scalar.append(f"{line.var} = {r.expr(lin, line.node, 'scalar')}")
         round_lines = [f"{r.operand(lin, n)} = {r.operand(lin, n)}.to({self.ct})"
                        for n in rounded if n.dtype == "float" and self.ct != "tl.float64"]
         return pointers, scalar, round_lines
 
     # -- kernels --------------------------------------------------------------
     def _kernel(self, roots: list[Node], update: bool) -> dict:
-        lin, r, v = self.lin, self.r, self.var
+        lin, r = self.lin, self.r
         lines, earlier, needed = _needed(roots, [] if update else roots)
-        used = {"p" if n.op is Op.PARAM else "g" if n.op is Op.GRAD else safe(n.arg)
-                for n in needed if n.op in (Op.PARAM, Op.GRAD, Op.STATE)}
+        used = {lin.ref(n) for n in needed if n.op in (Op.PARAM, Op.GRAD, Op.STATE)}
         # the scalars the element lines read (rounded once to ct), and the scalar lines they need
         readers = [n for n in needed if n.kind >= Kind.TENSOR and not any(n is e for e in earlier)]
         rounded = {id(s): s for m in readers for s in m.src
@@ -583,12 +566,12 @@ class Source:
             if x not in used:
                 continue
             if x == "g":
-                loads.append(f"{v('g')} = tl.load({self.ptr['g']} + offsets, mask=mask)"
+                loads.append(f"g = tl.load({self.ptr['g']} + offsets, mask=mask)"
                              f".to({self.ct}) * inv_scale * coef")
             elif update:
-                loads.append(f"{v(x)} = {self.stored[x]}.to({self.ct})")
+                loads.append(f"{x} = {self.stored[x]}.to({self.ct})")
             else:
-                loads.append(f"{v(x)} = tl.load({self.ptr[x]} + offsets, mask=mask)"
+                loads.append(f"{x} = tl.load({self.ptr[x]} + offsets, mask=mask)"
                              f".to({self.ct})")
         body = []
         for n in earlier:
@@ -657,7 +640,7 @@ class Source:
         return kernel
 
     def _new_values(self) -> dict[str, Node]:
-        return {safe(t) if t != "p" else "p": n for t, n in self.program.updates}
+        return {state_var(t) if t != "p" else "p": n for t, n in self.program.updates}
 
     def _store(self, x: str, node: Node | None, value: str) -> list[str]:
         """The lines that write ``node`` (named ``value``) as the new value of ``x`` at
@@ -683,7 +666,7 @@ class Source:
         out, finishes, new = [], {}, self._new_values()
         for launch in self.plan.launches:
             entry = {"fn": launch.fn, "finish": launch.kind == "finish", "dom": launch.dom}
-            what = [f"{n.op.value}({self.var(self.lin.ref(n.src[0]))})"
+            what = [f"{n.op.value}({self.lin.ref(n.src[0])})"
                     for n in launch.gathers]
             if launch.kind == "finish":
                 out.append({**entry, **finishes[launch.stage, launch.dom],
@@ -700,7 +683,7 @@ class Source:
                 if launch.reductions:
                     xs = [em.value(n.src[0], em.root) for n in launch.reductions]
                     red = self._reductions(list(launch.reductions), xs,
-                                           self.col.get(COUNT[launch.dom], "NUMEL"))
+                                           COUNT[launch.dom])
                     finishes[launch.stage, launch.dom] = red
                     tail += red["partials"]
                     what += [f"{_WHAT[n.op]}({x})" for n, x in zip(launch.reductions, xs)]
@@ -730,8 +713,8 @@ class Source:
         nodes = walk(n for _, n in prog.updates)
         axes = self.plan is not None
         return _template().render(
-            name=safe(prog.name), flags=flags, pdt=pdt, gdt=gdt, sdt=sdt, ct=self.ct[3:],
-            ctl=self.ct,
+            name=kernel_prefix(prog), optimizer=prog.name, flags=flags, pdt=pdt, gdt=gdt,
+            sdt=sdt, ct=self.ct[3:], ctl=self.ct,
             gct="tl.float64" if gdt == "float64" else "tl.float32", gtl=TL[gdt],
             columns=self.cols, nred=len(self.slots), pre_slots=named("PRE", PRE_SLOTS),
             needs_pow=any(n.op is Op.POW for n in nodes),
@@ -744,6 +727,11 @@ class Source:
 
 
 _SERIAL = itertools.count()
+
+
+def kernel_prefix(program: Program) -> str:
+    """What the names of a program's kernels begin with (``vega_adamw_update``)."""
+    return f"vega_{program.name}"
 
 
 @cache
@@ -774,8 +762,9 @@ class Kernel:
             self.plan = ([(x.kind, x.fn, DOMS.index(x.dom), x.wide, len(x.reductions))
                           for x in plan.launches], [DOMS.index(n.dom) for n in plan.temps])
         text = self.source()
+        self.prefix = kernel_prefix(program)  # of the kernels' names
         # the modules' name, by their source; the custom ops' name for this kernel, its own
-        self.module_name = f"{safe(program.name)}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+        self.module_name = f"{program.name}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
         self.key = f"{self.module_name}-{next(_SERIAL)}"
         self._modules: dict[tuple, dict] = {}
         triton_runtime.register(self)

@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 import torch
 
-from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, safe
+from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import has_own_ops, own_ops_words, refuse_inplace, resolved
 
@@ -210,7 +210,7 @@ def _dtype_key(p, g, s):
 def _prelude_op(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor) -> None:
     kern = kernel_of(kernel)
     check_device(pre.device)
-    name, block = safe(kern.program.name), block_size()
+    name, block = kern.prefix, block_size()
     groups: dict[str, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault(_dtype_key(g, g, g)[0], []).append(g)
@@ -255,7 +255,7 @@ def _step_op(kernel: str, params: list[torch.Tensor], states: list[torch.Tensor]
         old_params, old_states, old_steps)
     nhyper = len(kern.program.float_hypers)
     width = max(nhyper, 1) * 8
-    name, block = safe(kern.program.name), block_size()
+    name, block = kern.prefix, block_size()
     has_pre = pre is not None
     groups: dict[tuple, list[int]] = {}
     for i in range(n):
@@ -306,7 +306,7 @@ def _staged(kern, mod, rows, shapes, pdt, pre, device) -> None:
     """The launches of a program that uses the matrix view, for one dtype group (see
     ``vega.codegen.triton.axis_plan``): each over the values of one domain of every tensor."""
     launches, temps = kern.plan
-    name, has_pre = safe(kern.program.name), pre is not None
+    name, has_pre = kern.prefix, pre is not None
     geos = [axis_geometry(shape) for shape in shapes]
     offsets, total = [], 0  # each tensor's temporaries, one after another in tmp
     for geo in geos:
