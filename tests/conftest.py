@@ -11,5 +11,5 @@ if not torch.cuda.is_available():
 
 
 def pytest_sessionstart(session):
-    from vega.codegen import native
+    from vega.codegen.c import native
     native.module(wait=True)  # None where it cannot be built: the Python path then

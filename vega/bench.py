@@ -25,7 +25,8 @@ import time
 import torch
 
 import vega
-from vega.codegen import cbuild, native
+from vega.codegen.c import build as cbuild
+from vega.codegen.c import native
 from vega.dsl.ir import REDUCTIONS, walk
 
 # torch.optim or pytorch-optimizer counterparts of the other shipped specs:

@@ -12,7 +12,8 @@ import torch
 
 import vega
 from vega import codegen
-from vega.codegen import c, cbuild
+from vega.codegen import c
+from vega.codegen.c import build as cbuild
 
 # every setting of the bool hyperparameters; and the programs without a momentum buffer
 # (hyper_values gives momentum 0.01)
@@ -298,7 +299,7 @@ def test_a_state_set_to_a_reduction(dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_reductions_and_phases(dtype):
     spec = vega.compile(REDUCING)
-    assert len(c.reduction_phases(spec.program())) == 2  # max(r / (1 + norm(r))) nests
+    assert len(c.launch.reduction_phases(spec.program())) == 2  # max(r / (1 + norm(r))) nests
     params = make_params(dtype)
     for step, ref, cc in steps_against_reference(spec, params, 10):
         for k in params:

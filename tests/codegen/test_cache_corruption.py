@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 import vega
-from vega.codegen import cbuild, native
+from vega.codegen.c import build as cbuild
+from vega.codegen.c import native
 
 pytestmark = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler here")
 REPO = Path(vega.__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ import sys, types
 for name in ("vega", "vega.codegen"):
     sys.modules[name] = types.ModuleType(name)
     sys.modules[name].__path__ = [name.replace(".", "/")]
-from vega.codegen import cbuild
+from vega.codegen.c import build as cbuild
 """ + CAP + r"""
 import ctypes, json, sys, warnings
 with warnings.catch_warnings(record=True) as caught:
@@ -201,7 +202,7 @@ def test_reads_are_capped_and_open_no_fifo(tmp_path):
 
 # -- the native operator's record of a failed build ---------------------------------
 
-NATIVE_RUN = "from vega.codegen import native\n" + CAP + r"""
+NATIVE_RUN = "from vega.codegen.c import native\n" + CAP + r"""
 import json, sys, warnings
 from pathlib import Path
 target = Path(sys.argv[1])

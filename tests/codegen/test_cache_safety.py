@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 import vega
-from vega.codegen import c, cbuild, native
+from vega.codegen import c
+from vega.codegen.c import build as cbuild
+from vega.codegen.c import native
 
 pytestmark = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler here")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away needs root")
@@ -126,7 +128,8 @@ def test_without_the_compilers_word_the_cpu_is_cpuinfos(monkeypatch):
 
 
 def test_the_compiler_is_asked_once_per_process_and_not_at_import(cache, monkeypatch):
-    code = ("import vega, vega.optim; from vega.codegen import c, cbuild, native; "
+    code = ("import vega, vega.optim; from vega.codegen import c; "
+            "from vega.codegen.c import build as cbuild, native; "
             "print(cbuild.target_cpu.cache_info().currsize)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

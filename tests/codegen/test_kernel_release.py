@@ -37,12 +37,12 @@ def made(n: int) -> None:
 
 def test_kernels_are_released_with_their_spec():
     made(0)  # (whatever a first compile makes once)
-    before, registered = live_kernels(), (len(c._KERNELS), len(triton_runtime._KERNELS))
+    before, registered = live_kernels(), (len(c.launch._KERNELS), len(triton_runtime._KERNELS))
     for n in range(1, 201):
         made(n)
     after = live_kernels()
     assert after == before, f"kernels left alive by 200 dropped specs: {before} -> {after}"
-    assert (len(c._KERNELS), len(triton_runtime._KERNELS)) == registered
+    assert (len(c.launch._KERNELS), len(triton_runtime._KERNELS)) == registered
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -51,7 +51,7 @@ def test_a_released_kernels_name_is_not_given_again(backend):
     first = codegen.kernel(backend, program).key
     del program
     gc.collect()
-    registry = c if backend == "c" else triton_runtime
+    registry = c.launch if backend == "c" else triton_runtime
     assert first not in registry._KERNELS
     with pytest.raises(RuntimeError, match="was released"):
         registry.kernel_of(first)

@@ -329,7 +329,7 @@ def child(job: dict) -> None:
     plain. The C kernels are built without optimization: the names are the same at -O3,
     and a build of a spec of the sweep takes ten times as long there."""
     import vega
-    from vega.codegen import cbuild
+    from vega.codegen.c import build as cbuild
     cbuild.FLAGS = (*(f for f in cbuild.FLAGS if not f.startswith("-O")), "-O0")
     specs, pairs = job["specs"], {label: names for label, names in job["pairs"]}
     compiled = {}

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from vega.codegen import native
+from vega.codegen.c import native
 
 needs_cxx = pytest.mark.skipif(native._paths() is None,
                                reason="no C++ compiler or Python headers here")

@@ -9,7 +9,7 @@ import torch
 
 import vega
 from vega.codegen import c as c_backend
-from vega.codegen import native
+from vega.codegen.c import native
 
 pytestmark = pytest.mark.skipif(
     not c_backend.available() or native._paths() is None,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import vega
-from vega.codegen import native
+from vega.codegen.c import native
 from vega.codegen import c as c_backend
 
 pytestmark = pytest.mark.skipif(not c_backend.available(), reason="needs a C compiler")

@@ -18,8 +18,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vega.codegen import native
-
 _PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _PLAIN_OR_NONE = _PLAIN_TYPES | {type(None)}
 _NO_DISPATCH = torch.Tensor.__torch_dispatch__
@@ -112,6 +110,7 @@ def inplace_problem(tensors) -> tuple[int, int | None, str] | None:
     of it answers for contiguous tensors (the common case)."""
     tensors = tensors if isinstance(tensors, list) else list(tensors)
     if not torch.compiler.is_compiling():
+        from vega.codegen.c import native  # (the C backend imports this module)
         mod = native.module()
         if mod is not None and mod.writable(tensors):
             return None

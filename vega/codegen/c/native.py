@@ -12,7 +12,7 @@ compiler or Python headers). The library is cached beside the kernels, keyed by 
 the compiler, the flags and the torch and Python versions (it is built for the compiler's
 default target, not ``-march=native``, so the CPU is no part of its key), written atomically
 and trusted as the kernels are: loaded only if it is this user's, not writable by others and
-hashes to its recorded SHA-256 (``vega.codegen.cbuild``).
+hashes to its recorded SHA-256 (``vega.codegen.c.build``).
 
 ``VEGA_NATIVE=0`` turns it off; ``VEGA_NATIVE=sync`` builds it on first use, waiting.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from vega.codegen import cbuild
+from vega.codegen.c import build as cbuild
 
 SOURCE = Path(__file__).with_name("native.cpp")
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-w")  # the default target, not -march=native
@@ -223,7 +223,7 @@ def build(target: Path | None = None) -> str | None:
 
 
 def _spawn(target: Path) -> None:
-    """Build in a process of its own (``python -m vega.codegen.native``), unless another is
+    """Build in a process of its own (``python -m vega.codegen.c.native``), unless another is
     building it now (its lock file younger than two minutes): it installs the library even
     if this process ends first. A build that cannot start leaves the Python path."""
     lock = _lock(target)
@@ -240,7 +240,7 @@ def _spawn(target: Path) -> None:
             _state["pending"] = (target, None, None)
             return
         log = tempfile.TemporaryFile()
-        proc = subprocess.Popen([sys.executable, "-m", "vega.codegen.native", str(lock)],
+        proc = subprocess.Popen([sys.executable, "-m", "vega.codegen.c.native", str(lock)],
                                 stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         _state["pending"] = (target, proc, log)
     except OSError as e:
@@ -356,7 +356,7 @@ def status() -> str:
         "native operator not started"
 
 
-if __name__ == "__main__":  # the background build of ``_spawn``: python -m vega.codegen.native LOCK
+if __name__ == "__main__":  # the background build of ``_spawn``: python -m vega.codegen.c.native LOCK
     try:  # the library goes where the lock is (the cache, or the parent's private directory)
         message = build(_target_of(Path(sys.argv[1])) if len(sys.argv) > 1 else None)
     finally:

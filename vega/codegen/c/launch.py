@@ -1,0 +1,710 @@
+"""Running the C kernels: ``Kernel`` builds a program's libraries (``build``) and steps
+lists of tensors through the native operator (``native``) where it is built, else through
+ctypes; the Python custom ops ``vega::c_step`` and ``vega::c_prelude`` carry a traced
+step where the operator cannot be built."""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import operator
+import threading
+import weakref
+
+import numpy as np
+import torch
+from torch.autograd.graph import increment_version
+
+from vega.codegen import record, reference
+from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, reduction_phases
+from vega.codegen.c import build as cbuild
+from vega.codegen.c import native
+from vega.codegen.c.render import Source
+from vega.codegen.c.staged import NGEO, AxesSource, line_lengths
+from vega.codegen.tensors import (has_own_ops, own_ops_words, refuse_inplace, resolved, roles,
+                                  shared_pair)
+from vega.dsl.ir import Program
+from vega.tracing import untraced
+
+# -- running ------------------------------------------------------------------
+
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+           torch.float16: "float16"}
+_GROUP_KEYS: dict[tuple, tuple[str, str, str]] = {}  # validated (p, g, state) dtypes
+_ENTRY = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int
+
+
+def _ptr(x: torch.Tensor | None):
+    return ctypes.c_void_p(x.data_ptr()) if x is not None else None
+
+
+class Kernel:
+    """The C kernels of one program: one library per dtype group, built on first use.
+
+    The ctypes calls run inside two torch custom ops, ``vega::c_prelude`` and
+    ``vega::c_step``, which update their tensor arguments in place: ``torch.compile``
+    sees each as one opaque node (their fake implementations do nothing), so a
+    compiled training step on this backend is one graph.
+    """
+
+    backend = "c"
+    takes_rows = True  # values may come as a HyperRows table
+
+    def __init__(self, program: Program):
+        self.program = program
+        self._reference = reference.Kernel(program)
+        self._libs: dict[tuple[str, str, str], ctypes.CDLL] = {}
+        self._nphases = len(reduction_phases(program))
+        self._nred = sum(len(p) for p in reduction_phases(program))
+        self._axes = program.uses_axes  # one vega_axes_step instead of phases and update
+        self.columns = record.table_columns(len(program.states), NGEO if self._axes else 0)
+        # how the custom ops find this kernel: a name never given to another (a counter,
+        # not len(_KERNELS): two threads making kernels at once would take the same
+        # number), held weakly (the kernel lives as long as its program, whose ``kernels``
+        # holds it)
+        self.id = next(_SERIAL)
+        self.key = f"{program.name}/{self.id}"
+        _KERNELS[self.key] = weakref.ref(self, lambda _, key=self.key: _KERNELS.pop(key, None))
+        self._native = None  # the native operator's module this kernel is registered with
+        self._native_libs: set[tuple[str, str, str]] = set()  # (and these libraries)
+        self._native_lock = threading.Lock()
+        self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
+        # the tables of the last calls: the optimizers and param groups that share this
+        # kernel alternate, and each should find its own. A step plan is keyed by the
+        # addresses of the tensors it writes, so two threads stepping their own tensors
+        # never share one; the prelude's tables are keyed by sizes alone, so each thread
+        # keeps its own (a launch runs without the GIL: another thread rewriting the
+        # gradient column of a shared table would make this one read its gradients)
+        self._plans: list[_Plan] = []  # most recent first, at most 64
+        self._local = threading.local()  # .pre_plans: (sizes, dtypes, devices) -> tables
+
+    def source(self, dtypes=("float32", "float32", "float32")) -> str:
+        return (AxesSource if self._axes else Source)(self.program, *dtypes).text()
+
+    def init(self, p, values, state_dtype):
+        return self._reference.init(p, values, state_dtype)
+
+    def library(self, dtypes: tuple[str, str, str]) -> ctypes.CDLL:
+        if dtypes not in self._libs:
+            lib, _, _ = cbuild.build(self.source(dtypes))
+            names = ["vega_prelude", "vega_axes_step"] if self._axes else \
+                ["vega_prelude", "vega_update"] + [f"vega_phase{k}" for k in range(
+                    self._nphases)] + (["vega_fused"] if self._nphases else [])
+            for name in names:
+                fn = getattr(lib, name)
+                fn.restype = None
+                fn.argtypes = _ENTRY if name not in ("vega_prelude", "vega_axes_step") else (
+                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+            lib.vega_advance.restype = None
+            lib.vega_advance.argtypes = (ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p)
+            self._libs[dtypes] = lib
+        return self._libs[dtypes]
+
+    def _registered(self, mod) -> None:
+        """Register this kernel, and each of its libraries built so far, with the native
+        operator's module ``mod`` (``vega.codegen.c.native``), which calls their entry points;
+        dropped from it when this kernel is released."""
+        with self._native_lock:
+            if self._native is not mod:
+                p = self.program
+                c = self.columns
+                mod.add_kernel(self.id, p.name, len(p.states), self._nphases, self._nred,
+                               len(p.float_hypers), self._axes, [_DOMS[s.dom] for s in p.states],
+                               [c.numel, c.p, c.g, c.state, c.step, c.hyper, c.geo, c.p_out,
+                                c.state_out, c.width])
+                self._native, self._native_libs = mod, set()
+                weakref.finalize(self, mod.drop_kernel, self.id)
+            for dtypes, lib in list(self._libs.items()):
+                if dtypes in self._native_libs:
+                    continue
+
+                def at(name: str) -> int:
+                    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+                mod.add_library(
+                    self.id, " ".join(dtypes), at("vega_prelude"), at("vega_advance"),
+                    0 if self._axes else at("vega_update"),
+                    at("vega_fused") if self._nphases and not self._axes else 0,
+                    at("vega_axes_step") if self._axes else 0,
+                    [] if self._axes else [at(f"vega_phase{k}") for k in range(self._nphases)])
+                self._native_libs.add(dtypes)
+
+    def _native_call(self, mod, call, *args) -> None:
+        """``call(self.id, *args)``, a function of the native module, building the libraries
+        it asks for (each call checks every tensor before it writes any)."""
+        self._registered(mod)
+        for _ in range(8):  # (a library for each dtype group it meets)
+            try:
+                return call(self.id, *args)
+            except mod.MissingLibrary as e:
+                self.library(tuple(str(e.args[0]).split()))
+                self._registered(mod)
+        return call(self.id, *args)
+
+    def _group_key(self, p, g, s_dtype):
+        key = (p.dtype, g.dtype, s_dtype)
+        compiling = torch.compiler.is_compiling()
+        # eagerly, the common case is checked once per dtype triple; not while tracing, where
+        # reading the cache would guard on its contents (a first compiled step that filled
+        # it would then recompile)
+        if p.is_cpu and g.is_cpu and not compiling:
+            found = _GROUP_KEYS.get(key)
+            if found is not None:
+                return found
+        for x, what in ((p, "parameters"), (g, "gradients")):
+            if x.dtype not in _DTYPES:
+                raise ValueError(f"backend 'c' does not support {what} of dtype {x.dtype}")
+            if x.device.type != "cpu":
+                raise ValueError(f"backend 'c' runs on CPU tensors, got {what} on {x.device}; "
+                                 "use backend='triton' or 'reference'")
+        if s_dtype not in _DTYPES:
+            raise ValueError(f"backend 'c' does not support state of dtype {s_dtype}")
+        found = (_DTYPES[p.dtype], _DTYPES[g.dtype], _DTYPES[s_dtype])
+        if not compiling:
+            _GROUP_KEYS[key] = found
+        return found
+
+    def prelude(self, grads, pre: torch.Tensor) -> None:
+        """Add the gradients' sum of squares and non-finite count, unscaled, into ``pre``."""
+        if torch.compiler.is_compiling():  # traced as one opaque node
+            for g in grads:
+                self._group_key(g, g, g.dtype)
+            if not untraced(_native_ready, self, tuple({(g.dtype,) * 3 for g in grads})):
+                c_prelude(self.key, list(grads), pre)
+                return
+            torch.ops.vega_c.prelude(self.id, list(grads), pre)
+            return
+        mod = native.module()
+        if mod is not None:  # the native operator, called directly
+            try:
+                return self._native_call(mod, mod.prelude, list(grads), pre)
+            except ValueError:
+                pass  # (the Python path says which tensor is wrong, or reads a copy)
+        self._prelude(grads, pre)
+
+    def _prelude(self, grads, pre: torch.Tensor) -> None:
+        """The body of ``vega::c_prelude``. The tables of gradients of the same sizes, dtypes
+        and devices as a recent call's serve again, with their addresses rewritten."""
+        grads = [g if g.is_contiguous() and not g.is_neg() else resolved(g).contiguous()
+                 for g in grads]
+        ptrs = list(map(torch.Tensor.data_ptr, grads))
+        if 0 in ptrs:  # (an empty tensor may have no address; a wrapper subclass has none)
+            self._check_readable([("gradient", grads)])
+        self._run_prelude(self._prelude_plan(grads), ptrs, pre)
+
+    def _prelude_plan(self, grads) -> tuple[list, list]:
+        """The prelude's (tables, views) for contiguous gradients of these sizes, dtypes and
+        devices, kept for this thread's next calls."""
+        sig = (tuple(map(torch.Tensor.numel, grads)), tuple(map(_DTYPE_OF, grads)),
+               tuple(map(_DEVICE_OF, grads)))
+        plans = getattr(self._local, "pre_plans", None)
+        if plans is None:
+            plans = self._local.pre_plans = {}
+        found = plans.get(sig)
+        if found is None:
+            found = _remember(plans, sig, self._new_prelude_plan(grads))
+        return found
+
+    def _new_prelude_plan(self, grads) -> tuple[list, list]:
+        """New prelude (tables, views) for contiguous gradients like these: the tables of one
+        caller (a thread), whose gradient column it rewrites."""
+        groups: dict[tuple, list[int]] = {}
+        for i, g in enumerate(grads):
+            groups.setdefault(self._group_key(g, g, g.dtype), []).append(i)
+        tables = []
+        for key, idx in groups.items():
+            rows = [_prelude_row(self.columns, grads[i].numel()) for i in idx]
+            tables.append((self.library(key), _table(rows), None, idx))
+        return tables, _views(tables)
+
+    @staticmethod
+    def _run_prelude(plan, grad_ptrs, pre: torch.Tensor) -> None:
+        tables, views = plan
+        _write_column(views, _G, grad_ptrs)
+        nth = torch.get_num_threads()
+        for lib, table, _, idx in tables:
+            lib.vega_prelude(len(idx), _ptr(table), _ptr(pre), nth)
+
+    def __call__(self, params, grads, states, steps, values, donate, pre=None):
+        """The same contract as ``vega.codegen.reference.Kernel.__call__``."""
+        unique, step_index = distinct(steps)  # the distinct step counters, by identity
+        if not donate:
+            unique = [s.clone() for s in unique]
+        hyp, hyp_index = self._hyper_tables(values)
+        grads = list(grads)
+        flat = [s for col in states for s in col]
+        compiling = torch.compiler.is_compiling()
+        if not donate and not compiling and _as_stored([*params, *grads, *flat]) \
+                and all(map(torch.Tensor.is_contiguous, hyp)):
+            # pure, out of place: the kernel reads the old tensors and writes new ones
+            new_p, new_flat = list(map(torch.empty_like, params)), list(map(torch.empty_like, flat))
+            mod = native.module()
+            done = False
+            if mod is not None:
+                try:
+                    self._native_call(mod, mod.step, params, grads, flat, unique, step_index,
+                                      hyp, hyp_index, pre, self._geometries(params),
+                                      [*new_p, *new_flat])
+                    done = True
+                except ValueError:
+                    pass  # (the Python path says which tensor is wrong)
+            if not done:
+                tables = self._tables(params, grads, flat, unique, step_index, hyp, hyp_index,
+                                      [*new_p, *new_flat])
+                self._launch(tables, _int64s(list(map(torch.Tensor.data_ptr, unique))), pre,
+                             torch.get_num_threads())
+            params, flat = new_p, new_flat
+        else:
+            if not donate:  # pure: in place on copies
+                params = [p.clone() for p in params]
+                flat = [s.clone() for s in flat]
+            args = (params, grads, flat, unique, step_index, hyp, hyp_index, pre)
+            if compiling:  # traced as one opaque node
+                self._traced_step(*args)
+            else:  # eagerly, directly (the operator's dispatch costs more a tensor)
+                self._step(*args)
+        n = len(params)
+        states = [flat[k * n:(k + 1) * n] for k in range(len(states))]
+        finite = record.finite_of(pre)
+        return params, states, [unique[k] for k in step_index], finite
+
+    def _traced_step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index,
+                     pre) -> None:
+        """The step as torch.compile traces it: one call of the native operator
+        ``vega_c::step`` (or, where it cannot be built, of the Python custom op
+        ``vega::c_step``), after the libraries it needs are built."""
+        sd = [s.dtype for s in flat_states[:len(params)]] if self.program.states else \
+            [p.dtype for p in params]
+        if not untraced(_native_ready, self, tuple({(p.dtype, g.dtype, d) for p, g, d in
+                                                    zip(params, grads, sd)})):
+            c_step(self.key, params, grads, flat_states, steps, step_index, hyp, hyp_index, pre)
+            return
+        torch.ops.vega_c.step(self.id, params, grads, flat_states, steps, step_index, hyp,
+                              hyp_index, pre, self._geometries(params), [])
+
+    def _geometries(self, params) -> list[int]:
+        """Each parameter's ``_geometry``, one after another (none for an element-wise
+        program)."""
+        return [x for p in params for x in self._geometry(p.shape)] if self._axes else []
+
+    def _step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index, pre):
+        """The body of ``vega::c_step``: every tensor updated in place, by the native operator
+        where it is built (it checks every tensor and builds the address tables), else here.
+        What the operator refuses comes here too, which says which tensor is wrong, or steps
+        contiguous copies of those not stored as the kernels read them."""
+        mod = native.module()
+        if mod is not None:
+            try:
+                self._native_call(mod, mod.step, params, grads, flat_states, steps, step_index,
+                                  hyp, hyp_index, pre, self._geometries(params), [])
+                _written(params)
+                return
+            except ValueError:
+                pass
+        self._python_step(mod, params, grads, flat_states, steps, step_index, hyp, hyp_index,
+                          pre)
+
+    def _python_step(self, mod, params, grads, flat_states, steps, step_index, hyp, hyp_index,
+                     pre):
+        """``_step`` in Python: the address tables of a recent call serve again when the
+        parameters, states and step counters are at the same addresses with the same sizes
+        and dtypes (checked: a tensor freed and another made may take its address), and the
+        gradients have the same sizes and dtypes: a backward pass makes new gradients, whose
+        column is rewritten (as is the hyperparameters', when a schedule gave a new table).
+        Where the native operator ``mod`` is built (and refused these tensors), only the
+        checks and the copies."""
+        nth = torch.get_num_threads()
+        found = None
+        if mod is None and _as_stored([*params, *grads, *flat_states]) \
+                and all(map(torch.Tensor.is_contiguous, hyp)):
+            if not torch.is_inference_mode_enabled() and any(map(
+                    torch.Tensor.is_inference, [*params, *flat_states, *steps])):
+                self._refuse_writes(params, flat_states, steps)
+            ptr, numel = torch.Tensor.data_ptr, torch.Tensor.numel
+            fixed = list(map(ptr, params)) + list(map(ptr, flat_states)) + list(map(ptr, steps))
+            meta = ([p.shape for p in params] if self._axes else list(map(numel, params)),
+                    [g.shape for g in grads] if self._axes else list(map(numel, grads)),
+                    list(map(numel, flat_states)),
+                    list(map(_DTYPE_OF, [*params, *grads, *flat_states, *steps])),
+                    list(step_index), list(hyp_index), [h.shape for h in hyp])
+            grad_ptrs = list(map(ptr, grads))
+            if 0 in grad_ptrs:  # (an empty tensor may have no address; a wrapper, none)
+                self._check_readable([("gradient", grads)])
+            found = (self._plan_for(fixed, meta, params, grads, flat_states, steps, step_index,
+                                    hyp, hyp_index), grad_ptrs)
+        if found is not None:
+            plan, grad_ptrs = found
+            plan.point(grad_ptrs, hyp, hyp_index, self.columns.hyper)
+            self._launch(plan.tables, plan.step_ptrs, pre, nth)
+            _written(params)
+            return
+        # some tensor is not contiguous, or holds its values negated (a negative bit): work
+        # on contiguous copies of the values, copied back at the end (every copy held until
+        # the kernel has run: the table keeps only addresses). What is to be written is
+        # checked first: a copy back that failed would leave a step half made.
+        self._refuse_writes(params, flat_states, steps)
+        self._check_readable([("parameter", params), ("gradient", grads),
+                              *((f"state '{s.name}'", flat_states[k * len(params):
+                                                                  (k + 1) * len(params)])
+                                for k, s in enumerate(self.program.states))])
+        work_p = [resolved(p).contiguous() for p in params]
+        work_g = [resolved(g).contiguous() for g in grads]
+        work_s = [resolved(s).contiguous() for s in flat_states]
+        work_h = [h.contiguous() for h in hyp]
+        tables = self._tables(work_p, work_g, work_s, steps, step_index, work_h, hyp_index)
+        self._launch(tables, _int64s([s.data_ptr() for s in steps]), pre, nth)
+        for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
+            if work is not orig:
+                orig.copy_(work)
+        _written(params)
+
+    def _refuse_writes(self, params, flat_states, steps) -> None:
+        """Raise ValueError where a step in place cannot write these parameters, states (flat,
+        state by state) and step counters (``vega.codegen.tensors.inplace_problem``): an
+        inference tensor outside inference mode, elements at one memory location, two that
+        share memory."""
+        refuse_inplace("c", self.program.state_names, params, flat_states, steps)
+
+    @staticmethod
+    def _check_readable(named) -> None:
+        """Raise ValueError for a tensor with elements but no address: a tensor subclass
+        with operations of its own (a wrapper: DTensor), whose storage the kernels cannot
+        read. ``named``: (what, tensors) pairs."""
+        for what, tensors in named:
+            for i, t in enumerate(tensors):
+                if t.numel() and t.data_ptr() == 0:
+                    words = own_ops_words(t) if has_own_ops(t) else \
+                        "has no storage the kernels can read (its data_ptr() is 0)"
+                    raise ValueError(f"backend 'c': {what} {i} {words}; use "
+                                     f"backend='reference'")
+
+    def _plan_for(self, fixed, meta, params, grads, flat_states, steps, step_index, hyp,
+                  hyp_index) -> _Plan:
+        """The recent plan made for ``fixed`` and ``meta``, or a new one (its tables check
+        every tensor)."""
+        plan = next((p for p in self._plans if p.fixed == fixed and p.meta == meta), None)
+        if plan is None:
+            plan = _Plan(fixed, meta, self._tables(params, grads, flat_states, steps,
+                                                   step_index, hyp, hyp_index),
+                         _int64s(list(map(torch.Tensor.data_ptr, steps))))
+            self._plans.insert(0, plan)  # (each group of each optimizer has one)
+            del self._plans[64:]
+        return plan
+
+    def _tables(self, params, grads, flat_states, steps, step_index, hyp, hyp_index,
+                outs=None):
+        """(library, address table, reduction buffer, positions) per dtype group; checks
+        every tensor. ``outs``: the tensors an out-of-place step writes (the parameters',
+        then the states' as in ``flat_states``), new contiguous tensors like the inputs; by
+        default the step writes in place."""
+        n = len(params)
+        states = [flat_states[k * n:(k + 1) * n] for k in range(len(self.program.states))]
+        check_states("c", self.program, params, states)
+        if list(map(_SHAPE_OF, params)) != list(map(_SHAPE_OF, grads)):
+            raise ValueError("backend 'c': a gradient's shape differs from its parameter's")
+        for t in steps:
+            if t.dtype != torch.int32 or t.dim() != 0 or not t.is_cpu:
+                raise ValueError(f"backend 'c': a step counter must be a 0-d int32 tensor on "
+                                 f"the CPU, got shape {tuple(t.shape)} and dtype {t.dtype} on "
+                                 f"{t.device}")
+        for col in states:
+            bad = next((x for x in col if not x.is_cpu), None)
+            if bad is not None:
+                raise ValueError(f"backend 'c' runs on CPU tensors, got a state on {bad.device}")
+        groups = self._dtype_groups(params, grads, states)
+        ptr = torch.Tensor.data_ptr
+        steps_at, hyp_at = list(map(ptr, steps)), _row_addresses(hyp)
+        in_place = outs is None
+        outs = [*params, *flat_states] if outs is None else outs
+        cols = self.columns
+        columns = cols.arrange(  # (each a list of columns, one value per tensor)
+            numel=[list(map(torch.Tensor.numel, params))], p=[list(map(ptr, params))],
+            g=[list(map(ptr, grads))], state=[list(map(ptr, col)) for col in states],
+            step=[[steps_at[k] for k in step_index]], hyper=[[hyp_at[r] for r in hyp_index]],
+            geo=np.array([self._geometry(p.shape) for p in params],
+                         dtype=np.int64).reshape(n, cols.ngeo).T,
+            p_out=[list(map(ptr, outs[:n]))],
+            state_out=[list(map(ptr, outs[k * n:(k + 1) * n]))
+                       for k in range(1, cols.nstate + 1)])
+        every = np.array(columns, dtype=np.int64).reshape(len(columns), n).T
+        # every tensor read has an address (a wrapper subclass has none); those written in
+        # place share no memory (each is contiguous here: its span is its memory)
+        read = every[:, cols.p:cols.step]  # p, g, states
+        if n and not read.all():
+            self._check_readable([("parameter", params), ("gradient", grads),
+                                  *((f"state '{s.name}'", col)
+                                    for s, col in zip(self.program.states, states))])
+        if in_place:
+            written = [*params, *flat_states, *steps]
+            lo = np.array([*columns[cols.p], *(a for col in columns[cols.state:cols.step]
+                                               for a in col),
+                           *steps_at], dtype=np.int64)
+            hi = lo + np.array([t.numel() * t.element_size() for t in written], dtype=np.int64)
+            pair = shared_pair(written, lo, hi)
+            if pair is not None:
+                named = roles(self.program.state_names, n, len(steps))
+                raise ValueError(f"backend 'c': {named[pair[0]]} "
+                                 f"{pair[2].format(other=named[pair[1]])}")
+        out = []
+        for key, idx in groups:
+            table = _from_numpy(every if len(idx) == n else every[idx])
+            red = torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64)
+            out.append((self.library(key), table, red, idx))
+        return out
+
+    def _dtype_groups(self, params, grads, states) -> list[tuple[tuple[str, str, str], list]]:
+        """The (parameter, gradient, state) dtypes and the positions of the tensors of
+        each, checked."""
+        n = len(params)
+        pd, gd = list(map(_DTYPE_OF, params)), list(map(_DTYPE_OF, grads))
+        sd = [list(map(_DTYPE_OF, col)) for col in states]
+        if any(a != sd[0] for a in sd[1:]):
+            raise ValueError("backend 'c' needs every state tensor of a parameter in one "
+                             "dtype")
+        sd = sd[0] if sd else pd
+        if n and pd.count(pd[0]) == n and gd.count(gd[0]) == n and sd.count(sd[0]) == n:
+            # one dtype group (the common case): the devices checked in one pass
+            if all(map(_IS_CPU, params)) and all(map(_IS_CPU, grads)):
+                return [(self._group_key(params[0], grads[0], sd[0]), list(range(n)))]
+        groups: dict[tuple[str, str, str], list[int]] = {}
+        for i, (p, g) in enumerate(zip(params, grads)):
+            groups.setdefault(self._group_key(p, g, sd[i]), []).append(i)
+        return list(groups.items())
+
+    def _geometry(self, shape) -> tuple[int, ...]:
+        """The integers a table row of a program over a matrix view ends with."""
+        if not self._axes:
+            return ()
+        found = _GEOMETRY.get(shape)
+        if found is None:
+            if len(_GEOMETRY) > 4096:
+                _GEOMETRY.clear()
+            found = _GEOMETRY[shape] = (*axis_geometry(shape), *line_lengths(shape))
+        return found
+
+    def _launch(self, tables, step_ptrs, pre, nth):
+        """Every phase and the update of each dtype group, then the step counters (at the
+        addresses ``step_ptrs``)."""
+        for lib, table, red, _ in tables:
+            n = table.shape[0]
+            if self._axes:
+                lib.vega_axes_step(n, _ptr(table), _ptr(pre), nth)
+                continue
+            if self._nphases and _fused_fits(table, nth):  # (each tensor's phases, update)
+                lib.vega_fused(n, _ptr(table), _ptr(pre), _ptr(red), nth)
+                continue
+            for k in range(self._nphases):
+                getattr(lib, f"vega_phase{k}")(n, _ptr(table), _ptr(pre), _ptr(red), nth)
+            lib.vega_update(n, _ptr(table), _ptr(pre), _ptr(red), nth)
+        if tables:
+            tables[-1][0].vega_advance(len(step_ptrs), _ptr(step_ptrs), _ptr(pre))
+
+    def _hyper_tables(self, values):
+        """float64 arrays of hyperparameter values (a row each, or a table of rows), and the
+        row of each tensor, counting rows through the arrays in order: one array per
+        distinct values dict, or the table of ``HyperRows``."""
+        if isinstance(values, HyperRows):  # (on the counters' device: the CPU, as checked)
+            return [values.table.cpu()], values.index
+        uniq, index = distinct(values)
+        return [self._hyper_array(vals) for vals in uniq], index
+
+    def _hyper_array(self, vals) -> torch.Tensor:
+        parts = [vals[n] for n in self.program.float_hypers]
+        if any(isinstance(v, torch.Tensor) for v in parts):  # (a float as it is, not float32)
+            return torch.stack([v.detach().to(device="cpu", dtype=torch.float64).reshape(())
+                                if isinstance(v, torch.Tensor) else
+                                torch.tensor(float(v), dtype=torch.float64) for v in parts])
+        numbers = tuple(float(v) for v in parts) or (0.0,)
+        if torch.compiler.is_compiling():  # a graph constant: a cache filled while tracing
+            return torch.tensor(numbers, dtype=torch.float64)  # would fail the next guards
+        # plain numbers: one array per distinct setting, kept across steps; keyed by their
+        # spelling, as -0.0 == 0.0 (and x / -0.0 is not x / 0.0)
+        key = tuple(map(float.hex, numbers))
+        arr = self._hyp_cache.get(key)
+        if arr is None:
+            if len(self._hyp_cache) > 64:
+                self._hyp_cache.clear()
+            arr = self._hyp_cache[key] = torch.tensor(numbers, dtype=torch.float64)
+        return arr
+
+
+class _Plan:
+    """The address tables of one call of a kernel, for the next calls with the same
+    tensors (``Kernel._step``): ``fixed``, the addresses of the parameters, states and
+    step counters; ``meta``, their sizes and dtypes (and the gradients'), and the step
+    counter and hyperparameter row of each tensor."""
+
+    def __init__(self, fixed, meta, tables, step_ptrs):
+        self.fixed, self.meta, self.tables, self.step_ptrs = fixed, meta, tables, step_ptrs
+        self.hyp_ptrs: list[int] = []
+        self.hyp_index: list[int] = []
+        self.views = _views(tables)
+
+    def point(self, grad_ptrs: list[int], hyp, hyp_index, hyp_col: int) -> None:
+        """Write the gradients' addresses, and the hyperparameter rows' where they moved or
+        the tensors read other rows (a direct step's schedule table after a plain one)."""
+        _write_column(self.views, _G, grad_ptrs)
+        hyp_ptrs = [h.data_ptr() for h in hyp]
+        if hyp_ptrs != self.hyp_ptrs or (hyp_index is not self.hyp_index
+                                         and hyp_index != self.hyp_index):
+            at = _row_addresses(hyp)
+            _write_column(self.views, hyp_col, [at[r] for r in hyp_index])
+            self.hyp_ptrs, self.hyp_index = hyp_ptrs, hyp_index
+
+
+FUSED_MAX = 65536  # vega_fused steps tables of tensors no longer than this
+
+
+def _fused_fits(table: torch.Tensor, nth: int) -> bool:
+    """Whether vega_fused suits an address table: every tensor has at most FUSED_MAX
+    elements, and there are enough of them that ``nth`` threads taking whole tensors each
+    get about as much work (at least four of the largest's worth each)."""
+    sizes = table.numpy()[:, 0]
+    largest = int(sizes.max(initial=0))
+    return largest <= FUSED_MAX and int(sizes.sum()) >= 4 * max(nth, 1) * largest
+
+
+def _views(tables) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each dtype group's address table as a numpy array (a view), and its positions."""
+    return [(table.numpy(), np.asarray(idx, dtype=np.int64)) for _, table, _, idx in tables]
+
+
+_G = record.table_columns(0).g  # the gradient's column (before any column per state)
+
+
+def _prelude_row(columns: record.Columns, numel: int) -> list[int]:
+    """A table row for the prelude: the gradient's size, its address written at each call."""
+    row = [0] * columns.width
+    row[columns.numel] = numel
+    return row
+
+
+def _write_column(views, col: int, values: list[int]) -> None:
+    """Column ``col`` of every table: ``values`` (one per tensor) at each row's position."""
+    values = np.asarray(values, dtype=np.int64)
+    for view, idx in views:
+        view[:, col] = values[idx]
+
+
+def _row_addresses(hyp: list[torch.Tensor]) -> list[int]:
+    """The address of each row of these contiguous float64 arrays (a 1-d array is a row)."""
+    out = []
+    for h in hyp:
+        if h.dim() == 1:
+            out.append(h.data_ptr())
+        else:
+            out += range(h.data_ptr(), h.data_ptr() + h.numel() * 8, h.shape[1] * 8)
+    return out
+
+
+def _remember(cache: dict, key, value, size: int = 8):
+    """``cache[key] = value``, dropping the oldest entry beyond ``size``; the value."""
+    if len(cache) >= size:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
+def _int64s(values: list) -> torch.Tensor:
+    """Addresses, kept across calls and rewritten in place (a table's gradient column): a
+    normal tensor even when made under torch.inference_mode (an inference tensor could
+    not be written outside it)."""
+    with torch.inference_mode(False):
+        return torch.tensor(values, dtype=torch.int64)
+
+
+def _table(rows: list[list[int]]) -> torch.Tensor:
+    return _int64s(rows).reshape(len(rows), -1)
+
+
+def _from_numpy(a: np.ndarray) -> torch.Tensor:
+    """An int64 table as a contiguous tensor (a normal one, as ``_int64s``)."""
+    with torch.inference_mode(False):
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _as_stored(tensors) -> bool:
+    """Whether a kernel may read (and write) each of these tensors at its address: each is
+    contiguous and holds its values as they are (no negative bit: a real view of a complex
+    tensor's conjugate, ``x.conj().imag``, stores them negated)."""
+    return all(map(torch.Tensor.is_contiguous, tensors)) \
+        and not any(map(torch.Tensor.is_neg, tensors))
+
+
+def _written(params) -> None:
+    """Tell autograd that a step in place wrote these parameters (their version counters
+    advance, as an in-place torch operation's would): a graph that saved one of them (``loss
+    = (w * w).sum()``) then refuses to run backward through its old value, as after
+    torch.optim's step. The parameters only: they are what graphs save, and advancing the
+    states' and step counters' versions too costs about a tenth of a step over a thousand
+    small tensors (the counters of tensors the kernel has just evicted from the cache)."""
+    if not torch.compiler.is_compiling():
+        increment_version(params)
+
+
+# key -> a weak reference to the Kernel, for the custom ops: a kernel is released with its
+# program (a kernel a torch.compile'd step uses is held by ``vega.tracing``)
+_KERNELS: dict[str, weakref.ref] = {}
+_SERIAL = itertools.count()
+_DTYPE_OF = operator.attrgetter("dtype")
+_DEVICE_OF = operator.attrgetter("device")
+_SHAPE_OF = operator.attrgetter("shape")
+_IS_CPU = operator.attrgetter("is_cpu")
+_GEOMETRY: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> Kernel._geometry
+
+
+_DOMS = {"rc": 0, "r": 1, "c": 2, "": 3}  # a state's domain -> its length in a geometry row
+
+
+def _native_ready(kernel: Kernel, triples) -> bool:
+    """Whether the native operator is built (waiting for it), with ``kernel`` and its
+    libraries for these (parameter, gradient, state) dtype triples registered: what a traced
+    call of the operator needs, since it cannot build them."""
+    mod = native.module(wait=True)
+    if mod is None:
+        return False
+    for triple in triples:
+        if any(d not in _DTYPES for d in triple):
+            raise ValueError(f"backend 'c' does not support tensors of dtypes {triple}")
+        kernel.library(tuple(_DTYPES[d] for d in triple))
+    kernel._registered(mod)
+    return True
+
+
+def kernel_of(key: str) -> Kernel:
+    """The live kernel named ``key``."""
+    ref = _KERNELS.get(key)
+    found = ref() if ref is not None else None
+    if found is None:
+        raise RuntimeError(f"vega: the C kernel {key!r} was released with its optimizer")
+    return found
+
+
+@torch.library.custom_op("vega::c_prelude", mutates_args=("pre",), device_types="cpu")
+def c_prelude(key: str, grads: list[torch.Tensor], pre: torch.Tensor) -> None:
+    """Add the sum of squares and the non-finite count of ``grads`` into ``pre``."""
+    kernel_of(key)._prelude(grads, pre)
+
+
+@c_prelude.register_fake
+def _(key, grads, pre):
+    return None
+
+
+@torch.library.custom_op("vega::c_step", mutates_args=("params", "states", "steps"),
+                         device_types="cpu")
+def c_step(key: str, params: list[torch.Tensor], grads: list[torch.Tensor],
+           states: list[torch.Tensor], steps: list[torch.Tensor], step_index: list[int],
+           hypers: list[torch.Tensor], hyper_index: list[int],
+           pre: torch.Tensor | None) -> None:
+    """One step of the kernel named ``key``, in place. ``states`` is flat, state by state;
+    parameter ``i`` counts on ``steps[step_index[i]]`` with ``hypers[hyper_index[i]]``."""
+    kernel_of(key)._step(params, grads, states, steps, step_index, hypers, hyper_index, pre)
+
+
+@c_step.register_fake
+def _(key, params, grads, states, steps, step_index, hypers, hyper_index, pre):
+    return None
+
+
+def available() -> bool:
+    return cbuild.available()
+

@@ -1,0 +1,640 @@
+"""The C source of a program that steps every tensor alike (``Source``): the header every
+library shares (the prelude, the counters' advance, the record's slots and the table's
+columns), the renderer of values (``CRenderer``), and the entries over a dtype group's
+address table: ``vega_phase<k>``, ``vega_update`` and ``vega_fused``."""
+from __future__ import annotations
+
+import math
+
+from vega.codegen import record
+from vega.codegen.base import Linear, Renderer, linearize, reduction_phases, state_var
+from vega.dsl.ir import REDUCTIONS, Kind, Node, Op, Program, walk
+
+# dtype name -> (C storage type, load to compute type, store from compute type)
+STORAGE = {
+    "float32": ("float", "(CT)({x})", "(float)({x})"),
+    "float64": ("double", "(CT)({x})", "(double)({x})"),
+    "bfloat16": ("uint16_t", "(CT)bf16_to_f32({x})", "f32_to_bf16((float)({x}))"),
+    "float16": ("_Float16", "(CT)({x})", "(_Float16)({x})"),
+}
+
+INCLUDES = """#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+"""
+
+HEADER = r"""
+const char *vega_key(void) { return "@KEY@"; }
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline CT vmin(CT a, CT b) { return (a < b || a != a) ? a : b; }  /* NaN wins */
+static inline CT vmax(CT a, CT b) { return (a > b || a != a) ? a : b; }
+static inline CT vsign(CT a) { return a > 0 ? (CT)1 : (a < 0 ? (CT)-1 : a); }
+static inline double dmin(double a, double b) { return (a < b || a != a) ? a : b; }
+static inline double dmax(double a, double b) { return (a > b || a != a) ? a : b; }
+static inline double dsign(double a) { return a > 0 ? 1.0 : (a < 0 ? -1.0 : a); }
+/* Whether x * (1 / c) stands for x / c (within two units in the last place) for every x:
+   unless the reciprocal of a finite nonzero c is subnormal or overflows. */
+static inline int recip_ok(CT c) {
+    CT r = (CT)(1.0 / (double)c);
+    return !(isfinite(c) && c != 0) || isnormal(r);
+}
+
+/* Split [0, total) into nth ranges; tensor i covers [start[i], start[i+1]). */
+static int64_t locate(const int64_t *start, int64_t nt, int64_t x) {
+    int64_t lo = 0, hi = nt;  /* last i with start[i] <= x */
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (start[mid] <= x) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+static int64_t *starts(int64_t nt, const int64_t *tab) {
+    int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (nt + 1));
+    start[0] = 0;
+    for (int64_t i = 0; i < nt; i++) start[i + 1] = start[i] + tab[i * ROW + COL_NUMEL];
+    return start;
+}
+#define PAR_MIN 32768  /* fewer elements than this run on one thread */
+#define SPLIT_MIN 16384  /* a thread's share of a tensor at least this long is read as four
+                            quarters at once: one run of loads alone does not keep enough of
+                            them in flight to use the memory bandwidth */
+
+void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
+    /* pre[PRE_SUM_SQ] += sum of squares of g * pre[PRE_INV_SCALE];
+       pre[PRE_NONFINITE] += count of non-finite elements */
+    int64_t *start = starts(nt, tab);
+    int64_t total = start[nt];
+    const CT gs = (CT)pre[PRE_INV_SCALE];
+    double *part = (double *)calloc(2 * (size_t)(nth > 0 ? nth : 1), sizeof(double));
+    #pragma omp parallel num_threads(nth) if (total >= PAR_MIN)
+    {
+        int tid = omp_get_thread_num(), nthr = omp_get_num_threads();
+        int64_t lo = total * tid / nthr, hi = total * (tid + 1) / nthr;
+        double sq = 0, bad = 0;
+        int64_t i = lo < hi ? locate(start, nt, lo) : nt;
+        while (lo < hi) {
+            const int64_t *row = tab + i * ROW;
+            const GSTORE *G_ = (const GSTORE *)(intptr_t)row[COL_G];
+            int64_t numel = row[COL_NUMEL];
+            int64_t b = lo - start[i], e = numel < hi - start[i] ? numel : hi - start[i];
+            /* blocks of 512 summed in the compute type at full SIMD width, the blocks in
+               double; a non-finite element (NaN or inf) sets a flag, not the sum. Four
+               quarters of the range are read at once: one stream alone does not keep
+               enough loads in flight to use the memory bandwidth */
+            int64_t q = (e - b) / 4;
+            for (int64_t o = 0; o < q; o += 512) {
+                int64_t n = q - o < 512 ? q - o : 512;
+                const GSTORE *A = G_ + b + o, *B = A + q, *C = B + q, *D = C + q;
+                CT part = 0;
+                int nonfinite = 0;
+                #pragma omp simd reduction(+:part) reduction(|:nonfinite)
+                for (int64_t j = 0; j < n; j++) {
+                    CT g0 = LOAD_G(A[j]) * gs, g1 = LOAD_G(B[j]) * gs;
+                    CT g2 = LOAD_G(C[j]) * gs, g3 = LOAD_G(D[j]) * gs;
+                    part += (g0 * g0 + g1 * g1) + (g2 * g2 + g3 * g3);
+                    nonfinite |= !(FABS(g0) < (CT)INFINITY) | !(FABS(g1) < (CT)INFINITY)
+                                 | !(FABS(g2) < (CT)INFINITY) | !(FABS(g3) < (CT)INFINITY);
+                }
+                sq += (double)part;
+                bad += nonfinite;
+            }
+            for (int64_t j0 = b + 4 * q; j0 < e; j0 += 2048) {
+                int64_t j1 = e < j0 + 2048 ? e : j0 + 2048;
+                CT part = 0;
+                int nonfinite = 0;
+                #pragma omp simd reduction(+:part) reduction(|:nonfinite)
+                for (int64_t j = j0; j < j1; j++) {
+                    CT g = LOAD_G(G_[j]) * gs;
+                    part += g * g;
+                    nonfinite |= !(FABS(g) < (CT)INFINITY);
+                }
+                sq += (double)part;
+                bad += nonfinite;
+            }
+            lo = start[i] + e; i++;
+        }
+        part[2 * tid] = sq; part[2 * tid + 1] = bad;
+    }
+    for (int t = 0; t < (nth > 0 ? nth : 1); t++) {
+        pre[PRE_SUM_SQ] += part[2 * t];
+        pre[PRE_NONFINITE] += part[2 * t + 1];
+    }
+    free(part); free(start);
+}
+
+void vega_advance(int64_t n, const int64_t *steps, const double *pre) {
+    if (pre && pre[PRE_NONFINITE] != 0 && pre[PRE_CHECK] != 0)
+        return;  /* a skipped step leaves the counters alone */
+    for (int64_t k = 0; k < n; k++) {
+        int32_t *s = (int32_t *)(intptr_t)steps[k];
+        if (*s < INT32_MAX) *s += 1;
+    }
+}
+"""
+
+
+def _fn(element, scalar):
+    """A call: the compute-type function in the element loop, the double one in the scalar phase."""
+    return lambda self, node, phase, *a: \
+        f"{scalar if phase == 'scalar' else element}({', '.join(a)})"
+
+
+def _div(self, node, phase, a, b):
+    """``a / b``, or ``a`` times the reciprocal of a per-tensor ``b`` computed once before
+    the loop (a division costs several multiplications: adamw's bias corrections)."""
+    recip = self.recip.get(id(node.src[1])) if phase == "element" else None
+    return f"{a} * {recip}" if recip else f"{a} / {b}"
+
+
+class CRenderer(Renderer):
+    recip: dict[int, str] = {}  # id of a per-tensor divisor -> its reciprocal's variable
+
+    code_for_op = {
+        Op.DIV: _div,
+        Op.NEG: lambda self, node, phase, a: f"-{a}",
+        Op.POW: _fn("POW", "pow"),
+        Op.AND: lambda self, node, phase, a, b: f"({a} && {b})",
+        Op.OR: lambda self, node, phase, a, b: f"({a} || {b})",
+        Op.NOT: lambda self, node, phase, a: f"(!{a})",
+        Op.WHERE: lambda self, node, phase, c, a, b: f"({c} ? {a} : {b})",
+        Op.SQRT: _fn("SQRT", "sqrt"),
+        Op.RSQRT: lambda self, node, phase, a: (f"(1.0 / sqrt({a}))" if phase == "scalar"
+                                                else f"((CT)1 / SQRT({a}))"),
+        Op.EXP: _fn("EXP", "exp"),
+        Op.LOG: _fn("LOG", "log"),
+        Op.ABS: _fn("FABS", "fabs"),
+        Op.SIGN: _fn("vsign", "dsign"),
+        Op.MIN: _fn("vmin", "dmin"),
+        Op.MAX: _fn("vmax", "dmax"),
+    }
+
+    def const(self, value) -> str:
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        if math.isnan(value):
+            return "((CT)NAN)"
+        if math.isinf(value):
+            return "((CT)INFINITY)" if value > 0 else "((CT)-INFINITY)"
+        return f"((CT){value!r})"
+
+    def operand(self, linear: Linear, node: Node, phase: str = "element") -> str:
+        if node.op is Op.CONST:
+            return self.const(node.arg)
+        if node.kind <= Kind.SCALAR:  # scalars: double in their phase, CT in the element loop
+            return ("d_" if phase == "scalar" else "v_") + linear.ref(node)
+        return "v_" + linear.ref(node)
+
+
+# how each reduction accumulates its values, and how partial results combine
+_HOW = {Op.AMAX: "max", Op.NORM: "sumsq", Op.SUM: "sum", Op.MEAN: "sum"}
+_PARTIALS = {Op.AMAX: "max", Op.NORM: "sum", Op.SUM: "sum", Op.MEAN: "sum"}
+
+
+def _combine(how: str, acc: str, x: str) -> str:
+    """The statement adding value ``x`` into the double accumulator ``acc``."""
+    if how == "max":  # NaN propagates, as torch.amax
+        return f"{acc} = ({x} > {acc} || {x} != {x}) ? {x} : {acc};"
+    if how == "sumsq":
+        return f"{acc} += (double){x} * (double){x};"
+    return f"{acc} += (double){x};"
+
+
+def _finish(op: Op, acc: str, count: str) -> str:
+    """A per-tensor reduction's value from its combined accumulator over ``count`` values."""
+    return {Op.NORM: f"sqrt({acc})", Op.SUM: acc, Op.MEAN: f"{acc} / {count}",
+            Op.AMAX: acc}[op]
+
+
+class Source:
+    """The C source of one program for one dtype group."""
+
+    def __init__(self, program: Program, pdt: str, gdt: str, sdt: str):
+        self.program, self.lin = program, linearize(program)
+        self.r = CRenderer()
+        self.phases = reduction_phases(program)
+        self.slots = {id(n): j for j, n in enumerate(n for ph in self.phases for n in ph)}
+        self.dtypes = (pdt, gdt, sdt)
+
+    @property
+    def nstate(self) -> int:
+        return len(self.program.states)
+
+    def text(self) -> str:
+        pdt, gdt, sdt = self.dtypes
+        ct = "double" if pdt == "float64" else "float"
+        suffix = "" if ct == "double" else "f"
+        flags = ", ".join(f"{k}={str(v).lower()}" for k, v in self.program.flags) or "none"
+        out = [f"/* vega C kernel: {self.program.name} (flags: {flags}); params {pdt}, grads "
+               f"{gdt}, state {sdt}, arithmetic in {ct} */",
+               INCLUDES, f"typedef {ct} CT;"]
+        for tag, dt in (("P", pdt), ("G", gdt), ("S", sdt)):
+            store, load, save = STORAGE[dt]
+            out.append(f"typedef {store} {tag}STORE;")
+            out.append(f"#define LOAD_{tag}(x) {load.format(x='x')}")
+            out.append(f"#define SAVE_{tag}(x) {save.format(x='x')}")
+        for name in ("SQRT", "EXP", "LOG", "POW"):
+            out.append(f"#define {name} {name.lower()}{suffix}")
+        out.append(f"#define FABS fabs{suffix}")
+        out.append(f"#define NRED {len(self.slots)}")
+        out += record.c_defines()  # the prelude's record
+        out += self.columns.c_defines()  # the address table's row
+        out.append(HEADER)
+        out += self._entries()
+        return "\n".join(out)
+
+    @property
+    def columns(self) -> record.Columns:
+        """The address table's columns (``vega.codegen.record.TABLE_COLUMNS``). Those the
+        update writes come after the hyperparameters, so that a step out of place reads its
+        inputs and writes new tensors (the same addresses as the inputs' for a step in
+        place)."""
+        return record.table_columns(self.nstate)
+
+    def _entries(self) -> list[str]:
+        """The program's entry points (beside the prelude and the step counters')."""
+        self.early = self._early_stores()
+        out = []
+        for k, phase in enumerate(self.phases):
+            out += self._phase(k, phase)
+        return out + self._update() + self._fused()
+
+    def _early_stores(self) -> list[list[tuple[str, Node]]]:
+        """Per reduction phase, the state updates it writes: a new state value computed in
+        a phase anyway (lamb's moments, which its norms read) is stored there and loaded
+        by the later loops rather than computed again from the gradient and the old value
+        (which those loops then do not read). Only where the storage holds the compute
+        type exactly, and only where no later loop reads the old value."""
+        pdt, _, sdt = self.dtypes
+        if not self.phases or not (sdt == "float64" or (sdt == "float32" and pdt != "float64")):
+            return [[] for _ in self.phases]
+        banned: set[str] = set()
+        while True:
+            plan, stored, ok = [], {}, True
+            for phase in self.phases:
+                nodes = {id(n) for n in self._element_nodes(phase, stored)[0]}
+                here = [(t, n) for t, n in self.program.updates
+                        if t != "p" and t not in banned and id(n) in nodes
+                        and id(n) not in stored]
+                plan.append(here)
+                stored.update({id(n): t for t, n in here})
+            # the old values each later loop reads, with what the loops before it stored
+            later = [self._element_nodes(self.phases[j], _stores_of(plan[:j]))[2]
+                for j in range(1, len(self.phases))]
+            later.append(self._element_nodes(self._update_roots(stored), stored)[2])
+            for k, here in enumerate(plan):
+                for t, node in here:
+                    if any(t in reads for reads in later[k:]):
+                        # and every state whose new value is the same node: the update
+                        # writes none of a node's states once one of them is stored
+                        banned.update(u for u, m in self.program.updates if m is node)
+                        ok = False
+            if ok:
+                return plan
+
+    def _stored(self, upto: int) -> dict[int, str]:
+        """The values stored by the phases before ``upto``: id -> state name."""
+        return _stores_of(self.early[:upto])
+
+    def _update_roots(self, stored) -> list[Node]:
+        return [n for t, n in self.program.updates if not (t != "p" and id(n) in stored)]
+
+    # -- pieces ---------------------------------------------------------------
+    def _var(self, node: Node) -> str:
+        return "v_" + self.lin.ref(node)
+
+    def _block_start(self, uses: list[Node]) -> list[str]:
+        """Per tensor: the scalar phase, the reductions already known, the pointers."""
+        lin, r = self.lin, self.r
+        out = ["            const double *H_ = (const double *)(intptr_t)row[COL_HYPER];",
+               "            const double d_t = "
+               "(double)(*(const int32_t *)(intptr_t)row[COL_STEP]) + 1;"]
+        for k, h in enumerate(lin.hypers):
+            out.append(f"            const double d_{h} = H_[{k}];")
+        for line in lin.scalar_lines:  # the scalar phase, in double like the reference
+            ctype = "int" if line.node.dtype == "bool" else "double"
+            out.append(f"            const {ctype} d_{line.var} = "
+                       f"{r.expr(lin, line.node, 'scalar').replace('(CT)', '(double)')};")
+        for var in ("t", *lin.hypers, *(ln.var for ln in lin.scalar_lines)):
+            node_dtype = next((ln.node.dtype for ln in lin.scalar_lines if ln.var == var), "float")
+            ctype = "int" if node_dtype == "bool" else "CT"
+            out.append(f"            const {ctype} v_{var} = ({ctype})d_{var};")
+        for node in uses:
+            out.append(f"            const CT {self._var(node)} = "
+                       f"(CT)red[i * NRED + {self.slots[id(node)]}];")
+        out += ["            const PSTORE *P_ = (const PSTORE *)(intptr_t)row[COL_P];",
+                "            const GSTORE *G_ = (const GSTORE *)(intptr_t)row[COL_G];",
+                "            PSTORE *PO_ = (PSTORE *)(intptr_t)row[COL_P_OUT];"]
+        for k in range(self.nstate):
+            out.append(f"            const SSTORE *S{k}_ = (const SSTORE *)(intptr_t)"
+                       f"row[COL_STATE + {k}];")
+            out.append(f"            SSTORE *SO{k}_ = (SSTORE *)(intptr_t)"
+                       f"row[COL_STATE_OUT + {k}];")
+        return out
+
+    def _element_nodes(self, roots: list[Node], stored=None) \
+            -> tuple[list[Node], list[Node], set[str]]:
+        """The element-phase values reaching ``roots`` in order, the earlier reductions they
+        read, and the states whose old values they read. ``stored``: values an earlier
+        loop stored (id -> state), loaded here (among the values), not computed."""
+        stored = stored or {}
+        nodes, used, reads = [], [], set()
+        seen: set[int] = set()
+        stack = list(roots)
+        needed = []
+        while stack:  # collect, stopping at reductions of earlier phases
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            needed.append(node)
+            if node.op is Op.STATE:
+                reads.add(node.arg)
+            if (node.op in REDUCTIONS and node not in roots) or id(node) in stored:
+                continue
+            stack.extend(node.src)
+        order = {id(n): k for k, n in enumerate(walk(roots))}
+        for node in sorted(needed, key=lambda n: order[id(n)]):
+            if node.op in REDUCTIONS and node not in roots:
+                used.append(node)
+            elif node.kind >= Kind.TENSOR and node.op not in (Op.PARAM, Op.GRAD, Op.STATE) \
+                    and node.op is not Op.CONST and node.op not in REDUCTIONS:
+                nodes.append(node)
+        return nodes, used, reads
+
+    def _element_lines(self, nodes: list[Node], stored=None) -> list[str]:
+        lines = []
+        for node in nodes:
+            ctype = "int" if node.dtype == "bool" else "CT"
+            if stored and id(node) in stored:
+                value = f"LOAD_S(SO{self.program.state_names.index(stored[id(node)])}_[j])"
+            else:
+                value = self.r.expr(self.lin, node, 'element')
+            lines.append(f"                const {ctype} {self._var(node)} = {value};")
+        return lines
+
+    def _load(self, node: Node, index: str) -> str:
+        """The declaration loading leaf ``node`` (p, g or a state) at ``index``."""
+        if node.op is Op.PARAM:
+            return f"const CT v_p = LOAD_P(P_[{index}]);"
+        if node.op is Op.GRAD:
+            return f"const CT v_g = LOAD_G(G_[{index}]) * gs * coef;"
+        k = self.program.state_names.index(node.arg)
+        return f"const CT v_{state_var(node.arg)} = LOAD_S(S{k}_[{index}]);"
+
+    def _loads(self) -> list[str]:
+        leaves = [Node(Op.PARAM), Node(Op.GRAD)] + [Node(Op.STATE, arg=s.name)
+                                                    for s in self.program.states]
+        return ["                " + self._load(leaf, "j") for leaf in leaves]
+
+    def _store(self, target: str, value: str, index: str) -> str:
+        """The statement writing ``value`` to output ``target`` ("p" or a state) at ``index``."""
+        if target == "p":
+            return f"PO_[{index}] = SAVE_P({value});"
+        return f"SO{self.program.state_names.index(target)}_[{index}] = SAVE_S({value});"
+
+    @staticmethod
+    def _prologue(skip: str = "return;") -> list[str]:
+        """The gradient scale and clip coefficient from ``pre``, or a skipped step."""
+        return ["    CT gs = 1, coef = 1;",
+                "    if (pre) {",
+                f"        if (pre[PRE_NONFINITE] != 0 && pre[PRE_CHECK] != 0) {skip}  "
+                "/* non-finite gradients: skip */",
+                "        gs = (CT)pre[PRE_INV_SCALE];",
+                "        if (pre[PRE_MAX_NORM] > 0)",
+                "            coef = (CT)(pre[PRE_MAX_NORM] / fmax(sqrt(pre[PRE_SUM_SQ]), "
+                "pre[PRE_MAX_NORM]));",
+                "    }"]
+
+    def _parallel(self, name: str, skip: str, before=()) -> list[str]:
+        """An entry point's head: the prologue, the tensors' starts, and a thread's share
+        [lo, hi) of all their elements, from tensor i (the one holding lo) on."""
+        return [
+            f"void {name}(int64_t nt, const int64_t *tab, const double *pre, double *red, "
+            "int nth) {",
+            *self._prologue(skip),
+            "    int64_t *start = starts(nt, tab);",
+            "    int64_t total = start[nt];",
+            *before,
+            "    #pragma omp parallel num_threads(nth) if (total >= PAR_MIN) "
+            "firstprivate(gs, coef)",
+            "    {",
+            "        int tid = omp_get_thread_num(), nthr = omp_get_num_threads();",
+            "        int64_t lo = total * tid / nthr, hi = total * (tid + 1) / nthr;",
+            "        int64_t i = lo < hi ? locate(start, nt, lo) : nt;"]
+
+    def _loop(self, name, before, uses, block_init, nodes, tail, block_end, finish, simd="",
+              stored=None, skip="return;"):
+        return [
+            *self._parallel(name, skip, before),
+            "        while (lo < hi) {",
+            "            const int64_t *row = tab + i * ROW;",
+            "            int64_t b = lo - start[i];",
+            "            int64_t e = row[COL_NUMEL] < hi - start[i] ? row[COL_NUMEL] : "
+            "hi - start[i];",
+            *self._block_start(uses),
+            *block_init,
+            *self._versions(nodes, tail, simd, stored),
+            *block_end,
+            "            lo = start[i] + e; i++;",
+            "        }",
+            "    }",
+            *finish,
+            "    free(start);",
+            "}",
+            "",
+        ]
+
+    def _versions(self, nodes: list[Node], tail: list[str], simd, stored) -> list[str]:
+        """The element loop computing ``nodes``, then ``tail``. Where it divides by
+        per-tensor values, two versions: one multiplying by their reciprocals, taken when
+        every reciprocal is a normal number (``recip_ok``), and one dividing."""
+        pragma = [f"            #pragma omp simd{simd}"] if simd is not None else []
+        # values of the tensor, not of an element (a trust ratio): once, before the loops,
+        # where gcc would not vectorize a select on them in four quarters
+        # (not one that reads a value stored by an earlier phase: loaded per element)
+        inside, out = {id(n) for n in nodes}, set()
+        for n in nodes:
+            if n.kind == Kind.TENSOR and not (stored and id(n) in stored) \
+                    and all(id(s) in out or id(s) not in inside for s in n.src):
+                out.add(id(n))
+        hoisted = [n for n in nodes if id(n) in out]
+        head = [line[4:] for line in self._element_lines(hoisted, stored)]
+        nodes = [n for n in nodes if id(n) not in out]
+
+        def loop(indent: str) -> list[str]:
+            body = [*self._loads(), *self._element_lines(nodes, stored), *tail]
+            quarters = []
+            for k in range(4):
+                quarters += ["                {",
+                             f"                    const int64_t j = j0 + {k} * q_;",
+                             *("    " + line for line in body), "                }"]
+            lines = ["            int64_t r_ = b;  /* [b, r_) done a quarter at a time */",
+                     "            if (e - b >= SPLIT_MIN) {",
+                     "                const int64_t q_ = (e - b) / 4;",
+                     *("    " + line for line in pragma),
+                     "                for (int64_t j0 = b; j0 < b + q_; j0++) {",
+                     *("    " + line for line in quarters),
+                     "                }",
+                     "                r_ = b + 4 * q_;",
+                     "            }",
+                     *pragma, "            for (int64_t j = r_; j < e; j++) {", *body,
+                     "            }"]
+            return [indent + line for line in lines]
+        divisors = {id(n.src[1]): n.src[1] for n in nodes
+                    if n.op is Op.DIV and n.src[1].kind == Kind.SCALAR
+                    and not (stored and id(n) in stored)}
+        if not divisors:
+            return head + loop("")
+        names = {k: f"r{q}_" for q, k in enumerate(divisors)}
+        values = {k: self.r.operand(self.lin, d) for k, d in divisors.items()}
+        out = [f"            const CT {names[k]} = (CT)(1.0 / (double){values[k]});"
+               for k in divisors]
+        self.r.recip = names
+        try:
+            fast = loop("    ")
+        finally:
+            self.r.recip = {}
+        ok = " && ".join(f"recip_ok({v})" for v in values.values())
+        return head + out + [f"            if ({ok}) {{", *fast, "            } else {",
+                      *loop("    "), "            }"]
+
+    def _phase_parts(self, k: int, phase: list[Node]):
+        """(stored, nodes, used, identities, loop tail, simd clause) of phase ``k``."""
+        stored = self._stored(k)
+        nodes, used, _ = self._element_nodes(phase, stored)
+        ident = ["-INFINITY" if n.op is Op.AMAX else "0" for n in phase]
+        tail = ["                " + self._store(t, self._var(n), "j") for t, n in self.early[k]]
+        for q, node in enumerate(phase):
+            tail.append("                " + _combine(_HOW[node.op], f"acc{q}",
+                                                      self.r.operand(self.lin, node.src[0])))
+        sums = [f"acc{q}" for q, n in enumerate(phase) if n.op is not Op.AMAX]
+        # a NaN-propagating max is no OpenMP reduction: such a phase runs without simd
+        simd = None if len(sums) < len(phase) else f" reduction(+:{', '.join(sums)})"
+        return stored, nodes, used, ident, tail, simd
+
+    def _phase(self, k: int, phase: list[Node]) -> list[str]:
+        """Per-tensor reductions: per-thread partials, combined in thread order."""
+        stored, nodes, used, ident, tail, simd = self._phase_parts(k, phase)
+        nr = len(phase)
+        nthr = "(size_t)(nth > 0 ? nth : 1)"
+        before = [f"    static const double ident[{nr}] = {{{', '.join(ident)}}};",
+                  f"    size_t nslots = {nthr} * (size_t)nt * {nr};",
+                  "    double *part = (double *)malloc(sizeof(double) * (nslots ? nslots : 1));",
+                  f"    for (size_t q = 0; q < nslots; q++) part[q] = ident[q % {nr}];"]
+        block_init = ["            double " + ", ".join(
+            f"acc{q} = {ident[q]}" for q in range(nr)) + ";"]
+        block_end = [f"            part[((size_t)tid * nt + i) * {nr} + {q}] = acc{q};"
+                     for q in range(nr)]
+        finish = ["    for (int64_t i = 0; i < nt; i++) {"]
+        for q, node in enumerate(phase):
+            finish.append(f"        double r{q} = {ident[q]};")
+            finish.append(f"        for (size_t t = 0; t < {nthr}; t++) {{")
+            finish.append(f"            double x = part[(t * nt + i) * {nr} + {q}];")
+            finish.append(f"            {_combine(_PARTIALS[node.op], f'r{q}', 'x')}")
+            finish.append("        }")
+            value = _finish(node.op, f"r{q}", "(double)tab[i * ROW + COL_NUMEL]")
+            finish.append(f"        red[i * NRED + {self.slots[id(node)]}] = {value};")
+        finish += ["    }", "    free(part);"]
+        return self._loop(f"vega_phase{k}", before, used, block_init, nodes, tail, block_end,
+                          finish, simd, stored)
+
+    def _fused(self) -> list[str]:
+        """``vega_fused``, for tables of small tensors only (``FUSED_MAX``): each thread takes
+        whole tensors and runs every phase and then the update on one tensor before the
+        next, so that the update reads what the phases read from the cache, not from
+        memory. A tensor's reductions are summed by one thread, in one pass."""
+        if not self.phases:
+            return []
+        body = []
+        for k, phase in enumerate(self.phases):
+            stored, nodes, used, ident, tail, simd = self._phase_parts(k, phase)
+            body += ["            {  /* phase %d */" % k, *self._block_start(used),
+                     "            double " + ", ".join(
+                         f"acc{q} = {ident[q]}" for q in range(len(phase))) + ";",
+                     *self._versions(nodes, tail, simd, stored)]
+            for q, node in enumerate(phase):
+                body += [f"            double r{q} = {ident[q]};",
+                         f"            {_combine(_PARTIALS[node.op], f'r{q}', f'acc{q}')}",
+                         f"            red[i * NRED + {self.slots[id(node)]}] = "
+                         f"{_finish(node.op, f'r{q}', '(double)row[COL_NUMEL]')};"]
+            body.append("            }")
+        stored, nodes, used, stores = self._update_parts()
+        body += ["            {  /* the update */", *self._block_start(used),
+                 *self._versions(nodes, stores, "", stored), "            }"]
+        return [
+            *self._parallel("vega_fused", "{ pass_through(nt, tab); return; }"),
+            "        if (i < nt && start[i] < lo) i++;  /* the tensors that start in [lo, hi) */",
+            "        for (; i < nt && start[i] < hi; i++) {",
+            "            const int64_t *row = tab + i * ROW;",
+            "            const int64_t b = 0, e = row[COL_NUMEL];",
+            *body,
+            "        }",
+            "    }",
+            "    free(start);",
+            "}",
+            "",
+        ]
+
+    def _count(self, dom: str) -> str:
+        """The number of values of a state of domain ``dom`` in a table row: numel."""
+        return "row[COL_NUMEL]"
+
+    def _pass_through(self) -> list[str]:
+        """A skipped step out of place: each output (p out, state out) a copy of its input."""
+        copies = [("row[COL_NUMEL]", "COL_P_OUT", "COL_P", "PSTORE")] + [
+            (self._count(st.dom), f"COL_STATE_OUT + {k}", f"COL_STATE + {k}", "SSTORE")
+            for k, st in enumerate(self.program.states)]
+        out = ["/* A skipped step out of place: each output a copy of its input. */",
+               "static void pass_through(int64_t nt, const int64_t *tab) {",
+               "    for (int64_t i = 0; i < nt; i++) {",
+               "        const int64_t *row = tab + i * ROW;"]
+        if any(n.startswith("geo") for n, *_ in copies):
+            out.append("        const int64_t *geo = row + COL_GEO;  /* axis_geometry */")
+        for n, to, src, store in copies:
+            out += [f"        if ({n} > 0 && row[{to}] != row[{src}])",
+                    f"            memcpy((void *)(intptr_t)row[{to}],",
+                    f"                   (const void *)(intptr_t)row[{src}], (size_t){n} * "
+                    f"sizeof({store}));"]
+        return out + ["    }", "}", ""]
+
+    def _update_parts(self):
+        """(stored, nodes, used, stores) of the update."""
+        stored = self._stored(len(self.phases))
+        roots = self._update_roots(stored)
+        nodes, used, _ = self._element_nodes(roots, stored)
+        # a per-tensor reduction that is itself a new value (s = norm(g)): from its phase too
+        for n in roots:
+            if n.op in REDUCTIONS and all(u is not n for u in used):
+                used.append(n)
+        stores = ["                " + self._store(target, self.r.operand(self.lin, node), "j")
+                  for target, node in self.program.updates
+                  if target == "p" or id(node) not in stored]
+        return stored, nodes, used, stores
+
+    def _update(self) -> list[str]:
+        stored, nodes, used, stores = self._update_parts()
+        return self._pass_through() + self._loop(
+            "vega_update", [], used, [], nodes, stores, [], [], "", stored,
+            skip="{ pass_through(nt, tab); return; }")
+
+
+
+
+
+
+def _stores_of(plan) -> dict[int, str]:
+    """The values a plan of early stores writes (``Source._early_stores``): id -> state."""
+    return {id(n): t for here in plan for t, n in here}
+
+

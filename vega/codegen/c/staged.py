@@ -1,0 +1,371 @@
+"""The C source of a program over a matrix view (``AxesSource``): per-row or per-column
+values and reductions, each tensor stepped through a sequence of loops over one domain
+(``vega_axes_step``)."""
+from __future__ import annotations
+
+import math
+
+from vega.codegen import record
+from vega.codegen.c.render import _HOW, _PARTIALS, Source, _combine, _finish
+from vega.dsl.check import matrix_axes
+from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, DOMAINS, LEAVES, REDUCTIONS, Kind, Node,
+                        Op, Program, walk)
+
+# -- programs over a matrix view ---------------------------------------------------
+
+NGEO = 13  # the integers after a table row's hyperparameters: axis_geometry, line_lengths
+
+AXES_HEADER = r"""
+#define CHUNK 4096  /* positions a task of a loop over one domain takes (one partial sum) */
+#define GB 1024  /* outputs an axis reduction of strided sources combines side by side */
+
+/* the position, among the values of a smaller domain, that position i reads: i with an
+   axis of length n and inner stride inner taken out (vega.codegen.base.axis_geometry) */
+static inline int64_t drop(int64_t i, int64_t inner, int64_t n) {
+    return (i / (inner * n)) * inner + i % inner;
+}
+"""
+
+# a domain in C names: n_rc, n_r, n_c, n_m count its values
+_TAG = {"rc": "rc", "r": "r", "c": "c", "": "m"}
+# (domain of a loop, smaller domain) -> the index into the smaller one's values at position {i}
+_MAPS = {("rc", "r"): "drop({i}, fc, Sc)", ("rc", "c"): "drop({i}, fr, Sr)",
+         ("rc", ""): "drop(drop({i}, fc, Sc), rr, Sr)", ("r", ""): "drop({i}, rr, Sr)",
+         ("c", ""): "drop({i}, cc, Sc)"}
+# (domain of an axis reduction's source, the axis it reduces) -> (inner stride, length)
+_AXIS = {("rc", "c"): ("fc", "Sc"), ("rc", "r"): ("fr", "Sr"), ("r", "r"): ("rr", "Sr"),
+         ("c", "c"): ("cc", "Sc")}
+_IDENT = {"max": "-INFINITY", "sum": "0", "sumsq": "0", "mean": "0"}
+
+
+def line_lengths(shape) -> tuple[int, int, int]:
+    """For the loops over the values per element, per row and per column of a tensor of
+    ``shape``: a length L such that along every run of L positions that starts at a
+    multiple of L, each index map into a smaller domain (``_MAPS``) is affine with step 0
+    or 1. It is the size of the domain's axes after its last matrix axis where that is
+    above 1, else the size of that axis; a domain without a matrix axis maps to the others
+    one to one."""
+    shape = tuple(int(n) for n in shape)
+    r, c = matrix_axes(shape)
+    out = []
+    for dom in ("rc", "r", "c"):
+        kept = [a for a in range(len(shape))
+                if not (a == r and "r" not in dom) and not (a == c and "c" not in dom)]
+        last = max((a for a in kept if a in (r, c)), default=None)
+        if last is None:
+            out.append(max(1, math.prod(shape[a] for a in kept)))
+            continue
+        after = math.prod(shape[a] for a in kept if a > last)
+        out.append(max(1, after if after > 1 else shape[last]))
+    return tuple(out)
+
+
+class AxesSource(Source):
+    """The C source of a program over a matrix view (``Program.uses_axes``).
+
+    ``vega_axes_step`` steps the tensors of the table one at a time. Per tensor, after
+    the scalar phase, come stages of loops, each over the values of one domain (per
+    element, row, column or matrix: ``vega.dsl.ir``); every loop is an OpenMP loop over
+    its outputs with a static schedule, so a step does not depend on the thread count:
+
+    - an axis reduction (``row_mean`` ...) is *materialized*: computed into a buffer of
+      its domain, each output combining its sources in order (in double; across rows, in
+      up to 8 fixed parts of the rows, each in order, the parts then in order);
+    - so is any other value that a value of a larger domain reads (a broadcast), or
+      that is written to an output of a larger domain;
+    - a per-tensor reduction (``norm`` ...) accumulates over its argument's domain, in
+      partials of CHUNK positions combined in order;
+    - everything else is computed where it is used, in a loop over its own domain.
+
+    A stage runs once what it reads is done. Every output is computed from the old
+    values: a last pass writes them, by a loop per element (p, state like p), then per
+    row, then per column; a position there reads its own old values, materialized ones,
+    and state of a smaller domain, which only a later loop writes.
+    """
+
+    @property
+    def columns(self) -> record.Columns:
+        """The address table's columns, with the geometry."""
+        return record.table_columns(self.nstate, NGEO)
+
+    def __init__(self, program: Program, pdt: str, gdt: str, sdt: str):
+        super().__init__(program, pdt, gdt, sdt)
+        self.nodes = walk(node for _, node in program.updates)
+        self.order = {id(n): k for k, n in enumerate(self.nodes)}
+        self.doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
+        self.mat: dict[int, Node] = {}  # materialized values, by id
+        for node in self.nodes:
+            if node.op in AXIS_REDUCTIONS:
+                self.mat[id(node)] = node
+            elif node.kind == Kind.ELEMENT:
+                for s in node.src:
+                    if s.kind == Kind.ELEMENT and s.op not in LEAVES and s.dom != node.dom:
+                        self.mat[id(s)] = s
+        for target, node in program.updates:
+            if node.kind == Kind.ELEMENT and node.op not in LEAVES \
+                    and node.dom != self.doms[target]:
+                self.mat[id(node)] = node
+        # the stage computing each materialized value and reduction; ``ready``: the stage
+        # after which a value can be read
+        self.stage: dict[int, int] = {}
+        self.ready: dict[int, int] = {}
+        for node in self.nodes:
+            level = max((self.ready[id(s)] for s in node.src), default=0)
+            if id(node) in self.mat or node.op in REDUCTIONS:
+                level += 1
+                self.stage[id(node)] = level
+            self.ready[id(node)] = level
+
+    def _buf(self, node: Node) -> str:
+        return "m_" + self.lin.ref(node)
+
+    def _body(self, roots, dom: str, index, compute=frozenset()) -> list[str]:
+        """Statements computing ``roots`` at one position of a loop over ``dom``: the leaves
+        and materialized values they read, loaded (``index(d)``: the position's index into
+        the values of domain ``d``), and the values in between, computed. ``compute``:
+        materialized roots to compute here rather than load."""
+        found: dict[int, Node] = {}
+        stack = [n for n in roots if n.kind == Kind.ELEMENT]
+        while stack:
+            node = stack.pop()
+            if id(node) in found:
+                continue
+            found[id(node)] = node
+            if node.op not in LEAVES and (id(node) not in self.mat or id(node) in compute):
+                stack.extend(s for s in node.src if s.kind == Kind.ELEMENT)
+        out = []
+        for node in sorted(found.values(), key=lambda n: self.order[id(n)]):
+            ctype = "int" if node.dtype == "bool" else "CT"
+            if node.op in LEAVES:
+                out.append(self._load(node, index(node.dom)))
+            elif id(node) in self.mat and id(node) not in compute:
+                value = f"{self._buf(node)}[{index(node.dom)}]"
+                out.append(f"const {ctype} {self._var(node)} = "
+                           f"{value + ' != 0' if ctype == 'int' else value};")
+            else:
+                out.append(f"const {ctype} {self._var(node)} = "
+                           f"{self.r.expr(self.lin, node, 'element')};")
+        return out
+
+    def _over(self, dom: str, roots, after, what: str, compute=frozenset(),
+              reduce=()) -> list[str]:
+        """A loop over the values of ``dom``: ``roots`` at each position ``j``, then the
+        statements ``after``; ``reduce``: per-tensor reductions of the roots, accumulated
+        in a partial per CHUNK positions, combined in order into their variables."""
+        n, maps = f"n_{_TAG[dom]}", []
+
+        def index(d: str) -> str:
+            if d == dom:
+                return "j"
+            if d not in maps:
+                maps.append(d)
+            return f"b_{_TAG[d]} + (j - lo) * s_{_TAG[d]}"
+
+        nr = len(reduce)
+
+        def render(index) -> list[str]:
+            return self._body(roots, dom, index, compute) + list(after) + [
+                _combine(_HOW[node.op], f"acc{q}", self.r.operand(self.lin, node.src[0]))
+                for q, node in enumerate(reduce)]
+        body = render(index)
+        idents = [_IDENT[_HOW[node.op]] for node in reduce]
+        out = [f"{{  /* {what} */", f"    const int64_t nch = ({n} + CHUNK - 1) / CHUNK;"]
+        if reduce:
+            out.append(f"    double *part = (double *)malloc(sizeof(double) * {nr} * "
+                       "(size_t)(nch ? nch : 1));")
+        out += [f"    #pragma omp parallel for schedule(static) num_threads(nth) "
+                f"if ({n} >= PAR_MIN)",
+                "    for (int64_t ch = 0; ch < nch; ch++) {"]
+        if reduce:
+            out.append("        double " + ", ".join(f"acc{q} = {idents[q]}"
+                                                     for q in range(nr)) + ";")
+        out += [f"        const int64_t hi = {n} < (ch + 1) * CHUNK ? {n} : (ch + 1) * CHUNK;",
+                "        for (int64_t lo = ch * CHUNK, e; lo < hi; lo = e) {"]
+        if maps:
+            L = f"L_{_TAG[dom]}"
+            out.append(f"            e = (lo / {L} + 1) * {L} < hi ? (lo / {L} + 1) * {L} : hi;"
+                       "  /* a line: the index maps are affine */")
+            for d in maps:
+                m, t = _MAPS[dom, d], _TAG[d]
+                out += [f"            const int64_t b_{t} = {m.format(i='lo')};",
+                        f"            const int64_t s_{t} = e - lo > 1 ? "
+                        f"{m.format(i='lo + 1')} - b_{t} : 0;"]
+        else:
+            out.append("            e = hi;")
+        sums = [f"acc{q}" for q, node in enumerate(reduce) if node.op is not Op.AMAX]
+        # a NaN-propagating max is no OpenMP reduction: no simd
+        pragma = ["#pragma omp simd" + (f" reduction(+:{', '.join(sums)})" if sums else "")
+                  ] if len(sums) == nr else []
+
+        def loop(lines: list[str], indent: str) -> list[str]:
+            return [indent + line for line in (*pragma, "for (int64_t j = lo; j < e; j++) {",
+                                               *("    " + line for line in lines), "}")]
+        # a value of a smaller domain is read along a line with stride 0 (the line runs
+        # along its axis) or 1 (across it): versions of the loop for those strides read
+        # it as one value or contiguously, not gathered
+        tags = [_TAG[d] for d in maps]
+        strides = {1: [(0,), (1,)], 2: [(0, 1), (1, 0)]}.get(len(tags), [])
+        for v, version in enumerate(strides):
+            def fixed(d: str, version=version) -> str:
+                if d == dom:
+                    return "j"
+                k = maps.index(d)
+                return f"b_{tags[k]}" + (" + (j - lo)" if version[k] else "")
+            test = " && ".join(f"s_{t} == {x}" for t, x in zip(tags, version))
+            out.append(f"            {'} else if' if v else 'if'} ({test}) {{")
+            out += loop(render(fixed), "                ")
+        if strides:
+            out += ["            } else {", *loop(body, "                "), "            }"]
+        else:
+            out += loop(body, "            ")
+        out.append("        }")
+        out += [f"        part[ch * {nr} + {q}] = acc{q};" for q in range(nr)]
+        out.append("    }")
+        for q, node in enumerate(reduce):
+            out += [f"    double r{q} = {idents[q]};",
+                    "    for (int64_t k = 0; k < nch; k++) {",
+                    f"        double x = part[k * {nr} + {q}];",
+                    f"        {_combine(_PARTIALS[node.op], f'r{q}', 'x')}",
+                    "    }",
+                    f"    {self._var(node)} = (CT)({_finish(node.op, f'r{q}', f'(double){n}')});"]
+        if reduce:
+            out.append("    free(part);")
+        return out + ["}"]
+
+    def _gather(self, node: Node) -> list[str]:
+        """The loop materializing an axis reduction: output o combines its source at
+        ``(o / inner * len + k) * inner + o % inner`` for k < len, in order (where
+        ``inner > 1``: in up to 8 fixed parts of the k, combined in order)."""
+        src = node.src[0]
+        axis, how = AXIS_REDUCTIONS[node.op]
+        inner, length = _AXIS[src.dom, axis]
+        nout, buf, x = f"n_{_TAG[node.dom]}", self._buf(node), self.r.operand(self.lin, src)
+
+        def at(acc: str, indent: str) -> list[str]:  # the source at x, into acc
+            body = self._body([src], src.dom, lambda d: "x" if d == src.dom
+                              else _MAPS[src.dom, d].format(i="x"))
+            body.append(_combine("max" if how == "max" else "sum", acc, x))
+            return [indent + line for line in body]
+        value = "{} / (double)len" if how == "mean" else "{}"
+        ident = _IDENT[how]
+        par = (f"#pragma omp parallel for schedule(static) num_threads(nth) "
+               f"if ({nout} * len >= PAR_MIN)")
+        return [
+            f"{{  /* {buf} = {node.op.value}({x}) */",
+            f"    const int64_t inner = {inner}, len = {length};",
+            "    if (inner == 1) {  /* the sources of an output: one run */",
+            f"        {par}",
+            f"        for (int64_t o = 0; o < {nout}; o++) {{",
+            f"            double acc = {ident};",
+            *([] if how == "max" else ["            #pragma omp simd reduction(+:acc)"]),
+            "            for (int64_t x = o * len; x < (o + 1) * len; x++) {",
+            *at("acc", " " * 16),
+            "            }",
+            f"            {buf}[o] = (CT)({value.format('acc')});",
+            "        }",
+            "    } else if (inner > 1) {  /* GB outputs side by side, their sources by rows,",
+            "        read a row of a tile at a time; with few tiles, the rows in nk parts */",
+            f"        const int64_t nb = (inner + GB - 1) / GB, na = {nout} / inner;",
+            "        const int64_t nk = na * nb >= 8 || len < 2 ? 1 : (len < 8 ? len : 8);",
+            "        const int64_t kc = (len + nk - 1) / nk;",
+            "        const int64_t tw = inner < GB ? inner : GB;  /* a tile's width */",
+            "        double *part = (double *)malloc(sizeof(double) * (size_t)(na * nb * nk) "
+            "* (size_t)tw);",
+            f"        {par}",
+            "        for (int64_t task = 0; task < na * nb * nk; task++) {",
+            "            const int64_t tile = task / nk, k0 = task % nk * kc;",
+            "            const int64_t a = tile / nb, b0 = tile % nb * GB;",
+            "            const int64_t bn = inner - b0 < GB ? inner - b0 : GB;",
+            "            const int64_t k1 = k0 + kc < len ? k0 + kc : len;",
+            "            double *acc = part + task * tw;",
+            f"            for (int64_t b = 0; b < bn; b++) acc[b] = {ident};",
+            "            for (int64_t k = k0; k < k1; k++) {",
+            "                #pragma omp simd",
+            "                for (int64_t b = 0; b < bn; b++) {",
+            "                    const int64_t x = (a * len + k) * inner + b0 + b;",
+            *at("acc[b]", " " * 20),
+            "                }",
+            "            }",
+            "        }",
+            "        for (int64_t tile = 0; tile < na * nb; tile++) {  /* the parts, in order */",
+            "            const int64_t a = tile / nb, b0 = tile % nb * GB;",
+            "            const int64_t bn = inner - b0 < GB ? inner - b0 : GB;",
+            "            for (int64_t b = 0; b < bn; b++) {",
+            "                double r = part[tile * nk * tw + b];",
+            "                for (int64_t q = 1; q < nk; q++) {",
+            "                    const double y = part[(tile * nk + q) * tw + b];",
+            f"                    {_combine('max' if how == 'max' else 'sum', 'r', 'y')}",
+            "                }",
+            f"                {buf}[a * inner + b0 + b] = (CT)({value.format('r')});",
+            "            }",
+            "        }",
+            "        free(part);",
+            "    }",
+            "}",
+        ]
+
+    def _count(self, dom: str) -> str:
+        """The number of values of a state of domain ``dom`` (``geo``: axis_geometry)."""
+        return f"geo[{DOMAINS.index(dom)}]"
+
+    def _entries(self) -> list[str]:
+        lin, r = self.lin, self.r
+        body = [line[12:] for line in self._block_start([])]
+        body += ["const int64_t *geo = row + COL_GEO;  /* axis_geometry, line_lengths */",
+                 "const int64_t n_rc = geo[0], n_r = geo[1], n_c = geo[2], n_m = geo[3];",
+                 "const int64_t Sr = geo[4], Sc = geo[5], fr = geo[6], fc = geo[7];",
+                 "const int64_t rr = geo[8], cc = geo[9];",
+                 "const int64_t L_rc = geo[10], L_r = geo[11], L_c = geo[12];"]
+        mats = sorted(self.mat.values(), key=lambda n: self.order[id(n)])
+        for m in mats:
+            n = f"n_{_TAG[m.dom]}"
+            body.append(f"CT *{self._buf(m)} = (CT *)malloc(sizeof(CT) * (size_t)({n} > 0 ? "
+                        f"{n} : 1));  /* {DOMAIN_WORDS[m.dom]} */")
+        for level in range(1, max(self.stage.values(), default=0) + 1):
+            here = [n for n in self.nodes if self.stage.get(id(n)) == level]
+            reds = [n for n in here if n.op in REDUCTIONS]
+            body.append(f"/* stage {level} */")
+            body += [f"CT {self._var(n)};" for n in reds]
+            for n in here:
+                if n.op in AXIS_REDUCTIONS:
+                    body += self._gather(n)
+            for dom in DOMAINS:
+                ns = [n for n in here if n.dom == dom and n.op not in AXIS_REDUCTIONS
+                      and n.op not in REDUCTIONS]
+                if ns:
+                    body += self._over(dom, ns, [f"{self._buf(n)}[j] = (CT){self._var(n)};"
+                                                 for n in ns],
+                                       f"{', '.join(map(self._buf, ns))}: "
+                                       f"{DOMAIN_WORDS[dom]}, kept", compute={id(n) for n in ns})
+                rs = [n for n in reds if n.src[0].dom == dom]
+                if rs:
+                    body += self._over(dom, [n.src[0] for n in rs], [], ", ".join(
+                        f"{self._var(n)} = {n.op.value}({r.operand(lin, n.src[0])})"
+                        for n in rs) + f": over {DOMAIN_WORDS[dom]}", reduce=rs)
+            for n in self.nodes:  # per-tensor values, now known
+                if n.kind == Kind.TENSOR and n.op not in REDUCTIONS \
+                        and self.ready[id(n)] == level:
+                    ctype = "int" if n.dtype == "bool" else "CT"
+                    body.append(f"const {ctype} {self._var(n)} = {r.expr(lin, n, 'element')};")
+        body.append("/* the writes, from the old values */")
+        for dom in ("rc", "r", "c"):
+            outs = [(t, n) for t, n in self.program.updates if self.doms[t] == dom]
+            if outs:
+                body += self._over(dom, [n for _, n in outs],
+                                   [self._store(t, r.operand(lin, n), "j") for t, n in outs],
+                                   f"write {', '.join(t for t, _ in outs)}: "
+                                   f"{DOMAIN_WORDS[dom]}")
+        body += [f"free({self._buf(m)});" for m in mats]
+        return [AXES_HEADER,
+                *self._pass_through(),
+                "void vega_axes_step(int64_t nt, const int64_t *tab, const double *pre, "
+                "int nth) {",
+                *self._prologue("{ pass_through(nt, tab); return; }"),
+                "    for (int64_t i = 0; i < nt; i++) {  /* one tensor at a time */",
+                "        const int64_t *row = tab + i * ROW;",
+                *("        " + line if line else "" for line in body),
+                "    }",
+                "}",
+                ""]
+
+
