@@ -14,6 +14,7 @@ import vega
 from vega import codegen
 from vega.codegen import c
 from vega.codegen.c import build as cbuild
+from vega.codegen.c import native
 
 # every setting of the bool hyperparameters; and the programs without a momentum buffer
 # (hyper_values gives momentum 0.01)
@@ -535,8 +536,10 @@ def test_address_tables_follow_tensors_that_move():
 
 
 def test_two_groups_of_one_kernel_keep_their_tables(monkeypatch):
-    """Two param groups (or optimizers) stepped by one kernel alternate: each finds its own
-    address tables again rather than rebuilding them every step."""
+    """On the Python path (where the native operator cannot be built, which builds a call's
+    tables itself): two param groups (or optimizers) stepped by one kernel alternate, and
+    each finds its own address tables again rather than rebuilding them every step."""
+    monkeypatch.setattr(native, "module", lambda wait=None: None)
     kern = codegen.kernel("c", vega.adamw.program())
     built = []
     real = c.Kernel._tables
@@ -671,8 +674,9 @@ def test_a_gradient_shrunk_behind_its_parameter_is_refused():
 
 
 def test_many_groups_of_one_kernel_keep_their_tables(monkeypatch):
-    """Layer-wise settings make a group per layer, all stepped by one kernel: each keeps
-    its address tables."""
+    """On the Python path: layer-wise settings make a group per layer, all stepped by one
+    kernel, and each keeps its address tables."""
+    monkeypatch.setattr(native, "module", lambda wait=None: None)
     built = []
     real = c.Kernel._tables
     monkeypatch.setattr(c.Kernel, "_tables", lambda self, *a: built.append(1) or real(self, *a))
@@ -710,13 +714,19 @@ def pure_against_donated(spec, hypers, params, monkeypatch):
     """Four steps of ``spec`` pure and donated from ``params``, the second to fourth with
     a loss scale and clipping, the third skipped: bitwise the same, the pure steps out of
     place."""
-    outs = []
-    tables = c.Kernel._tables
+    outs = []  # whether each table made (in Python, or by the operator) has outputs
+    tables, native_call = c.Kernel._tables, c.Kernel._native_call
 
     def spying(self, *args):
         outs.append(len(args) > 7 and args[7] is not None)
         return tables(self, *args)
+
+    def spying_native(self, mod, call, *args):
+        if call is mod.step:
+            outs.append(bool(args[-1]))
+        return native_call(self, mod, call, *args)
     monkeypatch.setattr(c.Kernel, "_tables", spying)
+    monkeypatch.setattr(c.Kernel, "_native_call", spying_native)
     pure = (params, spec.init(params, **hypers))
     donated = torch.utils._pytree.tree_map(lambda x: None if x is None else x.clone(), pure)
     for step in range(4):
