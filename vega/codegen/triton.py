@@ -49,11 +49,11 @@ from importlib.resources import files
 
 import torch
 
-from vega.codegen import reference, triton_runtime
+from vega.codegen import plan, reference, triton_runtime
 from vega.codegen.base import Linear, Renderer, linearize, state_var
 from vega.codegen.base import reduction_phases
 from vega.codegen.record import PRE_SLOTS, named
-from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, LEAVES, REDUCTIONS, Kind, Node, Op,
+from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, REDUCTIONS, Kind, Node, Op,
                          Program, walk)
 
 TL = {"float32": "tl.float32", "float64": "tl.float64", "bfloat16": "tl.bfloat16",
@@ -170,26 +170,11 @@ class TritonRenderer(Renderer):
 
 def _needed(roots: list[Node], computed: list[Node]) -> tuple[list[Node], list[Node], list[Node]]:
     """The element-phase lines reaching ``roots`` (operands first), the reductions of earlier
-    phases they read (values are recomputed, reductions are not), and every node reached.
-    ``computed``: the reductions of this phase (a root of the update may be an earlier
-    phase's reduction: s = norm(g))."""
-    seen: set[int] = set()
-    stack, needed = list(roots), []
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        needed.append(node)
-        if node.op in REDUCTIONS and not any(node is r for r in computed):
-            continue
-        stack.extend(node.src)
-    order = {id(n): k for k, n in enumerate(walk(roots))}
-    needed.sort(key=lambda n: order[id(n)])
-    lines = [n for n in needed if n.kind >= Kind.TENSOR and n.op not in LEAVES
-             and n.op not in REDUCTIONS]
-    earlier = [n for n in needed if n.op in REDUCTIONS and not any(n is r for r in computed)]
-    return lines, earlier, needed
+    phases they read (values are recomputed, reductions are not), and every node reached
+    (``vega.codegen.plan.element_plan``). ``computed``: the reductions of this phase (a root
+    of the update may be an earlier phase's reduction: s = norm(g))."""
+    found = plan.element_plan(roots, computed=computed)
+    return list(found.lines), list(found.earlier), list(found.reached)
 
 
 _WHAT = {Op.NORM: "norm", Op.SUM: "sum", Op.MEAN: "mean", Op.AMAX: "max"}
@@ -204,23 +189,15 @@ _WHAT = {Op.NORM: "norm", Op.SUM: "sum", Op.MEAN: "mean", Op.AMAX: "max"}
 # old ones and the temporaries. The write over the elements runs first: the writes of
 # per-row and per-column state read only that state, at the index they write.
 
-DOMS = ("rc", "r", "c", "")  # the order of axis_geometry's counts
-TAG = {"rc": "rc", "r": "r", "c": "c", "": "m"}
-# table columns: axis_geometry(shape)[1:] (its first, the number of elements, is NUMEL)
-GEOMETRY = {"N_R": "number of rows (values of one per row)",
-            "N_C": "number of columns (values of one per column)",
-            "N_M": "number of matrices", "SR": "length of the row axis (1 if none)",
-            "SC": "length of the column axis (1 if none)",
-            "FR": "inner stride of the row axis", "FC": "inner stride of the column axis",
-            "RR": "inner stride of the row axis in a value of one per row",
-            "CC": "inner stride of the column axis in a value of one per column"}
-COUNT = {"rc": "NUMEL", "r": "N_R", "c": "N_C", "": "N_M"}
+DOMS, TAG = plan.DOMS, plan.TAG  # the domains in axis_geometry's order, and in identifiers
+# table columns: the geometry of vega.codegen.plan but the elements' count (NUMEL) and the
+# run lengths (which only the C kernels read), in capitals
+GEOMETRY = {plan.column_name(name): what for name, what in plan.GEOMETRY[1:10]}
+COUNT = {dom: "NUMEL" if dom == "rc" else plan.column_name(plan.COUNT[dom]) for dom in DOMS}
 # a value of domain b read at an index of domain a: drop(index, inner, n)
-DROP = {("rc", "r"): ("FC", "SC"), ("rc", "c"): ("FR", "SR"), ("r", ""): ("RR", "SR"),
-        ("c", ""): ("CC", "SC")}
+DROP = {doms: tuple(map(plan.column_name, how)) for doms, how in plan.DROP.items()}
 # an axis reduction into domain a of a value of domain b: put(index, inner, n, k) for k < n
-PUT = {("r", "rc"): ("FC", "SC"), ("c", "rc"): ("FR", "SR"), ("", "r"): ("RR", "SR"),
-       ("", "c"): ("CC", "SC")}
+PUT = {doms: tuple(map(plan.column_name, how)) for doms, how in plan.PUT.items()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -723,7 +700,8 @@ class Source:
             needs_rowmax=any(n.op in (Op.ROW_MAX, Op.COL_MAX) for n in nodes),
             phases=[] if axes else [self._phase(k, ph) for k, ph in enumerate(self.phases)],
             update=None if axes else self._update(),
-            axes=self._axes() if axes else None, doms=TAG)
+            axes=self._axes() if axes else None, doms=TAG, drop_expr=plan.DROP_EXPR,
+            put_expr=plan.PUT_EXPR)
 
 
 _SERIAL = itertools.count()
@@ -758,9 +736,9 @@ class Kernel:
         # the staged path's launches (kind, kernel, domain, wide, partial results)
         self.plan = None
         if program.uses_axes:
-            plan = axis_plan(program)
+            staged = axis_plan(program)
             self.plan = ([(x.kind, x.fn, DOMS.index(x.dom), x.wide, len(x.reductions))
-                          for x in plan.launches], [DOMS.index(n.dom) for n in plan.temps])
+                          for x in staged.launches], [DOMS.index(n.dom) for n in staged.temps])
         text = self.source()
         self.prefix = kernel_prefix(program)  # of the kernels' names
         # the modules' name, by their source; the custom ops' name for this kernel, its own

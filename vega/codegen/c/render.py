@@ -8,7 +8,8 @@ import math
 
 from vega.codegen import record
 from vega.codegen.base import Linear, Renderer, linearize, reduction_phases, state_var
-from vega.dsl.ir import REDUCTIONS, Kind, Node, Op, Program, walk
+from vega.codegen.plan import element_plan
+from vega.dsl.ir import REDUCTIONS, Kind, Node, Op, Program
 
 # dtype name -> (C storage type, load to compute type, store from compute type)
 STORAGE = {
@@ -345,32 +346,11 @@ class Source:
     def _element_nodes(self, roots: list[Node], stored=None) \
             -> tuple[list[Node], list[Node], set[str]]:
         """The element-phase values reaching ``roots`` in order, the earlier reductions they
-        read, and the states whose old values they read. ``stored``: values an earlier
-        loop stored (id -> state), loaded here (among the values), not computed."""
-        stored = stored or {}
-        nodes, used, reads = [], [], set()
-        seen: set[int] = set()
-        stack = list(roots)
-        needed = []
-        while stack:  # collect, stopping at reductions of earlier phases
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            needed.append(node)
-            if node.op is Op.STATE:
-                reads.add(node.arg)
-            if (node.op in REDUCTIONS and node not in roots) or id(node) in stored:
-                continue
-            stack.extend(node.src)
-        order = {id(n): k for k, n in enumerate(walk(roots))}
-        for node in sorted(needed, key=lambda n: order[id(n)]):
-            if node.op in REDUCTIONS and node not in roots:
-                used.append(node)
-            elif node.kind >= Kind.TENSOR and node.op not in (Op.PARAM, Op.GRAD, Op.STATE) \
-                    and node.op is not Op.CONST and node.op not in REDUCTIONS:
-                nodes.append(node)
-        return nodes, used, reads
+        read, and the states whose old values they read (``vega.codegen.plan.element_plan``).
+        ``stored``: values an earlier loop stored (id -> state), loaded here (among the
+        values), not computed."""
+        found = element_plan(roots, computed=roots, stored=(stored or {}).keys())
+        return list(found.lines), list(found.earlier), set(found.reads)
 
     def _element_lines(self, nodes: list[Node], stored=None) -> list[str]:
         lines = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from vega.codegen import record
+from vega.codegen import plan, record
 from vega.codegen.c.render import _HOW, _PARTIALS, Source, _combine, _finish
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, DOMAINS, LEAVES, REDUCTIONS, Kind, Node,
@@ -13,7 +13,7 @@ from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, DOMAINS, LEAVES, REDUCTI
 
 # -- programs over a matrix view ---------------------------------------------------
 
-NGEO = 13  # the integers after a table row's hyperparameters: axis_geometry, line_lengths
+NGEO = plan.NGEO  # the integers after a table row's hyperparameters: axis_geometry, line_lengths
 
 AXES_HEADER = r"""
 #define CHUNK 4096  /* positions a task of a loop over one domain takes (one partial sum) */
@@ -22,19 +22,31 @@ AXES_HEADER = r"""
 /* the position, among the values of a smaller domain, that position i reads: i with an
    axis of length n and inner stride inner taken out (vega.codegen.base.axis_geometry) */
 static inline int64_t drop(int64_t i, int64_t inner, int64_t n) {
-    return (i / (inner * n)) * inner + i % inner;
+    return DROP_EXPR;
 }
-"""
+""".replace("DROP_EXPR", plan.in_c(plan.DROP_EXPR))
 
-# a domain in C names: n_rc, n_r, n_c, n_m count its values
-_TAG = {"rc": "rc", "r": "r", "c": "c", "": "m"}
-# (domain of a loop, smaller domain) -> the index into the smaller one's values at position {i}
-_MAPS = {("rc", "r"): "drop({i}, fc, Sc)", ("rc", "c"): "drop({i}, fr, Sr)",
-         ("rc", ""): "drop(drop({i}, fc, Sc), rr, Sr)", ("r", ""): "drop({i}, rr, Sr)",
-         ("c", ""): "drop({i}, cc, Sc)"}
-# (domain of an axis reduction's source, the axis it reduces) -> (inner stride, length)
-_AXIS = {("rc", "c"): ("fc", "Sc"), ("rc", "r"): ("fr", "Sr"), ("r", "r"): ("rr", "Sr"),
-         ("c", "c"): ("cc", "Sc")}
+# a domain in C names (n_rc, n_r, n_c, n_m count its values); the index maps between domains
+# and the axes of axis reductions: vega.codegen.plan, spelled in C
+_TAG = plan.TAG
+
+
+def _index_maps() -> dict[tuple[str, str], str]:
+    """(domain of a loop, smaller domain) -> the index into the smaller one's values at
+    position ``{i}``: ``plan.drop_path`` in C."""
+    out = {}
+    for dom in plan.DOMS:
+        for smaller in plan.DOMS:
+            if dom != smaller and set(smaller) <= set(dom):
+                at = "{i}"
+                for inner, n in plan.drop_path(dom, smaller):
+                    at = f"drop({at}, {inner}, {n})"
+                out[dom, smaller] = at
+    return out
+
+
+_MAPS = _index_maps()
+_AXIS = plan.AXIS  # (domain of an axis reduction's source, the axis it reduces) -> (inner, len)
 _IDENT = {"max": "-INFINITY", "sum": "0", "sumsq": "0", "mean": "0"}
 
 
@@ -312,10 +324,8 @@ class AxesSource(Source):
         lin, r = self.lin, self.r
         body = [line[12:] for line in self._block_start([])]
         body += ["const int64_t *geo = row + COL_GEO;  /* axis_geometry, line_lengths */",
-                 "const int64_t n_rc = geo[0], n_r = geo[1], n_c = geo[2], n_m = geo[3];",
-                 "const int64_t Sr = geo[4], Sc = geo[5], fr = geo[6], fc = geo[7];",
-                 "const int64_t rr = geo[8], cc = geo[9];",
-                 "const int64_t L_rc = geo[10], L_r = geo[11], L_c = geo[12];"]
+                 *(f"const int64_t {name} = geo[{k}];  /* {what} */"
+                   for k, (name, what) in enumerate(plan.GEOMETRY))]
         mats = sorted(self.mat.values(), key=lambda n: self.order[id(n)])
         for m in mats:
             n = f"n_{_TAG[m.dom]}"

@@ -1,0 +1,118 @@
+"""What the compiled backends plan alike, in one place: the C and the Triton renderers read
+it and differ only in how they spell it.
+
+- **Which element values a loop computes** (``element_plan``): the values reaching a set
+  of roots, operands first, stopping at the per-tensor reductions of earlier phases (read,
+  not recomputed) and at values an earlier loop stored.
+- **The geometry of a tensor's matrix view** (``GEOMETRY``): the integers a table row of
+  a program over a matrix view carries after its hyperparameters, in order
+  (``vega.codegen.base.axis_geometry``, then ``vega.codegen.c.staged.line_lengths``); the
+  C kernels name them as they are, Triton's table columns in capitals (``column_name``).
+- **How an index of one domain reads a value of a smaller one** (``DROP``,
+  ``drop_path``), and **how an axis reduction walks its source** (``AXIS``, ``PUT``):
+  ``drop(i, inner, n) = (i / (inner * n)) * inner + i % inner`` takes out an axis of length
+  ``n`` and inner stride ``inner``; ``put(o, inner, n, k) = (o / inner) * inner * n +
+  k * inner + o % inner`` puts it back at position ``k``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vega.dsl.ir import DOMAINS, REDUCTIONS, Kind, Node, Op, walk
+
+DOMS = DOMAINS  # per element, per row, per column, per matrix: axis_geometry's counts' order
+TAG = {"rc": "rc", "r": "r", "c": "c", "": "m"}  # a domain in identifiers
+
+# the geometry integers of a row, in order, with what each is
+GEOMETRY = (
+    ("n_rc", "number of elements"),
+    ("n_r", "number of rows (values of one per row)"),
+    ("n_c", "number of columns (values of one per column)"),
+    ("n_m", "number of matrices"),
+    ("Sr", "length of the row axis (1 if none)"),
+    ("Sc", "length of the column axis (1 if none)"),
+    ("fr", "inner stride of the row axis"),
+    ("fc", "inner stride of the column axis"),
+    ("rr", "inner stride of the row axis in a value of one per row"),
+    ("cc", "inner stride of the column axis in a value of one per column"),
+    ("L_rc", "run length of a loop over the elements (line_lengths)"),
+    ("L_r", "run length of a loop over the rows"),
+    ("L_c", "run length of a loop over the columns"),
+)
+NGEO = len(GEOMETRY)
+COUNT = {dom: f"n_{TAG[dom]}" for dom in DOMS}  # the geometry integer counting a domain
+
+# (domain of an index, the next smaller domain) -> (inner stride, length) of the axis dropped
+DROP = {("rc", "r"): ("fc", "Sc"), ("rc", "c"): ("fr", "Sr"), ("r", ""): ("rr", "Sr"),
+        ("c", ""): ("cc", "Sc")}
+# (domain of an axis reduction's source, the axis it reduces) -> (inner stride, length)
+AXIS = {("rc", "c"): ("fc", "Sc"), ("rc", "r"): ("fr", "Sr"), ("r", "r"): ("rr", "Sr"),
+        ("c", "c"): ("cc", "Sc")}
+# (domain of an axis reduction's output, domain of its source) -> (inner stride, length)
+PUT = {(src.replace(axis, ""), src): how for (src, axis), how in AXIS.items()}
+
+
+# the two index maps, in integer arithmetic with ``//`` for the division (C writes ``/``)
+DROP_EXPR = "(i // (inner * n)) * inner + i % inner"  # drop(i, inner, n)
+PUT_EXPR = "(o // inner) * inner * n + k * inner + o % inner"  # put(o, inner, n, k)
+
+
+def in_c(expr: str) -> str:
+    """An index map's expression in C (integer division is ``/`` there)."""
+    return expr.replace("//", "/")
+
+
+def column_name(name: str) -> str:
+    """A geometry integer's name as a Triton table column (``fc`` -> ``FC``)."""
+    return name.upper()
+
+
+def drop_path(dom: str, smaller: str) -> tuple[tuple[str, str], ...]:
+    """The drops, in order, that take an index of ``dom`` to one of ``smaller``: one a
+    domain step, per element to per row (or column) to per matrix."""
+    if dom == smaller:
+        return ()
+    if (dom, smaller) in DROP:
+        return (DROP[dom, smaller],)
+    if dom == "rc" and smaller == "":
+        return DROP["rc", "r"], DROP["r", ""]
+    raise ValueError(f"no index map from domain {dom!r} to {smaller!r}")
+
+
+@dataclass(frozen=True)
+class ElementPlan:
+    """The element values a loop computes for its roots (``element_plan``)."""
+
+    lines: tuple[Node, ...]  # values computed, operands first
+    earlier: tuple[Node, ...]  # per-tensor reductions of earlier phases they read
+    reads: frozenset[str]  # the states whose old values they read
+    reached: tuple[Node, ...]  # every node reached, in order
+
+
+def element_plan(roots, computed=(), stored=frozenset()) -> ElementPlan:
+    """The element values reaching ``roots``, in order. ``computed``: the reductions this
+    loop computes itself (it reads their arguments); any other reduction is an earlier
+    phase's, read. ``stored``: ids of values an earlier loop stored, read (they are among
+    the lines, but their operands are not)."""
+    roots = list(roots)
+    seen: set[int] = set()
+    stack, reached, reads = list(roots), [], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        reached.append(node)
+        if node.op is Op.STATE:
+            reads.add(node.arg)
+        if (node.op in REDUCTIONS and not any(node is r for r in computed)) \
+                or id(node) in stored:
+            continue
+        stack.extend(node.src)
+    order = {id(n): k for k, n in enumerate(walk(roots))}
+    reached.sort(key=lambda n: order[id(n)])
+    lines = tuple(n for n in reached if n.kind >= Kind.TENSOR and n.op not in REDUCTIONS
+                  and n.op not in (Op.PARAM, Op.GRAD, Op.STATE, Op.CONST))
+    earlier = tuple(n for n in reached if n.op in REDUCTIONS
+                    and not any(n is r for r in computed))
+    return ElementPlan(lines, earlier, frozenset(reads), tuple(reached))
