@@ -86,3 +86,14 @@ def test_repeat_must_be_positive():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="repeat="):
             bench.main(repeat=bad, out=open("/dev/null", "w"))
+
+
+def test_the_cost_around_the_kernels_is_reported_a_tensor():
+    costs = bench.host_costs()
+    assert list(costs) == ["vega AdamW", "vega AdamW + unscale, finite check, clip, skip",
+                           "torch AdamW fused"]
+    assert all(secs > 0 for secs in costs.values())
+    lines = []
+    bench.report_host({"vega AdamW": 0.5e-6}, lambda text="": lines.append(text))
+    assert lines[0].startswith("== the cost of a step around its kernels (1,000 one-element")
+    assert lines[1].split()[-4:] == ["0.50", "us", "a", "tensor"]

@@ -329,6 +329,31 @@ def other_rows(shapes, grads, names):
     return rows
 
 
+HOST_TENSORS = 1000
+
+
+def host_costs() -> dict[str, float]:
+    """What a step costs around its kernels, a tensor: each step timed on 1,000 parameters
+    of one element (where the kernels' own work is a few nanoseconds), divided by 1,000.
+    Label -> seconds a tensor."""
+    shapes = [(1,)] * HOST_TENSORS
+    _, grads = _tensors(shapes)
+    fns = {"vega AdamW": vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3).step,
+           "vega AdamW + unscale, finite check, clip, skip": vega.optim.AdamW(
+               _leaves(shapes, grads), lr=1e-3, max_grad_norm=1.0,
+               loss_scale=vega.LossScale.dynamic(init=1.0, growth_interval=10**9)).step,
+           "torch AdamW fused": torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
+                                                  fused=True).step}
+    return {label: secs / HOST_TENSORS for label, secs in race(fns, budget=3.0).items()}
+
+
+def report_host(costs: dict[str, float], say) -> None:
+    say(f"== the cost of a step around its kernels ({HOST_TENSORS:,} one-element tensors)")
+    for label, secs in costs.items():
+        say(f"{label:<60} {1e6 * secs:>10.2f} us a tensor")
+    say()
+
+
 def compile_times() -> tuple[float, float]:
     """Seconds to compile adamw's float32 kernel cold, and to load it from the cache."""
     code = ("import time, vega; from vega import codegen; spec = vega.adamw; "  # (the spec:
@@ -492,8 +517,13 @@ def main(quick: bool = False, compile_torch: bool = True, out=None, repeat: int 
                f"split), {STREAM_BYTES} B an element" if rate > 0 else loop) + "\n")
         run = measure(quick, compile_torch)
         report(run, rate, say)
+        costs = host_costs()
+        report_host(costs, say)
         for key, value in ratios(run, rate).items():
             summary.setdefault(key, []).append(value)
+        for label, secs in costs.items():
+            summary.setdefault(("step cost around the kernels",
+                                f"{label}: us a tensor"), []).append(1e6 * secs)
     if repeat > 1:
         say(f"== {repeat} runs: median [min, max] of each ratio")
         for (title, what), values in summary.items():
