@@ -423,8 +423,24 @@ def test_multi_threaded_steps_are_deterministic():
         torch.set_num_threads(threads)
 
 
+def test_one_kernel_call_per_phase_for_many_tensors_through_the_operator():
+    """Multi-tensor: the native operator calls the update once per dtype group, not once per
+    tensor, then the counters' advance once."""
+    mod = native.module(wait=True)
+    if mod is None:
+        pytest.skip(native.status())
+    params = [torch.randn(5) for _ in range(50)] + [torch.randn(3, dtype=torch.float64)]
+    state = vega.adamw_init(params)
+    vega.adamw_step(params, [torch.randn_like(p) for p in params], state, backend="c")
+    before = mod.entry_calls()
+    vega.adamw_step(params, [torch.randn_like(p) for p in params], state, backend="c")
+    assert mod.entry_calls() - before == 3  # two dtype groups' updates, one advance
+
+
 def test_one_kernel_call_per_phase_for_many_tensors(monkeypatch):
-    """Multi-tensor: the update runs once per dtype group, not once per tensor."""
+    """Multi-tensor, on the Python path: the update runs once per dtype group, not once per
+    tensor."""
+    monkeypatch.setattr(native, "module", lambda wait=None: None)
     kern = codegen.kernel("c", vega.adamw.program())
     params = [torch.randn(5) for _ in range(50)] + [torch.randn(3, dtype=torch.float64)]
     state = vega.adamw_init(params)

@@ -299,21 +299,19 @@ class Kernel:
                 return
             except ValueError:
                 pass
-        self._python_step(mod, params, grads, flat_states, steps, step_index, hyp, hyp_index,
-                          pre)
+        self._python_step(params, grads, flat_states, steps, step_index, hyp, hyp_index, pre)
 
-    def _python_step(self, mod, params, grads, flat_states, steps, step_index, hyp, hyp_index,
-                     pre):
+    def _python_step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index, pre):
         """``_step`` in Python: the address tables of a recent call serve again when the
         parameters, states and step counters are at the same addresses with the same sizes
         and dtypes (checked: a tensor freed and another made may take its address), and the
         gradients have the same sizes and dtypes: a backward pass makes new gradients, whose
         column is rewritten (as is the hyperparameters', when a schedule gave a new table).
-        Where the native operator ``mod`` is built (and refused these tensors), only the
-        checks and the copies."""
+        Where the native operator is built, it refused these tensors: the same checks here
+        say which is wrong, in the order they always have."""
         nth = torch.get_num_threads()
         found = None
-        if mod is None and _as_stored([*params, *grads, *flat_states]) \
+        if _as_stored([*params, *grads, *flat_states]) \
                 and all(map(torch.Tensor.is_contiguous, hyp)):
             if not torch.is_inference_mode_enabled() and any(map(
                     torch.Tensor.is_inference, [*params, *flat_states, *steps])):
