@@ -121,13 +121,13 @@ def _vega_state(cls, **kw):
 OTHERS = [
     (vega.optim.SGD, lambda: _vega_state(vega.optim.Adam),
      r"group 0 of the state has no 'dampening', 'momentum', 'nesterov' and has 'amsgrad', 'b1', "
-     r"'b2', 'eps', unknown to SGD; it seems to be the state of vega\.optim\.Adam or "
+     r"'b2', 'betas', 'eps', unknown to SGD; it seems to be the state of vega\.optim\.Adam or "
      r"vega\.optim\.AdamW"),
     (vega.optim.SGD, _torch_sgd_state,
      r"group 0 of the state has no 'backend', 'state_dtype' and has .*'foreach'.*; it seems "
      r"to be the state of torch\.optim\.SGD"),
     (vega.optim.Adam, _torch_adam_state,
-     r"group 0 of the state has no 'b1', 'b2', 'backend', 'state_dtype' and has 'betas', .*; "
+     r"group 0 of the state has no 'b1', 'b2', 'backend', 'state_dtype' and has .*'foreach'.*; "
      r"it seems to be the state of torch\.optim\.Adam"),
     (vega.optim.LARS, lambda: _vega_state(vega.optim.SGD, momentum=0.9),
      r"group 0 of the state has no 'eps', 'trust_coefficient' and has 'dampening', unknown to "
