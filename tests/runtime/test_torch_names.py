@@ -36,15 +36,17 @@ def _run(make, schedule=None, steps=STEPS):
     return params, opt
 
 
-def _same_run(ours, theirs, states: dict):
-    """Parameters and the named states (vega's name -> torch's) of two runs agree."""
+def _same_run(ours, theirs, states: dict, counted: bool = True):
+    """Parameters and the named states (vega's name -> torch's) of two runs agree, and the
+    step counters (``counted``; torch's SGD keeps none: taken as STEPS)."""
     (ps, opt), (qs, ref) = ours, theirs
     for i, (p, q) in enumerate(zip(ps, qs)):
         assert_close(p.detach(), q.detach(), rtol=1e-10, what=f"parameter {i}")
         for mine, its in states.items():
             assert_close(opt.state[p][mine], ref.state[q][its], rtol=1e-10,
                          what=f"state {mine} of parameter {i}")
-        assert int(opt.state[p]["step"]) == int(ref.state[q].get("step", STEPS))
+        if counted or "step" in ref.state[q]:
+            assert int(opt.state[p]["step"]) == int(ref.state[q].get("step", STEPS))
 
 
 ADAM_STATE = {"mu": "exp_avg", "nu": "exp_avg_sq"}
@@ -205,3 +207,80 @@ def test_implementation_keywords_are_accepted(kw):
 def test_implementation_keywords_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         vega.optim.SGD([torch.zeros(2)], **kw)
+
+
+# -- torch.optim's state dicts ------------------------------------------------------------
+
+def _resume(make, params, opt, first: int, steps: int):
+    for k in range(first, first + steps):
+        for p, g in zip(params, _grads(k)):
+            p.grad = g.clone()
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("name,kw,states", TORCH_TWINS, ids=lambda x: str(x)[:20])
+def test_torch_state_dict_loads_and_continues_as_torch(name, kw, states):
+    """torch's run saved after 3 steps, loaded into vega's class: the next steps are
+    torch's own; and back, vega's state in torch's format continues in torch's class."""
+    def torch_make(ps):
+        return getattr(torch.optim, name)(ps, lr=1e-2, foreach=False, **kw)
+
+    def vega_make(ps):
+        return getattr(vega.optim, name)(ps, lr=1e-2, **kw)
+    half, full = 3, STEPS
+    theirs = _run(torch_make)
+    ps, saved = _run(torch_make, steps=half)
+    ours = _resume(vega_make, *_loaded(vega_make, ps, saved.state_dict()), half, full - half)
+    _same_run(ours, theirs, states, counted=False)  # (torch's SGD counts no steps: 1 here)
+
+    ps, mine = _run(vega_make, steps=half)
+    converted, own = mine.torch_state_dict(), saved.state_dict()  # (torch's own format)
+    assert [sorted(g) for g in converted["param_groups"]] == \
+        [sorted(g) for g in own["param_groups"]]
+    assert {i: {k: (v.dtype, v.device) for k, v in st.items()}
+            for i, st in converted["state"].items()} == \
+        {i: {k: (v.dtype, v.device) for k, v in st.items()} for i, st in own["state"].items()}
+    back = _resume(torch_make, *_loaded(torch_make, ps, mine.torch_state_dict()), half,
+                   full - half)
+    _same_run(_run(vega_make), back, states)
+
+
+def _loaded(make, saved_params, state_dict):
+    params = [p.detach().clone().requires_grad_(True) for p in saved_params]
+    opt = make(params)
+    opt.load_state_dict(state_dict)
+    return params, opt
+
+
+def _torch_state(cls, **kw):
+    return _run(lambda ps: cls(ps, lr=1e-2, **kw), steps=2)[1].state_dict()
+
+
+@pytest.mark.parametrize("cls,saved,message", [
+    (vega.optim.Adam, lambda: _torch_state(torch.optim.Adam, decoupled_weight_decay=True),
+     r"Adam\.load_state_dict: group 0 of torch\.optim\.Adam's state has "
+     r"decoupled_weight_decay=True, but vega\.optim\.Adam's rule is torch's at "
+     r"decoupled_weight_decay=False"),
+    (vega.optim.RAdam, lambda: _torch_state(torch.optim.RAdam, weight_decay=0.1),
+     r"RAdam\.load_state_dict: group 0 of torch\.optim\.RAdam's state has weight_decay=0\.1, "
+     r"but vega\.optim\.RAdam's rule is torch's at weight_decay=0"),
+    (vega.optim.SGD, lambda: _torch_state(torch.optim.Adam),
+     r"SGD\.load_state_dict: group 0 of the state has no 'backend', 'dampening', 'momentum', "
+     r"'nesterov', 'state_dtype' .*it seems to be the state of torch\.optim\.Adam"),
+])
+def test_torch_state_dict_of_another_rule_is_refused(cls, saved, message):
+    opt = cls([p.requires_grad_(True) for p in _params()])
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(saved())
+
+
+def test_torch_format_of_a_rule_torch_has_not():
+    opt = _run(lambda ps: vega.optim.Lion(ps))[1]
+    with pytest.raises(ValueError, match=r"Lion\.torch_state_dict: torch\.optim has no class "
+                                         r"with vega\.optim\.Lion's rule"):
+        opt.torch_state_dict()
+    opt = _run(lambda ps: vega.optim.AdamW(ps, lr=vega.schedule.constant(1e-2)))[1]
+    with pytest.raises(ValueError, match=r"AdamW\.torch_state_dict: group 0 has lr=.*; torch's "
+                                         r"state format holds plain numbers"):
+        opt.torch_state_dict()

@@ -337,15 +337,30 @@ class SpecOptimizer(torch.optim.Optimizer):
             out["loss_scale"] = dict(zip(_LOSS_SCALE_LEAVES, self.loss_scale.tensors()))
         return out
 
+    def torch_state_dict(self) -> dict:
+        """``state_dict()`` in the format of torch.optim's class of the same rule (SGD, Adam,
+        AdamW, RAdam, Adagrad, RMSprop): torch's state names, float32 step counters on the
+        host, ``betas``; ValueError for a class torch has not."""
+        return torch_names.to_torch(f"{type(self).__name__}.torch_state_dict",
+                                    self.spec.class_name, torch_names.beta_names(self.spec),
+                                    self.state_dict())
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, keeping vega's state dtypes (float32 state for half
-        parameters, the step counter int32 on the parameter's device).
+        parameters, the step counter int32 on the parameter's device). A state dict of
+        torch.optim's class of the same rule (SGD, Adam, AdamW, RAdam, Adagrad, RMSprop) is
+        converted (``torch_names.from_torch``); ValueError naming a setting under which
+        torch's rule is not this class's.
 
         Checked first, each refusal a ``ValueError`` that leaves the optimizer as it was:
         the groups carry this optimizer's hyperparameters (not another optimizer's), each
         parameter's state has this optimizer's entries at the shapes its parameter needs,
         and the loss scale's tensors are 0-d, of their dtypes, with values a scale can take.
         """
+        name = self.spec.class_name
+        if torch_names.is_torch_format(state_dict, name, _group_keys(self.spec)):
+            state_dict = torch_names.from_torch(f"{type(self).__name__}.load_state_dict", name,
+                                                state_dict, self.param_groups)
         before = self.state, self.param_groups, self.loss_scale
         try:
             self._check_saved(state_dict)

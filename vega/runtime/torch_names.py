@@ -7,6 +7,7 @@ names so): a group holds both, and whichever a caller (or a torch LR scheduler, 
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 
 import torch
@@ -134,3 +135,113 @@ class BetaSync:
                                  "one of the two")
         self.remember(group)
 
+
+
+# -- torch.optim's state dicts --------------------------------------------------------------
+
+# The classes whose rule torch.optim's class of the same name steps, each state under
+# torch's name (vega's -> torch's; None: torch keeps none); and the values of torch's group
+# keys at which its rule is vega's (a key absent from a saved group is taken as that value).
+TORCH_STATES = {
+    "SGD": {"v": "momentum_buffer", "step": None},
+    "Adam": {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"},
+    "AdamW": {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"},
+    "RAdam": {"mu": "exp_avg", "nu": "exp_avg_sq"},
+    "Adagrad": {"acc": "sum"},
+    "RMSprop": {"nu": "square_avg", "mu": "grad_avg", "buf": "momentum_buffer"},
+}
+_TORCH_RULES = {
+    "Adam": {"decoupled_weight_decay": False}, "AdamW": {"decoupled_weight_decay": True},
+    "RAdam": {"weight_decay": 0, "decoupled_weight_decay": False},
+}
+_TORCH_ONLY = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+
+
+def is_torch_format(state_dict, cls_name: str, want: frozenset) -> bool:
+    """Whether ``state_dict`` is torch.optim's state of the class of this name: groups
+    without vega's ``backend`` and ``state_dtype`` that, ``betas`` aside, hold the rest of
+    ``want`` (vega's group keys)."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if cls_name not in TORCH_STATES or not isinstance(groups, (list, tuple)) or not groups:
+        return False
+    mine = want - {"backend", "state_dtype"}
+    for group in groups:
+        if not isinstance(group, dict) or "backend" in group or "state_dtype" in group:
+            return False
+        keys = set(group) | ({f"b{i + 1}" for i in range(len(group["betas"]))}
+                             if isinstance(group.get("betas"), (tuple, list)) else set())
+        if not mine <= keys:
+            return False
+    return True
+
+
+def from_torch(owner: str, cls_name: str, state_dict: dict, current: list) -> dict:
+    """torch.optim's state dict of ``cls_name`` in vega's format: states renamed, ``betas``
+    spread over ``b1``, ``b2``, groups given ``current``'s (this optimizer's groups')
+    ``backend`` and ``state_dtype``; torch's step counters are converted on loading (and
+    SGD's, which torch does not keep, is 1 where a buffer is). ValueError naming a setting
+    under which torch's rule is not vega's."""
+    names = TORCH_STATES[cls_name]
+    rules = _TORCH_RULES.get(cls_name, {})
+    groups = []
+    for k, group in enumerate(state_dict["param_groups"]):
+        if group.get("differentiable"):
+            raise ValueError(f"{owner}: group {k} of torch.optim.{cls_name}'s state has "
+                             "differentiable=True, which vega's fused step is not")
+        for key, value in rules.items():
+            if key in group and group[key] != value:
+                raise ValueError(
+                    f"{owner}: group {k} of torch.optim.{cls_name}'s state has "
+                    f"{key}={engine.shown(group[key])}, but vega.optim.{cls_name}'s rule is "
+                    f"torch's at {key}={value!r}")
+        here = current[k] if k < len(current) else current[-1]
+        out = {key: v for key, v in group.items() if key not in _TORCH_ONLY}
+        if isinstance(group.get("betas"), (tuple, list)):
+            out.update((f"b{i + 1}", b) for i, b in enumerate(group["betas"]))
+            out["betas"] = tuple(group["betas"])
+        out.update(backend=here["backend"], state_dtype=here["state_dtype"])
+        groups.append(out)
+    back = {theirs: mine for mine, theirs in names.items() if theirs is not None}
+    state = {}
+    for pid, st in state_dict["state"].items():
+        new = {back.get(key, key): v for key, v in st.items() if v is not None}
+        if "step" not in new and new:  # (torch's SGD counts no steps)
+            new["step"] = torch.ones((), dtype=torch.int32)
+        state[pid] = new
+    return {**state_dict, "state": state, "param_groups": groups}
+
+
+def to_torch(owner: str, cls_name: str, betas: tuple, state_dict: dict) -> dict:
+    """vega's state dict of ``cls_name`` in torch.optim's format, for torch.optim's class
+    of the same name (``betas``: the spec's b1, b2, ..., which torch calls betas); ValueError
+    where a hyperparameter is not a plain number (a tensor or
+    a schedule: torch's groups hold its own kinds) or the class has no torch counterpart."""
+    if cls_name not in TORCH_STATES:
+        raise ValueError(f"{owner}: torch.optim has no class with vega.optim.{cls_name}'s "
+                         f"rule; torch's state format is for "
+                         f"{', '.join(sorted(TORCH_STATES))}")
+    names = TORCH_STATES[cls_name]
+    rules = _TORCH_RULES.get(cls_name, {})
+    takes = inspect.signature(getattr(torch.optim, cls_name).__init__).parameters
+    groups = []
+    for k, group in enumerate(state_dict["param_groups"]):
+        out = {key: v for key, v in group.items()
+               if key not in ("backend", "state_dtype", *betas)}
+        for key, v in out.items():
+            if any(isinstance(x, torch.Tensor) or callable(x)
+                   for x in (v if key == "betas" else (v,))):
+                raise ValueError(f"{owner}: group {k} has {key}={engine.shown(v)}; torch's "
+                                 "state format holds plain numbers")
+        out.update((key, v) for key, v in dict(foreach=None, fused=None, capturable=False,
+                                               differentiable=False).items() if key in takes)
+        out.update(rules)
+        groups.append(out)
+    state = {}
+    for pid, st in state_dict["state"].items():
+        new = {names.get(key, key): v for key, v in st.items()}
+        new.pop(None, None)
+        if "step" in new:  # (torch's counters are float32, on the host)
+            new["step"] = new["step"].to(device="cpu", dtype=torch.float32)
+        state[pid] = new
+    return {**{k: v for k, v in state_dict.items() if k != "loss_scale"},
+            "state": state, "param_groups": groups}
