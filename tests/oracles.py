@@ -137,7 +137,8 @@ def make_grads(dtype: torch.dtype, steps: int = STEPS, seed: int = 1) -> list[di
 # -- the registry ----------------------------------------------------------------
 
 def _sgd_torch(h: dict) -> dict:
-    return dict(lr=h["lr"], momentum=h["momentum"], dampening=0.0, nesterov=h["nesterov"],
+    return dict(lr=h["lr"], momentum=h["momentum"], dampening=h["dampening"],
+                nesterov=h["nesterov"],
                 weight_decay=h["weight_decay"])
 
 
@@ -156,6 +157,7 @@ def _l2(h: dict, tx):
 
 def _sgd_optax(h: dict):
     import optax
+    assert h["dampening"] == 0, "optax's sgd has no dampening"
     return _l2(h, optax.sgd(h["lr"], momentum=h["momentum"] or None, nesterov=h["nesterov"]))
 
 
@@ -207,13 +209,19 @@ class OracleCase:
 
 CASES: list[OracleCase] = [
     # without momentum neither vega nor torch keeps a buffer (optax: momentum=None)
-    OracleCase("sgd", "sgd", dict(lr=3e-2, momentum=0.0, nesterov=False, weight_decay=0.0),
+    OracleCase("sgd", "sgd", dict(lr=3e-2, momentum=0.0, nesterov=False, weight_decay=0.0,
+                                  dampening=0.0),
                torch.optim.SGD, _sgd_torch, {}, to_optax=_sgd_optax),
     *[OracleCase(f"sgd-{kind}{'-wd' if wd else ''}", "sgd",
-                 dict(lr=3e-2, momentum=0.7, nesterov=kind == "nesterov", weight_decay=wd),
+                 dict(lr=3e-2, momentum=0.7, nesterov=kind == "nesterov", weight_decay=wd,
+                      dampening=0.0),
                  torch.optim.SGD, _sgd_torch, {"v": "momentum_buffer"},
                  to_optax=_sgd_optax, optax_state={"v": "trace"})
       for kind in ("momentum", "nesterov") for wd in (0.0, 0.05)],
+    # dampening (torch's; optax has none): the first step's buffer is the gradient
+    OracleCase("sgd-dampening", "sgd", dict(lr=3e-2, momentum=0.7, nesterov=False,
+                                            weight_decay=0.05, dampening=0.3),
+               torch.optim.SGD, _sgd_torch, {"v": "momentum_buffer"}),
     OracleCase("adam", "adam", dict(ADAM_HYPERS, weight_decay=0.0, amsgrad=False),
                torch.optim.Adam, _adam_torch, ADAM_TORCH_STATE,
                to_optax=_adam_optax, optax_state=ADAM_OPTAX_STATE),

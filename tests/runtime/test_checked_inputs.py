@@ -120,22 +120,24 @@ def _vega_state(cls, **kw):
 
 OTHERS = [
     (vega.optim.SGD, lambda: _vega_state(vega.optim.Adam),
-     r"group 0 of the state has no 'momentum', 'nesterov' and has 'amsgrad', 'b1', 'b2', 'eps', "
-     r"unknown to SGD; it seems to be the state of vega\.optim\.Adam or vega\.optim\.AdamW"),
-    (vega.optim.SGD, _torch_sgd_state,
-     r"group 0 of the state has no 'backend', 'state_dtype' and has .*'dampening'.*; it seems "
-     r"to be the state of torch\.optim\.SGD"),
-    (vega.optim.Adam, _torch_adam_state,
-     r"group 0 of the state has no 'b1', 'b2', 'backend', 'state_dtype' and has 'betas', .*; "
-     r"it seems to be the state of torch\.optim\.Adam"),
+     r"group 0 of the state has no 'dampening', 'momentum', 'nesterov' and has 'amsgrad', 'b1', "
+     r"'b2', 'betas', 'eps', unknown to SGD; it seems to be the state of vega\.optim\.Adam or "
+     r"vega\.optim\.AdamW"),
+    # torch's state is converted only into the class of its rule (test_torch_names.py)
+    (vega.optim.Adam, _torch_sgd_state,
+     r"group 0 of the state has no 'amsgrad', 'b1', 'b2', 'backend', 'eps', 'state_dtype' and "
+     r"has .*'momentum'.*; it seems to be the state of torch\.optim\.SGD"),
+    (vega.optim.Adagrad, _torch_adam_state,
+     r"group 0 of the state has no 'backend', 'initial_accumulator_value', 'lr_decay', "
+     r"'state_dtype' and has .*'betas'.*; it seems to be the state of torch\.optim\.Adam"),
     (vega.optim.LARS, lambda: _vega_state(vega.optim.SGD, momentum=0.9),
-     r"group 0 of the state has no 'eps', 'trust_coefficient'; it seems to be the state of "
-     r"vega\.optim\.SGD"),
+     r"group 0 of the state has no 'eps', 'trust_coefficient' and has 'dampening', unknown to "
+     r"LARS; it seems to be the state of vega\.optim\.SGD"),
 ]
 
 
-@pytest.mark.parametrize("cls,make,message", OTHERS, ids=["Adam>SGD", "torch.SGD>SGD",
-                                                         "torch.Adam>Adam", "SGD>LARS"])
+@pytest.mark.parametrize("cls,make,message", OTHERS, ids=["Adam>SGD", "torch.SGD>Adam",
+                                                         "torch.Adam>Adagrad", "SGD>LARS"])
 def test_load_state_dict_of_another_optimizer_says_whose_it_seems(cls, make, message):
     ps = _params()
     opt = _stepped(cls(ps, lr=0.1), ps)

@@ -17,7 +17,7 @@ from vega import codegen
 from vega.codegen.base import distinct, state_shape
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
-from vega.runtime import engine
+from vega.runtime import engine, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
 _IS_SPARSE = operator.attrgetter("is_sparse")
@@ -38,21 +38,34 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, *, backend: str | None = None,
                  state_dtype: torch.dtype | None = None, max_grad_norm: float | None = None,
-                 loss_scale=None, skip_nonfinite: bool = False, **hypers):
+                 loss_scale=None, skip_nonfinite: bool = False, maximize: bool = False,
+                 foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool | None = None, differentiable: bool = False, **hypers):
         owner = type(self).__name__
         codegen.check_backend(backend)
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
+        torch_names.check_keywords(owner, maximize, foreach, fused, capturable, differentiable)
+        names = torch_names.beta_names(self.spec)
+        if names and "betas" in hypers:
+            hypers.update(torch_names.split_betas(owner, names, hypers.pop("betas"), hypers))
         flags, values = engine.resolve(owner, self.spec.hypers, hypers)
         self.max_grad_norm = max_grad_norm
         self.loss_scale = loss_scale
         self.skip_nonfinite = skip_nonfinite
-        super().__init__(params, {**flags, **values, "backend": backend,
-                                  "state_dtype": state_dtype})
+        betas = {"betas": tuple(values[n] for n in names)} if names else {}
+        super().__init__(params, {**flags, **values, **betas, "maximize": maximize,
+                                  "backend": backend, "state_dtype": state_dtype})
 
     def add_param_group(self, param_group: dict) -> None:
+        owner = type(self).__name__
+        if isinstance(param_group, dict):
+            self._betas().fill(owner, param_group, self.defaults)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            if not isinstance(group["maximize"], bool):
+                raise ValueError(f"{owner}: maximize={engine.shown(group['maximize'])} must be "
+                                 "True or False")
             codegen.check_backend(group.get("backend"))
             engine.check_state_dtype(type(self).__name__, group.get("state_dtype"))
             engine.resolve(type(self).__name__, self.spec.hypers,
@@ -66,6 +79,16 @@ class SpecOptimizer(torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise ValueError(f"{type(self).__name__} can only optimize float or complex "
                                  f"tensors, got one of dtype {p.dtype}")
+        self._betas().remember(group)
+
+    def _betas(self) -> torch_names.BetaSync:
+        """Which of ``betas`` and ``b1``, ``b2``, ... each group last had in step (kept off
+        torch's state: an unpickled or loaded optimizer starts without)."""
+        sync = self.__dict__.get("_vega_betas")
+        if sync is None:
+            sync = self.__dict__["_vega_betas"] = torch_names.BetaSync(
+                torch_names.beta_names(self.spec))
+        return sync
 
     def _group_values(self, group):
         """The group's (bool hyperparameters, float hyperparameters), checked."""
@@ -115,9 +138,13 @@ class SpecOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = []
+        sync = self._betas()
         for k, group in enumerate(self.param_groups):
+            sync.sync(type(self).__name__, k, group)
             flags, values = self._group_values(group)
             grads = [p.grad for p in group["params"]]  # p.grad: one read (a property)
+            if group["maximize"]:  # (torch's foreach step negates them so too)
+                grads = torch_names.negated(grads)
             found = self._planned_work(k, group, grads, flags, values)
             work += self._routed(group, found if found is not None else
                                  self._group_work(k, group, grads, flags, values))
@@ -310,15 +337,30 @@ class SpecOptimizer(torch.optim.Optimizer):
             out["loss_scale"] = dict(zip(_LOSS_SCALE_LEAVES, self.loss_scale.tensors()))
         return out
 
+    def torch_state_dict(self) -> dict:
+        """``state_dict()`` in the format of torch.optim's class of the same rule (SGD, Adam,
+        AdamW, RAdam, Adagrad, RMSprop): torch's state names, float32 step counters on the
+        host, ``betas``; ValueError for a class torch has not."""
+        return torch_names.to_torch(f"{type(self).__name__}.torch_state_dict",
+                                    self.spec.class_name, torch_names.beta_names(self.spec),
+                                    self.state_dict())
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, keeping vega's state dtypes (float32 state for half
-        parameters, the step counter int32 on the parameter's device).
+        parameters, the step counter int32 on the parameter's device). A state dict of
+        torch.optim's class of the same rule (SGD, Adam, AdamW, RAdam, Adagrad, RMSprop) is
+        converted (``torch_names.from_torch``); ValueError naming a setting under which
+        torch's rule is not this class's.
 
         Checked first, each refusal a ``ValueError`` that leaves the optimizer as it was:
         the groups carry this optimizer's hyperparameters (not another optimizer's), each
         parameter's state has this optimizer's entries at the shapes its parameter needs,
         and the loss scale's tensors are 0-d, of their dtypes, with values a scale can take.
         """
+        name = self.spec.class_name
+        if torch_names.is_torch_format(state_dict, name, _group_keys(self.spec)):
+            state_dict = torch_names.from_torch(f"{type(self).__name__}.load_state_dict", name,
+                                                state_dict, self.param_groups)
         before = self.state, self.param_groups, self.loss_scale
         try:
             self._check_saved(state_dict)
@@ -328,6 +370,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             self.state, self.param_groups, self.loss_scale = before
             raise
         self._plans().clear()
+        sync = self._betas()
+        sync.seen = {id(g): sync.seen[id(g)] for g in self.param_groups if id(g) in sync.seen}
 
     def _check_saved(self, state_dict) -> None:
         """What torch's loading would take without a word but the step cannot: a state_dict
@@ -350,7 +394,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                                  "with 'params')")
             missing = sorted(want - group.keys())
             if missing:
-                unknown = sorted(group.keys() - want - _GROUP_EXTRAS)
+                unknown = sorted(group.keys() - want - _GROUP_EXTRAS - _optional_keys(self.spec))
                 raise ValueError(
                     f"{owner}: group {k} of the state has no {', '.join(map(repr, missing))}"
                     + (f" and has {', '.join(map(repr, unknown))}, unknown to "
@@ -367,9 +411,11 @@ class SpecOptimizer(torch.optim.Optimizer):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "loss_scale"})
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [(p, g) for g in self.param_groups for p in g["params"]]
-        for group in self.param_groups:
+        for k, group in enumerate(self.param_groups):
             engine.check_state_dtype(f"{type(self).__name__}.load_state_dict",
                                      group["state_dtype"])
+            group.setdefault("maximize", False)  # (a state saved before groups held it)
+            self._betas().sync(f"{type(self).__name__}.load_state_dict", k, group)
         for pid, (p, group) in zip(ids, params):
             if pid not in originals or p not in self.state:
                 continue
@@ -432,6 +478,12 @@ def _group_keys(cspec) -> frozenset:
     return frozenset({*(h.name for h in cspec.hypers), "backend", "state_dtype"})
 
 
+def _optional_keys(cspec) -> frozenset:
+    """The keys of a group that a state saved before groups held them may lack: torch's
+    names ``maximize`` and ``betas`` (where the spec has ``b1``, ``b2``, ...)."""
+    return frozenset({"maximize", *(("betas",) if torch_names.beta_names(cspec) else ())})
+
+
 def _optimizer_keys() -> dict[str, frozenset]:
     """The group keys of each optimizer class a state_dict may come from: vega's and
     torch's (torch's from their signatures: their defaults are their keyword arguments)."""
@@ -439,7 +491,7 @@ def _optimizer_keys() -> dict[str, frozenset]:
 
     from vega.runtime.library import builtin, builtin_names
     found = {f"vega.optim.{builtin(n).class_name}": _group_keys(builtin(n))
-             for n in builtin_names()}
+             | _optional_keys(builtin(n)) for n in builtin_names()}
     found["vega.optim.LBFGS"] = frozenset({"lr", "memory_size", "scale_init_precond",
                                            "state_dtype"})
     for name in sorted(dir(torch.optim)):
@@ -584,7 +636,13 @@ def optimizer_class(spec) -> type:
         lines.append(f"    {h.name}: {h.type} = {default}{rng}")
     lines += ["", "Also: backend=None|'reference'|'c'|'triton', state_dtype=None (float32 for "
               "bfloat16/float16 parameters),", "max_grad_norm=None, loss_scale=None (a "
-              "vega.LossScale), skip_nonfinite=False."]
+              "vega.LossScale), skip_nonfinite=False, maximize=False,",
+              "foreach=None, fused=None, capturable=None (accepted: the step is always "
+              "fused), differentiable=False."]
+    names = torch_names.beta_names(spec)
+    if names:
+        lines[-1] += f" betas=({', '.join(names)}), torch's name for {', '.join(names)}."
+
     return type(spec.class_name, (SpecOptimizer,), {
         "spec": spec, "__doc__": "\n".join(lines), "__module__": "vega.optim",
         "__qualname__": spec.class_name,

@@ -1,0 +1,286 @@
+"""torch.optim's keywords on vega's classes: betas (and torch's LR schedulers that cycle
+them), maximize, SGD's dampening, foreach / fused / capturable / differentiable."""
+import pytest
+import torch
+
+import vega
+import vega.optim
+from tests.oracles import assert_close
+
+STEPS = 6
+SHAPES = [(5, 3), (4,), ()]
+
+
+def _params():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
+
+
+def _grads(step: int):
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
+
+
+def _run(make, schedule=None, steps=STEPS):
+    """The parameters and optimizer after ``steps`` steps of ``make(params)`` on the fixed
+    gradients, with ``schedule(opt)`` (a torch LR scheduler) stepped after each."""
+    params = [p.clone().requires_grad_(True) for p in _params()]
+    opt = make(params)
+    sched = schedule(opt) if schedule is not None else None
+    for k in range(steps):
+        for p, g in zip(params, _grads(k)):
+            p.grad = g.clone()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return params, opt
+
+
+def _same_run(ours, theirs, states: dict, counted: bool = True):
+    """Parameters and the named states (vega's name -> torch's) of two runs agree, and the
+    step counters (``counted``; torch's SGD keeps none: taken as STEPS)."""
+    (ps, opt), (qs, ref) = ours, theirs
+    for i, (p, q) in enumerate(zip(ps, qs)):
+        assert_close(p.detach(), q.detach(), rtol=1e-10, what=f"parameter {i}")
+        for mine, its in states.items():
+            assert_close(opt.state[p][mine], ref.state[q][its], rtol=1e-10,
+                         what=f"state {mine} of parameter {i}")
+        if counted or "step" in ref.state[q]:
+            assert int(opt.state[p]["step"]) == int(ref.state[q].get("step", STEPS))
+
+
+ADAM_STATE = {"mu": "exp_avg", "nu": "exp_avg_sq"}
+
+
+# -- betas --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_betas_keyword_matches_torch(name):
+    ours = _run(lambda ps: getattr(vega.optim, name)(ps, lr=1e-2, betas=(0.8, 0.95)))
+    theirs = _run(lambda ps: getattr(torch.optim, name)(ps, lr=1e-2, betas=(0.8, 0.95),
+                                                        foreach=False))
+    _same_run(ours, theirs, ADAM_STATE)
+    group = ours[1].param_groups[0]
+    assert group["betas"] == (0.8, 0.95) and (group["b1"], group["b2"]) == (0.8, 0.95)
+
+
+def test_betas_follow_the_specs_own_names():
+    """Every class whose spec names b1, b2, ... takes betas of that length; the others
+    refuse it as an unknown hyperparameter."""
+    assert vega.optim.Adan([torch.zeros(2)], betas=(0.9, 0.8, 0.7)).defaults["b3"] == 0.7
+    assert vega.optim.Lion([torch.zeros(2)], b2=0.5).defaults["betas"] == (0.9, 0.5)
+    with pytest.raises(ValueError, match=r"betas=\(0.9, 0.8\) must be a tuple of 3 values, "
+                                         r"\(b1, b2, b3\)"):
+        vega.optim.Adan([torch.zeros(2)], betas=(0.9, 0.8))
+    with pytest.raises(TypeError, match="unexpected hyperparameter 'betas'"):
+        vega.optim.SGD([torch.zeros(2)], betas=(0.9, 0.8))
+
+
+def test_betas_and_own_names_that_disagree_are_refused():
+    with pytest.raises(ValueError, match=r"betas=\(0.8, 0.95\) and b1=0.7 disagree"):
+        vega.optim.AdamW([torch.zeros(2)], betas=(0.8, 0.95), b1=0.7)
+    vega.optim.AdamW([torch.zeros(2)], betas=(0.8, 0.95), b1=0.8)  # agreeing: fine
+    opt = vega.optim.AdamW([torch.zeros(2)])
+    with pytest.raises(ValueError, match=r"betas=\(0.5, 0.6\) and b2=0.7 disagree"):
+        opt.add_param_group({"params": [torch.zeros(3)], "betas": (0.5, 0.6), "b2": 0.7})
+    opt.add_param_group({"params": [torch.zeros(3)], "b2": 0.7})
+    assert opt.param_groups[-1]["betas"] == (0.9, 0.7)
+
+
+def test_a_changed_name_is_followed_by_the_other():
+    p = torch.zeros(3, requires_grad=True)
+    p.grad = torch.ones(3)
+    opt = vega.optim.AdamW([p])
+    group = opt.param_groups[0]
+    group["betas"] = (0.5, 0.6)
+    opt.step()
+    assert (group["b1"], group["b2"]) == (0.5, 0.6)
+    group["b2"] = 0.7
+    opt.step()
+    assert group["betas"] == (0.5, 0.7)
+    group["betas"], group["b1"] = (0.1, 0.7), 0.2
+    with pytest.raises(ValueError, match=r"group 0 has betas=\(0.1, 0.7\) but b1=0.2, b2=0.7"):
+        opt.step()
+
+
+def _one_cycle(opt):
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS + 1,
+                                               cycle_momentum=True, base_momentum=0.6,
+                                               max_momentum=0.95)
+
+
+@pytest.mark.parametrize("name,kw,states", [
+    ("AdamW", {"weight_decay": 0.05}, ADAM_STATE),
+    ("Adam", {}, ADAM_STATE),
+    ("SGD", {"momentum": 0.9}, {"v": "momentum_buffer"}),
+    ("RMSprop", {"momentum": 0.9}, {"nu": "square_avg", "buf": "momentum_buffer"}),
+])
+def test_one_cycle_with_cycled_momentum_matches_torch(name, kw, states):
+    """OneCycleLR cycles betas[0] (Adam's) or momentum (SGD's, RMSprop's) with the rate, each
+    change taking effect at the next step, as in torch's class."""
+    ours = _run(lambda ps: getattr(vega.optim, name)(ps, lr=0.05, **kw), _one_cycle)
+    theirs = _run(lambda ps: getattr(torch.optim, name)(ps, lr=0.05, foreach=False, **kw),
+                  _one_cycle)
+    _same_run(ours, theirs, states)
+    if name.startswith("Adam"):
+        group = ours[1].param_groups[0]
+        assert group["betas"] == theirs[1].param_groups[0]["betas"]
+        assert group["b1"] not in (0.9, group["betas"][0])  # cycled; synced at the next step
+
+
+# -- maximize and dampening ---------------------------------------------------------------
+
+TORCH_TWINS = [  # (class, keywords both take, vega's state -> torch's)
+    ("SGD", {"momentum": 0.9, "weight_decay": 0.05}, {"v": "momentum_buffer"}),
+    ("SGD", {"momentum": 0.9, "dampening": 0.3}, {"v": "momentum_buffer"}),
+    ("SGD", {"momentum": 0.9, "nesterov": True}, {"v": "momentum_buffer"}),
+    ("Adam", {"weight_decay": 0.05, "amsgrad": True}, {**ADAM_STATE, "nu_max": "max_exp_avg_sq"}),
+    ("AdamW", {"weight_decay": 0.05}, ADAM_STATE),
+    ("RAdam", {"eps": 0.0}, ADAM_STATE),  # (the two rules agree at eps = 0)
+    ("Adagrad", {"lr_decay": 0.01}, {"acc": "sum"}),
+    ("RMSprop", {"momentum": 0.5, "centered": True},
+     {"nu": "square_avg", "mu": "grad_avg", "buf": "momentum_buffer"}),
+]
+
+
+@pytest.mark.parametrize("maximize", [True, False])
+@pytest.mark.parametrize("name,kw,states", TORCH_TWINS, ids=lambda x: str(x)[:20])
+def test_maximize_and_dampening_match_torch(name, kw, states, maximize):
+    ours = _run(lambda ps: getattr(vega.optim, name)(ps, lr=1e-2, maximize=maximize, **kw))
+    theirs = _run(lambda ps: getattr(torch.optim, name)(ps, lr=1e-2, maximize=maximize,
+                                                        foreach=False, **kw))
+    _same_run(ours, theirs, states)
+
+
+@pytest.mark.parametrize("name", sorted(vega.optim._SPECS))
+def test_maximize_steps_on_the_negated_gradient(name):
+    """Every class: maximize=True on g is the step on -g, bitwise, and p.grad is kept."""
+    def make(maximize):
+        def build(ps):
+            return getattr(vega.optim, name)(ps, maximize=maximize, max_grad_norm=1.0)
+        return build
+    up, _ = _run(make(True))
+    params = [p.clone().requires_grad_(True) for p in _params()]
+    opt = make(False)(params)
+    for k in range(STEPS):
+        for p, g in zip(params, _grads(k)):
+            p.grad = -g
+        opt.step()
+    for p, q in zip(up, params):
+        assert torch.equal(p, q)
+    assert torch.equal(up[0].grad, _grads(STEPS - 1)[0])
+
+
+def test_maximize_is_a_bool():
+    with pytest.raises(ValueError, match="maximize=1 must be True or False"):
+        vega.optim.Adam([torch.zeros(2)], maximize=1)
+    opt = vega.optim.Adam([torch.zeros(2)])
+    with pytest.raises(ValueError, match="maximize='yes' must be True or False"):
+        opt.add_param_group({"params": [torch.zeros(2)], "maximize": "yes"})
+    assert len(opt.param_groups) == 1
+
+
+def test_dampening_range():
+    with pytest.raises(ValueError, match=r"dampening=1.5 is outside its range \[0, 1\]"):
+        vega.optim.SGD([torch.zeros(2)], momentum=0.9, dampening=1.5)
+
+
+# -- torch's implementation keywords ------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [{"foreach": None}, {"foreach": True}, {"foreach": False},
+                                {"fused": None}, {"fused": True}, {"fused": False},
+                                {"capturable": True}, {"capturable": False},
+                                {"differentiable": False}])
+def test_implementation_keywords_are_accepted(kw):
+    ours = _run(lambda ps: vega.optim.AdamW(ps, **kw))
+    plain = _run(lambda ps: vega.optim.AdamW(ps))
+    for p, q in zip(ours[0], plain[0]):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"differentiable": True}, "differentiable=True is not supported"),
+    ({"foreach": "yes"}, "foreach='yes' must be None, True or False"),
+    ({"fused": 1}, "fused=1 must be None, True or False"),
+    ({"differentiable": None}, "differentiable=None must be True or False"),
+])
+def test_implementation_keywords_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        vega.optim.SGD([torch.zeros(2)], **kw)
+
+
+# -- torch.optim's state dicts ------------------------------------------------------------
+
+def _resume(make, params, opt, first: int, steps: int):
+    for k in range(first, first + steps):
+        for p, g in zip(params, _grads(k)):
+            p.grad = g.clone()
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("name,kw,states", TORCH_TWINS, ids=lambda x: str(x)[:20])
+def test_torch_state_dict_loads_and_continues_as_torch(name, kw, states):
+    """torch's run saved after 3 steps, loaded into vega's class: the next steps are
+    torch's own; and back, vega's state in torch's format continues in torch's class."""
+    def torch_make(ps):
+        return getattr(torch.optim, name)(ps, lr=1e-2, foreach=False, **kw)
+
+    def vega_make(ps):
+        return getattr(vega.optim, name)(ps, lr=1e-2, **kw)
+    half, full = 3, STEPS
+    theirs = _run(torch_make)
+    ps, saved = _run(torch_make, steps=half)
+    ours = _resume(vega_make, *_loaded(vega_make, ps, saved.state_dict()), half, full - half)
+    _same_run(ours, theirs, states, counted=False)  # (torch's SGD counts no steps: 1 here)
+
+    ps, mine = _run(vega_make, steps=half)
+    converted, own = mine.torch_state_dict(), saved.state_dict()  # (torch's own format)
+    assert [sorted(g) for g in converted["param_groups"]] == \
+        [sorted(g) for g in own["param_groups"]]
+    assert {i: {k: (v.dtype, v.device) for k, v in st.items()}
+            for i, st in converted["state"].items()} == \
+        {i: {k: (v.dtype, v.device) for k, v in st.items()} for i, st in own["state"].items()}
+    back = _resume(torch_make, *_loaded(torch_make, ps, mine.torch_state_dict()), half,
+                   full - half)
+    _same_run(_run(vega_make), back, states)
+
+
+def _loaded(make, saved_params, state_dict):
+    params = [p.detach().clone().requires_grad_(True) for p in saved_params]
+    opt = make(params)
+    opt.load_state_dict(state_dict)
+    return params, opt
+
+
+def _torch_state(cls, **kw):
+    return _run(lambda ps: cls(ps, lr=1e-2, **kw), steps=2)[1].state_dict()
+
+
+@pytest.mark.parametrize("cls,saved,message", [
+    (vega.optim.Adam, lambda: _torch_state(torch.optim.Adam, decoupled_weight_decay=True),
+     r"Adam\.load_state_dict: group 0 of torch\.optim\.Adam's state has "
+     r"decoupled_weight_decay=True, but vega\.optim\.Adam's rule is torch's at "
+     r"decoupled_weight_decay=False"),
+    (vega.optim.RAdam, lambda: _torch_state(torch.optim.RAdam, weight_decay=0.1),
+     r"RAdam\.load_state_dict: group 0 of torch\.optim\.RAdam's state has weight_decay=0\.1, "
+     r"but vega\.optim\.RAdam's rule is torch's at weight_decay=0"),
+    (vega.optim.SGD, lambda: _torch_state(torch.optim.Adam),
+     r"SGD\.load_state_dict: group 0 of the state has no 'backend', 'dampening', 'momentum', "
+     r"'nesterov', 'state_dtype' .*it seems to be the state of torch\.optim\.Adam"),
+])
+def test_torch_state_dict_of_another_rule_is_refused(cls, saved, message):
+    opt = cls([p.requires_grad_(True) for p in _params()])
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(saved())
+
+
+def test_torch_format_of_a_rule_torch_has_not():
+    opt = _run(lambda ps: vega.optim.Lion(ps))[1]
+    with pytest.raises(ValueError, match=r"Lion\.torch_state_dict: torch\.optim has no class "
+                                         r"with vega\.optim\.Lion's rule"):
+        opt.torch_state_dict()
+    opt = _run(lambda ps: vega.optim.AdamW(ps, lr=vega.schedule.constant(1e-2)))[1]
+    with pytest.raises(ValueError, match=r"AdamW\.torch_state_dict: group 0 has lr=.*; torch's "
+                                         r"state format holds plain numbers"):
+        opt.torch_state_dict()

@@ -1,0 +1,247 @@
+"""torch.optim's keywords on the optimizer classes: ``betas``, ``maximize``, ``foreach``,
+``fused``, ``capturable`` and ``differentiable``.
+
+``betas`` is a second name for a spec's ``b1``, ``b2``, ... (the hyperparameters a spec
+names so): a group holds both, and whichever a caller (or a torch LR scheduler, as
+``OneCycleLR(cycle_momentum=True)``) changes, the other follows at the next step.
+"""
+from __future__ import annotations
+
+import inspect
+import numbers
+
+import torch
+
+from vega.runtime import engine
+
+# torch's keywords that choose among its implementations; vega has one, fused
+_IMPLEMENTATION_KEYWORDS = ("foreach", "fused", "capturable")
+
+
+def beta_names(spec) -> tuple[str, ...]:
+    """The spec's ``b1``, ``b2``, ... in order (``betas`` names them), or () for none."""
+    names = {h.name for h in spec.hypers}
+    out: list[str] = []
+    while f"b{len(out) + 1}" in names:
+        out.append(f"b{len(out) + 1}")
+    return tuple(out)
+
+
+def _same(x, y) -> bool:
+    """The same value: the same object, or equal plain numbers."""
+    if x is y:
+        return True
+    plain = (isinstance(x, numbers.Real) and isinstance(y, numbers.Real)
+             and not isinstance(x, bool) and not isinstance(y, bool))
+    return plain and x == y
+
+
+def same_betas(a, b) -> bool:
+    return len(a) == len(b) and all(map(_same, a, b))
+
+
+def _shown_betas(names) -> str:
+    return f"({', '.join(names)})"
+
+
+def split_betas(owner: str, names: tuple, betas, given: dict) -> dict:
+    """``betas`` as ``{b1: ..., b2: ...}``; ValueError where it is not a sequence of
+    ``len(names)`` values, or where it disagrees with a value ``given`` by its own name."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != len(names):
+        raise ValueError(f"{owner}: betas={engine.shown(betas)} must be a tuple of "
+                         f"{len(names)} values, {_shown_betas(names)}")
+    out = dict(zip(names, betas))
+    for name in names:
+        if name in given and not _same(given[name], out[name]):
+            raise ValueError(f"{owner}: betas={engine.shown(tuple(betas))} and "
+                             f"{name}={engine.shown(given[name])} disagree; betas is "
+                             f"{_shown_betas(names)}: give one of the two")
+    return out
+
+
+def check_keywords(owner: str, maximize, foreach, fused, capturable, differentiable) -> None:
+    """torch's keywords as torch takes them; ValueError naming one it does not, and for
+    ``differentiable=True`` (a step autograd can differentiate: vega's kernels are not)."""
+    if not isinstance(maximize, bool):
+        raise ValueError(f"{owner}: maximize={engine.shown(maximize)} must be True or False")
+    for name, value in zip(_IMPLEMENTATION_KEYWORDS, (foreach, fused, capturable)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{owner}: {name}={engine.shown(value)} must be None, True or "
+                             "False (vega's step is always one fused kernel)")
+    if not isinstance(differentiable, bool):
+        raise ValueError(f"{owner}: differentiable={engine.shown(differentiable)} must be "
+                         "True or False")
+    if differentiable:
+        raise ValueError(f"{owner}: differentiable=True is not supported: vega's fused step "
+                         "is not differentiable by autograd; use torch.optim for a "
+                         "differentiable step")
+
+
+def negated(grads: list) -> list:
+    """``grads`` negated (``maximize``), None kept where a parameter has no gradient: a
+    new list of new tensors, as torch's foreach step negates them."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    neg = iter(torch._foreach_neg(present))
+    return [None if g is None else next(neg) for g in grads]
+
+
+class BetaSync:
+    """The ``betas`` of each group as last seen in step with its ``b1``, ``b2``, ...: which
+    of the two names a caller changed since (kept off torch's state, by the group)."""
+
+    def __init__(self, names: tuple):
+        self.names = names
+        self.seen: dict[int, tuple] = {}  # id(group) -> (group, betas)
+
+    def fill(self, owner: str, param_group: dict, defaults: dict) -> None:
+        """A group being added: ``betas`` from its own names (or theirs from ``betas``),
+        defaults for the rest; ValueError where the two disagree."""
+        if not self.names:
+            return
+        given = {n: param_group[n] for n in self.names if n in param_group}
+        if "betas" in param_group:
+            param_group.update(split_betas(owner, self.names, param_group["betas"], given))
+        param_group["betas"] = tuple(param_group.get(n, defaults[n]) for n in self.names)
+
+    def remember(self, group: dict) -> None:
+        if self.names:
+            self.seen[id(group)] = (group, tuple(group["betas"]))
+
+    def sync(self, owner: str, k: int, group: dict) -> None:
+        """Make ``group``'s ``betas`` and ``b1``, ``b2``, ... agree, taking the one changed
+        since the last step; ValueError where both changed to values that disagree."""
+        if not self.names:
+            return
+        ours = tuple(group[n] for n in self.names)
+        theirs = group.get("betas")
+        if theirs is None:  # (a state saved before groups held betas)
+            group["betas"] = ours
+        elif not isinstance(theirs, (tuple, list)) or len(theirs) != len(self.names):
+            raise ValueError(f"{owner}: group {k} has betas={engine.shown(theirs)}; it must be "
+                             f"a tuple of {len(self.names)} values, {_shown_betas(self.names)}")
+        elif not same_betas(ours, theirs):
+            seen = self.seen.get(id(group))
+            last = seen[1] if seen is not None and seen[0] is group else None
+            if last is not None and same_betas(ours, last):  # betas changed
+                group.update(zip(self.names, theirs))
+            elif last is not None and same_betas(theirs, last):  # b1, b2, ... changed
+                group["betas"] = ours
+            else:
+                mine = ", ".join(f"{n}={engine.shown(v)}" for n, v in zip(self.names, ours))
+                raise ValueError(f"{owner}: group {k} has betas={engine.shown(tuple(theirs))} "
+                                 f"but {mine}; betas is {_shown_betas(self.names)}: change "
+                                 "one of the two")
+        self.remember(group)
+
+
+
+# -- torch.optim's state dicts --------------------------------------------------------------
+
+# The classes whose rule torch.optim's class of the same name steps, each state under
+# torch's name (vega's -> torch's; None: torch keeps none); and the values of torch's group
+# keys at which its rule is vega's (a key absent from a saved group is taken as that value).
+TORCH_STATES = {
+    "SGD": {"v": "momentum_buffer", "step": None},
+    "Adam": {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"},
+    "AdamW": {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"},
+    "RAdam": {"mu": "exp_avg", "nu": "exp_avg_sq"},
+    "Adagrad": {"acc": "sum"},
+    "RMSprop": {"nu": "square_avg", "mu": "grad_avg", "buf": "momentum_buffer"},
+}
+_TORCH_RULES = {
+    "Adam": {"decoupled_weight_decay": False}, "AdamW": {"decoupled_weight_decay": True},
+    "RAdam": {"weight_decay": 0, "decoupled_weight_decay": False},
+}
+_TORCH_ONLY = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+
+
+def is_torch_format(state_dict, cls_name: str, want: frozenset) -> bool:
+    """Whether ``state_dict`` is torch.optim's state of the class of this name: groups
+    without vega's ``backend`` and ``state_dtype`` that, ``betas`` aside, hold the rest of
+    ``want`` (vega's group keys)."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if cls_name not in TORCH_STATES or not isinstance(groups, (list, tuple)) or not groups:
+        return False
+    mine = want - {"backend", "state_dtype"}
+    for group in groups:
+        if not isinstance(group, dict) or "backend" in group or "state_dtype" in group:
+            return False
+        keys = set(group) | ({f"b{i + 1}" for i in range(len(group["betas"]))}
+                             if isinstance(group.get("betas"), (tuple, list)) else set())
+        if not mine <= keys:
+            return False
+    return True
+
+
+def from_torch(owner: str, cls_name: str, state_dict: dict, current: list) -> dict:
+    """torch.optim's state dict of ``cls_name`` in vega's format: states renamed, ``betas``
+    spread over ``b1``, ``b2``, groups given ``current``'s (this optimizer's groups')
+    ``backend`` and ``state_dtype``; torch's step counters are converted on loading (and
+    SGD's, which torch does not keep, is 1 where a buffer is). ValueError naming a setting
+    under which torch's rule is not vega's."""
+    names = TORCH_STATES[cls_name]
+    rules = _TORCH_RULES.get(cls_name, {})
+    groups = []
+    for k, group in enumerate(state_dict["param_groups"]):
+        if group.get("differentiable"):
+            raise ValueError(f"{owner}: group {k} of torch.optim.{cls_name}'s state has "
+                             "differentiable=True, which vega's fused step is not")
+        for key, value in rules.items():
+            if key in group and group[key] != value:
+                raise ValueError(
+                    f"{owner}: group {k} of torch.optim.{cls_name}'s state has "
+                    f"{key}={engine.shown(group[key])}, but vega.optim.{cls_name}'s rule is "
+                    f"torch's at {key}={value!r}")
+        here = current[k] if k < len(current) else current[-1]
+        out = {key: v for key, v in group.items() if key not in _TORCH_ONLY}
+        if isinstance(group.get("betas"), (tuple, list)):
+            out.update((f"b{i + 1}", b) for i, b in enumerate(group["betas"]))
+            out["betas"] = tuple(group["betas"])
+        out.update(backend=here["backend"], state_dtype=here["state_dtype"])
+        groups.append(out)
+    back = {theirs: mine for mine, theirs in names.items() if theirs is not None}
+    state = {}
+    for pid, st in state_dict["state"].items():
+        new = {back.get(key, key): v for key, v in st.items() if v is not None}
+        if "step" not in new and new:  # (torch's SGD counts no steps)
+            new["step"] = torch.ones((), dtype=torch.int32)
+        state[pid] = new
+    return {**state_dict, "state": state, "param_groups": groups}
+
+
+def to_torch(owner: str, cls_name: str, betas: tuple, state_dict: dict) -> dict:
+    """vega's state dict of ``cls_name`` in torch.optim's format, for torch.optim's class
+    of the same name (``betas``: the spec's b1, b2, ..., which torch calls betas); ValueError
+    where a hyperparameter is not a plain number (a tensor or
+    a schedule: torch's groups hold its own kinds) or the class has no torch counterpart."""
+    if cls_name not in TORCH_STATES:
+        raise ValueError(f"{owner}: torch.optim has no class with vega.optim.{cls_name}'s "
+                         f"rule; torch's state format is for "
+                         f"{', '.join(sorted(TORCH_STATES))}")
+    names = TORCH_STATES[cls_name]
+    rules = _TORCH_RULES.get(cls_name, {})
+    takes = inspect.signature(getattr(torch.optim, cls_name).__init__).parameters
+    groups = []
+    for k, group in enumerate(state_dict["param_groups"]):
+        out = {key: v for key, v in group.items()
+               if key not in ("backend", "state_dtype", *betas)}
+        for key, v in out.items():
+            if any(isinstance(x, torch.Tensor) or callable(x)
+                   for x in (v if key == "betas" else (v,))):
+                raise ValueError(f"{owner}: group {k} has {key}={engine.shown(v)}; torch's "
+                                 "state format holds plain numbers")
+        out.update((key, v) for key, v in dict(foreach=None, fused=None, capturable=False,
+                                               differentiable=False).items() if key in takes)
+        out.update(rules)
+        groups.append(out)
+    state = {}
+    for pid, st in state_dict["state"].items():
+        new = {names.get(key, key): v for key, v in st.items()}
+        new.pop(None, None)
+        if "step" in new:  # (torch's counters are float32, on the host)
+            new["step"] = new["step"].to(device="cpu", dtype=torch.float32)
+        state[pid] = new
+    return {**{k: v for k, v in state_dict.items() if k != "loss_scale"},
+            "state": state, "param_groups": groups}
