@@ -462,7 +462,7 @@ def test_refuses_unsupported_input_clearly():
     p = torch.zeros(3, dtype=torch.int32)
     kern = codegen.kernel("c", vega.sgd.program())
     with pytest.raises(ValueError, match="does not support parameters of dtype torch.int32"):
-        values = {"lr": 1.0, "momentum": 0.0, "weight_decay": 0.0}
+        values = {"lr": 1.0, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0}
         kern([p], [p], [[p]], [torch.zeros((), dtype=torch.int32)], [values], True)
 
 
