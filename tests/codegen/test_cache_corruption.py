@@ -58,16 +58,6 @@ print(json.dumps({"compiled": compiled, "answer": lib.vega_answer(),
 """
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A new cache directory (not yet made), and no cache warning or private directory yet."""
-    root = tmp_path / "cache"
-    monkeypatch.setenv("VEGA_CACHE_DIR", str(root))
-    monkeypatch.setattr(cbuild, "_cache_warned", False)
-    monkeypatch.setattr(cbuild, "_fallback", None)
-    return root
-
-
 def child(code: str, *args: str, timeout: float = 120, native_scanner: str = "0") -> dict:
     """Run ``code`` in a new interpreter (this checkout's vega, the cache of ``cache``, and
     ``VEGA_NATIVE=native_scanner``); its JSON answer, once it has ended cleanly within

@@ -27,16 +27,6 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away ne
 OTHER_UID = 12345
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A new cache directory (not yet made), and no cache warning or private directory yet."""
-    root = tmp_path / "cache"
-    monkeypatch.setenv("VEGA_CACHE_DIR", str(root))
-    monkeypatch.setattr(cbuild, "_cache_warned", False)
-    monkeypatch.setattr(cbuild, "_fallback", None)
-    return root
-
-
 def source(n: int) -> str:
     spec = vega.compile(f"optimizer safe{n}(lr = 0.5) {{ p = p - lr * g * {n} }}")
     return c.Source(spec.program(), "float32", "float32", "float32").text()

@@ -152,11 +152,32 @@ Span span_of(const at::Tensor &t) {
     return {lo, lo + static_cast<uintptr_t>(t.numel()) * t.element_size()};
 }
 
+// The prelude's record: a contiguous float64 CPU tensor of its slots (or none).
+double *record_of(const c10::optional<at::Tensor> &pre) {
+    if (!pre.has_value() || !pre->defined()) return nullptr;
+    const at::Tensor &r = *pre;
+    if (r.layout() != c10::kStrided || !r.device().is_cpu() || !r.is_contiguous() ||
+        r.scalar_type() != c10::ScalarType::Double || r.numel() < 5)
+        fail("backend 'c': the prelude's record must be a contiguous float64 CPU tensor");
+    return r.data_ptr<double>();
+}
+
 struct Group {
     std::shared_ptr<const Library> lib;
     std::vector<int64_t> rows;  // the address table, row after row
     int64_t n = 0, largest = 0, total = 0;
+    std::string key;  // "p g s" dtypes
 };
+
+// The group of the dtypes ``key`` among ``groups``, made (with its library) when new.
+Group &group_of(std::vector<Group> &groups, const Kernel &k, const std::string &key) {
+    for (Group &grp : groups)
+        if (grp.key == key) return grp;
+    groups.emplace_back();
+    groups.back().key = key;
+    groups.back().lib = library_of(k, key);
+    return groups.back();
+}
 
 void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::TensorList states,
                at::TensorList steps, c10::IntArrayRef step_index, at::TensorList hypers,
@@ -194,19 +215,11 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
         int64_t rows = h.dim() == 1 ? 1 : h.size(0), width = h.size(-1) * 8;
         for (int64_t r = 0; r < rows; r++) hyp_at.push_back(base + r * width);
     }
-    double *record = nullptr;
-    if (pre.has_value() && pre->defined()) {
-        const at::Tensor &r = *pre;
-        if (r.layout() != c10::kStrided || !r.device().is_cpu() || !r.is_contiguous() ||
-            r.scalar_type() != c10::ScalarType::Double || r.numel() < 5)
-            fail("backend 'c': the prelude's record must be a contiguous float64 CPU tensor");
-        record = r.data_ptr<double>();
-    }
+    double *record = record_of(pre);
     if (!in_place)
         for (size_t i = 0; i < outs.size(); i++) check_plain(outs[i], "output", i);
     // every tensor checked, the rows built, the tensors grouped by dtypes
     std::vector<Group> groups;
-    std::vector<std::string> keys;
     std::vector<Span> spans;
     if (in_place) spans.reserve(n * (ns + 1) + steps.size());
     const int64_t width = k->col.width;
@@ -236,14 +249,7 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
             fail("backend 'c': a step or hyperparameter index is out of range");
         std::string key = std::string(dtype_name(p.scalar_type())) + " " +
                           dtype_name(g.scalar_type()) + " " + dtype_name(sd);
-        size_t gi = std::find(keys.begin(), keys.end(), key) - keys.begin();
-        if (gi == keys.size()) {
-            keys.push_back(key);
-            groups.emplace_back();
-            groups.back().lib = library_of(*k, key);
-            groups.back().rows.reserve(static_cast<size_t>(width) * n);
-        }
-        Group &grp = groups[gi];
+        Group &grp = group_of(groups, *k, key);
         const Columns &c = k->col;
         const size_t at = grp.rows.size();
         grp.rows.resize(at + width, 0);
@@ -317,33 +323,23 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
 
 void prelude_impl(int64_t id, at::TensorList grads, const at::Tensor &pre) {
     auto k = kernel_of(id);
-    if (!pre.defined() || pre.layout() != c10::kStrided || !pre.device().is_cpu() ||
-        !pre.is_contiguous() || pre.scalar_type() != c10::ScalarType::Double ||
-        pre.numel() < 5)
-        fail("backend 'c': the prelude's record must be a contiguous float64 CPU tensor");
+    double *record = record_of(pre.defined() ? c10::optional<at::Tensor>(pre) : c10::nullopt);
+    if (record == nullptr) fail("backend 'c': the prelude needs its record");
     const int64_t width = k->col.width;
-    std::vector<std::string> keys;
     std::vector<Group> groups;
     for (size_t i = 0; i < grads.size(); i++) {
         const at::Tensor &g = grads[i];
         check_plain(g, "gradient", i);
         const char *d = dtype_name(g.scalar_type());
         std::string key = std::string(d) + " " + d + " " + d;
-        size_t gi = std::find(keys.begin(), keys.end(), key) - keys.begin();
-        if (gi == keys.size()) {
-            keys.push_back(key);
-            groups.emplace_back();
-            groups.back().lib = library_of(*k, key);
-        }
-        auto &rows = groups[gi].rows;
-        size_t at = rows.size();
-        rows.resize(at + width, 0);
-        rows[at + k->col.numel] = g.numel();
-        rows[at + k->col.g] = reinterpret_cast<intptr_t>(g.data_ptr());
-        groups[gi].n++;
+        Group &grp = group_of(groups, *k, key);
+        size_t at = grp.rows.size();
+        grp.rows.resize(at + width, 0);
+        grp.rows[at + k->col.numel] = g.numel();
+        grp.rows[at + k->col.g] = reinterpret_cast<intptr_t>(g.data_ptr());
+        grp.n++;
     }
     const int nth = at::get_num_threads();
-    double *record = pre.data_ptr<double>();
     for (Group &grp : groups) {
         grp.lib->prelude(grp.n, grp.rows.data(), record, nth);
         entry_calls++;
