@@ -33,7 +33,7 @@ def test_check_good_and_bad(tmp_path):
     out = run("check", str(good), str(bad))
     assert out.returncode == 1
     assert f"{good}: ok: optimizer o(lr=0.001)" in out.stdout
-    assert f"{bad}:2:16: error: unknown function 'sqr' (did you mean 'sqrt'?)" in out.stderr
+    assert f"{bad}:2:16: error: unknown function 'sqr' (did you mean 'sqrt' or 'rsqrt'?)" in out.stderr
     assert "^^^" in out.stderr and "Traceback" not in out.stderr
     assert run("check", str(good)).returncode == 0
     assert run("check", str(tmp_path / "nope.vega")).returncode == 1

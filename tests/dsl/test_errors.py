@@ -58,7 +58,7 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "undefined name 'PI' (did you mean 'pi'?)", 2, 20),
     # functions
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * sqr(g)\n}\n",
-     "unknown function 'sqr' (did you mean 'sqrt'?)", 2, 16),
+     "unknown function 'sqr' (did you mean 'sqrt' or 'rsqrt'?)", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * sqrt(g, 2)\n}\n",
      "sqrt() takes 1 argument, got 2", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * where(g > 0, 1)\n}\n",

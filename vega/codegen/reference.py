@@ -74,6 +74,16 @@ class TorchRenderer(Renderer):
         Op.SIGN: _fn("_sign"),
         Op.MIN: _minmax("min"),
         Op.MAX: _minmax("max"),
+        Op.ATAN2: _fn("_atan2"),
+        Op.TANH: _fn("torch.tanh"),
+        Op.SIN: _fn("torch.sin"),
+        Op.COS: _fn("torch.cos"),
+        Op.ERF: _fn("torch.erf"),
+        Op.LOG1P: _fn("torch.log1p"),
+        Op.EXPM1: _fn("torch.expm1"),
+        Op.SIGMOID: _fn("torch.sigmoid"),
+        Op.FLOOR: _fn("torch.floor"),
+        Op.ROUND: _fn("torch.round"),
         Op.NORM: _fn("torch.linalg.vector_norm"),
         Op.SUM: _fn("torch.sum"),
         Op.MEAN: _fn("torch.mean"),
@@ -236,6 +246,13 @@ def _sign(x):
     return torch.where(x > 0, 1.0, torch.where(x < 0, -1.0, x))
 
 
+def _atan2(y, x):
+    """torch.atan2 where either argument may be a number."""
+    like = y if isinstance(y, torch.Tensor) else x
+    return torch.atan2(torch.as_tensor(y, dtype=like.dtype, device=like.device),
+                       torch.as_tensor(x, dtype=like.dtype, device=like.device))
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -250,6 +267,7 @@ class Kernel:
         self.linear = linearize(program)
         self.text = render(program, self.linear)
         namespace = {"torch": torch, "math": math, "_amax": _amax, "_sign": _sign,
+                     "_atan2": _atan2,
                      "_fit": _fit, "_broadcast": _broadcast, "_reduce": _reduce}
         exec(compile(self.text, f"<vega reference: {program.name}>", "exec"), namespace)
         self._scalars = namespace["scalars"]

@@ -99,6 +99,107 @@ def _logic(node, a, b, op, mixed):
     return f"{a} {op} {b}" if len(blocks) == 1 else mixed
 
 
+# Functions Triton has no form of that runs both on a GPU and under the interpreter
+# (libdevice's do not run there), written with tl's arithmetic; each follows torch's edge
+# cases (NaN in, NaN out; signed zeros; infinities). name -> (source, helpers it calls).
+_HELPERS = {
+    "vsignbit": ('''
+@triton.jit
+def vsignbit(x):
+    """Whether x's sign bit is set (-0.0 included)."""
+    if x.dtype == tl.float64:
+        r = x.to(tl.int64, bitcast=True) < 0
+    else:
+        r = x.to(tl.int32, bitcast=True) < 0
+    return r
+''', ()),
+    "vexpm1": ('''
+@triton.jit
+def vexpm1(x):
+    """e^x - 1, exact near 0: Kahan's (u - 1) x / log(u) with u = e^x."""
+    u = tl.exp(x)
+    um1 = u - 1.0
+    r = tl.where(um1 == 0.0, x, um1 * (x / tl.log(u)))
+    r = tl.where(um1 == -1.0, -1.0, r)
+    return tl.where(u == float("inf"), u, r)
+''', ()),
+    "vlog1p": ('''
+@triton.jit
+def vlog1p(x):
+    """log(1 + x), exact near 0: Kahan's log(u) x / (u - 1) with u = 1 + x."""
+    u = 1.0 + x
+    r = tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+    return tl.where(u == float("inf"), u, r)
+''', ()),
+    "vtanh": ('''
+@triton.jit
+def vtanh(x):
+    """tanh(x) = e / (e + 2) with e = e^(2|x|) - 1, signed; 1 past |x| = 22."""
+    a = tl.abs(x)
+    e = vexpm1(2.0 * a)
+    r = tl.where(a > 22.0, 1.0, e / (e + 2.0))
+    r = tl.where(x < 0, r * -1.0, r)
+    return tl.where(a == 0.0, x, r)
+''', ("vexpm1",)),
+    "vatan2": ('''
+@triton.jit
+def vatan2(y, x):
+    """atan2(y, x) as torch: the angle of (x, y) in [-pi, pi], signed zeros and infinities
+    included. atan(z), 0 <= z <= 1, by three half-angle steps (z / (1 + sqrt(1 + z^2)),
+    down to 0.0985) and nine terms of its series."""
+    ax = tl.abs(x)
+    ay = tl.abs(y)
+    mx = tl.where(ax > ay, ax, ay)
+    mn = tl.where(ax > ay, ay, ax)
+    z = tl.where(mx == 0.0, 0.0, tl.where(mx == mn, 1.0, mn / mx))
+    z = z / (1.0 + tl.sqrt(1.0 + z * z))
+    z = z / (1.0 + tl.sqrt(1.0 + z * z))
+    z = z / (1.0 + tl.sqrt(1.0 + z * z))
+    s = z * z
+    c = 1.0 / 17.0
+    c = c * s - 1.0 / 15.0
+    c = c * s + 1.0 / 13.0
+    c = c * s - 1.0 / 11.0
+    c = c * s + 1.0 / 9.0
+    c = c * s - 1.0 / 7.0
+    c = c * s + 1.0 / 5.0
+    c = c * s - 1.0 / 3.0
+    a = 8.0 * (z + z * (s * c))
+    a = tl.where(ay > ax, 1.5707963267948966 - a, a)
+    a = tl.where(vsignbit(x), 3.141592653589793 - a, a)
+    a = tl.where(vsignbit(y), a * -1.0, a)  # (-a is 0 - a: +0.0 for a = 0.0)
+    return tl.where((x != x) | (y != y), x + y, a)
+''', ("vsignbit",)),
+    "vround": ('''
+@triton.jit
+def vround(x):
+    """x rounded to the nearest integer, halves to even (torch.round); x - floor(x) is exact."""
+    f = tl.floor(x)
+    d = x - f
+    odd = (f - 2.0 * tl.floor(0.5 * f)) == 1.0
+    r = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+    return tl.where(r == 0.0, x * 0.0, r)
+''', ()),
+}
+_HELPER_OF = {Op.EXPM1: "vexpm1", Op.LOG1P: "vlog1p", Op.TANH: "vtanh", Op.ATAN2: "vatan2",
+              Op.ROUND: "vround"}
+
+
+def _helpers(nodes) -> list[str]:
+    """The sources of the helpers the nodes' functions need, callees first."""
+    out: list[str] = []
+
+    def add(name):
+        if name not in out:
+            for dep in _HELPERS[name][1]:
+                add(dep)
+            out.append(name)
+    for n in nodes:
+        if n.op in _HELPER_OF:
+            add(_HELPER_OF[n.op])
+    return [_HELPERS[name][0].strip("\n") for name in out]
+
+
 def _pow(self, node, phase, a, b):
     base, expo = node.src
     if expo.op is Op.CONST and expo.arg == 2.0:
@@ -133,6 +234,17 @@ class TritonRenderer(Renderer):
             f"tl.where({a} > 0, 1.0, tl.where({a} < 0, -1.0, {a}))",
         Op.MIN: _minmax("minimum"),
         Op.MAX: _minmax("maximum"),
+        Op.ATAN2: lambda self, node, phase, a, b:
+            f"vatan2({self.tensor(node.src[0], a, phase)}, {self.tensor(node.src[1], b, phase)})",
+        Op.TANH: _call("vtanh"),
+        Op.SIN: _call("tl.sin"),
+        Op.COS: _call("tl.cos"),
+        Op.ERF: _call("tl.erf"),
+        Op.LOG1P: _call("vlog1p"),
+        Op.EXPM1: _call("vexpm1"),
+        Op.SIGMOID: lambda self, node, phase, a: f"1.0 / (1.0 + tl.exp(-{a}))",
+        Op.FLOOR: _call("tl.floor"),
+        Op.ROUND: _call("vround"),
     }
 
     def __init__(self, ct: str):
@@ -694,7 +806,7 @@ class Source:
             sdt=sdt, ct=self.ct[3:], ctl=self.ct,
             gct="tl.float64" if gdt == "float64" else "tl.float32", gtl=TL[gdt],
             columns=self.cols, nred=len(self.slots), pre_slots=named("PRE", PRE_SLOTS),
-            needs_pow=any(n.op is Op.POW for n in nodes),
+            needs_pow=any(n.op is Op.POW for n in nodes), helpers=_helpers(nodes),
             needs_bf16="bfloat16" in (pdt, sdt),
             needs_nanmax=any(n.op is Op.AMAX for n in nodes),
             needs_rowmax=any(n.op in (Op.ROW_MAX, Op.COL_MAX) for n in nodes),

@@ -25,6 +25,16 @@ FUNCTIONS: dict[str, dict[int, Op]] = {
     "log": {1: Op.LOG},
     "abs": {1: Op.ABS},
     "sign": {1: Op.SIGN},
+    "atan2": {2: Op.ATAN2},
+    "tanh": {1: Op.TANH},
+    "sin": {1: Op.SIN},
+    "cos": {1: Op.COS},
+    "erf": {1: Op.ERF},
+    "log1p": {1: Op.LOG1P},
+    "expm1": {1: Op.EXPM1},
+    "sigmoid": {1: Op.SIGMOID},
+    "floor": {1: Op.FLOOR},
+    "round": {1: Op.ROUND},
     "min": {2: Op.MIN},
     "max": {1: Op.AMAX, 2: Op.MAX},
     "clamp": {3: Op.MAX},  # lowered to min(max(x, lo), hi)
@@ -353,7 +363,9 @@ class _Walker:
                             "use it only in the condition of an if", e.span)
         arities = FUNCTIONS.get(e.fn)
         if arities is None:
-            hint = _suggest(e.fn, FUNCTIONS)
+            close = difflib.get_close_matches(e.fn, sorted(FUNCTIONS), n=3, cutoff=0.6)
+            hint = (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else
+                    f"; the functions are {', '.join(sorted(FUNCTIONS))}")
             if e.fn in env:
                 hint = f"; '{e.fn}' is a value, not a function"
             raise SpecError(f"unknown function '{e.fn}'{hint}", e.fn_span)

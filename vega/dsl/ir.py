@@ -73,6 +73,16 @@ class Op(Enum):
     SIGN = "sign"
     MIN = "min"
     MAX = "max"
+    ATAN2 = "atan2"
+    TANH = "tanh"
+    SIN = "sin"
+    COS = "cos"
+    ERF = "erf"
+    LOG1P = "log1p"
+    EXPM1 = "expm1"
+    SIGMOID = "sigmoid"
+    FLOOR = "floor"
+    ROUND = "round"
     # per-tensor reductions: one value per tensor
     NORM = "norm"
     SUM = "sum"
@@ -139,6 +149,16 @@ _FOLD = {
     Op.SIGN: lambda a: a if a != a or a == 0 else math.copysign(1.0, a),
     Op.MIN: lambda a, b: a if a < b or a != a else b,
     Op.MAX: lambda a, b: a if a > b or a != a else b,
+    Op.ATAN2: _ieee(np.arctan2),
+    Op.TANH: _ieee(np.tanh),
+    Op.SIN: _ieee(np.sin),
+    Op.COS: _ieee(np.cos),
+    Op.ERF: lambda a: math.erf(a) if a == a else a,
+    Op.LOG1P: _ieee(np.log1p),
+    Op.EXPM1: _ieee(np.expm1),
+    Op.SIGMOID: _ieee(lambda a: 1 / (1 + np.exp(-a))),
+    Op.FLOOR: _ieee(np.floor),
+    Op.ROUND: _ieee(np.rint),  # half to even, as torch.round
 }
 
 

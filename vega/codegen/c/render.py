@@ -44,6 +44,8 @@ static inline CT vsign(CT a) { return a > 0 ? (CT)1 : (a < 0 ? (CT)-1 : a); }
 static inline double dmin(double a, double b) { return (a < b || a != a) ? a : b; }
 static inline double dmax(double a, double b) { return (a > b || a != a) ? a : b; }
 static inline double dsign(double a) { return a > 0 ? 1.0 : (a < 0 ? -1.0 : a); }
+static inline CT vsigmoid(CT a) { return (CT)1 / ((CT)1 + EXP(-a)); }
+static inline double dsigmoid(double a) { return 1.0 / (1.0 + exp(-a)); }
 /* Whether x * (1 / c) stands for x / c (within two units in the last place) for every x:
    unless the reciprocal of a finite nonzero c is subnormal or overflows. */
 static inline int recip_ok(CT c) {
@@ -178,6 +180,16 @@ class CRenderer(Renderer):
         Op.SIGN: _fn("vsign", "dsign"),
         Op.MIN: _fn("vmin", "dmin"),
         Op.MAX: _fn("vmax", "dmax"),
+        Op.ATAN2: _fn("ATAN2", "atan2"),
+        Op.TANH: _fn("TANH", "tanh"),
+        Op.SIN: _fn("SIN", "sin"),
+        Op.COS: _fn("COS", "cos"),
+        Op.ERF: _fn("ERF", "erf"),
+        Op.LOG1P: _fn("LOG1P", "log1p"),
+        Op.EXPM1: _fn("EXPM1", "expm1"),
+        Op.SIGMOID: _fn("vsigmoid", "dsigmoid"),
+        Op.FLOOR: _fn("FLOOR", "floor"),
+        Op.ROUND: _fn("RINT", "rint"),  # half to even in the default rounding mode, as torch
     }
 
     def const(self, value) -> str:
@@ -244,7 +256,8 @@ class Source:
             out.append(f"typedef {store} {tag}STORE;")
             out.append(f"#define LOAD_{tag}(x) {load.format(x='x')}")
             out.append(f"#define SAVE_{tag}(x) {save.format(x='x')}")
-        for name in ("SQRT", "EXP", "LOG", "POW"):
+        for name in ("SQRT", "EXP", "LOG", "POW", "ATAN2", "TANH", "SIN", "COS", "ERF", "LOG1P",
+                     "EXPM1", "FLOOR", "RINT"):
             out.append(f"#define {name} {name.lower()}{suffix}")
         out.append(f"#define FABS fabs{suffix}")
         out.append(f"#define NRED {len(self.slots)}")
