@@ -17,7 +17,8 @@ from vega.runtime.tree import state_names
 # The shipped specs, each compiled when one of its names is first used (``__getattr__``):
 # vega.<name> (its CompiledSpec), vega.<name>_init and vega.<name>_step.
 _SHIPPED = ("sgd", "adam", "adamw", "radam", "lamb", "lars", "lion", "adagrad", "rmsprop",
-            "adan", "adafactor")
+            "adan", "adafactor", "adamax", "adadelta", "rprop", "yogi", "adabelief",
+            "adam_atan2", "adopt", "ademamix")
 _LAZY = {name + suffix: (name, attr) for name in _SHIPPED
          for suffix, attr in (("", None), ("_init", "init"), ("_step", "step"))}
 

@@ -42,6 +42,13 @@ OTHERS = {
     "lion": ({}, "pytorch_optimizer", "Lion", {}),
     "adan": ({}, "pytorch_optimizer", "Adan", {}),
     "adafactor": ({}, "torch", "Adafactor", {"lr": 1e-2}),
+    "adamax": ({}, "torch", "Adamax", {}),
+    "adadelta": ({}, "torch", "Adadelta", {}),
+    "rprop": ({}, "torch", "Rprop", {}),
+    "yogi": ({}, "pytorch_optimizer", "Yogi", {}),
+    "adabelief": ({}, "pytorch_optimizer", "AdaBelief", {}),
+    "adopt": ({}, "pytorch_optimizer", "ADOPT", {}),
+    "ademamix": ({}, "pytorch_optimizer", "AdEMAMix", {}),
 }
 
 
@@ -322,9 +329,10 @@ def other_rows(shapes, grads, names):
                 " foreach" if extra else "")
             times = race({"vega": opt.step, "theirs": ref.step}, budget=3.0)
             ours, theirs = times["vega"], times["theirs"]
-        except ImportError:
+        except (ImportError, AttributeError) as err:  # not installed, or no such class
             ours = race({"vega": opt.step}, budget=3.0)["vega"]
-            theirs, label = float("nan"), f"{module} (not installed)"
+            missing = "not installed" if isinstance(err, ImportError) else f"no {cls}"
+            theirs, label = float("nan"), f"{module} ({missing})"
         rows.append((name, ours, label, theirs))
     return rows
 

@@ -11,7 +11,9 @@ from vega.runtime.optimizer import SpecOptimizer
 # each class is made when first used (``__getattr__``): the shipped spec it steps
 _SPECS = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RAdam": "radam", "LAMB": "lamb",
           "LARS": "lars", "Lion": "lion", "Adagrad": "adagrad", "RMSprop": "rmsprop",
-          "Adan": "adan", "Adafactor": "adafactor"}
+          "Adan": "adan", "Adafactor": "adafactor", "Adamax": "adamax", "Adadelta": "adadelta",
+          "Rprop": "rprop", "Yogi": "yogi", "AdaBelief": "adabelief", "AdamAtan2": "adam_atan2",
+          "ADOPT": "adopt", "AdEMAMix": "ademamix"}
 
 
 def __getattr__(name: str):

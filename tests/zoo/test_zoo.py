@@ -1,4 +1,4 @@
-"""The optimizer zoo: radam, lamb, lars, lion, adagrad, rmsprop, adan against outside oracles.
+"""The optimizer zoo against outside oracles: optax, torch.optim, or a transcription.
 
 Registry-driven: ``CASES`` lists, per case, a shipped spec, its hyperparameters
 (non-default values), the oracles it is held to and how each oracle's state
@@ -112,6 +112,27 @@ def adan_official(params: dict, grads_at: Callable[[int], dict], h: dict, steps:
             snap.update({f"p.{name}": param.clone(), f"m.{name}": s["m"].clone(),
                          f"v.{name}": s["v"].clone(), f"n.{name}": s["n"].clone(),
                          f"g_prev.{name}": -s["neg_pre_grad"]})
+        out.append(snap)
+    return out
+
+
+def adam_atan2_paper(params: dict, grads_at: Callable[[int], dict], h: dict, steps: int):
+    """Snapshots of Adam-atan2 as Everett et al. (2024, section 4.3) write it, with AdamW's
+    decoupled decay: p <- p (1 - lr wd) - lr a atan2(m_hat, b sqrt(v_hat))."""
+    b1, b2, lr, wd, a, b = (h[k] for k in ("b1", "b2", "lr", "weight_decay", "a", "b"))
+    p = {k: v.clone() for k, v in params.items()}
+    mu = {k: torch.zeros_like(v) for k, v in p.items()}
+    nu = {k: torch.zeros_like(v) for k, v in p.items()}
+    out = []
+    for k in range(steps):
+        t, grads, snap = k + 1, grads_at(k), {}
+        for n in p:
+            mu[n] = b1 * mu[n] + (1 - b1) * grads[n]
+            nu[n] = b2 * nu[n] + (1 - b2) * grads[n] ** 2
+            m_hat, v_hat = mu[n] / (1 - b1 ** t), nu[n] / (1 - b2 ** t)
+            p[n] = p[n] * (1 - lr * wd) - lr * a * torch.atan2(m_hat, b * torch.sqrt(v_hat))
+            snap.update({f"p.{n}": p[n].clone(), f"mu.{n}": mu[n].clone(),
+                         f"nu.{n}": nu[n].clone()})
         out.append(snap)
     return out
 
@@ -322,9 +343,67 @@ CASES = [
     # and a decay offset
     _adafactor_case("offset", decay_offset=0.5, param_scale_min=0.2, use_momentum=False,
                     clipping_threshold=float("inf")),
+    # torch and optax agree (eps inside the max); optax has no weight decay of its own
+    Case("adamax", dict(lr=0.01, b1=0.8, b2=0.95, eps=1e-3, weight_decay=0.1),
+         optax=lambda h: optax.chain(optax.add_decayed_weights(h["weight_decay"]),
+                                     optax.adamax(h["lr"], b1=h["b1"], b2=h["b2"], eps=h["eps"])),
+         optax_state={"m": lambda s: s[1][0].mu, "u": lambda s: s[1][0].nu},
+         torch=lambda ps, h: torch.optim.Adamax(ps, lr=h["lr"], betas=(h["b1"], h["b2"]),
+                                                eps=h["eps"], weight_decay=h["weight_decay"],
+                                                foreach=False),
+         torch_state={"m": "exp_avg", "u": "exp_inf"}, bad=ADAM_LIKE_BAD),
+    Case("adadelta", dict(lr=0.5, rho=0.8, eps=1e-4, weight_decay=0.1),
+         optax=lambda h: optax.adadelta(h["lr"], rho=h["rho"], eps=h["eps"],
+                                        weight_decay=h["weight_decay"]),
+         optax_state={"v": lambda s: s[1].e_g, "acc": lambda s: s[1].e_x},
+         torch=lambda ps, h: torch.optim.Adadelta(ps, lr=h["lr"], rho=h["rho"], eps=h["eps"],
+                                                  weight_decay=h["weight_decay"],
+                                                  foreach=False),
+         torch_state={"v": "square_avg", "acc": "acc_delta"},
+         bad={"lr": -1.0, "rho": 1.5, "eps": -1e-6}, lr=1.0),
+    # step sizes hit both clamps within 20 steps (0.02 * 1.5^k passes 0.3; 0.4^k passes 1e-3)
+    Case("rprop", dict(lr=0.02, etaminus=0.4, etaplus=1.5, step_size_min=1e-3,
+                       step_size_max=0.3),
+         torch=lambda ps, h: torch.optim.Rprop(ps, lr=h["lr"], etas=(h["etaminus"], h["etaplus"]),
+                                               step_sizes=(h["step_size_min"],
+                                                           h["step_size_max"]),
+                                               foreach=False),
+         torch_state={"g_prev": "prev", "step_size": "step_size"},
+         bad={"lr": -1.0, "etaminus": 1.0, "etaplus": 0.9}, lr=1e-3),
+    Case("yogi", dict(lr=0.02, b1=0.8, b2=0.95, eps=1e-2, initial_accumulator_value=1e-3),
+         optax=lambda h: optax.chain(
+             optax.scale_by_yogi(b1=h["b1"], b2=h["b2"], eps=h["eps"],
+                                 initial_accumulator_value=h["initial_accumulator_value"]),
+             optax.scale_by_learning_rate(h["lr"])),
+         optax_state={"mu": lambda s: s[0].mu, "nu": lambda s: s[0].nu},
+         bad={**ADAM_LIKE_BAD, "initial_accumulator_value": -1.0}),
+    Case("adabelief", dict(lr=0.02, b1=0.8, b2=0.95, eps=1e-6, eps_root=1e-8),
+         optax=lambda h: optax.adabelief(h["lr"], b1=h["b1"], b2=h["b2"], eps=h["eps"],
+                                         eps_root=h["eps_root"]),
+         optax_state={"mu": lambda s: s[0].mu, "s": lambda s: s[0].nu},
+         bad=ADAM_LIKE_BAD),
+    Case("adam_atan2", dict(lr=0.02, b1=0.8, b2=0.95, weight_decay=0.1, a=1.5, b=2.0),
+         reference=adam_atan2_paper, bad={**ADAM_LIKE_BAD, "a": -1.0}),
+    *[Case("adopt", dict(lr=0.02, b1=0.8, b2=0.95, eps=1e-3, nesterov=nesterov,
+                         use_clipping=clip),
+           optax=lambda h: optax.contrib.adopt(h["lr"], b1=h["b1"], b2=h["b2"], eps=h["eps"],
+                                               nesterov=h["nesterov"],
+                                               use_clipping=h["use_clipping"]),
+           optax_state={"mu": lambda s: s[0].mu, "nu": lambda s: s[0].nu},
+           bad=ADAM_LIKE_BAD, label=label)
+      for nesterov, clip, label in ((False, True, ""), (True, False, "nesterov-noclip"))],
+    Case("ademamix", dict(lr=0.02, b1=0.8, b2=0.95, b3=0.99, alpha=3.0, eps=1e-3,
+                          weight_decay=0.1),
+         optax=lambda h: optax.contrib.ademamix(h["lr"], b1=h["b1"], b2=h["b2"], b3=h["b3"],
+                                                alpha=h["alpha"], eps=h["eps"],
+                                                weight_decay=h["weight_decay"]),
+         optax_state={"m1": lambda s: s[0].m1, "m2": lambda s: s[0].m2,
+                      "nu": lambda s: s[0].nu},
+         bad={**ADAM_LIKE_BAD, "b3": 1.0, "alpha": -1.0}),
 ]
 
-SPECS = ["radam", "lamb", "lars", "lion", "adagrad", "rmsprop", "adan", "adafactor"]
+SPECS = ["radam", "lamb", "lars", "lion", "adagrad", "rmsprop", "adan", "adafactor", "adamax",
+         "adadelta", "rprop", "yogi", "adabelief", "adam_atan2", "adopt", "ademamix"]
 
 
 def _cases(attr):
