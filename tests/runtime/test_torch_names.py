@@ -284,3 +284,19 @@ def test_torch_format_of_a_rule_torch_has_not():
     with pytest.raises(ValueError, match=r"AdamW\.torch_state_dict: group 0 has lr=.*; torch's "
                                          r"state format holds plain numbers"):
         opt.torch_state_dict()
+
+
+def test_rprop_takes_torch_etas_and_step_sizes():
+    """torch.optim.Rprop's tuples name vega's four hyperparameters; a tuple that disagrees
+    with a value given by its own name, or of the wrong length, is refused by name."""
+    p = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    opt = vega.optim.Rprop([p], lr=0.02, etas=(0.4, 1.5), step_sizes=(1e-3, 0.3))
+    group = opt.param_groups[0]
+    assert (group["etaminus"], group["etaplus"]) == (0.4, 1.5)
+    assert (group["step_size_min"], group["step_size_max"]) == (1e-3, 0.3)
+    with pytest.raises(ValueError, match=r"etas=\(0\.4, 1\.5\) and etaminus=0\.3 disagree"):
+        vega.optim.Rprop([p], etas=(0.4, 1.5), etaminus=0.3)
+    with pytest.raises(ValueError, match=r"step_sizes=\(1e-06,\) must be a tuple of 2 values"):
+        vega.optim.Rprop([p], step_sizes=(1e-6,))
+    with pytest.raises(TypeError, match="etas"):  # a spec without those names
+        vega.optim.Adam([p], etas=(0.4, 1.5))

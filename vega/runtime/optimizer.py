@@ -49,6 +49,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         names = torch_names.beta_names(self.spec)
         if names and "betas" in hypers:
             hypers.update(torch_names.split_betas(owner, names, hypers.pop("betas"), hypers))
+        torch_names.split_pairs(owner, self.spec, hypers)
         flags, values = engine.resolve(owner, self.spec.hypers, hypers)
         self.max_grad_norm = max_grad_norm
         self.loss_scale = loss_scale

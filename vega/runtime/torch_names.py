@@ -44,19 +44,33 @@ def _shown_betas(names) -> str:
     return f"({', '.join(names)})"
 
 
-def split_betas(owner: str, names: tuple, betas, given: dict) -> dict:
+def split_betas(owner: str, names: tuple, betas, given: dict, key: str = "betas") -> dict:
     """``betas`` as ``{b1: ..., b2: ...}``; ValueError where it is not a sequence of
-    ``len(names)`` values, or where it disagrees with a value ``given`` by its own name."""
+    ``len(names)`` values, or where it disagrees with a value ``given`` by its own name.
+    (``key``: torch's name of the tuple, for another of ``PAIRS``.)"""
     if not isinstance(betas, (tuple, list)) or len(betas) != len(names):
-        raise ValueError(f"{owner}: betas={engine.shown(betas)} must be a tuple of "
+        raise ValueError(f"{owner}: {key}={engine.shown(betas)} must be a tuple of "
                          f"{len(names)} values, {_shown_betas(names)}")
     out = dict(zip(names, betas))
     for name in names:
         if name in given and not _same(given[name], out[name]):
-            raise ValueError(f"{owner}: betas={engine.shown(tuple(betas))} and "
-                             f"{name}={engine.shown(given[name])} disagree; betas is "
+            raise ValueError(f"{owner}: {key}={engine.shown(tuple(betas))} and "
+                             f"{name}={engine.shown(given[name])} disagree; {key} is "
                              f"{_shown_betas(names)}: give one of the two")
     return out
+
+
+# torch's other tuple keywords, for the hyperparameters a spec names one by one (Rprop's):
+# accepted where an optimizer is made, split into the spec's names
+PAIRS = {"etas": ("etaminus", "etaplus"), "step_sizes": ("step_size_min", "step_size_max")}
+
+
+def split_pairs(owner: str, spec, hypers: dict) -> None:
+    """``hypers`` with each of ``PAIRS`` the spec has the names of split into them."""
+    have = {h.name for h in spec.hypers}
+    for key, names in PAIRS.items():
+        if key in hypers and set(names) <= have:
+            hypers.update(split_betas(owner, names, hypers.pop(key), hypers, key))
 
 
 def check_keywords(owner: str, maximize, foreach, fused, capturable, differentiable) -> None:
