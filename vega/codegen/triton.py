@@ -9,12 +9,21 @@ each program BLOCK consecutive elements of one tensor. A step is:
 
 - ``vega_<name>_prelude`` and ``vega_<name>_prelude_finish``: the gradients' sum of
   squares and non-finite count, unscaled, added into ``pre``;
+- ``vega_<name>_scalars``: the scalar phase, once a step (float64, as in the reference):
+  every scalar the kernels read (``b1 ^ t``, the hyperparameters), the inverse loss scale,
+  the clip coefficient and the finite flag, per tensor, rounded to the arithmetic's dtype;
 - ``vega_<name>_phase<k>`` and ``vega_<name>_finish<k>``: per-tensor reductions
-  (``norm``, ``sum``, ``mean``, ``max``), per block then per tensor in block
-  order (deterministic); values needed on both sides are recomputed;
-- ``vega_<name>_update``: the scalar phase (float64, once per program, as in the
-  reference) and the element program; every write is ``where(finite, new, old)``;
-- ``vega_<name>_advance``: the step counters plus one (saturating), unless skipped.
+  (``norm``, ``sum``, ``mean``, ``max``), per block then per tensor in block order
+  (deterministic); values needed on both sides are recomputed;
+- ``vega_<name>_update``: the element program; every write is the new value where the step
+  is finite, the old bits where it is skipped; its program 0 then advances the step counters
+  (saturating, unless skipped). ``vega_<name>_advance`` does that alone where no update
+  launch can (the staged path, a step of empty tensors).
+
+The update and phase kernels advance each pointer to their block once, index within it in
+int32, take full blocks without a mask and, where the host found every address a multiple of
+16 bytes (``ALIGNED``), tell the compiler so: their loads and stores are 128 bits wide on a
+GPU (``docs/gpu.md`` has the figures of an offline compile).
 
 A program with values per row, column or matrix of the tensors' matrix view
 (``Program.uses_axes``: axis reductions, row and column state) runs instead

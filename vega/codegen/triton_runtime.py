@@ -14,6 +14,10 @@ a device value on the host:
   captured with;
 - block maps (block -> tensor, first element) depend only on the tensors'
   sizes and are built once per parameter set;
+- tables and block maps are kept in a ``Kept`` cache that never drops what a
+  CUDA graph capture used, and a capture's new tables are copied through pinned
+  memory taken before any capture (``Staging``): nothing a graph replays is freed,
+  and nothing is allocated pinned while it is captured;
 - hyperparameters are a float64 device array: Python floats are copied once
   per distinct set of values; 0-d tensors (schedules evaluated on the device)
   are gathered into it on the device.
