@@ -642,7 +642,8 @@ class Source:
         new = self._new_values()
         kernel["tail"] = self._stores(self.targets, new,
                                       {x: r.operand(lin, n) for x, n in new.items()})
-        kernel["comment"] = "new values where the step is finite; a skipped step writes the old bits"
+        kernel["comment"] = ("new values where the step is finite; a skipped step writes the "
+                             "old bits")
         return kernel
 
     def _new_values(self) -> dict[str, Node]:

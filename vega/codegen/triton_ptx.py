@@ -3,8 +3,9 @@
 Triton's wheel carries the whole NVIDIA tool chain (``ptxas`` included), so a kernel compiles
 to PTX and a cubin for ``sm_90a`` without a GPU. What decides much of its speed can then be
 read from the result: 128-bit global accesses (``ld.global.v4``, ``st.global.v4``), registers
-a thread and spilled bytes (``ptxas -v``), calls into libdevice (``__nv_log2`` in double:
-``call.*__nv_``), and the max instructions (PTX ``max`` drops a NaN).
+a thread and spilled bytes (``ptxas -v``), libdevice functions (inlined, each leaves a label
+``%__nv_log2.exit``), double-precision arithmetic, and max instructions that drop a NaN
+(PTX ``max`` returns the other operand).
 
 Two halves, in two processes (Triton reads ``TRITON_INTERPRET`` when it is first imported):
 
