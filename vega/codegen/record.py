@@ -106,9 +106,24 @@ def c_defines() -> list[str]:
     return [f"#define {name} {k}  /* {what} */" for name, k, what in named("PRE", PRE_SLOTS)]
 
 
+_BLANK: dict = {}  # (device, max_norm, check) -> a record without a loss scale, never written
+
+
 def make_pre(device, inv_scale=None, max_norm=None, check=False) -> torch.Tensor:
     """A fresh prelude record on ``device``: nothing summed or counted yet, the inverse loss
-    scale (a 0-d tensor, or None for 1), ``max_norm`` (None: no clipping) and ``check``."""
+    scale (a 0-d tensor, or None for 1), ``max_norm`` (None: no clipping) and ``check``.
+    Without a loss scale, one copy of a record made once (one launch on a GPU, not four)."""
+    device = torch.device(device)
+    key = (device, max_norm, check)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if inv_scale is None and not torch.compiler.is_compiling() and not capturing:
+        if key not in _BLANK:
+            _BLANK[key] = _new_pre(device, None, max_norm, check)
+        return _BLANK[key].clone()
+    return _new_pre(device, inv_scale, max_norm, check)
+
+
+def _new_pre(device, inv_scale, max_norm, check) -> torch.Tensor:
     pre = torch.zeros(len(PRE_SLOTS), dtype=torch.float64, device=device)
     if inv_scale is not None:
         pre[Pre.INV_SCALE:Pre.INV_SCALE + 1].copy_(

@@ -9,12 +9,21 @@ each program BLOCK consecutive elements of one tensor. A step is:
 
 - ``vega_<name>_prelude`` and ``vega_<name>_prelude_finish``: the gradients' sum of
   squares and non-finite count, unscaled, added into ``pre``;
+- ``vega_<name>_scalars``: the scalar phase, once a step (float64, as in the reference):
+  every scalar the kernels read (``b1 ^ t``, the hyperparameters), the inverse loss scale,
+  the clip coefficient and the finite flag, per tensor, rounded to the arithmetic's dtype;
 - ``vega_<name>_phase<k>`` and ``vega_<name>_finish<k>``: per-tensor reductions
-  (``norm``, ``sum``, ``mean``, ``max``), per block then per tensor in block
-  order (deterministic); values needed on both sides are recomputed;
-- ``vega_<name>_update``: the scalar phase (float64, once per program, as in the
-  reference) and the element program; every write is ``where(finite, new, old)``;
-- ``vega_<name>_advance``: the step counters plus one (saturating), unless skipped.
+  (``norm``, ``sum``, ``mean``, ``max``), per block then per tensor in block order
+  (deterministic); values needed on both sides are recomputed;
+- ``vega_<name>_update``: the element program; every write is the new value where the step
+  is finite, the old bits where it is skipped; its program 0 then advances the step counters
+  (saturating, unless skipped). ``vega_<name>_advance`` does that alone where no update
+  launch can (the staged path, a step of empty tensors).
+
+The update and phase kernels advance each pointer to their block once, index within it in
+int32, take full blocks without a mask and, where the host found every address a multiple of
+16 bytes (``ALIGNED``), tell the compiler so: their loads and stores are 128 bits wide on a
+GPU (``docs/gpu.md`` has the figures of an offline compile).
 
 A program with values per row, column or matrix of the tensors' matrix view
 (``Program.uses_axes``: axis reductions, row and column state) runs instead
@@ -424,7 +433,7 @@ class _Emitter:
             col = self.src.col[key]
             self.columns[key] = name = key.lower() if isinstance(key, str) else \
                 "off_" + self.src.lin.ref(self.src.plan.temps[key[1]])
-            self.column_lines.append(f"{name} = tl.load(row + {col})")
+            self.column_lines.append(f"{name} = index(tl.load(row + {col}), I32)")
         return self.columns[key]
 
     def sub(self, ctx: _Ctx, dom: str) -> _Ctx:
@@ -535,11 +544,11 @@ class _Emitter:
         src = self.src
         pointers = [src._pointer(x) for x in ("p", "g", *src.targets[1:])
                     if x in self.used or x in self.stored] + tail_pointers
-        scalar_pointers, scalar, round_lines = src._scalar_phase(list(self.rounded.values()))
-        return {"pointers": pointers + scalar_pointers + self.column_lines, "scalar": scalar,
-                "rounded": round_lines, "loads": loads, "lines": self.top + self.root.lines,
-                "part": nparts > 0, "nparts": nparts, "scaled": "g" in self.used,
-                "tmp": True, "kblock": False, "count": COUNT[self.root.dom]}
+        return {"pointers": pointers + self.column_lines,
+                "scalar": src._scalar_reads(list(self.rounded.values())),
+                "loads": loads, "lines": self.top + self.root.lines,
+                "part": nparts > 0, "nparts": nparts, "tmp": True, "kblock": False,
+                "count": COUNT[self.root.dom], "rebased": False, "advance": False}
 
 
 class Source:
@@ -597,37 +606,57 @@ class Source:
         # the values' names: the emitter's names for values at other indices avoid them
         self.taken = set(lin.names.values())
 
-    def _pointer(self, x: str, out: bool = False) -> str:
-        """The line that reads the address of ``x`` (p, g, a state; or its new value)."""
+    def _pointer(self, x: str, out: bool = False, rebased: bool = False) -> str:
+        """The line that reads the address of ``x`` (p, g, a state; or its new value);
+        ``rebased``: advanced to the block's first element (``at_block``)."""
         dt = self.dtypes[0 if x == "p" else 1 if x == "g" and not out else 2]
         name, col = (self.out_ptr[x], self.col["out", x]) if out else \
             (self.ptr[x], self.col["in", x])
+        if rebased:
+            return f"{name} = at_block(row + {col}, {TL[dt]}, start, ALIGNED)"
         return f"{name} = tl.load(row + {col}).to(tl.pointer_type({TL[dt]}))"
 
-    def _scalar_phase(self, rounded: list[Node]) -> tuple[list[str], list[str], list[str]]:
-        """The pointer, scalar-phase and rounding lines that give the element phase the
-        scalars ``rounded`` (computed in float64 from t and the hyperparameters)."""
+    def _scalar_reads(self, rounded: list[Node]) -> list[str]:
+        """The lines that read the scalars ``rounded`` a kernel's element phase reads, each
+        from its slot of this step's scalars (``_scalars`` computes them once a step)."""
+        lines = []
+        for n in rounded:
+            name = self.r.operand(self.lin, n)
+            if id(n) not in self.scal:
+                self.scal[id(n)] = (f"SCAL_{name}", n)
+            read = f"tl.load(scal + {self.scal[id(n)][0]})"
+            lines.append(f"{name} = {read} != 0" if n.dtype == "bool" else f"{name} = {read}")
+        return lines
+
+    def _scalars(self) -> dict:
+        """The scalars kernel's lines: every scalar a kernel reads, computed in float64 from
+        t and the hyperparameters over a block of tensors, and stored rounded to ct."""
         lin, r = self.lin, self.r
-        scalar_nodes = {id(n): n for n in walk(rounded) if n.op is not Op.CONST}
+        wanted = [n for _, n in self.scal.values()]
+        scalar_nodes = {id(n): n for n in walk(wanted) if n.op is not Op.CONST}
         hyper_names = {n.arg for n in scalar_nodes.values() if n.op is Op.HYPER}
         hypers = [(k, h) for k, h in enumerate(self.program.float_hypers) if h in hyper_names]
         need_t = any(n.op is Op.T for n in scalar_nodes.values())
-        pointers = []
+        lines = []
         if need_t:
-            pointers.append("step_ptr = tl.load(row + STEP).to(tl.pointer_type(tl.int32))")
+            lines += ["step_ptr = tl.load(row + STEP, mask=rmask, other=0)"
+                      ".to(tl.pointer_type(tl.int32))",
+                      "t = tl.load(step_ptr, mask=rmask, other=0).to(tl.float64) + 1.0"]
         if hypers:
-            pointers.append("hyper_ptr = tl.load(row + HYPER).to(tl.pointer_type(tl.float64))")
-        scalar = []
-        if need_t:
-            scalar.append("t = tl.load(step_ptr).to(tl.float64) + 1.0")
+            lines.append("hyper_ptr = tl.load(row + HYPER, mask=rmask, other=0)"
+                         ".to(tl.pointer_type(tl.float64))")
         for k, h in hypers:
-            scalar.append(f"{lin.hypers[k]} = tl.load(hyper_ptr + {k})")
+            lines.append(f"{lin.hypers[k]} = tl.load(hyper_ptr + {k}, mask=rmask, other=0.0)")
         for line in lin.scalar_lines:
             if id(line.node) in scalar_nodes:
-                scalar.append(f"{line.var} = {r.expr(lin, line.node, 'scalar')}")
-        round_lines = [f"{r.operand(lin, n)} = {r.operand(lin, n)}.to({self.ct})"
-                       for n in rounded if n.dtype == "float" and self.ct != "tl.float64"]
-        return pointers, scalar, round_lines
+                lines.append(f"{line.var} = {r.expr(lin, line.node, 'scalar')}")
+        slots = []
+        for k, (slot, n) in enumerate(self.scal.values()):
+            name = r.operand(lin, n)
+            slots.append({"name": slot, "index": 3 + k, "comment": name})
+            value = f"tl.where({name}, 1.0, 0.0)" if n.dtype == "bool" else name  # (1 or 0)
+            lines.append(f"keep(scal + {slot}, {value}, rmask)")
+        return {"lines": lines, "slots": slots}
 
     # -- kernels --------------------------------------------------------------
     def _kernel(self, roots: list[Node], update: bool) -> dict:
@@ -642,12 +671,11 @@ class Source:
             rounded.update({id(n): n for _, n in self.program.updates
                             if n.kind <= Kind.SCALAR and n.op is not Op.CONST})
         rounded = list(rounded.values())
-        pointers = [self._pointer(x) for x in ("p", "g", *self.targets[1:])
+        pointers = [self._pointer(x, rebased=True) for x in ("p", "g", *self.targets[1:])
                     if x in used or (update and x != "g")]
         if update:
-            pointers += [self._pointer(x, out=True) for x in self.targets]
-        scalar_pointers, scalar, round_lines = self._scalar_phase(rounded)
-        pointers += scalar_pointers
+            pointers += [self._pointer(x, out=True, rebased=True) for x in self.targets]
+        scalar = self._scalar_reads(rounded)
         loads = []
         for x in self.targets if update else []:
             loads.append(f"{self.stored[x]} = tl.load({self.ptr[x]} + offsets, mask=mask)")
@@ -669,10 +697,10 @@ class Source:
                         f"{self._phase_of(n)}")
         for n in lines:
             body.append(f"{r.operand(lin, n)} = {r.expr(lin, n, 'element')}")
-        return {"pointers": pointers, "scalar": scalar, "rounded": round_lines,
-                "loads": loads, "lines": body, "part": not update, "scaled": "g" in used,
-                "nparts": len(roots) if not update else 0, "tmp": False, "kblock": False,
-                "count": "NUMEL"}
+        return {"pointers": pointers, "scalar": scalar, "loads": loads, "lines": body,
+                "part": not update, "nparts": len(roots) if not update else 0, "tmp": False,
+                "kblock": False, "count": "NUMEL", "rebased": True, "advance": update,
+                "tail": [], "comment": "this block's share of each reduction"}
 
     def _phase_of(self, node: Node) -> int:
         return next(k for k, ph in enumerate(self.phases) if any(n is node for n in ph))
@@ -680,7 +708,9 @@ class Source:
     def _phase(self, k: int, phase: list[Node]) -> dict:
         kernel = self._kernel(phase, update=False)
         xs = [self.r.operand(self.lin, node.src[0]) for node in phase]
-        return {"k": k, "kernel": kernel, **self._reductions(phase, xs, "NUMEL")}
+        red = self._reductions(phase, xs, "NUMEL")
+        kernel["tail"] = red["partials"]
+        return {"k": k, "kernel": kernel, **red}
 
     def _reductions(self, phase: list[Node], xs: list[str], count: str) -> dict:
         """Per-tensor reductions of the values ``xs`` of one block: each block's partial
@@ -722,33 +752,40 @@ class Source:
         kernel = self._kernel([n for _, n in self.program.updates], update=True)
         lin, r = self.lin, self.r
         new = self._new_values()
-        stores = []
-        for x in self.targets:
-            stores += self._store(x, new.get(x), r.operand(lin, new[x]) if x in new else "")
-        kernel["stores"] = stores
+        kernel["tail"] = self._stores(self.targets, new,
+                                      {x: r.operand(lin, n) for x, n in new.items()})
+        kernel["comment"] = ("new values where the step is finite; a skipped step writes the "
+                             "old bits")
         return kernel
 
     def _new_values(self) -> dict[str, Node]:
         return {state_var(t) if t != "p" else "p": n for t, n in self.program.updates}
 
-    def _store(self, x: str, node: Node | None, value: str) -> list[str]:
-        """The lines that write ``node`` (named ``value``) as the new value of ``x`` at
-        ``offsets`` where the step is finite (its old value otherwise, or if ``node`` is None)."""
-        st = self.dtypes[0 if x == "p" else 2]
-        stores = []
-        if node is None:  # not updated by the program: the old value, as it was
-            return [f"tl.store({self.out_ptr[x]} + offsets, {self.stored[x]}, mask=mask)"]
-        if node.op is Op.CONST:
-            value = f"tl.full([BLOCK], {value}, {self.ct})"
-        elif node.kind < Kind.ELEMENT:  # one value per tensor: as a block
-            stores.append(f"{value} = {value} + tl.zeros([BLOCK], dtype={self.ct})")
-        if st == "bfloat16":
-            value = f"to_bf16({value})"
-        elif TL[st] != self.ct:
-            value = f"{value}.to({TL[st]})"
-        stores.append(f"tl.store({self.out_ptr[x]} + offsets, tl.where(finite, {value}, "
-                      f"{self.stored[x]}), mask=mask)")
-        return stores
+    def _stores(self, targets, new: dict, values: dict) -> list[str]:
+        """The lines that write each target's new value (``new[x]``, named ``values[x]``) at
+        ``offsets`` where the step is finite; a skipped step copies the old bits (read again
+        there, so that they are not held through the arithmetic)."""
+        finite, skipped = [], []
+        for x in targets:
+            node, value = new.get(x), values.get(x, "")
+            old = f"tl.load({self.ptr[x]} + offsets, mask=mask)"
+            skipped.append(f"    tl.store({self.out_ptr[x]} + offsets, {old}, mask=mask)")
+            if node is None:  # not updated by the program: the old value, as it was
+                finite.append(f"    tl.store({self.out_ptr[x]} + offsets, {self.stored[x]}, "
+                              "mask=mask)")
+                continue
+            st = self.dtypes[0 if x == "p" else 2]
+            if node.op is Op.CONST:
+                value = f"tl.full([BLOCK], {value}, {self.ct})"
+            elif node.kind < Kind.ELEMENT:  # one value per tensor: as a block
+                finite.append(f"    {value} = {value} + tl.zeros([BLOCK], dtype={self.ct})")
+            if st == "bfloat16":
+                value = f"to_bf16({value})"
+            elif TL[st] != self.ct:
+                value = f"{value}.to({TL[st]})"
+            finite.append(f"    tl.store({self.out_ptr[x]} + offsets, {value}, mask=mask)")
+        return ["if finite:", *finite, "else:  # a skipped step: the old bits, as they were",
+                *skipped]
 
     def _axes(self) -> list[dict]:
         """The kernels of the staged path, in launch order (see ``axis_plan``)."""
@@ -784,15 +821,14 @@ class Source:
             else:
                 em.stored = set(launch.targets)
                 values = {x: em.value(new[x], em.root) for x in launch.targets if x in new}
-                for x in launch.targets:
-                    tail += self._store(x, new.get(x), values.get(x, ""))
+                tail += self._stores(launch.targets, new, values)
                 loads = [f"{self.stored[x]} = tl.load({self.ptr[x]} + offsets, mask=mask)"
                          for x in launch.targets]
                 kernel = em.kernel([self._pointer(x, out=True) for x in launch.targets], loads, 0)
                 comment = "new values where the step is finite; a skipped step writes the old bits"
                 what = [f"new {', '.join(launch.targets)}"]
-            out.append({**entry, "kernel": kernel, "tail": tail, "comment": comment,
-                        "what": ", ".join(what)})
+            kernel["tail"], kernel["comment"] = tail, comment
+            out.append({**entry, "kernel": kernel, "what": ", ".join(what)})
         return out
 
     def text(self) -> str:
@@ -801,6 +837,10 @@ class Source:
         flags = ", ".join(f"{k}={str(v).lower()}" for k, v in prog.flags) or "none"
         nodes = walk(n for _, n in prog.updates)
         axes = self.plan is not None
+        self.scal = {}  # id -> (slot, node): the scalars the kernels read, in order
+        phases = [] if axes else [self._phase(k, ph) for k, ph in enumerate(self.phases)]
+        update = None if axes else self._update()
+        staged = self._axes() if axes else None
         return _template().render(
             name=kernel_prefix(prog), optimizer=prog.name, flags=flags, pdt=pdt, gdt=gdt,
             sdt=sdt, ct=self.ct[3:], ctl=self.ct,
@@ -810,9 +850,8 @@ class Source:
             needs_bf16="bfloat16" in (pdt, sdt),
             needs_nanmax=any(n.op is Op.AMAX for n in nodes),
             needs_rowmax=any(n.op in (Op.ROW_MAX, Op.COL_MAX) for n in nodes),
-            phases=[] if axes else [self._phase(k, ph) for k, ph in enumerate(self.phases)],
-            update=None if axes else self._update(),
-            axes=self._axes() if axes else None, doms=TAG, drop_expr=plan.DROP_EXPR,
+            phases=phases, update=update, axes=staged, scalars=self._scalars(), doms=TAG,
+            drop_expr=plan.DROP_EXPR,
             put_expr=plan.PUT_EXPR)
 
 

@@ -14,6 +14,10 @@ a device value on the host:
   captured with;
 - block maps (block -> tensor, first element) depend only on the tensors'
   sizes and are built once per parameter set;
+- tables and block maps are kept in a ``Kept`` cache that never drops what a
+  CUDA graph capture used, and a capture's new tables are copied through pinned
+  memory taken before any capture (``Staging``): nothing a graph replays is freed,
+  and nothing is allocated pinned while it is captured;
 - hyperparameters are a float64 device array: Python floats are copied once
   per distinct set of values; 0-d tensors (schedules evaluated on the device)
   are gathered into it on the device.
@@ -34,20 +38,23 @@ from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import has_own_ops, own_ops_words, refuse_inplace, resolved
 
-BLOCK_GPU, WARPS_GPU = 2048, 8  # elements per program, and warps, on a GPU
+# on a GPU: warps a program, and bytes of its narrowest tensor each thread reads or writes
+# at once (one 128-bit access); a program's BLOCK is 32 * WARPS_GPU threads times the elements
+# that make those bytes: 1024 for float32, 2048 where a tensor is bfloat16 or float16. More
+# elements a thread hold more values live (float32 at 2048: 73 registers, past the 64 that
+# keep a full occupancy; see docs/gpu.md)
+WARPS_GPU, BYTES_PER_ACCESS = 8, 16
+ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 BLOCK_INTERPRETER = 4096  # under the interpreter every program costs ~1 ms: fewer, larger ones
 # loops over a reduced axis: outputs per program, and values along the axis at a time
 WIDE_GPU, WIDE_INTERPRETER = (64, 64), (512, 16)
 PRELUDE_PROGRAMS = 1024  # the prelude's programs each take every PRELUDE_PROGRAMS-th block
 FINISH_BLOCK = 1024  # partial results combined at a time
-ADVANCE_BLOCK = 1024  # step counters per program
+SCALAR_BLOCK = 256  # tensors per program of the scalars kernel
 
 # key -> a weak reference to the vega.codegen.triton.Kernel, for the custom ops: a kernel is
 # released with its program (one a torch.compile'd step uses is held by ``vega.tracing``)
 _KERNELS: dict[str, weakref.ref] = {}
-_TABLES: OrderedDict = OrderedDict()  # (device, content) -> (device table, pinned copy)
-_CAPTURED: list = []  # tables first made during a CUDA graph capture, kept for its replays
-_MAPS: dict = {}  # (numels, block, device) -> block map
 
 
 def register(kernel) -> None:
@@ -70,8 +77,29 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
 
 
-def block_size() -> int:
-    return BLOCK_INTERPRETER if interpreting() else BLOCK_GPU
+_SIZES_FOR_GPU = [False]  # gpu_sizes(): a GPU's sizes, under the interpreter too
+
+
+@contextlib.contextmanager
+def gpu_sizes():
+    """Within: the block sizes a GPU gets, under the interpreter too (for recording the
+    launches a GPU would see, ``vega.codegen.triton_ptx``)."""
+    _SIZES_FOR_GPU.append(True)
+    try:
+        yield
+    finally:
+        _SIZES_FOR_GPU.pop()
+
+
+def _small_blocks() -> bool:
+    return interpreting() and not _SIZES_FOR_GPU[-1]
+
+
+def block_size(dtypes=("float32",)) -> int:
+    """Elements a program of an elementwise launch takes, for a group of these dtypes."""
+    if _small_blocks():
+        return BLOCK_INTERPRETER
+    return 32 * WARPS_GPU * BYTES_PER_ACCESS // min(ITEMSIZE[d] for d in dtypes)
 
 
 def load_module(text: str, name: str) -> dict:
@@ -124,35 +152,97 @@ def _library_interpreted() -> bool:
 
 # -- tables -------------------------------------------------------------------
 
+class Kept:
+    """Device objects (tables, block maps) by key: the least recently used dropped past
+    ``limit``, except those a CUDA graph captured, which are held as long as the process
+    lives (a graph replays their addresses: freed, their memory could be handed out again)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.items: OrderedDict = OrderedDict()
+        self.held: dict = {}
+
+    def get(self, key, make, capturing: bool):
+        """The object for ``key``, made by ``make()`` if there is none; held if
+        ``capturing``."""
+        if key in self.held:
+            return self.held[key]
+        value = self.items.pop(key) if key in self.items else make()
+        if capturing:
+            self.held[key] = value
+            return value
+        self.items[key] = value  # (the most recently used last)
+        while len(self.items) > self.limit:
+            self.items.popitem(last=False)
+        return value
+
+
+class Staging:
+    """Pinned host memory taken once, outside any capture, from which the tables a CUDA
+    graph capture first needs are copied (the capture records the copy; nothing is
+    allocated pinned while it runs). Each piece taken is the graph's for good."""
+
+    def __init__(self, nbytes: int, pin: bool = True):
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.used = 0
+
+    def take(self, host: torch.Tensor) -> torch.Tensor:
+        """A copy of ``host`` in the staging memory (16-byte aligned); RuntimeError when it is
+        used up."""
+        nbytes = host.numel() * host.element_size()
+        start = -(-self.used // 16) * 16
+        if start + nbytes > self.buffer.numel():
+            raise RuntimeError(
+                f"vega: a CUDA graph capture needs {nbytes} bytes of tables it has not made "
+                f"before, past the {self.buffer.numel()} bytes staged for captures; run "
+                f"the step once eagerly with the same tensors before capturing it")
+        self.used = start + nbytes
+        piece = self.buffer[start:start + nbytes].view(host.dtype).view(host.shape)
+        piece.copy_(host)
+        return piece
+
+
+STAGING_BYTES = 1 << 20  # pinned memory for the tables of captures (taken at the first step)
+_STAGING: list = []
+
+
+def _staged_copy(host: torch.Tensor, device: torch.device, capturing: bool):
+    """(``host`` on ``device``, copied without blocking, and its pinned source, kept alive:
+    a graph may replay the copy): pinned anew, or from the staging memory while capturing."""
+    if not _STAGING and not capturing:
+        _STAGING.append(Staging(STAGING_BYTES))
+    if capturing:
+        if not _STAGING:
+            raise RuntimeError("vega: a CUDA graph captured a step before any step ran "
+                               "eagerly; run one step before capturing it")
+        pinned = _STAGING[0].take(host)
+    else:
+        pinned = host.pin_memory()
+    return pinned.to(device, non_blocking=True), pinned
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` (a small table) on ``device``, copied from pinned memory without blocking.
 
-    Tables are kept by content: a step whose addresses did not change reuses its table, and
-    a table is never overwritten, so a captured CUDA graph keeps reading the table (and the
-    pinned copy it replays) it was captured with. A table first made while a graph is being
-    captured is kept for that graph only: its copy runs when the graph replays."""
+    Tables are kept by content (``Kept``): a step whose addresses did not change reuses its
+    table, a table is never overwritten, and one a captured CUDA graph uses is never freed,
+    nor is its pinned source (the graph replays the copy)."""
     if device.type == "cpu":
         return host
     key = (device, host.dtype, tuple(host.shape), host.numpy().tobytes())
-    capturing = torch.cuda.is_current_stream_capturing()
-    if key in _TABLES and not capturing:
-        _TABLES.move_to_end(key)
-        return _TABLES[key][0]
-    pinned = host.pin_memory()
-    dev = pinned.to(device, non_blocking=True)
-    if capturing:
-        _CAPTURED.append((dev, pinned))
-    else:
-        _TABLES[key] = (dev, pinned)
-        if len(_TABLES) > 256:
-            _TABLES.popitem(last=False)
-    return dev
+    capturing = _capturing(device)
+    return _TABLES.get(key, lambda: _staged_copy(host, device, capturing), capturing)[0]
 
 
 class BlockMap:
     """Which tensor, and which elements of it, each program of a launch works on."""
 
-    def __init__(self, numels: tuple[int, ...], block: int, device: torch.device):
+    def __init__(self, numels: tuple[int, ...], block: int, device: torch.device,
+                 capturing: bool = False):
         counts = torch.tensor([-(-n // block) for n in numels], dtype=torch.int64)
         first = torch.zeros(len(numels) + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=first[1:])
@@ -160,22 +250,22 @@ class BlockMap:
         tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), counts)
         start = (torch.arange(self.nblocks, dtype=torch.int64) - first[tensor]) * block
         host = [tensor.to(torch.int32), start, first]
-        if device.type != "cpu":  # the pinned copies stay alive: a graph may replay the copy
-            host = [x.pin_memory() for x in host]
-        self._host = host
-        self.tensor, self.start, self.first = (x.to(device, non_blocking=True) for x in host)
+        if device.type == "cpu":
+            self.tensor, self.start, self.first = host
+        else:  # (the pinned sources stay alive with the map)
+            copies = [_staged_copy(x, device, capturing) for x in host]
+            self._host = [pinned for _, pinned in copies]
+            self.tensor, self.start, self.first = (dev for dev, _ in copies)
 
 
 def block_map(numels: tuple[int, ...], block: int, device: torch.device) -> BlockMap:
-    key = (numels, block, device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and key not in _MAPS:
-        _CAPTURED.append(BlockMap(numels, block, device))  # see _device
-        return _CAPTURED[-1]
-    if key not in _MAPS:
-        if len(_MAPS) > 64:
-            _MAPS.clear()
-        _MAPS[key] = BlockMap(numels, block, device)
-    return _MAPS[key]
+    capturing = _capturing(device)
+    return _MAPS.get((numels, block, device),
+                     lambda: BlockMap(numels, block, device, capturing), capturing)
+
+
+_TABLES = Kept(256)  # (device, content) -> (device table, its pinned source)
+_MAPS = Kept(64)  # (numels, block, device) -> BlockMap
 
 
 def _hyper_array(device, nhyper, ndicts, tensors, floats, slots) -> torch.Tensor:
@@ -210,13 +300,14 @@ def _dtype_key(p, g, s):
 def _prelude_op(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor) -> None:
     kern = kernel_of(kernel)
     check_device(pre.device)
-    name, block = kern.prefix, block_size()
+    name = kern.prefix
     groups: dict[str, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault(_dtype_key(g, g, g)[0], []).append(g)
     with _on(pre.device):
         for gdt, gs in groups.items():
             numels = tuple(g.numel() for g in gs)
+            block = block_size((gdt,))
             bmap = block_map(numels, block, pre.device)
             if bmap.nblocks == 0:
                 continue
@@ -255,16 +346,17 @@ def _step_op(kernel: str, params: list[torch.Tensor], states: list[torch.Tensor]
         old_params, old_states, old_steps)
     nhyper = len(kern.program.float_hypers)
     width = max(nhyper, 1) * 8
-    name, block = kern.prefix, block_size()
+    name = kern.prefix
     has_pre = pre is not None
     groups: dict[tuple, list[int]] = {}
     for i in range(n):
         groups.setdefault(_dtype_key(src_p[i], grads[i], src_s[i] if nstate else src_p[i]),
                           []).append(i)
-    mod = None
     with _on(device):
         hyp = _hyper_array(device, nhyper, max(hyper_index, default=-1) + 1, hyper_tensors,
                            hyper_floats, hyper_slots)
+        # each group's table and this step's scalars, all computed before any counter moves
+        work = []
         for key, idx in groups.items():
             mod = kern.module(key)
             rows = []
@@ -275,68 +367,104 @@ def _step_op(kernel: str, params: list[torch.Tensor], states: list[torch.Tensor]
                              src_t[step_index[i]].data_ptr(),
                              hyp.data_ptr() + hyper_index[i] * width, params[i].data_ptr(),
                              *(states[k].data_ptr() for k in col)])
+            aligned = all(address % 16 == 0 for r in rows for address in data_addresses(r))
             if kern.plan is not None:
-                _staged(kern, mod, rows, [params[i].shape for i in idx], key[0], pre, device)
+                table = _device(torch.tensor(
+                    [row + extra for row, extra in zip(rows, _geometry(kern, [params[i].shape
+                                                                              for i in idx]))],
+                    dtype=torch.int64), device)
+            else:
+                table = _device(torch.tensor(rows, dtype=torch.int64), device)
+            ct = torch.float64 if key[0] == "float64" else torch.float32
+            scal = torch.empty((len(idx), mod["NSCAL"].value), dtype=ct, device=device)
+            launch(mod[f"{name}_scalars"], (-(-len(idx) // SCALAR_BLOCK),), table, len(idx),
+                   pre if has_pre else hyp, scal, HAS_PRE=has_pre, BLOCK=SCALAR_BLOCK,
+                   num_warps=4)
+            work.append((key, idx, mod, table, scal, aligned))
+        counters = None
+        if steps:
+            counters = _device(torch.tensor([[a.data_ptr(), b.data_ptr()]
+                                             for a, b in zip(src_t, steps)], dtype=torch.int64),
+                               device)
+        advanced = not steps
+        for w, (key, idx, mod, table, scal, aligned) in enumerate(work):
+            if kern.plan is not None:
+                _staged(kern, mod, table, [params[i].shape for i in idx], key, pre, scal,
+                        device)
                 continue
-            table = _device(torch.tensor(rows, dtype=torch.int64), device)
+            block = block_size(key)
             bmap = block_map(tuple(params[i].numel() for i in idx), block, device)
             if bmap.nblocks == 0:
                 continue
             red = torch.empty((len(idx), max(kern.nred, 1)), dtype=torch.float64, device=device)
-            pre_arg = pre if has_pre else red
             for k, nparts in enumerate(kern.phase_sizes):
                 part = torch.empty((bmap.nblocks, nparts), dtype=torch.float64, device=device)
                 launch(mod[f"{name}_phase{k}"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
-                       pre_arg, red, part, HAS_PRE=has_pre, BLOCK=block)
+                       scal, red, part, HAS_PRE=has_pre, ALIGNED=aligned, BLOCK=block)
                 launch(mod[f"{name}_finish{k}"], (len(idx),), table, bmap.first, part, red,
                        BLOCK=FINISH_BLOCK, num_warps=4)
+            last = w == len(work) - 1 and not advanced  # the last launch advances the counters
             launch(mod[f"{name}_update"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
-                   pre_arg, red, HAS_PRE=has_pre, BLOCK=block)
-        if steps:
-            mod = mod or kern.module(("float32",) * 3)
-            counters = _device(torch.tensor([[a.data_ptr(), b.data_ptr()]
-                                             for a, b in zip(src_t, steps)], dtype=torch.int64),
-                               device)
-            launch(mod[f"{name}_advance"], (-(-len(steps) // ADVANCE_BLOCK),), counters,
-                   len(steps), pre if has_pre else hyp, finite, HAS_PRE=has_pre,
-                   BLOCK=ADVANCE_BLOCK, num_warps=4)
+                   scal, red, counters if last else table, len(steps) if last else 0, finite,
+                   ADVANCE=last, HAS_PRE=has_pre, ALIGNED=aligned, BLOCK=block)
+            advanced = advanced or last
+        if not advanced:
+            mod = work[-1][2] if work else kern.module(("float32",) * 3)
+            launch(mod[f"{name}_advance"], (1,), counters, len(steps),
+                   pre if has_pre else hyp, finite, HAS_PRE=has_pre, num_warps=4)
 
 
-def _staged(kern, mod, rows, shapes, pdt, pre, device) -> None:
+def data_addresses(row: list[int]) -> list[int]:
+    """The addresses of a table row that kernels read or write BLOCK elements at (all but
+    its element count, step counter and hyperparameters): p, g, the states, their outputs."""
+    nstate = (len(row) - 6) // 2
+    return row[1:3 + nstate] + row[5 + nstate:]
+
+
+def _geometry(kern, shapes) -> list[list[int]]:
+    """The geometry columns, then the temporaries' offsets, of each row of a program that
+    uses the matrix view."""
+    _, temps = kern.plan
+    out, total = [], 0
+    for shape in shapes:
+        geo = axis_geometry(shape)
+        offsets = []
+        for d in temps:
+            offsets.append(total)
+            total += geo[d]
+        out.append(list(geo[1:]) + offsets)
+    return out
+
+
+def _staged(kern, mod, table, shapes, dtypes, pre, scal, device) -> None:
     """The launches of a program that uses the matrix view, for one dtype group (see
     ``vega.codegen.triton.axis_plan``): each over the values of one domain of every tensor."""
     launches, temps = kern.plan
     name, has_pre = kern.prefix, pre is not None
     geos = [axis_geometry(shape) for shape in shapes]
-    offsets, total = [], 0  # each tensor's temporaries, one after another in tmp
-    for geo in geos:
-        offsets.append([])
-        for d in temps:
-            offsets[-1].append(total)
-            total += geo[d]
-    table = _device(torch.tensor([row + list(geo[1:]) + off for row, geo, off
-                                  in zip(rows, geos, offsets)], dtype=torch.int64), device)
-    ct = torch.float64 if pdt == "float64" else torch.float32
+    total = sum(geo[d] for geo in geos for d in temps)  # the temporaries, one after another
+    ct = torch.float64 if dtypes[0] == "float64" else torch.float32
     tmp = torch.empty(max(total, 1), dtype=ct, device=device)
-    red = torch.empty((len(rows), max(kern.nred, 1)), dtype=torch.float64, device=device)
-    pre_arg = pre if has_pre else red
-    (wide, kblock) = WIDE_INTERPRETER if interpreting() else WIDE_GPU
+    red = torch.empty((len(geos), max(kern.nred, 1)), dtype=torch.float64, device=device)
+    # int32 index arithmetic where every index and size fits (an element's, a temporary's)
+    i32 = max([total, *(geo[0] for geo in geos)]) < 2**31 - block_size(dtypes)
+    (wide, kblock) = WIDE_INTERPRETER if _small_blocks() else WIDE_GPU
     parts = {}
     for kind, fn, dom, is_wide, nparts in launches:
-        block = wide if is_wide else block_size()
+        block = wide if is_wide else block_size(dtypes)
         bmap = block_map(tuple(geo[dom] for geo in geos), block, device)
         if kind == "finish":
-            launch(mod[f"{name}_{fn}"], (len(rows),), table, bmap.first, parts[dom], red,
+            launch(mod[f"{name}_{fn}"], (len(geos),), table, bmap.first, parts[dom], red,
                    BLOCK=FINISH_BLOCK, num_warps=4)
             continue
-        args = [table, bmap.tensor, bmap.start, pre_arg, red, tmp]
+        args = [table, bmap.tensor, bmap.start, scal, red, tmp]
         if nparts:
             parts[dom] = torch.empty((max(bmap.nblocks, 1), nparts), dtype=torch.float64,
                                      device=device)
             args.append(parts[dom])
         if bmap.nblocks:
-            launch(mod[f"{name}_{fn}"], (bmap.nblocks,), *args, HAS_PRE=has_pre, BLOCK=block,
-                   **({"KBLOCK": kblock} if is_wide else {}))
+            launch(mod[f"{name}_{fn}"], (bmap.nblocks,), *args, HAS_PRE=has_pre, I32=i32,
+                   BLOCK=block, **({"KBLOCK": kblock} if is_wide else {}))
 
 
 @_step_op.register_fake

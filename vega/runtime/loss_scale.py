@@ -123,7 +123,7 @@ class LossScale:
     """A loss scale: build it with :meth:`static` or :meth:`dynamic`."""
 
     __slots__ = ("loss_scale", "good_steps", "skipped_steps", "min_scale", "growth_interval",
-                 "growth_factor", "backoff_factor", "is_dynamic")
+                 "growth_factor", "backoff_factor", "is_dynamic", "device_given")
 
     def __init__(self, loss_scale: torch.Tensor, good_steps: torch.Tensor,
                  skipped_steps: torch.Tensor | None = None, min_scale: torch.Tensor | None = None,
@@ -139,6 +139,7 @@ class LossScale:
          self.backoff_factor) = _check_config("LossScale", growth_interval, growth_factor,
                                               backoff_factor)
         self.is_dynamic = bool(dynamic)
+        self.device_given = True  # (its tensors were given: where they are is meant)
 
     # -- construction ----------------------------------------------------------------
 
@@ -150,8 +151,10 @@ class LossScale:
         :meth:`step` still skips the steps whose gradients are not finite.
         """
         s = _scale_value("LossScale.static", "s", s)
-        return cls(torch.full((), s, dtype=torch.float32, device=device),
-                   torch.full((), -1, dtype=torch.int32, device=device), dynamic=False)
+        out = cls(torch.full((), s, dtype=torch.float32, device=device),
+                  torch.full((), -1, dtype=torch.int32, device=device), dynamic=False)
+        out.device_given = device is not None
+        return out
 
     @classmethod
     def dynamic(cls, init: float = 2.0**15, growth_interval: int = 2000,
@@ -169,12 +172,14 @@ class LossScale:
         if floor > init:
             raise ValueError(f"LossScale.dynamic: min_scale={min_scale!r} is above "
                              f"init={init!r}")
-        return cls(torch.full((), init, dtype=torch.float32, device=device),
-                   torch.zeros((), dtype=torch.int32, device=device),
-                   torch.zeros((), dtype=torch.int32, device=device),
-                   torch.full((), floor, dtype=torch.float32, device=device),
-                   growth_interval=growth_interval, growth_factor=growth_factor,
-                   backoff_factor=backoff_factor, dynamic=True)
+        out = cls(torch.full((), init, dtype=torch.float32, device=device),
+                  torch.zeros((), dtype=torch.int32, device=device),
+                  torch.zeros((), dtype=torch.int32, device=device),
+                  torch.full((), floor, dtype=torch.float32, device=device),
+                  growth_interval=growth_interval, growth_factor=growth_factor,
+                  backoff_factor=backoff_factor, dynamic=True)
+        out.device_given = device is not None
+        return out
 
     def _config(self) -> tuple:
         return (self.growth_interval, self.growth_factor, self.backoff_factor, self.is_dynamic)
@@ -186,6 +191,7 @@ class LossScale:
         self.loss_scale, self.good_steps, self.skipped_steps, self.min_scale = leaves
         (self.growth_interval, self.growth_factor, self.backoff_factor,
          self.is_dynamic) = config
+        self.device_given = True
         return self
 
     def __repr__(self) -> str:
@@ -284,6 +290,25 @@ class LossScale:
         new_n = torch.where(finite & ~at_interval, successful, torch.zeros_like(n))
         skipped = self.skipped_steps + (~finite).to(self.skipped_steps.dtype)
         return LossScale._from((new_s, new_n, skipped, self.min_scale), self._config())
+
+    def adjust_(self, finite, **settings) -> LossScale:
+        """:meth:`adjust`, written into this scale's own tensors (``copy_``): the same
+        tensors, on the same device, step after step, so that a CUDA graph that captured a
+        step keeps adjusting the scale it replays. Returns ``self``."""
+        new = self.adjust(finite, **settings)
+        if new is not self:
+            for mine, theirs in zip(self.tensors()[:3], new.tensors()[:3]):
+                mine.copy_(theirs)
+        return self
+
+    def to_(self, device) -> LossScale:
+        """This scale's tensors moved to ``device``, in place of the old ones (before a step
+        uses them: a captured graph holds the tensors it was captured with). Returns
+        ``self``."""
+        self.loss_scale, self.good_steps, self.skipped_steps, self.min_scale = (
+            t.to(device) for t in self.tensors())
+        self.device_given = True
+        return self
 
     def step(self, grads, step_fn, state):
         """One loss-scaled step: ``(new state, next loss scale)``.

@@ -57,6 +57,11 @@ class SpecOptimizer(torch.optim.Optimizer):
         betas = {"betas": tuple(values[n] for n in names)} if names else {}
         super().__init__(params, {**flags, **values, **betas, "maximize": maximize,
                                   "backend": backend, "state_dtype": state_dtype})
+        if loss_scale is not None and not loss_scale.device_given:
+            # made without a device: it lives where the parameters are (no copy a step)
+            first = next((p for g in self.param_groups for p in g["params"]), None)
+            if first is not None:
+                loss_scale.to_(first.device)
 
     def add_param_group(self, param_group: dict) -> None:
         owner = type(self).__name__
@@ -130,7 +135,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         """One fused update of every parameter that has a gradient; returns the closure's loss.
 
         With ``loss_scale``: gradients are divided by the scale, and the scale is
-        adjusted afterwards (``self.loss_scale`` is replaced). With
+        adjusted afterwards, in place (``LossScale.adjust_``: the same tensors every step,
+        as a captured CUDA graph needs). With
         ``max_grad_norm``: clipped by their joint norm over all groups. With a
         loss scale or ``skip_nonfinite``: a step whose gradients are not all
         finite changes no parameter and no state. Nothing is read back to the host.
@@ -167,7 +173,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                     self._check_writes(work)
                 raise
         if self.loss_scale is not None:
-            self.loss_scale = self.loss_scale.adjust(finite_of(pre))
+            self.loss_scale.adjust_(finite_of(pre))
         return loss
 
     def _routed(self, group, work: list[tuple]) -> list[tuple]:

@@ -1,0 +1,65 @@
+"""Launches a step makes, whatever their source: the Triton kernels it launches and the torch
+operations that compute (a GPU runs one kernel or copy for each), counted on a warm step with
+the kernels recorded, not run (``vega.codegen.triton_ptx.recording``)."""
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import vega
+from vega.codegen import triton_ptx, triton_runtime
+
+DEVICE = "cpu" if triton_runtime.interpreting() else "cuda"
+# operations that launch nothing: allocations, views, metadata, and a .to that returns its input
+NO_WORK = {"aten::empty", "aten::empty_strided", "aten::view", "aten::as_strided",
+           "aten::detach", "aten::detach_", "aten::alias", "aten::lift_fresh",
+           "aten::resolve_conj", "aten::resolve_neg", "aten::to", "aten::select", "aten::slice",
+           "aten::_reshape_alias", "aten::reshape", "aten::unsqueeze", "aten::expand"}
+
+
+def launches(step) -> list[str]:
+    """The Triton kernels and the computing torch operations of a warm call of ``step`` (the
+    first call, not counted, makes the block maps and tables)."""
+    with triton_ptx.recording():
+        step()
+    with triton_ptx.recording() as kernels, profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ops = [e.name for e in prof.events() if e.name.startswith("aten::")
+           and not any(c.name.startswith("aten::") for c in e.cpu_children)
+           and e.name not in NO_WORK]
+    return [k.kernel for k in kernels] + ops
+
+
+def _params():
+    ws = [torch.nn.Parameter(torch.randn(s, device=DEVICE)) for s in ((1000,), (30, 40), (7,))]
+    for w in ws:
+        w.grad = torch.randn_like(w)
+    return ws
+
+
+def test_a_plain_step_is_two_launches():
+    """The scalars once a step, then the update, which advances the counters too."""
+    opt = vega.optim.AdamW(_params(), lr=1e-3, backend="triton")
+    assert launches(opt.step) == ["vega_adamw_scalars", "vega_adamw_update"]
+    params = {str(k): w.detach().clone() for k, w in enumerate(_params())}
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    state = vega.adamw_init(params)
+    assert launches(lambda: vega.adamw_step(params, grads, state, lr=1e-3, backend="triton",
+                                            donate=True)) == \
+        ["vega_adamw_scalars", "vega_adamw_update"]
+
+
+def test_a_fused_step_launches_its_kernels_once_for_all_tensors():
+    """Clipping and a skip of non-finite steps: the prelude and its finish, the scalars and
+    the update, whatever the number of tensors, and one copy: the record's set-up."""
+    counts = []
+    for n in (3, 30):
+        ws = [torch.nn.Parameter(torch.randn(5 + i, device=DEVICE)) for i in range(n)]
+        for w in ws:
+            w.grad = torch.randn_like(w)
+        opt = vega.optim.AdamW(ws, lr=1e-3, backend="triton", max_grad_norm=1.0,
+                               skip_nonfinite=True)
+        counts.append(launches(opt.step))
+    assert counts[0] == counts[1]
+    kernels = [x for x in counts[0] if x.startswith("vega_")]
+    assert kernels == ["vega_adamw_prelude", "vega_adamw_prelude_finish", "vega_adamw_scalars",
+                       "vega_adamw_update"]
+    assert [x for x in counts[0] if not x.startswith("vega_")] == ["aten::copy_"]

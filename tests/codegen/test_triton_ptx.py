@@ -1,0 +1,139 @@
+"""The Triton kernels as a GPU runs them: compiled offline for sm_90a by Triton's own tool chain
+(``vega.codegen.triton_ptx``), their PTX and ``ptxas -v`` read. No GPU is needed; only
+Triton's wheel (its ``ptxas``).
+
+A representative set, compiled once for the module (one subprocess, about 20 kernels): AdamW's
+update in float32 and bfloat16, the prelude and its finish, the scalars kernel, LAMB's phase
+and finish, Adafactor's staged kernels and the standalone counter advance. ``bench/ptx.py``
+compiles every shipped spec's kernels.
+"""
+import pytest
+import torch
+
+import vega
+from vega.codegen import triton_ptx, triton_runtime
+
+pytestmark = pytest.mark.skipif(triton_ptx.ptxas() is None,
+                                reason="triton (with its ptxas) is not installed")
+
+DEVICE = "cpu" if triton_runtime.interpreting() else "cuda"
+FACTORED = ((257, 160),)  # adafactor factors it: its staged kernels
+
+
+def _pick(launches, *suffixes):
+    return [x for x in launches if x.kernel.endswith(suffixes)]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """(spec, dtype, kernel name) -> Figures, for the representative set."""
+    sets = [
+        ("adamw", "float32", triton_ptx.spec_launches("adamw", "float32", fused=True)),
+        ("adamw", "bfloat16", _pick(triton_ptx.spec_launches("adamw", "bfloat16", fused=True),
+                                    "_update")),
+        ("lamb", "float32", _pick(triton_ptx.spec_launches("lamb", "float32", fused=True),
+                                  "_phase0", "_finish0")),
+        ("adafactor", "float32", _pick(triton_ptx.spec_launches(
+            "adafactor", "float32", shapes=FACTORED), "_rc", "_r", "_c", "_m", "_advance")),
+    ]
+    launches = [x for _, _, found in sets for x in found]
+    figures = triton_ptx.compile_launches(launches)
+    by_key = {x.key(): f for x, f in zip(triton_ptx.distinct(launches), figures)}
+    return {(spec, dtype, x.kernel): by_key[x.key()] for spec, dtype, found in sets
+            for x in found}
+
+
+def test_the_set_is_what_it_says(compiled):
+    kinds = {name.removeprefix(f"vega_{spec}_") for spec, _, name in compiled}
+    assert {"prelude", "prelude_finish", "scalars", "update", "phase0", "finish0", "stage0_r",
+            "stage0_c", "stage1_m", "write_rc", "write_r", "write_c", "advance"} <= kinds
+
+
+@pytest.mark.parametrize("dtype,loads,stores", [("float32", 4, 3), ("bfloat16", 4, 3)])
+def test_update_kernels_use_128_bit_accesses(compiled, dtype, loads, stores):
+    """AdamW's update on 16-byte aligned tensors: p, g, m and v each read, and p, m and v each
+    written, with ld.global.v4 / st.global.v4 (a bfloat16 parameter: 8 values an access)."""
+    f = compiled["adamw", dtype, "vega_adamw_update"]
+    assert f.v4_loads >= loads and f.v4_stores >= stores, f
+
+
+def test_update_kernels_fit_in_64_registers(compiled):
+    """At the BLOCK and warps the runtime launches them with: full occupancy."""
+    updates = {k: f for k, f in compiled.items() if k[2].endswith("_update")}
+    assert len(updates) == 2
+    for key, f in updates.items():
+        assert f.registers <= 64, (key, f)
+
+
+def test_no_kernel_spills(compiled):
+    for key, f in compiled.items():
+        assert f.registers > 0 and f.spill_stores == f.spill_loads == 0, (key, f)
+
+
+def test_elementwise_kernels_compute_no_per_step_scalar(compiled):
+    """b1^t, b2^t and the clip coefficient are the scalars kernel's, once a step: no program
+    of an update kernel calls libdevice or computes in double, nor does a phase kernel call
+    libdevice (its per-block partial sums are float64, as the reference's)."""
+    for key, f in compiled.items():
+        if key[2].endswith(("_update", "_phase0")):
+            assert f.libdevice == (), (key, f)
+        if key[2].endswith("_update"):
+            assert f.f64_ops == 0, (key, f)
+    scalars = compiled["adamw", "float32", "vega_adamw_scalars"]
+    assert "__nv_log2" in scalars.libdevice and scalars.f64_ops > 0  # (there, in double)
+
+
+def test_clip_coefficient_max_keeps_nan(compiled):
+    """max(norm, max_norm) in the clip coefficient is a propagating max: a NaN norm gives a
+    NaN coefficient, as in the reference (PTX max alone returns max_norm)."""
+    f = compiled["adamw", "float32", "vega_adamw_scalars"]
+    assert f.max_nan >= 1 and f.max_dropping_nan == 0, f
+
+
+# -- the host's alignment check, and the unaligned path (under the interpreter) --------------
+
+def _aligned_flags(params):
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    state = vega.adamw_init(params)
+    launches = triton_ptx.record(lambda: vega.adamw_step(params, grads, state, lr=1e-3,
+                                                         backend="triton", donate=True))
+    return [dict(x.constexprs)["ALIGNED"] for x in _pick(launches, "_update")]
+
+
+def test_the_host_asks_for_128_bit_accesses_only_where_every_address_allows():
+    buf = torch.randn(4097, device=DEVICE)
+    assert _aligned_flags({"w": buf[:4096].clone(), "b": torch.randn(10, device=DEVICE)}) == \
+        [True]
+    assert _aligned_flags({"w": buf[1:], "b": torch.randn(10, device=DEVICE)}) == [False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused", [False, True])
+def test_unaligned_tensors_step_as_aligned_ones(dtype, fused):
+    """Parameters that start 1 element into their storage (not 16-byte aligned) step through
+    the path without alignment hints, full blocks and a partial one alike: bitwise the results
+    of aligned copies, and the reference backend's within the dtype's tolerance."""
+    n = triton_runtime.block_size() + 905  # a full block and a partial one
+    torch.manual_seed(0)
+    storage = torch.randn(n + 1, device=DEVICE).to(dtype)
+    odd = {"w": storage[1:], "b": torch.randn(33, device=DEVICE).to(dtype)}
+    even = {k: v.clone() for k, v in odd.items()}
+    start = even["w"].clone()
+    assert odd["w"].data_ptr() % 16 != 0 and even["w"].data_ptr() % 16 == 0
+    grads = {k: torch.randn(v.shape, device=DEVICE).to(dtype) for k, v in odd.items()}
+    more = dict(max_grad_norm=0.5, skip_nonfinite=True) if fused else {}
+    ref = {k: v.clone() for k, v in odd.items()}
+    out = []
+    for params, backend in ((odd, "triton"), (even, "triton"), (ref, "reference")):
+        state = vega.adamw_init(params)
+        for _ in range(2):
+            vega.adamw_step(params, grads, state, lr=0.1, backend=backend, donate=True,
+                            **more)
+        out.append((params, state))
+    (p1, s1), (p2, s2), (p3, s3) = out
+    for k in p1:
+        assert torch.equal(p1[k], p2[k])
+        assert torch.equal(s1["mu"][k], s2["mu"][k]) and torch.equal(s1["nu"][k], s2["nu"][k])
+        torch.testing.assert_close(p1[k], p3[k])
+        torch.testing.assert_close(s1["nu"][k], s3["nu"][k])
+    assert not torch.equal(p1["w"], start)  # (it moved)
