@@ -177,7 +177,8 @@ def vatan2(y, x):
     a = tl.where(ay > ax, 1.5707963267948966 - a, a)
     a = tl.where(vsignbit(x), 3.141592653589793 - a, a)
     a = tl.where(vsignbit(y), a * -1.0, a)  # (-a is 0 - a: +0.0 for a = 0.0)
-    return tl.where((x != x) | (y != y), x + y, a)
+    # (wheres, not an or: the interpreter cannot or two scalar bools of the scalars kernel)
+    return tl.where(x != x, x + y, tl.where(y != y, x + y, a))
 ''', ("vsignbit",)),
     "vround": ('''
 @triton.jit
@@ -186,7 +187,7 @@ def vround(x):
     f = tl.floor(x)
     d = x - f
     odd = (f - 2.0 * tl.floor(0.5 * f)) == 1.0
-    r = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+    r = tl.where(d > 0.5, f + 1.0, tl.where(d == 0.5, tl.where(odd, f + 1.0, f), f))
     return tl.where(r == 0.0, x * 0.0, r)
 ''', ()),
 }
