@@ -297,9 +297,8 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
             raise ValueError(
                 f"a fused step (max_grad_norm, loss_scale, skip_nonfinite) sums over every "
                 f"gradient as plain tensors, but one is a {type(grads[k]).__name__}, a tensor "
-                f"subclass with operations of its own (whose norm is its own: a DTensor's "
-                f"spans its shards); step without them, clipping with "
-                f"torch.nn.utils.clip_grad_norm_")
+                f"subclass with operations of its own (whose norm is its own); step without "
+                f"them, clipping with torch.nn.utils.clip_grad_norm_")
     devices = {g.device for _, _, grads in parts for g in grads}
     if len(devices) > 1:
         raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "

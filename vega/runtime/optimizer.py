@@ -185,7 +185,8 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     def _routed(self, group, work: list[tuple]) -> list[tuple]:
         """``work`` (a group's engine.run calls) on the reference backend where a tensor
-        is a subclass with operations of its own (DTensor: ``vega.codegen.tensors``) and
+        is a subclass with operations of its own (a wrapper such as TwoTensor:
+        ``vega.codegen.tensors``; a DTensor steps its shard, ``vega.runtime.sharded``) and
         the group names no backend; ValueError where it names another."""
         out = []
         for item in work:

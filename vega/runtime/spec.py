@@ -162,8 +162,8 @@ class CompiledSpec:
                     return False
             return True
         idx = stepped(owner, params, p_leaves, g_leaves, check_state, states_ok)
-        # a tensor subclass with operations of its own (DTensor): only the reference
-        # backend steps it, through those operations
+        # DTensors step their local shards (vega.runtime.sharded); another tensor subclass
+        # with operations of its own (TwoTensor): only the reference backend steps it
         spread = sharded.involved([p_leaves[i] for i in idx], reduce_group)
         own = _own_ops(params, p_leaves, g_leaves, columns, names, idx) \
             if backend != "reference" and not spread and not torch.compiler.is_compiling() \
