@@ -132,15 +132,20 @@ def nan_skips() -> None:
     found["nan"] = "skipped"
 
 
-def dcp_resume() -> None:
+def dcp_resume(wrap: str = "fsdp") -> None:
     """get_state_dict / dcp.save, then dcp.load / set_state_dict into a fresh model and
-    optimizer: the next steps are bitwise those of the run that went on."""
+    optimizer: the next steps are bitwise those of the run that went on (under FSDP2, or
+    DDP: ``wrap``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    folder = os.path.join(OUT, "dcp")
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    folder = os.path.join(OUT, f"dcp-{wrap}")
+
+    def local(x):
+        return x.to_local() if type(x).__name__ == "DTensor" else x
 
     def make():
-        net = sharded(model())
+        net = sharded(model()) if wrap == "fsdp" else DDP(model())
         return net, vega.optim.AdamW(net.parameters(), lr=1e-2, max_grad_norm=1.0)
 
     def steps(net, opt, ks):
@@ -161,13 +166,23 @@ def dcp_resume() -> None:
                    optim_state_dict=state["optim"])
     steps(net2, opt2, range(2, 4))
     for p, q in zip(net.parameters(), net2.parameters()):
-        assert torch.equal(p.to_local(), q.to_local()), RANK
+        assert torch.equal(local(p), local(q)), RANK
         for key in opt.state[p]:
-            a, b = opt.state[p][key], opt2.state[q][key]
-            a = a.to_local() if key != "step" else a
-            b = b.to_local() if key != "step" else b
+            a, b = local(opt.state[p][key]), local(opt2.state[q][key])
             assert torch.equal(a, b) and a.dtype == b.dtype, (RANK, key)
-    found["dcp"] = "bitwise"
+    found[f"dcp-{wrap}"] = "bitwise"
+
+
+def docs_example() -> None:
+    """docs/distributed.md's FSDP2 example, its train() in this process group: it learns."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text()
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    space = {"__name__": "fsdp_example"}
+    exec(compile(block, "docs/distributed.md", "exec"), space)
+    losses = space["train"](12)
+    assert sum(losses[-3:]) < 0.6 * sum(losses[:3]), losses
+    found["docs"] = "learns"
 
 
 def zero_against_ddp() -> None:
@@ -200,7 +215,8 @@ def main() -> None:
         if check in OPTIMIZERS:
             fsdp_against_unsharded(check)
         else:
-            {"nan": nan_skips, "dcp": dcp_resume, "zero": zero_against_ddp}[check]()
+            {"nan": nan_skips, "dcp": dcp_resume, "zero": zero_against_ddp,
+             "dcp-ddp": lambda: dcp_resume("ddp"), "docs": docs_example}[check]()
         dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(found))
