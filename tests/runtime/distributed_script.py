@@ -33,14 +33,15 @@ COLLECTIVES = {"AdamW": 1, "LAMB": 2, "Adafactor": 4, "SGD": 1}
 
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
+    # the last layer's weight and bias have one row: one rank's shards of them are empty
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
-                               torch.nn.Linear(16, 5)).double()
+                               torch.nn.Linear(16, 5), torch.nn.Linear(5, 1)).double()
 
 
 def batch(k: int):
     gen = torch.Generator().manual_seed(100 + k)
     return torch.randn(8, 6, generator=gen, dtype=torch.float64) * 10, \
-        torch.randn(8, 5, generator=gen, dtype=torch.float64)
+        torch.randn(8, 1, generator=gen, dtype=torch.float64)
 
 
 def loss_of(net, k):
