@@ -25,10 +25,22 @@ OPTIMIZERS = {
                                           "clipping_threshold": 0.5}),
     "SGD": (vega.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
 }
+# every other reduction: per tensor (max: combined by an all-gather, a NaN winning), and
+# along each axis of the matrix view, one of which a shard splits
+REDUCTIONS = vega.compile("""
+optimizer reductions(lr = 0.01) {
+    state m = zeros
+    m = 0.5 * m + g
+    big = max(abs(m)) + max(row_max(abs(g))) + max(col_max(g))
+    p = p - lr * (m / (big + 1) + 0.01 * sum(m) + mean(g * g) + 0.1 * row_sum(g)
+                  + 0.1 * col_sum(g) + 0.1 * row_mean(g * p) + 0.1 * col_mean(abs(g)))
+}
+""")
+OPTIMIZERS["reductions"] = (REDUCTIONS.optimizer_class, {})
 # the collectives of one step: the prelude's record, then one per stage of reductions
 # that a shard splits (Adafactor's factored rule: row and column means, then the mean of
 # the per-row factor, then the update's RMS)
-COLLECTIVES = {"AdamW": 1, "LAMB": 2, "Adafactor": 4, "SGD": 1}
+COLLECTIVES = {"AdamW": 1, "LAMB": 2, "Adafactor": 4, "SGD": 1, "reductions": 3}
 
 
 def model() -> torch.nn.Module:

@@ -157,8 +157,9 @@ def combine(parts: list[tuple[str, torch.Tensor]], groups: list) -> list[torch.T
             dist.all_reduce(buf, group=group)
             continue
         size = dist.get_world_size(group)
-        every = buf.new_empty((size, buf.numel()))
+        every = buf.new_empty(size * buf.numel())
         dist.all_gather_into_tensor(every, buf, group=group)
+        every = every.view(size, -1)
         buf = torch.cat([every[:, :nsum].sum(0), every[:, nsum:].amax(0)])
     out, at_sum, at_max = [], 0, nsum
     for how, x in parts:
