@@ -365,6 +365,7 @@ class Kernel:
         exec(compile(self._staged_text, f"<vega reference, staged: {program.name}>", "exec"),
              namespace)
         self._update_staged = namespace["update_staged"]
+        self.nstages = len(stages(program)[1])  # stages that end in reductions
         exec(compile(self.text, f"<vega reference: {program.name}>", "exec"), namespace)
         self._scalars = namespace["scalars"]
         self._update = namespace["update"]
@@ -437,8 +438,8 @@ class Kernel:
         for i, (p, g) in enumerate(zip(params, grads)):
             args = self._args(cache, i, p, g, states, steps, values, gscale)
             gens.append(self._update_staged(*args, views[i].local))
-            asked.append(gens[-1].send(None) if self._nstages else None)
-        for _ in range(self._nstages):
+            asked.append(gens[-1].send(None) if self.nstages else None)
+        for _ in range(self.nstages):
             parts, finishes, answers = [], [], []
             for i, requests in enumerate(asked):
                 mine = []
@@ -461,7 +462,7 @@ class Kernel:
                     asked[i] = gens[i].send(values_i)
                 except StopIteration as done:
                     outs[i] = done.value
-        if not self._nstages:
+        if not self.nstages:
             for i, gen in enumerate(gens):
                 try:
                     next(gen)
@@ -471,10 +472,6 @@ class Kernel:
         for i, (p, g) in enumerate(zip(params, grads)):
             self._write(i, p, g, states, outs[i], finite, donate, new_params, new_states)
         return new_params, new_states, advance_steps(steps, finite, donate), finite
-
-    @property
-    def _nstages(self) -> int:
-        return len(stages(self.program)[1])
 
     def _begin(self, params, states, steps, donate, pre):
         """(the all-finite flag, (inverse loss scale, clip coefficient)), None each without

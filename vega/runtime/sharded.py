@@ -232,7 +232,7 @@ class _Local:
     def staged(self) -> bool:
         """Whether a reduction of this call's program spans processes."""
         return any(v is not None and v.split for v in self.views) and \
-            bool(codegen.reference.stages(self.program)[1])
+            codegen.kernel("reference", self.program).nstages > 0
 
     def wrap(self, result):
         """``engine.run``'s answer over the locals, with new values DTensors again."""
