@@ -91,3 +91,17 @@ def test_fsdp2_on_four_ranks(tmp_path):
     found = launch(4, ["Adafactor"], tmp_path)
     assert all(f == found[0] for f in found)
     assert found[0]["Adafactor"]["diff"] <= 1e-9
+
+
+def test_reduce_group_is_checked():
+    """``reduce_group`` is None or a process group of an initialized torch.distributed; any
+    other value is refused by name, by the classes and the functional steps alike."""
+    import torch
+
+    import vega
+    p = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"AdamW: reduce_group=3 "):
+        vega.optim.AdamW([p], reduce_group=3)
+    with pytest.raises(ValueError, match=r"lamb_step: reduce_group='world' "):
+        vega.lamb_step({"w": p.detach()}, {"w": p.detach()}, vega.lamb_init({"w": p.detach()}),
+                       reduce_group="world")
