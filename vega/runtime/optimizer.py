@@ -165,8 +165,11 @@ class SpecOptimizer(torch.optim.Optimizer):
         work = [item for group, w in found_work for item in self._routed(group, w)]
         # all checked before any is written; one call of the C backend's operator checks
         # its own tensors so, and only what it refuses is named here
-        one_call = len(work) == 1 and work[0][1] == "c" and native.module() is not None
-        if not torch.compiler.is_compiling() and not one_call:
+        # (not asked while dynamo traces: the first call of native.module() takes a lock)
+        compiling = torch.compiler.is_compiling()
+        one_call = not compiling and len(work) == 1 and work[0][1] == "c" and \
+            native.module() is not None
+        if not compiling and not one_call:
             self._check_writes(work)
         check = self.skip_nonfinite or self.loss_scale is not None
         pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work],
