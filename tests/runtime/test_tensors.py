@@ -162,9 +162,11 @@ def test_the_class_routes_wrapper_subclasses_even_after_plain_steps():
     assert out.stdout.strip() == "ok"
 
 
-def test_dtensor_never_crashes():
-    """DTensor (one process, one rank): stepped through its own operations, or refused with
-    a clear error; never its address 0 given to a kernel."""
+def test_dtensor_steps_its_local_shard():
+    """DTensor (one process, one rank): stepped on its local shard by every backend, with
+    clipping, as the plain tensor it holds; a gradient whose local values are partial sums
+    is refused by name; never its address 0 given to a kernel. (Several ranks:
+    ``test_distributed.py``.)"""
     out = _child("""
         import os, socket, torch, torch.distributed as dist, vega
         with socket.socket() as s:
@@ -172,29 +174,33 @@ def test_dtensor_never_crashes():
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=0, world_size=1)
-        from torch.distributed.tensor import distribute_tensor, Shard
+        from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (1,))
         gen = torch.Generator().manual_seed(0)
         a, g = torch.randn(4, 4, generator=gen), torch.randn(4, 4, generator=gen)
-        w, dg = distribute_tensor(a, mesh, [Shard(0)]), distribute_tensor(g, mesh, [Shard(0)])
-        want = vega.adamw.step({"w": a}, {"w": g}, vega.adamw.init({"w": a}),
-                               backend="reference")[0]["w"]
-        new, _ = vega.adamw.step({"w": w}, {"w": dg}, vega.adamw.init({"w": w}))
-        assert torch.equal(new["w"].full_tensor(), want)
-        p = torch.nn.Parameter(distribute_tensor(a, mesh, [Shard(0)]))
-        p.grad = dg
-        vega.adamw.optimizer([p]).step()
-        assert torch.equal(p.full_tensor(), want)
-        for call in (lambda: vega.adamw.optimizer([p], backend="c").step(),
-                     lambda: vega.adamw.step({"w": w}, {"w": dg}, vega.adamw.init({"w": w}),
-                                             max_grad_norm=1.0)):
-            try:
-                call()
-            except ValueError as e:
-                assert "DTensor" in str(e), e
-            else:
-                raise AssertionError("not refused")
+        for backend in ("c", "reference"):
+            want = vega.adamw.step({"w": a}, {"w": g}, vega.adamw.init({"w": a}),
+                                   backend=backend, max_grad_norm=1.0)[0]["w"]
+            w = distribute_tensor(a, mesh, [Shard(0)])
+            dg = distribute_tensor(g, mesh, [Shard(0)])
+            state = vega.adamw.init({"w": w})
+            assert isinstance(state["mu"]["w"], DTensor)
+            new, _ = vega.adamw.step({"w": w}, {"w": dg}, state, backend=backend,
+                                     max_grad_norm=1.0)
+            assert isinstance(new["w"], DTensor)
+            assert torch.equal(new["w"].full_tensor(), want), backend
+            p = torch.nn.Parameter(distribute_tensor(a, mesh, [Shard(0)]))
+            p.grad = dg
+            vega.adamw.optimizer([p], backend=backend, max_grad_norm=1.0).step()
+            assert torch.equal(p.full_tensor(), want), backend
+        p.grad = DTensor.from_local(g, mesh, [Partial()])
+        try:
+            vega.adamw.optimizer([p]).step()
+        except ValueError as e:
+            assert "Partial" in str(e) and "gradient" in str(e), e
+        else:
+            raise AssertionError("not refused")
         dist.destroy_process_group()
         print("ok")
     """)

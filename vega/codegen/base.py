@@ -189,13 +189,15 @@ class Geometry:
     """The matrix view of one tensor shape: which axes are its rows and columns, and the
     shape of a value of each domain (``vega.dsl.ir``)."""
 
-    def __init__(self, shape):
+    def __init__(self, shape, axes: tuple[int | None, int | None] | None = None):
         self.full = tuple(shape)
-        self.r, self.c = matrix_axes(self.full)
-        self._shapes = {d: tuple(n for a, n in enumerate(self.full) if self._keeps(d, a))
+        # ``axes``: the (row, column) axes, where they are not this shape's own: a shard's
+        # are those of the whole tensor it is part of
+        self.r, self.c = matrix_axes(self.full) if axes is None else axes
+        self._shapes = {d: tuple(n for a, n in enumerate(self.full) if self.keeps(d, a))
                         for d in ("rc", "r", "c", "")}
 
-    def _keeps(self, dom: str, a: int) -> bool:
+    def keeps(self, dom: str, a: int) -> bool:
         return not ((a == self.r and "r" not in dom) or (a == self.c and "c" not in dom))
 
     def shape(self, dom: str) -> tuple[int, ...]:
@@ -206,7 +208,7 @@ class Geometry:
 
     def position(self, axis: int, dom: str) -> int:
         """Where ``axis`` sits in the shape of a value of ``dom``."""
-        return sum(self._keeps(dom, a) for a in range(axis))
+        return sum(self.keeps(dom, a) for a in range(axis))
 
 
 _GEOMETRIES: dict[tuple[int, ...], Geometry] = {}
@@ -220,6 +222,31 @@ def geometry(shape) -> Geometry:
             _GEOMETRIES.clear()
         found = _GEOMETRIES[key] = Geometry(key)
     return found
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """Where one tensor's local values lie in a tensor spread over processes (a DTensor's
+    shard): the matrix view of the local values (``local``, with the whole tensor's row and
+    column axes), that of the whole tensor (``full``), the axes of the whole tensor that
+    the local values hold only part of (``split``), and the weight of this copy's partial
+    sums (1 / the number of processes that hold the same values)."""
+    local: Geometry
+    full: Geometry
+    split: frozenset[int]
+    weight: float = 1.0
+
+    def splits(self, dom: str) -> bool:
+        """Whether a value of domain ``dom`` (``vega.dsl.ir``) holds part of a split axis."""
+        return any(self.local.keeps(dom, a) for a in self.split)
+
+    def spans(self, which: str | None, dom: str) -> bool:
+        """Whether a reduction of a value of domain ``dom`` over all its values (``which``
+        None) or along its row or column axis (``which``: "r", "c") reads values that other
+        processes hold."""
+        if which is None:
+            return self.splits(dom)
+        return self.local.axis(which) in self.split
 
 
 @dataclass(frozen=True)

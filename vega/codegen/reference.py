@@ -24,12 +24,12 @@ import math
 
 import torch
 
-from vega.codegen.base import (Geometry, Linear, Renderer, check_states, geometry, linearize,
-                               state_var)
+from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_states, geometry,
+                               linearize, state_var)
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import advance_steps, memo
 from vega.codegen.tensors import refuse_inplace
-from vega.dsl.ir import AXIS_REDUCTIONS, REDUCTIONS, Kind, Node, Op, Program
+from vega.dsl.ir import AXIS_REDUCTIONS, REDUCTIONS, Kind, Node, Op, Program, walk
 
 
 def _fn(name):
@@ -191,6 +191,98 @@ def _init_function(name: str, node: Node, hypers, r: TorchRenderer, dom: str = "
     return out + [""]
 
 
+def stages(program: Program) -> tuple[dict[int, int], list[list[Node]]]:
+    """(the stage of each node, by id; the reductions of each stage, per tensor and along
+    an axis alike): a reduction belongs to the stage of its argument, and its value to the
+    next one. A step over shards ends each stage by combining its reductions' partial
+    results across processes."""
+    level: dict[int, int] = {}
+    phases: list[list[Node]] = []
+    for node in walk(n for _, n in program.updates):
+        lv = max((level[id(s)] for s in node.src), default=0)
+        if node.op in REDUCTIONS or node.op in AXIS_REDUCTIONS:
+            while len(phases) <= lv:
+                phases.append([])
+            phases[lv].append(node)
+            lv += 1
+        level[id(node)] = lv
+    return level, phases
+
+
+def render_staged(program: Program, linear: Linear | None = None) -> str:
+    """``update_staged``: ``update`` as a generator that stops at the end of each stage
+    (``stages``) and yields its reductions, ``(op, argument, argument's domain)`` each, to
+    be given their values back: the step over shards (``Kernel.staged``)."""
+    lin = linear or linearize(program)
+    r = TorchRenderer()
+    level, phases = stages(program)
+    state = [state_var(s) for s in program.state_names]
+    out = [f"def update_staged({', '.join(['p', 'g', *state, *lin.scalar_outputs, 'geo'])}):",
+           '    """The element phase, stage by stage: each reduction is yielded."""']
+    reductions = {id(n) for phase in phases for n in phase}
+    lines = sorted(lin.element_lines, key=lambda line: level[id(line.node)])
+    for k in range(len(phases) + 1):
+        out += [f"    {line.var} = {r.expr(lin, line.node, 'element')}" for line in lines
+                if level[id(line.node)] == k and id(line.node) not in reductions]
+        if k < len(phases):
+            asked = ", ".join(f"({n.op.value!r}, {r.operand(lin, n.src[0], 'element')}, "
+                              f"{n.src[0].dom if n.src[0].kind == Kind.ELEMENT else None!r})"
+                              for n in phases[k])
+            out.append(f"    {''.join(lin.ref(n) + ', ' for n in phases[k])}= "
+                       f"yield ({asked},)")
+    doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
+    results = [r.output(lin, node, doms[target], True) for target, node in lin.outputs]
+    out.append(f"    return ({''.join(v + ', ' for v in results)})")
+    return "\n".join(out) + "\n"
+
+
+def _local_reduction(op: Op, x, geo: Geometry, dom):
+    """A reduction of values that are all here: the reference's own expression of it."""
+    if op is Op.NORM:
+        return torch.linalg.vector_norm(x)
+    if op is Op.SUM:
+        return torch.sum(x)
+    if op is Op.MEAN:
+        return torch.mean(x)
+    if op is Op.AMAX:
+        return _amax(x)
+    which, how = AXIS_REDUCTIONS[op]
+    return _reduce(x, geo, dom, which, how)
+
+
+def _partial(op: Op, x: torch.Tensor, view: ShardView, dom: str):
+    """A reduction of values of which this process holds a part: (how partial results
+    combine, "sum" or "max"; this process's partial result, float64; the function that
+    finishes the combined result). ValueError where the result itself would be split."""
+    xd = x.double()
+    if op in REDUCTIONS:
+        count = math.prod(view.full.shape(dom))
+        if op is Op.AMAX:
+            part = xd.amax() if xd.numel() else xd.new_full((), -math.inf)
+            return "max", part, lambda v: v.to(x.dtype)
+        part = (xd * xd).sum() if op is Op.NORM else xd.sum()
+        finish = {Op.NORM: torch.sqrt, Op.SUM: lambda v: v, Op.MEAN: lambda v: v / count}[op]
+        return "sum", part * view.weight if view.weight != 1 else part, \
+            lambda v: finish(v).to(x.dtype)
+    which, how = AXIS_REDUCTIONS[op]
+    out_dom = dom.replace(which, "")
+    if view.splits(out_dom):
+        raise ValueError(
+            f"a {op.value} of a tensor of shape {view.full.full} split over processes along "
+            f"axes {sorted(view.split)}: its result is split too, which vega's reductions "
+            f"across processes do not combine; shard such a tensor along one axis")
+    axis = view.local.axis(which)
+    dim = view.local.position(axis, dom)
+    if how == "max":
+        part = xd.amax(dim) if xd.shape[dim] else \
+            xd.new_full(xd.shape[:dim] + xd.shape[dim + 1:], -math.inf)
+        return "max", part, lambda v: v.to(x.dtype)
+    part = xd.sum(dim)
+    length = view.full.full[axis]
+    return "sum", part * view.weight if view.weight != 1 else part, \
+        lambda v: (v / length if how == "mean" else v).to(x.dtype)
+
+
 def _broadcast(x, geo: Geometry, frm: str, to: str):
     """A value of domain ``frm`` with the axes of ``to`` it lacks put back, of length 1."""
     for axis in sorted(a for a in (geo.axis(w) for w in to if w not in frm) if a is not None):
@@ -269,6 +361,11 @@ class Kernel:
         namespace = {"torch": torch, "math": math, "_amax": _amax, "_sign": _sign,
                      "_atan2": _atan2,
                      "_fit": _fit, "_broadcast": _broadcast, "_reduce": _reduce}
+        self._staged_text = render_staged(program, self.linear)
+        exec(compile(self._staged_text, f"<vega reference, staged: {program.name}>", "exec"),
+             namespace)
+        self._update_staged = namespace["update_staged"]
+        self.nstages = len(stages(program)[1])  # stages that end in reductions
         exec(compile(self.text, f"<vega reference: {program.name}>", "exec"), namespace)
         self._scalars = namespace["scalars"]
         self._update = namespace["update"]
@@ -282,13 +379,15 @@ class Kernel:
                 else torch.as_tensor(v, dtype=dtype, device=device)
                 for v in (values[h] for h in self.program.float_hypers)]
 
-    def init(self, p: torch.Tensor, values: dict, state_dtype: torch.dtype) -> list[torch.Tensor]:
-        """Initial state tensors for a (real, floating) parameter."""
+    def init(self, p: torch.Tensor, values: dict, state_dtype: torch.dtype,
+             geo: Geometry | None = None) -> list[torch.Tensor]:
+        """Initial state tensors for a (real, floating) parameter (``geo``: its matrix view,
+        where it is not its own shape's: a shard's)."""
         cd = compute_dtype(p.dtype)
         pc = p.detach().to(cd)
         hv = self._hyper_args(values, cd, p.device)
         if self.program.uses_axes:
-            hv.append(geometry(p.shape))
+            hv.append(geo or geometry(p.shape))
         return [fn(pc, *hv).to(state_dtype).contiguous().clone() for fn in self._inits]
 
     def prelude(self, grads, pre: torch.Tensor) -> None:
@@ -316,53 +415,114 @@ class Kernel:
         flag as a 0-d bool tensor (None without ``pre``).
         """
         check_states("reference", self.program, params, states)
+        finite, gscale = self._begin(params, states, steps, donate, pre)
+        cache: dict = {}
+        new_params, new_states = [], [[] for _ in self.program.states]
+        for i, (p, g) in enumerate(zip(params, grads)):
+            args = self._args(cache, i, p, g, states, steps, values, gscale)
+            extra = (geometry(p.shape),) if self.program.uses_axes else ()
+            self._write(i, p, g, states, self._update(*args, *extra), finite, donate,
+                        new_params, new_states)
+        return new_params, new_states, advance_steps(steps, finite, donate), finite
+
+    def staged(self, params, grads, states, steps, values, donate, pre, views):
+        """``__call__`` over shards of tensors spread over processes, as a generator: at the
+        end of each stage (``stages``) it yields the partial results of its reductions
+        that span processes, ``[(how, float64 tensor), ...]`` (how: "sum" or "max"), and
+        is sent them back combined over all processes; it returns ``__call__``'s answer.
+        ``views``: each tensor's ``ShardView`` (the states' shapes are the caller's to
+        check: a shard's matrix view is not its own shape's)."""
+        finite, gscale = self._begin(params, states, steps, donate, pre)
+        cache: dict = {}
+        gens, asked, outs = [], [], [None] * len(params)
+        for i, (p, g) in enumerate(zip(params, grads)):
+            args = self._args(cache, i, p, g, states, steps, values, gscale)
+            gens.append(self._update_staged(*args, views[i].local))
+            asked.append(gens[-1].send(None) if self.nstages else None)
+        for _ in range(self.nstages):
+            parts, finishes, answers = [], [], []
+            for i, requests in enumerate(asked):
+                mine = []
+                for op, x, dom in requests:
+                    op = Op(op)
+                    which = AXIS_REDUCTIONS[op][0] if op in AXIS_REDUCTIONS else None
+                    if dom is None or not views[i].spans(which, dom):
+                        mine.append(_local_reduction(op, x, views[i].local, dom))
+                        continue
+                    how, part, finish = _partial(op, x, views[i], dom)
+                    mine.append(len(parts))
+                    parts.append((how, part))
+                    finishes.append(finish)
+                answers.append(mine)
+            combined = (yield parts) if parts else []
+            for i, mine in enumerate(answers):
+                values_i = tuple(finishes[a](combined[a]) if isinstance(a, int) else a
+                                 for a in mine)
+                try:
+                    asked[i] = gens[i].send(values_i)
+                except StopIteration as done:
+                    outs[i] = done.value
+        if not self.nstages:
+            for i, gen in enumerate(gens):
+                try:
+                    next(gen)
+                except StopIteration as done:
+                    outs[i] = done.value
+        new_params, new_states = [], [[] for _ in self.program.states]
+        for i, (p, g) in enumerate(zip(params, grads)):
+            self._write(i, p, g, states, outs[i], finite, donate, new_params, new_states)
+        return new_params, new_states, advance_steps(steps, finite, donate), finite
+
+    def _begin(self, params, states, steps, donate, pre):
+        """(the all-finite flag, (inverse loss scale, clip coefficient)), None each without
+        ``pre``; in place, every write checked first."""
         if donate and not torch.compiler.is_compiling():  # all checked before any is written
             refuse_inplace("reference", self.program.state_names, params,
                            [s for col in states for s in col],
                            list({id(s): s for s in steps}.values()))
-        finite = gscale = None
-        if pre is not None:
-            finite = finite_of(pre)
-            max_norm = pre[Pre.MAX_NORM]
-            coef = torch.where(max_norm > 0,
-                               max_norm / torch.maximum(pre[Pre.SUM_SQ].sqrt(), max_norm), 1.0)
-            gscale = (pre[Pre.INV_SCALE], coef)
-        cache: dict = {}
-        new_params, new_states = [], [[] for _ in self.program.states]
-        for i, (p, g) in enumerate(zip(params, grads)):
-            cd = compute_dtype(p.dtype)
-            scalars = memo(cache, (steps[i], values[i]), (cd, p.device),
-                           self._scalar_phase, steps[i], values[i], cd, p.device)
-            olds = [s[i] for s in states]
-            gc = g.to(cd)
-            if gscale is not None:
-                gc = gc * gscale[0].to(cd) * gscale[1].to(cd)
-            extra = (geometry(p.shape),) if self.program.uses_axes else ()
-            # on contiguous values: a reduction sums in the same order whether the tensors
-            # are the caller's (donated, maybe transposed) or a pure step's fresh outputs
-            outs = self._update(p.to(cd).contiguous(), gc.contiguous(),
-                                *(s.to(cd).contiguous() for s in olds), *scalars, *extra)
-            # every new value first, then the writes: a new value may be an input itself
-            # (s = p), which an earlier write in place would change
-            inputs, news = [p, g, *olds], []
-            for old, new in zip([p, *olds], outs):
-                new = new.to(old.dtype)
-                if finite is not None:
-                    new = torch.where(finite, new, old)
-                elif any(_shares(new, x) for x in (*inputs, *news)) or (
-                        not donate and not new.is_contiguous()):
-                    # an input or another output, or a view of one (s = p; v = m; col_sum
-                    # of a vector; a per-row state spread over p): a tensor of its own;
-                    # fresh and contiguous when pure (an expanded scalar update is a view)
-                    new = new.clone(memory_format=torch.contiguous_format)
-                news.append(new)
-            for old, new, sink in zip([p, *olds], news, [new_params, *new_states]):
-                if donate:
-                    old.copy_(new)
-                    sink.append(old)
-                else:
-                    sink.append(new)
-        return new_params, new_states, advance_steps(steps, finite, donate), finite
+        if pre is None:
+            return None, None
+        max_norm = pre[Pre.MAX_NORM]
+        coef = torch.where(max_norm > 0,
+                           max_norm / torch.maximum(pre[Pre.SUM_SQ].sqrt(), max_norm), 1.0)
+        return finite_of(pre), (pre[Pre.INV_SCALE], coef)
+
+    def _args(self, cache, i, p, g, states, steps, values, gscale) -> list:
+        """The element phase's arguments for tensor ``i``, geometry aside."""
+        cd = compute_dtype(p.dtype)
+        scalars = memo(cache, (steps[i], values[i]), (cd, p.device),
+                       self._scalar_phase, steps[i], values[i], cd, p.device)
+        gc = g.to(cd)
+        if gscale is not None:
+            gc = gc * gscale[0].to(cd) * gscale[1].to(cd)
+        # on contiguous values: a reduction sums in the same order whether the tensors
+        # are the caller's (donated, maybe transposed) or a pure step's fresh outputs
+        return [p.to(cd).contiguous(), gc.contiguous(),
+                *(s[i].to(cd).contiguous() for s in states), *scalars]
+
+    def _write(self, i, p, g, states, outs, finite, donate, new_params, new_states) -> None:
+        """Tensor ``i``'s new values ``outs``, written in place (``donate``) or collected."""
+        olds = [s[i] for s in states]
+        # every new value first, then the writes: a new value may be an input itself
+        # (s = p), which an earlier write in place would change
+        inputs, news = [p, g, *olds], []
+        for old, new in zip([p, *olds], outs):
+            new = new.to(old.dtype)
+            if finite is not None:
+                new = torch.where(finite, new, old)
+            elif any(_shares(new, x) for x in (*inputs, *news)) or (
+                    not donate and not new.is_contiguous()):
+                # an input or another output, or a view of one (s = p; v = m; col_sum
+                # of a vector; a per-row state spread over p): a tensor of its own;
+                # fresh and contiguous when pure (an expanded scalar update is a view)
+                new = new.clone(memory_format=torch.contiguous_format)
+            news.append(new)
+        for old, new, sink in zip([p, *olds], news, [new_params, *new_states]):
+            if donate:
+                old.copy_(new)
+                sink.append(old)
+            else:
+                sink.append(new)
 
 
 def add_prelude(grads, pre: torch.Tensor) -> None:

@@ -253,7 +253,11 @@ def _no_complex_axes(program: Program) -> None:
 
 def init_leaf(program: Program, p: torch.Tensor, values: dict,
               state_dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """The initial state tensors of one parameter (built by the reference backend)."""
+    """The initial state tensors of one parameter (built by the reference backend; a
+    DTensor's on its local shard, ``vega.runtime.sharded``)."""
+    from vega.runtime import sharded
+    if sharded.is_dtensor(p):
+        return sharded.init_leaf(program, p, values, state_dtype)
     if p.is_complex():
         _no_complex_axes(program)
     sd = state_dtype_for(p, state_dtype)
@@ -293,9 +297,8 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
             raise ValueError(
                 f"a fused step (max_grad_norm, loss_scale, skip_nonfinite) sums over every "
                 f"gradient as plain tensors, but one is a {type(grads[k]).__name__}, a tensor "
-                f"subclass with operations of its own (whose norm is its own: a DTensor's "
-                f"spans its shards); step without them, clipping with "
-                f"torch.nn.utils.clip_grad_norm_")
+                f"subclass with operations of its own (whose norm is its own); step without "
+                f"them, clipping with torch.nn.utils.clip_grad_norm_")
     devices = {g.device for _, _, grads in parts for g in grads}
     if len(devices) > 1:
         raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "
@@ -384,6 +387,22 @@ def _float64(x, device) -> torch.Tensor:
     return torch.tensor(float(x), dtype=torch.float64, device=device)
 
 
+def tensor_values(program: Program, kern, values, steps):
+    """The hyperparameters of each tensor as ``kern`` takes them: ``values`` as they are
+    where no schedule is among them, else evaluated at each tensor's step counter (a
+    ``HyperRows`` table, or a dict per tensor)."""
+    compiling = torch.compiler.is_compiling()
+    uniq = list({id(v): v for v in values}.values()) if not compiling else values
+    if not any(_has_schedule(v) for v in uniq):
+        return values  # nothing depends on the step: the values as they are
+    rows = hyper_rows(program, values, steps)
+    if rows is None:  # counters on several devices: each tensor's values at its own
+        evaluated: dict = {}
+        return [memo(evaluated, (step, vals), (), at_step, vals, step, compiling=compiling)
+                for step, vals in zip(steps, values)]
+    return rows if getattr(kern, "takes_rows", False) else rows.dicts()
+
+
 def run(program: Program, backend: str, params, grads, states, steps, values, donate: bool,
         pre: torch.Tensor | None = None):
     """One step of ``program`` over lists of tensors.
@@ -395,18 +414,8 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     states, new steps, finite).
     """
     compiling = torch.compiler.is_compiling()
-    uniq = list({id(v): v for v in values}.values()) if not compiling else values
     kern = codegen.kernel(backend, program)
-    if not any(_has_schedule(v) for v in uniq):
-        per_tensor = values  # nothing depends on the step: the values as they are
-    else:
-        rows = hyper_rows(program, values, steps)
-        if rows is None:  # counters on several devices: each tensor's values at its own
-            evaluated: dict = {}
-            per_tensor = [memo(evaluated, (step, vals), (), at_step, vals, step,
-                               compiling=compiling) for step, vals in zip(steps, values)]
-        else:
-            per_tensor = rows if getattr(kern, "takes_rows", False) else rows.dicts()
+    per_tensor = tensor_values(program, kern, values, steps)
     # complex parameters step as real pairs (the dtypes read in one pass, eagerly)
     if any(p.is_complex() for p in params) if compiling else \
             not _COMPLEX.isdisjoint(map(_DTYPE_OF, params)):

@@ -18,7 +18,7 @@ from vega.codegen.base import distinct, state_shape
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
-from vega.runtime import engine, torch_names
+from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
 _IS_SPARSE = operator.attrgetter("is_sparse")
@@ -41,10 +41,13 @@ class SpecOptimizer(torch.optim.Optimizer):
                  state_dtype: torch.dtype | None = None, max_grad_norm: float | None = None,
                  loss_scale=None, skip_nonfinite: bool = False, maximize: bool = False,
                  foreach: bool | None = None, fused: bool | None = None,
-                 capturable: bool | None = None, differentiable: bool = False, **hypers):
+                 capturable: bool | None = None, differentiable: bool = False,
+                 reduce_group=None, **hypers):
         owner = type(self).__name__
         codegen.check_backend(backend)
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
+        sharded.check_group(owner, reduce_group)
+        self.reduce_group = reduce_group
         torch_names.check_keywords(owner, maximize, foreach, fused, capturable, differentiable)
         names = torch_names.beta_names(self.spec)
         if names and "betas" in hypers:
@@ -145,7 +148,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = []
+        found_work = []  # (group, its engine.run calls)
         sync = self._betas()
         for k, group in enumerate(self.param_groups):
             sync.sync(type(self).__name__, k, group)
@@ -154,12 +157,26 @@ class SpecOptimizer(torch.optim.Optimizer):
             if group["maximize"]:  # (torch's foreach step negates them so too)
                 grads = torch_names.negated(grads)
             found = self._planned_work(k, group, grads, flags, values)
-            work += self._routed(group, found if found is not None else
-                                 self._group_work(k, group, grads, flags, values))
+            found_work.append((group, found if found is not None else
+                               self._group_work(k, group, grads, flags, values)))
+        group_of = getattr(self, "reduce_group", None)
+        if sharded.involved([p for _, w in found_work for item in w for p in item[2]],
+                            group_of):  # DTensors, or a reduce_group: vega.runtime.sharded
+            check = self.skip_nonfinite or self.loss_scale is not None
+            pre, _ = sharded.fused(type(self).__name__, [i for _, w in found_work for i in w],
+                                   engine.inverse_scale(self.loss_scale), self.max_grad_norm,
+                                   check, True, group_of)
+            if self.loss_scale is not None:
+                self.loss_scale = self.loss_scale.adjust(finite_of(pre))
+            return loss
+        work = [item for group, w in found_work for item in self._routed(group, w)]
         # all checked before any is written; one call of the C backend's operator checks
         # its own tensors so, and only what it refuses is named here
-        one_call = len(work) == 1 and work[0][1] == "c" and native.module() is not None
-        if not torch.compiler.is_compiling() and not one_call:
+        # (not asked while dynamo traces: the first call of native.module() takes a lock)
+        compiling = torch.compiler.is_compiling()
+        one_call = not compiling and len(work) == 1 and work[0][1] == "c" and \
+            native.module() is not None
+        if not compiling and not one_call:
             self._check_writes(work)
         check = self.skip_nonfinite or self.loss_scale is not None
         pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work],
@@ -178,7 +195,8 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     def _routed(self, group, work: list[tuple]) -> list[tuple]:
         """``work`` (a group's engine.run calls) on the reference backend where a tensor
-        is a subclass with operations of its own (DTensor: ``vega.codegen.tensors``) and
+        is a subclass with operations of its own (a wrapper such as TwoTensor:
+        ``vega.codegen.tensors``; a DTensor steps its shard, ``vega.runtime.sharded``) and
         the group names no backend; ValueError where it names another."""
         out = []
         for item in work:
@@ -344,7 +362,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         """torch's (defaults, state, groups) and the fused-step settings (copy.deepcopy,
         pickle)."""
         return {**super().__getstate__(), "max_grad_norm": self.max_grad_norm,
-                "loss_scale": self.loss_scale, "skip_nonfinite": self.skip_nonfinite}
+                "loss_scale": self.loss_scale, "skip_nonfinite": self.skip_nonfinite,
+                "reduce_group": getattr(self, "reduce_group", None)}
 
     def state_dict(self) -> dict:
         """torch's format, plus the loss scale's two tensors under ``'loss_scale'``."""
@@ -654,7 +673,9 @@ def optimizer_class(spec) -> type:
               "bfloat16/float16 parameters),", "max_grad_norm=None, loss_scale=None (a "
               "vega.LossScale), skip_nonfinite=False, maximize=False,",
               "foreach=None, fused=None, capturable=None (accepted: the step is always "
-              "fused), differentiable=False."]
+              "fused), differentiable=False,", "reduce_group=None (a torch.distributed process "
+              "group: the gradients' norm and finite check span its ranks' parameters;",
+              "DTensor parameters reduce over their mesh: vega.runtime.sharded)."]
     names = torch_names.beta_names(spec)
     if names:
         lines[-1] += f" betas=({', '.join(names)}), torch's name for {', '.join(names)}."

@@ -16,7 +16,7 @@ from vega.codegen.base import state_shape
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
 from vega.codegen.steps import advance_steps
-from vega.runtime import engine
+from vega.runtime import engine, sharded
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
 
 
@@ -105,7 +105,7 @@ class CompiledSpec:
 
     def step(self, params, grads, state, *, backend: str | None = None, donate: bool = False,
              max_grad_norm: float | None = None, skip_nonfinite: bool = False,
-             loss_scale=None, **hypers):
+             loss_scale=None, reduce_group=None, **hypers):
         """One update: returns (params, state). Pure unless ``donate=True``.
 
         Fused into the same step, in this order: ``loss_scale`` (a
@@ -116,10 +116,16 @@ class CompiledSpec:
         params and the whole state, step counter included, exactly as they were.
         With ``loss_scale`` the step returns ``(params, state, loss_scale)``, the
         scale adjusted for the next step.
+
+        ``reduce_group`` (a ``torch.distributed`` process group): the gradients' norm and
+        finite check span the parameters of every rank of the group, each rank stepping
+        its own. DTensor parameters step their local shards, every reduction combined
+        across their mesh (``vega.runtime.sharded``).
         """
         owner = f"{self.name}_step"
         codegen.check_backend(backend)
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
+        sharded.check_group(owner, reduce_group)
         flags, values = engine.resolve(owner, self.hypers, hypers)
         p_leaves, p_spec, g_leaves = flatten_pair(owner, params, grads)
         # a state that an if on values declares steps whenever the state holds it, by
@@ -156,10 +162,12 @@ class CompiledSpec:
                     return False
             return True
         idx = stepped(owner, params, p_leaves, g_leaves, check_state, states_ok)
-        # a tensor subclass with operations of its own (DTensor): only the reference
-        # backend steps it, through those operations
+        # DTensors step their local shards (vega.runtime.sharded); another tensor subclass
+        # with operations of its own (TwoTensor): only the reference backend steps it
+        spread = sharded.involved([p_leaves[i] for i in idx], reduce_group)
         own = _own_ops(params, p_leaves, g_leaves, columns, names, idx) \
-            if backend != "reference" and not torch.compiler.is_compiling() else None
+            if backend != "reference" and not spread and not torch.compiler.is_compiling() \
+            else None
         if backend is None:
             device = p_leaves[idx[0]].device.type if idx else "cpu"
             backend = "reference" if own is not None else codegen.default_backend(device)
@@ -170,25 +178,29 @@ class CompiledSpec:
                              f"unless a backend is given)")
         work = engine.groups([progs[i] for i in idx])
         work = [(program, [idx[k] for k in ks]) for program, ks in work]
-        if donate and not torch.compiler.is_compiling():  # all checked before any is written
-            _check_writes(owner, params, p_leaves, columns, work, step)
+        if donate and not spread and not torch.compiler.is_compiling():
+            _check_writes(owner, params, p_leaves, columns, work, step)  # before any write
         new_p = {}
         new_cols = {n: {} for n in names}
         with torch.no_grad():
             check = skip_nonfinite or loss_scale is not None
-            pre = engine.prelude([(program, backend, [g_leaves[i] for i in ids])
-                                  for program, ids in work],
-                                 engine.inverse_scale(loss_scale), max_grad_norm, check)
+            inv = engine.inverse_scale(loss_scale)
+            # several programs share the one counter: each reads it as it was, and it
+            # advances once
+            items = [(program, backend, [p_leaves[i] for i in ids], [g_leaves[i] for i in ids],
+                      [[columns[n][i] for i in ids] for n in program.state_names],
+                      [step if len(work) == 1 or not donate else step.clone()] * len(ids),
+                      [values] * len(ids)) for program, ids in work]
+            if spread:
+                pre, results = sharded.fused(owner, items, inv, max_grad_norm, check, donate,
+                                             reduce_group)
+            else:
+                pre = engine.prelude([(item[0], backend, item[3]) for item in items], inv,
+                                     max_grad_norm, check)
+                results = [engine.run(*item, donate, pre) for item in items]
             finite = finite_of(pre)
             new_step = None
-            for program, ids in work:
-                # several programs share the one counter: each reads it as it was, and
-                # it advances once
-                counter = step if len(work) == 1 or not donate else step.clone()
-                ps, ss, steps, _ = engine.run(
-                    program, backend, [p_leaves[i] for i in ids], [g_leaves[i] for i in ids],
-                    [[columns[n][i] for i in ids] for n in program.state_names],
-                    [counter] * len(ids), [values] * len(ids), donate, pre)
+            for (program, ids), (ps, ss, steps, _) in zip(work, results):
                 if new_step is None:
                     new_step = steps[0]
                 if donate:  # updated in place: the same tensors

@@ -1,0 +1,240 @@
+"""One rank of the distributed checks of ``test_distributed.py``: ``python distributed_script.py
+RANK WORLD PORT OUTDIR CHECK...``. Each check asserts; the rank prints one JSON line of what
+it measured (largest differences, collectives counted) at the end."""
+import copy
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import vega
+
+RANK, WORLD, PORT, OUT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+CHECKS = sys.argv[5:]
+found: dict = {}
+
+# (class, hyperparameters): each a rule with a different kind of reduction
+OPTIMIZERS = {
+    "AdamW": (vega.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "LAMB": (vega.optim.LAMB, {"lr": 1e-2, "weight_decay": 0.01}),
+    # factored: both weights (16x6: its column axis, the 16, is sharded; 5x16: its row axis)
+    "Adafactor": (vega.optim.Adafactor, {"lr": 1e-2, "min_dim_size_to_factor": 2.0,
+                                          "clipping_threshold": 0.5}),
+    "SGD": (vega.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+}
+# every other reduction: per tensor (max: combined by an all-gather, a NaN winning), and
+# along each axis of the matrix view, one of which a shard splits
+REDUCTIONS = vega.compile("""
+optimizer reductions(lr = 0.01) {
+    state m = zeros
+    m = 0.5 * m + g
+    big = max(abs(m)) + max(row_max(abs(g))) + max(col_max(g))
+    p = p - lr * (m / (big + 1) + 0.01 * sum(m) + mean(g * g) + 0.1 * row_sum(g)
+                  + 0.1 * col_sum(g) + 0.1 * row_mean(g * p) + 0.1 * col_mean(abs(g)))
+}
+""")
+OPTIMIZERS["reductions"] = (REDUCTIONS.optimizer_class, {})
+# the collectives of one step: the prelude's record, then one per stage of reductions
+# that a shard splits (Adafactor's factored rule: row and column means, then the mean of
+# the per-row factor, then the update's RMS)
+COLLECTIVES = {"AdamW": 1, "LAMB": 2, "Adafactor": 4, "SGD": 1, "reductions": 3}
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # the last layer's weight and bias have one row: one rank's shards of them are empty
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 5), torch.nn.Linear(5, 1)).double()
+
+
+def batch(k: int):
+    gen = torch.Generator().manual_seed(100 + k)
+    return torch.randn(8, 6, generator=gen, dtype=torch.float64) * 10, \
+        torch.randn(8, 1, generator=gen, dtype=torch.float64)
+
+
+def loss_of(net, k):
+    x, y = batch(k)
+    return ((net(x) - y) ** 2).sum()
+
+
+class Counted:
+    """Counts the collectives vega calls (torch.distributed's, by name) while active."""
+
+    NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather", "broadcast",
+             "reduce_scatter_tensor")
+
+    def __enter__(self):
+        self.n, self.saved = 0, {}
+        for name in self.NAMES:
+            fn = self.saved[name] = getattr(dist, name)
+
+            def counted(*a, _fn=fn, **kw):
+                self.n += 1
+                return _fn(*a, **kw)
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def sharded(net):
+    from torch.distributed.fsdp import fully_shard
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(net)
+    return net
+
+
+def fsdp_against_unsharded(name: str) -> None:
+    cls, hypers = OPTIMIZERS[name]
+    plain = model()
+    net = sharded(copy.deepcopy(plain))
+    opt_plain = cls(plain.parameters(), max_grad_norm=1.0, **hypers)
+    opt = cls(net.parameters(), max_grad_norm=1.0, **hypers)
+    counts = []
+    for k in range(5):
+        for m, o in ((plain, opt_plain), (net, opt)):
+            o.zero_grad()
+            loss_of(m, k).backward()
+        norm = sum(q.grad.square().sum() for q in plain.parameters()).sqrt().item()
+        assert norm > 1.0, norm  # (the clip acts)
+        opt_plain.step()
+        with Counted() as c:
+            opt.step()
+        counts.append(c.n)
+    worst = 0.0
+    for (n, p), q in zip(net.named_parameters(), plain.parameters()):
+        worst = max(worst, (p.full_tensor() - q).abs().max().item())
+        for key, s in opt.state[p].items():
+            ref = opt_plain.state[q][key]
+            if key != "step":
+                assert type(s).__name__ == "DTensor", (name, n, key, type(s))
+                s = s.full_tensor()
+            worst = max(worst, (s.double() - ref.double()).abs().max().item())
+    if name == "Adafactor":  # factored: both weights
+        assert sum("v_row" in opt.state[p] for p in net.parameters()) == 2
+    assert worst <= 1e-9, (name, worst)
+    assert counts == [COLLECTIVES[name]] * 5, (name, counts)
+    found[name] = {"diff": worst, "collectives": counts[0]}
+
+
+def nan_skips() -> None:
+    """A NaN in one rank's shard: every rank skips (parameters, state and counters kept)."""
+    net = sharded(model())
+    opt = vega.optim.AdamW(net.parameters(), lr=1e-2, skip_nonfinite=True)
+    loss_of(net, 0).backward()
+    opt.step()
+    before = [p.to_local().clone() for p in net.parameters()]
+    states = [opt.state[p]["mu"].to_local().clone() for p in net.parameters()]
+    opt.zero_grad()
+    loss_of(net, 1).backward()
+    if RANK == WORLD - 1:
+        next(iter(net.parameters())).grad.to_local().view(-1)[0] = float("nan")
+    opt.step()
+    for p, b, s in zip(net.parameters(), before, states):
+        assert torch.equal(p.to_local(), b), RANK
+        assert torch.equal(opt.state[p]["mu"].to_local(), s), RANK
+        assert opt.state[p]["step"].item() == 1, RANK
+    found["nan"] = "skipped"
+
+
+def dcp_resume(wrap: str = "fsdp") -> None:
+    """get_state_dict / dcp.save, then dcp.load / set_state_dict into a fresh model and
+    optimizer: the next steps are bitwise those of the run that went on (under FSDP2, or
+    DDP: ``wrap``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    folder = os.path.join(OUT, f"dcp-{wrap}")
+
+    def local(x):
+        return x.to_local() if type(x).__name__ == "DTensor" else x
+
+    def make():
+        net = sharded(model()) if wrap == "fsdp" else DDP(model())
+        return net, vega.optim.AdamW(net.parameters(), lr=1e-2, max_grad_norm=1.0)
+
+    def steps(net, opt, ks):
+        for k in ks:
+            opt.zero_grad()
+            loss_of(net, k).backward()
+            opt.step()
+    net, opt = make()
+    steps(net, opt, range(2))
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
+    steps(net, opt, range(2, 4))
+    net2, opt2 = make()
+    msd2, osd2 = get_state_dict(net2, opt2)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(net2, opt2, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    steps(net2, opt2, range(2, 4))
+    for p, q in zip(net.parameters(), net2.parameters()):
+        assert torch.equal(local(p), local(q)), RANK
+        for key in opt.state[p]:
+            a, b = local(opt.state[p][key]), local(opt2.state[q][key])
+            assert torch.equal(a, b) and a.dtype == b.dtype, (RANK, key)
+    found[f"dcp-{wrap}"] = "bitwise"
+
+
+def docs_example() -> None:
+    """docs/distributed.md's FSDP2 example, its train() in this process group: it learns."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text()
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    space = {"__name__": "fsdp_example"}
+    exec(compile(block, "docs/distributed.md", "exec"), space)
+    losses = space["train"](12)
+    assert sum(losses[-3:]) < 0.6 * sum(losses[:3]), losses
+    found["docs"] = "learns"
+
+
+def zero_against_ddp() -> None:
+    """ZeroRedundancyOptimizer over vega's AdamW with max_grad_norm and reduce_group: the
+    clip spans every rank's parameters, as under DDP with one optimizer per rank."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp, zero = DDP(model()), DDP(model())
+    opt_ddp = vega.optim.AdamW(ddp.parameters(), lr=1e-2, max_grad_norm=1.0)
+    opt_zero = ZeroRedundancyOptimizer(zero.parameters(), optimizer_class=vega.optim.AdamW,
+                                       lr=1e-2, max_grad_norm=1.0,
+                                       reduce_group=dist.group.WORLD)
+    for k in range(5):
+        for m, o in ((ddp, opt_ddp), (zero, opt_zero)):
+            o.zero_grad()
+            x, y = batch(10 * k + RANK)  # each rank its own batch
+            ((m(x) - y) ** 2).sum().backward()
+            o.step()
+    worst = max((p - q).abs().max().item() for p, q in zip(ddp.parameters(), zero.parameters()))
+    assert worst <= 1e-9, worst
+    found["zero"] = {"diff": worst}
+
+
+def main() -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
+    dist.init_process_group("gloo", rank=RANK, world_size=WORLD)
+    from torch.distributed.device_mesh import init_device_mesh
+    init_device_mesh("cpu", (WORLD,))
+    for check in CHECKS:
+        if check in OPTIMIZERS:
+            fsdp_against_unsharded(check)
+        else:
+            {"nan": nan_skips, "dcp": dcp_resume, "zero": zero_against_ddp,
+             "dcp-ddp": lambda: dcp_resume("ddp"), "docs": docs_example}[check]()
+        dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps(found))
+
+
+if __name__ == "__main__":
+    tempfile.tempdir = OUT
+    main()

@@ -1,0 +1,322 @@
+"""Steps over tensors spread over processes: DTensor parameters (FSDP2's ``fully_shard``,
+tensor parallel) and reductions across a process group (``reduce_group``: the parameters of
+``ZeroRedundancyOptimizer``, each rank holding its own).
+
+A DTensor's step runs on its local shard (``to_local()`` of the parameter, its gradient and
+its state) in the same kernels as a plain tensor's. What a step reduces is computed here
+as a partial result per process and combined across processes, all the tensors of a step in
+one buffer, one collective per stage:
+
+- the prelude's record (the gradients' sum of squares and non-finite count, which the
+  global norm of ``max_grad_norm`` and the skip decision read): summed over the DTensors'
+  mesh, then over ``reduce_group``, so that every rank clips by the same norm and skips
+  the same steps;
+- a spec's reductions of one tensor (LAMB's norms, ``sum``, ``mean``, ``max``) and along
+  an axis (Adafactor's row and column means) where the shard holds part of what they
+  reduce: each stage of the reference's staged step (``vega.codegen.reference.stages``)
+  yields its partial results, which are combined over the mesh and given back.
+
+A state is a DTensor on its parameter's mesh: sharded as the parameter where it keeps the
+sharded axis, replicated where it reduces that axis away (Adafactor's per-row factor of a
+matrix sharded along its rows is sharded, the per-column one replicated), so that the
+state dicts of FSDP2 and of ``torch.distributed.checkpoint`` hold it as torch's own.
+
+Nothing is read back to the host: collectives run on the tensors where they lie.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from vega import codegen
+from vega.codegen.base import Geometry, ShardView, geometry, state_shape
+from vega.dsl.check import matrix_axes
+from vega.runtime import engine
+
+
+def check_group(owner: str, group) -> None:
+    """``reduce_group``: None or a process group of an initialized ``torch.distributed``;
+    ValueError naming it."""
+    if group is None:
+        return
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{owner}: reduce_group={engine.shown(group)} needs torch.distributed "
+                         "initialized (torch.distributed.init_process_group)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"{owner}: reduce_group={engine.shown(group)} must be a "
+                         "torch.distributed process group (or None: no reduction across "
+                         "processes)")
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (asked only where torch's DTensor module is loaded: no
+    DTensor exists before)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def involved(params, reduce_group) -> bool:
+    """Whether a step over ``params`` reduces across processes: a group is given, or a
+    parameter is a DTensor."""
+    if reduce_group is not None:
+        return True
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and any(isinstance(p, mod.DTensor) for p in params)
+
+
+def view_of(where: str, t) -> ShardView:
+    """The ``ShardView`` of a DTensor: its local shard's matrix view with the whole
+    tensor's axes, the axes its placements split, and the weight of its partial sums.
+    ValueError for a placement whose local values are partial sums (``Partial``)."""
+    shape = tuple(t.shape)
+    axes = matrix_axes(shape)
+    mesh = t.device_mesh
+    split, replicas = set(), 1
+    for dim, pl in enumerate(t.placements):
+        if pl.is_shard():
+            if mesh.size(dim) > 1:
+                split.add(pl.dim % len(shape))
+        elif pl.is_replicate():
+            replicas *= mesh.size(dim)
+        else:
+            raise ValueError(f"{where} is a DTensor with placements {tuple(t.placements)}: "
+                             f"its local values are not its own ({pl}); redistribute it to "
+                             "Shard or Replicate placements before the step")
+    local = tuple(t.to_local().shape)
+    return ShardView(Geometry(local, axes), geometry(shape), frozenset(split), 1.0 / replicas)
+
+
+def state_placements(p, dom: str) -> tuple:
+    """The placements of a state of domain ``dom`` of DTensor ``p``: ``p``'s, each
+    ``Shard`` of an axis the state has moved to where that axis sits in the state, and
+    ``Replicate`` where the state reduces the axis away."""
+    from torch.distributed.tensor import Replicate, Shard
+    if dom == "rc":
+        return tuple(p.placements)
+    geo = geometry(tuple(p.shape))
+    out = []
+    for pl in p.placements:
+        if pl.is_shard():
+            axis = pl.dim % p.dim()
+            out.append(Shard(geo.position(axis, dom)) if geo.keeps(dom, axis) else Replicate())
+        else:
+            out.append(pl)
+    return tuple(out)
+
+
+def _strides(shape) -> tuple[int, ...]:
+    out, at = [], 1
+    for n in reversed(shape):
+        out.append(at)
+        at *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def init_leaf(program, p, values: dict, state_dtype) -> list:
+    """The initial state of DTensor ``p``: made on its local shard, each a DTensor of
+    ``state_placements``."""
+    from torch.distributed.tensor import DTensor
+    if p.is_complex():
+        raise ValueError(f"{program.name}: a complex DTensor parameter does not step; vega "
+                         "steps complex parameters that are plain tensors")
+    local = p.to_local()
+    view = view_of("a parameter", p)
+    sd = engine.state_dtype_for(local, state_dtype)
+    kern = codegen.kernel("reference", program)
+    out = []
+    for s, leaf in zip(program.states, kern.init(local, values, sd, geo=view.local)):
+        shape = state_shape(p, s.dom)
+        out.append(DTensor.from_local(leaf, p.device_mesh, state_placements(p, s.dom),
+                                      run_check=False, shape=torch.Size(shape),
+                                      stride=_strides(shape)))
+    return out
+
+
+def mesh_groups(mesh) -> list:
+    """The process groups a sum over every rank of ``mesh`` runs through, one per mesh
+    dimension of more than one rank (one for FSDP2's one-dimensional mesh)."""
+    return [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+
+
+def combine(parts: list[tuple[str, torch.Tensor]], groups: list) -> list[torch.Tensor]:
+    """Each partial result of ``parts`` (``(how, float64 tensor)``, how: "sum" or "max")
+    combined over every rank of ``groups``: one buffer, one collective per group (an
+    all-reduce of sums; an all-gather where there is a maximum, combined here, where a NaN
+    wins as in one process)."""
+    import torch.distributed as dist
+    if not parts or not groups:
+        return [x for _, x in parts]
+    sums = [x.reshape(-1) for how, x in parts if how == "sum"]
+    maxes = [x.reshape(-1) for how, x in parts if how == "max"]
+    nsum = sum(x.numel() for x in sums)
+    buf = torch.cat(sums + maxes) if len(parts) > 1 else parts[0][1].reshape(-1).clone()
+    for group in groups:
+        if not maxes:
+            dist.all_reduce(buf, group=group)
+            continue
+        size = dist.get_world_size(group)
+        every = buf.new_empty(size * buf.numel())
+        dist.all_gather_into_tensor(every, buf, group=group)
+        every = every.view(size, -1)
+        buf = torch.cat([every[:, :nsum].sum(0), every[:, nsum:].amax(0)])
+    out, at_sum, at_max = [], 0, nsum
+    for how, x in parts:
+        n = x.numel()
+        if how == "sum":
+            out.append(buf[at_sum:at_sum + n].reshape(x.shape))
+            at_sum += n
+        else:
+            out.append(buf[at_max:at_max + n].reshape(x.shape))
+            at_max += n
+    return out
+
+
+class _Local:
+    """One ``engine.run`` call's tensors as this process holds them: the local shards of
+    DTensors (plain tensors as they are), each tensor's ``ShardView``, and how to make the
+    new values DTensors again."""
+
+    def __init__(self, owner: str, item, mesh_box: list):
+        program, backend, params, grads, states, steps, values = item
+        if isinstance(values, dict):  # (a class's group: one dict for all its tensors)
+            values = [values] * len(params)
+        self.program, self.backend, self.steps, self.values = program, backend, steps, values
+        self.params, self.grads, self.states = params, grads, states
+        self.views: list[ShardView | None] = []
+        self.lp, self.lg = [], []
+        self.ls = [[] for _ in states]
+        for i, p in enumerate(params):
+            where = f"{owner}: parameter {i}"
+            if not is_dtensor(p):
+                if mesh_box and mesh_box[0] is not None:
+                    raise ValueError(f"{where} is a plain tensor, others DTensors: a step over "
+                                     "DTensors steps DTensors only (shard every module with "
+                                     "fully_shard, or step the plain ones with an optimizer "
+                                     "of their own)")
+                mesh_box[:] = [None]
+                self.views.append(None)
+                self.lp.append(p)
+                self.lg.append(grads[i])
+                for col, out in zip(states, self.ls):
+                    out.append(col[i])
+                continue
+            if mesh_box and mesh_box[0] is None:
+                raise ValueError(f"{where} is a DTensor, others plain tensors: a step over "
+                                 "DTensors steps DTensors only")
+            if not mesh_box:
+                mesh_box.append(p.device_mesh)
+            elif p.device_mesh != mesh_box[0]:
+                raise ValueError(f"{where} is a DTensor on mesh {p.device_mesh}, another on "
+                                 f"{mesh_box[0]}: one step reduces over one mesh; give each "
+                                 "mesh's parameters an optimizer of their own")
+            self.views.append(view_of(where, p))
+            self.lp.append(p.to_local())
+            self.lg.append(self._local(f"{where}'s gradient", grads[i], p, tuple(p.placements)))
+            for s, col, out in zip(program.states, states, self.ls):
+                out.append(self._local(f"{where}'s state '{s.name}'", col[i], p,
+                                       state_placements(p, s.dom)))
+
+    @staticmethod
+    def _local(where: str, x, p, placements):
+        if not is_dtensor(x):
+            raise ValueError(f"{where} is a {type(x).__name__}, not a DTensor like its "
+                             "parameter")
+        if x.device_mesh != p.device_mesh or tuple(x.placements) != tuple(placements):
+            raise ValueError(f"{where} has placements {tuple(x.placements)} on "
+                             f"{x.device_mesh}; the step needs {tuple(placements)} on "
+                             f"{p.device_mesh}")
+        return x.to_local()
+
+    def staged(self) -> bool:
+        """Whether a reduction of this call's program spans processes."""
+        return any(v is not None and v.split for v in self.views) and \
+            codegen.kernel("reference", self.program).nstages > 0
+
+    def wrap(self, result):
+        """``engine.run``'s answer over the locals, with new values DTensors again."""
+        from torch.distributed.tensor import DTensor
+        new_p, new_s, new_steps, finite = result
+
+        def back(new, like):
+            if not is_dtensor(like):
+                return new
+            return DTensor.from_local(new, like.device_mesh, like.placements, run_check=False,
+                                      shape=like.shape, stride=like.stride())
+        return ([back(n, o) for n, o in zip(new_p, self.params)],
+                [[back(n, o) for n, o in zip(ncol, col)] for ncol, col in zip(new_s, self.states)],
+                new_steps, finite)
+
+
+def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
+          reduce_group=None):
+    """``engine.prelude`` over every item's gradients and ``engine.run`` of each item
+    (``(program, backend, params, grads, states, steps, values)``, values a dict per
+    tensor, or one for all), reducing across
+    processes (the module's doc): returns (the prelude's record, each item's answer)."""
+    box: list = []
+    locs = [_Local(owner, item, box) for item in items]
+    mesh = box[0] if box else None
+    groups = mesh_groups(mesh) if mesh is not None else []
+    spanning = groups + ([reduce_group] if reduce_group is not None else [])
+    weights = sorted({v.weight for loc in locs for v in loc.views if v is not None} or {1.0})
+    pre = None
+    for w in weights:  # (one class of weight, in the common case)
+        part = engine.prelude([(loc.program, loc.backend,
+                                [g for g, v in zip(loc.lg, loc.views)
+                                 if (v.weight if v is not None else 1.0) == w])
+                               for loc in locs], inv_scale, max_norm, check)
+        if part is None:
+            break
+        if pre is None:
+            pre = part if w == 1 else _scaled(part, w)
+        else:
+            pre[:2] += part[:2] * w
+    if pre is not None and spanning:
+        pre[:2].copy_(combine([("sum", pre[:2].clone())], spanning)[0])
+    results: list = [None] * len(locs)
+    gens = {}
+    for k, loc in enumerate(locs):
+        if loc.staged():
+            kern = codegen.kernel("reference", loc.program)
+            values = engine.tensor_values(loc.program, kern, loc.values, loc.steps)
+            gens[k] = kern.staged(loc.lp, loc.lg, loc.ls, loc.steps, values, donate, pre,
+                                  loc.views)
+        else:
+            results[k] = engine.run(loc.program, loc.backend, loc.lp, loc.lg, loc.ls,
+                                    loc.steps, loc.values, donate, pre)
+    _drive(gens, results, groups)
+    if not donate:
+        results = [loc.wrap(r) for loc, r in zip(locs, results)]
+    return pre, results
+
+
+def _scaled(pre: torch.Tensor, w: float) -> torch.Tensor:
+    pre[:2] *= w
+    return pre
+
+
+def _drive(gens: dict, results: list, groups: list) -> None:
+    """Run the staged steps ``gens`` (position -> generator) together: each stage's partial
+    results of all of them in one ``combine``."""
+    asked = {}
+    for k, gen in gens.items():
+        try:
+            asked[k] = gen.send(None)
+        except StopIteration as done:
+            results[k] = done.value
+    while asked:
+        order = list(asked)
+        parts = [x for k in order for x in asked[k]]
+        combined = combine(parts, groups)
+        at = 0
+        for k in order:
+            n = len(asked[k])
+            try:
+                asked[k] = gens[k].send(combined[at:at + n])
+            except StopIteration as done:
+                results[k] = done.value
+                del asked[k]
+            at += n
+
