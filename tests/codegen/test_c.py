@@ -853,13 +853,13 @@ def test_a_literal_beyond_float32_is_inf_in_float32():
         assert out[0]["w"].tolist() == [1e39, 1e39]
 
 
-NAMED_NUMBERS = """optimizer named(lr = 1.0, cap = inf, floor = -inf, k = pi in [-pi, pi]) {
+NAMED_NUMBERS = """optimizer named(lr = 1.0, cap = inf, lowest = -inf, k = pi in [-pi, pi]) {
     state a = zeros
     state b = zeros
     state c = zeros
     state d = zeros
     state e = zeros
-    a = min(g, inf) + max(g, floor) - min(g, cap)
+    a = min(g, inf) + max(g, lowest) - min(g, cap)
     b = where(g > 0, inf, -inf)
     c = where(g > 0, nan, g * 0 + pi)
     d = k * lr * g
