@@ -3,7 +3,17 @@ and the C backend's native operator built before the first test, so that every C
 can go through it does, on every run (not only once a background build has finished)."""
 import os
 
-import torch
+# Under pytest-xdist each worker takes its share of the cores. Otherwise torch's and the
+# kernels' OpenMP teams of every worker spin on every core, and all of them slow down (the
+# tests that need two threads set them, and the teams then wait without spinning).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+if WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
 
 # triton.language reads TRITON_INTERPRET when triton is first imported (torch._dynamo imports it)
 if not torch.cuda.is_available():
