@@ -14,11 +14,10 @@ from vega.runtime.transforms import clip_by_global_norm, clip_by_value, global_n
 from vega.runtime.spec import CompiledSpec, compile, compile_file
 from vega.runtime.tree import state_names
 
-# The shipped specs, each compiled when one of its names is first used (``__getattr__``):
-# vega.<name> (its CompiledSpec), vega.<name>_init and vega.<name>_step.
-_SHIPPED = ("sgd", "adam", "adamw", "radam", "lamb", "lars", "lion", "adagrad", "rmsprop",
-            "adan", "adafactor", "adamax", "adadelta", "rprop", "yogi", "adabelief",
-            "adam_atan2", "adopt", "ademamix")
+# The shipped specs (the files of specs/, listed, not parsed), each compiled when one of its
+# names is first used (``__getattr__``): vega.<name> (its CompiledSpec), vega.<name>_init
+# and vega.<name>_step.
+_SHIPPED = tuple(builtin_names())
 _LAZY = {name + suffix: (name, attr) for name in _SHIPPED
          for suffix, attr in (("", None), ("_init", "init"), ("_step", "step"))}
 
