@@ -219,6 +219,85 @@ def zero_against_ddp() -> None:
     found["zero"] = {"diff": worst}
 
 
+def functions_over_group() -> None:
+    """global_norm, clip_by_global_norm, grads_finite, LossScale.step and lbfgs_step with
+    ``reduce_group``, each rank holding every WORLD-th leaf: equal to the same function over
+    all leaves in one process; and the LBFGS class under ZeroRedundancyOptimizer against
+    DDP."""
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(7)
+    every = [torch.randn(n, generator=gen, dtype=torch.float64) for n in (5, 3, 8, 1, 4)]
+    mine = every[RANK::WORLD]
+    out = {}
+    with Counted() as c:
+        norm = vega.global_norm(mine, reduce_group=group)
+    assert c.n == 1, c.n
+    out["norm"] = abs(norm - vega.global_norm(every)).item()
+    clipped = vega.clip_by_global_norm(mine, 0.5, reduce_group=group)
+    out["clip"] = max((a - b).abs().max().item() for a, b in zip(
+        clipped, vega.clip_by_global_norm(every, 0.5)[RANK::WORLD]))
+    assert vega.grads_finite(mine, reduce_group=group).item()
+    bad = [x.clone() for x in mine]
+    if RANK == WORLD - 1:
+        bad[0][1] = float("inf")
+    with Counted() as c:
+        assert not vega.grads_finite(bad, reduce_group=group).item(), RANK
+    assert c.n == 1, c.n
+    ls = vega.LossScale.dynamic(init=1.0)
+    params = [x.clone() for x in mine]
+    (new, _), ls = ls.step(bad, lambda g: (params[0] - g[0], 0), (params[0], 0),
+                           reduce_group=group)
+    assert torch.equal(new, params[0]), RANK  # skipped on every rank
+    assert ls.loss_scale.item() == 0.5
+    # lbfgs_step: four steps on a quadratic, each rank its leaves
+    target = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in every]
+    p_all, p_mine = [x.clone() for x in every], [x.clone() for x in mine]
+    s_all, s_mine = vega.lbfgs_init(p_all, memory_size=3), vega.lbfgs_init(p_mine, memory_size=3)
+    for _ in range(4):
+        g_all = [3 * (p - t) for p, t in zip(p_all, target)]
+        g_mine = [3 * (p - t) for p, t in zip(p_mine, target[RANK::WORLD])]
+        p_all, s_all = vega.lbfgs_step(p_all, g_all, s_all, lr=0.5)
+        with Counted() as c:
+            p_mine, s_mine = vega.lbfgs_step(p_mine, g_mine, s_mine, lr=0.5, reduce_group=group)
+        assert c.n == 2 * 3 + 1, c.n
+    out["lbfgs"] = max((a - b).abs().max().item() for a, b in zip(p_mine, p_all[RANK::WORLD]))
+    # the LBFGS class under ZeroRedundancyOptimizer (each rank its parameters) against DDP
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp, zero = DDP(model()), DDP(model())
+    opt_ddp = vega.optim.LBFGS(ddp.parameters(), lr=0.1, memory_size=3)
+    opt_zero = ZeroRedundancyOptimizer(zero.parameters(), optimizer_class=vega.optim.LBFGS,
+                                       lr=0.1, memory_size=3, reduce_group=group)
+    for k in range(4):
+        for m, o in ((ddp, opt_ddp), (zero, opt_zero)):
+            o.zero_grad()
+            x, y = batch(10 * k + RANK)
+            ((m(x) - y) ** 2).sum().backward()
+            o.step()
+    out["lbfgs-zero"] = max((p - q).abs().max().item()
+                            for p, q in zip(ddp.parameters(), zero.parameters()))
+    # DTensor leaves (FSDP2's gradients): one collective over the mesh, DTensors back
+    plain, net = model(), sharded(model())
+    for m in (plain, net):
+        loss_of(m, 0).backward()
+    grads = [p.grad for p in net.parameters()]
+    with Counted() as c:
+        norm = vega.global_norm(grads)
+    assert c.n == 1, c.n
+    out["dtensor-norm"] = abs(norm - vega.global_norm([p.grad for p in plain.parameters()])).item()
+    clipped = vega.clip_by_global_norm(grads, 1.0)
+    assert all(type(g).__name__ == "DTensor" for g in clipped)
+    out["dtensor-clip"] = max((a.full_tensor() - b).abs().max().item() for a, b in zip(
+        clipped, vega.clip_by_global_norm([p.grad for p in plain.parameters()], 1.0)))
+    assert vega.grads_finite(grads).item()
+    if RANK == WORLD - 1:
+        grads[0].to_local().view(-1)[0] = float("nan")
+    assert not vega.grads_finite(grads).item(), RANK
+    for key, worst in out.items():
+        assert worst <= 1e-9, (key, worst)
+    found["functions"] = out
+
+
 def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
     dist.init_process_group("gloo", rank=RANK, world_size=WORLD)
@@ -229,7 +308,8 @@ def main() -> None:
             fsdp_against_unsharded(check)
         else:
             {"nan": nan_skips, "dcp": dcp_resume, "zero": zero_against_ddp,
-             "dcp-ddp": lambda: dcp_resume("ddp"), "docs": docs_example}[check]()
+             "dcp-ddp": lambda: dcp_resume("ddp"), "docs": docs_example,
+             "functions": functions_over_group}[check]()
         dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(found))

@@ -7,7 +7,9 @@ collectives of each step counted (one per stage of
 reductions, for all tensors at once); a NaN in one rank's shard skips the step on every rank;
 ``torch.distributed.checkpoint`` resumes bitwise under FSDP2 and DDP; the example of
 docs/distributed.md trains; ``ZeroRedundancyOptimizer`` with
-``reduce_group`` matches DDP. Each launch runs its ranks as processes, with a hard timeout,
+``reduce_group`` matches DDP, for the spec classes and for LBFGS; the gradient functions
+(``global_norm``, ``clip_by_global_norm``, ``grads_finite``, ``LossScale.step``) span a
+``reduce_group`` and DTensor leaves. Each launch runs its ranks as processes, with a hard timeout,
 and many checks in one process group (``distributed_script.py``)."""
 import json
 import os
@@ -74,7 +76,7 @@ def launch(world: int, checks: list[str], tmp_path: Path, timeout: float = 240) 
 
 def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     found = launch(2, ["AdamW", "LAMB", "Adafactor", "SGD", "reductions", "nan", "dcp",
-                       "dcp-ddp", "zero", "docs"], tmp_path)
+                       "dcp-ddp", "zero", "docs", "functions"], tmp_path)
     assert found[0] == found[1]  # every rank saw the same
     for name, collectives in {"AdamW": 1, "LAMB": 2, "Adafactor": 4, "SGD": 1,
                               "reductions": 3}.items():
@@ -84,6 +86,11 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     assert found[0]["dcp-fsdp"] == found[0]["dcp-ddp"] == "bitwise"
     assert found[0]["docs"] == "learns"  # docs/distributed.md's example
     assert found[0]["zero"]["diff"] <= 1e-9
+    # global_norm, clip_by_global_norm, lbfgs_step and LBFGS under ZeRO, over reduce_group
+    # and over DTensor leaves (the script checks the skips and counts the collectives)
+    assert set(found[0]["functions"]) == {"norm", "clip", "lbfgs", "lbfgs-zero",
+                                          "dtensor-norm", "dtensor-clip"}
+    assert all(d <= 1e-9 for d in found[0]["functions"].values())
 
 
 def test_fsdp2_on_four_ranks(tmp_path):
@@ -105,3 +112,11 @@ def test_reduce_group_is_checked():
     with pytest.raises(ValueError, match=r"lamb_step: reduce_group='world' "):
         vega.lamb_step({"w": p.detach()}, {"w": p.detach()}, vega.lamb_init({"w": p.detach()}),
                        reduce_group="world")
+    for call in (lambda: vega.global_norm([p], reduce_group=1),
+                 lambda: vega.clip_by_global_norm([p], 1.0, reduce_group=1),
+                 lambda: vega.grads_finite([p], reduce_group=1),
+                 lambda: vega.LossScale.static(1.0).step([p], lambda g: 0, 0, reduce_group=1),
+                 lambda: vega.lbfgs_step([p], [p], vega.lbfgs_init([p]), reduce_group=1),
+                 lambda: vega.optim.LBFGS([p], reduce_group=1)):
+        with pytest.raises(ValueError, match=r"reduce_group=1 "):
+            call()

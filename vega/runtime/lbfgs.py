@@ -59,6 +59,7 @@ from functools import partial
 import torch
 
 from vega.codegen.steps import advance_steps
+from vega.runtime import sharded
 from vega.runtime.engine import check_state_dtype, state_dtype_for
 from vega.runtime.spec import _check_leaves, _label, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
@@ -224,13 +225,27 @@ def _tree_dot(xs, ys, dtype, device) -> torch.Tensor:
     return torch.zeros((), dtype=dtype, device=device) if total is None else total
 
 
+def _dots(pairs, dtype, device, group) -> list[torch.Tensor]:
+    """``_tree_dot`` of each ``(xs, ys)`` of ``pairs``, summed over the ranks of ``group``
+    (a process group, or None) in one all-reduce for all of them."""
+    out = [_tree_dot(xs, ys, dtype, device) for xs, ys in pairs]
+    if group is None:
+        return out
+    import torch.distributed as dist
+    buf = torch.stack(out)
+    dist.all_reduce(buf, group=group)
+    return list(buf.unbind())
+
+
 def _on(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.to(like.device, like.dtype)
 
 
-def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate):
+def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate, group=None):
     """One step over lists of real tensors (already viewed as real). Returns the new
-    params, ring buffers, previous params/grads, weights and step."""
+    params, ring buffers, previous params/grads, weights and step. ``group``: the process
+    group every inner product is summed over (each rank holding other parameters): one
+    all-reduce for the curvature pair's products, one for each slot of the recursion."""
     wd, dev = weights.dtype, weights.device
     count = step.long()
     first = step == 0
@@ -244,7 +259,10 @@ def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate):
         here = pos.to(pp.device)
         S.append(torch.where(here, p.to(pp.dtype) - pp, 0))
         Y.append(torch.where(here, g.to(up.dtype) - up, 0))
-    sy = _tree_dot(Y, S, wd, dev)
+    if scale_init:
+        sy, yy, gg = _dots([(Y, S), (Y, Y), (G, G)], wd, dev, group)
+    else:
+        sy, = _dots([(Y, S)], wd, dev, group)
     rho = torch.where(sy == 0, 0, sy.reciprocal())
     rho = torch.where(pos, rho, 0)
     if donate:
@@ -260,9 +278,8 @@ def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate):
     # 2. the scale of the initial inverse Hessian
     gamma = None
     if scale_init:
-        yy = _tree_dot(Y, Y, wd, dev)
         gamma = torch.where(yy > 0, sy / yy, 1.0)
-        gnorm = torch.sqrt(_tree_dot(G, G, wd, dev))
+        gnorm = torch.sqrt(gg)
         gamma = torch.where(first, torch.clamp(gnorm.reciprocal(), max=1.0), gamma)
 
     # 3. the two-loop recursion, slots from the oldest to the newest
@@ -272,13 +289,13 @@ def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate):
     vec = [g.to(up.dtype) for g, up in zip(G, UP)]
     alphas = [None] * m
     for k in reversed(range(m)):
-        a = rhos[k] * _tree_dot([w[k] for w in OW], vec, wd, dev)
+        a = rhos[k] * _dots([([w[k] for w in OW], vec)], wd, dev, group)[0]
         alphas[k] = a
         vec = [torch.addcmul(v, u[k], _on(-a, v)) for v, u in zip(vec, OU)]
     if gamma is not None:
         vec = [v * _on(gamma, v) for v in vec]
     for k in range(m):
-        b = rhos[k] * _tree_dot([u[k] for u in OU], vec, wd, dev)
+        b = rhos[k] * _dots([([u[k] for u in OU], vec)], wd, dev, group)[0]
         vec = [torch.addcmul(v, w[k], _on(alphas[k] - b, v)) for v, w in zip(vec, OW)]
 
     # 4. the update at the rate lr(step)
@@ -302,7 +319,7 @@ def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate):
 
 
 def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
-               scale_init_precond: bool = True, donate: bool = False):
+               scale_init_precond: bool = True, donate: bool = False, reduce_group=None):
     """One L-BFGS update at the rate ``lr``: returns (params, state). Pure unless ``donate=True``.
 
     optax's ``lbfgs(learning_rate=lr, memory_size, scale_init_precond,
@@ -312,9 +329,13 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
     the state's step tensor, the number of completed steps). ``memory_size`` is
     the state's (given here, it must agree with it). No line search: at a fixed
     rate the step is only as safe as the rate; the first step has norm at most
-    ``lr`` (its direction is ``g / max(1, ||g||)``).
+    ``lr`` (its direction is ``g / max(1, ||g||)``). ``reduce_group``: a process group
+    whose ranks each hold other parameters (``ZeroRedundancyOptimizer``'s): every inner
+    product spans all of them, all-reduced over the group (``2 * memory_size + 1``
+    all-reduces a step; every rank of the group must step).
     """
     owner = "lbfgs_step"
+    sharded.check_group(owner, reduce_group)
     lr = _check_lr(owner, lr)
     _check_bool(owner, "scale_init_precond", scale_init_precond)
     _check_bool(owner, "donate", donate)
@@ -328,7 +349,7 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
         new_p, ndw, ndu, npp, nup, nw, new_step = _lbfgs(
             [_real(p_leaves[i]) for i in idx], [_real(g_leaves[i]) for i in idx],
             *([_real(cols[f][i]) for i in idx] for f in TREE_FIELDS),
-            weights, step, lr, m, scale_init_precond, donate)
+            weights, step, lr, m, scale_init_precond, donate, reduce_group)
     out_p = list(p_leaves)
     out = {f: list(cols[f]) for f in TREE_FIELDS}
     for k, i in enumerate(idx):
@@ -360,14 +381,19 @@ class LBFGS(torch.optim.Optimizer):
     parameter group (the curvature pairs span all parameters). Hyperparameters:
     ``lr=1.0`` (a float >= 0, a 0-d tensor or a schedule of the step counter),
     ``memory_size=10``, ``scale_init_precond=True``; ``state_dtype=None`` (float32
-    state for bfloat16/float16 parameters). Each parameter's state holds its
+    state for bfloat16/float16 parameters); ``reduce_group=None`` (a process group whose
+    ranks each hold other parameters, as under ``ZeroRedundancyOptimizer``: the inner
+    products span all of them; every rank steps, with or without gradients). Each
+    parameter's state holds its
     ``diff_params``, ``diff_updates``, ``params_prev`` and ``updates_prev``; the
     first parameter's state also holds the shared ``weights`` and ``step``.
     """
 
     def __init__(self, params, lr=1.0, memory_size: int = 10, scale_init_precond: bool = True,
-                 *, state_dtype: torch.dtype | None = None):
+                 *, state_dtype: torch.dtype | None = None, reduce_group=None):
         owner = "LBFGS"
+        sharded.check_group(owner, reduce_group)
+        self.reduce_group = reduce_group
         lr = _check_lr(owner, lr)
         memory_size = _check_memory_size(owner, memory_size)
         _check_bool(owner, "scale_init_precond", scale_init_precond)
@@ -424,8 +450,8 @@ class LBFGS(torch.optim.Optimizer):
         lr = _check_lr("LBFGS", group["lr"])
         _check_bool("LBFGS", "scale_init_precond", group["scale_init_precond"])
         params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return loss
+        if not params and self.reduce_group is None:  # (in a group, the others' products
+            return loss                               # need this rank's collectives)
         for p in params:
             if p.grad.is_sparse:
                 raise ValueError("LBFGS does not support sparse gradients")
@@ -435,7 +461,8 @@ class LBFGS(torch.optim.Optimizer):
         _, _, _, _, _, _, shared["step"] = _lbfgs(
             [_real(p) for p in params], [_real(p.grad) for p in params],
             *([_real(st[f]) for st in states] for f in TREE_FIELDS),
-            shared["weights"], shared["step"], lr, m, group["scale_init_precond"], True)
+            shared["weights"], shared["step"], lr, m, group["scale_init_precond"], True,
+            self.reduce_group)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:

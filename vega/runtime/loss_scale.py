@@ -104,14 +104,24 @@ def _float_leaf(x) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
-def grads_finite(grads) -> torch.Tensor:
+def grads_finite(grads, *, reduce_group=None) -> torch.Tensor:
     """A 0-d bool tensor: every element of every float leaf of ``grads`` is finite.
 
     No host sync: one ``isfinite(...).all()`` per leaf, combined on the device.
     Non-float leaves are ignored; with no float leaf at all the answer is ``True``
-    (on the CPU).
+    (on the CPU). DTensor leaves are checked on their local shards, the non-finite
+    count all-reduced over their mesh, and over ``reduce_group`` where one is given (a
+    process group whose ranks each hold other leaves): every rank then gets the same
+    answer, and every rank of the group must call it.
     """
-    flags = [torch.isfinite(g).all() for g in pytree.tree_leaves(grads) if _float_leaf(g)]
+    from vega.runtime import sharded
+    sharded.check_group("grads_finite", reduce_group)
+    leaves = [g for g in pytree.tree_leaves(grads) if _float_leaf(g)]
+    if sharded.involved(leaves, reduce_group):
+        bad = sharded.spanning_sum("grads_finite", leaves, lambda x: (~torch.isfinite(x)).sum(
+            dtype=torch.float64), reduce_group)
+        return bad == 0
+    flags = [torch.isfinite(g).all() for g in leaves]
     if not flags:
         return torch.ones((), dtype=torch.bool)
     if len(flags) == 1:
@@ -310,10 +320,12 @@ class LossScale:
         self.device_given = True
         return self
 
-    def step(self, grads, step_fn, state):
+    def step(self, grads, step_fn, state, *, reduce_group=None):
         """One loss-scaled step: ``(new state, next loss scale)``.
 
-        Divides ``grads`` by the scale, checks them with :func:`grads_finite`, computes
+        Divides ``grads`` by the scale, checks them with :func:`grads_finite` (over
+        ``reduce_group`` too, where one is given: a non-finite gradient on any rank
+        skips the step on every rank), computes
         ``step_fn(unscaled grads)`` -- the new state, a pytree shaped like ``state`` --
         and keeps every leaf of ``state`` exactly as it was if the gradients were not
         finite (``torch.where``, no host sync). Call it as
@@ -321,7 +333,7 @@ class LossScale:
         ``vega.LossScale.step(ls, grads, step_fn, (params, st))``.
         """
         unscaled = self.unscale(grads)
-        finite = grads_finite(unscaled)
+        finite = grads_finite(unscaled, reduce_group=reduce_group)
         new = step_fn(unscaled)
         new_leaves, new_spec = pytree.tree_flatten(new)
         old_leaves, old_spec = pytree.tree_flatten(state)

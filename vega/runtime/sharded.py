@@ -71,21 +71,62 @@ def view_of(where: str, t) -> ShardView:
     tensor's axes, the axes its placements split, and the weight of its partial sums.
     ValueError for a placement whose local values are partial sums (``Partial``)."""
     shape = tuple(t.shape)
-    axes = matrix_axes(shape)
+    split, replicas = _placed(where, t)
+    local = tuple(t.to_local().shape)
+    return ShardView(Geometry(local, axes=matrix_axes(shape)), geometry(shape),
+                     frozenset(split), 1.0 / replicas)
+
+
+def _placed(where: str, t) -> tuple[set, int]:
+    """(the axes the placements of DTensor ``t`` split, how many ranks hold each of its local
+    values); ValueError for ``Partial`` placements."""
     mesh = t.device_mesh
     split, replicas = set(), 1
     for dim, pl in enumerate(t.placements):
         if pl.is_shard():
             if mesh.size(dim) > 1:
-                split.add(pl.dim % len(shape))
+                split.add(pl.dim % t.dim())
         elif pl.is_replicate():
             replicas *= mesh.size(dim)
         else:
             raise ValueError(f"{where} is a DTensor with placements {tuple(t.placements)}: "
                              f"its local values are not its own ({pl}); redistribute it to "
                              "Shard or Replicate placements before the step")
-    local = tuple(t.to_local().shape)
-    return ShardView(Geometry(local, axes), geometry(shape), frozenset(split), 1.0 / replicas)
+    return split, replicas
+
+
+def spanning_sum(owner: str, leaves, part, reduce_group) -> torch.Tensor:
+    """``sum(part(x) for x in leaves)`` over every rank's leaves: a DTensor leaf adds
+    ``part`` of its local shard (divided by the number of ranks holding each of its values,
+    so that a replicated value counts once), and the sum is all-reduced over the leaves'
+    mesh, then over ``reduce_group``: one collective each, whatever the number of leaves.
+    ``part`` returns a 0-d tensor; the leaves are all DTensors on one mesh or all plain.
+    Every rank of the group must call it (with no leaf, its sum is ``part``'s zero)."""
+    mesh, total = None, None
+    for i, x in enumerate(leaves):
+        if is_dtensor(x):
+            where = f"{owner}: leaf {i}"
+            if mesh is None and i > 0:
+                raise ValueError(f"{where} is a DTensor, others plain tensors: a reduction "
+                                 "over DTensors takes DTensors only")
+            if mesh is not None and x.device_mesh != mesh:
+                raise ValueError(f"{where} is a DTensor on mesh {x.device_mesh}, another on "
+                                 f"{mesh}: one reduction spans one mesh")
+            mesh = x.device_mesh
+            _, replicas = _placed(where, x)
+            value = part(x.to_local())
+            value = value / replicas if replicas > 1 else value
+        else:
+            if mesh is not None:
+                raise ValueError(f"{owner}: leaf {i} is a plain tensor, others DTensors: a "
+                                 "reduction over DTensors takes DTensors only")
+            value = part(x)
+        total = value if total is None else total + value.to(total.device)
+    if total is None:
+        total = part(torch.zeros(0))
+    groups = (mesh_groups(mesh) if mesh is not None else []) + (
+        [reduce_group] if reduce_group is not None else [])
+    return combine([("sum", total.reshape(1))], groups)[0].reshape(())
 
 
 def state_placements(p, dom: str) -> tuple:

@@ -35,13 +35,29 @@ def _positive(who: str, name: str, value) -> None:
         raise ValueError(f"{who}: {name}={value!r} must be a positive number")
 
 
-def global_norm(grads) -> torch.Tensor:
+def global_norm(grads, *, reduce_group=None) -> torch.Tensor:
     """The joint L2 norm of all float leaves: a 0-d tensor, no host sync.
 
     Computed in float32 (half-precision leaves are widened), or in float64 if any
     leaf is float64 (or complex128). ``0.0`` (float32, CPU) if there is no float leaf.
+
+    Across processes: DTensor leaves (FSDP2's gradients) count each value once, their
+    local shards' sums of squares all-reduced over their mesh; ``reduce_group`` (a
+    process group, as for ``ZeroRedundancyOptimizer``, whose ranks each hold other
+    leaves) all-reduces the sum of squares over that group too. One collective each,
+    and every rank of the group must call it.
     """
+    from vega.runtime import sharded
+    sharded.check_group("global_norm", reduce_group)
     leaves = [_real_view(g) for g in pytree.tree_leaves(grads) if _float_leaf(g)]
+    if sharded.involved(leaves, reduce_group):
+        dtype = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
+        if reduce_group is not None and not leaves:
+            # (what the other ranks' leaves are: a rank without any cannot know; float64
+            # sums meet float32 ones as float64 in no collective, so the group must agree)
+            dtype = torch.float32
+        return sharded.spanning_sum("global_norm", leaves, lambda x: torch.linalg.vector_norm(
+            x, dtype=dtype).square(), reduce_group).sqrt()
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
@@ -52,7 +68,7 @@ def global_norm(grads) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
 
 
-def clip_by_global_norm(grads, max_norm):
+def clip_by_global_norm(grads, max_norm, *, reduce_group=None):
     """Rescale all float leaves together so that their joint L2 norm is at most ``max_norm``.
 
     Each leaf becomes ``g * max_norm / max(norm, max_norm)`` (optax's rule: the identity
@@ -60,24 +76,35 @@ def clip_by_global_norm(grads, max_norm):
     and applied at the leaf's dtype (in float32 for half-precision leaves). A non-finite
     norm makes the result non-finite too, so a finite check after clipping still sees
     the overflow. ``max_norm`` is a positive number (``inf``: no clipping) or a 0-d tensor.
+    The norm is :func:`global_norm`'s, over ``reduce_group`` too where one is given (and
+    over the mesh of DTensor leaves, which stay DTensors).
     """
+    from vega.runtime import sharded
     _positive("clip_by_global_norm", "max_norm", max_norm)
+    sharded.check_group("clip_by_global_norm", reduce_group)
     if not isinstance(max_norm, torch.Tensor) and math.isinf(max_norm):
         return grads
-    norm = global_norm(grads)
+    norm = global_norm(grads, reduce_group=reduce_group)
     if isinstance(max_norm, torch.Tensor):
         bound = torch.maximum(norm, max_norm.to(norm.device, norm.dtype))
     else:  # a scalar bound: no host-to-device copy (not allowed under CUDA graph capture)
         bound = torch.clamp(norm, min=max_norm)
     coef = max_norm / bound
 
-    def one(g):
-        if not _float_leaf(g):
-            return g
+    def scaled(g):
         if g.dtype in (torch.float16, torch.bfloat16):
             return (g.float() * coef.to(g.device, torch.float32)).to(g.dtype)
         real = g.dtype.to_real() if g.dtype.is_complex else g.dtype
         return g * coef.to(g.device, real)
+
+    def one(g):
+        if not _float_leaf(g):
+            return g
+        if sharded.is_dtensor(g):  # (the coefficient is a plain tensor, the same on every rank)
+            from torch.distributed.tensor import DTensor
+            return DTensor.from_local(scaled(g.to_local()), g.device_mesh, g.placements,
+                                      run_check=False, shape=g.shape, stride=g.stride())
+        return scaled(g)
     return pytree.tree_map(one, grads)
 
 
