@@ -371,6 +371,8 @@ SHARED = """optimizer shared(lr = 0.1) {
 
 
 def _stores(source: str, function: str) -> str:
+    """The states a function of ``source`` stores (``phase0``: the body of ``vega_phase0``
+    and ``vega_phase0_partial``)."""
     body = source.split(f"void {function}(")[1].split("\nvoid ")[0]
     return " ".join(sorted({line.split("=")[0].strip() for line in body.splitlines()
                             if line.strip().startswith(("SO0_[j]", "SO1_[j]"))}))
@@ -383,13 +385,13 @@ def test_state_written_by_the_reduction_phase(dtype):
     later loop reads the old value (``old`` below keeps m in the update). A skipped step
     writes nothing in either loop."""
     lamb = vega.lamb.source("c")
-    assert _stores(lamb, "vega_phase0") == "SO0_[j] SO1_[j]"
+    assert _stores(lamb, "phase0") == "SO0_[j] SO1_[j]"
     assert _stores(lamb, "vega_update") == ""
     keeping = vega.compile(KEEPING)
     src = keeping.source("c")
-    assert _stores(src, "vega_phase0") == "SO1_[j]" and _stores(src, "vega_update") == "SO0_[j]"
+    assert _stores(src, "phase0") == "SO1_[j]" and _stores(src, "vega_update") == "SO0_[j]"
     chained, shared = vega.compile(CHAINED), vega.compile(SHARED)
-    assert _stores(chained.source("c"), "vega_phase0") == ""
+    assert _stores(chained.source("c"), "phase0") == ""
     assert _stores(shared.source("c"), "vega_update") == "SO0_[j] SO1_[j]"
     for spec in (keeping, vega.lamb, chained, shared):
         params = make_params(dtype)

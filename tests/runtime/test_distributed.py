@@ -2,7 +2,8 @@
 (``fully_shard``: DTensor parameters) against the same optimizer unsharded, in float64, five
 steps with ``max_grad_norm``, for a rule of each kind of reduction (AdamW: the global norm
 only; LAMB: per-tensor norms; Adafactor, factored: row and column means along an axis a
-shard splits; SGD with momentum; a rule with every other reduction, max included); the
+shard splits; SGD with momentum; a rule with every other reduction, max included; one with
+per-tensor reductions alone, in two stages, which the C kernels' phases step); the
 collectives of each step counted (one per stage of
 reductions, for all tensors at once); a NaN in one rank's shard skips the step on every rank;
 ``torch.distributed.checkpoint`` resumes bitwise under FSDP2 and DDP; the example of
@@ -75,13 +76,20 @@ def launch(world: int, checks: list[str], tmp_path: Path, timeout: float = 240) 
 
 
 def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
-    found = launch(2, ["AdamW", "LAMB", "Adafactor", "SGD", "reductions", "nan", "dcp",
+    found = launch(2, ["AdamW", "LAMB", "Adafactor", "SGD", "reductions", "per_tensor", "nan",
+                       "dcp",
                        "dcp-ddp", "zero", "docs", "functions"], tmp_path)
     assert found[0] == found[1]  # every rank saw the same
-    for name, collectives in {"AdamW": 1, "LAMB": 2, "Adafactor": 4, "SGD": 1,
-                              "reductions": 3}.items():
+    for name, collectives, staged in (("AdamW", 1, []), ("LAMB", 2, ["c"]),
+                                      ("Adafactor", 4, ["c", "reference"]), ("SGD", 1, []),
+                                      ("reductions", 3, ["reference"]),
+                                      ("per_tensor", 3, ["c"])):
         assert found[0][name]["diff"] <= 1e-9, name
         assert found[0][name]["collectives"] == collectives, name
+        # per-tensor reductions split by a shard: in the C kernels' phases (their partial
+        # results combined across ranks); those along an axis (Adafactor's factored
+        # matrices, not its vectors): the reference's stages
+        assert found[0][name]["staged"] == staged, name
     assert found[0]["nan"] == "skipped"
     assert found[0]["dcp-fsdp"] == found[0]["dcp-ddp"] == "bitwise"
     assert found[0]["docs"] == "learns"  # docs/distributed.md's example

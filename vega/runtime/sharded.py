@@ -320,7 +320,9 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
     gens = {}
     for k, loc in enumerate(locs):
         if loc.staged():
-            kern = codegen.kernel("reference", loc.program)
+            kern = codegen.kernel(loc.backend, loc.program)
+            if not getattr(kern, "stageable", False):  # (Triton's, and the C kernels of a
+                kern = codegen.kernel("reference", loc.program)  # program over a matrix view)
             values = engine.tensor_values(loc.program, kern, loc.values, loc.steps)
             gens[k] = kern.staged(loc.lp, loc.lg, loc.ls, loc.steps, values, donate, pre,
                                   loc.views)

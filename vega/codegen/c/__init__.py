@@ -15,6 +15,8 @@ over all tensors:
   count of non-finite elements into ``pre``;
 - ``vega_phase<k>``: per-tensor reductions (``norm``, ``sum``, ``mean``, ``max``)
   of phase k, into ``red``; values needed on both sides are recomputed;
+  ``vega_phase<k>_partial`` leaves them unfinished (a sum of squares for a norm, a
+  sum for a mean), for ``vega.runtime.sharded`` to combine across processes;
 - ``vega_update``: the spec's element program, skipping every write when
   ``pre`` counted a non-finite gradient. It reads p and the states at their
   addresses and writes them at the "out" ones: the same addresses for a step in

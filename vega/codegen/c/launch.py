@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import operator
 import threading
 import weakref
@@ -22,7 +23,7 @@ from vega.codegen.c.render import Source
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths
 from vega.codegen.tensors import (has_own_ops, own_ops_words, refuse_inplace, resolved, roles,
                                   shared_pair)
-from vega.dsl.ir import Program
+from vega.dsl.ir import Kind, Op, Program
 from vega.tracing import untraced
 
 # -- running ------------------------------------------------------------------
@@ -87,8 +88,9 @@ class Kernel:
         if dtypes not in self._libs:
             lib, _, _ = cbuild.build(self.source(dtypes))
             names = ["vega_prelude", "vega_axes_step"] if self._axes else \
-                ["vega_prelude", "vega_update"] + [f"vega_phase{k}" for k in range(
-                    self._nphases)] + (["vega_fused"] if self._nphases else [])
+                ["vega_prelude", "vega_update"] + [f"vega_phase{k}{how}" for k in range(
+                    self._nphases) for how in ("", "_partial")] + (
+                    ["vega_fused"] if self._nphases else [])
             for name in names:
                 fn = getattr(lib, name)
                 fn.restype = None
@@ -265,6 +267,73 @@ class Kernel:
         states = [flat[k * n:(k + 1) * n] for k in range(len(states))]
         finite = record.finite_of(pre)
         return params, states, [unique[k] for k in step_index], finite
+
+    @property
+    def stageable(self) -> bool:
+        """Whether ``staged`` runs this program here: its reductions are per tensor, each of
+        per-element values (a program over a matrix view, Adafactor's, steps its shards on
+        the reference's staged step)."""
+        return not self._axes and all(n.src[0].kind == Kind.ELEMENT and n.src[0].dom == "rc"
+                                      for ph in reduction_phases(self.program) for n in ph)
+
+    def staged(self, params, grads, states, steps, values, donate, pre, views):
+        """``vega.codegen.reference.Kernel.staged`` in these kernels (where ``stageable``):
+        each phase of per-tensor reductions (``vega_phase{k}_partial``) leaves its partial
+        results (a sum of squares, a sum, a maximum) in the reduction buffer; they are
+        yielded, each times its tensor's ``ShardView.weight``, as ``[(how, float64
+        tensor)]`` (one sum and one max tensor of every tensor's partials, per dtype group)
+        and are sent back combined over all processes, finished here (a norm's square
+        root, a mean's division by the whole tensor's count) for the next phase and the
+        update to read."""
+        unique, step_index = distinct(steps)
+        if not donate:
+            unique = [s.clone() for s in unique]
+        hyp, hyp_index = self._hyper_tables(values)
+        flat = [s for col in states for s in col]
+        if not donate:
+            params, flat = [p.clone() for p in params], [s.clone() for s in flat]
+        self._refuse_writes(params, flat, unique)
+        work_p = [resolved(p).contiguous() for p in params]
+        work_g = [resolved(g).contiguous() for g in grads]
+        work_s = [resolved(s).contiguous() for s in flat]
+        work_h = [h.contiguous() for h in hyp]
+        tables = self._tables(work_p, work_g, work_s, unique, step_index, work_h, hyp_index)
+        nth = torch.get_num_threads()
+        phases = reduction_phases(self.program)
+        for _, _, red, _ in tables:
+            red.zero_()  # (a skipped step's phases write nothing)
+        at = 0
+        for k, phase in enumerate(phases):
+            cols = list(range(at, at + len(phase)))
+            at += len(phase)
+            parts, finish = [], []
+            for lib, table, red, idx in tables:
+                getattr(lib, f"vega_phase{k}_partial")(table.shape[0], _ptr(table), _ptr(pre),
+                                                       _ptr(red), nth)
+                grid = red[:len(idx) * self._nred].view(len(idx), self._nred)
+                weight = torch.tensor([views[i].weight for i in idx], dtype=torch.float64)
+                count = torch.tensor([math.prod(views[i].full.full) for i in idx],
+                                     dtype=torch.float64)
+                for c, node in zip(cols, phase):
+                    how = "max" if node.op is Op.AMAX else "sum"
+                    parts.append((how, grid[:, c] if how == "max" else grid[:, c] * weight))
+                    finish.append((grid, c, node.op, count))
+            combined = yield parts
+            for (grid, c, op, count), value in zip(finish, combined):
+                grid[:, c] = value.sqrt() if op is Op.NORM else (
+                    value / count if op is Op.MEAN else value)
+        for lib, table, red, _ in tables:
+            lib.vega_update(table.shape[0], _ptr(table), _ptr(pre), _ptr(red), nth)
+        if tables:
+            step_ptrs = _int64s([s.data_ptr() for s in unique])
+            tables[-1][0].vega_advance(len(unique), _ptr(step_ptrs), _ptr(pre))
+        for orig, work in zip([*params, *flat], [*work_p, *work_s]):
+            if work is not orig:
+                orig.copy_(work)
+        _written(params)
+        n = len(params)
+        return (params, [flat[k * n:(k + 1) * n] for k in range(len(states))],
+                [unique[k] for k in step_index], record.finite_of(pre))
 
     def _traced_step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index,
                      pre) -> None:

@@ -409,12 +409,14 @@ class Source:
                 "pre[PRE_MAX_NORM]));",
                 "    }"]
 
-    def _parallel(self, name: str, skip: str, before=()) -> list[str]:
+    def _parallel(self, name: str, skip: str, before=(), raw: bool = False) -> list[str]:
         """An entry point's head: the prologue, the tensors' starts, and a thread's share
-        [lo, hi) of all their elements, from tensor i (the one holding lo) on."""
+        [lo, hi) of all their elements, from tensor i (the one holding lo) on. ``raw``: a
+        static function with one more argument, ``raw`` (``_phase``'s)."""
+        head = f"static void {name}(" if raw else f"void {name}("
         return [
-            f"void {name}(int64_t nt, const int64_t *tab, const double *pre, double *red, "
-            "int nth) {",
+            f"{head}int64_t nt, const int64_t *tab, const double *pre, double *red, "
+            f"int nth{', int raw' if raw else ''}) {{",
             *self._prologue(skip),
             "    int64_t *start = starts(nt, tab);",
             "    int64_t total = start[nt];",
@@ -427,9 +429,9 @@ class Source:
             "        int64_t i = lo < hi ? locate(start, nt, lo) : nt;"]
 
     def _loop(self, name, before, uses, block_init, nodes, tail, block_end, finish, simd="",
-              stored=None, skip="return;"):
+              stored=None, skip="return;", raw=False):
         return [
-            *self._parallel(name, skip, before),
+            *self._parallel(name, skip, before, raw),
             "        while (lo < hi) {",
             "            const int64_t *row = tab + i * ROW;",
             "            int64_t b = lo - start[i];",
@@ -537,10 +539,18 @@ class Source:
             finish.append(f"            {_combine(_PARTIALS[node.op], f'r{q}', 'x')}")
             finish.append("        }")
             value = _finish(node.op, f"r{q}", "(double)tab[i * ROW + COL_NUMEL]")
-            finish.append(f"        red[i * NRED + {self.slots[id(node)]}] = {value};")
+            finish.append(f"        red[i * NRED + {self.slots[id(node)]}] = "
+                          f"raw ? r{q} : {value};")
         finish += ["    }", "    free(part);"]
-        return self._loop(f"vega_phase{k}", before, used, block_init, nodes, tail, block_end,
-                          finish, simd, stored)
+        args = "nt, tab, pre, red, nth"
+        sig = "int64_t nt, const int64_t *tab, const double *pre, double *red, int nth"
+        return self._loop(f"phase{k}", before, used, block_init, nodes, tail, block_end,
+                          finish, simd, stored, raw=True) + [
+            f"void vega_phase{k}({sig}) {{ phase{k}({args}, 0); }}",
+            "/* each reduction's partial result, its threads' combined but not finished (a sum",
+            "   of squares for a norm, a sum for a mean): vega.runtime.sharded combines those",
+            "   of all processes, finishes them, and gives them to the next phase */",
+            f"void vega_phase{k}_partial({sig}) {{ phase{k}({args}, 1); }}", ""]
 
     def _fused(self) -> list[str]:
         """``vega_fused``, for tables of small tensors only (``FUSED_MAX``): each thread takes
