@@ -119,19 +119,28 @@ class Staged:
         self.kinds = sorted(self.kinds)
 
 
-def sharded(net):
+def sharded(net, mesh=None):
+    """``net`` under FSDP2, each Linear a unit; ``mesh``: a 2-D (replicate, shard) mesh for
+    HSDP, by default the world's 1-D one."""
     from torch.distributed.fsdp import fully_shard
     for layer in net:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(net)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     return net
 
 
-def fsdp_against_unsharded(name: str) -> None:
+def fsdp_against_unsharded(name: str, hybrid: bool = False) -> None:
+    """``name``'s class under FSDP2 against the same unsharded, five steps; ``hybrid``:
+    HSDP over a 2 x (WORLD / 2) mesh, each shard replicated twice (a partial sum of a
+    replicated value counting once, each collective once per mesh dimension)."""
     cls, hypers = OPTIMIZERS[name]
     plain = model()
-    net = sharded(copy.deepcopy(plain))
+    mesh = None
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+    net = sharded(copy.deepcopy(plain), mesh)
     opt_plain = cls(plain.parameters(), max_grad_norm=1.0, **hypers)
     opt = cls(net.parameters(), max_grad_norm=1.0, **hypers)
     counts = []
@@ -157,6 +166,11 @@ def fsdp_against_unsharded(name: str) -> None:
     if name == "Adafactor":  # factored: both weights
         assert sum("v_row" in opt.state[p] for p in net.parameters()) == 2
     assert worst <= 1e-9, (name, worst)
+    if hybrid:  # (a collective over each of the mesh's two dimensions)
+        assert counts == [2 * COLLECTIVES[name]] * 5, (name, counts)
+        assert all(len(p.placements) == 2 for p in net.parameters())
+        found[f"hsdp-{name}"] = {"diff": worst, "staged": where.kinds}
+        return
     assert counts == [COLLECTIVES[name]] * 5, (name, counts)
     found[name] = {"diff": worst, "collectives": counts[0], "staged": where.kinds}
 
@@ -348,6 +362,8 @@ def main() -> None:
     for check in CHECKS:
         if check in OPTIMIZERS:
             fsdp_against_unsharded(check)
+        elif check.startswith("hsdp-"):
+            fsdp_against_unsharded(check.removeprefix("hsdp-"), hybrid=True)
         else:
             {"nan": nan_skips, "dcp": dcp_resume, "zero": zero_against_ddp,
              "dcp-ddp": lambda: dcp_resume("ddp"), "docs": docs_example,

@@ -102,10 +102,17 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
 
 
 def test_fsdp2_on_four_ranks(tmp_path):
-    """Four ranks: the 5-row weight's shards hold 2, 2, 1 and 0 rows."""
-    found = launch(4, ["Adafactor"], tmp_path)
+    """Four ranks: the 5-row weight's shards hold 2, 2, 1 and 0 rows. And HSDP, a 2 x 2
+    mesh (each shard held by two ranks): a replicated value's partial sums count once, and
+    each collective runs over both mesh dimensions."""
+    found = launch(4, ["Adafactor", "hsdp-AdamW", "hsdp-LAMB", "hsdp-Adafactor",
+                       "hsdp-per_tensor"], tmp_path)
     assert all(f == found[0] for f in found)
     assert found[0]["Adafactor"]["diff"] <= 1e-9
+    for name, staged in (("AdamW", []), ("LAMB", ["c"]), ("Adafactor", ["c", "reference"]),
+                         ("per_tensor", ["c"])):
+        assert found[0][f"hsdp-{name}"]["diff"] <= 1e-9, name
+        assert found[0][f"hsdp-{name}"]["staged"] == staged, name
 
 
 def test_reduce_group_is_checked():
