@@ -24,8 +24,9 @@ def test_rows_of_a_tiny_run():
         assert rows[label] > 0, label
     others = bench.other_rows(shapes, grads, ["sgd", "adafactor"])
     assert [r[0] for r in others] == ["sgd", "adafactor"]
-    for _, ours, label, theirs in others:
+    for _, ours, label, theirs, bound in others:
         assert ours > 0 and label.startswith("torch.optim.") and theirs > 0
+        assert math.isnan(bound)  # (no bound raced with them)
     assert not any(math.isnan(v) for v in rows.values())
 
 
@@ -57,7 +58,8 @@ def _fake_run():
         bench.FUNCTIONAL_FUSED)}
     rows["vega AdamW"] = 0.007
     return {"tiny": {"nparams": 10**6, "rows": rows,
-                     "others": [("sgd", 0.005, "torch.optim.SGD foreach", 0.01)]}}
+                     "others": [("sgd", 0.005, "torch.optim.SGD foreach", 0.01,
+                                 float("nan"))]}}
 
 
 def test_every_row_prints_its_bytes_and_bound():
@@ -97,3 +99,35 @@ def test_the_cost_around_the_kernels_is_reported_a_tensor():
     bench.report_host({"vega AdamW": 0.5e-6}, lambda text="": lines.append(text))
     assert lines[0].startswith("== the cost of a step around its kernels (1,000 one-element")
     assert lines[1].split()[-4:] == ["0.50", "us", "a", "tensor"]
+
+
+def test_the_bound_is_raced_with_the_rows():
+    """A bandwidth loop raced with a table's rows bounds them by its median there: here it
+    moves 8 MB in 2 ms (4 GB/s), where the rate measured at the start says 8 GB/s."""
+    run = _fake_run()
+    run["tiny"]["rows"][bench.BOUND] = 0.002
+    run["tiny"]["bound_bytes"] = 8 * 10**6
+    run["tiny"]["others"] = [("sgd", 0.005, "torch.optim.SGD foreach", 0.01, 0.004)]
+    lines = []
+    bench.report(run, 8e9, lambda text="": lines.append(text))
+    text = "\n".join(lines)
+    assert "bandwidth bound raced with the AdamW rows: 4.0 GB/s" in text
+    assert not any(line.startswith(bench.BOUND) for line in lines), text  # not a step's row
+    assert any(line.startswith("vega AdamW ") and "1.00x bound" in line for line in lines), text
+    # sgd's own race: 8 MB in 4 ms, 2 GB/s: its 5 ms for 20 MB is 0.50x that bound
+    assert any(line.startswith("sgd ") and "0.50x bound" in line for line in lines), text
+    found = bench.ratios(run, 8e9)
+    assert abs(found[("tiny", "vega AdamW / bound")] - 1.0) < 1e-12
+    assert abs(found[("tiny", "sgd / bound")] - 0.5) < 1e-12
+
+
+def test_a_stream_row_moves_its_bytes():
+    stream = bench.Stream("plain", elements=1 << 12)
+    assert stream.nbytes == bench.STREAM_BYTES << 12
+    stream()
+    if bench.cbuild.available():
+        assert stream.fn is not None and stream.arrays[2].abs().sum() > 0  # m was written
+        shapes = [(3, 4), (5,)]
+        _, grads = bench._tensors(shapes)
+        (row,) = bench.other_rows(shapes, grads, ["sgd"], stream)
+        assert row[4] > 0  # raced with sgd and its counterpart

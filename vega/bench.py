@@ -173,6 +173,33 @@ def bandwidth(elements: int = 1 << 24, repeats: int = 7) -> tuple[float, str]:
     return best, which
 
 
+class Stream:
+    """``_STREAM_C``'s faster loop over four float32 arrays of ``elements`` each, as a row
+    to race beside the steps (``race``): the bandwidth bound measured in the same rounds as
+    the rows it bounds, so that a drift of the machine's speed touches both alike.
+    ``nbytes``: what one call moves. Calling it without a C compiler does nothing."""
+
+    def __init__(self, loop: str, elements: int = 1 << 24):
+        self.fn = None
+        self.nbytes = STREAM_BYTES * elements
+        if not cbuild.available() or loop not in ("plain", "quarters"):
+            return
+        import ctypes
+        lib, _, _ = cbuild.build(_STREAM_C)
+        self.arrays = [torch.full((elements,), x) for x in (0.5, 0.01, 0.0, 0.0)]
+        self.args = [ctypes.c_void_p(a.data_ptr()) for a in self.arrays] + [elements]
+        self.fn = getattr(lib, f"vega_stream_{loop}")
+        self.fn.restype = None
+        self.fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+
+    def __call__(self) -> None:
+        if self.fn is not None:
+            self.fn(*self.args)
+
+
+BOUND = "(the bandwidth bound, raced with the rows: an AdamW-like loop)"
+
+
 def bytes_per_param(name: str, hypers: dict | None = None, fused: bool = False,
                     itemsize: int = 4) -> int:
     """The bytes a step of shipped spec ``name`` must move for each parameter, all tensors
@@ -199,7 +226,7 @@ def _bound_note(secs: float, nbytes: int, nparams: int, rate: float) -> str:
     return f"{nbytes:>4} B/param {secs / (nbytes * nparams / rate):>6.2f}x bound"
 
 
-def adamw_rows(shapes, grads, compile_torch=True):
+def adamw_rows(shapes, grads, compile_torch=True, bound: Stream | None = None):
     # the rows of processes of their own first, while this one holds little memory: on a
     # virtual machine, the fresh pages of a pure step cost up to 4x more when the memory
     # of other processes is large (pages the host has to find again)
@@ -234,6 +261,8 @@ def adamw_rows(shapes, grads, compile_torch=True):
         compiled()
         compile_secs = time.perf_counter() - t0
         fns["torch.compile(AdamW.step)"] = compiled
+    if bound is not None and bound.fn is not None:
+        fns[BOUND] = bound
     rows = race(fns)
     rows.update(alone)
     if compile_secs is not None:
@@ -313,8 +342,11 @@ def optax_seconds(shapes) -> float:
     return race({"optax": run})["optax"]
 
 
-def other_rows(shapes, grads, names):
+def other_rows(shapes, grads, names, bound: Stream | None = None):
+    """Per optimizer: (name, vega's median seconds, the counterpart's label, its seconds,
+    the seconds of ``bound`` raced with them: NaN without one)."""
     rows = []
+    raced = {"bound": bound} if bound is not None and bound.fn is not None else {}
     for name in names:
         if name not in vega.builtin_names() or name not in OTHERS:
             continue
@@ -327,13 +359,14 @@ def other_rows(shapes, grads, names):
             ref = ref_cls(_leaves(shapes, grads), **kwargs, **extra)
             label = f"{'torch.optim' if module == 'torch' else module}.{cls}" + (
                 " foreach" if extra else "")
-            times = race({"vega": opt.step, "theirs": ref.step}, budget=3.0)
+            times = race({"vega": opt.step, "theirs": ref.step, **raced}, budget=3.0)
             ours, theirs = times["vega"], times["theirs"]
         except (ImportError, AttributeError) as err:  # not installed, or no such class
-            ours = race({"vega": opt.step}, budget=3.0)["vega"]
+            times = race({"vega": opt.step, **raced}, budget=3.0)
+            ours = times["vega"]
             missing = "not installed" if isinstance(err, ImportError) else f"no {cls}"
             theirs, label = float("nan"), f"{module} ({missing})"
-        rows.append((name, ours, label, theirs))
+        rows.append((name, ours, label, theirs, times.get("bound", float("nan"))))
     return rows
 
 
@@ -425,9 +458,10 @@ ADAMW_BYTES = {"vega AdamW": ("adamw", False), "torch AdamW fused": ("adamw", Fa
                "vega AdamW + unscale, finite check, clip, skip": ("adamw", True)}
 
 
-def measure(quick: bool, compile_torch: bool) -> dict:
+def measure(quick: bool, compile_torch: bool, bound: Stream | None = None) -> dict:
     """One run of the comparison: per parameter set, its parameter count, the AdamW rows
-    (label -> median seconds) and the other optimizers' rows."""
+    (label -> median seconds) and the other optimizers' rows; with ``bound``, raced with
+    each table's rows (and the bytes one call of it moves)."""
     sets = {"GPT-2-like (40M params, 51 tensors)": gpt2_like(),
             "many-small (1,000 tensors <= 10k)": many_small(200 if quick else 1000)}
     out = {}
@@ -435,11 +469,20 @@ def measure(quick: bool, compile_torch: bool) -> dict:
         _, grads = _tensors(shapes)
         # torch.compile of 1,000 tensors takes minutes on 2 cores: the large set only
         rows = adamw_rows(shapes, grads, compile_torch=compile_torch and not quick
-                          and len(shapes) < 100)
+                          and len(shapes) < 100, bound=bound)
         names = [n for n in OTHERS if not quick or n in ("sgd", "lamb")]
         out[title] = {"nparams": sum(torch.Size(s).numel() for s in shapes), "rows": rows,
-                      "others": other_rows(shapes, grads, names)}
+                      "others": other_rows(shapes, grads, names, bound),
+                      "bound_bytes": bound.nbytes if bound is not None else 0}
     return out
+
+
+def _rate(res: dict, secs: float | None, rate: float) -> float:
+    """The bandwidth a row is bounded by: the raced loop's (its bytes over its median
+    ``secs``) where it ran, else ``rate`` (measured once at the start of the run)."""
+    if secs is None or not secs > 0 or not res.get("bound_bytes"):
+        return rate
+    return res["bound_bytes"] / secs
 
 
 def report(run: dict, rate: float, say) -> None:
@@ -448,10 +491,15 @@ def report(run: dict, rate: float, say) -> None:
     for title, res in run.items():
         rows, nparams = res["rows"], res["nparams"]
         say(f"== {title}: {nparams / 1e6:.1f}M parameters")
+        table_rate = _rate(res, rows.get(BOUND), rate)
+        if BOUND in rows:
+            say(f"bandwidth bound raced with the AdamW rows: {table_rate / 1e9:.1f} GB/s "
+                f"(its median call, {1e3 * rows[BOUND]:.2f} ms for "
+                f"{res['bound_bytes'] / 1e6:.0f} MB)")
         fused = rows["torch AdamW fused"]
         say(f"{'AdamW step':<60} {'median ms':>10} {'/ torch fused':>14}   bytes and bound")
         for label, secs in rows.items():
-            if label == FUNCTIONAL_FUSED:
+            if label in (FUNCTIONAL_FUSED, BOUND):
                 continue
             if label.startswith("("):
                 say(f"{label:<60} {secs:>10.1f} s")
@@ -462,7 +510,7 @@ def report(run: dict, rate: float, say) -> None:
             if label in ADAMW_BYTES:
                 name, with_prelude = ADAMW_BYTES[label]
                 note = "   " + _bound_note(secs, bytes_per_param(name, fused=with_prelude),
-                                           nparams, rate)
+                                           nparams, table_rate)
             say(f"{label:<60} {1e3 * secs:>10.2f} {secs / base:>13.2f}x" + "*" * alone + note)
         say(f"* new parameters and state each step, as optax's; raced with torch's fused step "
             f"alone ({1e3 * rows[FUNCTIONAL_FUSED]:.2f} ms there)")
@@ -472,8 +520,9 @@ def report(run: dict, rate: float, say) -> None:
             "GradScaler + clip + fused AdamW composite")
         say(f"\n{'optimizer':<10} {'vega ms':>9}   {'counterpart':<40} {'ms':>9} {'speed-up':>9}"
             "   vega's bytes and bound")
-        for name, ours, label, theirs in res["others"]:
-            note = _bound_note(ours, bytes_per_param(name, OTHERS[name][0]), nparams, rate)
+        for name, ours, label, theirs, bsecs in res["others"]:
+            note = _bound_note(ours, bytes_per_param(name, OTHERS[name][0]), nparams,
+                               _rate(res, bsecs, rate))
             say(f"{name:<10} {1e3 * ours:>9.2f}   {label:<40} {1e3 * theirs:>9.2f} "
                 f"{theirs / ours:>8.2f}x   {note}")
         say()
@@ -485,23 +534,25 @@ def ratios(run: dict, rate: float) -> dict:
     for title, res in run.items():
         rows, nparams = res["rows"], res["nparams"]
         fused = rows["torch AdamW fused"]
+        table_rate = _rate(res, rows.get(BOUND), rate)
         for label, secs in rows.items():
             if label.startswith("(") or label == FUNCTIONAL_FUSED:
                 continue
             base = rows[FUNCTIONAL_FUSED] if label == FUNCTIONAL else fused
             out[(title, f"{label} / torch fused")] = secs / base
-            if label in ADAMW_BYTES and rate > 0:
+            if label in ADAMW_BYTES and table_rate > 0:
                 name, with_prelude = ADAMW_BYTES[label]
                 out[(title, f"{label} / bound")] = secs / (
-                    bytes_per_param(name, fused=with_prelude) * nparams / rate)
+                    bytes_per_param(name, fused=with_prelude) * nparams / table_rate)
         composite = rows["torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW"]
         out[(title, "composite / vega fused step")] = composite / rows[
             "vega AdamW + unscale, finite check, clip, skip"]
-        for name, ours, _, theirs in res["others"]:
+        for name, ours, _, theirs, bsecs in res["others"]:
             out[(title, f"{name}: speed-up")] = theirs / ours
-            if rate > 0:
+            row_rate = _rate(res, bsecs, rate)
+            if row_rate > 0:
                 out[(title, f"{name} / bound")] = ours / (
-                    bytes_per_param(name, OTHERS[name][0]) * nparams / rate)
+                    bytes_per_param(name, OTHERS[name][0]) * nparams / row_rate)
     return out
 
 
@@ -522,8 +573,10 @@ def main(quick: bool = False, compile_torch: bool = True, out=None, repeat: int 
         rate, loop = bandwidth()
         say(f"\nbandwidth bound{f' (run {k + 1} of {repeat})' if repeat > 1 else ''}: "
             + (f"{rate / 1e9:.1f} GB/s, an AdamW-like float32 loop over 256 MB ({loop} "
-               f"split), {STREAM_BYTES} B an element" if rate > 0 else loop) + "\n")
-        run = measure(quick, compile_torch)
+               f"split), {STREAM_BYTES} B an element, the best of 7 calls; the tables "
+               "race the same loop with their rows, and bound each row by its median "
+               "there" if rate > 0 else loop) + "\n")
+        run = measure(quick, compile_torch, Stream(loop))
         report(run, rate, say)
         costs = host_costs()
         report_host(costs, say)

@@ -392,7 +392,12 @@ def tensor_values(program: Program, kern, values, steps):
     where no schedule is among them, else evaluated at each tensor's step counter (a
     ``HyperRows`` table, or a dict per tensor)."""
     compiling = torch.compiler.is_compiling()
-    uniq = list({id(v): v for v in values}.values()) if not compiling else values
+    if compiling:
+        uniq = values
+    elif values and values.count(values[0]) == len(values):  # (one dict for all: a class's
+        uniq = values[:1]                                     # group; compared by identity first)
+    else:
+        uniq = list({id(v): v for v in values}.values())
     if not any(_has_schedule(v) for v in uniq):
         return values  # nothing depends on the step: the values as they are
     rows = hyper_rows(program, values, steps)

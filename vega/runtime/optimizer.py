@@ -160,8 +160,9 @@ class SpecOptimizer(torch.optim.Optimizer):
             found_work.append((group, found if found is not None else
                                self._group_work(k, group, grads, flags, values)))
         group_of = getattr(self, "reduce_group", None)
-        if sharded.involved([p for _, w in found_work for item in w for p in item[2]],
-                            group_of):  # DTensors, or a reduce_group: vega.runtime.sharded
+        if group_of is not None or any(sharded.involved(item[2], None) for _, w in found_work
+                                       for item in w):  # DTensors, or a reduce_group:
+            # vega.runtime.sharded
             check = self.skip_nonfinite or self.loss_scale is not None
             pre, _ = sharded.fused(type(self).__name__, [i for _, w in found_work for i in w],
                                    engine.inverse_scale(self.loss_scale), self.max_grad_norm,

@@ -26,6 +26,7 @@ Nothing is read back to the host: collectives run on the tensors where they lie.
 from __future__ import annotations
 
 import sys
+from itertools import repeat
 
 import torch
 
@@ -63,7 +64,7 @@ def involved(params, reduce_group) -> bool:
     if reduce_group is not None:
         return True
     mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and any(isinstance(p, mod.DTensor) for p in params)
+    return mod is not None and any(map(isinstance, params, repeat(mod.DTensor)))
 
 
 def view_of(where: str, t) -> ShardView:
