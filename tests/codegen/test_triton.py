@@ -293,7 +293,7 @@ def test_launches_per_step_do_not_grow_with_tensors(monkeypatch, name, donate):
     k = f"vega_{name}"  # the kernels' names begin with it
     phases = [f"{k}_phase0", f"{k}_finish0"] if name == "lamb" else []
     # (this step's scalars once, then the update, which advances the counters too)
-    assert counts[3] == counts[300] == [f"{k}_prelude", f"{k}_prelude_finish", f"{k}_scalars",
+    assert counts[3] == counts[300] == [f"{k}_prelude", f"{k}_scalars",
                                         *phases, f"{k}_update"]
 
 
@@ -494,3 +494,32 @@ def test_min_and_max_of_equal_values_give_the_second():
         nan = x.isnan()
         assert torch.equal(nan, y.isnan()), name
         assert_same(x[~nan], y[~nan], name)  # signed zeros and infinities (not NaN's bits)
+
+
+@pytest.mark.parametrize("case", ["two groups", "loss scale", "no elements"])
+def test_the_prelude_writes_the_whole_record(case):
+    """The fused step's record comes from the prelude alone, made new (``torch.empty``):
+    its last program combines every program's sums and writes the settings, and a second
+    dtype group adds to it. Against the reference's record, made from a blank one."""
+    from vega.runtime import engine
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(3000, generator=gen).to(DEVICE),
+             torch.randn(5, 7, generator=gen, dtype=torch.float64).to(DEVICE)]
+    inv = None
+    if case == "two groups":
+        grads[1][2, 3] = float("nan")
+    elif case == "loss scale":
+        grads = grads[:1]
+        inv = torch.tensor(0.25, device=DEVICE)
+    else:
+        grads = [torch.zeros(0, device=DEVICE), torch.zeros(0, 4, device=DEVICE)]
+    program = vega.adamw.program()
+    records = {backend: engine.prelude([(program, backend, grads)], inv, 0.3, True)
+               for backend in ("triton", "reference")}
+    tri, ref = records["triton"], records["reference"]
+    assert torch.allclose(tri, ref, rtol=1e-12, atol=0, equal_nan=True), (tri, ref)
+    assert torch.equal(tri[1:], ref[1:])  # the count and the settings, exactly
+    assert tri[1].item() == (1.0 if case == "two groups" else 0.0)
+    # and again: the count of finished programs is back to 0 after each launch
+    again = engine.prelude([(program, "triton", grads)], inv, 0.3, True)
+    assert torch.allclose(again, tri, rtol=0, atol=0, equal_nan=True), (again, tri)

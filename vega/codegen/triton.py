@@ -913,9 +913,13 @@ class Kernel:
     def init(self, p, values, state_dtype):
         return self._reference.init(p, values, state_dtype)
 
-    def prelude(self, grads, pre: torch.Tensor) -> None:
-        """Add the gradients' sum of squares and non-finite count, unscaled, into ``pre``."""
-        triton_runtime.prelude(self, grads, pre)
+    writes_record = True  # its prelude can write a new record whole (``prelude``'s init)
+
+    def prelude(self, grads, pre: torch.Tensor, init=None) -> None:
+        """Add the gradients' sum of squares and non-finite count, unscaled, into ``pre``;
+        given ``init`` (``(inverse loss scale or None, max_norm, check)``), ``pre`` is new
+        and this writes all of it, no copy of a blank record first."""
+        triton_runtime.prelude(self, grads, pre, init)
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``."""

@@ -296,14 +296,36 @@ def _dtype_key(p, g, s):
     return DTYPES[p.dtype], DTYPES[g.dtype], DTYPES[s.dtype]
 
 
+_DONE = Kept(16)  # device -> int32 [1]: the prelude's count of finished programs, 0 at rest
+_SETTINGS = Kept(64)  # (device, max_norm, check) -> float64 [3]: 1, max_norm, check
+
+
+def settings(device: torch.device, max_norm, check: bool) -> torch.Tensor:
+    """The record's settings on ``device`` (an inverse loss scale of 1, ``max_norm``, 0 for
+    none, and ``check``), made once per value: a step reads them, copies nothing."""
+    device = torch.device(device)
+    norm = float(max_norm) if max_norm is not None else 0.0
+    return _SETTINGS.get((device, norm, bool(check)), lambda: _device(torch.tensor(
+        [1.0, norm, 1.0 if check else 0.0], dtype=torch.float64), device), _capturing(device))
+
+
 @torch.library.custom_op("vega::triton_prelude", mutates_args=("pre",))
-def _prelude_op(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor) -> None:
+def _prelude_op(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor,
+                setting: torch.Tensor | None, inv: torch.Tensor | None) -> None:
+    """Adds the gradients' sum of squares and non-finite count into ``pre``; or, given
+    ``setting`` (``settings``: the record is new, its contents undefined), writes the
+    whole record: the sums, the inverse loss scale (``inv``, else the setting's), the max
+    norm and the check. One launch per dtype group, the last of its programs combining
+    theirs."""
     kern = kernel_of(kernel)
     check_device(pre.device)
     name = kern.prefix
     groups: dict[str, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault(_dtype_key(g, g, g)[0], []).append(g)
+    capturing = _capturing(pre.device)
+    done = _DONE.get(pre.device, lambda: torch.zeros(1, dtype=torch.int32, device=pre.device),
+                     capturing)
     with _on(pre.device):
         for gdt, gs in groups.items():
             numels = tuple(g.numel() for g in gs)
@@ -317,13 +339,17 @@ def _prelude_op(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor) -> No
             programs = min(bmap.nblocks, PRELUDE_PROGRAMS)
             part = torch.empty((programs, 2), dtype=torch.float64, device=pre.device)
             launch(mod[f"{name}_prelude"], (programs,), table, bmap.tensor, bmap.start,
-                   bmap.nblocks, pre, part, BLOCK=block)
-            launch(mod[f"{name}_prelude_finish"], (1,), part, programs, pre,
-                   BLOCK=PRELUDE_PROGRAMS, num_warps=4)
+                   bmap.nblocks, pre, part, done, setting if setting is not None else pre,
+                   inv if inv is not None else pre, SET=setting is not None,
+                   HAS_INV=inv is not None, BLOCK=block, PARTS=PRELUDE_PROGRAMS)
+            setting = inv = None  # (the next groups add to the record)
+    if setting is not None:  # no gradient element at all: the record without sums
+        pre.copy_(torch.cat([setting.new_zeros(2), (inv if inv is not None else setting[0])
+                             .to(pre.device, torch.float64).reshape(1), setting[1:]]))
 
 
 @_prelude_op.register_fake
-def _(kernel, grads, pre) -> None:
+def _(kernel, grads, pre, setting, inv) -> None:
     return None
 
 
@@ -488,10 +514,19 @@ def _check(kern, what: str, x: torch.Tensor) -> None:
                          f"(float32, float64, bfloat16 and float16 only)")
 
 
-def prelude(kern, grads, pre: torch.Tensor) -> None:
+def prelude(kern, grads, pre: torch.Tensor, init=None) -> None:
+    """The kernel's ``prelude``; ``init``: ``(inverse loss scale or None, max_norm, check)``
+    where ``pre`` is new (``torch.empty``) and this launch writes all of it."""
     for g in grads:
         _check(kern, "gradients", g)
-    torch.ops.vega.triton_prelude(kern.key, [resolved(g).contiguous() for g in grads], pre)
+    setting = inv = None
+    if init is not None:
+        inv_scale, max_norm, check = init
+        setting = settings(pre.device, max_norm, check)
+        if inv_scale is not None:
+            inv = torch.as_tensor(inv_scale).detach().reshape(()).to(pre.device, torch.float64)
+    torch.ops.vega.triton_prelude(kern.key, [resolved(g).contiguous() for g in grads], pre,
+                                  setting, inv)
 
 
 def step(kern, params, grads, states, steps, values, donate, pre):

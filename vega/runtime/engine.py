@@ -15,7 +15,7 @@ import torch
 
 from vega import codegen
 from vega.codegen.base import HyperRows, distinct, is_schedule
-from vega.codegen.record import make_pre
+from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
 from vega.codegen.tensors import first_with_own_ops
 from vega.schedule import Schedule
@@ -303,11 +303,23 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
     if len(devices) > 1:
         raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "
                          f"device, got {sorted(map(str, devices))}")
-    pre = record(devices.pop() if devices else torch.device("cpu"), inv_scale, max_norm, check)
-    for program, backend, grads in parts:
+    device = devices.pop() if devices else torch.device("cpu")
+    kerns = [codegen.kernel(backend, program) for program, backend, _ in parts]
+    init = None
+    if kerns and all(getattr(k, "writes_record", False) for k in kerns):
+        # the first launch writes the record whole: no copy of a blank one first
+        pre = torch.empty(len(PRE_SLOTS), dtype=torch.float64, device=device)
+        init = (inv_scale, max_norm, check)
+    else:
+        pre = record(device, inv_scale, max_norm, check)
+    for kern, (_, _, grads) in zip(kerns, parts):
         if any(g.is_complex() for g in grads):
             grads = [_real(g) for g in grads]
-        codegen.kernel(backend, program).prelude(grads, pre)
+        if init is not None:
+            kern.prelude(grads, pre, init)
+            init = None
+        else:
+            kern.prelude(grads, pre)
     return pre
 
 
