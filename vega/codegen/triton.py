@@ -59,7 +59,7 @@ from importlib.resources import files
 import torch
 
 from vega.codegen import plan, reference, triton_runtime
-from vega.codegen.base import Linear, Renderer, linearize, state_var
+from vega.codegen.base import Linear, Renderer, linearize, state_dtype_names, state_var
 from vega.codegen.base import reduction_phases
 from vega.codegen.record import PRE_SLOTS, named
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, REDUCTIONS, Kind, Node, Op,
@@ -558,6 +558,10 @@ class Source:
     def __init__(self, program: Program, pdt: str, gdt: str, sdt: str):
         self.program, self.lin = program, linearize(program)
         self.dtypes = (pdt, gdt, sdt)
+        # each value's storage dtype: p, g and each state's (s_<name>)
+        self.storage = {"p": pdt, "g": gdt, **{
+            state_var(name): dt for name, dt in zip(
+                program.state_names, state_dtype_names(sdt, len(program.states)))}}
         self.ct = "tl.float64" if pdt == "float64" else "tl.float32"
         self.phases = reduction_phases(program)
         self.slots = {id(n): j for j, n in enumerate(n for ph in self.phases for n in ph)}
@@ -610,7 +614,7 @@ class Source:
     def _pointer(self, x: str, out: bool = False, rebased: bool = False) -> str:
         """The line that reads the address of ``x`` (p, g, a state; or its new value);
         ``rebased``: advanced to the block's first element (``at_block``)."""
-        dt = self.dtypes[0 if x == "p" else 1 if x == "g" and not out else 2]
+        dt = self.storage[x]
         name, col = (self.out_ptr[x], self.col["out", x]) if out else \
             (self.ptr[x], self.col["in", x])
         if rebased:
@@ -775,7 +779,7 @@ class Source:
                 finite.append(f"    tl.store({self.out_ptr[x]} + offsets, {self.stored[x]}, "
                               "mask=mask)")
                 continue
-            st = self.dtypes[0 if x == "p" else 2]
+            st = self.storage[x]
             if node.op is Op.CONST:
                 value = f"tl.full([BLOCK], {value}, {self.ct})"
             elif node.kind < Kind.ELEMENT:  # one value per tensor: as a block
@@ -848,7 +852,7 @@ class Source:
             gct="tl.float64" if gdt == "float64" else "tl.float32", gtl=TL[gdt],
             columns=self.cols, nred=len(self.slots), pre_slots=named("PRE", PRE_SLOTS),
             needs_pow=any(n.op is Op.POW for n in nodes), helpers=_helpers(nodes),
-            needs_bf16="bfloat16" in (pdt, sdt),
+            needs_bf16="bfloat16" in (pdt, *self.storage.values()),
             needs_nanmax=any(n.op is Op.AMAX for n in nodes),
             needs_rowmax=any(n.op in (Op.ROW_MAX, Op.COL_MAX) for n in nodes),
             phases=phases, update=update, axes=staged, scalars=self._scalars(), doms=TAG,
@@ -907,7 +911,7 @@ class Kernel:
         key = (dtypes, triton_runtime.interpreting())
         if key not in self._modules:
             self._modules[key] = triton_runtime.load_module(
-                self.source(dtypes), f"{self.module_name}-{'-'.join(dtypes)}")
+                self.source(dtypes), f"{self.module_name}-{'-'.join(dtypes).replace(',', '_')}")
         return self._modules[key]
 
     def init(self, p, values, state_dtype):
