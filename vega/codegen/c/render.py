@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from vega.codegen import record
+from vega.codegen import precision, record
 from vega.codegen.base import (Linear, Renderer, linearize, reduction_phases,
                                state_dtype_names, state_var)
 from vega.codegen.plan import element_plan
@@ -267,6 +267,8 @@ class Source:
         out += record.c_defines()  # the prelude's record
         out += self.columns.c_defines()  # the address table's row
         out.append(HEADER)
+        if self.program.rounding is not None:
+            out.append(precision.C_HELPERS)
         out += self._entries()
         return "\n".join(out)
 
@@ -350,6 +352,13 @@ class Source:
         for node in uses:
             out.append(f"            const CT {self._var(node)} = "
                        f"(CT)red[i * NRED + {self.slots[id(node)]}];")
+        if self.program.rounding is not None and self._rounded():
+            # stochastic rounding: the generator's key of this tensor (vega.codegen.precision)
+            out.append("            const uint32_t KB_ = vega_mix(vega_mix(vega_mix("
+                       f"{self.program.rounding}u) ^ (uint32_t)(*(const int32_t *)(intptr_t)"
+                       "row[COL_STEP])) ^ (uint32_t)i);")
+            for slot in self._rounded():
+                out.append(f"            const uint32_t K{slot}_ = vega_mix(KB_ + {slot}u);")
         out += ["            const PSTORE *P_ = (const PSTORE *)(intptr_t)row[COL_P];",
                 "            const GSTORE *G_ = (const GSTORE *)(intptr_t)row[COL_G];",
                 "            PSTORE *PO_ = (PSTORE *)(intptr_t)row[COL_P_OUT];"]
@@ -396,11 +405,22 @@ class Source:
         return ["                " + self._load(leaf, "j") for leaf in leaves]
 
     def _store(self, target: str, value: str, index: str) -> str:
-        """The statement writing ``value`` to output ``target`` ("p" or a state) at ``index``."""
-        if target == "p":
-            return f"PO_[{index}] = SAVE_P({value});"
-        k = self.program.state_names.index(target)
-        return f"SO{k}_[{index}] = SAVE_S{k}({value});"
+        """The statement writing ``value`` to output ``target`` ("p" or a state) at ``index``;
+        a bfloat16 value stochastically rounded where the program says so."""
+        slot = 0 if target == "p" else 1 + self.program.state_names.index(target)
+        to, save = ("PO_", "SAVE_P") if target == "p" else (f"SO{slot - 1}_", f"SAVE_S{slot - 1}")
+        if slot in self._rounded():
+            return (f"{to}[{index}] = f32_to_bf16_sr((float)({value}), "
+                    f"vega_mix(K{slot}_ ^ (uint32_t){index}));")
+        return f"{to}[{index}] = {save}({value});"
+
+    def _rounded(self) -> list[int]:
+        """The outputs (0: p, 1 + k: state k) stored stochastically rounded: the bfloat16
+        ones, where the program rounds so."""
+        if self.program.rounding is None:
+            return []
+        dts = [self.dtypes[0], *self.sdts]
+        return [k for k, dt in enumerate(dts) if dt == "bfloat16"]
 
     @staticmethod
     def _prologue(skip: str = "return;") -> list[str]:
