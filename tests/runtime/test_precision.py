@@ -172,6 +172,24 @@ def test_master_weights_are_the_parameter_in_float32():
         assert not torch.equal(state["master"][n], p.float())  # moved below bf16's resolution
 
 
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
+def test_master_weights_step_as_float32_parameters(backend):
+    # the master copy takes the steps float32 parameters from the same start take
+    half = make_params(BF16)
+    single = {n: p.float() for n, p in half.items()}
+    state16 = vega.adamw_init(half, master_weights=True)
+    state32 = vega.adamw_init(single)
+    for k in range(4):
+        g = make_grads(half, k)
+        half, state16 = vega.adamw_step(half, g, state16, backend=backend, lr=1e-5,
+                                        master_weights=True)
+        single, state32 = vega.adamw_step(single, {n: x.float() for n, x in g.items()},
+                                          state32, backend=backend, lr=1e-5)
+    for n in half:
+        assert torch.equal(state16["master"][n], single[n]), n
+        assert torch.equal(half[n], single[n].to(BF16)), n
+
+
 def test_master_weights_only_for_half_parameters():
     params = {"w": torch.randn(4, 3).to(BF16), "n": torch.randn(3)}
     state = vega.adamw_init(params, master_weights=True)
