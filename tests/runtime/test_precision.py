@@ -364,3 +364,15 @@ optimizer keeps(lr = 0.1) {
     params = {"w": torch.randn(3).to(BF16)}
     with pytest.raises(ValueError, match="master_weights=True keeps a state named 'master'"):
         spec.init(params, master_weights=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("c", marks=[needs_c])])
+def test_compiled_step_with_master_weights_and_rounding(backend):
+    params = {"w": torch.randn(30, 20).to(BF16)}
+    state = vega.adamw_init(params, master_weights=True)
+    grads = {"w": torch.randn(30, 20).to(BF16)}
+    kw = dict(backend=backend, master_weights=True, stochastic_rounding=True, rounding_seed=3)
+    step = torch.compile(lambda p, g, s: vega.adamw_step(p, g, s, **kw), fullgraph=True)
+    got, want = step(params, grads, state), vega.adamw_step(params, grads, state, **kw)
+    assert torch.equal(got[0]["w"], want[0]["w"])
+    assert torch.equal(got[1]["master"]["w"], want[1]["master"]["w"])

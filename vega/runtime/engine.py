@@ -189,7 +189,7 @@ def programs(owner: str, spec, flags: dict, values: dict, tensors,
     out = _programs(owner, spec, flags, values, tensors, held)
     if master or seed is not None:  # (a master copy for half parameters only)
         out = [None if prog is None else
-               precision.variant(prog, master and t.dtype in _HALF, seed)
+               untraced(precision.variant, prog, master and t.dtype in _HALF, seed)
                for prog, t in zip(out, tensors)]
     return out
 
