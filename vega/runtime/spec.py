@@ -421,7 +421,9 @@ def _check_state(owner, cspec, flags, names, state, p_spec, shaped=()):
                          f"got {type(state).__name__}")
     want = set(names) | {"step"}
     if set(state) != want:
-        flags = ", ".join(f"{k}={v}" for k, v in sorted(flags.items()))
+        master = engine.MASTER in want or engine.MASTER in state
+        flags = ", ".join([*(f"{k}={v}" for k, v in sorted(flags.items())),
+                           *([f"master_weights={engine.MASTER in want}"] if master else [])])
         made = f"{cspec.name}_init(params{', ' + flags if flags else ''})"
         also = (f" and the same {', '.join(shaped)} (it picks each tensor's program)"
                 if shaped else "")
