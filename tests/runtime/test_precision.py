@@ -387,3 +387,26 @@ def test_compiled_step_with_master_weights_and_rounding(backend):
     got, want = step(params, grads, state), vega.adamw_step(params, grads, state, **kw)
     assert torch.equal(got[0]["w"], want[0]["w"])
     assert torch.equal(got[1]["master"]["w"], want[1]["master"]["w"])
+
+
+def test_rounding_kernels_compile_for_the_gpu():
+    """AdamW's kernels with a master copy, a bfloat16 state and stochastic rounding, compiled
+    offline for sm_90a (``vega.codegen.triton_ptx``): no spills, and the update still reads
+    and writes with 128-bit accesses."""
+    from vega.codegen import triton_ptx
+    if triton_ptx.ptxas() is None:
+        pytest.skip("triton (with its ptxas) is not installed")
+    params = {"0": torch.randn(1000).to(BF16), "1": torch.randn(257, 160).to(BF16)}
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    state = vega.adamw_init(params, state_dtype={"nu": BF16}, master_weights=True)
+    launches = triton_ptx.record(lambda: vega.adamw_step(
+        params, grads, state, backend="triton", donate=True, master_weights=True,
+        stochastic_rounding=True, rounding_seed=5))
+    figures = dict(zip((x.kernel for x in triton_ptx.distinct(launches)),
+                       triton_ptx.compile_launches(launches)))
+    assert {"vega_adamw_scalars", "vega_adamw_update"} <= figures.keys()
+    for f in figures.values():
+        assert f.registers > 0 and f.spill_stores == f.spill_loads == 0, f
+    update = figures["vega_adamw_update"]
+    # p, g, mu, nu, master read; p, mu, nu, master written
+    assert update.v4_loads >= 5 and update.v4_stores >= 4, update
