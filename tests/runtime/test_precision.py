@@ -410,3 +410,17 @@ def test_rounding_kernels_compile_for_the_gpu():
     update = figures["vega_adamw_update"]
     # p, g, mu, nu, master read; p, mu, nu, master written
     assert update.v4_loads >= 5 and update.v4_stores >= 4, update
+
+
+def test_save_and_load_keep_each_dtype_and_the_master_copy(tmp_path):
+    params = {"w": torch.randn(4, 3).to(BF16), "n": torch.randn(3)}
+    kw = dict(master_weights=True, state_dtype={"nu": BF16})
+    state = vega.adamw_init(params, **kw)
+    _, state = vega.adamw_step(params, make_grads(params, 0), state, master_weights=True)
+    vega.save(tmp_path / "s.safetensors", state)
+    back = vega.load(tmp_path / "s.safetensors", like=vega.adamw_init(params, **kw))
+    assert vega.state_names(back) == ["mu.w", "mu.n", "nu.w", "nu.n", "master.w", "step"]
+    for field in ("mu", "nu", "master"):
+        for n, x in state[field].items():
+            assert (x is None and back[field][n] is None) or (
+                x.dtype == back[field][n].dtype and torch.equal(x, back[field][n]))
