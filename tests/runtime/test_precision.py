@@ -180,10 +180,11 @@ def test_master_weights_are_the_parameter_in_float32():
         assert not torch.equal(state["master"][n], p.float())  # moved below bf16's resolution
 
 
+@pytest.mark.parametrize("half_dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("backend", ["reference", *BACKENDS])
-def test_master_weights_step_as_float32_parameters(backend):
+def test_master_weights_step_as_float32_parameters(backend, half_dtype):
     # the master copy takes the steps float32 parameters from the same start take
-    half = make_params(BF16)
+    half = make_params(half_dtype)
     single = {n: p.float() for n, p in half.items()}
     state16 = vega.adamw_init(half, master_weights=True)
     state32 = vega.adamw_init(single)
@@ -195,7 +196,7 @@ def test_master_weights_step_as_float32_parameters(backend):
                                           state32, backend=backend, lr=1e-5)
     for n in half:
         assert torch.equal(state16["master"][n], single[n]), n
-        assert torch.equal(half[n], single[n].to(BF16)), n
+        assert torch.equal(half[n], single[n].to(half_dtype)), n
 
 
 def test_master_weights_only_for_half_parameters():
