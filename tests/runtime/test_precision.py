@@ -334,6 +334,39 @@ def test_small_updates_stall_with_round_to_nearest_only():
     assert progress["master"] > 0.95, progress
 
 
+def train_classifier(dtype, steps=400, lr=1e-4, **options):
+    """The demo's classifier (three spirals), AdamW, batches of 128: (final loss over all the
+    data, fraction of the weights that never changed)."""
+    from vega.demo import model, spirals
+    x, y = spirals()
+    torch.manual_seed(0)
+    net = model(0).to(dtype)
+    start = [p.detach().clone() for p in net.parameters()]
+    opt = vega.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0, **options)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        idx = torch.randint(0, x.shape[0], (128,), generator=g)
+        torch.nn.functional.cross_entropy(net(x[idx].to(dtype)).float(), y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(net(x.to(dtype)).float(), y).item()
+    same = sum((p.detach() == q).sum().item() for p, q in zip(net.parameters(), start))
+    return loss, same / sum(q.numel() for q in start)
+
+
+def test_demo_classifier_in_bfloat16_ends_near_float32():
+    fp32, _ = train_classifier(torch.float32)
+    nearest, stuck = train_classifier(BF16)
+    rounded, _ = train_classifier(BF16, stochastic_rounding=True)
+    master, _ = train_classifier(BF16, master_weights=True)
+    # round to nearest stalls: most weights never move, the loss ends well above
+    assert stuck > 0.5 and nearest > 1.1 * fp32, (stuck, nearest, fp32)
+    # either remedy ends within 2% of float32 parameters
+    assert abs(rounded - fp32) < 0.02 * fp32, (rounded, fp32)
+    assert abs(master - fp32) < 0.02 * fp32, (master, fp32)
+
+
 # -- bad options ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, words", [
