@@ -225,6 +225,35 @@ def test_master_weights_class_checkpoint():
     assert again.state[model.weight]["master"].dtype == torch.float32
 
 
+def test_master_copy_made_where_missing_and_dropped_where_off():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(BF16)
+
+    def step(opt):
+        model(torch.randn(5, 8).to(BF16)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    theirs = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step(theirs)
+    # torch's state, which has no master copy: made from the parameter at the next step
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-5, master_weights=True)
+    opt.load_state_dict(theirs.state_dict())
+    before = model.weight.detach().float().clone()
+    step(opt)
+    master = opt.state[model.weight]["master"]
+    assert master.dtype == torch.float32
+    # one step of about lr (torch's 1e-3, loaded with its groups) from the parameter
+    assert 0 < (master - before).abs().max() < 2e-3
+    # turned off: the copy is dropped (a stale copy must not come back when turned on again)
+    opt.param_groups[0]["master_weights"] = False
+    step(opt)
+    assert "master" not in opt.state[model.weight]
+    opt.param_groups[0]["master_weights"] = True
+    now = model.weight.detach().float().clone()
+    step(opt)
+    assert (opt.state[model.weight]["master"] - now).abs().max() < 2e-3
+
+
 def test_bytes_with_master_weights():
     params = {"w": torch.randn(64, 32).to(BF16), "b": torch.randn(32).to(BF16)}
     state = vega.adamw_init(params, master_weights=True)

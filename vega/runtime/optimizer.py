@@ -130,15 +130,27 @@ class SpecOptimizer(torch.optim.Optimizer):
     def _adapt_state(self, p, st: dict, want: set, program, values, group) -> bool:
         """A state a hyperparameter's value turned on or off (sgd's v, when momentum
         becomes positive or returns to 0): created fresh where missing, kept where no
-        longer read, as torch keeps its momentum_buffer. False for any other mismatch."""
-        lazy = self.spec._spec.value_states
+        longer read, as torch keeps its momentum_buffer. A master copy (``master_weights``
+        turned on, or a state loaded without one): made from the parameter where missing,
+        dropped where no longer kept (a stale copy must not come back). False for any other
+        mismatch."""
+        lazy = self._lazy_states()
         missing, extra = want - st.keys(), st.keys() - want
         if not (missing <= lazy and extra <= lazy):
             return False
         if missing:
             fresh = self._init_state(p, program, values, group)
             st.update({name: fresh[name] for name in missing})
+        if engine.MASTER in extra and engine.MASTER in lazy:
+            del st[engine.MASTER]
         return True
+
+    def _lazy_states(self) -> frozenset:
+        """The states a step makes where missing: those an if on values declares, and the
+        master copy (unless the spec has a state of that name)."""
+        spec = self.spec._spec
+        own = engine.MASTER in spec.state_names
+        return spec.value_states | (frozenset() if own else frozenset({engine.MASTER}))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -488,7 +500,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         take one a value turns on or off, as sgd's ``v``), tensors, each of the shape its
         parameter needs (a kernel would read and write past a smaller one)."""
         owner = type(self).__name__
-        lazy = self.spec._spec.value_states
+        lazy = self._lazy_states()
         for k, group in enumerate(self.param_groups):
             engine.check_state_dtype(f"{owner}.load_state_dict", group["state_dtype"],
                                      self.spec._spec.state_names)
