@@ -142,6 +142,8 @@ def test_bytes_of_state_per_parameter():
     ({"nu": "bfloat16"}, "state_dtype['nu']='bfloat16' must be one of"),
     ({"nu": torch.int8}, "state_dtype['nu']=torch.int8 must be one of"),
     ("float32", "state_dtype='float32' must be None or a torch float dtype"),
+    (torch.float8_e4m3fn, "state_dtype=torch.float8_e4m3fn is not a dtype the kernels keep "
+                          "state in"),
 ])
 def test_bad_state_dtype(bad, words):
     params = make_params()

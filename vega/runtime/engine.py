@@ -47,6 +47,12 @@ def check_state_dtype(owner: str, state_dtype, names=None) -> None:
     """``state_dtype``: None, a torch float (or complex) dtype for every state, or (where
     ``names``, the states a spec declares, are given) a dict from state names to float
     dtypes; else ValueError naming it."""
+    if names is not None and _state_float(state_dtype) and not (
+            state_dtype in STATE_DTYPES or state_dtype.is_complex):
+        raise ValueError(f"{owner}: state_dtype={shown(state_dtype)} is not a dtype the "
+                         "kernels keep state in: torch.float32, torch.float64, "
+                         "torch.bfloat16 or torch.float16 (complex64 or complex128 for "
+                         "complex parameters)")
     if state_dtype is None or _state_float(state_dtype):
         return
     if isinstance(state_dtype, dict) and names is not None:
