@@ -398,6 +398,62 @@ def test_demo_classifier_in_bfloat16_ends_near_float32():
     assert abs(master - fp32) < 0.02 * fp32, (master, fp32)
 
 
+VOCAB, LENGTH, WIDTH = 16, 12, 16
+
+
+def sequences(g, n):
+    """Token sequences ``(a * t + b) mod VOCAB``: each next token follows from the two before."""
+    a = torch.randint(1, VOCAB, (n, 1), generator=g)
+    b = torch.randint(0, VOCAB, (n, 1), generator=g)
+    return (a * torch.arange(LENGTH + 1) + b) % VOCAB
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.pos = torch.nn.Parameter(0.1 * torch.randn(LENGTH, WIDTH))
+        self.layer = torch.nn.TransformerEncoderLayer(WIDTH, 2, 32, dropout=0.0,
+                                                      batch_first=True)
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(LENGTH, dtype=self.pos.dtype)
+        return self.head(self.layer(self.emb(x) + self.pos, src_mask=mask, is_causal=True))
+
+
+def train_transformer(dtype, steps=150, lr=5e-4, **options):
+    """A one-layer causal transformer learning next tokens, AdamW, batches of 16: (loss on
+    held-out sequences, fraction of the weights that never changed)."""
+    torch.manual_seed(0)
+    net = TinyTransformer().to(dtype)
+    start = [p.detach().clone() for p in net.parameters()]
+    opt = vega.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0, **options)
+    g = torch.Generator().manual_seed(1)
+
+    def loss_of(s):
+        out = net(s[:, :-1]).float().reshape(-1, VOCAB)
+        return torch.nn.functional.cross_entropy(out, s[:, 1:].reshape(-1))
+    for _ in range(steps):
+        loss_of(sequences(g, 16)).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        loss = loss_of(sequences(torch.Generator().manual_seed(2), 256)).item()
+    same = sum((p.detach() == q).sum().item() for p, q in zip(net.parameters(), start))
+    return loss, same / sum(q.numel() for q in start)
+
+
+def test_tiny_transformer_in_bfloat16_ends_near_float32():
+    fp32, _ = train_transformer(torch.float32)
+    nearest, stuck = train_transformer(BF16)
+    rounded, _ = train_transformer(BF16, stochastic_rounding=True)
+    master, _ = train_transformer(BF16, master_weights=True)
+    assert stuck > 0.1 and nearest > 1.015 * fp32, (stuck, nearest, fp32)
+    assert abs(rounded - fp32) < 0.02 * fp32, (rounded, fp32)
+    assert abs(master - fp32) < 0.02 * fp32, (master, fp32)
+
+
 # -- bad options ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, words", [
