@@ -545,3 +545,17 @@ def test_save_and_load_keep_each_dtype_and_the_master_copy(tmp_path):
         for n, x in state[field].items():
             assert (x is None and back[field][n] is None) or (
                 x.dtype == back[field][n].dtype and torch.equal(x, back[field][n]))
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("c", marks=[needs_c])])
+def test_compiled_step_in_place_with_states_of_two_dtypes(backend):
+    params = {"w": torch.randn(30, 20)}
+    state = vega.adamw_init(params, state_dtype={"nu": BF16})
+    grads = {"w": torch.randn(30, 20)}
+    want_p, want_s = vega.adamw_step(params, grads, state, backend=backend)
+    step = torch.compile(lambda p, g, s: vega.adamw_step(p, g, s, backend=backend, donate=True),
+                         fullgraph=True)
+    step(params, grads, state)  # in place
+    assert torch.equal(params["w"], want_p["w"])
+    assert state["nu"]["w"].dtype == BF16 and torch.equal(state["nu"]["w"], want_s["nu"]["w"])
+    assert torch.equal(state["mu"]["w"], want_s["mu"]["w"])
