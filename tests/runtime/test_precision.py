@@ -506,8 +506,18 @@ def test_compiled_step_with_master_weights_and_rounding(backend):
     kw = dict(backend=backend, master_weights=True, stochastic_rounding=True, rounding_seed=3)
     step = torch.compile(lambda p, g, s: vega.adamw_step(p, g, s, **kw), fullgraph=True)
     got, want = step(params, grads, state), vega.adamw_step(params, grads, state, **kw)
-    assert torch.equal(got[0]["w"], want[0]["w"])
-    assert torch.equal(got[1]["master"]["w"], want[1]["master"]["w"])
+    same = compiled_same(backend)
+    assert same(got[0]["w"], want[0]["w"])
+    assert same(got[1]["master"]["w"], want[1]["master"]["w"])
+
+
+def compiled_same(backend):
+    """How a compiled step's values compare with the eager step's: the C kernel is the same
+    compiled or not (bitwise); the reference's torch operations are fused by inductor under
+    torch.compile (within an ulp)."""
+    if backend == "c":
+        return torch.equal
+    return lambda a, b: torch.testing.assert_close(a, b, **tolerance(b)) is None
 
 
 def test_rounding_kernels_compile_for_the_gpu():
@@ -556,6 +566,8 @@ def test_compiled_step_in_place_with_states_of_two_dtypes(backend):
     step = torch.compile(lambda p, g, s: vega.adamw_step(p, g, s, backend=backend, donate=True),
                          fullgraph=True)
     step(params, grads, state)  # in place
-    assert torch.equal(params["w"], want_p["w"])
-    assert state["nu"]["w"].dtype == BF16 and torch.equal(state["nu"]["w"], want_s["nu"]["w"])
-    assert torch.equal(state["mu"]["w"], want_s["mu"]["w"])
+    same = compiled_same(backend)
+    assert state["nu"]["w"].dtype == BF16
+    for got, want in ((params["w"], want_p["w"]), (state["nu"]["w"], want_s["nu"]["w"]),
+                      (state["mu"]["w"], want_s["mu"]["w"])):
+        assert same(got, want)
