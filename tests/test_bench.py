@@ -20,7 +20,7 @@ def test_rows_of_a_tiny_run():
     for label in ("vega AdamW", "vega AdamW + unscale, finite check, clip, skip", bench.FUNCTIONAL,
                   "torch AdamW fused", "torch AdamW foreach", "torch AdamW for-loop",
                   "torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW",
-                  "optax adamw under jax.jit (own process)"):
+                  "optax adamw under jax.jit (own process)", bench.BF16_STATE):
         assert rows[label] > 0, label
     others = bench.other_rows(shapes, grads, ["sgd", "adafactor"])
     assert [r[0] for r in others] == ["sgd", "adafactor"]
@@ -49,6 +49,24 @@ def test_bytes_a_step_moves_per_parameter():
     assert bench.bytes_per_param("lion") == 20
     assert bench.bytes_per_param("lamb") == 44  # norms of p and of the update first
     assert bench.bytes_per_param("lars", {"momentum": 0.9}) == 32
+    # bfloat16 state: p and g 4 bytes, each state 2, read and written
+    assert bench.bytes_per_param("adamw", state_itemsize=2) == 20
+
+
+def test_state_bytes_per_parameter():
+    """AdamW's state: 8 bytes a parameter in float32, 4 in bfloat16, 8 + 4 with a master
+    copy of bfloat16 parameters (docs/precision.md)."""
+    found = dict(bench.state_bytes())
+    assert found == {"float32 parameters and state": 8,
+                     "float32 parameters, bfloat16 state": 4,
+                     "float32 parameters, bfloat16 nu": 6,
+                     "bfloat16 parameters, float32 state": 8,
+                     "bfloat16 parameters, master weights": 12,
+                     "bfloat16 parameters, master weights, bfloat16 state": 8}
+    lines = []
+    bench.report_state_bytes(lambda text="": lines.append(text))
+    assert lines[0] == "AdamW state, bytes per parameter:"
+    assert any(line.split()[-1] == "12" and "master weights" in line for line in lines)
 
 
 def _fake_run():

@@ -201,22 +201,49 @@ BOUND = "(the bandwidth bound, raced with the rows: an AdamW-like loop)"
 
 
 def bytes_per_param(name: str, hypers: dict | None = None, fused: bool = False,
-                    itemsize: int = 4) -> int:
+                    itemsize: int = 4, state_itemsize: int | None = None) -> int:
     """The bytes a step of shipped spec ``name`` must move for each parameter, all tensors
-    of ``itemsize`` bytes: read p, g and every state, write p and every state; a rule with
-    per-tensor reductions (lamb's and lars's norms, adafactor's update RMS) reads its
-    inputs once more before the update; ``fused`` (loss scale, finite check, clip) reads
-    the gradients once more before it."""
+    of ``itemsize`` bytes (the states of ``state_itemsize``, where given): read p, g and
+    every state, write p and every state; a rule with per-tensor reductions (lamb's and
+    lars's norms, adafactor's update RMS) reads its inputs once more before the update;
+    ``fused`` (loss scale, finite check, clip) reads the gradients once more before it."""
     hypers = hypers or {}
     spec = vega.builtin(name)
     flags = {h.name: hypers[h.name] for h in spec.hypers if h.type == "bool" and h.name in hypers}
     program = spec.program(shape=(768, 768), **flags, **{
         k: v for k, v in hypers.items() if k not in flags and k in spec._spec.shape_hypers})
     states = sum(1 for st in program.states if st.dom == "rc")
-    reads, writes = 2 + states, 1 + states
+    ratio = (state_itemsize or itemsize) / itemsize  # a state's bytes, in tensors of itemsize
+    reads, writes = 2 + states * ratio, 1 + states * ratio
     if any(n.op in REDUCTIONS for n in walk(node for _, node in program.updates)):
-        reads += 2 + states
-    return (reads + writes + int(fused)) * itemsize
+        reads += 2 + states * ratio
+    return round((reads + writes + int(fused)) * itemsize)
+
+
+# the configurations whose state bytes per parameter ``vega bench`` prints: (label,
+# parameter dtype, adamw_init's keywords)
+STATE_CONFIGS = (
+    ("float32 parameters and state", torch.float32, {}),
+    ("float32 parameters, bfloat16 state", torch.float32, {"state_dtype": torch.bfloat16}),
+    ("float32 parameters, bfloat16 nu", torch.float32, {"state_dtype": {"nu": torch.bfloat16}}),
+    ("bfloat16 parameters, float32 state", torch.bfloat16, {}),
+    ("bfloat16 parameters, master weights", torch.bfloat16, {"master_weights": True}),
+    ("bfloat16 parameters, master weights, bfloat16 state", torch.bfloat16,
+     {"master_weights": True, "state_dtype": torch.bfloat16}),
+)
+
+
+def state_bytes() -> list[tuple[str, float]]:
+    """(configuration, bytes of AdamW's state per parameter) of each of ``STATE_CONFIGS``,
+    counted on the state ``adamw_init`` makes (docs/precision.md)."""
+    out = []
+    for label, dtype, kw in STATE_CONFIGS:
+        params = {"w": torch.zeros(64, 48, dtype=dtype), "b": torch.zeros(48, dtype=dtype)}
+        state = vega.adamw_init(params, **kw)
+        total = sum(t.numel() * t.element_size() for field, tree in state.items()
+                    if field != "step" for t in tree.values() if t is not None)
+        out.append((label, total / sum(p.numel() for p in params.values())))
+    return out
 
 
 def _bound_note(secs: float, nbytes: int, nparams: int, rate: float) -> str:
@@ -238,6 +265,8 @@ def adamw_rows(shapes, grads, compile_torch=True, bound: Stream | None = None):
                                  loss_scale=vega.LossScale.dynamic(init=1.0,
                                                                    growth_interval=10**9))
     fns["vega AdamW + unscale, finite check, clip, skip"] = fused_opt.step
+    fns[BF16_STATE] = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
+                                       state_dtype=torch.bfloat16).step
     for label, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}),
                       ("fused", {"fused": True})):
         fns[f"torch AdamW {label}"] = torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
@@ -454,8 +483,10 @@ def _machine() -> str:
             f"torch {torch.__version__}, vega {vega.__version__}")
 
 
+BF16_STATE = "vega AdamW, bfloat16 state"
 ADAMW_BYTES = {"vega AdamW": ("adamw", False), "torch AdamW fused": ("adamw", False),
-               "vega AdamW + unscale, finite check, clip, skip": ("adamw", True)}
+               "vega AdamW + unscale, finite check, clip, skip": ("adamw", True),
+               BF16_STATE: ("adamw", False, 2)}
 
 
 def measure(quick: bool, compile_torch: bool, bound: Stream | None = None) -> dict:
@@ -485,6 +516,20 @@ def _rate(res: dict, secs: float | None, rate: float) -> float:
     return res["bound_bytes"] / secs
 
 
+def _adamw_bytes(label: str) -> int:
+    """The bytes a parameter an AdamW row's step moves (``ADAMW_BYTES``)."""
+    name, with_prelude, *state_itemsize = ADAMW_BYTES[label]
+    return bytes_per_param(name, fused=with_prelude,
+                           state_itemsize=state_itemsize[0] if state_itemsize else None)
+
+
+def report_state_bytes(say) -> None:
+    """The bytes of AdamW's state per parameter of each configuration."""
+    say("AdamW state, bytes per parameter:")
+    for label, nbytes in state_bytes():
+        say(f"  {label:<58} {nbytes:>5g}")
+
+
 def report(run: dict, rate: float, say) -> None:
     """Print one run's tables: each row's median, its ratio, its bytes a parameter and its
     time over the bandwidth bound."""
@@ -508,9 +553,8 @@ def report(run: dict, rate: float, say) -> None:
             base = rows[FUNCTIONAL_FUSED] if alone else fused
             note = ""
             if label in ADAMW_BYTES:
-                name, with_prelude = ADAMW_BYTES[label]
-                note = "   " + _bound_note(secs, bytes_per_param(name, fused=with_prelude),
-                                           nparams, table_rate)
+                note = "   " + _bound_note(secs, _adamw_bytes(label), nparams,
+                                           table_rate)
             say(f"{label:<60} {1e3 * secs:>10.2f} {secs / base:>13.2f}x" + "*" * alone + note)
         say(f"* new parameters and state each step, as optax's; raced with torch's fused step "
             f"alone ({1e3 * rows[FUNCTIONAL_FUSED]:.2f} ms there)")
@@ -541,9 +585,8 @@ def ratios(run: dict, rate: float) -> dict:
             base = rows[FUNCTIONAL_FUSED] if label == FUNCTIONAL else fused
             out[(title, f"{label} / torch fused")] = secs / base
             if label in ADAMW_BYTES and table_rate > 0:
-                name, with_prelude = ADAMW_BYTES[label]
                 out[(title, f"{label} / bound")] = secs / (
-                    bytes_per_param(name, fused=with_prelude) * nparams / table_rate)
+                    _adamw_bytes(label) * nparams / table_rate)
         composite = rows["torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW"]
         out[(title, "composite / vega fused step")] = composite / rows[
             "vega AdamW + unscale, finite check, clip, skip"]
@@ -568,6 +611,7 @@ def main(quick: bool = False, compile_torch: bool = True, out=None, repeat: int 
     say(native.status())
     cold, warm = compile_times()
     say(f"spec compile: cold {cold:.2f} s, from the cache {1e3 * warm:.1f} ms")
+    report_state_bytes(say)
     summary: dict = {}
     for k in range(repeat):
         rate, loop = bandwidth()

@@ -320,3 +320,19 @@ def axis_geometry(shape) -> tuple[int, ...]:
     cc = inner(col_shape, None if c is None else geo.position(c, "c"))
     return (math.prod(geo.full), math.prod(row_shape), math.prod(col_shape),
             math.prod(geo.shape("")), sr, sc, inner(geo.full, r), inner(geo.full, c), rr, cc)
+
+
+def state_key(dtypes, default: str) -> str:
+    """The state part of a dtype group's key (``(params, grads, state)``): the one dtype of
+    a parameter's states, or theirs joined by commas where they differ (``"float32,bfloat16"``;
+    ``default``, the parameter's, where there is no state)."""
+    dtypes = list(dtypes)
+    if not dtypes:
+        return default
+    return dtypes[0] if dtypes.count(dtypes[0]) == len(dtypes) else ",".join(dtypes)
+
+
+def state_dtype_names(sdt: str, nstate: int) -> list[str]:
+    """Each state's dtype name from the state part of a group's key (``state_key``)."""
+    parts = sdt.split(",")
+    return parts * nstate if len(parts) == 1 else parts

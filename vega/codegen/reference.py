@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from vega.codegen import precision
 from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_states, geometry,
                                linearize, state_var)
 from vega.codegen.record import Pre, finite_of
@@ -379,16 +380,19 @@ class Kernel:
                 else torch.as_tensor(v, dtype=dtype, device=device)
                 for v in (values[h] for h in self.program.float_hypers)]
 
-    def init(self, p: torch.Tensor, values: dict, state_dtype: torch.dtype,
+    def init(self, p: torch.Tensor, values: dict, state_dtype,
              geo: Geometry | None = None) -> list[torch.Tensor]:
         """Initial state tensors for a (real, floating) parameter (``geo``: its matrix view,
-        where it is not its own shape's: a shard's)."""
+        where it is not its own shape's: a shard's); ``state_dtype``: one dtype for all, or
+        a list, one per state."""
         cd = compute_dtype(p.dtype)
         pc = p.detach().to(cd)
         hv = self._hyper_args(values, cd, p.device)
         if self.program.uses_axes:
             hv.append(geo or geometry(p.shape))
-        return [fn(pc, *hv).to(state_dtype).contiguous().clone() for fn in self._inits]
+        sds = state_dtype if isinstance(state_dtype, (list, tuple)) else \
+            [state_dtype] * len(self._inits)
+        return [fn(pc, *hv).to(sd).contiguous().clone() for fn, sd in zip(self._inits, sds)]
 
     def prelude(self, grads, pre: torch.Tensor) -> None:
         """Add the gradients' sum of squares and non-finite count, unscaled, into ``pre``."""
@@ -418,11 +422,12 @@ class Kernel:
         finite, gscale = self._begin(params, states, steps, donate, pre)
         cache: dict = {}
         new_params, new_states = [], [[] for _ in self.program.states]
+        keys = self._rounding_keys(params, grads, states, steps)
         for i, (p, g) in enumerate(zip(params, grads)):
             args = self._args(cache, i, p, g, states, steps, values, gscale)
             extra = (geometry(p.shape),) if self.program.uses_axes else ()
             self._write(i, p, g, states, self._update(*args, *extra), finite, donate,
-                        new_params, new_states)
+                        new_params, new_states, keys[i])
         return new_params, new_states, advance_steps(steps, finite, donate), finite
 
     def staged(self, params, grads, states, steps, values, donate, pre, views):
@@ -469,8 +474,10 @@ class Kernel:
                 except StopIteration as done:
                     outs[i] = done.value
         new_params, new_states = [], [[] for _ in self.program.states]
+        keys = self._rounding_keys(params, grads, states, steps)
         for i, (p, g) in enumerate(zip(params, grads)):
-            self._write(i, p, g, states, outs[i], finite, donate, new_params, new_states)
+            self._write(i, p, g, states, outs[i], finite, donate, new_params, new_states,
+                        keys[i])
         return new_params, new_states, advance_steps(steps, finite, donate), finite
 
     def _begin(self, params, states, steps, donate, pre):
@@ -500,13 +507,29 @@ class Kernel:
         return [p.to(cd).contiguous(), gc.contiguous(),
                 *(s[i].to(cd).contiguous() for s in states), *scalars]
 
-    def _write(self, i, p, g, states, outs, finite, donate, new_params, new_states) -> None:
-        """Tensor ``i``'s new values ``outs``, written in place (``donate``) or collected."""
+    def _rounding_keys(self, params, grads, states, steps) -> list:
+        """Each tensor's key of the stochastic rounding's generator (``precision``), None
+        each where the program rounds to nearest even."""
+        seed = self.program.rounding
+        if seed is None:
+            return [None] * len(params)
+        groups = [(p.dtype, g.dtype, *(col[i].dtype for col in states))
+                  for i, (p, g) in enumerate(zip(params, grads))]
+        return [precision.base_t(seed, steps[i], k)
+                for i, k in enumerate(precision.group_positions(groups))]
+
+    def _write(self, i, p, g, states, outs, finite, donate, new_params, new_states,
+               key=None) -> None:
+        """Tensor ``i``'s new values ``outs``, written in place (``donate``) or collected;
+        ``key``: the generator's key where bfloat16 values round stochastically."""
         olds = [s[i] for s in states]
         # every new value first, then the writes: a new value may be an input itself
         # (s = p), which an earlier write in place would change
         inputs, news = [p, g, *olds], []
-        for old, new in zip([p, *olds], outs):
+        for slot, (old, new) in enumerate(zip([p, *olds], outs)):
+            if key is not None and old.dtype == torch.bfloat16:
+                new = precision.round_bf16_t(new.expand(old.shape), precision.bits_t(
+                    key, slot, old.numel())).reshape(old.shape)
             new = new.to(old.dtype)
             if finite is not None:
                 new = torch.where(finite, new, old)

@@ -58,8 +58,8 @@ from importlib.resources import files
 
 import torch
 
-from vega.codegen import plan, reference, triton_runtime
-from vega.codegen.base import Linear, Renderer, linearize, state_var
+from vega.codegen import plan, precision, reference, triton_runtime
+from vega.codegen.base import Linear, Renderer, linearize, state_dtype_names, state_var
 from vega.codegen.base import reduction_phases
 from vega.codegen.record import PRE_SLOTS, named
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, REDUCTIONS, Kind, Node, Op,
@@ -558,6 +558,10 @@ class Source:
     def __init__(self, program: Program, pdt: str, gdt: str, sdt: str):
         self.program, self.lin = program, linearize(program)
         self.dtypes = (pdt, gdt, sdt)
+        # each value's storage dtype: p, g and each state's (s_<name>)
+        self.storage = {"p": pdt, "g": gdt, **{
+            state_var(name): dt for name, dt in zip(
+                program.state_names, state_dtype_names(sdt, len(program.states)))}}
         self.ct = "tl.float64" if pdt == "float64" else "tl.float32"
         self.phases = reduction_phases(program)
         self.slots = {id(n): j for j, n in enumerate(n for ph in self.phases for n in ph)}
@@ -610,7 +614,7 @@ class Source:
     def _pointer(self, x: str, out: bool = False, rebased: bool = False) -> str:
         """The line that reads the address of ``x`` (p, g, a state; or its new value);
         ``rebased``: advanced to the block's first element (``at_block``)."""
-        dt = self.dtypes[0 if x == "p" else 1 if x == "g" and not out else 2]
+        dt = self.storage[x]
         name, col = (self.out_ptr[x], self.col["out", x]) if out else \
             (self.ptr[x], self.col["in", x])
         if rebased:
@@ -657,6 +661,18 @@ class Source:
             slots.append({"name": slot, "index": 3 + k, "comment": name})
             value = f"tl.where({name}, 1.0, 0.0)" if n.dtype == "bool" else name  # (1 or 0)
             lines.append(f"keep(scal + {slot}, {value}, rmask)")
+        if self._rounded():  # the generator's key of each tensor (vega.codegen.precision)
+            at = 3 + len(slots)
+            slots += [{"name": "SCAL_KEY_HI", "index": at, "comment": "generator key, high half"},
+                      {"name": "SCAL_KEY_LO", "index": at + 1,
+                       "comment": "generator key, low half"}]
+            lines += ["sr_step = tl.load(tl.load(row + STEP, mask=rmask, other=0)"
+                      ".to(tl.pointer_type(tl.int32)), mask=rmask, other=0)",
+                      f"sr_key = mix(mix(mix(tl.full([BLOCK], {self.program.rounding}, "
+                      "tl.uint32)) ^ sr_step.to(tl.uint32)) ^ rows.to(tl.uint32))",
+                      f"tl.store(scal + SCAL_KEY_HI, (sr_key >> 16).to({self.ct}), mask=rmask)",
+                      f"tl.store(scal + SCAL_KEY_LO, (sr_key & 0xFFFF).to({self.ct}), "
+                      "mask=rmask)"]
         return {"lines": lines, "slots": slots}
 
     # -- kernels --------------------------------------------------------------
@@ -754,7 +770,9 @@ class Source:
         lin, r = self.lin, self.r
         new = self._new_values()
         kernel["tail"] = self._stores(self.targets, new,
-                                      {x: r.operand(lin, n) for x, n in new.items()})
+                                      {x: r.operand(lin, n) for x, n in new.items()},
+                                      "start + offsets")
+        kernel["scalar"] = kernel["scalar"] + self._keys()
         kernel["comment"] = ("new values where the step is finite; a skipped step writes the "
                              "old bits")
         return kernel
@@ -762,7 +780,27 @@ class Source:
     def _new_values(self) -> dict[str, Node]:
         return {state_var(t) if t != "p" else "p": n for t, n in self.program.updates}
 
-    def _stores(self, targets, new: dict, values: dict) -> list[str]:
+    def _slot(self, x: str) -> int:
+        """The generator's slot of output ``x`` (0: p, 1 + k: state k; ``precision``)."""
+        return self.targets.index(x)
+
+    def _rounded(self) -> list[str]:
+        """The outputs stored stochastically rounded: the bfloat16 ones, where the program
+        rounds so."""
+        if self.program.rounding is None:
+            return []
+        return [x for x in self.targets if self.storage[x] == "bfloat16"]
+
+    def _keys(self) -> list[str]:
+        """The lines that read this tensor's generator key (two 16-bit halves from the
+        scalars) and make each rounded output's (``precision``)."""
+        if not self._rounded():
+            return []
+        return ["key = (tl.load(scal + SCAL_KEY_HI).to(tl.uint32) << 16) | "
+                "tl.load(scal + SCAL_KEY_LO).to(tl.uint32)",
+                *(f"key_{x} = mix(key + {self._slot(x)})" for x in self._rounded())]
+
+    def _stores(self, targets, new: dict, values: dict, index: str = "offsets") -> list[str]:
         """The lines that write each target's new value (``new[x]``, named ``values[x]``) at
         ``offsets`` where the step is finite; a skipped step copies the old bits (read again
         there, so that they are not held through the arithmetic)."""
@@ -775,12 +813,14 @@ class Source:
                 finite.append(f"    tl.store({self.out_ptr[x]} + offsets, {self.stored[x]}, "
                               "mask=mask)")
                 continue
-            st = self.dtypes[0 if x == "p" else 2]
+            st = self.storage[x]
             if node.op is Op.CONST:
                 value = f"tl.full([BLOCK], {value}, {self.ct})"
             elif node.kind < Kind.ELEMENT:  # one value per tensor: as a block
                 finite.append(f"    {value} = {value} + tl.zeros([BLOCK], dtype={self.ct})")
-            if st == "bfloat16":
+            if x in self._rounded():
+                value = f"to_bf16_sr({value}, key_{x}, {index})"
+            elif st == "bfloat16":
                 value = f"to_bf16({value})"
             elif TL[st] != self.ct:
                 value = f"{value}.to({TL[st]})"
@@ -826,6 +866,7 @@ class Source:
                 loads = [f"{self.stored[x]} = tl.load({self.ptr[x]} + offsets, mask=mask)"
                          for x in launch.targets]
                 kernel = em.kernel([self._pointer(x, out=True) for x in launch.targets], loads, 0)
+                kernel["scalar"] = kernel["scalar"] + self._keys()
                 comment = "new values where the step is finite; a skipped step writes the old bits"
                 what = [f"new {', '.join(launch.targets)}"]
             kernel["tail"], kernel["comment"] = tail, comment
@@ -848,7 +889,8 @@ class Source:
             gct="tl.float64" if gdt == "float64" else "tl.float32", gtl=TL[gdt],
             columns=self.cols, nred=len(self.slots), pre_slots=named("PRE", PRE_SLOTS),
             needs_pow=any(n.op is Op.POW for n in nodes), helpers=_helpers(nodes),
-            needs_bf16="bfloat16" in (pdt, sdt),
+            needs_bf16="bfloat16" in (pdt, *self.storage.values()),
+            rounding=precision.TRITON_HELPERS if self._rounded() else "",
             needs_nanmax=any(n.op is Op.AMAX for n in nodes),
             needs_rowmax=any(n.op in (Op.ROW_MAX, Op.COL_MAX) for n in nodes),
             phases=phases, update=update, axes=staged, scalars=self._scalars(), doms=TAG,
@@ -907,7 +949,7 @@ class Kernel:
         key = (dtypes, triton_runtime.interpreting())
         if key not in self._modules:
             self._modules[key] = triton_runtime.load_module(
-                self.source(dtypes), f"{self.module_name}-{'-'.join(dtypes)}")
+                self.source(dtypes), f"{self.module_name}-{'-'.join(dtypes).replace(',', '_')}")
         return self._modules[key]
 
     def init(self, p, values, state_dtype):

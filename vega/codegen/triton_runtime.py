@@ -35,7 +35,7 @@ from collections import OrderedDict
 import torch
 from torch.autograd.graph import increment_version
 
-from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct
+from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, state_key
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import has_own_ops, own_ops_words, refuse_inplace, resolved
 
@@ -100,7 +100,8 @@ def block_size(dtypes=("float32",)) -> int:
     """Elements a program of an elementwise launch takes, for a group of these dtypes."""
     if _small_blocks():
         return BLOCK_INTERPRETER
-    return 32 * WARPS_GPU * BYTES_PER_ACCESS // min(ITEMSIZE[d] for d in dtypes)
+    return 32 * WARPS_GPU * BYTES_PER_ACCESS // min(ITEMSIZE[d] for ds in dtypes
+                                                    for d in ds.split(","))
 
 
 def load_module(text: str, name: str) -> dict:
@@ -294,6 +295,11 @@ DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "b
 
 
 def _dtype_key(p, g, s):
+    """(p, g, state) dtype names; ``s``: a state tensor, or a list of each state's (the
+    state part is ``state_key``'s)."""
+    if isinstance(s, list):
+        return DTYPES[p.dtype], DTYPES[g.dtype], state_key([DTYPES[x.dtype] for x in s],
+                                                           DTYPES[p.dtype])
     return DTYPES[p.dtype], DTYPES[g.dtype], DTYPES[s.dtype]
 
 
@@ -381,7 +387,8 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
     has_pre = pre is not None
     groups: dict[tuple, list[int]] = {}
     for i in range(n):
-        groups.setdefault(_dtype_key(src_p[i], grads[i], src_s[i] if nstate else src_p[i]),
+        groups.setdefault(_dtype_key(src_p[i], grads[i], [src_s[k * n + i]
+                                                          for k in range(nstate)]),
                           []).append(i)
     with _on(device):
         hyp = _hyper_array(device, nhyper, max(hyper_index, default=-1) + 1, hyper_tensors,
@@ -549,13 +556,9 @@ def step(kern, params, grads, states, steps, values, donate, pre):
         if p.device != device or g.device != device:
             raise ValueError(f"backend 'triton' needs every tensor of a step on one device, got "
                              f"{p.device} and {g.device} besides {device}")
-    for i in range(n):
-        sd = states[0][i].dtype if nstate else params[i].dtype
-        for col in states:
-            _check(kern, "state", col[i])
-            if col[i].dtype != sd:
-                raise ValueError("backend 'triton' needs every state tensor of a parameter in "
-                                 "one dtype")
+    for col in states:
+        for x in col:
+            _check(kern, "state", x)
     check_states("triton", kern.program, params, states)
     # distinct step counters and hyperparameter sets (the same object is shared by many tensors)
     uniq_steps, step_index = distinct(steps)

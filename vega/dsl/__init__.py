@@ -55,6 +55,11 @@ class Spec:
         return self.tree.name
 
     @property
+    def state_names(self) -> tuple[str, ...]:
+        """Every state the spec declares, under any if, in source order."""
+        return tuple(dict.fromkeys(_declared(self.tree.body)))
+
+    @property
     def doc(self) -> str:
         return self.tree.doc
 

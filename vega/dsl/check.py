@@ -59,7 +59,8 @@ INIT_NAMES = {"zeros": 0.0, "ones": 1.0}
 # and the names a param group already holds: a hyperparameter of one of these names would
 # be taken for the other
 API_NAMES = ("params", "grads", "state", "self", "backend", "donate", "max_grad_norm",
-             "loss_scale", "skip_nonfinite", "state_dtype")
+             "loss_scale", "skip_nonfinite", "state_dtype", "master_weights",
+             "stochastic_rounding", "rounding_seed")
 STEP_COUNTER = "step"  # a state dict's step counter
 BINARY = {"+": Op.ADD, "-": Op.SUB, "*": Op.MUL, "/": Op.DIV, "^": Op.POW, "<": Op.LT,
           "<=": Op.LE, ">": Op.GT, ">=": Op.GE, "==": Op.EQ, "!=": Op.NE, "and": Op.AND,

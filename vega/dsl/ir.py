@@ -291,6 +291,11 @@ class Program:
         # uses_axes: whether any value is not one per element (axis reductions, row or
         # column state).
         object.__setattr__(self, "kernels", {})
+        # vega.codegen.precision: its variants by (master, seed); whether it keeps a float32
+        # master copy of the parameter; the seed of its stochastic rounding (None: none)
+        object.__setattr__(self, "variants", {})
+        object.__setattr__(self, "master", False)
+        object.__setattr__(self, "rounding", None)
         object.__setattr__(self, "uses_axes", any(s.dom != "rc" for s in self.states) or any(
             n.op in AXIS_REDUCTIONS for n in walk(node for _, node in self.updates)))
 

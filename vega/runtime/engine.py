@@ -15,6 +15,8 @@ import torch
 
 from vega import codegen
 from vega.codegen.base import HyperRows, distinct, is_schedule
+from vega.codegen import precision
+from vega.codegen.precision import MASTER
 from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
 from vega.codegen.tensors import first_with_own_ops
@@ -33,13 +35,55 @@ def shown(value) -> str:
     return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
 
 
-def check_state_dtype(owner: str, state_dtype) -> None:
-    """``state_dtype``: None or a torch float (or complex) dtype; ValueError naming it."""
-    if state_dtype is None or (isinstance(state_dtype, torch.dtype) and (
-            state_dtype.is_floating_point or state_dtype.is_complex)):
+_HALF = (torch.bfloat16, torch.float16)
+STATE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _state_float(dtype) -> bool:
+    return isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)
+
+
+def check_state_dtype(owner: str, state_dtype, names=None) -> None:
+    """``state_dtype``: None, a torch float (or complex) dtype for every state, or (where
+    ``names``, the states a spec declares, are given) a dict from state names to float
+    dtypes; else ValueError naming it."""
+    if names is not None and _state_float(state_dtype) and not (
+            state_dtype in STATE_DTYPES or state_dtype.is_complex):
+        raise ValueError(f"{owner}: state_dtype={shown(state_dtype)} is not a dtype the "
+                         "kernels keep state in: torch.float32, torch.float64, "
+                         "torch.bfloat16 or torch.float16 (complex64 or complex128 for "
+                         "complex parameters)")
+    if state_dtype is None or _state_float(state_dtype):
         return
+    if isinstance(state_dtype, dict) and names is not None:
+        for name, dtype in state_dtype.items():
+            if name not in names:
+                raise ValueError(f"{owner}: state_dtype names a state {shown(name)} that it "
+                                 f"does not keep{_suggest(str(name), list(names))}; its states "
+                                 f"are {', '.join(names) or 'none'}")
+            if not (isinstance(dtype, torch.dtype) and dtype in STATE_DTYPES):
+                raise ValueError(f"{owner}: state_dtype[{name!r}]={shown(dtype)} must be one "
+                                 "of torch.float32, torch.float64, torch.bfloat16, "
+                                 "torch.float16")
+        return
+    per_state = ", or a dict from state names to dtypes" if names is not None else ""
     raise ValueError(f"{owner}: state_dtype={shown(state_dtype)} must be None or a torch float "
-                     "dtype (torch.float32, torch.float64, torch.bfloat16, ...)")
+                     f"dtype (torch.float32, torch.float64, torch.bfloat16, ...){per_state}")
+
+
+def state_dtypes(p: torch.Tensor, program: Program, state_dtype) -> list[torch.dtype]:
+    """The dtype of each state of ``program`` for parameter ``p``: ``state_dtype`` (one dtype
+    for all, or a dict by state name, the others by default; ``state_dtype_for``); a master
+    copy of the parameter (``master_weights``) is float32 whatever it says."""
+    per = state_dtype if isinstance(state_dtype, dict) else {}
+    every = None if isinstance(state_dtype, dict) else state_dtype
+    out = []
+    for s in program.states:
+        if s.name == MASTER and program.master:
+            out.append(torch.float32)
+            continue
+        out.append(state_dtype_for(p, per.get(s.name, every)))
+    return out
 
 
 def check_value(owner: str, h: HyperParam, value):
@@ -68,6 +112,20 @@ def check_value(owner: str, h: HyperParam, value):
             where = f"outside its range {h.range}" if h.range is not None else "not a number"
             raise ValueError(f"{owner}: {h.name}={shown(value)} is {where}")
     return value
+
+
+def check_precision(owner: str, master_weights, stochastic_rounding, rounding_seed):
+    """The seed of stochastic rounding (None without it), each option checked: ValueError
+    naming it."""
+    for name, v in (("master_weights", master_weights),
+                    ("stochastic_rounding", stochastic_rounding)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{owner}: {name}={shown(v)} must be True or False")
+    if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, int) \
+            or not 0 <= rounding_seed < 2 ** 32:
+        raise ValueError(f"{owner}: rounding_seed={shown(rounding_seed)} must be an int in "
+                         "[0, 2**32)")
+    return rounding_seed if stochastic_rounding else None
 
 
 def check_fused(owner: str, max_grad_norm, skip_nonfinite, loss_scale=None) -> None:
@@ -123,7 +181,8 @@ def shape_values(owner: str, spec, flags: dict, values: dict) -> dict:
 
 
 def programs(owner: str, spec, flags: dict, values: dict, tensors,
-             held: tuple = ()) -> list[Program | None]:
+             held: tuple = (), master: bool = False,
+             seed: int | None = None) -> list[Program | None]:
     """The program that steps each tensor (None for a None entry).
 
     A spec without conditions on values or shapes has one program per setting of
@@ -133,6 +192,16 @@ def programs(owner: str, spec, flags: dict, values: dict, tensors,
     shape condition, ``Spec.held_open``). Lowering a program runs outside a dynamo
     trace (``vega.tracing``).
     """
+    out = _programs(owner, spec, flags, values, tensors, held)
+    if master or seed is not None:  # (a master copy for half parameters only)
+        out = [None if prog is None else
+               untraced(precision.variant, prog, master and t.dtype in _HALF, seed)
+               for prog, t in zip(out, tensors)]
+    return out
+
+
+def _programs(owner: str, spec, flags: dict, values: dict, tensors,
+              held: tuple = ()) -> list[Program | None]:
     known = shape_values(owner, spec, flags, values) if spec.shape_conditions else {}
     fkey = tuple(sorted(flags.items()))
     if not spec.reads_shape:  # no conditions, or on values only: one program for all
@@ -252,18 +321,19 @@ def _no_complex_axes(program: Program) -> None:
 
 
 def init_leaf(program: Program, p: torch.Tensor, values: dict,
-              state_dtype: torch.dtype | None) -> list[torch.Tensor]:
+              state_dtype) -> list[torch.Tensor]:
     """The initial state tensors of one parameter (built by the reference backend; a
-    DTensor's on its local shard, ``vega.runtime.sharded``)."""
+    DTensor's on its local shard, ``vega.runtime.sharded``). ``state_dtype``: None, a dtype,
+    or a dict by state name (``state_dtypes``)."""
     from vega.runtime import sharded
     if sharded.is_dtensor(p):
         return sharded.init_leaf(program, p, values, state_dtype)
     if p.is_complex():
         _no_complex_axes(program)
-    sd = state_dtype_for(p, state_dtype)
-    real_sd = sd.to_real() if sd.is_complex else sd
+    sds = [sd.to_real() if sd.is_complex else sd
+           for sd in state_dtypes(p, program, state_dtype)]
     kern = codegen.kernel("reference", program)
-    out = kern.init(_real(p), values, real_sd)
+    out = kern.init(_real(p), values, sds)
     return [torch.view_as_complex(s) if p.is_complex() else s for s in out]
 
 

@@ -38,13 +38,15 @@ class SpecOptimizer(torch.optim.Optimizer):
     spec = None  # the CompiledSpec, set on each subclass
 
     def __init__(self, params, *, backend: str | None = None,
-                 state_dtype: torch.dtype | None = None, max_grad_norm: float | None = None,
+                 state_dtype=None, max_grad_norm: float | None = None,
                  loss_scale=None, skip_nonfinite: bool = False, maximize: bool = False,
                  foreach: bool | None = None, fused: bool | None = None,
                  capturable: bool | None = None, differentiable: bool = False,
-                 reduce_group=None, **hypers):
+                 reduce_group=None, master_weights: bool = False,
+                 stochastic_rounding: bool = False, rounding_seed: int = 0, **hypers):
         owner = type(self).__name__
         codegen.check_backend(backend)
+        engine.check_precision(owner, master_weights, stochastic_rounding, rounding_seed)
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
         sharded.check_group(owner, reduce_group)
         self.reduce_group = reduce_group
@@ -59,7 +61,10 @@ class SpecOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite = skip_nonfinite
         betas = {"betas": tuple(values[n] for n in names)} if names else {}
         super().__init__(params, {**flags, **values, **betas, "maximize": maximize,
-                                  "backend": backend, "state_dtype": state_dtype})
+                                  "backend": backend, "state_dtype": state_dtype,
+                                  "master_weights": master_weights,
+                                  "stochastic_rounding": stochastic_rounding,
+                                  "rounding_seed": rounding_seed})
         if loss_scale is not None and not loss_scale.device_given:
             # made without a device: it lives where the parameters are (no copy a step)
             first = next((p for g in self.param_groups for p in g["params"]), None)
@@ -77,7 +82,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{owner}: maximize={engine.shown(group['maximize'])} must be "
                                  "True or False")
             codegen.check_backend(group.get("backend"))
-            engine.check_state_dtype(type(self).__name__, group.get("state_dtype"))
+            engine.check_state_dtype(type(self).__name__, group.get("state_dtype"),
+                                     self.spec._spec.state_names)
+            _precision(type(self).__name__, group)
             engine.resolve(type(self).__name__, self.spec.hypers,
                            {h.name: group[h.name] for h in self.spec.hypers})
             engine.shape_values(type(self).__name__, self.spec._spec, {}, group)
@@ -123,15 +130,27 @@ class SpecOptimizer(torch.optim.Optimizer):
     def _adapt_state(self, p, st: dict, want: set, program, values, group) -> bool:
         """A state a hyperparameter's value turned on or off (sgd's v, when momentum
         becomes positive or returns to 0): created fresh where missing, kept where no
-        longer read, as torch keeps its momentum_buffer. False for any other mismatch."""
-        lazy = self.spec._spec.value_states
+        longer read, as torch keeps its momentum_buffer. A master copy (``master_weights``
+        turned on, or a state loaded without one): made from the parameter where missing,
+        dropped where no longer kept (a stale copy must not come back). False for any other
+        mismatch."""
+        lazy = self._lazy_states()
         missing, extra = want - st.keys(), st.keys() - want
         if not (missing <= lazy and extra <= lazy):
             return False
         if missing:
             fresh = self._init_state(p, program, values, group)
             st.update({name: fresh[name] for name in missing})
+        if engine.MASTER in extra and engine.MASTER in lazy:
+            del st[engine.MASTER]
         return True
+
+    def _lazy_states(self) -> frozenset:
+        """The states a step makes where missing: those an if on values declares, and the
+        master copy (unless the spec has a state of that name)."""
+        spec = self.spec._spec
+        own = engine.MASTER in spec.state_names
+        return spec.value_states | (frozenset() if own else frozenset({engine.MASTER}))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -268,7 +287,9 @@ class SpecOptimizer(torch.optim.Optimizer):
         grads = [g for g in grads_all if g is not None]
         if _any_sparse(grads):
             raise ValueError(f"{owner} does not support sparse gradients")
-        progs = engine.programs(owner, self.spec._spec, flags, values, params)
+        master, seed = _precision(owner, group)
+        progs = engine.programs(owner, self.spec._spec, flags, values, params, master=master,
+                                seed=seed)
         shaped = "".join(f", or {n} (it picks each tensor's program)"
                          for n in self.spec._spec.shape_hypers)
         wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
@@ -296,6 +317,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                      params, sts, parts, self._shapes(params))
         plans = self._plans()
         plans += [None] * (k + 1 - len(plans))
+        plan.precision = (master, seed)
         plans[k] = plan
         return plan.work(backend, grads, sts, values)
 
@@ -325,7 +347,9 @@ class SpecOptimizer(torch.optim.Optimizer):
             return True
         if spec.reads_shape:
             return _same(self._choosing(values), plan.choosing)
-        program = engine.programs(type(self).__name__, spec, flags, values, plan.params[:1])[0]
+        master, seed = plan.precision
+        program = engine.programs(type(self).__name__, spec, flags, values, plan.params[:1],
+                                  master=master, seed=seed)[0]
         return len(plan.parts) == 1 and program is plan.parts[0][0]
 
     def _planned_work(self, k, group, grads_all, flags, values) -> list[tuple] | None:
@@ -340,7 +364,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                 or len(ps) != len(plan.all_params) \
                 or not all(map(operator.is_, ps, plan.all_params)) \
                 or [g is not None for g in grads_all] != plan.present \
-                or flags != plan.flags or not self._same_programs(flags, values, plan):
+                or flags != plan.flags \
+                or plan.precision != _precision(type(self).__name__, group) \
+                or not self._same_programs(flags, values, plan):
             return None
         if plan.params is plan.all_params:
             params, grads = plan.params, grads_all
@@ -449,14 +475,19 @@ class SpecOptimizer(torch.optim.Optimizer):
         params = [(p, g) for g in self.param_groups for p in g["params"]]
         for k, group in enumerate(self.param_groups):
             engine.check_state_dtype(f"{type(self).__name__}.load_state_dict",
-                                     group["state_dtype"])
+                                     group["state_dtype"], self.spec._spec.state_names)
             group.setdefault("maximize", False)  # (a state saved before groups held it)
+            for key, default in _PRECISION_DEFAULTS.items():
+                group.setdefault(key, default)
             self._betas().sync(f"{type(self).__name__}.load_state_dict", k, group)
         for pid, (p, group) in zip(ids, params):
             if pid not in originals or p not in self.state:
                 continue
-            sd = engine.state_dtype_for(p, group["state_dtype"])
+            sds = group["state_dtype"] if isinstance(group["state_dtype"], dict) else {}
             for name, value in originals[pid].items():
+                sd = engine.state_dtype_for(p, sds.get(name) if sds else group["state_dtype"])
+                if name == engine.MASTER and group.get("master_weights"):
+                    sd = torch.float32
                 if not isinstance(value, torch.Tensor):
                     continue
                 if name == "step":  # a copy: the step advances in place
@@ -470,12 +501,15 @@ class SpecOptimizer(torch.optim.Optimizer):
         take one a value turns on or off, as sgd's ``v``), tensors, each of the shape its
         parameter needs (a kernel would read and write past a smaller one)."""
         owner = type(self).__name__
-        lazy = self.spec._spec.value_states
+        lazy = self._lazy_states()
         for k, group in enumerate(self.param_groups):
-            engine.check_state_dtype(f"{owner}.load_state_dict", group["state_dtype"])
+            engine.check_state_dtype(f"{owner}.load_state_dict", group["state_dtype"],
+                                     self.spec._spec.state_names)
             flags, values = self._group_values(group)
             held = [(i, p) for i, p in enumerate(group["params"]) if self.state.get(p)]
-            progs = engine.programs(owner, self.spec._spec, flags, values, [p for _, p in held])
+            master, seed = _precision(owner, group)
+            progs = engine.programs(owner, self.spec._spec, flags, values, [p for _, p in held],
+                                    master=master, seed=seed)
             for (i, p), program in zip(held, progs):
                 where = f"parameter {i} of group {k}"
                 st = self.state[p]
@@ -516,8 +550,21 @@ def _group_keys(cspec) -> frozenset:
 
 def _optional_keys(cspec) -> frozenset:
     """The keys of a group that a state saved before groups held them may lack: torch's
-    names ``maximize`` and ``betas`` (where the spec has ``b1``, ``b2``, ...)."""
-    return frozenset({"maximize", *(("betas",) if torch_names.beta_names(cspec) else ())})
+    names ``maximize`` and ``betas`` (where the spec has ``b1``, ``b2``, ...), and the
+    precision options (off)."""
+    return frozenset({"maximize", *(("betas",) if torch_names.beta_names(cspec) else ()),
+                      *_PRECISION_DEFAULTS})
+
+
+_PRECISION_DEFAULTS = {"master_weights": False, "stochastic_rounding": False,
+                       "rounding_seed": 0}
+
+
+def _precision(owner: str, group: dict) -> tuple[bool, int | None]:
+    """A group's (master_weights, seed of its stochastic rounding or None), checked."""
+    master = group.get("master_weights", False)
+    return master, engine.check_precision(owner, master, group.get("stochastic_rounding", False),
+                                          group.get("rounding_seed", 0))
 
 
 def _optimizer_keys() -> dict[str, frozenset]:
@@ -671,7 +718,11 @@ def optimizer_class(spec) -> type:
         default = str(h.default).lower() if h.type == "bool" else h.default
         lines.append(f"    {h.name}: {h.type} = {default}{rng}")
     lines += ["", "Also: backend=None|'reference'|'c'|'triton', state_dtype=None (float32 for "
-              "bfloat16/float16 parameters),", "max_grad_norm=None, loss_scale=None (a "
+              "bfloat16/float16 parameters;", "a dtype for every state, or a dict by state "
+              "name: {'nu': torch.bfloat16}),", "master_weights=False (a float32 copy of each "
+              "half parameter, the state 'master'),", "stochastic_rounding=False, "
+              "rounding_seed=0 (bfloat16 values rounded stochastically; docs/precision.md),",
+              "max_grad_norm=None, loss_scale=None (a "
               "vega.LossScale), skip_nonfinite=False, maximize=False,",
               "foreach=None, fused=None, capturable=None (accepted: the step is always "
               "fused), differentiable=False,", "reduce_group=None (a torch.distributed process "

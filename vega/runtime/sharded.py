@@ -165,7 +165,7 @@ def init_leaf(program, p, values: dict, state_dtype) -> list:
                          "steps complex parameters that are plain tensors")
     local = p.to_local()
     view = view_of("a parameter", p)
-    sd = engine.state_dtype_for(local, state_dtype)
+    sd = engine.state_dtypes(local, program, state_dtype)
     kern = codegen.kernel("reference", program)
     out = []
     for s, leaf in zip(program.states, kern.init(local, values, sd, geo=view.local)):

@@ -70,18 +70,25 @@ class CompiledSpec:
         return engine.state_fields(progs if any(progs) else [self._spec.program(flags, held)])
 
     # -- functional API -------------------------------------------------------
-    def init(self, params, *, state_dtype: torch.dtype | None = None, **hypers) -> dict:
-        """A fresh state for ``params`` (any pytree of tensors)."""
+    def init(self, params, *, state_dtype=None, master_weights: bool = False,
+             **hypers) -> dict:
+        """A fresh state for ``params`` (any pytree of tensors). ``state_dtype``: the dtype of
+        every state (None: float32 for bfloat16 and float16 parameters, else the
+        parameter's), or a dict from state names to dtypes (``{"nu": torch.bfloat16}``).
+        ``master_weights``: a state ``master``, a float32 copy of each bfloat16 or float16
+        parameter, which the step updates (docs/precision.md)."""
         owner = f"{self.name}_init"
         flags, values = engine.resolve(owner, self.hypers, hypers)
-        engine.check_state_dtype(owner, state_dtype)
+        engine.check_state_dtype(owner, state_dtype, self._spec.state_names)
+        engine.check_precision(owner, master_weights, False, 0)
         leaves, spec = flatten(params)
         _check_leaves(owner, "params", params, leaves)
         # a state an if on values declares (sgd's v under `if momentum > 0`) is made
         # unless the values given here turn the if off: sgd_init(params) has v
         held = self._spec.held_open(flags, values, self._spec.value_hypers - hypers.keys())
         progs = engine.programs(owner, self._spec, flags, values,
-                                [p if is_steppable(p) else None for p in leaves], held)
+                                [p if is_steppable(p) else None for p in leaves], held,
+                                master=master_weights)
         fields = self._fields(flags, progs, held)
         device = next((p.device for p in leaves if is_steppable(p)), torch.device("cpu"))
         step = torch.zeros((), dtype=torch.int32, device=device)
@@ -105,7 +112,8 @@ class CompiledSpec:
 
     def step(self, params, grads, state, *, backend: str | None = None, donate: bool = False,
              max_grad_norm: float | None = None, skip_nonfinite: bool = False,
-             loss_scale=None, reduce_group=None, **hypers):
+             loss_scale=None, reduce_group=None, master_weights: bool = False,
+             stochastic_rounding: bool = False, rounding_seed: int = 0, **hypers):
         """One update: returns (params, state). Pure unless ``donate=True``.
 
         Fused into the same step, in this order: ``loss_scale`` (a
@@ -121,8 +129,16 @@ class CompiledSpec:
         finite check span the parameters of every rank of the group, each rank stepping
         its own. DTensor parameters step their local shards, every reduction combined
         across their mesh (``vega.runtime.sharded``).
+
+        ``master_weights``: the state holds a float32 master copy of each bfloat16 or float16
+        parameter (made by ``init(params, master_weights=True)``), which the step updates
+        before writing the parameter rounded. ``stochastic_rounding``: bfloat16 values (the
+        parameters, bfloat16 state) are rounded stochastically, with bits drawn from
+        ``rounding_seed``, the step counter and each tensor's and element's position
+        (docs/precision.md).
         """
         owner = f"{self.name}_step"
+        seed = engine.check_precision(owner, master_weights, stochastic_rounding, rounding_seed)
         codegen.check_backend(backend)
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
         sharded.check_group(owner, reduce_group)
@@ -134,7 +150,8 @@ class CompiledSpec:
                                     present=state.keys()) \
             if isinstance(state, dict) and self._spec.value_hypers else ()
         progs = engine.programs(owner, self._spec, flags, values,
-                                [p if is_steppable(p) else None for p in p_leaves], held)
+                                [p if is_steppable(p) else None for p in p_leaves], held,
+                                master=master_weights, seed=seed)
         names = [f.name for f in self._fields(flags, progs, held)]
         shaped = self._spec.shape_hypers
         columns = _check_state(owner, self, flags, names, state, p_spec, shaped)
@@ -404,7 +421,9 @@ def _check_state(owner, cspec, flags, names, state, p_spec, shaped=()):
                          f"got {type(state).__name__}")
     want = set(names) | {"step"}
     if set(state) != want:
-        flags = ", ".join(f"{k}={v}" for k, v in sorted(flags.items()))
+        master = engine.MASTER in want or engine.MASTER in state
+        flags = ", ".join([*(f"{k}={v}" for k, v in sorted(flags.items())),
+                           *([f"master_weights={engine.MASTER in want}"] if master else [])])
         made = f"{cspec.name}_init(params{', ' + flags if flags else ''})"
         also = (f" and the same {', '.join(shaped)} (it picks each tensor's program)"
                 if shaped else "")

@@ -169,6 +169,8 @@ _TORCH_RULES = {
     "RAdam": {"weight_decay": 0, "decoupled_weight_decay": False},
 }
 _TORCH_ONLY = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+# vega's keys of a group for the precision of its parameters (docs/precision.md)
+PRECISION_KEYS = ("master_weights", "stochastic_rounding", "rounding_seed")
 
 
 def is_torch_format(state_dict, cls_name: str, want: frozenset) -> bool:
@@ -213,7 +215,8 @@ def from_torch(owner: str, cls_name: str, state_dict: dict, current: list) -> di
         if isinstance(group.get("betas"), (tuple, list)):
             out.update((f"b{i + 1}", b) for i, b in enumerate(group["betas"]))
             out["betas"] = tuple(group["betas"])
-        out.update(backend=here["backend"], state_dtype=here["state_dtype"])
+        out.update(backend=here["backend"], state_dtype=here["state_dtype"],
+                   **{key: here[key] for key in PRECISION_KEYS if key in here})
         groups.append(out)
     back = {theirs: mine for mine, theirs in names.items() if theirs is not None}
     state = {}
@@ -240,7 +243,7 @@ def to_torch(owner: str, cls_name: str, betas: tuple, state_dict: dict) -> dict:
     groups = []
     for k, group in enumerate(state_dict["param_groups"]):
         out = {key: v for key, v in group.items()
-               if key not in ("backend", "state_dtype", *betas)}
+               if key not in ("backend", "state_dtype", *PRECISION_KEYS, *betas)}
         for key, v in out.items():
             if any(isinstance(x, torch.Tensor) or callable(x)
                    for x in (v if key == "betas" else (v,))):

@@ -16,7 +16,8 @@ import torch
 from torch.autograd.graph import increment_version
 
 from vega.codegen import record, reference
-from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, reduction_phases
+from vega.codegen.base import (HyperRows, axis_geometry, check_states, distinct, reduction_phases,
+                               state_key)
 from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
@@ -142,6 +143,18 @@ class Kernel:
         return call(self.id, *args)
 
     def _group_key(self, p, g, s_dtype):
+        """The dtype group of a parameter, its gradient and its states (``s_dtype``: their
+        one dtype, or a tuple of each state's): (p, g, state) names, the state's
+        ``state_key``."""
+        if isinstance(s_dtype, tuple):
+            if s_dtype.count(s_dtype[0]) == len(s_dtype):
+                s_dtype = s_dtype[0]
+            else:
+                for d in s_dtype:
+                    if d not in _DTYPES:
+                        raise ValueError(f"backend 'c' does not support state of dtype {d}")
+                p_name, g_name, _ = self._group_key(p, g, s_dtype[0])
+                return p_name, g_name, state_key([_DTYPES[d] for d in s_dtype], p_name)
         key = (p.dtype, g.dtype, s_dtype)
         compiling = torch.compiler.is_compiling()
         # eagerly, the common case is checked once per dtype triple; not while tracing, where
@@ -340,8 +353,9 @@ class Kernel:
         """The step as torch.compile traces it: one call of the native operator
         ``vega_c::step`` (or, where it cannot be built, of the Python custom op
         ``vega::c_step``), after the libraries it needs are built."""
-        sd = [s.dtype for s in flat_states[:len(params)]] if self.program.states else \
-            [p.dtype for p in params]
+        n = len(params)
+        sd = [tuple(flat_states[k * n + i].dtype for k in range(len(self.program.states)))
+              for i in range(n)] if self.program.states else [(p.dtype,) for p in params]
         if not untraced(_native_ready, self, tuple({(p.dtype, g.dtype, d) for p, g, d in
                                                     zip(params, grads, sd)})):
             c_step(self.key, params, grads, flat_states, steps, step_index, hyp, hyp_index, pre)
@@ -523,10 +537,10 @@ class Kernel:
         n = len(params)
         pd, gd = list(map(_DTYPE_OF, params)), list(map(_DTYPE_OF, grads))
         sd = [list(map(_DTYPE_OF, col)) for col in states]
-        if any(a != sd[0] for a in sd[1:]):
-            raise ValueError("backend 'c' needs every state tensor of a parameter in one "
-                             "dtype")
-        sd = sd[0] if sd else pd
+        if any(a != sd[0] for a in sd[1:]):  # states of several dtypes: each its own
+            sd = list(zip(*sd))
+        else:
+            sd = sd[0] if sd else pd
         if n and pd.count(pd[0]) == n and gd.count(gd[0]) == n and sd.count(sd[0]) == n:
             # one dtype group (the common case): the devices checked in one pass
             if all(map(_IS_CPU, params)) and all(map(_IS_CPU, grads)):
@@ -729,9 +743,11 @@ def _native_ready(kernel: Kernel, triples) -> bool:
     if mod is None:
         return False
     for triple in triples:
-        if any(d not in _DTYPES for d in triple):
+        p, g, s = triple
+        s = s if isinstance(s, tuple) else (s,)
+        if any(d not in _DTYPES for d in (p, g, *s)):
             raise ValueError(f"backend 'c' does not support tensors of dtypes {triple}")
-        kernel.library(tuple(_DTYPES[d] for d in triple))
+        kernel.library((_DTYPES[p], _DTYPES[g], state_key([_DTYPES[d] for d in s], "")))
     kernel._registered(mod)
     return True
 

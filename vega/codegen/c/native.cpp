@@ -233,12 +233,12 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
         const int64_t *geo = k->axes ? geometry.data() + k->col.ngeo() * i : nullptr;
         if (geo && geo[0] != p.numel()) fail("backend 'c': a geometry row does not match");
         c10::ScalarType sd = p.scalar_type();
+        bool mixed = false;  // states of several dtypes: the key names each (state_key)
         for (size_t s = 0; s < ns; s++) {
             const at::Tensor &x = states[s * n + i];
             check_plain(x, "state tensor", s * n + i);
             if (s == 0) sd = x.scalar_type();
-            else if (x.scalar_type() != sd)
-                fail("backend 'c' needs every state tensor of a parameter in one dtype");
+            else if (x.scalar_type() != sd) mixed = true;
             int64_t dom = k->doms[s];
             if (dom == 0 ? !x.sizes().equals(p.sizes()) : (!geo || x.numel() != geo[dom]))
                 fail("backend 'c': state " + std::to_string(s) + " of parameter " +
@@ -248,7 +248,11 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
             hyper_index[i] < 0 || hyper_index[i] >= static_cast<int64_t>(hyp_at.size()))
             fail("backend 'c': a step or hyperparameter index is out of range");
         std::string key = std::string(dtype_name(p.scalar_type())) + " " +
-                          dtype_name(g.scalar_type()) + " " + dtype_name(sd);
+                          dtype_name(g.scalar_type()) + " ";
+        if (!mixed) key += dtype_name(sd);
+        else
+            for (size_t s = 0; s < ns; s++)
+                key += std::string(s ? "," : "") + dtype_name(states[s * n + i].scalar_type());
         Group &grp = group_of(groups, *k, key);
         const Columns &c = k->col;
         const size_t at = grp.rows.size();

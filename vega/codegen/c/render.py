@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import math
 
-from vega.codegen import record
-from vega.codegen.base import Linear, Renderer, linearize, reduction_phases, state_var
+from vega.codegen import precision, record
+from vega.codegen.base import (Linear, Renderer, linearize, reduction_phases,
+                               state_dtype_names, state_var)
 from vega.codegen.plan import element_plan
 from vega.dsl.ir import REDUCTIONS, Kind, Node, Op, Program
 
@@ -238,6 +239,7 @@ class Source:
         self.phases = reduction_phases(program)
         self.slots = {id(n): j for j, n in enumerate(n for ph in self.phases for n in ph)}
         self.dtypes = (pdt, gdt, sdt)
+        self.sdts = state_dtype_names(sdt, len(program.states))  # each state's
 
     @property
     def nstate(self) -> int:
@@ -251,7 +253,8 @@ class Source:
         out = [f"/* vega C kernel: {self.program.name} (flags: {flags}); params {pdt}, grads "
                f"{gdt}, state {sdt}, arithmetic in {ct} */",
                INCLUDES, f"typedef {ct} CT;"]
-        for tag, dt in (("P", pdt), ("G", gdt), ("S", sdt)):
+        for tag, dt in (("P", pdt), ("G", gdt),
+                        *((f"S{k}", dt) for k, dt in enumerate(self.sdts))):
             store, load, save = STORAGE[dt]
             out.append(f"typedef {store} {tag}STORE;")
             out.append(f"#define LOAD_{tag}(x) {load.format(x='x')}")
@@ -264,6 +267,8 @@ class Source:
         out += record.c_defines()  # the prelude's record
         out += self.columns.c_defines()  # the address table's row
         out.append(HEADER)
+        if self.program.rounding is not None:
+            out.append(precision.C_HELPERS)
         out += self._entries()
         return "\n".join(out)
 
@@ -290,7 +295,8 @@ class Source:
         (which those loops then do not read). Only where the storage holds the compute
         type exactly, and only where no later loop reads the old value."""
         pdt, _, sdt = self.dtypes
-        if not self.phases or not (sdt == "float64" or (sdt == "float32" and pdt != "float64")):
+        if not self.phases or not all(sdt == "float64" or (sdt == "float32" and pdt != "float64")
+                                      for sdt in self.sdts):
             return [[] for _ in self.phases]
         banned: set[str] = set()
         while True:
@@ -346,13 +352,20 @@ class Source:
         for node in uses:
             out.append(f"            const CT {self._var(node)} = "
                        f"(CT)red[i * NRED + {self.slots[id(node)]}];")
+        if self.program.rounding is not None and self._rounded():
+            # stochastic rounding: the generator's key of this tensor (vega.codegen.precision)
+            out.append("            const uint32_t KB_ = vega_mix(vega_mix(vega_mix("
+                       f"{self.program.rounding}u) ^ (uint32_t)(*(const int32_t *)(intptr_t)"
+                       "row[COL_STEP])) ^ (uint32_t)i);")
+            for slot in self._rounded():
+                out.append(f"            const uint32_t K{slot}_ = vega_mix(KB_ + {slot}u);")
         out += ["            const PSTORE *P_ = (const PSTORE *)(intptr_t)row[COL_P];",
                 "            const GSTORE *G_ = (const GSTORE *)(intptr_t)row[COL_G];",
                 "            PSTORE *PO_ = (PSTORE *)(intptr_t)row[COL_P_OUT];"]
         for k in range(self.nstate):
-            out.append(f"            const SSTORE *S{k}_ = (const SSTORE *)(intptr_t)"
+            out.append(f"            const S{k}STORE *S{k}_ = (const S{k}STORE *)(intptr_t)"
                        f"row[COL_STATE + {k}];")
-            out.append(f"            SSTORE *SO{k}_ = (SSTORE *)(intptr_t)"
+            out.append(f"            S{k}STORE *SO{k}_ = (S{k}STORE *)(intptr_t)"
                        f"row[COL_STATE_OUT + {k}];")
         return out
 
@@ -370,7 +383,8 @@ class Source:
         for node in nodes:
             ctype = "int" if node.dtype == "bool" else "CT"
             if stored and id(node) in stored:
-                value = f"LOAD_S(SO{self.program.state_names.index(stored[id(node)])}_[j])"
+                k = self.program.state_names.index(stored[id(node)])
+                value = f"LOAD_S{k}(SO{k}_[j])"
             else:
                 value = self.r.expr(self.lin, node, 'element')
             lines.append(f"                const {ctype} {self._var(node)} = {value};")
@@ -383,7 +397,7 @@ class Source:
         if node.op is Op.GRAD:
             return f"const CT v_g = LOAD_G(G_[{index}]) * gs * coef;"
         k = self.program.state_names.index(node.arg)
-        return f"const CT v_{state_var(node.arg)} = LOAD_S(S{k}_[{index}]);"
+        return f"const CT v_{state_var(node.arg)} = LOAD_S{k}(S{k}_[{index}]);"
 
     def _loads(self) -> list[str]:
         leaves = [Node(Op.PARAM), Node(Op.GRAD)] + [Node(Op.STATE, arg=s.name)
@@ -391,10 +405,22 @@ class Source:
         return ["                " + self._load(leaf, "j") for leaf in leaves]
 
     def _store(self, target: str, value: str, index: str) -> str:
-        """The statement writing ``value`` to output ``target`` ("p" or a state) at ``index``."""
-        if target == "p":
-            return f"PO_[{index}] = SAVE_P({value});"
-        return f"SO{self.program.state_names.index(target)}_[{index}] = SAVE_S({value});"
+        """The statement writing ``value`` to output ``target`` ("p" or a state) at ``index``;
+        a bfloat16 value stochastically rounded where the program says so."""
+        slot = 0 if target == "p" else 1 + self.program.state_names.index(target)
+        to, save = ("PO_", "SAVE_P") if target == "p" else (f"SO{slot - 1}_", f"SAVE_S{slot - 1}")
+        if slot in self._rounded():
+            return (f"{to}[{index}] = f32_to_bf16_sr((float)({value}), "
+                    f"vega_mix(K{slot}_ ^ (uint32_t){index}));")
+        return f"{to}[{index}] = {save}({value});"
+
+    def _rounded(self) -> list[int]:
+        """The outputs (0: p, 1 + k: state k) stored stochastically rounded: the bfloat16
+        ones, where the program rounds so."""
+        if self.program.rounding is None:
+            return []
+        dts = [self.dtypes[0], *self.sdts]
+        return [k for k, dt in enumerate(dts) if dt == "bfloat16"]
 
     @staticmethod
     def _prologue(skip: str = "return;") -> list[str]:
@@ -596,7 +622,7 @@ class Source:
     def _pass_through(self) -> list[str]:
         """A skipped step out of place: each output (p out, state out) a copy of its input."""
         copies = [("row[COL_NUMEL]", "COL_P_OUT", "COL_P", "PSTORE")] + [
-            (self._count(st.dom), f"COL_STATE_OUT + {k}", f"COL_STATE + {k}", "SSTORE")
+            (self._count(st.dom), f"COL_STATE_OUT + {k}", f"COL_STATE + {k}", f"S{k}STORE")
             for k, st in enumerate(self.program.states)]
         out = ["/* A skipped step out of place: each output a copy of its input. */",
                "static void pass_through(int64_t nt, const int64_t *tab) {",
