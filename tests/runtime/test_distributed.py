@@ -39,7 +39,18 @@ def _free_port() -> int:
 def launch(world: int, checks: list[str], tmp_path: Path, timeout: float = 240) -> list[dict]:
     """Run ``distributed_script.py`` on ``world`` ranks; each rank's JSON line. A rank that
     fails, or any still running after ``timeout`` seconds (a hung collective), fails the
-    test at once, with what it printed."""
+    test at once, with what it printed. A port another process took between ``_free_port``
+    and the ranks' rendezvous (the tests of another xdist worker choose theirs at the same
+    time) is tried again with a new port, twice at most."""
+    for attempt in range(3):
+        found = _launch_once(world, checks, tmp_path, timeout, retry=attempt < 2)
+        if found is not None:
+            return found
+    raise AssertionError("unreachable")
+
+
+def _launch_once(world, checks, tmp_path, timeout, retry: bool):
+    """``launch`` on one port: None where a rank could not take it and ``retry``."""
     port = str(_free_port())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -67,6 +78,9 @@ def launch(world: int, checks: list[str], tmp_path: Path, timeout: float = 240) 
         texts.append(log.read())
         log.close()
     bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if bad and retry and any("address already in use" in texts[r].lower() or
+                             "eaddrinuse" in texts[r].lower() for r in bad):
+        return None
     if bad:
         why = "still running after the timeout" if hung and time.monotonic() > deadline \
             else "failed"
@@ -135,3 +149,20 @@ def test_reduce_group_is_checked():
                  lambda: vega.optim.LBFGS([p], reduce_group=1)):
         with pytest.raises(ValueError, match=r"reduce_group=1 "):
             call()
+
+
+def test_a_taken_port_is_tried_again(tmp_path, monkeypatch):
+    """A port taken between ``_free_port`` and the rendezvous: the ranks start again on
+    another."""
+    here = sys.modules[__name__]
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    free = here._free_port
+    monkeypatch.setattr(here, "_free_port", lambda: ports.pop() if ports else free())
+    try:
+        assert launch(2, [], tmp_path, timeout=60) == [{}, {}]
+    finally:
+        taken.close()
+    assert not ports  # the taken port was tried first
