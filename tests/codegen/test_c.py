@@ -82,12 +82,21 @@ LONG_TOL = {**TOL, torch.float64: (1e-12, 1e-13)}
 ELEMENTWISE = [(n, f) for n, f in SPECS if not (n == "adafactor" and f.get("factored"))]
 
 
+@pytest.mark.parametrize("quarters", ["1", "0"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name,flags", ELEMENTWISE,
                          ids=[i for i, s in zip(IDS, SPECS) if s in ELEMENTWISE])
-def test_long_tensors_read_in_quarters_match_reference(name, flags, dtype):
+def test_long_tensors_read_in_quarters_match_reference(monkeypatch, name, flags, dtype,
+                                                       quarters):
     """A thread's share of a tensor of SPLIT_MIN elements or more is read as four quarters
-    at once, the rest after: lengths about it, on one thread and split between two."""
+    at once, the rest after: lengths about it, on one thread and split between two. And the
+    same without the split (``render.split_min``: the choice on AMD Zen). Each on a spec
+    compiled afresh (its kernels rendered with the setting)."""
+    from vega.codegen.c import render
+    monkeypatch.setenv("VEGA_C_QUARTERS", quarters)
+    spec = vega.compile(vega.builtin(name).source_text + f"\n# VEGA_C_QUARTERS={quarters}\n")
+    assert f"#define SPLIT_MIN {render.split_min()} " in spec.source("c")
+    assert render.split_min() == ("16384" if quarters == "1" else "INT64_MAX")
     gen = torch.Generator().manual_seed(1)
     params = {f"n{n}": torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
               for n in LONG}
@@ -95,7 +104,7 @@ def test_long_tensors_read_in_quarters_match_reference(name, flags, dtype):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        _against_reference(name, flags, dtype, params, 5, tol=LONG_TOL)
+        _against_reference(name, flags, dtype, params, 5, tol=LONG_TOL, spec=spec)
     finally:
         torch.set_num_threads(threads)
 
@@ -120,8 +129,8 @@ def test_many_small_tensors_on_two_threads_match_reference(name, flags, dtype):
         torch.set_num_threads(threads)
 
 
-def _against_reference(name, flags, dtype, params, steps, donate=False, tol=None):
-    spec = vega.builtin(name)
+def _against_reference(name, flags, dtype, params, steps, donate=False, tol=None, spec=None):
+    spec = spec or vega.builtin(name)
     hypers = {**hyper_values(spec), **flags}
     ref_p, ref_s = params, spec.init(params, **hypers)
     c_p = {k: v.clone() for k, v in params.items()} if donate else params
