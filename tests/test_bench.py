@@ -137,12 +137,27 @@ def test_the_bound_is_raced_with_the_rows():
     found = bench.ratios(run, 8e9)
     assert abs(found[("tiny", "vega AdamW / bound")] - 1.0) < 1e-12
     assert abs(found[("tiny", "sgd / bound")] - 0.5) < 1e-12
+    # a read-only pass raced too: 4 MB in 2 ms (2 GB/s); the fused step's 10 ms against
+    # 28 B a parameter at 4 GB/s (7 ms) and its gradient pass, 4 B, at 2 GB/s (2 ms)
+    run["tiny"]["rows"][bench.READ_BOUND] = 0.002
+    run["tiny"]["read_bytes"] = 4 * 10**6
+    lines.clear()
+    bench.report(run, 8e9, lambda text="": lines.append(text))
+    text = "\n".join(lines)
+    assert "a read-only pass raced with them: 2.0 GB/s" in text
+    assert any(line.startswith("vega AdamW + unscale") and "1.11x with its gradient pass at "
+               "the read rate" in line for line in lines), text
+    key = ("tiny", "vega AdamW + unscale, finite check, clip, skip / bound, gradient pass at "
+           "the read rate")
+    assert abs(bench.ratios(run, 8e9)[key] - 10 / 9) < 1e-12
 
 
 def test_a_stream_row_moves_its_bytes():
     stream = bench.Stream("plain", elements=1 << 12)
     assert stream.nbytes == bench.STREAM_BYTES << 12
     stream()
+    stream.read()
+    assert stream.read_bytes == 16 << 12  # four float32 arrays, read once
     if bench.cbuild.available():
         assert stream.fn is not None and stream.arrays[2].abs().sum() > 0  # m was written
         shapes = [(3, 4), (5,)]
