@@ -382,15 +382,29 @@ def train_classifier(dtype, steps=400, lr=1e-4, **options):
         opt.zero_grad()
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(net(x.to(dtype)).float(), y).item()
+    return loss, _unchanged(net, start)
+
+
+def _unchanged(net, start) -> float:
+    """The share of ``net``'s weights still equal to their values ``start``."""
     same = sum((p.detach() == q).sum().item() for p, q in zip(net.parameters(), start))
-    return loss, same / sum(q.numel() for q in start)
+    return same / sum(q.numel() for q in start)
+
+
+def _four_ways(train) -> tuple[float, float, float, float, float]:
+    """``train`` (a function of the parameters' dtype and the optimizer's options, giving
+    the final loss and the share of weights that never changed) in float32, then bfloat16
+    rounded to nearest, stochastically, and with master weights: (float32's loss, round to
+    nearest's loss and unchanged share, stochastic rounding's loss, master weights')."""
+    fp32, _ = train(torch.float32)
+    nearest, stuck = train(BF16)
+    rounded, _ = train(BF16, stochastic_rounding=True)
+    master, _ = train(BF16, master_weights=True)
+    return fp32, nearest, stuck, rounded, master
 
 
 def test_demo_classifier_in_bfloat16_ends_near_float32():
-    fp32, _ = train_classifier(torch.float32)
-    nearest, stuck = train_classifier(BF16)
-    rounded, _ = train_classifier(BF16, stochastic_rounding=True)
-    master, _ = train_classifier(BF16, master_weights=True)
+    fp32, nearest, stuck, rounded, master = _four_ways(train_classifier)
     # round to nearest stalls: most weights never move, the loss ends well above
     assert stuck > 0.5 and nearest > 1.1 * fp32, (stuck, nearest, fp32)
     # either remedy ends within 2% of float32 parameters
@@ -440,15 +454,11 @@ def train_transformer(dtype, steps=150, lr=5e-4, **options):
         opt.zero_grad()
     with torch.no_grad():
         loss = loss_of(sequences(torch.Generator().manual_seed(2), 256)).item()
-    same = sum((p.detach() == q).sum().item() for p, q in zip(net.parameters(), start))
-    return loss, same / sum(q.numel() for q in start)
+    return loss, _unchanged(net, start)
 
 
 def test_tiny_transformer_in_bfloat16_ends_near_float32():
-    fp32, _ = train_transformer(torch.float32)
-    nearest, stuck = train_transformer(BF16)
-    rounded, _ = train_transformer(BF16, stochastic_rounding=True)
-    master, _ = train_transformer(BF16, master_weights=True)
+    fp32, nearest, stuck, rounded, master = _four_ways(train_transformer)
     assert stuck > 0.1 and nearest > 1.015 * fp32, (stuck, nearest, fp32)
     assert abs(rounded - fp32) < 0.02 * fp32, (rounded, fp32)
     assert abs(master - fp32) < 0.02 * fp32, (master, fp32)
