@@ -523,3 +523,34 @@ def test_the_prelude_writes_the_whole_record(case):
     # and again: the count of finished programs is back to 0 after each launch
     again = engine.prelude([(program, "triton", grads)], inv, 0.3, True)
     assert torch.allclose(again, tri, rtol=0, atol=0, equal_nan=True), (again, tri)
+
+
+@pytest.mark.parametrize("init,floor", [(2.0**8, None), (3.0e38, None), (1.0, 0.75)])
+def test_the_update_adjusts_the_loss_scale_as_the_reference(init, floor):
+    """A class step with a dynamic loss scale: the Triton update's program 0 adjusts it in
+    place (no torch operation of its own), bitwise as ``LossScale.adjust`` does, through
+    growth every two good steps, an overflow of the grown scale, backoffs on non-finite
+    gradients and the floor; the parameters and states as the reference's."""
+    opts = {}
+    for backend in ("triton", "reference"):
+        ws = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(k),
+                                             dtype=torch.float64).float().to(DEVICE))
+              for k, s in enumerate(((1000,), (30, 40), (7,)))]
+        scale = vega.LossScale.dynamic(init=init, growth_interval=2, min_scale=floor,
+                                       device=DEVICE)
+        opts[backend] = (ws, vega.optim.AdamW(ws, lr=1e-2, backend=backend, max_grad_norm=1.0,
+                                              loss_scale=scale))
+    for step in range(7):
+        for ws, opt in opts.values():
+            for k, w in enumerate(ws):
+                w.grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(
+                    10 * step + k), dtype=torch.float64).float().to(DEVICE)
+                if step in (2, 5) and k == 1:
+                    w.grad[3] = float("inf")
+            opt.step()
+        (tw, topt), (rw, ropt) = opts["triton"], opts["reference"]
+        for mine, theirs in zip(topt.loss_scale.tensors(), ropt.loss_scale.tensors()):
+            assert torch.equal(mine, theirs), (step, topt.loss_scale, ropt.loss_scale)
+        for a, b in zip(tw, rw):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert topt.loss_scale.skipped_steps.item() == 2

@@ -63,3 +63,13 @@ def test_a_fused_step_launches_its_kernels_once_for_all_tensors():
     kernels = [x for x in counts[0] if x.startswith("vega_")]
     assert kernels == ["vega_adamw_prelude", "vega_adamw_scalars", "vega_adamw_update"]
     assert [x for x in counts[0] if not x.startswith("vega_")] == []
+
+
+def test_a_loss_scaled_step_is_three_launches():
+    """Unscale by a dynamic loss scale, finite check, clip, update, skip, counters and the
+    scale's adjustment: the prelude (which inverts the scale itself), the scalars and the
+    update (whose program 0 adjusts the scale in place); no torch operation."""
+    opt = vega.optim.AdamW(_params(), lr=1e-3, backend="triton", max_grad_norm=1.0,
+                           loss_scale=vega.LossScale.dynamic(init=2.0**8, device=DEVICE))
+    assert launches(opt.step) == ["vega_adamw_prelude", "vega_adamw_scalars",
+                                  "vega_adamw_update"]

@@ -963,9 +963,19 @@ class Kernel:
         and this writes all of it, no copy of a blank record first."""
         triton_runtime.prelude(self, grads, pre, init)
 
-    def __call__(self, params, grads, states, steps, values, donate, pre=None):
-        """The same contract as ``vega.codegen.reference.Kernel.__call__``."""
-        return triton_runtime.step(self, params, grads, states, steps, values, donate, pre)
+    def adjusts(self, params, donate: bool, loss_scale) -> bool:
+        """Whether a step of ``params`` (``donate``: in place) adjusts ``loss_scale`` itself
+        (``__call__``'s ``adjust``), in its last launch: eagerly, a dynamic scale on the
+        parameters' device, at least one parameter."""
+        return (donate and bool(params) and loss_scale is not None and loss_scale.is_dynamic
+                and not torch.compiler.is_compiling()
+                and all(t.device == params[0].device for t in loss_scale.tensors()))
+
+    def __call__(self, params, grads, states, steps, values, donate, pre=None, adjust=None):
+        """The same contract as ``vega.codegen.reference.Kernel.__call__``; ``adjust``: a
+        ``LossScale`` to adjust in place, where ``adjusts`` said so."""
+        return triton_runtime.step(self, params, grads, states, steps, values, donate, pre,
+                                   adjust)
 
 
 def available() -> bool:

@@ -320,8 +320,8 @@ def _prelude_impl(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor,
                 setting: torch.Tensor | None, inv: torch.Tensor | None) -> None:
     """Adds the gradients' sum of squares and non-finite count into ``pre``; or, given
     ``setting`` (``settings``: the record is new, its contents undefined), writes the
-    whole record: the sums, the inverse loss scale (``inv``, else the setting's), the max
-    norm and the check. One launch per dtype group, the last of its programs combining
+    whole record: the sums, the inverse loss scale (``inv``: float64, or a float32 loss
+    scale inverted in float64 here; else the setting's), the max norm and the check. One launch per dtype group, the last of its programs combining
     theirs."""
     kern = kernel_of(kernel)
     check_device(pre.device)
@@ -347,9 +347,12 @@ def _prelude_impl(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor,
             launch(mod[f"{name}_prelude"], (programs,), table, bmap.tensor, bmap.start,
                    bmap.nblocks, pre, part, done, setting if setting is not None else pre,
                    inv if inv is not None else pre, SET=setting is not None,
-                   HAS_INV=inv is not None, BLOCK=block, PARTS=PRELUDE_PROGRAMS)
+                   HAS_INV=inv is not None, FROM_SCALE=inv is not None and
+                   inv.dtype == torch.float32, BLOCK=block, PARTS=PRELUDE_PROGRAMS)
             setting = inv = None  # (the next groups add to the record)
     if setting is not None:  # no gradient element at all: the record without sums
+        if inv is not None and inv.dtype == torch.float32:  # (a scale: its inverse)
+            inv = inv.double().reciprocal()
         pre.copy_(torch.cat([setting.new_zeros(2), (inv if inv is not None else setting[0])
                              .to(pre.device, torch.float64).reshape(1), setting[1:]]))
 
@@ -372,9 +375,13 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
              old_steps: list[torch.Tensor], step_index: list[int],
              hyper_tensors: list[torch.Tensor], hyper_floats: list[float],
              hyper_slots: list[int], hyper_index: list[int], pre: torch.Tensor | None,
-             inplace: bool) -> None:
+             inplace: bool, scale_state: list[torch.Tensor],
+             scale_config: torch.Tensor | None) -> None:
     """One step of every tensor: writes params, states (state-major), steps and finite.
-    ``old_*`` are the inputs of a pure step (empty when ``inplace``)."""
+    ``old_*`` are the inputs of a pure step (empty when ``inplace``). ``scale_state``: a
+    dynamic loss scale's tensors (``LossScale.tensors()``), adjusted in place by the launch
+    that advances the counters (``scale_config``: its interval and factors, float64), or
+    none."""
     kern = kernel_of(kernel)
     device = finite.device
     check_device(device)
@@ -425,6 +432,10 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
                                              for a, b in zip(src_t, steps)], dtype=torch.int64),
                                device)
         advanced = not steps
+        adjust = bool(scale_state) and bool(steps)
+        scale_tab = _device(torch.tensor([t.data_ptr() for t in scale_state],
+                                         dtype=torch.int64), device) if adjust else finite
+        scale_cfg = scale_config if adjust else finite
         for w, (key, idx, mod, table, scal, aligned) in enumerate(work):
             if kern.plan is not None:
                 _staged(kern, mod, table, [params[i].shape for i in idx], key, pre, scal,
@@ -444,12 +455,14 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
             last = w == len(work) - 1 and not advanced  # the last launch advances the counters
             launch(mod[f"{name}_update"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
                    scal, red, counters if last else table, len(steps) if last else 0, finite,
-                   ADVANCE=last, HAS_PRE=has_pre, ALIGNED=aligned, BLOCK=block)
+                   scale_tab, scale_cfg, ADVANCE=last, ADJUST=last and adjust,
+                   HAS_PRE=has_pre, ALIGNED=aligned, BLOCK=block)
             advanced = advanced or last
         if not advanced:
             mod = work[-1][2] if work else kern.module(("float32",) * 3)
             launch(mod[f"{name}_advance"], (1,), counters, len(steps),
-                   pre if has_pre else hyp, finite, HAS_PRE=has_pre, num_warps=4)
+                   pre if has_pre else hyp, finite, scale_tab, scale_cfg, HAS_PRE=has_pre,
+                   ADJUST=adjust, num_warps=4)
 
 
 def data_addresses(row: list[int]) -> list[int]:
@@ -506,13 +519,15 @@ def _staged(kern, mod, table, shapes, dtypes, pre, scal, device) -> None:
 
 
 _step_op = torch.library.custom_op("vega::triton_step",
-                                   mutates_args=("params", "states", "steps", "finite"))(
+                                   mutates_args=("params", "states", "steps", "finite",
+                                                 "scale_state"))(
     _step_impl)
 
 
 @_step_op.register_fake
 def _(kernel, params, states, steps, finite, grads, old_params, old_states, old_steps,
-      step_index, hyper_tensors, hyper_floats, hyper_slots, hyper_index, pre, inplace) -> None:
+      step_index, hyper_tensors, hyper_floats, hyper_slots, hyper_index, pre, inplace,
+      scale_state, scale_config) -> None:
     return None
 
 
@@ -532,22 +547,30 @@ def _check(kern, what: str, x: torch.Tensor) -> None:
 
 
 def prelude(kern, grads, pre: torch.Tensor, init=None) -> None:
-    """The kernel's ``prelude``; ``init``: ``(inverse loss scale or None, max_norm, check)``
-    where ``pre`` is new (``torch.empty``) and this launch writes all of it."""
+    """The kernel's ``prelude``; ``init``: ``(inverse loss scale or None, max_norm, check)``,
+    or with a fourth item, a float32 loss scale whose inverse the kernel forms, where
+    ``pre`` is new (``torch.empty``) and this launch writes all of it."""
     for g in grads:
         _check(kern, "gradients", g)
     setting = inv = None
     if init is not None:
-        inv_scale, max_norm, check = init
+        inv_scale, max_norm, check = init[:3]
         setting = settings(pre.device, max_norm, check)
-        if inv_scale is not None:
+        if len(init) > 3 and init[3] is not None:  # a loss scale, inverted by the kernel
+            inv = init[3].detach().reshape(()).to(pre.device, torch.float32)
+        elif inv_scale is not None:
             inv = torch.as_tensor(inv_scale).detach().reshape(()).to(pre.device, torch.float64)
     op = torch.ops.vega.triton_prelude if torch.compiler.is_compiling() else _prelude_impl
     op(kern.key, [resolved(g).contiguous() for g in grads], pre, setting, inv)
 
 
-def step(kern, params, grads, states, steps, values, donate, pre):
-    """See ``vega.codegen.reference.Kernel.__call__``."""
+_SCALE_CONFIGS = Kept(16)  # (device, interval, growth, backoff) -> float64 [3]
+
+
+def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
+    """See ``vega.codegen.reference.Kernel.__call__``. ``adjust``: a dynamic ``LossScale``
+    on the parameters' device, adjusted in place by this step's last launch (eagerly, in
+    place, with parameters: ``Kernel.adjusts``), after ``finite_of(pre)``."""
     n, nstate = len(params), len(states)
     device = params[0].device if n else (pre.device if pre is not None else torch.device("cpu"))
     for p, g in zip(params, grads):
@@ -589,8 +612,16 @@ def step(kern, params, grads, states, steps, values, donate, pre):
         work_s = [resolved(s).contiguous() for s in flat_states]
         compiling = torch.compiler.is_compiling()
         op = torch.ops.vega.triton_step if compiling else _step_impl
+        scale_state, scale_config = [], None
+        if adjust is not None and not compiling:
+            scale_state = list(adjust.tensors())
+            key = (device, float(adjust.growth_interval), float(adjust.growth_factor),
+                   float(adjust.backoff_factor))
+            scale_config = _SCALE_CONFIGS.get(key, lambda: _device(torch.tensor(
+                key[1:], dtype=torch.float64), device), _capturing(device))
         op(kern.key, work_p, work_s, uniq_steps, finite, grads, [], [], [], step_index,
-           hyper_tensors, hyper_floats, hyper_slots, hyper_index, pre, True)
+           hyper_tensors, hyper_floats, hyper_slots, hyper_index, pre, True, scale_state,
+           scale_config)
         if not compiling:  # (what the operator's dispatch does for a mutated argument)
             increment_version(work_p)
         for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
@@ -605,7 +636,7 @@ def step(kern, params, grads, states, steps, values, donate, pre):
         new_t = [torch.empty((), dtype=s.dtype, device=s.device) for s in uniq_steps]
         op = torch.ops.vega.triton_step if torch.compiler.is_compiling() else _step_impl
         op(kern.key, new_p, flat, new_t, finite, grads, old_p, old_s, uniq_steps, step_index,
-           hyper_tensors, hyper_floats, hyper_slots, hyper_index, pre, False)
+           hyper_tensors, hyper_floats, hyper_slots, hyper_index, pre, False, [], None)
         new_s = [flat[k * n:(k + 1) * n] for k in range(nstate)]
     if pre is None:
         finite = None

@@ -353,13 +353,16 @@ def record(device, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
     return make_pre(device, inv_scale, max_norm, check)
 
 
-def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor | None:
+def prelude(parts, inv_scale=None, max_norm=None, check=False,
+            loss_scale=None) -> torch.Tensor | None:
     """Gather, over every gradient of every group, what a fused step needs before updating.
 
-    ``parts`` lists (program, backend, grads) per group. Returns the float64
+    ``parts`` lists (program, backend, grads) per group; the gradients are multiplied by
+    ``inv_scale``, or by the inverse of ``loss_scale`` (a ``LossScale``: formed by the
+    kernels that write the record, else here, ``inverse_scale``). Returns the float64
     record of ``vega.codegen.record.make_pre`` (None when nothing is asked).
     """
-    if inv_scale is None and max_norm is None and not check:
+    if inv_scale is None and loss_scale is None and max_norm is None and not check:
         return None
     for _, _, grads in parts:
         k = first_with_own_ops(grads) if not torch.compiler.is_compiling() else None
@@ -379,8 +382,11 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
     if kerns and all(getattr(k, "writes_record", False) for k in kerns):
         # the first launch writes the record whole: no copy of a blank one first
         pre = torch.empty(len(PRE_SLOTS), dtype=torch.float64, device=device)
-        init = (inv_scale, max_norm, check)
+        init = (inv_scale, max_norm, check,
+                loss_scale.loss_scale if loss_scale is not None else None)
     else:
+        if loss_scale is not None:
+            inv_scale = inverse_scale(loss_scale)
         pre = record(device, inv_scale, max_norm, check)
     for kern, (_, _, grads) in zip(kerns, parts):
         if any(g.is_complex() for g in grads):
@@ -491,14 +497,15 @@ def tensor_values(program: Program, kern, values, steps):
 
 
 def run(program: Program, backend: str, params, grads, states, steps, values, donate: bool,
-        pre: torch.Tensor | None = None):
+        pre: torch.Tensor | None = None, adjust=None):
     """One step of ``program`` over lists of tensors.
 
     ``states`` is a list, one per state variable, of per-parameter tensor lists;
     ``steps`` the int32 counter of each parameter (the same tensor may repeat);
     ``values`` the hyperparameters of each parameter, schedules unevaluated;
-    ``pre`` the prelude's record (``prelude``). Returns (new params, new
-    states, new steps, finite).
+    ``pre`` the prelude's record (``prelude``); ``adjust`` a ``LossScale`` the kernel
+    adjusts in place after the step, where its ``adjusts`` says it does. Returns (new
+    params, new states, new steps, finite).
     """
     compiling = torch.compiler.is_compiling()
     kern = codegen.kernel(backend, program)
@@ -515,8 +522,9 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
         real_g = [_real(g) for g in grads]
     else:
         real_p, real_s, real_g = params, states, grads
+    extra = {"adjust": adjust} if adjust is not None else {}
     new_p, new_s, new_steps, finite = kern(real_p, real_g, real_s, steps, per_tensor, donate,
-                                           pre)
+                                           pre, **extra)
     if not donate:
         new_p = [torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(params, new_p)]
         new_s = [[torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(col, ncol)]

@@ -199,17 +199,25 @@ class SpecOptimizer(torch.optim.Optimizer):
         if not compiling and not one_call:
             self._check_writes(work)
         check = self.skip_nonfinite or self.loss_scale is not None
-        pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work],
-                             engine.inverse_scale(self.loss_scale), self.max_grad_norm, check)
-        for program, backend, params, grads, states, steps, values in work:
+        pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work], None,
+                             self.max_grad_norm, check, loss_scale=self.loss_scale)
+        # the last step's kernels adjust the loss scale themselves where they can (Triton:
+        # in the launch that advances the counters, none of its own)
+        adjusted = False
+        if self.loss_scale is not None and work:
+            program, backend, params = work[-1][:3]
+            kern = codegen.kernel(backend, program)
+            adjusted = hasattr(kern, "adjusts") and kern.adjusts(params, True, self.loss_scale)
+        for k, (program, backend, params, grads, states, steps, values) in enumerate(work):
             try:
                 engine.run(program, backend, params, grads, states, steps,
-                           [values] * len(params), donate=True, pre=pre)
+                           [values] * len(params), donate=True, pre=pre,
+                           adjust=self.loss_scale if adjusted and k == len(work) - 1 else None)
             except ValueError:
                 if one_call:  # (refused before anything was written) in the class's words
                     self._check_writes(work)
                 raise
-        if self.loss_scale is not None:
+        if self.loss_scale is not None and not adjusted:
             self.loss_scale.adjust_(finite_of(pre))
         return loss
 
