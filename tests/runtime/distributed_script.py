@@ -1,5 +1,5 @@
 """One rank of the distributed checks of ``test_distributed.py``: ``python distributed_script.py
-RANK WORLD PORT OUTDIR CHECK...``. Each check asserts; the rank prints one JSON line of what
+RANK WORLD OUTDIR CHECK...``. Each check asserts; the rank prints one JSON line of what
 it measured (largest differences, collectives counted) at the end."""
 import copy
 import json
@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 import vega
 
-RANK, WORLD, PORT, OUT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-CHECKS = sys.argv[5:]
+RANK, WORLD, OUT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+CHECKS = sys.argv[4:]
 found: dict = {}
 
 # (class, hyperparameters): each a rule with a different kind of reduction
@@ -317,6 +317,30 @@ def functions_over_group() -> None:
             p_mine, s_mine = vega.lbfgs_step(p_mine, g_mine, s_mine, lr=0.5, reduce_group=group)
         assert c.n == 2 * 3 + 1, c.n
     out["lbfgs"] = max((a - b).abs().max().item() for a, b in zip(p_mine, p_all[RANK::WORLD]))
+    # ranks whose leaves differ in dtype (float32 here, float64 there), and a rank with none
+    # (each rank within float32's precision of the float64 answer: they differ in the last
+    # bits, so only that they agree so is reported)
+    mixed = [x.float() for x in mine] if RANK == 1 else mine
+    rel = abs(vega.global_norm(mixed, reduce_group=group).double()
+              - vega.global_norm(every)).item() / vega.global_norm(every).item()
+    assert rel < 1e-6, rel
+    some = [] if RANK == 0 else every
+    worst = abs(vega.global_norm(some, reduce_group=group) - vega.global_norm(every).float())
+    assert worst.item() < 1e-5, worst
+    assert vega.grads_finite(some, reduce_group=group).item()
+    p_mixed = [x.clone() for x in mixed]
+    s_mixed = vega.lbfgs_init(p_mixed, memory_size=3)
+    p_all = [x.clone() for x in every]
+    s_all = vega.lbfgs_init(p_all, memory_size=3)
+    for _ in range(3):
+        p_all, s_all = vega.lbfgs_step(p_all, [3 * (p - t) for p, t in zip(p_all, target)],
+                                       s_all, lr=0.5)
+        p_mixed, s_mixed = vega.lbfgs_step(
+            p_mixed, [3 * (p - t.to(p.dtype)) for p, t in zip(p_mixed, target[RANK::WORLD])],
+            s_mixed, lr=0.5, reduce_group=group)
+    worst = max((a.double() - b).abs().max().item() for a, b in zip(p_mixed, p_all[RANK::WORLD]))
+    assert worst < 1e-5, worst
+    found["mixed-dtypes"] = "agree"
     # the LBFGS class under ZeroRedundancyOptimizer (each rank its parameters) against DDP
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -355,8 +379,9 @@ def functions_over_group() -> None:
 
 
 def main() -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
-    dist.init_process_group("gloo", rank=RANK, world_size=WORLD)
+    # (the ranks meet through a file of the test's own folder: no port to share)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(OUT, 'rendezvous')}",
+                            rank=RANK, world_size=WORLD)
     from torch.distributed.device_mesh import init_device_mesh
     init_device_mesh("cpu", (WORLD,))
     for check in CHECKS:

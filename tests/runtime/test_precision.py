@@ -460,8 +460,9 @@ def train_transformer(dtype, steps=150, lr=5e-4, **options):
 def test_tiny_transformer_in_bfloat16_ends_near_float32():
     fp32, nearest, stuck, rounded, master = _four_ways(train_transformer)
     assert stuck > 0.1 and nearest > 1.015 * fp32, (stuck, nearest, fp32)
-    assert abs(rounded - fp32) < 0.02 * fp32, (rounded, fp32)
-    assert abs(master - fp32) < 0.02 * fp32, (master, fp32)
+    # (within 0.5%: a remedy that did nothing would end with round to nearest, 1.5% above)
+    assert abs(rounded - fp32) < 0.005 * fp32, (rounded, fp32)
+    assert abs(master - fp32) < 0.005 * fp32, (master, fp32)
 
 
 # -- bad options ------------------------------------------------------------------------
@@ -581,3 +582,11 @@ def test_compiled_step_in_place_with_states_of_two_dtypes(backend):
     for got, want in ((params["w"], want_p["w"]), (state["nu"]["w"], want_s["nu"]["w"]),
                       (state["mu"]["w"], want_s["mu"]["w"])):
         assert same(got, want)
+
+
+def test_a_complex_parameter_refuses_a_real_state_dtype():
+    """Complex parameters keep complex state: a real dtype for one of their states is a
+    ValueError naming ``state_dtype`` and the state, not a failure inside torch."""
+    p = {"z": torch.randn(4, dtype=torch.complex64)}
+    with pytest.raises(ValueError, match=r"state_dtype\['nu'\]=torch.bfloat16: a complex "):
+        vega.adamw_init(p, state_dtype={"nu": torch.bfloat16})

@@ -303,7 +303,8 @@ def _dtype_key(p, g, s):
     return DTYPES[p.dtype], DTYPES[g.dtype], DTYPES[s.dtype]
 
 
-_DONE = Kept(16)  # device -> int32 [1]: the prelude's count of finished programs, 0 at rest
+_DONE = Kept(64)  # (device, stream) -> int32 [1]: the prelude's count of finished programs,
+# 0 at rest: one a stream, as preludes on two streams may run at once
 _SETTINGS = Kept(64)  # (device, max_norm, check) -> float64 [3]: 1, max_norm, check
 
 
@@ -330,8 +331,11 @@ def _prelude_impl(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor,
     for g in grads:
         groups.setdefault(_dtype_key(g, g, g)[0], []).append(g)
     capturing = _capturing(pre.device)
-    done = _DONE.get(pre.device, lambda: torch.zeros(1, dtype=torch.int32, device=pre.device),
-                     capturing)
+    stream = torch.cuda.current_stream(pre.device).cuda_stream \
+        if pre.device.type == "cuda" else 0
+    # (made while a graph is captured, its zero fill is the graph's, run first at each replay)
+    done = _DONE.get((pre.device, stream), lambda: torch.zeros(
+        1, dtype=torch.int32, device=pre.device), capturing)
     with _on(pre.device):
         for gdt, gs in groups.items():
             numels = tuple(g.numel() for g in gs)

@@ -82,7 +82,13 @@ def state_dtypes(p: torch.Tensor, program: Program, state_dtype) -> list[torch.d
         if s.name == MASTER and program.master:
             out.append(torch.float32)
             continue
-        out.append(state_dtype_for(p, per.get(s.name, every)))
+        dtype = per.get(s.name, every)
+        if dtype is not None and p.is_complex() and not dtype.is_complex:
+            where = f"[{s.name!r}]" if s.name in per else ""
+            raise ValueError(f"state_dtype{where}={shown(dtype)}: a complex parameter keeps "
+                             "complex state (torch.complex64 or torch.complex128; None for "
+                             "its own precision)")
+        out.append(state_dtype_for(p, dtype))
     return out
 
 

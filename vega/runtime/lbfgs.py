@@ -227,14 +227,16 @@ def _tree_dot(xs, ys, dtype, device) -> torch.Tensor:
 
 def _dots(pairs, dtype, device, group) -> list[torch.Tensor]:
     """``_tree_dot`` of each ``(xs, ys)`` of ``pairs``, summed over the ranks of ``group``
-    (a process group, or None) in one all-reduce for all of them."""
+    (a process group, or None) in one all-reduce for all of them: in float64 on the
+    group's device (ranks whose parameters differ in dtype reduce one buffer alike), then
+    in ``dtype`` on ``device``."""
     out = [_tree_dot(xs, ys, dtype, device) for xs, ys in pairs]
     if group is None:
         return out
     import torch.distributed as dist
-    buf = torch.stack(out)
+    buf = torch.stack(out).to(sharded.group_device(group), torch.float64)
     dist.all_reduce(buf, group=group)
-    return list(buf.unbind())
+    return list(buf.to(device, dtype).unbind())
 
 
 def _on(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

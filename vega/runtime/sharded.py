@@ -51,6 +51,16 @@ def check_group(owner: str, group) -> None:
                          "processes)")
 
 
+def group_device(group) -> torch.device:
+    """Where a tensor the collectives of ``group`` take lives: this process's CUDA device
+    for an NCCL group, the CPU otherwise (gloo; None: no group)."""
+    if group is not None:
+        import torch.distributed as dist
+        if "nccl" in str(dist.get_backend(group)).lower():
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def is_dtensor(t) -> bool:
     """Whether ``t`` is a DTensor (asked only where torch's DTensor module is loaded: no
     DTensor exists before)."""
@@ -102,7 +112,9 @@ def spanning_sum(owner: str, leaves, part, reduce_group) -> torch.Tensor:
     so that a replicated value counts once), and the sum is all-reduced over the leaves'
     mesh, then over ``reduce_group``: one collective each, whatever the number of leaves.
     ``part`` returns a 0-d tensor; the leaves are all DTensors on one mesh or all plain.
-    Every rank of the group must call it (with no leaf, its sum is ``part``'s zero)."""
+    Every rank of the group must call it (with no leaf, its sum is ``part``'s zero, on the
+    group's device). The sum is float64 on every rank, whatever the leaves' dtypes (ranks
+    holding float32 and float64 leaves reduce one buffer alike)."""
     mesh, total = None, None
     for i, x in enumerate(leaves):
         if is_dtensor(x):
@@ -122,9 +134,10 @@ def spanning_sum(owner: str, leaves, part, reduce_group) -> torch.Tensor:
                 raise ValueError(f"{owner}: leaf {i} is a plain tensor, others DTensors: a "
                                  "reduction over DTensors takes DTensors only")
             value = part(x)
+        value = value.to(torch.float64)
         total = value if total is None else total + value.to(total.device)
     if total is None:
-        total = part(torch.zeros(0))
+        total = part(torch.zeros(0, device=group_device(reduce_group))).to(torch.float64)
     groups = (mesh_groups(mesh) if mesh is not None else []) + (
         [reduce_group] if reduce_group is not None else [])
     return combine([("sum", total.reshape(1))], groups)[0].reshape(())

@@ -51,13 +51,11 @@ def global_norm(grads, *, reduce_group=None) -> torch.Tensor:
     sharded.check_group("global_norm", reduce_group)
     leaves = [_real_view(g) for g in pytree.tree_leaves(grads) if _float_leaf(g)]
     if sharded.involved(leaves, reduce_group):
+        # the sum of squares in float64 on every rank (ranks may hold other dtypes), the
+        # norm then in this rank's precision, as without a group
         dtype = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
-        if reduce_group is not None and not leaves:
-            # (what the other ranks' leaves are: a rank without any cannot know; float64
-            # sums meet float32 ones as float64 in no collective, so the group must agree)
-            dtype = torch.float32
         return sharded.spanning_sum("global_norm", leaves, lambda x: torch.linalg.vector_norm(
-            x, dtype=dtype).square(), reduce_group).sqrt()
+            x, dtype=torch.float64).square(), reduce_group).sqrt().to(dtype)
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
