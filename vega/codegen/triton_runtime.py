@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import operator
 import os
 import weakref
 from collections import OrderedDict
@@ -294,6 +295,22 @@ DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "b
           torch.float16: "float16"}
 
 
+def _groups(params, grads, flat_states, n: int, nstate: int) -> dict[tuple, list[int]]:
+    """The tensors' positions by dtype group (``_dtype_key``): in one pass over the dtypes
+    where every parameter, gradient and state shares one (the common case)."""
+    dt = operator.attrgetter("dtype")
+    pd, gd, sd = list(map(dt, params)), list(map(dt, grads)), list(map(dt, flat_states))
+    if n and pd.count(pd[0]) == n and gd.count(gd[0]) == n and (
+            not sd or sd.count(sd[0]) == len(sd)):
+        return {_dtype_key(params[0], grads[0], flat_states[0::n] if nstate else []):
+                list(range(n))}
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(_dtype_key(params[i], grads[i], flat_states[i::n] if nstate else []),
+                          []).append(i)
+    return groups
+
+
 def _dtype_key(p, g, s):
     """(p, g, state) dtype names; ``s``: a state tensor, or a list of each state's (the
     state part is ``state_key``'s)."""
@@ -396,27 +413,34 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
     width = max(nhyper, 1) * 8
     name = kern.prefix
     has_pre = pre is not None
-    groups: dict[tuple, list[int]] = {}
-    for i in range(n):
-        groups.setdefault(_dtype_key(src_p[i], grads[i], [src_s[k * n + i]
-                                                          for k in range(nstate)]),
-                          []).append(i)
+    groups = _groups(src_p, grads, src_s, n, nstate)
+    # every address once (a step in place reads and writes the same tensors)
+    ptr = torch.Tensor.data_ptr
+    p_out, s_out = list(map(ptr, params)), list(map(ptr, states))
+    p_in, s_in = (p_out, s_out) if inplace else (list(map(ptr, src_p)), list(map(ptr, src_s)))
+    g_at, t_at = list(map(ptr, grads)), list(map(ptr, src_t))
+    numels = list(map(torch.Tensor.numel, params))
     with _on(device):
         hyp = _hyper_array(device, nhyper, max(hyper_index, default=-1) + 1, hyper_tensors,
                            hyper_floats, hyper_slots)
+        h_at = hyp.data_ptr()
         # each group's table and this step's scalars, all computed before any counter moves
         work = []
         for key, idx in groups.items():
             mod = kern.module(key)
             rows = []
+            misaligned = 0
             for i in idx:
-                col = range(i, nstate * n, n)
-                rows.append([params[i].numel(), src_p[i].data_ptr(), grads[i].data_ptr(),
-                             *(src_s[k].data_ptr() for k in col),
-                             src_t[step_index[i]].data_ptr(),
-                             hyp.data_ptr() + hyper_index[i] * width, params[i].data_ptr(),
-                             *(states[k].data_ptr() for k in col)])
-            aligned = all(address % 16 == 0 for r in rows for address in data_addresses(r))
+                ins = s_in[i::n] if nstate else []
+                outs = s_out[i::n] if nstate else []
+                rows.append([numels[i], p_in[i], g_at[i], *ins, t_at[step_index[i]],
+                             h_at + hyper_index[i] * width, p_out[i], *outs])
+                misaligned |= p_in[i] | g_at[i] | p_out[i]
+                for a in ins:
+                    misaligned |= a
+                for a in outs:
+                    misaligned |= a
+            aligned = misaligned % 16 == 0
             if kern.plan is not None:
                 table = _device(torch.tensor(
                     [row + extra for row, extra in zip(rows, _geometry(kern, [params[i].shape
@@ -467,13 +491,6 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
             launch(mod[f"{name}_advance"], (1,), counters, len(steps),
                    pre if has_pre else hyp, finite, scale_tab, scale_cfg, HAS_PRE=has_pre,
                    ADJUST=adjust, num_warps=4)
-
-
-def data_addresses(row: list[int]) -> list[int]:
-    """The addresses of a table row that kernels read or write BLOCK elements at (all but
-    its element count, step counter and hyperparameters): p, g, the states, their outputs."""
-    nstate = (len(row) - 6) // 2
-    return row[1:3 + nstate] + row[5 + nstate:]
 
 
 def _geometry(kern, shapes) -> list[list[int]]:
@@ -541,6 +558,45 @@ def _on(device: torch.device):
 
 # -- the glue that torch.compile traces -------------------------------------------
 
+_DEVICE_OF = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _check_all(kern, params, grads, states, device) -> None:
+    """``_check`` of every parameter, gradient and state, and every parameter and gradient
+    on ``device``: in a few passes over their types, dtypes and devices where all is well
+    (the common case), tensor by tensor to say which is wrong otherwise."""
+    if not torch.compiler.is_compiling():  # (dynamo traces the checks one by one)
+        every = [*params, *grads, *(x for col in states for x in col)]
+        if _PLAIN.issuperset(map(type, every)) and _KNOWN.issuperset(map(_DTYPE, every)) \
+                and all(d == device for d in map(_DEVICE_OF, [*params, *grads])):
+            return
+    for p, g in zip(params, grads):
+        _check(kern, "parameters", p)
+        _check(kern, "gradients", g)
+        if p.device != device or g.device != device:
+            raise ValueError(f"backend 'triton' needs every tensor of a step on one device, got "
+                             f"{p.device} and {g.device} besides {device}")
+    for col in states:
+        for x in col:
+            _check(kern, "state", x)
+
+
+def _as_stored(tensors: list) -> list:
+    """Each tensor as the kernels read it: itself where it is contiguous and holds its values
+    as they are (no negative or conjugate bit), else a resolved contiguous copy. Under
+    dynamo, each resolved (it traces no flag)."""
+    if not torch.compiler.is_compiling() and all(map(torch.Tensor.is_contiguous, tensors)) \
+            and not any(map(torch.Tensor.is_neg, tensors)) \
+            and not any(map(torch.Tensor.is_conj, tensors)):
+        return list(tensors)
+    return [resolved(t).contiguous() for t in tensors]
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+_KNOWN = frozenset(DTYPES)
+
+
 def _check(kern, what: str, x: torch.Tensor) -> None:
     if has_own_ops(x):  # (no storage of its own to read: DTensor)
         raise ValueError(f"backend 'triton': {what} {own_ops_words(x)}; use "
@@ -577,15 +633,7 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
     place, with parameters: ``Kernel.adjusts``), after ``finite_of(pre)``."""
     n, nstate = len(params), len(states)
     device = params[0].device if n else (pre.device if pre is not None else torch.device("cpu"))
-    for p, g in zip(params, grads):
-        _check(kern, "parameters", p)
-        _check(kern, "gradients", g)
-        if p.device != device or g.device != device:
-            raise ValueError(f"backend 'triton' needs every tensor of a step on one device, got "
-                             f"{p.device} and {g.device} besides {device}")
-    for col in states:
-        for x in col:
-            _check(kern, "state", x)
+    _check_all(kern, params, grads, states, device)
     check_states("triton", kern.program, params, states)
     # distinct step counters and hyperparameter sets (the same object is shared by many tensors)
     uniq_steps, step_index = distinct(steps)
@@ -604,16 +652,17 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
             else:
                 hyper_slots.append(-1 - len(hyper_floats))
                 hyper_floats.append(float(v))
-    # each read as its values (resolved: no negative bit), contiguous
-    grads = [resolved(g).contiguous() for g in grads]
+    # each read as its values (resolved: no negative bit), contiguous (as they are, in the
+    # common case: a pass over the flags, not a copy's call a tensor)
+    grads = _as_stored(grads)
     finite = torch.empty((), dtype=torch.bool, device=device)
     flat_states = [s for col in states for s in col]
     if donate:
         if not torch.compiler.is_compiling():  # all checked before any is written
             refuse_inplace("triton", kern.program.state_names, params, flat_states,
                            uniq_steps)
-        work_p = [resolved(p).contiguous() for p in params]
-        work_s = [resolved(s).contiguous() for s in flat_states]
+        work_p = _as_stored(params)
+        work_s = _as_stored(flat_states)
         compiling = torch.compiler.is_compiling()
         op = torch.ops.vega.triton_step if compiling else _step_impl
         scale_state, scale_config = [], None
@@ -633,8 +682,8 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
                 orig.copy_(work)
         new_p, new_s, new_t = list(params), [list(col) for col in states], uniq_steps
     else:
-        old_p = [resolved(p).contiguous() for p in params]
-        old_s = [resolved(s).contiguous() for s in flat_states]
+        old_p = _as_stored(params)
+        old_s = _as_stored(flat_states)
         new_p = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
         flat = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in flat_states]
         new_t = [torch.empty((), dtype=s.dtype, device=s.device) for s in uniq_steps]
