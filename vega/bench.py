@@ -165,24 +165,18 @@ def bandwidth(elements: int = 1 << 24, repeats: int = 7) -> tuple[float, str]:
     """(bytes a second, which loop) of the faster of ``_STREAM_C``'s two loops over four
     float32 arrays of ``elements`` each (256 MB in all by default), the best of
     ``repeats`` timings each, on torch's thread count; (NaN, why) without a C compiler."""
-    import ctypes
     if not cbuild.available():
         return float("nan"), "no C compiler"
-    lib, _, _ = cbuild.build(_STREAM_C)
-    arrays = [torch.full((elements,), x) for x in (0.5, 0.01, 0.0, 0.0)]
-    ptrs = [ctypes.c_void_p(a.data_ptr()) for a in arrays]
     best, which = 0.0, ""
-    for name in ("vega_stream_plain", "vega_stream_quarters"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
-        fn(*ptrs, elements)  # pages touched, threads started
+    for loop in ("plain", "quarters"):
+        stream = Stream(loop, elements)
+        stream()  # pages touched, threads started
         for _ in range(repeats):
             t0 = time.perf_counter()
-            fn(*ptrs, elements)
-            rate = STREAM_BYTES * elements / (time.perf_counter() - t0)
+            stream()
+            rate = stream.nbytes / (time.perf_counter() - t0)
             if rate > best:
-                best, which = rate, name.removeprefix("vega_stream_")
+                best, which = rate, loop
     return best, which
 
 
@@ -554,7 +548,7 @@ def _mixed_bound(res: dict, label: str, nparams: int, rate: float) -> float | No
     row or where no read-only loop ran. (A pass that only reads runs below the bound of a
     loop that reads and writes on some machines: the rate a core draws from memory.)"""
     secs = res["rows"].get(READ_BOUND)
-    if label != "vega AdamW + unscale, finite check, clip, skip" or not secs or \
+    if label not in ADAMW_BYTES or not ADAMW_BYTES[label][1] or not secs or \
             not res.get("read_bytes") or not rate > 0:
         return None
     read_rate = res["read_bytes"] / secs

@@ -139,19 +139,27 @@ class Renderer(ABC):
         raise KeyError(f"{type(self).__name__} cannot render {node.op}")
 
 
-def reduction_phases(program: Program) -> list[list[Node]]:
-    """The reductions of each phase: a reduction runs after those its argument uses."""
+def leveled(program: Program, ops) -> tuple[dict[int, int], list[list[Node]]]:
+    """(the level of each node, by id; the nodes of ``ops`` at each level): a node of
+    ``ops`` sits at the level of its arguments and its value at the next one, so that it
+    runs after those its argument uses."""
     level: dict[int, int] = {}
     phases: list[list[Node]] = []
     for node in walk(node for _, node in program.updates):
         lv = max((level[id(s)] for s in node.src), default=0)
-        if node.op in REDUCTIONS:
+        if node.op in ops:
             while len(phases) <= lv:
                 phases.append([])
             phases[lv].append(node)
             lv += 1
         level[id(node)] = lv
-    return phases
+    return level, phases
+
+
+def reduction_phases(program: Program) -> list[list[Node]]:
+    """The per-tensor reductions of each phase: a reduction runs after those its argument
+    uses (``leveled``)."""
+    return leveled(program, REDUCTIONS)[1]
 
 
 def is_schedule(v) -> bool:

@@ -26,11 +26,11 @@ import torch
 
 from vega.codegen import precision
 from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_states, geometry,
-                               linearize, state_var)
+                               leveled, linearize, state_var)
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import advance_steps, memo
 from vega.codegen.tensors import refuse_inplace
-from vega.dsl.ir import AXIS_REDUCTIONS, REDUCTIONS, Kind, Node, Op, Program, walk
+from vega.dsl.ir import AXIS_REDUCTIONS, REDUCTIONS, Kind, Node, Op, Program
 
 
 def _fn(name):
@@ -197,17 +197,7 @@ def stages(program: Program) -> tuple[dict[int, int], list[list[Node]]]:
     an axis alike): a reduction belongs to the stage of its argument, and its value to the
     next one. A step over shards ends each stage by combining its reductions' partial
     results across processes."""
-    level: dict[int, int] = {}
-    phases: list[list[Node]] = []
-    for node in walk(n for _, n in program.updates):
-        lv = max((level[id(s)] for s in node.src), default=0)
-        if node.op in REDUCTIONS or node.op in AXIS_REDUCTIONS:
-            while len(phases) <= lv:
-                phases.append([])
-            phases[lv].append(node)
-            lv += 1
-        level[id(node)] = lv
-    return level, phases
+    return leveled(program, REDUCTIONS | AXIS_REDUCTIONS.keys())
 
 
 def render_staged(program: Program, linear: Linear | None = None) -> str:

@@ -54,6 +54,26 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().resolve_neg()
 
 
+def readable(tensors: list) -> list:
+    """Each tensor as a compiled kernel reads it: itself where it is contiguous and holds its
+    values as they are (no negative or conjugate bit; one pass over the flags, the common
+    case), else a contiguous copy of its values (``resolved``). Under dynamo, each resolved
+    (it traces no flag)."""
+    if not torch.compiler.is_compiling() and all(map(torch.Tensor.is_contiguous, tensors)) \
+            and not any(map(torch.Tensor.is_neg, tensors)) \
+            and not any(map(torch.Tensor.is_conj, tensors)):
+        return list(tensors)
+    return [resolved(t).contiguous() for t in tensors]
+
+
+def copy_back(originals, works) -> None:
+    """The values a kernel wrote into ``works`` (``readable``'s copies, or the tensors
+    themselves) into ``originals``."""
+    for orig, work in zip(originals, works):
+        if work is not orig:
+            orig.copy_(work)
+
+
 def overlaps_itself(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` are one memory location (an expanded tensor, a
     stride-0 axis of length > 1, or any other overlapping layout)."""

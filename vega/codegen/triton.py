@@ -959,8 +959,9 @@ class Kernel:
 
     def prelude(self, grads, pre: torch.Tensor, init=None) -> None:
         """Add the gradients' sum of squares and non-finite count, unscaled, into ``pre``;
-        given ``init`` (``(inverse loss scale or None, max_norm, check)``), ``pre`` is new
-        and this writes all of it, no copy of a blank record first."""
+        given ``init`` (``(inverse loss scale or None, max_norm, check, loss scale or
+        None)``), ``pre`` is new and this writes all of it, no copy of a blank record
+        first."""
         triton_runtime.prelude(self, grads, pre, init)
 
     def adjusts(self, params, donate: bool, loss_scale) -> bool:

@@ -38,7 +38,8 @@ from torch.autograd.graph import increment_version
 
 from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, state_key
 from vega.codegen.record import finite_of
-from vega.codegen.tensors import has_own_ops, own_ops_words, refuse_inplace, resolved
+from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, own_ops_words,
+                                  readable, refuse_inplace)
 
 # on a GPU: warps a program, and bytes of its narrowest tensor each thread reads or writes
 # at once (one 128-bit access); a program's BLOCK is 32 * WARPS_GPU threads times the elements
@@ -295,11 +296,13 @@ DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "b
           torch.float16: "float16"}
 
 
+_DTYPE = operator.attrgetter("dtype")
+
+
 def _groups(params, grads, flat_states, n: int, nstate: int) -> dict[tuple, list[int]]:
     """The tensors' positions by dtype group (``_dtype_key``): in one pass over the dtypes
     where every parameter, gradient and state shares one (the common case)."""
-    dt = operator.attrgetter("dtype")
-    pd, gd, sd = list(map(dt, params)), list(map(dt, grads)), list(map(dt, flat_states))
+    pd, gd, sd = (list(map(_DTYPE, x)) for x in (params, grads, flat_states))
     if n and pd.count(pd[0]) == n and gd.count(gd[0]) == n and (
             not sd or sd.count(sd[0]) == len(sd)):
         return {_dtype_key(params[0], grads[0], flat_states[0::n] if nstate else []):
@@ -339,8 +342,8 @@ def _prelude_impl(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor,
     """Adds the gradients' sum of squares and non-finite count into ``pre``; or, given
     ``setting`` (``settings``: the record is new, its contents undefined), writes the
     whole record: the sums, the inverse loss scale (``inv``: float64, or a float32 loss
-    scale inverted in float64 here; else the setting's), the max norm and the check. One launch per dtype group, the last of its programs combining
-    theirs."""
+    scale inverted in float64 here; else the setting's), the max norm and the check. One
+    launch per dtype group, the last of its programs combining theirs."""
     kern = kernel_of(kernel)
     check_device(pre.device)
     name = kern.prefix
@@ -435,10 +438,7 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
                 outs = s_out[i::n] if nstate else []
                 rows.append([numels[i], p_in[i], g_at[i], *ins, t_at[step_index[i]],
                              h_at + hyper_index[i] * width, p_out[i], *outs])
-                misaligned |= p_in[i] | g_at[i] | p_out[i]
-                for a in ins:
-                    misaligned |= a
-                for a in outs:
+                for a in (p_in[i], g_at[i], p_out[i], *ins, *outs):
                     misaligned |= a
             aligned = misaligned % 16 == 0
             if kern.plan is not None:
@@ -559,7 +559,6 @@ def _on(device: torch.device):
 # -- the glue that torch.compile traces -------------------------------------------
 
 _DEVICE_OF = operator.attrgetter("device")
-_DTYPE = operator.attrgetter("dtype")
 
 
 def _check_all(kern, params, grads, states, device) -> None:
@@ -568,7 +567,7 @@ def _check_all(kern, params, grads, states, device) -> None:
     (the common case), tensor by tensor to say which is wrong otherwise."""
     if not torch.compiler.is_compiling():  # (dynamo traces the checks one by one)
         every = [*params, *grads, *(x for col in states for x in col)]
-        if _PLAIN.issuperset(map(type, every)) and _KNOWN.issuperset(map(_DTYPE, every)) \
+        if first_with_own_ops(every) is None and _KNOWN.issuperset(map(_DTYPE, every)) \
                 and all(d == device for d in map(_DEVICE_OF, [*params, *grads])):
             return
     for p, g in zip(params, grads):
@@ -582,18 +581,6 @@ def _check_all(kern, params, grads, states, device) -> None:
             _check(kern, "state", x)
 
 
-def _as_stored(tensors: list) -> list:
-    """Each tensor as the kernels read it: itself where it is contiguous and holds its values
-    as they are (no negative or conjugate bit), else a resolved contiguous copy. Under
-    dynamo, each resolved (it traces no flag)."""
-    if not torch.compiler.is_compiling() and all(map(torch.Tensor.is_contiguous, tensors)) \
-            and not any(map(torch.Tensor.is_neg, tensors)) \
-            and not any(map(torch.Tensor.is_conj, tensors)):
-        return list(tensors)
-    return [resolved(t).contiguous() for t in tensors]
-
-
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 _KNOWN = frozenset(DTYPES)
 
 
@@ -607,21 +594,21 @@ def _check(kern, what: str, x: torch.Tensor) -> None:
 
 
 def prelude(kern, grads, pre: torch.Tensor, init=None) -> None:
-    """The kernel's ``prelude``; ``init``: ``(inverse loss scale or None, max_norm, check)``,
-    or with a fourth item, a float32 loss scale whose inverse the kernel forms, where
-    ``pre`` is new (``torch.empty``) and this launch writes all of it."""
+    """The kernel's ``prelude``; ``init``: ``(inverse loss scale or None, max_norm, check,
+    loss scale or None)`` (a float32 scale, whose inverse the kernel forms), where ``pre`` is
+    new (``torch.empty``) and this launch writes all of it."""
     for g in grads:
         _check(kern, "gradients", g)
     setting = inv = None
     if init is not None:
-        inv_scale, max_norm, check = init[:3]
+        inv_scale, max_norm, check, scale = init
         setting = settings(pre.device, max_norm, check)
-        if len(init) > 3 and init[3] is not None:  # a loss scale, inverted by the kernel
-            inv = init[3].detach().reshape(()).to(pre.device, torch.float32)
+        if scale is not None:  # a loss scale, inverted by the kernel
+            inv = scale.detach().reshape(()).to(pre.device, torch.float32)
         elif inv_scale is not None:
             inv = torch.as_tensor(inv_scale).detach().reshape(()).to(pre.device, torch.float64)
     op = torch.ops.vega.triton_prelude if torch.compiler.is_compiling() else _prelude_impl
-    op(kern.key, [resolved(g).contiguous() for g in grads], pre, setting, inv)
+    op(kern.key, readable(grads), pre, setting, inv)
 
 
 _SCALE_CONFIGS = Kept(16)  # (device, interval, growth, backoff) -> float64 [3]
@@ -654,15 +641,15 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
                 hyper_floats.append(float(v))
     # each read as its values (resolved: no negative bit), contiguous (as they are, in the
     # common case: a pass over the flags, not a copy's call a tensor)
-    grads = _as_stored(grads)
+    grads = readable(grads)
     finite = torch.empty((), dtype=torch.bool, device=device)
     flat_states = [s for col in states for s in col]
     if donate:
         if not torch.compiler.is_compiling():  # all checked before any is written
             refuse_inplace("triton", kern.program.state_names, params, flat_states,
                            uniq_steps)
-        work_p = _as_stored(params)
-        work_s = _as_stored(flat_states)
+        work_p = readable(params)
+        work_s = readable(flat_states)
         compiling = torch.compiler.is_compiling()
         op = torch.ops.vega.triton_step if compiling else _step_impl
         scale_state, scale_config = [], None
@@ -677,13 +664,11 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
            scale_config)
         if not compiling:  # (what the operator's dispatch does for a mutated argument)
             increment_version(work_p)
-        for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
-            if work is not orig:
-                orig.copy_(work)
+        copy_back([*params, *flat_states], [*work_p, *work_s])
         new_p, new_s, new_t = list(params), [list(col) for col in states], uniq_steps
     else:
-        old_p = _as_stored(params)
-        old_s = _as_stored(flat_states)
+        old_p = readable(params)
+        old_s = readable(flat_states)
         new_p = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
         flat = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in flat_states]
         new_t = [torch.empty((), dtype=s.dtype, device=s.device) for s in uniq_steps]

@@ -564,8 +564,7 @@ def _optional_keys(cspec) -> frozenset:
                       *_PRECISION_DEFAULTS})
 
 
-_PRECISION_DEFAULTS = {"master_weights": False, "stochastic_rounding": False,
-                       "rounding_seed": 0}
+_PRECISION_DEFAULTS = torch_names.PRECISION_DEFAULTS
 
 
 def _precision(owner: str, group: dict) -> tuple[bool, int | None]:

@@ -115,32 +115,58 @@ def spanning_sum(owner: str, leaves, part, reduce_group) -> torch.Tensor:
     Every rank of the group must call it (with no leaf, its sum is ``part``'s zero, on the
     group's device). The sum is float64 on every rank, whatever the leaves' dtypes (ranks
     holding float32 and float64 leaves reduce one buffer alike)."""
-    mesh, total = None, None
+    box: list = []
+    total = None
     for i, x in enumerate(leaves):
-        if is_dtensor(x):
-            where = f"{owner}: leaf {i}"
-            if mesh is None and i > 0:
-                raise ValueError(f"{where} is a DTensor, others plain tensors: a reduction "
-                                 "over DTensors takes DTensors only")
-            if mesh is not None and x.device_mesh != mesh:
-                raise ValueError(f"{where} is a DTensor on mesh {x.device_mesh}, another on "
-                                 f"{mesh}: one reduction spans one mesh")
-            mesh = x.device_mesh
+        where = f"{owner}: leaf {i}"
+        if join_mesh(where, x, box, "a reduction", "one reduction spans one mesh"):
             _, replicas = _placed(where, x)
             value = part(x.to_local())
             value = value / replicas if replicas > 1 else value
         else:
-            if mesh is not None:
-                raise ValueError(f"{owner}: leaf {i} is a plain tensor, others DTensors: a "
-                                 "reduction over DTensors takes DTensors only")
             value = part(x)
         value = value.to(torch.float64)
         total = value if total is None else total + value.to(total.device)
     if total is None:
         total = part(torch.zeros(0, device=group_device(reduce_group))).to(torch.float64)
+    mesh = box[0] if box else None
     groups = (mesh_groups(mesh) if mesh is not None else []) + (
         [reduce_group] if reduce_group is not None else [])
     return combine([("sum", total.reshape(1))], groups)[0].reshape(())
+
+
+def join_mesh(where: str, x, box: list, what: str, one_mesh: str) -> bool:
+    """Whether ``x`` (``where`` names it) is a DTensor, checked against the tensors before
+    it: ``box`` holds nothing before the first, then ``[None]`` where they are plain, or
+    ``[their mesh]``. ValueError where ``x`` mixes plain tensors and DTensors in ``what``
+    (a step, a reduction), or is on another mesh (``one_mesh`` says what to do)."""
+    if not is_dtensor(x):
+        if box and box[0] is not None:
+            raise ValueError(f"{where} is a plain tensor, others DTensors: {what} over "
+                             "DTensors takes DTensors only (shard every module with "
+                             "fully_shard, or step the plain ones with an optimizer of their "
+                             "own)")
+        box[:] = [None]
+        return False
+    if box and box[0] is None:
+        raise ValueError(f"{where} is a DTensor, others plain tensors: {what} over DTensors "
+                         "takes DTensors only")
+    if not box:
+        box.append(x.device_mesh)
+    elif x.device_mesh != box[0]:
+        raise ValueError(f"{where} is a DTensor on mesh {x.device_mesh}, another on "
+                         f"{box[0]}: {one_mesh}")
+    return True
+
+
+def rewrapped(new: torch.Tensor, like):
+    """``new``, a local tensor, as a DTensor with the mesh, placements, shape and strides of
+    DTensor ``like``; ``new`` itself where ``like`` is a plain tensor."""
+    if not is_dtensor(like):
+        return new
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(new, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
 
 
 def state_placements(p, dom: str) -> tuple:
@@ -244,28 +270,14 @@ class _Local:
         self.ls = [[] for _ in states]
         for i, p in enumerate(params):
             where = f"{owner}: parameter {i}"
-            if not is_dtensor(p):
-                if mesh_box and mesh_box[0] is not None:
-                    raise ValueError(f"{where} is a plain tensor, others DTensors: a step over "
-                                     "DTensors steps DTensors only (shard every module with "
-                                     "fully_shard, or step the plain ones with an optimizer "
-                                     "of their own)")
-                mesh_box[:] = [None]
+            if not join_mesh(where, p, mesh_box, "a step", "one step reduces over one mesh; "
+                             "give each mesh's parameters an optimizer of their own"):
                 self.views.append(None)
                 self.lp.append(p)
                 self.lg.append(grads[i])
                 for col, out in zip(states, self.ls):
                     out.append(col[i])
                 continue
-            if mesh_box and mesh_box[0] is None:
-                raise ValueError(f"{where} is a DTensor, others plain tensors: a step over "
-                                 "DTensors steps DTensors only")
-            if not mesh_box:
-                mesh_box.append(p.device_mesh)
-            elif p.device_mesh != mesh_box[0]:
-                raise ValueError(f"{where} is a DTensor on mesh {p.device_mesh}, another on "
-                                 f"{mesh_box[0]}: one step reduces over one mesh; give each "
-                                 "mesh's parameters an optimizer of their own")
             self.views.append(view_of(where, p))
             self.lp.append(p.to_local())
             self.lg.append(self._local(f"{where}'s gradient", grads[i], p, tuple(p.placements)))
@@ -291,16 +303,10 @@ class _Local:
 
     def wrap(self, result):
         """``engine.run``'s answer over the locals, with new values DTensors again."""
-        from torch.distributed.tensor import DTensor
         new_p, new_s, new_steps, finite = result
-
-        def back(new, like):
-            if not is_dtensor(like):
-                return new
-            return DTensor.from_local(new, like.device_mesh, like.placements, run_check=False,
-                                      shape=like.shape, stride=like.stride())
-        return ([back(n, o) for n, o in zip(new_p, self.params)],
-                [[back(n, o) for n, o in zip(ncol, col)] for ncol, col in zip(new_s, self.states)],
+        return ([rewrapped(n, o) for n, o in zip(new_p, self.params)],
+                [[rewrapped(n, o) for n, o in zip(ncol, col)]
+                 for ncol, col in zip(new_s, self.states)],
                 new_steps, finite)
 
 

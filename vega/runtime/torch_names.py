@@ -169,8 +169,11 @@ _TORCH_RULES = {
     "RAdam": {"weight_decay": 0, "decoupled_weight_decay": False},
 }
 _TORCH_ONLY = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
-# vega's keys of a group for the precision of its parameters (docs/precision.md)
-PRECISION_KEYS = ("master_weights", "stochastic_rounding", "rounding_seed")
+# vega's keys of a group for the precision of its parameters (docs/precision.md), with the
+# value a group lacking one (a state saved before they existed) takes
+PRECISION_DEFAULTS = {"master_weights": False, "stochastic_rounding": False,
+                      "rounding_seed": 0}
+PRECISION_KEYS = tuple(PRECISION_DEFAULTS)
 
 
 def is_torch_format(state_dict, cls_name: str, want: frozenset) -> bool:

@@ -50,15 +50,14 @@ def global_norm(grads, *, reduce_group=None) -> torch.Tensor:
     from vega.runtime import sharded
     sharded.check_group("global_norm", reduce_group)
     leaves = [_real_view(g) for g in pytree.tree_leaves(grads) if _float_leaf(g)]
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
     if sharded.involved(leaves, reduce_group):
         # the sum of squares in float64 on every rank (ranks may hold other dtypes), the
         # norm then in this rank's precision, as without a group
-        dtype = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
         return sharded.spanning_sum("global_norm", leaves, lambda x: torch.linalg.vector_norm(
             x, dtype=torch.float64).square(), reduce_group).sqrt().to(dtype)
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
-    dtype = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
     norms = [torch.linalg.vector_norm(g, dtype=dtype) for g in leaves]
     if len(norms) == 1:
         return norms[0]
@@ -99,9 +98,7 @@ def clip_by_global_norm(grads, max_norm, *, reduce_group=None):
         if not _float_leaf(g):
             return g
         if sharded.is_dtensor(g):  # (the coefficient is a plain tensor, the same on every rank)
-            from torch.distributed.tensor import DTensor
-            return DTensor.from_local(scaled(g.to_local()), g.device_mesh, g.placements,
-                                      run_check=False, shape=g.shape, stride=g.stride())
+            return sharded.rewrapped(scaled(g.to_local()), g)
         return scaled(g)
     return pytree.tree_map(one, grads)
 

@@ -22,8 +22,8 @@ from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths
-from vega.codegen.tensors import (has_own_ops, own_ops_words, refuse_inplace, resolved, roles,
-                                  shared_pair)
+from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
+                                  refuse_inplace, roles, shared_pair)
 from vega.dsl.ir import Kind, Op, Program
 from vega.tracing import untraced
 
@@ -198,8 +198,7 @@ class Kernel:
     def _prelude(self, grads, pre: torch.Tensor) -> None:
         """The body of ``vega::c_prelude``. The tables of gradients of the same sizes, dtypes
         and devices as a recent call's serve again, with their addresses rewritten."""
-        grads = [g if g.is_contiguous() and not g.is_neg() else resolved(g).contiguous()
-                 for g in grads]
+        grads = readable(grads)
         ptrs = list(map(torch.Tensor.data_ptr, grads))
         if 0 in ptrs:  # (an empty tensor may have no address; a wrapper subclass has none)
             self._check_readable([("gradient", grads)])
@@ -306,27 +305,28 @@ class Kernel:
         if not donate:
             params, flat = [p.clone() for p in params], [s.clone() for s in flat]
         self._refuse_writes(params, flat, unique)
-        work_p = [resolved(p).contiguous() for p in params]
-        work_g = [resolved(g).contiguous() for g in grads]
-        work_s = [resolved(s).contiguous() for s in flat]
+        work_p, work_g, work_s = readable(params), readable(grads), readable(flat)
         work_h = [h.contiguous() for h in hyp]
         tables = self._tables(work_p, work_g, work_s, unique, step_index, work_h, hyp_index)
         nth = torch.get_num_threads()
         phases = reduction_phases(self.program)
-        for _, _, red, _ in tables:
+        # each table's reduction buffer as a grid (a row per tensor), the weight of each
+        # tensor's partial sums and its whole count of elements
+        grids = []
+        for _, _, red, idx in tables:
             red.zero_()  # (a skipped step's phases write nothing)
+            grids.append((red[:len(idx) * self._nred].view(len(idx), self._nred),
+                          torch.tensor([views[i].weight for i in idx], dtype=torch.float64),
+                          torch.tensor([math.prod(views[i].full.full) for i in idx],
+                                       dtype=torch.float64)))
         at = 0
         for k, phase in enumerate(phases):
             cols = list(range(at, at + len(phase)))
             at += len(phase)
             parts, finish = [], []
-            for lib, table, red, idx in tables:
+            for (lib, table, red, _), (grid, weight, count) in zip(tables, grids):
                 getattr(lib, f"vega_phase{k}_partial")(table.shape[0], _ptr(table), _ptr(pre),
                                                        _ptr(red), nth)
-                grid = red[:len(idx) * self._nred].view(len(idx), self._nred)
-                weight = torch.tensor([views[i].weight for i in idx], dtype=torch.float64)
-                count = torch.tensor([math.prod(views[i].full.full) for i in idx],
-                                     dtype=torch.float64)
                 for c, node in zip(cols, phase):
                     how = "max" if node.op is Op.AMAX else "sum"
                     parts.append((how, grid[:, c] if how == "max" else grid[:, c] * weight))
@@ -340,9 +340,7 @@ class Kernel:
         if tables:
             step_ptrs = _int64s([s.data_ptr() for s in unique])
             tables[-1][0].vega_advance(len(unique), _ptr(step_ptrs), _ptr(pre))
-        for orig, work in zip([*params, *flat], [*work_p, *work_s]):
-            if work is not orig:
-                orig.copy_(work)
+        copy_back([*params, *flat], [*work_p, *work_s])
         _written(params)
         n = len(params)
         return (params, [flat[k * n:(k + 1) * n] for k in range(len(states))],
@@ -426,15 +424,11 @@ class Kernel:
                               *((f"state '{s.name}'", flat_states[k * len(params):
                                                                   (k + 1) * len(params)])
                                 for k, s in enumerate(self.program.states))])
-        work_p = [resolved(p).contiguous() for p in params]
-        work_g = [resolved(g).contiguous() for g in grads]
-        work_s = [resolved(s).contiguous() for s in flat_states]
+        work_p, work_g, work_s = readable(params), readable(grads), readable(flat_states)
         work_h = [h.contiguous() for h in hyp]
         tables = self._tables(work_p, work_g, work_s, steps, step_index, work_h, hyp_index)
         self._launch(tables, _int64s([s.data_ptr() for s in steps]), pre, nth)
-        for orig, work in zip([*params, *flat_states], [*work_p, *work_s]):
-            if work is not orig:
-                orig.copy_(work)
+        copy_back([*params, *flat_states], [*work_p, *work_s])
         _written(params)
 
     def _refuse_writes(self, params, flat_states, steps) -> None:

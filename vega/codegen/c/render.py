@@ -165,8 +165,10 @@ def split_min() -> str:
 
 @functools.cache
 def _zen() -> bool:
-    """Whether the kernels are built for an AMD Zen CPU (``-march=native`` means znver*)."""
-    return "znver" in cbuild.target_cpu() or "AuthenticAMD" in cbuild._cpuinfo()
+    """Whether the kernels are built for an AMD Zen CPU: ``-march=native`` means znver*, or
+    (where the compiler does not say) /proc/cpuinfo names AMD (``build.target_cpu``)."""
+    target = cbuild.target_cpu()
+    return "znver" in target or "AuthenticAMD" in target
 
 
 def _fn(element, scalar):
