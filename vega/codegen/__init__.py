@@ -60,7 +60,10 @@ def kernel(backend: str, program: Program):
 
 def _kernel(backend: str, program: Program, counting: bool):
     found = program.kernels.get(backend)
-    if found is None:
+    if found is None and program.torch_only and backend != "reference":
+        check_backend(backend)  # (what only the reference computes runs there on any device)
+        found = program.kernels[backend] = _kernel("reference", program, counting)
+    elif found is None:
         check_backend(backend)
         found = program.kernels[backend] = BACKENDS[backend].Kernel(program)
         if counting:

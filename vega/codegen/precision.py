@@ -70,7 +70,8 @@ def variant(program: Program, master: bool, seed: int | None) -> Program:
         new_p = next(n for t, n in updates if t == "p")
         states = (*states, StateVar(MASTER, ir.leaf(Op.PARAM, Kind.ELEMENT)))
         updates = (*updates, (MASTER, new_p))
-    out = Program(program.name, program.hypers, program.flags, states, updates, program.shapes)
+    out = Program(program.name, program.hypers, program.flags, states, updates, program.shapes,
+                  program.modes)
     object.__setattr__(out, "master", master)
     object.__setattr__(out, "rounding", seed)
     program.variants[key] = out

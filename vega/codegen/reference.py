@@ -26,11 +26,12 @@ import torch
 
 from vega.codegen import precision
 from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_states, geometry,
-                               leveled, linearize, state_var)
+                               hyper_var, leveled, linearize, state_var)
 from vega.codegen.record import Pre, finite_of
-from vega.codegen.steps import advance_steps, memo
+from vega.codegen.steps import advance_steps, drive, memo
 from vega.codegen.tensors import refuse_inplace
-from vega.dsl.ir import AXIS_REDUCTIONS, REDUCTIONS, Kind, Node, Op, Program
+from vega.dsl.ir import (AXIS_REDUCTIONS, REDUCTIONS, SCALAR_STATE, Kind, Node, Op, Program,
+                        is_global)
 
 
 def _fn(name):
@@ -129,7 +130,12 @@ class TorchRenderer(Renderer):
         return self.const(value)
 
     def output(self, linear: Linear, node: Node, dom: str = "rc", axes: bool = False) -> str:
-        """An update's value, shaped like the parameter (or its rows, columns: ``dom``)."""
+        """An update's value, shaped like the parameter (or its rows, columns: ``dom``; one
+        number, ``SCALAR_STATE``)."""
+        if dom == SCALAR_STATE:
+            if node.op is Op.CONST:
+                return f"p.new_full((), {self.number(node.arg)})"
+            return linear.ref(node)
         if not axes:  # no axis in the program: every value is shaped like p
             if node.op is Op.CONST:
                 return f"torch.full_like(p, {self.number(node.arg)})"
@@ -176,6 +182,8 @@ def render(program: Program, linear: Linear | None = None) -> str:
     out.append("")
     for s in program.states:
         out += _init_function(s.name, s.init, lin.hypers, r, s.dom, axes)
+    for name, node in program.modes:
+        out += _mode_function(name, node, program, r)
     return "\n".join(out)
 
 
@@ -189,6 +197,21 @@ def _init_function(name: str, node: Node, hypers, r: TorchRenderer, dom: str = "
     for line in lin.scalar_lines + lin.element_lines:
         out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
     out.append(f"    return {r.output(lin, node, dom, axes)}")
+    return out + [""]
+
+
+def _mode_function(name: str, node: Node, program: Program, r: TorchRenderer) -> list[str]:
+    """``mode_<name>(p, <states>, <hyperparameters>[, geo])``: the parameter in mode ``name``
+    (``mode eval { p = ... }``), in the compute dtype."""
+    lin = linearize(Program("mode", (), (), (), (("p", node),)))
+    hypers = tuple(hyper_var(h) for h in program.float_hypers)
+    args = ("p", *(state_var(s) for s in program.state_names), *hypers) + \
+        (("geo",) if program.uses_axes else ())
+    out = [f"def mode_{name}({', '.join(args)}):",
+           f'    """The parameter in mode {name}."""']
+    for line in lin.scalar_lines + lin.element_lines:
+        out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
+    out.append(f"    return {r.output(lin, node, 'rc', program.uses_axes)}")
     return out + [""]
 
 
@@ -217,14 +240,36 @@ def render_staged(program: Program, linear: Linear | None = None) -> str:
                 if level[id(line.node)] == k and id(line.node) not in reductions]
         if k < len(phases):
             asked = ", ".join(f"({n.op.value!r}, {r.operand(lin, n.src[0], 'element')}, "
-                              f"{n.src[0].dom if n.src[0].kind == Kind.ELEMENT else None!r})"
-                              for n in phases[k])
+                              f"{n.src[0].dom if n.src[0].kind == Kind.ELEMENT else None!r}, "
+                              f"{global_key(n)!r})" for n in phases[k])
             out.append(f"    {''.join(lin.ref(n) + ', ' for n in phases[k])}= "
                        f"yield ({asked},)")
     doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
     results = [r.output(lin, node, doms[target], True) for target, node in lin.outputs]
     out.append(f"    return ({''.join(v + ', ' for v in results)})")
     return "\n".join(out) + "\n"
+
+
+def global_key(node: Node) -> str | None:
+    """The name of a reduction over every tensor of a group (None for any other): its place
+    in the spec, the same in every program of the spec."""
+    if not is_global(node):
+        return None
+    return f"{node.op.value}@{node.span.line}:{node.span.column}" if node.span else \
+        f"{node.op.value}@{id(node)}"
+
+
+def _global_partial(op: Op, x, view: ShardView | None):
+    """A reduction over every tensor of a group: this tensor's part of it (how parts
+    combine, its part in float64, the function that finishes the total)."""
+    xd = x.double()
+    weight = view.weight if view is not None else 1.0
+    if op is Op.AMAX:
+        part = xd.amax() if xd.numel() else xd.new_full((), -math.inf)
+        return "max", part, lambda v: v.to(x.dtype)
+    part = (xd * xd).sum() if op is Op.NORM else xd.sum()
+    finish = torch.sqrt if op is Op.NORM else (lambda v: v)
+    return "sum", part * weight if weight != 1 else part, lambda v: finish(v).to(x.dtype)
 
 
 def _local_reduction(op: Op, x, geo: Geometry, dom):
@@ -361,6 +406,7 @@ class Kernel:
         self._scalars = namespace["scalars"]
         self._update = namespace["update"]
         self._inits = [namespace[f"init_{state_var(s.name)}"] for s in program.states]
+        self._modes = {name: namespace[f"mode_{name}"] for name, _ in program.modes}
 
     def source(self) -> str:
         return self.text
@@ -383,6 +429,24 @@ class Kernel:
         sds = state_dtype if isinstance(state_dtype, (list, tuple)) else \
             [state_dtype] * len(self._inits)
         return [fn(pc, *hv).to(sd).contiguous().clone() for fn, sd in zip(self._inits, sds)]
+
+    def mode(self, name: str, params, states, values, keep_master: bool = False) -> None:
+        """Set each parameter (in place) to its value in mode ``name`` (``mode NAME {...}``),
+        from the states as stored; ``values``: each tensor's hyperparameters, evaluated.
+        With a master copy (``precision``), from the master's value, which is set too unless
+        ``keep_master``."""
+        fn = self._modes[name]
+        names = self.program.state_names
+        master = names.index(precision.MASTER) if self.program.master else None
+        for i, p in enumerate(params):
+            cd = compute_dtype(p.dtype)
+            hv = self._hyper_args(values[i], cd, p.device)
+            extra = (geometry(p.shape),) if self.program.uses_axes else ()
+            src = p if master is None else states[master][i]  # (the master copy's value)
+            new = fn(src.to(cd), *(s[i].to(cd) for s in states), *hv, *extra)
+            if master is not None and not keep_master:
+                states[master][i].copy_(new)
+            p.copy_(new.to(p.dtype))
 
     def prelude(self, grads, pre: torch.Tensor) -> None:
         """Add the gradients' sum of squares and non-finite count, unscaled, into ``pre``."""
@@ -409,6 +473,11 @@ class Kernel:
         flag as a 0-d bool tensor (None without ``pre``).
         """
         check_states("reference", self.program, params, states)
+        if self.program.spans_group:  # its reductions over the group, between stages
+            results = [None]
+            drive({0: self.staged(params, grads, states, steps, values, donate, pre,
+                                  [None] * len(params))}, results)
+            return results[0]
         finite, gscale = self._begin(params, states, steps, donate, pre)
         cache: dict = {}
         new_params, new_states = [], [[] for _ in self.program.states]
@@ -430,19 +499,26 @@ class Kernel:
         finite, gscale = self._begin(params, states, steps, donate, pre)
         cache: dict = {}
         gens, asked, outs = [], [], [None] * len(params)
+        geos = [v.local if v is not None else geometry(p.shape) for v, p in zip(views, params)]
         for i, (p, g) in enumerate(zip(params, grads)):
             args = self._args(cache, i, p, g, states, steps, values, gscale)
-            gens.append(self._update_staged(*args, views[i].local))
+            gens.append(self._update_staged(*args, geos[i]))
             asked.append(gens[-1].send(None) if self.nstages else None)
         for _ in range(self.nstages):
             parts, finishes, answers = [], [], []
             for i, requests in enumerate(asked):
                 mine = []
-                for op, x, dom in requests:
+                for op, x, dom, key in requests:
                     op = Op(op)
                     which = AXIS_REDUCTIONS[op][0] if op in AXIS_REDUCTIONS else None
-                    if dom is None or not views[i].spans(which, dom):
-                        mine.append(_local_reduction(op, x, views[i].local, dom))
+                    if key is not None:
+                        how, part, finish = _global_partial(op, x, views[i])
+                        mine.append(len(parts))
+                        parts.append((how, part, key))
+                        finishes.append(finish)
+                        continue
+                    if dom is None or views[i] is None or not views[i].spans(which, dom):
+                        mine.append(_local_reduction(op, x, geos[i], dom))
                         continue
                     how, part, finish = _partial(op, x, views[i], dom)
                     mine.append(len(parts))

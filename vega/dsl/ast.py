@@ -62,7 +62,8 @@ class StateDecl:
     init: Expr
     span: Span
     name_span: Span
-    shape: str | None = None  # "rows" | "cols" (one value per row / column); None: like p
+    shape: str | None = None  # "rows" | "cols" (one value per row / column), "scalar" (one
+    # number per tensor); None: like p
     shape_span: Span | None = None
 
 
@@ -75,6 +76,15 @@ class Assign:
 
 
 @dataclass(frozen=True)
+class Mode:
+    """``mode NAME { ... }``: the parameter's value in mode NAME (``p = ...``)."""
+    name: str
+    body: tuple[Stmt, ...]
+    span: Span
+    name_span: Span
+
+
+@dataclass(frozen=True)
 class If:
     cond: Expr
     then: tuple[Stmt, ...]
@@ -82,7 +92,7 @@ class If:
     span: Span
 
 
-Stmt = StateDecl | Assign | If
+Stmt = StateDecl | Assign | If | Mode
 
 
 @dataclass(frozen=True)

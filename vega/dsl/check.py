@@ -49,10 +49,13 @@ FUNCTIONS: dict[str, dict[int, Op]] = {
     "col_mean": {1: Op.COL_MEAN},
     "col_max": {1: Op.COL_MAX},
 }
+# reductions over every tensor of a group: name -> the per-tensor reduction each tensor's
+# part is (summed, or the maximum taken, over the group)
+GLOBAL_FUNCTIONS = {"global_sum": Op.SUM, "global_norm": Op.NORM, "global_max": Op.AMAX}
 # shape queries, known per tensor: allowed only in the condition of an if
 SHAPE_QUERIES = {"ndim": "its number of axes", "nrows": "the length of its row axis",
                  "ncols": "the length of its column axis"}
-STATE_SHAPES = {None: "rc", "rows": "r", "cols": "c"}
+STATE_SHAPES = {None: "rc", "rows": "r", "cols": "c", "scalar": ir.SCALAR_STATE}
 BUILTINS = {"p": "the parameter", "g": "the gradient", "t": "the update's index (1, 2, ...)"}
 INIT_NAMES = {"zeros": 0.0, "ones": 1.0}
 # the keyword arguments of init, step and the optimizer classes beside the hyperparameters,
@@ -96,6 +99,9 @@ class _Walker:
         self.declared: dict[str, Span] = {}  # every state declaration seen (check mode)
         self.states: list[ir.StateVar] = []  # in declaration order (lower mode)
         self.assigns_p = False
+        self.in_shape_if: Span | None = None  # the per-tensor if being walked (check mode)
+        self.in_mode: str | None = None  # the mode whose block is being walked
+        self.mode_blocks = [s for s in spec.body if isinstance(s, ast.Mode)]
 
     # -- header -------------------------------------------------------------
     def hypers(self) -> tuple[ir.HyperParam, ...]:
@@ -145,7 +151,7 @@ class _Walker:
     def _reserved(name: str) -> str | None:
         if name in BUILTINS:
             return BUILTINS[name]
-        if name in FUNCTIONS or name in SHAPE_QUERIES:
+        if name in FUNCTIONS or name in SHAPE_QUERIES or name in GLOBAL_FUNCTIONS:
             return "a function"
         if name in INIT_NAMES:
             return "a state initializer"
@@ -170,15 +176,48 @@ class _Walker:
                 node = ir.const(self.flags[h.name], h.span)
             env[h.name] = _Binding(node, "hyper", h.span)
         self.hyper_names = {h.name for h in hypers}
+        start = dict(env)
         env = self.block(self.spec.body, env)
         if not self.assigns_p and self.checking:  # (a setting may leave p as it is)
             raise SpecError(f"optimizer '{self.spec.name}' never assigns p, so it would not "
                             "change the parameters", self.spec.name_span)
+        modes = self.modes(start, env)
         if self.checking:
             return hypers
         updates = [("p", env["p"].node)] + [(s.name, env[s.name].node) for s in self.states]
         return ir.cse(ir.Program(self.spec.name, hypers, tuple(sorted(self.flags.items())),
-                                 tuple(self.states), tuple(updates), tuple(self.shapes)))
+                                 tuple(self.states), tuple(updates), tuple(self.shapes),
+                                 modes))
+
+    def modes(self, start, env) -> tuple[tuple[str, Node], ...]:
+        """Each ``mode NAME { ... }``: p's value in that mode, of p, the states as stored
+        (those declared outside every if) and the hyperparameters."""
+        out, seen = [], {}
+        for m in self.mode_blocks:
+            if m.name in seen:
+                raise SpecError(f"mode '{m.name}' is already declared on line {seen[m.name]}",
+                                m.name_span)
+            seen[m.name] = m.name_span.line
+            menv = {n: b for n, b in start.items() if b.role == "hyper"}
+            menv["p"] = _Binding(ir.leaf(Op.PARAM, Kind.ELEMENT, "p"), "builtin", None)
+            for name, b in env.items():
+                if b.role == "state":
+                    dom = next(v.dom for v in self.states if v.name == name)
+                    leaf = ir.leaf(Op.STATE, Kind.TENSOR, name, b.span) \
+                        if dom == ir.SCALAR_STATE else \
+                        ir.leaf(Op.STATE, Kind.ELEMENT, name, b.span, dom)
+                    menv[name] = _Binding(leaf, "state", b.span, b.only_if)
+            self.in_mode = m.name
+            try:
+                menv = self.block(m.body, menv)
+            finally:
+                self.in_mode = None
+            p = menv["p"].node
+            if not _assigns(m.body, "p"):
+                raise SpecError(f"mode '{m.name}' never assigns p: a mode says how the "
+                                "parameters look in it", m.name_span)
+            out.append((m.name, p))
+        return tuple(out)
 
     def block(self, stmts, env):
         for stmt in stmts:
@@ -187,6 +226,14 @@ class _Walker:
 
     def stmt(self, s, env):
         env = dict(env)
+        if isinstance(s, ast.Mode):
+            if self.in_mode is not None or not any(s is m for m in self.mode_blocks):
+                raise SpecError(f"mode '{s.name}' must stand at the top of the spec's body, "
+                                "outside every if and mode", s.span)
+            return env  # (walked after the body: ``modes``)
+        if isinstance(s, ast.StateDecl) and self.in_mode is not None:
+            raise SpecError(f"a mode cannot declare a state: mode '{self.in_mode}' only says "
+                            "how the parameters look", s.span)
         if isinstance(s, ast.StateDecl):
             self._check_new_name(s.name, s.name_span, env, "declare a state")
             if s.name == STEP_COUNTER:
@@ -198,13 +245,23 @@ class _Walker:
             self.declared[s.name] = s.name_span
             if s.shape not in STATE_SHAPES:
                 raise SpecError(f"a state is shaped like p, or declared ': rows' (one value per "
-                                f"row) or ': cols' (one per column), not ': {s.shape}'"
-                                f"{_suggest(s.shape, ['rows', 'cols'])}", s.shape_span)
+                                f"row), ': cols' (one per column) or ': scalar' (one number per "
+                                f"tensor), not ': {s.shape}'"
+                                f"{_suggest(s.shape, ['rows', 'cols', 'scalar'])}", s.shape_span)
             dom = STATE_SHAPES[s.shape]
             init = self.init_expr(s.init, env)
             if init.dtype != "float":
                 raise SpecError(f"state '{s.name}' must start as a number, not a bool",
                                 s.init.span)
+            if dom == ir.SCALAR_STATE and init.kind == Kind.ELEMENT:
+                raise SpecError(f"state '{s.name}' holds one number per tensor, but this initial "
+                                f"value has {_short(init.dom)}; reduce it with sum(...), "
+                                "norm(...), mean(...) or max(...)", s.init.span)
+            if dom == ir.SCALAR_STATE:
+                self.states.append(ir.StateVar(s.name, init, s.span, dom))
+                env[s.name] = _Binding(ir.leaf(Op.STATE, Kind.TENSOR, s.name, s.name_span),
+                                       "state", s.name_span)
+                return env
             if init.kind == Kind.ELEMENT and ir.join(init.dom, dom) != dom:
                 raise SpecError(f"state '{s.name}' holds {ir.DOMAIN_WORDS[dom]}, but this "
                                 f"initial value has {_short(init.dom)}"
@@ -224,6 +281,9 @@ class _Walker:
                 raise SpecError(f"cannot assign to '{s.name}': it is a hyperparameter, fixed "
                                 "for the whole step; give the new value a name of its own",
                                 s.name_span)
+            elif old.role == "state" and self.in_mode is not None:
+                raise SpecError(f"mode '{self.in_mode}' cannot assign state '{s.name}': a mode "
+                                "only says how the parameters look (p = ...)", s.name_span)
             elif old.role == "state" and old.only_if is not None:
                 raise SpecError(f"state '{s.name}' is declared only inside the if on line "
                                 f"{old.only_if.line}", s.name_span)
@@ -236,6 +296,11 @@ class _Walker:
                 # against the declared shape, not the value the state holds by now (a
                 # state like p may hold a per-row value, and take a per-element one again)
                 dom = next(v.dom for v in self.states if v.name == s.name)
+                if dom == ir.SCALAR_STATE:
+                    raise SpecError(f"state '{s.name}' holds one number per tensor, but this "
+                                    f"value has {_short(value.dom)}; reduce it with sum(...), "
+                                    "norm(...), mean(...), max(...) or global_sum(...)",
+                                    s.value.span)
                 if ir.join(value.dom, dom) != dom:
                     raise SpecError(f"state '{s.name}' holds {ir.DOMAIN_WORDS[dom]}, but this "
                                     f"value has {_short(value.dom)}"
@@ -285,7 +350,11 @@ class _Walker:
         if _static_type(s.cond, env) != "bool":
             raise SpecError("the condition of an if must be a bool, but this is a number",
                             s.cond.span)
-        return self.both_branches(s, env)
+        outer, self.in_shape_if = self.in_shape_if, self.in_shape_if or s.span
+        try:
+            return self.both_branches(s, env)
+        finally:
+            self.in_shape_if = outer
 
     def both_branches(self, s: ast.If, env):
         then = self.block(s.then, env)
@@ -331,7 +400,7 @@ class _Walker:
                 if e.id in INIT_NAMES:
                     raise SpecError(f"'{e.id}' may only start a state: state x = {e.id}",
                                     e.span)
-                if e.id in FUNCTIONS:
+                if e.id in FUNCTIONS or e.id in GLOBAL_FUNCTIONS:
                     raise SpecError(f"'{e.id}' is a function; call it as {e.id}(...)", e.span)
                 if e.id.lower() in ast.CONSTANTS:  # Inf, NaN, PI
                     raise SpecError(f"undefined name '{e.id}' (did you mean "
@@ -362,11 +431,14 @@ class _Walker:
         if e.fn in SHAPE_QUERIES:
             raise SpecError(f"{e.fn}(p), {SHAPE_QUERIES[e.fn]}, differs from tensor to tensor: "
                             "use it only in the condition of an if", e.span)
+        if e.fn in GLOBAL_FUNCTIONS:
+            return self.global_call(e, env)
         arities = FUNCTIONS.get(e.fn)
         if arities is None:
-            close = difflib.get_close_matches(e.fn, sorted(FUNCTIONS), n=3, cutoff=0.6)
+            known = sorted([*FUNCTIONS, *GLOBAL_FUNCTIONS])
+            close = difflib.get_close_matches(e.fn, known, n=3, cutoff=0.6)
             hint = (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else
-                    f"; the functions are {', '.join(sorted(FUNCTIONS))}")
+                    f"; the functions are {', '.join(known)}")
             if e.fn in env:
                 hint = f"; '{e.fn}' is a value, not a function"
             raise SpecError(f"unknown function '{e.fn}'{hint}", e.fn_span)
@@ -409,6 +481,29 @@ class _Walker:
             lo = ir.apply(Op.MAX, args[0], args[1], span=e.span)
             return ir.apply(Op.MIN, lo, args[2], span=e.span)
         return ir.apply(op, *args, span=e.span)
+
+    def global_call(self, e: ast.Call, env) -> Node:
+        """``global_sum(x)``, ``global_norm(x)``, ``global_max(x)``: over every tensor of the
+        group, the same value in each."""
+        if len(e.args) != 1:
+            raise SpecError(f"{e.fn}() takes 1 argument, got {len(e.args)}", e.span)
+        if self.in_shape_if is not None:
+            raise SpecError(f"{e.fn}() reduces over every tensor of a group, so it cannot stand "
+                            f"inside the if on line {self.in_shape_if.line}, which each tensor "
+                            "takes or not by its shape or the values of its hyperparameters",
+                            e.span)
+        if self.in_mode is not None:
+            raise SpecError(f"{e.fn}() cannot stand in mode '{self.in_mode}': a mode's values "
+                            "are each tensor's own", e.span)
+        x = self.expr(e.args[0], env)
+        self._need("float", x, e.args[0], f"{e.fn}()")
+        if x.kind < Kind.TENSOR and not self.checking:  # folded by a bool setting
+            x = _spread(x, e.span)
+        if x.kind < Kind.TENSOR:
+            raise SpecError(f"{e.fn}() reduces over the tensors of a group, but its argument "
+                            "is the same for every tensor (it would count the tensors)",
+                            e.args[0].span)
+        return ir.global_reduction(GLOBAL_FUNCTIONS[e.fn], x, e.span)
 
     @staticmethod
     def _need(dtype, node, e, where):
@@ -585,6 +680,12 @@ def matrix_axes(shape) -> tuple[int | None, int | None]:
     if len(order) >= 2:
         return order[-2], order[-1]
     return None, (order[-1] if order else None)
+
+
+def _assigns(stmts, name: str) -> bool:
+    """Whether ``stmts`` assign ``name``, in some branch of an if too."""
+    return any(isinstance(s, ast.Assign) and s.name == name
+               or isinstance(s, ast.If) and _assigns(s.then + s.orelse, name) for s in stmts)
 
 
 def _names(e):

@@ -104,6 +104,13 @@ REDUCTIONS = frozenset({Op.NORM, Op.SUM, Op.MEAN, Op.AMAX})
 AXIS_REDUCTIONS = {Op.ROW_SUM: ("c", "sum"), Op.ROW_MEAN: ("c", "mean"), Op.ROW_MAX: ("c", "max"),
                    Op.COL_SUM: ("r", "sum"), Op.COL_MEAN: ("r", "mean"), Op.COL_MAX: ("r", "max")}
 DOMAINS = ("rc", "r", "c", "")  # per element, per row, per column, per matrix
+# a state's shape beside the domains: one number per tensor (``state d: scalar``), a 0-d
+# tensor; read as a TENSOR value
+SCALAR_STATE = "s"
+# the mark (``Node.arg``) of a reduction over every tensor of a group (``global_sum``):
+# a per-tensor reduction to every backend's kernels, whose per-tensor results the step
+# combines over the group (and across processes) between stages
+GLOBAL = "global"
 DOMAIN_WORDS = {"rc": "one value per element", "r": "one value per row",
                 "c": "one value per column", "": "one value per matrix"}
 
@@ -244,6 +251,16 @@ def _power(x: Node, b: float, span: Span | None) -> Node | None:
     return None
 
 
+def global_reduction(op: Op, x: Node, span: Span | None = None) -> Node:
+    """``op`` (norm, sum or max) over the values ``x`` has in every tensor of a group."""
+    assert op in REDUCTIONS and op is not Op.MEAN
+    return Node(op, (x,), GLOBAL, "float", Kind.TENSOR, span)
+
+
+def is_global(node: Node) -> bool:
+    return node.op in REDUCTIONS and node.arg == GLOBAL
+
+
 def named(node: Node, name: str) -> Node:
     """The node labelled with a spec name, unless it is a leaf or already named."""
     if node.op in LEAVES or node.name is not None:
@@ -265,8 +282,8 @@ class StateVar:
     name: str
     init: Node  # of p, constants and hyperparameters
     span: Span | None = None
-    dom: str = "rc"  # "rc": shaped like p; "r": one value per row; "c": one per column
-
+    dom: str = "rc"  # "rc": shaped like p; "r": one value per row; "c": one per column;
+    # SCALAR_STATE: one number per tensor
 
 @dataclass(frozen=True, eq=False)
 class Program:
@@ -283,7 +300,9 @@ class Program:
     states: tuple[StateVar, ...]
     updates: tuple[tuple[str, Node], ...]  # ("p", node), ("mu", node), ...
     shapes: tuple[bool, ...] = ()  # the outcomes of the spec's shape conditions, in order
-
+    # the spec's modes (``mode eval { p = ... }``): (name, the parameter's new value), each a
+    # value of p, the states as stored and the hyperparameters
+    modes: tuple[tuple[str, Node], ...] = ()
     def __post_init__(self):
         # Not fields, so neither compared nor hashed; computed here, not lazily, because a
         # cached_property takes a lock that torch.compile cannot trace.
@@ -296,8 +315,17 @@ class Program:
         object.__setattr__(self, "variants", {})
         object.__setattr__(self, "master", False)
         object.__setattr__(self, "rounding", None)
-        object.__setattr__(self, "uses_axes", any(s.dom != "rc" for s in self.states) or any(
-            n.op in AXIS_REDUCTIONS for n in walk(node for _, node in self.updates)))
+        nodes = walk(node for _, node in self.updates)
+        object.__setattr__(self, "uses_axes", any(
+            s.dom not in ("rc", SCALAR_STATE) for s in self.states) or any(
+            n.op in AXIS_REDUCTIONS for n in nodes))
+        # spans_group: a reduction over every tensor of a group (global_sum ...), which the
+        # step combines between stages (vega.runtime.sharded.fused); torch_only: what only
+        # the reference kernels compute (a state of one number per tensor), which every
+        # backend runs there (vega.codegen.kernel)
+        object.__setattr__(self, "spans_group", any(is_global(n) for n in nodes))
+        object.__setattr__(self, "torch_only", any(
+            s.dom == SCALAR_STATE for s in self.states))
 
     @property
     def float_hypers(self) -> tuple[str, ...]:
@@ -321,7 +349,7 @@ def cse(program: Program) -> Program:
         memo[id(node)] = canon[key]
     updates = tuple((target, memo[id(node)]) for target, node in program.updates)
     return Program(program.name, program.hypers, program.flags, program.states, updates,
-                   program.shapes)
+                   program.shapes, program.modes)
 
 
 def walk(roots) -> list[Node]:

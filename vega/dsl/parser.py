@@ -113,6 +113,11 @@ class _Build(Transformer):
         orelse = rest[0] if rest and rest[0] is not None else ()
         return ast.If(cond, then, orelse, Span.of(meta))
 
+    @v_args(meta=True)
+    def mode_block(self, meta, children):
+        name, body = children
+        return ast.Mode(str(name), body, Span.of(meta), _span(name))
+
     def if_chain(self, children):
         return (children[0],)
 

@@ -60,6 +60,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         self.loss_scale = loss_scale
         self.skip_nonfinite = skip_nonfinite
         betas = {"betas": tuple(values[n] for n in names)} if names else {}
+        if self.spec.modes:  # (schedule-free's: the parameters step in mode "train")
+            betas["mode"] = "train"
         super().__init__(params, {**flags, **values, **betas, "maximize": maximize,
                                   "backend": backend, "state_dtype": state_dtype,
                                   "master_weights": master_weights,
@@ -170,6 +172,9 @@ class SpecOptimizer(torch.optim.Optimizer):
         found_work = []  # (group, its engine.run calls)
         sync = self._betas()
         for k, group in enumerate(self.param_groups):
+            if group.get("mode", "train") != "train":
+                raise ValueError(f"{type(self).__name__}: step() with the parameters in mode "
+                                 f"{group['mode']!r}; call train() before stepping")
             sync.sync(type(self).__name__, k, group)
             flags, values = self._group_values(group)
             grads = [p.grad for p in group["params"]]  # p.grad: one read (a property)
@@ -179,13 +184,14 @@ class SpecOptimizer(torch.optim.Optimizer):
             found_work.append((group, found if found is not None else
                                self._group_work(k, group, grads, flags, values)))
         group_of = getattr(self, "reduce_group", None)
-        if group_of is not None or any(sharded.involved(item[2], None) for _, w in found_work
-                                       for item in w):  # DTensors, or a reduce_group:
-            # vega.runtime.sharded
+        if group_of is not None or any(item[0].spans_group or sharded.involved(item[2], None)
+                                       for _, w in found_work for item in w):
+            # DTensors, a reduce_group, or reductions over a group: vega.runtime.sharded
             check = self.skip_nonfinite or self.loss_scale is not None
             pre, _ = sharded.fused(type(self).__name__, [i for _, w in found_work for i in w],
                                    engine.inverse_scale(self.loss_scale), self.max_grad_norm,
-                                   check, True, group_of)
+                                   check, True, group_of,
+                                   [k for k, (_, w) in enumerate(found_work) for _ in w])
             if self.loss_scale is not None:
                 self.loss_scale = self.loss_scale.adjust(finite_of(pre))
             return loss
@@ -393,6 +399,47 @@ class SpecOptimizer(torch.optim.Optimizer):
         except KeyError:  # a state tensor was removed: the slow path says what is missing
             return None
 
+    def train(self) -> None:
+        """Put the parameters in mode ``train``, the mode they step in (schedule-free's y),
+        from the mode ``eval()`` put them in; nothing for a rule without modes."""
+        self._switch("train")
+
+    def eval(self) -> None:
+        """Put the parameters in mode ``eval`` (schedule-free's x, where the loss is
+        evaluated), as the spec's ``mode eval { p = ... }`` says; ``train()`` puts them back
+        before the next step. Nothing for a rule without modes."""
+        self._switch("eval")
+
+    @torch.no_grad()
+    def _switch(self, name: str) -> None:
+        modes = self.spec.modes
+        if not modes:
+            return
+        owner = type(self).__name__
+        if name not in modes:
+            raise ValueError(f"{owner}: the rule has no mode {name!r} (its modes: "
+                             f"{', '.join(map(repr, modes))})")
+        for group in self.param_groups:
+            if group.get("mode", "train") == name:
+                continue
+            flags, values = self._group_values(group)
+            master, seed = _precision(owner, group)
+            params = [p for p in group["params"] if self.state.get(p)]
+            progs = engine.programs(owner, self.spec._spec, flags, values, params,
+                                    master=master, seed=seed)
+            for program, ids in engine.groups(progs):
+                ps = [params[i] for i in ids]
+                sts = [self.state[p] for p in ps]
+                if master and name == "train":  # the master copies never left mode train
+                    for p, st in zip(ps, sts):
+                        p.copy_(st[engine.MASTER])
+                    continue
+                vals = [engine.at_step(values, st["step"]) for st in sts]
+                codegen.kernel("reference", program).mode(
+                    name, ps, [[st[n] for st in sts] for n in program.state_names], vals,
+                    keep_master=True)
+            group["mode"] = name
+
     def __getstate__(self) -> dict:
         """torch's (defaults, state, groups) and the fused-step settings (copy.deepcopy,
         pickle)."""
@@ -561,7 +608,7 @@ def _optional_keys(cspec) -> frozenset:
     names ``maximize`` and ``betas`` (where the spec has ``b1``, ``b2``, ...), and the
     precision options (off)."""
     return frozenset({"maximize", *(("betas",) if torch_names.beta_names(cspec) else ()),
-                      *_PRECISION_DEFAULTS})
+                      *(("mode",) if cspec.modes else ()), *_PRECISION_DEFAULTS})
 
 
 _PRECISION_DEFAULTS = torch_names.PRECISION_DEFAULTS

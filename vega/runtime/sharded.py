@@ -32,7 +32,9 @@ import torch
 
 from vega import codegen
 from vega.codegen.base import Geometry, ShardView, geometry, state_shape
+from vega.codegen.steps import drive
 from vega.dsl.check import matrix_axes
+from vega.dsl.ir import SCALAR_STATE
 from vega.runtime import engine
 
 
@@ -176,6 +178,8 @@ def state_placements(p, dom: str) -> tuple:
     from torch.distributed.tensor import Replicate, Shard
     if dom == "rc":
         return tuple(p.placements)
+    if dom == SCALAR_STATE:  # one number, the same on every rank
+        return tuple(Replicate() for _ in p.placements)
     geo = geometry(tuple(p.shape))
     out = []
     for pl in p.placements:
@@ -297,9 +301,10 @@ class _Local:
         return x.to_local()
 
     def staged(self) -> bool:
-        """Whether a reduction of this call's program spans processes."""
-        return any(v is not None and v.split for v in self.views) and \
-            codegen.kernel("reference", self.program).nstages > 0
+        """Whether a reduction of this call's program spans processes, or every tensor of
+        its group (``global_sum``)."""
+        return self.program.spans_group or any(v is not None and v.split for v in self.views) \
+            and codegen.kernel("reference", self.program).nstages > 0
 
     def wrap(self, result):
         """``engine.run``'s answer over the locals, with new values DTensors again."""
@@ -311,11 +316,13 @@ class _Local:
 
 
 def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
-          reduce_group=None):
+          reduce_group=None, group_of=None):
     """``engine.prelude`` over every item's gradients and ``engine.run`` of each item
     (``(program, backend, params, grads, states, steps, values)``, values a dict per
     tensor, or one for all), reducing across
-    processes (the module's doc): returns (the prelude's record, each item's answer)."""
+    processes (the module's doc): returns (the prelude's record, each item's answer).
+    ``group_of``: each item's parameter group, over whose tensors a spec's reductions over
+    a group (``global_sum``) run (None: the items are one group)."""
     box: list = []
     locs = [_Local(owner, item, box) for item in items]
     mesh = box[0] if box else None
@@ -349,7 +356,11 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
         else:
             results[k] = engine.run(loc.program, loc.backend, loc.lp, loc.lg, loc.ls,
                                     loc.steps, loc.values, donate, pre)
-    _drive(gens, results, groups)
+    # (without a reduce_group, the reductions over a group span the mesh alone: one
+    # collective a stage for both kinds)
+    drive(gens, results, (lambda parts: combine(parts, groups)) if groups else None,
+          (lambda parts: combine(parts, spanning))
+          if reduce_group is not None else None, group_of)
     if not donate:
         results = [loc.wrap(r) for loc, r in zip(locs, results)]
     return pre, results
@@ -358,28 +369,3 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
 def _scaled(pre: torch.Tensor, w: float) -> torch.Tensor:
     pre[:2] *= w
     return pre
-
-
-def _drive(gens: dict, results: list, groups: list) -> None:
-    """Run the staged steps ``gens`` (position -> generator) together: each stage's partial
-    results of all of them in one ``combine``."""
-    asked = {}
-    for k, gen in gens.items():
-        try:
-            asked[k] = gen.send(None)
-        except StopIteration as done:
-            results[k] = done.value
-    while asked:
-        order = list(asked)
-        parts = [x for k in order for x in asked[k]]
-        combined = combine(parts, groups)
-        at = 0
-        for k in order:
-            n = len(asked[k])
-            try:
-                asked[k] = gens[k].send(combined[at:at + n])
-            except StopIteration as done:
-                results[k] = done.value
-                del asked[k]
-            at += n
-

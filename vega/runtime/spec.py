@@ -208,7 +208,7 @@ class CompiledSpec:
                       [[columns[n][i] for i in ids] for n in program.state_names],
                       [step if len(work) == 1 or not donate else step.clone()] * len(ids),
                       [values] * len(ids)) for program, ids in work]
-            if spread:
+            if spread or any(program.spans_group for program, _ in work):
                 pre, results = sharded.fused(owner, items, inv, max_grad_norm, check, donate,
                                              reduce_group)
             else:
@@ -244,6 +244,42 @@ class CompiledSpec:
         if loss_scale is not None:
             return unflatten(out_p, p_spec), new_state, loss_scale.adjust(finite)
         return unflatten(out_p, p_spec), new_state
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes the spec declares (``mode eval { p = ... }``), in source order."""
+        return tuple(m.name for m in self._spec.tree.body if isinstance(m, dsl.ast.Mode))
+
+    def mode(self, name: str, params, state, **hypers):
+        """``params`` as they look in mode ``name`` of the spec (``mode eval { p = ... }``:
+        schedule-free's evaluation point, from the parameters the step keeps), read with
+        ``state``: new parameters, a pure function."""
+        owner = f"{self.name}.mode"
+        if not isinstance(name, str) or name not in self.modes:
+            known = ", ".join(repr(m) for m in self.modes) or "none"
+            raise ValueError(f"{owner}: mode {engine.shown(name)} is not one of this spec's "
+                             f"modes ({known})")
+        flags, values = engine.resolve(owner, self.hypers, hypers)
+        p_leaves, p_spec = flatten(params)
+        _check_leaves(owner, "params", params, p_leaves)
+        progs = engine.programs(owner, self._spec, flags, values,
+                                [p if is_steppable(p) else None for p in p_leaves])
+        names = [f.name for f in self._fields(flags, progs)]
+        columns = _check_state(owner, self, flags, names, state, p_spec,
+                               self._spec.shape_hypers)
+        out = [p.detach().clone() if is_steppable(p) else p for p in p_leaves]
+        vals = engine.at_step(values, state["step"])
+        with torch.no_grad():
+            for program, ids in engine.groups(progs):
+                for i in ids:
+                    for s in program.states:
+                        _check_state_leaf(owner, lambda s=s, i=i: _label(s.name, str(i)),
+                                          p_leaves[i], columns[s.name][i], s.dom)
+                codegen.kernel("reference", program).mode(
+                    name, [out[i] for i in ids],
+                    [[columns[n][i] for i in ids] for n in program.state_names],
+                    [vals] * len(ids))
+        return unflatten(out, p_spec)
 
     # -- torch.optim ----------------------------------------------------------
     @cached_property

@@ -21,6 +21,8 @@ from vega.codegen.base import (HyperRows, axis_geometry, check_states, distinct,
 from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
+from vega.codegen.reference import global_key
+from vega.codegen.steps import drive
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths
 from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
                                   refuse_inplace, roles, shared_pair)
@@ -238,6 +240,15 @@ class Kernel:
             lib.vega_prelude(len(idx), _ptr(table), _ptr(pre), nth)
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None):
+        if self.program.spans_group:  # its reductions over the group, between stages
+            results = [None]
+            kern = self if self.stageable else _reference(self.program)
+            drive({0: kern.staged(params, grads, states, steps, values, donate, pre,
+                                  [None] * len(params))}, results)
+            return results[0]
+        return self._call(params, grads, states, steps, values, donate, pre)
+
+    def _call(self, params, grads, states, steps, values, donate, pre=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``."""
         unique, step_index = distinct(steps)  # the distinct step counters, by identity
         if not donate:
@@ -316,8 +327,10 @@ class Kernel:
         for _, _, red, idx in tables:
             red.zero_()  # (a skipped step's phases write nothing)
             grids.append((red[:len(idx) * self._nred].view(len(idx), self._nred),
-                          torch.tensor([views[i].weight for i in idx], dtype=torch.float64),
-                          torch.tensor([math.prod(views[i].full.full) for i in idx],
+                          torch.tensor([views[i].weight if views[i] is not None else 1.0
+                                        for i in idx], dtype=torch.float64),
+                          torch.tensor([math.prod(views[i].full.full if views[i] is not None
+                                                  else params[i].shape) for i in idx],
                                        dtype=torch.float64)))
         at = 0
         for k, phase in enumerate(phases):
@@ -329,7 +342,8 @@ class Kernel:
                                                        _ptr(red), nth)
                 for c, node in zip(cols, phase):
                     how = "max" if node.op is Op.AMAX else "sum"
-                    parts.append((how, grid[:, c] if how == "max" else grid[:, c] * weight))
+                    parts.append((how, grid[:, c] if how == "max" else grid[:, c] * weight,
+                                  global_key(node)))
                     finish.append((grid, c, node.op, count))
             combined = yield parts
             for (grid, c, op, count), value in zip(finish, combined):
@@ -744,6 +758,11 @@ def _native_ready(kernel: Kernel, triples) -> bool:
         kernel.library((_DTYPES[p], _DTYPES[g], state_key([_DTYPES[d] for d in s], "")))
     kernel._registered(mod)
     return True
+
+
+def _reference(program: Program):
+    from vega import codegen
+    return codegen.kernel("reference", program)
 
 
 def kernel_of(key: str) -> Kernel:
