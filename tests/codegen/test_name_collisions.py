@@ -434,8 +434,9 @@ def test_a_name_the_sweep_leaves_out_is_a_word_of_the_language_and_a_spec_error(
     never a backend's error), and it is a word of the language's own or of the API."""
     import vega
     from vega import SpecError
-    from vega.dsl.check import API_NAMES, FUNCTIONS, INIT_NAMES, SHAPE_QUERIES, STEP_COUNTER
-    own = {*LANGUAGE, *FUNCTIONS, *SHAPE_QUERIES, *INIT_NAMES}
+    from vega.dsl.check import (API_NAMES, FUNCTIONS, GLOBAL_FUNCTIONS, INIT_NAMES,
+                                SHAPE_QUERIES, STEP_COUNTER)
+    own = {*LANGUAGE, *FUNCTIONS, *GLOBAL_FUNCTIONS, *SHAPE_QUERIES, *INIT_NAMES}
     pool = (set(LISTED) | set(LANGUAGE) | set(C_WORDS) | set(PY_WORDS) | _template_names()
             | _literal_names())
     refused = [(x, role) for x in sorted(pool) if not TEMPLATE.fullmatch(x) for role in ROLES

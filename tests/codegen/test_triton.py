@@ -35,9 +35,11 @@ if DEVICE == "cpu" and not triton_runtime._library_interpreted():
                 "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
 # every setting of the bool hyperparameters; and the programs without a momentum buffer
-# (hyper_values gives momentum 0.01)
+# (hyper_values gives momentum 0.01); of the programs this backend compiles (one with a
+# state of one number per tensor runs on the reference's, every backend: test_group_language)
 SPECS = [(name, flags) for name in vega.builtin_names()
-         for flags in vega.builtin(name)._spec.flag_settings()] + [
+         for flags in vega.builtin(name)._spec.flag_settings()
+         if not vega.builtin(name)._spec.program(flags).torch_only] + [
     (name, {"momentum": 0.0}) for name in ("sgd", "rmsprop")]
 IDS = [n + "[" + (",".join(k if v is True else f"{k}={v}" for k, v in f.items()
                           if v is not False) or "plain") + "]" for n, f in SPECS]

@@ -124,6 +124,36 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "  } else {\n    p = p\n  }\n}\n", "ndim() takes the parameter: ndim(p)", 2, 6),
     ("optimizer o(lr = 1e-3) {\n  if nrows(p) {\n    p = p - lr * g\n"
      "  } else {\n    p = p\n  }\n}\n", "condition of an if must be a bool", 2, 6),
+    # scalar state, reductions over a group, modes
+    ("optimizer o(lr = 1e-3) {\n  state d: scalr = zeros\n  p = p - lr * g\n}\n",
+     "not ': scalr' (did you mean 'scalar'?)", 2, 12),
+    ("optimizer o(lr = 1e-3) {\n  state d: scalar = p\n  p = p - lr * g\n}\n",
+     "state 'd' holds one number per tensor, but this initial value has one per element", 2, 21),
+    ("optimizer o(lr = 1e-3) {\n  state d: scalar = zeros\n  d = d + g\n  p = p - lr * d\n}\n",
+     "state 'd' holds one number per tensor, but this value has one per element; reduce it",
+     3, 7),
+    ("optimizer o(lr = 1e-3) {\n  if ndim(p) >= 2 {\n    p = p - lr * g / global_norm(g)\n"
+     "  } else {\n    p = p\n  }\n}\n",
+     "global_norm() reduces over every tensor of a group, so it cannot stand inside the if "
+     "on line 2", 3, 22),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g / global_sum(lr)\n}\n",
+     "global_sum() reduces over the tensors of a group, but its argument is the same for "
+     "every tensor", 2, 31),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g / global_summ(g)\n}\n",
+     "unknown function 'global_summ' (did you mean 'global_sum'", 2, 20),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p * global_max(p)\n"
+     "  }\n}\n", "global_max() cannot stand in mode 'eval'", 4, 13),
+    ("optimizer o(lr = 1e-3, f = true) {\n  p = p - lr * g\n  if f {\n    mode eval {\n"
+     "      p = p\n    }\n  }\n}\n", "mode 'eval' must stand at the top", 4, 5),
+    ("optimizer o(lr = 1e-3) {\n  state z = p\n  p = p - lr * g\n  mode eval {\n"
+     "    z = p\n  }\n}\n", "mode 'eval' cannot assign state 'z'", 5, 5),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    x = p * g\n  }\n}\n",
+     "undefined name 'g'", 4, 13),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    x = p\n  }\n}\n",
+     "mode 'eval' never assigns p", 3, 8),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p\n  }\n"
+     "  mode eval {\n    p = 2 * p\n  }\n}\n", "mode 'eval' is already declared on line 3",
+     6, 8),
 ]
 
 

@@ -72,12 +72,16 @@ def launch(world: int, checks: list[str], tmp_path: Path, timeout: float = 240) 
 def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     found = launch(2, ["AdamW", "LAMB", "Adafactor", "SGD", "reductions", "per_tensor", "nan",
                        "dcp",
-                       "dcp-ddp", "zero", "docs", "functions"], tmp_path)
+                       "dcp-ddp", "zero", "docs", "functions", "Prodigy", "zero-prodigy"],
+                   tmp_path)
     assert found[0] == found[1]  # every rank saw the same
     for name, collectives, staged in (("AdamW", 1, []), ("LAMB", 2, ["c"]),
                                       ("Adafactor", 4, ["c", "reference"]), ("SGD", 1, []),
                                       ("reductions", 3, ["reference"]),
-                                      ("per_tensor", 3, ["c"])):
+                                      ("per_tensor", 3, ["c"]),
+                                      # global_sum: each tensor's part, summed over the
+                                      # group, then over the mesh with the clip's record
+                                      ("Prodigy", 2, ["reference"])):
         assert found[0][name]["diff"] <= 1e-9, name
         assert found[0][name]["collectives"] == collectives, name
         # per-tensor reductions split by a shard: in the C kernels' phases (their partial
@@ -88,6 +92,7 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     assert found[0]["dcp-fsdp"] == found[0]["dcp-ddp"] == "bitwise"
     assert found[0]["docs"] == "learns"  # docs/distributed.md's example
     assert found[0]["zero"]["diff"] <= 1e-9
+    assert found[0]["zero-prodigy"]["diff"] <= 1e-9
     # global_norm, clip_by_global_norm, lbfgs_step and LBFGS under ZeRO, over reduce_group
     # and over DTensor leaves (the script checks the skips and counts the collectives)
     assert set(found[0]["functions"]) == {"norm", "clip", "lbfgs", "lbfgs-zero",

@@ -260,6 +260,87 @@ def _adafactor_case(label, **h):
                      "momentum": 1.0, "min_dim_size_to_factor": -1.0}, label=label)
 
 
+LEAVES = ("w", "b", "s")
+
+
+def _each_leaf(get):
+    """A state of one number per group (optax keeps one for the whole tree) as vega holds
+    it: the same number in each tensor's state."""
+    return lambda s: {n: get(s) for n in LEAVES}
+
+
+def _prodigy_case(label, **h):
+    hypers = dict(lr=0.5, b1=0.8, b2=0.95, b3=-1.0, eps=1e-6, d0=1e-3, d_coef=2.0,
+                  weight_decay=0.1, safeguard_warmup=False)
+    hypers.update(h)
+    return Case(
+        "prodigy", hypers,
+        optax=lambda h: optax.contrib.prodigy(
+            h["lr"], betas=(h["b1"], h["b2"]), beta3=None if h["b3"] < 0 else h["b3"],
+            eps=h["eps"], estim_lr0=h["d0"], estim_lr_coef=h["d_coef"],
+            weight_decay=h["weight_decay"], safeguard_warmup=h["safeguard_warmup"]),
+        optax_state={"mu": lambda s: s.exp_avg, "nu": lambda s: s.exp_avg_sq,
+                     "s": lambda s: s.grad_sum, "p0": lambda s: s.params0,
+                     "d": _each_leaf(lambda s: s.estim_lr),
+                     "num": _each_leaf(lambda s: s.numerator_weighted)},
+        bad={"lr": -1.0, "b1": 1.0, "d0": 0.0, "b3": 1.0}, lr=1.0, label=label)
+
+
+def _warmup_f64(h):
+    """optax's warmup_steps (warmup_constant_schedule from 0), in float64: optax computes that
+    schedule in float32 (test_schedule_free_warmup_differs_only_in_float32 checks it)."""
+    if not h["warmup_steps"]:
+        return h["lr"]
+    return lambda count: h["lr"] * jnp.minimum(jnp.asarray(count, jnp.float64)
+                                               / h["warmup_steps"], 1.0)
+
+
+def _schedule_free_case(label, **h):
+    hypers = dict(lr=0.02, warmup_steps=0.0, b1=0.8, b2=0.95, eps=1e-3, weight_decay=0.1,
+                  weight_lr_power=1.5)
+    hypers.update(h)
+    return Case(
+        "schedule_free_adamw", hypers,
+        optax=lambda h: optax.contrib.schedule_free_adamw(
+            _warmup_f64(h), b1=h["b1"], b2=h["b2"],
+            eps=h["eps"], weight_decay=h["weight_decay"],
+            weight_lr_power=h["weight_lr_power"]),
+        optax_state={"z": lambda s: s.z, "nu": lambda s: s.base_optimizer_state[0].nu,
+                     "weight_sum": _each_leaf(lambda s: s.weight_sum),
+                     "max_lr": _each_leaf(lambda s: s.max_lr)},
+        bad={"lr": -1.0, "b1": 0.0, "b2": 1.0, "warmup_steps": -1.0}, label=label)
+
+
+def _float64_scalars(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt`` stepping with float64 as torch's default dtype, in which torch keeps a step's
+    own scalars (NAdam's mu_product; float32 otherwise, against float64 parameters)."""
+    step = opt.step
+
+    def stepped(*args, **kwargs):
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            torch.set_default_dtype(old)
+    opt.step = stepped
+    return opt
+
+
+def _nadam_case(label, **h):
+    hypers = dict(lr=0.02, b1=0.8, b2=0.95, eps=1e-3, weight_decay=0.1, momentum_decay=0.05,
+                  decoupled_weight_decay=False)
+    hypers.update(h)
+    return Case(
+        "nadam", hypers,
+        torch=lambda ps, h: _float64_scalars(torch.optim.NAdam(
+            ps, lr=h["lr"], betas=(h["b1"], h["b2"]), eps=h["eps"],
+            weight_decay=h["weight_decay"], momentum_decay=h["momentum_decay"],
+            decoupled_weight_decay=h["decoupled_weight_decay"], foreach=False)),
+        torch_state={"m": "exp_avg", "v": "exp_avg_sq", "mu_product": "mu_product"},
+        bad={**ADAM_LIKE_BAD, "momentum_decay": -1.0}, label=label)
+
+
 CASES = [
     # optax's eps convention (after the bias correction); b2 = 0.95 rectifies from step 6 on,
     # so both branches run within 20 steps
@@ -400,10 +481,25 @@ CASES = [
          optax_state={"m1": lambda s: s[0].m1, "m2": lambda s: s[0].m2,
                       "nu": lambda s: s[0].nu},
          bad={**ADAM_LIKE_BAD, "b3": 1.0, "alpha": -1.0}),
+    # d grows within 20 steps (test_prodigy_estimate_grows); b3 = -1 is sqrt(b2)
+    _prodigy_case(""),
+    _prodigy_case("b3-safeguard", b3=0.9, safeguard_warmup=True),
+    _schedule_free_case(""),
+    # the warmup's schedule read at t for the weights and t - 1 for the base step
+    _schedule_free_case("warmup", warmup_steps=5.0),
+    Case("novograd", dict(lr=0.02, b1=0.8, b2=0.5, eps=1e-3, eps_root=1e-4, weight_decay=0.1),
+         optax=lambda h: optax.novograd(h["lr"], b1=h["b1"], b2=h["b2"], eps=h["eps"],
+                                        eps_root=h["eps_root"],
+                                        weight_decay=h["weight_decay"]),
+         optax_state={"mu": lambda s: s[0].mu, "nu": lambda s: s[0].nu},
+         bad=ADAM_LIKE_BAD),
+    _nadam_case(""),
+    _nadam_case("decoupled", decoupled_weight_decay=True),
 ]
 
 SPECS = ["radam", "lamb", "lars", "lion", "adagrad", "rmsprop", "adan", "adafactor", "adamax",
-         "adadelta", "rprop", "yogi", "adabelief", "adam_atan2", "adopt", "ademamix"]
+         "adadelta", "rprop", "yogi", "adabelief", "adam_atan2", "adopt", "ademamix",
+         "prodigy", "schedule_free_adamw", "novograd", "nadam"]
 
 
 def _cases(attr):
@@ -572,3 +668,26 @@ def test_rejects_out_of_range(spec, name, value):
     with pytest.raises(ValueError, match=match):
         opt.optimizer([torch.nn.Parameter(params["w"])], **{name: value})
 
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES
+                                  if c.spec == "prodigy"])
+def test_prodigy_estimate_grows_on_a_quadratic(case):
+    """On a quadratic (the gradient 2 (p - 1) of each side's own parameters) Prodigy's
+    estimate d grows, by the maximum of the group's sums, as optax's estim_lr does."""
+    opt = vega.builtin("prodigy")
+    params = make_params()
+    state = opt.init(params, **case.hypers)
+    tx = case.optax(case.hypers)
+    theirs = {n: jnp.asarray(v.numpy()) for n, v in params.items()}
+    ostate = tx.init(theirs)
+    for k in range(STEPS):
+        params, state = opt.step(params, {n: 2 * (v - 1) for n, v in params.items()}, state,
+                                 **case.hypers)
+        updates, ostate = tx.update({n: 2 * (v - 1) for n, v in theirs.items()}, ostate,
+                                    theirs)
+        theirs = optax.apply_updates(theirs, updates)
+        for n in params:
+            assert_close(params[n], theirs[n], f"p.{n} against optax", k + 1)
+            assert_close(state["d"][n], ostate.estim_lr, f"d.{n} against optax", k + 1)
+    assert float(state["d"]["w"]) > 10 * case.hypers["d0"]

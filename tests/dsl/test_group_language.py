@@ -1,0 +1,219 @@
+"""Reductions over a parameter group (``global_sum``, ``global_norm``, ``global_max``), states
+of one number per tensor (``state d: scalar``) and modes (``mode eval { p = ... }``), on every
+backend, against the same rule written out in torch."""
+import math
+
+import pytest
+import torch
+
+import vega
+from vega import codegen
+from vega.runtime import engine
+
+BACKENDS = ["reference", "c", "triton"]
+
+# every kind of reduction over the group, and a per-tensor reduction beside them (LAMB's
+# kind), in one spec without scalar state: the C kernels run it in their stages; the
+# second, a reduction over the group of a per-tensor value, runs on the reference's
+GLOBAL = """
+optimizer o(lr = 0.1) {
+    n = global_norm(g)
+    s = global_sum(g * p)
+    m = global_max(abs(g))
+    p = p - lr * (g / n + s * p / m) - lr * 0.01 * norm(p)
+}
+"""
+OF_NORMS = GLOBAL.replace("* norm(p)", "* norm(p) * global_sum(norm(g))")
+
+
+def written_out(params, grads, lr=0.1, of_norms=False):
+    """GLOBAL's step in torch, every reduction over all the tensors given."""
+    n = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+    s = sum((g.double() * p.double()).sum() for g, p in zip(grads, params))
+    m = max(g.double().abs().max() for g in grads)
+    gn = sum(torch.linalg.vector_norm(g.double()) for g in grads) if of_norms else 1
+    return [(p.double() - lr * (g.double() / n + s * p.double() / m)
+             - lr * 0.01 * torch.linalg.vector_norm(p.double()) * gn).to(p.dtype)
+            for p, g in zip(params, grads)]
+
+
+def tensors(dtype, seed=0, shapes=((5, 7), (7,), (), (3, 4, 2))):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("of_norms", [False, True], ids=["", "of-norms"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_global_reductions_span_every_tensor(backend, dtype, of_norms):
+    spec = vega.compile(OF_NORMS if of_norms else GLOBAL)
+    params, grads = tensors(dtype), tensors(dtype, 1)
+    state = spec.init(params)
+    new, state = spec.step(params, grads, state, backend=backend)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for a, b in zip(new, written_out(params, grads, of_norms=of_norms)):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    # in place, through the class, the same
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = spec.optimizer(ps, backend=backend)
+    for p, g in zip(ps, grads):
+        p.grad = g.clone()
+    opt.step()
+    if backend == "c":  # (its own stages, where every reduction reads per-element values)
+        program = next(iter(engine.groups(opt.spec._spec._programs.values())))[0]
+        assert codegen.kernel("c", program).stageable != of_norms
+    for a, b in zip(ps, new):
+        torch.testing.assert_close(a.detach(), b, rtol=tol, atol=tol)
+
+
+def test_class_reduces_over_each_group_apart():
+    """Two parameter groups: each reduces over its own tensors, not the other's."""
+    spec = vega.compile(GLOBAL)
+    params, grads = tensors(torch.float64), tensors(torch.float64, 1)
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = spec.optimizer([{"params": ps[:2]}, {"params": ps[2:]}])
+    for p, g in zip(ps, grads):
+        p.grad = g.clone()
+    opt.step()
+    want = written_out(params[:2], grads[:2]) + written_out(params[2:], grads[2:])
+    for a, b in zip(ps, want):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
+
+
+# tensors of a group that take different programs (by their shape) still reduce together
+SHAPED = """
+optimizer o(lr = 0.1) {
+    total = global_sum(g * g)
+    if ndim(p) >= 2 {
+        p = p - lr * g / sqrt(total)
+    } else {
+        p = p - 2 * lr * g / sqrt(total)
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_global_reduction_spans_the_programs_of_a_group(backend):
+    spec = vega.compile(SHAPED)
+    params, grads = tensors(torch.float64), tensors(torch.float64, 1)
+    new, _ = spec.step(params, grads, spec.init(params), backend=backend)
+    total = math.sqrt(sum(float((g * g).sum()) for g in grads))
+    for p, g, a in zip(params, grads, new):
+        want = p - (0.1 if p.dim() >= 2 else 0.2) * g / total
+        torch.testing.assert_close(a, want, rtol=1e-12, atol=1e-12)
+
+
+# a per-tensor number kept between steps, and one updated from the group's reductions
+SCALARS = """
+optimizer o(lr = 0.1, b = 0.5) {
+    state nu: scalar = ones
+    state d: scalar = lr
+    nu = b * nu + (1 - b) * sum(g * g)
+    d = max(d, global_max(abs(g)))
+    p = p - d * g / sqrt(nu)
+}
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scalar_states(backend):
+    spec = vega.compile(SCALARS)
+    params = tensors(torch.float64)
+    state = spec.init(params)
+    assert all(x.shape == () and x.dtype == torch.float64 for x in state["nu"] + state["d"])
+    nu = [1.0] * len(params)
+    d = 0.1
+    want = [p.clone() for p in params]
+    for k in range(3):
+        grads = tensors(torch.float64, 10 + k)
+        params, state = spec.step(params, grads, state, backend=backend)
+        d = max(d, max(float(g.abs().max()) for g in grads))
+        for i, g in enumerate(grads):
+            nu[i] = 0.5 * nu[i] + 0.5 * float((g * g).sum())
+            want[i] = want[i] - d * g / math.sqrt(nu[i])
+    for i, p in enumerate(params):
+        torch.testing.assert_close(p, want[i], rtol=1e-12, atol=1e-12)
+        assert float(state["nu"][i]) == pytest.approx(nu[i], rel=1e-12)
+        assert float(state["d"][i]) == pytest.approx(d, rel=1e-15)
+    # saved and loaded with the class: one number each
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = spec.optimizer(ps, backend=backend)
+    for p, g in zip(ps, tensors(torch.float64, 3)):
+        p.grad = g
+    opt.step()
+    saved = opt.state_dict()
+    assert saved["state"][0]["d"].shape == ()
+    again = spec.optimizer([torch.nn.Parameter(p.detach().clone()) for p in ps])
+    again.load_state_dict(saved)
+    assert torch.equal(again.state_dict()["state"][0]["nu"], saved["state"][0]["nu"])
+
+
+MODES = """
+optimizer o(lr = 0.1, b = 0.75) {
+    state z = p
+    z = z - lr * g
+    p = b * p + (1 - b) * z
+    mode eval {
+        p = (p - (1 - b) * z) / b
+    }
+    mode train {
+        p = b * p + (1 - b) * z
+    }
+}
+"""
+
+
+def test_modes_functional_and_class():
+    spec = vega.compile(MODES)
+    assert spec.modes == ("eval", "train")
+    params = tensors(torch.float64)
+    state = spec.init(params)
+    params, state = spec.step(params, tensors(torch.float64, 1), state)
+    x = spec.mode("eval", params, state)
+    for p, z, e in zip(params, state["z"], x):
+        torch.testing.assert_close(e, (p - 0.25 * z) / 0.75, rtol=1e-15, atol=1e-15)
+    with pytest.raises(ValueError, match="mode 'evil' is not one of this spec's modes"):
+        spec.mode("evil", params, state)
+    # the class: eval() puts p at x, train() back; a step in eval mode is refused
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = spec.optimizer(ps)
+    for p, g in zip(ps, tensors(torch.float64, 2)):
+        p.grad = g
+    opt.step()
+    y = [p.detach().clone() for p in ps]
+    z = [opt.state[p]["z"] for p in ps]
+    opt.eval()
+    opt.eval()  # (already there: nothing changes)
+    for p, yy, zz in zip(ps, y, z):
+        torch.testing.assert_close(p.detach(), (yy - 0.25 * zz) / 0.75, rtol=1e-15, atol=1e-15)
+    with pytest.raises(ValueError, match="mode 'eval'; call train"):
+        opt.step()
+    assert opt.state_dict()["param_groups"][0]["mode"] == "eval"
+    opt.train()
+    for p, yy in zip(ps, y):
+        torch.testing.assert_close(p.detach(), yy, rtol=1e-14, atol=1e-14)
+    opt.step()
+
+
+def test_modes_read_the_master_copy():
+    """With master weights, eval() reads the float32 master copy and train() restores it."""
+    spec = vega.compile(MODES)
+    ps = [torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))]
+    opt = spec.optimizer(ps, master_weights=True, lr=1e-3)
+    ps[0].grad = torch.randn(64, dtype=torch.bfloat16)
+    opt.step()
+    master = opt.state[ps[0]]["master"].clone()
+    opt.eval()
+    want = ((master - 0.25 * opt.state[ps[0]]["z"]) / 0.75).to(torch.bfloat16)
+    assert torch.equal(ps[0].detach(), want)
+    opt.train()
+    assert torch.equal(ps[0].detach(), master.to(torch.bfloat16))
+    assert torch.equal(opt.state[ps[0]]["master"], master)
+
+
+def test_rules_without_modes_ignore_train_and_eval():
+    opt = vega.optim.AdamW([torch.nn.Parameter(torch.ones(3))])
+    opt.eval()
+    opt.train()
+    assert "mode" not in opt.param_groups[0]
