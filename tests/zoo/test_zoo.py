@@ -691,3 +691,53 @@ def test_prodigy_estimate_grows_on_a_quadratic(case):
             assert_close(params[n], theirs[n], f"p.{n} against optax", k + 1)
             assert_close(state["d"][n], ostate.estim_lr, f"d.{n} against optax", k + 1)
     assert float(state["d"]["w"]) > 10 * case.hypers["d0"]
+
+
+def test_schedule_free_warmup_differs_only_in_float32():
+    """optax's own warmup_steps computes its schedule in float32: against the float64
+    schedule of the comparison, its trajectory parts at float32's precision, no further."""
+    case = next(c for c in CASES if c.id == "schedule_free_adamw-warmup")
+    h = case.hypers
+    alias = optax.contrib.schedule_free_adamw(
+        h["lr"], warmup_steps=int(h["warmup_steps"]), b1=h["b1"], b2=h["b2"], eps=h["eps"],
+        weight_decay=h["weight_decay"], weight_lr_power=h["weight_lr_power"])
+    ours = optax_run(case)
+    theirs = optax_trajectory(alias, case.optax_state, make_params(), make_grads, STEPS)
+    worst = max(float(np.max(np.abs(np.asarray(a[k]) - np.asarray(b[k]))
+                             / (np.abs(np.asarray(b[k])) + 1e-3)))
+                for a, b in zip(ours, theirs) for k in b)
+    assert 1e-12 < worst < 1e-5, worst
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES
+                                  if c.spec == "schedule_free_adamw"])
+def test_schedule_free_eval_params_match_optax(case):
+    """Mode eval (vega.schedule_free_adamw.mode) against optax's schedule_free_eval_params,
+    at every step; the class's eval() and train() the same, and back."""
+    opt = vega.builtin("schedule_free_adamw")
+    params = make_params()
+    state = opt.init(params, **case.hypers)
+    tx = case.optax(case.hypers)
+    theirs = {n: jnp.asarray(v.numpy()) for n, v in params.items()}
+    ostate = tx.init(theirs)
+    net = {n: torch.nn.Parameter(v.clone()) for n, v in params.items()}
+    cls = opt.optimizer(list(net.values()), **case.hypers)
+    for k in range(STEPS):
+        grads = make_grads(k)
+        params, state = opt.step(params, grads, state, **case.hypers)
+        updates, ostate = tx.update({n: jnp.asarray(v.numpy()) for n, v in grads.items()},
+                                    ostate, theirs)
+        theirs = optax.apply_updates(theirs, updates)
+        want = optax.contrib.schedule_free_eval_params(ostate, theirs)
+        got = opt.mode("eval", params, state, **case.hypers)
+        for n in params:
+            assert_close(got[n], want[n], f"eval p.{n} against optax", k + 1)
+        for n, p in net.items():
+            p.grad = grads[n].clone()
+        cls.step()
+        cls.eval()
+        for n, p in net.items():
+            assert_close(p, want[n], f"class eval p.{n} against optax", k + 1)
+        cls.train()
+        for n, p in net.items():
+            assert_close(p, theirs[n], f"class train p.{n} against optax", k + 1)
