@@ -30,8 +30,8 @@ from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_stat
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import advance_steps, drive, memo
 from vega.codegen.tensors import refuse_inplace
-from vega.dsl.ir import (AXIS_REDUCTIONS, REDUCTIONS, SCALAR_STATE, Kind, Node, Op, Program,
-                        is_global)
+from vega.dsl.ir import (AXIS_REDUCTIONS, MATRIX_OPS, REDUCTIONS, SCALAR_STATE, Kind, Node, Op,
+                        Program, is_global)
 
 
 def _fn(name):
@@ -90,6 +90,12 @@ class TorchRenderer(Renderer):
         Op.SUM: _fn("torch.sum"),
         Op.MEAN: _fn("torch.mean"),
         Op.AMAX: lambda self, node, phase, a: f"_amax({a})",
+        Op.MATMUL: lambda self, node, phase, a, b:
+            f"_matmul({a}, {b}, geo, {node.src[0].dom!r}, {node.src[1].dom!r})",
+        Op.TRANSPOSE: lambda self, node, phase, a: f"_transpose({a}, geo, {node.src[0].dom!r})",
+        Op.SIZE: lambda self, node, phase: f"_size(p, geo, {node.arg})",
+        Op.BF16: lambda self, node, phase, a: f"_bf16({a}, p)",
+        Op.WIDEN: lambda self, node, phase, a: f"_widen({a}, p)",
         **{op: (lambda axis, how: lambda self, node, phase, a:
                 f"_reduce({a}, geo, {node.src[0].dom!r}, {axis!r}, {how!r})")(*spec)
            for op, spec in AXIS_REDUCTIONS.items()},
@@ -97,6 +103,7 @@ class TorchRenderer(Renderer):
 
     def expr(self, linear: Linear, node: Node, phase: str) -> str:
         if node.kind != Kind.ELEMENT or node.op in REDUCTIONS or node.op in AXIS_REDUCTIONS \
+                or node.op in MATRIX_OPS \
                 or all(s.kind != Kind.ELEMENT or s.dom == node.dom for s in node.src):
             return super().expr(linear, node, phase)
         # operands of a smaller domain (one value per row, ...) broadcast into this one
@@ -342,6 +349,64 @@ def _reduce(x, geo: Geometry, dom: str, which: str, how: str):
     return x.amax(dim)
 
 
+def _matrix_axes(geo: Geometry) -> tuple[list[int], int, int]:
+    """(the order of a tensor's axes that puts its batch axes first, then its row axis, then
+    its column axis; its number of rows; its number of columns): its matrix view."""
+    shape = geo.full
+    order = [a for a in range(len(shape)) if a not in (geo.r, geo.c)]
+    order += [a for a in (geo.r, geo.c) if a is not None]
+    rows = shape[geo.r] if geo.r is not None else 1
+    cols = shape[geo.c] if geo.c is not None else 1
+    return order, rows, cols
+
+
+def _as_matrices(x, geo: Geometry):
+    """A value of one per element as its batch of matrices (batch, rows, columns)."""
+    order, rows, cols = _matrix_axes(geo)
+    batch = math.prod(geo.full[a] for a in order[:len(order) - (geo.r is not None)
+                                                   - (geo.c is not None)])
+    return x.permute(order).reshape(batch, rows, cols)
+
+
+def _from_matrices(m, geo: Geometry):
+    """``_as_matrices``'s inverse: the batch of matrices shaped like the tensor again."""
+    order, _, _ = _matrix_axes(geo)
+    shaped = m.reshape([geo.full[a] for a in order])
+    back = [0] * len(order)
+    for k, a in enumerate(order):
+        back[a] = k
+    return shaped.permute(back)
+
+
+def _matmul(a, b, geo: Geometry, da: str, db: str):
+    """``a @ b`` of the matrix view: one product per matrix of the batch (torch.matmul)."""
+    out = torch.matmul(_as_matrices(a, geo) if da == "rc" else a,
+                       _as_matrices(b, geo) if db == "rc" else b)
+    return _from_matrices(out, geo) if da[0] + db[1] == "rc" else out
+
+
+def _transpose(x, geo: Geometry, dom: str):
+    out = (_as_matrices(x, geo) if dom == "rc" else x).transpose(-1, -2)
+    return _from_matrices(out, geo) if dom == "cr" else out
+
+
+def _size(p, geo: Geometry, axis: int):
+    """The length of the tensor's axis ``axis`` (1 where it has fewer), a 0-d tensor."""
+    return p.new_full((), float(geo.full[axis]) if axis < len(geo.full) else 1.0)
+
+
+def _bf16(x, like):
+    """``x`` rounded to bfloat16 (a number: a 0-d tensor on ``like``'s device)."""
+    if not isinstance(x, torch.Tensor):
+        x = like.new_full((), x)
+    return x.to(torch.bfloat16)
+
+
+def _widen(x, like):
+    """``x`` in the step's compute type (``like``'s: the parameter's, as the step reads it)."""
+    return x.to(like.dtype) if isinstance(x, torch.Tensor) else x
+
+
 def _amax(x):
     return torch.amax(x) if x.numel() else x.new_full((), -math.inf)
 
@@ -396,7 +461,9 @@ class Kernel:
         self.text = render(program, self.linear)
         namespace = {"torch": torch, "math": math, "_amax": _amax, "_sign": _sign,
                      "_atan2": _atan2,
-                     "_fit": _fit, "_broadcast": _broadcast, "_reduce": _reduce}
+                     "_fit": _fit, "_broadcast": _broadcast, "_reduce": _reduce,
+                     "_matmul": _matmul, "_transpose": _transpose, "_size": _size,
+                     "_bf16": _bf16, "_widen": _widen}
         self._staged_text = render_staged(program, self.linear)
         exec(compile(self._staged_text, f"<vega reference, staged: {program.name}>", "exec"),
              namespace)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from vega.dsl import ast, ir
 from vega.dsl.check import (_names, all_flag_settings, check, lower, open_value, reads_shape,
-                            shape_conditions, static_value)
+                            shape_conditions, static_value, unroll)
 from vega.dsl.parser import parse
 from vega.errors import SpecError
 
@@ -145,6 +145,6 @@ def load(source: str, filename: str = "<spec>") -> Spec:
     """Parse and check spec text. Raises SpecError on any mistake."""
     if not isinstance(source, str):
         raise TypeError(f"a spec is text, got {type(source).__name__}")
-    tree = _guard(lambda: parse(source, filename), source, filename)
+    tree = _guard(lambda: unroll(parse(source, filename)), source, filename)
     hypers = _guard(lambda: check(tree), source, filename, tree)
     return Spec(source, filename, tree, hypers)

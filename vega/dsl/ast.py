@@ -85,6 +85,14 @@ class Mode:
 
 
 @dataclass(frozen=True)
+class Repeat:
+    """``repeat N { ... }``: the body N times (unrolled before the checks: ``unroll``)."""
+    count: Num | Name
+    body: tuple[Stmt, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
 class If:
     cond: Expr
     then: tuple[Stmt, ...]
@@ -92,7 +100,7 @@ class If:
     span: Span
 
 
-Stmt = StateDecl | Assign | If | Mode
+Stmt = StateDecl | Assign | If | Mode | Repeat
 
 
 @dataclass(frozen=True)

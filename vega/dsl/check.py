@@ -8,8 +8,10 @@ flags, so lowering never raises.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import itertools
+import math
 from dataclasses import dataclass
 
 from vega.dsl import ast
@@ -48,6 +50,10 @@ FUNCTIONS: dict[str, dict[int, Op]] = {
     "col_sum": {1: Op.COL_SUM},
     "col_mean": {1: Op.COL_MEAN},
     "col_max": {1: Op.COL_MAX},
+    "transpose": {1: Op.TRANSPOSE},
+    "bfloat16": {1: Op.BF16},
+    "widen": {1: Op.WIDEN},
+    "size": {2: Op.SIZE},
 }
 # reductions over every tensor of a group: name -> the per-tensor reduction each tensor's
 # part is (summed, or the maximum taken, over the group)
@@ -67,7 +73,7 @@ API_NAMES = ("params", "grads", "state", "self", "backend", "donate", "max_grad_
 STEP_COUNTER = "step"  # a state dict's step counter
 BINARY = {"+": Op.ADD, "-": Op.SUB, "*": Op.MUL, "/": Op.DIV, "^": Op.POW, "<": Op.LT,
           "<=": Op.LE, ">": Op.GT, ">=": Op.GE, "==": Op.EQ, "!=": Op.NE, "and": Op.AND,
-          "or": Op.OR}
+          "or": Op.OR, "@": Op.MATMUL}
 MAX_FLAGS = 8  # 2**8 specializations is the most a spec may have
 
 
@@ -287,6 +293,11 @@ class _Walker:
             elif old.role == "state" and old.only_if is not None:
                 raise SpecError(f"state '{s.name}' is declared only inside the if on line "
                                 f"{old.only_if.line}", s.name_span)
+            if value.kind == Kind.ELEMENT and value.dom in ir.MATRIX_DOMAINS and (
+                    s.name == "p" or (old is not None and old.role == "state")):
+                what = "the parameter p" if s.name == "p" else f"state '{s.name}'"
+                raise SpecError(f"{what} has one value per element, but this value is "
+                                f"{ir.DOMAIN_WORDS[value.dom]}", s.value.span)
             if (s.name == "p" or (old is not None and old.role == "state")) \
                     and value.dtype != "float":
                 what = "the parameter p" if s.name == "p" else f"state '{s.name}'"
@@ -424,6 +435,10 @@ class _Walker:
             need = "bool" if op in ir.LOGIC else "float"
             self._need(need, a, e.a, f"'{e.op}'")
             self._need(need, b, e.b, f"'{e.op}'")
+            if op is Op.MATMUL:
+                _matmul_check(a, b, e)
+            else:
+                _same_matrices(f"'{e.op}'", [a, b], [e.a, e.b], e.span)
             return ir.apply(op, a, b, span=e.span)
         return self.call(e, env)
 
@@ -447,8 +462,24 @@ class _Walker:
             plural = "" if counts == "1" else "s"
             raise SpecError(f"{e.fn}() takes {counts} argument{plural}, got {len(e.args)}",
                             e.span)
+        if e.fn == "size":
+            return _size(e)
         args = [self.expr(a, env) for a in e.args]
         op = arities[len(args)]
+        if op is Op.TRANSPOSE:
+            self._need("float", args[0], e.args[0], "transpose()")
+            x = args[0]
+            if x.kind != Kind.ELEMENT or x.dom not in ("rc", *ir.MATRIX_DOMAINS):
+                raise SpecError(f"transpose() takes a matrix: a value of one per element (the "
+                                f"matrix view) or a product of such, but this is "
+                                f"{_matrix_words(x)}", e.args[0].span)
+            return ir.apply(op, x, span=e.span)
+        if op in ir.AXIS_REDUCTIONS and args[0].kind == Kind.ELEMENT \
+                and args[0].dom in ir.MATRIX_DOMAINS:
+            raise SpecError(f"{e.fn}() reduces an axis of the matrix view, but its argument is "
+                            f"{ir.DOMAIN_WORDS[args[0].dom]}", e.args[0].span)
+        if op not in ir.REDUCTIONS:
+            _same_matrices(f"{e.fn}()", args, e.args, e.span)
         if op in ir.AXIS_REDUCTIONS:
             x = args[0]
             self._need("float", x, e.args[0], f"{e.fn}()")
@@ -513,6 +544,58 @@ class _Walker:
                                 "where(cond, 1, 0) to turn a bool into a number", e.span)
             raise SpecError(f"{where} needs a bool, but this is a number; compare it, "
                             "e.g. x > 0", e.span)
+
+
+_MATRIX_WORDS = {"rc": "rows x columns", "rr": "rows x rows", "cc": "columns x columns",
+                 "cr": "columns x rows"}
+
+
+def _matrix_words(x: Node) -> str:
+    if x.kind != Kind.ELEMENT:
+        return "the same for every element (a number)"
+    if x.dom == "rc":
+        return "one value per element (the rows x columns matrix view)"
+    if x.dom in _MATRIX_WORDS:
+        return f"a {_MATRIX_WORDS[x.dom]} matrix"
+    return ir.DOMAIN_WORDS[x.dom]
+
+
+def _matmul_check(a: Node, b: Node, e) -> None:
+    """``a @ b``: two matrices of the matrix view (rows x columns, their transposes and
+    products), the left's columns the right's rows; SpecError otherwise."""
+    for side, x in (("left", a), ("right", b)):
+        if x.kind != Kind.ELEMENT or x.dom not in _MATRIX_WORDS:
+            raise SpecError(f"'@' multiplies matrices (values of one per element, their "
+                            f"transposes and products), but its {side} side is "
+                            f"{_matrix_words(x)}; use '*' to scale",
+                            (e.a if side == "left" else e.b).span)
+    if a.dom[1] != b.dom[0]:
+        raise SpecError(f"'@' of a {_MATRIX_WORDS[a.dom]} matrix and a {_MATRIX_WORDS[b.dom]} "
+                        "one: the left's columns must be the right's rows; transpose one "
+                        "of them", e.op_span)
+
+
+def _same_matrices(what: str, nodes, exprs, span) -> None:
+    """A matrix of a product (rows x rows, ...) combines only with matrices of its own
+    shape and with values the same for every element; SpecError otherwise."""
+    mats = [(n, x) for n, x in zip(nodes, exprs) if n.kind == Kind.ELEMENT]
+    doms = {n.dom for n, _ in mats}
+    if len(doms) > 1 and doms & set(ir.MATRIX_DOMAINS):
+        first = next(n for n, _ in mats if n.dom in ir.MATRIX_DOMAINS)
+        other = next((n, x) for n, x in mats if n.dom != first.dom)
+        raise SpecError(f"{what} combines {_matrix_words(first)} with {_matrix_words(other[0])}"
+                        ": a matrix of a product meets only matrices of its shape and "
+                        "numbers", other[1].span)
+
+
+def _size(e: ast.Call) -> Node:
+    """``size(p, k)``: the length of the tensor's axis k (1 where it has fewer axes)."""
+    what, k = e.args
+    if not (isinstance(what, ast.Name) and what.id in ("p", "g")):
+        raise SpecError("size() takes the parameter and an axis: size(p, 0)", what.span)
+    if not (isinstance(k, ast.Num) and k.value == int(k.value) and 0 <= k.value < 64):
+        raise SpecError("size()'s axis is a whole number from 0 to 63: size(p, 0)", k.span)
+    return Node(Op.SIZE, (), int(k.value), "float", Kind.TENSOR, e.span)
 
 
 def _wider(a: Node, b: Node) -> Node:
@@ -699,6 +782,61 @@ def _names(e):
     elif isinstance(e, ast.Call):
         for a in e.args:
             yield from _names(a)
+
+
+MAX_REPEAT = 64  # the most times a repeat's body is unrolled
+
+
+def unroll(spec: ast.Spec) -> ast.Spec:
+    """``spec`` with every ``repeat N { body }`` written out: N copies of the body for a
+    number N; for a float hyperparameter N (``repeat ns_steps``), nested ifs on its value
+    (``if ns_steps >= 1 { body; if ns_steps >= 2 { ... } }``) up to its range's bound,
+    each tensor's program chosen by the value like any condition on values."""
+    hypers = {h.name: h for h in spec.hypers}
+
+    def count_of(r: ast.Repeat):
+        c = r.count
+        if isinstance(c, ast.Num):
+            if c.value != int(c.value) or not 0 <= c.value <= MAX_REPEAT:
+                raise SpecError(f"a repeat count is a whole number from 0 to {MAX_REPEAT}, not "
+                                f"{c.value:g}", c.span)
+            return int(c.value)
+        h = hypers.get(c.id)
+        if h is None:
+            raise SpecError(f"a repeat count is a whole number or a float hyperparameter; "
+                            f"'{c.id}' is neither{_suggest(c.id, hypers)}", c.span)
+        if h.type != "float":
+            raise SpecError(f"a repeat count is a whole number or a float hyperparameter; "
+                            f"'{c.id}' is a bool", c.span)
+        if h.range is None or not h.range.hi <= MAX_REPEAT:
+            raise SpecError(f"repeat {c.id} unrolls up to the bound of {c.id}'s range, which "
+                            f"must be at most {MAX_REPEAT}: declare it as {c.id} = "
+                            f"{h.default:g} in [0, 10]", c.span)
+        return None
+
+    def walk(stmts) -> tuple:
+        out = []
+        for st in stmts:
+            if isinstance(st, ast.Repeat):
+                body = walk(st.body)
+                n = count_of(st)
+                if n is not None:
+                    out.extend(body * n)
+                    continue
+                c = st.count
+                inner: tuple = ()
+                for k in range(int(math.floor(hypers[c.id].range.hi)), 0, -1):
+                    cond = ast.Binary(">=", c, ast.Num(float(k), c.span), c.span, c.span)
+                    inner = (ast.If(cond, body + inner, (), st.span),)
+                out.extend(inner)
+            elif isinstance(st, ast.If):
+                out.append(dataclasses.replace(st, then=walk(st.then), orelse=walk(st.orelse)))
+            elif isinstance(st, ast.Mode):
+                out.append(dataclasses.replace(st, body=walk(st.body)))
+            else:
+                out.append(st)
+        return tuple(out)
+    return dataclasses.replace(spec, body=walk(spec.body))
 
 
 def check(spec: ast.Spec) -> tuple[ir.HyperParam, ...]:

@@ -96,6 +96,13 @@ class Op(Enum):
     COL_SUM = "col_sum"
     COL_MEAN = "col_mean"
     COL_MAX = "col_max"
+    # matrices (the matrix view): a product, a transpose; the tensor's size along an axis;
+    # a value rounded to bfloat16 (what is computed from it stays there, as torch's types do)
+    MATMUL = "@"
+    TRANSPOSE = "transpose"
+    SIZE = "size"
+    BF16 = "bfloat16"
+    WIDEN = "widen"  # a value (of bfloat16) in the step's compute type again
 
 
 LEAVES = frozenset({Op.CONST, Op.HYPER, Op.T, Op.PARAM, Op.GRAD, Op.STATE})
@@ -111,12 +118,24 @@ SCALAR_STATE = "s"
 # a per-tensor reduction to every backend's kernels, whose per-tensor results the step
 # combines over the group (and across processes) between stages
 GLOBAL = "global"
-DOMAIN_WORDS = {"rc": "one value per element", "r": "one value per row",
+# the matrices a product or a transpose makes of the matrix view (rows x columns, "rc"):
+# rows x rows ("rr", x @ transpose(x)), columns x columns ("cc"), columns x rows ("cr")
+MATRIX_DOMAINS = ("rr", "cc", "cr")
+MATRIX_OPS = frozenset({Op.MATMUL, Op.TRANSPOSE})
+# what only the reference kernels compute (a program with any runs there on every backend)
+TORCH_ONLY_OPS = frozenset({Op.MATMUL, Op.TRANSPOSE, Op.SIZE, Op.BF16, Op.WIDEN})
+DOMAIN_WORDS = {"rr": "a rows x rows matrix", "cc": "a columns x columns matrix",
+                "cr": "a columns x rows matrix (a transpose)",
+                "rc": "one value per element", "r": "one value per row",
                 "c": "one value per column", "": "one value per matrix"}
 
 
 def join(*doms: str) -> str:
-    """The smallest domain every one of ``doms`` broadcasts into."""
+    """The smallest domain every one of ``doms`` broadcasts into (a matrix of a product:
+    that matrix, which the checks let meet only its own kind)."""
+    for d in doms:
+        if d in MATRIX_DOMAINS:
+            return d
     return "".join(a for a in "rc" if any(a in d for d in doms))
 COMPARISONS = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 LOGIC = frozenset({Op.AND, Op.OR, Op.NOT})
@@ -226,6 +245,10 @@ def apply(op: Op, *src: Node, span: Span | None = None) -> Node:
     dom = join(*(s.dom for s in src if s.kind == Kind.ELEMENT))
     if op in REDUCTIONS:
         kind, dom = Kind.TENSOR, "rc"
+    elif op is Op.MATMUL:  # (rows x k) @ (k x cols): the left's rows, the right's columns
+        dom = src[0].dom[0] + src[1].dom[1]
+    elif op is Op.TRANSPOSE:
+        dom = src[0].dom[::-1]
     elif op in AXIS_REDUCTIONS:
         dom = dom.replace(AXIS_REDUCTIONS[op][0], "")
     if kind != Kind.ELEMENT:
@@ -318,14 +341,16 @@ class Program:
         nodes = walk(node for _, node in self.updates)
         object.__setattr__(self, "uses_axes", any(
             s.dom not in ("rc", SCALAR_STATE) for s in self.states) or any(
-            n.op in AXIS_REDUCTIONS for n in nodes))
+            n.op in AXIS_REDUCTIONS or n.op in TORCH_ONLY_OPS for n in nodes))
         # spans_group: a reduction over every tensor of a group (global_sum ...), which the
         # step combines between stages (vega.runtime.sharded.fused); torch_only: what only
         # the reference kernels compute (a state of one number per tensor), which every
         # backend runs there (vega.codegen.kernel)
         object.__setattr__(self, "spans_group", any(is_global(n) for n in nodes))
         object.__setattr__(self, "torch_only", any(
-            s.dom == SCALAR_STATE for s in self.states))
+            s.dom == SCALAR_STATE for s in self.states) or any(
+            n.op in TORCH_ONLY_OPS for n in nodes))
+        object.__setattr__(self, "has_matrices", any(n.op in MATRIX_OPS for n in nodes))
 
     @property
     def float_hypers(self) -> tuple[str, ...]:

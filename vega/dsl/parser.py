@@ -118,6 +118,13 @@ class _Build(Transformer):
         name, body = children
         return ast.Mode(str(name), body, Span.of(meta), _span(name))
 
+    @v_args(meta=True)
+    def repeat_stmt(self, meta, children):
+        count, body = children
+        value = ast.Name(str(count), _span(count)) if count.type == "NAME" else \
+            ast.Num(_number(count), _span(count))
+        return ast.Repeat(value, body, Span.of(meta))
+
     def if_chain(self, children):
         return (children[0],)
 

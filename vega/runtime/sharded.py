@@ -283,6 +283,13 @@ class _Local:
                     out.append(col[i])
                 continue
             self.views.append(view_of(where, p))
+            if program.has_matrices and self.views[-1].split:
+                raise ValueError(
+                    f"{where} is a DTensor split over processes (placements "
+                    f"{tuple(p.placements)}), but {program.name}'s matrix operations (@, "
+                    "transpose) need each matrix whole on one process; step such a rule "
+                    "under DDP or ZeroRedundancyOptimizer (reduce_group), or keep its "
+                    "matrices replicated")
             self.lp.append(p.to_local())
             self.lg.append(self._local(f"{where}'s gradient", grads[i], p, tuple(p.placements)))
             for s, col, out in zip(program.states, states, self.ls):
