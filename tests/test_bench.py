@@ -164,3 +164,10 @@ def test_a_stream_row_moves_its_bytes():
         _, grads = bench._tensors(shapes)
         (row,) = bench.other_rows(shapes, grads, ["sgd"], stream)
         assert row[4] > 0  # raced with sgd and its counterpart
+
+
+def test_muon_row_races_the_matrices_with_torch():
+    shapes = [(3, 4), (5,), (6, 2)]
+    _, grads = bench._tensors(shapes)
+    ours, theirs, count, nparams = bench.muon_rows(shapes, grads)
+    assert ours > 0 and theirs > 0 and count == 2 and nparams == 24

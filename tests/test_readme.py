@@ -90,3 +90,14 @@ def test_relative_links_point_into_the_repository():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{where} (no heading with that anchor)")
     assert not broken, "\n".join(broken)
+
+
+def test_muon_tutorial_runs_in_order():
+    """docs/tutorial_muon.md builds Muon step by step: its blocks run in order, in one
+    namespace, each asserting what it shows."""
+    text = (ROOT / "docs" / "tutorial_muon.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 6
+    namespace: dict = {}
+    for k, block in enumerate(blocks):
+        exec(compile(block, f"tutorial_muon.md block {k + 1}", "exec"), namespace)

@@ -20,7 +20,9 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n", "'{' is never closed", 1, 24),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g)\n}\n", "')' closes nothing", 2, 17),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g ** 2\n}\n", "'a ^ b'", 2, 18),
-    ("optimizer o(lr = 1e-3) {\n  p = p - lr @ g\n}\n", "unexpected character '@'", 2, 14),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr @ g\n}\n",
+     "'@' multiplies matrices (values of one per element, their transposes and products), "
+     "but its left side is the same for every element (a number); use '*' to scale", 2, 11),
     ("optimizer o(b = 0.5 in [0 1]) {\n  p = p\n}\n", "range", 1, 27),
     ("optimizer o(lr = 1 in [0, 1), b = abc) {\n  p = p\n}\n",
      "unexpected 'abc': a hyperparameter's default is a number", 1, 35),
@@ -154,6 +156,34 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p\n  }\n"
      "  mode eval {\n    p = 2 * p\n  }\n}\n", "mode 'eval' is already declared on line 3",
      6, 8),
+    # matrices
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g @ g\n}\n",
+     "'@' of a rows x columns matrix and a rows x columns one: the left's columns must be "
+     "the right's rows; transpose one of them", 2, 18),
+    ("optimizer o(lr = 1e-3) {\n  A = g @ transpose(g)\n  p = A\n}\n",
+     "the parameter p has one value per element, but this value is a rows x rows matrix",
+     3, 7),
+    ("optimizer o(lr = 1e-3) {\n  A = g @ transpose(g)\n  p = p - A\n}\n",
+     "'-' combines a rows x rows matrix with one value per element (the rows x columns "
+     "matrix view): a matrix of a product meets only matrices of its shape and numbers",
+     3, 7),
+    ("optimizer o(lr = 1e-3) {\n  A = g @ transpose(g)\n  p = p - lr * (A + g)\n}\n",
+     "'+' combines a rows x rows matrix with one value per element", 3, 21),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * transpose(lr) * g\n}\n",
+     "transpose() takes a matrix", 2, 26),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * row_mean(g @ transpose(g))\n}\n",
+     "row_mean() reduces an axis of the matrix view, but its argument is a rows x rows "
+     "matrix", 2, 25),
+    ("optimizer o(lr = 1e-3) {\n  state A = zeros\n  A = g @ transpose(g)\n  p = p\n}\n",
+     "state 'A' has one value per element, but this value is a rows x rows matrix", 3, 7),
+    ("optimizer o(lr = 1e-3) {\n  repeat 2.5 {\n    p = p - lr * g\n  }\n}\n",
+     "a repeat count is a whole number from 0 to 64, not 2.5", 2, 10),
+    ("optimizer o(lr = 1e-3, n = 2.0) {\n  repeat n {\n    p = p - lr * g\n  }\n}\n",
+     "repeat n unrolls up to the bound of n's range, which must be at most 64", 2, 10),
+    ("optimizer o(lr = 1e-3, steps = 2.0 in [0, 4]) {\n  repeat step {\n    p = p - lr * g\n"
+     "  }\n}\n", "'step' is neither (did you mean 'steps'?)", 2, 10),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * size(g * 2, 0) * g\n}\n",
+     "size() takes the parameter and an axis", 2, 21),
 ]
 
 

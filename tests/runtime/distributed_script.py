@@ -256,6 +256,21 @@ def docs_example() -> None:
     found["docs"] = "learns"
 
 
+def muon_refused() -> None:
+    """Muon's matrix products on an FSDP2 shard would see part of each matrix: refused
+    before anything is written, naming the parameter."""
+    net = sharded(model())
+    opt = vega.optim.Muon(net.parameters(), lr=1e-2)
+    loss_of(net, 0).backward()
+    before = [p.full_tensor().clone() for p in net.parameters()]
+    try:
+        opt.step()
+    except ValueError as err:
+        assert "need each matrix whole on one process" in str(err), err
+        found["muon-fsdp"] = "refused"
+    assert all(torch.equal(p.full_tensor(), b) for p, b in zip(net.parameters(), before))
+
+
 def zero_against_ddp(cls=vega.optim.AdamW, lr=1e-2, key="zero", **hypers) -> None:
     """ZeroRedundancyOptimizer over vega's AdamW with max_grad_norm and reduce_group: the
     clip spans every rank's parameters, as under DDP with one optimizer per rank. Prodigy:
@@ -398,7 +413,7 @@ def main() -> None:
         else:
             {"nan": nan_skips, "dcp": dcp_resume, "zero": zero_against_ddp,
              "dcp-ddp": lambda: dcp_resume("ddp"), "docs": docs_example,
-             "functions": functions_over_group,
+             "functions": functions_over_group, "muon-fsdp": muon_refused,
              "zero-prodigy": lambda: zero_against_ddp(vega.optim.Prodigy, 1.0,
                                                       "zero-prodigy", d0=1e-3)}[check]()
         dist.barrier()

@@ -137,6 +137,76 @@ def adam_atan2_paper(params: dict, grads_at: Callable[[int], dict], h: dict, ste
     return out
 
 
+# -- Muon: torch.optim.Muon's step written out in float64, and optax on transposed layouts --
+
+def muon_torch_float64(params: dict, grads_at: Callable[[int], dict], h: dict, steps: int):
+    """Snapshots of torch.optim.Muon's ``_single_tensor_muon`` transcribed with its
+    Newton-Schulz iteration in the parameters' dtype (torch's runs it in bfloat16: see
+    test_muon_bf16_against_torch), on the matrices; the others step as vega's AdamW side
+    (torch's Muon takes no other parameter), with Nesterov's mix as optax's adamw."""
+    p = {k: v.clone() for k, v in params.items()}
+    st = {k: {"buf": torch.zeros_like(v), "mu": torch.zeros_like(v), "nu": torch.zeros_like(v)}
+          for k, v in p.items()}
+    a, b, c = h["a"], h["b"], h["c"]
+    out = []
+    for k in range(steps):
+        t = k + 1
+        grads = grads_at(k)
+        snap = {}
+        for name, param in p.items():
+            grad, s = grads[name], st[name]
+            if param.dim() == 2:
+                s["buf"].lerp_(grad, 1 - h["momentum"])
+                update = grad.lerp(s["buf"], h["momentum"]) if h["nesterov"] else s["buf"]
+                x = update.clone()
+                tall = x.size(0) > x.size(1)
+                x = x.T if tall else x
+                x = x / x.norm().clamp(min=h["eps"])
+                for _ in range(int(h["ns_steps"])):
+                    gram = x @ x.T
+                    x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x,
+                                    beta=a)
+                x = x.T if tall else x
+                rows, cols = param.shape
+                scale = 0.2 * max(rows, cols) ** 0.5 if h["match_rms_adamw"] else \
+                    max(1, rows / cols) ** 0.5
+                param.mul_(1 - h["lr"] * h["weight_decay"])
+                param.add_(x, alpha=-h["lr"] * scale)
+                snap[f"buf.{name}"] = s["buf"].clone()
+            else:
+                b1, b2 = h["adam_b1"], h["adam_b2"]
+                lr = h["lr"] if h["adam_lr"] < 0 else h["adam_lr"]
+                s["mu"].mul_(b1).add_(grad, alpha=1 - b1)
+                s["nu"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                m = (b1 * s["mu"] / (1 - b1 ** (t + 1)) + (1 - b1) * grad / (1 - b1 ** t)) \
+                    if h["nesterov"] else s["mu"] / (1 - b1 ** t)
+                param.sub_(lr * (m / ((s["nu"] / (1 - b2 ** t)).sqrt() + h["adam_eps"])
+                                 + h["adam_weight_decay"] * param))
+                snap[f"mu.{name}"], snap[f"nu.{name}"] = s["mu"].clone(), s["nu"].clone()
+            snap[f"p.{name}"] = param.clone()
+        out.append(snap)
+    return out
+
+
+def muon_optax_transposed(params: dict, grads_at: Callable[[int], dict], h: dict, steps: int):
+    """optax.contrib.muon stepped on the transposed matrices (its (fan_in, fan_out) layout,
+    torch's (out, in) transposed), snapshots transposed back; the rule vega's is without
+    nesterov and at eps = 0 (the spec's header), its AdamW side's eps optax's one eps."""
+    assert not h["nesterov"] and h["eps"] == 0 and h["adam_eps"] == 0
+
+    def flip(tree):
+        return {n: (v.T if v.ndim == 2 else v) for n, v in tree.items()}
+    tx = optax.contrib.muon(h["lr"], ns_coeffs=(h["a"], h["b"], h["c"]),
+                            ns_steps=int(h["ns_steps"]), beta=h["momentum"], eps=0.0,
+                            weight_decay=h["weight_decay"], nesterov=False,
+                            adam_b1=h["adam_b1"], adam_b2=h["adam_b2"],
+                            adam_weight_decay=h["adam_weight_decay"],
+                            adam_learning_rate=h["adam_lr"])
+    snaps = optax_trajectory(tx, {}, flip(params), lambda k: flip(grads_at(k)), steps)
+    return [{k: (np.asarray(v).T if np.ndim(v) == 2 else v) for k, v in snap.items()}
+            for snap in snaps]
+
+
 # -- the registry ----------------------------------------------------------------------
 
 def _adagrad_lr(h):
@@ -495,11 +565,25 @@ CASES = [
          bad=ADAM_LIKE_BAD),
     _nadam_case(""),
     _nadam_case("decoupled", decoupled_weight_decay=True),
+    # Newton-Schulz in float64 (bf16 = false): torch's step written out, with Nesterov and
+    # without, and the RMS-matching scale; optax's where the two rules meet
+    *[Case("muon", dict(lr=0.02, weight_decay=0.05, momentum=0.9, a=3.0, b=-3.2, c=1.2,
+                        eps=1e-3, ns_steps=4.0, adam_lr=0.01, adam_b1=0.8, adam_b2=0.95,
+                        adam_eps=1e-3, adam_weight_decay=0.05, nesterov=nesterov,
+                        match_rms_adamw=rms, bf16=False),
+           reference=muon_torch_float64, bad={"lr": -1.0, "momentum": 1.0, "ns_steps": 17.0},
+           label=label)
+      for nesterov, rms, label in ((True, False, "torch"), (False, True, "torch-plain-rms"))],
+    Case("muon", dict(lr=0.02, weight_decay=0.05, momentum=0.9, a=3.0, b=-3.2, c=1.2,
+                      eps=0.0, ns_steps=4.0, adam_lr=0.01, adam_b1=0.8, adam_b2=0.95,
+                      adam_eps=0.0, adam_weight_decay=0.05, nesterov=False,
+                      match_rms_adamw=False, bf16=False),
+         reference=muon_optax_transposed, label="optax"),
 ]
 
 SPECS = ["radam", "lamb", "lars", "lion", "adagrad", "rmsprop", "adan", "adafactor", "adamax",
          "adadelta", "rprop", "yogi", "adabelief", "adam_atan2", "adopt", "ademamix",
-         "prodigy", "schedule_free_adamw", "novograd", "nadam"]
+         "prodigy", "schedule_free_adamw", "novograd", "nadam", "muon"]
 
 
 def _cases(attr):
@@ -741,3 +825,60 @@ def test_schedule_free_eval_params_match_optax(case):
         cls.train()
         for n, p in net.items():
             assert_close(p, theirs[n], f"class train p.{n} against optax", k + 1)
+
+
+def test_muon_bf16_against_torch():
+    """With bf16 (the default), the Newton-Schulz iteration runs in bfloat16 as
+    torch.optim.Muon's: the two agree to bfloat16's precision, not bitwise (torch's addmm
+    rounds b A + c A A once, vega each operation), each as far from the float64 iteration
+    as from the other."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(16, 24), (24, 16), (20, 20)]
+    start = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    grads = [[torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+             for _ in range(STEPS)]
+    runs = {}
+    for who in ("torch", "bf16", "float64"):
+        ps = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = torch.optim.Muon(ps, lr=0.02) if who == "torch" else \
+            vega.optim.Muon(ps, lr=0.02, bf16=who == "bf16")
+        for gs in grads:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            opt.step()
+        runs[who] = [p.detach() for p in ps]
+
+    def apart(x, y):
+        return max(float((a - b).abs().max()) for a, b in zip(runs[x], runs[y]))
+    moved = max(float((a - b).abs().max()) for a, b in zip(runs["torch"], start))
+    # 20 steps of lr 0.02 move each weight by up to ~0.4; bfloat16 keeps 8 bits
+    assert moved > 0.1
+    assert apart("bf16", "torch") < 0.05 * moved, apart("bf16", "torch")
+    assert apart("float64", "torch") < 0.05 * moved
+    assert apart("bf16", "float64") > 1e-4  # (the flag takes effect)
+
+
+def test_muon_takes_the_shorter_side_as_rows(monkeypatch):
+    """The matrix view's rows are a matrix's shorter side, so x @ transpose(x) is the smaller
+    Gram matrix for a tall and a wide matrix alike; the two updates are each other's
+    transpose, up to torch's scale."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(6, 9, generator=gen, dtype=torch.float64)
+    g = torch.randn(6, 9, generator=gen, dtype=torch.float64)
+    opt = vega.builtin("muon")
+    h = dict(bf16=False, lr=0.1, weight_decay=0.0)
+    products = []
+    matmul = torch.matmul
+
+    def recorded(a, b):
+        out = matmul(a, b)
+        products.append(tuple(out.shape[-2:]))
+        return out
+    monkeypatch.setattr(torch, "matmul", recorded)
+    wide, _ = opt.step([w], [g], opt.init([w], **h), **h)
+    tall, _ = opt.step([w.T.contiguous()], [g.T.contiguous()], opt.init([w.T], **h), **h)
+    # per iteration: the 6 x 6 Gram matrix, its square, then back to 6 x 9; never 9 x 9
+    assert set(products) == {(6, 6), (6, 9)}, set(products)
+    # (torch's scale sqrt(max(1, size0 / size1)) is the layout's: 1 wide, sqrt(1.5) tall)
+    torch.testing.assert_close((tall[0].T - w) / 1.5 ** 0.5, wide[0] - w, rtol=1e-12,
+                               atol=1e-12)

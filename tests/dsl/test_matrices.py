@@ -1,0 +1,86 @@
+"""Matrices of the matrix view (``@``, ``transpose``), ``repeat``, ``size``, ``bfloat16`` and
+``widen``, against the same operations written in torch, on every backend (the programs
+run on the reference's torch operations everywhere)."""
+import pytest
+import torch
+
+import vega
+
+BACKENDS = ["reference", "c", "triton"]
+
+
+def step(text, params, grads, backend="reference", **hypers):
+    spec = vega.compile(text)
+    new, state = spec.step(params, grads, spec.init(params, **hypers), backend=backend,
+                           **hypers)
+    return new, state
+
+
+def as_matrices(x, row, col):
+    """The matrix view written out: batch axes first, then the row axis, then the column."""
+    order = [a for a in range(x.dim()) if a not in (row, col)] + [row, col]
+    return x.permute(order)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_products_and_transposes_of_the_matrix_view(backend):
+    """A wide, a tall and a batched tensor: their matrix views (rows the shorter side, the
+    batch axis the smallest) multiplied as torch.matmul does, and written back."""
+    text = """
+    optimizer o() {
+        A = g @ transpose(g)
+        C = transpose(g) @ g
+        p = p + A @ g + g @ C + transpose(transpose(g))
+    }"""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [((3, 5), 0, 1), ((5, 3), 1, 0), ((2, 3, 4), 1, 2), ((4, 2, 3), 2, 0)]
+    params = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _, _ in shapes]
+    grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _, _ in shapes]
+    new, _ = step(text, params, grads, backend)
+    for (shape, r, c), p, g, got in zip(shapes, params, grads, new):
+        m = as_matrices(g, r, c)
+        want = as_matrices(p, r, c) + (m @ m.mT) @ m + m @ (m.mT @ m) + m
+        torch.testing.assert_close(as_matrices(got, r, c), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_vector_is_one_row_and_a_scalar_one_by_one():
+    text = "optimizer o() {\n p = p + (g @ transpose(g)) @ g\n}"
+    v, s = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), torch.tensor(2.0).double()
+    new, _ = step(text, [torch.zeros(3).double(), torch.zeros(()).double()], [v, s])
+    torch.testing.assert_close(new[0], 14.0 * v)
+    torch.testing.assert_close(new[1], torch.tensor(8.0).double())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_repeat_unrolls_by_a_number_and_by_a_hyperparameter(backend):
+    by_number = "optimizer o() {\n repeat 3 {\n p = 2 * p + g\n }\n}"
+    by_hyper = "optimizer o(n = 2.0 in [0, 6]) {\n repeat n {\n p = 2 * p + g\n }\n}"
+    p, g = torch.ones(4, dtype=torch.float64), torch.full((4,), 0.5, dtype=torch.float64)
+    assert torch.equal(step(by_number, [p], [g], backend)[0][0], p * 8 + g * 7)
+    for n in (0, 1, 2, 5):  # (each value picks its own program)
+        want = p.clone()
+        for _ in range(n):
+            want = 2 * want + g
+        got = step(by_hyper, [p], [g], backend, n=float(n))[0][0]
+        assert torch.equal(got, want), n
+
+
+def test_size_bfloat16_and_widen():
+    text = """
+    optimizer o() {
+        x = bfloat16(g)
+        p = p + size(p, 0) * widen(x) + 100 * size(p, 3) - widen(x * 3)
+    }"""
+    g = torch.tensor([[1.0 + 2 ** -12, 3.0]], dtype=torch.float32)  # (rounds in bfloat16)
+    new, _ = step(text, [torch.zeros(1, 2)], [g])
+    x = g.to(torch.bfloat16)
+    want = 1 * x.float() + 100 * 1 - (x * 3).float()
+    assert torch.equal(new[0], want)
+    assert not torch.equal(x.float(), g)
+
+
+def test_matrix_programs_run_on_the_reference_kernels():
+    spec = vega.compile("optimizer o() {\n p = p - g @ transpose(g) @ g\n}")
+    program = spec.program(shape=(3, 4))
+    assert program.torch_only and program.has_matrices
+    assert spec.source("c", shape=(3, 4)) == spec.source("reference", shape=(3, 4))
