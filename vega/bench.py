@@ -49,7 +49,12 @@ OTHERS = {
     "adabelief": ({}, "pytorch_optimizer", "AdaBelief", {}),
     "adopt": ({}, "pytorch_optimizer", "ADOPT", {}),
     "ademamix": ({}, "pytorch_optimizer", "AdEMAMix", {}),
+    "nadam": ({}, "torch", "NAdam", {}),
+    "novograd": ({}, "pytorch_optimizer", "NovoGrad", {}),
+    "prodigy": ({}, "pytorch_optimizer", "Prodigy", {}),
+    "schedule_free_adamw": ({}, "pytorch_optimizer", "ScheduleFreeAdamW", {}),
 }
+MUON = "Muon on the set's matrices"
 
 
 FUNCTIONAL = "vega adamw_step, functional and pure (own process)"
@@ -424,6 +429,19 @@ def other_rows(shapes, grads, names, bound: Stream | None = None):
     return rows
 
 
+def muon_rows(shapes, grads) -> tuple[float, float, int, int]:
+    """(vega's Muon, torch.optim.Muon: median seconds of a step, both with their defaults,
+    Newton-Schulz in bfloat16; the number of matrices; their parameters) over the 2-d
+    tensors of ``shapes`` (torch's Muon takes no other)."""
+    keep = [k for k, s in enumerate(shapes) if len(s) == 2]
+    mats = [shapes[k] for k in keep]
+    mgrads = [grads[k] for k in keep]
+    ours = vega.optim.Muon(_leaves(mats, mgrads))
+    theirs = torch.optim.Muon(_leaves(mats, mgrads))
+    times = race({"vega": ours.step, "torch": theirs.step}, budget=6.0, min_rounds=3)
+    return times["vega"], times["torch"], len(mats), sum(torch.Size(s).numel() for s in mats)
+
+
 HOST_TENSORS = 1000
 
 
@@ -529,6 +547,8 @@ def measure(quick: bool, compile_torch: bool, bound: Stream | None = None) -> di
         names = [n for n in OTHERS if not quick or n in ("sgd", "lamb")]
         out[title] = {"nparams": sum(torch.Size(s).numel() for s in shapes), "rows": rows,
                       "others": other_rows(shapes, grads, names, bound),
+                      "muon": muon_rows(shapes, grads)
+                      if not quick and any(len(s) == 2 for s in shapes) else None,
                       "bound_bytes": bound.nbytes if bound is not None else 0,
                       "read_bytes": bound.read_bytes if bound is not None else 0}
     return out
@@ -614,6 +634,11 @@ def report(run: dict, rate: float, say) -> None:
                                _rate(res, bsecs, rate))
             say(f"{name:<10} {1e3 * ours:>9.2f}   {label:<40} {1e3 * theirs:>9.2f} "
                 f"{theirs / ours:>8.2f}x   {note}")
+        if res.get("muon"):
+            ours, theirs, count, nmat = res["muon"]
+            say(f"\n{MUON} ({count} matrices, {nmat / 1e6:.1f}M parameters; Newton-Schulz in "
+                f"bfloat16): vega {1e3 * ours:.1f} ms, torch.optim.Muon {1e3 * theirs:.1f} ms, "
+                f"vega / torch {ours / theirs:.2f}x")
         say()
 
 
@@ -639,6 +664,8 @@ def ratios(run: dict, rate: float) -> dict:
         composite = rows["torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW"]
         out[(title, "composite / vega fused step")] = composite / rows[
             "vega AdamW + unscale, finite check, clip, skip"]
+        if res.get("muon"):
+            out[(title, "muon: vega / torch.optim.Muon")] = res["muon"][0] / res["muon"][1]
         for name, ours, _, theirs, bsecs in res["others"]:
             out[(title, f"{name}: speed-up")] = theirs / ours
             row_rate = _rate(res, bsecs, rate)
