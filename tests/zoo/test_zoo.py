@@ -868,13 +868,12 @@ def test_muon_takes_the_shorter_side_as_rows(monkeypatch):
     opt = vega.builtin("muon")
     h = dict(bf16=False, lr=0.1, weight_decay=0.0)
     products = []
-    matmul = torch.matmul
-
-    def recorded(a, b):
-        out = matmul(a, b)
-        products.append(tuple(out.shape[-2:]))
-        return out
-    monkeypatch.setattr(torch, "matmul", recorded)
+    for name in ("matmul", "addmm", "baddbmm"):
+        def recorded(*args, _fn=getattr(torch, name), **kwargs):
+            out = _fn(*args, **kwargs)
+            products.append(tuple(out.shape[-2:]))
+            return out
+        monkeypatch.setattr(torch, name, recorded)
     wide, _ = opt.step([w], [g], opt.init([w], **h), **h)
     tall, _ = opt.step([w.T.contiguous()], [g.T.contiguous()], opt.init([w.T], **h), **h)
     # per iteration: the 6 x 6 Gram matrix, its square, then back to 6 x 9; never 9 x 9

@@ -31,7 +31,7 @@ from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import advance_steps, drive, memo
 from vega.codegen.tensors import refuse_inplace
 from vega.dsl.ir import (AXIS_REDUCTIONS, MATRIX_OPS, REDUCTIONS, SCALAR_STATE, Kind, Node, Op,
-                        Program, is_global)
+                        Program, is_global, walk)
 
 
 def _fn(name):
@@ -93,6 +93,9 @@ class TorchRenderer(Renderer):
         Op.MATMUL: lambda self, node, phase, a, b:
             f"_matmul({a}, {b}, geo, {node.src[0].dom!r}, {node.src[1].dom!r})",
         Op.TRANSPOSE: lambda self, node, phase, a: f"_transpose({a}, geo, {node.src[0].dom!r})",
+        Op.MATMUL_ADD: lambda self, node, phase, x, a, b:
+            f"_matmul_add({x}, {a}, {b}, geo, "
+            f"{', '.join(repr(s.dom) for s in node.src)})",
         Op.SIZE: lambda self, node, phase: f"_size(p, geo, {node.arg})",
         Op.BF16: lambda self, node, phase, a: f"_bf16({a}, p)",
         Op.WIDEN: lambda self, node, phase, a: f"_widen({a}, p)",
@@ -361,11 +364,13 @@ def _matrix_axes(geo: Geometry) -> tuple[list[int], int, int]:
 
 
 def _as_matrices(x, geo: Geometry):
-    """A value of one per element as its batch of matrices (batch, rows, columns)."""
+    """A value of one per element as its batch of matrices (batch, rows, columns), or as its
+    one matrix (rows, columns) where the batch is one: there a product is torch.mm, which
+    reads a transposed operand in place (torch.bmm may copy it)."""
     order, rows, cols = _matrix_axes(geo)
     batch = math.prod(geo.full[a] for a in order[:len(order) - (geo.r is not None)
                                                    - (geo.c is not None)])
-    return x.permute(order).reshape(batch, rows, cols)
+    return x.permute(order).reshape((batch, rows, cols) if batch != 1 else (rows, cols))
 
 
 def _from_matrices(m, geo: Geometry):
@@ -383,6 +388,52 @@ def _matmul(a, b, geo: Geometry, da: str, db: str):
     out = torch.matmul(_as_matrices(a, geo) if da == "rc" else a,
                        _as_matrices(b, geo) if db == "rc" else b)
     return _from_matrices(out, geo) if da[0] + db[1] == "rc" else out
+
+
+def _matmul_add(x, a, b, geo: Geometry, dx: str, da: str, db: str):
+    """``x + a @ b`` in one product (torch.addmm, torch.baddbmm): the sum rounded once."""
+    m = _as_matrices(x, geo) if dx == "rc" else x
+    a = _as_matrices(a, geo) if da == "rc" else a
+    b = _as_matrices(b, geo) if db == "rc" else b
+    out = torch.addmm(m, a, b) if m.dim() == 2 else torch.baddbmm(m, a, b)
+    return _from_matrices(out, geo) if dx == "rc" else out
+
+
+def fuse_products(program: Program) -> Program:
+    """``program`` with each sum of a value and a product used nowhere else (``x + a @ b``,
+    Newton-Schulz's) one node, ``_matmul_add``'s: one pass over the result, not two."""
+    if not program.has_matrices:
+        return program
+    roots = [node for _, node in program.updates]
+    users: dict[int, int] = {}
+    for node in walk(roots):
+        for s in node.src:
+            users[id(s)] = users.get(id(s), 0) + 1
+    memo: dict[int, Node] = {}
+
+    def swap(node: Node) -> Node:
+        done = memo.get(id(node))
+        if done is not None:
+            return done
+        src = tuple(swap(s) for s in node.src)
+        out = node if all(a is b for a, b in zip(src, node.src)) else Node(
+            node.op, src, node.arg, node.dtype, node.kind, node.span, node.name, node.dom)
+        if node.op is Op.ADD and node.kind == Kind.ELEMENT:
+            for k in (0, 1):
+                m, x = node.src[k], node.src[1 - k]
+                if m.op is Op.MATMUL and users.get(id(m)) == 1 and x.kind == Kind.ELEMENT \
+                        and x.dom == node.dom:
+                    out = Node(Op.MATMUL_ADD, (src[1 - k], *src[k].src), None, "float",
+                               node.kind, node.span, node.name, node.dom)
+                    break
+        memo[id(node)] = out
+        return out
+    updates = tuple((target, swap(node)) for target, node in program.updates)
+    out = Program(program.name, program.hypers, program.flags, program.states, updates,
+                  program.shapes, program.modes)
+    for attr in ("master", "rounding"):
+        object.__setattr__(out, attr, getattr(program, attr))
+    return out
 
 
 def _transpose(x, geo: Geometry, dom: str):
@@ -457,18 +508,19 @@ class Kernel:
 
     def __init__(self, program: Program):
         self.program = program
-        self.linear = linearize(program)
-        self.text = render(program, self.linear)
+        shown = fuse_products(program)  # (the program as the functions compute it)
+        self.linear = linearize(shown)
+        self.text = render(shown, self.linear)
         namespace = {"torch": torch, "math": math, "_amax": _amax, "_sign": _sign,
                      "_atan2": _atan2,
                      "_fit": _fit, "_broadcast": _broadcast, "_reduce": _reduce,
                      "_matmul": _matmul, "_transpose": _transpose, "_size": _size,
-                     "_bf16": _bf16, "_widen": _widen}
-        self._staged_text = render_staged(program, self.linear)
+                     "_bf16": _bf16, "_widen": _widen, "_matmul_add": _matmul_add}
+        self._staged_text = render_staged(shown, self.linear)
         exec(compile(self._staged_text, f"<vega reference, staged: {program.name}>", "exec"),
              namespace)
         self._update_staged = namespace["update_staged"]
-        self.nstages = len(stages(program)[1])  # stages that end in reductions
+        self.nstages = len(stages(shown)[1])  # stages that end in reductions
         exec(compile(self.text, f"<vega reference: {program.name}>", "exec"), namespace)
         self._scalars = namespace["scalars"]
         self._update = namespace["update"]

@@ -99,6 +99,7 @@ class Op(Enum):
     # matrices (the matrix view): a product, a transpose; the tensor's size along an axis;
     # a value rounded to bfloat16 (what is computed from it stays there, as torch's types do)
     MATMUL = "@"
+    MATMUL_ADD = "@+"  # x + a @ b, one node of the reference's (vega.codegen.reference)
     TRANSPOSE = "transpose"
     SIZE = "size"
     BF16 = "bfloat16"
@@ -121,7 +122,7 @@ GLOBAL = "global"
 # the matrices a product or a transpose makes of the matrix view (rows x columns, "rc"):
 # rows x rows ("rr", x @ transpose(x)), columns x columns ("cc"), columns x rows ("cr")
 MATRIX_DOMAINS = ("rr", "cc", "cr")
-MATRIX_OPS = frozenset({Op.MATMUL, Op.TRANSPOSE})
+MATRIX_OPS = frozenset({Op.MATMUL, Op.TRANSPOSE, Op.MATMUL_ADD})
 # what only the reference kernels compute (a program with any runs there on every backend)
 TORCH_ONLY_OPS = frozenset({Op.MATMUL, Op.TRANSPOSE, Op.SIZE, Op.BF16, Op.WIDEN})
 DOMAIN_WORDS = {"rr": "a rows x rows matrix", "cc": "a columns x columns matrix",
