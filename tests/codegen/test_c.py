@@ -758,6 +758,9 @@ def pure_against_donated(spec, hypers, params, monkeypatch):
     monkeypatch.setattr(c.Kernel, "_native_call", spying_native)
     pure = (params, spec.init(params, **hypers))
     donated = torch.utils._pytree.tree_map(lambda x: None if x is None else x.clone(), pure)
+    # a step with reductions over the group runs in stages (Kernel.staged), on copies of
+    # the inputs where it is pure: not out of place in one pass, but as bitwise the same
+    staged = spec.program(**hypers).spans_group
     for step in range(4):
         grads = grads_for(params, step)
         kw = {"backend": "c", **hypers}
@@ -769,7 +772,7 @@ def pure_against_donated(spec, hypers, params, monkeypatch):
         before = [x.clone() for x in _leaves(pure)]
         outs.clear()
         new = spec.step(pure[0], grads, pure[1], **kw)[:2]
-        assert outs and all(outs), "the pure step did not run out of place"
+        assert staged or (outs and all(outs)), "the pure step did not run out of place"
         spec.step(donated[0], grads, donated[1], donate=True, **kw)
         for x, b in zip(_leaves(pure), before):
             assert _same_bits(x, b), f"step {step}: a pure step changed an input"

@@ -17,7 +17,10 @@ pytestmark = pytest.mark.skipif(
 
 SPECS = {"sgd": {"momentum": 0.9, "weight_decay": 0.01}, "adam": {}, "adamw": {},
          "radam": {}, "lamb": {}, "lars": {"lr": 0.1}, "lion": {}, "adagrad": {},
-         "rmsprop": {"momentum": 0.5}, "adan": {}, "adafactor": {}}
+         "rmsprop": {"momentum": 0.5}, "adan": {}, "adafactor": {},
+         # states of one number per tensor (a 0-d tensor each): the operator's checks and
+         # tables take them; prodigy's reductions over the group run the staged step
+         "nadam": {}, "novograd": {}, "schedule_free_adamw": {}, "prodigy": {"d0": 1e-3}}
 SHAPES = [(33,), (4, 5), (), (1,), (0,), (7, 3), (1000,)]
 
 

@@ -60,7 +60,8 @@ def kernel(backend: str, program: Program):
 
 def _kernel(backend: str, program: Program, counting: bool):
     found = program.kernels.get(backend)
-    if found is None and program.torch_only and backend != "reference":
+    if found is None and backend != "reference" and (program.torch_only or (
+            program.scalar_states and (backend == "triton" or program.uses_axes))):
         check_backend(backend)  # (what only the reference computes runs there on any device)
         found = program.kernels[backend] = _kernel("reference", program, counting)
     elif found is None:

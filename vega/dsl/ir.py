@@ -345,12 +345,14 @@ class Program:
             n.op in AXIS_REDUCTIONS or n.op in TORCH_ONLY_OPS for n in nodes))
         # spans_group: a reduction over every tensor of a group (global_sum ...), which the
         # step combines between stages (vega.runtime.sharded.fused); torch_only: what only
-        # the reference kernels compute (a state of one number per tensor), which every
-        # backend runs there (vega.codegen.kernel)
+        # the reference kernels compute (matrices), which every backend runs there
+        # (vega.codegen.kernel)
         object.__setattr__(self, "spans_group", any(is_global(n) for n in nodes))
-        object.__setattr__(self, "torch_only", any(
-            s.dom == SCALAR_STATE for s in self.states) or any(
-            n.op in TORCH_ONLY_OPS for n in nodes))
+        object.__setattr__(self, "torch_only", any(n.op in TORCH_ONLY_OPS for n in nodes))
+        # a state of one number per tensor: the C kernels store it once a tensor (the
+        # Triton kernels and those over a matrix view do not: the reference's run it)
+        object.__setattr__(self, "scalar_states", any(
+            s.dom == SCALAR_STATE for s in self.states))
         object.__setattr__(self, "has_matrices", any(n.op in MATRIX_OPS for n in nodes))
 
     @property

@@ -26,7 +26,7 @@ from vega.codegen.steps import drive
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths
 from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
                                   refuse_inplace, roles, shared_pair)
-from vega.dsl.ir import Kind, Op, Program
+from vega.dsl.ir import SCALAR_STATE, Kind, Op, Program
 from vega.tracing import untraced
 
 # -- running ------------------------------------------------------------------
@@ -740,7 +740,8 @@ _IS_CPU = operator.attrgetter("is_cpu")
 _GEOMETRY: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> Kernel._geometry
 
 
-_DOMS = {"rc": 0, "r": 1, "c": 2, "": 3}  # a state's domain -> its length in a geometry row
+# a state's domain -> its length in a geometry row (4: one number, a 0-d tensor)
+_DOMS = {"rc": 0, "r": 1, "c": 2, "": 3, SCALAR_STATE: 4}
 
 
 def _native_ready(kernel: Kernel, triples) -> bool:

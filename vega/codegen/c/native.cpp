@@ -63,7 +63,8 @@ struct Kernel {
     std::string name;
     int64_t nstates = 0, nphases = 0, nred = 0, nhyper = 0;
     bool axes = false;
-    std::vector<int64_t> doms;  // each state's length: 0 its parameter's, 1-3 geometry[k]
+    std::vector<int64_t> doms;  // each state's length: 0 its parameter's, 1-3 geometry[k],
+                                // 4 one number
     Columns col{};
     std::map<std::string, std::shared_ptr<const Library>> libs;  // "p g s" dtypes
 };
@@ -240,7 +241,9 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
             if (s == 0) sd = x.scalar_type();
             else if (x.scalar_type() != sd) mixed = true;
             int64_t dom = k->doms[s];
-            if (dom == 0 ? !x.sizes().equals(p.sizes()) : (!geo || x.numel() != geo[dom]))
+            if (dom == 0 ? !x.sizes().equals(p.sizes())
+                         : dom == 4 ? x.dim() != 0  // one number (a 0-d tensor)
+                                    : (!geo || x.numel() != geo[dom]))
                 fail("backend 'c': state " + std::to_string(s) + " of parameter " +
                      std::to_string(i) + " has the wrong shape");
         }

@@ -13,7 +13,7 @@ from vega.codegen.c import build as cbuild
 from vega.codegen.base import (Linear, Renderer, linearize, reduction_phases,
                                state_dtype_names, state_var)
 from vega.codegen.plan import element_plan
-from vega.dsl.ir import REDUCTIONS, Kind, Node, Op, Program
+from vega.dsl.ir import REDUCTIONS, SCALAR_STATE, Kind, Node, Op, Program
 
 # dtype name -> (C storage type, load to compute type, store from compute type)
 STORAGE = {
@@ -328,7 +328,7 @@ class Source:
                 nodes = {id(n) for n in self._element_nodes(phase, stored)[0]}
                 here = [(t, n) for t, n in self.program.updates
                         if t != "p" and t not in banned and id(n) in nodes
-                        and id(n) not in stored]
+                        and id(n) not in stored and t not in self._scalar_targets]
                 plan.append(here)
                 stored.update({id(n): t for t, n in here})
             # the old values each later loop reads, with what the loops before it stored
@@ -350,7 +350,8 @@ class Source:
         return _stores_of(self.early[:upto])
 
     def _update_roots(self, stored) -> list[Node]:
-        return [n for t, n in self.program.updates if not (t != "p" and id(n) in stored)]
+        return [n for t, n in self.program.updates if not (t != "p" and id(n) in stored)
+                and t not in self._scalar_targets]
 
     # -- pieces ---------------------------------------------------------------
     def _var(self, node: Node) -> str:
@@ -390,7 +391,37 @@ class Source:
                        f"row[COL_STATE + {k}];")
             out.append(f"            S{k}STORE *SO{k}_ = (S{k}STORE *)(intptr_t)"
                        f"row[COL_STATE_OUT + {k}];")
+        for k, st in enumerate(self.program.states):  # one number a tensor: read once
+            if st.dom == SCALAR_STATE:
+                out.append(f"            const CT v_{state_var(st.name)} = LOAD_S{k}(S{k}_[0]);")
         return out
+
+    @property
+    def _scalar_targets(self) -> frozenset[str]:
+        """The states of one number per tensor: stored once a tensor, after its loops
+        (``_scalar_stores``), never in an element loop."""
+        return frozenset(s.name for s in self.program.states if s.dom == SCALAR_STATE)
+
+    def _scalar_stores(self) -> list[str]:
+        """After every thread's loops, one thread per tensor: the new values of the states
+        of one number per tensor, from the tensor's reductions (``red``), its scalar phase
+        and the old values (which no loop reads any more)."""
+        targets = [(t, n) for t, n in self.program.updates if t in self._scalar_targets]
+        if not targets:
+            return []
+        nodes, used, _ = self._element_nodes([n for _, n in targets])
+        for _, n in targets:
+            if n.op in REDUCTIONS and all(u is not n for u in used):
+                used.append(n)
+        lines = ["    /* the states of one number per tensor, once each tensor */",
+                 "    for (int64_t i = 0; i < nt; i++) {",
+                 "        {",
+                 "            const int64_t *row = tab + i * ROW;",
+                 *self._block_start(used),
+                 *(line[4:] for line in self._element_lines(nodes))]
+        for t, n in targets:
+            lines.append("            " + self._store(t, self.r.operand(self.lin, n), "0"))
+        return lines + ["        }", "    }"]
 
     def _element_nodes(self, roots: list[Node], stored=None) \
             -> tuple[list[Node], list[Node], set[str]]:
@@ -424,7 +455,8 @@ class Source:
 
     def _loads(self) -> list[str]:
         leaves = [Node(Op.PARAM), Node(Op.GRAD)] + [Node(Op.STATE, arg=s.name)
-                                                    for s in self.program.states]
+                                                    for s in self.program.states
+                                                    if s.dom != SCALAR_STATE]
         return ["                " + self._load(leaf, "j") for leaf in leaves]
 
     def _store(self, target: str, value: str, index: str) -> str:
@@ -633,14 +665,16 @@ class Source:
             *body,
             "        }",
             "    }",
+            *self._scalar_stores(),
             "    free(start);",
             "}",
             "",
         ]
 
     def _count(self, dom: str) -> str:
-        """The number of values of a state of domain ``dom`` in a table row: numel."""
-        return "row[COL_NUMEL]"
+        """The number of values of a state of domain ``dom`` in a table row: numel (one, for
+        a state of one number per tensor)."""
+        return "1" if dom == SCALAR_STATE else "row[COL_NUMEL]"
 
     def _pass_through(self) -> list[str]:
         """A skipped step out of place: each output (p out, state out) a copy of its input."""
@@ -671,13 +705,14 @@ class Source:
                 used.append(n)
         stores = ["                " + self._store(target, self.r.operand(self.lin, node), "j")
                   for target, node in self.program.updates
-                  if target == "p" or id(node) not in stored]
+                  if (target == "p" or id(node) not in stored)
+                  and target not in self._scalar_targets]
         return stored, nodes, used, stores
 
     def _update(self) -> list[str]:
         stored, nodes, used, stores = self._update_parts()
         return self._pass_through() + self._loop(
-            "vega_update", [], used, [], nodes, stores, [], [], "", stored,
+            "vega_update", [], used, [], nodes, stores, [], self._scalar_stores(), "", stored,
             skip="{ pass_through(nt, tab); return; }")
 
 
