@@ -14,7 +14,8 @@ _SPECS = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RAdam": "radam", "LAM
           "Adan": "adan", "Adafactor": "adafactor", "Adamax": "adamax", "Adadelta": "adadelta",
           "Rprop": "rprop", "Yogi": "yogi", "AdaBelief": "adabelief", "AdamAtan2": "adam_atan2",
           "ADOPT": "adopt", "AdEMAMix": "ademamix", "NAdam": "nadam", "NovoGrad": "novograd",
-          "Prodigy": "prodigy", "ScheduleFreeAdamW": "schedule_free_adamw", "Muon": "muon"}
+          "Prodigy": "prodigy", "ScheduleFreeAdamW": "schedule_free_adamw", "Muon": "muon",
+          "DAdaptAdamW": "dadapt_adamw"}
 
 
 def __getattr__(name: str):

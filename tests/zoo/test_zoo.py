@@ -565,6 +565,14 @@ CASES = [
          bad=ADAM_LIKE_BAD),
     _nadam_case(""),
     _nadam_case("decoupled", decoupled_weight_decay=True),
+    Case("dadapt_adamw", dict(lr=0.5, b1=0.8, b2=0.95, eps=1e-6, d0=1e-3, weight_decay=0.1),
+         optax=lambda h: optax.contrib.dadapt_adamw(
+             h["lr"], betas=(h["b1"], h["b2"]), eps=h["eps"], estim_lr0=h["d0"],
+             weight_decay=h["weight_decay"]),
+         optax_state={"mu": lambda s: s.exp_avg, "nu": lambda s: s.exp_avg_sq,
+                      "s": lambda s: s.grad_sum, "d": _each_leaf(lambda s: s.estim_lr),
+                      "num": _each_leaf(lambda s: s.numerator_weighted)},
+         bad={"lr": -1.0, "b1": 1.0, "d0": 0.0}, lr=1.0),
     # Newton-Schulz in float64 (bf16 = false): torch's step written out, with Nesterov and
     # without, and the RMS-matching scale; optax's where the two rules meet
     *[Case("muon", dict(lr=0.02, weight_decay=0.05, momentum=0.9, a=3.0, b=-3.2, c=1.2,
@@ -583,7 +591,7 @@ CASES = [
 
 SPECS = ["radam", "lamb", "lars", "lion", "adagrad", "rmsprop", "adan", "adafactor", "adamax",
          "adadelta", "rprop", "yogi", "adabelief", "adam_atan2", "adopt", "ademamix",
-         "prodigy", "schedule_free_adamw", "novograd", "nadam", "muon"]
+         "prodigy", "schedule_free_adamw", "novograd", "nadam", "muon", "dadapt_adamw"]
 
 
 def _cases(attr):
@@ -755,11 +763,12 @@ def test_rejects_out_of_range(spec, name, value):
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES
-                                  if c.spec == "prodigy"])
+                                  if c.spec in ("prodigy", "dadapt_adamw")])
 def test_prodigy_estimate_grows_on_a_quadratic(case):
     """On a quadratic (the gradient 2 (p - 1) of each side's own parameters) Prodigy's
-    estimate d grows, by the maximum of the group's sums, as optax's estim_lr does."""
-    opt = vega.builtin("prodigy")
+    and D-Adaptation's estimate d grows, by the maximum of the group's sums, as optax's
+    estim_lr does."""
+    opt = vega.builtin(case.spec)
     params = make_params()
     state = opt.init(params, **case.hypers)
     tx = case.optax(case.hypers)
