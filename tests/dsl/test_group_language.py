@@ -217,3 +217,84 @@ def test_rules_without_modes_ignore_train_and_eval():
     opt.eval()
     opt.train()
     assert "mode" not in opt.param_groups[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_copy_repeat_makes_of_a_reduction_is_its_own(backend):
+    """repeat writes global_sum out twice: two reductions, not one summed twice."""
+    spec = vega.compile("optimizer o() {\n x = g\n acc = 0\n repeat 2 {\n"
+                        " acc = acc + global_sum(x)\n x = x * 2\n }\n p = p - acc\n}")
+    params = [torch.zeros(2, 3), torch.zeros(3)]
+    new, _ = spec.step(params, [torch.ones(2, 3), torch.ones(3)], spec.init(params),
+                       backend=backend)
+    assert torch.equal(new[0], torch.full((2, 3), -27.0))  # 9 + 18
+
+
+# the programs of a group reach the reduction over it at different stages (one normalizes
+# by its own norm first): each waits for the others' parts
+STAGES_APART = """
+optimizer o(lr = 0.1) {
+    if ndim(p) == 2 {
+        x = g / norm(g)
+    } else {
+        x = g
+    }
+    p = p - lr * x * global_sum(x * x)
+}
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_programs_reaching_a_reduction_at_different_stages_reduce_together(backend):
+    spec = vega.compile(STAGES_APART)
+    params, grads = tensors(torch.float64), tensors(torch.float64, 1)
+    xs = [g / g.norm() if g.dim() == 2 else g for g in grads]
+    total = sum((x * x).sum() for x in xs)
+    want = [p - 0.1 * x * total for p, x in zip(params, xs)]
+    new, _ = spec.step(params, grads, spec.init(params), backend=backend)
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = spec.optimizer(ps, backend=backend)
+    for p, g in zip(ps, grads):
+        p.grad = g.clone()
+    opt.step()
+    for a, b, w in zip(new, ps, want):
+        torch.testing.assert_close(a, w, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(b.detach(), w, rtol=1e-12, atol=1e-12)
+
+
+def test_functional_mode_reads_the_master_copy():
+    spec = vega.compile(MODES)
+    params = [torch.randn(64, dtype=torch.bfloat16)]
+    state = spec.init(params, master_weights=True)
+    params, state = spec.step(params, [torch.randn(64, dtype=torch.bfloat16)], state,
+                              master_weights=True)
+    got = spec.mode("eval", params, state, master_weights=True)
+    master, z = state["master"][0], state["z"][0]
+    assert torch.equal(got[0], ((master - 0.25 * z) / 0.75).to(torch.bfloat16))
+    assert torch.equal(state["master"][0], master)
+
+
+def test_a_tensor_without_a_gradient_keeps_its_group_s_estimate():
+    """Prodigy's d is one number per group: a tensor that skips a step (no gradient) takes
+    the group's new d, in the class and in the functional step, so that all agree after."""
+    gen = torch.Generator().manual_seed(5)
+    start = [torch.randn(4, 3, generator=gen, dtype=torch.float64),
+             torch.randn(5, generator=gen, dtype=torch.float64)]
+    ps = [torch.nn.Parameter(p.clone()) for p in start]
+    opt = vega.optim.Prodigy(ps, d0=1e-3)
+    params = [p.clone() for p in start]
+    state = vega.prodigy.init(params, d0=1e-3)
+    for k in range(30):
+        skip = k == 20
+        for p in ps:
+            p.grad = 2 * (p.detach() - 1)
+        if skip:
+            ps[1].grad = None
+        opt.step()
+        grads = [2 * (p - 1) for p in params]
+        params, state = vega.prodigy.step(params, [grads[0], None if skip else grads[1]],
+                                          state, d0=1e-3)
+    ds = [opt.state[p]["d"] for p in ps]
+    assert float(ds[0]) > 1e-2 and torch.equal(ds[0], ds[1])
+    assert torch.equal(opt.state[ps[0]]["num"], opt.state[ps[1]]["num"])
+    assert torch.equal(state["d"][0], state["d"][1]) and float(state["d"][0]) > 1e-2

@@ -84,3 +84,48 @@ def test_matrix_programs_run_on_the_reference_kernels():
     program = spec.program(shape=(3, 4))
     assert program.torch_only and program.has_matrices
     assert spec.source("c", shape=(3, 4)) == spec.source("reference", shape=(3, 4))
+
+
+def test_modes_and_initial_values_may_use_matrices_rows_and_sizes():
+    """A mode or a state's initial value that alone uses the matrix view gets its geometry."""
+    text = """
+    optimizer o() {
+        state z = p
+        state d: scalar = size(p, 0) + norm(p @ transpose(p))
+        z = z + g
+        p = p - g
+        mode eval {
+            p = p - row_mean(z) + z @ transpose(z) @ p * size(p, 0)
+        }
+    }"""
+    spec = vega.compile(text)
+    p = torch.randn(3, 4, dtype=torch.float64)
+    state = spec.init([p])
+    assert float(state["d"][0]) == pytest.approx(3 + float((p @ p.T).norm()), rel=1e-12)
+    z = state["z"][0]
+    got = spec.mode("eval", [p], state)[0]
+    torch.testing.assert_close(got, p - z.mean(1, keepdim=True) + z @ z.T @ p * 3,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_bfloat16_matrices_meet_the_compute_type_by_promotion():
+    """x + a @ b fused into one product, and @ itself, across bfloat16 and float32: torch's
+    promotion, as the elementwise operations have it."""
+    text = """
+    optimizer o() {
+        x = bfloat16(g)
+        p = p - 0.01 * (widen(x) + x @ transpose(x) @ x) + 0.001 * ((g @ transpose(g)) @ x)
+    }"""
+    g = torch.randn(3, 5)
+    new, _ = step(text, [torch.zeros(3, 5)], [g])
+    x = g.to(torch.bfloat16)
+    want = -0.01 * (x.float() + x @ x.T @ x) + 0.001 * ((g @ g.T) @ x.float())
+    torch.testing.assert_close(new[0], want, rtol=2e-2, atol=1e-3)
+
+
+def test_a_mode_takes_ifs_on_the_shape():
+    spec = vega.compile("optimizer o() {\n p = p - g\n mode eval {\n if ndim(p) == 2 {\n"
+                        " p = 2 * p\n } else {\n p = 3 * p\n }\n }\n}")
+    params = [torch.ones(2, 2), torch.ones(3)]
+    got = spec.mode("eval", params, spec.init(params))
+    assert torch.equal(got[0], torch.full((2, 2), 2.0)) and torch.equal(got[1], torch.full((3,), 3.0))

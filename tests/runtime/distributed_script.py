@@ -266,7 +266,7 @@ def muon_refused() -> None:
     try:
         opt.step()
     except ValueError as err:
-        assert "need each matrix whole on one process" in str(err), err
+        assert "need each tensor whole on one process" in str(err), err
         found["muon-fsdp"] = "refused"
     assert all(torch.equal(p.full_tensor(), b) for p, b in zip(net.parameters(), before))
 

@@ -240,6 +240,7 @@ def render_staged(program: Program, linear: Linear | None = None) -> str:
     lin = linear or linearize(program)
     r = TorchRenderer()
     level, phases = stages(program)
+    keys = global_keys(program)
     state = [state_var(s) for s in program.state_names]
     out = [f"def update_staged({', '.join(['p', 'g', *state, *lin.scalar_outputs, 'geo'])}):",
            '    """The element phase, stage by stage: each reduction is yielded."""']
@@ -251,7 +252,7 @@ def render_staged(program: Program, linear: Linear | None = None) -> str:
         if k < len(phases):
             asked = ", ".join(f"({n.op.value!r}, {r.operand(lin, n.src[0], 'element')}, "
                               f"{n.src[0].dom if n.src[0].kind == Kind.ELEMENT else None!r}, "
-                              f"{global_key(n)!r})" for n in phases[k])
+                              f"{keys.get(id(n))!r})" for n in phases[k])
             out.append(f"    {''.join(lin.ref(n) + ', ' for n in phases[k])}= "
                        f"yield ({asked},)")
     doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
@@ -260,13 +261,19 @@ def render_staged(program: Program, linear: Linear | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
-def global_key(node: Node) -> str | None:
-    """The name of a reduction over every tensor of a group (None for any other): its place
-    in the spec, the same in every program of the spec."""
-    if not is_global(node):
-        return None
-    return f"{node.op.value}@{node.span.line}:{node.span.column}" if node.span else \
-        f"{node.op.value}@{id(node)}"
+def global_keys(program: Program) -> dict[int, str]:
+    """The name of each reduction over every tensor of a group, by node id: its place in
+    the spec and, for the copies ``repeat`` makes of one place, which copy (in the order
+    they are computed), so the same in every program of the spec."""
+    out: dict[int, str] = {}
+    seen: dict[str, int] = {}
+    for node in walk(node for _, node in program.updates):
+        if is_global(node):
+            place = f"{node.op.value}@{node.span.line}:{node.span.column}" if node.span \
+                else f"{node.op.value}@?"
+            seen[place] = seen.get(place, 0) + 1
+            out[id(node)] = f"{place}#{seen[place]}"
+    return out
 
 
 def _global_partial(op: Op, x, view: ShardView | None):
@@ -383,19 +390,32 @@ def _from_matrices(m, geo: Geometry):
     return shaped.permute(back)
 
 
+def _promoted(*xs):
+    """``xs`` in one dtype, torch's promotion of theirs (a bfloat16 matrix meeting one of the
+    compute type widens, as an elementwise operation would)."""
+    dt = xs[0].dtype
+    for x in xs[1:]:
+        dt = torch.promote_types(dt, x.dtype)
+    return [x if x.dtype == dt else x.to(dt) for x in xs]
+
+
 def _matmul(a, b, geo: Geometry, da: str, db: str):
     """``a @ b`` of the matrix view: one product per matrix of the batch (torch.matmul)."""
-    out = torch.matmul(_as_matrices(a, geo) if da == "rc" else a,
-                       _as_matrices(b, geo) if db == "rc" else b)
+    a, b = _promoted(_as_matrices(a, geo) if da == "rc" else a,
+                     _as_matrices(b, geo) if db == "rc" else b)
+    out = torch.matmul(a, b)
     return _from_matrices(out, geo) if da[0] + db[1] == "rc" else out
 
 
 def _matmul_add(x, a, b, geo: Geometry, dx: str, da: str, db: str):
     """``x + a @ b`` in one product (torch.addmm, torch.baddbmm): the sum rounded once."""
     m = _as_matrices(x, geo) if dx == "rc" else x
-    a = _as_matrices(a, geo) if da == "rc" else a
-    b = _as_matrices(b, geo) if db == "rc" else b
-    out = torch.addmm(m, a, b) if m.dim() == 2 else torch.baddbmm(m, a, b)
+    a, b = _promoted(_as_matrices(a, geo) if da == "rc" else a,
+                     _as_matrices(b, geo) if db == "rc" else b)
+    if m.dtype != a.dtype:  # (addmm takes one dtype: the sum promotes, as x + a @ b would)
+        out = m + torch.matmul(a, b)
+    else:
+        out = torch.addmm(m, a, b) if m.dim() == 2 else torch.baddbmm(m, a, b)
     return _from_matrices(out, geo) if dx == "rc" else out
 
 
@@ -521,6 +541,7 @@ class Kernel:
              namespace)
         self._update_staged = namespace["update_staged"]
         self.nstages = len(stages(shown)[1])  # stages that end in reductions
+        self.global_keys = global_keys(shown)  # (vega.codegen.steps.drive's needs)
         exec(compile(self.text, f"<vega reference: {program.name}>", "exec"), namespace)
         self._scalars = namespace["scalars"]
         self._update = namespace["update"]
@@ -595,7 +616,8 @@ class Kernel:
         if self.program.spans_group:  # its reductions over the group, between stages
             results = [None]
             drive({0: self.staged(params, grads, states, steps, values, donate, pre,
-                                  [None] * len(params))}, results)
+                                  [None] * len(params))}, results,
+                  needs={0: set(self.global_keys.values())})
             return results[0]
         finite, gscale = self._begin(params, states, steps, donate, pre)
         cache: dict = {}

@@ -43,42 +43,69 @@ def memo(seen: dict, objs: tuple, plain: tuple, make, *args, compiling: bool | N
     return value
 
 
-def drive(gens: dict, results: list, combine=None, spanning=None, group_of=None) -> None:
-    """Run staged steps (``Kernel.staged``: position -> generator) together, stage by stage.
+def drive(gens: dict, results: list, combine=None, spanning=None, group_of=None,
+          needs=None) -> None:
+    """Run staged steps (``Kernel.staged``: position -> generator) together.
 
     A stage's parts are ``(how, float64 tensor)`` (how: "sum" or "max"), a reduction of one
     tensor whose values lie on several processes, or ``(how, tensor, key)``, one part of a
     reduction over every tensor of a group (``global_sum``; ``key`` names the reduction,
-    the same in every program of a spec). The first are combined over processes by
-    ``combine(parts)``; the second are first summed (or their maximum taken, a NaN
-    winning) over the tensors of their group (``group_of[position]``, 0 for all where
-    None), then combined over processes by ``spanning(parts)`` (None: by ``combine``, in
-    the same call), and every part is given back its group's total. ``combine`` None:
-    nothing spans processes."""
-    asked = {}
+    the same in every program of a spec: ``vega.codegen.reference.global_keys``). The first
+    are combined over processes by ``combine(parts)``. The second are summed (or their
+    maximum taken, a NaN winning) over the tensors of their group (``group_of[position]``,
+    0 for all where None), then combined over processes by ``spanning(parts)`` (None: by
+    ``combine``, in the same call), and each part is given back its group's total. A step
+    waits for a reduction's total until every step of its group that reduces it
+    (``needs[position]``: the keys a step's program reduces) has given its part, whatever
+    stage each reaches it in (tensors of different programs). ``combine`` None: nothing
+    spans processes."""
+    needs = needs or {}
+
+    def group(k):
+        return group_of[k] if group_of is not None else 0
+
+    def is_global(part):
+        return len(part) == 3 and part[2] is not None
+    wanted: dict = {}  # (group, key) -> the steps that reduce it
+    for k, keys in needs.items():
+        for key in keys:
+            wanted.setdefault((group(k), key), set()).add(k)
+    asked, totals, done_keys = {}, {}, {}
+    given: dict = {}  # (group, key) -> the steps that have given their part
     for k, gen in gens.items():
         try:
             asked[k] = gen.send(None)
-        except StopIteration as done:
-            results[k] = done.value
+        except StopIteration as finished:
+            results[k] = finished.value
+    fresh = set(asked)
     while asked:
-        order = list(asked)
-        entries = [(k, part) for k in order for part in asked[k]]
-        own = [part[:2] for _, part in entries if len(part) == 2 or part[2] is None]
-        totals: dict = {}
-        for k, part in entries:
-            if len(part) == 3 and part[2] is not None:
+        for k in fresh:  # each new request's parts of reductions over the group, summed
+            for part in asked[k]:
+                if not is_global(part):
+                    continue
                 how, x, key = part
-                key = (group_of[k] if group_of is not None else 0, key)
+                name = (group(k), key)
                 here = x.sum() if how == "sum" else x.amax()
-                if key not in totals:
-                    totals[key] = [how, here]
+                if name not in totals:
+                    totals[name] = [how, here]
                 elif how == "sum":
-                    totals[key][1] = totals[key][1] + here
+                    totals[name][1] = totals[name][1] + here
                 else:
-                    totals[key][1] = torch.maximum(totals[key][1], here)
-        names = list(totals)
-        spanned = [(h, x.reshape(1)) for h, x in totals.values()]
+                    totals[name][1] = torch.maximum(totals[name][1], here)
+                given.setdefault(name, set()).add(k)
+        ready = [k for k in asked if all(
+            (name := (group(k), part[2])) in done_keys
+            or given.get(name, set()) >= wanted.get(name, {k})
+            for part in asked[k] if is_global(part))]
+        if not ready:
+            raise RuntimeError("vega: the reductions over a group of the programs of one step "
+                               "do not line up (a reduction each waits on the other for); "
+                               "please report it with the spec")
+        own = [part[:2] for k in ready for part in asked[k] if not is_global(part)]
+        names = list(dict.fromkeys(
+            (group(k), part[2]) for k in ready for part in asked[k]
+            if is_global(part) and (group(k), part[2]) not in done_keys))
+        spanned = [(totals[n][0], totals[n][1].reshape(1)) for n in names]
         if spanning is not None and spanned:
             done_own = combine(own) if combine is not None and own else [x for _, x in own]
             done_spanned = spanning(spanned)
@@ -87,18 +114,15 @@ def drive(gens: dict, results: list, combine=None, spanning=None, group_of=None)
             done_own, done_spanned = both[:len(own)], both[len(own):]
         else:
             done_own, done_spanned = [x for _, x in own], [x for _, x in spanned]
-        total = {name: x.reshape(()) for name, x in zip(names, done_spanned)}
+        done_keys.update({n: x.reshape(()) for n, x in zip(names, done_spanned)})
         own_done = iter(done_own)
-        answers: dict = {k: [] for k in order}
-        for k, part in entries:
-            if len(part) == 3 and part[2] is not None:
-                key = (group_of[k] if group_of is not None else 0, part[2])
-                answers[k].append(total[key].expand(part[1].shape))
-            else:
-                answers[k].append(next(own_done))
-        for k in order:
+        fresh = set()
+        for k in ready:
+            answer = [done_keys[(group(k), part[2])].expand(part[1].shape) if is_global(part)
+                      else next(own_done) for part in asked[k]]
             try:
-                asked[k] = gens[k].send(answers[k])
-            except StopIteration as done:
-                results[k] = done.value
+                asked[k] = gens[k].send(answer)
+                fresh.add(k)
+            except StopIteration as finished:
+                results[k] = finished.value
                 del asked[k]

@@ -665,6 +665,8 @@ def shape_conditions(spec: ast.Spec) -> list[ast.If]:
                     out.append(s)
                 visit(s.then)
                 visit(s.orelse)
+            elif isinstance(s, ast.Mode):  # (a mode's ifs choose by the tensor alike)
+                visit(s.body)
     visit(spec.body)
     return out
 

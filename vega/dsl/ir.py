@@ -339,7 +339,10 @@ class Program:
         object.__setattr__(self, "variants", {})
         object.__setattr__(self, "master", False)
         object.__setattr__(self, "rounding", None)
-        nodes = walk(node for _, node in self.updates)
+        # (the modes' and the initial values' nodes too: what they compute is rendered
+        # beside the update, with the same helpers)
+        nodes = walk([*(node for _, node in self.updates), *(node for _, node in self.modes),
+                      *(st.init for st in self.states)])
         object.__setattr__(self, "uses_axes", any(
             s.dom not in ("rc", SCALAR_STATE) for s in self.states) or any(
             n.op in AXIS_REDUCTIONS or n.op in TORCH_ONLY_OPS for n in nodes))
@@ -354,6 +357,11 @@ class Program:
         object.__setattr__(self, "scalar_states", any(
             s.dom == SCALAR_STATE for s in self.states))
         object.__setattr__(self, "has_matrices", any(n.op in MATRIX_OPS for n in nodes))
+        object.__setattr__(self, "group_states", _group_states(self))
+        # what a DTensor's shard cannot compute alone: a matrix needs it whole, size(p, k)
+        # the whole tensor's length
+        object.__setattr__(self, "needs_whole", any(
+            n.op in MATRIX_OPS or n.op is Op.SIZE for n in nodes))
 
     @property
     def float_hypers(self) -> tuple[str, ...]:
@@ -362,6 +370,40 @@ class Program:
     @property
     def state_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.states)
+
+
+def _group_states(program: Program) -> tuple[str, ...]:
+    """The states of one number per tensor that hold one number per group: updated from a
+    reduction over the group, and otherwise only from hyperparameters, ``t`` and such
+    states (Prodigy's d), so the same in every tensor of a group that steps (NovoGrad's
+    nu is not: it reads the tensor's own norm)."""
+    new = dict(program.updates)
+    scalar = {s.name for s in program.states if s.dom == SCALAR_STATE}
+    found = set(scalar)
+    while True:  # (the largest set closed under: reads only found states)
+        def ok(node: Node, seen: set) -> bool:
+            if id(node) in seen or is_global(node):
+                return True
+            seen.add(id(node))
+            if node.op is Op.STATE:
+                return node.arg in found
+            if node.op in (Op.PARAM, Op.GRAD) or node.op in REDUCTIONS \
+                    or node.op in AXIS_REDUCTIONS or node.op is Op.SIZE:
+                return False
+            return all(ok(s, seen) for s in node.src)
+        keep = {name for name in found if ok(new[name], set())}
+        if keep == found:
+            break
+        found = keep
+    # of those, the ones a reduction over the group feeds (those of hyperparameters and t
+    # alone, NAdam's mu_product, follow each tensor's own step counter, as torch's do)
+    fed: set[str] = set()
+    while True:
+        more = {name for name in found if name not in fed and any(
+            is_global(n) or (n.op is Op.STATE and n.arg in fed) for n in walk([new[name]]))}
+        if not more:
+            return tuple(name for name in program.state_names if name in fed)
+        fed |= more
 
 
 def cse(program: Program) -> Program:

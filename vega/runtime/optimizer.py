@@ -194,6 +194,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                                    [k for k, (_, w) in enumerate(found_work) for _ in w])
             if self.loss_scale is not None:
                 self.loss_scale = self.loss_scale.adjust(finite_of(pre))
+            self._share_group_states(found_work)
             return loss
         work = [item for group, w in found_work for item in self._routed(group, w)]
         # all checked before any is written; one call of the C backend's operator checks
@@ -398,6 +399,27 @@ class SpecOptimizer(torch.optim.Optimizer):
             return plan.work(backend, grads, sts, values)
         except KeyError:  # a state tensor was removed: the slow path says what is missing
             return None
+
+    def _share_group_states(self, found_work) -> None:
+        """A parameter that did not step (no gradient) takes its group's new value of each
+        state of one number per group (``Program.group_states``: Prodigy's d) and its step
+        counter, as the group's one value and one counter of Prodigy's and D-Adaptation's
+        own implementations: its own would go stale and come back when it steps."""
+        for group, work in found_work:
+            fresh: dict = {}
+            for program, _, params, *_ in work:
+                for name in program.group_states:
+                    fresh.setdefault(name, self.state[params[0]][name])
+            if not fresh:
+                continue
+            fresh["step"] = self.state[work[0][2][0]]["step"]
+            stepped = {id(p) for item in work for p in item[2]}
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and id(p) not in stepped:
+                    for name, value in fresh.items():
+                        if name in st:
+                            st[name].copy_(value)
 
     def train(self) -> None:
         """Put the parameters in mode ``train``, the mode they step in (schedule-free's y),

@@ -283,13 +283,13 @@ class _Local:
                     out.append(col[i])
                 continue
             self.views.append(view_of(where, p))
-            if program.has_matrices and self.views[-1].split:
+            if program.needs_whole and self.views[-1].split:
                 raise ValueError(
                     f"{where} is a DTensor split over processes (placements "
                     f"{tuple(p.placements)}), but {program.name}'s matrix operations (@, "
-                    "transpose) need each matrix whole on one process; step such a rule "
-                    "under DDP or ZeroRedundancyOptimizer (reduce_group), or keep its "
-                    "matrices replicated")
+                    "transpose) and size(p, k) need each tensor whole on one process; step "
+                    "such a rule under DDP or ZeroRedundancyOptimizer (reduce_group), or "
+                    "keep its tensors replicated")
             self.lp.append(p.to_local())
             self.lg.append(self._local(f"{where}'s gradient", grads[i], p, tuple(p.placements)))
             for s, col, out in zip(program.states, states, self.ls):
@@ -351,7 +351,7 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
     if pre is not None and spanning:
         pre[:2].copy_(combine([("sum", pre[:2].clone())], spanning)[0])
     results: list = [None] * len(locs)
-    gens = {}
+    gens, kerns = {}, {}
     for k, loc in enumerate(locs):
         if loc.staged():
             kern = codegen.kernel(loc.backend, loc.program)
@@ -360,14 +360,16 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
             values = engine.tensor_values(loc.program, kern, loc.values, loc.steps)
             gens[k] = kern.staged(loc.lp, loc.lg, loc.ls, loc.steps, values, donate, pre,
                                   loc.views)
+            kerns[k] = kern
         else:
             results[k] = engine.run(loc.program, loc.backend, loc.lp, loc.lg, loc.ls,
                                     loc.steps, loc.values, donate, pre)
     # (without a reduce_group, the reductions over a group span the mesh alone: one
     # collective a stage for both kinds)
+    needs = {k: set(getattr(kern, "global_keys", {}).values()) for k, kern in kerns.items()}
     drive(gens, results, (lambda parts: combine(parts, groups)) if groups else None,
           (lambda parts: combine(parts, spanning))
-          if reduce_group is not None else None, group_of)
+          if reduce_group is not None else None, group_of, needs)
     if not donate:
         results = [loc.wrap(r) for loc, r in zip(locs, results)]
     return pre, results

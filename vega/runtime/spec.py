@@ -239,6 +239,7 @@ class CompiledSpec:
         for n, changed in new_cols.items():
             for i, leaf in changed.items():
                 out_cols[n][i] = leaf
+        _share_group_states(work, idx, out_cols, donate)
         new_state = {n: unflatten(out_cols[n], p_spec) for n in names}
         new_state["step"] = new_step
         if loss_scale is not None:
@@ -250,11 +251,14 @@ class CompiledSpec:
         """The modes the spec declares (``mode eval { p = ... }``), in source order."""
         return tuple(m.name for m in self._spec.tree.body if isinstance(m, dsl.ast.Mode))
 
-    def mode(self, name: str, params, state, **hypers):
+    def mode(self, name: str, params, state, *, master_weights: bool = False, **hypers):
         """``params`` as they look in mode ``name`` of the spec (``mode eval { p = ... }``:
         schedule-free's evaluation point, from the parameters the step keeps), read with
-        ``state``: new parameters, a pure function."""
+        ``state``: new parameters, a pure function. ``master_weights``: the state holds
+        float32 master copies (``init(..., master_weights=True)``), which the mode reads in
+        place of the parameters."""
         owner = f"{self.name}.mode"
+        engine.check_precision(owner, master_weights, False, 0)
         if not isinstance(name, str) or name not in self.modes:
             known = ", ".join(repr(m) for m in self.modes) or "none"
             raise ValueError(f"{owner}: mode {engine.shown(name)} is not one of this spec's "
@@ -263,7 +267,8 @@ class CompiledSpec:
         p_leaves, p_spec = flatten(params)
         _check_leaves(owner, "params", params, p_leaves)
         progs = engine.programs(owner, self._spec, flags, values,
-                                [p if is_steppable(p) else None for p in p_leaves])
+                                [p if is_steppable(p) else None for p in p_leaves],
+                                master=master_weights)
         names = [f.name for f in self._fields(flags, progs)]
         columns = _check_state(owner, self, flags, names, state, p_spec,
                                self._spec.shape_hypers)
@@ -278,7 +283,7 @@ class CompiledSpec:
                 codegen.kernel("reference", program).mode(
                     name, [out[i] for i in ids],
                     [[columns[n][i] for i in ids] for n in program.state_names],
-                    [vals] * len(ids))
+                    [vals] * len(ids), keep_master=True)
         return unflatten(out, p_spec)
 
     # -- torch.optim ----------------------------------------------------------
@@ -291,6 +296,26 @@ class CompiledSpec:
     def optimizer(self, params, **kwargs) -> torch.optim.Optimizer:
         """A ``torch.optim.Optimizer`` over ``params`` (an iterable or param groups)."""
         return self.optimizer_class(params, **kwargs)
+
+
+def _share_group_states(work, stepped, cols, donate: bool) -> None:
+    """A leaf that did not step (no gradient) takes its group's new value of each state of
+    one number per group (``Program.group_states``: Prodigy's d), in ``cols``: field ->
+    leaves."""
+    fresh = {}
+    for program, ids in work:
+        for name in program.group_states:
+            fresh.setdefault(name, cols[name][ids[0]])
+    if not fresh:
+        return
+    done = set(stepped)
+    for name, value in fresh.items():
+        for i, leaf in enumerate(cols[name]):
+            if i not in done and isinstance(leaf, torch.Tensor):
+                if donate:
+                    leaf.copy_(value)
+                else:
+                    cols[name][i] = value.to(leaf.dtype).clone()
 
 
 def _checked_shape(owner: str, shape) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from vega.codegen.base import (HyperRows, axis_geometry, check_states, distinct,
 from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
-from vega.codegen.reference import global_key
+from vega.codegen.reference import global_keys
 from vega.codegen.steps import drive
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths
 from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
@@ -60,6 +60,7 @@ class Kernel:
         self._nphases = len(reduction_phases(program))
         self._nred = sum(len(p) for p in reduction_phases(program))
         self._axes = program.uses_axes  # one vega_axes_step instead of phases and update
+        self.global_keys = global_keys(program)  # its reductions over a group, named
         self.columns = record.table_columns(len(program.states), NGEO if self._axes else 0)
         # how the custom ops find this kernel: a name never given to another (a counter,
         # not len(_KERNELS): two threads making kernels at once would take the same
@@ -244,7 +245,8 @@ class Kernel:
             results = [None]
             kern = self if self.stageable else _reference(self.program)
             drive({0: kern.staged(params, grads, states, steps, values, donate, pre,
-                                  [None] * len(params))}, results)
+                                  [None] * len(params))}, results,
+                  needs={0: set(kern.global_keys.values())})
             return results[0]
         return self._call(params, grads, states, steps, values, donate, pre)
 
@@ -343,7 +345,7 @@ class Kernel:
                 for c, node in zip(cols, phase):
                     how = "max" if node.op is Op.AMAX else "sum"
                     parts.append((how, grid[:, c] if how == "max" else grid[:, c] * weight,
-                                  global_key(node)))
+                                  self.global_keys.get(id(node))))
                     finish.append((grid, c, node.op, count))
             combined = yield parts
             for (grid, c, op, count), value in zip(finish, combined):
