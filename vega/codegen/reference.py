@@ -197,32 +197,33 @@ def render(program: Program, linear: Linear | None = None) -> str:
     return "\n".join(out)
 
 
-def _init_function(name: str, node: Node, hypers, r: TorchRenderer, dom: str = "rc",
-                   axes: bool = False) -> list[str]:
-    """``init_s_<name>(p, <hyperparameters>[, geo])``: a state's initial value."""
-    lin = linearize(Program("init", (), (), (), (("p", node),)))
-    args = ("p",) + tuple(hypers) + (("geo",) if axes else ())
-    out = [f"def init_{state_var(name)}({', '.join(args)}):",
-           f'    """The initial value of state {name}."""']
+def _value_function(fn: str, doc: str, node: Node, args, r: TorchRenderer, dom: str,
+                    axes: bool) -> list[str]:
+    """A function ``fn(*args)`` computing one value ``node`` (of ``dom``) on its own."""
+    lin = linearize(Program(fn, (), (), (), (("p", node),)))
+    out = [f"def {fn}({', '.join(args)}):", f'    """{doc}"""']
     for line in lin.scalar_lines + lin.element_lines:
         out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
     out.append(f"    return {r.output(lin, node, dom, axes)}")
     return out + [""]
 
 
+def _init_function(name: str, node: Node, hypers, r: TorchRenderer, dom: str = "rc",
+                   axes: bool = False) -> list[str]:
+    """``init_s_<name>(p, <hyperparameters>[, geo])``: a state's initial value."""
+    args = ("p",) + tuple(hypers) + (("geo",) if axes else ())
+    return _value_function(f"init_{state_var(name)}", f"The initial value of state {name}.",
+                           node, args, r, dom, axes)
+
+
 def _mode_function(name: str, node: Node, program: Program, r: TorchRenderer) -> list[str]:
     """``mode_<name>(p, <states>, <hyperparameters>[, geo])``: the parameter in mode ``name``
     (``mode eval { p = ... }``), in the compute dtype."""
-    lin = linearize(Program("mode", (), (), (), (("p", node),)))
-    hypers = tuple(hyper_var(h) for h in program.float_hypers)
-    args = ("p", *(state_var(s) for s in program.state_names), *hypers) + \
+    args = ("p", *(state_var(s) for s in program.state_names),
+            *(hyper_var(h) for h in program.float_hypers)) + \
         (("geo",) if program.uses_axes else ())
-    out = [f"def mode_{name}({', '.join(args)}):",
-           f'    """The parameter in mode {name}."""']
-    for line in lin.scalar_lines + lin.element_lines:
-        out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
-    out.append(f"    return {r.output(lin, node, 'rc', program.uses_axes)}")
-    return out + [""]
+    return _value_function(f"mode_{name}", f"The parameter in mode {name}.", node, args, r,
+                           "rc", program.uses_axes)
 
 
 def stages(program: Program) -> tuple[dict[int, int], list[list[Node]]]:
