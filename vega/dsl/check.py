@@ -377,6 +377,11 @@ class _Walker:
                 if a.node.dtype != b.node.dtype:
                     raise SpecError(f"'{name}' is {_what(a.node)} in one branch of this if "
                                     f"and {_what(b.node)} in the other", s.span)
+                mats = {n.dom for n in (a.node, b.node) if n.kind == Kind.ELEMENT}
+                if len(mats) > 1 and mats & set(ir.MATRIX_DOMAINS):
+                    raise SpecError(f"'{name}' is {_matrix_words(a.node)} in one branch of this "
+                                    f"if and {_matrix_words(b.node)} in the other: a matrix of a "
+                                    "product has one shape after an if", s.span)
                 only = a.only_if or b.only_if
                 node = _wider(a.node, b.node)
                 merged[name] = _Binding(node, a.role, a.span, only)
