@@ -271,6 +271,19 @@ def muon_refused() -> None:
     assert all(torch.equal(p.full_tensor(), b) for p, b in zip(net.parameters(), before))
 
 
+def uneven_refused() -> None:
+    """Prodigy with reduce_group where rank 1 has nothing to step in the group: every rank
+    refuses the step with the same error, none waits for the others' collectives."""
+    ps = [torch.nn.Parameter(torch.ones(3, 2, dtype=torch.float64))]
+    opt = vega.optim.Prodigy(ps, reduce_group=dist.group.WORLD)
+    ps[0].grad = torch.ones(3, 2, dtype=torch.float64) if RANK == 0 else None
+    try:
+        opt.step()
+    except ValueError as err:
+        assert "step different programs" in str(err), err
+        found["uneven"] = "refused"
+
+
 def zero_against_ddp(cls=vega.optim.AdamW, lr=1e-2, key="zero", **hypers) -> None:
     """ZeroRedundancyOptimizer over vega's AdamW with max_grad_norm and reduce_group: the
     clip spans every rank's parameters, as under DDP with one optimizer per rank. Prodigy:
@@ -414,6 +427,7 @@ def main() -> None:
             {"nan": nan_skips, "dcp": dcp_resume, "zero": zero_against_ddp,
              "dcp-ddp": lambda: dcp_resume("ddp"), "docs": docs_example,
              "functions": functions_over_group, "muon-fsdp": muon_refused,
+             "uneven": uneven_refused,
              "zero-prodigy": lambda: zero_against_ddp(vega.optim.Prodigy, 1.0,
                                                       "zero-prodigy", d0=1e-3)}[check]()
         dist.barrier()

@@ -73,7 +73,7 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     found = launch(2, ["AdamW", "LAMB", "Adafactor", "SGD", "reductions", "per_tensor", "nan",
                        "dcp",
                        "dcp-ddp", "zero", "docs", "functions", "Prodigy", "zero-prodigy",
-                       "muon-fsdp"],
+                       "muon-fsdp", "uneven"],
                    tmp_path)
     assert found[0] == found[1]  # every rank saw the same
     for name, collectives, staged in (("AdamW", 1, []), ("LAMB", 2, ["c"]),
@@ -95,6 +95,7 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     assert found[0]["zero"]["diff"] <= 1e-9
     assert found[0]["zero-prodigy"]["diff"] <= 1e-9
     assert found[0]["muon-fsdp"] == "refused"
+    assert found[0]["uneven"] == "refused"  # (on every rank: found[0] == found[1])
     # global_norm, clip_by_global_norm, lbfgs_step and LBFGS under ZeRO, over reduce_group
     # and over DTensor leaves (the script checks the skips and counts the collectives)
     assert set(found[0]["functions"]) == {"norm", "clip", "lbfgs", "lbfgs-zero",

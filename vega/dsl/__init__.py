@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vega.dsl import ast, ir
-from vega.dsl.check import (_names, all_flag_settings, check, lower, open_value, reads_shape,
-                            shape_conditions, static_value, unroll)
+from vega.dsl.check import (GLOBAL_FUNCTIONS, _calls, _names, all_flag_settings, check, lower,
+                            open_value, reads_shape, shape_conditions, static_value, unroll)
 from vega.dsl.parser import parse
 from vega.errors import SpecError
 
@@ -28,6 +28,9 @@ class Spec:
     shape_conditions: list = field(init=False, repr=False)
     shape_hypers: tuple[str, ...] = field(init=False, repr=False)
     reads_shape: bool = field(init=False, repr=False)  # a condition asks ndim(p) or the like
+    # whether any program reduces over a parameter group (global_sum ...): under
+    # reduce_group, every rank's step then meets the others' (vega.runtime.sharded)
+    spans_group: bool = field(init=False, repr=False)
     # the states declared under an if on hyperparameter values alone (sgd's v under
     # `if momentum > 0`): a class creates them when the values turn such an if on
     value_states: frozenset[str] = field(init=False, repr=False)
@@ -41,6 +44,8 @@ class Spec:
         names = (n.id for s in self.shape_conditions for n in _names(s.cond))
         self.shape_hypers = tuple(dict.fromkeys(n for n in names if n in floats))
         self.reads_shape = any(reads_shape(s.cond) for s in self.shape_conditions)
+        self.spans_group = any(isinstance(c, ast.Call) and c.fn in GLOBAL_FUNCTIONS
+                               for e in _expressions(self.tree.body) for c in _calls(e))
         self.value_states = frozenset(
             name for s in self.shape_conditions if not reads_shape(s.cond)
             for name in _declared(s.then + s.orelse))
@@ -116,6 +121,18 @@ class Spec:
 
     def flag_settings(self) -> list[dict[str, bool]]:
         return all_flag_settings(self.hypers)
+
+
+def _expressions(stmts):
+    """Every expression of ``stmts``, in ifs and modes too."""
+    for s in stmts:
+        if isinstance(s, (ast.Assign, ast.StateDecl)):
+            yield s.value if isinstance(s, ast.Assign) else s.init
+        elif isinstance(s, ast.If):
+            yield s.cond
+            yield from _expressions(s.then + s.orelse)
+        elif isinstance(s, ast.Mode):
+            yield from _expressions(s.body)
 
 
 def _declared(stmts):

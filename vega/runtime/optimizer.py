@@ -191,7 +191,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             pre, _ = sharded.fused(type(self).__name__, [i for _, w in found_work for i in w],
                                    engine.inverse_scale(self.loss_scale), self.max_grad_norm,
                                    check, True, group_of,
-                                   [k for k, (_, w) in enumerate(found_work) for _ in w])
+                                   [k for k, (_, w) in enumerate(found_work) for _ in w],
+                                   spans=self.spec._spec.spans_group)
             if self.loss_scale is not None:
                 self.loss_scale = self.loss_scale.adjust(finite_of(pre))
             self._share_group_states(found_work)

@@ -323,15 +323,18 @@ class _Local:
 
 
 def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
-          reduce_group=None, group_of=None):
+          reduce_group=None, group_of=None, spans: bool = False):
     """``engine.prelude`` over every item's gradients and ``engine.run`` of each item
     (``(program, backend, params, grads, states, steps, values)``, values a dict per
     tensor, or one for all), reducing across
     processes (the module's doc): returns (the prelude's record, each item's answer).
     ``group_of``: each item's parameter group, over whose tensors a spec's reductions over
-    a group (``global_sum``) run (None: the items are one group)."""
+    a group (``global_sum``) run (None: the items are one group). ``spans``: the spec has
+    such reductions (a rank without tensors to step knows it so)."""
     box: list = []
     locs = [_Local(owner, item, box) for item in items]
+    if reduce_group is not None and (spans or any(loc.program.spans_group for loc in locs)):
+        _same_programs(owner, locs, group_of, reduce_group)
     mesh = box[0] if box else None
     groups = mesh_groups(mesh) if mesh is not None else []
     spanning = groups + ([reduce_group] if reduce_group is not None else [])
@@ -373,6 +376,29 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
     if not donate:
         results = [loc.wrap(r) for loc, r in zip(locs, results)]
     return pre, results
+
+
+def _same_programs(owner: str, locs, group_of, reduce_group) -> None:
+    """Every rank of ``reduce_group`` steps the same programs in each parameter group (its
+    tensors take the same branches of the spec's shape conditions), or the ranks' collectives
+    of the reductions over a group would not match: one all-reduce of a signature of the
+    programs, and a ValueError on every rank where they differ, never a wait."""
+    import zlib
+
+    import torch.distributed as dist
+    held = sorted({(group_of[k] if group_of is not None else 0, loc.program.flags,
+                    loc.program.shapes) for k, loc in enumerate(locs)
+                   if loc.program.spans_group})
+    sig = float(zlib.crc32(repr(held).encode()))
+    both = torch.tensor([sig, -sig], dtype=torch.float64, device=group_device(reduce_group))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=reduce_group)
+    if float(both[0]) != -float(both[1]):
+        raise ValueError(
+            f"{owner}: the ranks of reduce_group step different programs of a rule with "
+            "reductions over a parameter group (a rank without tensors in a group, or with "
+            "tensors that take other branches of its shape conditions): their collectives "
+            "would not match. Give every rank tensors of each group, alike in shape "
+            "(docs/distributed.md)")
 
 
 def _scaled(pre: torch.Tensor, w: float) -> torch.Tensor:

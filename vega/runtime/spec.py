@@ -210,7 +210,7 @@ class CompiledSpec:
                       [values] * len(ids)) for program, ids in work]
             if spread or any(program.spans_group for program, _ in work):
                 pre, results = sharded.fused(owner, items, inv, max_grad_norm, check, donate,
-                                             reduce_group)
+                                             reduce_group, spans=self._spec.spans_group)
             else:
                 pre = engine.prelude([(item[0], backend, item[3]) for item in items], inv,
                                      max_grad_norm, check)
