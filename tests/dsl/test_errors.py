@@ -184,6 +184,8 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "  }\n}\n", "'step' is neither (did you mean 'steps'?)", 2, 10),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * size(g * 2, 0) * g\n}\n",
      "size() takes the parameter and an axis", 2, 21),
+    ("optimizer o(lr = 1e-3) {\n  repeat 2 {\n    state s = zeros\n    s = s + g\n  }\n"
+     "  p = p - lr * g\n}\n", "state 's' is declared inside a repeat", 3, 5),
     ("optimizer o(lr = 1e-3) {\n  if ndim(p) == 2 {\n    y = transpose(g)\n  } else {\n"
      "    y = g\n  }\n  p = p - lr * transpose(y)\n}\n",
      "'y' is a columns x rows matrix in one branch of this if and one value per element "

@@ -826,6 +826,11 @@ def unroll(spec: ast.Spec) -> ast.Spec:
         for st in stmts:
             if isinstance(st, ast.Repeat):
                 body = walk(st.body)
+                decl = next(_state_decls(body), None)
+                if decl is not None:
+                    raise SpecError(f"state '{decl.name}' is declared inside a repeat, which "
+                                    "would declare it again each time round; declare it before "
+                                    "the repeat", decl.span)
                 n = count_of(st)
                 if n is not None:
                     out.extend(body * n)
@@ -844,6 +849,14 @@ def unroll(spec: ast.Spec) -> ast.Spec:
                 out.append(st)
         return tuple(out)
     return dataclasses.replace(spec, body=walk(spec.body))
+
+
+def _state_decls(stmts):
+    for st in stmts:
+        if isinstance(st, ast.StateDecl):
+            yield st
+        elif isinstance(st, ast.If):
+            yield from _state_decls(st.then + st.orelse)
 
 
 def check(spec: ast.Spec) -> tuple[ir.HyperParam, ...]:
