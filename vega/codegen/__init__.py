@@ -60,8 +60,7 @@ def kernel(backend: str, program: Program):
 
 def _kernel(backend: str, program: Program, counting: bool):
     found = program.kernels.get(backend)
-    if found is None and backend != "reference" and (program.torch_only or (
-            program.scalar_states and (backend == "triton" or program.uses_axes))):
+    if found is None and backend != "reference" and _reference_only(backend, program):
         check_backend(backend)  # (what only the reference computes runs there on any device)
         found = program.kernels[backend] = _kernel("reference", program, counting)
     elif found is None:
@@ -73,6 +72,18 @@ def _kernel(backend: str, program: Program, counting: bool):
     elif counting:
         _COUNTS["hits"] += 1
     return found
+
+
+def _reference_only(backend: str, program: Program) -> bool:
+    """Whether ``backend`` hands ``program`` to the reference kernels: matrices (only they
+    compute them); on Triton, and on C over a matrix view, a state of one number per
+    tensor; on Triton, reductions over a group (the C kernels hand a program whose
+    stages they do not run to the reference's themselves: ``Kernel.__call__``)."""
+    if program.torch_only:
+        return True
+    if program.scalar_states and (backend == "triton" or program.uses_axes):
+        return True
+    return program.spans_group and backend == "triton"
 
 
 def _cache_info():

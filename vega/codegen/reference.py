@@ -28,7 +28,7 @@ from vega.codegen import precision
 from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_states, geometry,
                                hyper_var, leveled, linearize, state_var)
 from vega.codegen.record import Pre, finite_of
-from vega.codegen.steps import advance_steps, drive, memo
+from vega.codegen.steps import advance_steps, memo, run_staged
 from vega.codegen.tensors import refuse_inplace
 from vega.dsl.ir import (AXIS_REDUCTIONS, MATRIX_OPS, REDUCTIONS, SCALAR_STATE, Kind, Node, Op,
                         Program, is_global, walk)
@@ -615,11 +615,7 @@ class Kernel:
         """
         check_states("reference", self.program, params, states)
         if self.program.spans_group:  # its reductions over the group, between stages
-            results = [None]
-            drive({0: self.staged(params, grads, states, steps, values, donate, pre,
-                                  [None] * len(params))}, results,
-                  needs={0: set(self.global_keys.values())})
-            return results[0]
+            return run_staged(self, params, grads, states, steps, values, donate, pre)
         finite, gscale = self._begin(params, states, steps, donate, pre)
         cache: dict = {}
         new_params, new_states = [], [[] for _ in self.program.states]

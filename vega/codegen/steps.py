@@ -43,6 +43,16 @@ def memo(seen: dict, objs: tuple, plain: tuple, make, *args, compiling: bool | N
     return value
 
 
+def run_staged(kern, params, grads, states, steps, values, donate, pre):
+    """``kern``'s step of tensors that are all this process's, in stages (``kern.staged``),
+    its reductions over the group combined between them (``drive``)."""
+    results = [None]
+    drive({0: kern.staged(params, grads, states, steps, values, donate, pre,
+                          [None] * len(params))}, results,
+          needs={0: set(kern.global_keys.values())})
+    return results[0]
+
+
 def drive(gens: dict, results: list, combine=None, spanning=None, group_of=None,
           needs=None) -> None:
     """Run staged steps (``Kernel.staged``: position -> generator) together.

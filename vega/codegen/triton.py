@@ -969,17 +969,12 @@ class Kernel:
         (``__call__``'s ``adjust``), in its last launch: eagerly, a dynamic scale on the
         parameters' device, at least one parameter."""
         return (donate and bool(params) and loss_scale is not None and loss_scale.is_dynamic
-                and not self.program.spans_group
                 and not torch.compiler.is_compiling()
                 and all(t.device == params[0].device for t in loss_scale.tensors()))
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None, adjust=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``; ``adjust``: a
         ``LossScale`` to adjust in place, where ``adjusts`` said so."""
-        if self.program.spans_group:  # reductions over the group: the reference's stages
-            from vega import codegen
-            return codegen.kernel("reference", self.program)(
-                params, grads, states, steps, values, donate, pre)
         return triton_runtime.step(self, params, grads, states, steps, values, donate, pre,
                                    adjust)
 

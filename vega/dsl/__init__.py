@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 from vega.dsl import ast, ir
 from vega.dsl.check import (GLOBAL_FUNCTIONS, _calls, _names, all_flag_settings, check, lower,
-                            open_value, reads_shape, shape_conditions, static_value, unroll)
+                            open_value, reads_shape, shape_conditions, state_decls, static_value,
+                            unroll)
 from vega.dsl.parser import parse
 from vega.errors import SpecError
 
@@ -137,11 +138,7 @@ def _expressions(stmts):
 
 def _declared(stmts):
     """The names of the states declared in ``stmts``, in nested ifs too."""
-    for s in stmts:
-        if isinstance(s, ast.StateDecl):
-            yield s.name
-        elif isinstance(s, ast.If):
-            yield from _declared(s.then + s.orelse)
+    return (d.name for d in state_decls(stmts))
 
 
 def _guard(fn, source, filename, tree=None):

@@ -826,7 +826,7 @@ def unroll(spec: ast.Spec) -> ast.Spec:
         for st in stmts:
             if isinstance(st, ast.Repeat):
                 body = walk(st.body)
-                decl = next(_state_decls(body), None)
+                decl = next(state_decls(body), None)
                 if decl is not None:
                     raise SpecError(f"state '{decl.name}' is declared inside a repeat, which "
                                     "would declare it again each time round; declare it before "
@@ -851,12 +851,13 @@ def unroll(spec: ast.Spec) -> ast.Spec:
     return dataclasses.replace(spec, body=walk(spec.body))
 
 
-def _state_decls(stmts):
+def state_decls(stmts):
+    """The state declarations of ``stmts``, in nested ifs too."""
     for st in stmts:
         if isinstance(st, ast.StateDecl):
             yield st
         elif isinstance(st, ast.If):
-            yield from _state_decls(st.then + st.orelse)
+            yield from state_decls(st.then + st.orelse)
 
 
 def check(spec: ast.Spec) -> tuple[ir.HyperParam, ...]:

@@ -369,7 +369,7 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
                                     loc.steps, loc.values, donate, pre)
     # (without a reduce_group, the reductions over a group span the mesh alone: one
     # collective a stage for both kinds)
-    needs = {k: set(getattr(kern, "global_keys", {}).values()) for k, kern in kerns.items()}
+    needs = {k: set(kern.global_keys.values()) for k, kern in kerns.items()}
     drive(gens, results, (lambda parts: combine(parts, groups)) if groups else None,
           (lambda parts: combine(parts, spanning))
           if reduce_group is not None else None, group_of, needs)

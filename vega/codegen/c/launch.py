@@ -22,7 +22,7 @@ from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
 from vega.codegen.reference import global_keys
-from vega.codegen.steps import drive
+from vega.codegen.steps import run_staged
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths
 from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
                                   refuse_inplace, roles, shared_pair)
@@ -242,12 +242,8 @@ class Kernel:
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None):
         if self.program.spans_group:  # its reductions over the group, between stages
-            results = [None]
             kern = self if self.stageable else _reference(self.program)
-            drive({0: kern.staged(params, grads, states, steps, values, donate, pre,
-                                  [None] * len(params))}, results,
-                  needs={0: set(kern.global_keys.values())})
-            return results[0]
+            return run_staged(kern, params, grads, states, steps, values, donate, pre)
         return self._call(params, grads, states, steps, values, donate, pre)
 
     def _call(self, params, grads, states, steps, values, donate, pre=None):
