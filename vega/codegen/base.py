@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from vega.dsl.check import matrix_axes
-from vega.dsl.ir import LEAVES, REDUCTIONS, SCALAR_STATE, Kind, Node, Op, Program, walk
+from vega.dsl.ir import LEAVES, QBLOCK, REDUCTIONS, SCALAR_STATE, Kind, Node, Op, Program, walk
 
 
 @dataclass(frozen=True)
@@ -277,6 +277,8 @@ def state_shape(p: torch.Tensor, dom: str) -> tuple[int, ...]:
     """The shape of a state of domain ``dom`` (``vega.dsl.ir``) for parameter ``p``."""
     if dom == SCALAR_STATE:
         return ()
+    if dom == QBLOCK:  # an 8-bit state's scales: one per block (vega.codegen.quant)
+        return (-(-p.numel() // 256),)
     return tuple(p.shape) if dom == "rc" else geometry(p.shape).shape(dom)
 
 

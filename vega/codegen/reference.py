@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from vega.codegen import precision
+from vega.codegen import precision, quant
 from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_states, geometry,
                                hyper_var, leveled, linearize, state_var)
 from vega.codegen.record import Pre, finite_of
@@ -569,7 +569,14 @@ class Kernel:
             hv.append(geo or geometry(p.shape))
         sds = state_dtype if isinstance(state_dtype, (list, tuple)) else \
             [state_dtype] * len(self._inits)
-        return [fn(pc, *hv).to(sd).contiguous().clone() for fn, sd in zip(self._inits, sds)]
+        out = [fn(pc, *hv).to(sd).contiguous().clone() if sd != torch.uint8 else fn(pc, *hv)
+               for fn, sd in zip(self._inits, sds)]
+        names = self.program.state_names
+        for name, (scale, signed) in self.program.quant.items():  # 8 bits: codes and scales
+            k = names.index(name)
+            out[k], out[names.index(scale)] = quant.quantize_t(
+                out[k].to(torch.float32).expand(p.shape), signed)
+        return out
 
     def mode(self, name: str, params, states, values, keep_master: bool = False) -> None:
         """Set each parameter (in place) to its value in mode ``name`` (``mode NAME {...}``),
@@ -584,7 +591,12 @@ class Kernel:
             hv = self._hyper_args(values[i], cd, p.device)
             extra = (geometry(p.shape),) if self.program.uses_axes else ()
             src = p if master is None else states[master][i]  # (the master copy's value)
-            new = fn(src.to(cd), *(s[i].to(cd) for s in states), *hv, *extra)
+            olds = [s[i].to(cd) for s in states]
+            for q, (scale, signed) in self.program.quant.items():  # 8-bit states' values
+                k = names.index(q)
+                olds[k] = quant.dequantize_t(states[k][i], states[names.index(scale)][i],
+                                             signed, cd)
+            new = fn(src.to(cd), *olds, *hv, *extra)
             if master is not None and not keep_master:
                 states[master][i].copy_(new)
             p.copy_(new.to(p.dtype))
@@ -708,8 +720,14 @@ class Kernel:
             gc = gc * gscale[0].to(cd) * gscale[1].to(cd)
         # on contiguous values: a reduction sums in the same order whether the tensors
         # are the caller's (donated, maybe transposed) or a pure step's fresh outputs
-        return [p.to(cd).contiguous(), gc.contiguous(),
-                *(s[i].to(cd).contiguous() for s in states), *scalars]
+        olds = [s[i].to(cd).contiguous() for s in states]
+        if self.program.quant:  # 8-bit states: their values from codes and scales
+            names = self.program.state_names
+            for name, (scale, signed) in self.program.quant.items():
+                k = names.index(name)
+                olds[k] = quant.dequantize_t(states[k][i], states[names.index(scale)][i],
+                                             signed, cd)
+        return [p.to(cd).contiguous(), gc.contiguous(), *olds, *scalars]
 
     def _rounding_keys(self, params, grads, states, steps) -> list:
         """Each tensor's key of the stochastic rounding's generator (``precision``), None
@@ -727,6 +745,13 @@ class Kernel:
         """Tensor ``i``'s new values ``outs``, written in place (``donate``) or collected;
         ``key``: the generator's key where bfloat16 values round stochastically."""
         olds = [s[i] for s in states]
+        if self.program.quant:  # 8-bit states: the new codes, and their scales beside them
+            outs = list(outs)
+            names = self.program.state_names
+            for name, (scale, signed) in self.program.quant.items():
+                k = names.index(name)
+                outs[1 + k], outs[1 + names.index(scale)] = quant.quantize_t(
+                    outs[1 + k].expand(olds[k].shape), signed)
         # every new value first, then the writes: a new value may be an input itself
         # (s = p), which an earlier write in place would change
         inputs, news = [p, g, *olds], []

@@ -115,6 +115,7 @@ DOMAINS = ("rc", "r", "c", "")  # per element, per row, per column, per matrix
 # a state's shape beside the domains: one number per tensor (``state d: scalar``), a 0-d
 # tensor; read as a TENSOR value
 SCALAR_STATE = "s"
+QBLOCK = "q"  # a state of one value per block of 256 (vega.codegen.quant's scales)
 # the mark (``Node.arg``) of a reduction over every tensor of a group (``global_sum``):
 # a per-tensor reduction to every backend's kernels, whose per-tensor results the step
 # combines over the group (and across processes) between stages
@@ -307,7 +308,8 @@ class StateVar:
     init: Node  # of p, constants and hyperparameters
     span: Span | None = None
     dom: str = "rc"  # "rc": shaped like p; "r": one value per row; "c": one per column;
-    # SCALAR_STATE: one number per tensor
+    # SCALAR_STATE: one number per tensor; QBLOCK: one per block of 256 values (8-bit state's
+    # scales, vega.codegen.quant)
 
 @dataclass(frozen=True, eq=False)
 class Program:
@@ -339,12 +341,14 @@ class Program:
         object.__setattr__(self, "variants", {})
         object.__setattr__(self, "master", False)
         object.__setattr__(self, "rounding", None)
+        # vega.codegen.quant: its 8-bit states, {state: (its scales' state, signed map)}
+        object.__setattr__(self, "quant", {})
         # (the modes' and the initial values' nodes too: what they compute is rendered
         # beside the update, with the same helpers)
         nodes = walk([*(node for _, node in self.updates), *(node for _, node in self.modes),
                       *(st.init for st in self.states)])
         object.__setattr__(self, "uses_axes", any(
-            s.dom not in ("rc", SCALAR_STATE) for s in self.states) or any(
+            s.dom not in ("rc", SCALAR_STATE, QBLOCK) for s in self.states) or any(
             n.op in AXIS_REDUCTIONS or n.op in TORCH_ONLY_OPS for n in nodes))
         # spans_group: a reduction over every tensor of a group (global_sum ...), which the
         # step combines between stages (vega.runtime.sharded.fused); torch_only: what only

@@ -15,7 +15,7 @@ import torch
 
 from vega import codegen
 from vega.codegen.base import HyperRows, distinct, is_schedule
-from vega.codegen import precision
+from vega.codegen import precision, quant
 from vega.codegen.precision import MASTER
 from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
@@ -51,9 +51,10 @@ def check_state_dtype(owner: str, state_dtype, names=None) -> None:
             state_dtype in STATE_DTYPES or state_dtype.is_complex):
         raise ValueError(f"{owner}: state_dtype={shown(state_dtype)} is not a dtype the "
                          "kernels keep state in: torch.float32, torch.float64, "
-                         "torch.bfloat16 or torch.float16 (complex64 or complex128 for "
-                         "complex parameters)")
-    if state_dtype is None or _state_float(state_dtype):
+                         "torch.bfloat16, torch.float16 or torch.uint8 (8-bit blockwise) "
+                         "(complex64 or complex128 for complex parameters)")
+    if state_dtype is None or _state_float(state_dtype) or (
+            names is not None and state_dtype == torch.uint8):
         return
     if isinstance(state_dtype, dict) and names is not None:
         for name, dtype in state_dtype.items():
@@ -61,10 +62,11 @@ def check_state_dtype(owner: str, state_dtype, names=None) -> None:
                 raise ValueError(f"{owner}: state_dtype names a state {shown(name)} that it "
                                  f"does not keep{_suggest(str(name), list(names))}; its states "
                                  f"are {', '.join(names) or 'none'}")
-            if not (isinstance(dtype, torch.dtype) and dtype in STATE_DTYPES):
+            if not (isinstance(dtype, torch.dtype) and (dtype in STATE_DTYPES
+                                                        or dtype == torch.uint8)):
                 raise ValueError(f"{owner}: state_dtype[{name!r}]={shown(dtype)} must be one "
                                  "of torch.float32, torch.float64, torch.bfloat16, "
-                                 "torch.float16")
+                                 "torch.float16, torch.uint8 (8-bit blockwise)")
         return
     per_state = ", or a dict from state names to dtypes" if names is not None else ""
     raise ValueError(f"{owner}: state_dtype={shown(state_dtype)} must be None or a torch float "
@@ -78,11 +80,18 @@ def state_dtypes(p: torch.Tensor, program: Program, state_dtype) -> list[torch.d
     per = state_dtype if isinstance(state_dtype, dict) else {}
     every = None if isinstance(state_dtype, dict) else state_dtype
     out = []
+    scales = quant.scale_names(program)
     for s in program.states:
-        if s.name == MASTER and program.master:
+        if (s.name == MASTER and program.master) or s.name in scales:
             out.append(torch.float32)
             continue
         dtype = per.get(s.name, every)
+        if dtype == torch.uint8 and p.is_complex():
+            raise ValueError(f"state_dtype={shown(dtype)} (8-bit state) is kept for real "
+                             "parameters; a complex parameter keeps complex state")
+        if dtype == torch.uint8:  # 8 bits where the program keeps them so (quant.variant)
+            out.append(dtype if s.name in program.quant else state_dtype_for(p, None))
+            continue
         if dtype is not None and p.is_complex() and not dtype.is_complex:
             where = f"[{s.name!r}]" if s.name in per else ""
             raise ValueError(f"state_dtype{where}={shown(dtype)}: a complex parameter keeps "
@@ -188,22 +197,41 @@ def shape_values(owner: str, spec, flags: dict, values: dict) -> dict:
 
 def programs(owner: str, spec, flags: dict, values: dict, tensors,
              held: tuple = (), master: bool = False,
-             seed: int | None = None) -> list[Program | None]:
+             seed: int | None = None, quantized=None) -> list[Program | None]:
     """The program that steps each tensor (None for a None entry).
 
     A spec without conditions on values or shapes has one program per setting of
     its bool hyperparameters; one with ``if momentum > 0`` or ``if ndim(p) >= 2``
     has one per outcome of those conditions, chosen here from the values and each
     tensor's shape. ``held``: conditions taken as true whatever they say (one bool per
-    shape condition, ``Spec.held_open``). Lowering a program runs outside a dynamo
-    trace (``vega.tracing``).
+    shape condition, ``Spec.held_open``). ``quantized``: the states each tensor keeps in 8
+    bits (a frozenset each, ``q8_names``; None: none). Lowering a program runs outside a
+    dynamo trace (``vega.tracing``).
     """
     out = _programs(owner, spec, flags, values, tensors, held)
     if master or seed is not None:  # (a master copy for half parameters only)
         out = [None if prog is None else
                untraced(precision.variant, prog, master and t.dtype in _HALF, seed)
                for prog, t in zip(out, tensors)]
+    if quantized is not None and any(quantized):
+        try:
+            out = [prog if prog is None or not q else untraced(quant.variant, prog, q)
+                   for prog, q in zip(out, quantized)]
+        except ValueError as e:
+            raise ValueError(f"{owner}: {e}") from None
     return out
+
+
+def q8_names(state_dtype, t) -> frozenset[str]:
+    """The states tensor ``t`` keeps in 8 bits under ``state_dtype``: ``torch.uint8`` for
+    every state shaped like the parameter (``{"*"}``), or by name in a dict; none for a
+    tensor of fewer than ``quant.MIN_NUMEL`` values, which keeps them in its default
+    dtype."""
+    if state_dtype is None or t is None or t.numel() < quant.MIN_NUMEL:
+        return frozenset()
+    if isinstance(state_dtype, dict):
+        return frozenset(n for n, d in state_dtype.items() if d == torch.uint8)
+    return frozenset({"*"}) if state_dtype == torch.uint8 else frozenset()
 
 
 def _programs(owner: str, spec, flags: dict, values: dict, tensors,

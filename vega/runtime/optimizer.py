@@ -305,7 +305,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{owner} does not support sparse gradients")
         master, seed = _precision(owner, group)
         progs = engine.programs(owner, self.spec._spec, flags, values, params, master=master,
-                                seed=seed)
+                                seed=seed, quantized=_q8(group, params))
         shaped = "".join(f", or {n} (it picks each tensor's program)"
                          for n in self.spec._spec.shape_hypers)
         wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
@@ -365,7 +365,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             return _same(self._choosing(values), plan.choosing)
         master, seed = plan.precision
         program = engine.programs(type(self).__name__, spec, flags, values, plan.params[:1],
-                                  master=master, seed=seed)[0]
+                                  master=master, seed=seed,
+                                  quantized=_q8(plan.group, plan.params[:1]))[0]
         return len(plan.parts) == 1 and program is plan.parts[0][0]
 
     def _planned_work(self, k, group, grads_all, flags, values) -> list[tuple] | None:
@@ -449,7 +450,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             master, seed = _precision(owner, group)
             params = [p for p in group["params"] if self.state.get(p)]
             progs = engine.programs(owner, self.spec._spec, flags, values, params,
-                                    master=master, seed=seed)
+                                    master=master, seed=seed, quantized=_q8(group, params))
             for program, ids in engine.groups(progs):
                 ps = [params[i] for i in ids]
                 sts = [self.state[p] for p in ps]
@@ -587,7 +588,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             held = [(i, p) for i, p in enumerate(group["params"]) if self.state.get(p)]
             master, seed = _precision(owner, group)
             progs = engine.programs(owner, self.spec._spec, flags, values, [p for _, p in held],
-                                    master=master, seed=seed)
+                                    master=master, seed=seed,
+                                    quantized=_q8(group, [p for _, p in held]))
             for (i, p), program in zip(held, progs):
                 where = f"parameter {i} of group {k}"
                 st = self.state[p]
@@ -635,6 +637,14 @@ def _optional_keys(cspec) -> frozenset:
 
 
 _PRECISION_DEFAULTS = torch_names.PRECISION_DEFAULTS
+
+
+def _q8(group: dict, params) -> list[frozenset] | None:
+    """The states each parameter keeps in 8 bits (``engine.q8_names``), None for none."""
+    sd = group.get("state_dtype")
+    if sd is None or not (sd == torch.uint8 or isinstance(sd, dict)):
+        return None
+    return [engine.q8_names(sd, p) for p in params]
 
 
 def _precision(owner: str, group: dict) -> tuple[bool, int | None]:

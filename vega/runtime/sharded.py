@@ -206,6 +206,9 @@ def init_leaf(program, p, values: dict, state_dtype) -> list:
     if p.is_complex():
         raise ValueError(f"{program.name}: a complex DTensor parameter does not step; vega "
                          "steps complex parameters that are plain tensors")
+    if program.quant:
+        raise ValueError(f"{program.name}: 8-bit state (state_dtype torch.uint8) is kept for "
+                         "plain tensors; a DTensor parameter keeps its states in a float dtype")
     local = p.to_local()
     view = view_of("a parameter", p)
     sd = engine.state_dtypes(local, program, state_dtype)

@@ -12,6 +12,7 @@ import torch
 
 from vega import codegen, dsl
 from vega.dsl import ir
+from vega.codegen import quant
 from vega.codegen.base import state_shape
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
@@ -69,6 +70,26 @@ class CompiledSpec:
         the spec's plain program)."""
         return engine.state_fields(progs if any(progs) else [self._spec.program(flags, held)])
 
+    def _quantized(self, state, n: int) -> list[frozenset] | None:
+        """The states each of ``n`` parameters keeps in 8 bits, as ``state`` holds them: those
+        with scales (``mu_absmax`` beside ``mu``, ``vega.codegen.quant``) where its leaf is
+        there; None where the state holds none."""
+        if not isinstance(state, dict):
+            return None
+        names = [k for k in self._spec.state_names if k + quant.SUFFIX in state]
+        if not names:
+            return None
+        out: list[set] = [set() for _ in range(n)]
+        for name in names:
+            scales = flatten(state[name + quant.SUFFIX])[0]
+            if len(scales) != n:
+                raise ValueError(f"{self.name}: state '{name}{quant.SUFFIX}' has "
+                                 f"{len(scales)} leaves, the parameters {n}")
+            for i, leaf in enumerate(scales):
+                if leaf is not None:
+                    out[i].add(name)
+        return [frozenset(q) for q in out]
+
     # -- functional API -------------------------------------------------------
     def init(self, params, *, state_dtype=None, master_weights: bool = False,
              **hypers) -> dict:
@@ -86,9 +107,10 @@ class CompiledSpec:
         # a state an if on values declares (sgd's v under `if momentum > 0`) is made
         # unless the values given here turn the if off: sgd_init(params) has v
         held = self._spec.held_open(flags, values, self._spec.value_hypers - hypers.keys())
-        progs = engine.programs(owner, self._spec, flags, values,
-                                [p if is_steppable(p) else None for p in leaves], held,
-                                master=master_weights)
+        steppable = [p if is_steppable(p) else None for p in leaves]
+        progs = engine.programs(owner, self._spec, flags, values, steppable, held,
+                                master=master_weights,
+                                quantized=[engine.q8_names(state_dtype, p) for p in steppable])
         fields = self._fields(flags, progs, held)
         device = next((p.device for p in leaves if is_steppable(p)), torch.device("cpu"))
         step = torch.zeros((), dtype=torch.int32, device=device)
@@ -151,7 +173,8 @@ class CompiledSpec:
             if isinstance(state, dict) and self._spec.value_hypers else ()
         progs = engine.programs(owner, self._spec, flags, values,
                                 [p if is_steppable(p) else None for p in p_leaves], held,
-                                master=master_weights, seed=seed)
+                                master=master_weights, seed=seed,
+                                quantized=self._quantized(state, len(p_leaves)))
         names = [f.name for f in self._fields(flags, progs, held)]
         shaped = self._spec.shape_hypers
         columns = _check_state(owner, self, flags, names, state, p_spec, shaped)
@@ -268,7 +291,8 @@ class CompiledSpec:
         _check_leaves(owner, "params", params, p_leaves)
         progs = engine.programs(owner, self._spec, flags, values,
                                 [p if is_steppable(p) else None for p in p_leaves],
-                                master=master_weights)
+                                master=master_weights,
+                                quantized=self._quantized(state, len(p_leaves)))
         names = [f.name for f in self._fields(flags, progs)]
         columns = _check_state(owner, self, flags, names, state, p_spec,
                                self._spec.shape_hypers)

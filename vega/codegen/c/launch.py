@@ -26,13 +26,13 @@ from vega.codegen.steps import run_staged
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths
 from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
                                   refuse_inplace, roles, shared_pair)
-from vega.dsl.ir import SCALAR_STATE, Kind, Op, Program
+from vega.dsl.ir import QBLOCK, SCALAR_STATE, Kind, Op, Program
 from vega.tracing import untraced
 
 # -- running ------------------------------------------------------------------
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
-           torch.float16: "float16"}
+           torch.float16: "float16", torch.uint8: "uint8"}  # (uint8: a state's 8-bit codes)
 _GROUP_KEYS: dict[tuple, tuple[str, str, str]] = {}  # validated (p, g, state) dtypes
 _ENTRY = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int
 
@@ -168,7 +168,7 @@ class Kernel:
             if found is not None:
                 return found
         for x, what in ((p, "parameters"), (g, "gradients")):
-            if x.dtype not in _DTYPES:
+            if x.dtype not in _DTYPES or x.dtype == torch.uint8:
                 raise ValueError(f"backend 'c' does not support {what} of dtype {x.dtype}")
             if x.device.type != "cpu":
                 raise ValueError(f"backend 'c' runs on CPU tensors, got {what} on {x.device}; "
@@ -739,7 +739,7 @@ _GEOMETRY: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> Kernel._geome
 
 
 # a state's domain -> its length in a geometry row (4: one number, a 0-d tensor)
-_DOMS = {"rc": 0, "r": 1, "c": 2, "": 3, SCALAR_STATE: 4}
+_DOMS = {"rc": 0, "r": 1, "c": 2, "": 3, SCALAR_STATE: 4, QBLOCK: 5}  # 5: one a block
 
 
 def _native_ready(kernel: Kernel, triples) -> bool:

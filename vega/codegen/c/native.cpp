@@ -90,6 +90,7 @@ const char *dtype_name(c10::ScalarType t) {
         case c10::ScalarType::Double: return "float64";
         case c10::ScalarType::BFloat16: return "bfloat16";
         case c10::ScalarType::Half: return "float16";
+        case c10::ScalarType::Byte: return "uint8";  // a state's 8-bit codes (quant.py)
         default: return nullptr;
     }
 }
@@ -108,11 +109,12 @@ std::shared_ptr<const Library> library_of(const Kernel &k, const std::string &ke
 
 // A tensor a kernel reads (and writes) at its address: a strided CPU tensor of a float dtype
 // the kernels take, contiguous, holding its values as they are.
-void check_plain(const at::Tensor &t, const char *what, size_t i) {
+void check_plain(const at::Tensor &t, const char *what, size_t i, bool codes = false) {
     if (!t.defined()) fail(std::string("backend 'c': ") + what + " " + std::to_string(i) +
                            " is undefined (None)");
     if (t.layout() != c10::kStrided || !t.device().is_cpu() || !t.is_contiguous() ||
         t.is_neg() || t.is_conj() || dtype_name(t.scalar_type()) == nullptr ||
+        (!codes && t.scalar_type() == c10::ScalarType::Byte) ||
         (t.numel() && t.data_ptr() == nullptr))
         fail(std::string("backend 'c': ") + what + " " + std::to_string(i) +
              " is not a contiguous CPU tensor of float32, float64, bfloat16 or float16 "
@@ -237,12 +239,13 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
         bool mixed = false;  // states of several dtypes: the key names each (state_key)
         for (size_t s = 0; s < ns; s++) {
             const at::Tensor &x = states[s * n + i];
-            check_plain(x, "state tensor", s * n + i);
+            check_plain(x, "state tensor", s * n + i, true);
             if (s == 0) sd = x.scalar_type();
             else if (x.scalar_type() != sd) mixed = true;
             int64_t dom = k->doms[s];
             if (dom == 0 ? !x.sizes().equals(p.sizes())
                          : dom == 4 ? x.dim() != 0  // one number (a 0-d tensor)
+                         : dom == 5 ? x.numel() != (p.numel() + 255) / 256  // one a block
                                     : (!geo || x.numel() != geo[dom]))
                 fail("backend 'c': state " + std::to_string(s) + " of parameter " +
                      std::to_string(i) + " has the wrong shape");

@@ -8,12 +8,14 @@ import functools
 import math
 import os
 
-from vega.codegen import precision, record
+from vega.codegen import precision, quant, record
 from vega.codegen.c import build as cbuild
 from vega.codegen.base import (Linear, Renderer, linearize, reduction_phases,
                                state_dtype_names, state_var)
 from vega.codegen.plan import element_plan
-from vega.dsl.ir import REDUCTIONS, SCALAR_STATE, Kind, Node, Op, Program
+from vega.dsl.ir import QBLOCK, REDUCTIONS, SCALAR_STATE, Kind, Node, Op, Program
+
+_MAP = {True: "signed", False: "unsigned"}  # an 8-bit state's map (vega.codegen.quant)
 
 # dtype name -> (C storage type, load to compute type, store from compute type)
 STORAGE = {
@@ -21,6 +23,8 @@ STORAGE = {
     "float64": ("double", "(CT)({x})", "(double)({x})"),
     "bfloat16": ("uint16_t", "(CT)bf16_to_f32({x})", "f32_to_bf16((float)({x}))"),
     "float16": ("_Float16", "(CT)({x})", "(_Float16)({x})"),
+    # an 8-bit state's codes: read and written with their block's scale (vega.codegen.quant)
+    "uint8": ("uint8_t", "(CT)({x})", "(uint8_t)({x})"),
 }
 
 INCLUDES = """#include <math.h>
@@ -292,6 +296,8 @@ class Source:
         out.append(HEADER.replace("@SPLIT_MIN@", split_min()))
         if self.program.rounding is not None:
             out.append(precision.C_HELPERS)
+        if self.program.quant:
+            out.append(quant.C_HELPERS)
         out += self._entries()
         return "\n".join(out)
 
@@ -351,7 +357,7 @@ class Source:
 
     def _update_roots(self, stored) -> list[Node]:
         return [n for t, n in self.program.updates if not (t != "p" and id(n) in stored)
-                and t not in self._scalar_targets]
+                and t not in self._scalar_targets and t not in self._scales]
 
     # -- pieces ---------------------------------------------------------------
     def _var(self, node: Node) -> str:
@@ -395,6 +401,11 @@ class Source:
             if st.dom == SCALAR_STATE:
                 out.append(f"            const CT v_{state_var(st.name)} = LOAD_S{k}(S{k}_[0]);")
         return out
+
+    @property
+    def _scales(self) -> frozenset[str]:
+        """The scale states of 8-bit states: written by ``_blocked`` beside the codes."""
+        return quant.scale_names(self.program)
 
     @property
     def _scalar_targets(self) -> frozenset[str]:
@@ -450,19 +461,29 @@ class Source:
             return f"const CT v_p = LOAD_P(P_[{index}]);"
         if node.op is Op.GRAD:
             return f"const CT v_g = LOAD_G(G_[{index}]) * gs * coef;"
-        k = self.program.state_names.index(node.arg)
+        names = self.program.state_names
+        k = names.index(node.arg)
+        if node.arg in self.program.quant:  # 8 bits: the code with its block's scale
+            scale, signed = self.program.quant[node.arg]
+            return (f"const CT v_{state_var(node.arg)} = (CT)q8_{_MAP[signed]}(S{k}_[{index}], "
+                    f"S{names.index(scale)}_[{index} / QBLOCK]);")
         return f"const CT v_{state_var(node.arg)} = LOAD_S{k}(S{k}_[{index}]);"
 
     def _loads(self) -> list[str]:
         leaves = [Node(Op.PARAM), Node(Op.GRAD)] + [Node(Op.STATE, arg=s.name)
                                                     for s in self.program.states
-                                                    if s.dom != SCALAR_STATE]
+                                                    if s.dom not in (SCALAR_STATE, QBLOCK)]
         return ["                " + self._load(leaf, "j") for leaf in leaves]
 
     def _store(self, target: str, value: str, index: str) -> str:
         """The statement writing ``value`` to output ``target`` ("p" or a state) at ``index``;
         a bfloat16 value stochastically rounded where the program says so."""
         slot = 0 if target == "p" else 1 + self.program.state_names.index(target)
+        if target in self.program.quant:  # 8 bits: into the block's buffer (_blocked)
+            k = slot - 1
+            return (f"B{k}_[{index} - jb_] = (float)({value}); "
+                    f"{{ const float a_ = fabsf(B{k}_[{index} - jb_]); "
+                    f"M{k}_ = (a_ > M{k}_ || a_ != a_) ? a_ : M{k}_; }}")
         to, save = ("PO_", "SAVE_P") if target == "p" else (f"SO{slot - 1}_", f"SAVE_S{slot - 1}")
         if slot in self._rounded():
             return (f"{to}[{index}] = f32_to_bf16_sr((float)({value}), "
@@ -499,7 +520,7 @@ class Source:
             f"{head}int64_t nt, const int64_t *tab, const double *pre, double *red, "
             f"int nth{', int raw' if raw else ''}) {{",
             *self._prologue(skip),
-            "    int64_t *start = starts(nt, tab);",
+            f"    int64_t *start = {'starts_q' if self.program.quant else 'starts'}(nt, tab);",
             "    int64_t total = start[nt];",
             *before,
             "    #pragma omp parallel num_threads(nth) if (total >= PAR_MIN) "
@@ -507,10 +528,12 @@ class Source:
             "    {",
             "        int tid = omp_get_thread_num(), nthr = omp_get_num_threads();",
             "        int64_t lo = total * tid / nthr, hi = total * (tid + 1) / nthr;",
+            *(["        lo -= lo % QBLOCK; hi -= hi % QBLOCK;  /* whole blocks a thread */",
+               "        if (tid == nthr - 1) hi = total;"] if self.program.quant else []),
             "        int64_t i = lo < hi ? locate(start, nt, lo) : nt;"]
 
     def _loop(self, name, before, uses, block_init, nodes, tail, block_end, finish, simd="",
-              stored=None, skip="return;", raw=False):
+              stored=None, skip="return;", raw=False, blocked=False):
         return [
             *self._parallel(name, skip, before, raw),
             "        while (lo < hi) {",
@@ -520,9 +543,11 @@ class Source:
             "hi - start[i];",
             *self._block_start(uses),
             *block_init,
-            *self._versions(nodes, tail, simd, stored),
+            *self._versions(nodes, tail, simd, stored, blocked),
             *block_end,
-            "            lo = start[i] + e; i++;",
+            # (past a tensor's padding to whole blocks, where they are: starts_q)
+            "            lo = e == row[COL_NUMEL] ? start[i + 1] : start[i] + e; i++;"
+            if self.program.quant else "            lo = start[i] + e; i++;",
             "        }",
             "    }",
             *finish,
@@ -531,10 +556,12 @@ class Source:
             "",
         ]
 
-    def _versions(self, nodes: list[Node], tail: list[str], simd, stored) -> list[str]:
+    def _versions(self, nodes: list[Node], tail: list[str], simd, stored,
+                  blocked: bool = False) -> list[str]:
         """The element loop computing ``nodes``, then ``tail``. Where it divides by
         per-tensor values, two versions: one multiplying by their reciprocals, taken when
-        every reciprocal is a normal number (``recip_ok``), and one dividing."""
+        every reciprocal is a normal number (``recip_ok``), and one dividing. ``blocked``:
+        the update of a program with 8-bit states, a block at a time (``_blocked``)."""
         pragma = [f"            #pragma omp simd{simd}"] if simd is not None else []
         # values of the tensor, not of an element (a trust ratio): once, before the loops,
         # where gcc would not vectorize a select on them in four quarters
@@ -550,6 +577,8 @@ class Source:
 
         def loop(indent: str) -> list[str]:
             body = [*self._loads(), *self._element_lines(nodes, stored), *tail]
+            if blocked:
+                return [indent + line for line in self._blocked(body)]
             quarters = []
             for k in range(4):
                 quarters += ["                {",
@@ -584,6 +613,28 @@ class Source:
         ok = " && ".join(f"recip_ok({v})" for v in values.values())
         return head + out + [f"            if ({ok}) {{", *fast, "            } else {",
                       *loop("    "), "            }"]
+
+    def _blocked(self, body: list[str]) -> list[str]:
+        """The update's loop over [b, e) a block of ``quant.BLOCK`` values at a time (b is
+        a block's start, ``starts_q``): each 8-bit state's new values into a buffer with
+        their largest magnitude (NaN wins), then the block's scale and codes written."""
+        names = self.program.state_names
+        qs = [(names.index(n), names.index(sc), _MAP[signed])
+              for n, (sc, signed) in self.program.quant.items()]
+        lines = ["            for (int64_t jb_ = b; jb_ < e; jb_ += QBLOCK) {",
+                 "                const int64_t je_ = e < jb_ + QBLOCK ? e : jb_ + QBLOCK;"]
+        for k, _, _ in qs:
+            lines.append(f"                float B{k}_[QBLOCK]; float M{k}_ = 0.0f;")
+        lines += ["                for (int64_t j = jb_; j < je_; j++) {",
+                  *("    " + line for line in body), "                }"]
+        for k, ks, how in qs:
+            lines += [f"                SO{ks}_[jb_ / QBLOCK] = M{k}_;",
+                      "                {",
+                      f"                    const float I_ = q8_inv(M{k}_);",
+                      "                    for (int64_t j = jb_; j < je_; j++)",
+                      f"                        SO{k}_[j] = q8_code_{how}(B{k}_[j - jb_], I_);",
+                      "                }"]
+        return lines + ["            }"]
 
     def _phase_parts(self, k: int, phase: list[Node]):
         """(stored, nodes, used, identities, loop tail, simd clause) of phase ``k``."""
@@ -655,7 +706,8 @@ class Source:
             body.append("            }")
         stored, nodes, used, stores = self._update_parts()
         body += ["            {  /* the update */", *self._block_start(used),
-                 *self._versions(nodes, stores, "", stored), "            }"]
+                 *self._versions(nodes, stores, "", stored, bool(self.program.quant)),
+                 "            }"]
         return [
             *self._parallel("vega_fused", "{ pass_through(nt, tab); return; }"),
             "        if (i < nt && start[i] < lo) i++;  /* the tensors that start in [lo, hi) */",
@@ -674,6 +726,8 @@ class Source:
     def _count(self, dom: str) -> str:
         """The number of values of a state of domain ``dom`` in a table row: numel (one, for
         a state of one number per tensor)."""
+        if dom == QBLOCK:
+            return "((row[COL_NUMEL] + QBLOCK - 1) / QBLOCK)"
         return "1" if dom == SCALAR_STATE else "row[COL_NUMEL]"
 
     def _pass_through(self) -> list[str]:
@@ -706,14 +760,14 @@ class Source:
         stores = ["                " + self._store(target, self.r.operand(self.lin, node), "j")
                   for target, node in self.program.updates
                   if (target == "p" or id(node) not in stored)
-                  and target not in self._scalar_targets]
+                  and target not in self._scalar_targets and target not in self._scales]
         return stored, nodes, used, stores
 
     def _update(self) -> list[str]:
         stored, nodes, used, stores = self._update_parts()
         return self._pass_through() + self._loop(
             "vega_update", [], used, [], nodes, stores, [], self._scalar_stores(), "", stored,
-            skip="{ pass_through(nt, tab); return; }")
+            skip="{ pass_through(nt, tab); return; }", blocked=bool(self.program.quant))
 
 
 

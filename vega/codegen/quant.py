@@ -1,0 +1,223 @@
+"""8-bit blockwise state: each state asked for in ``torch.uint8`` keeps one code (a byte)
+a value and one float32 scale per block of 256 values, the block's largest magnitude
+(absmax). Every backend does it alike.
+
+A state ``mu`` quantized so is a program transformation (``variant``): the program gains
+a state ``mu_absmax`` of domain ``QBLOCK`` (one value per block of ``BLOCK`` values; the
+last block of a tensor may be short, blocks never straddle tensors) and a map, kept in
+``Program.quant``: ``{"mu": ("mu_absmax", signed)}``. The kernels read the code of each
+value and its block's scale, compute in float32 as for any state, and write the new codes
+and scales in the same pass (the C kernels go through a tensor's values a block at a time).
+
+The maps (``y``: the value over its block's absmax, in [-1, 1]):
+
+- **signed** (a state that may be negative, Adam's first moment): the square-root map,
+  ``code = 127 + rint(127 * sign(y) * sqrt(|y|))`` in [0, 254], and back
+  ``t = (code - 127) / 127``, ``value = t * |t| * absmax``. Steps of 1.6 % of the absmax
+  near it; the smallest value kept is 3.1e-5 of the absmax.
+- **unsigned** (a state the spec keeps non-negative, ``nonnegative``: Adam's second
+  moment): the fourth-root map, ``code = rint(255 * sqrt(sqrt(y)))`` in [0, 255], and back
+  ``t = code / 255``, ``value = (t * t) * (t * t) * absmax``. The smallest value kept is
+  2.4e-10 of the absmax (a second moment's square root, its denominator, keeps 1.5e-5):
+  a small gradient beside a large one in its block does not divide by ``eps`` alone.
+
+``y`` is formed as ``x * (1 / absmax)`` in float32 (0 where the absmax is not positive, or
+where ``x * (1 / absmax)`` is a NaN). A NaN in a block makes its absmax a NaN, and so
+every value of the block reads back as NaN: a NaN is never lost.
+"""
+from __future__ import annotations
+
+import torch
+
+from vega.codegen.precision import MASTER
+from vega.dsl import ir
+from vega.dsl.ir import QBLOCK, Kind, Op, Program, StateVar
+
+BLOCK = 256  # values a scale
+MIN_NUMEL = 4096  # a smaller tensor keeps its 8-bit states in float32
+SUFFIX = "_absmax"
+
+
+def variant(program: Program, names: frozenset[str]) -> Program:
+    """``program`` with the states ``names`` kept in 8 bits (each with its scale state);
+    itself where ``names`` is empty. Made once per (program, names)."""
+    if "*" in names:  # every state shaped like the parameter (a master copy aside)
+        names = frozenset(s.name for s in program.states if s.dom == "rc"
+                          and not (program.master and s.name == MASTER))
+    if not names:
+        return program
+    key = ("q8", names)
+    found = program.variants.get(key)
+    if found is not None:
+        return found
+    if program.uses_axes or program.torch_only:
+        raise ValueError(f"{program.name}: 8-bit state (state_dtype torch.uint8) is kept for "
+                         "programs of values one per element; this one has row, column or "
+                         "matrix values: keep its states in a float dtype")
+    quant, states, updates = {}, list(program.states), list(program.updates)
+    for st in program.states:
+        if st.name not in names:
+            continue
+        if st.dom != "rc":
+            raise ValueError(f"{program.name}: state '{st.name}' is one number per tensor; "
+                             "only states shaped like the parameter are kept in 8 bits")
+        scale = st.name + SUFFIX
+        if scale in program.state_names:
+            raise ValueError(f"{program.name}: 8-bit state '{st.name}' keeps its scales in a "
+                             f"state named '{scale}', but the spec declares one of that name")
+        quant[st.name] = (scale, nonnegative(program, st.name))
+        states.append(StateVar(scale, ir.const(0.0), None, QBLOCK))
+        # the kernels write the scales beside the codes; as a value, a scale is its own
+        updates.append((scale, ir.leaf(Op.STATE, Kind.ELEMENT, arg=scale, dom=QBLOCK)))
+    out = Program(program.name, program.hypers, program.flags, tuple(states), tuple(updates),
+                  program.shapes, program.modes)
+    for attr in ("master", "rounding"):
+        object.__setattr__(out, attr, getattr(program, attr))
+    object.__setattr__(out, "quant", quant)
+    program.variants[key] = out
+    return out
+
+
+def scale_names(program: Program) -> frozenset[str]:
+    """The scale states of ``program``'s 8-bit states."""
+    return frozenset(s for s, _ in program.quant.values())
+
+
+def nonnegative(program: Program, name: str) -> bool:
+    """Whether state ``name`` of ``program`` is never negative: its initial value is not,
+    and its new value is not wherever its old value is not (a proof over the expression,
+    with the hyperparameters' declared ranges: ``b2 * nu + (1 - b2) * g * g``)."""
+    hypers = {h.name: h for h in program.hypers}
+    memo: dict[int, bool] = {}
+
+    def lo(h) -> float:
+        r = hypers[h].range if h in hypers else None
+        return r.lo if r is not None else float("-inf")
+
+    def hi(h) -> float:
+        r = hypers[h].range if h in hypers else None
+        return r.hi if r is not None else float("inf")
+
+    def nn(node) -> bool:  # provably >= 0 (or a NaN)
+        known = memo.get(id(node))
+        if known is not None:
+            return known
+        op, src = node.op, node.src
+        if op is Op.CONST:
+            out = not isinstance(node.arg, bool) and node.arg >= 0
+        elif op is Op.HYPER:
+            out = lo(node.arg) >= 0
+        elif op is Op.T:
+            out = True
+        elif op is Op.STATE:
+            out = node.arg == name
+        elif op in (Op.ABS, Op.SQRT, Op.RSQRT, Op.EXP, Op.SIGMOID, Op.NORM, Op.AMAX):
+            out = op is not Op.AMAX or nn(src[0])
+        elif op in (Op.ADD, Op.DIV, Op.MIN):
+            out = all(nn(s) for s in src)
+        elif op is Op.MUL:
+            out = src[0] is src[1] or all(nn(s) for s in src)
+        elif op is Op.MAX:
+            out = any(nn(s) for s in src)
+        elif op is Op.WHERE:
+            out = nn(src[1]) and nn(src[2])
+        elif op is Op.SUB:  # c - h with h at most c: 1 - b2
+            a, b = src
+            out = a.op is Op.CONST and b.op is Op.HYPER and hi(b.arg) <= a.arg
+        elif op is Op.POW:
+            out = nn(src[0])
+        elif op in (Op.SUM, Op.MEAN, Op.ROUND, Op.FLOOR, Op.WIDEN, Op.BF16):
+            out = nn(src[0])
+        else:
+            out = False
+        memo[id(node)] = out
+        return out
+
+    state = next(s for s in program.states if s.name == name)
+    new = dict(program.updates).get(name)
+    return nn(state.init) and (new is None or nn(new))
+
+
+# -- the maps, on torch tensors (the reference; the C and Triton kernels do the same
+# float32 operations in the same order) ---------------------------------------------------
+
+def blocks(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+def absmax_t(x: torch.Tensor) -> torch.Tensor:
+    """Each block's largest magnitude (float32, NaN where the block holds one)."""
+    flat = x.reshape(-1).to(torch.float32)
+    n = flat.numel()
+    pad = blocks(n) * BLOCK - n
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.abs().reshape(-1, BLOCK).amax(dim=1)
+
+
+def _per_value(scale: torch.Tensor, numel: int) -> torch.Tensor:
+    return scale.repeat_interleave(BLOCK)[:numel]
+
+
+def quantize_t(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes: uint8 shaped like ``x``, scales: float32 one per block) of float ``x``."""
+    scale = absmax_t(x)
+    flat = x.reshape(-1).to(torch.float32)
+    inv = torch.where(scale > 0, torch.ones_like(scale) / scale, torch.zeros_like(scale))
+    y = flat * _per_value(inv, flat.numel())
+    y = torch.where(torch.isnan(y), torch.zeros_like(y), y)
+    if signed:
+        y = y.clamp(-1.0, 1.0)
+        c = torch.round(torch.sign(y) * torch.sqrt(y.abs()) * 127.0) + 127.0
+    else:
+        y = y.clamp(0.0, 1.0)
+        c = torch.round(torch.sqrt(torch.sqrt(y)) * 255.0)
+    return c.to(torch.uint8).reshape(x.shape), scale
+
+
+def dequantize_t(codes: torch.Tensor, scale: torch.Tensor, signed: bool,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float values of ``codes`` with their blocks' ``scale`` (``quantize_t``)."""
+    c = codes.reshape(-1).to(torch.float32)
+    if signed:
+        t = (c - 127.0) / 127.0
+        v = t * t.abs()
+    else:
+        t = c / 255.0
+        v = (t * t) * (t * t)
+    return (v * _per_value(scale.to(torch.float32), c.numel())).reshape(codes.shape).to(dtype)
+
+
+C_HELPERS = r"""
+/* 8-bit blockwise state (vega.codegen.quant): codes and one float32 absmax a block */
+#define QBLOCK 256
+static inline float q8_signed(uint8_t c, float s) {
+    float t = (float)((int)c - 127) / 127.0f; return (t * fabsf(t)) * s;
+}
+static inline float q8_unsigned(uint8_t c, float s) {
+    float t = (float)c / 255.0f; return ((t * t) * (t * t)) * s;
+}
+static inline uint8_t q8_code_signed(float x, float inv) {
+    float y = x * inv;
+    if (!(y == y)) y = 0.0f;
+    y = y < -1.0f ? -1.0f : (y > 1.0f ? 1.0f : y);
+    float r = y > 0 ? sqrtf(y) : (y < 0 ? -sqrtf(-y) : y);
+    return (uint8_t)(rintf(r * 127.0f) + 127.0f);
+}
+static inline uint8_t q8_code_unsigned(float x, float inv) {
+    float y = x * inv;
+    if (!(y == y)) y = 0.0f;
+    y = y < 0.0f ? 0.0f : (y > 1.0f ? 1.0f : y);
+    return (uint8_t)rintf(sqrtf(sqrtf(y)) * 255.0f);
+}
+static inline float q8_inv(float s) { return s > 0 ? 1.0f / s : 0.0f; }
+/* starts() with each tensor's length rounded up to whole blocks: a thread's share, in
+   whole blocks, never splits one */
+static int64_t *starts_q(int64_t nt, const int64_t *tab) {
+    int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (nt + 1));
+    start[0] = 0;
+    for (int64_t i = 0; i < nt; i++)
+        start[i + 1] = start[i] + (tab[i * ROW + COL_NUMEL] + QBLOCK - 1) / QBLOCK * QBLOCK;
+    return start;
+}
+"""
