@@ -215,7 +215,7 @@ def test_load_state_dict_takes_torch_adams_float_step_counter():
     (lambda sd: sd.pop("state"), "a state_dict is a dict with 'state' and 'param_groups'"),
     (lambda sd: sd["state"].__setitem__(0, [1.0]), r"state_dict\['state'\] must be a dict"),
     (lambda sd: sd["param_groups"][0].__setitem__("state_dtype", "float32"),
-     "state_dtype='float32' must be None or a torch float dtype"),
+     "state_dtype='float32' must be None, a torch float dtype"),
     (lambda sd: sd["param_groups"][0].__setitem__("lr", 10**400), "lr=1000.* is too large"),
 ])
 def test_load_state_dict_refuses_a_malformed_state_dict(broken, message):
@@ -251,7 +251,7 @@ def test_a_number_past_the_float_range_is_a_value_error():
 @pytest.mark.parametrize("dtype", ["float32", torch.int32, torch.bool, 32, float])
 def test_state_dtype_is_a_torch_float_dtype(dtype):
     p = torch.nn.Parameter(torch.ones(3))
-    words = "must be None or a torch float dtype"
+    words = "must be None, a torch float dtype"
     with pytest.raises(ValueError, match=rf"^adamw_init: state_dtype=.* {words}"):
         vega.adamw_init([p.detach()], state_dtype=dtype)
     with pytest.raises(ValueError, match=rf"^AdamW: state_dtype=.* {words}"):

@@ -141,7 +141,7 @@ def test_bytes_of_state_per_parameter():
     ({"nux": BF16}, "state_dtype names a state 'nux' that it does not keep (did you mean 'nu'?)"),
     ({"nu": "bfloat16"}, "state_dtype['nu']='bfloat16' must be one of"),
     ({"nu": torch.int8}, "state_dtype['nu']=torch.int8 must be one of"),
-    ("float32", "state_dtype='float32' must be None or a torch float dtype"),
+    ("float32", "state_dtype='float32' must be None, a torch float dtype"),
     (torch.float8_e4m3fn, "state_dtype=torch.float8_e4m3fn is not a dtype the kernels keep "
                           "state in"),
 ])
@@ -423,24 +423,25 @@ def sequences(g, n):
 
 
 class TinyTransformer(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, width=WIDTH, hidden=32):
         super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
-        self.pos = torch.nn.Parameter(0.1 * torch.randn(LENGTH, WIDTH))
-        self.layer = torch.nn.TransformerEncoderLayer(WIDTH, 2, 32, dropout=0.0,
+        self.emb = torch.nn.Embedding(VOCAB, width)
+        self.pos = torch.nn.Parameter(0.1 * torch.randn(LENGTH, width))
+        self.layer = torch.nn.TransformerEncoderLayer(width, 2, hidden, dropout=0.0,
                                                       batch_first=True)
-        self.head = torch.nn.Linear(WIDTH, VOCAB)
+        self.head = torch.nn.Linear(width, VOCAB)
 
     def forward(self, x):
         mask = torch.nn.Transformer.generate_square_subsequent_mask(LENGTH, dtype=self.pos.dtype)
         return self.head(self.layer(self.emb(x) + self.pos, src_mask=mask, is_causal=True))
 
 
-def train_transformer(dtype, steps=150, lr=5e-4, **options):
+def train_transformer(dtype, steps=150, lr=5e-4, size=(WIDTH, 32), **options):
     """A one-layer causal transformer learning next tokens, AdamW, batches of 16: (loss on
-    held-out sequences, fraction of the weights that never changed)."""
+    held-out sequences, fraction of the weights that never changed). ``size``: (width,
+    feed-forward width)."""
     torch.manual_seed(0)
-    net = TinyTransformer().to(dtype)
+    net = TinyTransformer(*size).to(dtype)
     start = [p.detach().clone() for p in net.parameters()]
     opt = vega.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0, **options)
     g = torch.Generator().manual_seed(1)
@@ -463,6 +464,25 @@ def test_tiny_transformer_in_bfloat16_ends_near_float32():
     # (within 0.5%: a remedy that did nothing would end with round to nearest, 1.5% above)
     assert abs(rounded - fp32) < 0.005 * fp32, (rounded, fp32)
     assert abs(master - fp32) < 0.005 * fp32, (master, fp32)
+
+
+def _share_in_8bit(net) -> float:
+    """The share of ``net``'s weights in tensors large enough for 8-bit state."""
+    sizes = [p.numel() for p in net.parameters()]
+    return sum(n for n in sizes if n >= 4096) / sum(sizes)
+
+
+@pytest.mark.parametrize("train, kw", [
+    (train_classifier, {"lr": 1e-3}),
+    (train_transformer, {"lr": 3e-3, "size": (64, 256)}),
+], ids=["classifier", "transformer"])
+def test_8bit_adamw_ends_near_float32(train, kw):
+    from vega.demo import model
+    net = model(0) if train is train_classifier else TinyTransformer(*kw["size"])
+    assert _share_in_8bit(net) > 0.9  # (most weights are in 8 bits: the test says something)
+    fp32, _ = train(torch.float32, **kw)
+    q8, _ = train(torch.float32, state_dtype=torch.uint8, **kw)
+    assert abs(q8 - fp32) < 0.03 * fp32, (q8, fp32)
 
 
 # -- bad options ------------------------------------------------------------------------

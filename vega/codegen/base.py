@@ -287,6 +287,15 @@ def check_states(backend: str, program: Program, params, states) -> None:
     (``states``: one list per state variable): a kernel would read and write past a
     smaller one."""
     shapes = None
+    for name, (scale, _) in program.quant.items():  # 8 bits: codes and their scales
+        names = program.state_names
+        for st, want in ((name, torch.uint8), (scale, torch.float32)):
+            col = states[names.index(st)]
+            if any(x.dtype != want for x in col):
+                bad = next(x.dtype for x in col if x.dtype != want)
+                raise ValueError(f"backend '{backend}': state '{st}' is kept in 8 bits "
+                                 f"(state_dtype torch.uint8), as {want}, but a tensor of it is "
+                                 f"{bad}: make the state with the same state_dtype")
     for s, col in zip(program.states, states):
         if s.dom == "rc":  # like the parameter: the shapes compared in one pass
             shapes = [p.shape for p in params] if shapes is None else shapes

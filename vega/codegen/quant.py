@@ -41,6 +41,10 @@ SUFFIX = "_absmax"
 def variant(program: Program, names: frozenset[str]) -> Program:
     """``program`` with the states ``names`` kept in 8 bits (each with its scale state);
     itself where ``names`` is empty. Made once per (program, names)."""
+    if names and (program.uses_axes or program.torch_only):
+        raise ValueError(f"{program.name}: 8-bit state (state_dtype torch.uint8) is kept for "
+                         "programs of values one per element; this one has row, column or "
+                         "matrix values: keep its states in a float dtype")
     if "*" in names:  # every state shaped like the parameter (a master copy aside)
         names = frozenset(s.name for s in program.states if s.dom == "rc"
                           and not (program.master and s.name == MASTER))
@@ -50,10 +54,6 @@ def variant(program: Program, names: frozenset[str]) -> Program:
     found = program.variants.get(key)
     if found is not None:
         return found
-    if program.uses_axes or program.torch_only:
-        raise ValueError(f"{program.name}: 8-bit state (state_dtype torch.uint8) is kept for "
-                         "programs of values one per element; this one has row, column or "
-                         "matrix values: keep its states in a float dtype")
     quant, states, updates = {}, list(program.states), list(program.updates)
     for st in program.states:
         if st.name not in names:
@@ -65,7 +65,7 @@ def variant(program: Program, names: frozenset[str]) -> Program:
         if scale in program.state_names:
             raise ValueError(f"{program.name}: 8-bit state '{st.name}' keeps its scales in a "
                              f"state named '{scale}', but the spec declares one of that name")
-        quant[st.name] = (scale, nonnegative(program, st.name))
+        quant[st.name] = (scale, not nonnegative(program, st.name))  # (scale, signed)
         states.append(StateVar(scale, ir.const(0.0), None, QBLOCK))
         # the kernels write the scales beside the codes; as a value, a scale is its own
         updates.append((scale, ir.leaf(Op.STATE, Kind.ELEMENT, arg=scale, dom=QBLOCK)))
@@ -115,8 +115,12 @@ def nonnegative(program: Program, name: str) -> bool:
             out = op is not Op.AMAX or nn(src[0])
         elif op in (Op.ADD, Op.DIV, Op.MIN):
             out = all(nn(s) for s in src)
-        elif op is Op.MUL:
-            out = src[0] is src[1] or all(nn(s) for s in src)
+        elif op is Op.MUL:  # each factor not known >= 0 an even number of times: (1-b2)*g*g
+            counts: dict[int, int] = {}
+            for f in factors(node):
+                if not nn(f):
+                    counts[id(f)] = counts.get(id(f), 0) + 1
+            out = all(c % 2 == 0 for c in counts.values())
         elif op is Op.MAX:
             out = any(nn(s) for s in src)
         elif op is Op.WHERE:
@@ -132,6 +136,9 @@ def nonnegative(program: Program, name: str) -> bool:
             out = False
         memo[id(node)] = out
         return out
+
+    def factors(node) -> list:
+        return [f for s in node.src for f in (factors(s) if s.op is Op.MUL else [s])]
 
     state = next(s for s in program.states if s.name == name)
     new = dict(program.updates).get(name)

@@ -69,8 +69,9 @@ def check_state_dtype(owner: str, state_dtype, names=None) -> None:
                                  "torch.float16, torch.uint8 (8-bit blockwise)")
         return
     per_state = ", or a dict from state names to dtypes" if names is not None else ""
-    raise ValueError(f"{owner}: state_dtype={shown(state_dtype)} must be None or a torch float "
-                     f"dtype (torch.float32, torch.float64, torch.bfloat16, ...){per_state}")
+    raise ValueError(f"{owner}: state_dtype={shown(state_dtype)} must be None, a torch float "
+                     f"dtype (torch.float32, torch.float64, torch.bfloat16, ...) or "
+                     f"torch.uint8 (8-bit blockwise){per_state}")
 
 
 def state_dtypes(p: torch.Tensor, program: Program, state_dtype) -> list[torch.dtype]:

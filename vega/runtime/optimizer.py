@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from vega import codegen
+from vega.codegen import quant
 from vega.codegen.base import distinct, state_shape
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
@@ -305,7 +306,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{owner} does not support sparse gradients")
         master, seed = _precision(owner, group)
         progs = engine.programs(owner, self.spec._spec, flags, values, params, master=master,
-                                seed=seed, quantized=_q8(group, params))
+                                seed=seed, quantized=_q8(group, params, self.state))
         shaped = "".join(f", or {n} (it picks each tensor's program)"
                          for n in self.spec._spec.shape_hypers)
         wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
@@ -366,7 +367,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         master, seed = plan.precision
         program = engine.programs(type(self).__name__, spec, flags, values, plan.params[:1],
                                   master=master, seed=seed,
-                                  quantized=_q8(plan.group, plan.params[:1]))[0]
+                                  quantized=_q8(plan.group, plan.params[:1], self.state))[0]
         return len(plan.parts) == 1 and program is plan.parts[0][0]
 
     def _planned_work(self, k, group, grads_all, flags, values) -> list[tuple] | None:
@@ -450,7 +451,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             master, seed = _precision(owner, group)
             params = [p for p in group["params"] if self.state.get(p)]
             progs = engine.programs(owner, self.spec._spec, flags, values, params,
-                                    master=master, seed=seed, quantized=_q8(group, params))
+                                    master=master, seed=seed, quantized=_q8(group, params, self.state))
             for program, ids in engine.groups(progs):
                 ps = [params[i] for i in ids]
                 sts = [self.state[p] for p in ps]
@@ -487,8 +488,11 @@ class SpecOptimizer(torch.optim.Optimizer):
                                     self.state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's loading, keeping vega's state dtypes (float32 state for half
-        parameters, the step counter int32 on the parameter's device). A state dict of
+        """torch's loading, keeping vega's state dtypes: each group's ``state_dtype`` stays
+        this optimizer's (a state saved in another dtype is converted: an 8-bit one
+        dequantized, a float one quantized where this optimizer keeps 8 bits, each with a
+        warning), float32 state for half parameters, the step counter int32 on the
+        parameter's device. A state dict of
         torch.optim's class of the same rule (SGD, Adam, AdamW, RAdam, Adagrad, RMSprop) is
         converted (``torch_names.from_torch``); ValueError naming a setting under which
         torch's rule is not this class's.
@@ -549,7 +553,10 @@ class SpecOptimizer(torch.optim.Optimizer):
         if scale is not None and self.loss_scale is not None:
             self.loss_scale = _loaded_scale(f"{type(self).__name__}.load_state_dict", scale,
                                             self.loss_scale)
+        mine = [g.get("state_dtype") for g in self.param_groups]
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "loss_scale"})
+        for group, dtype in zip(self.param_groups, mine):  # the dtypes this optimizer keeps
+            group["state_dtype"] = dtype
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [(p, g) for g in self.param_groups for p in g["params"]]
         for k, group in enumerate(self.param_groups):
@@ -563,17 +570,65 @@ class SpecOptimizer(torch.optim.Optimizer):
             if pid not in originals or p not in self.state:
                 continue
             sds = group["state_dtype"] if isinstance(group["state_dtype"], dict) else {}
+            if _q8(group, [p]) or any(quant.SUFFIX in str(n) for n in originals[pid]):
+                # 8-bit states as this optimizer keeps them: codes kept, float values
+                # quantized, codes dequantized where it keeps floats (a warning says which)
+                originals[pid] = self._loaded_q8(pid, p, group, originals[pid])
+                for name in [n for n in self.state[p] if n not in originals[pid]]:
+                    del self.state[p][name]  # (the scales of a state dequantized)
             for name, value in originals[pid].items():
                 sd = engine.state_dtype_for(p, sds.get(name) if sds else group["state_dtype"])
+                if sd == torch.uint8:  # kept in floats here (a tensor too small for 8 bits)
+                    sd = engine.state_dtype_for(p, None)
                 if name == engine.MASTER and group.get("master_weights"):
                     sd = torch.float32
                 if not isinstance(value, torch.Tensor):
+                    continue
+                if value.dtype == torch.uint8 or str(name).endswith(quant.SUFFIX):
+                    self.state[p][name] = value.to(device=p.device).clone()  # as saved
                     continue
                 if name == "step":  # a copy: the step advances in place
                     _check_step(type(self).__name__, pid, value)
                     self.state[p][name] = value.to(device=p.device, dtype=torch.int32).clone()
                 elif value.is_floating_point() or value.is_complex():
                     self.state[p][name] = value.to(device=p.device, dtype=sd).clone()
+
+    def _loaded_q8(self, pid, p, group, saved: dict) -> dict:
+        """``saved``, one parameter's loaded state, with its 8-bit states as this optimizer
+        keeps them (``vega.codegen.quant``): a float state it keeps in 8 bits quantized, an
+        8-bit one it keeps in floats dequantized (each with a warning naming it)."""
+        import warnings
+        owner = f"{type(self).__name__}.load_state_dict"
+        flags, values = self._group_values(group)
+        master, seed = _precision(owner, group)
+        base = engine.programs(owner, self.spec._spec, flags, values, [p], master=master,
+                               seed=seed)[0]
+        program = engine.programs(owner, self.spec._spec, flags, values, [p], master=master,
+                                  seed=seed, quantized=_q8(group, [p]))[0]
+        out = dict(saved)
+        for s in base.states:
+            value, scale = saved.get(s.name), saved.get(s.name + quant.SUFFIX)
+            if not isinstance(value, torch.Tensor):
+                continue
+            is_codes = value.dtype == torch.uint8
+            if is_codes and not isinstance(scale, torch.Tensor):
+                raise ValueError(f"{owner}: state '{s.name}' of parameter {pid} holds 8-bit "
+                                 f"codes without their scales '{s.name}{quant.SUFFIX}'")
+            if s.name in program.quant and not is_codes:
+                signed = program.quant[s.name][1]
+                out[s.name], out[s.name + quant.SUFFIX] = quant.quantize_t(
+                    value.to(device=p.device, dtype=torch.float32), signed)
+                warnings.warn(f"{owner}: state '{s.name}' of parameter {pid} was saved in "
+                              f"{value.dtype}; it is quantized to 8 bits, as this optimizer "
+                              "keeps it (state_dtype torch.uint8)", stacklevel=4)
+            elif is_codes and s.name not in program.quant:
+                out[s.name] = quant.dequantize_t(value.to(p.device), scale.to(p.device),
+                                                 not quant.nonnegative(base, s.name))
+                del out[s.name + quant.SUFFIX]
+                warnings.warn(f"{owner}: state '{s.name}' of parameter {pid} was saved in 8 "
+                              "bits; it is dequantized to the dtype this optimizer keeps it "
+                              "in", stacklevel=4)
+        return out
 
     def _check_loaded(self) -> None:
         """Each loaded state has this optimizer's entries (those its settings read, give or
@@ -589,7 +644,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             master, seed = _precision(owner, group)
             progs = engine.programs(owner, self.spec._spec, flags, values, [p for _, p in held],
                                     master=master, seed=seed,
-                                    quantized=_q8(group, [p for _, p in held]))
+                                    quantized=_q8(group, [p for _, p in held], self.state))
             for (i, p), program in zip(held, progs):
                 where = f"parameter {i} of group {k}"
                 st = self.state[p]
@@ -639,12 +694,24 @@ def _optional_keys(cspec) -> frozenset:
 _PRECISION_DEFAULTS = torch_names.PRECISION_DEFAULTS
 
 
-def _q8(group: dict, params) -> list[frozenset] | None:
-    """The states each parameter keeps in 8 bits (``engine.q8_names``), None for none."""
+def _q8(group: dict, params, state=None) -> list[frozenset] | None:
+    """The states each parameter keeps in 8 bits, None for none: as its state in ``state``
+    holds them (the states with scales), or for a parameter without one, as the group's
+    ``state_dtype`` makes them (``engine.q8_names``). A state's dtype is chosen when it is
+    made, as for any ``state_dtype``."""
     sd = group.get("state_dtype")
-    if sd is None or not (sd == torch.uint8 or isinstance(sd, dict)):
-        return None
-    return [engine.q8_names(sd, p) for p in params]
+    asks = sd is not None and (sd == torch.uint8 or isinstance(sd, dict))
+    out, any_q8 = [], False
+    for p in params:
+        st = state.get(p) if state is not None else None
+        if st:
+            q = frozenset(n[:-len(quant.SUFFIX)] for n in st
+                          if isinstance(n, str) and n.endswith(quant.SUFFIX))
+        else:
+            q = engine.q8_names(sd, p) if asks else frozenset()
+        any_q8 = any_q8 or bool(q)
+        out.append(q)
+    return out if any_q8 else None
 
 
 def _precision(owner: str, group: dict) -> tuple[bool, int | None]:

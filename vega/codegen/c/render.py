@@ -267,6 +267,11 @@ class Source:
         self.slots = {id(n): j for j, n in enumerate(n for ph in self.phases for n in ph)}
         self.dtypes = (pdt, gdt, sdt)
         self.sdts = state_dtype_names(sdt, len(program.states))  # each state's
+        for name, (scale, _) in program.quant.items():  # 8 bits: codes, float32 scales
+            # (whatever the key says: the prelude's library is built for the gradients'
+            # dtype; Kernel._call checks a step's states first)
+            self.sdts[program.state_names.index(name)] = "uint8"
+            self.sdts[program.state_names.index(scale)] = "float32"
 
     @property
     def nstate(self) -> int:

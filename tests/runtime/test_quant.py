@@ -1,0 +1,496 @@
+"""8-bit blockwise state (``state_dtype=torch.uint8``, docs/precision.md).
+
+- the maps: a value comes back within a step of its code, a block's largest value exactly,
+  zeros exactly, a NaN makes its block NaN and no other;
+- which map a state takes: the unsigned one only where the spec keeps the state >= 0;
+- the reference's step is 8-bit AdamW written out in this file, code for code; the C
+  kernels (and Triton, which hands such programs to the reference) agree with it over
+  several steps, on the parameters and on every code and scale, with clipping, a skipped
+  step and tensors split between threads;
+- tensors of fewer than 4,096 values keep float32 state; bytes of state per parameter;
+- checkpoints: state_dict, torch.save, vega.save and dcp round trip bitwise and resume
+  bitwise; a float state loaded into an 8-bit optimizer is quantized (and back), with a
+  warning;
+- bad uses are ValueErrors naming the problem.
+"""
+import io
+import warnings
+
+import pytest
+import torch
+
+import vega
+from vega.codegen import c as c_backend
+from vega.codegen import quant
+
+needs_c = pytest.mark.skipif(not c_backend.available(), reason="no C compiler")
+U8 = torch.uint8
+SHAPES = {"w": (96, 200), "edge": (4096,), "odd": (4097,), "v": (70,), "t": (33, 131)}
+
+
+def params_of(shapes=SHAPES, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def grads_of(params, k):
+    g = torch.Generator().manual_seed(100 + k)
+    # magnitudes spread over three decades within each block
+    return {n: torch.randn(p.shape, generator=g) * torch.logspace(-3, 0, p.numel(),
+                                                                  ).reshape(p.shape)[
+        ..., torch.randperm(p.shape[-1], generator=g)] for n, p in params.items()}
+
+
+# -- the maps, written out here (the module's docstring) -----------------------------------
+
+def codes_written_out(x, signed):
+    flat = x.reshape(-1).float()
+    pad = (-flat.numel()) % 256
+    blocks = torch.cat([flat, flat.new_zeros(pad)]).reshape(-1, 256)
+    absmax = blocks.abs().amax(1)
+    inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    y = (blocks * inv[:, None]).reshape(-1)[:flat.numel()]
+    y = torch.nan_to_num(y, nan=0.0, posinf=0.0, neginf=0.0)
+    if signed:
+        y = y.clamp(-1, 1)
+        c = torch.round(torch.sign(y) * y.abs().sqrt() * 127) + 127
+    else:
+        c = torch.round(y.clamp(0, 1).sqrt().sqrt() * 255)
+    return c.to(U8).reshape(x.shape), absmax
+
+
+def values_written_out(codes, absmax, signed):
+    c = codes.reshape(-1).float()
+    t = (c - 127) / 127 if signed else c / 255
+    v = t * t.abs() if signed else (t * t) * (t * t)
+    return (v * absmax.repeat_interleave(256)[:c.numel()]).reshape(codes.shape)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_map_round_trip(signed):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10_000, generator=g) * torch.logspace(-4, 1, 10_000)
+    if not signed:
+        x = x.abs()
+    codes, absmax = quant.quantize_t(x, signed)
+    assert codes.dtype == U8 and codes.shape == x.shape and absmax.shape == (40,)
+    want_codes, want_absmax = codes_written_out(x, signed)
+    assert torch.equal(codes, want_codes) and torch.equal(absmax, want_absmax)
+    back = quant.dequantize_t(codes, absmax, signed)
+    assert torch.equal(back, values_written_out(codes, absmax, signed))
+    scale = absmax.repeat_interleave(256)[:x.numel()]
+    # within a step of the code at the value: at most 1/127 of the block's absmax
+    assert ((back - x).abs() <= scale / 127 + 1e-12).all()
+    # each block's largest magnitude comes back exactly, its sign kept
+    blocks = x.reshape(-1, 250)  # (not blocks: just a place to look for the largest)
+    k = x.abs().reshape(-1)[:256].argmax()
+    assert back[k] == x[k]
+    assert blocks.numel() == x.numel()
+
+
+def test_map_zeros_nan_and_inf():
+    x = torch.zeros(1024)
+    x[300] = float("nan")  # block 1
+    x[600] = 2.0  # block 2
+    codes, absmax = quant.quantize_t(x, True)
+    back = quant.dequantize_t(codes, absmax, True)
+    assert torch.equal(back[:256], torch.zeros(256))  # zeros exactly
+    assert back[256:512].isnan().all()  # the NaN's block reads NaN, every value of it
+    assert back[600] == 2.0 and (back[512:768] == 0).sum() == 255
+    assert torch.equal(back[768:], torch.zeros(256))
+    x = torch.full((256,), 1.0)
+    x[5] = float("inf")
+    back = quant.dequantize_t(*quant.quantize_t(x, False), False)
+    assert not back.isfinite().any()  # an inf is not lost either
+
+
+@pytest.mark.parametrize("name, want", [
+    ("adamw", {"mu": True, "nu": False}), ("rmsprop", {"nu": False}),
+    ("adagrad", {"acc": False}), ("lion", {"m": True}), ("lamb", {"mu": True, "nu": False}),
+])
+def test_a_state_kept_nonnegative_takes_the_unsigned_map(name, want):
+    program = getattr(vega, name).program()
+    q = quant.variant(program, frozenset(want))
+    assert {n: signed for n, (_, signed) in q.quant.items()} == want
+    assert q.state_names[-len(want):] == tuple(n + "_absmax" for n in want)
+
+
+# -- the step --------------------------------------------------------------------------------
+
+def adamw_8bit_written_out(params, grads_at, steps, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8,
+                           wd=0.01):
+    """8-bit AdamW, float32 arithmetic, written out: (params, {name: (mu, nu) codes and
+    scales}). Tensors under 4,096 values keep float32 moments."""
+    p = {n: t.clone() for n, t in params.items()}
+    st = {}
+    for n, t in p.items():
+        if t.numel() >= 4096:
+            st[n] = [*codes_written_out(torch.zeros_like(t), True),
+                     *codes_written_out(torch.zeros_like(t), False)]
+        else:
+            st[n] = [torch.zeros_like(t), torch.zeros_like(t)]
+    for k in range(steps):
+        g = grads_at(p, k)
+        t = k + 1
+        for n in p:
+            if p[n].numel() >= 4096:
+                mu = values_written_out(st[n][0], st[n][1], True)
+                nu = values_written_out(st[n][2], st[n][3], False)
+            else:
+                mu, nu = st[n]
+            mu = b1 * mu + (1 - b1) * g[n]
+            nu = b2 * nu + (1 - b2) * g[n] * g[n]
+            c1 = torch.tensor(1 - b1 ** t, dtype=torch.float64).float()
+            c2 = torch.tensor(1 - b2 ** t, dtype=torch.float64).float()
+            d = (mu / c1) / ((nu / c2).sqrt() + eps)
+            p[n] = p[n] - lr * (d + wd * p[n])
+            st[n] = [*codes_written_out(mu, True), *codes_written_out(nu, False)] \
+                if p[n].numel() >= 4096 else [mu, nu]
+    return p, st
+
+
+def run_adamw(backend, steps=5, shapes=SHAPES, **kw):
+    params = params_of(shapes)
+    state = vega.adamw.init(params, state_dtype=U8)
+    for k in range(steps):
+        params, state = vega.adamw.step(params, grads_of(params, k), state, backend=backend,
+                                        lr=1e-2, **kw)
+    return params, state
+
+
+def test_reference_is_8bit_adamw_written_out():
+    got_p, got_s = run_adamw("reference")
+    want_p, want_s = adamw_8bit_written_out(params_of(), grads_of, 5)
+    for n in SHAPES:
+        torch.testing.assert_close(got_p[n], want_p[n], rtol=1e-5, atol=1e-6)
+        if got_p[n].numel() >= 4096:
+            mine = [got_s["mu"][n], got_s["mu_absmax"][n], got_s["nu"][n],
+                    got_s["nu_absmax"][n]]
+            for label, a, b in zip(("mu", "mu scale", "nu", "nu scale"), mine, want_s[n]):
+                assert a.dtype == b.dtype, (n, label)
+                if a.dtype == U8:  # code for code, but for a value on a rounding boundary
+                    assert (a.int() - b.int()).abs().max() <= 1, (n, label)
+                    assert (a != b).float().mean() < 1e-3, (n, label)
+                else:
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=0, msg=f"{n} {label}")
+        else:
+            assert got_s["mu_absmax"][n] is None and got_s["mu"][n].dtype == torch.float32
+
+
+def assert_same_8bit(got, ref):
+    (gp, gs), (rp, rs) = got, ref
+    assert gs.keys() == rs.keys()
+    for n in gp:
+        torch.testing.assert_close(gp[n], rp[n], rtol=1e-4, atol=1e-5, msg=n)
+    for field in gs:
+        if field == "step":
+            assert torch.equal(gs[field], rs[field])
+            continue
+        for n, r in rs[field].items():
+            x = gs[field][n]
+            if r is None:
+                assert x is None
+                continue
+            assert x.dtype == r.dtype, (field, n)
+            if r.dtype == U8:  # codes: the same but for values on a rounding boundary
+                assert (x.int() - r.int()).abs().max() <= 1, (field, n)
+                assert (x != r).float().mean() < 2e-3, (field, n)
+            else:
+                torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-7, msg=f"{field} {n}")
+
+
+@pytest.mark.parametrize("backend", [pytest.param("c", marks=needs_c), "triton"])
+@pytest.mark.parametrize("kw", [{}, {"max_grad_norm": 0.5}], ids=["plain", "clipped"])
+def test_backends_match_reference(backend, kw, monkeypatch):
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        pytest.importorskip("triton")
+    assert_same_8bit(run_adamw(backend, **kw), run_adamw("reference", **kw))
+
+
+@needs_c
+@pytest.mark.parametrize("name, hypers", [
+    ("lamb", {"lr": 1e-2}), ("rmsprop", {"lr": 1e-3, "momentum": 0.9}),
+    ("adagrad", {"lr": 1e-2}), ("lion", {"lr": 1e-3}), ("sgd", {"lr": 1e-2, "momentum": 0.9}),
+    ("adam", {"lr": 1e-2, "amsgrad": True}),
+])
+def test_c_matches_reference_across_rules(name, hypers):
+    spec = getattr(vega, name)
+
+    def run(backend):
+        params = params_of()
+        state = spec.init(params, state_dtype=U8, **hypers)
+        for k in range(4):
+            params, state = spec.step(params, grads_of(params, k), state, backend=backend,
+                                      **hypers)
+        return params, state
+    got, ref = run("c"), run("reference")
+    assert any(t is not None and t.dtype == U8 for tree in got[1].values()
+               if isinstance(tree, dict) for t in tree.values())
+    assert_same_8bit(got, ref)
+
+
+@needs_c
+def test_c_threads_split_a_tensor_at_blocks():
+    """A tensor long enough to be split between threads (and one not a whole number of
+    blocks): every thread's share is whole blocks, so the codes equal a single thread's."""
+    shapes = {"big": (300_001,), "w": (96, 200)}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_adamw("c", steps=2, shapes=shapes)
+        torch.set_num_threads(max(2, before))
+        many = run_adamw("c", steps=2, shapes=shapes)
+    finally:
+        torch.set_num_threads(before)
+    for field in ("mu", "nu", "mu_absmax", "nu_absmax"):
+        for n in shapes:
+            assert torch.equal(one[1][field][n], many[1][field][n]), (field, n)
+    assert_same_8bit(one, run_adamw("reference", steps=2, shapes=shapes))
+
+
+@pytest.mark.parametrize("backend", [pytest.param("c", marks=needs_c), "reference"])
+def test_skipped_step_leaves_codes_and_scales(backend):
+    params = params_of()
+    state = vega.adamw.init(params, state_dtype=U8)
+    params, state = vega.adamw.step(params, grads_of(params, 0), state, backend=backend)
+    bad = grads_of(params, 1)
+    bad["w"][3, 4] = float("nan")
+    new_p, new_s = vega.adamw.step(params, bad, state, backend=backend, skip_nonfinite=True)
+    for field in ("mu", "nu", "mu_absmax", "nu_absmax"):
+        for n, t in state[field].items():
+            if t is not None:
+                assert torch.equal(new_s[field][n], t), (field, n)
+    assert all(torch.equal(new_p[n], params[n]) for n in params)
+
+
+@needs_c
+def test_class_in_place_on_c_matches_reference():
+    def run(backend):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
+                                    torch.nn.Linear(128, 10))
+        opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8, backend=backend,
+                               max_grad_norm=1.0)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            x = torch.randn(32, 64, generator=g)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        return model, opt
+    (mc, oc), (mr, orf) = run("c"), run("reference")
+    for pc, pr in zip(mc.parameters(), mr.parameters()):
+        torch.testing.assert_close(pc, pr, rtol=1e-4, atol=1e-5)
+        sc, sr = oc.state[pc], orf.state[pr]
+        assert sc.keys() == sr.keys()
+        for k in sc:
+            if sc[k].dtype == U8:
+                assert (sc[k].int() - sr[k].int()).abs().max() <= 1
+            else:
+                torch.testing.assert_close(sc[k], sr[k], rtol=1e-4, atol=1e-7)
+    w = mc[0].weight
+    assert oc.state[w]["mu"].dtype == U8 and oc.state[w]["mu_absmax"].shape == (32,)
+    assert oc.state[mc[0].bias]["mu"].dtype == torch.float32  # 128 values: float32
+
+
+def test_small_tensors_keep_float32_and_bytes_per_parameter():
+    params = {"w": torch.randn(256, 256), "b": torch.randn(256)}
+    state = vega.adamw.init(params, state_dtype=U8)
+    assert state["mu"]["b"].dtype == torch.float32 and state["mu_absmax"]["b"] is None
+    big = sum(t.numel() * t.element_size() for f in ("mu", "nu", "mu_absmax", "nu_absmax")
+              for t in [state[f]["w"]])
+    assert big / params["w"].numel() == 2 + 2 * 4 / 256  # 2.03: codes, scales included
+    assert big / params["w"].numel() <= 2.1
+    # per state by name: only nu in 8 bits
+    state = vega.adamw.init(params, state_dtype={"nu": U8})
+    assert state["mu"]["w"].dtype == torch.float32 and state["nu"]["w"].dtype == U8
+    assert "mu_absmax" not in state and state["nu_absmax"]["w"].shape == (256,)
+
+
+def test_mode_reads_8bit_state():
+    params = {"w": torch.randn(64, 100)}
+    spec = vega.schedule_free_adamw
+    state = spec.init(params, state_dtype=U8)
+    assert state["z"]["w"].dtype == U8
+    for k in range(3):
+        params, state = spec.step(params, grads_of(params, k), state, lr=1e-2)
+    ref_state = {**state}
+    values = {n: quant.dequantize_t(state["z"][n], state["z_absmax"][n], True)
+              for n in params}
+    ref_state["z"] = values
+    del ref_state["z_absmax"]
+    got = spec.mode("eval", params, state, lr=1e-2)
+    ref_state_f32 = {k: v for k, v in ref_state.items()}
+    want = spec.mode("eval", params, ref_state_f32, lr=1e-2)
+    torch.testing.assert_close(got["w"], want["w"])
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 8))
+
+
+def _train(model, opt, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 64, generator=gen)).square().mean().backward()
+        opt.step()
+
+
+def _same_state(opt_a, model_a, opt_b, model_b):
+    for p, q in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(p, q)
+        sa, sb = opt_a.state[p], opt_b.state[q]
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+def test_state_dict_round_trip_and_resume_bitwise():
+    model = _model()
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    _train(model, opt, 3, seed=1)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    model2 = _model(seed=5)
+    model2.load_state_dict(model.state_dict())
+    opt2 = vega.optim.AdamW(model2.parameters(), lr=1e-2, state_dtype=U8)
+    buf.seek(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # codes into an 8-bit optimizer: nothing to say
+        opt2.load_state_dict(torch.load(buf))
+    _same_state(opt, model, opt2, model2)
+    assert opt2.state[model2[0].weight]["mu"].dtype == U8
+    _train(model, opt, 2, seed=2)
+    _train(model2, opt2, 2, seed=2)
+    _same_state(opt, model, opt2, model2)
+
+
+def test_vega_save_and_load_keep_codes_and_scales(tmp_path):
+    params = params_of()
+    state = vega.adamw.init(params, state_dtype=U8)
+    params, state = vega.adamw.step(params, grads_of(params, 0), state)
+    vega.save(tmp_path / "s.safetensors", state)
+    back = vega.load(tmp_path / "s.safetensors", like=vega.adamw.init(params, state_dtype=U8))
+    for field in state:
+        if field == "step":
+            assert torch.equal(back[field], state[field])
+            continue
+        for n, t in state[field].items():
+            assert (back[field][n] is None) == (t is None)
+            if t is not None:
+                assert back[field][n].dtype == t.dtype and torch.equal(back[field][n], t)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning")
+def test_distributed_checkpoint_round_trip(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    model = _model()
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    _train(model, opt, 3, seed=1)
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=str(tmp_path / "ckpt"))
+    model2 = _model(seed=3)
+    opt2 = vega.optim.AdamW(model2.parameters(), lr=1e-2, state_dtype=U8)
+    target = {"model": model2.state_dict(), "optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"))
+    model2.load_state_dict(target["model"])
+    set_optimizer_state_dict(model2, opt2, target["optim"])
+    _same_state(opt, model, opt2, model2)
+    _train(model, opt, 2, seed=2)
+    _train(model2, opt2, 2, seed=2)
+    _same_state(opt, model, opt2, model2)
+
+
+def test_float_state_loaded_into_an_8bit_optimizer_is_quantized_and_back():
+    model = _model()
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 3, seed=1)
+    opt8 = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        opt8.load_state_dict(opt.state_dict())
+    said = [str(w.message) for w in said]
+    for name in ("mu", "nu"):
+        assert f"AdamW.load_state_dict: state '{name}' of parameter 0 was saved in " \
+            "torch.float32; it is quantized to 8 bits, as this optimizer keeps it " \
+            "(state_dtype torch.uint8)" in said, said
+    assert len(said) == 2  # the first layer's two moments: the other tensors keep float32
+    w = model[0].weight
+    st = opt8.state[w]
+    assert st["mu"].dtype == U8 and st["nu"].dtype == U8 and st["mu_absmax"].shape == (24,)
+    for name, signed in (("mu", True), ("nu", False)):
+        back = quant.dequantize_t(st[name], st[name + "_absmax"], signed)
+        scale = st[name + "_absmax"].repeat_interleave(256)[:w.numel()].reshape(w.shape)
+        assert ((back - opt.state[w][name]).abs() <= scale / 127).all()
+    assert opt8.state[model[0].bias]["mu"].dtype == torch.float32  # 96 values
+    opt32 = vega.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        opt32.load_state_dict(opt8.state_dict())
+    assert len(said) == 2 and all("was saved in 8 bits; it is dequantized" in str(w.message)
+                                  for w in said)
+    assert set(opt32.state[w]) == {"mu", "nu", "step"}
+    assert opt32.state[w]["mu"].dtype == torch.float32
+    _train(model, opt32, 1, seed=2)
+    _train(model, opt8, 1, seed=2)
+
+
+def test_a_state_dtype_applies_to_state_when_it_is_made():
+    """As for every state_dtype: state made in float32 stays so when the group's dtype
+    changes (a fresh state, or a loaded one, takes the new dtype)."""
+    model = _model()
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1, seed=1)
+    opt.param_groups[0]["state_dtype"] = U8
+    _train(model, opt, 1, seed=2)
+    assert opt.state[model[0].weight]["mu"].dtype == torch.float32
+
+
+# -- bad uses --------------------------------------------------------------------------------
+
+def test_codes_without_scales_refused():
+    model = _model()
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    _train(model, opt, 1, seed=1)
+    saved = opt.state_dict()
+    for st in saved["state"].values():
+        st.pop("mu_absmax", None)
+    with pytest.raises(ValueError, match="holds 8-bit codes without their scales 'mu_absmax'"):
+        vega.optim.AdamW(model.parameters(), lr=1e-2).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("c", marks=needs_c), "reference"])
+def test_float_state_where_codes_are_kept_refused(backend):
+    params = params_of({"w": (64, 100)})
+    state = vega.adamw.init(params, state_dtype=U8)
+    state["mu"]["w"] = torch.zeros(64, 100)
+    with pytest.raises(ValueError, match=r"state 'mu' is kept in 8 bits .*torch.uint8.* "
+                                         r"but a tensor of it is torch.float32"):
+        vega.adamw.step(params, grads_of(params, 0), state, backend=backend)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: vega.adafactor.init({"w": torch.randn(256, 300)}, state_dtype=U8),
+     "8-bit state .* is kept for programs of values one per element"),
+    (lambda: vega.adamw.init({"w": torch.randn(64, 100, dtype=torch.complex64)},
+                             state_dtype=U8),
+     "8-bit state\\) is kept for real parameters"),
+    (lambda: vega.adamw.init({"w": torch.randn(64, 100)}, state_dtype={"mu": torch.int8}),
+     r"state_dtype\['mu'\]=torch.int8 must be one of .*torch.uint8 \(8-bit blockwise\)"),
+    (lambda: vega.optim.AdamW([torch.nn.Parameter(torch.randn(64, 100))],
+                              state_dtype=torch.int8),
+     "state_dtype=torch.int8 .*torch.uint8 \\(8-bit blockwise\\)"),
+])
+def test_bad_8bit_requests(make, words):
+    with pytest.raises(ValueError, match=words):
+        make()
