@@ -61,7 +61,7 @@ def codes_written_out(x, signed):
 
 def values_written_out(codes, absmax, signed):
     c = codes.reshape(-1).float()
-    t = (c - 127) / 127 if signed else c / 255
+    t = (c - 127) * (1 / 127) if signed else c * (1 / 255)
     v = t * t.abs() if signed else (t * t) * (t * t)
     return (v * absmax.repeat_interleave(256)[:c.numel()]).reshape(codes.shape)
 
@@ -494,3 +494,20 @@ def test_float_state_where_codes_are_kept_refused(backend):
 def test_bad_8bit_requests(make, words):
     with pytest.raises(ValueError, match=words):
         make()
+
+
+@needs_c
+def test_a_nan_makes_its_block_nan_on_c_as_on_the_reference():
+    def run(backend):
+        params = params_of({"w": (41, 100)})
+        state = vega.adamw.init(params, state_dtype=U8)
+        grads = grads_of(params, 0)
+        grads["w"][10, 30] = float("nan")  # value 1030: block 4
+        return vega.adamw.step(params, grads, state, backend=backend)
+    (cp, cs), (rp, rs) = run("c"), run("reference")
+    for s in (cs, rs):
+        scale = s["mu_absmax"]["w"]
+        assert scale[4].isnan() and not scale[:4].isnan().any() and not scale[5:].isnan().any()
+        assert s["nu_absmax"]["w"][4].isnan()
+    assert torch.equal(cs["mu"]["w"], rs["mu"]["w"]) and torch.equal(cs["nu"]["w"], rs["nu"]["w"])
+    assert torch.equal(cp["w"].isnan(), rp["w"].isnan())

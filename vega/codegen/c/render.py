@@ -470,8 +470,9 @@ class Source:
         k = names.index(node.arg)
         if node.arg in self.program.quant:  # 8 bits: the code with its block's scale
             scale, signed = self.program.quant[node.arg]
+            at = f"A{k}_" if self._in_blocks else f"S{names.index(scale)}_[{index} / QBLOCK]"
             return (f"const CT v_{state_var(node.arg)} = (CT)q8_{_MAP[signed]}(S{k}_[{index}], "
-                    f"S{names.index(scale)}_[{index} / QBLOCK]);")
+                    f"{at});")
         return f"const CT v_{state_var(node.arg)} = LOAD_S{k}(S{k}_[{index}]);"
 
     def _loads(self) -> list[str]:
@@ -486,9 +487,9 @@ class Source:
         slot = 0 if target == "p" else 1 + self.program.state_names.index(target)
         if target in self.program.quant:  # 8 bits: into the block's buffer (_blocked)
             k = slot - 1
-            return (f"B{k}_[{index} - jb_] = (float)({value}); "
-                    f"{{ const float a_ = fabsf(B{k}_[{index} - jb_]); "
-                    f"M{k}_ = (a_ > M{k}_ || a_ != a_) ? a_ : M{k}_; }}")
+            return (f"{{ const float b_ = (float)({value}), a_ = fabsf(b_); "
+                    f"B{k}_[{index} - jb_] = b_; M{k}_ = a_ > M{k}_ ? a_ : M{k}_; "
+                    f"N_ |= a_ != a_; }}")
         to, save = ("PO_", "SAVE_P") if target == "p" else (f"SO{slot - 1}_", f"SAVE_S{slot - 1}")
         if slot in self._rounded():
             return (f"{to}[{index}] = f32_to_bf16_sr((float)({value}), "
@@ -581,9 +582,14 @@ class Source:
         nodes = [n for n in nodes if id(n) not in out]
 
         def loop(indent: str) -> list[str]:
-            body = [*self._loads(), *self._element_lines(nodes, stored), *tail]
             if blocked:
+                self._in_blocks = True
+                try:
+                    body = [*self._loads(), *self._element_lines(nodes, stored), *tail]
+                finally:
+                    self._in_blocks = False
                 return [indent + line for line in self._blocked(body)]
+            body = [*self._loads(), *self._element_lines(nodes, stored), *tail]
             quarters = []
             for k in range(4):
                 quarters += ["                {",
@@ -619,25 +625,40 @@ class Source:
         return head + out + [f"            if ({ok}) {{", *fast, "            } else {",
                       *loop("    "), "            }"]
 
+    _in_blocks = False  # rendering _blocked's loop: a block's scales are read before it
+
     def _blocked(self, body: list[str]) -> list[str]:
         """The update's loop over [b, e) a block of ``quant.BLOCK`` values at a time (b is
-        a block's start, ``starts_q``): each 8-bit state's new values into a buffer with
-        their largest magnitude (NaN wins), then the block's scale and codes written."""
+        a block's start, ``starts_q``): each 8-bit state's scale read once, its new values
+        into a buffer (in the cache), then their largest magnitude (NaN wins), the block's
+        scale and its codes written; each loop a SIMD loop."""
         names = self.program.state_names
         qs = [(names.index(n), names.index(sc), _MAP[signed])
               for n, (sc, signed) in self.program.quant.items()]
         lines = ["            for (int64_t jb_ = b; jb_ < e; jb_ += QBLOCK) {",
-                 "                const int64_t je_ = e < jb_ + QBLOCK ? e : jb_ + QBLOCK;"]
-        for k, _, _ in qs:
-            lines.append(f"                float B{k}_[QBLOCK]; float M{k}_ = 0.0f;")
-        lines += ["                for (int64_t j = jb_; j < je_; j++) {",
+                 "                const int64_t je_ = e < jb_ + QBLOCK ? e : jb_ + QBLOCK;",
+                 "                const int nb_ = (int)(je_ - jb_);"]
+        lines.append("                int N_ = 0;  /* a NaN among the new values */")
+        for k, ks, _ in qs:
+            lines.append(f"                const float A{k}_ = S{ks}_[jb_ / QBLOCK]; "
+                         f"float B{k}_[QBLOCK], M{k}_ = 0.0f;")
+        maxes = ", ".join(f"M{k}_" for k, _, _ in qs)
+        lines += [f"                #pragma omp simd reduction(max:{maxes}) reduction(|:N_)",
+                  "                for (int64_t j = jb_; j < je_; j++) {",
                   *("    " + line for line in body), "                }"]
         for k, ks, how in qs:
-            lines += [f"                SO{ks}_[jb_ / QBLOCK] = M{k}_;",
-                      "                {",
-                      f"                    const float I_ = q8_inv(M{k}_);",
-                      "                    for (int64_t j = jb_; j < je_; j++)",
-                      f"                        SO{k}_[j] = q8_code_{how}(B{k}_[j - jb_], I_);",
+            lines += ["                {",
+                      f"                    float m_ = M{k}_;",
+                      "                    if (N_) {  /* a NaN wins, in its own state */",
+                      "                        for (int q = 0; q < nb_; q++)",
+                      f"                            if (B{k}_[q] != B{k}_[q]) m_ = NAN;",
+                      "                    }",
+                      f"                    SO{ks}_[jb_ / QBLOCK] = m_;",
+                      "                    const float i_ = q8_inv(m_);",
+                      f"                    uint8_t *c_ = SO{k}_ + jb_;",
+                      "                    #pragma omp simd",
+                      "                    for (int q = 0; q < nb_; q++)",
+                      f"                        c_[q] = q8_code_{how}(B{k}_[q], i_);",
                       "                }"]
         return lines + ["            }"]
 
