@@ -77,14 +77,11 @@ def _kernel(backend: str, program: Program, counting: bool):
 def _reference_only(backend: str, program: Program) -> bool:
     """Whether ``backend`` hands ``program`` to the reference kernels: matrices (only they
     compute them); on Triton, and on C over a matrix view, a state of one number per
-    tensor; on Triton, 8-bit state and reductions over a group (the C kernels hand a
-    program whose stages they do not run to the reference's themselves:
-    ``Kernel.__call__``)."""
+    tensor; on Triton, reductions over a group (the C kernels hand a program whose
+    stages they do not run to the reference's themselves: ``Kernel.__call__``)."""
     if program.torch_only:
         return True
     if program.scalar_states and (backend == "triton" or program.uses_axes):
-        return True
-    if program.quant and backend == "triton":  # 8-bit state (vega.codegen.quant)
         return True
     return program.spans_group and backend == "triton"
 

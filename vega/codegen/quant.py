@@ -231,3 +231,55 @@ static int64_t *starts_q(int64_t nt, const int64_t *tab) {
     return start;
 }
 """
+
+R127 = 0.007874015718698502  # 1 / 127 in float32 (exactly this double)
+R255 = 0.003921568859368563  # 1 / 255 in float32
+
+TRITON_HELPERS = f'''
+
+@triton.jit
+def q8_rint(x):
+    """x rounded to the nearest integer, halves to even (x >= 0 or an integer away)."""
+    f = tl.floor(x)
+    d = x - f
+    odd = (f - 2.0 * tl.floor(0.5 * f)) == 1.0
+    return tl.where(d > 0.5, f + 1.0, tl.where(d == 0.5, tl.where(odd, f + 1.0, f), f))
+
+
+@triton.jit
+def q8_signed(c, s):
+    """The values of 8-bit codes c (signed map) with their blocks' scales s."""
+    t = (c.to(tl.float32) - 127.0) * {R127!r}
+    return (t * tl.abs(t)) * s
+
+
+@triton.jit
+def q8_unsigned(c, s):
+    """The values of 8-bit codes c (unsigned map) with their blocks' scales s."""
+    t = c.to(tl.float32) * {R255!r}
+    return ((t * t) * (t * t)) * s
+
+
+@triton.jit
+def q8_store(v, mask, n, codes_ptr, scale_ptr, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """Store the float32 values v of one block of a tensor (its first n valid) as codes
+    and one scale a block of {BLOCK} (vega.codegen.quant): the block's largest magnitude,
+    NaN where the block holds one."""
+    v2 = tl.reshape(tl.where(mask, v, 0.0), (BLOCK // {BLOCK}, {BLOCK}))
+    a2 = tl.abs(v2)
+    amax = tl.max(a2, axis=1)
+    amax = tl.where(tl.max((a2 != a2).to(tl.int32), axis=1) > 0, float("nan"), amax)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax), 0.0)
+    y = v2 * tl.expand_dims(inv, 1)
+    if SIGNED:
+        r = tl.sqrt_rn(tl.abs(y))
+        r = tl.where(y < 0, -r, r) * 127.0
+        r = tl.where(r == r, r, 0.0)
+        c = q8_rint(r) + 127.0
+    else:
+        r = tl.sqrt_rn(tl.sqrt_rn(y)) * 255.0
+        c = q8_rint(tl.where(r == r, r, 0.0))
+    tl.store(codes_ptr + tl.arange(0, BLOCK), tl.reshape(c, (BLOCK,)).to(tl.uint8), mask=mask)
+    q = tl.arange(0, BLOCK // {BLOCK})
+    tl.store(scale_ptr + q, amax, mask=q * {BLOCK} < n)
+'''

@@ -58,7 +58,7 @@ from importlib.resources import files
 
 import torch
 
-from vega.codegen import plan, precision, reference, triton_runtime
+from vega.codegen import plan, precision, quant, reference, triton_runtime
 from vega.codegen.base import Linear, Renderer, linearize, state_dtype_names, state_var
 from vega.codegen.base import reduction_phases
 from vega.codegen.record import PRE_SLOTS, named
@@ -66,7 +66,7 @@ from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, REDUCTIONS, Kind, Node, 
                          Program, walk)
 
 TL = {"float32": "tl.float32", "float64": "tl.float64", "bfloat16": "tl.bfloat16",
-      "float16": "tl.float16"}
+      "float16": "tl.float16", "uint8": "tl.uint8"}
 
 # Names (see vega.codegen.base): a value of the program is p, g, t, h_<hyperparameter>,
 # s_<state> or v_<value>, and a value computed at other indices (a state read per row in a
@@ -562,6 +562,15 @@ class Source:
         self.storage = {"p": pdt, "g": gdt, **{
             state_var(name): dt for name, dt in zip(
                 program.state_names, state_dtype_names(sdt, len(program.states)))}}
+        # 8-bit states (vega.codegen.quant): codes, and their scales (whatever the key says:
+        # the prelude's module is made for the gradients' dtype; a step checks its states)
+        self.quant = {state_var(n): (state_var(sc), signed)
+                      for n, (sc, signed) in program.quant.items()}
+        self.scales = {sc for sc, _ in self.quant.values()}
+        for x in self.quant:
+            self.storage[x] = "uint8"
+        for x in self.scales:
+            self.storage[x] = "float32"
         self.ct = "tl.float64" if pdt == "float64" else "tl.float32"
         self.phases = reduction_phases(program)
         self.slots = {id(n): j for j, n in enumerate(n for ph in self.phases for n in ph)}
@@ -617,6 +626,9 @@ class Source:
         dt = self.storage[x]
         name, col = (self.out_ptr[x], self.col["out", x]) if out else \
             (self.ptr[x], self.col["in", x])
+        if x in self.scales:  # one a block of quant.BLOCK values: from the block's first
+            return (f"{name} = tl.load(row + {col}).to(tl.pointer_type(tl.float32)) + "
+                    f"start // {quant.BLOCK}")
         if rebased:
             return f"{name} = at_block(row + {col}, {TL[dt]}, start, ALIGNED)"
         return f"{name} = tl.load(row + {col}).to(tl.pointer_type({TL[dt]}))"
@@ -680,6 +692,7 @@ class Source:
         lin, r = self.lin, self.r
         lines, earlier, needed = _needed(roots, [] if update else roots)
         used = {lin.ref(n) for n in needed if n.op in (Op.PARAM, Op.GRAD, Op.STATE)}
+        used |= {self.quant[x][0] for x in used if x in self.quant}  # (and their scales)
         # the scalars the element lines read (rounded once to ct), and the scalar lines they need
         readers = [n for n in needed if n.kind >= Kind.TENSOR and not any(n is e for e in earlier)]
         rounded = {id(s): s for m in readers for s in m.src
@@ -695,11 +708,21 @@ class Source:
         scalar = self._scalar_reads(rounded)
         loads = []
         for x in self.targets if update else []:
-            loads.append(f"{self.stored[x]} = tl.load({self.ptr[x]} + offsets, mask=mask)")
+            at = f"offsets // {quant.BLOCK}" if x in self.scales else "offsets"
+            loads.append(f"{self.stored[x]} = tl.load({self.ptr[x]} + {at}, mask=mask)")
         for x in ("p", "g", *self.targets[1:]):
             if x not in used:
                 continue
-            if x == "g":
+            if x in self.quant:  # 8 bits: each code with its block's scale
+                sc, signed = self.quant[x]
+                codes, scale = (self.stored[x], self.stored[sc]) if update else (
+                    f"tl.load({self.ptr[x]} + offsets, mask=mask)",
+                    f"tl.load({self.ptr[sc]} + offsets // {quant.BLOCK}, mask=mask)")
+                loads.append(f"{x} = q8_{'signed' if signed else 'unsigned'}({codes}, "
+                             f"{scale}).to({self.ct})")
+            elif x in self.scales and not update:
+                continue
+            elif x == "g":
                 loads.append(f"g = tl.load({self.ptr['g']} + offsets, mask=mask)"
                              f".to({self.ct}) * inv_scale * coef")
             elif update:
@@ -807,8 +830,21 @@ class Source:
         finite, skipped = [], []
         for x in targets:
             node, value = new.get(x), values.get(x, "")
+            if x in self.scales:  # written with the codes; a skipped step copies them
+                q = f"tl.arange(0, BLOCK // {quant.BLOCK})"
+                skipped += [f"    qs = {q}",
+                            f"    tl.store({self.out_ptr[x]} + qs, tl.load({self.ptr[x]} + qs, "
+                            f"mask=qs * {quant.BLOCK} < n), mask=qs * {quant.BLOCK} < n)"]
+                continue
             old = f"tl.load({self.ptr[x]} + offsets, mask=mask)"
             skipped.append(f"    tl.store({self.out_ptr[x]} + offsets, {old}, mask=mask)")
+            if x in self.quant:
+                sc, signed = self.quant[x]
+                if node.kind < Kind.ELEMENT or node.op is Op.CONST:
+                    value = f"(tl.zeros([BLOCK], dtype={self.ct}) + {value})"
+                finite.append(f"    q8_store({value}.to(tl.float32), mask, n, "
+                              f"{self.out_ptr[x]}, {self.out_ptr[sc]}, {signed}, BLOCK)")
+                continue
             if node is None:  # not updated by the program: the old value, as it was
                 finite.append(f"    tl.store({self.out_ptr[x]} + offsets, {self.stored[x]}, "
                               "mask=mask)")
@@ -890,7 +926,8 @@ class Source:
             columns=self.cols, nred=len(self.slots), pre_slots=named("PRE", PRE_SLOTS),
             needs_pow=any(n.op is Op.POW for n in nodes), helpers=_helpers(nodes),
             needs_bf16="bfloat16" in (pdt, *self.storage.values()),
-            rounding=precision.TRITON_HELPERS if self._rounded() else "",
+            rounding=(precision.TRITON_HELPERS if self._rounded() else "")
+            + (quant.TRITON_HELPERS if self.quant else ""),
             needs_nanmax=any(n.op is Op.AMAX for n in nodes),
             needs_rowmax=any(n.op in (Op.ROW_MAX, Op.COL_MAX) for n in nodes),
             phases=phases, update=update, axes=staged, scalars=self._scalars(), doms=TAG,

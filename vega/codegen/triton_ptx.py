@@ -136,9 +136,10 @@ SHAPES = ((1000,), (30, 40), (257, 160))
 
 
 def spec_launches(name: str, dtype: str = "float32", fused: bool = False,
-                  shapes=SHAPES, **hypers) -> list[Launch]:
+                  shapes=SHAPES, state_dtype=None, **hypers) -> list[Launch]:
     """The launches of one step of a shipped spec (by name) with the triton backend, on
-    parameters of ``dtype``; ``fused``: with clipping and a skip of non-finite steps."""
+    parameters of ``dtype``; ``fused``: with clipping and a skip of non-finite steps;
+    ``state_dtype``: the state's (``torch.uint8``: 8-bit state in the largest tensor)."""
     import torch
 
     import vega
@@ -149,7 +150,7 @@ def spec_launches(name: str, dtype: str = "float32", fused: bool = False,
     params = {str(k): torch.randn(s, dtype=getattr(torch, dtype), device=device)
               for k, s in enumerate(shapes)}
     grads = {k: torch.randn_like(p) for k, p in params.items()}
-    state = spec.init(params, **hypers)
+    state = spec.init(params, state_dtype=state_dtype, **hypers)
     more = dict(max_grad_norm=1.0, skip_nonfinite=True) if fused else {}
     return record(lambda: spec.step(params, grads, state, backend="triton", donate=True,
                                     **more, **hypers))

@@ -48,6 +48,7 @@ from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, ow
 # keep a full occupancy; see docs/gpu.md)
 WARPS_GPU, BYTES_PER_ACCESS = 8, 16
 ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+# (8-bit codes, vega.codegen.quant, do not set the block: a block of their tensor's floats)
 BLOCK_INTERPRETER = 4096  # under the interpreter every program costs ~1 ms: fewer, larger ones
 # loops over a reduced axis: outputs per program, and values along the axis at a time
 WIDE_GPU, WIDE_INTERPRETER = (64, 64), (512, 16)
@@ -103,7 +104,7 @@ def block_size(dtypes=("float32",)) -> int:
     if _small_blocks():
         return BLOCK_INTERPRETER
     return 32 * WARPS_GPU * BYTES_PER_ACCESS // min(ITEMSIZE[d] for ds in dtypes
-                                                    for d in ds.split(","))
+                                                    for d in ds.split(",") if d != "uint8")
 
 
 def load_module(text: str, name: str) -> dict:
@@ -293,7 +294,7 @@ def _hyper_array(device, nhyper, ndicts, tensors, floats, slots) -> torch.Tensor
 # -- the custom ops -------------------------------------------------------------
 
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
-          torch.float16: "float16"}
+          torch.float16: "float16", torch.uint8: "uint8"}  # (uint8: 8-bit states' codes)
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -588,7 +589,7 @@ def _check(kern, what: str, x: torch.Tensor) -> None:
     if has_own_ops(x):  # (no storage of its own to read: DTensor)
         raise ValueError(f"backend 'triton': {what} {own_ops_words(x)}; use "
                          f"backend='reference'")
-    if x.dtype not in DTYPES:
+    if x.dtype not in DTYPES or (x.dtype == torch.uint8 and what != "state"):
         raise ValueError(f"backend 'triton' does not support {what} of dtype {x.dtype} "
                          f"(float32, float64, bfloat16 and float16 only)")
 
