@@ -259,6 +259,8 @@ STATE_CONFIGS = (
     ("bfloat16 parameters, master weights", torch.bfloat16, {"master_weights": True}),
     ("bfloat16 parameters, master weights, bfloat16 state", torch.bfloat16,
      {"master_weights": True, "state_dtype": torch.bfloat16}),
+    ("float32 parameters, 8-bit state (a matrix and a bias)", torch.float32,
+     {"state_dtype": torch.uint8}),
 )
 
 
@@ -266,8 +268,8 @@ def state_bytes() -> list[tuple[str, float]]:
     """(configuration, bytes of AdamW's state per parameter) of each of ``STATE_CONFIGS``,
     counted on the state ``adamw_init`` makes (docs/precision.md)."""
     out = []
-    for label, dtype, kw in STATE_CONFIGS:
-        params = {"w": torch.zeros(64, 48, dtype=dtype), "b": torch.zeros(48, dtype=dtype)}
+    for label, dtype, kw in STATE_CONFIGS:  # (a GPT-2 layer's matrix and bias)
+        params = {"w": torch.zeros(768, 768, dtype=dtype), "b": torch.zeros(768, dtype=dtype)}
         state = vega.adamw_init(params, **kw)
         total = sum(t.numel() * t.element_size() for field, tree in state.items()
                     if field != "step" for t in tree.values() if t is not None)
@@ -296,6 +298,8 @@ def adamw_rows(shapes, grads, compile_torch=True, bound: Stream | None = None):
     fns["vega AdamW + unscale, finite check, clip, skip"] = fused_opt.step
     fns[BF16_STATE] = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
                                        state_dtype=torch.bfloat16).step
+    fns[Q8_STATE] = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
+                                     state_dtype=torch.uint8).step
     for label, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}),
                       ("fused", {"fused": True})):
         fns[f"torch AdamW {label}"] = torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
@@ -527,9 +531,46 @@ def _machine() -> str:
 
 
 BF16_STATE = "vega AdamW, bfloat16 state"
+Q8_STATE = "vega AdamW, 8-bit state"
 ADAMW_BYTES = {"vega AdamW": ("adamw", False), "torch AdamW fused": ("adamw", False),
                "vega AdamW + unscale, finite check, clip, skip": ("adamw", True),
-               BF16_STATE: ("adamw", False, 2)}
+               BF16_STATE: ("adamw", False, 2), Q8_STATE: ("adamw", False, 1)}
+
+
+def eight_bit_rows(shapes, grads) -> dict:
+    """8-bit AdamW: vega's, torchao's ``AdamW8bit`` and bitsandbytes' ``AdamW8bit`` where
+    they are installed (``pip install -e '.[compare]'``) and run on the CPU, and vega's
+    float32-state step, raced: label -> median seconds, NaN for one that is missing or
+    fails (its label says why); and ``(... first step)``: each one's first step, which
+    for torchao includes compiling its kernels."""
+    import logging
+    import warnings
+    fns, firsts, out = {}, {}, {}
+    fns["vega AdamW, float32 state"] = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3).step
+    fns[Q8_STATE] = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
+                                     state_dtype=torch.uint8).step
+    for label, module, path in (("torchao AdamW8bit", "torchao.optim", "AdamW8bit"),
+                                ("bitsandbytes AdamW8bit", "bitsandbytes.optim", "AdamW8bit")):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                logging.disable(logging.WARNING)  # (their import says which GPU kernels miss)
+                try:
+                    cls = getattr(__import__(module, fromlist=[path]), path)
+                finally:
+                    logging.disable(logging.NOTSET)
+                opt = cls(_leaves(shapes, grads), lr=1e-3)
+                t0 = time.perf_counter()
+                opt.step()
+                firsts[label] = time.perf_counter() - t0
+            fns[label] = opt.step
+        except Exception as err:  # not installed, or not on this CPU: the row says so
+            why = "not installed" if isinstance(err, ImportError) else type(err).__name__
+            out[f"{label} ({why})"] = float("nan")
+    out.update(race(fns, budget=6.0, min_rounds=3))
+    for label, secs in firsts.items():
+        out[f"({label}: first step, compiling included)"] = secs
+    return out
 
 
 def measure(quick: bool, compile_torch: bool, bound: Stream | None = None) -> dict:
@@ -549,6 +590,8 @@ def measure(quick: bool, compile_torch: bool, bound: Stream | None = None) -> di
                       "others": other_rows(shapes, grads, names, bound),
                       "muon": muon_rows(shapes, grads)
                       if not quick and any(len(s) == 2 for s in shapes) else None,
+                      "eight_bit": eight_bit_rows(shapes, grads)
+                      if not quick and len(shapes) < 100 else None,
                       "bound_bytes": bound.nbytes if bound is not None else 0,
                       "read_bytes": bound.read_bytes if bound is not None else 0}
     return out
@@ -634,6 +677,17 @@ def report(run: dict, rate: float, say) -> None:
                                _rate(res, bsecs, rate))
             say(f"{name:<10} {1e3 * ours:>9.2f}   {label:<40} {1e3 * theirs:>9.2f} "
                 f"{theirs / ours:>8.2f}x   {note}")
+        if res.get("eight_bit"):
+            q8 = res["eight_bit"]
+            say(f"\n{'8-bit AdamW (state: 2.03 B/param; float32: 8)':<60} {'median ms':>10} "
+                f"{'/ vega 8-bit':>14}")
+            for label, secs in q8.items():
+                if label.startswith("("):
+                    say(f"{label:<60} {secs:>10.1f} s")
+                elif math.isnan(secs):
+                    say(f"{label:<60} {'-':>10}")
+                else:
+                    say(f"{label:<60} {1e3 * secs:>10.2f} {secs / q8[Q8_STATE]:>13.2f}x")
         if res.get("muon"):
             ours, theirs, count, nmat = res["muon"]
             say(f"\n{MUON} ({count} matrices, {nmat / 1e6:.1f}M parameters; Newton-Schulz in "
@@ -666,6 +720,10 @@ def ratios(run: dict, rate: float) -> dict:
             "vega AdamW + unscale, finite check, clip, skip"]
         if res.get("muon"):
             out[(title, "muon: vega / torch.optim.Muon")] = res["muon"][0] / res["muon"][1]
+        for label, secs in (res.get("eight_bit") or {}).items():
+            if not label.startswith("(") and not math.isnan(secs) and label != Q8_STATE:
+                out[(title, f"8-bit: {label} / vega 8-bit")] = \
+                    secs / res["eight_bit"][Q8_STATE]
         for name, ours, _, theirs, bsecs in res["others"]:
             out[(title, f"{name}: speed-up")] = theirs / ours
             row_rate = _rate(res, bsecs, rate)

@@ -537,6 +537,9 @@ class SpecOptimizer(torch.optim.Optimizer):
             if not isinstance(group, dict) or "params" not in group:
                 raise ValueError(f"{owner}: param_groups[{k}] is not a parameter group (a dict "
                                  "with 'params')")
+            if "state_dtype" in group:  # (this optimizer's own is kept: still a dtype)
+                engine.check_state_dtype(owner, group["state_dtype"],
+                                         self.spec._spec.state_names)
             missing = sorted(want - group.keys())
             if missing:
                 unknown = sorted(group.keys() - want - _GROUP_EXTRAS - _optional_keys(self.spec))
