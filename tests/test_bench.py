@@ -55,8 +55,11 @@ def test_bytes_a_step_moves_per_parameter():
 
 def test_state_bytes_per_parameter():
     """AdamW's state: 8 bytes a parameter in float32, 4 in bfloat16, 8 + 4 with a master
-    copy of bfloat16 parameters (docs/precision.md)."""
+    copy of bfloat16 parameters, 2.04 in 8 bits (a 768 x 768 matrix at 2 + 8/256, its bias
+    at 8: docs/precision.md)."""
     found = dict(bench.state_bytes())
+    q8 = found.pop("float32 parameters, 8-bit state (a matrix and a bias)")
+    assert q8 == (768 * 768 * (2 + 8 / 256) + 768 * 8) / (768 * 769) and q8 <= 2.1
     assert found == {"float32 parameters and state": 8,
                      "float32 parameters, bfloat16 state": 4,
                      "float32 parameters, bfloat16 nu": 6,

@@ -876,8 +876,9 @@ def optimizer_class(spec) -> type:
         lines.append(f"    {h.name}: {h.type} = {default}{rng}")
     lines += ["", "Also: backend=None|'reference'|'c'|'triton', state_dtype=None (float32 for "
               "bfloat16/float16 parameters;", "a dtype for every state, or a dict by state "
-              "name: {'nu': torch.bfloat16}),", "master_weights=False (a float32 copy of each "
-              "half parameter, the state 'master'),", "stochastic_rounding=False, "
+              "name: {'nu': torch.bfloat16}; torch.uint8: 8-bit blockwise),",
+              "master_weights=False (a float32 copy of each half parameter, the state "
+              "'master'),", "stochastic_rounding=False, "
               "rounding_seed=0 (bfloat16 values rounded stochastically; docs/precision.md),",
               "max_grad_norm=None, loss_scale=None (a "
               "vega.LossScale), skip_nonfinite=False, maximize=False,",
