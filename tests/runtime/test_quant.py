@@ -513,3 +513,52 @@ def test_a_nan_makes_its_block_nan_as_on_the_reference(backend):
         assert s["nu_absmax"]["w"][4].isnan()
     assert torch.equal(cs["mu"]["w"], rs["mu"]["w"]) and torch.equal(cs["nu"]["w"], rs["nu"]["w"])
     assert torch.equal(cp["w"].isnan(), rp["w"].isnan())
+
+
+@needs_c
+def test_compiled_step_with_8bit_state():
+    """A whole functional step with 8-bit state traced by torch.compile (fullgraph): the
+    codes, scales and parameters of an eager step."""
+    params = params_of({"w": (64, 100), "b": (100,)})
+    grads = grads_of(params, 0)
+    state = vega.adamw.init(params, state_dtype=U8)
+    step = torch.compile(lambda p, g, s: vega.adamw.step(p, g, s, backend="c",
+                                                         max_grad_norm=1.0), fullgraph=True)
+    got_p, got_s = step(params, grads, state)
+    want_p, want_s = vega.adamw.step(params, grads, state, backend="c", max_grad_norm=1.0)
+    for field in ("mu", "nu", "mu_absmax", "nu_absmax"):
+        assert torch.equal(got_s[field]["w"], want_s[field]["w"]), field
+    assert torch.equal(got_p["w"], want_p["w"]) and torch.equal(got_p["b"], want_p["b"])
+
+
+def test_a_dtensor_parameter_refuses_8bit_state():
+    """(One process, one rank: a DTensor all the same.)"""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    code = textwrap.dedent("""
+        import os, socket, torch, torch.distributed as dist, vega
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.device_mesh import init_device_mesh
+        w = distribute_tensor(torch.randn(64, 100), init_device_mesh("cpu", (1,)), [Shard(0)])
+        try:
+            vega.adamw.init({"w": w}, state_dtype=torch.uint8)
+        except ValueError as e:
+            print(e)
+        dist.destroy_process_group()
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "8-bit state (state_dtype torch.uint8) is kept for plain tensors; a DTensor " \
+        "parameter keeps its states in a float dtype" in done.stdout, done.stdout
