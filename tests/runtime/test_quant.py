@@ -562,3 +562,93 @@ def test_a_dtensor_parameter_refuses_8bit_state():
     assert done.returncode == 0, done.stderr
     assert "8-bit state (state_dtype torch.uint8) is kept for plain tensors; a DTensor " \
         "parameter keeps its states in a float dtype" in done.stdout, done.stdout
+
+
+# -- a state's dtype named in the spec ------------------------------------------------------
+
+ADAM8 = """
+optimizer adam8(lr = 1e-3, b1 = 0.9 in [0, 1), b2 = 0.999 in [0, 1), eps = 1e-8) {
+    state mu: uint8 = zeros
+    state nu: bfloat16 = zeros
+    state v_row: rows float16 = zeros
+    mu = b1 * mu + (1 - b1) * g
+    nu = b2 * nu + (1 - b2) * g * g
+    v_row = row_mean(g * g)
+    p = p - lr * (mu / (1 - b1 ^ t)) / (sqrt(nu / (1 - b2 ^ t)) + eps)
+}
+"""
+
+ADAM8_FLAT = ADAM8.replace("    state v_row: rows float16 = zeros\n", "").replace(
+    "    v_row = row_mean(g * g)\n", "")
+
+
+def _dtypes(state):
+    return {f: {n: None if t is None else t.dtype for n, t in tree.items()}
+            for f, tree in state.items() if f != "step"}
+
+
+def test_a_spec_names_its_states_dtypes():
+    params = {"w": torch.randn(64, 100), "b": torch.randn(100)}
+    rows = vega.compile(ADAM8.replace("state mu: uint8", "state mu"))
+    assert _dtypes(rows.init(params)) == {
+        "mu": {"w": torch.float32, "b": torch.float32},
+        "nu": {"w": torch.bfloat16, "b": torch.bfloat16},
+        "v_row": {"w": torch.float16, "b": torch.float16}}
+    # 8 bits in a program with per-row values: refused when the state is made
+    with pytest.raises(ValueError, match="8-bit state .* is kept for programs of values one "
+                                         "per element"):
+        vega.compile(ADAM8).init(params)
+    flat = vega.compile(ADAM8_FLAT)
+    assert _dtypes(flat.init(params)) == {
+        "mu": {"w": U8, "b": torch.float32}, "nu": {"w": torch.bfloat16, "b": torch.bfloat16},
+        "mu_absmax": {"w": torch.float32, "b": None}}
+    # the caller's dtypes win: by name over the spec's, or one for every state
+    assert _dtypes(flat.init(params, state_dtype={"nu": torch.float32}))["nu"] == {
+        "w": torch.float32, "b": torch.float32}
+    assert _dtypes(flat.init(params, state_dtype=torch.float32)) == {
+        "mu": {"w": torch.float32, "b": torch.float32},
+        "nu": {"w": torch.float32, "b": torch.float32}}
+    model = torch.nn.Linear(100, 64)
+    opt = flat.optimizer(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 100)).sum().backward()
+    opt.step()
+    assert opt.state[model.weight]["mu"].dtype == U8
+    assert opt.state[model.weight]["nu"].dtype == torch.bfloat16
+    assert opt.state[model.bias]["mu"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_spec_with_declared_dtypes_matches_reference(backend):
+    spec = vega.compile(ADAM8_FLAT)
+
+    def run(b):
+        params = params_of()
+        state = spec.init(params)
+        for k in range(3):
+            params, state = spec.step(params, grads_of(params, k), state, backend=b)
+        return params, state
+    got, ref = run(backend), run("reference")
+    for n in SHAPES:
+        torch.testing.assert_close(got[0][n], ref[0][n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[1]["nu"][n].float(), ref[1]["nu"][n].float(),
+                                   rtol=1e-2, atol=1e-6)
+        if ref[1]["mu_absmax"][n] is not None:
+            assert (got[1]["mu"][n].int() - ref[1]["mu"][n].int()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("decl, words, caret", [
+    ("state m: bfloat61 = zeros", "not ': bfloat61' (did you mean 'bfloat16'?)", "bfloat61"),
+    ("state m: rows int8 = zeros", "not 'int8' (did you mean 'uint8'?)", "int8"),
+    ("state m: rows uint8 = zeros", "state 'm' holds one value per row: only a state shaped "
+     "like p is kept in 8 bits (uint8)", "uint8"),
+    ("state m: scalar uint8 = zeros", "state 'm' holds one number per tensor", "uint8"),
+])
+def test_a_bad_declared_dtype_is_a_spec_error(decl, words, caret):
+    src = f"optimizer bad(lr = 1e-3) {{\n    {decl}\n    p = p - lr * g\n}}\n"
+    with pytest.raises(vega.SpecError) as err:
+        vega.compile(src)
+    text = str(err.value)
+    assert words in text and ":2:" in text, text
+    line = src.splitlines()[1]
+    col = line.index(caret)
+    assert " " * col + "^" * len(caret) in text, text

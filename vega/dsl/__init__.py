@@ -38,9 +38,14 @@ class Spec:
     # per shape condition: the float hyperparameters it reads, and the states its then
     # branch declares, where it reads values alone (None where it reads the shape)
     _value_ifs: tuple = field(init=False, repr=False)
+    # the dtype each state's declaration names (`state nu: bfloat16 = zeros`): its default
+    # state_dtype (vega.runtime.engine.state_dtype_of)
+    declared_dtypes: dict = field(init=False, repr=False)
 
     def __post_init__(self):
         self.shape_conditions = shape_conditions(self.tree)
+        self.declared_dtypes = {d.name: d.dtype for d in state_decls(self.tree.body)
+                                if d.dtype is not None}
         floats = {h.name for h in self.hypers if h.type == "float"}
         names = (n.id for s in self.shape_conditions for n in _names(s.cond))
         self.shape_hypers = tuple(dict.fromkeys(n for n in names if n in floats))

@@ -56,6 +56,11 @@ class Binary:
 Expr = Num | Bool | Name | Call | Unary | Binary
 
 
+# the dtypes a state declaration may name (`state nu: bfloat16 = zeros`): its default
+# state_dtype (vega.runtime.engine.state_dtype_of); uint8 is 8-bit blockwise (codegen.quant)
+STATE_DTYPE_WORDS = ("float32", "float64", "bfloat16", "float16", "uint8")
+
+
 @dataclass(frozen=True)
 class StateDecl:
     name: str
@@ -65,6 +70,8 @@ class StateDecl:
     shape: str | None = None  # "rows" | "cols" (one value per row / column), "scalar" (one
     # number per tensor); None: like p
     shape_span: Span | None = None
+    dtype: str | None = None  # the dtype it is kept in by default ("bfloat16", "uint8", ...)
+    dtype_span: Span | None = None
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ GLOBAL_FUNCTIONS = {"global_sum": Op.SUM, "global_norm": Op.NORM, "global_max": 
 # shape queries, known per tensor: allowed only in the condition of an if
 SHAPE_QUERIES = {"ndim": "its number of axes", "nrows": "the length of its row axis",
                  "ncols": "the length of its column axis"}
+DTYPES = ast.STATE_DTYPE_WORDS  # the dtypes a state declaration may name
 STATE_SHAPES = {None: "rc", "rows": "r", "cols": "c", "scalar": ir.SCALAR_STATE}
 BUILTINS = {"p": "the parameter", "g": "the gradient", "t": "the update's index (1, 2, ...)"}
 INIT_NAMES = {"zeros": 0.0, "ones": 1.0}
@@ -252,9 +253,19 @@ class _Walker:
             if s.shape not in STATE_SHAPES:
                 raise SpecError(f"a state is shaped like p, or declared ': rows' (one value per "
                                 f"row), ': cols' (one per column) or ': scalar' (one number per "
-                                f"tensor), not ': {s.shape}'"
-                                f"{_suggest(s.shape, ['rows', 'cols', 'scalar'])}", s.shape_span)
+                                f"tensor), and may name the dtype it is kept in (': bfloat16', "
+                                f"': rows float16'), not ': {s.shape}'"
+                                f"{_suggest(s.shape, ['rows', 'cols', 'scalar', *DTYPES])}",
+                                s.shape_span)
             dom = STATE_SHAPES[s.shape]
+            if s.dtype is not None and s.dtype not in DTYPES:
+                raise SpecError(f"a state is kept in {', '.join(DTYPES[:-1])} or {DTYPES[-1]} "
+                                f"(8-bit blockwise), not '{s.dtype}'"
+                                f"{_suggest(s.dtype, list(DTYPES))}", s.dtype_span)
+            if s.dtype == "uint8" and dom != "rc":
+                raise SpecError(f"state '{s.name}' holds "
+                                f"{ir.DOMAIN_WORDS.get(dom, 'one number per tensor')}: only a "
+                                "state shaped like p is kept in 8 bits (uint8)", s.dtype_span)
             init = self.init_expr(s.init, env)
             if init.dtype != "float":
                 raise SpecError(f"state '{s.name}' must start as a number, not a bool",

@@ -91,10 +91,14 @@ class _Build(Transformer):
     # statements
     @v_args(meta=True)
     def state_decl(self, meta, children):
-        name, shape, init = children
+        name, shape, dtype, init = children
+        if dtype is None and shape is not None and str(shape) in ast.STATE_DTYPE_WORDS:
+            shape, dtype = None, shape  # (`state nu: bfloat16`: a dtype, no shape)
         return ast.StateDecl(str(name), init, Span.of(meta), _span(name),
                              None if shape is None else str(shape),
-                             None if shape is None else _span(shape))
+                             None if shape is None else _span(shape),
+                             None if dtype is None else str(dtype),
+                             None if dtype is None else _span(dtype))
 
     @v_args(meta=True)
     def assign(self, meta, children):

@@ -74,6 +74,24 @@ def check_state_dtype(owner: str, state_dtype, names=None) -> None:
                      f"torch.uint8 (8-bit blockwise){per_state}")
 
 
+_DTYPE_WORDS = {"float32": torch.float32, "float64": torch.float64,
+                "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
+
+
+def state_dtype_of(spec, state_dtype):
+    """The state_dtype an init or a class uses: the caller's, over the dtypes the spec's
+    declarations name (``state nu: bfloat16 = zeros``): a dict by state name where the spec
+    names any and the caller gives none or a dict (the caller's names win); one dtype for
+    every state, as the caller gives it."""
+    declared = spec.declared_dtypes
+    if not declared or (state_dtype is not None and not isinstance(state_dtype, dict)):
+        return state_dtype
+    out = {name: _DTYPE_WORDS[word] for name, word in declared.items()}
+    if isinstance(state_dtype, dict):
+        out.update(state_dtype)
+    return out
+
+
 def state_dtypes(p: torch.Tensor, program: Program, state_dtype) -> list[torch.dtype]:
     """The dtype of each state of ``program`` for parameter ``p``: ``state_dtype`` (one dtype
     for all, or a dict by state name, the others by default; ``state_dtype_for``); a master

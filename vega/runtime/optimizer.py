@@ -125,7 +125,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         vals = at_zero.get(p.device)
         if vals is None:
             vals = at_zero[p.device] = engine.at_step(values, step)
-        leaves = engine.init_leaf(program, p, vals, group["state_dtype"])
+        leaves = engine.init_leaf(program, p, vals,
+                                  engine.state_dtype_of(self.spec._spec, group["state_dtype"]))
         state = {s.name: leaf for s, leaf in zip(program.states, leaves)}
         state["step"] = step
         return state
@@ -306,7 +307,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{owner} does not support sparse gradients")
         master, seed = _precision(owner, group)
         progs = engine.programs(owner, self.spec._spec, flags, values, params, master=master,
-                                seed=seed, quantized=_q8(group, params, self.state))
+                                seed=seed, quantized=self._q8(group, params))
         shaped = "".join(f", or {n} (it picks each tensor's program)"
                          for n in self.spec._spec.shape_hypers)
         wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
@@ -367,7 +368,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         master, seed = plan.precision
         program = engine.programs(type(self).__name__, spec, flags, values, plan.params[:1],
                                   master=master, seed=seed,
-                                  quantized=_q8(plan.group, plan.params[:1], self.state))[0]
+                                  quantized=self._q8(plan.group, plan.params[:1]))[0]
         return len(plan.parts) == 1 and program is plan.parts[0][0]
 
     def _planned_work(self, k, group, grads_all, flags, values) -> list[tuple] | None:
@@ -451,7 +452,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             master, seed = _precision(owner, group)
             params = [p for p in group["params"] if self.state.get(p)]
             progs = engine.programs(owner, self.spec._spec, flags, values, params,
-                                    master=master, seed=seed, quantized=_q8(group, params, self.state))
+                                    master=master, seed=seed,
+                                    quantized=self._q8(group, params))
             for program, ids in engine.groups(progs):
                 ps = [params[i] for i in ids]
                 sts = [self.state[p] for p in ps]
@@ -572,15 +574,17 @@ class SpecOptimizer(torch.optim.Optimizer):
         for pid, (p, group) in zip(ids, params):
             if pid not in originals or p not in self.state:
                 continue
-            sds = group["state_dtype"] if isinstance(group["state_dtype"], dict) else {}
-            if _q8(group, [p]) or any(quant.SUFFIX in str(n) for n in originals[pid]):
+            wanted = engine.state_dtype_of(self.spec._spec, group["state_dtype"])
+            sds = wanted if isinstance(wanted, dict) else {}
+            if self._q8(group, [p], fresh=True) or any(quant.SUFFIX in str(n)
+                                                       for n in originals[pid]):
                 # 8-bit states as this optimizer keeps them: codes kept, float values
                 # quantized, codes dequantized where it keeps floats (a warning says which)
                 originals[pid] = self._loaded_q8(pid, p, group, originals[pid])
                 for name in [n for n in self.state[p] if n not in originals[pid]]:
                     del self.state[p][name]  # (the scales of a state dequantized)
             for name, value in originals[pid].items():
-                sd = engine.state_dtype_for(p, sds.get(name) if sds else group["state_dtype"])
+                sd = engine.state_dtype_for(p, sds.get(name) if sds else wanted)
                 if sd == torch.uint8:  # kept in floats here (a tensor too small for 8 bits)
                     sd = engine.state_dtype_for(p, None)
                 if name == engine.MASTER and group.get("master_weights"):
@@ -596,6 +600,12 @@ class SpecOptimizer(torch.optim.Optimizer):
                 elif value.is_floating_point() or value.is_complex():
                     self.state[p][name] = value.to(device=p.device, dtype=sd).clone()
 
+    def _q8(self, group, params, fresh: bool = False) -> list[frozenset] | None:
+        """``_q8`` of a group's parameters: as their states hold them (``fresh``: as the
+        group's state_dtype would make them)."""
+        return _q8(engine.state_dtype_of(self.spec._spec, group.get("state_dtype")), params,
+                   None if fresh else self.state)
+
     def _loaded_q8(self, pid, p, group, saved: dict) -> dict:
         """``saved``, one parameter's loaded state, with its 8-bit states as this optimizer
         keeps them (``vega.codegen.quant``): a float state it keeps in 8 bits quantized, an
@@ -607,7 +617,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         base = engine.programs(owner, self.spec._spec, flags, values, [p], master=master,
                                seed=seed)[0]
         program = engine.programs(owner, self.spec._spec, flags, values, [p], master=master,
-                                  seed=seed, quantized=_q8(group, [p]))[0]
+                                  seed=seed, quantized=self._q8(group, [p], fresh=True))[0]
         out = dict(saved)
         for s in base.states:
             value, scale = saved.get(s.name), saved.get(s.name + quant.SUFFIX)
@@ -647,7 +657,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             master, seed = _precision(owner, group)
             progs = engine.programs(owner, self.spec._spec, flags, values, [p for _, p in held],
                                     master=master, seed=seed,
-                                    quantized=_q8(group, [p for _, p in held], self.state))
+                                    quantized=self._q8(group, [p for _, p in held]))
             for (i, p), program in zip(held, progs):
                 where = f"parameter {i} of group {k}"
                 st = self.state[p]
@@ -697,12 +707,12 @@ def _optional_keys(cspec) -> frozenset:
 _PRECISION_DEFAULTS = torch_names.PRECISION_DEFAULTS
 
 
-def _q8(group: dict, params, state=None) -> list[frozenset] | None:
+def _q8(sd, params, state=None) -> list[frozenset] | None:
     """The states each parameter keeps in 8 bits, None for none: as its state in ``state``
-    holds them (the states with scales), or for a parameter without one, as the group's
-    ``state_dtype`` makes them (``engine.q8_names``). A state's dtype is chosen when it is
-    made, as for any ``state_dtype``."""
-    sd = group.get("state_dtype")
+    holds them (the states with scales), or for a parameter without one, as ``sd`` (a
+    group's state_dtype over the spec's, ``engine.state_dtype_of``) makes them
+    (``engine.q8_names``). A state's dtype is chosen when it is made, as for any
+    ``state_dtype``."""
     asks = sd is not None and (sd == torch.uint8 or isinstance(sd, dict))
     out, any_q8 = [], False
     for p in params:

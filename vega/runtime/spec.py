@@ -102,6 +102,7 @@ class CompiledSpec:
         flags, values = engine.resolve(owner, self.hypers, hypers)
         engine.check_state_dtype(owner, state_dtype, self._spec.state_names)
         engine.check_precision(owner, master_weights, False, 0)
+        state_dtype = engine.state_dtype_of(self._spec, state_dtype)  # (the spec's too)
         leaves, spec = flatten(params)
         _check_leaves(owner, "params", params, leaves)
         # a state an if on values declares (sgd's v under `if momentum > 0`) is made
