@@ -492,6 +492,9 @@ def test_float_state_where_codes_are_kept_refused(backend):
     (lambda: vega.optim.AdamW([torch.nn.Parameter(torch.randn(64, 100))],
                               state_dtype=torch.int8),
      "state_dtype=torch.int8 .*torch.uint8 \\(8-bit blockwise\\)"),
+    (lambda: vega.lbfgs_init([torch.randn(64, 100)], state_dtype=U8),
+     "lbfgs_init: state_dtype=torch.uint8 \\(8-bit state\\) is kept by the optimizers "
+     "written as specs"),
 ])
 def test_bad_8bit_requests(make, words):
     with pytest.raises(ValueError, match=words):

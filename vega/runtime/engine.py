@@ -68,10 +68,13 @@ def check_state_dtype(owner: str, state_dtype, names=None) -> None:
                                  "of torch.float32, torch.float64, torch.bfloat16, "
                                  "torch.float16, torch.uint8 (8-bit blockwise)")
         return
-    per_state = ", or a dict from state names to dtypes" if names is not None else ""
+    if names is None and state_dtype == torch.uint8:
+        raise ValueError(f"{owner}: state_dtype=torch.uint8 (8-bit state) is kept by the "
+                         "optimizers written as specs; this one keeps a float dtype")
+    per_state = " or torch.uint8 (8-bit blockwise), or a dict from state names to dtypes" \
+        if names is not None else ""
     raise ValueError(f"{owner}: state_dtype={shown(state_dtype)} must be None, a torch float "
-                     f"dtype (torch.float32, torch.float64, torch.bfloat16, ...) or "
-                     f"torch.uint8 (8-bit blockwise){per_state}")
+                     f"dtype (torch.float32, torch.float64, torch.bfloat16, ...){per_state}")
 
 
 _DTYPE_WORDS = {"float32": torch.float32, "float64": torch.float64,
