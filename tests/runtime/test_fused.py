@@ -185,3 +185,24 @@ def test_loading_a_live_optimizers_state_shares_no_tensor():
     qs[0].grad = torch.ones(4, 3)
     b.step()
     assert int(a.state[ps[0]]["step"]) == 1 and int(b.state[qs[0]]["step"]) == 2
+
+
+@pytest.mark.parametrize("backend", ["c", "triton"])
+def test_clipping_by_a_nan_or_overflowing_norm_as_the_reference(backend):
+    """A NaN gradient makes the joint norm, and so every clipped gradient, NaN (a
+    propagating max in the clip coefficient); finite gradients whose squares overflow
+    float32 are summed in double, as the reference sums them."""
+    p = {"w": torch.ones(10), "b": torch.ones(3)}
+    g = {"w": torch.full((10,), 0.1), "b": torch.full((3,), 0.1)}
+    g["w"][0] = float("nan")
+    for b in (backend, "reference"):
+        out = vega.adamw_step(p, g, vega.adamw_init(p), backend=b, max_grad_norm=1.0)[0]
+        assert out["w"].isnan().all() and out["b"].isnan().all(), b
+    p = {"w": torch.ones(10)}
+    g = {"w": torch.full((10,), 0.1)}
+    g["w"][0] = 3e38
+    want = vega.sgd_step(p, g, vega.sgd_init(p), backend="reference", lr=1.0,
+                         max_grad_norm=1.0)[0]["w"]
+    got = vega.sgd_step(p, g, vega.sgd_init(p), backend=backend, lr=1.0, max_grad_norm=1.0)[0]
+    torch.testing.assert_close(got["w"], want)
+    assert want[0] < 1e-6

@@ -655,3 +655,90 @@ def test_a_bad_declared_dtype_is_a_spec_error(decl, words, caret):
     line = src.splitlines()[1]
     col = line.index(caret)
     assert " " * col + "^" * len(caret) in text, text
+
+
+# -- found by probing -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_subnormal_block_gets_the_references_codes(backend):
+    """A block whose largest value is subnormal: 1 / absmax overflows, and the codes are
+    the clamped ones, as the reference's (not a conversion of inf)."""
+    def run(b):
+        p = {"w": torch.zeros(4096)}
+        s = vega.lion.init(p, state_dtype=U8)
+        for _ in range(20):
+            p, s = vega.lion.step(p, {"w": torch.full((4096,), 1e-39)}, s, backend=b,
+                                  lr=1e-3, b1=0.99, b2=0.9)
+        return p, s
+    (gp, gs), (rp, rs) = run(backend), run("reference")
+    assert torch.equal(gs["m"]["w"], rs["m"]["w"]) and rs["m"]["w"][0] == 254
+    assert torch.equal(gp["w"], rp["w"]) and rp["w"][0] < 0
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
+def test_codes_without_their_scales_are_refused_by_a_step(backend):
+    params = {"w": torch.randn(64, 80)}
+    state = vega.adamw.init(params, state_dtype=U8)
+    state = {k: v for k, v in state.items() if not k.endswith("_absmax")}
+    for donate in (False, True):
+        with pytest.raises(ValueError, match="state 'mu' holds 8-bit codes \\(torch.uint8\\) "
+                                             "without their scales 'mu_absmax'"):
+            vega.adamw.step(params, grads_of(params, 0), state, backend=backend,
+                            donate=donate)
+    state = vega.adamw.init(params, state_dtype=U8)
+    state["mu_absmax"]["w"] = state["mu_absmax"]["w"][:-1]
+    with pytest.raises(ValueError, match=r"'mu_absmax.w' has shape \(19,\).* needs one value "
+                                         r"per block of 256 .*\(20,\)"):
+        vega.adamw.step(params, grads_of(params, 0), state, backend=backend)
+
+
+def test_every_state_in_8_bits_leaves_copies_of_the_weights_in_floats():
+    """schedule-free's z and Prodigy's p0 start from p: 8 bits would blur the weights (and
+    Prodigy's p0 - p), so torch.uint8 for every state leaves them; naming them keeps them
+    in 8 bits."""
+    params = {"w": torch.randn(64, 100)}
+    sf = vega.schedule_free_adamw.init(params, state_dtype=U8)
+    assert sf["z"]["w"].dtype == torch.float32 and sf["nu"]["w"].dtype == U8
+    pr = vega.prodigy.init(params, state_dtype=U8)
+    assert pr["p0"]["w"].dtype == torch.float32
+    assert {pr[n]["w"].dtype for n in ("mu", "nu", "s")} == {U8}
+    assert vega.schedule_free_adamw.init(params, state_dtype={"z": U8})["z"]["w"].dtype == U8
+
+
+@pytest.mark.parametrize("sd", [U8, {"v": U8}], ids=["every", "named"])
+def test_a_state_made_later_takes_the_groups_8_bits(sd):
+    w = torch.nn.Parameter(torch.randn(5000))
+    opt = vega.optim.SGD([w], lr=1e-2, state_dtype=sd)
+    w.grad = torch.randn(5000)
+    opt.step()
+    opt.param_groups[0]["momentum"] = 0.9  # sgd's v, made now
+    w.grad = torch.randn(5000)
+    opt.step()
+    assert opt.state[w]["v"].dtype == U8 and opt.state[w]["v_absmax"].shape == (20,)
+
+
+def test_a_spec_with_a_state_named_like_scales_steps():
+    spec = vega.compile("""optimizer clash(lr = 1e-2) {
+        state m = zeros
+        state m_absmax = zeros
+        m = 0.9 * m + g
+        m_absmax = max(m_absmax, abs(m))
+        p = p - lr * m / (m_absmax + 1e-8)
+    }""")
+    params = {"w": torch.randn(5000)}
+    new, state = spec.step(params, {"w": torch.randn(5000)}, spec.init(params))
+    assert state["m"]["w"].dtype == torch.float32 and new["w"].isfinite().all()
+
+
+def test_torch_state_dict_dequantizes():
+    model = torch.nn.Linear(100, 64)
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    model(torch.randn(8, 100)).sum().backward()
+    opt.step()
+    with pytest.warns(UserWarning, match="the 8-bit states are dequantized to float32"):
+        sd = opt.torch_state_dict()
+    st = sd["state"][0]
+    assert set(st) == {"exp_avg", "exp_avg_sq", "step"} and st["exp_avg"].dtype == torch.float32
+    mine = opt.state[model.weight]
+    assert torch.equal(st["exp_avg"], quant.dequantize_t(mine["mu"], mine["mu_absmax"], True))
+    torch.optim.AdamW(model.parameters(), lr=1e-2).load_state_dict(sd)

@@ -287,6 +287,11 @@ def check_states(backend: str, program: Program, params, states) -> None:
     (``states``: one list per state variable): a kernel would read and write past a
     smaller one."""
     shapes = None
+    for st, col in zip(program.states, states):  # codes the program does not read as such
+        if st.name not in program.quant and any(x.dtype == torch.uint8 for x in col):
+            raise ValueError(f"backend '{backend}': state '{st.name}' holds 8-bit codes "
+                             f"(torch.uint8) without their scales '{st.name}_absmax': make the "
+                             "state with state_dtype=torch.uint8 and keep its scales with it")
     for name, (scale, _) in program.quant.items():  # 8 bits: codes and their scales
         names = program.state_names
         for st, want in ((name, torch.uint8), (scale, torch.float32)):

@@ -47,9 +47,8 @@ def variant(program: Program, names: frozenset[str]) -> Program:
         raise ValueError(f"{program.name}: 8-bit state (state_dtype torch.uint8) is kept for "
                          "programs of values one per element; this one has row, column or "
                          "matrix values: keep its states in a float dtype")
-    if "*" in names:  # every state shaped like the parameter (a master copy aside)
-        names = frozenset(s.name for s in program.states if s.dom == "rc"
-                          and not (program.master and s.name == MASTER))
+    if "*" in names or any(n.startswith("!") for n in names):
+        names = _resolved(program, names)
     if not names:
         return program
     key = ("q8", names)
@@ -78,6 +77,19 @@ def variant(program: Program, names: frozenset[str]) -> Program:
     object.__setattr__(out, "quant", quant)
     program.variants[key] = out
     return out
+
+
+def _resolved(program: Program, names: frozenset[str]) -> frozenset[str]:
+    """``names`` with ``"*"`` standing for every state shaped like the parameter that does
+    not start from it (a master copy, schedule-free's ``z``, Prodigy's ``p0``: copies of
+    the weights, which 8 bits would blur), and ``"!x"`` taking ``x`` out (a state a class
+    made in float before)."""
+    out = {n for n in names if n != "*" and not n.startswith("!")}
+    if "*" in names:
+        out |= {s.name for s in program.states if s.dom == "rc"
+                and not (program.master and s.name == MASTER)
+                and not any(n.op is Op.PARAM for n in ir.walk([s.init]))}
+    return frozenset(out - {n[1:] for n in names if n.startswith("!")})
 
 
 def scale_names(program: Program) -> frozenset[str]:
@@ -206,18 +218,22 @@ static inline float q8_signed(uint8_t c, float s) {
 static inline float q8_unsigned(uint8_t c, float s) {
     float t = (float)c * (1.0f / 255.0f); return ((t * t) * (t * t)) * s;
 }
-/* Codes: no clamp to [-1, 1] as the reference's, which changes no code (x * (1 / absmax)
-   is within 2 ulps of [-1, 1], whose codes are those of -1 and 1; a negative y has the
-   unsigned code 0 either way), and a NaN's code that of 0: a loop of them is a SIMD loop */
+/* Codes: the reference's clamp of y to [-1, 1] taken after the root (the same codes: the
+   root keeps order, and a negative y's unsigned root is a NaN, whose code is that of 0, as
+   the clamp's 0); y is past 1 only by rounding, or infinite where the absmax is subnormal
+   (1 / absmax overflows). Branch-free: a loop of them is a SIMD loop */
 static inline uint8_t q8_code_signed(float x, float inv) {
     const float y = x * inv;
     float r = copysignf(sqrtf(fabsf(y)), y) * 127.0f;
     r = r == r ? r : 0.0f;
+    r = r < 127.0f ? r : 127.0f;
+    r = r > -127.0f ? r : -127.0f;
     return (uint8_t)(int)(rintf(r) + 127.0f);
 }
 static inline uint8_t q8_code_unsigned(float x, float inv) {
     float r = sqrtf(sqrtf(x * inv)) * 255.0f;
     r = r == r ? r : 0.0f;
+    r = r < 255.0f ? r : 255.0f;
     return (uint8_t)(int)rintf(r);
 }
 static inline float q8_inv(float s) { return s > 0 ? 1.0f / s : 0.0f; }
@@ -275,10 +291,11 @@ def q8_store(v, mask, n, codes_ptr, scale_ptr, SIGNED: tl.constexpr, BLOCK: tl.c
         r = tl.sqrt_rn(tl.abs(y))
         r = tl.where(y < 0, -r, r) * 127.0
         r = tl.where(r == r, r, 0.0)
-        c = q8_rint(r) + 127.0
+        c = q8_rint(tl.where(r < 127.0, tl.where(r > -127.0, r, -127.0), 127.0)) + 127.0
     else:
         r = tl.sqrt_rn(tl.sqrt_rn(y)) * 255.0
-        c = q8_rint(tl.where(r == r, r, 0.0))
+        r = tl.where(r == r, r, 0.0)
+        c = q8_rint(tl.where(r < 255.0, r, 255.0))
     tl.store(codes_ptr + tl.arange(0, BLOCK), tl.reshape(c, (BLOCK,)).to(tl.uint8), mask=mask)
     q = tl.arange(0, BLOCK // {BLOCK})
     tl.store(scale_ptr + q, amax, mask=q * {BLOCK} < n)

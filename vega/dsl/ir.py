@@ -129,7 +129,8 @@ TORCH_ONLY_OPS = frozenset({Op.MATMUL, Op.TRANSPOSE, Op.SIZE, Op.BF16, Op.WIDEN}
 DOMAIN_WORDS = {"rr": "a rows x rows matrix", "cc": "a columns x columns matrix",
                 "cr": "a columns x rows matrix (a transpose)",
                 "rc": "one value per element", "r": "one value per row",
-                "c": "one value per column", "": "one value per matrix"}
+                "c": "one value per column", "": "one value per matrix",
+                QBLOCK: "one value per block of 256 (an 8-bit state's scales)"}
 
 
 def join(*doms: str) -> str:

@@ -154,7 +154,9 @@ class SpecOptimizer(torch.optim.Optimizer):
         master copy (unless the spec has a state of that name)."""
         spec = self.spec._spec
         own = engine.MASTER in spec.state_names
-        return spec.value_states | (frozenset() if own else frozenset({engine.MASTER}))
+        scales = frozenset(n + quant.SUFFIX for n in spec.value_states)  # (8-bit ones')
+        return spec.value_states | scales | (
+            frozenset() if own else frozenset({engine.MASTER}))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -485,9 +487,37 @@ class SpecOptimizer(torch.optim.Optimizer):
         """``state_dict()`` in the format of torch.optim's class of the same rule (SGD, Adam,
         AdamW, RAdam, Adagrad, RMSprop): torch's state names, float32 step counters on the
         host, ``betas``; ValueError for a class torch has not."""
-        return torch_names.to_torch(f"{type(self).__name__}.torch_state_dict",
-                                    self.spec.class_name, torch_names.beta_names(self.spec),
-                                    self.state_dict())
+        owner = f"{type(self).__name__}.torch_state_dict"
+        return torch_names.to_torch(owner, self.spec.class_name,
+                                    torch_names.beta_names(self.spec),
+                                    self._floats(owner, self.state_dict()))
+
+    def _floats(self, owner: str, state_dict: dict) -> dict:
+        """``state_dict`` with each 8-bit state dequantized to float32 and its scales
+        dropped (torch.optim keeps float state), with a warning saying so."""
+        import warnings
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        out, said = dict(state_dict), False
+        out["state"] = dict(state_dict["state"])
+        for pid, p in zip(ids, params):
+            st = out["state"].get(pid)
+            if not st or not any(str(k).endswith(quant.SUFFIX) for k in st):
+                continue
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            flags, values = self._group_values(group)
+            program = engine.programs(owner, self.spec._spec, flags, values, [p])[0]
+            st = out["state"][pid] = dict(st)
+            for name in program.state_names:
+                if name + quant.SUFFIX in st and st.get(name) is not None \
+                        and st[name].dtype == torch.uint8:
+                    st[name] = quant.dequantize_t(st[name], st.pop(name + quant.SUFFIX),
+                                                  not quant.nonnegative(program, name))
+                    said = True
+        if said:
+            warnings.warn(f"{owner}: the 8-bit states are dequantized to float32 (torch.optim "
+                          "keeps float state)", stacklevel=3)
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, keeping vega's state dtypes: each group's ``state_dtype`` stays
@@ -717,11 +747,12 @@ def _q8(sd, params, state=None) -> list[frozenset] | None:
     out, any_q8 = [], False
     for p in params:
         st = state.get(p) if state is not None else None
-        if st:
-            q = frozenset(n[:-len(quant.SUFFIX)] for n in st
-                          if isinstance(n, str) and n.endswith(quant.SUFFIX))
-        else:
-            q = engine.q8_names(sd, p) if asks else frozenset()
+        q = engine.q8_names(sd, p) if asks else frozenset()
+        if st:  # as the states it has are; one it has not yet, as the group says
+            have = frozenset(n[:-len(quant.SUFFIX)] for n in st
+                             if isinstance(n, str) and n.endswith(quant.SUFFIX))
+            floats = frozenset(n for n in st if isinstance(n, str) and n not in have)
+            q = have | (q | {"!" + n for n in floats} if "*" in q else q - floats)
         any_q8 = any_q8 or bool(q)
         out.append(q)
     return out if any_q8 else None

@@ -76,7 +76,9 @@ class CompiledSpec:
         there; None where the state holds none."""
         if not isinstance(state, dict):
             return None
-        names = [k for k in self._spec.state_names if k + quant.SUFFIX in state]
+        declared = self._spec.state_names
+        names = [k for k in declared if k + quant.SUFFIX in state
+                 and k + quant.SUFFIX not in declared]  # (a spec's own state of that name)
         if not names:
             return None
         out: list[set] = [set() for _ in range(n)]

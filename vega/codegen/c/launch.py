@@ -248,8 +248,8 @@ class Kernel:
 
     def _call(self, params, grads, states, steps, values, donate, pre=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``."""
-        if self.program.quant:  # 8-bit codes and scales, each of its dtype
-            check_states("c", self.program, params, states)
+        if self.program.quant:  # 8-bit codes and scales, each of its dtype (codes without
+            check_states("c", self.program, params, states)  # scales: the library refuses)
         unique, step_index = distinct(steps)  # the distinct step counters, by identity
         if not donate:
             unique = [s.clone() for s in unique]

@@ -46,6 +46,7 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+static inline double sq_d(CT x) { return (double)x * (double)x; }
 static inline CT vmin(CT a, CT b) { return (a < b || a != a) ? a : b; }  /* NaN wins */
 static inline CT vmax(CT a, CT b) { return (a > b || a != a) ? a : b; }
 static inline CT vsign(CT a) { return a > 0 ? (CT)1 : (a < 0 ? (CT)-1 : a); }
@@ -117,7 +118,15 @@ void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
                     nonfinite |= !(FABS(g0) < (CT)INFINITY) | !(FABS(g1) < (CT)INFINITY)
                                  | !(FABS(g2) < (CT)INFINITY) | !(FABS(g3) < (CT)INFINITY);
                 }
-                sq += (double)part;
+                if (!nonfinite && !(part < (CT)INFINITY)) {  /* finite values whose squares
+                    overflow the compute type: summed again in double, as the reference */
+                    double d = 0;
+                    for (int64_t j = 0; j < n; j++)
+                        d += sq_d(LOAD_G(A[j]) * gs) + sq_d(LOAD_G(B[j]) * gs)
+                             + sq_d(LOAD_G(C[j]) * gs) + sq_d(LOAD_G(D[j]) * gs);
+                    sq += d;
+                } else
+                    sq += (double)part;
                 bad += nonfinite;
             }
             for (int64_t j0 = b + 4 * q; j0 < e; j0 += 2048) {
@@ -130,7 +139,12 @@ void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
                     part += g * g;
                     nonfinite |= !(FABS(g) < (CT)INFINITY);
                 }
-                sq += (double)part;
+                if (!nonfinite && !(part < (CT)INFINITY)) {  /* (as above) */
+                    double d = 0;
+                    for (int64_t j = j0; j < j1; j++) d += sq_d(LOAD_G(G_[j]) * gs);
+                    sq += d;
+                } else
+                    sq += (double)part;
                 bad += nonfinite;
             }
             lo = start[i] + e; i++;
@@ -267,6 +281,10 @@ class Source:
         self.slots = {id(n): j for j, n in enumerate(n for ph in self.phases for n in ph)}
         self.dtypes = (pdt, gdt, sdt)
         self.sdts = state_dtype_names(sdt, len(program.states))  # each state's
+        for k, dt in enumerate(self.sdts):  # (codes without scales: Kernel._call refuses)
+            if dt == "uint8" and program.state_names[k] not in program.quant:
+                raise ValueError(f"backend 'c': state '{program.state_names[k]}' of uint8 "
+                                 "without its scales")
         for name, (scale, _) in program.quant.items():  # 8 bits: codes, float32 scales
             # (whatever the key says: the prelude's library is built for the gradients'
             # dtype; Kernel._call checks a step's states first)
@@ -513,7 +531,7 @@ class Source:
                 "/* non-finite gradients: skip */",
                 "        gs = (CT)pre[PRE_INV_SCALE];",
                 "        if (pre[PRE_MAX_NORM] > 0)",
-                "            coef = (CT)(pre[PRE_MAX_NORM] / fmax(sqrt(pre[PRE_SUM_SQ]), "
+                "            coef = (CT)(pre[PRE_MAX_NORM] / dmax(sqrt(pre[PRE_SUM_SQ]), "
                 "pre[PRE_MAX_NORM]));",
                 "    }"]
 
