@@ -313,7 +313,7 @@ def test_small_tensors_keep_float32_and_bytes_per_parameter():
 def test_mode_reads_8bit_state():
     params = {"w": torch.randn(64, 100)}
     spec = vega.schedule_free_adamw
-    state = spec.init(params, state_dtype=U8)
+    state = spec.init(params, state_dtype={"z": U8, "nu": U8})  # (z named: a copy of p)
     assert state["z"]["w"].dtype == U8
     for k in range(3):
         params, state = spec.step(params, grads_of(params, k), state, lr=1e-2)
