@@ -174,3 +174,29 @@ def test_muon_row_races_the_matrices_with_torch():
     _, grads = bench._tensors(shapes)
     ours, theirs, count, nparams = bench.muon_rows(shapes, grads)
     assert ours > 0 and theirs > 0 and count == 2 and nparams == 24
+
+
+def test_the_8bit_table_prints_each_row_against_vegas_8bit_step():
+    """The 8-bit table (GPT-2-like set, not --quick): each row's time and its ratio to vega's
+    8-bit step, a missing library's row a dash, the first steps in seconds; the 8-bit row of
+    the AdamW table its 16 bytes a parameter."""
+    run = _fake_run()
+    run["tiny"]["rows"][bench.Q8_STATE] = 0.014
+    run["tiny"]["eight_bit"] = {"vega AdamW, float32 state": 0.01, bench.Q8_STATE: 0.02,
+                                "torchao AdamW8bit": 0.3,
+                                "bitsandbytes AdamW8bit (not installed)": float("nan"),
+                                "(torchao AdamW8bit: first step, compiling included)": 40.0}
+    lines = []
+    bench.report(run, 4e9, lambda text="": lines.append(text))
+    text = "\n".join(lines)
+    assert any(line.startswith(bench.Q8_STATE) and "16 B/param" in line and "3.50x bound" in line
+               for line in lines), text
+    assert any(line.startswith("torchao AdamW8bit ") and line.endswith("15.00x")
+               for line in lines), text
+    assert any(line.startswith("bitsandbytes AdamW8bit (not installed)") and
+               line.split()[-1] == "-" for line in lines), text
+    assert any(line.startswith("(torchao AdamW8bit: first step") and line.endswith("40.0 s")
+               for line in lines), text
+    found = bench.ratios(run, 4e9)
+    assert found[("tiny", "8-bit: torchao AdamW8bit / vega 8-bit")] == 15.0
+    assert ("tiny", "8-bit: bitsandbytes AdamW8bit (not installed) / vega 8-bit") not in found
