@@ -282,16 +282,26 @@ def state_shape(p: torch.Tensor, dom: str) -> tuple[int, ...]:
     return tuple(p.shape) if dom == "rc" else geometry(p.shape).shape(dom)
 
 
+def check_codes(backend: str, program: Program, states) -> None:
+    """Raise ValueError for a state of 8-bit codes (torch.uint8) that ``program`` does not
+    read as codes: its scales are missing. (The compiled kernels refuse to be built for
+    one; the reference and the C kernels' Python path call this.)"""
+    for st, col in zip(program.states, states):
+        if st.name not in program.quant and any(x.dtype == torch.uint8 for x in col):
+            raise codes_without_scales(backend, st.name)
+
+
+def codes_without_scales(backend: str, name: str) -> ValueError:
+    return ValueError(f"backend '{backend}': state '{name}' holds 8-bit codes (torch.uint8) "
+                      f"without their scales '{name}_absmax': make the state with "
+                      "state_dtype=torch.uint8 and keep its scales with it")
+
+
 def check_states(backend: str, program: Program, params, states) -> None:
     """Raise ValueError unless every state tensor has the shape its parameter needs
     (``states``: one list per state variable): a kernel would read and write past a
     smaller one."""
     shapes = None
-    for st, col in zip(program.states, states):  # codes the program does not read as such
-        if st.name not in program.quant and any(x.dtype == torch.uint8 for x in col):
-            raise ValueError(f"backend '{backend}': state '{st.name}' holds 8-bit codes "
-                             f"(torch.uint8) without their scales '{st.name}_absmax': make the "
-                             "state with state_dtype=torch.uint8 and keep its scales with it")
     for name, (scale, _) in program.quant.items():  # 8 bits: codes and their scales
         names = program.state_names
         for st, want in ((name, torch.uint8), (scale, torch.float32)):

@@ -25,8 +25,8 @@ import math
 import torch
 
 from vega.codegen import precision, quant
-from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_states, geometry,
-                               hyper_var, leveled, linearize, state_var)
+from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_codes, check_states,
+                               geometry, hyper_var, leveled, linearize, state_var)
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import advance_steps, memo, run_staged
 from vega.codegen.tensors import refuse_inplace
@@ -626,6 +626,7 @@ class Kernel:
         flag as a 0-d bool tensor (None without ``pre``).
         """
         check_states("reference", self.program, params, states)
+        check_codes("reference", self.program, states)
         if self.program.spans_group:  # its reductions over the group, between stages
             return run_staged(self, params, grads, states, steps, values, donate, pre)
         finite, gscale = self._begin(params, states, steps, donate, pre)

@@ -60,7 +60,7 @@ import torch
 
 from vega.codegen import plan, precision, quant, reference, triton_runtime
 from vega.codegen.base import Linear, Renderer, linearize, state_dtype_names, state_var
-from vega.codegen.base import reduction_phases
+from vega.codegen.base import codes_without_scales, reduction_phases
 from vega.codegen.record import PRE_SLOTS, named
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, REDUCTIONS, Kind, Node, Op,
                          Program, walk)
@@ -567,6 +567,9 @@ class Source:
         self.quant = {state_var(n): (state_var(sc), signed)
                       for n, (sc, signed) in program.quant.items()}
         self.scales = {sc for sc, _ in self.quant.values()}
+        for name in program.state_names:  # (codes without scales: no kernel for them)
+            if self.storage[state_var(name)] == "uint8" and name not in program.quant:
+                raise codes_without_scales("triton", name)
         for x in self.quant:
             self.storage[x] = "uint8"
         for x in self.scales:

@@ -16,8 +16,8 @@ import torch
 from torch.autograd.graph import increment_version
 
 from vega.codegen import record, reference
-from vega.codegen.base import (HyperRows, axis_geometry, check_states, distinct, reduction_phases,
-                               state_key)
+from vega.codegen.base import (HyperRows, axis_geometry, check_codes, check_states, distinct,
+                               reduction_phases, state_key)
 from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
@@ -487,6 +487,7 @@ class Kernel:
         n = len(params)
         states = [flat_states[k * n:(k + 1) * n] for k in range(len(self.program.states))]
         check_states("c", self.program, params, states)
+        check_codes("c", self.program, states)
         if list(map(_SHAPE_OF, params)) != list(map(_SHAPE_OF, grads)):
             raise ValueError("backend 'c': a gradient's shape differs from its parameter's")
         for t in steps:

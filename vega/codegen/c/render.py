@@ -10,8 +10,8 @@ import os
 
 from vega.codegen import precision, quant, record
 from vega.codegen.c import build as cbuild
-from vega.codegen.base import (Linear, Renderer, linearize, reduction_phases,
-                               state_dtype_names, state_var)
+from vega.codegen.base import (Linear, Renderer, codes_without_scales, linearize,
+                               reduction_phases, state_dtype_names, state_var)
 from vega.codegen.plan import element_plan
 from vega.dsl.ir import QBLOCK, REDUCTIONS, SCALAR_STATE, Kind, Node, Op, Program
 
@@ -281,10 +281,9 @@ class Source:
         self.slots = {id(n): j for j, n in enumerate(n for ph in self.phases for n in ph)}
         self.dtypes = (pdt, gdt, sdt)
         self.sdts = state_dtype_names(sdt, len(program.states))  # each state's
-        for k, dt in enumerate(self.sdts):  # (codes without scales: Kernel._call refuses)
+        for k, dt in enumerate(self.sdts):  # (codes without scales: no kernel for them)
             if dt == "uint8" and program.state_names[k] not in program.quant:
-                raise ValueError(f"backend 'c': state '{program.state_names[k]}' of uint8 "
-                                 "without its scales")
+                raise codes_without_scales("c", program.state_names[k])
         for name, (scale, _) in program.quant.items():  # 8 bits: codes, float32 scales
             # (whatever the key says: the prelude's library is built for the gradients'
             # dtype; Kernel._call checks a step's states first)
