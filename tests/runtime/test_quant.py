@@ -742,3 +742,19 @@ def test_torch_state_dict_dequantizes():
     mine = opt.state[model.weight]
     assert torch.equal(st["exp_avg"], quant.dequantize_t(mine["mu"], mine["mu_absmax"], True))
     torch.optim.AdamW(model.parameters(), lr=1e-2).load_state_dict(sd)
+
+
+def test_scales_saved_in_another_float_dtype_load_as_float32():
+    model = _model()
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    _train(model, opt, 2, seed=1)
+    saved = opt.state_dict()
+    for st in saved["state"].values():
+        if "mu_absmax" in st:
+            st["mu_absmax"] = st["mu_absmax"].double()
+    again = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    again.load_state_dict(saved)
+    w = model[0].weight
+    assert again.state[w]["mu_absmax"].dtype == torch.float32
+    assert torch.equal(again.state[w]["mu_absmax"], opt.state[w]["mu_absmax"])
+    _train(model, again, 1, seed=2)

@@ -621,8 +621,13 @@ class SpecOptimizer(torch.optim.Optimizer):
                     sd = torch.float32
                 if not isinstance(value, torch.Tensor):
                     continue
-                if value.dtype == torch.uint8 or str(name).endswith(quant.SUFFIX):
-                    self.state[p][name] = value.to(device=p.device).clone()  # as saved
+                declared = self.spec._spec.state_names
+                if value.dtype == torch.uint8:  # codes, as saved
+                    self.state[p][name] = value.to(device=p.device).clone()
+                    continue
+                if str(name).endswith(quant.SUFFIX) and name not in declared \
+                        and str(name)[:-len(quant.SUFFIX)] in declared:  # scales: float32
+                    self.state[p][name] = value.to(device=p.device, dtype=torch.float32).clone()
                     continue
                 if name == "step":  # a copy: the step advances in place
                     _check_step(type(self).__name__, pid, value)
