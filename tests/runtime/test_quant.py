@@ -460,11 +460,16 @@ def test_a_state_dtype_applies_to_state_when_it_is_made():
 
 # -- bad uses --------------------------------------------------------------------------------
 
-def test_codes_without_scales_refused():
+def _saved_8bit(steps):
+    """(model, its 8-bit AdamW after ``steps`` steps, that optimizer's state_dict)."""
     model = _model()
     opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
-    _train(model, opt, 1, seed=1)
-    saved = opt.state_dict()
+    _train(model, opt, steps, seed=1)
+    return model, opt, opt.state_dict()
+
+
+def test_codes_without_scales_refused():
+    model, _, saved = _saved_8bit(1)
     for st in saved["state"].values():
         st.pop("mu_absmax", None)
     with pytest.raises(ValueError, match="holds 8-bit codes without their scales 'mu_absmax'"):
@@ -745,10 +750,7 @@ def test_torch_state_dict_dequantizes():
 
 
 def test_scales_saved_in_another_float_dtype_load_as_float32():
-    model = _model()
-    opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
-    _train(model, opt, 2, seed=1)
-    saved = opt.state_dict()
+    model, opt, saved = _saved_8bit(2)
     for st in saved["state"].values():
         if "mu_absmax" in st:
             st["mu_absmax"] = st["mu_absmax"].double()

@@ -591,12 +591,7 @@ class Kernel:
             hv = self._hyper_args(values[i], cd, p.device)
             extra = (geometry(p.shape),) if self.program.uses_axes else ()
             src = p if master is None else states[master][i]  # (the master copy's value)
-            olds = [s[i].to(cd) for s in states]
-            for q, (scale, signed) in self.program.quant.items():  # 8-bit states' values
-                k = names.index(q)
-                olds[k] = quant.dequantize_t(states[k][i], states[names.index(scale)][i],
-                                             signed, cd)
-            new = fn(src.to(cd), *olds, *hv, *extra)
+            new = fn(src.to(cd), *self._olds(states, i, cd), *hv, *extra)
             if master is not None and not keep_master:
                 states[master][i].copy_(new)
             p.copy_(new.to(p.dtype))
@@ -721,14 +716,17 @@ class Kernel:
             gc = gc * gscale[0].to(cd) * gscale[1].to(cd)
         # on contiguous values: a reduction sums in the same order whether the tensors
         # are the caller's (donated, maybe transposed) or a pure step's fresh outputs
+        return [p.to(cd).contiguous(), gc.contiguous(), *self._olds(states, i, cd), *scalars]
+
+    def _olds(self, states, i, cd) -> list:
+        """Tensor ``i``'s states as values of dtype ``cd``, contiguous: an 8-bit state's from
+        its codes and scales (``quant``)."""
         olds = [s[i].to(cd).contiguous() for s in states]
-        if self.program.quant:  # 8-bit states: their values from codes and scales
-            names = self.program.state_names
-            for name, (scale, signed) in self.program.quant.items():
-                k = names.index(name)
-                olds[k] = quant.dequantize_t(states[k][i], states[names.index(scale)][i],
-                                             signed, cd)
-        return [p.to(cd).contiguous(), gc.contiguous(), *olds, *scalars]
+        names = self.program.state_names
+        for name, (scale, signed) in self.program.quant.items():
+            k = names.index(name)
+            olds[k] = quant.dequantize_t(states[k][i], states[names.index(scale)][i], signed, cd)
+        return olds
 
     def _rounding_keys(self, params, grads, states, steps) -> list:
         """Each tensor's key of the stochastic rounding's generator (``precision``), None

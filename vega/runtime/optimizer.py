@@ -496,15 +496,14 @@ class SpecOptimizer(torch.optim.Optimizer):
         """``state_dict`` with each 8-bit state dequantized to float32 and its scales
         dropped (torch.optim keeps float state), with a warning saying so."""
         import warnings
-        params = [p for g in self.param_groups for p in g["params"]]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [(p, g) for g in self.param_groups for p in g["params"]]
         out, said = dict(state_dict), False
         out["state"] = dict(state_dict["state"])
-        for pid, p in zip(ids, params):
+        for pid, (p, group) in zip(ids, params):
             st = out["state"].get(pid)
             if not st or not any(str(k).endswith(quant.SUFFIX) for k in st):
                 continue
-            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
             flags, values = self._group_values(group)
             program = engine.programs(owner, self.spec._spec, flags, values, [p])[0]
             st = out["state"][pid] = dict(st)
