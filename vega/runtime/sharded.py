@@ -70,13 +70,18 @@ def is_dtensor(t) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def involved(params, reduce_group) -> bool:
     """Whether a step over ``params`` reduces across processes: a group is given, or a
     parameter is a DTensor."""
     if reduce_group is not None:
         return True
     mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and any(map(isinstance, params, repeat(mod.DTensor)))
+    if mod is None or _PLAIN.issuperset(map(type, params)):  # (one pass over the types)
+        return False
+    return any(map(isinstance, params, repeat(mod.DTensor)))
 
 
 def view_of(where: str, t) -> ShardView:

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
@@ -170,15 +171,58 @@ struct Group {
     std::vector<int64_t> rows;  // the address table, row after row
     int64_t n = 0, largest = 0, total = 0;
     std::string key;  // "p g s" dtypes
+    uint64_t code = 0;  // the same, packed (dtype_code)
 };
 
-// The group of the dtypes ``key`` among ``groups``, made (with its library) when new.
-Group &group_of(std::vector<Group> &groups, const Kernel &k, const std::string &key) {
+// The dtypes of a parameter, its gradient and its states packed in one number, 8 bits each,
+// compared before any string is made; OTHER_CODES where more than five states do not fit,
+// whose groups are told apart by their ``dtype_key`` strings.
+constexpr uint64_t OTHER_CODES = ~0ull;
+
+template <class List>
+uint64_t dtype_code(const at::Tensor &p, const at::Tensor &g, const List &states, size_t i,
+                    size_t n, size_t ns) {
+    if (ns > 5) return OTHER_CODES;
+    uint64_t code = static_cast<uint64_t>(p.scalar_type()) |
+                    static_cast<uint64_t>(g.scalar_type()) << 8;
+    for (size_t s = 0; s < ns; s++)
+        code |= static_cast<uint64_t>(states[s * n + i].scalar_type()) << (16 + 8 * s);
+    return code;
+}
+
+// "p g s": the dtype names of a parameter, its gradient and its states (one name where the
+// states share a dtype, else each's, comma-separated: vega.codegen.c's state_key).
+template <class List>
+std::string dtype_key(const at::Tensor &p, const at::Tensor &g, const List &states, size_t i,
+                      size_t n, size_t ns) {
+    std::string key = std::string(dtype_name(p.scalar_type())) + " " +
+                      dtype_name(g.scalar_type()) + " ";
+    bool mixed = false;
+    for (size_t s = 1; s < ns; s++)
+        mixed |= states[s * n + i].scalar_type() != states[i].scalar_type();
+    if (!mixed) return key + (ns ? dtype_name(states[i].scalar_type()) : dtype_name(p.scalar_type()));
+    for (size_t s = 0; s < ns; s++)
+        key += std::string(s ? "," : "") + dtype_name(states[s * n + i].scalar_type());
+    return key;
+}
+
+// The group of the dtypes ``code`` among ``groups``, made with its library when new (its
+// name, ``key()``, made only then, or to tell OTHER_CODES apart).
+template <class MakeKey>
+Group &group_of(std::vector<Group> &groups, const Kernel &k, uint64_t code,
+                const MakeKey &key) {
+    std::string named;
     for (Group &grp : groups)
-        if (grp.key == key) return grp;
+        if (grp.code == code) {
+            if (code != OTHER_CODES) return grp;
+            if (named.empty()) named = key();
+            if (grp.key == named) return grp;
+        }
+    if (named.empty()) named = key();
     groups.emplace_back();
-    groups.back().key = key;
-    groups.back().lib = library_of(k, key);
+    groups.back().key = named;
+    groups.back().code = code;
+    groups.back().lib = library_of(k, named);
     return groups.back();
 }
 
@@ -235,13 +279,9 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
                  "'s shape differs from its parameter's");
         const int64_t *geo = k->axes ? geometry.data() + k->col.ngeo() * i : nullptr;
         if (geo && geo[0] != p.numel()) fail("backend 'c': a geometry row does not match");
-        c10::ScalarType sd = p.scalar_type();
-        bool mixed = false;  // states of several dtypes: the key names each (state_key)
         for (size_t s = 0; s < ns; s++) {
             const at::Tensor &x = states[s * n + i];
             check_plain(x, "state tensor", s * n + i, true);
-            if (s == 0) sd = x.scalar_type();
-            else if (x.scalar_type() != sd) mixed = true;
             int64_t dom = k->doms[s];
             if (dom == 0 ? !x.sizes().equals(p.sizes())
                          : dom == 4 ? x.dim() != 0  // one number (a 0-d tensor)
@@ -253,13 +293,8 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
         if (step_index[i] < 0 || step_index[i] >= static_cast<int64_t>(steps.size()) ||
             hyper_index[i] < 0 || hyper_index[i] >= static_cast<int64_t>(hyp_at.size()))
             fail("backend 'c': a step or hyperparameter index is out of range");
-        std::string key = std::string(dtype_name(p.scalar_type())) + " " +
-                          dtype_name(g.scalar_type()) + " ";
-        if (!mixed) key += dtype_name(sd);
-        else
-            for (size_t s = 0; s < ns; s++)
-                key += std::string(s ? "," : "") + dtype_name(states[s * n + i].scalar_type());
-        Group &grp = group_of(groups, *k, key);
+        Group &grp = group_of(groups, *k, dtype_code(p, g, states, i, n, ns),
+                              [&] { return dtype_key(p, g, states, i, n, ns); });
         const Columns &c = k->col;
         const size_t at = grp.rows.size();
         grp.rows.resize(at + width, 0);
@@ -341,8 +376,9 @@ void prelude_impl(int64_t id, at::TensorList grads, const at::Tensor &pre) {
         const at::Tensor &g = grads[i];
         check_plain(g, "gradient", i);
         const char *d = dtype_name(g.scalar_type());
-        std::string key = std::string(d) + " " + d + " " + d;
-        Group &grp = group_of(groups, *k, key);
+        const auto t = static_cast<uint64_t>(g.scalar_type());
+        Group &grp = group_of(groups, *k, t | t << 8 | t << 16,
+                              [&] { return std::string(d) + " " + d + " " + d; });
         size_t at = grp.rows.size();
         grp.rows.resize(at + width, 0);
         grp.rows[at + k->col.numel] = g.numel();
@@ -388,6 +424,29 @@ TORCH_LIBRARY_IMPL(vega_c, CPU, m) {
 
 namespace py = pybind11;
 
+// The tensors of a Python sequence (None an undefined tensor), each taken from its Python
+// object by torch's own accessor (THPVariable_Unpack, what torch's pybind11 caster calls):
+// about 15 ns a tensor, where converting a list argument through the caster costs 80-95 ns a
+// tensor, most of the call for a step over many small tensors. Called with the GIL held.
+std::vector<at::Tensor> tensors_of(py::handle seq, const char *what) {
+    py::object fast = py::reinterpret_steal<py::object>(
+        PySequence_Fast(seq.ptr(), "vega_native: a sequence of tensors"));
+    if (!fast) throw py::error_already_set();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+    PyObject **items = PySequence_Fast_ITEMS(fast.ptr());
+    std::vector<at::Tensor> out;
+    out.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = items[i];
+        if (x == Py_None) out.emplace_back();
+        else if (THPVariable_Check(x)) out.push_back(THPVariable_Unpack(x));
+        else
+            throw py::type_error(std::string("vega_native: ") + what + " " + std::to_string(i) +
+                                 " is a " + Py_TYPE(x)->tp_name + ", not a tensor");
+    }
+    return out;
+}
+
 PYBIND11_MODULE(vega_native, m) {
     py::register_exception<MissingLibrary>(m, "MissingLibrary", PyExc_LookupError);
     m.def("add_kernel", [](int64_t id, std::string name, int64_t nstates, int64_t nphases,
@@ -426,20 +485,22 @@ PYBIND11_MODULE(vega_native, m) {
     });
     // the eager calls: the arguments converted with the GIL held, the work done without it
     // (vega.codegen.c advances the parameters' versions, as an in-place torch operation would)
-    m.def("step", [](int64_t id, const std::vector<at::Tensor> &params,
-                     const std::vector<at::Tensor> &grads, const std::vector<at::Tensor> &states,
-                     const std::vector<at::Tensor> &steps, const std::vector<int64_t> &step_index,
-                     const std::vector<at::Tensor> &hypers, const std::vector<int64_t> &hyper_index,
+    m.def("step", [](int64_t id, py::handle params, py::handle grads, py::handle states,
+                     py::handle steps, const std::vector<int64_t> &step_index,
+                     py::handle hypers, const std::vector<int64_t> &hyper_index,
                      const c10::optional<at::Tensor> &pre, const std::vector<int64_t> &geometry,
-                     const std::vector<at::Tensor> &outs) {
+                     py::handle outs) {
+        const auto p = tensors_of(params, "parameter"), g = tensors_of(grads, "gradient"),
+                   s = tensors_of(states, "state tensor"), t = tensors_of(steps, "step counter"),
+                   h = tensors_of(hypers, "hyperparameter row"), o = tensors_of(outs, "output");
         py::gil_scoped_release unlocked;
-        step_impl(id, params, grads, states, steps, step_index, hypers, hyper_index, pre,
-                  geometry, outs);
+        step_impl(id, p, g, s, t, step_index, h, hyper_index, pre, geometry, o);
     });
     // whether a step in place may write every one of these tensors: none an inference
     // tensor outside inference mode, each contiguous, no two sharing memory (False where one
     // is not contiguous: vega.codegen.tensors.inplace_problem then reads it in Python)
-    m.def("writable", [](const std::vector<at::Tensor> &tensors) {
+    m.def("writable", [](py::handle seq) {
+        const auto tensors = tensors_of(seq, "tensor");
         const bool inference_mode = c10::InferenceMode::is_enabled();
         std::vector<Span> spans;
         spans.reserve(tensors.size());
@@ -451,8 +512,9 @@ PYBIND11_MODULE(vega_native, m) {
         }
         return !any_shared(-1, spans);
     });
-    m.def("prelude", [](int64_t id, const std::vector<at::Tensor> &grads, const at::Tensor &pre) {
+    m.def("prelude", [](int64_t id, py::handle grads, const at::Tensor &pre) {
+        const auto g = tensors_of(grads, "gradient");
         py::gil_scoped_release unlocked;
-        prelude_impl(id, grads, pre);
+        prelude_impl(id, g, pre);
     });
 }
