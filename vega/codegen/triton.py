@@ -961,6 +961,9 @@ class Kernel:
 
     backend = "triton"
     takes_rows = True  # values may come as a HyperRows table
+    # a step in place refuses, before its first launch, any tensor it cannot write
+    # (triton_runtime: the native table builder's checks, or refuse_inplace)
+    checks_writes = True
 
     def __init__(self, program: Program):
         self.program = program
@@ -977,7 +980,11 @@ class Kernel:
         self.prefix = kernel_prefix(program)  # of the kernels' names
         # the modules' name, by their source; the custom ops' name for this kernel, its own
         self.module_name = f"{program.name}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
-        self.key = f"{self.module_name}-{next(_SERIAL)}"
+        serial = next(_SERIAL)
+        self.key = f"{self.module_name}-{serial}"
+        # its number for the C++ operator's table builder (which remembers the last spans of
+        # each number's step; the C kernels' are 0 and up, -1 its writable())
+        self.native_id = -2 - serial
         self._modules: dict[tuple, dict] = {}
         triton_runtime.register(self)
 

@@ -38,6 +38,7 @@ from torch.autograd.graph import increment_version
 
 from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, state_key
 from vega.codegen.record import finite_of
+from vega.dsl.ir import QBLOCK, SCALAR_STATE
 from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, own_ops_words,
                                   readable, refuse_inplace)
 
@@ -347,10 +348,19 @@ def _prelude_impl(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor,
     launch per dtype group, the last of its programs combining theirs."""
     kern = kernel_of(kernel)
     check_device(pre.device)
-    name = kern.prefix
     groups: dict[str, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault(_dtype_key(g, g, g)[0], []).append(g)
+    _prelude_launch(kern, [(gdt, torch.tensor([[g.numel(), g.data_ptr()] for g in gs],
+                                              dtype=torch.int64), tuple(g.numel() for g in gs))
+                           for gdt, gs in groups.items()], pre, setting, inv)
+
+
+def _prelude_launch(kern, found, pre: torch.Tensor, setting: torch.Tensor | None,
+                    inv: torch.Tensor | None) -> None:
+    """The prelude's launches (``_prelude_impl``) given its tables: ``found``, a (dtype,
+    table on the host: a row (length, address) a gradient, the lengths) per dtype group."""
+    name = kern.prefix
     capturing = _capturing(pre.device)
     stream = torch.cuda.current_stream(pre.device).cuda_stream \
         if pre.device.type == "cuda" else 0
@@ -358,14 +368,12 @@ def _prelude_impl(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor,
     done = _DONE.get((pre.device, stream), lambda: torch.zeros(
         1, dtype=torch.int32, device=pre.device), capturing)
     with _on(pre.device):
-        for gdt, gs in groups.items():
-            numels = tuple(g.numel() for g in gs)
+        for gdt, rows, numels in found:
             block = block_size((gdt,))
             bmap = block_map(numels, block, pre.device)
             if bmap.nblocks == 0:
                 continue
-            table = _device(torch.tensor([[g.numel(), g.data_ptr()] for g in gs],
-                                         dtype=torch.int64), pre.device)
+            table = _device(rows, pre.device)
             mod = kern.module((gdt, gdt, gdt))
             programs = min(bmap.nblocks, PRELUDE_PROGRAMS)
             part = torch.empty((programs, 2), dtype=torch.float64, device=pre.device)
@@ -415,8 +423,6 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
         old_params, old_states, old_steps)
     nhyper = len(kern.program.float_hypers)
     width = max(nhyper, 1) * 8
-    name = kern.prefix
-    has_pre = pre is not None
     groups = _groups(src_p, grads, src_s, n, nstate)
     # every address once (a step in place reads and writes the same tensors)
     ptr = torch.Tensor.data_ptr
@@ -428,10 +434,8 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
         hyp = _hyper_array(device, nhyper, max(hyper_index, default=-1) + 1, hyper_tensors,
                            hyper_floats, hyper_slots)
         h_at = hyp.data_ptr()
-        # each group's table and this step's scalars, all computed before any counter moves
-        work = []
+        found = []  # (dtypes, positions, the table's rows on the host, aligned, lengths)
         for key, idx in groups.items():
-            mod = kern.module(key)
             rows = []
             misaligned = 0
             for i in idx:
@@ -441,57 +445,69 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
                              h_at + hyper_index[i] * width, p_out[i], *outs])
                 for a in (p_in[i], g_at[i], p_out[i], *ins, *outs):
                     misaligned |= a
-            aligned = misaligned % 16 == 0
             if kern.plan is not None:
-                table = _device(torch.tensor(
-                    [row + extra for row, extra in zip(rows, _geometry(kern, [params[i].shape
-                                                                              for i in idx]))],
-                    dtype=torch.int64), device)
-            else:
-                table = _device(torch.tensor(rows, dtype=torch.int64), device)
-            ct = torch.float64 if key[0] == "float64" else torch.float32
-            scal = torch.empty((len(idx), mod["NSCAL"].value), dtype=ct, device=device)
-            launch(mod[f"{name}_scalars"], (-(-len(idx) // SCALAR_BLOCK),), table, len(idx),
-                   pre if has_pre else hyp, scal, HAS_PRE=has_pre, BLOCK=SCALAR_BLOCK,
-                   num_warps=4)
-            work.append((key, idx, mod, table, scal, aligned))
-        counters = None
-        if steps:
-            counters = _device(torch.tensor([[a.data_ptr(), b.data_ptr()]
-                                             for a, b in zip(src_t, steps)], dtype=torch.int64),
-                               device)
-        advanced = not steps
-        adjust = bool(scale_state) and bool(steps)
-        scale_tab = _device(torch.tensor([t.data_ptr() for t in scale_state],
-                                         dtype=torch.int64), device) if adjust else finite
-        scale_cfg = scale_config if adjust else finite
-        for w, (key, idx, mod, table, scal, aligned) in enumerate(work):
-            if kern.plan is not None:
-                _staged(kern, mod, table, [params[i].shape for i in idx], key, pre, scal,
-                        device)
-                continue
-            block = block_size(key)
-            bmap = block_map(tuple(params[i].numel() for i in idx), block, device)
-            if bmap.nblocks == 0:
-                continue
-            red = torch.empty((len(idx), max(kern.nred, 1)), dtype=torch.float64, device=device)
-            for k, nparts in enumerate(kern.phase_sizes):
-                part = torch.empty((bmap.nblocks, nparts), dtype=torch.float64, device=device)
-                launch(mod[f"{name}_phase{k}"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
-                       scal, red, part, HAS_PRE=has_pre, ALIGNED=aligned, BLOCK=block)
-                launch(mod[f"{name}_finish{k}"], (len(idx),), table, bmap.first, part, red,
-                       BLOCK=FINISH_BLOCK, num_warps=4)
-            last = w == len(work) - 1 and not advanced  # the last launch advances the counters
-            launch(mod[f"{name}_update"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
-                   scal, red, counters if last else table, len(steps) if last else 0, finite,
-                   scale_tab, scale_cfg, ADVANCE=last, ADJUST=last and adjust,
-                   HAS_PRE=has_pre, ALIGNED=aligned, BLOCK=block)
-            advanced = advanced or last
-        if not advanced:
-            mod = work[-1][2] if work else kern.module(("float32",) * 3)
-            launch(mod[f"{name}_advance"], (1,), counters, len(steps),
-                   pre if has_pre else hyp, finite, scale_tab, scale_cfg, HAS_PRE=has_pre,
-                   ADJUST=adjust, num_warps=4)
+                rows = [row + extra for row, extra in zip(
+                    rows, _geometry(kern, [params[i].shape for i in idx]))]
+            found.append((key, idx, torch.tensor(rows, dtype=torch.int64), misaligned % 16 == 0,
+                          tuple(numels[i] for i in idx)))
+        _launch_groups(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
+                       scale_config, device)
+
+
+def _launch_groups(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
+                   scale_config, device, counters=None) -> None:
+    """The launches of a step (``_step_impl``) given its tables: ``found``, a (dtypes,
+    positions, the table's rows on the host, whether every address is 16-byte aligned, the
+    tensors' lengths) per dtype group, on the device ``_on``; ``counters``: the step
+    counters' table on the host (each one's address read, then written), or None to make
+    it here."""
+    name = kern.prefix
+    has_pre = pre is not None
+    # each group's table and this step's scalars, all computed before any counter moves
+    work = []
+    for key, idx, rows, aligned, numels in found:
+        mod = kern.module(key)
+        table = _device(rows, device)
+        ct = torch.float64 if key[0] == "float64" else torch.float32
+        scal = torch.empty((len(idx), mod["NSCAL"].value), dtype=ct, device=device)
+        launch(mod[f"{name}_scalars"], (-(-len(idx) // SCALAR_BLOCK),), table, len(idx),
+               pre if has_pre else hyp, scal, HAS_PRE=has_pre, BLOCK=SCALAR_BLOCK, num_warps=4)
+        work.append((key, idx, mod, table, scal, aligned, numels))
+    if counters is None and steps:
+        counters = torch.tensor([[a.data_ptr(), b.data_ptr()] for a, b in zip(src_t, steps)],
+                                dtype=torch.int64)
+    counters = _device(counters, device) if steps else None
+    advanced = not steps
+    adjust = bool(scale_state) and bool(steps)
+    scale_tab = _device(torch.tensor([t.data_ptr() for t in scale_state],
+                                     dtype=torch.int64), device) if adjust else finite
+    scale_cfg = scale_config if adjust else finite
+    for w, (key, idx, mod, table, scal, aligned, numels) in enumerate(work):
+        if kern.plan is not None:
+            _staged(kern, mod, table, [params[i].shape for i in idx], key, pre, scal, device)
+            continue
+        block = block_size(key)
+        bmap = block_map(numels, block, device)
+        if bmap.nblocks == 0:
+            continue
+        red = torch.empty((len(idx), max(kern.nred, 1)), dtype=torch.float64, device=device)
+        for k, nparts in enumerate(kern.phase_sizes):
+            part = torch.empty((bmap.nblocks, nparts), dtype=torch.float64, device=device)
+            launch(mod[f"{name}_phase{k}"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
+                   scal, red, part, HAS_PRE=has_pre, ALIGNED=aligned, BLOCK=block)
+            launch(mod[f"{name}_finish{k}"], (len(idx),), table, bmap.first, part, red,
+                   BLOCK=FINISH_BLOCK, num_warps=4)
+        last = w == len(work) - 1 and not advanced  # the last launch advances the counters
+        launch(mod[f"{name}_update"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
+               scal, red, counters if last else table, len(steps) if last else 0, finite,
+               scale_tab, scale_cfg, ADVANCE=last, ADJUST=last and adjust,
+               HAS_PRE=has_pre, ALIGNED=aligned, BLOCK=block)
+        advanced = advanced or last
+    if not advanced:
+        mod = work[-1][2] if work else kern.module(("float32",) * 3)
+        launch(mod[f"{name}_advance"], (1,), counters, len(steps),
+               pre if has_pre else hyp, finite, scale_tab, scale_cfg, HAS_PRE=has_pre,
+               ADJUST=adjust, num_warps=4)
 
 
 def _geometry(kern, shapes) -> list[list[int]]:
@@ -598,8 +614,20 @@ def prelude(kern, grads, pre: torch.Tensor, init=None) -> None:
     """The kernel's ``prelude``; ``init``: ``(inverse loss scale or None, max_norm, check,
     loss scale or None)`` (a float32 scale, whose inverse the kernel forms), where ``pre`` is
     new (``torch.empty``) and this launch writes all of it."""
-    for g in grads:
-        _check(kern, "gradients", g)
+    found = None
+    if not torch.compiler.is_compiling():  # each gradient checked and its row made in C++
+        from vega.codegen.c import native  # (the C backend's operator builds the tables)
+
+        mod = native.module()
+        if mod is not None:
+            check_device(pre.device)
+            try:
+                found = mod.triton_grad_rows(grads, pre.device)
+            except ValueError:  # (the checks below say what)
+                pass
+    if found is None:
+        for g in grads:
+            _check(kern, "gradients", g)
     setting = inv = None
     if init is not None:
         inv_scale, max_norm, check, scale = init
@@ -608,11 +636,70 @@ def prelude(kern, grads, pre: torch.Tensor, init=None) -> None:
             inv = scale.detach().reshape(()).to(pre.device, torch.float32)
         elif inv_scale is not None:
             inv = torch.as_tensor(inv_scale).detach().reshape(()).to(pre.device, torch.float64)
+    if found is not None:
+        _prelude_launch(kern, found, pre, setting, inv)
+        return
     op = torch.ops.vega.triton_prelude if torch.compiler.is_compiling() else _prelude_impl
     op(kern.key, readable(grads), pre, setting, inv)
 
 
 _SCALE_CONFIGS = Kept(16)  # (device, interval, growth, backoff) -> float64 [3]
+
+
+def _scale_args(adjust, device) -> tuple[list, torch.Tensor | None]:
+    """A dynamic ``LossScale``'s tensors and its settings (interval and factors, float64 on
+    ``device``: made once per value) for the launch that adjusts it; ([], None) for none."""
+    if adjust is None:
+        return [], None
+    key = (device, float(adjust.growth_interval), float(adjust.growth_factor),
+           float(adjust.backoff_factor))
+    return list(adjust.tensors()), _SCALE_CONFIGS.get(key, lambda: _device(torch.tensor(
+        key[1:], dtype=torch.float64), device), _capturing(device))
+
+
+# a state's domain as the native operator's checks name it (vega.codegen.c.native.cpp)
+_NATIVE_DOMS = {"rc": 0, SCALAR_STATE: 4, QBLOCK: 5}
+
+
+def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pre, adjust,
+                 device):
+    """A step in place whose tensors the C++ operator's ``triton_rows`` checks (every one a
+    plain tensor on ``device``, contiguous, as stored, of a dtype the kernels take, of the
+    shape its parameter needs, no two written sharing memory) and whose tables it builds, in
+    one call: about 0.1 us a tensor against several in Python. Returns the step's all-finite
+    flag; False where that operator is not built, or the program or the tensors need the
+    Python path (a matrix-view program, a tensor subclass, a copy to step, a mistake it
+    names), which then runs from the start."""
+    from vega.codegen.c import native  # (the C backend's operator holds the table builder)
+
+    mod = native.module()
+    program = kern.program
+    doms = [_NATIVE_DOMS.get(s.dom) for s in program.states]
+    if mod is None or kern.plan is not None or None in doms:
+        return False
+    check_device(device)
+    scales = {sc for sc, _ in program.quant.values()}
+    names = program.state_names
+    hyper_tensors, hyper_floats, hyper_slots, hyper_index = hypers
+    nhyper = len(program.float_hypers)
+    with _on(device):
+        hyp = _hyper_array(device, nhyper, max(hyper_index, default=-1) + 1, hyper_tensors,
+                           hyper_floats, hyper_slots)
+        try:
+            groups, counters = mod.triton_rows(
+                kern.native_id, params, grads, [s for col in states for s in col], uniq_steps,
+                step_index, hyp.data_ptr(), max(nhyper, 1) * 8, hyper_index, doms,
+                [n in program.quant for n in names], [n in scales for n in names], device)
+        except ValueError:
+            return False
+        finite = torch.empty((), dtype=torch.bool, device=device)
+        scale_state, scale_config = _scale_args(adjust, device)
+        _launch_groups(kern, [(tuple(key.split(" ")), idx, rows, aligned, numels)
+                              for key, idx, rows, aligned, numels in groups],
+                       params, uniq_steps, uniq_steps, finite, pre, hyp, scale_state,
+                       scale_config, device, counters)
+    increment_version(params)  # (what an in-place torch operation does)
+    return finite
 
 
 def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
@@ -621,8 +708,6 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
     place, with parameters: ``Kernel.adjusts``), after ``finite_of(pre)``."""
     n, nstate = len(params), len(states)
     device = params[0].device if n else (pre.device if pre is not None else torch.device("cpu"))
-    _check_all(kern, params, grads, states, device)
-    check_states("triton", kern.program, params, states)
     # distinct step counters and hyperparameter sets (the same object is shared by many tensors)
     uniq_steps, step_index = distinct(steps)
     hyper_tensors, hyper_floats, hyper_slots = [], [], []
@@ -640,6 +725,19 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
             else:
                 hyper_slots.append(-1 - len(hyper_floats))
                 hyper_floats.append(float(v))
+    hypers = (hyper_tensors, hyper_floats, hyper_slots, hyper_index)
+    if donate and n and not torch.compiler.is_compiling():
+        finite = _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pre,
+                              adjust, device)
+        if finite is not False:  # (False: the tensors need the checks and copies below)
+            if pre is None:
+                finite = None
+            elif not uniq_steps:
+                finite = finite_of(pre)
+            return list(params), [list(col) for col in states], \
+                [uniq_steps[k] for k in step_index], finite
+    _check_all(kern, params, grads, states, device)
+    check_states("triton", kern.program, params, states)
     # each read as its values (resolved: no negative bit), contiguous (as they are, in the
     # common case: a pass over the flags, not a copy's call a tensor)
     grads = readable(grads)
@@ -653,13 +751,7 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
         work_s = readable(flat_states)
         compiling = torch.compiler.is_compiling()
         op = torch.ops.vega.triton_step if compiling else _step_impl
-        scale_state, scale_config = [], None
-        if adjust is not None and not compiling:
-            scale_state = list(adjust.tensors())
-            key = (device, float(adjust.growth_interval), float(adjust.growth_factor),
-                   float(adjust.backoff_factor))
-            scale_config = _SCALE_CONFIGS.get(key, lambda: _device(torch.tensor(
-                key[1:], dtype=torch.float64), device), _capturing(device))
+        scale_state, scale_config = _scale_args(adjust, device) if not compiling else ([], None)
         op(kern.key, work_p, work_s, uniq_steps, finite, grads, [], [], [], step_index,
            hyper_tensors, hyper_floats, hyper_slots, hyper_index, pre, True, scale_state,
            scale_config)

@@ -202,12 +202,12 @@ class SpecOptimizer(torch.optim.Optimizer):
             self._share_group_states(found_work)
             return loss
         work = [item for group, w in found_work for item in self._routed(group, w)]
-        # all checked before any is written; one call of the C backend's operator checks
-        # its own tensors so, and only what it refuses is named here
-        # (not asked while dynamo traces: the first call of native.module() takes a lock)
+        # all checked before any is written; one call of a kernel that checks its own
+        # tensors so (``checks_writes``) needs no more, and only what it refuses is named here
+        # (not asked while dynamo traces: the C kernel's asks native.module(), which locks)
         compiling = torch.compiler.is_compiling()
-        one_call = not compiling and len(work) == 1 and work[0][1] == "c" and \
-            native.module() is not None
+        one_call = not compiling and len(work) == 1 and \
+            getattr(codegen.kernel(work[0][1], work[0][0]), "checks_writes", False)
         if not compiling and not one_call:
             self._check_writes(work)
         check = self.skip_nonfinite or self.loss_scale is not None

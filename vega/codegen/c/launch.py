@@ -53,6 +53,12 @@ class Kernel:
     backend = "c"
     takes_rows = True  # values may come as a HyperRows table
 
+    @property
+    def checks_writes(self) -> bool:
+        """Whether a step in place checks every tensor it writes before it writes any: the
+        native operator does."""
+        return native.module() is not None
+
     def __init__(self, program: Program):
         self.program = program
         self._reference = reference.Kernel(program)

@@ -447,6 +447,204 @@ std::vector<at::Tensor> tensors_of(py::handle seq, const char *what) {
     return out;
 }
 
+// -- Triton's address tables -----------------------------------------------------------------
+
+// Raised where a Triton step's tensors are not all plain and as its kernels read them:
+// vega.codegen.triton_runtime then takes its Python path, which says what is wrong or steps
+// copies (a ValueError in Python).
+struct Refused : std::invalid_argument {
+    using std::invalid_argument::invalid_argument;
+};
+
+// A Triton step's tensor as its kernels read and write it in place: a Tensor or Parameter (no
+// subclass), strided, contiguous, without a negative or conjugate bit, on ``device``, of a
+// dtype the kernels take (``codes``: uint8 too), writable where ``written``.
+const at::Tensor &plain_on(PyObject *x, const c10::Device &device, bool codes, bool written,
+                           bool inference_mode) {
+    if (!THPVariable_CheckExact(x)) throw Refused("not a plain tensor");
+    const at::Tensor &t = THPVariable_Unpack(x);
+    const char *name = dtype_name(t.scalar_type());
+    if (t.layout() != c10::kStrided || t.device() != device || !t.is_contiguous() ||
+        t.is_neg() || t.is_conj() || name == nullptr ||
+        (t.scalar_type() == c10::ScalarType::Byte) != codes || (t.numel() && !t.data_ptr()) ||
+        (written && t.is_inference() && !inference_mode))
+        throw Refused("not as the kernels read it");
+    return t;
+}
+
+// The rows of the address tables of a Triton step in place (vega.codegen.triton_runtime),
+// grouped by dtypes, after checking every tensor as its Python path does: (key "p g s", the
+// parameters' positions, an int64 CPU tensor of rows, whether every
+// address is 16-byte aligned, the parameters' lengths), a group each; rows [n, 6 + 2 * states]. ``states``: state by
+// state; with the step counters' table (int64 [counters, 2]: each one's address twice).
+// ``doms``: each state's domain (0 the parameter's shape, 4 one number, 5 one a block
+// of 256: 8-bit scales); ``codes``: whether each holds 8-bit codes (uint8), ``scales``:
+// whether float32 only. Refused (ValueError) where any check fails or any two written tensors
+// share memory.
+py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::handle states_,
+                     py::handle steps_, const std::vector<int64_t> &step_index, int64_t hyp_at,
+                     int64_t hyp_width, const std::vector<int64_t> &hyper_index,
+                     const std::vector<int64_t> &doms, const std::vector<bool> &codes,
+                     const std::vector<bool> &scales, const c10::Device &device) {
+    py::object params = py::reinterpret_steal<py::object>(PySequence_Fast(params_.ptr(), "")),
+               grads = py::reinterpret_steal<py::object>(PySequence_Fast(grads_.ptr(), "")),
+               states = py::reinterpret_steal<py::object>(PySequence_Fast(states_.ptr(), "")),
+               steps = py::reinterpret_steal<py::object>(PySequence_Fast(steps_.ptr(), ""));
+    if (!params || !grads || !states || !steps) throw py::error_already_set();
+    const size_t n = PySequence_Fast_GET_SIZE(params.ptr()), ns = doms.size(),
+                 nt = PySequence_Fast_GET_SIZE(steps.ptr());
+    if (static_cast<size_t>(PySequence_Fast_GET_SIZE(grads.ptr())) != n ||
+        static_cast<size_t>(PySequence_Fast_GET_SIZE(states.ptr())) != ns * n ||
+        step_index.size() != n || hyper_index.size() != n || codes.size() != ns ||
+        scales.size() != ns)
+        throw Refused("the lists of a step do not match");
+    PyObject **P = PySequence_Fast_ITEMS(params.ptr()), **G = PySequence_Fast_ITEMS(grads.ptr()),
+             **S = PySequence_Fast_ITEMS(states.ptr()), **T = PySequence_Fast_ITEMS(steps.ptr());
+    const bool inference_mode = c10::InferenceMode::is_enabled();
+    std::vector<Span> spans;
+    spans.reserve(n * (ns + 1) + nt);
+    std::vector<int64_t> step_at(nt);
+    for (size_t j = 0; j < nt; j++) {
+        if (!THPVariable_CheckExact(T[j])) throw Refused("a step counter is not a plain tensor");
+        const at::Tensor &t = THPVariable_Unpack(T[j]);
+        if (t.layout() != c10::kStrided || t.device() != device ||
+            t.scalar_type() != c10::ScalarType::Int || t.dim() != 0 || !t.data_ptr() ||
+            (t.is_inference() && !inference_mode))
+            throw Refused("a step counter is not a 0-d int32 tensor on the device");
+        step_at[j] = reinterpret_cast<intptr_t>(t.data_ptr());
+        spans.push_back(span_of(t));
+    }
+    const int64_t width = 6 + 2 * static_cast<int64_t>(ns);  // the columns: see below
+    struct Found {
+        std::vector<int64_t> rows, index, numels;
+        uint64_t code;
+        std::string key;
+        int64_t any_address = 0;
+    };
+    std::vector<Found> groups;
+    std::vector<const at::Tensor *> st(ns);
+    for (size_t i = 0; i < n; i++) {
+        const at::Tensor &p = plain_on(P[i], device, false, true, inference_mode);
+        const at::Tensor &g = plain_on(G[i], device, false, false, inference_mode);
+        if (g.numel() != p.numel()) throw Refused("a gradient's length differs");
+        spans.push_back(span_of(p));
+        for (size_t s = 0; s < ns; s++) {
+            const at::Tensor &x = plain_on(S[s * n + i], device, codes[s], true, inference_mode);
+            if (scales[s] && x.scalar_type() != c10::ScalarType::Float)
+                throw Refused("8-bit scales not float32");
+            const int64_t dom = doms[s];
+            if (dom == 0 ? !x.sizes().equals(p.sizes())
+                         : dom == 4 ? x.dim() != 0
+                         : dom == 5 ? x.numel() != (p.numel() + 255) / 256 : true)
+                throw Refused("a state's shape");
+            st[s] = &x;
+            spans.push_back(span_of(x));
+        }
+        if (step_index[i] < 0 || static_cast<size_t>(step_index[i]) >= nt || hyper_index[i] < 0)
+            throw Refused("an index is out of range");
+        uint64_t code = ns > 5 ? OTHER_CODES
+                               : static_cast<uint64_t>(p.scalar_type()) |
+                                     static_cast<uint64_t>(g.scalar_type()) << 8;
+        for (size_t s = 0; s < ns && ns <= 5; s++)
+            code |= static_cast<uint64_t>(st[s]->scalar_type()) << (16 + 8 * s);
+        auto key = [&] {
+            std::string k = std::string(dtype_name(p.scalar_type())) + " " +
+                            dtype_name(g.scalar_type()) + " ";
+            bool mixed = false;
+            for (size_t s = 1; s < ns; s++) mixed |= st[s]->scalar_type() != st[0]->scalar_type();
+            if (!mixed) return k + dtype_name((ns ? *st[0] : p).scalar_type());
+            for (size_t s = 0; s < ns; s++)
+                k += std::string(s ? "," : "") + dtype_name(st[s]->scalar_type());
+            return k;
+        };
+        Found *grp = nullptr;
+        std::string named;
+        for (Found &f : groups)
+            if (f.code == code) {
+                if (code != OTHER_CODES) { grp = &f; break; }
+                if (named.empty()) named = key();
+                if (f.key == named) { grp = &f; break; }
+            }
+        if (grp == nullptr) {
+            groups.emplace_back();
+            grp = &groups.back();
+            grp->code = code;
+            grp->key = named.empty() ? key() : named;
+        }
+        auto address = [](const at::Tensor &t) {
+            return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
+        };
+        const size_t at = grp->rows.size();
+        grp->rows.resize(at + width);
+        int64_t *row = grp->rows.data() + at;
+        // numel, p, g, each state, the step counter, the hyperparameter row, then where p
+        // and each state are written: themselves (vega.codegen.triton_runtime._step_impl)
+        row[0] = p.numel();
+        row[1] = row[5 + ns] = address(p);
+        row[2] = address(g);
+        for (size_t s = 0; s < ns; s++) row[3 + s] = row[6 + ns + s] = address(*st[s]);
+        row[3 + ns] = step_at[step_index[i]];
+        row[4 + ns] = hyp_at + hyper_index[i] * hyp_width;
+        grp->any_address |= row[1] | row[2];
+        for (size_t s = 0; s < ns; s++) grp->any_address |= row[3 + s];
+        grp->index.push_back(static_cast<int64_t>(i));
+        grp->numels.push_back(p.numel());
+    }
+    if (any_shared(id, spans)) throw Refused("two tensors a step writes share memory");
+    py::list out;
+    for (Found &f : groups) {
+        const int64_t rows = static_cast<int64_t>(f.index.size());
+        at::Tensor table = at::empty({rows, width}, at::TensorOptions().dtype(at::kLong));
+        std::memcpy(table.data_ptr(), f.rows.data(), f.rows.size() * sizeof(int64_t));
+        py::tuple numels(rows);
+        py::list index(rows);
+        for (int64_t r = 0; r < rows; r++) {
+            numels[r] = py::int_(f.numels[r]);
+            index[r] = py::int_(f.index[r]);
+        }
+        out.append(py::make_tuple(f.key, index, table, f.any_address % 16 == 0, numels));
+    }
+    // the step counters' table: each counter's address, read and written (in place: twice)
+    at::Tensor counters = at::empty({static_cast<int64_t>(nt), 2},
+                                    at::TensorOptions().dtype(at::kLong));
+    int64_t *c = counters.data_ptr<int64_t>();
+    for (size_t j = 0; j < nt; j++) c[2 * j] = c[2 * j + 1] = step_at[j];
+    return py::make_tuple(out, counters);
+}
+
+// The prelude's tables of a Triton step (vega.codegen.triton_runtime): the gradients grouped
+// by dtype, each plain on ``device`` as ``plain_on`` checks (else Refused), as (dtype name, an
+// int64 [n, 2] CPU tensor of rows (length, address), the lengths), a group each.
+py::list triton_grad_rows(py::handle grads_, const c10::Device &device) {
+    py::object grads = py::reinterpret_steal<py::object>(PySequence_Fast(grads_.ptr(), ""));
+    if (!grads) throw py::error_already_set();
+    const size_t n = PySequence_Fast_GET_SIZE(grads.ptr());
+    PyObject **G = PySequence_Fast_ITEMS(grads.ptr());
+    std::vector<std::pair<c10::ScalarType, std::vector<int64_t>>> groups;  // rows by dtype
+    for (size_t i = 0; i < n; i++) {
+        const at::Tensor &g = plain_on(G[i], device, false, false, true);
+        std::vector<int64_t> *rows = nullptr;
+        for (auto &grp : groups)
+            if (grp.first == g.scalar_type()) rows = &grp.second;
+        if (rows == nullptr) {
+            groups.emplace_back(g.scalar_type(), std::vector<int64_t>());
+            rows = &groups.back().second;
+        }
+        rows->push_back(g.numel());
+        rows->push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(g.data_ptr())));
+    }
+    py::list out;
+    for (auto &grp : groups) {
+        const int64_t count = static_cast<int64_t>(grp.second.size() / 2);
+        at::Tensor table = at::empty({count, 2}, at::TensorOptions().dtype(at::kLong));
+        std::memcpy(table.data_ptr(), grp.second.data(), grp.second.size() * sizeof(int64_t));
+        py::tuple numels(count);
+        for (int64_t r = 0; r < count; r++) numels[r] = py::int_(grp.second[2 * r]);
+        out.append(py::make_tuple(dtype_name(grp.first), table, numels));
+    }
+    return out;
+}
+
 PYBIND11_MODULE(vega_native, m) {
     py::register_exception<MissingLibrary>(m, "MissingLibrary", PyExc_LookupError);
     m.def("add_kernel", [](int64_t id, std::string name, int64_t nstates, int64_t nphases,
@@ -512,6 +710,9 @@ PYBIND11_MODULE(vega_native, m) {
         }
         return !any_shared(-1, spans);
     });
+    py::register_exception<Refused>(m, "Refused", PyExc_ValueError);
+    m.def("triton_rows", &triton_rows);
+    m.def("triton_grad_rows", &triton_grad_rows);
     m.def("prelude", [](int64_t id, py::handle grads, const at::Tensor &pre) {
         const auto g = tensors_of(grads, "gradient");
         py::gil_scoped_release unlocked;
