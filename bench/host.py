@@ -6,8 +6,9 @@ run (``vega.codegen.triton_ptx.recording``), so what is timed is what the CPU do
 The tensors are GPT-2 small's shapes with each axis divided by ``--scale`` (the host's work
 does not depend on their sizes: block maps and tables are cached), on the CPU under Triton's
 interpreter. Rows: a plain class step, one with clipping and a skip of non-finite steps, one
-with a dynamic loss scale too, and the functional step; each for 148 tensors and for twice as
-many, with the time a tensor adds.
+with a dynamic loss scale too, the functional step, and torch's fused AdamW class step on
+``meta`` tensors (its host side: meta kernels compute nothing); each for 148 tensors and for
+twice as many, with the time a tensor adds.
 """
 from __future__ import annotations
 
@@ -27,18 +28,55 @@ def gpt2_shapes(scale: int) -> list[tuple[int, ...]]:
     return [tuple(max(1, n // scale) for n in s) for s in shapes]
 
 
-def per_step(step, steps: int) -> float:
+def per_step(step, steps: int, rounds: int = 7) -> float:
+    """The best over ``rounds`` of the mean time of ``steps`` calls, the launches recorded
+    (each round's records dropped, so that later rounds hold no more memory)."""
     from vega.codegen import triton_ptx
 
-    with triton_ptx.recording():
+    with triton_ptx.recording() as found:
         step()  # warm: block maps, tables
         best = float("inf")
-        for _ in range(3):
+        for _ in range(rounds):
+            found.clear()
             t = time.perf_counter()
             for _ in range(steps):
                 step()
             best = min(best, (time.perf_counter() - t) / steps)
     return best
+
+
+def torch_fused_on_meta(shapes, steps: int, rounds: int = 7) -> float | None:
+    """torch's fused AdamW class step on ``meta`` tensors, whose kernels check shapes and
+    compute nothing: its host side (gathering the group, grouping by device and dtype, the
+    dispatch of ``torch._fused_adamw_``), less the launches a GPU would add. torch refuses
+    fused on meta, so its device checks are widened for the measurement; None where they
+    are not found (another torch)."""
+    import torch
+    import torch.optim.adam as adam_module
+    import torch.optim.optimizer as optimizer_module
+
+    supported = getattr(optimizer_module, "_get_fused_kernels_supported_devices", None)
+    if supported is None or not hasattr(adam_module, "_device_dtype_check_for_fused"):
+        return None
+    ws = [torch.nn.Parameter(torch.zeros(s, device="meta")) for s in shapes]
+    for w in ws:
+        w.grad = torch.zeros_like(w)
+    saved = supported, adam_module._device_dtype_check_for_fused
+    optimizer_module._get_fused_kernels_supported_devices = lambda: [*saved[0](), "meta"]
+    adam_module._device_dtype_check_for_fused = lambda *a, **k: None
+    try:
+        opt = torch.optim.AdamW(ws, lr=1e-3, fused=True)
+        opt.step()
+        best = float("inf")
+        for _ in range(rounds):
+            t = time.perf_counter()
+            for _ in range(steps):
+                opt.step()
+            best = min(best, (time.perf_counter() - t) / steps)
+        return best
+    finally:
+        optimizer_module._get_fused_kernels_supported_devices = saved[0]
+        adam_module._device_dtype_check_for_fused = saved[1]
 
 
 def main(argv=None) -> int:
@@ -71,6 +109,9 @@ def main(argv=None) -> int:
         rows.setdefault("functional adamw_step", []).append(per_step(
             lambda: vega.adamw_step(params, grads, state, lr=1e-3, backend="triton",
                                     donate=True), args.steps))
+        meta = torch_fused_on_meta(shapes * copies, args.steps)
+        if meta is not None:
+            rows.setdefault("torch AdamW fused (meta tensors)", []).append(meta)
     n = len(shapes)
     print(f"host time a step, kernels recorded not run; GPT-2 small's {n} tensors "
           f"(axes / {args.scale}) and {2 * n}; torch {torch.__version__}")

@@ -21,7 +21,8 @@ def _launches(step, monkeypatch, python: bool) -> list:
     found, native_steps = [], []
 
     def record(fn, grid, *args, **meta):
-        found.append((getattr(fn, "fn", fn).__name__, grid,
+        py = getattr(fn, "fn", fn)  # (its module's name holds the dtype group's)
+        found.append((f"{py.__module__}.{py.__name__}", grid,
                       [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args],
                       sorted(meta.items())))
 

@@ -6,12 +6,46 @@ from torch.utils import _pytree as pytree
 
 
 def flatten(tree):
-    """Leaves (``None`` counted as a leaf, so structures stay aligned) and the structure."""
-    return pytree.tree_flatten(tree, is_leaf=lambda x: x is None)
+    """Leaves (``None`` counted as a leaf, so structures stay aligned) and the structure.
+
+    A dict whose values are all plain tensors, parameters or None (the common tree of a
+    functional step: names to tensors) is flattened without torch's walk over its leaves (a
+    Python call a leaf, several microseconds a tensor), to the leaves and the structure that
+    walk gives: its values in order, and one spec per tuple of keys, made once (eagerly: not
+    while dynamo traces, which would guard on the cache)."""
+    if type(tree) is dict and not torch.compiler.is_compiling():
+        values = list(tree.values())
+        if _PLAIN.issuperset(map(type, values)):
+            keys = tuple(tree)
+            spec = _FLAT_SPECS.get(keys)
+            if spec is None:
+                spec = pytree.tree_flatten(tree, is_leaf=_is_none)[1]
+                if len(_FLAT_SPECS) >= 64:
+                    _FLAT_SPECS.clear()
+                    _FLAT_KEYS.clear()
+                _FLAT_SPECS[keys] = spec
+                _FLAT_KEYS[id(spec)] = keys
+            return values, spec
+    return pytree.tree_flatten(tree, is_leaf=_is_none)
 
 
 def unflatten(leaves, spec):
+    keys = None if torch.compiler.is_compiling() else _FLAT_KEYS.get(id(spec))
+    if keys is not None and _FLAT_SPECS.get(keys) is spec:  # (a flat dict's: ``flatten``)
+        leaves = list(leaves)
+        if len(leaves) == len(keys):
+            return dict(zip(keys, leaves))
     return pytree.tree_unflatten(list(leaves), spec)
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
+# the types torch's pytree takes as leaves whatever is registered: a dict of only these is flat
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, type(None)})
+_FLAT_SPECS: dict = {}  # a flat dict's keys -> its TreeSpec (made by torch's walk, once)
+_FLAT_KEYS: dict = {}  # id of such a spec -> its keys (checked against _FLAT_SPECS on use)
 
 
 def _key(k) -> str:
