@@ -200,24 +200,32 @@ std::string dtype_key(const at::Tensor &p, const at::Tensor &g, const List &stat
     bool mixed = false;
     for (size_t s = 1; s < ns; s++)
         mixed |= states[s * n + i].scalar_type() != states[i].scalar_type();
-    if (!mixed) return key + (ns ? dtype_name(states[i].scalar_type()) : dtype_name(p.scalar_type()));
+    if (!mixed) return key + dtype_name((ns ? states[i] : p).scalar_type());
     for (size_t s = 0; s < ns; s++)
         key += std::string(s ? "," : "") + dtype_name(states[s * n + i].scalar_type());
     return key;
 }
 
+// The group of the dtypes ``code`` among ``groups`` (a Group, or anything with its ``code``
+// and ``key``), or null; ``named`` keeps ``key()`` once made (to tell OTHER_CODES apart).
+template <class G, class MakeKey>
+G *found_group(std::vector<G> &groups, uint64_t code, const MakeKey &key, std::string &named) {
+    for (G &grp : groups)
+        if (grp.code == code) {
+            if (code != OTHER_CODES) return &grp;
+            if (named.empty()) named = key();
+            if (grp.key == named) return &grp;
+        }
+    return nullptr;
+}
+
 // The group of the dtypes ``code`` among ``groups``, made with its library when new (its
-// name, ``key()``, made only then, or to tell OTHER_CODES apart).
+// name, ``key()``, made only then).
 template <class MakeKey>
 Group &group_of(std::vector<Group> &groups, const Kernel &k, uint64_t code,
                 const MakeKey &key) {
     std::string named;
-    for (Group &grp : groups)
-        if (grp.code == code) {
-            if (code != OTHER_CODES) return grp;
-            if (named.empty()) named = key();
-            if (grp.key == named) return grp;
-        }
+    if (Group *grp = found_group(groups, code, key, named)) return *grp;
     if (named.empty()) named = key();
     groups.emplace_back();
     groups.back().key = named;
@@ -449,6 +457,12 @@ std::vector<at::Tensor> tensors_of(py::handle seq, const char *what) {
 
 // -- Triton's address tables -----------------------------------------------------------------
 
+// Tensors held by pointer, read as a list (``dtype_code``, ``dtype_key``).
+struct Pointed {
+    const std::vector<const at::Tensor *> &ts;
+    const at::Tensor &operator[](size_t k) const { return *ts[k]; }
+};
+
 // Raised where a Triton step's tensors are not all plain and as its kernels read them:
 // vega.codegen.triton_runtime then takes its Python path, which says what is wrong or steps
 // copies (a ValueError in Python).
@@ -474,10 +488,10 @@ const at::Tensor &plain_on(PyObject *x, const c10::Device &device, bool codes, b
 
 // The rows of the address tables of a Triton step in place (vega.codegen.triton_runtime),
 // grouped by dtypes, after checking every tensor as its Python path does: (key "p g s", the
-// parameters' positions, an int64 CPU tensor of rows, whether every
-// address is 16-byte aligned, the parameters' lengths), a group each; rows [n, 6 + 2 * states]. ``states``: state by
-// state; with the step counters' table (int64 [counters, 2]: each one's address twice).
-// ``doms``: each state's domain (0 the parameter's shape, 4 one number, 5 one a block
+// parameters' positions, an int64 CPU tensor of rows [n, 6 + 2 * states], whether every
+// address is 16-byte aligned, the parameters' lengths), a group each; then the step
+// counters' table (int64 [counters, 2]: each one's address twice). ``states``: state by
+// state; ``doms``: each state's domain (0 the parameter's shape, 4 one number, 5 one a block
 // of 256: 8-bit scales); ``codes``: whether each holds 8-bit codes (uint8), ``scales``:
 // whether float32 only. Refused (ValueError) where any check fails or any two written tensors
 // share memory.
@@ -542,29 +556,11 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
         }
         if (step_index[i] < 0 || static_cast<size_t>(step_index[i]) >= nt || hyper_index[i] < 0)
             throw Refused("an index is out of range");
-        uint64_t code = ns > 5 ? OTHER_CODES
-                               : static_cast<uint64_t>(p.scalar_type()) |
-                                     static_cast<uint64_t>(g.scalar_type()) << 8;
-        for (size_t s = 0; s < ns && ns <= 5; s++)
-            code |= static_cast<uint64_t>(st[s]->scalar_type()) << (16 + 8 * s);
-        auto key = [&] {
-            std::string k = std::string(dtype_name(p.scalar_type())) + " " +
-                            dtype_name(g.scalar_type()) + " ";
-            bool mixed = false;
-            for (size_t s = 1; s < ns; s++) mixed |= st[s]->scalar_type() != st[0]->scalar_type();
-            if (!mixed) return k + dtype_name((ns ? *st[0] : p).scalar_type());
-            for (size_t s = 0; s < ns; s++)
-                k += std::string(s ? "," : "") + dtype_name(st[s]->scalar_type());
-            return k;
-        };
-        Found *grp = nullptr;
+        const Pointed one{st};  // (this parameter's states, as a list of one parameter's)
+        const uint64_t code = dtype_code(p, g, one, 0, 1, ns);
+        auto key = [&] { return dtype_key(p, g, one, 0, 1, ns); };
         std::string named;
-        for (Found &f : groups)
-            if (f.code == code) {
-                if (code != OTHER_CODES) { grp = &f; break; }
-                if (named.empty()) named = key();
-                if (f.key == named) { grp = &f; break; }
-            }
+        Found *grp = found_group(groups, code, key, named);
         if (grp == nullptr) {
             groups.emplace_back();
             grp = &groups.back();
