@@ -1,6 +1,8 @@
 """Pytrees of tensors, by torch's own pytree utilities, and the names of their leaves."""
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -19,7 +21,9 @@ def flatten(tree):
             keys = tuple(tree)
             spec = _FLAT_SPECS.get(keys)
             if spec is None:
-                spec = pytree.tree_flatten(tree, is_leaf=_is_none)[1]
+                leaves, spec = pytree.tree_flatten(tree, is_leaf=_is_none)
+                if len(leaves) != len(values) or any(map(operator.is_not, leaves, values)):
+                    return leaves, spec  # (a torch whose dicts flatten in another order)
                 if len(_FLAT_SPECS) >= 64:
                     _FLAT_SPECS.clear()
                     _FLAT_KEYS.clear()
