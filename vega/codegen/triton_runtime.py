@@ -46,7 +46,7 @@ from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, ow
 # at once (one 128-bit access); a program's BLOCK is 32 * WARPS_GPU threads times the elements
 # that make those bytes: 1024 for float32, 2048 where a tensor is bfloat16 or float16. More
 # elements a thread hold more values live (float32 at 2048: 73 registers, past the 64 that
-# keep a full occupancy; see docs/gpu.md)
+# let half of an SM's 2,048 threads run at once; see docs/gpu.md)
 WARPS_GPU, BYTES_PER_ACCESS = 8, 16
 ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 # (8-bit codes, vega.codegen.quant, do not set the block: a block of their tensor's floats)
