@@ -472,18 +472,30 @@ struct Refused : std::invalid_argument {
 
 // A Triton step's tensor as its kernels read and write it in place: a Tensor or Parameter (no
 // subclass), strided, contiguous, without a negative or conjugate bit, on ``device``, of a
-// dtype the kernels take (``codes``: uint8 too), writable where ``written``.
-const at::Tensor &plain_on(PyObject *x, const c10::Device &device, bool codes, bool written,
-                           bool inference_mode) {
+// dtype the kernels take (``codes``: uint8 too), writable where ``written``; with its address
+// (read once: each read of it is a call into the tensor's storage) and its span.
+struct Plain {
+    const at::Tensor &t;
+    int64_t at;
+    Span span() const {
+        const auto lo = static_cast<uintptr_t>(at);
+        return {lo, lo + static_cast<uintptr_t>(t.numel()) * t.element_size()};
+    }
+};
+
+Plain plain_on(PyObject *x, const c10::Device &device, bool codes, bool written,
+               bool inference_mode) {
     if (!THPVariable_CheckExact(x)) throw Refused("not a plain tensor");
     const at::Tensor &t = THPVariable_Unpack(x);
     const char *name = dtype_name(t.scalar_type());
     if (t.layout() != c10::kStrided || t.device() != device || !t.is_contiguous() ||
         t.is_neg() || t.is_conj() || name == nullptr ||
-        (t.scalar_type() == c10::ScalarType::Byte) != codes || (t.numel() && !t.data_ptr()) ||
+        (t.scalar_type() == c10::ScalarType::Byte) != codes ||
         (written && t.is_inference() && !inference_mode))
         throw Refused("not as the kernels read it");
-    return t;
+    const auto at = static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
+    if (t.numel() && !at) throw Refused("no storage");
+    return {t, at};
 }
 
 // The rows of the address tables of a Triton step in place (vega.codegen.triton_runtime),
@@ -537,13 +549,16 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
     };
     std::vector<Found> groups;
     std::vector<const at::Tensor *> st(ns);
+    std::vector<int64_t> st_at(ns);
     for (size_t i = 0; i < n; i++) {
-        const at::Tensor &p = plain_on(P[i], device, false, true, inference_mode);
-        const at::Tensor &g = plain_on(G[i], device, false, false, inference_mode);
+        const Plain pp = plain_on(P[i], device, false, true, inference_mode),
+                    gg = plain_on(G[i], device, false, false, inference_mode);
+        const at::Tensor &p = pp.t, &g = gg.t;
         if (g.numel() != p.numel()) throw Refused("a gradient's length differs");
-        spans.push_back(span_of(p));
+        spans.push_back(pp.span());
         for (size_t s = 0; s < ns; s++) {
-            const at::Tensor &x = plain_on(S[s * n + i], device, codes[s], true, inference_mode);
+            const Plain xx = plain_on(S[s * n + i], device, codes[s], true, inference_mode);
+            const at::Tensor &x = xx.t;
             if (scales[s] && x.scalar_type() != c10::ScalarType::Float)
                 throw Refused("8-bit scales not float32");
             const int64_t dom = doms[s];
@@ -552,7 +567,8 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
                          : dom == 5 ? x.numel() != (p.numel() + 255) / 256 : true)
                 throw Refused("a state's shape");
             st[s] = &x;
-            spans.push_back(span_of(x));
+            st_at[s] = xx.at;
+            spans.push_back(xx.span());
         }
         if (step_index[i] < 0 || static_cast<size_t>(step_index[i]) >= nt || hyper_index[i] < 0)
             throw Refused("an index is out of range");
@@ -567,18 +583,15 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
             grp->code = code;
             grp->key = named.empty() ? key() : named;
         }
-        auto address = [](const at::Tensor &t) {
-            return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
-        };
         const size_t at = grp->rows.size();
         grp->rows.resize(at + width);
         int64_t *row = grp->rows.data() + at;
         // numel, p, g, each state, the step counter, the hyperparameter row, then where p
         // and each state are written: themselves (vega.codegen.triton_runtime._step_impl)
         row[0] = p.numel();
-        row[1] = row[5 + ns] = address(p);
-        row[2] = address(g);
-        for (size_t s = 0; s < ns; s++) row[3 + s] = row[6 + ns + s] = address(*st[s]);
+        row[1] = row[5 + ns] = pp.at;
+        row[2] = gg.at;
+        for (size_t s = 0; s < ns; s++) row[3 + s] = row[6 + ns + s] = st_at[s];
         row[3 + ns] = step_at[step_index[i]];
         row[4 + ns] = hyp_at + hyper_index[i] * hyp_width;
         grp->any_address |= row[1] | row[2];
@@ -618,7 +631,8 @@ py::list triton_grad_rows(py::handle grads_, const c10::Device &device) {
     PyObject **G = PySequence_Fast_ITEMS(grads.ptr());
     std::vector<std::pair<c10::ScalarType, std::vector<int64_t>>> groups;  // rows by dtype
     for (size_t i = 0; i < n; i++) {
-        const at::Tensor &g = plain_on(G[i], device, false, false, true);
+        const Plain gg = plain_on(G[i], device, false, false, true);
+        const at::Tensor &g = gg.t;
         std::vector<int64_t> *rows = nullptr;
         for (auto &grp : groups)
             if (grp.first == g.scalar_type()) rows = &grp.second;
@@ -627,7 +641,7 @@ py::list triton_grad_rows(py::handle grads_, const c10::Device &device) {
             rows = &groups.back().second;
         }
         rows->push_back(g.numel());
-        rows->push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(g.data_ptr())));
+        rows->push_back(gg.at);
     }
     py::list out;
     for (auto &grp : groups) {

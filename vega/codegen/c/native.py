@@ -41,7 +41,9 @@ from torch.utils import cpp_extension
 from vega.codegen.c import build as cbuild
 
 SOURCE = Path(__file__).with_name("native.cpp")
-FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-w")  # the default target, not -march=native
+FLAGS = ("-O2", "-DNDEBUG", "-shared", "-fPIC", "-std=c++17", "-w")  # (NDEBUG: a release build,
+# without pybind11's and c10's debug checks: a GIL check on every reference count); the default
+# target, not -march=native
 NAME = "vega_native"
 
 _lock_ = threading.Lock()
