@@ -18,15 +18,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
-_PLAIN_OR_NONE = _PLAIN_TYPES | {type(None)}
+# the types of tensors with no operations of their own (a pass over types finds them)
+PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+PLAIN_OR_NONE = PLAIN_TYPES | {type(None)}
 _NO_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
 def has_own_ops(t: torch.Tensor) -> bool:
     """Whether ``t`` is a tensor subclass with operations of its own (``__torch_dispatch__``)."""
     cls = type(t)
-    return cls not in _PLAIN_TYPES and \
+    return cls not in PLAIN_TYPES and \
         getattr(cls, "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH
 
 
@@ -35,7 +36,7 @@ def first_with_own_ops(tensors) -> int | None:
     (one pass over the types, in the common case of plain tensors and parameters). ``None``
     items are skipped."""
     tensors = tensors if isinstance(tensors, list) else list(tensors)
-    if _PLAIN_OR_NONE.issuperset(map(type, tensors)):
+    if PLAIN_OR_NONE.issuperset(map(type, tensors)):
         return None
     return next((i for i, t in enumerate(tensors)
                  if t is not None and has_own_ops(t)), None)

@@ -16,7 +16,6 @@ import torch
 from vega import codegen
 from vega.codegen import quant
 from vega.codegen.base import distinct, state_shape
-from vega.codegen.c import native
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
 from vega.runtime import engine, sharded, torch_names

@@ -32,6 +32,7 @@ import torch
 
 from vega import codegen
 from vega.codegen.base import Geometry, ShardView, geometry, state_shape
+from vega.codegen.tensors import PLAIN_TYPES
 from vega.codegen.steps import drive
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import SCALAR_STATE
@@ -70,8 +71,6 @@ def is_dtensor(t) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-
 
 def involved(params, reduce_group) -> bool:
     """Whether a step over ``params`` reduces across processes: a group is given, or a
@@ -79,7 +78,7 @@ def involved(params, reduce_group) -> bool:
     if reduce_group is not None:
         return True
     mod = sys.modules.get("torch.distributed.tensor")
-    if mod is None or _PLAIN.issuperset(map(type, params)):  # (one pass over the types)
+    if mod is None or PLAIN_TYPES.issuperset(map(type, params)):  # (one pass over types)
         return False
     return any(map(isinstance, params, repeat(mod.DTensor)))
 

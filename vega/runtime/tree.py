@@ -6,6 +6,8 @@ import operator
 import torch
 from torch.utils import _pytree as pytree
 
+from vega.codegen.tensors import PLAIN_OR_NONE
+
 
 def flatten(tree):
     """Leaves (``None`` counted as a leaf, so structures stay aligned) and the structure.
@@ -17,7 +19,7 @@ def flatten(tree):
     while dynamo traces, which would guard on the cache)."""
     if type(tree) is dict and not torch.compiler.is_compiling():
         values = list(tree.values())
-        if _PLAIN.issuperset(map(type, values)):
+        if PLAIN_OR_NONE.issuperset(map(type, values)):  # (leaves whatever is registered)
             keys = tuple(tree)
             spec = _FLAT_SPECS.get(keys)
             if spec is None:
@@ -46,8 +48,6 @@ def _is_none(x) -> bool:
     return x is None
 
 
-# the types torch's pytree takes as leaves whatever is registered: a dict of only these is flat
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, type(None)})
 _FLAT_SPECS: dict = {}  # a flat dict's keys -> its TreeSpec (made by torch's walk, once)
 _FLAT_KEYS: dict = {}  # id of such a spec -> its keys (checked against _FLAT_SPECS on use)
 
