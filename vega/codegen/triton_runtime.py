@@ -666,7 +666,8 @@ def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pr
     """A step in place whose tensors the C++ operator's ``triton_rows`` checks (every one a
     plain tensor on ``device``, contiguous, as stored, of a dtype the kernels take, of the
     shape its parameter needs, no two written sharing memory) and whose tables it builds, in
-    one call: about 0.1 us a tensor against several in Python. Returns the step's all-finite
+    one call: about 0.4 us for a parameter with its gradient and two states, against several
+    in Python. Returns the step's all-finite
     flag; False where that operator is not built, or the program or the tensors need the
     Python path (a matrix-view program, a tensor subclass, a copy to step, a mistake it
     names), which then runs from the start."""
