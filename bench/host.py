@@ -35,13 +35,19 @@ def per_step(step, steps: int, rounds: int = 7) -> float:
 
     with triton_ptx.recording() as found:
         step()  # warm: block maps, tables
-        best = float("inf")
-        for _ in range(rounds):
-            found.clear()
-            t = time.perf_counter()
-            for _ in range(steps):
-                step()
-            best = min(best, (time.perf_counter() - t) / steps)
+        return best_of(step, steps, rounds, before=found.clear)
+
+
+def best_of(step, steps: int, rounds: int, before=lambda: None) -> float:
+    """The least over ``rounds`` of the mean seconds of ``steps`` calls of ``step``
+    (``before()`` ahead of each round, untimed)."""
+    best = float("inf")
+    for _ in range(rounds):
+        before()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        best = min(best, (time.perf_counter() - t) / steps)
     return best
 
 
@@ -67,13 +73,7 @@ def torch_fused_on_meta(shapes, steps: int, rounds: int = 7) -> float | None:
     try:
         opt = torch.optim.AdamW(ws, lr=1e-3, fused=True)
         opt.step()
-        best = float("inf")
-        for _ in range(rounds):
-            t = time.perf_counter()
-            for _ in range(steps):
-                opt.step()
-            best = min(best, (time.perf_counter() - t) / steps)
-        return best
+        return best_of(opt.step, steps, rounds)
     finally:
         optimizer_module._get_fused_kernels_supported_devices = saved[0]
         adam_module._device_dtype_check_for_fused = saved[1]

@@ -37,10 +37,11 @@ import torch
 from torch.autograd.graph import increment_version
 
 from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, state_key
+from vega.codegen.c import native
 from vega.codegen.record import finite_of
-from vega.dsl.ir import QBLOCK, SCALAR_STATE
 from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, own_ops_words,
                                   readable, refuse_inplace)
+from vega.dsl.ir import QBLOCK, SCALAR_STATE
 
 # on a GPU: warps a program, and bytes of its narrowest tensor each thread reads or writes
 # at once (one 128-bit access); a program's BLOCK is 32 * WARPS_GPU threads times the elements
@@ -615,16 +616,13 @@ def prelude(kern, grads, pre: torch.Tensor, init=None) -> None:
     loss scale or None)`` (a float32 scale, whose inverse the kernel forms), where ``pre`` is
     new (``torch.empty``) and this launch writes all of it."""
     found = None
-    if not torch.compiler.is_compiling():  # each gradient checked and its row made in C++
-        from vega.codegen.c import native  # (the C backend's operator builds the tables)
-
-        mod = native.module()
-        if mod is not None:
-            check_device(pre.device)
-            try:
-                found = mod.triton_grad_rows(grads, pre.device)
-            except ValueError:  # (the checks below say what)
-                pass
+    mod = None if torch.compiler.is_compiling() else _table_builder()
+    if mod is not None:  # each gradient checked and its row made in C++
+        check_device(pre.device)
+        try:
+            found = mod.triton_grad_rows(grads, pre.device)
+        except ValueError:  # (the checks below say what)
+            pass
     if found is None:
         for g in grads:
             _check(kern, "gradients", g)
@@ -657,6 +655,12 @@ def _scale_args(adjust, device) -> tuple[list, torch.Tensor | None]:
         key[1:], dtype=torch.float64), device), _capturing(device))
 
 
+def _table_builder():
+    """The C backend's native module, which checks a step's tensors and builds its tables
+    (``triton_rows``, ``triton_grad_rows``), or None where it is not built."""
+    return native.module()
+
+
 # a state's domain as the native operator's checks name it (vega.codegen.c.native.cpp)
 _NATIVE_DOMS = {"rc": 0, SCALAR_STATE: 4, QBLOCK: 5}
 
@@ -671,9 +675,7 @@ def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pr
     flag; False where that operator is not built, or the program or the tensors need the
     Python path (a matrix-view program, a tensor subclass, a copy to step, a mistake it
     names), which then runs from the start."""
-    from vega.codegen.c import native  # (the C backend's operator holds the table builder)
-
-    mod = native.module()
+    mod = _table_builder()
     program = kern.program
     doms = [_NATIVE_DOMS.get(s.dom) for s in program.states]
     if mod is None or kern.plan is not None or None in doms:

@@ -599,6 +599,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             for key, default in _PRECISION_DEFAULTS.items():
                 group.setdefault(key, default)
             self._betas().sync(f"{type(self).__name__}.load_state_dict", k, group)
+        declared = self.spec._spec.state_names
         for pid, (p, group) in zip(ids, params):
             if pid not in originals or p not in self.state:
                 continue
@@ -619,7 +620,6 @@ class SpecOptimizer(torch.optim.Optimizer):
                     sd = torch.float32
                 if not isinstance(value, torch.Tensor):
                     continue
-                declared = self.spec._spec.state_names
                 if value.dtype == torch.uint8:  # codes, as saved
                     self.state[p][name] = value.to(device=p.device).clone()
                     continue

@@ -108,13 +108,29 @@ std::shared_ptr<const Library> library_of(const Kernel &k, const std::string &ke
     return found->second;
 }
 
-// A tensor a kernel reads (and writes) at its address: a strided CPU tensor of a float dtype
-// the kernels take, contiguous, holding its values as they are.
+// Whether a kernel reads ``t`` at its address as it is: strided, contiguous, holding its
+// values as stored (no negative or conjugate bit), of a dtype the kernels take.
+bool as_stored(const at::Tensor &t) {
+    return t.layout() == c10::kStrided && t.is_contiguous() && !t.is_neg() && !t.is_conj() &&
+           dtype_name(t.scalar_type()) != nullptr;
+}
+
+// Whether state ``x`` of parameter ``p`` has the length its domain needs: 0 the parameter's
+// shape, 4 one number (a 0-d tensor), 5 one a block of 256 (8-bit scales), 1-3 the
+// geometry's ``geo[dom]`` (a matrix-view program's; none elsewhere).
+bool state_fits(const at::Tensor &x, const at::Tensor &p, int64_t dom, const int64_t *geo) {
+    return dom == 0 ? x.sizes().equals(p.sizes())
+         : dom == 4 ? x.dim() == 0
+         : dom == 5 ? x.numel() == (p.numel() + 255) / 256
+                    : geo != nullptr && x.numel() == geo[dom];
+}
+
+// A tensor a kernel reads (and writes) at its address: a CPU tensor ``as_stored`` (uint8
+// only for 8-bit codes).
 void check_plain(const at::Tensor &t, const char *what, size_t i, bool codes = false) {
     if (!t.defined()) fail(std::string("backend 'c': ") + what + " " + std::to_string(i) +
                            " is undefined (None)");
-    if (t.layout() != c10::kStrided || !t.device().is_cpu() || !t.is_contiguous() ||
-        t.is_neg() || t.is_conj() || dtype_name(t.scalar_type()) == nullptr ||
+    if (!as_stored(t) || !t.device().is_cpu() ||
         (!codes && t.scalar_type() == c10::ScalarType::Byte) ||
         (t.numel() && t.data_ptr() == nullptr))
         fail(std::string("backend 'c': ") + what + " " + std::to_string(i) +
@@ -151,10 +167,12 @@ bool any_shared(int64_t id, const std::vector<Span> &spans) {
     return false;
 }
 
-Span span_of(const at::Tensor &t) {
-    auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+// The memory of contiguous ``t`` whose first element is at ``lo``.
+Span span_at(uintptr_t lo, const at::Tensor &t) {
     return {lo, lo + static_cast<uintptr_t>(t.numel()) * t.element_size()};
 }
+
+Span span_of(const at::Tensor &t) { return span_at(reinterpret_cast<uintptr_t>(t.data_ptr()), t); }
 
 // The prelude's record: a contiguous float64 CPU tensor of its slots (or none).
 double *record_of(const c10::optional<at::Tensor> &pre) {
@@ -290,11 +308,7 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
         for (size_t s = 0; s < ns; s++) {
             const at::Tensor &x = states[s * n + i];
             check_plain(x, "state tensor", s * n + i, true);
-            int64_t dom = k->doms[s];
-            if (dom == 0 ? !x.sizes().equals(p.sizes())
-                         : dom == 4 ? x.dim() != 0  // one number (a 0-d tensor)
-                         : dom == 5 ? x.numel() != (p.numel() + 255) / 256  // one a block
-                                    : (!geo || x.numel() != geo[dom]))
+            if (!state_fits(x, p, k->doms[s], geo))
                 fail("backend 'c': state " + std::to_string(s) + " of parameter " +
                      std::to_string(i) + " has the wrong shape");
         }
@@ -477,19 +491,14 @@ struct Refused : std::invalid_argument {
 struct Plain {
     const at::Tensor &t;
     int64_t at;
-    Span span() const {
-        const auto lo = static_cast<uintptr_t>(at);
-        return {lo, lo + static_cast<uintptr_t>(t.numel()) * t.element_size()};
-    }
+    Span span() const { return span_at(static_cast<uintptr_t>(at), t); }
 };
 
 Plain plain_on(PyObject *x, const c10::Device &device, bool codes, bool written,
                bool inference_mode) {
     if (!THPVariable_CheckExact(x)) throw Refused("not a plain tensor");
     const at::Tensor &t = THPVariable_Unpack(x);
-    const char *name = dtype_name(t.scalar_type());
-    if (t.layout() != c10::kStrided || t.device() != device || !t.is_contiguous() ||
-        t.is_neg() || t.is_conj() || name == nullptr ||
+    if (!as_stored(t) || t.device() != device ||
         (t.scalar_type() == c10::ScalarType::Byte) != codes ||
         (written && t.is_inference() && !inference_mode))
         throw Refused("not as the kernels read it");
@@ -561,11 +570,7 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
             const at::Tensor &x = xx.t;
             if (scales[s] && x.scalar_type() != c10::ScalarType::Float)
                 throw Refused("8-bit scales not float32");
-            const int64_t dom = doms[s];
-            if (dom == 0 ? !x.sizes().equals(p.sizes())
-                         : dom == 4 ? x.dim() != 0
-                         : dom == 5 ? x.numel() != (p.numel() + 255) / 256 : true)
-                throw Refused("a state's shape");
+            if (!state_fits(x, p, doms[s], nullptr)) throw Refused("a state's shape");
             st[s] = &x;
             st_at[s] = xx.at;
             spans.push_back(xx.span());
