@@ -125,17 +125,20 @@ bool state_fits(const at::Tensor &x, const at::Tensor &p, int64_t dom, const int
                     : geo != nullptr && x.numel() == geo[dom];
 }
 
-// A tensor a kernel reads (and writes) at its address: a CPU tensor ``as_stored`` (uint8
-// only for 8-bit codes).
-void check_plain(const at::Tensor &t, const char *what, size_t i, bool codes = false) {
+// The address of a tensor a kernel reads (and writes) there: a CPU tensor ``as_stored``
+// (uint8 only for 8-bit codes). (Read once: each read is a call into its storage.)
+int64_t check_plain(const at::Tensor &t, const char *what, size_t i, bool codes = false) {
     if (!t.defined()) fail(std::string("backend 'c': ") + what + " " + std::to_string(i) +
                            " is undefined (None)");
-    if (!as_stored(t) || !t.device().is_cpu() ||
-        (!codes && t.scalar_type() == c10::ScalarType::Byte) ||
-        (t.numel() && t.data_ptr() == nullptr))
+    const bool stored = as_stored(t);
+    const auto at = static_cast<int64_t>(reinterpret_cast<intptr_t>(
+        stored ? t.data_ptr() : nullptr));
+    if (!stored || !t.device().is_cpu() ||
+        (!codes && t.scalar_type() == c10::ScalarType::Byte) || (t.numel() && at == 0))
         fail(std::string("backend 'c': ") + what + " " + std::to_string(i) +
              " is not a contiguous CPU tensor of float32, float64, bfloat16 or float16 "
              "holding its values as stored");
+    return at;
 }
 
 struct Span {
@@ -252,10 +255,12 @@ Group &group_of(std::vector<Group> &groups, const Kernel &k, uint64_t code,
     return groups.back();
 }
 
-void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::TensorList states,
-               at::TensorList steps, c10::IntArrayRef step_index, at::TensorList hypers,
+// ``List``: at::TensorList (the operator's), or ``Held`` (the eager call's: by pointer).
+template <class List>
+void step_impl(int64_t id, const List &params, const List &grads, const List &states,
+               const List &steps, c10::IntArrayRef step_index, const List &hypers,
                c10::IntArrayRef hyper_index, const c10::optional<at::Tensor> &pre,
-               c10::IntArrayRef geometry, at::TensorList outs) {
+               c10::IntArrayRef geometry, const List &outs) {
     auto k = kernel_of(id);
     const size_t n = params.size(), ns = static_cast<size_t>(k->nstates);
     const bool in_place = outs.empty();
@@ -278,7 +283,8 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
     }
     // the hyperparameter rows: contiguous float64 CPU arrays, a 1-d array one row
     std::vector<int64_t> hyp_at;
-    for (const at::Tensor &h : hypers) {
+    for (size_t j = 0; j < hypers.size(); j++) {
+        const at::Tensor &h = hypers[j];
         if (!h.defined() || h.layout() != c10::kStrided || !h.device().is_cpu() ||
             h.scalar_type() != c10::ScalarType::Double || !h.is_contiguous() ||
             h.dim() < 1 || h.dim() > 2 || h.size(-1) < k->nhyper)
@@ -289,17 +295,18 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
         for (int64_t r = 0; r < rows; r++) hyp_at.push_back(base + r * width);
     }
     double *record = record_of(pre);
-    if (!in_place)
-        for (size_t i = 0; i < outs.size(); i++) check_plain(outs[i], "output", i);
+    std::vector<int64_t> out_at(outs.size());
+    for (size_t i = 0; i < outs.size(); i++) out_at[i] = check_plain(outs[i], "output", i);
     // every tensor checked, the rows built, the tensors grouped by dtypes
     std::vector<Group> groups;
     std::vector<Span> spans;
     if (in_place) spans.reserve(n * (ns + 1) + steps.size());
     const int64_t width = k->col.width;
+    std::vector<int64_t> in_at(ns + 1);  // the addresses of a parameter and its states
     for (size_t i = 0; i < n; i++) {
         const at::Tensor &p = params[i], &g = grads[i];
-        check_plain(p, "parameter", i);
-        check_plain(g, "gradient", i);
+        in_at[0] = check_plain(p, "parameter", i);
+        const int64_t g_at = check_plain(g, "gradient", i);
         if (!p.sizes().equals(g.sizes()))
             fail("backend 'c': gradient " + std::to_string(i) +
                  "'s shape differs from its parameter's");
@@ -307,7 +314,7 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
         if (geo && geo[0] != p.numel()) fail("backend 'c': a geometry row does not match");
         for (size_t s = 0; s < ns; s++) {
             const at::Tensor &x = states[s * n + i];
-            check_plain(x, "state tensor", s * n + i, true);
+            in_at[s + 1] = check_plain(x, "state tensor", s * n + i, true);
             if (!state_fits(x, p, k->doms[s], geo))
                 fail("backend 'c': state " + std::to_string(s) + " of parameter " +
                      std::to_string(i) + " has the wrong shape");
@@ -321,13 +328,10 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
         const size_t at = grp.rows.size();
         grp.rows.resize(at + width, 0);
         int64_t *row = grp.rows.data() + at;
-        auto address = [](const at::Tensor &t) {
-            return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
-        };
         row[c.numel] = p.numel();
-        row[c.p] = address(p);
-        row[c.g] = address(g);
-        for (size_t s = 0; s < ns; s++) row[c.state + s] = address(states[s * n + i]);
+        row[c.p] = in_at[0];
+        row[c.g] = g_at;
+        for (size_t s = 0; s < ns; s++) row[c.state + s] = in_at[s + 1];
         row[c.step] = step_at[step_index[i]];
         row[c.hyper] = hyp_at[hyper_index[i]];
         if (geo) std::copy(geo, geo + c.ngeo(), row + c.geo);
@@ -336,8 +340,9 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
             const at::Tensor &o = in_place ? in : outs[s * n + i];
             if (!in_place && !o.sizes().equals(in.sizes()))
                 fail("backend 'c': an output's shape differs from its input's");
-            row[s == 0 ? c.p_out : c.state_out + s - 1] = address(o);
-            if (in_place) spans.push_back(span_of(o));
+            const int64_t o_at = in_place ? in_at[s] : out_at[s * n + i];
+            row[s == 0 ? c.p_out : c.state_out + s - 1] = o_at;
+            if (in_place) spans.push_back(span_at(static_cast<uintptr_t>(o_at), o));
         }
         grp.n++;
         grp.largest = std::max(grp.largest, p.numel());
@@ -352,7 +357,8 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
             if (inference) fail("backend 'c': an inference tensor cannot be written in place "
                                 "outside inference mode");
         }
-        for (const at::Tensor &t : steps) {
+        for (size_t j = 0; j < steps.size(); j++) {
+            const at::Tensor &t = steps[j];
             if (t.is_inference() && !inference_mode)
                 fail("backend 'c': an inference tensor cannot be written in place outside "
                      "inference mode");
@@ -388,7 +394,8 @@ void step_impl(int64_t id, at::TensorList params, at::TensorList grads, at::Tens
     entry_calls++;
 }
 
-void prelude_impl(int64_t id, at::TensorList grads, const at::Tensor &pre) {
+template <class List>
+void prelude_impl(int64_t id, const List &grads, const at::Tensor &pre) {
     auto k = kernel_of(id);
     double *record = record_of(pre.defined() ? c10::optional<at::Tensor>(pre) : c10::nullopt);
     if (record == nullptr) fail("backend 'c': the prelude needs its record");
@@ -396,7 +403,7 @@ void prelude_impl(int64_t id, at::TensorList grads, const at::Tensor &pre) {
     std::vector<Group> groups;
     for (size_t i = 0; i < grads.size(); i++) {
         const at::Tensor &g = grads[i];
-        check_plain(g, "gradient", i);
+        const int64_t g_at = check_plain(g, "gradient", i);
         const char *d = dtype_name(g.scalar_type());
         const auto t = static_cast<uint64_t>(g.scalar_type());
         Group &grp = group_of(groups, *k, t | t << 8 | t << 16,
@@ -404,7 +411,7 @@ void prelude_impl(int64_t id, at::TensorList grads, const at::Tensor &pre) {
         size_t at = grp.rows.size();
         grp.rows.resize(at + width, 0);
         grp.rows[at + k->col.numel] = g.numel();
-        grp.rows[at + k->col.g] = reinterpret_cast<intptr_t>(g.data_ptr());
+        grp.rows[at + k->col.g] = g_at;
         grp.n++;
     }
     const int nth = at::get_num_threads();
@@ -447,21 +454,30 @@ TORCH_LIBRARY_IMPL(vega_c, CPU, m) {
 namespace py = pybind11;
 
 // The tensors of a Python sequence (None an undefined tensor), each taken from its Python
-// object by torch's own accessor (THPVariable_Unpack, what torch's pybind11 caster calls):
-// about 15 ns a tensor, where converting a list argument through the caster costs 80-95 ns a
-// tensor, most of the call for a step over many small tensors. Called with the GIL held.
-std::vector<at::Tensor> tensors_of(py::handle seq, const char *what) {
-    py::object fast = py::reinterpret_steal<py::object>(
-        PySequence_Fast(seq.ptr(), "vega_native: a sequence of tensors"));
-    if (!fast) throw py::error_already_set();
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
-    PyObject **items = PySequence_Fast_ITEMS(fast.ptr());
-    std::vector<at::Tensor> out;
-    out.reserve(static_cast<size_t>(n));
+// object by torch's own accessor (THPVariable_Unpack, what torch's pybind11 caster calls),
+// by pointer: a tuple of the objects keeps them alive (and the list as it was) while the
+// step runs without the GIL. Converting a list argument through the caster costs 80-95 ns a
+// tensor; copying each at::Tensor, about 15 ns plus the atomic reference counts of its
+// TensorImpl, taken and dropped; this, a Python reference each, taken with the GIL held.
+// Made with the GIL held, and destroyed so.
+struct Held {
+    py::object tuple;
+    std::vector<const at::Tensor *> ts;
+    size_t size() const { return ts.size(); }
+    bool empty() const { return ts.empty(); }
+    const at::Tensor &operator[](size_t k) const { return *ts[k]; }
+};
+
+Held tensors_of(py::handle seq, const char *what) {
+    static const at::Tensor undefined;
+    Held out{py::reinterpret_steal<py::object>(PySequence_Tuple(seq.ptr())), {}};
+    if (!out.tuple) throw py::error_already_set();
+    const Py_ssize_t n = PyTuple_GET_SIZE(out.tuple.ptr());
+    out.ts.reserve(static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *x = items[i];
-        if (x == Py_None) out.emplace_back();
-        else if (THPVariable_Check(x)) out.push_back(THPVariable_Unpack(x));
+        PyObject *x = PyTuple_GET_ITEM(out.tuple.ptr(), i);
+        if (x == Py_None) out.ts.push_back(&undefined);
+        else if (THPVariable_Check(x)) out.ts.push_back(&THPVariable_Unpack(x));
         else
             throw py::type_error(std::string("vega_native: ") + what + " " + std::to_string(i) +
                                  " is a " + Py_TYPE(x)->tp_name + ", not a tensor");
@@ -713,11 +729,12 @@ PYBIND11_MODULE(vega_native, m) {
     // tensor outside inference mode, each contiguous, no two sharing memory (False where one
     // is not contiguous: vega.codegen.tensors.inplace_problem then reads it in Python)
     m.def("writable", [](py::handle seq) {
-        const auto tensors = tensors_of(seq, "tensor");
+        const Held tensors = tensors_of(seq, "tensor");
         const bool inference_mode = c10::InferenceMode::is_enabled();
         std::vector<Span> spans;
         spans.reserve(tensors.size());
-        for (const at::Tensor &t : tensors) {
+        for (const at::Tensor *pt : tensors.ts) {
+            const at::Tensor &t = *pt;
             if (!t.defined() || t.layout() != c10::kStrided || !t.is_contiguous() ||
                 (t.is_inference() && !inference_mode) || (t.numel() && !t.data_ptr()))
                 return false;
