@@ -396,8 +396,7 @@ class Kernel:
             try:
                 self._native_call(mod, mod.step, params, grads, flat_states, steps, step_index,
                                   hyp, hyp_index, pre, self._geometries(params), [])
-                _written(params)
-                return
+                return  # (it advanced the parameters' versions: ``_written``)
             except ValueError:
                 pass
         self._python_step(params, grads, flat_states, steps, step_index, hyp, hyp_index, pre)

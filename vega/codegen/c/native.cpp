@@ -457,8 +457,8 @@ namespace py = pybind11;
 // object by torch's own accessor (THPVariable_Unpack, what torch's pybind11 caster calls),
 // by pointer: a tuple of the objects keeps them alive (and the list as it was) while the
 // step runs without the GIL. Converting a list argument through the caster costs 80-95 ns a
-// tensor; copying each at::Tensor, about 15 ns plus the atomic reference counts of its
-// TensorImpl, taken and dropped; this, a Python reference each, taken with the GIL held.
+// tensor; copying each at::Tensor, about 15 ns plus an atomic reference count taken and
+// dropped; this, a Python reference each, taken with the GIL held.
 // Made with the GIL held, and destroyed so.
 struct Held {
     py::object tuple;
@@ -712,8 +712,11 @@ PYBIND11_MODULE(vega_native, m) {
         std::lock_guard<std::mutex> guard(registry_lock);
         registry.erase(id);
     });
-    // the eager calls: the arguments converted with the GIL held, the work done without it
-    // (vega.codegen.c advances the parameters' versions, as an in-place torch operation would)
+    // the eager calls: the arguments converted with the GIL held, the work done without it.
+    // A step in place then advances the parameters' version counters, as an in-place torch
+    // operation does (torch.autograd.graph.increment_version's rule: an inference tensor has
+    // none), so that autograd refuses a graph that saved their old values; while it reads
+    // each parameter, not in a second pass over them all.
     m.def("step", [](int64_t id, py::handle params, py::handle grads, py::handle states,
                      py::handle steps, const std::vector<int64_t> &step_index,
                      py::handle hypers, const std::vector<int64_t> &hyper_index,
@@ -724,6 +727,9 @@ PYBIND11_MODULE(vega_native, m) {
                    h = tensors_of(hypers, "hyperparameter row"), o = tensors_of(outs, "output");
         py::gil_scoped_release unlocked;
         step_impl(id, p, g, s, t, step_index, h, hyper_index, pre, geometry, o);
+        if (o.empty())
+            for (const at::Tensor *x : p.ts)
+                if (!x->is_inference()) torch::autograd::impl::bump_version(*x);
     });
     // whether a step in place may write every one of these tensors: none an inference
     // tensor outside inference mode, each contiguous, no two sharing memory (False where one
