@@ -10,8 +10,10 @@ per-tensor reductions in it) -- and names every value. A backend subclasses
 from __future__ import annotations
 
 import math
+import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 
@@ -178,14 +180,14 @@ def distinct(items: list) -> tuple[list, list[int]]:
                 uniq.append(x)
             index.append(j)
         return uniq, index
-    ids = list(map(id, items))
-    n = len(set(ids))
-    if n == len(ids):  # each its own (the step counters of a class's parameters)
-        return list(items), list(range(n))
-    if n == 1:  # all one (the hyperparameters of a group)
-        return [items[0]], [0] * len(ids)
+    if not items:
+        return [], []
+    if all(map(operator.is_, items, repeat(items[0]))):  # all one (a group's hyperparameters)
+        return [items[0]], [0] * len(items)
+    if len(set(map(id, items))) == len(items):  # each its own (a class's step counters)
+        return list(items), list(range(len(items)))
     at: dict[int, int] = {}
-    for x, k in zip(items, ids):
+    for x, k in zip(items, map(id, items)):
         if k not in at:
             at[k] = len(uniq)
             uniq.append(x)
