@@ -195,3 +195,74 @@ def test_a_schedule_with_a_python_if_in_its_formula_still_steps():
             p.grad = torch.ones(3)
         opt.step()
     torch.testing.assert_close(ps[1].detach(), torch.full((3,), 1 - 0.1 - 0.05))
+
+
+def _copied(st: dict) -> dict:
+    return {k: v.clone() for k, v in st.items()}
+
+
+# each way of giving a parameter another state dict between two steps (the new dict holds
+# copies of the old one's tensors: a step that wrote the old dict leaves the new one behind)
+REPLACED = {
+    "set": lambda state, p: state.__setitem__(p, _copied(state[p])),
+    "update": lambda state, p: state.update({p: _copied(state[p])}),
+    "|=": lambda state, p: state.__ior__({p: _copied(state[p])}),
+    "setdefault after pop": lambda state, p: state.setdefault(p, _copied(state.pop(p))),
+    "popitem and set": lambda state, p: [state.__setitem__(k, _copied(v)) for k, v in
+                                         [state.popitem() for _ in range(len(state))]],
+    "clear and update": lambda state, p: _renewed(state),
+    "deleted": lambda state, p: state.__delitem__(p),
+}
+
+
+def _renewed(state) -> None:
+    old = dict(state)
+    state.clear()
+    state.update({k: _copied(v) for k, v in old.items()})
+
+
+@pytest.mark.parametrize("how", REPLACED)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_state_dict_given_anew_is_the_one_stepped(backend, how):
+    """The step reuses the state dicts it found while nothing has given a parameter another
+    one (the optimizer's ``state`` counts such changes): each way of doing so is followed as
+    torch.optim.SGD follows it, and the new dict's tensors are the ones written."""
+    ours, theirs, opt, ref = _pair(backend)
+    for step in range(6):
+        if step == 3:
+            REPLACED[how](opt.state, ours[1])
+            REPLACED[how](ref.state, theirs[1])
+        _grads(ours, theirs, step)
+        opt.step()
+        ref.step()
+        _same(ours, theirs, opt, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replaced_or_copied_state_is_the_one_stepped(backend):
+    """``opt.state`` replaced as a whole (a plain defaultdict), and the optimizer copied
+    (its state is copied with it): each steps its own tensors."""
+    import collections
+    ours, theirs, opt, ref = _pair(backend)
+    for step in range(3):
+        _grads(ours, theirs, step)
+        opt.step()
+        ref.step()
+    opt.state = collections.defaultdict(dict, {k: _copied(v) for k, v in opt.state.items()})
+    ref.state = collections.defaultdict(dict, {k: _copied(v) for k, v in ref.state.items()})
+    for step in range(3, 5):
+        _grads(ours, theirs, step)
+        opt.step()
+        ref.step()
+        _same(ours, theirs, opt, ref)
+    twin = copy.deepcopy(opt)
+    twin_ps = twin.param_groups[0]["params"]
+    for step in range(5, 7):
+        _grads(ours, theirs, step)
+        for p, q in zip(twin_ps, ours):
+            p.grad = q.grad.clone()
+        opt.step()
+        twin.step()
+        ref.step()
+        _same(ours, theirs, opt, ref)
+        _same(twin_ps, theirs, twin, ref)

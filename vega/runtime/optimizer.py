@@ -7,8 +7,10 @@ with ``step`` a 0-d int32 tensor on the parameter's device.
 """
 from __future__ import annotations
 
+import collections
 import math
 import operator
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -30,6 +32,55 @@ def _any_sparse(grads) -> bool:
     if torch.compiler.is_compiling():
         return any(g.is_sparse for g in grads)
     return any(map(_IS_SPARSE, grads))
+
+
+class _States(collections.defaultdict):
+    """An optimizer's ``state``: torch's ``defaultdict(dict)`` of each parameter's state dict,
+    counting the changes of which dict a parameter has (``changes``). A step whose plan
+    counted as many reuses the state dicts it found without looking each parameter up (a
+    tensor hashes in Python, about 0.2 µs a parameter); their entries it reads each step."""
+
+    changes = 0
+
+    def _changed(self) -> None:
+        self.changes += 1
+
+    def __setitem__(self, key, value):
+        self._changed()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._changed()
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self._changed()
+        return super().__ior__(other)
+
+    def clear(self):
+        self._changed()
+        super().clear()
+
+    def pop(self, *args):
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._changed()
+        return super().popitem()
+
+    def setdefault(self, *args):
+        self._changed()
+        return super().setdefault(*args)
+
+    def update(self, *args, **kwargs):
+        self._changed()
+        super().update(*args, **kwargs)
+
+
+def _counting(state) -> _States:
+    """``state`` (torch's ``defaultdict(dict)``, or a dict) as a ``_States``."""
+    return state if type(state) is _States else _States(dict, state)
 
 
 class SpecOptimizer(torch.optim.Optimizer):
@@ -67,6 +118,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                                   "master_weights": master_weights,
                                   "stochastic_rounding": stochastic_rounding,
                                   "rounding_seed": rounding_seed})
+        self.state = _counting(self.state)
         if loss_scale is not None and not loss_scale.device_given:
             # made without a device: it lives where the parameters are (no copy a step)
             first = next((p for g in self.param_groups for p in g["params"]), None)
@@ -383,7 +435,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         if plan is None or plan.group is not group or plan.state is not self.state \
                 or len(ps) != len(plan.all_params) \
                 or not all(map(operator.is_, ps, plan.all_params)) \
-                or [g is not None for g in grads_all] != plan.present \
+                or (any(map(operator.is_, grads_all, repeat(None))) if plan.params is
+                    plan.all_params else [g is not None for g in grads_all] != plan.present) \
                 or flags != plan.flags \
                 or plan.precision != _precision(type(self).__name__, group) \
                 or not self._same_programs(flags, values, plan):
@@ -396,9 +449,14 @@ class SpecOptimizer(torch.optim.Optimizer):
         if _any_sparse(grads) or params[0].device.type != plan.device \
                 or self._shapes(params) != plan.shapes:
             return None
-        sts = list(map(self.state.get, params))
-        if not all(map(operator.is_, sts, plan.sts)):
-            return None
+        state = self.state
+        if type(state) is _States and state.changes == plan.changes:
+            sts = plan.sts  # (no parameter has another state dict since)
+        else:
+            sts = list(map(state.get, params))
+            if not all(map(operator.is_, sts, plan.sts)):
+                return None
+            plan.changes = getattr(state, "changes", None)
         backend = group["backend"] or codegen.default_backend(plan.device)
         try:
             return plan.work(backend, grads, sts, values)
@@ -544,6 +602,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         except BaseException:  # nothing changes
             self.state, self.param_groups, self.loss_scale = before
             raise
+        self.state = _counting(self.state)  # (torch's loading made a new defaultdict)
         self._plans().clear()
         sync = self._betas()
         sync.seen = {id(g): sync.seen[id(g)] for g in self.param_groups if id(g) in sync.seen}
@@ -899,6 +958,7 @@ class _Plan:
         self.params = self.all_params if all(self.present) else params
         self.flags, self.choosing, self.device = dict(flags), choosing, device
         self.sts, self.parts, self.shapes = sts, parts, shapes
+        self.changes = getattr(state, "changes", None)  # (``_States``)
 
     def work(self, backend, grads, sts, values) -> list[tuple]:
         out = []
