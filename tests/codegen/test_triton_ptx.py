@@ -4,8 +4,9 @@ Triton's wheel (its ``ptxas``).
 
 A representative set, compiled once for the module (one subprocess, about 20 kernels): AdamW's
 update in float32 and bfloat16 and with 8-bit state, the prelude and its finish, the scalars kernel, LAMB's phase
-and finish, Adafactor's staged kernels and the standalone counter advance. ``bench/ptx.py``
-compiles every shipped spec's kernels.
+and finish, Adafactor's staged kernels and the standalone counter advance; and every shipped
+spec's bfloat16 update (another subprocess, 20 kernels). ``bench/ptx.py`` compiles every
+shipped spec's kernels.
 """
 import pytest
 import torch
@@ -78,6 +79,39 @@ def test_8bit_update_compiles_in_one_pass(compiled):
     assert f.libdevice == () and f.f64_ops == 0, f
     assert f.v4_loads >= 2 and f.v4_stores >= 1, f
     assert f.registers <= 96, f  # (71 measured: past the 64 of half occupancy)
+
+
+@pytest.fixture(scope="module")
+def every_update():
+    """Spec name -> (its bfloat16 update Launch, Figures), for every shipped spec whose
+    update Triton compiles (the others step on the reference there)."""
+    found = {}
+    for name in vega.builtin_names():
+        ups = [x for x in triton_ptx.spec_launches(name, "bfloat16")
+               if x.kernel.endswith("_update")]
+        if ups:
+            found[name] = ups[-1]
+    launches = list(found.values())
+    by_key = {x.key(): f for x, f in zip(triton_ptx.distinct(launches),
+                                         triton_ptx.compile_launches(launches))}
+    return {name: (x, by_key[x.key()]) for name, x in found.items()}
+
+
+def test_every_update_fits_in_64_registers_without_spilling(every_update):
+    """Every shipped spec's update over bfloat16 parameters (float32 state), at the runtime's
+    BLOCK and warps and register cap (``triton_runtime.update_registers``): at most 64
+    registers a thread, no spill, and still 128-bit accesses. The one program the cap is not
+    given (adan's four states would spill under it) does not spill either."""
+    assert len(every_update) >= 20, sorted(every_update)
+    uncapped = {}
+    for name, (launch, f) in every_update.items():
+        assert f.spill_stores == f.spill_loads == 0, (name, f)
+        assert f.v4_loads >= 4 and f.v4_stores >= 3, (name, f)
+        if launch.maxnreg is None:
+            uncapped[name] = f.registers
+        else:
+            assert launch.maxnreg == 64 and f.registers <= 64, (name, f)
+    assert set(uncapped) == {"adan"}, uncapped
 
 
 def test_no_kernel_spills(compiled):

@@ -48,10 +48,11 @@ class Launch:
     constexprs: tuple[tuple[str, object], ...]
     aligned: tuple[int, ...]  # positions of arguments divisible by 16 (pointers: bytes)
     num_warps: int
+    maxnreg: int | None = None  # the registers a thread may use, where the launch caps them
 
     def key(self) -> tuple:
         return (self.kernel, self.source, self.signature, self.constexprs, self.aligned,
-                self.num_warps)
+                self.num_warps, self.maxnreg)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ def recording():
         source = "".join(linecache.getlines(filename))
         names = list(py.__code__.co_varnames[:py.__code__.co_argcount])
         warps = meta.pop("num_warps", tr.WARPS_GPU)
+        maxnreg = meta.pop("maxnreg", None)  # (launch options, not constexprs)
         signature, aligned = [], []
         for k, (name, value) in enumerate(zip(names, args)):
             ty, div = _argument(value, name)
@@ -112,7 +114,7 @@ def recording():
                 aligned.append(k)
         signature += [(name, "constexpr") for name in meta]
         found.append(Launch(py.__name__, filename, source, tuple(signature),
-                            tuple(meta.items()), tuple(aligned), warps))
+                            tuple(meta.items()), tuple(aligned), warps, maxnreg))
 
     old = tr.launch
     tr.launch = record_one
@@ -236,8 +238,10 @@ def _compile_one(launch: dict, tmp: str) -> dict:
     constexprs = dict((name, value) for name, value in launch["constexprs"])
     attrs = {(k,): [["tt.divisibility", 16]] for k in launch["aligned"]}
     src = ASTSource(fn, signature, constexprs, attrs)
-    compiled = triton.compile(src, target=GPUTarget(*TARGET),
-                              options={"num_warps": launch["num_warps"]})
+    options = {"num_warps": launch["num_warps"]}
+    if launch.get("maxnreg") is not None:
+        options["maxnreg"] = launch["maxnreg"]
+    compiled = triton.compile(src, target=GPUTarget(*TARGET), options=options)
     ptx = compiled.asm["ptx"]
     path = os.path.join(tmp, f"{launch['kernel']}.ptx")
     with open(path, "w") as f:

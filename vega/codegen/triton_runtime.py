@@ -49,6 +49,13 @@ from vega.dsl.ir import QBLOCK, SCALAR_STATE
 # elements a thread hold more values live (float32 at 2048: 73 registers, past the 64 that
 # let half of an SM's 2,048 threads run at once; see docs/gpu.md)
 WARPS_GPU, BYTES_PER_ACCESS = 8, 16
+# registers a thread of an update kernel may use (ptxas' .maxnreg): 64 let 1,024 threads of
+# an sm_90 SM's 2,048 run at once. Where a program streams at most UPDATE_STATES states of
+# the parameter's shape besides p and g, and keeps no master copy, stochastic rounding or
+# 8-bit state, ptxas fits its bfloat16 update in 64 without spilling (62-80 uncapped); a
+# wider one (adan's four states) would spill, and is left to ptxas (tests/codegen/
+# test_triton_ptx.py compiles every shipped spec's update so)
+UPDATE_REGISTERS, UPDATE_STATES = 64, 3
 ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 # (8-bit codes, vega.codegen.quant, do not set the block: a block of their tensor's floats)
 BLOCK_INTERPRETER = 4096  # under the interpreter every program costs ~1 ms: fewer, larger ones
@@ -119,6 +126,16 @@ def load_module(text: str, name: str) -> dict:
     namespace = {"__name__": f"vega_triton_{name.replace('-', '_')}"}
     exec(compile(text, filename, "exec"), namespace)
     return namespace
+
+
+def update_registers(program) -> dict:
+    """The launch option capping an update kernel's registers (``UPDATE_REGISTERS``), where
+    the program is one ptxas fits so; none otherwise, and none on ROCm (an NVIDIA option)."""
+    wide = sum(st.dom == "rc" for st in program.states) > UPDATE_STATES
+    if wide or program.master or program.rounding is not None or program.quant \
+            or torch.version.hip is not None:
+        return {}
+    return {"maxnreg": UPDATE_REGISTERS}
 
 
 def launch(fn, grid, *args, **meta) -> None:
@@ -502,7 +519,8 @@ def _launch_groups(kern, found, params, src_t, steps, finite, pre, hyp, scale_st
         launch(mod[f"{name}_update"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
                scal, red, counters if last else table, len(steps) if last else 0, finite,
                scale_tab, scale_cfg, ADVANCE=last, ADJUST=last and adjust,
-               HAS_PRE=has_pre, ALIGNED=aligned, BLOCK=block)
+               HAS_PRE=has_pre, ALIGNED=aligned, BLOCK=block,
+               **update_registers(kern.program))
         advanced = advanced or last
     if not advanced:
         mod = work[-1][2] if work else kern.module(("float32",) * 3)
