@@ -760,3 +760,89 @@ def test_scales_saved_in_another_float_dtype_load_as_float32():
     assert again.state[w]["mu_absmax"].dtype == torch.float32
     assert torch.equal(again.state[w]["mu_absmax"], opt.state[w]["mu_absmax"])
     _train(model, again, 1, seed=2)
+
+
+_CODES_DRIVER = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#define ROW 1
+#define COL_NUMEL 0
+%s
+void codes_of(const float *x, const float *absmax, int64_t n, int sgn, uint8_t *out) {
+    for (int64_t j = 0; j < n; j++) {
+        const float inv = q8_inv(absmax[j / QBLOCK]);
+        out[j] = sgn ? q8_code_signed(x[j], inv) : q8_code_unsigned(x[j], inv);
+    }
+}
+"""
+
+
+def _boundary_blocks(signed: bool) -> torch.Tensor:
+    """Blocks whose values sit on, and one float either side of, the value between two codes
+    (each block's absmax its first value), with zeros of both signs, subnormals, a NaN, an
+    infinity and a block of subnormal absmax (1 / absmax overflows)."""
+    k = torch.arange(127 if signed else 255, dtype=torch.float64)
+    edge = ((k + 0.5) / (127 if signed else 255)) ** (2 if signed else 4)
+    edge = edge.to(torch.float32)
+    up = torch.nextafter(edge, torch.tensor(2.0))
+    down = torch.nextafter(edge, torch.tensor(-1.0))
+    vals = []
+    for a in (1.0, 3.0, 0.7, 1e-30, 1e30):
+        vals.append(torch.cat([torch.tensor([a]), edge * a, up * a, down * a]))
+    rest = torch.tensor([1.0, 0.0, -0.0, 1e-45, -1e-45, 0.5, float("nan"), 0.25,
+                         1.0, float("inf"), 0.5, 0.0, 1e-40, 5e-41, 0.0, 1e-45])
+    flat = torch.cat([*vals, rest])
+    flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 256)])
+    if signed:  # the same magnitudes negative, in blocks of their own
+        flat = torch.cat([flat, -flat])
+    return flat
+
+
+def _codes_correctly_rounded(x: torch.Tensor, absmax: torch.Tensor, signed: bool):
+    """``quantize_t``'s map in numpy float32, whose square root is correctly rounded (torch's
+    float32 ``sqrt`` on a CPU may be a unit in the last place away, which moves a value on a
+    rounding boundary to the next code)."""
+    import numpy as np
+    with np.errstate(all="ignore"):
+        s = absmax.numpy().astype(np.float32)
+        inv = np.where(s > 0, np.float32(1) / s, np.float32(0)).astype(np.float32)
+        y = x.numpy().astype(np.float32) * np.repeat(inv, 256)[:x.numel()]
+        y = np.where(np.isnan(y), np.float32(0), y)
+        if signed:
+            y = np.clip(y, np.float32(-1), np.float32(1))
+            c = np.rint(np.sign(y) * np.sqrt(np.abs(y)) * np.float32(127)) + np.float32(127)
+        else:
+            y = np.clip(y, np.float32(0), np.float32(1))
+            c = np.rint(np.sqrt(np.sqrt(y)) * np.float32(255))
+    return torch.from_numpy(c.astype(np.uint8))
+
+
+@needs_c
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_c_codes_are_the_maps_codes_bit_for_bit(tmp_path, signed):
+    """The C kernels' code of each value (``quant.C_HELPERS``) is the map's, computed with
+    correctly rounded float32 operations, value for value: on and beside every rounding
+    boundary, at zeros, NaN, infinities and subnormal scales. (Against ``quantize_t`` itself
+    codes may differ by one on a boundary: ``assert_same_8bit``.)"""
+    import ctypes
+    import subprocess
+
+    from vega.codegen.c import build
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([_boundary_blocks(signed),
+                   torch.randn(4096, generator=g) * torch.logspace(-6, 2, 4096)])
+    if not signed:
+        x = x.abs()
+    absmax = quant.absmax_t(x)
+    want = _codes_correctly_rounded(x, absmax, signed)
+    src = tmp_path / "codes.c"
+    src.write_text(_CODES_DRIVER % quant.C_HELPERS)
+    lib = tmp_path / "codes.so"
+    subprocess.run([build.compiler()[0], *build.FLAGS, str(src), "-o", str(lib), "-lm"],
+                   check=True, capture_output=True)
+    codes = torch.empty_like(want)
+    ctypes.CDLL(str(lib)).codes_of(
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(absmax.data_ptr()),
+        ctypes.c_int64(x.numel()), ctypes.c_int(int(signed)), ctypes.c_void_p(codes.data_ptr()))
+    assert torch.equal(codes, want), (codes != want).nonzero()[:10]

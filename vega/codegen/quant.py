@@ -221,14 +221,17 @@ static inline float q8_unsigned(uint8_t c, float s) {
 /* Codes: the reference's clamp of y to [-1, 1] taken after the root (the same codes: the
    root keeps order, and a negative y's unsigned root is a NaN, whose code is that of 0, as
    the clamp's 0); y is past 1 only by rounding, or infinite where the absmax is subnormal
-   (1 / absmax overflows). Branch-free: a loop of them is a SIMD loop */
+   (1 / absmax overflows). Branch-free: a loop of them is a SIMD loop. The signed code is
+   the magnitude's, clamped and rounded, given y's sign: the bits of rint(clamp(copysign(
+   sqrt|y|, y) * 127)) + 127 (rounding and the clamp are symmetric; a NaN y is 0 first, so
+   the clamp is a plain min), with one select where that form took three, whose masks gcc
+   moved through general registers (the loop ran about 1.4x slower) */
 static inline uint8_t q8_code_signed(float x, float inv) {
-    const float y = x * inv;
-    float r = copysignf(sqrtf(fabsf(y)), y) * 127.0f;
-    r = r == r ? r : 0.0f;
-    r = r < 127.0f ? r : 127.0f;
-    r = r > -127.0f ? r : -127.0f;
-    return (uint8_t)(int)(rintf(r) + 127.0f);
+    float y = x * inv;
+    y = y == y ? y : 0.0f;
+    float a = sqrtf(fabsf(y)) * 127.0f;
+    a = 127.0f < a ? 127.0f : a;
+    return (uint8_t)(int)(127.0f + copysignf(rintf(a), y));
 }
 static inline uint8_t q8_code_unsigned(float x, float inv) {
     float r = sqrtf(sqrtf(x * inv)) * 255.0f;
