@@ -52,7 +52,7 @@ WARPS_GPU, BYTES_PER_ACCESS = 8, 16
 # registers a thread of an update kernel may use (ptxas' .maxnreg): 64 let 1,024 threads of
 # an sm_90 SM's 2,048 run at once. Where a program streams at most UPDATE_STATES states of
 # the parameter's shape besides p and g, and keeps no master copy, stochastic rounding or
-# 8-bit state, ptxas fits its bfloat16 update in 64 without spilling (62-80 uncapped); a
+# 8-bit state, ptxas fits its bfloat16 update in 64 without spilling (up to 80 uncapped); a
 # wider one (adan's four states) would spill, and is left to ptxas (tests/codegen/
 # test_triton_ptx.py compiles every shipped spec's update so)
 UPDATE_REGISTERS, UPDATE_STATES = 64, 3
