@@ -435,8 +435,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         if plan is None or plan.group is not group or plan.state is not self.state \
                 or len(ps) != len(plan.all_params) \
                 or not all(map(operator.is_, ps, plan.all_params)) \
-                or (any(map(operator.is_, grads_all, repeat(None))) if plan.params is
-                    plan.all_params else [g is not None for g in grads_all] != plan.present) \
+                or not plan.same_presence(grads_all) \
                 or flags != plan.flags \
                 or plan.precision != _precision(type(self).__name__, group) \
                 or not self._same_programs(flags, values, plan):
@@ -959,6 +958,12 @@ class _Plan:
         self.flags, self.choosing, self.device = dict(flags), choosing, device
         self.sts, self.parts, self.shapes = sts, parts, shapes
         self.changes = getattr(state, "changes", None)  # (``_States``)
+
+    def same_presence(self, grads_all) -> bool:
+        """Whether the same parameters have gradients (one identity pass where all had)."""
+        if self.params is self.all_params:
+            return not any(map(operator.is_, grads_all, repeat(None)))
+        return [g is not None for g in grads_all] == self.present
 
     def work(self, backend, grads, sts, values) -> list[tuple]:
         out = []

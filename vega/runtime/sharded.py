@@ -32,8 +32,8 @@ import torch
 
 from vega import codegen
 from vega.codegen.base import Geometry, ShardView, geometry, state_shape
-from vega.codegen.tensors import PLAIN_TYPES
 from vega.codegen.steps import drive
+from vega.codegen.tensors import PLAIN_TYPES
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import SCALAR_STATE
 from vega.runtime import engine
@@ -69,7 +69,6 @@ def is_dtensor(t) -> bool:
     DTensor exists before)."""
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
-
 
 
 def involved(params, reduce_group) -> bool:

@@ -125,6 +125,20 @@ bool state_fits(const at::Tensor &x, const at::Tensor &p, int64_t dom, const int
                     : geo != nullptr && x.numel() == geo[dom];
 }
 
+// Whether ``t`` is a step counter a kernel advances on ``device``: a 0-d int32 tensor.
+bool is_counter(const at::Tensor &t, const c10::Device &device) {
+    return t.defined() && t.layout() == c10::kStrided && t.device() == device &&
+           t.scalar_type() == c10::ScalarType::Int && t.dim() == 0;
+}
+
+// Tensors held by pointer, read as a list (``step_impl``'s eager lists, ``dtype_code``).
+struct Pointed {
+    const std::vector<const at::Tensor *> &ts;
+    size_t size() const { return ts.size(); }
+    bool empty() const { return ts.empty(); }
+    const at::Tensor &operator[](size_t k) const { return *ts[k]; }
+};
+
 // The address of a tensor a kernel reads (and writes) there: a CPU tensor ``as_stored``
 // (uint8 only for 8-bit codes). (Read once: each read is a call into its storage.)
 int64_t check_plain(const at::Tensor &t, const char *what, size_t i, bool codes = false) {
@@ -255,7 +269,7 @@ Group &group_of(std::vector<Group> &groups, const Kernel &k, uint64_t code,
     return groups.back();
 }
 
-// ``List``: at::TensorList (the operator's), or ``Held`` (the eager call's: by pointer).
+// ``List``: at::TensorList (the operator's), or ``Pointed`` (the eager call's: by pointer).
 template <class List>
 void step_impl(int64_t id, const List &params, const List &grads, const List &states,
                const List &steps, c10::IntArrayRef step_index, const List &hypers,
@@ -276,8 +290,7 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
     std::vector<int64_t> step_at(steps.size());
     for (size_t j = 0; j < steps.size(); j++) {
         const at::Tensor &t = steps[j];
-        if (!t.defined() || t.layout() != c10::kStrided || !t.device().is_cpu() ||
-            t.scalar_type() != c10::ScalarType::Int || t.dim() != 0)
+        if (!is_counter(t, c10::Device(c10::kCPU)))
             fail("backend 'c': a step counter must be a 0-d int32 tensor on the CPU");
         step_at[j] = reinterpret_cast<intptr_t>(t.data_ptr());
     }
@@ -463,9 +476,7 @@ namespace py = pybind11;
 struct Held {
     py::object tuple;
     std::vector<const at::Tensor *> ts;
-    size_t size() const { return ts.size(); }
-    bool empty() const { return ts.empty(); }
-    const at::Tensor &operator[](size_t k) const { return *ts[k]; }
+    Pointed list() const { return {ts}; }
 };
 
 Held tensors_of(py::handle seq, const char *what) {
@@ -486,12 +497,6 @@ Held tensors_of(py::handle seq, const char *what) {
 }
 
 // -- Triton's address tables -----------------------------------------------------------------
-
-// Tensors held by pointer, read as a list (``dtype_code``, ``dtype_key``).
-struct Pointed {
-    const std::vector<const at::Tensor *> &ts;
-    const at::Tensor &operator[](size_t k) const { return *ts[k]; }
-};
 
 // Raised where a Triton step's tensors are not all plain and as its kernels read them:
 // vega.codegen.triton_runtime then takes its Python path, which says what is wrong or steps
@@ -558,9 +563,7 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
     for (size_t j = 0; j < nt; j++) {
         if (!THPVariable_CheckExact(T[j])) throw Refused("a step counter is not a plain tensor");
         const at::Tensor &t = THPVariable_Unpack(T[j]);
-        if (t.layout() != c10::kStrided || t.device() != device ||
-            t.scalar_type() != c10::ScalarType::Int || t.dim() != 0 || !t.data_ptr() ||
-            (t.is_inference() && !inference_mode))
+        if (!is_counter(t, device) || !t.data_ptr() || (t.is_inference() && !inference_mode))
             throw Refused("a step counter is not a 0-d int32 tensor on the device");
         step_at[j] = reinterpret_cast<intptr_t>(t.data_ptr());
         spans.push_back(span_of(t));
@@ -726,8 +729,9 @@ PYBIND11_MODULE(vega_native, m) {
                    s = tensors_of(states, "state tensor"), t = tensors_of(steps, "step counter"),
                    h = tensors_of(hypers, "hyperparameter row"), o = tensors_of(outs, "output");
         py::gil_scoped_release unlocked;
-        step_impl(id, p, g, s, t, step_index, h, hyper_index, pre, geometry, o);
-        if (o.empty())
+        step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(), hyper_index,
+                  pre, geometry, o.list());
+        if (o.ts.empty())
             for (const at::Tensor *x : p.ts)
                 if (!x->is_inference()) torch::autograd::impl::bump_version(*x);
     });
@@ -738,7 +742,7 @@ PYBIND11_MODULE(vega_native, m) {
         const Held tensors = tensors_of(seq, "tensor");
         const bool inference_mode = c10::InferenceMode::is_enabled();
         std::vector<Span> spans;
-        spans.reserve(tensors.size());
+        spans.reserve(tensors.ts.size());
         for (const at::Tensor *pt : tensors.ts) {
             const at::Tensor &t = *pt;
             if (!t.defined() || t.layout() != c10::kStrided || !t.is_contiguous() ||
@@ -754,6 +758,6 @@ PYBIND11_MODULE(vega_native, m) {
     m.def("prelude", [](int64_t id, py::handle grads, const at::Tensor &pre) {
         const auto g = tensors_of(grads, "gradient");
         py::gil_scoped_release unlocked;
-        prelude_impl(id, g, pre);
+        prelude_impl(id, g.list(), pre);
     });
 }
