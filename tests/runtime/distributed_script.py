@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import vega
+from vega.codegen import quant
 
 RANK, WORLD, OUT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 CHECKS = sys.argv[4:]
@@ -203,26 +204,28 @@ def nan_skips_with(cls) -> None:
         assert opt.state[p]["step"].item() == 1, RANK
 
 
-def dcp_resume(wrap: str = "fsdp") -> None:
+def dcp_resume(wrap: str = "fsdp", q8: bool = False) -> None:
     """get_state_dict / dcp.save, then dcp.load / set_state_dict into a fresh model and
     optimizer: the next steps are bitwise those of the run that went on (under FSDP2, or
-    DDP: ``wrap``)."""
+    DDP: ``wrap``; ``q8``: 8-bit state, its codes and scales)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
-    folder = os.path.join(OUT, f"dcp-{wrap}")
+    folder = os.path.join(OUT, f"dcp-{wrap}{'-q8' if q8 else ''}")
 
     def local(x):
         return x.to_local() if type(x).__name__ == "DTensor" else x
 
     def make():
-        net = sharded(model()) if wrap == "fsdp" else DDP(model())
-        return net, vega.optim.AdamW(net.parameters(), lr=1e-2, max_grad_norm=1.0)
+        net = (q8_model if q8 else model)()
+        net = sharded(net) if wrap == "fsdp" else DDP(net)
+        return net, vega.optim.AdamW(net.parameters(), lr=1e-2, max_grad_norm=1.0,
+                                     state_dtype=torch.uint8 if q8 else None)
 
     def steps(net, opt, ks):
         for k in ks:
             opt.zero_grad()
-            loss_of(net, k).backward()
+            (q8_loss if q8 else loss_of)(net, k).backward()
             opt.step()
     net, opt = make()
     steps(net, opt, range(2))
@@ -241,7 +244,9 @@ def dcp_resume(wrap: str = "fsdp") -> None:
         for key in opt.state[p]:
             a, b = local(opt.state[p][key]), local(opt2.state[q][key])
             assert torch.equal(a, b) and a.dtype == b.dtype, (RANK, key)
-    found[f"dcp-{wrap}"] = "bitwise"
+    if q8:
+        assert any(s.dtype == torch.uint8 for st in opt2.state.values() for s in st.values())
+    found[f"dcp-{wrap}{'-q8' if q8 else ''}"] = "bitwise"
 
 
 def docs_example() -> None:
@@ -412,6 +417,150 @@ def functions_over_group() -> None:
     found["functions"] = out
 
 
+def q8_model() -> torch.nn.Module:
+    """The weights keep 8-bit state (4,096 values or more), the biases float state. The
+    first weight's shards start on a block of 256 values on 2 and 4 ranks (rows of 256); the
+    second's do not (rows of 32: a shard of 65 or 33 rows, of fewer than 4,096 values: the
+    whole tensor's size decides); the last has one row: the other ranks' shards are
+    empty."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 130), torch.nn.Tanh(),
+                               torch.nn.Linear(130, 4096, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(4096, 1)).double()
+
+
+def q8_batch(k: int):
+    gen = torch.Generator().manual_seed(200 + k)
+    return torch.randn(16, 256, generator=gen, dtype=torch.float64), \
+        torch.randn(16, 1, generator=gen, dtype=torch.float64)
+
+
+def q8_loss(net, k):
+    x, y = q8_batch(k)
+    return ((net(x) - y) ** 2).sum()
+
+
+Q8 = {"lr": 1e-2, "weight_decay": 0.1, "state_dtype": torch.uint8}
+
+
+def q8_shards(hybrid: bool = False) -> None:
+    """8-bit AdamW under FSDP2, five steps. Each step of each rank's shard is bitwise the
+    functional 8-bit step of that shard as a plain tensor (its blocks from the shard's first
+    value), from the same codes and scales; the scales are a (shards, blocks) DTensor, each
+    rank's row zero past its shard's blocks. With max_grad_norm, the weight whose shards
+    start on a block boundary matches the unsharded optimizer (the blocks are the same).
+    ``hybrid``: HSDP over a 2 x (WORLD / 2) mesh (a row of scales per shard, each held by
+    two ranks)."""
+    mesh, shards = None, WORLD
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+        shards = WORLD // 2
+    net = sharded(q8_model(), mesh)
+    opt = vega.optim.AdamW(net.parameters(), **Q8)
+    hypers = {k: v for k, v in Q8.items() if k != "state_dtype"}
+    eight = 0
+    for k in range(5):
+        opt.zero_grad()
+        q8_loss(net, k).backward()
+        before = {}
+        for i, p in enumerate(net.parameters()):
+            st = opt.state[p]
+            if "mu_absmax" not in st:
+                continue
+            local = p.to_local()
+            state = {"step": st["step"].clone()}
+            for name in ("mu", "nu"):
+                state[name] = {"w": st[name].to_local().clone()}
+                row = st[name + "_absmax"].to_local()
+                assert row.shape == (1, st[name + "_absmax"].shape[1]), row.shape
+                n = -(-local.numel() // 256)
+                assert not row[0, n:].any()  # (zeros past this shard's blocks)
+                state[name + "_absmax"] = {"w": row.reshape(-1)[:n].clone()}
+            before[i] = ({"w": local.clone()}, {"w": p.grad.to_local().clone()}, state)
+        opt.step()
+        for i, p in enumerate(net.parameters()):
+            if i not in before:
+                continue
+            eight += 1
+            new_p, new_s = vega.adamw.step(*before[i], backend="c", **hypers)
+            st = opt.state[p]
+            assert torch.equal(p.to_local(), new_p["w"]), (RANK, k, i)
+            for name in ("mu", "nu"):
+                assert torch.equal(st[name].to_local(), new_s[name]["w"]), (RANK, k, i, name)
+                n = new_s[name + "_absmax"]["w"].numel()
+                assert torch.equal(st[name + "_absmax"].to_local().reshape(-1)[:n],
+                                   new_s[name + "_absmax"]["w"]), (RANK, k, i, name)
+    weights = [p for p in net.parameters() if p.dim() == 2]
+    assert eight == 4 * len(weights) == 16
+    for p in weights:  # a row per shard, as long as the first shard (the largest) needs
+        rows, cols = p.shape
+        assert opt.state[p]["mu_absmax"].shape == (shards,
+                                                   -(-(-(-rows // shards)) * cols // 256))
+    # clipped by the global norm, against the unsharded optimizer: the aligned weight in 8
+    # bits (the other's blocks differ from the unsharded tensor's: it is kept in float32)
+    plain = q8_model()
+    net = sharded(copy.deepcopy(plain), mesh)
+    opts = [vega.optim.AdamW([{"params": list(m.parameters())[:1], "state_dtype": torch.uint8},
+                              {"params": list(m.parameters())[1:]}], max_grad_norm=1.0,
+                             lr=1e-2, weight_decay=0.1) for m in (plain, net)]
+    for k in range(5):
+        for m, o in zip((plain, net), opts):
+            o.zero_grad()
+            q8_loss(m, k).backward()
+            o.step()
+    worst = max((p.full_tensor() - q).abs().max().item()
+                for p, q in zip(net.parameters(), plain.parameters()))
+    p, q = next(iter(net.parameters())), next(iter(plain.parameters()))
+    assert opts[1].state[p]["mu"].dtype == torch.uint8
+    for name in ("mu", "nu"):
+        assert torch.equal(opts[1].state[p][name].full_tensor(), opts[0].state[q][name])
+        assert torch.equal(opts[1].state[p][name + "_absmax"].full_tensor().reshape(-1),
+                           opts[0].state[q][name + "_absmax"])
+    assert worst <= 1e-9, worst
+    found["q8-hsdp" if hybrid else "q8"] = {"steps": eight, "aligned": worst}
+
+
+def q8_loads() -> None:
+    """A float FSDP2 state loaded into an 8-bit optimizer is quantized on each shard (with a
+    warning), and steps; an 8-bit one loaded into a float optimizer is dequantized; an 8-bit
+    one round-trips bitwise."""
+    import warnings
+    net = sharded(q8_model())
+    f32 = vega.optim.AdamW(net.parameters(), lr=1e-2)
+    q8 = vega.optim.AdamW(net.parameters(), **Q8)
+    q8_loss(net, 0).backward()
+    f32.step()
+    q8.step()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        q8.load_state_dict(f32.state_dict())
+    assert any("quantized to 8 bits" in str(w.message) for w in said), said
+    p = next(iter(net.parameters()))
+    codes, scales = q8.state[p]["mu"], q8.state[p]["mu_absmax"]
+    assert codes.dtype == torch.uint8 and tuple(scales.shape) == (WORLD, 32 // WORLD)
+    back = quant.dequantize_t(codes, scales, True).full_tensor()
+    ref = f32.state[p]["mu"].full_tensor()
+    assert (back - ref).abs().max() <= 0.02 * ref.abs().max()
+    saved = q8.state_dict()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        f32.load_state_dict(saved)
+    assert any("dequantized" in str(w.message) for w in said), said
+    assert f32.state[p]["mu"].dtype == torch.float64 and "mu_absmax" not in f32.state[p]
+    assert torch.equal(f32.state[p]["mu"].full_tensor(), back.double())
+    again = vega.optim.AdamW(net.parameters(), **Q8)
+    again.load_state_dict(saved)
+    for key in ("mu", "mu_absmax", "nu", "nu_absmax"):
+        assert torch.equal(again.state[p][key].to_local(), q8.state[p][key].to_local()), key
+    net.zero_grad()
+    q8_loss(net, 1).backward()
+    q8.step()
+    assert all(p.full_tensor().isfinite().all() for p in net.parameters())
+    found["q8-load"] = "converted"
+
+
 def main() -> None:
     # (the ranks meet through a file of the test's own folder: no port to share)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(OUT, 'rendezvous')}",
@@ -427,7 +576,9 @@ def main() -> None:
             {"nan": nan_skips, "dcp": dcp_resume, "zero": zero_against_ddp,
              "dcp-ddp": lambda: dcp_resume("ddp"), "docs": docs_example,
              "functions": functions_over_group, "muon-fsdp": muon_refused,
-             "uneven": uneven_refused,
+             "uneven": uneven_refused, "q8": q8_shards, "q8-load": q8_loads,
+             "q8-hsdp": lambda: q8_shards(hybrid=True),
+             "dcp-q8": lambda: dcp_resume("fsdp", q8=True),
              "zero-prodigy": lambda: zero_against_ddp(vega.optim.Prodigy, 1.0,
                                                       "zero-prodigy", d0=1e-3)}[check]()
         dist.barrier()

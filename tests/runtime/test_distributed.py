@@ -73,7 +73,7 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     found = launch(2, ["AdamW", "LAMB", "Adafactor", "SGD", "reductions", "per_tensor", "nan",
                        "dcp",
                        "dcp-ddp", "zero", "docs", "functions", "Prodigy", "zero-prodigy",
-                       "muon-fsdp", "uneven"],
+                       "muon-fsdp", "uneven", "q8", "q8-load", "dcp-q8"],
                    tmp_path)
     assert found[0] == found[1]  # every rank saw the same
     for name, collectives, staged in (("AdamW", 1, []), ("LAMB", 2, ["c"]),
@@ -96,6 +96,11 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     assert found[0]["zero-prodigy"]["diff"] <= 1e-9
     assert found[0]["muon-fsdp"] == "refused"
     assert found[0]["uneven"] == "refused"  # (on every rank: found[0] == found[1])
+    # 8-bit state: each step of each shard is the plain 8-bit step of the shard (16 of
+    # them, checked bitwise); shards on block boundaries match the unsharded tensor
+    assert found[0]["q8"]["steps"] == 16 and found[0]["q8"]["aligned"] <= 1e-9
+    assert found[0]["q8-load"] == "converted"
+    assert found[0]["dcp-fsdp-q8"] == "bitwise"
     # global_norm, clip_by_global_norm, lbfgs_step and LBFGS under ZeRO, over reduce_group
     # and over DTensor leaves (the script checks the skips and counts the collectives)
     assert set(found[0]["functions"]) == {"norm", "clip", "lbfgs", "lbfgs-zero",
@@ -109,15 +114,17 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
 def test_fsdp2_on_four_ranks(tmp_path):
     """Four ranks: the 5-row weight's shards hold 2, 2, 1 and 0 rows. And HSDP, a 2 x 2
     mesh (each shard held by two ranks): a replicated value's partial sums count once, and
-    each collective runs over both mesh dimensions."""
+    each collective runs over both mesh dimensions. 8-bit state on both."""
     found = launch(4, ["Adafactor", "hsdp-AdamW", "hsdp-LAMB", "hsdp-Adafactor",
-                       "hsdp-per_tensor"], tmp_path)
+                       "hsdp-per_tensor", "q8", "q8-hsdp"], tmp_path)
     assert all(f == found[0] for f in found)
     assert found[0]["Adafactor"]["diff"] <= 1e-9
     for name, staged in (("AdamW", []), ("LAMB", ["c"]), ("Adafactor", ["c", "reference"]),
                          ("per_tensor", ["c"])):
         assert found[0][f"hsdp-{name}"]["diff"] <= 1e-9, name
         assert found[0][f"hsdp-{name}"]["staged"] == staged, name
+    for name in ("q8", "q8-hsdp"):  # (shards of 33 rows of 32 values: 4.125 blocks)
+        assert found[0][name]["steps"] == 16 and found[0][name]["aligned"] <= 1e-9, name
 
 
 def test_reduce_group_is_checked():

@@ -539,8 +539,11 @@ def test_compiled_step_with_8bit_state():
     assert torch.equal(got_p["w"], want_p["w"]) and torch.equal(got_p["b"], want_p["b"])
 
 
-def test_a_dtensor_parameter_refuses_8bit_state():
-    """(One process, one rank: a DTensor all the same.)"""
+def test_a_dtensor_parameter_keeps_8bit_state_as_a_plain_one():
+    """(One process, one rank: a DTensor all the same.) Its 8-bit state is made and stepped
+    on its shard, bitwise the plain tensor's, the scales a (shards, blocks) DTensor; a
+    float DTensor state quantizes and its codes dequantize, each a DTensor. Distributed
+    shards: tests/runtime/test_distributed.py."""
     import os
     import subprocess
     import sys
@@ -549,6 +552,7 @@ def test_a_dtensor_parameter_refuses_8bit_state():
     root = Path(__file__).resolve().parents[2]
     code = textwrap.dedent("""
         import os, socket, torch, torch.distributed as dist, vega
+        from vega.codegen import quant
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -556,20 +560,43 @@ def test_a_dtensor_parameter_refuses_8bit_state():
         dist.init_process_group("gloo", rank=0, world_size=1)
         from torch.distributed.tensor import Shard, distribute_tensor
         from torch.distributed.device_mesh import init_device_mesh
-        w = distribute_tensor(torch.randn(64, 100), init_device_mesh("cpu", (1,)), [Shard(0)])
+        mesh = init_device_mesh("cpu", (1,))
+        w = torch.randn(64, 100)
+        params = {"w": w.clone()}
+        dparams = {"w": distribute_tensor(w.clone(), mesh, [Shard(0)])}
+        state = vega.adamw.init(params, state_dtype=torch.uint8)
+        dstate = vega.adamw.init(dparams, state_dtype=torch.uint8)
+        assert dstate["mu_absmax"]["w"].shape == (1, 25), dstate["mu_absmax"]["w"].shape
+        assert dstate["mu"]["w"].dtype == torch.uint8
+        for k in range(3):
+            g = torch.randn(64, 100, generator=torch.Generator().manual_seed(k))
+            params, state = vega.adamw.step(params, {"w": g}, state, lr=0.1)
+            dparams, dstate = vega.adamw.step(
+                dparams, {"w": distribute_tensor(g, mesh, [Shard(0)])}, dstate, lr=0.1)
+        assert torch.equal(dparams["w"].to_local(), params["w"])
+        for f in ("mu", "nu", "mu_absmax", "nu_absmax"):
+            got = dstate[f]["w"]
+            assert type(got).__name__ == "DTensor", f
+            assert torch.equal(got.to_local().reshape(state[f]["w"].shape), state[f]["w"]), f
+        codes, scales = quant.quantize_t(dstate["nu"]["w"].to(torch.float32) * 0 + 1, False)
+        assert type(scales).__name__ == "DTensor" and scales.shape == (1, 25)
+        back = quant.dequantize_t(codes, scales, False)
+        assert type(back).__name__ == "DTensor" and torch.equal(back.to_local(),
+                                                                 torch.ones(64, 100))
         try:
-            vega.adamw.init({"w": w}, state_dtype=torch.uint8)
+            quant.dequantize_t(codes, scales.to_local(), False)
         except ValueError as e:
             print(e)
         dist.destroy_process_group()
+        print("same")
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "8-bit state (state_dtype torch.uint8) is kept for plain tensors; a DTensor " \
-        "parameter keeps its states in a float dtype" in done.stdout, done.stdout
+    assert done.stdout.splitlines()[-1] == "same", done.stdout
+    assert "are a DTensor of shape (1, 25), got Tensor of shape (1, 25)" in done.stdout
 
 
 # -- a state's dtype named in the spec ------------------------------------------------------

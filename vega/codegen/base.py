@@ -17,6 +17,7 @@ from itertools import repeat
 
 import torch
 
+from vega.codegen.quant import scale_shape
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import LEAVES, QBLOCK, REDUCTIONS, SCALAR_STATE, Kind, Node, Op, Program, walk
 
@@ -280,7 +281,7 @@ def state_shape(p: torch.Tensor, dom: str) -> tuple[int, ...]:
     if dom == SCALAR_STATE:
         return ()
     if dom == QBLOCK:  # an 8-bit state's scales: one per block (vega.codegen.quant)
-        return (-(-p.numel() // 256),)
+        return scale_shape(p)
     return tuple(p.shape) if dom == "rc" else geometry(p.shape).shape(dom)
 
 

@@ -29,6 +29,9 @@ every value of the block reads back as NaN: a NaN is never lost.
 """
 from __future__ import annotations
 
+import math
+import sys
+
 import torch
 
 from vega.codegen.precision import MASTER
@@ -166,6 +169,64 @@ def blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
+# -- a DTensor's 8-bit state (FSDP2, tensor parallel) ----------------------------------------
+# Each shard of a DTensor parameter is stepped as a tensor of its own, so its blocks start at
+# the shard's first value. The codes are a DTensor placed as the parameter. The scales are a
+# DTensor of shape (shards, m): one row per shard of the parameter (``Shard(0)`` over each
+# mesh dimension that shards it, ``Replicate`` over the others), m the blocks of the largest
+# shard; a rank's row holds its shard's scales first, then zeros. A checkpoint of them
+# resumes on the same layout: loaded on another (other shards, other rows), the shapes differ.
+
+def _is_dtensor(t) -> bool:
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def scale_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the scales of an 8-bit state of parameter ``p``: one per block, or for a
+    DTensor, (its shards, the blocks of its largest shard)."""
+    if not _is_dtensor(p):
+        return (blocks(p.numel()),)
+    sizes, shards = list(p.shape), 1
+    for dim, pl in enumerate(p.placements):
+        if pl.is_shard():  # (torch.chunk's sizes: the first shard is the largest)
+            k = p.device_mesh.size(dim)
+            axis = pl.dim % p.dim()
+            sizes[axis] = -(-sizes[axis] // k)
+            shards *= k
+    return (shards, blocks(math.prod(sizes)))
+
+
+def scale_placements(p) -> tuple:
+    """The placements of the scales of DTensor ``p``'s 8-bit states (``scale_shape``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    return tuple(Shard(0) if pl.is_shard() else Replicate() for pl in p.placements)
+
+
+def shard_scales(local: torch.Tensor, numel: int) -> torch.Tensor:
+    """A rank's scales of its shard of ``numel`` values: the first blocks of its row
+    (``local``, the scales' local tensor: a view the kernels write through)."""
+    return local.reshape(-1)[:blocks(numel)]
+
+
+def scales_of(scales: torch.Tensor, like) -> torch.Tensor:
+    """``scales``, one rank's scales of its shard of DTensor ``like`` (its parameter or a
+    state placed as it), as the DTensor of ``scale_shape``; ``scales`` itself where
+    ``like`` is a plain tensor."""
+    if not _is_dtensor(like):
+        return scales
+    from torch.distributed.tensor import DTensor
+    shape = scale_shape(like)
+    if scales.numel() > shape[1]:
+        raise ValueError(f"a shard's {scales.numel()} blocks exceed the {shape[1]} of the "
+                         f"largest shard of a tensor of shape {tuple(like.shape)} placed "
+                         f"{tuple(like.placements)}")
+    row = scales.new_zeros(1, shape[1])
+    row[0, :scales.numel()] = scales.reshape(-1)
+    return DTensor.from_local(row, like.device_mesh, scale_placements(like), run_check=False,
+                              shape=torch.Size(shape), stride=(shape[1], 1))
+
+
 def absmax_t(x: torch.Tensor) -> torch.Tensor:
     """Each block's largest magnitude (float32, NaN where the block holds one)."""
     flat = x.reshape(-1).to(torch.float32)
@@ -181,7 +242,13 @@ def _per_value(scale: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def quantize_t(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes: uint8 shaped like ``x``, scales: float32 one per block) of float ``x``."""
+    """(codes: uint8 shaped like ``x``, scales: float32 one per block) of float ``x``. A
+    DTensor's on each rank's shard (``scale_shape``)."""
+    if _is_dtensor(x):
+        from torch.distributed.tensor import DTensor
+        codes, scale = quantize_t(x.to_local(), signed)
+        return (DTensor.from_local(codes, x.device_mesh, x.placements, run_check=False,
+                                   shape=x.shape, stride=x.stride()), scales_of(scale, x))
     scale = absmax_t(x)
     flat = x.reshape(-1).to(torch.float32)
     inv = torch.where(scale > 0, torch.ones_like(scale) / scale, torch.zeros_like(scale))
@@ -198,7 +265,20 @@ def quantize_t(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tenso
 
 def dequantize_t(codes: torch.Tensor, scale: torch.Tensor, signed: bool,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float values of ``codes`` with their blocks' ``scale`` (``quantize_t``)."""
+    """The float values of ``codes`` with their blocks' ``scale`` (``quantize_t``). A
+    DTensor's on each rank's shard."""
+    if _is_dtensor(codes):
+        from torch.distributed.tensor import DTensor
+        local = codes.to_local()
+        if not _is_dtensor(scale) or tuple(scale.shape) != scale_shape(codes):
+            raise ValueError(f"the scales of 8-bit codes of shape {tuple(codes.shape)} placed "
+                             f"{tuple(codes.placements)} are a DTensor of shape "
+                             f"{scale_shape(codes)}, got {type(scale).__name__} of shape "
+                             f"{tuple(scale.shape)}")
+        values = dequantize_t(local, shard_scales(scale.to_local(), local.numel()), signed,
+                              dtype)
+        return DTensor.from_local(values, codes.device_mesh, codes.placements,
+                                  run_check=False, shape=codes.shape, stride=codes.stride())
     c = codes.reshape(-1).to(torch.float32)
     if signed:  # (times the float32 reciprocal: as fast as a product, on every backend)
         t = (c - 127.0) * (1.0 / 127.0)

@@ -31,11 +31,12 @@ from itertools import repeat
 import torch
 
 from vega import codegen
+from vega.codegen import quant
 from vega.codegen.base import Geometry, ShardView, geometry, state_shape
 from vega.codegen.steps import drive
 from vega.codegen.tensors import PLAIN_TYPES
 from vega.dsl.check import matrix_axes
-from vega.dsl.ir import SCALAR_STATE
+from vega.dsl.ir import QBLOCK, SCALAR_STATE
 from vega.runtime import engine
 
 
@@ -183,6 +184,8 @@ def state_placements(p, dom: str) -> tuple:
         return tuple(p.placements)
     if dom == SCALAR_STATE:  # one number, the same on every rank
         return tuple(Replicate() for _ in p.placements)
+    if dom == QBLOCK:  # an 8-bit state's scales: a row per shard
+        return quant.scale_placements(p)
     geo = geometry(tuple(p.shape))
     out = []
     for pl in p.placements:
@@ -209,15 +212,15 @@ def init_leaf(program, p, values: dict, state_dtype) -> list:
     if p.is_complex():
         raise ValueError(f"{program.name}: a complex DTensor parameter does not step; vega "
                          "steps complex parameters that are plain tensors")
-    if program.quant:
-        raise ValueError(f"{program.name}: 8-bit state (state_dtype torch.uint8) is kept for "
-                         "plain tensors; a DTensor parameter keeps its states in a float dtype")
     local = p.to_local()
     view = view_of("a parameter", p)
     sd = engine.state_dtypes(local, program, state_dtype)
     kern = codegen.kernel("reference", program)
     out = []
     for s, leaf in zip(program.states, kern.init(local, values, sd, geo=view.local)):
+        if s.dom == QBLOCK:  # (a row per shard: quant.scale_shape)
+            out.append(quant.scales_of(leaf, p))
+            continue
         shape = state_shape(p, s.dom)
         out.append(DTensor.from_local(leaf, p.device_mesh, state_placements(p, s.dom),
                                       run_check=False, shape=torch.Size(shape),
@@ -299,8 +302,11 @@ class _Local:
             self.lp.append(p.to_local())
             self.lg.append(self._local(f"{where}'s gradient", grads[i], p, tuple(p.placements)))
             for s, col, out in zip(program.states, states, self.ls):
-                out.append(self._local(f"{where}'s state '{s.name}'", col[i], p,
-                                       state_placements(p, s.dom)))
+                x = self._local(f"{where}'s state '{s.name}'", col[i], p,
+                                state_placements(p, s.dom))
+                if s.dom == QBLOCK:  # the scales of this shard's blocks, in its row
+                    x = quant.shard_scales(x, self.lp[-1].numel())
+                out.append(x)
 
     @staticmethod
     def _local(where: str, x, p, placements):
@@ -323,8 +329,9 @@ class _Local:
         """``engine.run``'s answer over the locals, with new values DTensors again."""
         new_p, new_s, new_steps, finite = result
         return ([rewrapped(n, o) for n, o in zip(new_p, self.params)],
-                [[rewrapped(n, o) for n, o in zip(ncol, col)]
-                 for ncol, col in zip(new_s, self.states)],
+                [[quant.scales_of(n, p) if st.dom == QBLOCK else rewrapped(n, o)
+                  for n, o, p in zip(ncol, col, self.params)]
+                 for st, ncol, col in zip(self.program.states, new_s, self.states)],
                 new_steps, finite)
 
 
