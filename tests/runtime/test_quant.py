@@ -232,6 +232,42 @@ def test_backends_match_reference_across_rules(name, hypers, backend):
     assert_same_8bit(got, ref)
 
 
+@pytest.mark.parametrize("name, block, small", [("adamw", 1024, 2048), ("adan", 512, 1024)])
+def test_triton_at_a_gpus_blocks_steps_as_at_the_interpreters(name, block, small):
+    """With 8-bit state a bfloat16 parameter's update takes 4 values a thread (AdamW: BLOCK
+    1024) or 2 (adan's four states: 512) on a GPU (``triton_runtime.update_block``); run so
+    under the interpreter, the step is bitwise the one at the interpreter's own BLOCK."""
+    from vega.codegen import triton_ptx, triton_runtime
+    spec = getattr(vega, name)
+    shapes = {"w": (96, 200), "odd": (4097,), "v": (70,)}
+
+    def run():
+        params = {k: v.to(torch.bfloat16) for k, v in params_of(shapes).items()}
+        state = spec.init(params, state_dtype=U8)
+        for k in range(3):
+            params, state = spec.step(params, grads_of(params, k), state, backend="triton",
+                                      lr=1e-2)
+        return params, state
+    want = run()
+    with triton_runtime.gpu_sizes():
+        got = run()
+        params = {k: v.to(torch.bfloat16) for k, v in params_of(shapes).items()}
+        state = spec.init(params, state_dtype=U8)
+        found = triton_ptx.record(lambda: spec.step(params, grads_of(params, 0), state,
+                                                    backend="triton", lr=1e-2))
+    assert {dict(x.constexprs)["BLOCK"] for x in found
+            if x.kernel.endswith("_update")} == {block, small}  # (the small tensor's: floats)
+    for n in shapes:
+        assert torch.equal(got[0][n], want[0][n]), n
+    for field, tree in want[1].items():
+        if isinstance(tree, dict):
+            for n, x in tree.items():
+                assert (x is None and got[1][field][n] is None) or torch.equal(
+                    got[1][field][n], x), (field, n)
+    assert any(t is not None and t.dtype == U8 for tree in want[1].values()
+               if isinstance(tree, dict) for t in tree.values())
+
+
 @needs_c
 def test_c_threads_split_a_tensor_at_blocks():
     """A tensor long enough to be split between threads (and one not a whole number of

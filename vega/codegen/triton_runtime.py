@@ -50,12 +50,15 @@ from vega.dsl.ir import QBLOCK, SCALAR_STATE
 # let half of an SM's 2,048 threads run at once; see docs/gpu.md)
 WARPS_GPU, BYTES_PER_ACCESS = 8, 16
 # registers a thread of an update kernel may use (ptxas' .maxnreg): 64 let 1,024 threads of
-# an sm_90 SM's 2,048 run at once. Where a program streams at most UPDATE_STATES states of
-# the parameter's shape besides p and g, and keeps no master copy, stochastic rounding or
-# 8-bit state, ptxas fits its bfloat16 update in 64 without spilling (up to 80 uncapped); a
-# wider one (adan's four states) would spill, and is left to ptxas (tests/codegen/
-# test_triton_ptx.py compiles every shipped spec's update so)
-UPDATE_REGISTERS, UPDATE_STATES = 64, 3
+# an sm_90 SM's 2,048 run at once. ptxas fits every update kernel in 64 without spilling
+# (up to 80 uncapped), but for a master copy or stochastic rounding, which are left to it
+# (tests/codegen/test_triton_ptx.py compiles every shipped spec's update so). A program that
+# streams more than UPDATE_STATES states of the parameter's shape besides p and g (adan's
+# four), or keeps 8-bit state, holds too many values at 8 a thread: its phases and update
+# take 4 elements a thread whatever the dtypes (``update_block``; a bfloat16 tensor then read
+# 64 bits at a time), and fit in 64 registers so (adan 48, bfloat16 AdamW with 8-bit state
+# 64, against 80 and 118-121 at 8 a thread, which spill under the cap)
+UPDATE_REGISTERS, UPDATE_STATES, NARROW_ELEMENTS = 64, 3, 4
 ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 # (8-bit codes, vega.codegen.quant, do not set the block: a block of their tensor's floats)
 BLOCK_INTERPRETER = 4096  # under the interpreter every program costs ~1 ms: fewer, larger ones
@@ -116,6 +119,21 @@ def block_size(dtypes=("float32",)) -> int:
                                                     for d in ds.split(",") if d != "uint8")
 
 
+def update_block(dtypes, program) -> int:
+    """``block_size`` for the phases and update of ``program``: at most NARROW_ELEMENTS a
+    thread where it streams more than UPDATE_STATES states like the parameter, or keeps
+    8-bit state (see UPDATE_REGISTERS)."""
+    block = block_size(dtypes)
+    if _small_blocks() or not (program.quant or _wide(program)):
+        return block
+    both = bool(program.quant) and _wide(program)  # (adan with 8-bit state: 2 a thread)
+    return min(block, 32 * WARPS_GPU * NARROW_ELEMENTS // (2 if both else 1))
+
+
+def _wide(program) -> bool:
+    return sum(st.dom == "rc" for st in program.states) > UPDATE_STATES
+
+
 def load_module(text: str, name: str) -> dict:
     """Execute generated source as a module; its text is kept in ``linecache`` (where
     ``@triton.jit`` and tracebacks read it)."""
@@ -131,9 +149,7 @@ def load_module(text: str, name: str) -> dict:
 def update_registers(program) -> dict:
     """The launch option capping an update kernel's registers (``UPDATE_REGISTERS``), where
     the program is one ptxas fits so; none otherwise, and none on ROCm (an NVIDIA option)."""
-    wide = sum(st.dom == "rc" for st in program.states) > UPDATE_STATES
-    if wide or program.master or program.rounding is not None or program.quant \
-            or torch.version.hip is not None:
+    if program.master or program.rounding is not None or torch.version.hip is not None:
         return {}
     return {"maxnreg": UPDATE_REGISTERS}
 
@@ -504,7 +520,7 @@ def _launch_groups(kern, found, params, src_t, steps, finite, pre, hyp, scale_st
         if kern.plan is not None:
             _staged(kern, mod, table, [params[i].shape for i in idx], key, pre, scal, device)
             continue
-        block = block_size(key)
+        block = update_block(key, kern.program)
         bmap = block_map(numels, block, device)
         if bmap.nblocks == 0:
             continue
