@@ -623,6 +623,22 @@ def test_a_dtensor_parameter_keeps_8bit_state_as_a_plain_one():
             quant.dequantize_t(codes, scales.to_local(), False)
         except ValueError as e:
             print(e)
+        from torch.distributed.tensor import DTensor
+        wrong = dict(dstate, mu_absmax={"w": DTensor.from_local(
+            torch.zeros(1, 30), mesh, [Shard(0)], run_check=False)})
+        try:
+            vega.adamw.step(dparams, {"w": distribute_tensor(g, mesh, [Shard(0)])}, wrong)
+        except ValueError as e:
+            print(e)
+        q = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))
+        opt = vega.optim.AdamW([q], state_dtype=torch.uint8)
+        q.grad = distribute_tensor(g, mesh, [Shard(0)])
+        opt.step()
+        opt.state[q]["nu_absmax"] = wrong["mu_absmax"]["w"]
+        try:
+            opt.step()
+        except ValueError as e:
+            print(e)
         dist.destroy_process_group()
         print("same")
     """)
@@ -633,6 +649,10 @@ def test_a_dtensor_parameter_keeps_8bit_state_as_a_plain_one():
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "same", done.stdout
     assert "are a DTensor of shape (1, 25), got Tensor of shape (1, 25)" in done.stdout
+    assert "state leaf 'mu_absmax.w' has shape (1, 30) on cpu, but its parameter (64, 100) " \
+        "needs one value per block of 256 (an 8-bit state's scales): (1, 25)" in done.stdout
+    assert "parameter 0's state 'nu_absmax' has shape (1, 30), but the 8-bit scales of a " \
+        "DTensor of shape (64, 100) placed (Shard(dim=0),) on" in done.stdout, done.stdout
 
 
 # -- a state's dtype named in the spec ------------------------------------------------------

@@ -305,6 +305,13 @@ class _Local:
                 x = self._local(f"{where}'s state '{s.name}'", col[i], p,
                                 state_placements(p, s.dom))
                 if s.dom == QBLOCK:  # the scales of this shard's blocks, in its row
+                    want = quant.scale_shape(p)
+                    if tuple(col[i].shape) != want:
+                        raise ValueError(
+                            f"{where}'s state '{s.name}' has shape {tuple(col[i].shape)}, but "
+                            f"the 8-bit scales of a DTensor of shape {tuple(p.shape)} placed "
+                            f"{tuple(p.placements)} on {p.device_mesh} have shape {want} (a "
+                            "row per shard: docs/distributed.md)")
                     x = quant.shard_scales(x, self.lp[-1].numel())
                 out.append(x)
 
