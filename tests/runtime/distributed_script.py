@@ -524,8 +524,9 @@ def q8_shards(hybrid: bool = False) -> None:
 
 def q8_loads() -> None:
     """A float FSDP2 state loaded into an 8-bit optimizer is quantized on each shard (with a
-    warning), and steps; an 8-bit one loaded into a float optimizer is dequantized; an 8-bit
-    one round-trips bitwise."""
+    warning), and steps; an 8-bit one loaded into a float optimizer is dequantized, as is
+    one given in torch.optim's format (``torch_state_dict``); an 8-bit one round-trips
+    bitwise."""
     import warnings
     net = sharded(q8_model())
     f32 = vega.optim.AdamW(net.parameters(), lr=1e-2)
@@ -543,6 +544,12 @@ def q8_loads() -> None:
     back = quant.dequantize_t(codes, scales, True).full_tensor()
     ref = f32.state[p]["mu"].full_tensor()
     assert (back - ref).abs().max() <= 0.02 * ref.abs().max()
+    with warnings.catch_warnings(record=True) as said:  # torch.optim's format: floats
+        warnings.simplefilter("always")
+        theirs = q8.torch_state_dict()["state"][0]
+    assert any("dequantized to float32" in str(w.message) for w in said), said
+    assert type(theirs["exp_avg"]).__name__ == "DTensor" and "mu_absmax" not in theirs
+    assert torch.equal(theirs["exp_avg"].full_tensor(), back)
     saved = q8.state_dict()
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
