@@ -568,6 +568,69 @@ def q8_loads() -> None:
     found["q8-load"] = "converted"
 
 
+def q8_move(phase: str) -> None:
+    """8-bit state moved to a mesh of another size (docs/distributed.md): ``save`` (on 2
+    ranks) checkpoints it as it is and through float state; ``load`` (on 4) finds the first
+    refused by DCP (the scales' shape differs), and loads the second into float state, then
+    into the 8-bit optimizer: the values are the saved ones (exactly, for the weight whose
+    shards start on block boundaries on both meshes), and it steps."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    folder = os.path.dirname(OUT.rstrip("/"))  # (both launches' common folder)
+    net = sharded(q8_model())
+    opt = vega.optim.AdamW(net.parameters(), lr=1e-2, state_dtype=torch.uint8)
+    for k in range(2):
+        opt.zero_grad()
+        q8_loss(net, k).backward()
+        opt.step()
+    floats = vega.optim.AdamW(net.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (dequantized: test_distributed's other checks)
+        floats.load_state_dict(opt.state_dict())
+    weights = [p for p in net.parameters() if p.dim() == 2]
+    if phase == "save":
+        values = [floats.state[p]["mu"].full_tensor() for p in weights]
+        if RANK == 0:
+            torch.save(values, os.path.join(folder, "q8-values.pt"))
+        msd, osd = get_state_dict(net, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(folder, "q8-codes"))
+        msd, osd = get_state_dict(net, floats)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(folder, "q8-floats"))
+        found["q8-move"] = "saved"
+        return
+    msd, osd = get_state_dict(net, opt)
+    try:
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(folder, "q8-codes"))
+        raise AssertionError("8-bit state loaded on another mesh")
+    except CheckpointException as err:
+        assert "Size mismatch" in str(err) and "mu_absmax" in str(err), err
+    msd, osd = get_state_dict(net, floats)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=os.path.join(folder, "q8-floats"))
+    set_state_dict(net, floats, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        opt.load_state_dict(floats.state_dict())
+    assert any("quantized to 8 bits" in str(w.message) for w in said), said
+    saved = torch.load(os.path.join(folder, "q8-values.pt"))
+    for k, (p, want) in enumerate(zip(weights, saved)):
+        st = opt.state[p]
+        assert st["mu"].dtype == torch.uint8 and st["mu_absmax"].shape[0] == WORLD
+        got = quant.dequantize_t(st["mu"], st["mu_absmax"], True).full_tensor()
+        if k == 0:  # (shards of 256-value rows: blocks on both meshes)
+            assert torch.equal(got, want), k
+        assert (got - want).abs().max() <= 0.02 * want.abs().max(), k
+    opt.zero_grad()
+    q8_loss(net, 5).backward()
+    opt.step()
+    assert all(p.full_tensor().isfinite().all() for p in net.parameters())
+    found["q8-move"] = "moved"
+
+
 def main() -> None:
     # (the ranks meet through a file of the test's own folder: no port to share)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(OUT, 'rendezvous')}",
@@ -585,6 +648,7 @@ def main() -> None:
              "functions": functions_over_group, "muon-fsdp": muon_refused,
              "uneven": uneven_refused, "q8": q8_shards, "q8-load": q8_loads,
              "q8-hsdp": lambda: q8_shards(hybrid=True),
+             "q8-move-save": lambda: q8_move("save"), "q8-move-load": lambda: q8_move("load"),
              "dcp-q8": lambda: dcp_resume("fsdp", q8=True),
              "zero-prodigy": lambda: zero_against_ddp(vega.optim.Prodigy, 1.0,
                                                       "zero-prodigy", d0=1e-3)}[check]()

@@ -127,6 +127,16 @@ def test_fsdp2_on_four_ranks(tmp_path):
         assert found[0][name]["steps"] == 16 and found[0][name]["aligned"] <= 1e-9, name
 
 
+def test_8bit_state_moves_to_another_mesh_through_float_state(tmp_path):
+    """Saved on 2 ranks, loaded on 4: the 8-bit checkpoint is refused (its scales have a row
+    per shard), the one of float state loads and quantizes (docs/distributed.md)."""
+    (tmp_path / "two").mkdir()
+    (tmp_path / "four").mkdir()
+    assert launch(2, ["q8-move-save"], tmp_path / "two")[0]["q8-move"] == "saved"
+    found = launch(4, ["q8-move-load"], tmp_path / "four")
+    assert all(f["q8-move"] == "moved" for f in found)
+
+
 def test_reduce_group_is_checked():
     """``reduce_group`` is None or a process group of an initialized torch.distributed; any
     other value is refused by name, by the classes and the functional steps alike."""
