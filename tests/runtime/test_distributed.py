@@ -10,7 +10,9 @@ reductions, for all tensors at once); a NaN in one rank's shard skips the step o
 docs/distributed.md trains; ``ZeroRedundancyOptimizer`` with
 ``reduce_group`` matches DDP, for the spec classes and for LBFGS; the gradient functions
 (``global_norm``, ``clip_by_global_norm``, ``grads_finite``, ``LossScale.step``) span a
-``reduce_group`` and DTensor leaves. Each launch runs its ranks as processes, with a hard timeout,
+``reduce_group`` and DTensor leaves; 8-bit state under FSDP2 and HSDP (each shard's step
+bitwise the plain 8-bit step of the shard; DCP; loads that convert; a move to another mesh
+through float state). Each launch runs its ranks as processes, with a hard timeout,
 and many checks in one process group (``distributed_script.py``)."""
 import json
 import os
