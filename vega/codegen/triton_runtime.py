@@ -51,7 +51,8 @@ from vega.dsl.ir import QBLOCK, SCALAR_STATE
 WARPS_GPU, BYTES_PER_ACCESS = 8, 16
 # registers a thread of an update kernel may use (ptxas' .maxnreg): 64 let 1,024 threads of
 # an sm_90 SM's 2,048 run at once. ptxas fits every update kernel in 64 without spilling
-# (up to 80 uncapped), but for a master copy or stochastic rounding, which are left to it
+# (up to 80 uncapped), but for a master copy, stochastic rounding or float64 parameters,
+# which are left to it
 # (tests/codegen/test_triton_ptx.py compiles every shipped spec's update so). A program that
 # streams more than UPDATE_STATES states of the parameter's shape besides p and g (adan's
 # four), or keeps 8-bit state, holds too many values at 8 a thread: its phases and update
@@ -146,10 +147,13 @@ def load_module(text: str, name: str) -> dict:
     return namespace
 
 
-def update_registers(program) -> dict:
+def update_registers(program, dtypes) -> dict:
     """The launch option capping an update kernel's registers (``UPDATE_REGISTERS``), where
-    the program is one ptxas fits so; none otherwise, and none on ROCm (an NVIDIA option)."""
-    if program.master or program.rounding is not None or torch.version.hip is not None:
+    the program is one ptxas fits so; none otherwise: a master copy, stochastic rounding,
+    float64 parameters (a value takes two registers: AdEMAMix's would spill 48 bytes), and
+    none on ROCm (an NVIDIA option)."""
+    if program.master or program.rounding is not None or dtypes[0] == "float64" \
+            or torch.version.hip is not None:
         return {}
     return {"maxnreg": UPDATE_REGISTERS}
 
@@ -536,7 +540,7 @@ def _launch_groups(kern, found, params, src_t, steps, finite, pre, hyp, scale_st
                scal, red, counters if last else table, len(steps) if last else 0, finite,
                scale_tab, scale_cfg, ADVANCE=last, ADJUST=last and adjust,
                HAS_PRE=has_pre, ALIGNED=aligned, BLOCK=block,
-               **update_registers(kern.program))
+               **update_registers(kern.program, key))
         advanced = advanced or last
     if not advanced:
         mod = work[-1][2] if work else kern.module(("float32",) * 3)
