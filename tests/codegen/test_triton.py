@@ -557,3 +557,56 @@ def test_the_update_adjusts_the_loss_scale_as_the_reference(init, floor):
         for a, b in zip(tw, rw):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert topt.loss_scale.skipped_steps.item() == 2
+
+
+# states of one number per tensor whose new values read only such states' old values, t and
+# the hyperparameters (NAdam's product of momenta): the scalars kernel computes and writes
+# them once a step; a chain of two, one read by the update
+PER_STEP = """
+optimizer per_step(lr = 0.1, b = 0.5) {
+    state a: scalar = ones
+    state c: scalar = zeros
+    a = a * (b + 0.125 * t)
+    c = c + a
+    p = p - lr * g * c / (1 + a)
+}
+"""
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "in place"])
+def test_states_of_one_number_step_once_a_step_in_the_scalars_kernel(monkeypatch, donate):
+    """Triton's own kernels (not the reference's), the launches of a plain step (the scalars,
+    then the update), the values written out over 4 steps, and a skipped step that leaves
+    the numbers as they were; an empty tensor's numbers move like the others'."""
+    spec = vega.compile(PER_STEP)
+    assert type(codegen.kernel("triton", spec.program())).__module__ == "vega.codegen.triton"
+    launches = Launches(monkeypatch)
+    params = {"w": torch.randn(37, 41, device=DEVICE), "e": torch.randn(0, 3, device=DEVICE)}
+    state = spec.init(params)
+    a, c, t, want = 1.0, 0.0, 0, params["w"].double().clone()
+    for k in range(4):
+        grads = grads_for(params, k)
+        if k == 2:
+            grads["w"][1, 1] = float("nan")
+        before = {f: {n: x.clone() for n, x in state[f].items()} for f in ("a", "c")}
+        params, state = spec.step(params, grads, state, backend="triton", donate=donate,
+                                  skip_nonfinite=True, lr=0.25)
+        if k == 2:  # skipped
+            for f in ("a", "c"):
+                for n in params:
+                    assert_same(state[f][n], before[f][n], f"{f}.{n}")
+            continue
+        t += 1  # (a skipped step does not count)
+        a = float(torch.tensor(a, dtype=torch.float32) * torch.tensor(0.5 + 0.125 * t,
+                                                                         dtype=torch.float32))
+        c = float(torch.tensor(c, dtype=torch.float32) + torch.tensor(a, dtype=torch.float32))
+        want = want - 0.25 * grads["w"].double() * c / (1 + a)
+        for n in params:
+            assert float(state["a"][n]) == a and float(state["c"][n]) == c, (k, n)
+    torch.testing.assert_close(params["w"].double(), want, rtol=1e-5, atol=1e-5)
+    assert [x for x in launches.names if x.startswith("vega_per_step")][-2:] == [
+        "vega_per_step_scalars", "vega_per_step_update"]
+    # a new value that reads a reduction over the elements (NovoGrad's norm of g) steps on
+    # the reference's kernels
+    novograd = vega.builtin("novograd").program()
+    assert type(codegen.kernel("triton", novograd)).__module__ == "vega.codegen.reference"

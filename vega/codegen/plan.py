@@ -116,3 +116,30 @@ def element_plan(roots, computed=(), stored=frozenset()) -> ElementPlan:
     earlier = tuple(n for n in reached if n.op in REDUCTIONS
                     and not any(n is r for r in computed))
     return ElementPlan(lines, earlier, frozenset(reads), tuple(reached))
+
+
+def per_step_states(program) -> dict[int, Node] | None:
+    """Where every state of one number per tensor (``SCALAR_STATE``: NAdam's product of
+    momenta) has a new value computed from the old values of such states, ``t``, the
+    hyperparameters and constants alone: the nodes of one value per tensor those new values
+    and the states' old values are (by id), which a backend may compute once a step, before
+    the loops over the elements. None where a new value reads anything else (a reduction
+    over the elements, as NovoGrad's norm of g), or there is no such state."""
+    from vega.dsl.ir import AXIS_REDUCTIONS, SCALAR_STATE
+    names = {s.name for s in program.states if s.dom == SCALAR_STATE}
+    if not names:
+        return None
+    out: dict[int, Node] = {}
+    for node in walk(node for _, node in program.updates):
+        if node.op is Op.STATE and node.arg in names:
+            out[id(node)] = node
+    for target, root in program.updates:
+        if target not in names:
+            continue
+        for node in walk([root]):
+            if node.kind > Kind.TENSOR or node.op in REDUCTIONS or node.op in AXIS_REDUCTIONS \
+                    or (node.op is Op.STATE and node.arg not in names):
+                return None
+            if node.kind == Kind.TENSOR:
+                out[id(node)] = node
+    return out

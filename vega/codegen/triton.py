@@ -12,6 +12,10 @@ each program BLOCK consecutive elements of one tensor. A step is:
 - ``vega_<name>_scalars``: the scalar phase, once a step (float64, as in the reference):
   every scalar the kernels read (``b1 ^ t``, the hyperparameters), the inverse loss scale,
   the clip coefficient and the finite flag, per tensor, rounded to the arithmetic's dtype;
+  and the states of one number per tensor whose new values read no reduction of the
+  elements (NAdam's ``mu_product``): the old values read, the new ones computed in the
+  arithmetic's dtype and written (the old where the step is skipped), both kept for the
+  other kernels to read;
 - ``vega_<name>_phase<k>`` and ``vega_<name>_finish<k>``: per-tensor reductions
   (``norm``, ``sum``, ``mean``, ``max``), per block then per tensor in block order
   (deterministic); values needed on both sides are recomputed;
@@ -62,8 +66,8 @@ from vega.codegen import plan, precision, quant, reference, triton_runtime
 from vega.codegen.base import Linear, Renderer, linearize, state_dtype_names, state_var
 from vega.codegen.base import codes_without_scales, reduction_phases
 from vega.codegen.record import PRE_SLOTS, named
-from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, REDUCTIONS, Kind, Node, Op,
-                         Program, walk)
+from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, REDUCTIONS, SCALAR_STATE, Kind, Node,
+                         Op, Program, walk)
 
 TL = {"float32": "tl.float32", "float64": "tl.float64", "bfloat16": "tl.bfloat16",
       "float16": "tl.float16", "uint8": "tl.uint8"}
@@ -578,6 +582,13 @@ class Source:
         self.phases = reduction_phases(program)
         self.slots = {id(n): j for j, n in enumerate(n for ph in self.phases for n in ph)}
         self.plan = axis_plan(program) if program.uses_axes else None
+        # states of one number per tensor (NAdam's product of momenta): the scalars kernel
+        # reads their old values, computes and writes their new ones once a step; the other
+        # kernels read both from the step's scalars (``plan.per_step_states``: the nodes)
+        self.per_tensor = (plan.per_step_states(program) or {}) if program.scalar_states \
+            else {}
+        self.scalar_targets = {state_var(s.name) for s in program.states
+                               if s.dom == SCALAR_STATE}
         self._names()
         self.r = TritonRenderer(self.ct)
 
@@ -653,7 +664,10 @@ class Source:
         t and the hyperparameters over a block of tensors, and stored rounded to ct."""
         lin, r = self.lin, self.r
         wanted = [n for _, n in self.scal.values()]
-        scalar_nodes = {id(n): n for n in walk(wanted) if n.op is not Op.CONST}
+        # the states of one number per tensor: every one's new value, whoever reads it
+        news = {x: n for x, n in self._new_values().items() if x in self.scalar_targets}
+        scalar_nodes = {id(n): n for n in walk([*wanted, *news.values()])
+                        if n.op is not Op.CONST}
         hyper_names = {n.arg for n in scalar_nodes.values() if n.op is Op.HYPER}
         hypers = [(k, h) for k, h in enumerate(self.program.float_hypers) if h in hyper_names]
         need_t = any(n.op is Op.T for n in scalar_nodes.values())
@@ -670,6 +684,7 @@ class Source:
         for line in lin.scalar_lines:
             if id(line.node) in scalar_nodes:
                 lines.append(f"{line.var} = {r.expr(lin, line.node, 'scalar')}")
+        lines += self._per_tensor_lines(scalar_nodes, news)
         slots = []
         for k, (slot, n) in enumerate(self.scal.values()):
             name = r.operand(lin, n)
@@ -690,27 +705,76 @@ class Source:
                       "mask=rmask)"]
         return {"lines": lines, "slots": slots}
 
+    def _per_tensor_lines(self, nodes: dict, news: dict) -> list[str]:
+        """The scalars kernel's lines for the states of one number per tensor: each one's
+        old value read, the values of one per tensor computed from them in the arithmetic's
+        dtype (ct, as the other kernels compute values of one per tensor: the scalars they
+        read rounded once to it), and each new value written where the step is finite (the
+        old one, as it was, where it is skipped)."""
+        lin, r = self.lin, self.r
+        if not self.per_tensor:
+            return []
+        lines = []
+        olds = [x for x in self.targets if x in self.scalar_targets
+                and (x in news or any(n.op is Op.STATE and lin.ref(n) == x
+                                      for n in nodes.values()))]
+        for x in olds:
+            dt = TL[self.storage[x]]
+            lines += [f"ptr_{x} = tl.load(row + {self.col['in', x]}, mask=rmask, other=0)"
+                      f".to(tl.pointer_type({dt}))",
+                      f"{x} = tl.load(ptr_{x}, mask=rmask, other=0.0).to({self.ct})"]
+        names = dict(lin.names)  # the scalars they read, rounded to ct under names of their own
+        computed = [line for line in lin.element_lines
+                    if id(line.node) in self.per_tensor and id(line.node) in nodes]
+        for line in computed:
+            for src in line.node.src:
+                if src.kind <= Kind.SCALAR and src.op is not Op.CONST \
+                        and not names[id(src)].endswith("_ct"):
+                    names[id(src)] = f"{lin.ref(src)}_ct"
+                    lines.append(f"{names[id(src)]} = {lin.ref(src)}.to({self.ct})")
+        refs = _Refs(names)
+        for line in computed:
+            lines.append(f"{line.var} = {r.expr(refs, line.node, 'element')}")
+        for x, node in news.items():
+            if node.op is Op.STATE and lin.ref(node) == x:  # (kept as it is)
+                continue
+            dt = TL[self.storage[x]]
+            value = r.operand(refs, node)
+            if node.op is Op.CONST:
+                value = f"tl.full([BLOCK], {value}, {self.ct})"
+            to = ".to(tl.float32).to(tl.bfloat16)" if dt == "tl.bfloat16" else f".to({dt})"
+            lines += [f"out_{x} = tl.load(row + {self.col['out', x]}, mask=rmask, other=0)"
+                      f".to(tl.pointer_type({dt}))",
+                      f"tl.store(out_{x}, tl.where(finite, {value}, {x}){to}, mask=rmask)"]
+        return lines
+
     # -- kernels --------------------------------------------------------------
     def _kernel(self, roots: list[Node], update: bool) -> dict:
         lin, r = self.lin, self.r
         lines, earlier, needed = _needed(roots, [] if update else roots)
-        used = {lin.ref(n) for n in needed if n.op in (Op.PARAM, Op.GRAD, Op.STATE)}
+        once = self.per_tensor  # (computed by the scalars kernel, read from its slots)
+        lines = [n for n in lines if id(n) not in once]
+        used = {lin.ref(n) for n in needed if n.op in (Op.PARAM, Op.GRAD, Op.STATE)
+                and id(n) not in once}
         used |= {self.quant[x][0] for x in used if x in self.quant}  # (and their scales)
         # the scalars the element lines read (rounded once to ct), and the scalar lines they need
-        readers = [n for n in needed if n.kind >= Kind.TENSOR and not any(n is e for e in earlier)]
+        readers = [n for n in needed if n.kind >= Kind.TENSOR and not any(n is e for e in earlier)
+                   and id(n) not in once]
         rounded = {id(s): s for m in readers for s in m.src
-                   if s.kind <= Kind.SCALAR and s.op is not Op.CONST}
+                   if (s.kind <= Kind.SCALAR or id(s) in once) and s.op is not Op.CONST}
         if update:
-            rounded.update({id(n): n for _, n in self.program.updates
-                            if n.kind <= Kind.SCALAR and n.op is not Op.CONST})
+            rounded.update({id(n): n for x, n in self._new_values().items()
+                            if (n.kind <= Kind.SCALAR or id(n) in once) and n.op is not Op.CONST
+                            and x not in self.scalar_targets})
         rounded = list(rounded.values())
-        pointers = [self._pointer(x, rebased=True) for x in ("p", "g", *self.targets[1:])
+        written = [x for x in self.targets if x not in self.scalar_targets]
+        pointers = [self._pointer(x, rebased=True) for x in ("p", "g", *written[1:])
                     if x in used or (update and x != "g")]
         if update:
-            pointers += [self._pointer(x, out=True, rebased=True) for x in self.targets]
+            pointers += [self._pointer(x, out=True, rebased=True) for x in written]
         scalar = self._scalar_reads(rounded)
         loads = []
-        for x in self.targets if update else []:
+        for x in written if update else []:
             at = f"offsets // {quant.BLOCK}" if x in self.scales else "offsets"
             loads.append(f"{self.stored[x]} = tl.load({self.ptr[x]} + {at}, mask=mask)")
         for x in ("p", "g", *self.targets[1:]):
@@ -795,7 +859,8 @@ class Source:
         kernel = self._kernel([n for _, n in self.program.updates], update=True)
         lin, r = self.lin, self.r
         new = self._new_values()
-        kernel["tail"] = self._stores(self.targets, new,
+        kernel["tail"] = self._stores([x for x in self.targets if x not in self.scalar_targets],
+                                      new,
                                       {x: r.operand(lin, n) for x, n in new.items()},
                                       "start + offsets")
         kernel["scalar"] = kernel["scalar"] + self._keys()
