@@ -606,7 +606,51 @@ def test_states_of_one_number_step_once_a_step_in_the_scalars_kernel(monkeypatch
     torch.testing.assert_close(params["w"].double(), want, rtol=1e-5, atol=1e-5)
     assert [x for x in launches.names if x.startswith("vega_per_step")][-2:] == [
         "vega_per_step_scalars", "vega_per_step_update"]
-    # a new value that reads a reduction over the elements (NovoGrad's norm of g) steps on
-    # the reference's kernels
-    novograd = vega.builtin("novograd").program()
-    assert type(codegen.kernel("triton", novograd)).__module__ == "vega.codegen.reference"
+
+
+# states of one number per tensor whose new values read a reduction over the elements
+# (NovoGrad's norm of g): the update computes them, from the old values the scalars kernel
+# read, and the program of each tensor's first block writes them
+FIRST_BLOCK = """
+optimizer first_block(lr = 0.1, b = 0.5) {
+    state s: scalar = ones
+    state k: scalar = zeros
+    s = b * s + sum(g * g)
+    k = k + 1
+    p = p - lr * g / sqrt(s + k)
+}
+"""
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "in place"])
+def test_states_of_one_number_that_read_a_reduction_are_written_by_a_first_block(
+        monkeypatch, donate):
+    """Against the reference over 4 steps (one skipped): a tensor of several blocks (its
+    other programs read the old numbers, not the first block's new ones), an empty tensor
+    (a block of its own, whose program reads no element: its number still moves), Triton's
+    own kernels and launches."""
+    spec = vega.compile(FIRST_BLOCK)
+    assert type(codegen.kernel("triton", spec.program())).__module__ == "vega.codegen.triton"
+    launches = Launches(monkeypatch)
+    params = {"w": torch.randn(3 * triton_runtime.block_size() + 5, device=DEVICE),
+              "m": torch.randn(37, 41, device=DEVICE), "e": torch.randn(0, 3, device=DEVICE)}
+    tri = ({n: x.clone() for n, x in params.items()}, spec.init(params))
+    ref = (params, spec.init(params))
+    for k in range(4):
+        grads = grads_for(params, k, scale=0.1)
+        if k == 2:
+            grads["m"][1, 1] = float("nan")
+        before = tri
+        tri = spec.step(tri[0], grads, tri[1], backend="triton", donate=donate,
+                        skip_nonfinite=True)
+        ref = spec.step(ref[0], grads, ref[1], backend="reference", skip_nonfinite=True)
+        for (what, a), (_, b) in zip(leaves(*tri), leaves(*ref)):
+            if what == "step":
+                assert torch.equal(a, b), what
+            else:
+                assert_close(a, b, f"step {k} {what}")
+        if k == 2 and not donate:  # (in place, before is the same tensors)
+            for (what, a), (_, b) in zip(leaves(*tri), leaves(*before)):
+                assert_same(a, b, f"skipped step changed {what}")
+    assert float(tri[1]["s"]["e"]) == 0.125 and float(tri[1]["k"]["e"]) == 3.0
+    assert launches.names[-2:] == ["vega_first_block_finish0", "vega_first_block_update"]

@@ -10,7 +10,7 @@ from functools import _CacheInfo
 
 import torch
 
-from vega.codegen import c, plan, reference, triton
+from vega.codegen import c, reference, triton
 from vega.dsl.ir import Program
 from vega.tracing import untraced
 
@@ -76,15 +76,12 @@ def _kernel(backend: str, program: Program, counting: bool):
 
 def _reference_only(backend: str, program: Program) -> bool:
     """Whether ``backend`` hands ``program`` to the reference kernels: matrices (only they
-    compute them); on C over a matrix view, a state of one number per tensor, and on Triton
-    one whose new value reads more than the old values of such states, t and the
-    hyperparameters (``plan.per_step_states``: NovoGrad's reads a norm of g); on Triton,
+    compute them); over a matrix view, a state of one number per tensor; on Triton,
     reductions over a group (the C kernels hand a program whose stages they do not run to
     the reference's themselves: ``Kernel.__call__``)."""
     if program.torch_only:
         return True
-    if program.scalar_states and (program.uses_axes or (
-            backend == "triton" and plan.per_step_states(program) is None)):
+    if program.scalar_states and program.uses_axes:
         return True
     return program.spans_group and backend == "triton"
 

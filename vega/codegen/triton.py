@@ -12,10 +12,11 @@ each program BLOCK consecutive elements of one tensor. A step is:
 - ``vega_<name>_scalars``: the scalar phase, once a step (float64, as in the reference):
   every scalar the kernels read (``b1 ^ t``, the hyperparameters), the inverse loss scale,
   the clip coefficient and the finite flag, per tensor, rounded to the arithmetic's dtype;
-  and the states of one number per tensor whose new values read no reduction of the
-  elements (NAdam's ``mu_product``): the old values read, the new ones computed in the
-  arithmetic's dtype and written (the old where the step is skipped), both kept for the
-  other kernels to read;
+  and the states of one number per tensor: their old values read and kept for the other
+  kernels; where no new value reads a reduction of the elements (NAdam's ``mu_product``),
+  the new ones computed in the arithmetic's dtype, written (the old where the step is
+  skipped) and kept too (otherwise the update computes them, and writes them in each
+  tensor's first block);
 - ``vega_<name>_phase<k>`` and ``vega_<name>_finish<k>``: per-tensor reductions
   (``norm``, ``sum``, ``mean``, ``max``), per block then per tensor in block order
   (deterministic); values needed on both sides are recomputed;
@@ -582,13 +583,22 @@ class Source:
         self.phases = reduction_phases(program)
         self.slots = {id(n): j for j, n in enumerate(n for ph in self.phases for n in ph)}
         self.plan = axis_plan(program) if program.uses_axes else None
-        # states of one number per tensor (NAdam's product of momenta): the scalars kernel
-        # reads their old values, computes and writes their new ones once a step; the other
-        # kernels read both from the step's scalars (``plan.per_step_states``: the nodes)
-        self.per_tensor = (plan.per_step_states(program) or {}) if program.scalar_states \
-            else {}
+        # states of one number per tensor: the scalars kernel reads their old values, which
+        # the other kernels read from the step's scalars. Where every new value reads only
+        # such old values, t and the hyperparameters (NAdam's product of momenta:
+        # ``plan.per_step_states``, the nodes), it computes and writes the new values too,
+        # and the other kernels read them from there; otherwise (NovoGrad's reads a norm of
+        # g) the update computes them, and the program of each tensor's first block writes
+        # them (``first_block``)
         self.scalar_targets = {state_var(s.name) for s in program.states
                                if s.dom == SCALAR_STATE}
+        found = plan.per_step_states(program) if program.scalar_states else None
+        self.per_tensor = found or {}
+        self.first_block = bool(self.scalar_targets) and found is None
+        self.from_scal = dict(self.per_tensor)  # (ids of the values read from the scalars)
+        for node in walk(n for _, n in program.updates):
+            if node.op is Op.STATE and state_var(node.arg) in self.scalar_targets:
+                self.from_scal[id(node)] = node
         self._names()
         self.r = TritonRenderer(self.ct)
 
@@ -665,7 +675,8 @@ class Source:
         lin, r = self.lin, self.r
         wanted = [n for _, n in self.scal.values()]
         # the states of one number per tensor: every one's new value, whoever reads it
-        news = {x: n for x, n in self._new_values().items() if x in self.scalar_targets}
+        news = {x: n for x, n in self._new_values().items()
+                if x in self.scalar_targets and not self.first_block}
         scalar_nodes = {id(n): n for n in walk([*wanted, *news.values()])
                         if n.op is not Op.CONST}
         hyper_names = {n.arg for n in scalar_nodes.values() if n.op is Op.HYPER}
@@ -712,17 +723,16 @@ class Source:
         read rounded once to it), and each new value written where the step is finite (the
         old one, as it was, where it is skipped)."""
         lin, r = self.lin, self.r
-        if not self.per_tensor:
-            return []
         lines = []
         olds = [x for x in self.targets if x in self.scalar_targets
                 and (x in news or any(n.op is Op.STATE and lin.ref(n) == x
                                       for n in nodes.values()))]
-        for x in olds:
+        for x in olds:  # (the bits as stored, and the value in ct)
             dt = TL[self.storage[x]]
             lines += [f"ptr_{x} = tl.load(row + {self.col['in', x]}, mask=rmask, other=0)"
                       f".to(tl.pointer_type({dt}))",
-                      f"{x} = tl.load(ptr_{x}, mask=rmask, other=0.0).to({self.ct})"]
+                      f"raw_{x} = tl.load(ptr_{x}, mask=rmask, other=0.0)",
+                      f"{x} = raw_{x}.to({self.ct})"]
         names = dict(lin.names)  # the scalars they read, rounded to ct under names of their own
         computed = [line for line in lin.element_lines
                     if id(line.node) in self.per_tensor and id(line.node) in nodes]
@@ -745,14 +755,15 @@ class Source:
             to = ".to(tl.float32).to(tl.bfloat16)" if dt == "tl.bfloat16" else f".to({dt})"
             lines += [f"out_{x} = tl.load(row + {self.col['out', x]}, mask=rmask, other=0)"
                       f".to(tl.pointer_type({dt}))",
-                      f"tl.store(out_{x}, tl.where(finite, {value}, {x}){to}, mask=rmask)"]
+                      f"tl.store(out_{x}, tl.where(finite, ({value}){to}, raw_{x}), "
+                      "mask=rmask)"]
         return lines
 
     # -- kernels --------------------------------------------------------------
     def _kernel(self, roots: list[Node], update: bool) -> dict:
         lin, r = self.lin, self.r
         lines, earlier, needed = _needed(roots, [] if update else roots)
-        once = self.per_tensor  # (computed by the scalars kernel, read from its slots)
+        once = self.from_scal  # (read from the scalars kernel's slots)
         lines = [n for n in lines if id(n) not in once]
         used = {lin.ref(n) for n in needed if n.op in (Op.PARAM, Op.GRAD, Op.STATE)
                 and id(n) not in once}
@@ -765,7 +776,7 @@ class Source:
         if update:
             rounded.update({id(n): n for x, n in self._new_values().items()
                             if (n.kind <= Kind.SCALAR or id(n) in once) and n.op is not Op.CONST
-                            and x not in self.scalar_targets})
+                            and (x not in self.scalar_targets or self.first_block)})
         rounded = list(rounded.values())
         written = [x for x in self.targets if x not in self.scalar_targets]
         pointers = [self._pointer(x, rebased=True) for x in ("p", "g", *written[1:])
@@ -862,11 +873,39 @@ class Source:
         kernel["tail"] = self._stores([x for x in self.targets if x not in self.scalar_targets],
                                       new,
                                       {x: r.operand(lin, n) for x, n in new.items()},
-                                      "start + offsets")
+                                      "start + offsets") + self._first_block_stores(new)
         kernel["scalar"] = kernel["scalar"] + self._keys()
         kernel["comment"] = ("new values where the step is finite; a skipped step writes the "
                              "old bits")
         return kernel
+
+    def _first_block_stores(self, new: dict) -> list[str]:
+        """Where the update computes the new values of the states of one number per tensor
+        (``first_block``): the program of each tensor's first block writes them (the old
+        bits where the step is skipped). Every program read the old values from the
+        scalars, so none reads one already replaced."""
+        if not self.first_block:
+            return []
+        lines = ["if start == 0:  # this tensor's numbers, once"]
+        for x in sorted(self.scalar_targets, key=self.targets.index):
+            dt = TL[self.storage[x]]
+            node = new.get(x)
+            lines += [f"    ptr_{x} = tl.load(row + {self.col['in', x]})"
+                      f".to(tl.pointer_type({dt}))",
+                      f"    out_{x} = tl.load(row + {self.col['out', x]})"
+                      f".to(tl.pointer_type({dt}))"]
+            if node is None or (node.op is Op.STATE and self.lin.ref(node) == x):
+                lines.append(f"    tl.store(out_{x}, tl.load(ptr_{x}))")
+                continue
+            value = self.r.operand(self.lin, node)
+            if node.op is Op.CONST:
+                value = f"tl.full((), {value}, {self.ct})"
+            to = ".to(tl.float32).to(tl.bfloat16)" if dt == "tl.bfloat16" else f".to({dt})"
+            lines += ["    if finite:",
+                      f"        tl.store(out_{x}, ({value}){to})",
+                      "    else:",
+                      f"        tl.store(out_{x}, tl.load(ptr_{x}))"]
+        return lines
 
     def _new_values(self) -> dict[str, Node]:
         return {state_var(t) if t != "p" else "p": n for t, n in self.program.updates}
@@ -1035,6 +1074,9 @@ class Kernel:
         self._reference = reference.Kernel(program)
         self.phase_sizes = [len(p) for p in reduction_phases(program)]
         self.nred = sum(self.phase_sizes)
+        # the update writes the states of one number per tensor, in each tensor's first
+        # block: an empty tensor gets a block too (``Source.first_block``)
+        self.first_block = program.scalar_states and plan.per_step_states(program) is None
         # the staged path's launches (kind, kernel, domain, wide, partial results)
         self.plan = None
         if program.uses_axes:

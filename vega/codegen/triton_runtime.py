@@ -286,8 +286,10 @@ class BlockMap:
     """Which tensor, and which elements of it, each program of a launch works on."""
 
     def __init__(self, numels: tuple[int, ...], block: int, device: torch.device,
-                 capturing: bool = False):
-        counts = torch.tensor([-(-n // block) for n in numels], dtype=torch.int64)
+                 capturing: bool = False, every: bool = False):
+        # (``every``: an empty tensor has a block too, whose program reads no element)
+        counts = torch.tensor([max(-(-n // block), int(every)) for n in numels],
+                              dtype=torch.int64)
         first = torch.zeros(len(numels) + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=first[1:])
         self.nblocks = int(first[-1])
@@ -302,14 +304,18 @@ class BlockMap:
             self.tensor, self.start, self.first = (dev for dev, _ in copies)
 
 
-def block_map(numels: tuple[int, ...], block: int, device: torch.device) -> BlockMap:
+def block_map(numels: tuple[int, ...], block: int, device: torch.device,
+              every: bool = False) -> BlockMap:
+    """The BlockMap of tensors of ``numels`` elements; ``every``: an empty one has a block
+    too (a program writing the states of one number per tensor: ``triton.Source``'s
+    ``first_block``)."""
     capturing = _capturing(device)
-    return _MAPS.get((numels, block, device),
-                     lambda: BlockMap(numels, block, device, capturing), capturing)
+    return _MAPS.get((numels, block, device, every),
+                     lambda: BlockMap(numels, block, device, capturing, every), capturing)
 
 
 _TABLES = Kept(256)  # (device, content) -> (device table, its pinned source)
-_MAPS = Kept(64)  # (numels, block, device) -> BlockMap
+_MAPS = Kept(64)  # (numels, block, device, every) -> BlockMap
 
 
 def _hyper_array(device, nhyper, ndicts, tensors, floats, slots) -> torch.Tensor:
@@ -525,7 +531,7 @@ def _launch_groups(kern, found, params, src_t, steps, finite, pre, hyp, scale_st
             _staged(kern, mod, table, [params[i].shape for i in idx], key, pre, scal, device)
             continue
         block = update_block(key, kern.program)
-        bmap = block_map(numels, block, device)
+        bmap = block_map(numels, block, device, kern.first_block)
         if bmap.nblocks == 0:
             continue
         red = torch.empty((len(idx), max(kern.nred, 1)), dtype=torch.float64, device=device)

@@ -357,10 +357,9 @@ class Program:
         # (vega.codegen.kernel)
         object.__setattr__(self, "spans_group", any(is_global(n) for n in nodes))
         object.__setattr__(self, "torch_only", any(n.op in TORCH_ONLY_OPS for n in nodes))
-        # a state of one number per tensor: the C kernels store it once a tensor, the Triton
-        # kernels once a step where its new value reads no reduction of the elements
-        # (vega.codegen.plan.per_step_states); the reference's run the others, and those
-        # over a matrix view (vega.codegen.kernel)
+        # a state of one number per tensor: the C and Triton kernels store it once a tensor
+        # (vega.codegen.triton.Source); the reference's run a program over a matrix view
+        # with one (vega.codegen.kernel)
         object.__setattr__(self, "scalar_states", any(
             s.dom == SCALAR_STATE for s in self.states))
         object.__setattr__(self, "has_matrices", any(n.op in MATRIX_OPS for n in nodes))
