@@ -566,9 +566,10 @@ PER_STEP = """
 optimizer per_step(lr = 0.1, b = 0.5) {
     state a: scalar = ones
     state c: scalar = zeros
+    state d: scalar = lr
     a = a * (b + 0.125 * t)
     c = c + a
-    p = p - lr * g * c / (1 + a)
+    p = p - d * g * c / (1 + a)
 }
 """
 
@@ -582,7 +583,7 @@ def test_states_of_one_number_step_once_a_step_in_the_scalars_kernel(monkeypatch
     assert type(codegen.kernel("triton", spec.program())).__module__ == "vega.codegen.triton"
     launches = Launches(monkeypatch)
     params = {"w": torch.randn(37, 41, device=DEVICE), "e": torch.randn(0, 3, device=DEVICE)}
-    state = spec.init(params)
+    state = spec.init(params, lr=0.25)
     a, c, t, want = 1.0, 0.0, 0, params["w"].double().clone()
     for k in range(4):
         grads = grads_for(params, k)
@@ -603,6 +604,7 @@ def test_states_of_one_number_step_once_a_step_in_the_scalars_kernel(monkeypatch
         want = want - 0.25 * grads["w"].double() * c / (1 + a)
         for n in params:
             assert float(state["a"][n]) == a and float(state["c"][n]) == c, (k, n)
+            assert float(state["d"][n]) == 0.25, (k, n)  # (read, never assigned: kept)
     torch.testing.assert_close(params["w"].double(), want, rtol=1e-5, atol=1e-5)
     assert [x for x in launches.names if x.startswith("vega_per_step")][-2:] == [
         "vega_per_step_scalars", "vega_per_step_update"]
@@ -615,9 +617,10 @@ FIRST_BLOCK = """
 optimizer first_block(lr = 0.1, b = 0.5) {
     state s: scalar = ones
     state k: scalar = zeros
+    state d: scalar = lr
     s = b * s + sum(g * g)
     k = k + 1
-    p = p - lr * g / sqrt(s + k)
+    p = p - d * g / sqrt(s + k)
 }
 """
 
@@ -653,4 +656,5 @@ def test_states_of_one_number_that_read_a_reduction_are_written_by_a_first_block
             for (what, a), (_, b) in zip(leaves(*tri), leaves(*before)):
                 assert_same(a, b, f"skipped step changed {what}")
     assert float(tri[1]["s"]["e"]) == 0.125 and float(tri[1]["k"]["e"]) == 3.0
+    assert all(float(x) == pytest.approx(0.1) for x in tri[1]["d"].values())
     assert launches.names[-2:] == ["vega_first_block_finish0", "vega_first_block_update"]

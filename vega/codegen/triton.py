@@ -725,8 +725,8 @@ class Source:
         lin, r = self.lin, self.r
         lines = []
         olds = [x for x in self.targets if x in self.scalar_targets
-                and (x in news or any(n.op is Op.STATE and lin.ref(n) == x
-                                      for n in nodes.values()))]
+                and (not self.first_block or any(n.op is Op.STATE and lin.ref(n) == x
+                                                 for n in nodes.values()))]
         for x in olds:  # (the bits as stored, and the value in ct)
             dt = TL[self.storage[x]]
             lines += [f"ptr_{x} = tl.load(row + {self.col['in', x]}, mask=rmask, other=0)"
@@ -745,10 +745,15 @@ class Source:
         refs = _Refs(names)
         for line in computed:
             lines.append(f"{line.var} = {r.expr(refs, line.node, 'element')}")
-        for x, node in news.items():
-            if node.op is Op.STATE and lin.ref(node) == x:  # (kept as it is)
-                continue
+        for x in [] if self.first_block else olds:
+            node = news.get(x)
             dt = TL[self.storage[x]]
+            # (one the program keeps as it is: copied, as a step out of place writes it)
+            if node is None or (node.op is Op.STATE and lin.ref(node) == x):
+                lines += [f"out_{x} = tl.load(row + {self.col['out', x]}, mask=rmask, "
+                          f"other=0).to(tl.pointer_type({dt}))",
+                          f"tl.store(out_{x}, raw_{x}, mask=rmask)"]
+                continue
             value = r.operand(refs, node)
             if node.op is Op.CONST:
                 value = f"tl.full([BLOCK], {value}, {self.ct})"
