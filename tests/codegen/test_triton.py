@@ -35,8 +35,9 @@ if DEVICE == "cpu" and not triton_runtime._library_interpreted():
                 "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
 # every setting of the bool hyperparameters; and the programs without a momentum buffer
-# (hyper_values gives momentum 0.01); of the programs this backend compiles (one with a
-# state of one number per tensor runs on the reference's, every backend: test_group_language)
+# (hyper_values gives momentum 0.01); of the programs this backend compiles (nadam's,
+# novograd's and schedule_free_adamw's states of one number per tensor included; a program
+# with reductions over a group runs on the reference's here: test_group_language)
 SPECS = [(name, flags) for name in vega.builtin_names()
          for flags in vega.builtin(name)._spec.flag_settings()
          if not vega.builtin(name)._spec.program(flags).torch_only] + [
