@@ -592,9 +592,8 @@ class Source:
         # them (``first_block``)
         self.scalar_targets = {state_var(s.name) for s in program.states
                                if s.dom == SCALAR_STATE}
-        found = plan.per_step_states(program) if program.scalar_states else None
-        self.per_tensor = found or {}
-        self.first_block = bool(self.scalar_targets) and found is None
+        self.per_tensor = plan.per_step_states(program) or {}
+        self.first_block = first_block(program)
         self.from_scal = dict(self.per_tensor)  # (ids of the values read from the scalars)
         for node in walk(n for _, n in program.updates):
             if node.op is Op.STATE and state_var(node.arg) in self.scalar_targets:
@@ -716,6 +715,26 @@ class Source:
                       "mask=rmask)"]
         return {"lines": lines, "slots": slots}
 
+    def _as_stored(self, value: str, x: str) -> str:
+        """``value`` (in ct) as output ``x`` stores it: bfloat16 rounded to nearest even,
+        another dtype converted (stochastic rounding aside: ``_stores``)."""
+        st = self.storage[x]
+        if st == "bfloat16":
+            return f"to_bf16({value})"
+        return f"{value}.to({TL[st]})" if TL[st] != self.ct else value
+
+    def _scalar_pointer(self, x: str, out: bool, masked: bool) -> str:
+        """The line reading the address of state ``x`` of one number per tensor (``out``: of
+        its new value) from the table row(s); ``masked``: rows of the scalars kernel."""
+        name, col = (f"out_{x}", self.col["out", x]) if out else (f"ptr_{x}", self.col["in", x])
+        rows = ", mask=rmask, other=0" if masked else ""
+        return (f"{name} = tl.load(row + {col}{rows})"
+                f".to(tl.pointer_type({TL[self.storage[x]]}))")
+
+    def _kept(self, x: str, node: Node | None) -> bool:
+        """Whether the program keeps state ``x`` as it is (no new value, or its old one)."""
+        return node is None or (node.op is Op.STATE and self.lin.ref(node) == x)
+
     def _per_tensor_lines(self, nodes: dict, news: dict) -> list[str]:
         """The scalars kernel's lines for the states of one number per tensor: each one's
         old value read, the values of one per tensor computed from them in the arithmetic's
@@ -724,13 +743,11 @@ class Source:
         old one, as it was, where it is skipped)."""
         lin, r = self.lin, self.r
         lines = []
+        read = {lin.ref(n) for n in nodes.values() if n.op is Op.STATE}
         olds = [x for x in self.targets if x in self.scalar_targets
-                and (not self.first_block or any(n.op is Op.STATE and lin.ref(n) == x
-                                                 for n in nodes.values()))]
+                and (not self.first_block or x in read)]
         for x in olds:  # (the bits as stored, and the value in ct)
-            dt = TL[self.storage[x]]
-            lines += [f"ptr_{x} = tl.load(row + {self.col['in', x]}, mask=rmask, other=0)"
-                      f".to(tl.pointer_type({dt}))",
+            lines += [self._scalar_pointer(x, out=False, masked=True),
                       f"raw_{x} = tl.load(ptr_{x}, mask=rmask, other=0.0)",
                       f"{x} = raw_{x}.to({self.ct})"]
         names = dict(lin.names)  # the scalars they read, rounded to ct under names of their own
@@ -747,21 +764,15 @@ class Source:
             lines.append(f"{line.var} = {r.expr(refs, line.node, 'element')}")
         for x in [] if self.first_block else olds:
             node = news.get(x)
-            dt = TL[self.storage[x]]
-            # (one the program keeps as it is: copied, as a step out of place writes it)
-            if node is None or (node.op is Op.STATE and lin.ref(node) == x):
-                lines += [f"out_{x} = tl.load(row + {self.col['out', x]}, mask=rmask, "
-                          f"other=0).to(tl.pointer_type({dt}))",
-                          f"tl.store(out_{x}, raw_{x}, mask=rmask)"]
+            lines.append(self._scalar_pointer(x, out=True, masked=True))
+            if self._kept(x, node):  # (copied: a step out of place writes it)
+                lines.append(f"tl.store(out_{x}, raw_{x}, mask=rmask)")
                 continue
             value = r.operand(refs, node)
             if node.op is Op.CONST:
                 value = f"tl.full([BLOCK], {value}, {self.ct})"
-            to = ".to(tl.float32).to(tl.bfloat16)" if dt == "tl.bfloat16" else f".to({dt})"
-            lines += [f"out_{x} = tl.load(row + {self.col['out', x]}, mask=rmask, other=0)"
-                      f".to(tl.pointer_type({dt}))",
-                      f"tl.store(out_{x}, tl.where(finite, ({value}){to}, raw_{x}), "
-                      "mask=rmask)"]
+            lines.append(f"tl.store(out_{x}, tl.where(finite, {self._as_stored(value, x)}, "
+                         f"raw_{x}), mask=rmask)")
         return lines
 
     # -- kernels --------------------------------------------------------------
@@ -893,21 +904,17 @@ class Source:
             return []
         lines = ["if start == 0:  # this tensor's numbers, once"]
         for x in sorted(self.scalar_targets, key=self.targets.index):
-            dt = TL[self.storage[x]]
             node = new.get(x)
-            lines += [f"    ptr_{x} = tl.load(row + {self.col['in', x]})"
-                      f".to(tl.pointer_type({dt}))",
-                      f"    out_{x} = tl.load(row + {self.col['out', x]})"
-                      f".to(tl.pointer_type({dt}))"]
-            if node is None or (node.op is Op.STATE and self.lin.ref(node) == x):
+            lines += ["    " + self._scalar_pointer(x, out=False, masked=False),
+                      "    " + self._scalar_pointer(x, out=True, masked=False)]
+            if self._kept(x, node):
                 lines.append(f"    tl.store(out_{x}, tl.load(ptr_{x}))")
                 continue
             value = self.r.operand(self.lin, node)
             if node.op is Op.CONST:
                 value = f"tl.full((), {value}, {self.ct})"
-            to = ".to(tl.float32).to(tl.bfloat16)" if dt == "tl.bfloat16" else f".to({dt})"
             lines += ["    if finite:",
-                      f"        tl.store(out_{x}, ({value}){to})",
+                      f"        tl.store(out_{x}, {self._as_stored(value, x)})",
                       "    else:",
                       f"        tl.store(out_{x}, tl.load(ptr_{x}))"]
         return lines
@@ -961,17 +968,12 @@ class Source:
                 finite.append(f"    tl.store({self.out_ptr[x]} + offsets, {self.stored[x]}, "
                               "mask=mask)")
                 continue
-            st = self.storage[x]
             if node.op is Op.CONST:
                 value = f"tl.full([BLOCK], {value}, {self.ct})"
             elif node.kind < Kind.ELEMENT:  # one value per tensor: as a block
                 finite.append(f"    {value} = {value} + tl.zeros([BLOCK], dtype={self.ct})")
-            if x in self._rounded():
-                value = f"to_bf16_sr({value}, key_{x}, {index})"
-            elif st == "bfloat16":
-                value = f"to_bf16({value})"
-            elif TL[st] != self.ct:
-                value = f"{value}.to({TL[st]})"
+            value = f"to_bf16_sr({value}, key_{x}, {index})" if x in self._rounded() \
+                else self._as_stored(value, x)
             finite.append(f"    tl.store({self.out_ptr[x]} + offsets, {value}, mask=mask)")
         return ["if finite:", *finite, "else:  # a skipped step: the old bits, as they were",
                 *skipped]
@@ -1050,6 +1052,14 @@ class Source:
 _SERIAL = itertools.count()
 
 
+def first_block(program: Program) -> bool:
+    """Whether the update computes the new values of ``program``'s states of one number per
+    tensor (a new value reads a reduction of the elements: ``plan.per_step_states``), and
+    the program of each tensor's first block writes them; otherwise the scalars kernel
+    does, once a step."""
+    return program.scalar_states and plan.per_step_states(program) is None
+
+
 def kernel_prefix(program: Program) -> str:
     """What the names of a program's kernels begin with (``vega_adamw_update``)."""
     return f"vega_{program.name}"
@@ -1080,8 +1090,8 @@ class Kernel:
         self.phase_sizes = [len(p) for p in reduction_phases(program)]
         self.nred = sum(self.phase_sizes)
         # the update writes the states of one number per tensor, in each tensor's first
-        # block: an empty tensor gets a block too (``Source.first_block``)
-        self.first_block = program.scalar_states and plan.per_step_states(program) is None
+        # block: an empty tensor gets a block too
+        self.first_block = first_block(program)
         # the staged path's launches (kind, kernel, domain, wide, partial results)
         self.plan = None
         if program.uses_axes:

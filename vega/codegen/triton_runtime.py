@@ -125,14 +125,11 @@ def update_block(dtypes, program) -> int:
     thread where it streams more than UPDATE_STATES states like the parameter, or keeps
     8-bit state (see UPDATE_REGISTERS)."""
     block = block_size(dtypes)
-    if _small_blocks() or not (program.quant or _wide(program)):
+    wide = sum(st.dom == "rc" for st in program.states) > UPDATE_STATES
+    ways = bool(program.quant) + wide  # (adan with 8-bit state, both: 2 a thread)
+    if _small_blocks() or not ways:
         return block
-    both = bool(program.quant) and _wide(program)  # (adan with 8-bit state: 2 a thread)
-    return min(block, 32 * WARPS_GPU * NARROW_ELEMENTS // (2 if both else 1))
-
-
-def _wide(program) -> bool:
-    return sum(st.dom == "rc" for st in program.states) > UPDATE_STATES
+    return min(block, 32 * WARPS_GPU * NARROW_ELEMENTS // ways)
 
 
 def load_module(text: str, name: str) -> dict:
