@@ -36,8 +36,8 @@ if DEVICE == "cpu" and not triton_runtime._library_interpreted():
 
 # every setting of the bool hyperparameters; and the programs without a momentum buffer
 # (hyper_values gives momentum 0.01); of the programs this backend compiles (nadam's,
-# novograd's and schedule_free_adamw's states of one number per tensor included; a program
-# with reductions over a group runs on the reference's here: test_group_language)
+# novograd's and schedule_free_adamw's states of one number per tensor included, and
+# prodigy's and dadapt_adamw's reductions over the group, in the kernels' phases)
 SPECS = [(name, flags) for name in vega.builtin_names()
          for flags in vega.builtin(name)._spec.flag_settings()
          if not vega.builtin(name)._spec.program(flags).torch_only] + [
@@ -124,7 +124,7 @@ def test_matches_reference_5_steps(name, flags, fused):
                 assert_same(a, b, f"skipped step changed {what}")
 
 
-@pytest.mark.parametrize("name", ["adamw", "lamb"])
+@pytest.mark.parametrize("name", ["adamw", "lamb", "prodigy"])
 def test_donate_matches_pure_and_updates_in_place(name):
     spec = vega.builtin(name)
     params = make_params()
@@ -282,9 +282,11 @@ class Launches:
         monkeypatch.setattr(triton_runtime, "launch", counting)
 
 
-@pytest.mark.parametrize("name,donate", [("lamb", False), ("sgd", True)])
+@pytest.mark.parametrize("name,donate", [("lamb", False), ("sgd", True), ("prodigy", True)])
 def test_launches_per_step_do_not_grow_with_tensors(monkeypatch, name, donate):
-    """One launch per phase for all tensors: the same launches for 3 tensors as for 300."""
+    """One launch per phase for all tensors: the same launches for 3 tensors as for 300
+    (prodigy's sums over the group too: each tensor's part in a phase, summed between
+    launches)."""
     spec = vega.builtin(name)
     counts, launches = {}, Launches(monkeypatch)
     for n in (3, 300):
@@ -295,7 +297,7 @@ def test_launches_per_step_do_not_grow_with_tensors(monkeypatch, name, donate):
                   skip_nonfinite=True, donate=donate)
         counts[n] = list(launches.names)
     k = f"vega_{name}"  # the kernels' names begin with it
-    phases = [f"{k}_phase0", f"{k}_finish0"] if name == "lamb" else []
+    phases = [f"{k}_phase0", f"{k}_finish0"] if name != "sgd" else []
     # (this step's scalars once, then the update, which advances the counters too)
     assert counts[3] == counts[300] == [f"{k}_prelude", f"{k}_scalars",
                                         *phases, f"{k}_update"]

@@ -130,16 +130,19 @@ def every_update():
 def test_every_update_fits_in_64_registers_without_spilling(every_update):
     """Every shipped spec's update over bfloat16 parameters (float32 state), at the runtime's
     BLOCK and warps and register cap (``triton_runtime.update_registers``): at most 64
-    registers a thread, no spill, and still 128-bit accesses. Adan's four states take 4
-    values a thread (``triton_runtime.update_block``): at 8, 80 registers uncapped, and 48
-    bytes spilled under the cap."""
+    registers a thread, no spill, and still 128-bit accesses. Adan's and Prodigy's four
+    states, and D-Adaptation's three with two numbers per tensor the update computes, take
+    4 values a thread (``triton_runtime.update_block``): at 8, Adan needs 80 registers
+    uncapped and spills 48 bytes under the cap, D-Adaptation 8; at 4, each float32 state
+    is still read 128 bits at a time (the bfloat16 parameter and gradient 64)."""
+    narrow = {"adan": 4, "prodigy": 4, "dadapt_adamw": 3}  # (their float32 states)
     assert len(every_update) >= 20, sorted(every_update)
     for name, (launch, f) in every_update.items():
         assert f.spill_stores == f.spill_loads == 0, (name, f)
-        assert f.v4_loads >= 4 and f.v4_stores >= 3, (name, f)
+        assert f.v4_loads >= narrow.get(name, 4) and f.v4_stores >= 3, (name, f)
         assert launch.maxnreg == 64 and f.registers <= 64, (name, f)
         block = dict(launch.constexprs)["BLOCK"]
-        assert block == (1024 if name == "adan" else 2048), (name, block)
+        assert block == (1024 if name in narrow else 2048), (name, block)
 
 
 def test_no_kernel_spills(compiled):

@@ -7,11 +7,14 @@ import os
 import sys
 import tempfile
 
-import torch
-import torch.distributed as dist
+if any(c.startswith("triton-") for c in sys.argv[4:]):  # (set before triton is imported)
+    os.environ["TRITON_INTERPRET"] = "1"
 
-import vega
-from vega.codegen import quant
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import vega  # noqa: E402
+from vega.codegen import quant  # noqa: E402
 
 RANK, WORLD, OUT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 CHECKS = sys.argv[4:]
@@ -103,10 +106,10 @@ class Staged:
     active: a sorted list of their backends."""
 
     def __enter__(self):
-        from vega.codegen import reference
+        from vega.codegen import reference, triton
         from vega.codegen.c import launch
         self.kinds, self.saved = set(), []
-        for cls in (reference.Kernel, launch.Kernel):
+        for cls in (reference.Kernel, launch.Kernel, triton.Kernel):
             fn = cls.staged
             self.saved.append((cls, fn))
 
@@ -133,11 +136,14 @@ def sharded(net, mesh=None):
     return net
 
 
-def fsdp_against_unsharded(name: str, hybrid: bool = False) -> None:
+def fsdp_against_unsharded(name: str, hybrid: bool = False, backend=None) -> None:
     """``name``'s class under FSDP2 against the same unsharded, five steps; ``hybrid``:
     HSDP over a 2 x (WORLD / 2) mesh, each shard replicated twice (a partial sum of a
-    replicated value counting once, each collective once per mesh dimension)."""
+    replicated value counting once, each collective once per mesh dimension); ``backend``:
+    both on that backend (Triton's under its interpreter, on CPU tensors)."""
     cls, hypers = OPTIMIZERS[name]
+    if backend is not None:
+        hypers = {**hypers, "backend": backend}
     plain = model()
     mesh = None
     if hybrid:
@@ -175,7 +181,8 @@ def fsdp_against_unsharded(name: str, hybrid: bool = False) -> None:
         found[f"hsdp-{name}"] = {"diff": worst, "staged": where.kinds}
         return
     assert counts == [COLLECTIVES[name]] * 5, (name, counts)
-    found[name] = {"diff": worst, "collectives": counts[0], "staged": where.kinds}
+    found[name if backend is None else f"{backend}-{name}"] = {
+        "diff": worst, "collectives": counts[0], "staged": where.kinds}
 
 
 def nan_skips() -> None:
@@ -186,9 +193,9 @@ def nan_skips() -> None:
     found["nan"] = "skipped"
 
 
-def nan_skips_with(cls) -> None:
+def nan_skips_with(cls, **kw) -> None:
     net = sharded(model())
-    opt = cls(net.parameters(), lr=1e-2, skip_nonfinite=True)
+    opt = cls(net.parameters(), lr=1e-2, skip_nonfinite=True, **kw)
     loss_of(net, 0).backward()
     opt.step()
     before = [p.to_local().clone() for p in net.parameters()]
@@ -642,6 +649,11 @@ def main() -> None:
             fsdp_against_unsharded(check)
         elif check.startswith("hsdp-"):
             fsdp_against_unsharded(check.removeprefix("hsdp-"), hybrid=True)
+        elif check == "triton-nan":  # (LAMB's norms, split by shards, in Triton's phases)
+            nan_skips_with(vega.optim.LAMB, backend="triton")
+            found[check] = "skipped"
+        elif check.startswith("triton-"):
+            fsdp_against_unsharded(check.removeprefix("triton-"), backend="triton")
         else:
             {"nan": nan_skips, "dcp": dcp_resume, "zero": zero_against_ddp,
              "dcp-ddp": lambda: dcp_resume("ddp"), "docs": docs_example,

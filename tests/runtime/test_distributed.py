@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from vega.codegen import c as c_backend
+from vega.codegen import triton as triton_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("distributed_script.py")
@@ -111,6 +112,25 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     # ranks of float32 and float64 leaves, and a rank without any, reduce alike (to
     # float32's precision: the script checks each rank's answer)
     assert found[0]["mixed-dtypes"] == "agree"
+
+
+@pytest.mark.skipif(not triton_backend.available(), reason="needs triton")
+def test_fsdp2_on_the_triton_kernels(tmp_path):
+    """The Triton kernels (under the interpreter, on CPU tensors) step FSDP2's shards as the
+    C kernels do: per-tensor reductions a shard splits, and sums over the group, in their
+    own phases, whose raw partial results are combined across ranks; Adafactor's factored
+    matrices on the reference's stages. A NaN in one rank's shard skips the step there too."""
+    found = launch(2, ["triton-AdamW", "triton-LAMB", "triton-Adafactor", "triton-per_tensor",
+                       "triton-Prodigy", "triton-nan"], tmp_path)
+    assert found[0] == found[1]
+    for name, collectives, staged in (("AdamW", 1, []), ("LAMB", 2, ["triton"]),
+                                      ("Adafactor", 4, ["reference", "triton"]),
+                                      ("per_tensor", 3, ["triton"]),
+                                      ("Prodigy", 2, ["triton"])):
+        got = found[0][f"triton-{name}"]
+        assert got["diff"] <= 1e-9 and got["collectives"] == collectives, (name, got)
+        assert got["staged"] == staged, (name, got)
+    assert found[0]["triton-nan"] == "skipped"
 
 
 def test_fsdp2_on_four_ranks(tmp_path):

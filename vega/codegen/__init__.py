@@ -60,7 +60,7 @@ def kernel(backend: str, program: Program):
 
 def _kernel(backend: str, program: Program, counting: bool):
     found = program.kernels.get(backend)
-    if found is None and backend != "reference" and _reference_only(backend, program):
+    if found is None and backend != "reference" and _reference_only(program):
         check_backend(backend)  # (what only the reference computes runs there on any device)
         found = program.kernels[backend] = _kernel("reference", program, counting)
     elif found is None:
@@ -74,16 +74,12 @@ def _kernel(backend: str, program: Program, counting: bool):
     return found
 
 
-def _reference_only(backend: str, program: Program) -> bool:
+def _reference_only(program: Program) -> bool:
     """Whether ``backend`` hands ``program`` to the reference kernels: matrices (only they
-    compute them); over a matrix view, a state of one number per tensor; on Triton,
-    reductions over a group (the C kernels hand a program whose stages they do not run to
-    the reference's themselves: ``Kernel.__call__``)."""
-    if program.torch_only:
-        return True
-    if program.scalar_states and program.uses_axes:
-        return True
-    return program.spans_group and backend == "triton"
+    compute them); over a matrix view, a state of one number per tensor. (The C and Triton
+    kernels hand a program with reductions over a group whose stages they do not run to
+    the reference's themselves: ``Kernel.__call__``.)"""
+    return program.torch_only or bool(program.scalar_states and program.uses_axes)
 
 
 def _cache_info():

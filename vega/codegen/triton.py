@@ -67,6 +67,7 @@ from vega.codegen import plan, precision, quant, reference, triton_runtime
 from vega.codegen.base import Linear, Renderer, linearize, state_dtype_names, state_var
 from vega.codegen.base import codes_without_scales, reduction_phases
 from vega.codegen.record import PRE_SLOTS, named
+from vega.codegen.steps import run_staged
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, REDUCTIONS, SCALAR_STATE, Kind, Node,
                          Op, Program, walk)
 
@@ -871,11 +872,12 @@ class Source:
                 acc_init.append(f"{acc} = tl.zeros([BLOCK], dtype=tl.float64)")
                 acc_step.append(f"{acc} += tl.load(part_ptr + blocks * {np_} + {q}, mask=mask, "
                                 "other=0.0)")
-            value = {Op.NORM: f"tl.sqrt(tl.sum({acc}))", Op.SUM: f"tl.sum({acc})",
-                     Op.MEAN: f"tl.sum({acc}) / numel",
-                     Op.AMAX: f"nanmax({acc})"}[node.op]
-            results.append(f"tl.store(red_ptr + i * NRED + {self.slots[id(node)]}, {value})"
-                           f"  # {name}")
+            raw = f"nanmax({acc})" if node.op is Op.AMAX else f"tl.sum({acc})"
+            value = {Op.NORM: f"tl.sqrt({raw})", Op.MEAN: f"{raw} / numel"}.get(node.op, raw)
+            at = f"red_ptr + i * NRED + {self.slots[id(node)]}"
+            results += ([f"if RAW:  # {name}", f"    tl.store({at}, {raw})", "else:",
+                         f"    tl.store({at}, {value})"] if value != raw else
+                        [f"tl.store({at}, {value})  # {name}"])
         if any(n.op is Op.MEAN for n in phase):
             results.insert(0, f"numel = tl.load(table_ptr + i * ROW + {count}).to(tl.float64)")
         what = ", ".join(f"{_WHAT[n.op]}" for n in phase)
@@ -1089,6 +1091,7 @@ class Kernel:
         self._reference = reference.Kernel(program)
         self.phase_sizes = [len(p) for p in reduction_phases(program)]
         self.nred = sum(self.phase_sizes)
+        self.global_keys = reference.global_keys(program)  # its reductions over a group
         # the update writes the states of one number per tensor, in each tensor's first
         # block: an empty tensor gets a block too
         self.first_block = first_block(program)
@@ -1138,14 +1141,32 @@ class Kernel:
         (``__call__``'s ``adjust``), in its last launch: eagerly, a dynamic scale on the
         parameters' device, at least one parameter."""
         return (donate and bool(params) and loss_scale is not None and loss_scale.is_dynamic
-                and not torch.compiler.is_compiling()
+                and not torch.compiler.is_compiling() and not self.program.spans_group
                 and all(t.device == params[0].device for t in loss_scale.tensors()))
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None, adjust=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``; ``adjust``: a
         ``LossScale`` to adjust in place, where ``adjusts`` said so."""
+        if self.program.spans_group:  # its reductions over the group, between phases
+            kern = self if self.stageable else self._reference
+            return run_staged(kern, params, grads, states, steps, values, donate, pre)
         return triton_runtime.step(self, params, grads, states, steps, values, donate, pre,
                                    adjust)
+
+    @property
+    def stageable(self) -> bool:
+        """Whether ``staged`` runs this program here: its reductions are per tensor, each of
+        per-element values (``vega.codegen.c.Kernel.stageable``); a program over a matrix
+        view steps its shards on the reference's staged step."""
+        return self.plan is None and all(
+            n.src[0].kind == Kind.ELEMENT and n.src[0].dom == "rc"
+            for ph in reduction_phases(self.program) for n in ph)
+
+    def staged(self, params, grads, states, steps, values, donate, pre, views):
+        """``vega.codegen.reference.Kernel.staged`` in these kernels (where ``stageable``):
+        ``triton_runtime.staged``."""
+        return triton_runtime.staged(self, params, grads, states, steps, values, donate, pre,
+                                     views)
 
 
 def available() -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import math
 import operator
 import os
 import weakref
@@ -36,12 +37,14 @@ from collections import OrderedDict
 import torch
 from torch.autograd.graph import increment_version
 
-from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, state_key
+from vega.codegen import plan
+from vega.codegen.base import (HyperRows, axis_geometry, check_states, distinct,
+                               reduction_phases, state_key)
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, own_ops_words,
                                   readable, refuse_inplace)
-from vega.dsl.ir import QBLOCK, SCALAR_STATE
+from vega.dsl.ir import QBLOCK, SCALAR_STATE, Op
 
 # on a GPU: warps a program, and bytes of its narrowest tensor each thread reads or writes
 # at once (one 128-bit access); a program's BLOCK is 32 * WARPS_GPU threads times the elements
@@ -58,7 +61,9 @@ WARPS_GPU, BYTES_PER_ACCESS = 8, 16
 # four), or keeps 8-bit state, holds too many values at 8 a thread: its phases and update
 # take 4 elements a thread whatever the dtypes (``update_block``; a bfloat16 tensor then read
 # 64 bits at a time), and fit in 64 registers so (adan 48, bfloat16 AdamW with 8-bit state
-# 64, against 80 and 118-121 at 8 a thread, which spill under the cap)
+# 64, against 80 and 118-121 at 8 a thread, which spill under the cap). A state of one
+# number per tensor whose new value the update computes (``triton.first_block``) counts as
+# one such state (D-Adaptation's three and two: 8 bytes spilled at 8 a thread, none at 4)
 UPDATE_REGISTERS, UPDATE_STATES, NARROW_ELEMENTS = 64, 3, 4
 ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 # (8-bit codes, vega.codegen.quant, do not set the block: a block of their tensor's floats)
@@ -125,7 +130,9 @@ def update_block(dtypes, program) -> int:
     thread where it streams more than UPDATE_STATES states like the parameter, or keeps
     8-bit state (see UPDATE_REGISTERS)."""
     block = block_size(dtypes)
-    wide = sum(st.dom == "rc" for st in program.states) > UPDATE_STATES
+    computed = program.scalar_states and plan.per_step_states(program) is None
+    wide = sum(st.dom == "rc" or (computed and st.dom == SCALAR_STATE)
+               for st in program.states) > UPDATE_STATES
     ways = bool(program.quant) + wide  # (adan with 8-bit state, both: 2 a thread)
     if _small_blocks() or not ways:
         return block
@@ -459,9 +466,22 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
     kern = kernel_of(kernel)
     device = finite.device
     check_device(device)
+    src_t = steps if inplace else old_steps
+    with _on(device):
+        found, hyp = _tables(kern, params, states, grads, old_params, old_states, src_t,
+                             step_index, hyper_tensors, hyper_floats, hyper_slots,
+                             hyper_index, inplace, device)
+        _launch_groups(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
+                       scale_config, device)
+
+
+def _tables(kern, params, states, grads, old_params, old_states, src_t, step_index,
+            hyper_tensors, hyper_floats, hyper_slots, hyper_index, inplace, device):
+    """(the tables of a step, per dtype group: its dtypes, positions, rows on the host,
+    whether every address is 16-byte aligned and the tensors' lengths; the
+    hyperparameters' device array), on the device ``_on``: ``_step_impl``'s arguments."""
     n, nstate = len(params), len(kern.program.states)
-    src_p, src_s, src_t = (params, states, steps) if inplace else (
-        old_params, old_states, old_steps)
+    src_p, src_s = (params, states) if inplace else (old_params, old_states)
     nhyper = len(kern.program.float_hypers)
     width = max(nhyper, 1) * 8
     groups = _groups(src_p, grads, src_s, n, nstate)
@@ -471,37 +491,45 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
     p_in, s_in = (p_out, s_out) if inplace else (list(map(ptr, src_p)), list(map(ptr, src_s)))
     g_at, t_at = list(map(ptr, grads)), list(map(ptr, src_t))
     numels = list(map(torch.Tensor.numel, params))
-    with _on(device):
-        hyp = _hyper_array(device, nhyper, max(hyper_index, default=-1) + 1, hyper_tensors,
-                           hyper_floats, hyper_slots)
-        h_at = hyp.data_ptr()
-        found = []  # (dtypes, positions, the table's rows on the host, aligned, lengths)
-        for key, idx in groups.items():
-            rows = []
-            misaligned = 0
-            for i in idx:
-                ins = s_in[i::n] if nstate else []
-                outs = s_out[i::n] if nstate else []
-                rows.append([numels[i], p_in[i], g_at[i], *ins, t_at[step_index[i]],
-                             h_at + hyper_index[i] * width, p_out[i], *outs])
-                for a in (p_in[i], g_at[i], p_out[i], *ins, *outs):
-                    misaligned |= a
-            if kern.plan is not None:
-                rows = [row + extra for row, extra in zip(
-                    rows, _geometry(kern, [params[i].shape for i in idx]))]
-            found.append((key, idx, torch.tensor(rows, dtype=torch.int64), misaligned % 16 == 0,
-                          tuple(numels[i] for i in idx)))
-        _launch_groups(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
-                       scale_config, device)
+    hyp = _hyper_array(device, nhyper, max(hyper_index, default=-1) + 1, hyper_tensors,
+                       hyper_floats, hyper_slots)
+    h_at = hyp.data_ptr()
+    found = []  # (dtypes, positions, the table's rows on the host, aligned, lengths)
+    for key, idx in groups.items():
+        rows = []
+        misaligned = 0
+        for i in idx:
+            ins = s_in[i::n] if nstate else []
+            outs = s_out[i::n] if nstate else []
+            rows.append([numels[i], p_in[i], g_at[i], *ins, t_at[step_index[i]],
+                         h_at + hyper_index[i] * width, p_out[i], *outs])
+            for a in (p_in[i], g_at[i], p_out[i], *ins, *outs):
+                misaligned |= a
+        if kern.plan is not None:
+            rows = [row + extra for row, extra in zip(
+                rows, _geometry(kern, [params[i].shape for i in idx]))]
+        found.append((key, idx, torch.tensor(rows, dtype=torch.int64), misaligned % 16 == 0,
+                      tuple(numels[i] for i in idx)))
+    return found, hyp
 
 
-def _launch_groups(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
-                   scale_config, device, counters=None) -> None:
+def _launch_groups(*args, **kwargs) -> None:
+    """``_launches`` of a step whose reductions are all this process's (it yields
+    nothing)."""
+    for _ in _launches(*args, **kwargs):
+        raise AssertionError("a step without shards stopped for combined reductions")
+
+
+def _launches(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
+              scale_config, device, counters=None, views=None):
     """The launches of a step (``_step_impl``) given its tables: ``found``, a (dtypes,
     positions, the table's rows on the host, whether every address is 16-byte aligned, the
     tensors' lengths) per dtype group, on the device ``_on``; ``counters``: the step
     counters' table on the host (each one's address read, then written), or None to make
-    it here."""
+    it here. A generator: given ``views`` (each tensor's ``ShardView`` or None, the step
+    over shards: ``staged``), it yields each phase's per-tensor partial results and is sent
+    them back combined across processes (``vega.codegen.steps.drive``); otherwise it yields
+    nothing."""
     name = kern.prefix
     has_pre = pre is not None
     # each group's table and this step's scalars, all computed before any counter moves
@@ -523,21 +551,42 @@ def _launch_groups(kern, found, params, src_t, steps, finite, pre, hyp, scale_st
     scale_tab = _device(torch.tensor([t.data_ptr() for t in scale_state],
                                      dtype=torch.int64), device) if adjust else finite
     scale_cfg = scale_config if adjust else finite
-    for w, (key, idx, mod, table, scal, aligned, numels) in enumerate(work):
+    # each element-wise group's blocks and per-tensor reductions (a step over shards steps
+    # a group without blocks too: its partial results count, as zeros)
+    maps = []
+    for key, idx, mod, table, scal, aligned, numels in work:
         if kern.plan is not None:
-            _staged(kern, mod, table, [params[i].shape for i in idx], key, pre, scal, device)
+            maps.append(None)
             continue
         block = update_block(key, kern.program)
         bmap = block_map(numels, block, device, kern.first_block)
-        if bmap.nblocks == 0:
-            continue
-        red = torch.empty((len(idx), max(kern.nred, 1)), dtype=torch.float64, device=device)
-        for k, nparts in enumerate(kern.phase_sizes):
-            part = torch.empty((bmap.nblocks, nparts), dtype=torch.float64, device=device)
-            launch(mod[f"{name}_phase{k}"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
-                   scal, red, part, HAS_PRE=has_pre, ALIGNED=aligned, BLOCK=block)
+        maps.append((block, bmap, torch.empty((len(idx), max(kern.nred, 1)),
+                                              dtype=torch.float64, device=device))
+                    if bmap.nblocks or views is not None else None)
+    slot = 0
+    for k, nparts in enumerate(kern.phase_sizes):
+        for (key, idx, mod, table, scal, aligned, _), m in zip(work, maps):
+            if m is None:
+                continue
+            block, bmap, red = m
+            part = torch.empty((max(bmap.nblocks, 1), nparts), dtype=torch.float64,
+                               device=device)
+            if bmap.nblocks:
+                launch(mod[f"{name}_phase{k}"], (bmap.nblocks,), table, bmap.tensor,
+                       bmap.start, scal, red, part, HAS_PRE=has_pre, ALIGNED=aligned,
+                       BLOCK=block)
             launch(mod[f"{name}_finish{k}"], (len(idx),), table, bmap.first, part, red,
-                   BLOCK=FINISH_BLOCK, num_warps=4)
+                   BLOCK=FINISH_BLOCK, RAW=views is not None, num_warps=4)
+        if views is not None:
+            yield from _combined(kern, work, maps, views, k, slot)
+        slot += nparts
+    for w, ((key, idx, mod, table, scal, aligned, numels), m) in enumerate(zip(work, maps)):
+        if kern.plan is not None:
+            _staged(kern, mod, table, [params[i].shape for i in idx], key, pre, scal, device)
+            continue
+        if m is None or m[1].nblocks == 0:
+            continue
+        block, bmap, red = m
         last = w == len(work) - 1 and not advanced  # the last launch advances the counters
         launch(mod[f"{name}_update"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
                scal, red, counters if last else table, len(steps) if last else 0, finite,
@@ -550,6 +599,36 @@ def _launch_groups(kern, found, params, src_t, steps, finite, pre, hyp, scale_st
         launch(mod[f"{name}_advance"], (1,), counters, len(steps),
                pre if has_pre else hyp, finite, scale_tab, scale_cfg, HAS_PRE=has_pre,
                ADJUST=adjust, num_warps=4)
+
+
+def _combined(kern, work, maps, views, k, slot):
+    """Phase ``k``'s reductions over shards (``_launches``): each tensor's raw partial
+    result (the finish kernels' ``RAW``), a sum times its ``ShardView.weight``, yielded as
+    ``vega.codegen.c.Kernel.staged`` yields them, one tensor a reduction and dtype group;
+    the totals sent back finished (a norm's square root, a mean divided by the whole
+    tensor's count) into the reduction buffers for the next phase and the update to
+    read."""
+    phase = reduction_phases(kern.program)[k]
+    parts, finish = [], []
+    for (_, idx, *_, numels), m in zip(work, maps):
+        if m is None:
+            continue
+        red = m[2]
+        weight = torch.tensor([views[i].weight if views[i] is not None else 1.0 for i in idx],
+                              dtype=torch.float64, device=red.device)
+        count = torch.tensor([math.prod(views[i].full.full) if views[i] is not None else n
+                              for i, n in zip(idx, numels)], dtype=torch.float64,
+                             device=red.device)
+        for q, node in enumerate(phase):
+            how = "max" if node.op is Op.AMAX else "sum"
+            raw = red[:, slot + q]
+            parts.append((how, raw.clone() if how == "max" else raw * weight,
+                          kern.global_keys.get(id(node))))
+            finish.append((red, slot + q, node.op, count))
+    combined = yield parts
+    for (red, c, op, count), value in zip(finish, combined):
+        red[:, c] = value.sqrt() if op is Op.NORM else (value / count if op is Op.MEAN
+                                                        else value)
 
 
 def _geometry(kern, shapes) -> list[list[int]]:
@@ -586,7 +665,7 @@ def _staged(kern, mod, table, shapes, dtypes, pre, scal, device) -> None:
         bmap = block_map(tuple(geo[dom] for geo in geos), block, device)
         if kind == "finish":
             launch(mod[f"{name}_{fn}"], (len(geos),), table, bmap.first, parts[dom], red,
-                   BLOCK=FINISH_BLOCK, num_warps=4)
+                   BLOCK=FINISH_BLOCK, RAW=False, num_warps=4)
             continue
         args = [table, bmap.tensor, bmap.start, scal, red, tmp]
         if nparts:
@@ -746,14 +825,9 @@ def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pr
     return finite
 
 
-def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
-    """See ``vega.codegen.reference.Kernel.__call__``. ``adjust``: a dynamic ``LossScale``
-    on the parameters' device, adjusted in place by this step's last launch (eagerly, in
-    place, with parameters: ``Kernel.adjusts``), after ``finite_of(pre)``."""
-    n, nstate = len(params), len(states)
-    device = params[0].device if n else (pre.device if pre is not None else torch.device("cpu"))
-    # distinct step counters and hyperparameter sets (the same object is shared by many tensors)
-    uniq_steps, step_index = distinct(steps)
+def _hypers(kern, values) -> tuple[list, list, list, list]:
+    """The hyperparameters of a step's tensors as ``vega::triton_step`` takes them: (0-d
+    tensors, floats, each value's place among those, each tensor's set of values)."""
     hyper_tensors, hyper_floats, hyper_slots = [], [], []
     if isinstance(values, HyperRows):  # the table as it is: _hyper_array takes it whole
         uniq_values, hyper_index = [], values.index
@@ -769,7 +843,19 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
             else:
                 hyper_slots.append(-1 - len(hyper_floats))
                 hyper_floats.append(float(v))
-    hypers = (hyper_tensors, hyper_floats, hyper_slots, hyper_index)
+    return hyper_tensors, hyper_floats, hyper_slots, hyper_index
+
+
+def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
+    """See ``vega.codegen.reference.Kernel.__call__``. ``adjust``: a dynamic ``LossScale``
+    on the parameters' device, adjusted in place by this step's last launch (eagerly, in
+    place, with parameters: ``Kernel.adjusts``), after ``finite_of(pre)``."""
+    n, nstate = len(params), len(states)
+    device = params[0].device if n else (pre.device if pre is not None else torch.device("cpu"))
+    # distinct step counters and hyperparameter sets (the same object is shared by many tensors)
+    uniq_steps, step_index = distinct(steps)
+    hypers = _hypers(kern, values)
+    hyper_tensors, hyper_floats, hyper_slots, hyper_index = hypers
     if donate and n and not torch.compiler.is_compiling():
         finite = _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pre,
                               adjust, device)
@@ -818,3 +904,49 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
     elif not uniq_steps:  # no counter to advance: the flag from the prelude's record
         finite = finite_of(pre)
     return new_p, new_s, [new_t[j] for j in step_index], finite
+
+
+def staged(kern, params, grads, states, steps, values, donate, pre, views):
+    """``vega.codegen.reference.Kernel.staged`` in these kernels (where
+    ``Kernel.stageable``): each phase's kernels leave every tensor's partial results (a sum
+    of squares, a sum, a maximum) in the reduction buffer; they are yielded (``_combined``),
+    sent back combined over all processes and finished there, for the next phase and the
+    update to read. In place on copies where not ``donate``."""
+    n = len(params)
+    device = params[0].device if n else (pre.device if pre is not None else torch.device("cpu"))
+    uniq_steps, step_index = distinct(steps)
+    hyper_tensors, hyper_floats, hyper_slots, hyper_index = _hypers(kern, values)
+    _check_all(kern, params, grads, states, device)
+    check_states("triton", kern.program, params, states)
+    grads = readable(grads)
+    flat = [s for col in states for s in col]
+    if donate:
+        refuse_inplace("triton", kern.program.state_names, params, flat, uniq_steps)
+    else:
+        params, flat = [p.clone() for p in params], [s.clone() for s in flat]
+        uniq_steps = [s.clone() for s in uniq_steps]
+    work_p, work_s = readable(params), readable(flat)
+    finite = torch.empty((), dtype=torch.bool, device=device)
+    check_device(device)
+    with _on(device):
+        found, hyp = _tables(kern, work_p, work_s, grads, [], [], uniq_steps, step_index,
+                             hyper_tensors, hyper_floats, hyper_slots, hyper_index, True,
+                             device)
+    gen = _launches(kern, found, work_p, uniq_steps, uniq_steps, finite, pre, hyp, [], None,
+                    device, views=views)
+    answer = None
+    while True:  # (the device made current for the launches alone, not between them)
+        with _on(device):
+            try:
+                parts = gen.send(answer)
+            except StopIteration:
+                break
+        answer = yield parts
+    increment_version(work_p)
+    copy_back([*params, *flat], [*work_p, *work_s])
+    if pre is None:
+        finite = None
+    elif not uniq_steps:
+        finite = finite_of(pre)
+    return (params, [flat[k * n:(k + 1) * n] for k in range(len(states))],
+            [uniq_steps[k] for k in step_index], finite)
