@@ -43,6 +43,39 @@ def test_products_and_transposes_of_the_matrix_view(backend):
         torch.testing.assert_close(as_matrices(got, r, c), want, rtol=1e-12, atol=1e-12)
 
 
+def test_a_number_times_a_products_operand_is_added_on_the_diagonal():
+    """``s * x + B @ x`` (B square, s one number: Newton-Schulz's ``a * x + ...``) is one
+    product of ``B + s I`` and ``x``, with no pass over ``x``'s size for ``s * x``: the
+    same values (float64), for a wide, a tall and a batched tensor, ``s`` a hyperparameter,
+    a per-tensor value or a number, on either side of the product and of the ``*``."""
+    text = """
+    optimizer o(a = 1.5) {
+        A = g @ transpose(g)
+        B = transpose(g) @ g
+        s = norm(g)
+        y = a * g + A @ g
+        z = B @ transpose(g) + transpose(g) * s
+        w = (2 * A + A @ A) @ g
+        p = p + y + transpose(z) + 0.5 * g + 3 * A @ g + w
+    }"""
+    # y, z and w's 2 * A + A @ A; not 0.5 * g nor 3 * A (no product of theirs added)
+    assert vega.compile(text).source("reference", (3, 5)).count("_matmul_shift(") == 3
+    gen = torch.Generator().manual_seed(1)
+    shapes = [((3, 5), 0, 1), ((5, 3), 1, 0), ((2, 3, 4), 1, 2)]
+    params = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _, _ in shapes]
+    grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _, _ in shapes]
+    new, _ = step(text, params, grads)
+    for (shape, r, c), p, g, got in zip(shapes, params, grads, new):
+        m = as_matrices(g, r, c)
+        a_, b_ = m @ m.mT, m.mT @ m
+        s_ = torch.linalg.vector_norm(g)
+        y = 1.5 * m + a_ @ m
+        z = b_ @ m.mT + m.mT * s_
+        w = (2 * a_ + a_ @ a_) @ m
+        want = as_matrices(p, r, c) + y + z.mT + 0.5 * m + 3 * a_ @ m + w
+        torch.testing.assert_close(as_matrices(got, r, c), want, rtol=1e-12, atol=1e-12)
+
+
 def test_a_vector_is_one_row_and_a_scalar_one_by_one():
     text = "optimizer o() {\n p = p + (g @ transpose(g)) @ g\n}"
     v, s = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), torch.tensor(2.0).double()

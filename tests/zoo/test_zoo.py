@@ -839,8 +839,8 @@ def test_schedule_free_eval_params_match_optax(case):
 def test_muon_bf16_against_torch():
     """With bf16 (the default), the Newton-Schulz iteration runs in bfloat16 as
     torch.optim.Muon's: the two agree to bfloat16's precision, not bitwise (torch's addmm
-    rounds b A + c A A once, vega each operation), each as far from the float64 iteration
-    as from the other."""
+    rounds b A + c A A once; vega rounds c A and adds b on its diagonal, then multiplies),
+    each as far from the float64 iteration as from the other."""
     gen = torch.Generator().manual_seed(3)
     shapes = [(16, 24), (24, 16), (20, 20)]
     start = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]

@@ -96,6 +96,8 @@ class TorchRenderer(Renderer):
         Op.MATMUL_ADD: lambda self, node, phase, x, a, b:
             f"_matmul_add({x}, {a}, {b}, geo, "
             f"{', '.join(repr(s.dom) for s in node.src)})",
+        Op.MATMUL_SHIFT: lambda self, node, phase, s, a, b:
+            f"_matmul_shift({s}, {a}, {b}, geo, {node.src[1].dom!r}, {node.src[2].dom!r})",
         Op.SIZE: lambda self, node, phase: f"_size(p, geo, {node.arg})",
         Op.BF16: lambda self, node, phase, a: f"_bf16({a}, p)",
         Op.WIDEN: lambda self, node, phase, a: f"_widen({a}, p)",
@@ -420,9 +422,20 @@ def _matmul_add(x, a, b, geo: Geometry, dx: str, da: str, db: str):
     return _from_matrices(out, geo) if dx == "rc" else out
 
 
+def _matmul_shift(s, a, b, geo: Geometry, da: str, db: str):
+    """``s * b + a @ b`` (``a`` square, ``s`` one number): ``(a + s I) @ b``, one product
+    and no pass over ``b``'s size (Newton-Schulz's ``a * x + B @ x``: its ``x`` is the
+    large matrix); ``s`` is added to the diagonal in ``a``'s dtype."""
+    shifted = a.clone(memory_format=torch.contiguous_format)  # (a square: a matrix value)
+    shifted.diagonal(0, -2, -1).add_(s.to(shifted.dtype) if isinstance(s, torch.Tensor) else s)
+    return _matmul(shifted, b, geo, da, db)
+
+
 def fuse_products(program: Program) -> Program:
     """``program`` with each sum of a value and a product used nowhere else (``x + a @ b``,
-    Newton-Schulz's) one node, ``_matmul_add``'s: one pass over the result, not two."""
+    Newton-Schulz's) one node, ``_matmul_add``'s: one pass over the result, not two; and
+    where the value is one number times the product's right operand and the left one is
+    square (``s * x + a @ x``), ``_matmul_shift``'s: no pass over ``x``'s size at all."""
     if not program.has_matrices:
         return program
     roots = [node for _, node in program.updates]
@@ -444,8 +457,14 @@ def fuse_products(program: Program) -> Program:
                 m, x = node.src[k], node.src[1 - k]
                 if m.op is Op.MATMUL and users.get(id(m)) == 1 and x.kind == Kind.ELEMENT \
                         and x.dom == node.dom:
-                    out = Node(Op.MATMUL_ADD, (src[1 - k], *src[k].src), None, "float",
-                               node.kind, node.span, node.name, node.dom)
+                    scale = _scaled_copy(x, m.src[1])
+                    if scale is not None and m.src[0].dom in ("rr", "cc") \
+                            and users.get(id(x)) == 1:
+                        out = Node(Op.MATMUL_SHIFT, (swap(scale), *src[k].src), None,
+                                   "float", node.kind, node.span, node.name, node.dom)
+                    else:
+                        out = Node(Op.MATMUL_ADD, (src[1 - k], *src[k].src), None, "float",
+                                   node.kind, node.span, node.name, node.dom)
                     break
         memo[id(node)] = out
         return out
@@ -455,6 +474,18 @@ def fuse_products(program: Program) -> Program:
     for attr in ("master", "rounding"):
         object.__setattr__(out, attr, getattr(program, attr))
     return out
+
+
+def _scaled_copy(x: Node, b: Node) -> Node | None:
+    """The number ``s`` where ``x`` is ``s * b`` or ``b * s`` (``s`` one value per tensor),
+    else None."""
+    if x.op is not Op.MUL:
+        return None
+    for k in (0, 1):
+        s, y = x.src[k], x.src[1 - k]
+        if y is b and s.kind != Kind.ELEMENT:
+            return s
+    return None
 
 
 def _transpose(x, geo: Geometry, dom: str):
@@ -536,7 +567,8 @@ class Kernel:
                      "_atan2": _atan2,
                      "_fit": _fit, "_broadcast": _broadcast, "_reduce": _reduce,
                      "_matmul": _matmul, "_transpose": _transpose, "_size": _size,
-                     "_bf16": _bf16, "_widen": _widen, "_matmul_add": _matmul_add}
+                     "_bf16": _bf16, "_widen": _widen, "_matmul_add": _matmul_add,
+                     "_matmul_shift": _matmul_shift}
         self._staged_text = render_staged(shown, self.linear)
         exec(compile(self._staged_text, f"<vega reference, staged: {program.name}>", "exec"),
              namespace)

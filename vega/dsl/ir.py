@@ -100,6 +100,7 @@ class Op(Enum):
     # a value rounded to bfloat16 (what is computed from it stays there, as torch's types do)
     MATMUL = "@"
     MATMUL_ADD = "@+"  # x + a @ b, one node of the reference's (vega.codegen.reference)
+    MATMUL_SHIFT = "@s"  # s * b + a @ b, a square: (a + s I) @ b, one node of the reference's
     TRANSPOSE = "transpose"
     SIZE = "size"
     BF16 = "bfloat16"
@@ -123,7 +124,7 @@ GLOBAL = "global"
 # the matrices a product or a transpose makes of the matrix view (rows x columns, "rc"):
 # rows x rows ("rr", x @ transpose(x)), columns x columns ("cc"), columns x rows ("cr")
 MATRIX_DOMAINS = ("rr", "cc", "cr")
-MATRIX_OPS = frozenset({Op.MATMUL, Op.TRANSPOSE, Op.MATMUL_ADD})
+MATRIX_OPS = frozenset({Op.MATMUL, Op.TRANSPOSE, Op.MATMUL_ADD, Op.MATMUL_SHIFT})
 # what only the reference kernels compute (a program with any runs there on every backend)
 TORCH_ONLY_OPS = frozenset({Op.MATMUL, Op.TRANSPOSE, Op.SIZE, Op.BF16, Op.WIDEN})
 DOMAIN_WORDS = {"rr": "a rows x rows matrix", "cc": "a columns x columns matrix",
