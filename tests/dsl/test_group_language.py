@@ -299,3 +299,48 @@ def test_a_tensor_without_a_gradient_keeps_its_group_s_estimate():
     assert float(ds[0]) > 1e-2 and torch.equal(ds[0], ds[1])
     assert torch.equal(opt.state[ps[0]]["num"], opt.state[ps[1]]["num"])
     assert torch.equal(state["d"][0], state["d"][1]) and float(state["d"][0]) > 1e-2
+
+
+# per-tensor reductions of every kind and one over the group, in two phases
+PHASES = """
+optimizer o(lr = 0.1) {
+    state m = zeros
+    m = 0.5 * m + g
+    scaled = m / (max(abs(m)) + 1)
+    p = p - lr * (scaled / (norm(scaled) + 1) + 0.01 * sum(m) + mean(g * g)
+                  + g / global_norm(g))
+}
+"""
+
+
+@pytest.mark.parametrize("backend", ["c", "triton"])
+def test_staged_step_weighs_a_replicated_copys_partial_results(backend):
+    """A step over shards (``Kernel.staged``) of tensors each held by two processes (a
+    ``ShardView`` of weight 1/2, HSDP's replicas): the partial results it yields are halved,
+    and given back their sum over both copies, the step is the plain one, bitwise."""
+    from vega.codegen.base import Geometry, ShardView, geometry
+    from vega.codegen.steps import drive
+    from vega.dsl.check import matrix_axes
+    spec = vega.compile(PHASES)
+    params, grads = tensors(torch.float32), tensors(torch.float32, 1)
+    state = spec.init(params)
+    want, _ = spec.step(params, grads, state, backend=backend)
+    program = next(iter(engine.groups(spec._spec._programs.values())))[0]
+    kern = codegen.kernel(backend, program)
+    assert kern.backend == backend and kern.stageable
+    views = [ShardView(Geometry(tuple(p.shape), axes=matrix_axes(p.shape)),
+                       geometry(p.shape), frozenset(), 0.5) for p in params]
+    seen = []
+
+    def both_copies(parts):
+        seen.append([how for how, _ in parts])
+        return [x * 2 if how == "sum" else x for how, x in parts]
+    steps = [torch.zeros((), dtype=torch.int32) for _ in params]
+    results = [None]
+    drive({0: kern.staged(params, grads, [[state["m"][k] for k in range(len(params))]],
+                          steps, [{"lr": 0.1}] * len(params), False, None, views)},
+          results, both_copies, needs={0: set(kern.global_keys.values())})
+    new_p = results[0][0]
+    for a, b in zip(new_p, want):
+        assert torch.equal(a, b)
+    assert len(seen) == 2 and "max" in seen[0] and seen[0].count("sum") > seen[0].count("max")

@@ -614,15 +614,19 @@ def _combined(kern, work, maps, views, k, slot):
         if m is None:
             continue
         red = m[2]
-        weight = torch.tensor([views[i].weight if views[i] is not None else 1.0 for i in idx],
-                              dtype=torch.float64, device=red.device)
-        count = torch.tensor([math.prod(views[i].full.full) if views[i] is not None else n
-                              for i, n in zip(idx, numels)], dtype=torch.float64,
-                             device=red.device)
+        # (tables made on the host, copied without blocking: ``_device``)
+        weights = [views[i].weight if views[i] is not None else 1.0 for i in idx]
+        weight = None if all(w == 1.0 for w in weights) else _device(
+            torch.tensor(weights, dtype=torch.float64), red.device)
+        count = _device(torch.tensor(
+            [math.prod(views[i].full.full) if views[i] is not None else n
+             for i, n in zip(idx, numels)], dtype=torch.float64), red.device) \
+            if any(n.op is Op.MEAN for n in phase) else None
         for q, node in enumerate(phase):
-            how = "max" if node.op is Op.AMAX else "sum"
-            raw = red[:, slot + q]
-            parts.append((how, raw.clone() if how == "max" else raw * weight,
+            raw = red[:, slot + q].clone()
+            if node.op is not Op.AMAX and weight is not None:
+                raw = raw * weight
+            parts.append(("max" if node.op is Op.AMAX else "sum", raw,
                           kern.global_keys.get(id(node))))
             finish.append((red, slot + q, node.op, count))
     combined = yield parts
