@@ -76,6 +76,24 @@ def test_a_number_times_a_products_operand_is_added_on_the_diagonal():
         torch.testing.assert_close(as_matrices(got, r, c), want, rtol=1e-12, atol=1e-12)
 
 
+def test_a_number_added_on_a_bfloat16_diagonal_meets_a_wider_operand_in_its_type():
+    """``a * g + A @ g`` with ``A`` bfloat16 and ``g`` float32: ``a`` is added on ``A``'s
+    diagonal in float32, as ``a * g`` would be computed, not rounded to bfloat16."""
+    text = """
+    optimizer o(a = 3.4445) {
+        x = bfloat16(g)
+        A = x @ transpose(x)
+        p = p + (a * g + A @ g)
+    }"""
+    assert vega.compile(text).source("reference", (16, 64)).count("_matmul_shift(") == 1
+    gen = torch.Generator().manual_seed(2)
+    g = torch.randn(16, 64, generator=gen)
+    new, _ = step(text, [torch.zeros(16, 64)], [g])
+    x = g.to(torch.bfloat16)
+    want = 3.4445 * g.double() + (x @ x.T).double() @ g.double()  # (A: a bfloat16 product)
+    torch.testing.assert_close(new[0].double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_vector_is_one_row_and_a_scalar_one_by_one():
     text = "optimizer o() {\n p = p + (g @ transpose(g)) @ g\n}"
     v, s = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), torch.tensor(2.0).double()

@@ -246,6 +246,30 @@ def test_factored_adafactor_compiles_once(backend):
     torch.testing.assert_close(comp_s["v_row"]["w"], eager_s["v_row"]["w"], rtol=1e-6, atol=0)
 
 
+def test_reductions_over_the_group_compile(backend="triton"):
+    """Prodigy's sums over the group in a compiled class step, twice, on Triton (whose staged
+    step launches its kernels itself: a traced step takes the reference's, where the eager
+    one takes the kernels' phases): equal to the eager steps."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(1)
+    start = [torch.randn(5, 7, generator=gen), torch.randn(7, generator=gen)]
+    grads = [[torch.randn(p.shape, generator=gen) for p in start] for _ in range(2)]
+    runs = []
+    for compiling in (True, False):
+        ps = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = vega.optim.Prodigy(ps, backend=backend, d0=1e-2, max_grad_norm=1.0)
+
+        def step(opt=opt):
+            opt.step()
+        run = torch.compile(step, backend="eager") if compiling else step
+        for gs in grads:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            run()
+        runs.append([p.detach() for p in ps] + [opt.state[ps[0]]["d"]])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
 
 @needs_c
 @pytest.mark.parametrize("lr", ["vega schedule", "torch scheduler"])

@@ -425,9 +425,11 @@ def _matmul_add(x, a, b, geo: Geometry, dx: str, da: str, db: str):
 def _matmul_shift(s, a, b, geo: Geometry, da: str, db: str):
     """``s * b + a @ b`` (``a`` square, ``s`` one number): ``(a + s I) @ b``, one product
     and no pass over ``b``'s size (Newton-Schulz's ``a * x + B @ x``: its ``x`` is the
-    large matrix); ``s`` is added to the diagonal in ``a``'s dtype."""
-    shifted = a.clone(memory_format=torch.contiguous_format)  # (a square: a matrix value)
-    shifted.diagonal(0, -2, -1).add_(s.to(shifted.dtype) if isinstance(s, torch.Tensor) else s)
+    large matrix); ``s`` is added to the diagonal in the product's dtype (a bfloat16 ``a``
+    meeting a float32 ``b`` widens first, as the product would)."""
+    dt = torch.promote_types(a.dtype, b.dtype)  # (a square: a matrix value, a copy here)
+    shifted = a.to(dt, memory_format=torch.contiguous_format, copy=True)
+    shifted.diagonal(0, -2, -1).add_(s.to(dt) if isinstance(s, torch.Tensor) else s)
     return _matmul(shifted, b, geo, da, db)
 
 

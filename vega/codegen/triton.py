@@ -1157,8 +1157,10 @@ class Kernel:
     def stageable(self) -> bool:
         """Whether ``staged`` runs this program here: its reductions are per tensor, each of
         per-element values (``vega.codegen.c.Kernel.stageable``); a program over a matrix
-        view steps its shards on the reference's staged step."""
-        return self.plan is None and all(
+        view steps its shards on the reference's staged step, as does a step that dynamo
+        traces (``staged`` launches the kernels itself, not through ``vega::triton_step``,
+        which is what a traced step calls)."""
+        return self.plan is None and not torch.compiler.is_compiling() and all(
             n.src[0].kind == Kind.ELEMENT and n.src[0].dom == "rc"
             for ph in reduction_phases(self.program) for n in ph)
 
