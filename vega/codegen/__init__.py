@@ -75,7 +75,7 @@ def _kernel(backend: str, program: Program, counting: bool):
 
 
 def _reference_only(program: Program) -> bool:
-    """Whether ``backend`` hands ``program`` to the reference kernels: matrices (only they
+    """Whether every backend hands ``program`` to the reference kernels: matrices (only they
     compute them); over a matrix view, a state of one number per tensor. (The C and Triton
     kernels hand a program with reductions over a group whose stages they do not run to
     the reference's themselves: ``Kernel.__call__``.)"""
