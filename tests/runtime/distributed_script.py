@@ -68,14 +68,15 @@ def model() -> torch.nn.Module:
                                torch.nn.Linear(16, 5), torch.nn.Linear(5, 1)).double()
 
 
-def batch(k: int):
-    gen = torch.Generator().manual_seed(100 + k)
-    return torch.randn(8, 6, generator=gen, dtype=torch.float64) * 10, \
-        torch.randn(8, 1, generator=gen, dtype=torch.float64)
+def batch(k: int, rows: int = 8, cols: int = 6, seed: int = 100, scale: float = 10.0):
+    gen = torch.Generator().manual_seed(seed + k)
+    return torch.randn(rows, cols, generator=gen, dtype=torch.float64) * scale, \
+        torch.randn(rows, 1, generator=gen, dtype=torch.float64)
 
 
-def loss_of(net, k):
-    x, y = batch(k)
+def loss_of(net, k, **shape):
+    """The squared error of ``net`` on batch ``k`` (``shape``: ``batch``'s other arguments)."""
+    x, y = batch(k, **shape)
     return ((net(x) - y) ** 2).sum()
 
 
@@ -437,15 +438,9 @@ def q8_model() -> torch.nn.Module:
                                torch.nn.Linear(4096, 1)).double()
 
 
-def q8_batch(k: int):
-    gen = torch.Generator().manual_seed(200 + k)
-    return torch.randn(16, 256, generator=gen, dtype=torch.float64), \
-        torch.randn(16, 1, generator=gen, dtype=torch.float64)
-
-
 def q8_loss(net, k):
-    x, y = q8_batch(k)
-    return ((net(x) - y) ** 2).sum()
+    """``loss_of`` on batches of ``q8_model``'s 256 inputs."""
+    return loss_of(net, k, rows=16, cols=256, seed=200, scale=1.0)
 
 
 Q8 = {"lr": 1e-2, "weight_decay": 0.1, "state_dtype": torch.uint8}

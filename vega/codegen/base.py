@@ -165,6 +165,14 @@ def reduction_phases(program: Program) -> list[list[Node]]:
     return leveled(program, REDUCTIONS)[1]
 
 
+def of_elements(phases: list[list[Node]]) -> bool:
+    """Whether every per-tensor reduction of ``phases`` (``reduction_phases``) reduces values
+    of one per element: what the C and Triton kernels' phases compute, so what their step
+    over shards (``staged``) runs there."""
+    return all(n.src[0].kind == Kind.ELEMENT and n.src[0].dom == "rc"
+               for phase in phases for n in phase)
+
+
 def is_schedule(v) -> bool:
     """Whether a hyperparameter value is a schedule (a callable of the step counter)."""
     return callable(v) and not isinstance(v, torch.Tensor)

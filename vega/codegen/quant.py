@@ -30,11 +30,11 @@ every value of the block reads back as NaN: a NaN is never lost.
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
 from vega.codegen.precision import MASTER
+from vega.codegen.tensors import is_dtensor
 from vega.dsl import ir
 from vega.dsl.ir import QBLOCK, Kind, Op, Program, StateVar
 
@@ -177,15 +177,10 @@ def blocks(numel: int) -> int:
 # shard; a rank's row holds its shard's scales first, then zeros. A checkpoint of them
 # resumes on the same layout: loaded on another (other shards, other rows), the shapes differ.
 
-def _is_dtensor(t) -> bool:
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
-
-
 def scale_shape(p: torch.Tensor) -> tuple[int, ...]:
     """The shape of the scales of an 8-bit state of parameter ``p``: one per block, or for a
     DTensor, (its shards, the blocks of its largest shard)."""
-    if not _is_dtensor(p):
+    if not is_dtensor(p):
         return (blocks(p.numel()),)
     sizes, shards = list(p.shape), 1
     for dim, pl in enumerate(p.placements):
@@ -213,7 +208,7 @@ def scales_of(scales: torch.Tensor, like) -> torch.Tensor:
     """``scales``, one rank's scales of its shard of DTensor ``like`` (its parameter or a
     state placed as it), as the DTensor of ``scale_shape``; ``scales`` itself where
     ``like`` is a plain tensor."""
-    if not _is_dtensor(like):
+    if not is_dtensor(like):
         return scales
     from torch.distributed.tensor import DTensor
     shape = scale_shape(like)
@@ -244,7 +239,7 @@ def _per_value(scale: torch.Tensor, numel: int) -> torch.Tensor:
 def quantize_t(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes: uint8 shaped like ``x``, scales: float32 one per block) of float ``x``. A
     DTensor's on each rank's shard (``scale_shape``)."""
-    if _is_dtensor(x):
+    if is_dtensor(x):
         from torch.distributed.tensor import DTensor
         codes, scale = quantize_t(x.to_local(), signed)
         return (DTensor.from_local(codes, x.device_mesh, x.placements, run_check=False,
@@ -267,10 +262,10 @@ def dequantize_t(codes: torch.Tensor, scale: torch.Tensor, signed: bool,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float values of ``codes`` with their blocks' ``scale`` (``quantize_t``). A
     DTensor's on each rank's shard."""
-    if _is_dtensor(codes):
+    if is_dtensor(codes):
         from torch.distributed.tensor import DTensor
         local = codes.to_local()
-        if not _is_dtensor(scale) or tuple(scale.shape) != scale_shape(codes):
+        if not is_dtensor(scale) or tuple(scale.shape) != scale_shape(codes):
             raise ValueError(f"the scales of 8-bit codes of shape {tuple(codes.shape)} placed "
                              f"{tuple(codes.placements)} are a DTensor of shape "
                              f"{scale_shape(codes)}, got {type(scale).__name__} of shape "

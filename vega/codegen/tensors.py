@@ -15,6 +15,8 @@
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
@@ -22,6 +24,13 @@ import torch
 PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 PLAIN_OR_NONE = PLAIN_TYPES | {type(None)}
 _NO_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (asked only where torch's DTensor module is loaded: no
+    DTensor exists before)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def has_own_ops(t: torch.Tensor) -> bool:

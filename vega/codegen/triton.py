@@ -65,7 +65,7 @@ import torch
 
 from vega.codegen import plan, precision, quant, reference, triton_runtime
 from vega.codegen.base import Linear, Renderer, linearize, state_dtype_names, state_var
-from vega.codegen.base import codes_without_scales, reduction_phases
+from vega.codegen.base import codes_without_scales, of_elements, reduction_phases
 from vega.codegen.record import PRE_SLOTS, named
 from vega.codegen.steps import run_staged
 from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAIN_WORDS, REDUCTIONS, SCALAR_STATE, Kind, Node,
@@ -1089,7 +1089,8 @@ class Kernel:
     def __init__(self, program: Program):
         self.program = program
         self._reference = reference.Kernel(program)
-        self.phase_sizes = [len(p) for p in reduction_phases(program)]
+        self.phases = reduction_phases(program)
+        self.phase_sizes = [len(p) for p in self.phases]
         self.nred = sum(self.phase_sizes)
         self.global_keys = reference.global_keys(program)  # its reductions over a group
         # the update writes the states of one number per tensor, in each tensor's first
@@ -1097,6 +1098,7 @@ class Kernel:
         self.first_block = first_block(program)
         # the staged path's launches (kind, kernel, domain, wide, partial results)
         self.plan = None
+        self._of_elements = not program.uses_axes and of_elements(self.phases)
         if program.uses_axes:
             staged = axis_plan(program)
             self.plan = ([(x.kind, x.fn, DOMS.index(x.dom), x.wide, len(x.reductions))
@@ -1160,9 +1162,7 @@ class Kernel:
         view steps its shards on the reference's staged step, as does a step that dynamo
         traces (``staged`` launches the kernels itself, not through ``vega::triton_step``,
         which is what a traced step calls)."""
-        return self.plan is None and not torch.compiler.is_compiling() and all(
-            n.src[0].kind == Kind.ELEMENT and n.src[0].dom == "rc"
-            for ph in reduction_phases(self.program) for n in ph)
+        return self._of_elements and not torch.compiler.is_compiling()
 
     def staged(self, params, grads, states, steps, values, donate, pre, views):
         """``vega.codegen.reference.Kernel.staged`` in these kernels (where ``stageable``):

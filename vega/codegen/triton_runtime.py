@@ -37,9 +37,7 @@ from collections import OrderedDict
 import torch
 from torch.autograd.graph import increment_version
 
-from vega.codegen import plan
-from vega.codegen.base import (HyperRows, axis_geometry, check_states, distinct,
-                               reduction_phases, state_key)
+from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, state_key
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, own_ops_words,
@@ -125,13 +123,13 @@ def block_size(dtypes=("float32",)) -> int:
                                                     for d in ds.split(",") if d != "uint8")
 
 
-def update_block(dtypes, program) -> int:
-    """``block_size`` for the phases and update of ``program``: at most NARROW_ELEMENTS a
-    thread where it streams more than UPDATE_STATES states like the parameter, or keeps
-    8-bit state (see UPDATE_REGISTERS)."""
+def update_block(dtypes, kern) -> int:
+    """``block_size`` for the phases and update of ``kern``'s program: at most
+    NARROW_ELEMENTS a thread where it streams more than UPDATE_STATES states like the
+    parameter, or keeps 8-bit state (see UPDATE_REGISTERS)."""
     block = block_size(dtypes)
-    computed = program.scalar_states and plan.per_step_states(program) is None
-    wide = sum(st.dom == "rc" or (computed and st.dom == SCALAR_STATE)
+    program = kern.program
+    wide = sum(st.dom == "rc" or (kern.first_block and st.dom == SCALAR_STATE)
                for st in program.states) > UPDATE_STATES
     ways = bool(program.quant) + wide  # (adan with 8-bit state, both: 2 a thread)
     if _small_blocks() or not ways:
@@ -558,7 +556,7 @@ def _launches(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
         if kern.plan is not None:
             maps.append(None)
             continue
-        block = update_block(key, kern.program)
+        block = update_block(key, kern)
         bmap = block_map(numels, block, device, kern.first_block)
         maps.append((block, bmap, torch.empty((len(idx), max(kern.nred, 1)),
                                               dtype=torch.float64, device=device))
@@ -608,7 +606,7 @@ def _combined(kern, work, maps, views, k, slot):
     the totals sent back finished (a norm's square root, a mean divided by the whole
     tensor's count) into the reduction buffers for the next phase and the update to
     read."""
-    phase = reduction_phases(kern.program)[k]
+    phase = kern.phases[k]
     parts, finish = [], []
     for (_, idx, *_, numels), m in zip(work, maps):
         if m is None:

@@ -34,7 +34,7 @@ from vega import codegen
 from vega.codegen import quant
 from vega.codegen.base import Geometry, ShardView, geometry, state_shape
 from vega.codegen.steps import drive
-from vega.codegen.tensors import PLAIN_TYPES
+from vega.codegen.tensors import PLAIN_TYPES, is_dtensor
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import QBLOCK, SCALAR_STATE
 from vega.runtime import engine
@@ -63,13 +63,6 @@ def group_device(group) -> torch.device:
         if "nccl" in str(dist.get_backend(group)).lower():
             return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def is_dtensor(t) -> bool:
-    """Whether ``t`` is a DTensor (asked only where torch's DTensor module is loaded: no
-    DTensor exists before)."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def involved(params, reduce_group) -> bool:

@@ -17,7 +17,7 @@ from torch.autograd.graph import increment_version
 
 from vega.codegen import record, reference
 from vega.codegen.base import (HyperRows, axis_geometry, check_codes, check_states, distinct,
-                               reduction_phases, state_key)
+                               of_elements, reduction_phases, state_key)
 from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
@@ -26,7 +26,7 @@ from vega.codegen.steps import run_staged
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths
 from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
                                   refuse_inplace, roles, shared_pair)
-from vega.dsl.ir import QBLOCK, SCALAR_STATE, Kind, Op, Program
+from vega.dsl.ir import QBLOCK, SCALAR_STATE, Op, Program
 from vega.tracing import untraced
 
 # -- running ------------------------------------------------------------------
@@ -63,9 +63,14 @@ class Kernel:
         self.program = program
         self._reference = reference.Kernel(program)
         self._libs: dict[tuple[str, str, str], ctypes.CDLL] = {}
-        self._nphases = len(reduction_phases(program))
-        self._nred = sum(len(p) for p in reduction_phases(program))
+        self._phases = reduction_phases(program)
+        self._nphases = len(self._phases)
+        self._nred = sum(map(len, self._phases))
         self._axes = program.uses_axes  # one vega_axes_step instead of phases and update
+        # its step over shards runs here (``staged``): every reduction per tensor, of
+        # per-element values (a program over a matrix view, Adafactor's, steps its shards
+        # on the reference's staged step)
+        self.stageable = not self._axes and of_elements(self._phases)
         self.global_keys = global_keys(program)  # its reductions over a group, named
         self.columns = record.table_columns(len(program.states), NGEO if self._axes else 0)
         # how the custom ops find this kernel: a name never given to another (a counter,
@@ -297,14 +302,6 @@ class Kernel:
         finite = record.finite_of(pre)
         return params, states, [unique[k] for k in step_index], finite
 
-    @property
-    def stageable(self) -> bool:
-        """Whether ``staged`` runs this program here: its reductions are per tensor, each of
-        per-element values (a program over a matrix view, Adafactor's, steps its shards on
-        the reference's staged step)."""
-        return not self._axes and all(n.src[0].kind == Kind.ELEMENT and n.src[0].dom == "rc"
-                                      for ph in reduction_phases(self.program) for n in ph)
-
     def staged(self, params, grads, states, steps, values, donate, pre, views):
         """``vega.codegen.reference.Kernel.staged`` in these kernels (where ``stageable``):
         each phase of per-tensor reductions (``vega_phase{k}_partial``) leaves its partial
@@ -326,7 +323,7 @@ class Kernel:
         work_h = [h.contiguous() for h in hyp]
         tables = self._tables(work_p, work_g, work_s, unique, step_index, work_h, hyp_index)
         nth = torch.get_num_threads()
-        phases = reduction_phases(self.program)
+        phases = self._phases
         # each table's reduction buffer as a grid (a row per tensor), the weight of each
         # tensor's partial sums and its whole count of elements
         grids = []
