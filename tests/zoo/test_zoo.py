@@ -840,9 +840,10 @@ def test_muon_bf16_against_torch():
     """With bf16 (the default), the Newton-Schulz iteration runs in bfloat16 as
     torch.optim.Muon's: the two agree to bfloat16's precision, not bitwise (torch's addmm
     rounds b A + c A A once; vega rounds c A and adds b on its diagonal, then multiplies),
-    each as far from the float64 iteration as from the other."""
+    each as far from the float64 iteration as from the other. (Two matrices of one shape:
+    their products batched.)"""
     gen = torch.Generator().manual_seed(3)
-    shapes = [(16, 24), (24, 16), (20, 20)]
+    shapes = [(16, 24), (24, 16), (20, 20), (16, 24)]
     start = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
     grads = [[torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
              for _ in range(STEPS)]
@@ -865,6 +866,41 @@ def test_muon_bf16_against_torch():
     assert apart("bf16", "torch") < 0.05 * moved, apart("bf16", "torch")
     assert apart("float64", "torch") < 0.05 * moved
     assert apart("bf16", "float64") > 1e-4  # (the flag takes effect)
+
+
+def test_muon_batches_matrices_of_one_shape_against_torch_float64(monkeypatch):
+    """Matrices of one shape step their products as batches (``reference._products``, two
+    matrices a batch here): each matrix's parameter and momentum are still torch's step
+    written out in float64, over 20 steps."""
+    from vega.codegen import reference
+    batches = []
+    real = reference._products
+    monkeypatch.setattr(reference, "_products",
+                        lambda asked, kept: batches.append(len(asked)) or real(asked, kept))
+    monkeypatch.setattr(reference, "BATCH_ELEMENTS", 2 * 6 * 9)
+    gen = torch.Generator().manual_seed(5)
+    shapes = {"w0": (6, 9), "w1": (6, 9), "w2": (6, 9), "t0": (9, 6), "t1": (9, 6),
+              "v": (9,)}
+    start = {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
+    grads = [{n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
+             for _ in range(STEPS)]
+    h = dict(lr=0.02, weight_decay=0.05, momentum=0.9, a=3.0, b=-3.2, c=1.2, eps=1e-3,
+             ns_steps=5.0, adam_lr=0.01, adam_b1=0.8, adam_b2=0.95, adam_eps=1e-3,
+             adam_weight_decay=0.05, nesterov=True, match_rms_adamw=False, bf16=False)
+    want = muon_torch_float64(start, lambda k: grads[k], h, STEPS)
+    ps = {n: torch.nn.Parameter(p.clone()) for n, p in start.items()}
+    opt = vega.optim.Muon(list(ps.values()), **h)
+    for k in range(STEPS):
+        for n, p in ps.items():
+            p.grad = grads[k][n].clone()
+        opt.step()
+        for n, p in ps.items():
+            assert_close(p.detach(), want[k][f"p.{n}"], f"p.{n}", k)
+            if n != "v":
+                assert_close(opt.state[p]["buf"], want[k][f"buf.{n}"], f"buf.{n}", k)
+    # w0, w1 | w2 alone | t0, t1: 2 batches of 2, 3 products an iteration (A = x x^T,
+    # b A + c A A, and its product with x), 5 iterations
+    assert set(batches) == {2} and len(batches) == STEPS * 2 * 3 * 5
 
 
 def test_muon_takes_the_shorter_side_as_rows(monkeypatch):

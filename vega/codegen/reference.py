@@ -199,6 +199,57 @@ def render(program: Program, linear: Linear | None = None) -> str:
     return "\n".join(out)
 
 
+PRODUCTS = frozenset({Op.MATMUL, Op.MATMUL_ADD, Op.MATMUL_SHIFT})
+
+
+class _AskingRenderer(TorchRenderer):
+    """The element phase with each matrix product asked of the caller: ``(yield (name,
+    arguments))``, ``name`` one of ``_BATCHED``'s (``render_batched``)."""
+    code_for_op = {
+        **TorchRenderer.code_for_op,
+        Op.MATMUL: lambda self, node, phase, a, b:
+            f"(yield ('matmul', ({a}, {b}, geo, {node.src[0].dom!r}, {node.src[1].dom!r})))",
+        Op.MATMUL_ADD: lambda self, node, phase, x, a, b:
+            f"(yield ('matmul_add', ({x}, {a}, {b}, geo, "
+            f"{', '.join(repr(s.dom) for s in node.src)})))",
+        Op.MATMUL_SHIFT: lambda self, node, phase, s, a, b:
+            f"(yield ('matmul_shift', ({s}, {a}, {b}, geo, {node.src[1].dom!r}, "
+            f"{node.src[2].dom!r})))",
+    }
+
+
+def render_batched(program: Program, linear: Linear | None = None) -> str | None:
+    """``update_batched``: ``update`` as a generator that yields each matrix product it
+    needs, ``(name, arguments)``, and is sent its value: the products of tensors of one
+    shape run as one batched product (``Kernel._batched``), the elementwise work tensor by
+    tensor as in ``update``. Each value is deleted after its last use, so that a suspended
+    generator holds only what it still needs. None where the program has no product."""
+    lin = linear or linearize(program)
+    if not any(line.node.op in PRODUCTS for line in lin.element_lines):
+        return None
+    r = _AskingRenderer()
+    state = [state_var(s) for s in program.state_names]
+    out = [f"def update_batched({', '.join(['p', 'g', *state, *lin.scalar_outputs, 'geo'])}):",
+           '    """The element phase, each matrix product yielded to the caller."""']
+    last: dict[str, int] = {}  # each element value's last reader
+    mine = {lin.ref(line.node) for line in lin.element_lines}
+    for k, line in enumerate(lin.element_lines):
+        for src in line.node.src:
+            name = lin.names.get(id(src))
+            if name in mine:
+                last[name] = k
+    kept = {lin.names.get(id(node)) for _, node in lin.outputs}
+    for k, line in enumerate(lin.element_lines):
+        out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
+        done = sorted(n for n, at in last.items() if at == k and n not in kept)
+        if done:
+            out.append(f"    del {', '.join(done)}")
+    doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
+    results = [r.output(lin, node, doms[target], True) for target, node in lin.outputs]
+    out.append(f"    return ({''.join(v + ', ' for v in results)})")
+    return "\n".join(out) + "\n"
+
+
 def _value_function(fn: str, doc: str, node: Node, args, r: TorchRenderer, dom: str,
                     axes: bool) -> list[str]:
     """A function ``fn(*args)`` computing one value ``node`` (of ``dom``) on its own."""
@@ -425,12 +476,88 @@ def _matmul_add(x, a, b, geo: Geometry, dx: str, da: str, db: str):
 def _matmul_shift(s, a, b, geo: Geometry, da: str, db: str):
     """``s * b + a @ b`` (``a`` square, ``s`` one number): ``(a + s I) @ b``, one product
     and no pass over ``b``'s size (Newton-Schulz's ``a * x + B @ x``: its ``x`` is the
-    large matrix); ``s`` is added to the diagonal in the product's dtype (a bfloat16 ``a``
-    meeting a float32 ``b`` widens first, as the product would)."""
+    large matrix)."""
+    return _matmul(_shifted(s, a, b), b, geo, da, db)
+
+
+def _shifted(s, a, b):
+    """``a + s I`` for ``_matmul_shift``: ``s`` added to the diagonal in the product's dtype
+    (a bfloat16 ``a`` meeting a float32 ``b`` widens first, as the product would)."""
     dt = torch.promote_types(a.dtype, b.dtype)  # (a square: a matrix value, a copy here)
     shifted = a.to(dt, memory_format=torch.contiguous_format, copy=True)
     shifted.diagonal(0, -2, -1).add_(s.to(dt) if isinstance(s, torch.Tensor) else s)
-    return _matmul(shifted, b, geo, da, db)
+    return shifted
+
+
+# Products batched over the tensors of one shape (``Kernel._batched``): on the CPU a
+# batched bfloat16 product of several matrices takes markedly less time than one product a
+# matrix (docs/performance.md). The elementwise work stays tensor by tensor.
+BATCH_ELEMENTS = 1 << 24  # the most values of a parameter shape a batch holds
+_KEPT = 4  # stacked operands and products kept for the next product to find
+
+
+def _operands(name: str, args) -> tuple:
+    """One tensor's product ``name`` (``render_batched``'s) as ``(addend or None, left,
+    right, geometry to shape the result back with or None)``, its operands matrices."""
+    if name == "matmul_shift":
+        s, a, b, geo, da, db = args
+        name, args = "matmul", (_shifted(s, a, b), b, geo, da, db)
+    if name == "matmul":
+        a, b, geo, da, db = args
+        a, b = _promoted(_as_matrices(a, geo) if da == "rc" else a,
+                         _as_matrices(b, geo) if db == "rc" else b)
+        return None, a, b, geo if da[0] + db[1] == "rc" else None
+    x, a, b, geo, dx, da, db = args
+    a, b = _promoted(_as_matrices(a, geo) if da == "rc" else a,
+                     _as_matrices(b, geo) if db == "rc" else b)
+    return _as_matrices(x, geo) if dx == "rc" else x, a, b, geo if dx == "rc" else None
+
+
+def _layout(ts) -> tuple:
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in ts)
+
+
+def _keep(kept: dict, key: tuple, stacked: torch.Tensor, items) -> None:
+    """Remember ``stacked`` as the batch of ``items`` (held, so that no other tensor takes
+    their memory while the entry lives); the oldest entry goes past ``_KEPT``."""
+    kept[key] = (stacked, items)
+    while len(kept) > _KEPT:
+        del kept[next(iter(kept))]
+
+
+def _stack(ts, kept: dict) -> torch.Tensor:
+    """``torch.stack(ts)``, or a batch ``kept`` already holds them as (a product's results,
+    its stacked operands; or their transposes): no copy then."""
+    key = _layout(ts)
+    hit = kept.get(key)
+    if hit is not None:
+        return hit[0]
+    if ts[0].dim() >= 2:
+        hit = kept.get(_layout([t.mT for t in ts]))
+        if hit is not None:
+            return hit[0].mT
+    out = torch.stack(ts)
+    _keep(kept, key, out, list(ts))
+    return out
+
+
+def _products(asked, kept: dict) -> list:
+    """The value of each tensor's product ``asked`` (``(name, arguments)`` each, all of one
+    shape), computed as one batched product."""
+    ms, as_, bs, geos = zip(*(_operands(name, args) for name, args in asked))
+    a, b = _stack(as_, kept), _stack(bs, kept)
+    if ms[0] is None:
+        out = torch.matmul(a, b)
+    else:
+        m = _stack(ms, kept)
+        if m.dtype != a.dtype:  # (as _matmul_add)
+            out = m + torch.matmul(a, b)
+        else:  # one product of the batches of matrices, the sum rounded once
+            flat = [x.reshape(-1, *x.shape[-2:]) for x in (m, a, b)]
+            out = torch.baddbmm(*flat).reshape(m.shape)
+    items = out.unbind(0)
+    _keep(kept, _layout(items), out, None)
+    return [_from_matrices(o, geo) if geo is not None else o for o, geo in zip(items, geos)]
 
 
 def fuse_products(program: Program) -> Program:
@@ -575,6 +702,12 @@ class Kernel:
         exec(compile(self._staged_text, f"<vega reference, staged: {program.name}>", "exec"),
              namespace)
         self._update_staged = namespace["update_staged"]
+        batched = render_batched(shown, self.linear)
+        self._update_batched = None
+        if batched is not None:
+            exec(compile(batched, f"<vega reference, batched: {program.name}>", "exec"),
+                 namespace)
+            self._update_batched = namespace["update_batched"]
         self.nstages = len(stages(shown)[1])  # stages that end in reductions
         self.global_keys = global_keys(shown)  # (vega.codegen.steps.drive's needs)
         exec(compile(self.text, f"<vega reference: {program.name}>", "exec"), namespace)
@@ -660,14 +793,60 @@ class Kernel:
             return run_staged(self, params, grads, states, steps, values, donate, pre)
         finite, gscale = self._begin(params, states, steps, donate, pre)
         cache: dict = {}
-        new_params, new_states = [], [[] for _ in self.program.states]
+        new_params, new_states = [None] * len(params), [[None] * len(params) for _ in states]
         keys = self._rounding_keys(params, grads, states, steps)
-        for i, (p, g) in enumerate(zip(params, grads)):
+        for ids in self._batches(params, grads, states):
+            if len(ids) > 1:  # tensors of one shape: their products batched
+                geo = geometry(params[ids[0]].shape)
+                outs = self._batched([self._args(cache, i, params[i], grads[i], states, steps,
+                                                 values, gscale) for i in ids], geo)
+                for i, out in zip(ids, outs):
+                    self._write(i, params[i], grads[i], states, out, finite, donate,
+                                new_params, new_states, keys[i])
+                continue
+            i = ids[0]
+            p, g = params[i], grads[i]
             args = self._args(cache, i, p, g, states, steps, values, gscale)
             extra = (geometry(p.shape),) if self.program.uses_axes else ()
             self._write(i, p, g, states, self._update(*args, *extra), finite, donate,
                         new_params, new_states, keys[i])
         return new_params, new_states, advance_steps(steps, finite, donate), finite
+
+    def _batches(self, params, grads, states) -> list[list[int]]:
+        """The tensors stepped together, by position: where the program has matrix products
+        (and dynamo is not tracing), those of one shape, device and dtypes, up to
+        ``BATCH_ELEMENTS`` values a batch; one by one otherwise."""
+        if self._update_batched is None or len(params) < 2 or torch.compiler.is_compiling():
+            return [[i] for i in range(len(params))]
+        alike: dict = {}
+        for i, (p, g) in enumerate(zip(params, grads)):
+            key = (p.shape, p.dtype, p.device, g.dtype, g.shape,
+                   *((col[i].dtype, col[i].shape) for col in states))
+            alike.setdefault(key, []).append(i)
+        out = []
+        for ids in alike.values():
+            size = max(1, BATCH_ELEMENTS // max(1, params[ids[0]].numel()))
+            out += [ids[k:k + size] for k in range(0, len(ids), size)]
+        return out
+
+    def _batched(self, args: list, geo: Geometry) -> list[tuple]:
+        """``update``'s values for tensors of one shape (``args``: each one's arguments),
+        their generators (``update_batched``) run side by side: at each matrix product all
+        ask for the same product, computed as one (``_products``)."""
+        gens = [self._update_batched(*a, geo) for a in args]
+        asked = [next(gen) for gen in gens]  # (every generator asks at least once)
+        kept: dict = {}
+        while True:
+            values = _products(asked, kept)
+            outs = []
+            for k, gen in enumerate(gens):
+                try:
+                    asked[k] = gen.send(values[k])
+                except StopIteration as done:
+                    outs.append(done.value)
+            if outs:  # (one code path: all end together)
+                assert len(outs) == len(gens), "batched tensors took different paths"
+                return outs
 
     def staged(self, params, grads, states, steps, values, donate, pre, views):
         """``__call__`` over shards of tensors spread over processes, as a generator: at the
@@ -719,7 +898,7 @@ class Kernel:
                     next(gen)
                 except StopIteration as done:
                     outs[i] = done.value
-        new_params, new_states = [], [[] for _ in self.program.states]
+        new_params, new_states = [None] * len(params), [[None] * len(params) for _ in states]
         keys = self._rounding_keys(params, grads, states, steps)
         for i, (p, g) in enumerate(zip(params, grads)):
             self._write(i, p, g, states, outs[i], finite, donate, new_params, new_states,
@@ -775,8 +954,9 @@ class Kernel:
 
     def _write(self, i, p, g, states, outs, finite, donate, new_params, new_states,
                key=None) -> None:
-        """Tensor ``i``'s new values ``outs``, written in place (``donate``) or collected;
-        ``key``: the generator's key where bfloat16 values round stochastically."""
+        """Tensor ``i``'s new values ``outs``, written in place (``donate``) or collected,
+        at position ``i`` of ``new_params`` and of each of ``new_states``; ``key``: the
+        generator's key where bfloat16 values round stochastically."""
         olds = [s[i] for s in states]
         if self.program.quant:  # 8-bit states: the new codes, and their scales beside them
             outs = list(outs)
@@ -805,9 +985,9 @@ class Kernel:
         for old, new, sink in zip([p, *olds], news, [new_params, *new_states]):
             if donate:
                 old.copy_(new)
-                sink.append(old)
+                sink[i] = old
             else:
-                sink.append(new)
+                sink[i] = new
 
 
 def add_prelude(grads, pre: torch.Tensor) -> None:
