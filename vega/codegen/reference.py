@@ -493,7 +493,7 @@ def _shifted(s, a, b):
 # batched bfloat16 product of several matrices takes markedly less time than one product a
 # matrix (docs/performance.md). The elementwise work stays tensor by tensor.
 BATCH_ELEMENTS = 1 << 24  # the most values of a parameter shape a batch holds
-_KEPT = 4  # stacked operands and products kept for the next product to find
+_KEPT = 8  # stacked operands and products kept for the next products to find
 
 
 def _operands(name: str, args) -> tuple:
