@@ -43,6 +43,25 @@ def _rand(*shape, seed=0, dtype=torch.float32):
 
 # -- tensor subclasses with operations of their own --------------------------------------
 
+def test_wrapper_subclass_matrices_of_one_shape_step_each_as_its_own():
+    """Matrices of one shape take their products together (``reference._products``), whose
+    stacked operands are found again by address; a TwoTensor's address is 0, so each
+    steps alone, its first tensor as the plain one would (all three took the first's
+    values when they were batched)."""
+    gen = torch.Generator().manual_seed(0)
+    a = [torch.randn(6, 9, generator=gen) for _ in range(3)]
+    ga = [torch.randn(6, 9, generator=gen) for _ in range(3)]
+    twos = [torch.nn.Parameter(TwoTensor(x.clone(), 2 * x)) for x in a]
+    plain = [torch.nn.Parameter(x.clone()) for x in a]
+    for two, p, g in zip(twos, plain, ga):
+        two.grad, p.grad = TwoTensor(g.clone(), 2 * g), g.clone()
+    vega.optim.Muon(twos).step()
+    vega.optim.Muon(plain).step()
+    for two, p in zip(twos, plain):
+        assert type(two) is TwoTensor  # (a Parameter of a subclass keeps its type)
+        assert torch.equal(two.a, p.data)
+
+
 def test_wrapper_subclasses_step_on_the_reference_backend_or_are_refused_by_name():
     """TwoTensor's data_ptr() is 0: a C kernel given it read address 0 (a segfault). Unless a
     backend is named it steps on the reference backend, each of its two tensors as a plain

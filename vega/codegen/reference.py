@@ -29,7 +29,7 @@ from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_code
                                geometry, hyper_var, leveled, linearize, state_var)
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import advance_steps, memo, run_staged
-from vega.codegen.tensors import refuse_inplace
+from vega.codegen.tensors import PLAIN_TYPES, refuse_inplace
 from vega.dsl.ir import (AXIS_REDUCTIONS, MATRIX_OPS, REDUCTIONS, SCALAR_STATE, Kind, Node, Op,
                         Program, is_global, walk)
 
@@ -815,11 +815,17 @@ class Kernel:
     def _batches(self, params, grads, states) -> list[list[int]]:
         """The tensors stepped together, by position: where the program has matrix products
         (and dynamo is not tracing), those of one shape, device and dtypes, up to
-        ``BATCH_ELEMENTS`` values a batch; one by one otherwise."""
+        ``BATCH_ELEMENTS`` values a batch; one by one otherwise, and a tensor that is not
+        a plain tensor in memory (a subclass, such as TwoTensor, whose data_ptr() is 0; a
+        meta tensor): ``_stack`` finds stacked operands by their addresses."""
         if self._update_batched is None or len(params) < 2 or torch.compiler.is_compiling():
             return [[i] for i in range(len(params))]
         alike: dict = {}
         for i, (p, g) in enumerate(zip(params, grads)):
+            if p.device.type == "meta" or not PLAIN_TYPES.issuperset(
+                    map(type, (p, g, *(col[i] for col in states)))):
+                alike[i] = [i]  # (a key of its own)
+                continue
             key = (p.shape, p.dtype, p.device, g.dtype, g.shape,
                    *((col[i].dtype, col[i].shape) for col in states))
             alike.setdefault(key, []).append(i)
