@@ -869,15 +869,20 @@ def test_muon_bf16_against_torch():
 
 
 def test_muon_batches_matrices_of_one_shape_against_torch_float64(monkeypatch):
-    """Matrices of one shape step their products as batches (``reference._products``, two
-    matrices a batch here): each matrix's parameter and momentum are still torch's step
-    written out in float64, over 20 steps."""
+    """Matrices of one shape step side by side, asking for their products together
+    (``reference._products``, two matrices a batch here; in float64 one product a
+    matrix): each matrix's parameter and momentum are still torch's step written out in
+    float64, over 20 steps."""
     from vega.codegen import reference
     batches = []
     real = reference._products
     monkeypatch.setattr(reference, "_products",
                         lambda asked, kept: batches.append(len(asked)) or real(asked, kept))
     monkeypatch.setattr(reference, "BATCH_ELEMENTS", 2 * 6 * 9)
+    stacked = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacked.append(len(ts)) or
+                        real_stack(ts, *a, **k))
     gen = torch.Generator().manual_seed(5)
     shapes = {"w0": (6, 9), "w1": (6, 9), "w2": (6, 9), "t0": (9, 6), "t1": (9, 6),
               "v": (9,)}
@@ -901,6 +906,43 @@ def test_muon_batches_matrices_of_one_shape_against_torch_float64(monkeypatch):
     # w0, w1 | w2 alone | t0, t1: 2 batches of 2, 3 products an iteration (A = x x^T,
     # b A + c A A, and its product with x), 5 iterations
     assert set(batches) == {2} and len(batches) == STEPS * 2 * 3 * 5
+    assert not stacked  # (float64 products: one a matrix, as batched ones took longer)
+
+
+def test_muon_bfloat16_products_of_one_shape_are_one_batched_product(monkeypatch):
+    """In bfloat16, the matrices of one shape take each product as one batched product of
+    their stacked matrices: each stacked once a step (x, then only the small shifted
+    square of each product with a diagonal added), the products' results and transposes
+    found again. The step matches the step of one matrix at a time to bfloat16's
+    rounding of the products."""
+    from vega.codegen import reference
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(6, 9), (6, 9), (6, 9), (9, 6), (9, 6), (9,)]
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(5)]
+
+    def run(elements):
+        monkeypatch.setattr(reference, "BATCH_ELEMENTS", elements)
+        ps = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = vega.optim.Muon(ps, lr=0.02)
+        for gs in grads:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            opt.step()
+        return ps
+    stacked = []
+    real = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacked.append(
+        (len(ts), ts[0].dtype)) or real(ts, *a, **k))
+    batched = run(1 << 24)
+    batches = list(stacked)
+    alone = run(0)
+    # 2 batches (3 wide, 2 tall), 5 steps: x, and 2 shifted squares an iteration
+    assert sorted(set(batches)) == [(2, torch.bfloat16), (3, torch.bfloat16)]
+    assert len(batches) == 2 * 5 * (1 + 2 * 5) and len(stacked) == len(batches)
+    moved = max(float((p.detach() - q).abs().max()) for p, q in zip(alone, start))
+    for p, q in zip(batched, alone):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0.01 * moved)
 
 
 def test_muon_takes_the_shorter_side_as_rows(monkeypatch):

@@ -455,22 +455,24 @@ def _promoted(*xs):
 
 def _matmul(a, b, geo: Geometry, da: str, db: str):
     """``a @ b`` of the matrix view: one product per matrix of the batch (torch.matmul)."""
-    a, b = _promoted(_as_matrices(a, geo) if da == "rc" else a,
-                     _as_matrices(b, geo) if db == "rc" else b)
-    out = torch.matmul(a, b)
-    return _from_matrices(out, geo) if da[0] + db[1] == "rc" else out
+    return _product(*_operands("matmul", (a, b, geo, da, db)))
 
 
 def _matmul_add(x, a, b, geo: Geometry, dx: str, da: str, db: str):
     """``x + a @ b`` in one product (torch.addmm, torch.baddbmm): the sum rounded once."""
-    m = _as_matrices(x, geo) if dx == "rc" else x
-    a, b = _promoted(_as_matrices(a, geo) if da == "rc" else a,
-                     _as_matrices(b, geo) if db == "rc" else b)
-    if m.dtype != a.dtype:  # (addmm takes one dtype: the sum promotes, as x + a @ b would)
+    return _product(*_operands("matmul_add", (x, a, b, geo, dx, da, db)))
+
+
+def _product(m, a, b, geo: Geometry | None):
+    """One tensor's product from its ``_operands``: ``m + a @ b`` (``a @ b`` where ``m`` is
+    None), shaped back with ``geo`` where given."""
+    if m is None:
+        out = torch.matmul(a, b)
+    elif m.dtype != a.dtype:  # (addmm takes one dtype: the sum promotes, as x + a @ b would)
         out = m + torch.matmul(a, b)
     else:
         out = torch.addmm(m, a, b) if m.dim() == 2 else torch.baddbmm(m, a, b)
-    return _from_matrices(out, geo) if dx == "rc" else out
+    return _from_matrices(out, geo) if geo is not None else out
 
 
 def _matmul_shift(s, a, b, geo: Geometry, da: str, db: str):
@@ -543,8 +545,13 @@ def _stack(ts, kept: dict) -> torch.Tensor:
 
 def _products(asked, kept: dict) -> list:
     """The value of each tensor's product ``asked`` (``(name, arguments)`` each, all of one
-    shape), computed as one batched product."""
-    ms, as_, bs, geos = zip(*(_operands(name, args) for name, args in asked))
+    shape), computed as one batched product where the operands are bfloat16; one product a
+    tensor otherwise (on the CPU a batched float32 or float16 product took longer than
+    one product a matrix: docs/performance.md)."""
+    found = [_operands(name, args) for name, args in asked]
+    if found[0][1].dtype != torch.bfloat16:
+        return [_product(*operands) for operands in found]
+    ms, as_, bs, geos = zip(*found)
     a, b = _stack(as_, kept), _stack(bs, kept)
     if ms[0] is None:
         out = torch.matmul(a, b)
