@@ -246,6 +246,36 @@ def test_factored_adafactor_compiles_once(backend):
     torch.testing.assert_close(comp_s["v_row"]["w"], eager_s["v_row"]["w"], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bfloat16"])
+def test_muon_compiles_once(bf16):
+    """Muon's matrices (two wide of one shape, one tall, which the matrix view transposes)
+    and a vector (AdamW's side): one graph, replayed; equal to the eager steps in float32
+    (eager, bfloat16 products of one shape are one batched product: equal to bfloat16's
+    rounding). A graph break in the matrix helpers compiled them as frames of their own,
+    which a second shape recompiled with the geometry's integers as symbols: the step
+    failed."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(6, 9, generator=gen), "b": torch.randn(6, 9, generator=gen),
+              "t": torch.randn(9, 6, generator=gen), "v": torch.randn(9, generator=gen)}
+
+    def step(params, grads, state):
+        return vega.muon_step(params, grads, state, lr=0.02, bf16=bf16)
+    step(params, {n: torch.ones_like(v) for n, v in params.items()}, vega.muon_init(params))
+    counter = CompileCounter()  # (after a first step: the programs it picks are kept)
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    comp_p, comp_s = params, vega.muon_init(params)
+    eager_p, eager_s = params, vega.muon_init(params)
+    for _ in range(3):
+        grads = {n: torch.randn(v.shape, generator=gen) for n, v in params.items()}
+        comp_p, comp_s = compiled(comp_p, grads, comp_s)
+        eager_p, eager_s = step(eager_p, grads, eager_s)
+    assert counter.frame_count == 1 and int(comp_s["step"]) == 3
+    tol = dict(rtol=1e-2, atol=1e-3) if bf16 else dict(rtol=1e-6, atol=1e-7)
+    for n in params:
+        torch.testing.assert_close(comp_p[n], eager_p[n], **tol)
+
+
 def test_reductions_over_the_group_compile(backend="triton"):
     """Prodigy's sums over the group in a compiled class step, twice, on Triton (whose staged
     step launches its kernels itself: a traced step takes the reference's, where the eager

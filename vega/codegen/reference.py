@@ -429,8 +429,8 @@ def _as_matrices(x, geo: Geometry):
     one matrix (rows, columns) where the batch is one: there a product is torch.mm, which
     reads a transposed operand in place (torch.bmm may copy it)."""
     order, rows, cols = _matrix_axes(geo)
-    batch = math.prod(geo.full[a] for a in order[:len(order) - (geo.r is not None)
-                                                   - (geo.c is not None)])
+    batch = math.prod([geo.full[a] for a in order[:len(order) - (geo.r is not None)
+                                                    - (geo.c is not None)]])
     return x.permute(order).reshape((batch, rows, cols) if batch != 1 else (rows, cols))
 
 
