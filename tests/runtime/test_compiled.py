@@ -276,6 +276,35 @@ def test_muon_compiles_once(bf16):
         torch.testing.assert_close(comp_p[n], eager_p[n], **tol)
 
 
+@pytest.mark.parametrize("name", ["prodigy", "dadapt_adamw"])
+def test_reductions_over_the_group_compile_as_one_graph(name):
+    """A functional step with sums over the group (each rule's scalar state) on the
+    default backend under ``fullgraph=True``: one graph, replayed, equal to the eager
+    steps. A traced step takes the reference's staged step, whose generators end with a
+    last yield (``steps.Done``): dynamo cannot read a generator's return value back from
+    its StopIteration, and the C kernels' own staged step calls them through ctypes."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(2)
+    params = {"w": torch.randn(6, 9, generator=gen), "b": torch.randn(9, generator=gen)}
+    spec = vega.builtin(name)
+
+    def step(params, grads, state):
+        return spec.step(params, grads, state, max_grad_norm=1.0)
+    step(params, {n: torch.ones_like(v) for n, v in params.items()}, spec.init(params))
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    comp_p, comp_s = params, spec.init(params)
+    eager_p, eager_s = params, spec.init(params)
+    for _ in range(3):
+        grads = {n: torch.randn(v.shape, generator=gen) for n, v in params.items()}
+        comp_p, comp_s = compiled(comp_p, grads, comp_s)
+        eager_p, eager_s = step(eager_p, grads, eager_s)
+    assert counter.frame_count == 1 and int(comp_s["step"]) == 3
+    for n in params:
+        torch.testing.assert_close(comp_p[n], eager_p[n], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(comp_s["d"], eager_s["d"], rtol=1e-6, atol=0)
+
+
 def test_reductions_over_the_group_compile(backend="triton"):
     """Prodigy's sums over the group in a compiled class step, twice, on Triton (whose staged
     step launches its kernels itself: a traced step takes the reference's, where the eager

@@ -234,7 +234,11 @@ _GEOMETRIES: dict[tuple[int, ...], Geometry] = {}
 
 
 def geometry(shape) -> Geometry:
+    """The ``Geometry`` of ``shape``, kept for the next steps (not while dynamo traces: a
+    traced lookup would guard on what the cache holds, and recompile once it holds it)."""
     key = tuple(shape)
+    if torch.compiler.is_compiling():
+        return Geometry(key)
     found = _GEOMETRIES.get(key)
     if found is None:
         if len(_GEOMETRIES) > 4096:

@@ -28,7 +28,7 @@ from vega.codegen import precision, quant
 from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_codes, check_states,
                                geometry, hyper_var, leveled, linearize, state_var)
 from vega.codegen.record import Pre, finite_of
-from vega.codegen.steps import advance_steps, memo, run_staged
+from vega.codegen.steps import Done, advance_steps, memo, run_staged
 from vega.codegen.tensors import PLAIN_TYPES, refuse_inplace
 from vega.dsl.ir import (AXIS_REDUCTIONS, MATRIX_OPS, REDUCTIONS, SCALAR_STATE, Kind, Node, Op,
                         Program, is_global, walk)
@@ -290,7 +290,9 @@ def stages(program: Program) -> tuple[dict[int, int], list[list[Node]]]:
 def render_staged(program: Program, linear: Linear | None = None) -> str:
     """``update_staged``: ``update`` as a generator that stops at the end of each stage
     (``stages``) and yields its reductions, ``(op, argument, argument's domain)`` each, to
-    be given their values back: the step over shards (``Kernel.staged``)."""
+    be given their values back: the step over shards (``Kernel.staged``). Its last yield
+    is ``update``'s values (not a return, whose value dynamo cannot read back from the
+    StopIteration in a traced step)."""
     lin = linear or linearize(program)
     r = TorchRenderer()
     level, phases = stages(program)
@@ -311,7 +313,7 @@ def render_staged(program: Program, linear: Linear | None = None) -> str:
                        f"yield ({asked},)")
     doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
     results = [r.output(lin, node, doms[target], True) for target, node in lin.outputs]
-    out.append(f"    return ({''.join(v + ', ' for v in results)})")
+    out.append(f"    yield ({''.join(v + ', ' for v in results)})")
     return "\n".join(out) + "\n"
 
 
@@ -876,7 +878,7 @@ class Kernel:
             args = self._args(cache, i, p, g, states, steps, values, gscale)
             gens.append(self._update_staged(*args, geos[i]))
             asked.append(gens[-1].send(None) if self.nstages else None)
-        for _ in range(self.nstages):
+        for stage in range(self.nstages):
             parts, finishes, answers = [], [], []
             for i, requests in enumerate(asked):
                 mine = []
@@ -901,22 +903,19 @@ class Kernel:
             for i, mine in enumerate(answers):
                 values_i = tuple(finishes[a](combined[a]) if isinstance(a, int) else a
                                  for a in mine)
-                try:
-                    asked[i] = gens[i].send(values_i)
-                except StopIteration as done:
-                    outs[i] = done.value
+                got = gens[i].send(values_i)  # (after the last stage: the values)
+                if stage == self.nstages - 1:
+                    outs[i] = got
+                else:
+                    asked[i] = got
         if not self.nstages:
-            for i, gen in enumerate(gens):
-                try:
-                    next(gen)
-                except StopIteration as done:
-                    outs[i] = done.value
+            outs = [next(gen) for gen in gens]
         new_params, new_states = [None] * len(params), [[None] * len(params) for _ in states]
         keys = self._rounding_keys(params, grads, states, steps)
         for i, (p, g) in enumerate(zip(params, grads)):
             self._write(i, p, g, states, outs[i], finite, donate, new_params, new_states,
                         keys[i])
-        return new_params, new_states, advance_steps(steps, finite, donate), finite
+        yield Done((new_params, new_states, advance_steps(steps, finite, donate), finite))
 
     def _begin(self, params, states, steps, donate, pre):
         """(the all-finite flag, (inverse loss scale, clip coefficient)), None each without

@@ -7,6 +7,15 @@ import torch
 INT32_MAX = 2**31 - 1
 
 
+class Done:
+    """What a staged step (a backend's ``staged``) yields last: its answer, ``value``. (Not
+    the generator's return value, which dynamo cannot read back from the StopIteration
+    while it traces a step.)"""
+
+    def __init__(self, value):
+        self.value = value
+
+
 def advance_steps(steps, finite, donate):
     """Each distinct step counter plus one (saturating; not on a skipped step)."""
     def advance(step):
@@ -83,10 +92,11 @@ def drive(gens: dict, results: list, combine=None, spanning=None, group_of=None,
     asked, totals, done_keys = {}, {}, {}
     given: dict = {}  # (group, key) -> the steps that have given their part
     for k, gen in gens.items():
-        try:
-            asked[k] = gen.send(None)
-        except StopIteration as finished:
-            results[k] = finished.value
+        got = gen.send(None)
+        if isinstance(got, Done):
+            results[k] = got.value
+        else:
+            asked[k] = got
     fresh = set(asked)
     while asked:
         for k in fresh:  # each new request's parts of reductions over the group, summed
@@ -130,9 +140,10 @@ def drive(gens: dict, results: list, combine=None, spanning=None, group_of=None,
         for k in ready:
             answer = [done_keys[(group(k), part[2])].expand(part[1].shape) if is_global(part)
                       else next(own_done) for part in asked[k]]
-            try:
-                asked[k] = gens[k].send(answer)
-                fresh.add(k)
-            except StopIteration as finished:
-                results[k] = finished.value
+            got = gens[k].send(answer)
+            if isinstance(got, Done):
+                results[k] = got.value
                 del asked[k]
+            else:
+                asked[k] = got
+                fresh.add(k)

@@ -40,6 +40,7 @@ from torch.autograd.graph import increment_version
 from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, state_key
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
+from vega.codegen.steps import Done
 from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, own_ops_words,
                                   readable, refuse_inplace)
 from vega.dsl.ir import QBLOCK, SCALAR_STATE, Op
@@ -950,5 +951,5 @@ def staged(kern, params, grads, states, steps, values, donate, pre, views):
         finite = None
     elif not uniq_steps:
         finite = finite_of(pre)
-    return (params, [flat[k * n:(k + 1) * n] for k in range(len(states))],
-            [uniq_steps[k] for k in step_index], finite)
+    yield Done((params, [flat[k * n:(k + 1) * n] for k in range(len(states))],
+                [uniq_steps[k] for k in step_index], finite))

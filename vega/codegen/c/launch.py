@@ -22,7 +22,7 @@ from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
 from vega.codegen.reference import global_keys
-from vega.codegen.steps import run_staged
+from vega.codegen.steps import Done, run_staged
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths
 from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
                                   refuse_inplace, roles, shared_pair)
@@ -67,10 +67,7 @@ class Kernel:
         self._nphases = len(self._phases)
         self._nred = sum(map(len, self._phases))
         self._axes = program.uses_axes  # one vega_axes_step instead of phases and update
-        # its step over shards runs here (``staged``): every reduction per tensor, of
-        # per-element values (a program over a matrix view, Adafactor's, steps its shards
-        # on the reference's staged step)
-        self.stageable = not self._axes and of_elements(self._phases)
+        self._of_elements = not self._axes and of_elements(self._phases)  # (``stageable``)
         self.global_keys = global_keys(program)  # its reductions over a group, named
         self.columns = record.table_columns(len(program.states), NGEO if self._axes else 0)
         # how the custom ops find this kernel: a name never given to another (a counter,
@@ -302,6 +299,15 @@ class Kernel:
         finite = record.finite_of(pre)
         return params, states, [unique[k] for k in step_index], finite
 
+    @property
+    def stageable(self) -> bool:
+        """Whether its step over shards, and over a group's reductions, runs here
+        (``staged``): every reduction per tensor, of per-element values. A program over a
+        matrix view (Adafactor's) steps its shards on the reference's staged step, as does
+        a step that dynamo traces (``staged`` calls the kernels through ctypes, which dynamo
+        cannot trace)."""
+        return self._of_elements and not torch.compiler.is_compiling()
+
     def staged(self, params, grads, states, steps, values, donate, pre, views):
         """``vega.codegen.reference.Kernel.staged`` in these kernels (where ``stageable``):
         each phase of per-tensor reductions (``vega_phase{k}_partial``) leaves its partial
@@ -360,8 +366,8 @@ class Kernel:
         copy_back([*params, *flat], [*work_p, *work_s])
         _written(params)
         n = len(params)
-        return (params, [flat[k * n:(k + 1) * n] for k in range(len(states))],
-                [unique[k] for k in step_index], record.finite_of(pre))
+        yield Done((params, [flat[k * n:(k + 1) * n] for k in range(len(states))],
+                    [unique[k] for k in step_index], record.finite_of(pre)))
 
     def _traced_step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index,
                      pre) -> None:
