@@ -180,3 +180,28 @@ def test_a_mode_takes_ifs_on_the_shape():
     params = [torch.ones(2, 2), torch.ones(3)]
     got = spec.mode("eval", params, spec.init(params))
     assert torch.equal(got[0], torch.full((2, 2), 2.0)) and torch.equal(got[1], torch.full((3,), 3.0))
+
+
+def test_bfloat16_products_step_side_by_side_only_for_tensors_with_values_in_memory():
+    """Tensors of one shape take their bfloat16 products together (``_batches``), found
+    again by their addresses: not a tensor without values (an empty one; a meta or lazy
+    one, whose address is 0), which steps alone. A sum with a product of empty matrices
+    steps as one product of each would."""
+    from vega.codegen import reference
+    spec = vega.compile("optimizer o() {\n x = bfloat16(g)\n"
+                        " p = p + widen(x + x @ transpose(x) @ x)\n}")
+    empty = [torch.zeros(0, 4), torch.zeros(0, 4)]
+    new, _ = spec.step(empty, empty, spec.init(empty))
+    assert [tuple(n.shape) for n in new] == [(0, 4), (0, 4)]
+    kern = reference.Kernel(spec.program(shape=(2, 3)))
+    ones, meta = torch.ones(2, 3), torch.ones(2, 3, device="meta")
+    assert kern._batches([ones, ones, ones], [ones] * 3, []) == [[0, 1, 2]]
+    assert kern._batches([meta, meta], [meta] * 2, []) == [[0], [1]]
+    assert kern._batches(empty, empty, []) == [[0], [1]]
+    gen = torch.Generator().manual_seed(3)
+    ps = [torch.randn(2, 3, generator=gen) for _ in range(3)]
+    gs = [torch.randn(2, 3, generator=gen) for _ in range(3)]
+    got, _ = spec.step(ps, gs, spec.init(ps))
+    for p, g, n in zip(ps, gs, got):
+        x = g.to(torch.bfloat16)
+        torch.testing.assert_close(n, p + (x + x @ x.T @ x).float(), rtol=1e-2, atol=1e-2)

@@ -204,7 +204,7 @@ PRODUCTS = frozenset({Op.MATMUL, Op.MATMUL_ADD, Op.MATMUL_SHIFT})
 
 class _AskingRenderer(TorchRenderer):
     """The element phase with each matrix product asked of the caller: ``(yield (name,
-    arguments))``, ``name`` one of ``_BATCHED``'s (``render_batched``)."""
+    arguments))``, ``name`` one of ``_operands``' (``render_batched``)."""
     code_for_op = {
         **TorchRenderer.code_for_op,
         Op.MATMUL: lambda self, node, phase, a, b:
@@ -223,9 +223,12 @@ def render_batched(program: Program, linear: Linear | None = None) -> str | None
     needs, ``(name, arguments)``, and is sent its value: the products of tensors of one
     shape run as one batched product (``Kernel._batched``), the elementwise work tensor by
     tensor as in ``update``. Each value is deleted after its last use, so that a suspended
-    generator holds only what it still needs. None where the program has no product."""
+    generator holds only what it still needs. None where the program has no product, or no
+    ``bfloat16(...)``: only bfloat16 products are batched (``_products``), and the compute
+    dtype is float32 or float64."""
     lin = linear or linearize(program)
-    if not any(line.node.op in PRODUCTS for line in lin.element_lines):
+    ops = {line.node.op for line in lin.element_lines}
+    if ops.isdisjoint(PRODUCTS) or Op.BF16 not in ops:
         return None
     r = _AskingRenderer()
     state = [state_var(s) for s in program.state_names]
@@ -238,10 +241,10 @@ def render_batched(program: Program, linear: Linear | None = None) -> str | None
             name = lin.names.get(id(src))
             if name in mine:
                 last[name] = k
-    kept = {lin.names.get(id(node)) for _, node in lin.outputs}
+    returned = {lin.names.get(id(node)) for _, node in lin.outputs}
     for k, line in enumerate(lin.element_lines):
         out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
-        done = sorted(n for n, at in last.items() if at == k and n not in kept)
+        done = sorted(n for n, at in last.items() if at == k and n not in returned)
         if done:
             out.append(f"    del {', '.join(done)}")
     doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
@@ -466,15 +469,21 @@ def _matmul_add(x, a, b, geo: Geometry, dx: str, da: str, db: str):
 
 
 def _product(m, a, b, geo: Geometry | None):
-    """One tensor's product from its ``_operands``: ``m + a @ b`` (``a @ b`` where ``m`` is
-    None), shaped back with ``geo`` where given."""
-    if m is None:
-        out = torch.matmul(a, b)
-    elif m.dtype != a.dtype:  # (addmm takes one dtype: the sum promotes, as x + a @ b would)
-        out = m + torch.matmul(a, b)
-    else:
-        out = torch.addmm(m, a, b) if m.dim() == 2 else torch.baddbmm(m, a, b)
+    """One tensor's product from its ``_operands``, shaped back with ``geo`` where given."""
+    out = _multiplied(m, a, b)
     return _from_matrices(out, geo) if geo is not None else out
+
+
+def _multiplied(m, a, b):
+    """``m + a @ b`` (``a @ b`` where ``m`` is None) of matrices, or of batches of them
+    (any number of leading axes, ``_products``' stacked ones among them)."""
+    if m is None:
+        return torch.matmul(a, b)
+    if m.dtype != a.dtype:  # (addmm takes one dtype: the sum promotes, as x + a @ b would)
+        return m + torch.matmul(a, b)
+    if m.dim() == 2:  # one product, the sum rounded once
+        return torch.addmm(m, a, b)
+    return torch.baddbmm(*(x.flatten(0, -3) for x in (m, a, b))).view(m.shape)
 
 
 def _matmul_shift(s, a, b, geo: Geometry, da: str, db: str):
@@ -508,13 +517,16 @@ def _operands(name: str, args) -> tuple:
         name, args = "matmul", (_shifted(s, a, b), b, geo, da, db)
     if name == "matmul":
         a, b, geo, da, db = args
-        a, b = _promoted(_as_matrices(a, geo) if da == "rc" else a,
-                         _as_matrices(b, geo) if db == "rc" else b)
-        return None, a, b, geo if da[0] + db[1] == "rc" else None
+        return (None, *_promoted(_matrices(a, geo, da), _matrices(b, geo, db)),
+                geo if da[0] + db[1] == "rc" else None)
     x, a, b, geo, dx, da, db = args
-    a, b = _promoted(_as_matrices(a, geo) if da == "rc" else a,
-                     _as_matrices(b, geo) if db == "rc" else b)
-    return _as_matrices(x, geo) if dx == "rc" else x, a, b, geo if dx == "rc" else None
+    return (_matrices(x, geo, dx), *_promoted(_matrices(a, geo, da), _matrices(b, geo, db)),
+            geo if dx == "rc" else None)
+
+
+def _matrices(x, geo: Geometry, dom: str):
+    """A product's operand as matrices: a value of one per element as its matrix view's."""
+    return _as_matrices(x, geo) if dom == "rc" else x
 
 
 def _layout(ts) -> tuple:
@@ -554,16 +566,8 @@ def _products(asked, kept: dict) -> list:
     if found[0][1].dtype != torch.bfloat16:
         return [_product(*operands) for operands in found]
     ms, as_, bs, geos = zip(*found)
-    a, b = _stack(as_, kept), _stack(bs, kept)
-    if ms[0] is None:
-        out = torch.matmul(a, b)
-    else:
-        m = _stack(ms, kept)
-        if m.dtype != a.dtype:  # (as _matmul_add)
-            out = m + torch.matmul(a, b)
-        else:  # one product of the batches of matrices, the sum rounded once
-            flat = [x.reshape(-1, *x.shape[-2:]) for x in (m, a, b)]
-            out = torch.baddbmm(*flat).reshape(m.shape)
+    out = _multiplied(None if ms[0] is None else _stack(ms, kept), _stack(as_, kept),
+                      _stack(bs, kept))
     items = out.unbind(0)
     _keep(kept, _layout(items), out, None)
     return [_from_matrices(o, geo) if geo is not None else o for o, geo in zip(items, geos)]
@@ -825,14 +829,15 @@ class Kernel:
         """The tensors stepped together, by position: where the program has matrix products
         (and dynamo is not tracing), those of one shape, device and dtypes, up to
         ``BATCH_ELEMENTS`` values a batch; one by one otherwise, and a tensor that is not
-        a plain tensor in memory (a subclass, such as TwoTensor, whose data_ptr() is 0; a
-        meta tensor): ``_stack`` finds stacked operands by their addresses."""
+        a plain tensor with values in memory of the CPU or a CUDA device (a subclass, such
+        as TwoTensor, whose data_ptr() is 0; a meta or lazy tensor), or has no values:
+        ``_stack`` finds stacked operands by their addresses."""
         if self._update_batched is None or len(params) < 2 or torch.compiler.is_compiling():
             return [[i] for i in range(len(params))]
         alike: dict = {}
         for i, (p, g) in enumerate(zip(params, grads)):
-            if p.device.type == "meta" or not PLAIN_TYPES.issuperset(
-                    map(type, (p, g, *(col[i] for col in states)))):
+            if p.device.type not in ("cpu", "cuda") or not p.numel() or \
+                    not PLAIN_TYPES.issuperset(map(type, (p, g, *(col[i] for col in states)))):
                 alike[i] = [i]  # (a key of its own)
                 continue
             key = (p.shape, p.dtype, p.device, g.dtype, g.shape,
@@ -859,8 +864,10 @@ class Kernel:
                     asked[k] = gen.send(values[k])
                 except StopIteration as done:
                     outs.append(done.value)
-            if outs:  # (one code path: all end together)
-                assert len(outs) == len(gens), "batched tensors took different paths"
+            if outs:  # (one code path, no branch: all end together)
+                if len(outs) != len(gens):
+                    raise RuntimeError(f"vega: {self.program.name}: tensors stepped side by "
+                                       "side took different paths; please report it")
                 return outs
 
     def staged(self, params, grads, states, steps, values, donate, pre, views):
