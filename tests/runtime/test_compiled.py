@@ -261,19 +261,26 @@ def test_muon_compiles_once(bf16):
 
     def step(params, grads, state):
         return vega.muon_step(params, grads, state, lr=0.02, bf16=bf16)
-    step(params, {n: torch.ones_like(v) for n, v in params.items()}, vega.muon_init(params))
-    counter = CompileCounter()  # (after a first step: the programs it picks are kept)
-    compiled = torch.compile(step, backend=counter, fullgraph=True)
-    comp_p, comp_s = params, vega.muon_init(params)
-    eager_p, eager_s = params, vega.muon_init(params)
-    for _ in range(3):
-        grads = {n: torch.randn(v.shape, generator=gen) for n, v in params.items()}
-        comp_p, comp_s = compiled(comp_p, grads, comp_s)
-        eager_p, eager_s = step(eager_p, grads, eager_s)
-    assert counter.frame_count == 1 and int(comp_s["step"]) == 3
+    comp, eager = compiled_and_eager(step, params, vega.muon_init, gen)
     tol = dict(rtol=1e-2, atol=1e-3) if bf16 else dict(rtol=1e-6, atol=1e-7)
     for n in params:
-        torch.testing.assert_close(comp_p[n], eager_p[n], **tol)
+        torch.testing.assert_close(comp[0][n], eager[0][n], **tol)
+
+
+def compiled_and_eager(step, params, init, gen, steps: int = 3):
+    """``steps`` steps of ``step`` compiled (``fullgraph=True``) and eager from ``init``'s
+    state, on the same random gradients: ((params, state), (params, state)), the compiled
+    one asserted to be one graph. (A first eager step before: the programs it picks are
+    kept, which a traced step would guard on.)"""
+    step(params, {n: torch.ones_like(v) for n, v in params.items()}, init(params))
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    comp, eager = (params, init(params)), (params, init(params))
+    for _ in range(steps):
+        grads = {n: torch.randn(v.shape, generator=gen) for n, v in params.items()}
+        comp, eager = compiled(*comp[:1], grads, comp[1]), step(*eager[:1], grads, eager[1])
+    assert counter.frame_count == 1 and int(comp[1]["step"]) == steps
+    return comp, eager
 
 
 @pytest.mark.parametrize("name", ["prodigy", "dadapt_adamw"])
@@ -290,16 +297,7 @@ def test_reductions_over_the_group_compile_as_one_graph(name):
 
     def step(params, grads, state):
         return spec.step(params, grads, state, max_grad_norm=1.0)
-    step(params, {n: torch.ones_like(v) for n, v in params.items()}, spec.init(params))
-    counter = CompileCounter()
-    compiled = torch.compile(step, backend=counter, fullgraph=True)
-    comp_p, comp_s = params, spec.init(params)
-    eager_p, eager_s = params, spec.init(params)
-    for _ in range(3):
-        grads = {n: torch.randn(v.shape, generator=gen) for n, v in params.items()}
-        comp_p, comp_s = compiled(comp_p, grads, comp_s)
-        eager_p, eager_s = step(eager_p, grads, eager_s)
-    assert counter.frame_count == 1 and int(comp_s["step"]) == 3
+    (comp_p, comp_s), (eager_p, eager_s) = compiled_and_eager(step, params, spec.init, gen)
     for n in params:
         torch.testing.assert_close(comp_p[n], eager_p[n], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(comp_s["d"], eager_s["d"], rtol=1e-6, atol=0)
