@@ -502,9 +502,9 @@ def _shifted(s, a, b):
     return shifted
 
 
-# Products batched over the tensors of one shape (``Kernel._batched``): on the CPU a
-# batched bfloat16 product of several matrices takes markedly less time than one product a
-# matrix (docs/performance.md). The elementwise work stays tensor by tensor.
+# bfloat16 products batched over the tensors of one shape (``Kernel._batched``): on the
+# CPU a batched bfloat16 product of several matrices takes markedly less time than one
+# product a matrix (docs/performance.md). The elementwise work stays tensor by tensor.
 BATCH_ELEMENTS = 1 << 24  # the most values of a parameter shape a batch holds
 _KEPT = 8  # stacked operands and products kept for the next products to find
 
@@ -826,8 +826,9 @@ class Kernel:
         return new_params, new_states, advance_steps(steps, finite, donate), finite
 
     def _batches(self, params, grads, states) -> list[list[int]]:
-        """The tensors stepped together, by position: where the program has matrix products
-        (and dynamo is not tracing), those of one shape, device and dtypes, up to
+        """The tensors stepped together, by position: where the program has bfloat16 matrix
+        products (``render_batched``) and dynamo is not tracing, those of one shape, device
+        and dtypes, up to
         ``BATCH_ELEMENTS`` values a batch; one by one otherwise, and a tensor that is not
         a plain tensor with values in memory of the CPU or a CUDA device (a subclass, such
         as TwoTensor, whose data_ptr() is 0; a meta or lazy tensor), or has no values:
