@@ -828,11 +828,10 @@ class Kernel:
     def _batches(self, params, grads, states) -> list[list[int]]:
         """The tensors stepped together, by position: where the program has bfloat16 matrix
         products (``render_batched``) and dynamo is not tracing, those of one shape, device
-        and dtypes, up to
-        ``BATCH_ELEMENTS`` values a batch; one by one otherwise, and a tensor that is not
-        a plain tensor with values in memory of the CPU or a CUDA device (a subclass, such
-        as TwoTensor, whose data_ptr() is 0; a meta or lazy tensor), or has no values:
-        ``_stack`` finds stacked operands by their addresses."""
+        and dtypes, up to ``BATCH_ELEMENTS`` values a batch; one by one otherwise, and a
+        tensor that is not a plain tensor with values in memory of the CPU or a CUDA device
+        (a subclass, such as TwoTensor, whose data_ptr() is 0; a meta or lazy tensor), or
+        has no values: ``_stack`` finds stacked operands by their addresses."""
         if self._update_batched is None or len(params) < 2 or torch.compiler.is_compiling():
             return [[i] for i in range(len(params))]
         alike: dict = {}
