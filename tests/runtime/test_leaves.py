@@ -248,6 +248,27 @@ def test_add_param_group_validates_and_does_not_add_a_bad_group(bad, match):
     assert int(opt.state[q]["step"]) == 1
 
 
+@pytest.mark.parametrize("name,value,match", [
+    ("lr", -1.0, r"lr=-1\.0 is outside its range"),
+    ("b1", 1.0, r"b1=1\.0 is outside its range"),
+    ("eps", float("nan"), r"eps=nan is outside its range"),
+    ("eps", float("inf"), r"eps=inf is outside its range"),
+    ("weight_decay", "0.1", r"weight_decay='0\.1' must be a float"),
+])
+def test_a_group_value_set_between_steps_is_checked_at_the_step(name, value, match):
+    """Each step checks its groups' values (a float one the most often: a plain float in
+    its range passes a quick path), and writes nothing where one is wrong."""
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = vega.optim.Adam([p], lr=1e-2)
+    p.grad = torch.ones(3)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0][name] = value
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert torch.equal(p.detach(), before) and int(opt.state[p]["step"]) == 1
+
+
 def test_add_param_group_refuses_integer_parameters():
     opt = vega.optim.SGD([torch.randn(2, requires_grad=True)])
     with pytest.raises(ValueError, match=r"SGD can only optimize float or complex tensors, got "

@@ -130,6 +130,8 @@ def check_value(owner: str, h: HyperParam, value):
             raise ValueError(f"{owner}: {h.name}={shown(value)} must be True or False (it selects "
                              "the compiled kernel)")
         return value
+    if type(value) is float and value == value and (h.range is None or h.range.contains(value)):
+        return value  # (the common case, checked every step, without numbers.Real's isinstance)
     if isinstance(value, bool) or not (
             isinstance(value, (numbers.Real, torch.Tensor)) or callable(value)):
         raise ValueError(f"{owner}: {h.name}={shown(value)} must be a float, a 0-d tensor or a "
