@@ -120,6 +120,25 @@ def test_demo_runs_and_learns(capsys):
     assert all(loss < 1.0 for loss in losses)  # ln(3) = 1.0986 at the start
 
 
+def test_demo_waits_for_the_native_operator_being_built(monkeypatch):
+    """On a fresh install the native operator builds in the background: the demo says so
+    and waits for it, so that no step it times runs beside the compiler."""
+    import io
+
+    from vega import demo
+    from vega.codegen.c import native
+    waits = []
+    monkeypatch.setattr(native, "module", lambda wait=None: waits.append(wait))
+    monkeypatch.setattr(native, "status", lambda: "native operator still building")
+    out = io.StringIO()
+    demo._native_ready(out)
+    assert "building vega's native operator once" in out.getvalue() and waits == [None, True]
+    monkeypatch.setattr(native, "status", lambda: "native operator unavailable: no compiler")
+    out = io.StringIO()
+    demo._native_ready(out)
+    assert out.getvalue() == ""
+
+
 def test_show_takes_a_shape(capsys):
     from vega.cli import main
     assert main(["show", "adafactor", "--backend", "reference", "--shape", "256,128"]) == 0
