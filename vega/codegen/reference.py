@@ -38,6 +38,21 @@ def _fn(name):
     return lambda self, node, phase, *a: f"{name}({', '.join(a)})"
 
 
+def _product_ops(call) -> dict:
+    """The three products' renderings: ``call(name, arguments)`` writes one (``name`` one
+    of ``_operands``'): a call of ``_<name>``, or, for ``render_batched``, a yield."""
+    return {
+        Op.MATMUL: lambda self, node, phase, a, b:
+            call("matmul", f"{a}, {b}, geo, {node.src[0].dom!r}, {node.src[1].dom!r}"),
+        Op.MATMUL_ADD: lambda self, node, phase, x, a, b:
+            call("matmul_add", f"{x}, {a}, {b}, geo, "
+                               f"{', '.join(repr(s.dom) for s in node.src)}"),
+        Op.MATMUL_SHIFT: lambda self, node, phase, s, a, b:
+            call("matmul_shift", f"{s}, {a}, {b}, geo, {node.src[1].dom!r}, "
+                                 f"{node.src[2].dom!r}"),
+    }
+
+
 def _minmax(which):
     # a where, as the C and Triton kernels: a NaN in either wins, and of two equal values
     # (0.0 and -0.0) the second (torch.minimum and clamp differ between 0-d tensors and
@@ -90,14 +105,8 @@ class TorchRenderer(Renderer):
         Op.SUM: _fn("torch.sum"),
         Op.MEAN: _fn("torch.mean"),
         Op.AMAX: lambda self, node, phase, a: f"_amax({a})",
-        Op.MATMUL: lambda self, node, phase, a, b:
-            f"_matmul({a}, {b}, geo, {node.src[0].dom!r}, {node.src[1].dom!r})",
+        **_product_ops(lambda name, args: f"_{name}({args})"),
         Op.TRANSPOSE: lambda self, node, phase, a: f"_transpose({a}, geo, {node.src[0].dom!r})",
-        Op.MATMUL_ADD: lambda self, node, phase, x, a, b:
-            f"_matmul_add({x}, {a}, {b}, geo, "
-            f"{', '.join(repr(s.dom) for s in node.src)})",
-        Op.MATMUL_SHIFT: lambda self, node, phase, s, a, b:
-            f"_matmul_shift({s}, {a}, {b}, geo, {node.src[1].dom!r}, {node.src[2].dom!r})",
         Op.SIZE: lambda self, node, phase: f"_size(p, geo, {node.arg})",
         Op.BF16: lambda self, node, phase, a: f"_bf16({a}, p)",
         Op.WIDEN: lambda self, node, phase, a: f"_widen({a}, p)",
@@ -199,23 +208,14 @@ def render(program: Program, linear: Linear | None = None) -> str:
     return "\n".join(out)
 
 
-PRODUCTS = frozenset({Op.MATMUL, Op.MATMUL_ADD, Op.MATMUL_SHIFT})
+PRODUCTS = MATRIX_OPS - {Op.TRANSPOSE}
 
 
 class _AskingRenderer(TorchRenderer):
     """The element phase with each matrix product asked of the caller: ``(yield (name,
-    arguments))``, ``name`` one of ``_operands``' (``render_batched``)."""
-    code_for_op = {
-        **TorchRenderer.code_for_op,
-        Op.MATMUL: lambda self, node, phase, a, b:
-            f"(yield ('matmul', ({a}, {b}, geo, {node.src[0].dom!r}, {node.src[1].dom!r})))",
-        Op.MATMUL_ADD: lambda self, node, phase, x, a, b:
-            f"(yield ('matmul_add', ({x}, {a}, {b}, geo, "
-            f"{', '.join(repr(s.dom) for s in node.src)})))",
-        Op.MATMUL_SHIFT: lambda self, node, phase, s, a, b:
-            f"(yield ('matmul_shift', ({s}, {a}, {b}, geo, {node.src[1].dom!r}, "
-            f"{node.src[2].dom!r})))",
-    }
+    arguments))`` (``render_batched``)."""
+    code_for_op = {**TorchRenderer.code_for_op,
+                   **_product_ops(lambda name, args: f"(yield ({name!r}, ({args})))")}
 
 
 def render_batched(program: Program, linear: Linear | None = None) -> str | None:

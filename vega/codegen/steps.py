@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from vega.dsl.ir import Op
+
 INT32_MAX = 2**31 - 1
 
 
@@ -14,6 +16,21 @@ class Done:
 
     def __init__(self, value):
         self.value = value
+
+
+def shard_part(op: Op, raw: torch.Tensor, weight, key) -> tuple:
+    """One reduction's partial results over a group's tensors, as a staged step yields
+    them (``drive``): each tensor's raw sum of squares, sum (times its copy's ``weight``,
+    None for all 1) or maximum, and the reduction's ``key`` where it spans the group."""
+    if op is Op.AMAX:
+        return "max", raw, key
+    return "sum", raw if weight is None else raw * weight, key
+
+
+def finished(op: Op, total: torch.Tensor, count) -> torch.Tensor:
+    """A reduction's value from its ``total`` combined over processes: a norm's square
+    root, a mean's division by the whole tensor's ``count`` of values."""
+    return total.sqrt() if op is Op.NORM else (total / count if op is Op.MEAN else total)
 
 
 def advance_steps(steps, finite, donate):

@@ -40,7 +40,7 @@ from torch.autograd.graph import increment_version
 from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, state_key
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
-from vega.codegen.steps import Done
+from vega.codegen.steps import Done, finished, shard_part
 from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, own_ops_words,
                                   readable, refuse_inplace)
 from vega.dsl.ir import QBLOCK, SCALAR_STATE, Op
@@ -622,16 +622,12 @@ def _combined(kern, work, maps, views, k, slot):
              for i, n in zip(idx, numels)], dtype=torch.float64), red.device) \
             if any(n.op is Op.MEAN for n in phase) else None
         for q, node in enumerate(phase):
-            raw = red[:, slot + q].clone()
-            if node.op is not Op.AMAX and weight is not None:
-                raw = raw * weight
-            parts.append(("max" if node.op is Op.AMAX else "sum", raw,
-                          kern.global_keys.get(id(node))))
+            parts.append(shard_part(node.op, red[:, slot + q].clone(), weight,
+                                    kern.global_keys.get(id(node))))
             finish.append((red, slot + q, node.op, count))
     combined = yield parts
     for (red, c, op, count), value in zip(finish, combined):
-        red[:, c] = value.sqrt() if op is Op.NORM else (value / count if op is Op.MEAN
-                                                        else value)
+        red[:, c] = finished(op, value, count)
 
 
 def _geometry(kern, shapes) -> list[list[int]]:

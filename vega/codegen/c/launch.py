@@ -22,11 +22,11 @@ from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
 from vega.codegen.reference import global_keys
-from vega.codegen.steps import Done, run_staged
+from vega.codegen.steps import Done, finished, run_staged, shard_part
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths
 from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
                                   refuse_inplace, roles, shared_pair)
-from vega.dsl.ir import QBLOCK, SCALAR_STATE, Op, Program
+from vega.dsl.ir import QBLOCK, SCALAR_STATE, Program
 from vega.tracing import untraced
 
 # -- running ------------------------------------------------------------------
@@ -350,14 +350,12 @@ class Kernel:
                 getattr(lib, f"vega_phase{k}_partial")(table.shape[0], _ptr(table), _ptr(pre),
                                                        _ptr(red), nth)
                 for c, node in zip(cols, phase):
-                    how = "max" if node.op is Op.AMAX else "sum"
-                    parts.append((how, grid[:, c] if how == "max" else grid[:, c] * weight,
-                                  self.global_keys.get(id(node))))
+                    parts.append(shard_part(node.op, grid[:, c], weight,
+                                            self.global_keys.get(id(node))))
                     finish.append((grid, c, node.op, count))
             combined = yield parts
             for (grid, c, op, count), value in zip(finish, combined):
-                grid[:, c] = value.sqrt() if op is Op.NORM else (
-                    value / count if op is Op.MEAN else value)
+                grid[:, c] = finished(op, value, count)
         for lib, table, red, _ in tables:
             lib.vega_update(table.shape[0], _ptr(table), _ptr(pre), _ptr(red), nth)
         if tables:
