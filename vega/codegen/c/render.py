@@ -503,10 +503,10 @@ class Source:
         a bfloat16 value stochastically rounded where the program says so."""
         slot = 0 if target == "p" else 1 + self.program.state_names.index(target)
         if target in self.program.quant:  # 8 bits: into the block's buffer (_blocked)
-            k = slot - 1
-            return (f"{{ const float b_ = (float)({value}), a_ = fabsf(b_); "
-                    f"B{k}_[{index} - jb_] = b_; M{k}_ = a_ > M{k}_ ? a_ : M{k}_; "
-                    f"N_ |= a_ != a_; }}")
+            k = slot - 1  # (the largest magnitude's bits: a NaN's are above all others)
+            return (f"{{ union {{ float f; int32_t i; }} b_ = {{(float)({value})}}; "
+                    f"B{k}_[{index} - jb_] = b_.f; const int32_t a_ = b_.i & 0x7FFFFFFF; "
+                    f"M{k}_ = a_ > M{k}_ ? a_ : M{k}_; }}")
         to, save = ("PO_", "SAVE_P") if target == "p" else (f"SO{slot - 1}_", f"SAVE_S{slot - 1}")
         if slot in self._rounded():
             return (f"{to}[{index}] = f32_to_bf16_sr((float)({value}), "
@@ -655,27 +655,24 @@ class Source:
         lines = ["            for (int64_t jb_ = b; jb_ < e; jb_ += QBLOCK) {",
                  "                const int64_t je_ = e < jb_ + QBLOCK ? e : jb_ + QBLOCK;",
                  "                const int nb_ = (int)(je_ - jb_);"]
-        lines.append("                int N_ = 0;  /* a NaN among the new values */")
         for k, ks, _ in qs:
             lines.append(f"                const float A{k}_ = S{ks}_[jb_ / QBLOCK]; "
-                         f"float B{k}_[QBLOCK], M{k}_ = 0.0f;")
+                         f"float B{k}_[QBLOCK]; int32_t M{k}_ = 0;")
         maxes = ", ".join(f"M{k}_" for k, _, _ in qs)
-        lines += [f"                #pragma omp simd reduction(max:{maxes}) reduction(|:N_)",
+        lines += [f"                #pragma omp simd reduction(max:{maxes})",
                   "                for (int64_t j = jb_; j < je_; j++) {",
                   *("    " + line for line in body), "                }"]
         for k, ks, how in qs:
             lines += ["                {",
-                      f"                    float m_ = M{k}_;",
-                      "                    if (N_) {  /* a NaN wins, in its own state */",
-                      "                        for (int q = 0; q < nb_; q++)",
-                      f"                            if (B{k}_[q] != B{k}_[q]) m_ = NAN;",
-                      "                    }",
-                      f"                    SO{ks}_[jb_ / QBLOCK] = m_;",
-                      "                    const float i_ = q8_inv(m_);",
+                      f"                    union {{ int32_t i; float f; }} m_ = {{M{k}_}};",
+                      "                    /* a NaN wins, in its own state */",
+                      f"                    SO{ks}_[jb_ / QBLOCK] = "
+                      "m_.i > 0x7F800000 ? NAN : m_.f;",
+                      "                    const float i_ = q8_inv(m_.f);",
                       f"                    uint8_t *c_ = SO{k}_ + jb_;",
                       "                    #pragma omp simd",
                       "                    for (int q = 0; q < nb_; q++)",
-                      f"                        c_[q] = q8_code_{how}(B{k}_[q], i_);",
+                      f"                        c_[q] = q8_table_{how}(B{k}_[q], i_);",
                       "                }"]
         return lines + ["            }"]
 
