@@ -911,6 +911,27 @@ def _codes_correctly_rounded(x: torch.Tensor, absmax: torch.Tensor, signed: bool
 
 
 @needs_c
+def test_512_bit_vectors_are_asked_of_gcc_for_x86_only():
+    """``prefer-vector-width`` is an x86 option that gcc for other CPUs (aarch64) refuses
+    as an error: the 8-bit kernels ask for it only where gcc builds for x86."""
+    import subprocess
+
+    from vega.codegen.c import build
+
+    def preprocessed(*flags: str) -> str:
+        return subprocess.run([build.compiler()[0], "-E", "-P", *flags, "-x", "c", "-"],
+                              input=quant.C_HELPERS, capture_output=True, text=True,
+                              check=True).stdout
+    assert "prefer-vector-width" not in preprocessed("-U__x86_64__", "-U__i386__")
+    gcc_x86 = subprocess.run(
+        [build.compiler()[0], "-E", "-P", "-x", "c", "-"], capture_output=True, text=True,
+        input="#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8 && "
+              "defined(__x86_64__)\nGCC_X86\n#endif\n", check=True).stdout
+    if "GCC_X86" in gcc_x86:  # (this machine's compiler: the option is asked for)
+        assert 'target("prefer-vector-width=512")' in preprocessed()
+
+
+@needs_c
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_c_codes_are_the_maps_codes_bit_for_bit(tmp_path, signed):
     """The C kernels' code of each value (``quant.C_HELPERS``: from a table) is the map's,

@@ -286,9 +286,11 @@ def dequantize_t(codes: torch.Tensor, scale: torch.Tensor, signed: bool,
 
 C_HELPERS = r"""
 /* 8-bit blockwise state (vega.codegen.quant): codes and one float32 absmax a block */
-#if defined(__GNUC__) && !defined(__clang__)
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8 \
+    && (defined(__x86_64__) || defined(__i386__))
 /* the update of 8-bit state is bound by arithmetic, not memory: with AVX-512, it took
-   about 0.9x the time in gcc's 512-bit vectors as in its default 256-bit ones */
+   about 0.9x the time in gcc's 512-bit vectors as in its default 256-bit ones (an x86
+   option: gcc for other CPUs refuses it) */
 #pragma GCC target("prefer-vector-width=512")
 #endif
 #define QBLOCK 256
@@ -324,14 +326,15 @@ static inline float q8_inv(float s) { return s > 0 ? 1.0f / s : 0.0f; }
    two square roots, which are slow in SIMD (one Xeon thread, 512-bit vectors: the
    unsigned map's loop took 0.35-0.47 ns a value against 0.57-0.64 with its roots). A
    code is a step function of y's magnitude, rising with its float bits. A cell holds the
-   magnitudes that share their top 14 bits (the exponent and 6 bits of the fraction: 1/64
-   of an octave, narrower than the space between two codes' boundaries, at least 1/44 of
-   an octave), so it holds at most one boundary. A cell's entry is the code at its first
-   magnitude, times 2^18, plus the low 17 bits at which the next code starts (2^17: none
-   in the cell). Magnitudes below the first cell are code 0 (the boundary of code 1 is
-   2^-36.0 for the unsigned map, 2^-16.0 for the signed one), those from 2 on the top
-   code. Built from q8_code_* when the library is loaded; a test compares the two on and
-   beside every boundary, and on one float in 251 of all. */
+   magnitudes that share their top 14 bits (the exponent and 6 bits of the fraction: they
+   span a factor of at most 1 + 1/64 = 1.0156, less than the factor between two
+   neighbouring boundaries, at least (254.5/253.5)^4 = 1.0159), so it holds at most one
+   boundary. A cell's entry is the code at its first magnitude, times 2^18, plus the low
+   17 bits at which the next code starts (2^17: none in the cell). Magnitudes below the
+   first cell are code 0 (the boundary of code 1 is 2^-36.0 for the unsigned map, 2^-16.0
+   for the signed one), those from 2 on the top code. Built from q8_code_* when the
+   library is loaded; a test compares the two on and beside every boundary, and on one
+   float in 251 of all. */
 #define Q8_TOP 0x3FFFFFFF  /* the bits of the largest float below 2 */
 #define Q8_LO_U (90 << 23)  /* 2^-37 */
 #define Q8_LO_S (109 << 23)  /* 2^-18 */
