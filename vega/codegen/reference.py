@@ -490,7 +490,7 @@ def _matmul_shift(s, a, b, geo: Geometry, da: str, db: str):
     """``s * b + a @ b`` (``a`` square, ``s`` one number): ``(a + s I) @ b``, one product
     and no pass over ``b``'s size (Newton-Schulz's ``a * x + B @ x``: its ``x`` is the
     large matrix)."""
-    return _matmul(_shifted(s, a, b), b, geo, da, db)
+    return _product(*_operands("matmul_shift", (s, a, b, geo, da, db)))
 
 
 def _shifted(s, a, b):

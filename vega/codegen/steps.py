@@ -108,13 +108,16 @@ def drive(gens: dict, results: list, combine=None, spanning=None, group_of=None,
             wanted.setdefault((group(k), key), set()).add(k)
     asked, totals, done_keys = {}, {}, {}
     given: dict = {}  # (group, key) -> the steps that have given their part
-    for k, gen in gens.items():
-        got = gen.send(None)
+
+    def send(k, answer) -> bool:  # its next request asked (True), or its result kept
+        got = gens[k].send(answer)
         if isinstance(got, Done):
             results[k] = got.value
-        else:
-            asked[k] = got
-    fresh = set(asked)
+            asked.pop(k, None)
+            return False
+        asked[k] = got
+        return True
+    fresh = {k for k in gens if send(k, None)}
     while asked:
         for k in fresh:  # each new request's parts of reductions over the group, summed
             for part in asked[k]:
@@ -157,10 +160,5 @@ def drive(gens: dict, results: list, combine=None, spanning=None, group_of=None,
         for k in ready:
             answer = [done_keys[(group(k), part[2])].expand(part[1].shape) if is_global(part)
                       else next(own_done) for part in asked[k]]
-            got = gens[k].send(answer)
-            if isinstance(got, Done):
-                results[k] = got.value
-                del asked[k]
-            else:
-                asked[k] = got
+            if send(k, answer):
                 fresh.add(k)
