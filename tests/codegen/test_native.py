@@ -156,3 +156,60 @@ def test_a_second_library_loads_as_the_first():
     module already loaded (a second TORCH_LIBRARY of one namespace would be refused)."""
     first = native.module(wait=True)
     assert native._load(native._placed(native._paths()[1])) is first
+
+
+def _both(monkeypatch, fn, *args):
+    """``fn(*args)`` with the native module (where it is built) and on the Python path."""
+    mod = native.module(wait=True)
+    if mod is None:
+        pytest.skip("the native operator cannot be built here")
+    fast = fn(*args)
+    monkeypatch.setitem(native._state, "module", None)
+    return fast, fn(*args)
+
+
+def test_distinct_native_is_the_python_one(monkeypatch):
+    from vega.codegen.base import distinct
+    a, b, c = (torch.zeros(1) for _ in range(3))
+    for items in ([a, b, a, c, b, b], [a, b, c], [c] * 4, [], list(range(300)) + [5, 7]):
+        fast, slow = _both(monkeypatch, distinct, items)
+        monkeypatch.undo()
+        assert fast[1] == slow[1] and len(fast[0]) == len(slow[0])
+        assert all(x is y for x, y in zip(fast[0], slow[0]))
+
+
+def test_gather_native_is_the_python_one(monkeypatch):
+    from torch.testing._internal.two_tensor import TwoTensor
+    from vega.codegen import tensors
+    ps = [torch.nn.Parameter(torch.zeros(3)) for _ in range(4)]
+    sts = [{"mu": torch.zeros(3), "step": torch.zeros((), dtype=torch.int32)} for _ in ps]
+    cases = {0: lambda: None,
+             tensors.NO_GRAD: lambda: setattr(ps[2], "grad", None),
+             tensors.NOT_STRIDED: lambda: setattr(ps[1], "grad", torch.zeros(3).to_sparse()),
+             tensors.NOT_PLAIN: lambda: sts[3].__setitem__("mu", TwoTensor(torch.zeros(3),
+                                                                           torch.zeros(3)))}
+    for flag, change in cases.items():
+        for p in ps:
+            p.grad = torch.ones(3)
+        sts[3]["mu"] = torch.zeros(3)
+        change()
+        fast, slow = _both(monkeypatch, tensors.gather, ps, sts, ["mu", "step"])
+        monkeypatch.undo()
+        assert fast[2] == slow[2] == flag
+        assert all(x is y for x, y in zip(fast[0], slow[0]))
+        assert all(x is y for c, d in zip(fast[1], slow[1]) for x, y in zip(c, d))
+    del sts[1]["step"]
+    with pytest.raises(KeyError):  # natively
+        tensors.gather(ps, sts, ["mu", "step"])
+    monkeypatch.setitem(native._state, "module", None)
+    with pytest.raises(KeyError):  # in Python
+        tensors.gather(ps, sts, ["mu", "step"])
+
+
+def test_any_complex_native_is_the_python_one(monkeypatch):
+    from vega.codegen import tensors
+    real = [torch.zeros(2), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]
+    for ts, want in ((real, False), (real + [torch.zeros(2, dtype=torch.complex64)], True),
+                     ([], False)):
+        assert _both(monkeypatch, tensors.any_complex, ts) == (want, want)
+        monkeypatch.undo()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-import operator
 
 import torch
 
@@ -19,7 +18,7 @@ from vega.codegen import precision, quant
 from vega.codegen.precision import MASTER
 from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
-from vega.codegen.tensors import first_with_own_ops
+from vega.codegen.tensors import any_complex, first_with_own_ops
 from vega.schedule import Schedule
 from vega.dsl.ir import HyperParam, Program
 from vega.tracing import untraced
@@ -457,10 +456,6 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False,
     return pre
 
 
-_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
-_DTYPE_OF = operator.attrgetter("dtype")
-
-
 def hyper_rows(program: Program, values, steps) -> HyperRows | None:
     """The float hyperparameters of each tensor, schedules evaluated at its step counter:
     a row per distinct values dict, or per distinct (values dict, step counter) where the
@@ -568,9 +563,8 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     compiling = torch.compiler.is_compiling()
     kern = codegen.kernel(backend, program)
     per_tensor = tensor_values(program, kern, values, steps)
-    # complex parameters step as real pairs (the dtypes read in one pass, eagerly)
-    if any(p.is_complex() for p in params) if compiling else \
-            not _COMPLEX.isdisjoint(map(_DTYPE_OF, params)):
+    # complex parameters step as real pairs
+    if any_complex(params):
         _no_complex_axes(program)
         # a conjugate written in place steps as a resolved copy, copied back below; while
         # dynamo traces, which cannot ask which are conjugates, it is refused as before

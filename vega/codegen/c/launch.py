@@ -263,7 +263,7 @@ class Kernel:
             unique = [s.clone() for s in unique]
         hyp, hyp_index = self._hyper_tables(values)
         grads = list(grads)
-        flat = [s for col in states for s in col]
+        flat = list(itertools.chain.from_iterable(states))
         compiling = torch.compiler.is_compiling()
         if not donate and not compiling and _as_stored([*params, *grads, *flat]) \
                 and all(map(torch.Tensor.is_contiguous, hyp)):
@@ -297,7 +297,8 @@ class Kernel:
         n = len(params)
         states = [flat[k * n:(k + 1) * n] for k in range(len(states))]
         finite = record.finite_of(pre)
-        return params, states, [unique[k] for k in step_index], finite
+        return params, states, list(unique) if len(unique) == n else \
+            [unique[k] for k in step_index], finite  # (n distinct: ``step_index`` is 0..n-1)
 
     @property
     def stageable(self) -> bool:

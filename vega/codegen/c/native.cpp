@@ -496,6 +496,23 @@ Held tensors_of(py::handle seq, const char *what) {
     return out;
 }
 
+// The integers of a Python sequence (pybind11's conversion of a list costs ~30 ns an item).
+std::vector<int64_t> ints_of(py::handle seq, const char *what) {
+    py::object items = py::reinterpret_steal<py::object>(PySequence_Fast(seq.ptr(), ""));
+    if (!items) throw py::error_already_set();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
+    PyObject **X = PySequence_Fast_ITEMS(items.ptr());
+    std::vector<int64_t> out(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_Check(X[i]))
+            throw py::type_error(std::string("vega_native: ") + what + " " + std::to_string(i) +
+                                 " is a " + Py_TYPE(X[i])->tp_name + ", not an int");
+        out[i] = PyLong_AsLongLong(X[i]);
+        if (out[i] == -1 && PyErr_Occurred()) throw py::error_already_set();
+    }
+    return out;
+}
+
 // -- Triton's address tables -----------------------------------------------------------------
 
 // Raised where a Triton step's tensors are not all plain and as its kernels read them:
@@ -679,6 +696,124 @@ py::list triton_grad_rows(py::handle grads_, const c10::Device &device) {
     return out;
 }
 
+// -- gathering a class step's tensors (vega.codegen.c.native.gather) ---------------------
+
+// Whether ``x`` is an object of exactly one of the types of the tuple ``plain``.
+bool of_types(PyObject *x, PyObject *plain) {
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(plain); k++)
+        if (Py_TYPE(x) == reinterpret_cast<PyTypeObject *>(PyTuple_GET_ITEM(plain, k)))
+            return true;
+    return false;
+}
+
+// What a class step reads of a group in one pass (``vega.runtime.optimizer``): each
+// parameter's gradient, as ``p.grad`` reads it (the Python object torch keeps for it, or
+// None), and for each name of ``names`` the list of ``st[name]`` over the state dicts
+// ``sts``. With ``flags``: 1, some gradient is None; 2, some gradient or state tensor is
+// not exactly of a type of ``plain`` (a tensor subclass: the caller then asks which);
+// 4, some gradient is not strided (sparse). None where a parameter is not exactly of a type
+// of ``plain`` or a state is not a dict (the caller's Python path reads those); KeyError
+// where a state dict lacks a name.
+py::object gather(py::handle params_, py::handle sts_, py::handle names_, py::handle plain_) {
+    py::object params = py::reinterpret_steal<py::object>(PySequence_Fast(params_.ptr(), "")),
+               sts = py::reinterpret_steal<py::object>(PySequence_Fast(sts_.ptr(), "")),
+               names = py::reinterpret_steal<py::object>(PySequence_Fast(names_.ptr(), ""));
+    if (!params || !sts || !names) throw py::error_already_set();
+    PyObject *plain = plain_.ptr();
+    if (!PyTuple_Check(plain)) throw py::type_error("gather: plain must be a tuple of types");
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(params.ptr()),
+                     nn = PySequence_Fast_GET_SIZE(names.ptr());
+    if (PySequence_Fast_GET_SIZE(sts.ptr()) != n)
+        throw py::value_error("gather: one state dict a parameter");
+    PyObject **P = PySequence_Fast_ITEMS(params.ptr()), **S = PySequence_Fast_ITEMS(sts.ptr()),
+             **N = PySequence_Fast_ITEMS(names.ptr());
+    int64_t flags = 0;
+    py::list grads(n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!of_types(P[i], plain)) return py::none();
+        const at::Tensor &g = THPVariable_Unpack(P[i]).grad();
+        if (!g.defined()) {
+            flags |= 1;
+            PyList_SET_ITEM(grads.ptr(), i, (Py_INCREF(Py_None), Py_None));
+            continue;
+        }
+        PyObject *obj = THPVariable_Wrap(g);
+        if (obj == nullptr) throw py::error_already_set();
+        PyList_SET_ITEM(grads.ptr(), i, obj);
+        if (!of_types(obj, plain)) flags |= 2;
+        if (g.layout() != c10::kStrided) flags |= 4;
+    }
+    py::list cols(nn);
+    for (Py_ssize_t k = 0; k < nn; k++) {
+        py::list col(n);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (!PyDict_Check(S[i])) return py::none();
+            PyObject *x = PyDict_GetItemWithError(S[i], N[k]);  // (borrowed)
+            if (x == nullptr) {
+                if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, N[k]);
+                throw py::error_already_set();
+            }
+            if (!of_types(x, plain)) flags |= 2;
+            PyList_SET_ITEM(col.ptr(), i, (Py_INCREF(x), x));
+        }
+        PyList_SET_ITEM(cols.ptr(), k, col.release().ptr());
+    }
+    return py::make_tuple(grads, cols, flags);
+}
+
+// ``vega.codegen.base.distinct`` of a sequence of objects: (the distinct ones by identity,
+// in the order they first appear; each item's position among them). An open-addressing
+// table of the objects' addresses, and the positions as Python ints made once (each a few
+// ns an item, where std::unordered_map's nodes and new ints took ~110 ns).
+py::tuple distinct(py::handle items_) {
+    py::object items = py::reinterpret_steal<py::object>(PySequence_Fast(items_.ptr(), ""));
+    if (!items) throw py::error_already_set();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
+    PyObject **X = PySequence_Fast_ITEMS(items.ptr());
+    static std::vector<PyObject *> ints;  // 0, 1, 2, ...: held for the process (GIL held)
+    while (static_cast<Py_ssize_t>(ints.size()) < n) {
+        PyObject *k = PyLong_FromSsize_t(static_cast<Py_ssize_t>(ints.size()));
+        if (k == nullptr) throw py::error_already_set();
+        ints.push_back(k);
+    }
+    size_t size = 16;
+    while (size < 2 * static_cast<size_t>(n)) size *= 2;
+    std::vector<PyObject *> keys(size, nullptr);
+    std::vector<Py_ssize_t> at(size);
+    py::list uniq, index(n);
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t h = (reinterpret_cast<uintptr_t>(X[i]) >> 4) * 0x9E3779B97F4A7C15ull;
+        size_t slot = (h >> 20) & (size - 1);
+        while (keys[slot] != nullptr && keys[slot] != X[i]) slot = (slot + 1) & (size - 1);
+        if (keys[slot] == nullptr) {
+            keys[slot] = X[i];
+            at[slot] = count++;
+            if (PyList_Append(uniq.ptr(), X[i]) != 0) throw py::error_already_set();
+        }
+        PyObject *k = ints[static_cast<size_t>(at[slot])];
+        Py_INCREF(k);
+        PyList_SET_ITEM(index.ptr(), i, k);
+    }
+    return py::make_tuple(uniq, index);
+}
+
+// Whether some tensor of a sequence is complex; None where an item is not exactly of a type
+// of ``plain`` (the caller asks in Python).
+py::object any_complex(py::handle items_, py::handle plain_) {
+    py::object items = py::reinterpret_steal<py::object>(PySequence_Fast(items_.ptr(), ""));
+    if (!items) throw py::error_already_set();
+    if (!PyTuple_Check(plain_.ptr())) throw py::type_error("any_complex: plain: a tuple");
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
+    PyObject **X = PySequence_Fast_ITEMS(items.ptr());
+    bool found = false;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!of_types(X[i], plain_.ptr())) return py::none();
+        found |= THPVariable_Unpack(X[i]).is_complex();
+    }
+    return py::bool_(found);
+}
+
 PYBIND11_MODULE(vega_native, m) {
     py::register_exception<MissingLibrary>(m, "MissingLibrary", PyExc_LookupError);
     m.def("add_kernel", [](int64_t id, std::string name, int64_t nstates, int64_t nphases,
@@ -721,13 +856,15 @@ PYBIND11_MODULE(vega_native, m) {
     // none), so that autograd refuses a graph that saved their old values; while it reads
     // each parameter, not in a second pass over them all.
     m.def("step", [](int64_t id, py::handle params, py::handle grads, py::handle states,
-                     py::handle steps, const std::vector<int64_t> &step_index,
-                     py::handle hypers, const std::vector<int64_t> &hyper_index,
-                     const c10::optional<at::Tensor> &pre, const std::vector<int64_t> &geometry,
-                     py::handle outs) {
+                     py::handle steps, py::handle step_index_, py::handle hypers,
+                     py::handle hyper_index_, const c10::optional<at::Tensor> &pre,
+                     py::handle geometry_, py::handle outs) {
         const auto p = tensors_of(params, "parameter"), g = tensors_of(grads, "gradient"),
                    s = tensors_of(states, "state tensor"), t = tensors_of(steps, "step counter"),
                    h = tensors_of(hypers, "hyperparameter row"), o = tensors_of(outs, "output");
+        const std::vector<int64_t> step_index = ints_of(step_index_, "step index"),
+                                   hyper_index = ints_of(hyper_index_, "hyperparameter index"),
+                                   geometry = ints_of(geometry_, "geometry");
         py::gil_scoped_release unlocked;
         step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(), hyper_index,
                   pre, geometry, o.list());
@@ -754,6 +891,9 @@ PYBIND11_MODULE(vega_native, m) {
     });
     py::register_exception<Refused>(m, "Refused", PyExc_ValueError);
     m.def("triton_rows", &triton_rows);
+    m.def("gather", &gather);
+    m.def("distinct", &distinct);
+    m.def("any_complex", &any_complex);
     m.def("triton_grad_rows", &triton_grad_rows);
     m.def("prelude", [](int64_t id, py::handle grads, const at::Tensor &pre) {
         const auto g = tensors_of(grads, "gradient");

@@ -350,6 +350,12 @@ def module(wait: bool | None = None):
         return None
 
 
+def loaded():
+    """The operator's Python module where it is loaded already, else None (no build started:
+    for helpers that only go faster with it, ``vega.codegen.tensors.gather``)."""
+    return _state["module"]
+
+
 def status() -> str:
     """Whether steps use the operator, in words (``vega bench`` prints it)."""
     if _state["module"] is not None:
