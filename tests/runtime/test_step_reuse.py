@@ -266,3 +266,44 @@ def test_a_replaced_or_copied_state_is_the_one_stepped(backend):
         ref.step()
         _same(ours, theirs, opt, ref)
         _same(twin_ps, theirs, twin, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_later_step_refuses_what_a_first_step_refuses(backend):
+    """From the second step on the class gathers a group in one pass: a sparse gradient, or
+    one of a subclass the backend cannot read, is still refused, before anything is
+    written; the step after it, with plain gradients, is torch's."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    ours, theirs, opt, ref = _pair(backend)
+    for step in range(2):
+        _grads(ours, theirs, step)
+        opt.step()
+        ref.step()
+    before = [p.detach().clone() for p in ours]
+    bad = {"sparse": lambda g: g.to_sparse()}
+    if backend != "reference":
+        bad["subclass"] = lambda g: TwoTensor(g, g.clone())
+    for what, make in bad.items():
+        _grads(ours, theirs, 2)
+        ours[1].grad = make(ours[1].grad)
+        with pytest.raises(ValueError, match="sparse" if what == "sparse" else "TwoTensor"):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(ours, before))
+    for step in range(2, 5):
+        _grads(ours, theirs, step)
+        opt.step()
+        ref.step()
+        _same(ours, theirs, opt, ref)
+
+
+def test_a_later_subclass_gradient_steps_on_the_reference():
+    """A group that names no backend steps a tensor subclass on the reference, from the
+    second step on too."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt = vega.optim.SGD([p], lr=0.25)
+    for step in range(3):
+        g = torch.ones(3, dtype=torch.float64)
+        p.grad = TwoTensor(g, g.clone()) if step == 2 else g
+        opt.step()
+    torch.testing.assert_close(p.detach(), torch.full((3,), 0.25, dtype=torch.float64))

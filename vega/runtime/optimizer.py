@@ -19,7 +19,8 @@ from vega import codegen
 from vega.codegen import quant
 from vega.codegen.base import distinct, state_shape
 from vega.codegen.record import finite_of
-from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
+from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, first_with_own_ops,
+                                  gather, inplace_problem, own_ops_words)
 from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -225,6 +226,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         found_work = []  # (group, its engine.run calls)
+        plain = set()  # the positions of those whose tensors are all plain (``_planned_work``)
         sync = self._betas()
         for k, group in enumerate(self.param_groups):
             if group.get("mode", "train") != "train":
@@ -232,15 +234,16 @@ class SpecOptimizer(torch.optim.Optimizer):
                                  f"{group['mode']!r}; call train() before stepping")
             sync.sync(type(self).__name__, k, group)
             flags, values = self._group_values(group)
-            grads = [p.grad for p in group["params"]]  # p.grad: one read (a property)
-            if group["maximize"]:  # (torch's foreach step negates them so too)
-                grads = torch_names.negated(grads)
-            found = self._planned_work(k, group, grads, flags, values)
-            found_work.append((group, found if found is not None else
-                               self._group_work(k, group, grads, flags, values)))
+            found, grads, is_plain = self._planned_work(k, group, flags, values)
+            if found is None:
+                found = self._group_work(k, group, grads, flags, values)
+            elif is_plain:
+                plain.add(len(found_work))
+            found_work.append((group, found))
         group_of = getattr(self, "reduce_group", None)
-        if group_of is not None or any(item[0].spans_group or sharded.involved(item[2], None)
-                                       for _, w in found_work for item in w):
+        if group_of is not None or any(item[0].spans_group or (
+                k not in plain and sharded.involved(item[2], None))
+                for k, (_, w) in enumerate(found_work) for item in w):
             # DTensors, a reduce_group, or reductions over a group: vega.runtime.sharded
             check = self.skip_nonfinite or self.loss_scale is not None
             pre, _ = sharded.fused(type(self).__name__, [i for _, w in found_work for i in w],
@@ -252,7 +255,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                 self.loss_scale = self.loss_scale.adjust(finite_of(pre))
             self._share_group_states(found_work)
             return loss
-        work = [item for group, w in found_work for item in self._routed(group, w)]
+        work = [item for k, (group, w) in enumerate(found_work)
+                for item in (w if k in plain else self._routed(group, w))]
         # all checked before any is written; one call of a kernel that checks its own
         # tensors so (``checks_writes``) needs no more, and only what it refuses is named here
         # (not asked while dynamo traces: the C kernel's asks native.module(), which locks)
@@ -424,22 +428,43 @@ class SpecOptimizer(torch.optim.Optimizer):
                                   quantized=self._q8(plan.group, plan.params[:1]))[0]
         return len(plan.parts) == 1 and program is plan.parts[0][0]
 
-    def _planned_work(self, k, group, grads_all, flags, values) -> list[tuple] | None:
-        """``_group_work``'s answer again, when nothing it depends on has changed since the
+    def _planned_work(self, k, group, flags, values) -> tuple[list[tuple] | None, list, bool]:
+        """(``_group_work``'s answer again, when nothing it depends on has changed since the
         last step: the same parameters with gradients, settings, state dicts and state
         tensors (checked by identity), and shapes where the spec picks programs by shape;
-        None otherwise."""
+        else None. The group's gradients, negated where it maximizes. Whether every tensor
+        of the answer is a plain tensor, ``PLAIN_TYPES``: none a DTensor or a subclass with
+        operations of its own, so that the step need not ask again.)"""
         plans = self._plans()
         plan = plans[k] if k < len(plans) else None
         ps = group["params"]
         if plan is None or plan.group is not group or plan.state is not self.state \
                 or len(ps) != len(plan.all_params) \
                 or not all(map(operator.is_, ps, plan.all_params)) \
-                or not plan.same_presence(grads_all) \
                 or flags != plan.flags \
                 or plan.precision != _precision(type(self).__name__, group) \
                 or not self._same_programs(flags, values, plan):
-            return None
+            return None, self._grads(group), False
+        state = self.state
+        if plan.params is plan.all_params and plan.names is not None \
+                and type(state) is _States and state.changes == plan.changes:
+            # every parameter stepped, no state dict replaced since: the gradients and the
+            # state tensors in one pass (``tensors.gather``)
+            try:
+                grads, cols, found = gather(ps, plan.sts, plan.names)
+            except KeyError:  # a state tensor was removed: the slow path says what is missing
+                return None, self._grads(group), False
+            if group["maximize"]:
+                grads = torch_names.negated(grads)
+            if found & (NO_GRAD | NOT_STRIDED) \
+                    or ps[0].device.type != plan.device or self._shapes(ps) != plan.shapes:
+                return None, grads, False
+            backend = group["backend"] or codegen.default_backend(plan.device)
+            return plan.work(backend, grads, plan.sts, values, dict(zip(plan.names, cols))), \
+                grads, plan.plain and not found & NOT_PLAIN
+        grads_all = self._grads(group)
+        if not plan.same_presence(grads_all):
+            return None, grads_all, False
         if plan.params is plan.all_params:
             params, grads = plan.params, grads_all
         else:
@@ -447,20 +472,26 @@ class SpecOptimizer(torch.optim.Optimizer):
             grads = [g for g in grads_all if g is not None]
         if _any_sparse(grads) or params[0].device.type != plan.device \
                 or self._shapes(params) != plan.shapes:
-            return None
-        state = self.state
+            return None, grads_all, False
         if type(state) is _States and state.changes == plan.changes:
             sts = plan.sts  # (no parameter has another state dict since)
         else:
             sts = list(map(state.get, params))
             if not all(map(operator.is_, sts, plan.sts)):
-                return None
+                return None, grads_all, False
             plan.changes = getattr(state, "changes", None)
         backend = group["backend"] or codegen.default_backend(plan.device)
         try:
-            return plan.work(backend, grads, sts, values)
+            return plan.work(backend, grads, sts, values), grads_all, False
         except KeyError:  # a state tensor was removed: the slow path says what is missing
-            return None
+            return None, grads_all, False
+
+    @staticmethod
+    def _grads(group) -> list:
+        """The gradients of a group's parameters (None where one has none), negated where
+        it maximizes (as torch's foreach step negates them)."""
+        grads = [p.grad for p in group["params"]]  # p.grad: one read (a property)
+        return torch_names.negated(grads) if group["maximize"] else grads
 
     def _share_group_states(self, found_work) -> None:
         """A parameter that did not step (no gradient) takes its group's new value of each
@@ -958,6 +989,11 @@ class _Plan:
         self.flags, self.choosing, self.device = dict(flags), choosing, device
         self.sts, self.parts, self.shapes = sts, parts, shapes
         self.changes = getattr(state, "changes", None)  # (``_States``)
+        # the names of the state tensors its programs read, and the step counter, where
+        # every parameter has them all (its programs read the same states)
+        names = {program.state_names for program, _ in parts}
+        self.names = [*names.pop(), "step"] if len(names) == 1 else None
+        self.plain = PLAIN_TYPES.issuperset(map(type, self.all_params))
 
     def same_presence(self, grads_all) -> bool:
         """Whether the same parameters have gradients (one identity pass where all had)."""
@@ -965,14 +1001,21 @@ class _Plan:
             return not any(map(operator.is_, grads_all, repeat(None)))
         return [g is not None for g in grads_all] == self.present
 
-    def work(self, backend, grads, sts, values) -> list[tuple]:
+    def work(self, backend, grads, sts, values, cols: dict | None = None) -> list[tuple]:
+        """The engine.run calls of its parts; ``cols``: the state tensors of each name over
+        all its parameters, where gathered already (else read from ``sts``)."""
         out = []
         for program, ks in self.parts:
             params, gs, ss = (self.params, grads, sts) if ks is None else (
                 [self.params[k] for k in ks], [grads[k] for k in ks], [sts[k] for k in ks])
-            out.append((program, backend, params, gs,
-                        [[st[n] for st in ss] for n in program.state_names],
-                        [st["step"] for st in ss], values))
+            if cols is None:
+                states = [[st[n] for st in ss] for n in program.state_names]
+                steps = [st["step"] for st in ss]
+            else:
+                states = [cols[n] if ks is None else [cols[n][k] for k in ks]
+                          for n in program.state_names]
+                steps = cols["step"] if ks is None else [cols["step"][k] for k in ks]
+            out.append((program, backend, params, gs, states, steps, values))
         return out
 
 
