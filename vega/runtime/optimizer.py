@@ -12,7 +12,6 @@ import math
 import operator
 from itertools import repeat
 
-import numpy as np
 import torch
 
 from vega import codegen

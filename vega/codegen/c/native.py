@@ -6,7 +6,9 @@ in Python, which was most of the time a step over many small tensors took. Its e
 bindings take each tensor from its Python object by torch's own accessor
 (``THPVariable_Unpack``, about 15 ns, where pybind11's conversion of a list costs 80-95 ns a
 tensor). The same module checks a Triton step's tensors and builds its address tables
-(``triton_rows``, ``triton_grad_rows``; ``vega.codegen.triton_runtime``).
+(``triton_rows``, ``triton_grad_rows``; ``vega.codegen.triton_runtime``), and makes a step's
+passes over its lists (``gather``, ``distinct``, ``any_complex``: ``vega.codegen.tensors``,
+``vega.codegen.base``) where it is loaded.
 
 It is compiled against the installed torch with torch's own headers and flags
 (``torch.utils.cpp_extension``'s include and library paths, its C++ ABI setting) by the system
