@@ -198,6 +198,22 @@ def test_gather_native_is_the_python_one(monkeypatch):
         assert fast[2] == slow[2] == flag
         assert all(x is y for x, y in zip(fast[0], slow[0]))
         assert all(x is y for c, d in zip(fast[1], slow[1]) for x, y in zip(c, d))
+    # a dict subclass reads its items its own way: both paths call its __getitem__
+    class Counting(dict):
+        reads = 0
+
+        def __getitem__(self, key):
+            Counting.reads += 1
+            return super().__getitem__(key)
+    sts[0], sts[3]["mu"] = Counting(sts[0]), torch.zeros(3)
+    for p in ps:
+        p.grad = torch.ones(3)
+    fast, slow = _both(monkeypatch, tensors.gather, ps, sts, ["mu", "step"])
+    monkeypatch.undo()
+    assert Counting.reads == 4 and fast[2] == slow[2] == 0
+    assert all(x is y for c, d in zip(fast[1], slow[1]) for x, y in zip(c, d))
+    with pytest.raises(TypeError, match="gather: params must be a sequence"):
+        native.module().gather(None, sts, ["mu"], (torch.Tensor,))
     del sts[1]["step"]
     with pytest.raises(KeyError):  # natively
         tensors.gather(ps, sts, ["mu", "step"])

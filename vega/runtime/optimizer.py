@@ -431,9 +431,10 @@ class SpecOptimizer(torch.optim.Optimizer):
         """(``_group_work``'s answer again, when nothing it depends on has changed since the
         last step: the same parameters with gradients, settings, state dicts and state
         tensors (checked by identity), and shapes where the spec picks programs by shape;
-        else None. The group's gradients, negated where it maximizes. Whether every tensor
-        of the answer is a plain tensor, ``PLAIN_TYPES``: none a DTensor or a subclass with
-        operations of its own, so that the step need not ask again.)"""
+        else None. The group's gradients, negated where it maximizes. True where the
+        answer was gathered in one pass, ``gather``, which found every tensor a plain one,
+        ``PLAIN_TYPES``: none a DTensor or a subclass with operations of its own, so that
+        the step need not ask again; False says nothing.)"""
         plans = self._plans()
         plan = plans[k] if k < len(plans) else None
         ps = group["params"]

@@ -496,12 +496,23 @@ Held tensors_of(py::handle seq, const char *what) {
     return out;
 }
 
+// The items of a Python sequence as a tuple (a TypeError naming ``what`` for another
+// object).
+py::tuple tuple_of(py::handle seq, const char *what) {
+    PyObject *t = PySequence_Tuple(seq.ptr());
+    if (t == nullptr) {
+        PyErr_Clear();
+        throw py::type_error(std::string(what) + " must be a sequence, not " +
+                             Py_TYPE(seq.ptr())->tp_name);
+    }
+    return py::reinterpret_steal<py::tuple>(t);
+}
+
 // The integers of a Python sequence (pybind11's conversion of a list costs ~30 ns an item).
 std::vector<int64_t> ints_of(py::handle seq, const char *what) {
-    py::object items = py::reinterpret_steal<py::object>(PySequence_Fast(seq.ptr(), ""));
-    if (!items) throw py::error_already_set();
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
-    PyObject **X = PySequence_Fast_ITEMS(items.ptr());
+    const py::tuple items = tuple_of(seq, (std::string("vega_native: ") + what).c_str());
+    const Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
+    PyObject **X = &PyTuple_GET_ITEM(items.ptr(), 0);
     std::vector<int64_t> out(static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!PyLong_Check(X[i]))
@@ -698,6 +709,7 @@ py::list triton_grad_rows(py::handle grads_, const c10::Device &device) {
 
 // -- gathering a class step's tensors (vega.codegen.c.native.gather) ---------------------
 
+
 // Whether ``x`` is an object of exactly one of the types of the tuple ``plain``.
 bool of_types(PyObject *x, PyObject *plain) {
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(plain); k++)
@@ -712,21 +724,21 @@ bool of_types(PyObject *x, PyObject *plain) {
 // ``sts``. With ``flags``: 1, some gradient is None; 2, some gradient or state tensor is
 // not exactly of a type of ``plain`` (a tensor subclass: the caller then asks which);
 // 4, some gradient is not strided (sparse). None where a parameter is not exactly of a type
-// of ``plain`` or a state is not a dict (the caller's Python path reads those); KeyError
-// where a state dict lacks a name.
+// of ``plain`` or a state is not exactly a dict (a subclass may read its items its own way:
+// the caller's Python path reads those); KeyError where a state dict lacks a name. The
+// sequences are read as tuples of them: what it makes may run the garbage collector, and a
+// finalizer could change a list.
 py::object gather(py::handle params_, py::handle sts_, py::handle names_, py::handle plain_) {
-    py::object params = py::reinterpret_steal<py::object>(PySequence_Fast(params_.ptr(), "")),
-               sts = py::reinterpret_steal<py::object>(PySequence_Fast(sts_.ptr(), "")),
-               names = py::reinterpret_steal<py::object>(PySequence_Fast(names_.ptr(), ""));
-    if (!params || !sts || !names) throw py::error_already_set();
+    const py::tuple params = tuple_of(params_, "gather: params"),
+                    sts = tuple_of(sts_, "gather: state dicts"),
+                    names = tuple_of(names_, "gather: names");
     PyObject *plain = plain_.ptr();
     if (!PyTuple_Check(plain)) throw py::type_error("gather: plain must be a tuple of types");
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(params.ptr()),
-                     nn = PySequence_Fast_GET_SIZE(names.ptr());
-    if (PySequence_Fast_GET_SIZE(sts.ptr()) != n)
+    const Py_ssize_t n = PyTuple_GET_SIZE(params.ptr()), nn = PyTuple_GET_SIZE(names.ptr());
+    if (PyTuple_GET_SIZE(sts.ptr()) != n)
         throw py::value_error("gather: one state dict a parameter");
-    PyObject **P = PySequence_Fast_ITEMS(params.ptr()), **S = PySequence_Fast_ITEMS(sts.ptr()),
-             **N = PySequence_Fast_ITEMS(names.ptr());
+    PyObject **P = &PyTuple_GET_ITEM(params.ptr(), 0), **S = &PyTuple_GET_ITEM(sts.ptr(), 0),
+             **N = &PyTuple_GET_ITEM(names.ptr(), 0);
     int64_t flags = 0;
     py::list grads(n);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -747,7 +759,7 @@ py::object gather(py::handle params_, py::handle sts_, py::handle names_, py::ha
     for (Py_ssize_t k = 0; k < nn; k++) {
         py::list col(n);
         for (Py_ssize_t i = 0; i < n; i++) {
-            if (!PyDict_Check(S[i])) return py::none();
+            if (!PyDict_CheckExact(S[i])) return py::none();
             PyObject *x = PyDict_GetItemWithError(S[i], N[k]);  // (borrowed)
             if (x == nullptr) {
                 if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, N[k]);
@@ -763,15 +775,15 @@ py::object gather(py::handle params_, py::handle sts_, py::handle names_, py::ha
 
 // ``vega.codegen.base.distinct`` of a sequence of objects: (the distinct ones by identity,
 // in the order they first appear; each item's position among them). An open-addressing
-// table of the objects' addresses, and the positions as Python ints made once (each a few
-// ns an item, where std::unordered_map's nodes and new ints took ~110 ns).
+// table of the objects' addresses, and the positions as Python ints made once (~20 ns an
+// item, where std::unordered_map's nodes and new ints took ~110 ns).
 py::tuple distinct(py::handle items_) {
-    py::object items = py::reinterpret_steal<py::object>(PySequence_Fast(items_.ptr(), ""));
-    if (!items) throw py::error_already_set();
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
-    PyObject **X = PySequence_Fast_ITEMS(items.ptr());
-    static std::vector<PyObject *> ints;  // 0, 1, 2, ...: held for the process (GIL held)
-    while (static_cast<Py_ssize_t>(ints.size()) < n) {
+    const py::tuple items = tuple_of(items_, "distinct: items");
+    const Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
+    PyObject **X = &PyTuple_GET_ITEM(items.ptr(), 0);
+    // 0, 1, 2, ...: the first 2^16 made once and held for the process (the GIL held)
+    static std::vector<PyObject *> ints;
+    while (static_cast<Py_ssize_t>(ints.size()) < std::min<Py_ssize_t>(n, 1 << 16)) {
         PyObject *k = PyLong_FromSsize_t(static_cast<Py_ssize_t>(ints.size()));
         if (k == nullptr) throw py::error_already_set();
         ints.push_back(k);
@@ -791,8 +803,10 @@ py::tuple distinct(py::handle items_) {
             at[slot] = count++;
             if (PyList_Append(uniq.ptr(), X[i]) != 0) throw py::error_already_set();
         }
-        PyObject *k = ints[static_cast<size_t>(at[slot])];
-        Py_INCREF(k);
+        PyObject *k = at[slot] < (1 << 16) ? ints[static_cast<size_t>(at[slot])]
+                                           : PyLong_FromSsize_t(at[slot]);
+        if (k == nullptr) throw py::error_already_set();
+        if (at[slot] < (1 << 16)) Py_INCREF(k);
         PyList_SET_ITEM(index.ptr(), i, k);
     }
     return py::make_tuple(uniq, index);
@@ -801,11 +815,10 @@ py::tuple distinct(py::handle items_) {
 // Whether some tensor of a sequence is complex; None where an item is not exactly of a type
 // of ``plain`` (the caller asks in Python).
 py::object any_complex(py::handle items_, py::handle plain_) {
-    py::object items = py::reinterpret_steal<py::object>(PySequence_Fast(items_.ptr(), ""));
-    if (!items) throw py::error_already_set();
+    const py::tuple items = tuple_of(items_, "any_complex: tensors");
     if (!PyTuple_Check(plain_.ptr())) throw py::type_error("any_complex: plain: a tuple");
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
-    PyObject **X = PySequence_Fast_ITEMS(items.ptr());
+    const Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
+    PyObject **X = &PyTuple_GET_ITEM(items.ptr(), 0);
     bool found = false;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!of_types(X[i], plain_.ptr())) return py::none();
