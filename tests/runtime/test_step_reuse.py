@@ -307,3 +307,39 @@ def test_a_later_subclass_gradient_steps_on_the_reference():
         p.grad = TwoTensor(g, g.clone()) if step == 2 else g
         opt.step()
     torch.testing.assert_close(p.detach(), torch.full((3,), 0.25, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_frozen_parameter_and_two_programs_keep_the_one_pass_gather(backend, monkeypatch):
+    """A parameter without a gradient, and programs that read different states
+    (Muon's matrices, its other parameters: AdamW), step from the second step on through
+    one gather a program, and equal a twin that finds its work anew every step."""
+    from vega.runtime import optimizer as optimizer_module
+    calls = []
+    real = optimizer_module.gather
+    monkeypatch.setattr(optimizer_module, "gather",
+                        lambda *a: calls.append(len(a[0])) or real(*a))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(4, 5), (7,), (3,), (6, 2)]  # (3,): frozen
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
+            for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = vega.optim.Muon(ours, backend=backend)
+    twin = vega.optim.Muon(theirs, backend=backend)
+    for step in range(6):
+        for i, (p, q) in enumerate(zip(ours, theirs)):  # (the frozen one thaws at step 3)
+            p.grad = None if i == 2 and step != 3 else \
+                torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            q.grad = None if p.grad is None else p.grad.clone()
+        calls.clear()
+        opt.step()
+        twin.__dict__.pop("_vega_plans", None)  # (the twin finds its work anew)
+        twin.step()
+        # (step 3 finds the thawed one and step 4 the missing gradient after gathering:
+        # both then find their work anew)
+        assert sorted(calls) == ([] if step == 0 else [2, 2] if step == 4 else [1, 2]), step
+        for p, q in zip(ours, theirs):
+            assert torch.equal(p, q)
+            assert opt.state.get(p, {}).keys() == twin.state.get(q, {}).keys()
+            for name, x in opt.state.get(p, {}).items():
+                assert torch.equal(x, twin.state[q][name]), name

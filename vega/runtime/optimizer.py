@@ -24,6 +24,7 @@ from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
 _IS_SPARSE = operator.attrgetter("is_sparse")
+_GRAD = operator.attrgetter("grad")
 
 
 def _any_sparse(grads) -> bool:
@@ -427,14 +428,15 @@ class SpecOptimizer(torch.optim.Optimizer):
                                   quantized=self._q8(plan.group, plan.params[:1]))[0]
         return len(plan.parts) == 1 and program is plan.parts[0][0]
 
-    def _planned_work(self, k, group, flags, values) -> tuple[list[tuple] | None, list, bool]:
+    def _planned_work(self, k, group, flags, values) -> tuple[list | None, list | None, bool]:
         """(``_group_work``'s answer again, when nothing it depends on has changed since the
         last step: the same parameters with gradients, settings, state dicts and state
         tensors (checked by identity), and shapes where the spec picks programs by shape;
-        else None. The group's gradients, negated where it maximizes. True where the
-        answer was gathered in one pass, ``gather``, which found every tensor a plain one,
-        ``PLAIN_TYPES``: none a DTensor or a subclass with operations of its own, so that
-        the step need not ask again; False says nothing.)"""
+        else None. Where None, the group's gradients, negated where it maximizes, for
+        ``_group_work``. True where the answer was gathered, one pass a program
+        (``gather``), and every tensor found a plain one, ``PLAIN_TYPES``: none a DTensor or
+        a subclass with operations of its own, so that the step need not ask again; False
+        says nothing.)"""
         plans = self._plans()
         plan = plans[k] if k < len(plans) else None
         ps = group["params"]
@@ -446,22 +448,28 @@ class SpecOptimizer(torch.optim.Optimizer):
                 or not self._same_programs(flags, values, plan):
             return None, self._grads(group), False
         state = self.state
-        if plan.params is plan.all_params and plan.names is not None \
-                and type(state) is _States and state.changes == plan.changes:
-            # every parameter stepped, no state dict replaced since: the gradients and the
-            # state tensors in one pass (``tensors.gather``)
-            try:
-                grads, cols, found = gather(ps, plan.sts, plan.names)
-            except KeyError:  # a state tensor was removed: the slow path says what is missing
+        if type(state) is _States and state.changes == plan.changes:
+            # no state dict replaced since: each program's gradients and state tensors in
+            # one pass (``gather``); the same parameters with gradients as last time
+            gathered, found = [], 0
+            for params, sts, names in plan.lists:
+                try:
+                    grads, cols, part_found = gather(params, sts, names)
+                except KeyError:  # a state tensor was removed: the slow path says what
+                    return None, self._grads(group), False
+                gathered.append((grads, cols))
+                found |= part_found
+            if found & (NO_GRAD | NOT_STRIDED) or plan.params[0].device.type != plan.device \
+                    or self._shapes(plan.params) != plan.shapes \
+                    or not all(map(operator.is_, map(_GRAD, plan.absent), repeat(None))):
                 return None, self._grads(group), False
-            if group["maximize"]:
-                grads = torch_names.negated(grads)
-            if found & (NO_GRAD | NOT_STRIDED) \
-                    or ps[0].device.type != plan.device or self._shapes(ps) != plan.shapes:
-                return None, grads, False
             backend = group["backend"] or codegen.default_backend(plan.device)
-            return plan.work(backend, grads, plan.sts, values, dict(zip(plan.names, cols))), \
-                grads, plan.plain and not found & NOT_PLAIN
+            return [(program, backend, params,
+                     torch_names.negated(grads) if group["maximize"] else grads,
+                     cols[:-1], cols[-1], values)
+                    for (program, _), (params, _, _), (grads, cols)
+                    in zip(plan.parts, plan.lists, gathered)], \
+                None, plan.plain and not found & NOT_PLAIN
         grads_all = self._grads(group)
         if not plan.same_presence(grads_all):
             return None, grads_all, False
@@ -473,13 +481,10 @@ class SpecOptimizer(torch.optim.Optimizer):
         if _any_sparse(grads) or params[0].device.type != plan.device \
                 or self._shapes(params) != plan.shapes:
             return None, grads_all, False
-        if type(state) is _States and state.changes == plan.changes:
-            sts = plan.sts  # (no parameter has another state dict since)
-        else:
-            sts = list(map(state.get, params))
-            if not all(map(operator.is_, sts, plan.sts)):
-                return None, grads_all, False
-            plan.changes = getattr(state, "changes", None)
+        sts = list(map(state.get, params))  # (a state dict was replaced: the same again?)
+        if not all(map(operator.is_, sts, plan.sts)):
+            return None, grads_all, False
+        plan.changes = getattr(state, "changes", None)
         backend = group["backend"] or codegen.default_backend(plan.device)
         try:
             return plan.work(backend, grads, sts, values), grads_all, False
@@ -989,10 +994,12 @@ class _Plan:
         self.flags, self.choosing, self.device = dict(flags), choosing, device
         self.sts, self.parts, self.shapes = sts, parts, shapes
         self.changes = getattr(state, "changes", None)  # (``_States``)
-        # the names of the state tensors its programs read, and the step counter, where
-        # every parameter has them all (its programs read the same states)
-        names = {program.state_names for program, _ in parts}
-        self.names = [*names.pop(), "step"] if len(names) == 1 else None
+        # each part's parameters, their state dicts and the names of the state tensors its
+        # program reads, with the step counter's; the parameters without a gradient
+        self.lists = [(self.params, sts, [*program.state_names, "step"]) if ks is None else
+                      ([self.params[k] for k in ks], [sts[k] for k in ks],
+                       [*program.state_names, "step"]) for program, ks in parts]
+        self.absent = [p for p, there in zip(self.all_params, self.present) if not there]
         self.plain = PLAIN_TYPES.issuperset(map(type, self.all_params))
 
     def same_presence(self, grads_all) -> bool:
@@ -1001,21 +1008,14 @@ class _Plan:
             return not any(map(operator.is_, grads_all, repeat(None)))
         return [g is not None for g in grads_all] == self.present
 
-    def work(self, backend, grads, sts, values, cols: dict | None = None) -> list[tuple]:
-        """The engine.run calls of its parts; ``cols``: the state tensors of each name over
-        all its parameters, where gathered already (else read from ``sts``)."""
+    def work(self, backend, grads, sts, values) -> list[tuple]:
         out = []
         for program, ks in self.parts:
             params, gs, ss = (self.params, grads, sts) if ks is None else (
                 [self.params[k] for k in ks], [grads[k] for k in ks], [sts[k] for k in ks])
-            if cols is None:
-                states = [[st[n] for st in ss] for n in program.state_names]
-                steps = [st["step"] for st in ss]
-            else:
-                states = [cols[n] if ks is None else [cols[n][k] for k in ks]
-                          for n in program.state_names]
-                steps = cols["step"] if ks is None else [cols["step"][k] for k in ks]
-            out.append((program, backend, params, gs, states, steps, values))
+            out.append((program, backend, params, gs,
+                        [[st[n] for st in ss] for n in program.state_names],
+                        [st["step"] for st in ss], values))
         return out
 
 
