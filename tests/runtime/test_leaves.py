@@ -5,6 +5,8 @@ with complex state; integer and bool leaves pass through; half-precision
 parameters keep float32 state unless ``state_dtype`` says otherwise; param groups
 carry their own hyperparameters; parameters without a gradient are left alone.
 """
+import operator
+
 import pytest
 import torch
 from torch.utils import _pytree as pytree
@@ -340,3 +342,24 @@ def test_functional_none_grad_leaves_param_and_state_untouched(name):
         if field != "step" and state_before[field]["b"] is not None and field not in shared:
             assert same_bits(state2[field]["b"], state_before[field]["b"]), field
     assert int(state2["step"]) == 2  # the functional state has one counter for all leaves
+
+
+def test_flat_trees_flatten_as_torch_walks_them():
+    """A dict, list or tuple of plain tensors (None among them) flattens without torch's
+    walk to what that walk gives, and unflattens to the same kind of container; any other
+    tree takes torch's walk."""
+    from collections import namedtuple
+
+    from vega.runtime import tree
+    a, b = torch.zeros(2), torch.nn.Parameter(torch.ones(3))
+    pair = namedtuple("pair", "x y")
+    for t in ({"w": a, "b": None, "c": b}, [a, None, b], (a, b), [], [[a], b], pair(a, b)):
+        for _ in range(2):  # (the second time from the cache)
+            leaves, spec = tree.flatten(t)
+            theirs, their_spec = pytree.tree_flatten(t, is_leaf=lambda x: x is None)
+            assert len(leaves) == len(theirs) and all(map(operator.is_, leaves, theirs))
+            assert spec == their_spec
+            back = tree.unflatten(list(leaves), spec)
+            assert type(back) is type(t) and back is not t
+            again, again_spec = pytree.tree_flatten(back, is_leaf=lambda x: x is None)
+            assert again_spec == their_spec and all(map(operator.is_, again, theirs))

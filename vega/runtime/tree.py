@@ -12,15 +12,17 @@ from vega.codegen.tensors import PLAIN_OR_NONE
 def flatten(tree):
     """Leaves (``None`` counted as a leaf, so structures stay aligned) and the structure.
 
-    A dict whose values are all plain tensors, parameters or None (the common tree of a
-    functional step: names to tensors) is flattened without torch's walk over its leaves (a
-    Python call a leaf, several microseconds a tensor), to the leaves and the structure that
-    walk gives: its values in order, and one spec per tuple of keys, made once (eagerly: not
-    while dynamo traces, which would guard on the cache)."""
-    if type(tree) is dict and not torch.compiler.is_compiling():
-        values = list(tree.values())
+    A dict, list or tuple whose items are all plain tensors, parameters or None (the common
+    tree of a functional step: names to tensors, or a list of them) is flattened without
+    torch's walk over its leaves (a Python call a leaf, several microseconds a tensor), to
+    the leaves and the structure that walk gives: its items in order, and one spec per
+    tuple of keys (a list's or a tuple's: its length), made once (eagerly: not while
+    dynamo traces, which would guard on the cache)."""
+    kind = type(tree)
+    if kind in _FLAT_KINDS and not torch.compiler.is_compiling():
+        values = list(tree.values()) if kind is dict else list(tree)
         if PLAIN_OR_NONE.issuperset(map(type, values)):  # (leaves whatever is registered)
-            keys = tuple(tree)
+            keys = (kind, tuple(tree) if kind is dict else len(values))
             spec = _FLAT_SPECS.get(keys)
             if spec is None:
                 leaves, spec = pytree.tree_flatten(tree, is_leaf=_is_none)
@@ -37,10 +39,13 @@ def flatten(tree):
 
 def unflatten(leaves, spec):
     keys = None if torch.compiler.is_compiling() else _FLAT_KEYS.get(id(spec))
-    if keys is not None and _FLAT_SPECS.get(keys) is spec:  # (a flat dict's: ``flatten``)
+    if keys is not None and _FLAT_SPECS.get(keys) is spec:  # (a flat one's: ``flatten``)
         leaves = list(leaves)
-        if len(leaves) == len(keys):
-            return dict(zip(keys, leaves))
+        kind, names = keys
+        if kind is dict and len(leaves) == len(names):
+            return dict(zip(names, leaves))
+        if kind is not dict and len(leaves) == names:
+            return leaves if kind is list else tuple(leaves)
     return pytree.tree_unflatten(list(leaves), spec)
 
 
@@ -48,8 +53,11 @@ def _is_none(x) -> bool:
     return x is None
 
 
-_FLAT_SPECS: dict = {}  # a flat dict's keys -> its TreeSpec (made by torch's walk, once)
-_FLAT_KEYS: dict = {}  # id of such a spec -> its keys (checked against _FLAT_SPECS on use)
+_FLAT_KINDS = frozenset({dict, list, tuple})
+# (dict, its keys), or (list or tuple, its length) -> its TreeSpec (made by torch's walk,
+# once); the id of such a spec -> those (checked against _FLAT_SPECS on use)
+_FLAT_SPECS: dict = {}
+_FLAT_KEYS: dict = {}
 
 
 def _key(k) -> str:
