@@ -18,6 +18,7 @@ from itertools import repeat
 import torch
 
 from vega.codegen.quant import scale_shape
+from vega.codegen.tensors import native_passes
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import LEAVES, QBLOCK, REDUCTIONS, SCALAR_STATE, Kind, Node, Op, Program, walk
 
@@ -193,8 +194,7 @@ def distinct(items: list) -> tuple[list, list[int]]:
         return [], []
     if all(map(operator.is_, items, repeat(items[0]))):  # all one (a group's hyperparameters)
         return [items[0]], [0] * len(items)
-    from vega.codegen.c import native  # (its module, where loaded, in one pass of ~20 ns
-    mod = native.loaded()              # an item; the Python passes below, ~100-130 ns)
+    mod = native_passes()  # (one pass of ~20 ns an item, where those below take ~100-130 ns)
     if mod is not None:
         return mod.distinct(items)
     if len(set(map(id, items))) == len(items):  # each its own (a class's step counters)

@@ -30,16 +30,21 @@ _PLAIN_TUPLE = tuple(PLAIN_TYPES)
 NO_GRAD, NOT_PLAIN, NOT_STRIDED = 1, 2, 4
 
 
+def native_passes():
+    """The native module, for passes over a step's lists that it makes faster, where it is
+    loaded and dynamo is not tracing (which cannot trace it); else None."""
+    if torch.compiler.is_compiling():
+        return None
+    from vega.codegen.c import native
+    return native.loaded()
+
+
 def any_complex(tensors: list) -> bool:
     """Whether some tensor of ``tensors`` is complex (in one pass of the native module where
     it is loaded and they are plain tensors)."""
-    if not torch.compiler.is_compiling():
-        from vega.codegen.c import native
-        mod = native.loaded()
-        found = None if mod is None else mod.any_complex(tensors, _PLAIN_TUPLE)
-        if found is not None:
-            return found
-    return any(t.is_complex() for t in tensors)
+    mod = native_passes()
+    found = None if mod is None else mod.any_complex(tensors, _PLAIN_TUPLE)
+    return any(t.is_complex() for t in tensors) if found is None else found
 
 
 def gather(params, sts, names) -> tuple[list, list[list], int]:
@@ -51,12 +56,10 @@ def gather(params, sts, names) -> tuple[list, list[list], int]:
     or state is not a plain tensor (``PLAIN_TYPES``); ``NOT_STRIDED``, some gradient is
     sparse or of another layout).
     KeyError where a state dict lacks a name."""
-    if not torch.compiler.is_compiling():
-        from vega.codegen.c import native
-        mod = native.loaded()
-        got = None if mod is None else mod.gather(params, sts, names, _PLAIN_TUPLE)
-        if got is not None:  # (None: a parameter or a state dict it leaves to this path)
-            return got
+    mod = native_passes()
+    got = None if mod is None else mod.gather(params, sts, names, _PLAIN_TUPLE)
+    if got is not None:  # (None: a parameter or a state dict it leaves to this path)
+        return got
     grads = [p.grad for p in params]
     cols = [[st[n] for st in sts] for n in names]
     present = [g for g in grads if g is not None]

@@ -433,10 +433,10 @@ class SpecOptimizer(torch.optim.Optimizer):
         last step: the same parameters with gradients, settings, state dicts and state
         tensors (checked by identity), and shapes where the spec picks programs by shape;
         else None. Where None, the group's gradients, negated where it maximizes, for
-        ``_group_work``. True where the answer was gathered, one pass a program
-        (``gather``), and every tensor found a plain one, ``PLAIN_TYPES``: none a DTensor or
-        a subclass with operations of its own, so that the step need not ask again; False
-        says nothing.)"""
+        ``_group_work``. True where every tensor of the answer is a plain one,
+        ``PLAIN_TYPES``: none a DTensor or a subclass with operations of its own, so that
+        the step need not ask again; False says nothing.) The answer's tensors are
+        gathered in one pass a program (``gather``)."""
         plans = self._plans()
         plan = plans[k] if k < len(plans) else None
         ps = group["params"]
@@ -448,48 +448,32 @@ class SpecOptimizer(torch.optim.Optimizer):
                 or not self._same_programs(flags, values, plan):
             return None, self._grads(group), False
         state = self.state
-        if type(state) is _States and state.changes == plan.changes:
-            # no state dict replaced since: each program's gradients and state tensors in
-            # one pass (``gather``); the same parameters with gradients as last time
-            gathered, found = [], 0
-            for params, sts, names in plan.lists:
-                try:
-                    grads, cols, part_found = gather(params, sts, names)
-                except KeyError:  # a state tensor was removed: the slow path says what
-                    return None, self._grads(group), False
-                gathered.append((grads, cols))
-                found |= part_found
-            if found & (NO_GRAD | NOT_STRIDED) or plan.params[0].device.type != plan.device \
-                    or self._shapes(plan.params) != plan.shapes \
-                    or not all(map(operator.is_, map(_GRAD, plan.absent), repeat(None))):
+        if type(state) is not _States or state.changes != plan.changes:
+            # a state dict was replaced (or added): the same ones again?
+            if not all(map(operator.is_, map(state.get, plan.params), plan.sts)):
                 return None, self._grads(group), False
-            backend = group["backend"] or codegen.default_backend(plan.device)
-            return [(program, backend, params,
-                     torch_names.negated(grads) if group["maximize"] else grads,
-                     cols[:-1], cols[-1], values)
-                    for (program, _), (params, _, _), (grads, cols)
-                    in zip(plan.parts, plan.lists, gathered)], \
-                None, plan.plain and not found & NOT_PLAIN
-        grads_all = self._grads(group)
-        if not plan.same_presence(grads_all):
-            return None, grads_all, False
-        if plan.params is plan.all_params:
-            params, grads = plan.params, grads_all
-        else:
-            params = plan.params
-            grads = [g for g in grads_all if g is not None]
-        if _any_sparse(grads) or params[0].device.type != plan.device \
-                or self._shapes(params) != plan.shapes:
-            return None, grads_all, False
-        sts = list(map(state.get, params))  # (a state dict was replaced: the same again?)
-        if not all(map(operator.is_, sts, plan.sts)):
-            return None, grads_all, False
-        plan.changes = getattr(state, "changes", None)
+            plan.changes = getattr(state, "changes", None)
+        # each program's gradients and state tensors in one pass (``gather``); the same
+        # parameters with gradients as last time
+        gathered, found = [], 0
+        for params, sts, names in plan.lists:
+            try:
+                grads, cols, part_found = gather(params, sts, names)
+            except KeyError:  # a state tensor was removed: the slow path says what is missing
+                return None, self._grads(group), False
+            gathered.append((grads, cols))
+            found |= part_found
+        if found & (NO_GRAD | NOT_STRIDED) or plan.params[0].device.type != plan.device \
+                or self._shapes(plan.params) != plan.shapes \
+                or not all(map(operator.is_, map(_GRAD, plan.absent), repeat(None))):
+            return None, self._grads(group), False
         backend = group["backend"] or codegen.default_backend(plan.device)
-        try:
-            return plan.work(backend, grads, sts, values), grads_all, False
-        except KeyError:  # a state tensor was removed: the slow path says what is missing
-            return None, grads_all, False
+        return [(program, backend, params,
+                 torch_names.negated(grads) if group["maximize"] else grads,
+                 cols[:-1], cols[-1], values)
+                for (program, _), (params, _, _), (grads, cols)
+                in zip(plan.parts, plan.lists, gathered)], \
+            None, plan.plain and not found & NOT_PLAIN
 
     @staticmethod
     def _grads(group) -> list:
@@ -989,8 +973,8 @@ class _Plan:
                  shapes):
         self.group, self.state = group, state
         self.all_params = list(group["params"])
-        self.present = [g is not None for g in grads_all]
-        self.params = self.all_params if all(self.present) else params
+        present = [g is not None for g in grads_all]
+        self.params = self.all_params if all(present) else params
         self.flags, self.choosing, self.device = dict(flags), choosing, device
         self.sts, self.parts, self.shapes = sts, parts, shapes
         self.changes = getattr(state, "changes", None)  # (``_States``)
@@ -999,14 +983,8 @@ class _Plan:
         self.lists = [(self.params, sts, [*program.state_names, "step"]) if ks is None else
                       ([self.params[k] for k in ks], [sts[k] for k in ks],
                        [*program.state_names, "step"]) for program, ks in parts]
-        self.absent = [p for p, there in zip(self.all_params, self.present) if not there]
+        self.absent = [p for p, there in zip(self.all_params, present) if not there]
         self.plain = PLAIN_TYPES.issuperset(map(type, self.all_params))
-
-    def same_presence(self, grads_all) -> bool:
-        """Whether the same parameters have gradients (one identity pass where all had)."""
-        if self.params is self.all_params:
-            return not any(map(operator.is_, grads_all, repeat(None)))
-        return [g is not None for g in grads_all] == self.present
 
     def work(self, backend, grads, sts, values) -> list[tuple]:
         out = []

@@ -709,7 +709,6 @@ py::list triton_grad_rows(py::handle grads_, const c10::Device &device) {
 
 // -- gathering a class step's tensors (vega.codegen.c.native.gather) ---------------------
 
-
 // Whether ``x`` is an object of exactly one of the types of the tuple ``plain``.
 bool of_types(PyObject *x, PyObject *plain) {
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(plain); k++)
