@@ -205,3 +205,129 @@ def test_bfloat16_products_step_side_by_side_only_for_tensors_with_values_in_mem
     for p, g, n in zip(ps, gs, got):
         x = g.to(torch.bfloat16)
         torch.testing.assert_close(n, p + (x + x @ x.T @ x).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_arithmetic_of_a_matrix_program_writes_over_its_dead_temporaries():
+    """In a program with matrix products, ``+ - * /`` of a temporary that dies there writes
+    its value over it (``reference._into``): Muon's steps, batched (bfloat16) and one tensor
+    at a time (float64), give bitwise the values the same functions give with every such
+    operation making a new tensor, parameters and momentum; and on these plain tensors each
+    such operation did write over."""
+    from vega import codegen
+    from vega.codegen import reference
+    spec = vega.compile_file("specs/muon.vega")
+    shapes = [(6, 9), (6, 9), (9, 6), (7, 5), (7, 5)]
+    gen = torch.Generator().manual_seed(8)
+    for dtype, bf16 in ((torch.float32, True), (torch.float64, False)):
+        start = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+        grads = [[torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+                 for _ in range(3)]
+        kerns = [codegen.kernel("reference", spec.program(s, bf16=bf16)) for s in shapes]
+        assert all("_into(" in k.source() for k in kerns)
+        overs = []
+
+        def into(dead, how, a, b):
+            out = reference._into(dead, how, a, b)
+            overs.append(out is dead)
+            return out
+
+        def apart(dead, how, a, b):
+            return reference._INTO[how][0](a, b)
+
+        results = []
+        for fn in (into, apart):
+            for kern in kerns:
+                for f in (kern._update, kern._update_batched):
+                    if f is not None:
+                        f.__globals__["_into"] = fn
+            ps = [p.clone() for p in start]
+            state = spec.init(ps, bf16=bf16)
+            for gs in grads:
+                ps, state = spec.step(ps, gs, state, backend="reference", bf16=bf16)
+            results.append((ps, state))
+        for kern in kerns:
+            for f in (kern._update, kern._update_batched):
+                if f is not None:
+                    f.__globals__["_into"] = reference._into
+        (ps_a, st_a), (ps_b, st_b) = results
+        assert all(torch.equal(a, b) for a, b in zip(ps_a, ps_b))
+        flat_a, flat_b = torch.utils._pytree.tree_leaves(st_a), \
+            torch.utils._pytree.tree_leaves(st_b)
+        assert len(flat_a) == len(flat_b) > len(shapes)
+        assert all(torch.equal(a, b) for a, b in zip(flat_a, flat_b))
+        assert overs and all(overs)
+
+
+def test_writing_over_a_temporary_falls_back_to_a_new_tensor_where_it_does_not_fit():
+    """``_into`` writes over its temporary only where the result has its shape, dtype and
+    device, the operands are plain tensors (or a number where the order allows), and no
+    gradient is recorded; else it returns a new tensor and leaves the temporary as it was.
+    Either way the values are the operation's, bitwise."""
+    from vega.codegen.reference import _into
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(4, 3, generator=gen), torch.randn(4, 3, generator=gen)
+
+    class Sub(torch.Tensor):
+        pass
+
+    def check(dead, how, x, y, over):
+        before = dead.clone()
+        want = {"+": x + y, "-": x - y, "*": x * y, "/": x / y}[how]
+        with torch.no_grad():
+            got = _into(dead, how, x, y)
+        assert torch.equal(got, want) and got.dtype == want.dtype
+        assert (got is dead) == over
+        if not over:
+            assert torch.equal(dead, before)
+    for how in "+-*/":
+        check(a.clone(), how, a, b, True)
+        check(a.clone(), how, a, 2.0, True)
+        check(a[0].clone(), how, a, b, False)  # a row: the result is larger
+        check(a.bfloat16(), how, a, b, False)  # bfloat16: the result is float32
+        check(a.double(), how, a, b, False)
+        check(a.clone().as_subclass(Sub), how, a, b, False)
+        check(a.clone(), how, a.as_subclass(Sub), b, False)
+    check(a.clone(), "+", 2.0, b, True)
+    check(a.clone(), "*", 2.0, b, True)
+    check(a.clone(), "-", 2.0, b, False)
+    check(a.clone(), "/", 2.0, b, False)
+    with torch.enable_grad():
+        w = b.clone().requires_grad_()
+        dead = a.clone()
+        got = _into(dead, "*", a, w)
+    assert got is not dead and got.requires_grad and torch.equal(dead, a)
+
+
+def test_a_value_a_product_reads_is_not_written_over():
+    """A temporary read by a product (its stacked copy found again by its address) or a
+    transpose (a view of it) is not written over at its last use: the second product's
+    batch stacks ``z``'s values, not the stale copy of ``y`` at the same address."""
+    spec = vega.compile("optimizer o() {\n x = bfloat16(2 * g)\n A = x @ transpose(x)\n"
+                        " z = x + 1\n p = p + widen(A @ z)\n}")
+    assert "_into(" in spec.source(shape=(3, 4))
+    gen = torch.Generator().manual_seed(4)
+    ps = [torch.randn(3, 4, generator=gen) for _ in range(3)]
+    gs = [torch.randn(3, 4, generator=gen) for _ in range(3)]
+    got, _ = spec.step(ps, gs, spec.init(ps))
+    for p, g, n in zip(ps, gs, got):
+        x = (2 * g).to(torch.bfloat16)
+        want = p + (x @ x.T @ (x + 1)).float()
+        torch.testing.assert_close(n, want, rtol=0, atol=0)
+
+
+def test_a_conversion_written_over_is_a_tensor_of_its_own():
+    """``bfloat16`` of a value that is bfloat16 already is that value itself (torch's
+    ``to``): where the conversion's value is written over later, it is made a tensor of
+    its own, so the value it came from keeps its values."""
+    spec = vega.compile("optimizer o() {\n x = bfloat16(g)\n y = bfloat16(x)\n"
+                        " z = y * 2\n p = p + widen(z) + widen(x @ transpose(x)) @ g + widen(x)\n}")
+    text = spec.source(shape=(3, 4))
+    assert "_into(" in text and "_bf16(v_x, p, True)" in text
+    gen = torch.Generator().manual_seed(5)
+    ps = [torch.randn(3, 4, generator=gen) for _ in range(2)]
+    gs = [torch.randn(3, 4, generator=gen) for _ in range(2)]
+    got, _ = spec.step(ps, gs, spec.init(ps))
+    for p, g, n in zip(ps, gs, got):
+        x = g.to(torch.bfloat16)
+        want = p + (x * 2).float() + (x @ x.T).float() @ g + x.float()
+        torch.testing.assert_close(n, want, rtol=0, atol=0)

@@ -21,6 +21,7 @@ the way back).
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -195,8 +196,11 @@ def render(program: Program, linear: Linear | None = None) -> str:
     out.append('    """The element phase: new values of p and of each state."""')
     if axes:
         out.append('    # geo: the matrix view of this tensor (its row and column axes)')
-    for line in lin.element_lines:
-        out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
+    if _has_products(lin):
+        out += _element_body(lin, r)
+    else:
+        out += [f"    {line.var} = {r.expr(lin, line.node, 'element')}"
+                for line in lin.element_lines]
     doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
     results = [r.output(lin, node, doms[target], axes) for target, node in lin.outputs]
     out.append(f"    return ({''.join(v + ', ' for v in results)})")
@@ -209,6 +213,93 @@ def render(program: Program, linear: Linear | None = None) -> str:
 
 
 PRODUCTS = MATRIX_OPS - {Op.TRANSPOSE}
+
+
+def _has_products(lin: Linear) -> bool:
+    return any(line.node.op in PRODUCTS for line in lin.element_lines)
+
+
+# ``_element_body``: the element operations whose value is always a tensor of its own, and
+# those that read an operand without keeping it or a view of it
+_OVER = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/"}
+_FRESH = frozenset(_OVER) | {Op.NEG}
+_CONVERSIONS = {Op.BF16: "_bf16", Op.WIDEN: "_widen"}  # fresh when asked (``fresh=True``)
+_READERS = _FRESH | REDUCTIONS
+
+
+def _element_body(lin: Linear, r: TorchRenderer) -> list[str]:
+    """The element lines of a program with matrix products, each value deleted after its
+    last use (a suspended ``update_batched`` holds only what it still needs), and each
+    ``+ - * /`` of a value of its own domain written over an operand that dies there
+    (``_into``) where that operand is a temporary of its own (an arithmetic value) that no
+    product, transpose, conversion or output reads: a matrix's temporaries are large, and
+    on the CPU a new tensor's pages cost more than the pass that fills them."""
+    lines = lin.element_lines
+    mine = {lin.ref(line.node) for line in lines}
+    returned = {lin.names.get(id(node)) for _, node in lin.outputs}
+    last: dict[str, int] = {}  # each element value's last reader
+    readers: dict[str, bool] = {}  # whether every reader only reads it (``_READERS``)
+    for k, line in enumerate(lines):
+        for src in line.node.src:
+            name = lin.names.get(id(src))
+            if name in mine:
+                last[name] = k
+                readers[name] = readers.get(name, True) and line.node.op in _READERS
+
+    def over(k: int, node: Node) -> str | None:  # the operand to write the value over
+        if node.op not in _OVER or node.kind != Kind.ELEMENT or any(
+                s.kind == Kind.ELEMENT and s.dom != node.dom for s in node.src):
+            return None  # (not an infix expression: an operand broadcasts)
+        for s in node.src:
+            name = lin.names.get(id(s))
+            if s.kind == Kind.ELEMENT and (s.op in _FRESH or s.op in _CONVERSIONS) \
+                    and name in mine and last[name] == k and readers[name] \
+                    and name not in returned:
+                return name
+        return None
+    deads = [over(k, line.node) for k, line in enumerate(lines)]
+    out = []
+    for k, line in enumerate(lines):
+        node, dead = line.node, deads[k]
+        if node.op in _CONVERSIONS and line.var in deads:  # a tensor of its own, written over
+            x = r.operand(lin, node.src[0], "element")
+            out.append(f"    {line.var} = {_CONVERSIONS[node.op]}({x}, p, True)")
+        elif dead is None:
+            out.append(f"    {line.var} = {r.expr(lin, node, 'element')}")
+        else:
+            a, b = (r.operand(lin, s, "element") for s in node.src)
+            out.append(f"    {line.var} = _into({dead}, {_OVER[node.op]!r}, {a}, {b})")
+        done = sorted(n for n, at in last.items() if at == k and n not in returned)
+        if done:
+            out.append(f"    del {', '.join(done)}")
+    return out
+
+
+_INTO = {"+": (operator.add, torch.add), "-": (operator.sub, torch.sub),
+         "*": (operator.mul, torch.mul), "/": (operator.truediv, torch.div)}
+
+
+def _into(dead, how: str, a, b):
+    """``a <how> b`` (``+ - * /``), written over ``dead``, a temporary of the update that
+    nothing reads again (``_element_body``), where it fits: plain tensors (a number as an
+    operand of ``+`` or ``*``, or as ``b``) of the result's shape, dtype and device, no
+    gradient recorded, dynamo not tracing. Else a new tensor, as ``a <how> b`` makes. Both
+    run the same kernel: the same values."""
+    op, fn = _INTO[how]
+    if how in "+*" and type(a) in (float, int):  # (the same values either way round)
+        a, b = b, a
+    if type(dead) not in PLAIN_TYPES or type(a) not in PLAIN_TYPES \
+            or (type(b) not in PLAIN_TYPES and type(b) not in (float, int)) \
+            or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return op(a, b)
+    if isinstance(b, torch.Tensor):
+        if dead.shape != torch.broadcast_shapes(a.shape, b.shape) or b.device != dead.device:
+            return op(a, b)
+    elif dead.shape != a.shape:
+        return op(a, b)
+    if a.device != dead.device or dead.dtype != torch.result_type(a, b):
+        return op(a, b)
+    return fn(a, b, out=dead)
 
 
 class _AskingRenderer(TorchRenderer):
@@ -227,26 +318,13 @@ def render_batched(program: Program, linear: Linear | None = None) -> str | None
     ``bfloat16(...)``: only bfloat16 products are batched (``_products``), and the compute
     dtype is float32 or float64."""
     lin = linear or linearize(program)
-    ops = {line.node.op for line in lin.element_lines}
-    if ops.isdisjoint(PRODUCTS) or Op.BF16 not in ops:
+    if not _has_products(lin) or Op.BF16 not in {line.node.op for line in lin.element_lines}:
         return None
     r = _AskingRenderer()
     state = [state_var(s) for s in program.state_names]
     out = [f"def update_batched({', '.join(['p', 'g', *state, *lin.scalar_outputs, 'geo'])}):",
            '    """The element phase, each matrix product yielded to the caller."""']
-    last: dict[str, int] = {}  # each element value's last reader
-    mine = {lin.ref(line.node) for line in lin.element_lines}
-    for k, line in enumerate(lin.element_lines):
-        for src in line.node.src:
-            name = lin.names.get(id(src))
-            if name in mine:
-                last[name] = k
-    returned = {lin.names.get(id(node)) for _, node in lin.outputs}
-    for k, line in enumerate(lin.element_lines):
-        out.append(f"    {line.var} = {r.expr(lin, line.node, 'element')}")
-        done = sorted(n for n, at in last.items() if at == k and n not in returned)
-        if done:
-            out.append(f"    del {', '.join(done)}")
+    out += _element_body(lin, r)
     doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
     results = [r.output(lin, node, doms[target], True) for target, node in lin.outputs]
     out.append(f"    return ({''.join(v + ', ' for v in results)})")
@@ -640,16 +718,19 @@ def _size(p, geo: Geometry, axis: int):
     return p.new_full((), float(geo.full[axis]) if axis < len(geo.full) else 1.0)
 
 
-def _bf16(x, like):
-    """``x`` rounded to bfloat16 (a number: a 0-d tensor on ``like``'s device)."""
+def _bf16(x, like, fresh: bool = False):
+    """``x`` rounded to bfloat16 (a number: a 0-d tensor on ``like``'s device); a tensor of
+    its own where ``fresh``, which ``_into`` may write over (``x`` itself where it is
+    bfloat16 already, else)."""
     if not isinstance(x, torch.Tensor):
         x = like.new_full((), x)
-    return x.to(torch.bfloat16)
+    return x.to(torch.bfloat16, copy=fresh)
 
 
-def _widen(x, like):
-    """``x`` in the step's compute type (``like``'s: the parameter's, as the step reads it)."""
-    return x.to(like.dtype) if isinstance(x, torch.Tensor) else x
+def _widen(x, like, fresh: bool = False):
+    """``x`` in the step's compute type (``like``'s: the parameter's, as the step reads it);
+    a tensor of its own where ``fresh`` (``_bf16``)."""
+    return x.to(like.dtype, copy=fresh) if isinstance(x, torch.Tensor) else x
 
 
 def _amax(x):
@@ -710,7 +791,7 @@ class Kernel:
                      "_fit": _fit, "_broadcast": _broadcast, "_reduce": _reduce,
                      "_matmul": _matmul, "_transpose": _transpose, "_size": _size,
                      "_bf16": _bf16, "_widen": _widen, "_matmul_add": _matmul_add,
-                     "_matmul_shift": _matmul_shift}
+                     "_matmul_shift": _matmul_shift, "_into": _into}
         self._staged_text = render_staged(shown, self.linear)
         exec(compile(self._staged_text, f"<vega reference, staged: {program.name}>", "exec"),
              namespace)
