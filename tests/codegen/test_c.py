@@ -939,3 +939,41 @@ def test_min_and_max_of_equal_values_give_the_second():
     # 1 / max(-0.0, 0.0) = inf
     assert ref[1]["s"]["w"][:2].tolist() == [0.0, 0.0]
     assert not torch.signbit(ref[1]["s"]["w"][0])
+
+
+def test_the_scalar_phase_is_taken_again_only_for_the_same_step_and_hyperparameters():
+    """A tensor's scalar phase is computed once and taken again by the next tensor of its
+    thread with bit for bit the same step and hyperparameters (``Source._scalar_phase``):
+    step counters alternating in one call, a hyperparameter changed between calls at the
+    same step, and -0.0 after 0.0 each step as the reference (and torch.optim) do."""
+    ps = [torch.nn.Parameter(torch.randn(5, dtype=torch.float64)) for _ in range(4)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ours = vega.optim.AdamW(ps, lr=0.1, backend="c")
+    theirs = torch.optim.AdamW(twins, lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for k in range(5):  # parameters 1 and 3 step from the start, 0 and 2 from step 3
+        for i, (p, q) in enumerate(zip(ps, twins)):
+            g = torch.randn(5, generator=gen, dtype=torch.float64)
+            p.grad, q.grad = (g.clone(), g.clone()) if k >= 3 or i % 2 else (None, None)
+        ours.step()
+        theirs.step()
+    assert [int(ours.state[p]["step"]) for p in ps] == [2, 5, 2, 5]
+    for p, q in zip(ps, twins):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-12, atol=1e-14)
+
+    spec = vega.builtin("adamw")
+    params = [torch.randn(7, dtype=torch.float64) for _ in range(3)]
+    grads = [torch.randn(7, dtype=torch.float64) for _ in range(3)]
+    _, state = spec.step(params, grads, spec.init(params), backend="reference", lr=0.1)
+    for b1 in (0.9, 0.5, 0.9):  # the second step each time (the first's is b1's alone)
+        got = spec.step(params, grads, state, backend="c", b1=b1, lr=0.1)
+        want = spec.step(params, grads, state, backend="reference", b1=b1, lr=0.1)
+        for a, b in zip(got[0], want[0]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+    signed = vega.compile("optimizer o(h = 1.0) {\n s = 1 / h\n"
+                          " p = p + where(s > 0, 0.5, -0.5)\n}")
+    x = [torch.zeros(3, dtype=torch.float64)]
+    for h, want in ((0.0, 0.5), (-0.0, -0.5), (0.0, 0.5)):
+        got, _ = signed.step(x, x, signed.init(x), backend="c", h=h)
+        assert torch.equal(got[0], torch.full((3,), want, dtype=torch.float64))

@@ -171,11 +171,24 @@ def _both(monkeypatch, fn, *args):
 def test_distinct_native_is_the_python_one(monkeypatch):
     from vega.codegen.base import distinct
     a, b, c = (torch.zeros(1) for _ in range(3))
-    for items in ([a, b, a, c, b, b], [a, b, c], [c] * 4, [], list(range(300)) + [5, 7]):
+    for items in ([a, b, a, c, b, b], [a, b, c], [c] * 4, [a], [a, a, a, b], [],
+                  list(range(300)) + [5, 7]):
         fast, slow = _both(monkeypatch, distinct, items)
         monkeypatch.undo()
         assert fast[1] == slow[1] and len(fast[0]) == len(slow[0])
         assert all(x is y for x, y in zip(fast[0], slow[0]))
+
+
+def test_same_native_is_the_python_one(monkeypatch):
+    """Two lists hold the same objects in the same order, by identity: not equal ones."""
+    from vega.codegen.tensors import same
+    a, b = torch.zeros(1), torch.zeros(1)
+    for x, y, want in (([a, b], [a, b], True), ([a, b], (a, b), True), ([], [], True),
+                       ([a, b], [b, a], False), ([a], [a, a], False), ([a, a], [a], False),
+                       ([a, b], [a, torch.zeros(1)], False), ([1000, 2000], [1000, 2000], None)):
+        fast, slow = _both(monkeypatch, same, x, y)
+        monkeypatch.undo()
+        assert fast == slow and (want is None or fast == want)
 
 
 def test_gather_native_is_the_python_one(monkeypatch):

@@ -19,7 +19,7 @@ from vega.codegen import quant
 from vega.codegen.base import distinct, state_shape
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, first_with_own_ops,
-                                  gather, inplace_problem, own_ops_words)
+                                  gather, inplace_problem, own_ops_words, same)
 from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -441,8 +441,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         plan = plans[k] if k < len(plans) else None
         ps = group["params"]
         if plan is None or plan.group is not group or plan.state is not self.state \
-                or len(ps) != len(plan.all_params) \
-                or not all(map(operator.is_, ps, plan.all_params)) \
+                or not same(ps, plan.all_params) \
                 or flags != plan.flags \
                 or plan.precision != _precision(type(self).__name__, group) \
                 or not self._same_programs(flags, values, plan):

@@ -787,6 +787,18 @@ py::tuple distinct(py::handle items_) {
         if (k == nullptr) throw py::error_already_set();
         ints.push_back(k);
     }
+    Py_ssize_t first = 1;  // all one object (a group's hyperparameters): no table
+    while (first < n && X[first] == X[0]) first++;
+    if (n && first == n) {
+        py::list one(1), index(n);
+        Py_INCREF(X[0]);
+        PyList_SET_ITEM(one.ptr(), 0, X[0]);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_INCREF(ints[0]);
+            PyList_SET_ITEM(index.ptr(), i, ints[0]);
+        }
+        return py::make_tuple(one, index);
+    }
     size_t size = 16;
     while (size < 2 * static_cast<size_t>(n)) size *= 2;
     std::vector<PyObject *> keys(size, nullptr);
@@ -809,6 +821,16 @@ py::tuple distinct(py::handle items_) {
         PyList_SET_ITEM(index.ptr(), i, k);
     }
     return py::make_tuple(uniq, index);
+}
+
+// Whether sequences ``a`` and ``b`` hold the same objects in the same order (by identity).
+bool same(py::handle a_, py::handle b_) {
+    const py::tuple a = tuple_of(a_, "same: a"), b = tuple_of(b_, "same: b");
+    const Py_ssize_t n = PyTuple_GET_SIZE(a.ptr());
+    if (PyTuple_GET_SIZE(b.ptr()) != n) return false;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PyTuple_GET_ITEM(a.ptr(), i) != PyTuple_GET_ITEM(b.ptr(), i)) return false;
+    return true;
 }
 
 // Whether some tensor of a sequence is complex; None where an item is not exactly of a type
@@ -905,6 +927,7 @@ PYBIND11_MODULE(vega_native, m) {
     m.def("triton_rows", &triton_rows);
     m.def("gather", &gather);
     m.def("distinct", &distinct);
+    m.def("same", &same);
     m.def("any_complex", &any_complex);
     m.def("triton_grad_rows", &triton_grad_rows);
     m.def("prelude", [](int64_t id, py::handle grads, const at::Tensor &pre) {

@@ -387,16 +387,13 @@ class Source:
 
     def _block_start(self, uses: list[Node]) -> list[str]:
         """Per tensor: the scalar phase, the reductions already known, the pointers."""
-        lin, r = self.lin, self.r
+        lin = self.lin
         out = ["            const double *H_ = (const double *)(intptr_t)row[COL_HYPER];",
                "            const double d_t = "
                "(double)(*(const int32_t *)(intptr_t)row[COL_STEP]) + 1;"]
         for k, h in enumerate(lin.hypers):
             out.append(f"            const double d_{h} = H_[{k}];")
-        for line in lin.scalar_lines:  # the scalar phase, in double like the reference
-            ctype = "int" if line.node.dtype == "bool" else "double"
-            out.append(f"            const {ctype} d_{line.var} = "
-                       f"{r.expr(lin, line.node, 'scalar').replace('(CT)', '(double)')};")
+        out += self._scalar_phase()
         for var in ("t", *lin.hypers, *(ln.var for ln in lin.scalar_lines)):
             node_dtype = next((ln.node.dtype for ln in lin.scalar_lines if ln.var == var), "float")
             ctype = "int" if node_dtype == "bool" else "CT"
@@ -422,6 +419,33 @@ class Source:
         for k, st in enumerate(self.program.states):  # one number a tensor: read once
             if st.dom == SCALAR_STATE:
                 out.append(f"            const CT v_{state_var(st.name)} = LOAD_S{k}(S{k}_[0]);")
+        return out
+
+    def _scalar_phase(self) -> list[str]:
+        """The scalar phase of one tensor, in double like the reference. It reads the step
+        and the hyperparameters alone: where they are bit for bit the last tensor's of this
+        thread here (a group's tensors, whose counters step together), its values are taken
+        again (``pow`` and the like cost more than the loop over a small tensor)."""
+        lin, r = self.lin, self.r
+        lines = lin.scalar_lines
+        if not lines:
+            return []
+        key = ["d_t", *(f"d_{h}" for h in lin.hypers)]
+        out = [f"            static _Thread_local double MK_[{len(key)}], MV_[{len(lines)}];",
+               "            static _Thread_local int MS_ = 0;",
+               f"            const double KEY_[{len(key)}] = {{{', '.join(key)}}};"]
+        out += [f"            {'int' if ln.node.dtype == 'bool' else 'double'} d_{ln.var};"
+                for ln in lines]
+        out.append("            if (MS_ && memcmp(MK_, KEY_, sizeof KEY_) == 0) {  "
+                   "/* the last tensor's step and hyperparameters */")
+        out += [f"                d_{ln.var} = ({'int' if ln.node.dtype == 'bool' else 'double'})"
+                f"MV_[{k}];" for k, ln in enumerate(lines)]
+        out.append("            } else {")
+        out += [f"                d_{ln.var} = "
+                f"{r.expr(lin, ln.node, 'scalar').replace('(CT)', '(double)')};" for ln in lines]
+        out += [f"                MV_[{k}] = (double)d_{ln.var};" for k, ln in enumerate(lines)]
+        out += ["                memcpy(MK_, KEY_, sizeof KEY_);", "                MS_ = 1;",
+                "            }"]
         return out
 
     @property
