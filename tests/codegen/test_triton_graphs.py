@@ -21,6 +21,9 @@ def test_a_kept_object_a_capture_used_is_never_dropped():
     assert kept.get("a", make("a"), capturing=False) == "map a" and made.count("a") == 1
     assert list(kept.items) == ["f", "g"]  # the others: least recently used first out
     assert kept.get("b", make("b"), capturing=False) == "map b" and made.count("b") == 2
+    kept.get("g", make("g"), capturing=False)  # a hit: now the most recently used
+    kept.get("h", make("h"), capturing=False)
+    assert list(kept.items) == ["g", "h"] and made.count("g") == 1
 
 
 def test_block_maps_a_capture_used_outlive_the_cache(monkeypatch):

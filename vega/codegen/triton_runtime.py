@@ -33,6 +33,7 @@ import operator
 import os
 import weakref
 from collections import OrderedDict
+from itertools import chain
 
 import torch
 from torch.autograd.graph import increment_version
@@ -212,13 +213,19 @@ class Kept:
     def get(self, key, make, capturing: bool):
         """The object for ``key``, made by ``make()`` if there is none; held if
         ``capturing``."""
-        if key in self.held:
+        if self.held and key in self.held:
             return self.held[key]
-        value = self.items.pop(key) if key in self.items else make()
+        value = self.items.get(key)  # (a key is hashed once a lookup: a tuple of the lengths
+        if value is None:            # of a step's tensors, on a hit, is hashed twice)
+            value = make()
+        elif not capturing:
+            self.items.move_to_end(key)  # (the most recently used last)
+            return value
         if capturing:
+            self.items.pop(key, None)
             self.held[key] = value
             return value
-        self.items[key] = value  # (the most recently used last)
+        self.items[key] = value
         while len(self.items) > self.limit:
             self.items.popitem(last=False)
         return value
@@ -809,7 +816,7 @@ def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pr
                            hyper_floats, hyper_slots)
         try:
             groups, counters = mod.triton_rows(
-                kern.native_id, params, grads, [s for col in states for s in col], uniq_steps,
+                kern.native_id, params, grads, list(chain.from_iterable(states)), uniq_steps,
                 step_index, hyp.data_ptr(), max(nhyper, 1) * 8, hyper_index, doms,
                 [n in program.quant for n in names], [n in scales for n in names], device)
         except ValueError:
@@ -863,8 +870,8 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
                 finite = None
             elif not uniq_steps:
                 finite = finite_of(pre)
-            return list(params), [list(col) for col in states], \
-                [uniq_steps[k] for k in step_index], finite
+            return list(params), [list(col) for col in states], list(uniq_steps) \
+                if len(uniq_steps) == n else [uniq_steps[k] for k in step_index], finite
     _check_all(kern, params, grads, states, device)
     check_states("triton", kern.program, params, states)
     # each read as its values (resolved: no negative bit), contiguous (as they are, in the
