@@ -103,3 +103,43 @@ def test_a_loop_computes_its_values_and_reads_earlier_reductions():
     # the phase computing the norms computes them, and reads no earlier one
     phase = plan.element_plan(found.earlier, computed=found.earlier)
     assert phase.earlier == () and phase.lines
+
+
+AXIS_SPECS = [
+    "optimizer o() {\n r = row_mean(g * g)\n s = r * 2 + 1\n n = norm(g / s)\n"
+    " p = p - 0.01 * g / s / (n + 1)\n}",
+    "optimizer o() {\n state v: rows = zeros\n c = col_sum(g)\n m = row_max(abs(g))\n"
+    " v = 0.9 * v + m\n q = sum(g * c)\n p = p - 0.001 * g * c / (v + 1) / (q * q + 1)\n}",
+]
+
+
+@pytest.mark.parametrize("text", AXIS_SPECS + ["adafactor"])
+def test_the_c_and_triton_kernels_run_the_stages_of_one_plan(text):
+    """A program over a matrix view has one plan of stages (``plan.axis_plan``): Triton
+    launches a kernel per domain of each stage (``triton.Source.plan``), and the C kernels
+    run each stage as loops, in order, each stage's axis reductions before its per-tensor
+    ones; the values the writes read come after the last stage."""
+    import re
+
+    from vega.codegen import triton
+    from vega.codegen.base import linearize
+    spec = vega.builtin(text) if text == "adafactor" else vega.compile(text)
+    shape = (256, 300)  # (Adafactor factors a matrix of sides from 128 on)
+    program = spec.program(shape=shape)
+    assert program.uses_axes
+    found = plan.axis_plan(program)
+    assert found.nstages >= 1 and triton.axis_plan is plan.axis_plan
+    src = spec.source(backend="c", shape=shape)
+    assert [int(k) for k in re.findall(r"/\* stage (\d+) \*/", src)] == \
+        list(range(1, found.nstages + 1))
+    name = linearize(program).ref
+    for k in range(found.nstages):
+        part = src.split(f"/* stage {k + 1} */")[1].split("/* stage")[0]
+        gathers, reds = found.stage(k)
+        at = [part.index(f"{{  /* m_{name(n)} = {n.op.value}(") for n in gathers]
+        assert at == sorted(at)
+        assert all(part.index(f"v_{name(n)} = {n.op.value}(") > max(at, default=-1)
+                   for n in reds)
+    for k in range(found.nstages):  # a reduction's value is known from the next stage on
+        for n in sum(found.stage(k), []):
+            assert found.level[id(n)] == k + 1 and found.level[id(n.src[0])] <= k

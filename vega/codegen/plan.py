@@ -8,6 +8,10 @@ it and differ only in how they spell it.
   a program over a matrix view carries after its hyperparameters, in order
   (``vega.codegen.base.axis_geometry``, then ``vega.codegen.c.staged.line_lengths``); the
   C kernels name them as they are, Triton's table columns in capitals (``column_name``).
+- **The stages of a program over a matrix view** (``axis_plan``): which reductions, per
+  tensor and along an axis, each stage computes, the stage at which each value is known,
+  and the launches of Triton's staged path (``Launch``); the C kernels run the same stages
+  as loops in one function (``vega.codegen.c.staged``).
 - **How an index of one domain reads a value of a smaller one** (``DROP``,
   ``drop_path``), and **how an axis reduction walks its source** (``AXIS``, ``PUT``):
   ``drop(i, inner, n) = (i / (inner * n)) * inner + i % inner`` takes out an axis of length
@@ -18,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vega.dsl.ir import DOMAINS, REDUCTIONS, Kind, Node, Op, walk
+from vega.codegen.base import state_var
+from vega.dsl.ir import AXIS_REDUCTIONS, DOMAINS, REDUCTIONS, Kind, Node, Op, Program, walk
 
 DOMS = DOMAINS  # per element, per row, per column, per matrix: axis_geometry's counts' order
 TAG = {"rc": "rc", "r": "r", "c": "c", "": "m"}  # a domain in identifiers
@@ -125,7 +130,7 @@ def per_step_states(program) -> dict[int, Node] | None:
     and the states' old values are (by id), which a backend may compute once a step, before
     the loops over the elements. None where a new value reads anything else (a reduction
     over the elements, as NovoGrad's norm of g), or there is no such state."""
-    from vega.dsl.ir import AXIS_REDUCTIONS, SCALAR_STATE
+    from vega.dsl.ir import SCALAR_STATE
     names = {s.name for s in program.states if s.dom == SCALAR_STATE}
     if not names:
         return None
@@ -143,3 +148,74 @@ def per_step_states(program) -> dict[int, Node] | None:
             if node.kind == Kind.TENSOR:
                 out[id(node)] = node
     return out
+
+
+@dataclass(frozen=True, eq=False)
+class Launch:
+    """One step of a program over a matrix view, over the values of domain ``dom``: in
+    Triton's staged path one kernel launch (``fn``), in the C kernels one loop or more."""
+
+    kind: str  # "stage" | "finish" (a stage's per-tensor reductions) | "write"
+    stage: int
+    dom: str
+    gathers: tuple[Node, ...] = ()  # axis reductions into dom, stored as temporaries
+    reductions: tuple[Node, ...] = ()  # per-tensor reductions of values of dom
+    targets: tuple[str, ...] = ()  # write: p and the states of dom
+
+    @property
+    def fn(self) -> str:
+        return f"write_{TAG[self.dom]}" if self.kind == "write" else \
+            f"{self.kind}{self.stage}_{TAG[self.dom]}"
+
+    @property
+    def wide(self) -> bool:
+        """Whether its programs loop over a reduced axis (smaller blocks, KBLOCK)."""
+        return bool(self.gathers)
+
+
+@dataclass(frozen=True, eq=False)
+class AxisPlan:
+    """The stages of a program over a matrix view (``axis_plan``)."""
+
+    launches: tuple[Launch, ...]
+    temps: tuple[Node, ...]  # the axis reductions' results, in the order of their T_ columns
+    level: dict[int, int]  # by node id: the stage from which its value is known
+    nstages: int  # stages that end in reductions
+
+    def stage(self, k: int) -> tuple[list[Node], list[Node]]:
+        """Stage ``k``'s axis reductions and per-tensor reductions, in launch order."""
+        found = [launch for launch in self.launches if launch.kind == "stage"
+                 and launch.stage == k]
+        return ([n for launch in found for n in launch.gathers],
+                [n for launch in found for n in launch.reductions])
+
+
+def axis_plan(program: Program) -> AxisPlan:
+    """The stages of a program that uses the matrix view, and their launches in order: a
+    reduction (per tensor, or along an axis) sits at the stage of its argument, and its
+    value is known from the next one; after the last stage, the writes, per element first
+    (they read the old rows and columns), then per row, then per column."""
+    level: dict[int, int] = {}
+    stages: list[dict[str, tuple[list, list]]] = []
+    for node in walk(node for _, node in program.updates):
+        lv = max((level[id(s)] for s in node.src), default=0)
+        if node.op in REDUCTIONS or node.op in AXIS_REDUCTIONS:
+            while len(stages) <= lv:
+                stages.append({})
+            axis = node.op in AXIS_REDUCTIONS
+            gathers, reds = stages[lv].setdefault(node.dom if axis else node.src[0].dom, ([], []))
+            (gathers if axis else reds).append(node)
+            lv += 1
+        level[id(node)] = lv
+    launches = []
+    for k, doms in enumerate(stages):
+        found = [(d, *doms[d]) for d in DOMS if d in doms]
+        launches += [Launch("stage", k, d, tuple(g), tuple(r)) for d, g, r in found]
+        launches += [Launch("finish", k, d, tuple(g), tuple(r)) for d, g, r in found if r]
+    var_doms = {"p": "rc", **{state_var(s.name): s.dom for s in program.states}}
+    for dom in ("rc", "r", "c"):  # the elements first: they read the old rows and columns
+        targets = tuple(x for x, d in var_doms.items() if d == dom)
+        if targets:
+            launches.append(Launch("write", len(stages), dom, targets=targets))
+    temps = tuple(n for launch in launches if launch.kind == "stage" for n in launch.gathers)
+    return AxisPlan(tuple(launches), temps, level, len(stages))

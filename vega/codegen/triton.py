@@ -57,7 +57,6 @@ import hashlib
 import importlib.util
 import itertools
 import math
-from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
 
@@ -328,60 +327,7 @@ DROP = {doms: tuple(map(plan.column_name, how)) for doms, how in plan.DROP.items
 PUT = {doms: tuple(map(plan.column_name, how)) for doms, how in plan.PUT.items()}
 
 
-@dataclass(frozen=True, eq=False)
-class Launch:
-    """One kernel launch of the staged path, over the values of domain ``dom``."""
-
-    kind: str  # "stage" | "finish" (a stage's per-tensor reductions) | "write"
-    stage: int
-    dom: str
-    gathers: tuple[Node, ...] = ()  # axis reductions into dom, stored as temporaries
-    reductions: tuple[Node, ...] = ()  # per-tensor reductions of values of dom
-    targets: tuple[str, ...] = ()  # write: p and the states of dom
-
-    @property
-    def fn(self) -> str:
-        return f"write_{TAG[self.dom]}" if self.kind == "write" else \
-            f"{self.kind}{self.stage}_{TAG[self.dom]}"
-
-    @property
-    def wide(self) -> bool:
-        """Whether its programs loop over a reduced axis (smaller blocks, KBLOCK)."""
-        return bool(self.gathers)
-
-
-@dataclass(frozen=True, eq=False)
-class Plan:
-    launches: tuple[Launch, ...]
-    temps: tuple[Node, ...]  # the axis reductions' results, in the order of their T_ columns
-
-
-def axis_plan(program: Program) -> Plan:
-    """The launches of a program that uses the matrix view, in order."""
-    level: dict[int, int] = {}
-    stages: list[dict[str, tuple[list, list]]] = []
-    for node in walk(node for _, node in program.updates):
-        lv = max((level[id(s)] for s in node.src), default=0)
-        if node.op in REDUCTIONS or node.op in AXIS_REDUCTIONS:
-            while len(stages) <= lv:
-                stages.append({})
-            axis = node.op in AXIS_REDUCTIONS
-            gathers, reds = stages[lv].setdefault(node.dom if axis else node.src[0].dom, ([], []))
-            (gathers if axis else reds).append(node)
-            lv += 1
-        level[id(node)] = lv
-    launches = []
-    for k, doms in enumerate(stages):
-        found = [(d, *doms[d]) for d in DOMS if d in doms]
-        launches += [Launch("stage", k, d, tuple(g), tuple(r)) for d, g, r in found]
-        launches += [Launch("finish", k, d, tuple(g), tuple(r)) for d, g, r in found if r]
-    var_doms = {"p": "rc", **{state_var(s.name): s.dom for s in program.states}}
-    for dom in ("rc", "r", "c"):  # the elements first: they read the old rows and columns
-        targets = tuple(x for x, d in var_doms.items() if d == dom)
-        if targets:
-            launches.append(Launch("write", len(stages), dom, targets=targets))
-    temps = tuple(n for launch in launches if launch.kind == "stage" for n in launch.gathers)
-    return Plan(tuple(launches), temps)
+Launch, Plan, axis_plan = plan.Launch, plan.AxisPlan, plan.axis_plan
 
 
 class _Ctx:

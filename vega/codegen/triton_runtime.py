@@ -654,7 +654,7 @@ def _geometry(kern, shapes) -> list[list[int]]:
 
 def _staged(kern, mod, table, shapes, dtypes, pre, scal, device) -> None:
     """The launches of a program that uses the matrix view, for one dtype group (see
-    ``vega.codegen.triton.axis_plan``): each over the values of one domain of every tensor."""
+    ``vega.codegen.plan.axis_plan``): each over the values of one domain of every tensor."""
     launches, temps = kern.plan
     name, has_pre = kern.prefix, pre is not None
     geos = [axis_geometry(shape) for shape in shapes]

@@ -89,7 +89,9 @@ class AxesSource(Source):
       partials of CHUNK positions combined in order;
     - everything else is computed where it is used, in a loop over its own domain.
 
-    A stage runs once what it reads is done. Every output is computed from the old
+    The stages are ``vega.codegen.plan.axis_plan``'s, Triton's launches: each computes
+    the values it materializes first, then its axis reductions, then its per-tensor ones.
+    Every output is computed from the old
     values: a last pass writes them, by a loop per element (p, state like p), then per
     row, then per column; a position there reads its own old values, materialized ones,
     and state of a smaller domain, which only a later loop writes.
@@ -117,16 +119,8 @@ class AxesSource(Source):
             if node.kind == Kind.ELEMENT and node.op not in LEAVES \
                     and node.dom != self.doms[target]:
                 self.mat[id(node)] = node
-        # the stage computing each materialized value and reduction; ``ready``: the stage
-        # after which a value can be read
-        self.stage: dict[int, int] = {}
-        self.ready: dict[int, int] = {}
-        for node in self.nodes:
-            level = max((self.ready[id(s)] for s in node.src), default=0)
-            if id(node) in self.mat or node.op in REDUCTIONS:
-                level += 1
-                self.stage[id(node)] = level
-            self.ready[id(node)] = level
+        # the stages (Triton's launches are the same: ``vega.codegen.plan.axis_plan``)
+        self.axes = plan.axis_plan(program)
 
     def _buf(self, node: Node) -> str:
         return "m_" + self.lin.ref(node)
@@ -331,30 +325,38 @@ class AxesSource(Source):
             n = f"n_{_TAG[m.dom]}"
             body.append(f"CT *{self._buf(m)} = (CT *)malloc(sizeof(CT) * (size_t)({n} > 0 ? "
                         f"{n} : 1));  /* {DOMAIN_WORDS[m.dom]} */")
-        for level in range(1, max(self.stage.values(), default=0) + 1):
-            here = [n for n in self.nodes if self.stage.get(id(n)) == level]
-            reds = [n for n in here if n.op in REDUCTIONS]
-            body.append(f"/* stage {level} */")
+        level = self.axes.level
+        for k in range(self.axes.nstages + 1):
+            # a stage: the values it materializes (a matrix's first: a row's or a column's
+            # may read one; a value reads others of its domain at its own position), then its
+            # axis reductions, then its per-tensor ones, which may read those values; after
+            # the last stage, only the values the writes read materialized
+            gathers, reds = self.axes.stage(k) if k < self.axes.nstages else ([], [])
+            here = [n for n in self.nodes if id(n) in self.mat and level[id(n)] == k
+                    and n.op not in AXIS_REDUCTIONS]
+            if not (gathers or reds or here):
+                continue
+            body.append(f"/* stage {k + 1} */" if k < self.axes.nstages
+                        else "/* the values the writes read */")
             body += [f"CT {self._var(n)};" for n in reds]
-            for n in here:
-                if n.op in AXIS_REDUCTIONS:
-                    body += self._gather(n)
-            for dom in DOMAINS:
-                ns = [n for n in here if n.dom == dom and n.op not in AXIS_REDUCTIONS
-                      and n.op not in REDUCTIONS]
+            for dom in ("", "r", "c", "rc"):
+                ns = [n for n in here if n.dom == dom]
                 if ns:
                     body += self._over(dom, ns, [f"{self._buf(n)}[j] = (CT){self._var(n)};"
                                                  for n in ns],
                                        f"{', '.join(map(self._buf, ns))}: "
                                        f"{DOMAIN_WORDS[dom]}, kept", compute={id(n) for n in ns})
+            for n in gathers:
+                body += self._gather(n)
+            for dom in DOMAINS:
                 rs = [n for n in reds if n.src[0].dom == dom]
                 if rs:
                     body += self._over(dom, [n.src[0] for n in rs], [], ", ".join(
                         f"{self._var(n)} = {n.op.value}({r.operand(lin, n.src[0])})"
                         for n in rs) + f": over {DOMAIN_WORDS[dom]}", reduce=rs)
             for n in self.nodes:  # per-tensor values, now known
-                if n.kind == Kind.TENSOR and n.op not in REDUCTIONS \
-                        and self.ready[id(n)] == level:
+                if n.kind == Kind.TENSOR and n.op not in REDUCTIONS and level[id(n)] == k + 1 \
+                        and k < self.axes.nstages:
                     ctype = "int" if n.dtype == "bool" else "CT"
                     body.append(f"const {ctype} {self._var(n)} = {r.expr(lin, n, 'element')};")
         body.append("/* the writes, from the old values */")
