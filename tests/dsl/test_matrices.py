@@ -198,13 +198,19 @@ def test_bfloat16_products_step_side_by_side_only_for_tensors_with_values_in_mem
     assert kern._batches([ones, ones, ones], [ones] * 3, []) == [[0, 1, 2]]
     assert kern._batches([meta, meta], [meta] * 2, []) == [[0], [1]]
     assert kern._batches(empty, empty, []) == [[0], [1]]
-    gen = torch.Generator().manual_seed(3)
-    ps = [torch.randn(2, 3, generator=gen) for _ in range(3)]
-    gs = [torch.randn(2, 3, generator=gen) for _ in range(3)]
-    got, _ = spec.step(ps, gs, spec.init(ps))
-    for p, g, n in zip(ps, gs, got):
+    for p, g, n in zip(*_stepped(spec, (2, 3), 3, 3)):
         x = g.to(torch.bfloat16)
         torch.testing.assert_close(n, p + (x + x @ x.T @ x).float(), rtol=1e-2, atol=1e-2)
+
+
+def _stepped(spec, shape, count: int, seed: int):
+    """Random parameters and gradients of ``shape``, and the parameters ``spec`` steps
+    them to from its initial state."""
+    gen = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(shape, generator=gen) for _ in range(count)]
+    gs = [torch.randn(shape, generator=gen) for _ in range(count)]
+    got, _ = spec.step(ps, gs, spec.init(ps))
+    return ps, gs, got
 
 
 def test_arithmetic_of_a_matrix_program_writes_over_its_dead_temporaries():
@@ -305,11 +311,7 @@ def test_a_value_a_product_reads_is_not_written_over():
     spec = vega.compile("optimizer o() {\n x = bfloat16(2 * g)\n A = x @ transpose(x)\n"
                         " z = x + 1\n p = p + widen(A @ z)\n}")
     assert "_into(" in spec.source(shape=(3, 4))
-    gen = torch.Generator().manual_seed(4)
-    ps = [torch.randn(3, 4, generator=gen) for _ in range(3)]
-    gs = [torch.randn(3, 4, generator=gen) for _ in range(3)]
-    got, _ = spec.step(ps, gs, spec.init(ps))
-    for p, g, n in zip(ps, gs, got):
+    for p, g, n in zip(*_stepped(spec, (3, 4), 3, 4)):
         x = (2 * g).to(torch.bfloat16)
         want = p + (x @ x.T @ (x + 1)).float()
         torch.testing.assert_close(n, want, rtol=0, atol=0)
@@ -323,11 +325,7 @@ def test_a_conversion_written_over_is_a_tensor_of_its_own():
                         " z = y * 2\n p = p + widen(z) + widen(x @ transpose(x)) @ g + widen(x)\n}")
     text = spec.source(shape=(3, 4))
     assert "_into(" in text and "_bf16(v_x, p, True)" in text
-    gen = torch.Generator().manual_seed(5)
-    ps = [torch.randn(3, 4, generator=gen) for _ in range(2)]
-    gs = [torch.randn(3, 4, generator=gen) for _ in range(2)]
-    got, _ = spec.step(ps, gs, spec.init(ps))
-    for p, g, n in zip(ps, gs, got):
+    for p, g, n in zip(*_stepped(spec, (3, 4), 2, 5)):
         x = g.to(torch.bfloat16)
         want = p + (x * 2).float() + (x @ x.T).float() @ g + x.float()
         torch.testing.assert_close(n, want, rtol=0, atol=0)
