@@ -217,8 +217,9 @@ def test_arithmetic_of_a_matrix_program_writes_over_its_dead_temporaries():
     """In a program with matrix products, ``+ - * /`` of a temporary that dies there writes
     its value over it (``reference._into``): Muon's steps, batched (bfloat16) and one tensor
     at a time (float64), give bitwise the values the same functions give with every such
-    operation making a new tensor, parameters and momentum; and on these plain tensors each
-    such operation did write over."""
+    operation making a new tensor, parameters and momentum; and most such operations did
+    write over (not where a tall matrix's transposed product meets the row-major
+    parameter: the result keeps the layout a new tensor would take)."""
     from vega import codegen
     from vega.codegen import reference
     spec = vega.compile_file("specs/muon.vega")
@@ -261,7 +262,7 @@ def test_arithmetic_of_a_matrix_program_writes_over_its_dead_temporaries():
             torch.utils._pytree.tree_leaves(st_b)
         assert len(flat_a) == len(flat_b) > len(shapes)
         assert all(torch.equal(a, b) for a, b in zip(flat_a, flat_b))
-        assert overs and all(overs)
+        assert sum(overs) > len(overs) / 2
 
 
 def test_writing_over_a_temporary_falls_back_to_a_new_tensor_where_it_does_not_fit():
@@ -329,3 +330,23 @@ def test_a_conversion_written_over_is_a_tensor_of_its_own():
         x = g.to(torch.bfloat16)
         want = p + (x * 2).float() + (x @ x.T).float() @ g + x.float()
         torch.testing.assert_close(n, want, rtol=0, atol=0)
+
+
+def test_a_value_written_over_keeps_the_layout_a_new_tensor_would_take(monkeypatch):
+    """A sum over a value written over a temporary adds in the order of a new tensor's
+    layout: on a tall matrix a product's result is laid out transposed, and ``h + k``
+    written over ``k`` (row-major) would sum in another order. Bitwise the step with
+    every operation making a new tensor."""
+    from vega import codegen
+    from vega.codegen import reference
+    spec = vega.compile("optimizer o() {\n y = (g @ transpose(g)) @ g\n h = y * 2\n"
+                        " k = g * 3\n z = h + k\n s = sum(z)\n p = p + s + h\n}")
+    assert "_into(v_k, '+', v_h, v_k)" in spec.source(shape=(256, 64))
+    gen = torch.Generator().manual_seed(0)
+    p, g = (torch.randn(256, 64, generator=gen) for _ in range(2))
+    got, _ = spec.step([p], [g], spec.init([p]))
+    kern = codegen.kernel("reference", spec.program(shape=(256, 64)))
+    monkeypatch.setitem(kern._update.__globals__, "_into",
+                        lambda dead, how, a, b: reference._INTO[how][0](a, b))
+    want, _ = spec.step([p], [g], spec.init([p]))
+    assert torch.equal(got[0], want[0])

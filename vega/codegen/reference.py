@@ -282,9 +282,10 @@ _INTO = {"+": (operator.add, torch.add), "-": (operator.sub, torch.sub),
 def _into(dead, how: str, a, b):
     """``a <how> b`` (``+ - * /``), written over ``dead``, a temporary of the update that
     nothing reads again (``_element_body``), where it fits: plain tensors (a number as an
-    operand of ``+`` or ``*``, or as ``b``) of the result's shape, dtype and device, no
-    gradient recorded, dynamo not tracing. Else a new tensor, as ``a <how> b`` makes. Both
-    run the same kernel: the same values."""
+    operand of ``+`` or ``*``, or as ``b``) of the result's shape, dtype and device, each
+    tensor operand 0-d or laid out as ``dead``, no gradient recorded, dynamo not tracing.
+    Else a new tensor, as ``a <how> b`` makes. Both run the same kernel and give a result
+    of the same layout: the same values, and the same sums over them later."""
     op, fn = _INTO[how]
     if how in "+*" and type(a) in (float, int):  # (the same values either way round)
         a, b = b, a
@@ -299,6 +300,13 @@ def _into(dead, how: str, a, b):
         return op(a, b)
     if a.device != dead.device or dead.dtype != torch.result_type(a, b):
         return op(a, b)
+    # the layout a new tensor would take: each operand of the result's shape laid out as
+    # ``dead`` (a 0-d one aside), or a later sum or product would add in another order
+    stride = dead.stride()
+    for x in (a, b):
+        if isinstance(x, torch.Tensor) and x.dim() and (x.shape != dead.shape
+                                                        or x.stride() != stride):
+            return op(a, b)
     return fn(a, b, out=dead)
 
 
