@@ -434,12 +434,12 @@ class Source:
         out = [f"            static _Thread_local double MK_[{len(key)}], MV_[{len(lines)}];",
                "            static _Thread_local int MS_ = 0;",
                f"            const double KEY_[{len(key)}] = {{{', '.join(key)}}};"]
-        out += [f"            {'int' if ln.node.dtype == 'bool' else 'double'} d_{ln.var};"
-                for ln in lines]
+        types = ["int" if ln.node.dtype == "bool" else "double" for ln in lines]
+        out += [f"            {t} d_{ln.var};" for t, ln in zip(types, lines)]
         out.append("            if (MS_ && memcmp(MK_, KEY_, sizeof KEY_) == 0) {  "
                    "/* the last tensor's step and hyperparameters */")
-        out += [f"                d_{ln.var} = ({'int' if ln.node.dtype == 'bool' else 'double'})"
-                f"MV_[{k}];" for k, ln in enumerate(lines)]
+        out += [f"                d_{ln.var} = ({t})MV_[{k}];"
+                for k, (t, ln) in enumerate(zip(types, lines))]
         out.append("            } else {")
         out += [f"                d_{ln.var} = "
                 f"{r.expr(lin, ln.node, 'scalar').replace('(CT)', '(double)')};" for ln in lines]

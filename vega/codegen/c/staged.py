@@ -331,7 +331,7 @@ class AxesSource(Source):
             # may read one; a value reads others of its domain at its own position), then its
             # axis reductions, then its per-tensor ones, which may read those values; after
             # the last stage, only the values the writes read materialized
-            gathers, reds = self.axes.stage(k) if k < self.axes.nstages else ([], [])
+            gathers, reds = self.axes.stage(k)  # (none after the last stage)
             here = [n for n in self.nodes if id(n) in self.mat and level[id(n)] == k
                     and n.op not in AXIS_REDUCTIONS]
             if not (gathers or reds or here):
@@ -355,8 +355,7 @@ class AxesSource(Source):
                         f"{self._var(n)} = {n.op.value}({r.operand(lin, n.src[0])})"
                         for n in rs) + f": over {DOMAIN_WORDS[dom]}", reduce=rs)
             for n in self.nodes:  # per-tensor values, now known
-                if n.kind == Kind.TENSOR and n.op not in REDUCTIONS and level[id(n)] == k + 1 \
-                        and k < self.axes.nstages:
+                if n.kind == Kind.TENSOR and n.op not in REDUCTIONS and level[id(n)] == k + 1:
                     ctype = "int" if n.dtype == "bool" else "CT"
                     body.append(f"const {ctype} {self._var(n)} = {r.expr(lin, n, 'element')};")
         body.append("/* the writes, from the old values */")
