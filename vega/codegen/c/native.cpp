@@ -16,6 +16,7 @@
 // contiguous copies where that is all that was wrong.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>  // at::empty (not every release includes it with Tensor.h)
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
