@@ -201,10 +201,7 @@ def test_bfloat16_rounds_to_nearest_even():
     assert out[:2].tolist() == [1.0, 1.015625]
 
 
-def test_mixed_dtypes_and_every_op():
-    """A user spec with every operation and reduction, over float32, bfloat16 and float64
-    parameters in one step (one dtype group each)."""
-    spec = vega.compile("""
+EVERY_OP = """
     optimizer odd(lr = 0.1, k = 1.5, c = 2.0) {
         state m = zeros
         state s = 1
@@ -214,7 +211,13 @@ def test_mixed_dtypes_and_every_op():
         s = rsqrt(s + log(1 + g * g)) + mean(p) - sum(g) / 100 + max(g) + clamp(g, -1, 1)
         q = lr * c ^ t + max(m)
         p = p - lr * (m + s * 0.01 + q) / (norm(g) + 1) + norm(m * 0.001)
-    }""")
+    }"""
+
+
+def test_mixed_dtypes_and_every_op():
+    """A user spec with every operation and reduction, over float32, bfloat16 and float64
+    parameters in one step (one dtype group each)."""
+    spec = vega.compile(EVERY_OP)
     base = make_params()
     params = {"f32": base["matrix"], "empty": base["empty"], "scalar": base["scalar"],
               "bf16": base["vector"].to(torch.bfloat16), "f64": base["one"].double()}

@@ -171,6 +171,33 @@ def test_clip_coefficient_max_keeps_nan(compiled):
     assert f.max_nan >= 1 and f.max_dropping_nan == 0, f
 
 
+def test_user_specs_beyond_the_shipped_ones_compile(tmp_path):
+    """The kernels of the user specs of the Triton tests compile for sm_90a too: a per-tensor
+    state set to a reduction, and every operation and reduction over float32, bfloat16 and
+    float64 parameters, plain and with clip+skip. The interpreter does not type Triton's
+    branches and the GPU's compiler does: there, a name bound before ``if finite:`` keeps its
+    type inside it (a per-tensor value stored as a block is an expression, not a rebinding)."""
+    from .test_c import REDUCED_STATE
+    from .test_triton import EVERY_OP
+
+    launches = []
+    for text in (REDUCED_STATE, EVERY_OP):
+        spec = vega.compile(text)
+        params = {"f32": torch.randn(30, 40, device=DEVICE), "one": torch.randn(1, device=DEVICE),
+                  "bf16": torch.randn(1000, device=DEVICE).to(torch.bfloat16),
+                  "f64": torch.randn(7, device=DEVICE, dtype=torch.float64)}
+        grads = {k: torch.randn_like(p) for k, p in params.items()}
+        for more in ({}, dict(max_grad_norm=1.0, skip_nonfinite=True)):
+            state = spec.init(params)
+            launches += triton_ptx.record(lambda: spec.step(params, grads, state,
+                                                            backend="triton", **more))
+    kinds = {x.kernel.rsplit("_", 1)[-1] for x in launches}
+    assert {"update", "phase0", "finish0", "scalars"} <= kinds, kinds
+    figures = triton_ptx.compile_launches(launches)  # (raises where one does not compile)
+    assert len(figures) == len(triton_ptx.distinct(launches))
+    assert all(f.registers > 0 for f in figures), figures
+
+
 # -- the host's alignment check, and the unaligned path (under the interpreter) --------------
 
 def _aligned_flags(params):

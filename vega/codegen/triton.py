@@ -918,8 +918,9 @@ class Source:
                 continue
             if node.op is Op.CONST:
                 value = f"tl.full([BLOCK], {value}, {self.ct})"
-            elif node.kind < Kind.ELEMENT:  # one value per tensor: as a block
-                finite.append(f"    {value} = {value} + tl.zeros([BLOCK], dtype={self.ct})")
+            elif node.kind < Kind.ELEMENT:  # one value per tensor: as a block (an expression:
+                # a name bound before the branch keeps its type in it, on a GPU)
+                value = f"(tl.zeros([BLOCK], dtype={self.ct}) + {value})"
             value = f"to_bf16_sr({value}, key_{x}, {index})" if x in self._rounded() \
                 else self._as_stored(value, x)
             finite.append(f"    tl.store({self.out_ptr[x]} + offsets, {value}, mask=mask)")
