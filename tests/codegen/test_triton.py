@@ -326,6 +326,26 @@ def test_optimizer_class_launches_do_not_grow(monkeypatch):
     assert counts[3] == counts[300] == ["vega_sgd_scalars", "vega_sgd_update"]
 
 
+def test_a_traced_step_never_asks_whether_a_cuda_graph_is_being_captured(monkeypatch):
+    """dynamo cannot trace ``torch.cuda.is_current_stream_capturing`` (a graph break: on a
+    GPU, ``fullgraph=True`` failed in ``make_pre``). Under torch.compile the prelude's record
+    and the settings tensors are made by the graph, and the question is never asked."""
+    from vega.codegen import record
+
+    def refuse():
+        raise AssertionError("is_current_stream_capturing asked under torch.compile")
+    real = torch.tensor
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", refuse)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(record, "_new_pre", lambda device, *rest: ("new", device))
+    monkeypatch.setattr(torch, "tensor", lambda values, dtype, device: real(
+        values, dtype=dtype, device="meta"))  # (no CUDA here: what it makes, on meta)
+    cuda = torch.device("cuda")
+    assert record.make_pre(cuda, None, 1.0, True) == ("new", cuda)
+    made = triton_runtime.settings(cuda, 1.0, True)
+    assert made.device.type == "meta" and made.shape == (3,)
+
+
 def test_compiles_once_as_the_rate_changes():
     """The kernel as torch custom ops: a step with the rate from a schedule on the step
     tensor traces in one graph, is not recompiled as the rate changes, and matches eager."""

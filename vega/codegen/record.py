@@ -115,8 +115,10 @@ def make_pre(device, inv_scale=None, max_norm=None, check=False) -> torch.Tensor
     Without a loss scale, one copy of a record made once (one launch on a GPU, not four)."""
     device = torch.device(device)
     key = (device, max_norm, check)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if inv_scale is None and not torch.compiler.is_compiling() and not capturing:
+    # (asked only outside torch.compile: dynamo cannot trace the capture query, and a traced
+    # step makes its record afresh anyway)
+    if (inv_scale is None and not torch.compiler.is_compiling()
+            and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
         if key not in _BLANK:
             _BLANK[key] = _new_pre(device, None, max_norm, check)
         return _BLANK[key].clone()

@@ -279,6 +279,16 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _constants(kept: "Kept", key: tuple, values, device: torch.device) -> torch.Tensor:
+    """float64 ``values`` on ``device``, made once per ``key`` in ``kept``; under
+    torch.compile a tensor the graph makes (dynamo traces neither the capture query nor the
+    pinned copy; the compiled graph holds its constants itself)."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.float64, device=device)
+    return kept.get(key, lambda: _device(torch.tensor(values, dtype=torch.float64), device),
+                    _capturing(device))
+
+
 def _device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` (a small table) on ``device``, copied from pinned memory without blocking.
 
@@ -389,8 +399,8 @@ def settings(device: torch.device, max_norm, check: bool) -> torch.Tensor:
     none, and ``check``), made once per value: a step reads them, copies nothing."""
     device = torch.device(device)
     norm = float(max_norm) if max_norm is not None else 0.0
-    return _SETTINGS.get((device, norm, bool(check)), lambda: _device(torch.tensor(
-        [1.0, norm, 1.0 if check else 0.0], dtype=torch.float64), device), _capturing(device))
+    return _constants(_SETTINGS, (device, norm, bool(check)), [1.0, norm, float(bool(check))],
+                      device)
 
 
 def _prelude_impl(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor,
@@ -777,8 +787,7 @@ def _scale_args(adjust, device) -> tuple[list, torch.Tensor | None]:
         return [], None
     key = (device, float(adjust.growth_interval), float(adjust.growth_factor),
            float(adjust.backoff_factor))
-    return list(adjust.tensors()), _SCALE_CONFIGS.get(key, lambda: _device(torch.tensor(
-        key[1:], dtype=torch.float64), device), _capturing(device))
+    return list(adjust.tensors()), _constants(_SCALE_CONFIGS, key, list(key[1:]), device)
 
 
 def _table_builder():
