@@ -442,3 +442,23 @@ def test_program_refuses_a_shape_no_tensor_has():
         with pytest.raises(ValueError, match=rf"^adafactor\.program: shape=.* {message}"):
             vega.adafactor.program(shape)
     assert vega.adafactor.program(torch.Size([3, 4])) is vega.adafactor.program([3, 4])
+
+
+@pytest.mark.parametrize("where", ["grads", "mu", "nu"])
+def test_a_tensor_on_another_device_is_named_before_anything_is_written(where):
+    """The quick check of a step (every parameter, gradient and state leaf on the first
+    parameter's device, ``vega.runtime.spec._all_on``) lets no leaf on another device
+    through: the leaf and both devices are named, and nothing is written."""
+    params = {"a": torch.ones(3), "b": torch.ones(2, 2)}
+    grads = {k: torch.full_like(v, 0.5) for k, v in params.items()}
+    state = vega.adamw_init(params)
+    if where == "grads":
+        grads["b"] = torch.empty(2, 2, device="meta")
+    else:
+        state[where]["b"] = torch.empty(2, 2, device="meta")
+    before = copy.deepcopy((params, state))
+    with pytest.raises(ValueError, match=r"leaf '(mu\.|nu\.)?b'.* on meta.*on cpu"):
+        vega.adamw_step(params, grads, state, donate=True, backend="c")
+    assert all(torch.equal(x, y) for x, y in zip(
+        [*params.values(), state["mu"]["a"], state["nu"]["a"], state["step"]],
+        [*before[0].values(), before[1]["mu"]["a"], before[1]["nu"]["a"], before[1]["step"]]))

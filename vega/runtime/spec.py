@@ -201,7 +201,8 @@ class CompiledSpec:
             for s in program.states:
                 leaves = [columns[s.name][i] for i in idx]
                 if s.dom != "rc" or not all(isinstance(x, torch.Tensor) for x in leaves) \
-                        or [x.shape for x in leaves] != shapes or not _all_cpu(leaves):
+                        or [x.shape for x in leaves] != shapes \
+                        or not _all_on(leaves, ps[0].device):
                     return False
             return True
         idx = stepped(owner, params, p_leaves, g_leaves, check_state, states_ok)
@@ -387,7 +388,9 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None)
         ps, gs = [p_leaves[i] for i in idx], [g_leaves[i] for i in idx]
         shapes = [p.shape for p in ps]
         if all(isinstance(g, torch.Tensor) for g in gs) and [g.shape for g in gs] == shapes \
-                and _all_cpu(ps) and _all_cpu(gs) and not any(g.is_sparse for g in gs) \
+                and _all_on(ps, ps[0].device if ps else None) \
+                and _all_on(gs, ps[0].device if ps else None) \
+                and not any(g.is_sparse for g in gs) \
                 and [p.is_complex() for p in ps] == [g.is_complex() for g in gs] \
                 and states_ok(idx, ps, shapes):
             return idx
@@ -476,8 +479,15 @@ def _check_leaves(owner, what, tree, leaves):
             raise ValueError(f"{owner}: {what} {label} is a {type(leaf).__name__}, not a tensor")
 
 
-def _all_cpu(tensors) -> bool:
-    return all(t.is_cpu for t in tensors)
+def _all_on(tensors, device) -> bool:
+    """Whether every tensor is on ``device`` (asked without making a torch.device for each
+    on the CPU and on CUDA: the common cases of a step's quick path)."""
+    if device is None or device.type == "cpu":
+        return all(t.is_cpu for t in tensors)
+    if device.type == "cuda":
+        index = device.index
+        return all(t.is_cuda and t.get_device() == index for t in tensors)
+    return all(t.device == device for t in tensors)
 
 
 def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
