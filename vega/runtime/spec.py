@@ -242,7 +242,6 @@ class CompiledSpec:
                 pre = engine.prelude([(item[0], backend, item[3]) for item in items], inv,
                                      max_grad_norm, check)
                 results = [engine.run(*item, donate, pre) for item in items]
-            finite = finite_of(pre)
             new_step = None
             for (program, ids), (ps, ss, steps, _) in zip(work, results):
                 if new_step is None:
@@ -254,7 +253,7 @@ class CompiledSpec:
                     for n, col in zip(program.state_names, ss):
                         new_cols[n][i] = col[k]
             if new_step is None:
-                new_step = advance_steps([step], finite, donate)[0]
+                new_step = advance_steps([step], finite_of(pre), donate)[0]
             elif donate and new_step is not step:
                 new_step = step.copy_(new_step)
         out_p = list(p_leaves)
@@ -270,7 +269,7 @@ class CompiledSpec:
         new_state = {n: unflatten(out_cols[n], p_spec) for n in names}
         new_state["step"] = new_step
         if loss_scale is not None:
-            return unflatten(out_p, p_spec), new_state, loss_scale.adjust(finite)
+            return unflatten(out_p, p_spec), new_state, loss_scale.adjust(finite_of(pre))
         return unflatten(out_p, p_spec), new_state
 
     @property
