@@ -191,6 +191,17 @@ def vega_rows(params, grads, cpu: bool = False):
     return rows, state
 
 
+def vega_class_row(params, grads):
+    """The ``vega.optim.AdamW`` class step over the same tensors (the parameters shared, a
+    state of its own): (row, the optimizer, to be freed after the row)."""
+    vega = _vega()
+    leaves = [torch.nn.Parameter(p) for p in params]  # (the parameters' own storage)
+    for leaf, g in zip(leaves, grads):
+        leaf.grad = g
+    opt = vega.optim.AdamW(leaves, lr=1e-4, backend="triton")
+    return ("vega triton AdamW class step", 28, opt.step), opt
+
+
 def captured(step):
     """``step`` captured in a CUDA graph, or None with a message."""
     try:
@@ -281,6 +292,16 @@ def run_set(key: str, steps: int, peak: float, copy: float, cpu: bool = False,
     except torch.OutOfMemoryError:
         print("  vega rows skipped: out of memory")
     del state
+    gc.collect()
+    if not cpu:
+        torch.cuda.empty_cache()
+    opt = None
+    try:
+        row, opt = vega_class_row(params, grads)
+        report(*row)
+    except torch.OutOfMemoryError:
+        print("  vega class row skipped: out of memory")
+    del opt
     gc.collect()
     if not cpu:
         torch.cuda.empty_cache()

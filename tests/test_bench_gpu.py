@@ -9,7 +9,7 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
 ROWS = ["vega triton AdamW (float lr)", "vega triton AdamW (tensor lr)",
-        "vega triton AdamW + clip + skip", "torch AdamW (fused)",
+        "vega triton AdamW + clip + skip", "vega triton AdamW class step", "torch AdamW (fused)",
         "torch AdamW (clip_grad_norm_ + fused)", "torch AdamW (foreach)"]
 
 
