@@ -22,10 +22,16 @@ def launches(step) -> list[str]:
         step()
     with triton_ptx.recording() as kernels, profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    ops = [e.name for e in prof.events() if e.name.startswith("aten::")
-           and not any(c.name.startswith("aten::") for c in e.cpu_children)
-           and e.name not in NO_WORK]
+    ops = [e.name for e in prof.events()
+           if _works(e) and not any(_works(c) for c in e.cpu_children)]
     return [k.kernel for k in kernels] + ops
+
+
+def _works(event) -> bool:
+    """A torch operation that computes, itself or through the operations it calls (an
+    operation counts where none it calls computes: ``aten::where`` allocates its output,
+    then computes)."""
+    return event.name.startswith("aten::") and event.name not in NO_WORK
 
 
 def _params():
@@ -72,6 +78,23 @@ def test_a_fused_step_launches_its_kernels_once_for_all_tensors():
                                             donate=True, max_grad_norm=1.0,
                                             skip_nonfinite=True)) == \
         ["vega_adamw_prelude", "vega_adamw_scalars", "vega_adamw_update"]
+
+
+def test_a_tensor_learning_rate_adds_one_operation():
+    """A 0-d tensor learning rate (what a schedule or torch's LR scheduler with a tensor ``lr``
+    gives) reaches the scalars kernel through the step's hyperparameter array: one
+    ``torch.where`` puts it there (a mask made once), after its conversion to float64;
+    before, a copy of the array, a stack and a scatter."""
+    lr = torch.tensor(1e-3, device=DEVICE)
+    opt = vega.optim.AdamW(_params(), lr=lr, backend="triton")
+    assert launches(opt.step) == ["vega_adamw_scalars", "vega_adamw_update", "aten::copy_",
+                                  "aten::where"]
+    params = {str(k): w.detach().clone() for k, w in enumerate(_params())}
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    state = vega.adamw_init(params)
+    assert launches(lambda: vega.adamw_step(params, grads, state, lr=lr, backend="triton",
+                                            donate=True)) == \
+        ["vega_adamw_scalars", "vega_adamw_update", "aten::copy_", "aten::where"]
 
 
 def test_a_loss_scaled_step_is_three_launches():

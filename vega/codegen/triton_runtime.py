@@ -346,13 +346,13 @@ def _hyper_array(device, nhyper, ndicts, tensors, floats, slots) -> torch.Tensor
         return tensors[0].to(device=device, dtype=torch.float64).contiguous()
     values = [floats[-1 - s] if s < 0 else 0.0 for s in slots] or [0.0] * (ndicts * width)
     base = _device(torch.tensor(values, dtype=torch.float64).reshape(ndicts, width), device)
-    where = [k for k, s in enumerate(slots) if s >= 0]
-    if not where:
-        return base
-    index = _device(torch.tensor(where, dtype=torch.int64), device)
-    out = base.clone()
-    out.view(-1)[index] = torch.stack([tensors[slots[k]].detach().to(device, torch.float64)
-                                       .reshape(()) for k in where])
+    # each tensor's value where its slots are (a mask made once per layout): one operation a
+    # tensor (two if it is not float64), where a copy, a stack and a scatter took four
+    out = base
+    for j in dict.fromkeys(s for s in slots if s >= 0):
+        mask = _device(torch.tensor([s == j for s in slots], dtype=torch.bool)
+                       .reshape(ndicts, width), device)
+        out = torch.where(mask, tensors[j].detach().to(device, torch.float64).reshape(()), out)
     return out
 
 
