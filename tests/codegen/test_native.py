@@ -242,3 +242,29 @@ def test_any_complex_native_is_the_python_one(monkeypatch):
                      ([], False)):
         assert _both(monkeypatch, tensors.any_complex, ts) == (want, want)
         monkeypatch.undo()
+
+
+def test_floats_and_like_native_are_the_python_ones(monkeypatch):
+    """A functional step's quick checks (``tensors.floats``, ``tensors.like``): each case
+    where it must say no (a shape, a device, complexness, a layout, a tensor subclass, a
+    missing leaf, a length) and the cases where it says yes, alike in both passes."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    from vega.codegen import tensors
+    refs = [torch.zeros(3), torch.nn.Parameter(torch.zeros(2, 2)), torch.zeros(())]
+    ok = [torch.ones(3), torch.ones(2, 2, dtype=torch.float64), torch.ones(())]
+    for items, want in ((ok, True), (ok[:2] + [torch.ones(1)], False),
+                        (ok[:2] + [torch.ones((), device="meta")], False),
+                        ([torch.ones(3, dtype=torch.complex64)] + ok[1:], False),
+                        ([torch.ones(3).to_sparse()] + ok[1:], False),
+                        ([TwoTensor(torch.ones(3), torch.ones(3))] + ok[1:], False),
+                        ([None] + ok[1:], False), (ok[:2], False)):
+        assert _both(monkeypatch, tensors.like, refs, items) == (want, want), items
+        monkeypatch.undo()
+    assert _both(monkeypatch, tensors.like, [], []) == (True, True)
+    monkeypatch.undo()
+    for items, want in ((refs, True), (refs + [torch.zeros(1, dtype=torch.int32)], False),
+                        (refs + [torch.zeros(1, dtype=torch.complex64)], False),
+                        (refs + [None], False), ([], True),
+                        (refs + [TwoTensor(torch.ones(3), torch.ones(3))], True)):
+        assert _both(monkeypatch, tensors.floats, items) == (want, want), items
+        monkeypatch.undo()

@@ -58,6 +58,34 @@ def any_complex(tensors: list) -> bool:
     return any(t.is_complex() for t in tensors) if found is None else found
 
 
+def floats(tensors: list) -> bool:
+    """Whether every item of ``tensors`` is a floating-point tensor (not complex, not another
+    object), in one pass of the native module where it is loaded and they are plain."""
+    mod = native_passes()
+    found = None if mod is None else mod.floats(tensors, _PLAIN_TUPLE)
+    if found is not None:
+        return found
+    return all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors)
+
+
+def like(refs: list, items: list) -> bool:
+    """Whether ``items[i]`` is, for every i, a plain strided tensor (``PLAIN_TYPES``) of the
+    shape of ``refs[i]`` (tensors), on the device of ``refs[0]``, complex where ``refs[i]``
+    is: a functional step's quick check of its gradients and states (about 20 ns an item in
+    the native module where it is loaded). False says nothing of what differs."""
+    mod = native_passes()
+    if mod is not None:
+        return mod.like(refs, items, _PLAIN_TUPLE)
+    if len(refs) != len(items):
+        return False
+    if not refs:
+        return True
+    device = refs[0].device
+    return all(type(x) in PLAIN_TYPES and x.layout == torch.strided and x.device == device
+               and x.is_complex() == r.is_complex() and x.shape == r.shape
+               for r, x in zip(refs, items))
+
+
 def gather(params, sts, names) -> tuple[list, list[list], int]:
     """What a class step reads of a group, in one pass of the native module where it is
     loaded (``vega.codegen.c.native``: about 90 ns a parameter with three state tensors,

@@ -15,7 +15,7 @@ from vega.dsl import ir
 from vega.codegen import quant
 from vega.codegen.base import state_shape
 from vega.codegen.record import finite_of
-from vega.codegen.tensors import first_with_own_ops, inplace_problem, own_ops_words
+from vega.codegen.tensors import first_with_own_ops, floats, inplace_problem, like, own_ops_words
 from vega.codegen.steps import advance_steps
 from vega.runtime import engine, sharded
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
@@ -174,7 +174,9 @@ class CompiledSpec:
         held = self._spec.held_open(flags, values, self._spec.value_hypers,
                                     present=state.keys()) \
             if isinstance(state, dict) and self._spec.value_hypers else ()
+        every_float = floats(p_leaves)
         progs = engine.programs(owner, self._spec, flags, values,
+                                p_leaves if every_float else
                                 [p if is_steppable(p) else None for p in p_leaves], held,
                                 master=master_weights, seed=seed,
                                 quantized=self._quantized(state, len(p_leaves)))
@@ -198,6 +200,9 @@ class CompiledSpec:
             program = progs[idx[0]] if idx else None
             if program is None or any(progs[i] is not program for i in idx):
                 return False
+            if shapes is None:  # every leaf (``every_float``): in the native module's pass
+                return all(s.dom == "rc" and like(ps, columns[s.name])
+                           for s in program.states)
             for s in program.states:
                 leaves = [columns[s.name][i] for i in idx]
                 if s.dom != "rc" or not all(isinstance(x, torch.Tensor) for x in leaves) \
@@ -205,7 +210,7 @@ class CompiledSpec:
                         or not _all_on(leaves, ps[0].device):
                     return False
             return True
-        idx = stepped(owner, params, p_leaves, g_leaves, check_state, states_ok)
+        idx = stepped(owner, params, p_leaves, g_leaves, check_state, states_ok, every_float)
         # DTensors step their local shards (vega.runtime.sharded); another tensor subclass
         # with operations of its own (TwoTensor): only the reference backend steps it
         spread = sharded.involved([p_leaves[i] for i in idx], reduce_group)
@@ -374,13 +379,21 @@ def flatten_pair(owner: str, params, grads):
     return p_leaves, p_spec, g_leaves
 
 
-def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None) -> list[int]:
+def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None,
+            every_float: bool = False) -> list[int]:
     """The positions of the leaves a step updates: float or complex parameters with a
     gradient. Each gradient is checked, and ``check_state(i, name, p)`` checks its state;
     ``name()`` is the leaf's path, for a message (found only then: it costs more than the
     checks). ``states_ok(positions, params, shapes)``, where given, checks the states of
     all at once, or says False and leaves it to ``check_state``: the gradients are checked
-    at once too, and tensor by tensor only when something is wrong, to say what."""
+    at once too, and tensor by tensor only when something is wrong, to say what.
+    ``every_float``: every parameter is a floating-point tensor (``tensors.floats``), so
+    that where every gradient and state is a tensor like its parameter (``tensors.like``)
+    every leaf steps: ``states_ok(positions, params, None)`` then checks the states so."""
+    if states_ok is not None and every_float and like(p_leaves, g_leaves):
+        every = list(range(len(p_leaves)))
+        if states_ok(every, p_leaves, None):
+            return every
     idx = [i for i, (p, g) in enumerate(zip(p_leaves, g_leaves))
            if g is not None and is_steppable(p)]
     if states_ok is not None:

@@ -849,6 +849,45 @@ py::object any_complex(py::handle items_, py::handle plain_) {
     return py::bool_(found);
 }
 
+// Whether every item is a floating-point tensor (complex ones not); None where an item is
+// not exactly of a type of ``plain`` (the caller asks in Python).
+py::object floats(py::handle items_, py::handle plain_) {
+    const py::tuple items = tuple_of(items_, "floats: tensors");
+    if (!PyTuple_Check(plain_.ptr())) throw py::type_error("floats: plain: a tuple");
+    const Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
+    PyObject **X = &PyTuple_GET_ITEM(items.ptr(), 0);
+    bool all = true;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!of_types(X[i], plain_.ptr())) return py::none();
+        all &= THPVariable_Unpack(X[i]).is_floating_point();
+    }
+    return py::bool_(all);
+}
+
+// Whether ``items[i]`` is, for every i, a strided tensor exactly of a type of ``plain``, of
+// the shape of ``refs[i]``, on the device of ``refs[0]``, and complex where ``refs[i]`` is
+// (the quick check of a functional step's gradients and states: False sends the caller to
+// its checks tensor by tensor, which say what is wrong). ``refs`` are tensors.
+bool like(py::handle refs_, py::handle items_, py::handle plain_) {
+    const py::tuple refs = tuple_of(refs_, "like: refs"), items = tuple_of(items_, "like: items");
+    if (!PyTuple_Check(plain_.ptr())) throw py::type_error("like: plain: a tuple");
+    const Py_ssize_t n = PyTuple_GET_SIZE(refs.ptr());
+    if (PyTuple_GET_SIZE(items.ptr()) != n) return false;
+    PyObject **R = &PyTuple_GET_ITEM(refs.ptr(), 0), **X = &PyTuple_GET_ITEM(items.ptr(), 0);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!THPVariable_Check(R[i])) throw py::type_error("like: refs must be tensors");
+    if (n == 0) return true;
+    const c10::Device device = THPVariable_Unpack(R[0]).device();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!of_types(X[i], plain_.ptr())) return false;
+        const at::Tensor &x = THPVariable_Unpack(X[i]), &r = THPVariable_Unpack(R[i]);
+        if (x.layout() != c10::kStrided || x.device() != device ||
+            x.is_complex() != r.is_complex() || x.sizes() != r.sizes())
+            return false;
+    }
+    return true;
+}
+
 PYBIND11_MODULE(vega_native, m) {
     py::register_exception<MissingLibrary>(m, "MissingLibrary", PyExc_LookupError);
     m.def("add_kernel", [](int64_t id, std::string name, int64_t nstates, int64_t nphases,
@@ -930,6 +969,8 @@ PYBIND11_MODULE(vega_native, m) {
     m.def("distinct", &distinct);
     m.def("same", &same);
     m.def("any_complex", &any_complex);
+    m.def("floats", &floats);
+    m.def("like", &like);
     m.def("triton_grad_rows", &triton_grad_rows);
     m.def("prelude", [](int64_t id, py::handle grads, const at::Tensor &pre) {
         const auto g = tensors_of(grads, "gradient");
