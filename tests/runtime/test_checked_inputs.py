@@ -444,21 +444,27 @@ def test_program_refuses_a_shape_no_tensor_has():
     assert vega.adafactor.program(torch.Size([3, 4])) is vega.adafactor.program([3, 4])
 
 
-@pytest.mark.parametrize("where", ["grads", "mu", "nu"])
-def test_a_tensor_on_another_device_is_named_before_anything_is_written(where):
+@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("where", ["grads", "mu", "nu", "params"])
+def test_a_tensor_on_another_device_is_named_before_anything_is_written(where, backend):
     """The quick check of a step (every parameter, gradient and state leaf on the first
-    parameter's device, ``vega.runtime.spec._all_on``) lets no leaf on another device
-    through: the leaf and both devices are named, and nothing is written."""
+    parameter's device: ``vega.codegen.tensors.like``) lets no leaf on another device
+    through, a parameter's own included: the leaf and both devices are named, and nothing
+    is written."""
     params = {"a": torch.ones(3), "b": torch.ones(2, 2)}
     grads = {k: torch.full_like(v, 0.5) for k, v in params.items()}
     state = vega.adamw_init(params)
     if where == "grads":
         grads["b"] = torch.empty(2, 2, device="meta")
+    elif where == "params":  # (its gradient and state on the first parameter's device)
+        params["b"] = torch.empty(2, 2, device="meta")
     else:
         state[where]["b"] = torch.empty(2, 2, device="meta")
     before = copy.deepcopy((params, state))
-    with pytest.raises(ValueError, match=r"leaf '(mu\.|nu\.)?b'.* on meta.*on cpu"):
-        vega.adamw_step(params, grads, state, donate=True, backend="c")
+    words = r"leaf 'b' is on cpu, the parameter on meta" if where == "params" else \
+        r"leaf '(mu\.|nu\.)?b'.* on meta.*on cpu"
+    with pytest.raises(ValueError, match=words):
+        vega.adamw_step(params, grads, state, donate=True, backend=backend)
     assert all(torch.equal(x, y) for x, y in zip(
-        [*params.values(), state["mu"]["a"], state["nu"]["a"], state["step"]],
-        [*before[0].values(), before[1]["mu"]["a"], before[1]["nu"]["a"], before[1]["step"]]))
+        [params["a"], state["mu"]["a"], state["nu"]["a"], state["step"]],
+        [before[0]["a"], before[1]["mu"]["a"], before[1]["nu"]["a"], before[1]["step"]]))

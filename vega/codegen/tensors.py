@@ -69,10 +69,11 @@ def floats(tensors: list) -> bool:
 
 
 def like(refs: list, items: list) -> bool:
-    """Whether ``items[i]`` is, for every i, a plain strided tensor (``PLAIN_TYPES``) of the
-    shape of ``refs[i]`` (tensors), on the device of ``refs[0]``, complex where ``refs[i]``
-    is: a functional step's quick check of its gradients and states (about 20 ns an item in
-    the native module where it is loaded). False says nothing of what differs."""
+    """Whether every ``refs[i]`` (tensors) is on the device of ``refs[0]`` and ``items[i]``
+    is, for every i, a plain strided tensor (``PLAIN_TYPES``) of the shape of ``refs[i]``,
+    on that device, complex where ``refs[i]`` is: a functional step's quick check of its
+    parameters, gradients and states (about 20 ns an item in the native module where it is
+    loaded). False says nothing of what differs."""
     mod = native_passes()
     if mod is not None:
         return mod.like(refs, items, _PLAIN_TUPLE)
@@ -82,8 +83,8 @@ def like(refs: list, items: list) -> bool:
         return True
     device = refs[0].device
     return all(type(x) in PLAIN_TYPES and x.layout == torch.strided and x.device == device
-               and x.is_complex() == r.is_complex() and x.shape == r.shape
-               for r, x in zip(refs, items))
+               and r.device == device and x.is_complex() == r.is_complex()
+               and x.shape == r.shape for r, x in zip(refs, items))
 
 
 def gather(params, sts, names) -> tuple[list, list[list], int]:

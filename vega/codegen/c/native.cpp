@@ -864,10 +864,11 @@ py::object floats(py::handle items_, py::handle plain_) {
     return py::bool_(all);
 }
 
-// Whether ``items[i]`` is, for every i, a strided tensor exactly of a type of ``plain``, of
-// the shape of ``refs[i]``, on the device of ``refs[0]``, and complex where ``refs[i]`` is
-// (the quick check of a functional step's gradients and states: False sends the caller to
-// its checks tensor by tensor, which say what is wrong). ``refs`` are tensors.
+// Whether every ``refs[i]`` is on the device of ``refs[0]`` and ``items[i]`` is, for every i,
+// a strided tensor exactly of a type of ``plain``, of the shape of ``refs[i]``, on that
+// device, and complex where ``refs[i]`` is (the quick check of a functional step's
+// parameters, gradients and states: False sends the caller to its checks tensor by tensor,
+// which say what is wrong). ``refs`` are tensors.
 bool like(py::handle refs_, py::handle items_, py::handle plain_) {
     const py::tuple refs = tuple_of(refs_, "like: refs"), items = tuple_of(items_, "like: items");
     if (!PyTuple_Check(plain_.ptr())) throw py::type_error("like: plain: a tuple");
@@ -881,7 +882,7 @@ bool like(py::handle refs_, py::handle items_, py::handle plain_) {
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!of_types(X[i], plain_.ptr())) return false;
         const at::Tensor &x = THPVariable_Unpack(X[i]), &r = THPVariable_Unpack(R[i]);
-        if (x.layout() != c10::kStrided || x.device() != device ||
+        if (x.layout() != c10::kStrided || x.device() != device || r.device() != device ||
             x.is_complex() != r.is_complex() || x.sizes() != r.sizes())
             return false;
     }
