@@ -468,3 +468,25 @@ def test_a_tensor_on_another_device_is_named_before_anything_is_written(where, b
     assert all(torch.equal(x, y) for x, y in zip(
         [params["a"], state["mu"]["a"], state["nu"]["a"], state["step"]],
         [before[0]["a"], before[1]["mu"]["a"], before[1]["nu"]["a"], before[1]["step"]]))
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("kind", ["sparse_csr", "sparse_coo", "nested"])
+def test_a_sparse_or_nested_gradient_is_named_before_anything_is_written(kind, backend):
+    """A gradient of any layout but strided (CSR as well as COO), or a nested tensor, is
+    refused with its leaf named, before the other leaves are written (a CSR gradient reached
+    torch's ``is_contiguous`` and the reference stepped the leaves before it)."""
+    import warnings
+    params = {"a": torch.ones(3), "b": torch.ones(2, 2)}
+    grads = {"a": torch.full((3,), 0.5)}
+    with warnings.catch_warnings():  # (torch's beta and prototype notes)
+        warnings.simplefilter("ignore")
+        grads["b"] = {"sparse_csr": lambda: torch.eye(2).to_sparse_csr(),
+                      "sparse_coo": lambda: torch.eye(2).to_sparse(),
+                      "nested": lambda: torch.nested.nested_tensor([torch.ones(2)] * 2)}[kind]()
+    state = vega.adamw_init(params)
+    words = "is a nested tensor" if kind == "nested" else rf"is sparse \(torch.{kind}\)"
+    with pytest.raises(ValueError, match=rf"grads leaf 'b' {words}"):
+        vega.adamw_step(params, grads, state, donate=True, backend=backend)
+    assert torch.equal(params["a"], torch.ones(3)) and int(state["step"]) == 0
+    assert not state["mu"]["a"].any()

@@ -23,16 +23,16 @@ from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, 
 from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
-_IS_SPARSE = operator.attrgetter("is_sparse")
+_LAYOUT = operator.attrgetter("layout")
 _GRAD = operator.attrgetter("grad")
 
 
 def _any_sparse(grads) -> bool:
-    """Whether any gradient is sparse (a map of an attrgetter, fast, where dynamo is not
-    tracing: it cannot trace one)."""
+    """Whether any gradient is sparse, of any layout but strided (COO, CSR, CSC, BSR, BSC:
+    a map of an attrgetter, fast, where dynamo is not tracing: it cannot trace one)."""
     if torch.compiler.is_compiling():
-        return any(g.is_sparse for g in grads)
-    return any(map(_IS_SPARSE, grads))
+        return any(g.layout != torch.strided for g in grads)
+    return any(layout != torch.strided for layout in map(_LAYOUT, grads))
 
 
 class _States(collections.defaultdict):

@@ -399,10 +399,10 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None,
     if states_ok is not None:
         ps, gs = [p_leaves[i] for i in idx], [g_leaves[i] for i in idx]
         shapes = [p.shape for p in ps]
-        if all(isinstance(g, torch.Tensor) for g in gs) and [g.shape for g in gs] == shapes \
+        if all(isinstance(g, torch.Tensor) and g.layout == torch.strided and not g.is_nested
+               for g in gs) and [g.shape for g in gs] == shapes \
                 and _all_on(ps, ps[0].device if ps else None) \
                 and _all_on(gs, ps[0].device if ps else None) \
-                and not any(g.is_sparse for g in gs) \
                 and [p.is_complex() for p in ps] == [g.is_complex() for g in gs] \
                 and states_ok(idx, ps, shapes):
             return idx
@@ -507,20 +507,24 @@ def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check_grad(owner, name, p, g):
-    if isinstance(g, torch.Tensor) and g.shape == p.shape and _same_device(g, p) \
-            and not g.is_sparse and g.is_complex() == p.is_complex():
+    if isinstance(g, torch.Tensor) and g.layout == torch.strided and not g.is_nested \
+            and g.shape == p.shape and _same_device(g, p) and g.is_complex() == p.is_complex():
         return
     label = f"'{name()}'" if name() else "(the single tensor)"
     if not isinstance(g, torch.Tensor):
         raise ValueError(f"{owner}: grads leaf {label} is a {type(g).__name__}, not a tensor")
+    if g.is_nested:
+        raise ValueError(f"{owner}: grads leaf {label} is a nested tensor; vega steps dense "
+                         f"gradients of the parameter's shape")
+    if g.layout != torch.strided:
+        raise ValueError(f"{owner}: grads leaf {label} is sparse ({g.layout}); vega steps "
+                         f"dense gradients")
     if g.shape != p.shape:
         raise ValueError(f"{owner}: grads leaf {label} has shape {tuple(g.shape)}, but the "
                          f"parameter has shape {tuple(p.shape)}")
     if g.device != p.device:
         raise ValueError(f"{owner}: grads leaf {label} is on {g.device}, the parameter on "
                          f"{p.device}")
-    if g.is_sparse:
-        raise ValueError(f"{owner}: grads leaf {label} is sparse; vega steps dense gradients")
     raise ValueError(f"{owner}: grads leaf {label} has dtype {g.dtype}, the parameter "
                      f"{p.dtype}")
 
