@@ -567,10 +567,14 @@ Plain plain_on(PyObject *x, const c10::Device &device, bool codes, bool written,
 // whether float32 only. Refused (ValueError) where any check fails or any two written tensors
 // share memory.
 py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::handle states_,
-                     py::handle steps_, const std::vector<int64_t> &step_index, int64_t hyp_at,
-                     int64_t hyp_width, const std::vector<int64_t> &hyper_index,
+                     py::handle steps_, py::handle step_index_, int64_t hyp_at,
+                     int64_t hyp_width, py::handle hyper_index_,
                      const std::vector<int64_t> &doms, const std::vector<bool> &codes,
                      const std::vector<bool> &scales, const c10::Device &device) {
+    // (the per-tensor index lists read by ``ints_of``: pybind11's conversion took ~30 ns an
+    // item)
+    const std::vector<int64_t> step_index = ints_of(step_index_, "step index"),
+                               hyper_index = ints_of(hyper_index_, "hyperparameter index");
     py::object params = py::reinterpret_steal<py::object>(PySequence_Fast(params_.ptr(), "")),
                grads = py::reinterpret_steal<py::object>(PySequence_Fast(grads_.ptr(), "")),
                states = py::reinterpret_steal<py::object>(PySequence_Fast(states_.ptr(), "")),
@@ -660,9 +664,15 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
         std::memcpy(table.data_ptr(), f.rows.data(), f.rows.size() * sizeof(int64_t));
         py::tuple numels(rows);
         py::list index(rows);
-        for (int64_t r = 0; r < rows; r++) {
-            numels[r] = py::int_(f.numels[r]);
-            index[r] = py::int_(f.index[r]);
+        for (int64_t r = 0; r < rows; r++) {  // (stolen references, as the C API makes them)
+            PyObject *a = PyLong_FromLongLong(f.numels[r]), *b = PyLong_FromLongLong(f.index[r]);
+            if (a == nullptr || b == nullptr) {
+                Py_XDECREF(a);
+                Py_XDECREF(b);
+                throw py::error_already_set();
+            }
+            PyTuple_SET_ITEM(numels.ptr(), r, a);
+            PyList_SET_ITEM(index.ptr(), r, b);
         }
         out.append(py::make_tuple(f.key, index, table, f.any_address % 16 == 0, numels));
     }
@@ -702,7 +712,11 @@ py::list triton_grad_rows(py::handle grads_, const c10::Device &device) {
         at::Tensor table = at::empty({count, 2}, at::TensorOptions().dtype(at::kLong));
         std::memcpy(table.data_ptr(), grp.second.data(), grp.second.size() * sizeof(int64_t));
         py::tuple numels(count);
-        for (int64_t r = 0; r < count; r++) numels[r] = py::int_(grp.second[2 * r]);
+        for (int64_t r = 0; r < count; r++) {
+            PyObject *k = PyLong_FromLongLong(grp.second[2 * r]);
+            if (k == nullptr) throw py::error_already_set();
+            PyTuple_SET_ITEM(numels.ptr(), r, k);  // (a stolen reference)
+        }
         out.append(py::make_tuple(dtype_name(grp.first), table, numels));
     }
     return out;
