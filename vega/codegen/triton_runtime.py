@@ -836,7 +836,8 @@ def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pr
                               for key, idx, rows, aligned, numels in groups],
                        params, uniq_steps, uniq_steps, finite, pre, hyp, scale_state,
                        scale_config, device, counters)
-    increment_version(params)  # (what an in-place torch operation does)
+    # (the parameters' version counters: bumped by triton_rows, as an in-place torch operation
+    # bumps them)
     return finite
 
 

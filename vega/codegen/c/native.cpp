@@ -19,6 +19,7 @@
 #include <ATen/ops/empty.h>  // at::empty (not every release includes it with Tensor.h)
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
@@ -565,7 +566,7 @@ Plain plain_on(PyObject *x, const c10::Device &device, bool codes, bool written,
 // state; ``doms``: each state's domain (0 the parameter's shape, 4 one number, 5 one a block
 // of 256: 8-bit scales); ``codes``: whether each holds 8-bit codes (uint8), ``scales``:
 // whether float32 only. Refused (ValueError) where any check fails or any two written tensors
-// share memory.
+// share memory; else the parameters' version counters are bumped.
 py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::handle states_,
                      py::handle steps_, py::handle step_index_, int64_t hyp_at,
                      int64_t hyp_width, py::handle hyper_index_,
@@ -657,6 +658,12 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
         grp->numels.push_back(p.numel());
     }
     if (any_shared(id, spans)) throw Refused("two tensors a step writes share memory");
+    // the parameters' version counters, as an in-place torch operation bumps them (autograd
+    // then refuses a graph that saved one of them): the step is taken from here on
+    for (size_t i = 0; i < n; i++) {  // (an inference tensor keeps no version)
+        const at::Tensor &p = THPVariable_Unpack(P[i]);
+        if (!p.is_inference()) torch::autograd::impl::bump_version(p);
+    }
     py::list out;
     for (Found &f : groups) {
         const int64_t rows = static_cast<int64_t>(f.index.size());
