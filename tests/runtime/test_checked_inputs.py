@@ -490,3 +490,15 @@ def test_a_sparse_or_nested_gradient_is_named_before_anything_is_written(kind, b
         vega.adamw_step(params, grads, state, donate=True, backend=backend)
     assert torch.equal(params["a"], torch.ones(3)) and int(state["step"]) == 0
     assert not state["mu"]["a"].any()
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_a_fused_step_over_gradients_on_two_devices_names_them(backend):
+    """Clipping sums over every gradient at once: gradients on two devices (each on its
+    parameter's) are refused with both devices named (``tensors.on_one_device``)."""
+    params = {"a": torch.ones(3), "b": torch.ones(2, device="meta")}
+    grads = {"a": torch.ones(3), "b": torch.ones(2, device="meta")}
+    with pytest.raises(ValueError, match=r"needs all gradients on one device, got "
+                                         r"\['cpu', 'meta'\]"):
+        vega.adamw_step(params, grads, vega.adamw_init(params), max_grad_norm=1.0,
+                        backend=backend)

@@ -88,6 +88,15 @@ def like(refs: list, items: list) -> bool:
                and x.shape == r.shape for r, x in zip(refs, items))
 
 
+def on_one_device(tensors: list) -> bool:
+    """Whether every tensor of ``tensors`` is on the first one's device (in one native pass
+    where it is loaded and they are plain strided tensors)."""
+    mod = native_passes()
+    if mod is not None and mod.like(tensors, tensors, _PLAIN_TUPLE):
+        return True
+    return not tensors or all(t.device == tensors[0].device for t in tensors)
+
+
 def gather(params, sts, names) -> tuple[list, list[list], int]:
     """What a class step reads of a group, in one pass of the native module where it is
     loaded (``vega.codegen.c.native``: about 90 ns a parameter with three state tensors,

@@ -18,7 +18,7 @@ from vega.codegen import precision, quant
 from vega.codegen.precision import MASTER
 from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
-from vega.codegen.tensors import any_complex, first_with_own_ops
+from vega.codegen.tensors import any_complex, first_with_own_ops, on_one_device
 from vega.schedule import Schedule
 from vega.dsl.ir import HyperParam, Program
 from vega.tracing import untraced
@@ -429,11 +429,12 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False,
                 f"gradient as plain tensors, but one is a {type(grads[k]).__name__}, a tensor "
                 f"subclass with operations of its own (whose norm is its own); step without "
                 f"them, clipping with torch.nn.utils.clip_grad_norm_")
-    devices = {g.device for _, _, grads in parts for g in grads}
-    if len(devices) > 1:
+    every = parts[0][2] if len(parts) == 1 else [g for _, _, grads in parts for g in grads]
+    if not on_one_device(every):
+        devices = {g.device for g in every}
         raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "
                          f"device, got {sorted(map(str, devices))}")
-    device = devices.pop() if devices else torch.device("cpu")
+    device = every[0].device if every else torch.device("cpu")
     kerns = [codegen.kernel(backend, program) for program, backend, _ in parts]
     init = None
     if kerns and all(getattr(k, "writes_record", False) for k in kerns):
@@ -446,7 +447,7 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False,
             inv_scale = inverse_scale(loss_scale)
         pre = record(device, inv_scale, max_norm, check)
     for kern, (_, _, grads) in zip(kerns, parts):
-        if any(g.is_complex() for g in grads):
+        if any_complex(grads):
             grads = [_real(g) for g in grads]
         if init is not None:
             kern.prelude(grads, pre, init)
