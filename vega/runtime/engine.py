@@ -18,7 +18,7 @@ from vega.codegen import precision, quant
 from vega.codegen.precision import MASTER
 from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
-from vega.codegen.tensors import any_complex, first_with_own_ops, on_one_device
+from vega.codegen.tensors import any_complex, first_with_own_ops, on_one_device, same
 from vega.schedule import Schedule
 from vega.dsl.ir import HyperParam, Program
 from vega.tracing import untraced
@@ -292,6 +292,9 @@ def groups(progs) -> list[tuple[Program, list[int]]]:
 
     Programs are told apart by identity (``is``): under ``torch.compile`` hashing one
     would make dynamo hash its whole expression DAG, field by field."""
+    if progs and progs[0] is not None and not torch.compiler.is_compiling() \
+            and same(progs, [progs[0]] * len(progs)):  # one program for all (one native pass)
+        return [(progs[0], list(range(len(progs))))]
     found: list[tuple[Program, list[int]]] = []
     for i, prog in enumerate(progs):
         if prog is None:

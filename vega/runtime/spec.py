@@ -15,7 +15,8 @@ from vega.dsl import ir
 from vega.codegen import quant
 from vega.codegen.base import state_shape
 from vega.codegen.record import finite_of
-from vega.codegen.tensors import first_with_own_ops, floats, inplace_problem, like, own_ops_words
+from vega.codegen.tensors import (first_with_own_ops, floats, inplace_problem, like,
+                                  own_ops_words, same)
 from vega.codegen.steps import advance_steps
 from vega.runtime import engine, sharded
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
@@ -198,11 +199,11 @@ class CompiledSpec:
                 _check_state_leaf(owner, lambda s=s: _label(s.name, name), p, leaf, s.dom)
         def states_ok(idx, ps, shapes) -> bool:  # all at once, the common case
             program = progs[idx[0]] if idx else None
+            if shapes is None:  # every leaf (``every_float``): in the native module's passes
+                return program is not None and same(progs, [program] * len(progs)) and all(
+                    s.dom == "rc" and like(ps, columns[s.name]) for s in program.states)
             if program is None or any(progs[i] is not program for i in idx):
                 return False
-            if shapes is None:  # every leaf (``every_float``): in the native module's pass
-                return all(s.dom == "rc" and like(ps, columns[s.name])
-                           for s in program.states)
             for s in program.states:
                 leaves = [columns[s.name][i] for i in idx]
                 if s.dom != "rc" or not all(isinstance(x, torch.Tensor) for x in leaves) \
