@@ -263,6 +263,8 @@ def test_floats_and_like_native_are_the_python_ones(monkeypatch):
     nested = torch.nested.nested_tensor([torch.ones(3)])  # (no sizes to compare)
     assert _both(monkeypatch, tensors.like, refs, [nested] + ok[1:]) == (False, False)
     monkeypatch.undo()
+    assert _both(monkeypatch, tensors.like, [nested] + refs[1:], ok) == (False, False)
+    monkeypatch.undo()
     # a parameter (a ref) on another device, its gradient on the first one's
     odd = refs[:2] + [torch.zeros((), device="meta")]
     assert _both(monkeypatch, tensors.like, odd, ok) == (False, False)

@@ -83,7 +83,7 @@ def like(refs: list, items: list) -> bool:
         return True
     device = refs[0].device
     return all(type(x) in PLAIN_TYPES and x.layout == torch.strided and not x.is_nested
-               and x.device == device
+               and not r.is_nested and x.device == device
                and r.device == device and x.is_complex() == r.is_complex()
                and x.shape == r.shape for r, x in zip(refs, items))
 
