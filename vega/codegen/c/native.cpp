@@ -855,34 +855,34 @@ bool same(py::handle a_, py::handle b_) {
     return true;
 }
 
-// Whether some tensor of a sequence is complex; None where an item is not exactly of a type
-// of ``plain`` (the caller asks in Python).
-py::object any_complex(py::handle items_, py::handle plain_) {
-    const py::tuple items = tuple_of(items_, "any_complex: tensors");
-    if (!PyTuple_Check(plain_.ptr())) throw py::type_error("any_complex: plain: a tuple");
+// Whether ``pred`` holds for some (``any``) or for every tensor of a sequence; None where an
+// item is not exactly of a type of ``plain`` (the caller asks in Python).
+template <typename Pred>
+py::object over_plain(py::handle items_, py::handle plain_, const std::string &what, bool any,
+                      Pred pred) {
+    const py::tuple items = tuple_of(items_, (what + ": tensors").c_str());
+    if (!PyTuple_Check(plain_.ptr())) throw py::type_error(what + ": plain: a tuple");
     const Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
     PyObject **X = &PyTuple_GET_ITEM(items.ptr(), 0);
-    bool found = false;
+    bool found = !any;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!of_types(X[i], plain_.ptr())) return py::none();
-        found |= THPVariable_Unpack(X[i]).is_complex();
+        const bool holds = pred(THPVariable_Unpack(X[i]));
+        found = any ? found || holds : found && holds;
     }
     return py::bool_(found);
 }
 
-// Whether every item is a floating-point tensor (complex ones not); None where an item is
-// not exactly of a type of ``plain`` (the caller asks in Python).
+// Whether some tensor of a sequence is complex (None: see ``over_plain``).
+py::object any_complex(py::handle items_, py::handle plain_) {
+    return over_plain(items_, plain_, "any_complex", true,
+                      [](const at::Tensor &t) { return t.is_complex(); });
+}
+
+// Whether every item is a floating-point tensor, complex ones not (None: see ``over_plain``).
 py::object floats(py::handle items_, py::handle plain_) {
-    const py::tuple items = tuple_of(items_, "floats: tensors");
-    if (!PyTuple_Check(plain_.ptr())) throw py::type_error("floats: plain: a tuple");
-    const Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
-    PyObject **X = &PyTuple_GET_ITEM(items.ptr(), 0);
-    bool all = true;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!of_types(X[i], plain_.ptr())) return py::none();
-        all &= THPVariable_Unpack(X[i]).is_floating_point();
-    }
-    return py::bool_(all);
+    return over_plain(items_, plain_, "floats", false,
+                      [](const at::Tensor &t) { return t.is_floating_point(); });
 }
 
 // Whether every ``refs[i]`` is on the device of ``refs[0]`` and ``items[i]`` is, for every i,
