@@ -292,6 +292,7 @@ def groups(progs) -> list[tuple[Program, list[int]]]:
 
     Programs are told apart by identity (``is``): under ``torch.compile`` hashing one
     would make dynamo hash its whole expression DAG, field by field."""
+    progs = progs if isinstance(progs, list) else list(progs)
     if progs and progs[0] is not None and not torch.compiler.is_compiling() \
             and same(progs, [progs[0]] * len(progs)):  # one program for all (one native pass)
         return [(progs[0], list(range(len(progs))))]
