@@ -16,7 +16,7 @@ from vega.codegen import quant
 from vega.codegen.base import state_shape
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (first_with_own_ops, floats, inplace_problem, like,
-                                  own_ops_words, same)
+                                  on_one_device, own_ops_words, same)
 from vega.codegen.steps import advance_steps
 from vega.runtime import engine, sharded
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
@@ -208,7 +208,7 @@ class CompiledSpec:
                 leaves = [columns[s.name][i] for i in idx]
                 if s.dom != "rc" or not all(isinstance(x, torch.Tensor) for x in leaves) \
                         or [x.shape for x in leaves] != shapes \
-                        or not _all_on(leaves, ps[0].device):
+                        or not on_one_device([ps[0], *leaves]):
                     return False
             return True
         idx = stepped(owner, params, p_leaves, g_leaves, check_state, states_ok, every_float)
@@ -402,8 +402,7 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None,
         shapes = [p.shape for p in ps]
         if all(isinstance(g, torch.Tensor) and g.layout == torch.strided and not g.is_nested
                for g in gs) and [g.shape for g in gs] == shapes \
-                and _all_on(ps, ps[0].device if ps else None) \
-                and _all_on(gs, ps[0].device if ps else None) \
+                and on_one_device(ps + gs) \
                 and [p.is_complex() for p in ps] == [g.is_complex() for g in gs] \
                 and states_ok(idx, ps, shapes):
             return idx
@@ -490,17 +489,6 @@ def _check_leaves(owner, what, tree, leaves):
         if leaf is not None and not isinstance(leaf, torch.Tensor):
             label = f"leaf '{name}'" if name else "leaf"
             raise ValueError(f"{owner}: {what} {label} is a {type(leaf).__name__}, not a tensor")
-
-
-def _all_on(tensors, device) -> bool:
-    """Whether every tensor is on ``device`` (asked without making a torch.device for each
-    on the CPU and on CUDA: the common cases of a step's quick path)."""
-    if device is None or device.type == "cpu":
-        return all(t.is_cpu for t in tensors)
-    if device.type == "cuda":
-        index = device.index
-        return all(t.is_cuda and t.get_device() == index for t in tensors)
-    return all(t.device == device for t in tensors)
 
 
 def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -161,6 +161,12 @@ struct Span {
     uintptr_t lo, hi;
 };
 
+// A tensor written in place: its version counter advanced, as an in-place torch operation
+// advances it (an inference tensor keeps none).
+void bump(const at::Tensor &t) {
+    if (!t.is_inference()) torch::autograd::impl::bump_version(t);
+}
+
 // Whether two of the tensors written in place share memory (each contiguous: its span is
 // its memory). The spans of the last call of this thread for this kernel are kept: the same
 // tensors again (a training loop) are not sorted again.
@@ -660,10 +666,7 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
     if (any_shared(id, spans)) throw Refused("two tensors a step writes share memory");
     // the parameters' version counters, as an in-place torch operation bumps them (autograd
     // then refuses a graph that saved one of them): the step is taken from here on
-    for (size_t i = 0; i < n; i++) {  // (an inference tensor keeps no version)
-        const at::Tensor &p = THPVariable_Unpack(P[i]);
-        if (!p.is_inference()) torch::autograd::impl::bump_version(p);
-    }
+    for (size_t i = 0; i < n; i++) bump(THPVariable_Unpack(P[i]));
     py::list out;
     for (Found &f : groups) {
         const int64_t rows = static_cast<int64_t>(f.index.size());
@@ -966,8 +969,7 @@ PYBIND11_MODULE(vega_native, m) {
         step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(), hyper_index,
                   pre, geometry, o.list());
         if (o.ts.empty())
-            for (const at::Tensor *x : p.ts)
-                if (!x->is_inference()) torch::autograd::impl::bump_version(*x);
+            for (const at::Tensor *x : p.ts) bump(*x);
     });
     // whether a step in place may write every one of these tensors: none an inference
     // tensor outside inference mode, each contiguous, no two sharing memory (False where one
