@@ -22,6 +22,7 @@ import torch
 import vega
 from vega.codegen import c as c_backend
 from vega.codegen import quant
+from vega.runtime.tree import flatten
 
 needs_c = pytest.mark.skipif(not c_backend.available(), reason="no C compiler")
 BACKENDS = [pytest.param("c", marks=needs_c), "triton"]  # (Triton: its interpreter)
@@ -230,6 +231,36 @@ def test_backends_match_reference_across_rules(name, hypers, backend):
     assert any(t is not None and t.dtype == U8 for tree in got[1].values()
                if isinstance(tree, dict) for t in tree.values())
     assert_same_8bit(got, ref)
+
+
+@needs_c
+def test_c_codes_from_the_table_or_the_roots_step_alike(monkeypatch):
+    """The C kernels form their codes from a table or from the maps' roots, as
+    ``render.q8_codes`` chooses for the CPU (``VEGA_C_Q8_TABLE`` decides instead): each
+    way, on a spec compiled afresh, five steps give the same parameters, codes and scales
+    bit for bit, and the reference's (``assert_same_8bit``)."""
+    from vega.codegen.c import render
+    runs = {}
+    for forced, how in (("1", "table"), ("0", "code")):
+        monkeypatch.setenv("VEGA_C_Q8_TABLE", forced)
+        assert render.q8_codes() == how
+        spec = vega.compile(vega.adamw.source_text + f"\n# VEGA_C_Q8_TABLE={forced}\n")
+        params = params_of()
+        state = spec.init(params, state_dtype=U8)
+        for k in range(5):
+            params, state = spec.step(params, grads_of(params, k), state, backend="c",
+                                      lr=1e-2, max_grad_norm=0.5)
+        kern = [v for v in spec.program().variants.values() if v.quant][0].kernels["c"]
+        sources = [kern.source(dtypes) for dtypes in kern._libs]
+        assert sources and all(f"c_[q] = q8_{how}_signed(B" in src for src in sources)
+        assert all(("q8_cells_u[" in src) == (how == "table") for src in sources)
+        runs[how] = params, state
+    assert_same_8bit(runs["code"], run_adamw("reference", max_grad_norm=0.5))
+    for tree_a, tree_b in zip(runs["table"], runs["code"]):
+        flat_a, flat_b = flatten(tree_a)[0], flatten(tree_b)[0]
+        assert len(flat_a) == len(flat_b) > 0
+        for a, b in zip(flat_a, flat_b):
+            assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize("name, block, small", [("adamw", 1024, 2048), ("adan", 512, 1024)])
@@ -852,10 +883,12 @@ _CODES_DRIVER = r"""
 #define ROW 1
 #define COL_NUMEL 0
 %s
-void codes_of(const float *x, const float *absmax, int64_t n, int sgn, uint8_t *out) {
+void codes_of(const float *x, const float *absmax, int64_t n, int sgn, int table,
+              uint8_t *out) {
     for (int64_t j = 0; j < n; j++) {
         const float inv = q8_inv(absmax[j / QBLOCK]);
-        out[j] = sgn ? q8_table_signed(x[j], inv) : q8_table_unsigned(x[j], inv);
+        out[j] = table ? (sgn ? q8_table_signed(x[j], inv) : q8_table_unsigned(x[j], inv))
+                       : (sgn ? q8_code_signed(x[j], inv) : q8_code_unsigned(x[j], inv));
     }
 }
 int64_t tables_differ(int sgn, int64_t stride) {  /* floats whose codes the two ways differ */
@@ -932,9 +965,11 @@ def test_512_bit_vectors_are_asked_of_gcc_for_x86_only():
 
 
 @needs_c
+@pytest.mark.parametrize("how", ["table", "code"])
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_c_codes_are_the_maps_codes_bit_for_bit(tmp_path, signed):
-    """The C kernels' code of each value (``quant.C_HELPERS``: from a table) is the map's,
+def test_c_codes_are_the_maps_codes_bit_for_bit(tmp_path, signed, how):
+    """The C kernels' code of each value, either way ``render.q8_codes`` may choose (from
+    the table, ``quant.C_TABLE``, or from the roots, ``quant.C_HELPERS``), is the map's,
     computed with correctly rounded float32 operations, value for value: on and beside every
     rounding boundary, at zeros, NaN, infinities and subnormal scales. (Against
     ``quantize_t`` itself codes may differ by one on a boundary: ``assert_same_8bit``.) The
@@ -951,14 +986,15 @@ def test_c_codes_are_the_maps_codes_bit_for_bit(tmp_path, signed):
     absmax = quant.absmax_t(x)
     want = _codes_correctly_rounded(x, absmax, signed)
     src = tmp_path / "codes.c"
-    src.write_text(_CODES_DRIVER % quant.C_HELPERS)
+    src.write_text(_CODES_DRIVER % (quant.C_HELPERS + quant.C_TABLE))
     lib = tmp_path / "codes.so"
     subprocess.run([build.compiler()[0], *build.FLAGS, str(src), "-o", str(lib), "-lm"],
                    check=True, capture_output=True)
     codes = torch.empty_like(want)
     ctypes.CDLL(str(lib)).codes_of(
         ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(absmax.data_ptr()),
-        ctypes.c_int64(x.numel()), ctypes.c_int(int(signed)), ctypes.c_void_p(codes.data_ptr()))
+        ctypes.c_int64(x.numel()), ctypes.c_int(int(signed)), ctypes.c_int(how == "table"),
+        ctypes.c_void_p(codes.data_ptr()))
     assert torch.equal(codes, want), (codes != want).nonzero()[:10]
     differ = ctypes.CDLL(str(lib)).tables_differ
     differ.restype = ctypes.c_int64

@@ -322,9 +322,23 @@ static inline uint8_t q8_code_unsigned(float x, float inv) {
     return (uint8_t)(int)rintf(r);
 }
 static inline float q8_inv(float s) { return s > 0 ? 1.0f / s : 0.0f; }
-/* The kernels take the same codes from a table: one gather where the roots took one or
-   two square roots, which are slow in SIMD (one Xeon thread, 512-bit vectors: the
-   unsigned map's loop took 0.35-0.47 ns a value against 0.57-0.64 with its roots). A
+/* starts() with each tensor's length rounded up to whole blocks: a thread's share, in
+   whole blocks, never splits one */
+static int64_t *starts_q(int64_t nt, const int64_t *tab) {
+    int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (nt + 1));
+    start[0] = 0;
+    for (int64_t i = 0; i < nt; i++)
+        start[i + 1] = start[i] + (tab[i * ROW + COL_NUMEL] + QBLOCK - 1) / QBLOCK * QBLOCK;
+    return start;
+}
+"""
+
+# The codes from a table (``vega.codegen.c.render.q8_codes``: on CPUs whose gathers are fast)
+C_TABLE = r"""
+/* The same codes from a table, where ``vega.codegen.c.render.q8_codes`` chooses it:
+   one gather where the roots took one or two square roots, which are slow in SIMD on an
+   Intel Xeon (one thread, 512-bit vectors: the unsigned map's loop took 0.35-0.47 ns a
+   value against 0.57-0.64 with its roots; an AMD Zen 4's gathers are slower still). A
    code is a step function of y's magnitude, rising with its float bits. A cell holds the
    magnitudes that share their top 14 bits (the exponent and 6 bits of the fraction: they
    span a factor of at most 1 + 1/64 = 1.0156, less than the factor between two
@@ -383,15 +397,6 @@ static inline uint8_t q8_table_unsigned(float x, float inv) {
     int32_t c;
     Q8_CELL_CODE(q8_cells_u, Q8_LO_U, y, c);
     return (uint8_t)c;
-}
-/* starts() with each tensor's length rounded up to whole blocks: a thread's share, in
-   whole blocks, never splits one */
-static int64_t *starts_q(int64_t nt, const int64_t *tab) {
-    int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (nt + 1));
-    start[0] = 0;
-    for (int64_t i = 0; i < nt; i++)
-        start[i + 1] = start[i] + (tab[i * ROW + COL_NUMEL] + QBLOCK - 1) / QBLOCK * QBLOCK;
-    return start;
 }
 """
 

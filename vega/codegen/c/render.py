@@ -181,6 +181,20 @@ def split_min() -> str:
     return "16384" if forced == "1" else "INT64_MAX"
 
 
+def q8_codes() -> str:
+    """How the 8-bit kernels form their codes, chosen per CPU (the source, and so the cache
+    key, differs with it): ``"table"``, a gather from a table of the boundaries between
+    codes (``quant.C_TABLE``), on an Intel Xeon faster than the roots (the two maps' loops
+    0.70-0.95 ns a value against 0.97-1.18); ``"code"``, the maps' square roots, on AMD Zen,
+    whose gathers are slow (one Zen 4 thread, the two maps' loops in L1: 0.60 ns a value
+    against 0.88 from the table). The codes are the same. ``VEGA_C_Q8_TABLE=1`` (or ``0``)
+    decides instead."""
+    forced = os.environ.get("VEGA_C_Q8_TABLE")
+    if forced not in ("0", "1"):
+        forced = "0" if _zen() else "1"
+    return "table" if forced == "1" else "code"
+
+
 @functools.cache
 def _zen() -> bool:
     """Whether the kernels are built for an AMD Zen CPU: ``-march=native`` means znver*, or
@@ -320,6 +334,8 @@ class Source:
             out.append(precision.C_HELPERS)
         if self.program.quant:
             out.append(quant.C_HELPERS)
+            if q8_codes() == "table":
+                out.append(quant.C_TABLE)
         out += self._entries()
         return "\n".join(out)
 
@@ -682,7 +698,7 @@ class Source:
         for k, ks, _ in qs:
             lines.append(f"                const float A{k}_ = S{ks}_[jb_ / QBLOCK]; "
                          f"float B{k}_[QBLOCK]; int32_t M{k}_ = 0;")
-        maxes = ", ".join(f"M{k}_" for k, _, _ in qs)
+        maxes, codes = ", ".join(f"M{k}_" for k, _, _ in qs), q8_codes()
         lines += [f"                #pragma omp simd reduction(max:{maxes})",
                   "                for (int64_t j = jb_; j < je_; j++) {",
                   *("    " + line for line in body), "                }"]
@@ -696,7 +712,7 @@ class Source:
                       f"                    uint8_t *c_ = SO{k}_ + jb_;",
                       "                    #pragma omp simd",
                       "                    for (int q = 0; q < nb_; q++)",
-                      f"                        c_[q] = q8_table_{how}(B{k}_[q], i_);",
+                      f"                        c_[q] = q8_{codes}_{how}(B{k}_[q], i_);",
                       "                }"]
         return lines + ["            }"]
 
