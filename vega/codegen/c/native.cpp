@@ -494,6 +494,7 @@ Held tensors_of(py::handle seq, const char *what) {
     const Py_ssize_t n = PyTuple_GET_SIZE(out.tuple.ptr());
     out.ts.reserve(static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + 8 < n) __builtin_prefetch(PyTuple_GET_ITEM(out.tuple.ptr(), i + 8));
         PyObject *x = PyTuple_GET_ITEM(out.tuple.ptr(), i);
         if (x == Py_None) out.ts.push_back(&undefined);
         else if (THPVariable_Check(x)) out.ts.push_back(&THPVariable_Unpack(x));
@@ -765,7 +766,12 @@ py::object gather(py::handle params_, py::handle sts_, py::handle names_, py::ha
              **N = &PyTuple_GET_ITEM(names.ptr(), 0);
     int64_t flags = 0;
     py::list grads(n);
+    constexpr Py_ssize_t AHEAD = 8;  // (the objects ahead asked of the cache)
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            __builtin_prefetch(P[i + AHEAD]);
+            __builtin_prefetch(S[i + AHEAD]);
+        }
         if (!of_types(P[i], plain)) return py::none();
         const at::Tensor &g = THPVariable_Unpack(P[i]).grad();
         if (!g.defined()) {
@@ -831,6 +837,7 @@ py::tuple distinct(py::handle items_) {
     py::list uniq, index(n);
     Py_ssize_t count = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + 8 < n) __builtin_prefetch(X[i + 8], 1);  // (its reference count is written)
         size_t h = (reinterpret_cast<uintptr_t>(X[i]) >> 4) * 0x9E3779B97F4A7C15ull;
         size_t slot = (h >> 20) & (size - 1);
         while (keys[slot] != nullptr && keys[slot] != X[i]) slot = (slot + 1) & (size - 1);
