@@ -502,3 +502,30 @@ def test_a_fused_step_over_gradients_on_two_devices_names_them(backend):
                                          r"\['cpu', 'meta'\]"):
         vega.adamw_step(params, grads, vega.adamw_init(params), max_grad_norm=1.0,
                         backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("where, dtype", [("grads", torch.int64), ("grads", torch.bool),
+                                          ("mu", torch.int32), ("nu", torch.bool)])
+def test_an_integer_or_bool_gradient_or_state_is_refused_before_anything_is_written(
+        where, dtype, backend):
+    """A gradient leaf of an integer or bool dtype is refused with a ValueError naming it,
+    a state tensor of one with the state and the dtype named, on every backend, and nothing
+    is written (the reference stepped an int32 ``mu``, which kept its values truncated to
+    integers, and promoted an integer gradient)."""
+    params = {"a": torch.ones(3), "b": torch.ones(2, 2)}
+    grads = {k: torch.full_like(v, 0.5) for k, v in params.items()}
+    state = vega.adamw_init(params)
+    if where == "grads":
+        grads["b"] = torch.ones(2, 2, dtype=dtype)
+    else:
+        state[where]["b"] = torch.zeros(2, 2, dtype=dtype)
+    before = copy.deepcopy((params, state))
+    words = rf"grads leaf 'b' has dtype {dtype}; vega steps floating-point" \
+        if where == "grads" else rf"backend '{backend}'.*state.*{dtype}"
+    with pytest.raises(ValueError, match=words):
+        vega.adamw_step(params, grads, state, donate=True, backend=backend)
+    assert all(torch.equal(x, y) for x, y in zip(
+        [params["a"], params["b"], state["mu"]["a"], state["nu"]["a"], state["step"]],
+        [before[0]["a"], before[0]["b"], before[1]["mu"]["a"], before[1]["nu"]["a"],
+         before[1]["step"]]))

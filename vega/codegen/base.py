@@ -310,6 +310,30 @@ def check_codes(backend: str, program: Program, states) -> None:
             raise codes_without_scales(backend, st.name)
 
 
+def check_dtypes(backend: str, program: Program, params, grads, states) -> None:
+    """Raise ValueError for a parameter, gradient or state tensor whose dtype is not a
+    floating-point (or complex) one, 8-bit codes aside (a state ``program`` keeps in 8
+    bits): a step computes in floats, and its values written into an integer or bool tensor
+    would be truncated without a word. (The compiled kernels refuse such dtypes too.)"""
+    def bad(tensors) -> int | None:
+        dtypes = {x.dtype for x in tensors if x is not None}
+        if all(d.is_floating_point or d.is_complex for d in dtypes):
+            return None
+        return next(i for i, x in enumerate(tensors) if x is not None
+                    and not (x.dtype.is_floating_point or x.dtype.is_complex))
+    for what, tensors in (("parameters", params), ("gradients", grads)):
+        i = bad(tensors)
+        if i is not None:
+            raise ValueError(f"backend '{backend}' does not step {what} of dtype "
+                             f"{tensors[i].dtype}: only floating-point (or complex) ones")
+    for st, col in zip(program.states, states):
+        i = None if st.name in program.quant else bad(col)
+        if i is not None:
+            raise ValueError(f"backend '{backend}': state '{st.name}' has a tensor of dtype "
+                             f"{col[i].dtype}; a step keeps its states in floating-point (or "
+                             f"complex) tensors, or in 8 bits (state_dtype=torch.uint8)")
+
+
 def codes_without_scales(backend: str, name: str) -> ValueError:
     return ValueError(f"backend '{backend}': state '{name}' holds 8-bit codes (torch.uint8) "
                       f"without their scales '{name}_absmax': make the state with "

@@ -26,8 +26,8 @@ import operator
 import torch
 
 from vega.codegen import precision, quant
-from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_codes, check_states,
-                               geometry, hyper_var, leveled, linearize, state_var)
+from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_codes, check_dtypes,
+                               check_states, geometry, hyper_var, leveled, linearize, state_var)
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import Done, advance_steps, memo, run_staged
 from vega.codegen.tensors import PLAIN_TYPES, refuse_inplace
@@ -891,6 +891,7 @@ class Kernel:
         """
         check_states("reference", self.program, params, states)
         check_codes("reference", self.program, states)
+        check_dtypes("reference", self.program, params, grads, states)
         if self.program.spans_group:  # its reductions over the group, between stages
             return run_staged(self, params, grads, states, steps, values, donate, pre)
         finite, gscale = self._begin(params, states, steps, donate, pre)

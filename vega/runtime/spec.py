@@ -391,7 +391,7 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None,
     ``every_float``: every parameter is a floating-point tensor (``tensors.floats``), so
     that where every gradient and state is a tensor like its parameter (``tensors.like``)
     every leaf steps: ``states_ok(positions, params, None)`` then checks the states so."""
-    if states_ok is not None and every_float and like(p_leaves, g_leaves):
+    if states_ok is not None and every_float and like(p_leaves, g_leaves) and floats(g_leaves):
         every = list(range(len(p_leaves)))
         if states_ok(every, p_leaves, None):
             return every
@@ -404,6 +404,7 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None,
                for g in gs) and [g.shape for g in gs] == shapes \
                 and on_one_device(ps + gs) \
                 and [p.is_complex() for p in ps] == [g.is_complex() for g in gs] \
+                and all(g.is_floating_point() or g.is_complex() for g in gs) \
                 and states_ok(idx, ps, shapes):
             return idx
     paths: list[str] = []
@@ -497,7 +498,8 @@ def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _check_grad(owner, name, p, g):
     if isinstance(g, torch.Tensor) and g.layout == torch.strided and not g.is_nested \
-            and g.shape == p.shape and _same_device(g, p) and g.is_complex() == p.is_complex():
+            and g.shape == p.shape and _same_device(g, p) and g.is_complex() == p.is_complex() \
+            and (g.is_floating_point() or g.is_complex()):
         return
     label = f"'{name()}'" if name() else "(the single tensor)"
     if not isinstance(g, torch.Tensor):
@@ -514,6 +516,9 @@ def _check_grad(owner, name, p, g):
     if g.device != p.device:
         raise ValueError(f"{owner}: grads leaf {label} is on {g.device}, the parameter on "
                          f"{p.device}")
+    if not (g.is_floating_point() or g.is_complex()):
+        raise ValueError(f"{owner}: grads leaf {label} has dtype {g.dtype}; vega steps "
+                         f"floating-point (or complex) gradients")
     raise ValueError(f"{owner}: grads leaf {label} has dtype {g.dtype}, the parameter "
                      f"{p.dtype}")
 
