@@ -265,6 +265,10 @@ def test_floats_and_like_native_are_the_python_ones(monkeypatch):
     monkeypatch.undo()
     assert _both(monkeypatch, tensors.like, [nested] + refs[1:], ok) == (False, False)
     monkeypatch.undo()
+    # a sparse parameter (a ref) with a dense gradient of its shape
+    sparse = [torch.zeros(3).to_sparse()] + refs[1:]
+    assert _both(monkeypatch, tensors.like, sparse, ok) == (False, False)
+    monkeypatch.undo()
     # a parameter (a ref) on another device, its gradient on the first one's
     odd = refs[:2] + [torch.zeros((), device="meta")]
     assert _both(monkeypatch, tensors.like, odd, ok) == (False, False)

@@ -529,3 +529,35 @@ def test_an_integer_or_bool_gradient_or_state_is_refused_before_anything_is_writ
         [params["a"], params["b"], state["mu"]["a"], state["nu"]["a"], state["step"]],
         [before[0]["a"], before[0]["b"], before[1]["mu"]["a"], before[1]["nu"]["a"],
          before[1]["step"]]))
+
+
+def _not_dense(kind: str) -> torch.Tensor:
+    import warnings
+    with warnings.catch_warnings():  # (torch's beta and prototype notes)
+        warnings.simplefilter("ignore")
+        return {"sparse_coo": lambda: torch.eye(3).to_sparse(),
+                "sparse_csr": lambda: torch.eye(3).to_sparse_csr(),
+                "nested": lambda: torch.nested.nested_tensor([torch.ones(3)] * 3)}[kind]()
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "nested"])
+def test_a_sparse_or_nested_parameter_is_named_by_init_step_and_the_classes(kind, backend):
+    """A sparse (COO or CSR) or nested parameter is refused with its leaf named: by
+    ``*_init`` (whose states torch cannot make like it: NotImplementedError before), by a
+    step before anything is written (a RuntimeError from torch before), and by a class when
+    it is given the parameter."""
+    words = "is a nested tensor" if kind == "nested" else rf"is sparse \(torch.{kind}\)"
+    with pytest.raises(ValueError, match=rf"^adamw_init: params leaf 'w' {words}; vega steps "
+                                         r"dense \(strided\) parameters"):
+        vega.adamw_init({"a": torch.ones(2), "w": _not_dense(kind)})
+    state = vega.adamw_init({"a": torch.ones(2), "w": torch.ones(3, 3)})
+    params = {"a": torch.ones(2), "w": _not_dense(kind)}
+    with pytest.raises(ValueError, match=rf"^adamw_step: params leaf 'w' {words}"):
+        vega.adamw_step(params, {"a": torch.ones(2), "w": torch.ones(3, 3)}, state,
+                        donate=True, backend=backend)
+    assert torch.equal(params["a"], torch.ones(2)) and int(state["step"]) == 0
+    assert not state["mu"]["a"].any()
+    with pytest.raises(ValueError, match=rf"^AdamW: parameter 1 of group 0 {words}"):
+        vega.optim.AdamW([torch.nn.Parameter(torch.ones(2)),
+                          torch.nn.Parameter(_not_dense(kind))], lr=0.1)

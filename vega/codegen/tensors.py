@@ -58,6 +58,12 @@ def any_complex(tensors: list) -> bool:
     return any(t.is_complex() for t in tensors) if found is None else found
 
 
+def dense_words(t: torch.Tensor) -> str:
+    """What a sparse or nested parameter is, for a message that refuses it."""
+    what = "a nested tensor" if t.is_nested else f"sparse ({t.layout})"
+    return f"{what}; vega steps dense (strided) parameters"
+
+
 def floats(tensors: list) -> bool:
     """Whether every item of ``tensors`` is a floating-point tensor (not complex, not another
     object), in one pass of the native module where it is loaded and they are plain."""
@@ -83,7 +89,7 @@ def like(refs: list, items: list) -> bool:
         return True
     device = refs[0].device
     return all(type(x) in PLAIN_TYPES and x.layout == torch.strided and not x.is_nested
-               and not r.is_nested and x.device == device
+               and r.layout == torch.strided and not r.is_nested and x.device == device
                and r.device == device and x.is_complex() == r.is_complex()
                and x.shape == r.shape for r, x in zip(refs, items))
 

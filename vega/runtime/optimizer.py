@@ -18,8 +18,9 @@ from vega import codegen
 from vega.codegen import quant
 from vega.codegen.base import distinct, state_shape
 from vega.codegen.record import finite_of
-from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, first_with_own_ops,
-                                  gather, inplace_problem, own_ops_words, same)
+from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense_words,
+                                  first_with_own_ops, gather, inplace_problem, own_ops_words,
+                                  same)
 from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -146,11 +147,15 @@ class SpecOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
-        for p in group["params"]:
+        for k, p in enumerate(group["params"]):
             if not p.is_floating_point() and not p.is_complex():
                 self.param_groups.pop()
                 raise ValueError(f"{type(self).__name__} can only optimize float or complex "
                                  f"tensors, got one of dtype {p.dtype}")
+            if p.layout != torch.strided or p.is_nested:
+                self.param_groups.pop()
+                raise ValueError(f"{type(self).__name__}: parameter {k} of group "
+                                 f"{len(self.param_groups)} is {dense_words(p)}")
         self._betas().remember(group)
 
     def _betas(self) -> torch_names.BetaSync:

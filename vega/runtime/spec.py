@@ -15,8 +15,8 @@ from vega.dsl import ir
 from vega.codegen import quant
 from vega.codegen.base import state_shape
 from vega.codegen.record import finite_of
-from vega.codegen.tensors import (first_with_own_ops, floats, inplace_problem, like,
-                                  on_one_device, own_ops_words, same)
+from vega.codegen.tensors import (dense_words, first_with_own_ops, floats, inplace_problem,
+                                  like, on_one_device, own_ops_words, same)
 from vega.codegen.steps import advance_steps
 from vega.runtime import engine, sharded
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
@@ -108,6 +108,7 @@ class CompiledSpec:
         state_dtype = engine.state_dtype_of(self._spec, state_dtype)  # (the spec's too)
         leaves, spec = flatten(params)
         _check_leaves(owner, "params", params, leaves)
+        _check_dense(owner, params, leaves)
         # a state an if on values declares (sgd's v under `if momentum > 0`) is made
         # unless the values given here turn the if off: sgd_init(params) has v
         held = self._spec.held_open(flags, values, self._spec.value_hypers - hypers.keys())
@@ -399,9 +400,10 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None,
            if g is not None and is_steppable(p)]
     if states_ok is not None:
         ps, gs = [p_leaves[i] for i in idx], [g_leaves[i] for i in idx]
-        shapes = [p.shape for p in ps]
-        if all(isinstance(g, torch.Tensor) and g.layout == torch.strided and not g.is_nested
-               for g in gs) and [g.shape for g in gs] == shapes \
+        dense = all(p.layout == torch.strided and not p.is_nested for p in ps)
+        shapes = [p.shape for p in ps] if dense else None  # (a nested one has no shape)
+        if dense and all(isinstance(g, torch.Tensor) and g.layout == torch.strided
+                         and not g.is_nested for g in gs) and [g.shape for g in gs] == shapes \
                 and on_one_device(ps + gs) \
                 and [p.is_complex() for p in ps] == [g.is_complex() for g in gs] \
                 and all(g.is_floating_point() or g.is_complex() for g in gs) \
@@ -419,6 +421,8 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None,
         if g is None or not is_steppable(p):
             continue
         name = partial(name_of, i)
+        if p.layout != torch.strided or p.is_nested:
+            raise ValueError(f"{owner}: params leaf '{name()}' is {dense_words(p)}")
         _check_grad(owner, name, p, g)
         check_state(i, name, p)
         idx.append(i)
@@ -490,6 +494,18 @@ def _check_leaves(owner, what, tree, leaves):
         if leaf is not None and not isinstance(leaf, torch.Tensor):
             label = f"leaf '{name}'" if name else "leaf"
             raise ValueError(f"{owner}: {what} {label} is a {type(leaf).__name__}, not a tensor")
+
+
+def _check_dense(owner, params, leaves) -> None:
+    """Raise ValueError, naming the leaf, for a sparse or nested parameter: its state could
+    not be made like it (torch has no such operations for those layouts), nor stepped."""
+    if all(leaf is None or (leaf.layout == torch.strided and not leaf.is_nested)
+           for leaf in leaves):
+        return
+    for name, leaf in zip(_paths(params, leaves), leaves):
+        if leaf is not None and (leaf.layout != torch.strided or leaf.is_nested):
+            label = f"leaf '{name}'" if name else "leaf"
+            raise ValueError(f"{owner}: params {label} is {dense_words(leaf)}")
 
 
 def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:

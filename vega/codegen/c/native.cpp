@@ -914,7 +914,7 @@ bool like(py::handle refs_, py::handle items_, py::handle plain_) {
         if (!of_types(X[i], plain_.ptr())) return false;
         const at::Tensor &x = THPVariable_Unpack(X[i]), &r = THPVariable_Unpack(R[i]);
         if (x.is_nested() || r.is_nested() || x.layout() != c10::kStrided ||
-            x.device() != device || r.device() != device ||
+            r.layout() != c10::kStrided || x.device() != device || r.device() != device ||
             x.is_complex() != r.is_complex() || x.sizes() != r.sizes())
             return false;
     }
