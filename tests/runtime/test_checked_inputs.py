@@ -561,3 +561,27 @@ def test_a_sparse_or_nested_parameter_is_named_by_init_step_and_the_classes(kind
     with pytest.raises(ValueError, match=rf"^AdamW: parameter 1 of group 0 {words}"):
         vega.optim.AdamW([torch.nn.Parameter(torch.ones(2)),
                           torch.nn.Parameter(_not_dense(kind))], lr=0.1)
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("maximize", "False", r"group 0: maximize='False' must be True or False"),
+    ("backend", "cuda", r"group 0: backend='cuda' is not one of"),
+    ("lr", -1.0, r"group 0: lr=-1.0 is outside its range"),
+    ("momentum", "x", r"group 0: momentum='x' must be a float"),
+])
+def test_load_state_dict_checks_each_group_as_add_param_group_does(key, value, words):
+    """A loaded group's settings get the checks a group given to the optimizer gets (a
+    string ``maximize`` was loaded and, being truthy, turned descent into ascent; an
+    unknown backend was loaded and failed every later step), and a refused load changes
+    nothing."""
+    params = _params()
+    opt = _stepped(vega.optim.SGD(params, lr=0.1, momentum=0.9), params)
+    before = _snapshot(opt)
+    saved = opt.state_dict()
+    saved["param_groups"][0][key] = value
+    with pytest.raises(ValueError, match=rf"^SGD.load_state_dict: {words}"):
+        opt.load_state_dict(saved)
+    after = _snapshot(opt)
+    assert after[3] is before[3] and after[4] is before[4] and after[1] == before[1]
+    for i in before[0]:
+        assert all(torch.equal(before[0][i][k], after[0][i][k]) for k in before[0][i])

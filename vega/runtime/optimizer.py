@@ -134,16 +134,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            if not isinstance(group["maximize"], bool):
-                raise ValueError(f"{owner}: maximize={engine.shown(group['maximize'])} must be "
-                                 "True or False")
-            codegen.check_backend(group.get("backend"))
-            engine.check_state_dtype(type(self).__name__, group.get("state_dtype"),
-                                     self.spec._spec.state_names)
-            _precision(type(self).__name__, group)
-            engine.resolve(type(self).__name__, self.spec.hypers,
-                           {h.name: group[h.name] for h in self.spec.hypers})
-            engine.shape_values(type(self).__name__, self.spec._spec, {}, group)
+            self._check_group(owner, group)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -157,6 +148,22 @@ class SpecOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__}: parameter {k} of group "
                                  f"{len(self.param_groups)} is {dense_words(p)}")
         self._betas().remember(group)
+
+    def _check_group(self, owner: str, group: dict) -> None:
+        """ValueError (or TypeError) where a group's settings are not ones a step can take:
+        ``maximize``, ``backend``, ``state_dtype``, the precision settings and the
+        hyperparameters (a group given to the optimizer, or loaded)."""
+        if not isinstance(group["maximize"], bool):
+            raise ValueError(f"{owner}: maximize={engine.shown(group['maximize'])} must be "
+                             "True or False")
+        try:
+            codegen.check_backend(group.get("backend"))
+        except ValueError as e:
+            raise ValueError(f"{owner}: {e}") from None
+        engine.check_state_dtype(owner, group.get("state_dtype"), self.spec._spec.state_names)
+        _precision(owner, group)
+        engine.resolve(owner, self.spec.hypers, {h.name: group[h.name] for h in self.spec.hypers})
+        engine.shape_values(owner, self.spec._spec, {}, group)
 
     def _betas(self) -> torch_names.BetaSync:
         """Which of ``betas`` and ``b1``, ``b2``, ... each group last had in step (kept off
@@ -675,11 +682,10 @@ class SpecOptimizer(torch.optim.Optimizer):
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [(p, g) for g in self.param_groups for p in g["params"]]
         for k, group in enumerate(self.param_groups):
-            engine.check_state_dtype(f"{type(self).__name__}.load_state_dict",
-                                     group["state_dtype"], self.spec._spec.state_names)
             group.setdefault("maximize", False)  # (a state saved before groups held it)
             for key, default in _PRECISION_DEFAULTS.items():
                 group.setdefault(key, default)
+            self._check_group(f"{type(self).__name__}.load_state_dict: group {k}", group)
             self._betas().sync(f"{type(self).__name__}.load_state_dict", k, group)
         declared = self.spec._spec.state_names
         for pid, (p, group) in zip(ids, params):
