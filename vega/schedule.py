@@ -183,9 +183,14 @@ def _positive(who: str, name: str, value) -> float:
     return x
 
 
+MAX_STEPS = 2**63 - 1  # the largest count of steps a schedule takes: an int64 step's
+
+
 def _length(who: str, name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{who}: {name}={value!r} must be a positive integer")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0 \
+            or value > MAX_STEPS:
+        raise ValueError(f"{who}: {name}={value!r} must be a positive integer of at most "
+                         f"2**63 - 1")
     return int(value)
 
 
@@ -365,9 +370,10 @@ class PiecewiseConstant(Schedule):
             raise ValueError(f"{who}: boundaries={boundaries!r} and values={values!r} must be "
                              "sequences") from None
         for b in bounds:
-            if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 0:
+            if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 0 \
+                    or b > MAX_STEPS:
                 raise ValueError(f"{who}: boundaries={boundaries!r} must be non-negative "
-                                 f"integers, got {b!r}")
+                                 f"integers of at most 2**63 - 1, got {b!r}")
         if any(b2 <= b1 for b1, b2 in zip(bounds, bounds[1:])):
             raise ValueError(f"{who}: boundaries={boundaries!r} must be strictly increasing")
         if len(vals) != len(bounds) + 1:
@@ -426,13 +432,19 @@ class Join(Schedule):
         scheds = [s for _, s in self.segments]
         if isinstance(step, torch.Tensor):
             ops = _Device(step.device)
+            # in int64 (an int32 step beside an offset past 2**31 wrapped); the segments no
+            # step reaches (from an offset past 2**63 - 1) left out; each segment sees its
+            # own step count, 0 before it starts (every one is evaluated, the step's picked)
+            k = step.to(torch.int64)
+            last = max(i for i, off in enumerate(offsets) if off <= MAX_STEPS)
 
             def at(i):
-                return ops.tensor(scheds[i](step - offsets[i])).to(ops.dtype)
+                mine = torch.clamp(k - offsets[i], min=0).to(step.dtype)
+                return ops.tensor(scheds[i](mine)).to(ops.dtype)
 
-            out = at(len(scheds) - 1)
-            for i in reversed(range(len(scheds) - 1)):
-                out = torch.where(step < offsets[i + 1], at(i), out)
+            out = at(last)
+            for i in reversed(range(last)):
+                out = torch.where(k < offsets[i + 1], at(i), out)
             return out.expand(step.shape)
         k = _check_step(step)
         i = max(i for i, off in enumerate(offsets) if off <= k)

@@ -246,6 +246,11 @@ def _cases_bad():
         (lambda: S.join([(2.0, S.constant(1.0))]), "steps of a segment=2.0"),
         (lambda: S.join([(3, "x")]), "'x'"),
         (lambda: S.join([S.constant(1.0)]), "segment constant(value=1.0)"),
+        # past any step counter's reach (an int64's): refused when made, not at a step
+        (lambda: S.cosine_decay(0.1, 2**64), "decay_steps=18446744073709551616"),
+        (lambda: S.linear(0.0, 1.0, 2**63), "steps=9223372036854775808"),
+        (lambda: S.piecewise_constant([2**63], [1.0, 2.0]), "boundaries=[9223372036854775808]"),
+        (lambda: S.join([(2**64, S.constant(1.0))]), "steps of a segment=18446744073709551616"),
     ]
 
 
@@ -322,3 +327,30 @@ def test_a_callable_that_is_not_a_vega_schedule_is_called_per_counter():
     assert len(calls) == 3
     expected = torch.ones(4) * 2 - (1e-2 + 1e-2 / 2)
     torch.testing.assert_close(params[2].detach(), expected, rtol=1e-6, atol=0)
+
+
+def test_join_past_an_int32_step_and_the_steps_its_segments_see():
+    """A join's segments from offsets past 2**31 pick the value of the host's formula for an
+    int32 step tensor too (the comparison wrapped, and took the third segment at step 150),
+    and past 2**63 - 1 are never reached; each segment is called with its own step count,
+    never a negative one (a user's ``sqrt(k)`` failed with a math domain error on the steps
+    before its segment)."""
+    s = schedule.join([(100, 0.1), (2**32, 0.2), (10, 0.3)])
+    for k, dtype in ((150, torch.int32), (2**31 - 1, torch.int32), (2**32 + 99, torch.int64),
+                     (2**32 + 150, torch.int64), (5, torch.int64)):
+        assert s(torch.tensor(k, dtype=dtype)).item() == s(k), k
+    far = schedule.join([(2**62, 0.1), (2**62, 0.2), (2**62, 0.3)])
+    for k in (2**62 + 1, 2**63 - 1):
+        assert far(torch.tensor(k)).item() == far(k) == 0.2
+    seen = []
+
+    def inverse_sqrt(k):
+        seen.append(k)
+        if isinstance(k, torch.Tensor):
+            return 0.1 / torch.sqrt(k + 1.0)
+        return 0.1 / math.sqrt(k + 1)
+    s = schedule.join([(10, 0.01), (100, inverse_sqrt)])
+    assert s(torch.tensor(3, dtype=torch.int32)).item() == s(3) == 0.01
+    assert s(torch.tensor(14, dtype=torch.int32)).item() == pytest.approx(s(14))
+    assert s(14) == 0.1 / math.sqrt(5)
+    assert all(int(k) >= 0 and k.dtype == torch.int32 for k in seen if isinstance(k, torch.Tensor))
