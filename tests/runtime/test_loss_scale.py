@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
+import vega
 from vega.runtime.loss_scale import LossScale, grads_finite
 from vega.runtime.tree import leaf_paths
 
@@ -295,3 +296,28 @@ def test_dynamic_follows_jmp_itself():
         assert ours.loss_scale.item() == float(theirs.loss_scale), k
         assert ours.good_steps.item() == int(theirs.counter), k
     assert ours.skipped_steps.item() == sum(1 for f in finites if not f)
+
+
+@pytest.mark.parametrize("backend", ["reference", "c", "triton"])
+def test_backing_off_never_reaches_zero(backend):
+    """Backing off is floored at the smallest normal float32 where no min_scale is higher
+    (a backoff of 1e-50 from 1.0, or many backoffs from a tiny scale, reached 0.0, after
+    which every step was skipped and the optimizer's own state_dict was refused on
+    load), in LossScale.adjust and in the Triton kernel that adjusts it in place."""
+    tiny = torch.finfo(torch.float32).tiny
+    assert LossScale.dynamic(init=1.0, backoff_factor=1e-50).adjust(False).loss_scale.item() \
+        == tiny
+    ls = LossScale.dynamic(init=2.0**-120)
+    for _ in range(30):
+        ls = ls.adjust(torch.tensor(False))
+    assert ls.loss_scale.item() == tiny and ls.skipped_steps.item() == 30
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = vega.optim.SGD([w], lr=0.1, backend=backend,
+                         loss_scale=LossScale.dynamic(init=1.0, backoff_factor=1e-50))
+    w.grad = torch.full((3,), float("inf"))
+    opt.step()
+    assert opt.loss_scale.loss_scale.item() == tiny and torch.equal(w, torch.zeros(3))
+    opt.load_state_dict(opt.state_dict())
+    w.grad = torch.ones(3)
+    opt.step()
+    assert torch.all(w < 0)

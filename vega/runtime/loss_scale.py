@@ -4,7 +4,7 @@ A :class:`LossScale` is a value: four 0-d tensors, the scale factor
 ``loss_scale`` (float32), ``good_steps`` (int32: the finite steps since the
 scale last changed; -1 for a static scale), ``skipped_steps`` (int32: how many
 steps ``adjust`` saw overflow; a static scale keeps 0) and ``min_scale``
-(float32: the floor of backing off; 0 for none), plus its configuration
+(float32: the floor of backing off; 0 for none but TINY), plus its configuration
 (``growth_interval``, ``growth_factor``, ``backoff_factor``, and whether it is
 dynamic). It is registered as a torch pytree node whose four leaves are those
 tensors and whose context is the configuration, so a compiled training step takes
@@ -20,10 +20,11 @@ runs): on a finite step the counter advances and on reaching ``growth_interval``
 the scale is multiplied by ``growth_factor`` -- unless that overflows float32, when
 the scale is kept -- and the counter restarts; on an overflow the scale is
 multiplied by ``backoff_factor`` and the counter restarts. The products are
-formed in double precision and rounded to float32, as torch's kernels do. There is
-no minimum scale unless ``dynamic(min_scale=...)`` asks for one (jmp's
-``DynamicLossScale`` floors the backed-off scale at ``min_loss_scale``, 1 by
-default). Everything is tensor arithmetic with
+formed in double precision and rounded to float32, as torch's kernels do. The
+backed-off scale is floored at ``dynamic(min_scale=...)`` where given (jmp's
+``DynamicLossScale`` floors it at ``min_loss_scale``, 1 by default), and in any case
+at the smallest normal float32, ``TINY`` (2**-126), where torch's would go on to 0
+and skip every later step. Everything is tensor arithmetic with
 ``torch.where``: no value is read back to the host.
 """
 from __future__ import annotations
@@ -35,6 +36,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 __all__ = ["LossScale", "grads_finite"]
+
+TINY = torch.finfo(torch.float32).tiny  # the floor of backing off where min_scale is lower
 
 
 def _at_dtype(x: torch.Tensor, s: torch.Tensor, op) -> torch.Tensor:
@@ -293,7 +296,9 @@ class LossScale:
         grown = (s.to(wide) * grow).to(torch.float32)
         grown = torch.where(torch.isfinite(grown), grown, s)
         backed = (s.to(wide) * back).to(torch.float32)
-        backed = torch.maximum(backed, self.min_scale)  # min_scale 0: no floor
+        # floored at min_scale, and at least at the smallest normal float32 (TINY): a scale
+        # of 0 would skip every later step, and no state could hold it
+        backed = torch.maximum(backed, torch.clamp(self.min_scale, min=TINY))
         successful = n + 1
         at_interval = successful >= interval
         new_s = torch.where(finite, torch.where(at_interval, grown, s), backed)
