@@ -585,3 +585,20 @@ def test_load_state_dict_checks_each_group_as_add_param_group_does(key, value, w
     assert after[3] is before[3] and after[4] is before[4] and after[1] == before[1]
     for i in before[0]:
         assert all(torch.equal(before[0][i][k], after[0][i][k]) for k in before[0][i])
+
+
+def test_a_parameter_given_twice_in_a_group_is_named_at_both_places():
+    """One parameter twice in a group is refused when the group is given, naming both
+    places (a step refused it later as 'parameter 0 shares memory with parameter 0'; torch
+    only warns), in the constructor and in add_param_group, which then adds nothing."""
+    import warnings
+    w, v = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.ones(2))
+    with warnings.catch_warnings():  # (torch's own warning of duplicate parameters)
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"^AdamW: parameter 2 of group 0 is parameter 0 "
+                                             r"again: give each parameter once"):
+            vega.optim.AdamW([w, v, w], lr=0.1)
+        opt = vega.optim.AdamW([w], lr=0.1)
+        with pytest.raises(ValueError, match=r"parameter 1 of group 1 is parameter 0 again"):
+            opt.add_param_group({"params": [v, v]})
+    assert len(opt.param_groups) == 1

@@ -138,7 +138,14 @@ class SpecOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
+        first: dict[int, int] = {}  # id -> its first position
         for k, p in enumerate(group["params"]):
+            j = first.setdefault(id(p), k)
+            if j != k:  # (torch only warns; a step in place would write it twice)
+                self.param_groups.pop()
+                raise ValueError(f"{type(self).__name__}: parameter {k} of group "
+                                 f"{len(self.param_groups)} is parameter {j} again: give each "
+                                 f"parameter once")
             if not p.is_floating_point() and not p.is_complex():
                 self.param_groups.pop()
                 raise ValueError(f"{type(self).__name__} can only optimize float or complex "
