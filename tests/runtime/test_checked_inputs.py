@@ -602,3 +602,29 @@ def test_a_parameter_given_twice_in_a_group_is_named_at_both_places():
         with pytest.raises(ValueError, match=r"parameter 1 of group 1 is parameter 0 again"):
             opt.add_param_group({"params": [v, v]})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("attr, value, words", [
+    ("max_grad_norm", 0.0, r"max_grad_norm=0.0 must be a positive finite number"),
+    ("max_grad_norm", float("nan"), r"max_grad_norm=nan must be a positive finite number"),
+    ("max_grad_norm", "3", r"max_grad_norm='3' must be a positive finite number"),
+    ("loss_scale", 1024.0, r"loss_scale=1024.0 must be a vega.LossScale"),
+    ("skip_nonfinite", 1, r"skip_nonfinite=1 must be True or False"),
+])
+def test_a_fused_setting_changed_after_construction_is_checked_by_the_step(attr, value, words):
+    """``opt.max_grad_norm``, ``opt.loss_scale`` and ``opt.skip_nonfinite`` set after
+    construction are checked by the next step as the constructor checks them (0.0 or NaN
+    turned clipping off without a word, a float loss scale failed with an AttributeError),
+    before anything is written; set back, the step runs."""
+    params = _params()
+    opt = vega.optim.SGD(params, lr=0.1, max_grad_norm=1.0)
+    setattr(opt, attr, value)
+    for p in params:
+        p.grad = torch.full_like(p, 100.0)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=rf"^SGD: {words}"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    setattr(opt, attr, {"max_grad_norm": 1.0, "loss_scale": None, "skip_nonfinite": False}[attr])
+    opt.step()
+    assert not any(torch.equal(p, b) for p, b in zip(params, before))

@@ -244,6 +244,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_settings()
         found_work = []  # (group, its engine.run calls)
         plain = set()  # the positions of those whose tensors are all plain (``_planned_work``)
         sync = self._betas()
@@ -306,6 +307,20 @@ class SpecOptimizer(torch.optim.Optimizer):
         if self.loss_scale is not None and not adjusted:
             self.loss_scale.adjust_(finite_of(pre))
         return loss
+
+    def _check_settings(self) -> None:
+        """``check_fused`` of the settings as the step finds them (an attribute set after
+        construction, ``opt.max_grad_norm = 0.0``, is checked as the constructor's
+        argument), once for each value: the last ones checked are kept."""
+        now = (self.max_grad_norm, self.skip_nonfinite, self.loss_scale)
+        if torch.compiler.is_compiling():  # (constants to dynamo: nothing kept, no guard)
+            engine.check_fused(type(self).__name__, *now)
+            return
+        last = self.__dict__.get("_vega_checked")
+        if last is not None and all(map(operator.is_, now, last)):
+            return
+        engine.check_fused(type(self).__name__, *now)
+        self.__dict__["_vega_checked"] = now
 
     def _routed(self, group, work: list[tuple]) -> list[tuple]:
         """``work`` (a group's engine.run calls) on the reference backend where a tensor
