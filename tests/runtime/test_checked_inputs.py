@@ -628,3 +628,33 @@ def test_a_fused_setting_changed_after_construction_is_checked_by_the_step(attr,
     setattr(opt, attr, {"max_grad_norm": 1.0, "loss_scale": None, "skip_nonfinite": False}[attr])
     opt.step()
     assert not any(torch.equal(p, b) for p, b in zip(params, before))
+
+
+@pytest.mark.parametrize("extra, error, words", [
+    ({"lr_": 1.0}, TypeError, r"a parameter group has 'lr_', unknown to SGD \(did you mean "
+                              r"'lr'\?\)"),
+    ({"momentun": 0.9}, TypeError, r"a parameter group has 'momentun', unknown to SGD \(did "
+                                   r"you mean 'momentum'"),
+    ({"max_grad_norm": 1.0}, ValueError, r"a parameter group has 'max_grad_norm', a setting "
+                                         r"of the whole optimizer"),
+    ({"skip_nonfinite": True}, ValueError, r"a parameter group has 'skip_nonfinite', a "
+                                           r"setting of the whole"),
+    ({"differentiable": True}, ValueError, r"differentiable=True is not supported"),
+    ({"foreach": "yes"}, ValueError, r"foreach='yes' must be None, True or False"),
+])
+def test_a_group_key_that_would_be_ignored_is_refused(extra, error, words):
+    """A group's misspelled hyperparameter (``lr_``), a setting of the whole optimizer
+    (``max_grad_norm``, which clipped nothing from a group) and torch's keywords are
+    refused as the constructor refuses them, in a group given to the constructor and to
+    add_param_group (which adds nothing); a name of the author's own or a scheduler's key
+    is kept, as torch keeps it."""
+    w, v = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(error, match=rf"^SGD: {words}"):
+        vega.optim.SGD([{"params": [w], **extra}], lr=0.1)
+    opt = vega.optim.SGD([w], lr=0.1, momentum=0.9)
+    with pytest.raises(error, match=rf"^SGD: {words}"):
+        opt.add_param_group({"params": [v], **extra})
+    assert len(opt.param_groups) == 1
+    kept = {"name": "head", "lr_mult": 2.0, "initial_lr": 0.1, "max_momentum": 0.95}
+    opt.add_param_group({"params": [v], **kept})
+    assert all(opt.param_groups[1][k] == x for k, x in kept.items())

@@ -8,6 +8,7 @@ with ``step`` a 0-d int32 tensor on the parameter's device.
 from __future__ import annotations
 
 import collections
+import difflib
 import math
 import operator
 from itertools import repeat
@@ -130,6 +131,7 @@ class SpecOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         owner = type(self).__name__
         if isinstance(param_group, dict):
+            self._check_group_keys(owner, param_group)
             self._betas().fill(owner, param_group, self.defaults)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -155,6 +157,28 @@ class SpecOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__}: parameter {k} of group "
                                  f"{len(self.param_groups)} is {dense_words(p)}")
         self._betas().remember(group)
+
+    def _check_group_keys(self, owner: str, given: dict) -> None:
+        """Refuse a group's key that would be ignored where its author meant a setting: one
+        of the whole optimizer's (``max_grad_norm``: every group's gradients are clipped
+        together), a misspelling of a hyperparameter (``lr_``: TypeError, as the
+        constructor's), and torch's keywords as the constructor refuses them. Other keys
+        (a name, a scheduler's ``initial_lr``) are kept, as torch keeps them."""
+        for key in ("max_grad_norm", "loss_scale", "skip_nonfinite", "reduce_group"):
+            if key in given:
+                raise ValueError(f"{owner}: a parameter group has {key!r}, a setting of the "
+                                 f"whole optimizer (the groups step together): give it to "
+                                 f"{owner}(..., {key}=...), not to a group")
+        torch_names.check_keywords(owner, False, given.get("foreach"), given.get("fused"),
+                                   given.get("capturable"), given.get("differentiable", False))
+        known = {*_group_keys(self.spec), *_optional_keys(self.spec),
+                 *torch_names.KEYWORDS}
+        for key in given:
+            if isinstance(key, str) and key not in known and key not in _GROUP_EXTRAS:
+                close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+                if close:
+                    raise TypeError(f"{owner}: a parameter group has {key!r}, unknown to "
+                                    f"{owner} (did you mean {close[0]!r}?)")
 
     def _check_group(self, owner: str, group: dict) -> None:
         """ValueError (or TypeError) where a group's settings are not ones a step can take:
@@ -831,7 +855,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                             f"shape {tuple(x.shape)}, but {needs}")
 
 
-_GROUP_EXTRAS = frozenset({"params", "param_names", "initial_lr"})  # (torch's, its schedulers')
+# (torch's, its schedulers': OneCycleLR's, SWALR's)
+_GROUP_EXTRAS = frozenset({"params", "param_names", "initial_lr", "max_lr", "min_lr",
+                           "max_momentum", "base_momentum", "swa_lr"})
 
 
 def _group_keys(cspec) -> frozenset:

@@ -169,6 +169,7 @@ _TORCH_RULES = {
     "RAdam": {"weight_decay": 0, "decoupled_weight_decay": False},
 }
 _TORCH_ONLY = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+KEYWORDS = _TORCH_ONLY  # torch's keywords a group of torch's class may hold
 # vega's keys of a group for the precision of its parameters (docs/precision.md), with the
 # value a group lacking one (a state saved before they existed) takes
 PRECISION_DEFAULTS = {"master_weights": False, "stochastic_rounding": False,
