@@ -658,3 +658,54 @@ def test_a_group_key_that_would_be_ignored_is_refused(extra, error, words):
     kept = {"name": "head", "lr_mult": 2.0, "initial_lr": 0.1, "max_momentum": 0.95}
     opt.add_param_group({"params": [v], **kept})
     assert all(opt.param_groups[1][k] == x for k, x in kept.items())
+
+
+def test_a_negative_step_counter_is_refused_by_set_leaf_and_load(tmp_path):
+    """A step counter below 0 gives a step NaN values (a bias correction of 1 - b**-1 ...
+    divides by a number near 0 or worse), and a step cannot read the device to check it:
+    ``set_leaf`` and ``vega.load``, which run outside any step, refuse it."""
+    params = {"w": torch.ones(3)}
+    state = vega.adamw_init(params)
+    for value in (-1, torch.tensor(-5, dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"^vega.set_leaf: the value for leaf 'step' is "
+                                             r"the step counter -\d; a step counter counts"):
+            vega.set_leaf(state, "step", value)
+    assert int(vega.set_leaf(state, "step", 7)["step"]) == 7 and int(state["step"]) == 0
+    bad = dict(state, step=torch.tensor(-3, dtype=torch.int32))
+    vega.save(tmp_path / "s.safetensors", bad)
+    with pytest.raises(ValueError, match=r"^vega.load: leaf 'step' in .* is the step counter "
+                                         r"-3"):
+        vega.load(tmp_path / "s.safetensors", like=state)
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("value", [None, 3.0])
+def test_a_state_entry_set_by_hand_to_a_non_tensor_is_named(backend, value):
+    """``opt.state[p]['mu'] = None`` (or a number) is named by the next step, which writes
+    nothing (a TypeError from deep inside before)."""
+    w = torch.nn.Parameter(torch.ones(3))
+    w.grad = torch.ones(3)
+    opt = vega.optim.AdamW([w], lr=0.1, backend=backend)
+    opt.step()
+    opt.state[w]["mu"] = value
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match=rf"^AdamW: state 'mu' of parameter 0 of group 0 is "
+                                         rf"{value}, not a tensor"):
+        opt.step()
+    assert torch.equal(w, before) and int(opt.state[w]["step"]) == 1
+
+
+def test_loss_scale_scale_and_a_group_without_params_are_named():
+    """``LossScale.scale`` of a number or an integer tensor, and a group without
+    ``params``, are ValueErrors naming what they got (an AttributeError and a bare
+    KeyError from torch before)."""
+    ls = LossScale.dynamic()
+    for x, words in ((3.0, "3.0, a float"), (torch.tensor(3), "a tensor of dtype torch.int64")):
+        with pytest.raises(ValueError, match=rf"^LossScale.scale: x is {words}; it scales a "
+                                             r"float tensor"):
+            ls.scale(x)
+    opt = vega.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(ValueError, match=r"^AdamW: a parameter group is a dict with 'params' "
+                                         r"\(the tensors it steps\), got one with \['lr'\]"):
+        opt.add_param_group({"lr": 0.1})
+    assert len(opt.param_groups) == 1

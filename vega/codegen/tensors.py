@@ -231,6 +231,8 @@ INFERENCE_WORDS = ("is an inference tensor (made under torch.inference_mode()), 
 OVERLAP_WORDS = ("has elements at one memory location (an expanded tensor, a stride 0): a "
                  "step in place cannot write it; pass a contiguous copy (.contiguous())")
 SHARE_WORDS = "shares memory with {other}: a step in place would write that memory twice"
+MISSING_WORDS = ("is not a tensor (None, or another object, where the step writes one); "
+                 "a state entry set by hand must be a tensor")
 
 
 def inplace_problem(tensors) -> tuple[int, int | None, str] | None:
@@ -246,6 +248,8 @@ def inplace_problem(tensors) -> tuple[int, int | None, str] | None:
             return None
     spans = []
     for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            return i, None, MISSING_WORDS
         if inference_outside(t):
             return i, None, INFERENCE_WORDS
         if overlaps_itself(t):

@@ -232,9 +232,22 @@ def _read(f, where, named, leaves) -> list:
         # A tensor that owns its memory: safetensors hands out views of the file's bytes,
         # shared between reads and only as aligned as the file's layout (complex kernels
         # crash on a complex128 tensor 8-byte aligned), so copy the real coordinates.
+        _check_counter(f"vega.load: leaf {name!r} in {where}", name, got)
         fresh = torch.empty(got.shape, dtype=got.dtype, device=want.device).copy_(got)
         out[i] = torch.view_as_complex(fresh) if is_complex else fresh
     return out
+
+
+def _check_counter(what: str, name: str, value: torch.Tensor) -> None:
+    """A step counter (a leaf ``step``: a 0-d int32 tensor) holds a count in [0, 2**31 -
+    1]: a negative one gives a step NaN values (a bias correction divides by 0), which a
+    step cannot check without reading the device. Read here, outside any step."""
+    if name.rsplit(".", 1)[-1] != "step" or value.dim() != 0 or value.dtype != torch.int32 \
+            or value.device.type == "meta":
+        return
+    if int(value) < 0:
+        raise ValueError(f"{what} is the step counter {int(value)}; a step counter counts the "
+                         f"steps taken: a whole number in [0, 2**31 - 1]")
 
 
 # -- one leaf -------------------------------------------------------------------------
@@ -285,6 +298,7 @@ def set_leaf(state, name: str, value):
         if value.device != old.device:
             raise ValueError(f"{who}: leaf {name!r} is on {old.device}; the value given is on "
                              f"{value.device}")
+    _check_counter(f"{who}: the value for leaf {name!r}", name, value)
     out = list(leaves)
     out[i] = value
     return pytree.tree_unflatten(out, spec)

@@ -251,6 +251,11 @@ class LossScale:
 
         Apply it to the loss, inside the differentiated objective.
         """
+        if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
+            got = f"a tensor of dtype {x.dtype}" if isinstance(x, torch.Tensor) else \
+                f"{x!r}, a {type(x).__name__}"
+            raise ValueError(f"LossScale.scale: x is {got}; it scales a float tensor (the "
+                             f"loss, before backward())")
         return _at_dtype(x, self.loss_scale, torch.mul)
 
     def unscale(self, grads):

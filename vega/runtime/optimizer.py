@@ -130,6 +130,9 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         owner = type(self).__name__
+        if isinstance(param_group, dict) and "params" not in param_group:
+            raise ValueError(f"{owner}: a parameter group is a dict with 'params' (the "
+                             f"tensors it steps), got one with {sorted(map(str, param_group))}")
         if isinstance(param_group, dict):
             self._check_group_keys(owner, param_group)
             self._betas().fill(owner, param_group, self.defaults)
@@ -354,6 +357,12 @@ class SpecOptimizer(torch.optim.Optimizer):
         out = []
         for item in work:
             program, backend, params, grads, states, steps, values = item
+            for n, col in zip(program.state_names, states):  # (a state entry set by hand)
+                i = next((j for j, x in enumerate(col) if not isinstance(x, torch.Tensor)), None)
+                if i is not None:
+                    raise ValueError(f"{type(self).__name__}: state '{n}' of "
+                                     f"{self._name(params[i])} is {engine.shown(col[i])}, not a "
+                                     f"tensor")
             if backend != "reference" and not torch.compiler.is_compiling():
                 for what, tensors in (("", params), (" (its gradient)", grads),
                                       *((f" (its state '{n}')", col)
