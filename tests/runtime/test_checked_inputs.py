@@ -709,3 +709,26 @@ def test_loss_scale_scale_and_a_group_without_params_are_named():
                                          r"\(the tensors it steps\), got one with \['lr'\]"):
         opt.add_param_group({"lr": 0.1})
     assert len(opt.param_groups) == 1
+
+
+def test_a_meta_tensor_hyperparameter_or_loaded_state_is_named():
+    """A meta tensor (a shape, no value) as a hyperparameter, or as an entry of a loaded
+    state, is a ValueError naming it (torch's NotImplementedError, 'Cannot copy out of
+    meta tensor', before); a refused load changes nothing."""
+    meta = torch.tensor(0.1, device="meta")
+    with pytest.raises(ValueError, match=r"^AdamW: lr is a meta tensor, which has no value"):
+        vega.optim.AdamW(_params(), lr=meta)
+    with pytest.raises(ValueError, match=r"^adamw_step: lr is a meta tensor"):
+        vega.adamw_step({"w": torch.ones(3)}, {"w": torch.ones(3)},
+                        vega.adamw_init({"w": torch.ones(3)}), lr=meta)
+    params = _params()
+    opt = _stepped(vega.optim.AdamW(params, lr=0.1), params)
+    before = _snapshot(opt)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][1]["nu"] = torch.empty(4, 3, device="meta")
+    with pytest.raises(ValueError, match=r"^AdamW.load_state_dict: state 'nu' of parameter id "
+                                         r"1 is a meta tensor"):
+        opt.load_state_dict(saved)
+    after = _snapshot(opt)
+    assert after[3] is before[3] and all(
+        torch.equal(before[0][i][k], after[0][i][k]) for i in before[0] for k in before[0][i])

@@ -139,6 +139,9 @@ def check_value(owner: str, h: HyperParam, value):
         if value.dim() != 0 or not value.is_floating_point():
             raise ValueError(f"{owner}: {h.name} must be a 0-d float tensor, got shape "
                              f"{tuple(value.shape)} and dtype {value.dtype}")
+        if value.device.type == "meta":
+            raise ValueError(f"{owner}: {h.name} is a meta tensor, which has no value: give "
+                             f"a tensor on the parameters' device, or a float")
         return value
     if isinstance(value, numbers.Real):
         try:

@@ -705,6 +705,11 @@ class SpecOptimizer(torch.optim.Optimizer):
                 isinstance(v, dict) for v in state_dict["state"].values()):
             raise ValueError(f"{owner}: state_dict['state'] must be a dict of each parameter's "
                              "state dict (by parameter id)")
+        for pid, entries in state_dict["state"].items():
+            for name, value in entries.items():
+                if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                    raise ValueError(f"{owner}: state {name!r} of parameter id {pid!r} is a "
+                                     f"meta tensor, which has no values to load")
         want = _group_keys(self.spec)
         groups = state_dict["param_groups"]
         for k, group in enumerate(groups if isinstance(groups, (list, tuple)) else ()):
