@@ -635,10 +635,11 @@ def test_a_fused_setting_changed_after_construction_is_checked_by_the_step(attr,
                               r"'lr'\?\)"),
     ({"momentun": 0.9}, TypeError, r"a parameter group has 'momentun', unknown to SGD \(did "
                                    r"you mean 'momentum'"),
-    ({"max_grad_norm": 1.0}, ValueError, r"a parameter group has 'max_grad_norm', a setting "
-                                         r"of the whole optimizer"),
-    ({"skip_nonfinite": True}, ValueError, r"a parameter group has 'skip_nonfinite', a "
-                                           r"setting of the whole"),
+    ({"max_grad_norm": 1.0}, ValueError, r"a parameter group has max_grad_norm=1.0, but the "
+                                         r"optimizer's is None: max_grad_norm is a setting of "
+                                         r"the whole optimizer"),
+    ({"skip_nonfinite": True}, ValueError, r"a parameter group has skip_nonfinite=True, but "
+                                           r"the optimizer's is False"),
     ({"differentiable": True}, ValueError, r"differentiable=True is not supported"),
     ({"foreach": "yes"}, ValueError, r"foreach='yes' must be None, True or False"),
 ])
@@ -655,7 +656,8 @@ def test_a_group_key_that_would_be_ignored_is_refused(extra, error, words):
     with pytest.raises(error, match=rf"^SGD: {words}"):
         opt.add_param_group({"params": [v], **extra})
     assert len(opt.param_groups) == 1
-    kept = {"name": "head", "lr_mult": 2.0, "initial_lr": 0.1, "max_momentum": 0.95}
+    kept = {"name": "head", "lr_mult": 2.0, "initial_lr": 0.1, "max_momentum": 0.95,
+            "max_grad_norm": None, "skip_nonfinite": False}  # (the optimizer's own: ZeRO's)
     opt.add_param_group({"params": [v], **kept})
     assert all(opt.param_groups[1][k] == x for k, x in kept.items())
 

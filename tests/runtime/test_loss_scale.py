@@ -311,6 +311,9 @@ def test_backing_off_never_reaches_zero(backend):
     for _ in range(30):
         ls = ls.adjust(torch.tensor(False))
     assert ls.loss_scale.item() == tiny and ls.skipped_steps.item() == 30
+    # a scale already below the floor (a subnormal init) is kept, never raised
+    low = LossScale.dynamic(init=1e-40).adjust(torch.tensor(False)).loss_scale
+    assert low.item() == torch.tensor(1e-40).item()
     w = torch.nn.Parameter(torch.zeros(3))
     opt = vega.optim.SGD([w], lr=0.1, backend=backend,
                          loss_scale=LossScale.dynamic(init=1.0, backoff_factor=1e-50))
@@ -321,3 +324,8 @@ def test_backing_off_never_reaches_zero(backend):
     w.grad = torch.ones(3)
     opt.step()
     assert torch.all(w < 0)
+    sub = vega.optim.SGD([w], lr=0.1, backend=backend,
+                         loss_scale=LossScale.dynamic(init=1e-40))
+    w.grad = torch.full((3,), float("inf"))
+    sub.step()
+    assert sub.loss_scale.loss_scale.item() == torch.tensor(1e-40).item()

@@ -15,17 +15,17 @@ Names: the tensor field is ``loss_scale`` (jmp's name) and the method that
 multiplies the loss is ``scale`` (jmp's, and the OCaml library's ``scale ls x``);
 that library's record field ``scale`` is renamed so the two do not collide.
 
-``adjust`` is exactly ``torch._amp_update_scale_`` (what ``torch.amp.GradScaler``
-runs): on a finite step the counter advances and on reaching ``growth_interval``
-the scale is multiplied by ``growth_factor`` -- unless that overflows float32, when
-the scale is kept -- and the counter restarts; on an overflow the scale is
-multiplied by ``backoff_factor`` and the counter restarts. The products are
-formed in double precision and rounded to float32, as torch's kernels do. The
-backed-off scale is floored at ``dynamic(min_scale=...)`` where given (jmp's
+``adjust`` is ``torch._amp_update_scale_`` (what ``torch.amp.GradScaler`` runs) but
+for its floor (below): on a finite step the counter advances and on reaching
+``growth_interval`` the scale is multiplied by ``growth_factor`` -- unless that
+overflows float32, when the scale is kept -- and the counter restarts; on an
+overflow the scale is multiplied by ``backoff_factor`` and the counter restarts. The
+products are formed in double precision and rounded to float32, as torch's kernels
+do. The backed-off scale is floored at ``dynamic(min_scale=...)`` where given (jmp's
 ``DynamicLossScale`` floors it at ``min_loss_scale``, 1 by default), and in any case
 at the smallest normal float32, ``TINY`` (2**-126), where torch's would go on to 0
-and skip every later step. Everything is tensor arithmetic with
-``torch.where``: no value is read back to the host.
+and skip every later step (a scale already below it stays as it is). Everything is
+tensor arithmetic with ``torch.where``: no value is read back to the host.
 """
 from __future__ import annotations
 
@@ -302,8 +302,10 @@ class LossScale:
         grown = torch.where(torch.isfinite(grown), grown, s)
         backed = (s.to(wide) * back).to(torch.float32)
         # floored at min_scale, and at least at the smallest normal float32 (TINY): a scale
-        # of 0 would skip every later step, and no state could hold it
-        backed = torch.maximum(backed, torch.clamp(self.min_scale, min=TINY))
+        # of 0 would skip every later step, and no state could hold it; a scale already
+        # below the floor (a subnormal init) stays as it is, never raised by backing off
+        floor = torch.minimum(torch.clamp(self.min_scale, min=TINY), s)
+        backed = torch.maximum(backed, floor)
         successful = n + 1
         at_interval = successful >= interval
         new_s = torch.where(finite, torch.where(at_interval, grown, s), backed)

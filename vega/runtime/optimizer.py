@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import collections
 import difflib
+import functools
+import inspect
 import math
+import numbers
 import operator
 from itertools import repeat
 
@@ -164,18 +167,26 @@ class SpecOptimizer(torch.optim.Optimizer):
     def _check_group_keys(self, owner: str, given: dict) -> None:
         """Refuse a group's key that would be ignored where its author meant a setting: one
         of the whole optimizer's (``max_grad_norm``: every group's gradients are clipped
-        together), a misspelling of a hyperparameter (``lr_``: TypeError, as the
-        constructor's), and torch's keywords as the constructor refuses them. Other keys
-        (a name, a scheduler's ``initial_lr``) are kept, as torch keeps them."""
+        together) at a value other than the optimizer's, a misspelling of a hyperparameter
+        (``lr_``: TypeError, as the constructor's), and torch's keywords as the constructor
+        refuses them. Other keys (a name, a scheduler's ``initial_lr``) are kept, as torch
+        keeps them."""
         for key in ("max_grad_norm", "loss_scale", "skip_nonfinite", "reduce_group"):
-            if key in given:
-                raise ValueError(f"{owner}: a parameter group has {key!r}, a setting of the "
-                                 f"whole optimizer (the groups step together): give it to "
-                                 f"{owner}(..., {key}=...), not to a group")
+            if key not in given:
+                continue
+            theirs, mine = given[key], getattr(self, key, None)
+            # (ZeroRedundancyOptimizer's groups hold its keywords, the optimizer's own)
+            if theirs is mine or (isinstance(theirs, numbers.Real)
+                                  and isinstance(mine, numbers.Real) and theirs == mine):
+                continue
+            raise ValueError(f"{owner}: a parameter group has {key}={engine.shown(theirs)}, "
+                             f"but the optimizer's is {engine.shown(mine)}: {key} is a setting "
+                             f"of the whole optimizer (the groups step together); give it to "
+                             f"{owner}(..., {key}=...)")
         torch_names.check_keywords(owner, False, given.get("foreach"), given.get("fused"),
                                    given.get("capturable"), given.get("differentiable", False))
         known = {*_group_keys(self.spec), *_optional_keys(self.spec),
-                 *torch_names.KEYWORDS}
+                 *torch_names.KEYWORDS, *_torch_hyper_names()}
         for key in given:
             if isinstance(key, str) and key not in known and key not in _GROUP_EXTRAS:
                 close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
@@ -872,6 +883,19 @@ class SpecOptimizer(torch.optim.Optimizer):
 # (torch's, its schedulers': OneCycleLR's, SWALR's)
 _GROUP_EXTRAS = frozenset({"params", "param_names", "initial_lr", "max_lr", "min_lr",
                            "max_momentum", "base_momentum", "swa_lr"})
+
+
+@functools.cache
+def _torch_hyper_names() -> frozenset:
+    """The keywords of torch.optim's classes: a group built for any of them (a framework's,
+    such as a ``weight_decay`` for every optimizer) may hold them, and none is taken for a
+    misspelling."""
+    names = set()
+    for name in dir(torch.optim):
+        cls = getattr(torch.optim, name)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            names |= set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    return frozenset(names)
 
 
 def _group_keys(cspec) -> frozenset:
