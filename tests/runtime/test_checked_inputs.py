@@ -734,3 +734,21 @@ def test_a_meta_tensor_hyperparameter_or_loaded_state_is_named():
     after = _snapshot(opt)
     assert after[3] is before[3] and all(
         torch.equal(before[0][i][k], after[0][i][k]) for i in before[0] for k in before[0][i])
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+def test_a_refused_first_step_leaves_no_state(backend):
+    """A first step refused before it writes anything (two parameters overlapping in one
+    storage) leaves no state either (it had made their zero states), and the same
+    optimizer steps once the parameters are fixed."""
+    b = torch.zeros(6)
+    p1, p2 = torch.nn.Parameter(b[:4]), torch.nn.Parameter(b[2:])
+    p1.grad, p2.grad = torch.ones(4), torch.ones(4)
+    opt = vega.optim.AdamW([p1, p2], lr=0.1, backend=backend)
+    with pytest.raises(ValueError, match=r"parameter 1 of group 0 shares memory with "
+                                         r"parameter 0 of group 0"):
+        opt.step()
+    assert len(opt.state) == 0 and torch.equal(b, torch.zeros(6))
+    p2.data = torch.zeros(4)  # (its own memory now)
+    opt.step()
+    assert len(opt.state) == 2 and int(opt.state[p1]["step"]) == 1

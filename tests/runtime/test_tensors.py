@@ -394,7 +394,7 @@ def test_the_class_refuses_what_it_cannot_write_before_writing_any_group():
     with pytest.raises(ValueError, match="AdamW: parameter 0 of group 1 has elements at one "
                                          "memory location"):
         opt.step()
-    assert torch.equal(a, before) and int(opt.state[a]["step"]) == 0
+    assert torch.equal(a, before) and a not in opt.state  # (nor the states it made)
     # a state replaced by a view of its parameter, after some steps
     p, q = torch.nn.Parameter(_rand(8, seed=2)), torch.nn.Parameter(_rand(8, seed=3))
     opt = vega.adamw.optimizer([p, q])

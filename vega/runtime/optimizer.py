@@ -285,6 +285,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         self._check_settings()
         found_work = []  # (group, its engine.run calls)
         plain = set()  # the positions of those whose tensors are all plain (``_planned_work``)
+        if not torch.compiler.is_compiling():  # the states this step makes (``_refused``)
+            self.__dict__["_vega_fresh"] = []
         sync = self._betas()
         for k, group in enumerate(self.param_groups):
             if group.get("mode", "train") != "train":
@@ -312,20 +314,26 @@ class SpecOptimizer(torch.optim.Optimizer):
             if self.loss_scale is not None:
                 self.loss_scale = self.loss_scale.adjust(finite_of(pre))
             self._share_group_states(found_work)
+            self.__dict__.pop("_vega_fresh", None)
             return loss
-        work = [item for k, (group, w) in enumerate(found_work)
-                for item in (w if k in plain else self._routed(group, w))]
-        # all checked before any is written; one call of a kernel that checks its own
-        # tensors so (``checks_writes``) needs no more, and only what it refuses is named here
-        # (not asked while dynamo traces: the C kernel's asks native.module(), which locks)
         compiling = torch.compiler.is_compiling()
-        one_call = not compiling and len(work) == 1 and \
-            getattr(codegen.kernel(work[0][1], work[0][0]), "checks_writes", False)
-        if not compiling and not one_call:
-            self._check_writes(work)
-        check = self.skip_nonfinite or self.loss_scale is not None
-        pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work], None,
-                             self.max_grad_norm, check, loss_scale=self.loss_scale)
+        try:
+            work = [item for k, (group, w) in enumerate(found_work)
+                    for item in (w if k in plain else self._routed(group, w))]
+            # all checked before any is written; one call of a kernel that checks its own
+            # tensors so (``checks_writes``) needs no more, and only what it refuses is named
+            # here (not asked while dynamo traces: the C kernel's asks native.module(), which
+            # locks)
+            one_call = not compiling and len(work) == 1 and \
+                getattr(codegen.kernel(work[0][1], work[0][0]), "checks_writes", False)
+            if not compiling and not one_call:
+                self._check_writes(work)
+            check = self.skip_nonfinite or self.loss_scale is not None
+            pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work], None,
+                                 self.max_grad_norm, check, loss_scale=self.loss_scale)
+        except (TypeError, ValueError):
+            self._refused()
+            raise
         # the last step's kernels adjust the loss scale themselves where they can (Triton:
         # in the launch that advances the counters, none of its own)
         adjusted = False
@@ -340,11 +348,23 @@ class SpecOptimizer(torch.optim.Optimizer):
                            adjust=self.loss_scale if adjusted and k == len(work) - 1 else None)
             except ValueError:
                 if one_call:  # (refused before anything was written) in the class's words
+                    self._refused()
                     self._check_writes(work)
                 raise
         if self.loss_scale is not None and not adjusted:
             self.loss_scale.adjust_(finite_of(pre))
+        self.__dict__.pop("_vega_fresh", None)
         return loss
+
+    def _refused(self) -> None:
+        """A step refused before it wrote anything leaves no state it made either: the
+        parameters' states made in it (``_group_work``: their first step) are dropped, with
+        the plans that hold them."""
+        fresh = self.__dict__.pop("_vega_fresh", None)
+        if fresh:
+            for p in fresh:
+                self.state.pop(p, None)
+            self._plans().clear()
 
     def _check_settings(self) -> None:
         """``check_fused`` of the settings as the step finds them (an attribute set after
@@ -455,6 +475,9 @@ class SpecOptimizer(torch.optim.Optimizer):
             st = self.state.get(p)
             if not st:
                 st = self.state[p] = self._init_state(p, program, values, group, at_zero)
+                fresh = self.__dict__.get("_vega_fresh")
+                if fresh is not None:
+                    fresh.append(p)
             elif st.keys() != want and not self._adapt_state(p, st, want, program, values,
                                                               group):
                 raise ValueError(
