@@ -58,8 +58,13 @@ def any_complex(tensors: list) -> bool:
     return any(t.is_complex() for t in tensors) if found is None else found
 
 
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dense tensor: strided (no sparse layout) and not nested."""
+    return t.layout == torch.strided and not t.is_nested
+
+
 def dense_words(t: torch.Tensor) -> str:
-    """What a sparse or nested parameter is, for a message that refuses it."""
+    """What a parameter that is not ``dense`` is, for a message that refuses it."""
     what = "a nested tensor" if t.is_nested else f"sparse ({t.layout})"
     return f"{what}; vega steps dense (strided) parameters"
 
@@ -88,8 +93,7 @@ def like(refs: list, items: list) -> bool:
     if not refs:
         return True
     device = refs[0].device
-    return all(type(x) in PLAIN_TYPES and x.layout == torch.strided and not x.is_nested
-               and r.layout == torch.strided and not r.is_nested and x.device == device
+    return all(type(x) in PLAIN_TYPES and dense(x) and dense(r) and x.device == device
                and r.device == device and x.is_complex() == r.is_complex()
                and x.shape == r.shape for r, x in zip(refs, items))
 

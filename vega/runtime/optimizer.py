@@ -22,9 +22,9 @@ from vega import codegen
 from vega.codegen import quant
 from vega.codegen.base import distinct, state_shape
 from vega.codegen.record import finite_of
-from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense_words,
-                                  first_with_own_ops, gather, inplace_problem, own_ops_words,
-                                  same)
+from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
+                                  dense_words, first_with_own_ops, gather, inplace_problem,
+                                  own_ops_words, same)
 from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -158,7 +158,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise ValueError(f"{type(self).__name__} can only optimize float or complex "
                                  f"tensors, got one of dtype {p.dtype}")
-            if p.layout != torch.strided or p.is_nested:
+            if not dense(p):
                 self.param_groups.pop()
                 raise ValueError(f"{type(self).__name__}: parameter {k} of group "
                                  f"{len(self.param_groups)} is {dense_words(p)}")

@@ -15,8 +15,8 @@ from vega.dsl import ir
 from vega.codegen import quant
 from vega.codegen.base import state_shape
 from vega.codegen.record import finite_of
-from vega.codegen.tensors import (dense_words, first_with_own_ops, floats, inplace_problem,
-                                  like, on_one_device, own_ops_words, same)
+from vega.codegen.tensors import (dense, dense_words, first_with_own_ops, floats,
+                                  inplace_problem, like, on_one_device, own_ops_words, same)
 from vega.codegen.steps import advance_steps
 from vega.runtime import engine, sharded
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
@@ -400,10 +400,10 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None,
            if g is not None and is_steppable(p)]
     if states_ok is not None:
         ps, gs = [p_leaves[i] for i in idx], [g_leaves[i] for i in idx]
-        dense = all(p.layout == torch.strided and not p.is_nested for p in ps)
-        shapes = [p.shape for p in ps] if dense else None  # (a nested one has no shape)
-        if dense and all(isinstance(g, torch.Tensor) and g.layout == torch.strided
-                         and not g.is_nested for g in gs) and [g.shape for g in gs] == shapes \
+        all_dense = all(map(dense, ps))
+        shapes = [p.shape for p in ps] if all_dense else None  # (a nested one has no shape)
+        if all_dense and all(isinstance(g, torch.Tensor) and dense(g) for g in gs) \
+                and [g.shape for g in gs] == shapes \
                 and on_one_device(ps + gs) \
                 and [p.is_complex() for p in ps] == [g.is_complex() for g in gs] \
                 and all(g.is_floating_point() or g.is_complex() for g in gs) \
@@ -421,7 +421,7 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None,
         if g is None or not is_steppable(p):
             continue
         name = partial(name_of, i)
-        if p.layout != torch.strided or p.is_nested:
+        if not dense(p):
             raise ValueError(f"{owner}: params leaf '{name()}' is {dense_words(p)}")
         _check_grad(owner, name, p, g)
         check_state(i, name, p)
@@ -499,11 +499,10 @@ def _check_leaves(owner, what, tree, leaves):
 def _check_dense(owner, params, leaves) -> None:
     """Raise ValueError, naming the leaf, for a sparse or nested parameter: its state could
     not be made like it (torch has no such operations for those layouts), nor stepped."""
-    if all(leaf is None or (leaf.layout == torch.strided and not leaf.is_nested)
-           for leaf in leaves):
+    if all(leaf is None or dense(leaf) for leaf in leaves):
         return
     for name, leaf in zip(_paths(params, leaves), leaves):
-        if leaf is not None and (leaf.layout != torch.strided or leaf.is_nested):
+        if leaf is not None and not dense(leaf):
             label = f"leaf '{name}'" if name else "leaf"
             raise ValueError(f"{owner}: params {label} is {dense_words(leaf)}")
 
@@ -513,8 +512,8 @@ def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check_grad(owner, name, p, g):
-    if isinstance(g, torch.Tensor) and g.layout == torch.strided and not g.is_nested \
-            and g.shape == p.shape and _same_device(g, p) and g.is_complex() == p.is_complex() \
+    if isinstance(g, torch.Tensor) and dense(g) and g.shape == p.shape \
+            and _same_device(g, p) and g.is_complex() == p.is_complex() \
             and (g.is_floating_point() or g.is_complex()):
         return
     label = f"'{name()}'" if name() else "(the single tensor)"

@@ -161,6 +161,10 @@ struct Span {
     uintptr_t lo, hi;
 };
 
+// How far ahead a pass over Python objects asks the cache for the next ones: a step over
+// many small tensors runs after a training step that pushed them out of the cache.
+constexpr Py_ssize_t PREFETCH_AHEAD = 8;
+
 // A tensor written in place: its version counter advanced, as an in-place torch operation
 // advances it (an inference tensor keeps none).
 void bump(const at::Tensor &t) {
@@ -494,7 +498,8 @@ Held tensors_of(py::handle seq, const char *what) {
     const Py_ssize_t n = PyTuple_GET_SIZE(out.tuple.ptr());
     out.ts.reserve(static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + 8 < n) __builtin_prefetch(PyTuple_GET_ITEM(out.tuple.ptr(), i + 8));
+        if (i + PREFETCH_AHEAD < n)
+            __builtin_prefetch(PyTuple_GET_ITEM(out.tuple.ptr(), i + PREFETCH_AHEAD));
         PyObject *x = PyTuple_GET_ITEM(out.tuple.ptr(), i);
         if (x == Py_None) out.ts.push_back(&undefined);
         else if (THPVariable_Check(x)) out.ts.push_back(&THPVariable_Unpack(x));
@@ -766,11 +771,10 @@ py::object gather(py::handle params_, py::handle sts_, py::handle names_, py::ha
              **N = &PyTuple_GET_ITEM(names.ptr(), 0);
     int64_t flags = 0;
     py::list grads(n);
-    constexpr Py_ssize_t AHEAD = 8;  // (the objects ahead asked of the cache)
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) {
-            __builtin_prefetch(P[i + AHEAD]);
-            __builtin_prefetch(S[i + AHEAD]);
+        if (i + PREFETCH_AHEAD < n) {
+            __builtin_prefetch(P[i + PREFETCH_AHEAD]);
+            __builtin_prefetch(S[i + PREFETCH_AHEAD]);
         }
         if (!of_types(P[i], plain)) return py::none();
         const at::Tensor &g = THPVariable_Unpack(P[i]).grad();
@@ -837,7 +841,8 @@ py::tuple distinct(py::handle items_) {
     py::list uniq, index(n);
     Py_ssize_t count = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + 8 < n) __builtin_prefetch(X[i + 8], 1);  // (its reference count is written)
+        if (i + PREFETCH_AHEAD < n)  // (its reference count is written)
+            __builtin_prefetch(X[i + PREFETCH_AHEAD], 1);
         size_t h = (reinterpret_cast<uintptr_t>(X[i]) >> 4) * 0x9E3779B97F4A7C15ull;
         size_t slot = (h >> 20) & (size - 1);
         while (keys[slot] != nullptr && keys[slot] != X[i]) slot = (slot + 1) & (size - 1);
