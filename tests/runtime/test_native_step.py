@@ -256,6 +256,68 @@ def test_a_state_tensor_resized_in_place_is_refused_not_written_past():
     assert all(torch.equal(p, b) for p, b in zip(ours, before))  # nothing stepped
 
 
+@contextlib.contextmanager
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _many(seed=0):
+    """150 parameters of three dtypes, in turn: the operator checks them on two threads."""
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float32, torch.bfloat16, torch.float64)
+    return [torch.nn.Parameter(torch.randn(1 + k % 9, generator=gen, dtype=torch.float64)
+                               .to(dtypes[k % 3])) for k in range(150)]
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_many_tensors_checked_on_two_threads_step_as_on_the_python_path(name):
+    """With more parameters than ``APART_MIN``, the operator checks the tensors and reads
+    their addresses on two threads, then builds each dtype group's table in order: the
+    same steps as the Python path's, bit for bit."""
+    cls = getattr(vega.optim, vega.builtin(name).class_name)
+    ours, theirs = _many(), _many()
+    opt, twin = cls(ours, max_grad_norm=1.0), _Twin(cls(theirs, max_grad_norm=1.0))
+    calls, real_python = [], c_backend.Kernel._python_step
+    c_backend.Kernel._python_step = lambda self, *a: calls.append(1) or real_python(self, *a)
+    try:
+        with two_threads():
+            for step in range(3):
+                _grads(ours, theirs, step)
+                opt.step()
+                twin.step()
+    finally:
+        c_backend.Kernel._python_step = real_python
+    assert calls == [1] * 3  # the twin's three steps: none of ours
+    _equal(ours, theirs, opt, twin)
+
+
+def test_checked_on_two_threads_the_first_wrong_tensor_is_named(operator):
+    """Where tensors on both threads are wrong, the error names the first, as one thread
+    checking them in order names it: the last parameter of the first thread's half and the
+    first of the second's have the wrong shape of state."""
+    kernel = c_backend.Kernel(vega.builtin("adamw").program())
+    kernel._registered(operator)
+    n = 200
+    params = [torch.zeros(3) for _ in range(n)]
+    grads = [torch.zeros(3) for _ in range(n)]
+    mus = [torch.zeros(3) for _ in range(n)]
+    nus = [torch.zeros(3) for _ in range(n)]
+    mus[99], mus[100] = torch.zeros(2), torch.zeros(4)
+    steps = [torch.zeros((), dtype=torch.int32) for _ in range(n)]
+    with two_threads():
+        for _ in range(5):
+            with pytest.raises(ValueError, match="state 0 of parameter 99 has the wrong shape"):
+                operator.step(kernel.id, params, grads, mus + nus, steps, list(range(n)),
+                              [torch.zeros(8, dtype=torch.float64)], [0] * n, None, [], [])
+    assert all(torch.equal(t, torch.zeros(3)) for t in params)
+    assert all(int(t) == 0 for t in steps)
+
+
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_the_class_step_is_the_functional_step_bitwise(name):
     """``vega.optim.<Class>.step()`` gathers each group's tensors and calls what

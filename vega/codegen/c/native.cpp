@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -281,6 +282,39 @@ Group &group_of(std::vector<Group> &groups, const Kernel &k, uint64_t code,
     return groups.back();
 }
 
+// ``check(i)`` for i in [0, n), on the intra-op threads where n is large: what a step takes
+// longest over around its kernels, with many small tensors, is waiting for each tensor's
+// metadata to come from memory, and two threads wait for twice as much at once. Each thread
+// takes a run of i and stops at its first error; the error of the lowest i is raised, the
+// one a loop in order raises.
+constexpr size_t APART_MIN = 64;  // fewer than this are done on this thread alone
+
+template <class Check>
+void each_apart(size_t n, const Check &check) {
+    if (n < APART_MIN || at::get_num_threads() < 2 || at::in_parallel_region()) {
+        for (size_t i = 0; i < n; i++) check(i);
+        return;
+    }
+    std::mutex lock;
+    size_t bad = n;
+    std::exception_ptr error;
+    at::parallel_for(0, static_cast<int64_t>(n), APART_MIN / 2, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; i++) {
+            try {
+                check(static_cast<size_t>(i));
+            } catch (...) {
+                std::lock_guard<std::mutex> guard(lock);
+                if (static_cast<size_t>(i) < bad) {
+                    bad = static_cast<size_t>(i);
+                    error = std::current_exception();
+                }
+                return;
+            }
+        }
+    });
+    if (error) std::rethrow_exception(error);
+}
+
 // ``List``: at::TensorList (the operator's), or ``Pointed`` (the eager call's: by pointer).
 template <class List>
 void step_impl(int64_t id, const List &params, const List &grads, const List &states,
@@ -298,14 +332,21 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
              std::to_string(states.size()) + " state tensors for " + std::to_string(ns) +
              " states, " + std::to_string(step_index.size()) + " step indices, " +
              std::to_string(hyper_index.size()) + " hyperparameter indices");
-    // the step counters: 0-d int32 CPU tensors
-    std::vector<int64_t> step_at(steps.size());
-    for (size_t j = 0; j < steps.size(); j++) {
+    const bool inference_mode = c10::InferenceMode::is_enabled();
+    // the step counters: 0-d int32 CPU tensors (their spans after the parameters')
+    const size_t nt = steps.size();
+    std::vector<int64_t> step_at(nt);
+    std::vector<Span> spans(in_place ? n * (ns + 1) + nt : 0);
+    each_apart(nt, [&](size_t j) {
         const at::Tensor &t = steps[j];
         if (!is_counter(t, c10::Device(c10::kCPU)))
             fail("backend 'c': a step counter must be a 0-d int32 tensor on the CPU");
+        if (in_place && t.is_inference() && !inference_mode)
+            fail("backend 'c': an inference tensor cannot be written in place outside "
+                 "inference mode");
         step_at[j] = reinterpret_cast<intptr_t>(t.data_ptr());
-    }
+        if (in_place) spans[n * (ns + 1) + j] = span_at(static_cast<uintptr_t>(step_at[j]), t);
+    });
     // the hyperparameter rows: contiguous float64 CPU arrays, a 1-d array one row
     std::vector<int64_t> hyp_at;
     for (size_t j = 0; j < hypers.size(); j++) {
@@ -322,16 +363,16 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
     double *record = record_of(pre);
     std::vector<int64_t> out_at(outs.size());
     for (size_t i = 0; i < outs.size(); i++) out_at[i] = check_plain(outs[i], "output", i);
-    // every tensor checked, the rows built, the tensors grouped by dtypes
-    std::vector<Group> groups;
-    std::vector<Span> spans;
-    if (in_place) spans.reserve(n * (ns + 1) + steps.size());
-    const int64_t width = k->col.width;
-    std::vector<int64_t> in_at(ns + 1);  // the addresses of a parameter and its states
-    for (size_t i = 0; i < n; i++) {
+    // every tensor checked (``each_apart``: on several threads), what each parameter's
+    // rows need kept: its length, the addresses of it, its gradient and its states, and its
+    // dtypes packed (``dtype_code``)
+    const size_t fw = ns + 4;
+    std::vector<int64_t> found(n * fw);
+    each_apart(n, [&](size_t i) {
         const at::Tensor &p = params[i], &g = grads[i];
-        in_at[0] = check_plain(p, "parameter", i);
-        const int64_t g_at = check_plain(g, "gradient", i);
+        int64_t *f = found.data() + i * fw;
+        f[1] = check_plain(p, "parameter", i);
+        f[2] = check_plain(g, "gradient", i);
         if (!p.sizes().equals(g.sizes()))
             fail("backend 'c': gradient " + std::to_string(i) +
                  "'s shape differs from its parameter's");
@@ -339,58 +380,60 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
         if (geo && geo[0] != p.numel()) fail("backend 'c': a geometry row does not match");
         for (size_t s = 0; s < ns; s++) {
             const at::Tensor &x = states[s * n + i];
-            in_at[s + 1] = check_plain(x, "state tensor", s * n + i, true);
+            f[3 + s] = check_plain(x, "state tensor", s * n + i, true);
             if (!state_fits(x, p, k->doms[s], geo))
                 fail("backend 'c': state " + std::to_string(s) + " of parameter " +
                      std::to_string(i) + " has the wrong shape");
         }
-        if (step_index[i] < 0 || step_index[i] >= static_cast<int64_t>(steps.size()) ||
+        if (step_index[i] < 0 || step_index[i] >= static_cast<int64_t>(nt) ||
             hyper_index[i] < 0 || hyper_index[i] >= static_cast<int64_t>(hyp_at.size()))
             fail("backend 'c': a step or hyperparameter index is out of range");
-        Group &grp = group_of(groups, *k, dtype_code(p, g, states, i, n, ns),
-                              [&] { return dtype_key(p, g, states, i, n, ns); });
-        const Columns &c = k->col;
+        for (size_t s = 0; s <= ns; s++) {
+            const at::Tensor &in = s == 0 ? p : states[(s - 1) * n + i];
+            if (in_place) {
+                if (in.is_inference() && !inference_mode)
+                    fail("backend 'c': an inference tensor cannot be written in place "
+                         "outside inference mode");
+                spans[i * (ns + 1) + s] = span_at(static_cast<uintptr_t>(f[s == 0 ? 1 : 2 + s]),
+                                                  in);
+            } else if (!outs[s * n + i].sizes().equals(in.sizes())) {
+                fail("backend 'c': an output's shape differs from its input's");
+            }
+        }
+        f[0] = p.numel();
+        f[3 + ns] = static_cast<int64_t>(dtype_code(p, g, states, i, n, ns));
+    });
+    // (a step counter shared by several parameters appears once)
+    if (in_place && any_shared(id, spans))
+        fail("backend 'c': two tensors a step writes share memory");
+    // the rows, the parameters grouped by dtypes
+    std::vector<Group> groups;
+    const int64_t width = k->col.width;
+    const Columns &c = k->col;
+    for (size_t i = 0; i < n; i++) {
+        const int64_t *f = found.data() + i * fw;
+        Group &grp = group_of(groups, *k, static_cast<uint64_t>(f[3 + ns]), [&] {
+            return dtype_key(params[i], grads[i], states, i, n, ns);
+        });
         const size_t at = grp.rows.size();
         grp.rows.resize(at + width, 0);
         int64_t *row = grp.rows.data() + at;
-        row[c.numel] = p.numel();
-        row[c.p] = in_at[0];
-        row[c.g] = g_at;
-        for (size_t s = 0; s < ns; s++) row[c.state + s] = in_at[s + 1];
+        row[c.numel] = f[0];
+        row[c.p] = f[1];
+        row[c.g] = f[2];
+        for (size_t s = 0; s < ns; s++) row[c.state + s] = f[3 + s];
         row[c.step] = step_at[step_index[i]];
         row[c.hyper] = hyp_at[hyper_index[i]];
-        if (geo) std::copy(geo, geo + c.ngeo(), row + c.geo);
-        for (size_t s = 0; s <= ns; s++) {
-            const at::Tensor &in = s == 0 ? p : states[(s - 1) * n + i];
-            const at::Tensor &o = in_place ? in : outs[s * n + i];
-            if (!in_place && !o.sizes().equals(in.sizes()))
-                fail("backend 'c': an output's shape differs from its input's");
-            const int64_t o_at = in_place ? in_at[s] : out_at[s * n + i];
-            row[s == 0 ? c.p_out : c.state_out + s - 1] = o_at;
-            if (in_place) spans.push_back(span_at(static_cast<uintptr_t>(o_at), o));
+        if (k->axes) {
+            const int64_t *geo = geometry.data() + c.ngeo() * i;
+            std::copy(geo, geo + c.ngeo(), row + c.geo);
         }
+        for (size_t s = 0; s <= ns; s++)
+            row[s == 0 ? c.p_out : c.state_out + s - 1] =
+                in_place ? f[s == 0 ? 1 : 2 + s] : out_at[s * n + i];
         grp.n++;
-        grp.largest = std::max(grp.largest, p.numel());
-        grp.total += p.numel();
-    }
-    if (in_place) {
-        const bool inference_mode = c10::InferenceMode::is_enabled();
-        for (size_t i = 0; i < n && !inference_mode; i++) {
-            bool inference = params[i].is_inference();
-            for (size_t s = 0; s < ns && !inference; s++)
-                inference = states[s * n + i].is_inference();
-            if (inference) fail("backend 'c': an inference tensor cannot be written in place "
-                                "outside inference mode");
-        }
-        for (size_t j = 0; j < steps.size(); j++) {
-            const at::Tensor &t = steps[j];
-            if (t.is_inference() && !inference_mode)
-                fail("backend 'c': an inference tensor cannot be written in place outside "
-                     "inference mode");
-            spans.push_back(span_of(t));
-        }
-        // (a step counter shared by several parameters appears once)
-        if (any_shared(id, spans)) fail("backend 'c': two tensors a step writes share memory");
+        grp.largest = std::max(grp.largest, f[0]);
+        grp.total += f[0];
     }
     if (groups.empty()) return;
     const int nth = at::get_num_threads();
@@ -425,18 +468,25 @@ void prelude_impl(int64_t id, const List &grads, const at::Tensor &pre) {
     double *record = record_of(pre.defined() ? c10::optional<at::Tensor>(pre) : c10::nullopt);
     if (record == nullptr) fail("backend 'c': the prelude needs its record");
     const int64_t width = k->col.width;
-    std::vector<Group> groups;
-    for (size_t i = 0; i < grads.size(); i++) {
+    // each gradient's address, length and dtype (on several threads: ``each_apart``)
+    const size_t n = grads.size();
+    std::vector<int64_t> found(3 * n);
+    each_apart(n, [&](size_t i) {
         const at::Tensor &g = grads[i];
-        const int64_t g_at = check_plain(g, "gradient", i);
-        const char *d = dtype_name(g.scalar_type());
-        const auto t = static_cast<uint64_t>(g.scalar_type());
+        found[3 * i] = check_plain(g, "gradient", i);
+        found[3 * i + 1] = g.numel();
+        found[3 * i + 2] = static_cast<int64_t>(g.scalar_type());
+    });
+    std::vector<Group> groups;
+    for (size_t i = 0; i < n; i++) {
+        const auto t = static_cast<uint64_t>(found[3 * i + 2]);
+        const char *d = dtype_name(static_cast<c10::ScalarType>(t));
         Group &grp = group_of(groups, *k, t | t << 8 | t << 16,
                               [&] { return std::string(d) + " " + d + " " + d; });
         size_t at = grp.rows.size();
         grp.rows.resize(at + width, 0);
-        grp.rows[at + k->col.numel] = g.numel();
-        grp.rows[at + k->col.g] = g_at;
+        grp.rows[at + k->col.numel] = found[3 * i + 1];
+        grp.rows[at + k->col.g] = found[3 * i];
         grp.n++;
     }
     const int nth = at::get_num_threads();
@@ -980,8 +1030,7 @@ PYBIND11_MODULE(vega_native, m) {
         py::gil_scoped_release unlocked;
         step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(), hyper_index,
                   pre, geometry, o.list());
-        if (o.ts.empty())
-            for (const at::Tensor *x : p.ts) bump(*x);
+        if (o.ts.empty()) each_apart(p.ts.size(), [&](size_t i) { bump(*p.ts[i]); });
     });
     // whether a step in place may write every one of these tensors: none an inference
     // tensor outside inference mode, each contiguous, no two sharing memory (False where one

@@ -43,9 +43,10 @@ from torch.utils import cpp_extension
 from vega.codegen.c import build as cbuild
 
 SOURCE = Path(__file__).with_name("native.cpp")
-FLAGS = ("-O2", "-DNDEBUG", "-shared", "-fPIC", "-std=c++17", "-w")  # (NDEBUG: a release build,
-# without pybind11's and c10's debug checks: a GIL check on every reference count); the default
-# target, not -march=native
+# NDEBUG: a release build, without pybind11's and c10's debug checks (a GIL check on every
+# reference count); -fopenmp: at::parallel_for on torch's intra-op threads (``each_apart``); the
+# default target, not -march=native
+FLAGS = ("-O2", "-DNDEBUG", "-shared", "-fPIC", "-std=c++17", "-fopenmp", "-w")
 NAME = "vega_native"
 
 _lock_ = threading.Lock()
