@@ -84,6 +84,40 @@ class _States(collections.defaultdict):
         super().update(*args, **kwargs)
 
 
+PACK_MAX = 65536  # state tensors of at most this many elements are packed (``_pack``)
+PACK_ALIGN = 64  # bytes: where each packed tensor starts
+
+
+def _pack(made: list[tuple]) -> None:
+    """The small state tensors made in one step moved into one buffer for each state name,
+    dtype and device, each a view of its own part of it, in the parameters' order (each
+    part starting at a multiple of ``PACK_ALIGN`` bytes). Over many small tensors a step
+    then streams through each state in one run of memory, and their views share one
+    storage: both save time in the kernels and around them (docs/performance.md). Packed:
+    a plain, contiguous float tensor of its parameter's shape, of at most ``PACK_MAX``
+    elements, one of two or more alike; not the step counter."""
+    alike: dict = {}
+    for p, st in made:
+        for name, t in st.items():
+            if name != "step" and type(t) is torch.Tensor and t.is_floating_point() \
+                    and t.numel() <= PACK_MAX and t.shape == p.shape and t.is_contiguous():
+                alike.setdefault((name, t.dtype, t.device), []).append(st)
+    for (name, dtype, device), sts in alike.items():
+        if len(sts) < 2:
+            continue
+        align = max(1, PACK_ALIGN // torch.empty((), dtype=dtype).element_size())
+        starts, total = [], 0
+        for st in sts:
+            starts.append(total)
+            total += -(-st[name].numel() // align) * align
+        buffer = torch.empty(total, dtype=dtype, device=device)
+        for st, at in zip(sts, starts):
+            t = st[name]
+            view = buffer[at:at + t.numel()].view(t.shape)
+            view.copy_(t)
+            st[name] = view
+
+
 def _counting(state) -> _States:
     """``state`` (torch's ``defaultdict(dict)``, or a dict) as a ``_States``."""
     return state if type(state) is _States else _States(dict, state)
@@ -468,6 +502,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
         sts = []  # each parameter's state dict (one lookup: a tensor hashes in Python)
         at_zero: dict = {}
+        made = []  # (parameter, its new state dict)
         for p, program in zip(params, progs):
             want = wants.get(id(program))
             if want is None:
@@ -475,6 +510,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             st = self.state.get(p)
             if not st:
                 st = self.state[p] = self._init_state(p, program, values, group, at_zero)
+                made.append((p, st))
                 fresh = self.__dict__.get("_vega_fresh")
                 if fresh is not None:
                     fresh.append(p)
@@ -485,6 +521,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                     f"group's settings need {sorted(want)}; was a bool hyperparameter"
                     f"{shaped} changed after the first step?")
             sts.append(st)
+        if not torch.compiler.is_compiling():
+            _pack(made)
         device = params[0].device.type
         backend = group["backend"] or codegen.default_backend(device)
         parts = [(program, None if len(ks) == len(params) else ks)

@@ -1,0 +1,118 @@
+"""The small state tensors a class step makes are packed: one buffer for each state name,
+dtype and device, each tensor a view of its own aligned part of it (``_pack``). Packing
+changes where the values live, never what they are, and everything a user does with the
+state (stepping, saving, loading, a parameter that steps later) works as without it."""
+import io
+
+import pytest
+import torch
+
+import vega
+from vega.codegen import c as c_backend
+from vega.runtime import optimizer as opt_module
+
+BACKENDS = ["reference"] + (["c"] if c_backend.available() else [])
+SHAPES = [(33,), (4, 5), (), (1,), (0,), (7, 3), (opt_module.PACK_MAX + 1,), (100,)]
+
+
+def _params(dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(dtype))
+            for s in SHAPES]
+
+
+def _grads(params, step):
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+
+
+@pytest.fixture
+def unpacked(monkeypatch):
+    """Optimizers made inside ``with unpacked():`` keep each state tensor apart."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def off():
+        with monkeypatch.context() as m:
+            m.setattr(opt_module, "_pack", lambda made: None)
+            yield
+    return off
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_states_are_views_of_one_buffer_and_step_as_apart(backend, dtype, unpacked):
+    ours, theirs = _params(dtype), _params(dtype)
+    opt = vega.optim.AdamW(ours, backend=backend, max_grad_norm=1.0)
+    with unpacked():
+        twin = vega.optim.AdamW(theirs, backend=backend, max_grad_norm=1.0)
+        _grads(theirs, 0)
+        twin.step()
+    _grads(ours, 0)
+    opt.step()
+    small = [p for p in ours if p.numel() <= opt_module.PACK_MAX]
+    big = [p for p in ours if p.numel() > opt_module.PACK_MAX]
+    for name in ("mu", "nu"):
+        bases = {opt.state[p][name].untyped_storage().data_ptr() for p in small}
+        assert len(bases) == 1, name  # one buffer
+        for p in small:
+            t = opt.state[p][name]
+            assert t.shape == p.shape and t.is_contiguous() and t.dtype == torch.float32
+            assert t.data_ptr() % opt_module.PACK_ALIGN == 0
+        for p in big:  # kept apart: its own storage, as made
+            t = opt.state[p][name]
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    steps = {opt.state[p]["step"].untyped_storage().data_ptr() for p in ours}
+    assert len(steps) == len(ours)  # each counter its own
+    for step in range(1, 4):
+        _grads(ours, step)
+        _grads(theirs, step)
+        opt.step()
+        twin.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p.detach(), q.detach())
+        for name in ("mu", "nu", "step"):
+            assert torch.equal(opt.state[p][name], twin.state[q][name]), name
+
+
+def test_a_parameter_that_steps_later_gets_a_state_of_its_own():
+    params = _params()
+    opt = vega.optim.AdamW(params)
+    _grads(params, 0)
+    params[1].grad = None
+    opt.step()
+    assert params[1] not in opt.state
+    _grads(params, 1)
+    opt.step()
+    late, other = opt.state[params[1]]["mu"], opt.state[params[0]]["mu"]
+    assert late.untyped_storage().data_ptr() != other.untyped_storage().data_ptr()
+    assert late.untyped_storage().nbytes() == late.numel() * 4
+
+
+def test_packed_state_saved_and_loaded_resumes_bitwise():
+    ours, theirs = _params(), _params()
+    opt = vega.optim.AdamW(ours)
+    for step in range(2):
+        _grads(ours, step)
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    saved = buf.getbuffer().nbytes
+    state_bytes = sum(t.numel() * t.element_size() for st in opt.state.values()
+                      for t in st.values())
+    assert saved < state_bytes + 64 * 1024  # each buffer once
+    for p, q in zip(ours, theirs):
+        q.data.copy_(p.detach())
+    twin = vega.optim.AdamW(theirs)
+    buf.seek(0)
+    twin.load_state_dict(torch.load(buf))
+    for step in range(2, 4):
+        _grads(ours, step)
+        _grads(theirs, step)
+        opt.step()
+        twin.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p.detach(), q.detach())
+        for name in ("mu", "nu", "step"):
+            assert torch.equal(opt.state[p][name], twin.state[q][name]), name
