@@ -3,6 +3,7 @@ dtype and device, each tensor a view of its own aligned part of it (``_pack``). 
 changes where the values live, never what they are, and everything a user does with the
 state (stepping, saving, loading, a parameter that steps later) works as without it."""
 import io
+import sys
 
 import pytest
 import torch
@@ -116,3 +117,38 @@ def test_packed_state_saved_and_loaded_resumes_bitwise():
         assert torch.equal(p.detach(), q.detach())
         for name in ("mu", "nu", "step"):
             assert torch.equal(opt.state[p][name], twin.state[q][name]), name
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="huge pages are asked for on Linux")
+def test_a_large_packed_buffer_starts_on_a_huge_page_and_asks_for_them(monkeypatch):
+    asked = []
+    monkeypatch.setattr(opt_module, "_madvise_huge", lambda at, n: asked.append((at, n)))
+    params = [torch.nn.Parameter(torch.randn(20_000)) for _ in range(60)]  # 4.8 MB a state
+    small = [torch.nn.Parameter(torch.randn(100)) for _ in range(10)]  # 4 KB a state
+    opt = vega.optim.AdamW([{"params": params}, {"params": small}])
+    for p in params + small:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    first = opt.state[params[0]]["mu"].data_ptr()
+    assert len(asked) == 2  # mu's and nu's buffers of the large group; none of the small
+    for at, n in asked:
+        assert at % opt_module.HUGE_PAGE == 0
+        assert n >= 60 * 20_000 * 4
+    assert first in {at for at, _ in asked}
+    for name in ("mu", "nu"):
+        storage = opt.state[params[0]][name].untyped_storage()
+        start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        at, n = next((a, m) for a, m in asked if start <= a < end)
+        assert at + n <= end  # within what was allocated
+
+
+def test_a_large_buffer_is_usable_memory_of_its_length():
+    """With the real system call: the buffer is as long as asked and holds what is written
+    (asking for huge pages changes where the values live, nothing else)."""
+    t = opt_module._buffer(3 << 20, torch.float32, "cpu")
+    assert t.shape == (3 << 20,) and t.dtype == torch.float32 and t.is_contiguous()
+    if sys.platform == "linux":
+        assert t.data_ptr() % opt_module.HUGE_PAGE == 0
+    t.fill_(2.5)
+    assert float(t.sum()) == 2.5 * (3 << 20)
+    assert opt_module._buffer(10, torch.bfloat16, "cpu").shape == (10,)
