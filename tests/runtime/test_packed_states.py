@@ -28,6 +28,20 @@ def _grads(params, step):
         p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
 
 
+def _steps_alike(ours, theirs, opt, twin, steps):
+    """Both optimizers stepped on the same gradients: the same parameters and state, bit
+    for bit."""
+    for step in steps:
+        _grads(ours, step)
+        _grads(theirs, step)
+        opt.step()
+        twin.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p.detach(), q.detach())
+        for name in ("mu", "nu", "step"):
+            assert torch.equal(opt.state[p][name], twin.state[q][name]), name
+
+
 @pytest.fixture
 def unpacked(monkeypatch):
     """Optimizers made inside ``with unpacked():`` keep each state tensor apart."""
@@ -66,15 +80,7 @@ def test_packed_states_are_views_of_one_buffer_and_step_as_apart(backend, dtype,
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
     steps = {opt.state[p]["step"].untyped_storage().data_ptr() for p in ours}
     assert len(steps) == len(ours)  # each counter its own
-    for step in range(1, 4):
-        _grads(ours, step)
-        _grads(theirs, step)
-        opt.step()
-        twin.step()
-    for p, q in zip(ours, theirs):
-        assert torch.equal(p.detach(), q.detach())
-        for name in ("mu", "nu", "step"):
-            assert torch.equal(opt.state[p][name], twin.state[q][name]), name
+    _steps_alike(ours, theirs, opt, twin, range(1, 4))
 
 
 def test_a_parameter_that_steps_later_gets_a_state_of_its_own():
@@ -108,15 +114,7 @@ def test_packed_state_saved_and_loaded_resumes_bitwise():
     twin = vega.optim.AdamW(theirs)
     buf.seek(0)
     twin.load_state_dict(torch.load(buf))
-    for step in range(2, 4):
-        _grads(ours, step)
-        _grads(theirs, step)
-        opt.step()
-        twin.step()
-    for p, q in zip(ours, theirs):
-        assert torch.equal(p.detach(), q.detach())
-        for name in ("mu", "nu", "step"):
-            assert torch.equal(opt.state[p][name], twin.state[q][name]), name
+    _steps_alike(ours, theirs, opt, twin, range(2, 4))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="huge pages are asked for on Linux")
