@@ -113,7 +113,13 @@ def test_packed_state_saved_and_loaded_resumes_bitwise():
         q.data.copy_(p.detach())
     twin = vega.optim.AdamW(theirs)
     buf.seek(0)
-    twin.load_state_dict(torch.load(buf))
+    loaded = torch.load(buf)
+    twin.load_state_dict(loaded)
+    for name in ("mu", "nu"):  # packed again, the loaded tensors left as they were
+        small = [q for q in theirs if q.numel() <= opt_module.PACK_MAX]
+        assert len({twin.state[q][name].untyped_storage().data_ptr() for q in small}) == 1
+        assert all(twin.state[q][name] is not t for q in theirs
+                   for t in (s[name] for s in loaded["state"].values()))
     _steps_alike(ours, theirs, opt, twin, range(2, 4))
 
 
@@ -150,3 +156,22 @@ def test_a_large_buffer_is_usable_memory_of_its_length():
     t.fill_(2.5)
     assert float(t.sum()) == 2.5 * (3 << 20)
     assert opt_module._buffer(10, torch.bfloat16, "cpu").shape == (10,)
+
+
+def test_a_loaded_state_of_tensors_apart_is_packed(unpacked):
+    """A state dict whose tensors are each their own (saved before states were packed, or
+    converted from torch.optim's) loads packed, with its values."""
+    ours, theirs = _params(), _params()
+    with unpacked():
+        opt = vega.optim.AdamW(ours)
+        _grads(ours, 0)
+        opt.step()
+    saved = opt.state_dict()
+    assert len({st["mu"].untyped_storage().data_ptr() for st in saved["state"].values()}) > 1
+    twin = vega.optim.AdamW(theirs)
+    twin.load_state_dict(saved)
+    small = [q for q in theirs if q.numel() <= opt_module.PACK_MAX]
+    assert len({twin.state[q]["mu"].untyped_storage().data_ptr() for q in small}) == 1
+    for p, q in zip(ours, theirs):
+        for name in ("mu", "nu", "step"):
+            assert torch.equal(opt.state[p][name], twin.state[q][name]), name

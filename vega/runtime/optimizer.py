@@ -90,9 +90,10 @@ PACK_ALIGN = 64  # bytes: where each packed tensor starts
 
 
 def _pack(made: list[tuple]) -> None:
-    """The small state tensors made in one step moved into one buffer for each state name,
-    dtype and device, each a view of its own part of it, in the parameters' order (each
-    part starting at a multiple of ``PACK_ALIGN`` bytes). Over many small tensors a step
+    """The small state tensors of ``made`` (parameter, state dict: those a step made, or a
+    group's loaded ones) moved into one buffer for each state name, dtype and device, each
+    a view of its own part of it, in the parameters' order (each part starting at a
+    multiple of ``PACK_ALIGN`` bytes). Over many small tensors a step
     then streams through each state in one run of memory, and their views share one
     storage: both save time in the kernels and around them (docs/performance.md). Packed:
     a plain, contiguous float tensor of its parameter's shape, of at most ``PACK_MAX``
@@ -806,6 +807,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             self.state, self.param_groups, self.loss_scale = before
             raise
         self.state = _counting(self.state)  # (torch's loading made a new defaultdict)
+        for group in self.param_groups:  # packed as a step packs the states it makes
+            _pack([(p, self.state[p]) for p in group["params"] if self.state.get(p)])
         self._plans().clear()
         sync = self._betas()
         sync.seen = {id(g): sync.seen[id(g)] for g in self.param_groups if id(g) in sync.seen}
