@@ -14,7 +14,6 @@ import inspect
 import math
 import numbers
 import operator
-import sys
 from itertools import repeat
 
 import torch
@@ -83,86 +82,6 @@ class _States(collections.defaultdict):
     def update(self, *args, **kwargs):
         self._changed()
         super().update(*args, **kwargs)
-
-
-PACK_MAX = 65536  # state tensors of at most this many elements are packed (``_pack``)
-PACK_ALIGN = 64  # bytes: where each packed tensor starts
-
-
-def _pack(made: list[tuple]) -> None:
-    """The small state tensors of ``made`` (parameter, state dict: those a step made, or a
-    group's loaded ones) moved into one buffer for each state name, dtype and device, each
-    a view of its own part of it, in the parameters' order (each part starting at a
-    multiple of ``PACK_ALIGN`` bytes). Over many small tensors a step
-    then streams through each state in one run of memory, and their views share one
-    storage: both save time in the kernels and around them (docs/performance.md). Packed:
-    a plain, contiguous float tensor of its parameter's shape, of at most ``PACK_MAX``
-    elements, one of two or more alike; not the step counter."""
-    alike: dict = {}
-    for p, st in made:
-        for name, t in st.items():
-            if name != "step" and type(t) is torch.Tensor and t.is_floating_point() \
-                    and t.numel() <= PACK_MAX and t.shape == p.shape and t.is_contiguous():
-                alike.setdefault((name, t.dtype, t.device), []).append(st)
-    for (name, dtype, device), sts in alike.items():
-        if len(sts) < 2:
-            continue
-        align = max(1, PACK_ALIGN // torch.empty((), dtype=dtype).element_size())
-        starts, total = [], 0
-        for st in sts:
-            starts.append(total)
-            total += -(-st[name].numel() // align) * align
-        buffer = _buffer(total, dtype, device)
-        for st, at in zip(sts, starts):
-            t = st[name]
-            view = buffer[at:at + t.numel()].view(t.shape)
-            view.copy_(t)
-            st[name] = view
-
-
-HUGE_PAGE = 1 << 21  # bytes: the huge pages a packed buffer asks for (``_buffer``)
-HUGE_MIN = 2 * HUGE_PAGE  # a CPU buffer of fewer bytes takes the usual pages
-
-
-def _buffer(numel: int, dtype, device) -> torch.Tensor:
-    """An uninitialized tensor of ``numel`` elements for ``_pack``. A large one on the CPU
-    under Linux starts at a multiple of ``HUGE_PAGE`` bytes, and asks the system for huge
-    pages (madvise MADV_HUGEPAGE, before any page of it is touched): a step that streams
-    through it then needs one address translation every 2 MB, not every 4 KB. Where the
-    system gives none (transparent huge pages off), the usual pages, with nothing said."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or sys.platform != "linux" \
-            or numel * size < HUGE_MIN or HUGE_PAGE % size:
-        return torch.empty(numel, dtype=dtype, device=device)
-    spare = HUGE_PAGE // size
-    whole = torch.empty(numel + spare, dtype=dtype, device=device)
-    skip = (-whole.data_ptr() % HUGE_PAGE) // size
-    buffer = whole[skip:skip + numel]
-    # (to the end of its last huge page, within what was allocated)
-    _madvise_huge(buffer.data_ptr(), min(-(-numel * size // HUGE_PAGE) * HUGE_PAGE,
-                                         (numel + spare - skip) * size))
-    return buffer
-
-
-@functools.cache
-def _libc():
-    import ctypes
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-MADV_HUGEPAGE = 14  # (Linux's value, on every architecture)
-
-
-def _madvise_huge(address: int, nbytes: int) -> None:
-    libc = _libc()
-    if libc is not None:
-        libc.madvise(address, nbytes, MADV_HUGEPAGE)  # (a refusal changes nothing)
 
 
 def _counting(state) -> _States:
@@ -549,7 +468,6 @@ class SpecOptimizer(torch.optim.Optimizer):
         wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
         sts = []  # each parameter's state dict (one lookup: a tensor hashes in Python)
         at_zero: dict = {}
-        made = []  # (parameter, its new state dict)
         for p, program in zip(params, progs):
             want = wants.get(id(program))
             if want is None:
@@ -557,7 +475,6 @@ class SpecOptimizer(torch.optim.Optimizer):
             st = self.state.get(p)
             if not st:
                 st = self.state[p] = self._init_state(p, program, values, group, at_zero)
-                made.append((p, st))
                 fresh = self.__dict__.get("_vega_fresh")
                 if fresh is not None:
                     fresh.append(p)
@@ -568,8 +485,6 @@ class SpecOptimizer(torch.optim.Optimizer):
                     f"group's settings need {sorted(want)}; was a bool hyperparameter"
                     f"{shaped} changed after the first step?")
             sts.append(st)
-        if not torch.compiler.is_compiling():
-            _pack(made)
         device = params[0].device.type
         backend = group["backend"] or codegen.default_backend(device)
         parts = [(program, None if len(ks) == len(params) else ks)
@@ -807,8 +722,6 @@ class SpecOptimizer(torch.optim.Optimizer):
             self.state, self.param_groups, self.loss_scale = before
             raise
         self.state = _counting(self.state)  # (torch's loading made a new defaultdict)
-        for group in self.param_groups:  # packed as a step packs the states it makes
-            _pack([(p, self.state[p]) for p in group["params"] if self.state.get(p)])
         self._plans().clear()
         sync = self._betas()
         sync.seen = {id(g): sync.seen[id(g)] for g in self.param_groups if id(g) in sync.seen}
