@@ -267,18 +267,19 @@ def two_threads():
 
 
 def _many(seed=0):
-    """150 parameters of three dtypes, in turn: the operator checks them on two threads."""
+    """150 parameters of three dtypes, in turn, 45,000 elements in all: the operator checks
+    them on two threads (more than ``APART_MIN`` tensors, ``APART_ELEMENTS`` elements)."""
     gen = torch.Generator().manual_seed(seed)
     dtypes = (torch.float32, torch.bfloat16, torch.float64)
-    return [torch.nn.Parameter(torch.randn(1 + k % 9, generator=gen, dtype=torch.float64)
+    return [torch.nn.Parameter(torch.randn(296 + k % 9, generator=gen, dtype=torch.float64)
                                .to(dtypes[k % 3])) for k in range(150)]
 
 
 @pytest.mark.parametrize("name", ["adamw", "lamb"])
 def test_many_tensors_checked_on_two_threads_step_as_on_the_python_path(name):
     """With more parameters than ``APART_MIN``, the operator checks the tensors and reads
-    their addresses on two threads, then builds each dtype group's table in order: the
-    same steps as the Python path's, bit for bit."""
+    their addresses on two threads (this one and a helper), then builds each dtype group's
+    table in order: the same steps as the Python path's, bit for bit."""
     cls = getattr(vega.optim, vega.builtin(name).class_name)
     ours, theirs = _many(), _many()
     opt, twin = cls(ours, max_grad_norm=1.0), _Twin(cls(theirs, max_grad_norm=1.0))
@@ -296,25 +297,26 @@ def test_many_tensors_checked_on_two_threads_step_as_on_the_python_path(name):
     _equal(ours, theirs, opt, twin)
 
 
-def test_checked_on_two_threads_the_first_wrong_tensor_is_named(operator):
-    """Where tensors on both threads are wrong, the error names the first, as one thread
-    checking them in order names it: the last parameter of the first thread's half and the
-    first of the second's have the wrong shape of state."""
+@pytest.mark.parametrize("wrong", [(1990, 2000), (10, 3990)])
+def test_checked_on_two_threads_the_first_wrong_tensor_is_named(operator, wrong):
+    """Where tensors of both threads' halves are wrong, the error names the first, as one
+    thread checking them in order names it: whether the second half's is found first
+    (1990 and 2000 of 4,000) or last (10 and 3990)."""
     kernel = c_backend.Kernel(vega.builtin("adamw").program())
     kernel._registered(operator)
-    n = 200
-    params = [torch.zeros(3) for _ in range(n)]
-    grads = [torch.zeros(3) for _ in range(n)]
-    mus = [torch.zeros(3) for _ in range(n)]
-    nus = [torch.zeros(3) for _ in range(n)]
-    mus[99], mus[100] = torch.zeros(2), torch.zeros(4)
+    n = 4000
+    params = [torch.zeros(16) for _ in range(n)]
+    grads = [torch.zeros(16) for _ in range(n)]
+    mus = [torch.zeros(2) if i in wrong else torch.zeros(16) for i in range(n)]
+    nus = [torch.zeros(16) for _ in range(n)]
     steps = [torch.zeros((), dtype=torch.int32) for _ in range(n)]
     with two_threads():
-        for _ in range(5):
-            with pytest.raises(ValueError, match="state 0 of parameter 99 has the wrong shape"):
+        for _ in range(10):
+            with pytest.raises(ValueError,
+                               match=f"state 0 of parameter {wrong[0]} has the wrong shape"):
                 operator.step(kernel.id, params, grads, mus + nus, steps, list(range(n)),
                               [torch.zeros(8, dtype=torch.float64)], [0] * n, None, [], [])
-    assert all(torch.equal(t, torch.zeros(3)) for t in params)
+    assert all(torch.equal(t, torch.zeros(16)) for t in params)
     assert all(int(t) == 0 for t in steps)
 
 

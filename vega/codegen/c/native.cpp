@@ -282,16 +282,38 @@ Group &group_of(std::vector<Group> &groups, const Kernel &k, uint64_t code,
     return groups.back();
 }
 
-// ``check(i)`` for i in [0, n), on the intra-op threads where n is large: what a step takes
-// longest over around its kernels, with many small tensors, is waiting for each tensor's
+// ``check(i)`` for i in [0, n), on the intra-op threads where ``apart`` (``wide``): what a
+// step over many tensors takes longest over around its kernels is waiting for each tensor's
 // metadata to come from memory, and two threads wait for twice as much at once. Each thread
 // takes a run of i and stops at its first error; the error of the lowest i is raised, the
 // one a loop in order raises.
-constexpr size_t APART_MIN = 64;  // fewer than this are done on this thread alone
+constexpr size_t APART_MIN = 64;  // fewer tensors than this are checked on one thread
+// The kernels' PAR_MIN (vega.codegen.c.render): a step of fewer elements runs its kernels on
+// one thread, and is checked on one. A parallel region waits for every thread of its team,
+// and on a busy machine one may not be running: a step that has to wait so for its kernels
+// anyway may wait for its checks too, but a step of small tensors, whose kernels run on this
+// thread alone, must not (with another process busy on the other core of two, 1,000
+// one-element tensors took 20 ms a step checked on two threads, against 1.3 ms on one).
+constexpr int64_t APART_ELEMENTS = 32768;
+
+// Whether ``each_apart`` of the tensors ``ts`` runs on several threads: many tensors, whose
+// elements (the first ``APART_MIN``'s, as many times over as the list holds) are many too.
+template <class List>
+bool wide(const List &ts) {
+    const size_t n = ts.size();
+    if (n < APART_MIN || at::get_num_threads() < 2 || at::in_parallel_region()) return false;
+    int64_t seen = 0;
+    try {  // (a tensor numel refuses is named by the checks, on one thread)
+        for (size_t i = 0; i < APART_MIN; i++) seen += ts[i].defined() ? ts[i].numel() : 0;
+    } catch (const std::exception &) {
+        return false;
+    }
+    return seen * static_cast<int64_t>(n / APART_MIN) >= APART_ELEMENTS;
+}
 
 template <class Check>
-void each_apart(size_t n, const Check &check) {
-    if (n < APART_MIN || at::get_num_threads() < 2 || at::in_parallel_region()) {
+void each_apart(size_t n, bool apart, const Check &check) {
+    if (!apart) {
         for (size_t i = 0; i < n; i++) check(i);
         return;
     }
@@ -337,7 +359,8 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
     const size_t nt = steps.size();
     std::vector<int64_t> step_at(nt);
     std::vector<Span> spans(in_place ? n * (ns + 1) + nt : 0);
-    each_apart(nt, [&](size_t j) {
+    const bool apart = wide(params);
+    each_apart(nt, apart && nt >= APART_MIN, [&](size_t j) {
         const at::Tensor &t = steps[j];
         if (!is_counter(t, c10::Device(c10::kCPU)))
             fail("backend 'c': a step counter must be a 0-d int32 tensor on the CPU");
@@ -368,7 +391,7 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
     // dtypes packed (``dtype_code``)
     const size_t fw = ns + 4;
     std::vector<int64_t> found(n * fw);
-    each_apart(n, [&](size_t i) {
+    each_apart(n, apart, [&](size_t i) {
         const at::Tensor &p = params[i], &g = grads[i];
         int64_t *f = found.data() + i * fw;
         f[1] = check_plain(p, "parameter", i);
@@ -471,7 +494,7 @@ void prelude_impl(int64_t id, const List &grads, const at::Tensor &pre) {
     // each gradient's address, length and dtype (on several threads: ``each_apart``)
     const size_t n = grads.size();
     std::vector<int64_t> found(3 * n);
-    each_apart(n, [&](size_t i) {
+    each_apart(n, wide(grads), [&](size_t i) {
         const at::Tensor &g = grads[i];
         found[3 * i] = check_plain(g, "gradient", i);
         found[3 * i + 1] = g.numel();
@@ -1030,7 +1053,8 @@ PYBIND11_MODULE(vega_native, m) {
         py::gil_scoped_release unlocked;
         step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(), hyper_index,
                   pre, geometry, o.list());
-        if (o.ts.empty()) each_apart(p.ts.size(), [&](size_t i) { bump(*p.ts[i]); });
+        if (o.ts.empty())
+            each_apart(p.ts.size(), wide(p.list()), [&](size_t i) { bump(*p.ts[i]); });
     });
     // whether a step in place may write every one of these tensors: none an inference
     // tensor outside inference mode, each contiguous, no two sharing memory (False where one
