@@ -297,6 +297,13 @@ def test_many_tensors_checked_on_two_threads_step_as_on_the_python_path(name):
     _equal(ours, theirs, opt, twin)
 
 
+def test_checked_on_two_threads_where_the_kernels_run_on_them(operator):
+    """A step is checked on two threads only where its kernels run on two threads anyway:
+    the operator's bound is the kernels' ``PAR_MIN``."""
+    source = c_backend.Kernel(vega.builtin("adamw").program()).source()
+    assert f"#define PAR_MIN {operator.APART_ELEMENTS} " in source
+
+
 @pytest.mark.parametrize("wrong", [(1990, 2000), (10, 3990)])
 def test_checked_on_two_threads_the_first_wrong_tensor_is_named(operator, wrong):
     """Where tensors of both threads' halves are wrong, the error names the first, as one

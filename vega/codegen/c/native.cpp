@@ -303,7 +303,7 @@ bool wide(const List &ts) {
     const size_t n = ts.size();
     if (n < APART_MIN || at::get_num_threads() < 2 || at::in_parallel_region()) return false;
     int64_t seen = 0;
-    try {  // (a tensor numel refuses is named by the checks, on one thread)
+    try {  // (a tensor whose numel raises is named by the checks, on one thread)
         for (size_t i = 0; i < APART_MIN; i++) seen += ts[i].defined() ? ts[i].numel() : 0;
     } catch (const std::exception &) {
         return false;
@@ -1031,6 +1031,7 @@ PYBIND11_MODULE(vega_native, m) {
         k->libs[key] = lib;
     });
     m.def("entry_calls", []() { return entry_calls.load(); });
+    m.attr("APART_ELEMENTS") = APART_ELEMENTS;  // (the kernels' PAR_MIN: a test holds them equal)
     m.def("drop_kernel", [](int64_t id) {
         std::lock_guard<std::mutex> guard(registry_lock);
         registry.erase(id);
