@@ -143,26 +143,28 @@ class SpecOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             self._check_group(owner, group)
+            self._check_params(owner, group, len(self.param_groups) - 1)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
+        self._betas().remember(group)
+
+    @staticmethod
+    def _check_params(owner: str, group: dict, index: int) -> None:
+        """ValueError for a parameter of group ``index`` given twice (torch only warns; a step
+        in place would write it twice), not float or complex, or not dense."""
         first: dict[int, int] = {}  # id -> its first position
         for k, p in enumerate(group["params"]):
             j = first.setdefault(id(p), k)
-            if j != k:  # (torch only warns; a step in place would write it twice)
-                self.param_groups.pop()
-                raise ValueError(f"{type(self).__name__}: parameter {k} of group "
-                                 f"{len(self.param_groups)} is parameter {j} again: give each "
-                                 f"parameter once")
+            if j != k:
+                raise ValueError(f"{owner}: parameter {k} of group {index} is parameter {j} "
+                                 f"again: give each parameter once")
             if not p.is_floating_point() and not p.is_complex():
-                self.param_groups.pop()
-                raise ValueError(f"{type(self).__name__} can only optimize float or complex "
-                                 f"tensors, got one of dtype {p.dtype}")
+                raise ValueError(f"{owner} can only optimize float or complex tensors, got one "
+                                 f"of dtype {p.dtype}")
             if not dense(p):
-                self.param_groups.pop()
-                raise ValueError(f"{type(self).__name__}: parameter {k} of group "
-                                 f"{len(self.param_groups)} is {dense_words(p)}")
-        self._betas().remember(group)
+                raise ValueError(f"{owner}: parameter {k} of group {index} is "
+                                 f"{dense_words(p)}")
 
     def _check_group_keys(self, owner: str, given: dict) -> None:
         """Refuse a group's key that would be ignored where its author meant a setting: one

@@ -168,8 +168,8 @@ _TORCH_RULES = {
     "Adam": {"decoupled_weight_decay": False}, "AdamW": {"decoupled_weight_decay": True},
     "RAdam": {"weight_decay": 0, "decoupled_weight_decay": False},
 }
-_TORCH_ONLY = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
-KEYWORDS = _TORCH_ONLY  # torch's keywords a group of torch's class may hold
+# torch's keywords a group of torch's class may hold
+KEYWORDS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 # vega's keys of a group for the precision of its parameters (docs/precision.md), with the
 # value a group lacking one (a state saved before they existed) takes
 PRECISION_DEFAULTS = {"master_weights": False, "stochastic_rounding": False,
@@ -215,7 +215,7 @@ def from_torch(owner: str, cls_name: str, state_dict: dict, current: list) -> di
                     f"{key}={engine.shown(group[key])}, but vega.optim.{cls_name}'s rule is "
                     f"torch's at {key}={value!r}")
         here = current[k] if k < len(current) else current[-1]
-        out = {key: v for key, v in group.items() if key not in _TORCH_ONLY}
+        out = {key: v for key, v in group.items() if key not in KEYWORDS}
         if isinstance(group.get("betas"), (tuple, list)):
             out.update((f"b{i + 1}", b) for i, b in enumerate(group["betas"]))
             out["betas"] = tuple(group["betas"])
