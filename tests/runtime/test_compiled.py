@@ -248,8 +248,9 @@ def test_factored_adafactor_compiles_once(backend):
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bfloat16"])
 def test_muon_compiles_once(bf16):
-    """Muon's matrices (two wide of one shape, one tall, which the matrix view transposes)
-    and a vector (AdamW's side): one graph, replayed; equal to the eager steps in float32
+    """Muon's matrices (two wide of one shape, one tall, which the matrix view transposes,
+    and a wider one, whose Newton-Schulz steps take the Gram form: vega.codegen.gram) and
+    a vector (AdamW's side): one graph, replayed; equal to the eager steps in float32
     (eager, bfloat16 products of one shape are one batched product: equal to bfloat16's
     rounding). A graph break in the matrix helpers compiled them as frames of their own,
     which a second shape recompiled with the geometry's integers as symbols: the step
@@ -257,7 +258,8 @@ def test_muon_compiles_once(bf16):
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
     params = {"a": torch.randn(6, 9, generator=gen), "b": torch.randn(6, 9, generator=gen),
-              "t": torch.randn(9, 6, generator=gen), "v": torch.randn(9, generator=gen)}
+              "t": torch.randn(9, 6, generator=gen), "w": torch.randn(4, 12, generator=gen),
+              "v": torch.randn(9, generator=gen)}
 
     def step(params, grads, state):
         return vega.muon_step(params, grads, state, lr=0.02, bf16=bf16)

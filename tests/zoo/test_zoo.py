@@ -941,6 +941,114 @@ def test_muon_bfloat16_products_of_one_shape_are_one_batched_product(monkeypatch
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0.01 * moved)
 
 
+def test_muon_wide_and_tall_matrices_in_the_gram_form_against_torch_float64(monkeypatch):
+    """Where a matrix's longer side is more than 1.5 times its shorter one, the Newton-Schulz
+    steps run in the Gram form (``vega.codegen.gram``): on the small Gram matrix, the
+    matrix itself multiplied once a run (runs of 3 and 2 steps). The same function: in
+    float64 each matrix's parameter and momentum are torch's step written out, 20 steps,
+    with two products of the matrix's size a step where the iteration as written takes
+    five."""
+    shapes = {"w": (4, 12), "t": (12, 4), "s": (5, 5), "v": (12,)}
+    gen = torch.Generator().manual_seed(8)
+    start = {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
+    grads = [{n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
+             for _ in range(STEPS)]
+    h = dict(lr=0.02, weight_decay=0.05, momentum=0.9, a=3.0, b=-3.2, c=1.2, eps=1e-3,
+             ns_steps=5.0, adam_lr=0.01, adam_b1=0.8, adam_b2=0.95, adam_eps=1e-3,
+             adam_weight_decay=0.05, nesterov=True, match_rms_adamw=False, bf16=False)
+    want = muon_torch_float64(start, lambda k: grads[k], h, STEPS)
+    ps = {n: torch.nn.Parameter(p.clone()) for n, p in start.items()}
+    opt = vega.optim.Muon(list(ps.values()), **h)
+    products = []
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: products.append(
+        tuple(a.shape[-2:]) + tuple(b.shape[-1:])) or real(a, b))
+    for k in range(STEPS):
+        for n, p in ps.items():
+            p.grad = grads[k][n].clone()
+        opt.step()
+        for n, p in ps.items():
+            assert_close(p.detach(), want[k][f"p.{n}"], f"p.{n}", k)
+            if n != "v":
+                assert_close(opt.state[p]["buf"], want[k][f"buf.{n}"], f"buf.{n}", k)
+    # a step: R x, twice for each of the two 4 x 12 views; x x^T twice each (its restart)
+    assert products.count((4, 4, 12)) == 2 * 2 * STEPS, products[:40]
+    assert products.count((4, 12, 4)) == 2 * 2 * STEPS
+    assert products.count((5, 5, 5)) == 3 * 5 * STEPS  # (the square: as written)
+
+
+def test_muon_gram_form_in_bfloat16_is_as_close_to_float64_as_the_iteration_as_written(
+        monkeypatch):
+    """Muon's orthogonalization of one matrix in bfloat16 (lr 1, no momentum, no decay: the
+    update is the iteration's result), against the float64 iteration: the Gram form's error
+    at most the iteration as written's, and 5% more, on a random matrix, a nearly low-rank
+    one and one of widely spread singular values. (Without its restart, the Gram form's
+    rounding grows without bound on the nearly low-rank one.)"""
+    from vega.codegen import gram
+    opt = vega.builtin("muon")
+    h = dict(lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False)
+
+    def update(g, bf16):
+        p = torch.zeros_like(g)
+        new, _ = opt.step([p], [g], opt.init([p], bf16=bf16, **h), bf16=bf16, **h)
+        return -new[0]
+    gen = torch.Generator().manual_seed(9)
+    m, n = 32, 128
+    u, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, m, generator=gen, dtype=torch.float64))
+    cases = {"random": torch.randn(m, n, generator=gen),
+             "low rank": torch.randn(m, 4, generator=gen) @ torch.randn(4, n, generator=gen)
+             + 1e-3 * torch.randn(m, n, generator=gen),
+             "spread": ((u * torch.logspace(-6, 0, m, dtype=torch.float64)) @ v.T).float()}
+    for name, g in cases.items():
+        exact = update(g.double(), False).float()
+        errors = {}
+        for form in ("gram", "written"):
+            monkeypatch.setattr(gram.Gram, "pays", lambda self, rows, cols, f=form: f == "gram")
+            errors[form] = float((update(g, True) - exact).norm() / exact.norm())
+        assert errors["gram"] <= 1.05 * errors["written"], (name, errors)
+        assert errors["written"] > 1e-3  # (bfloat16's rounding is there to compare)
+
+
+def test_muon_gram_form_of_matrices_of_one_shape_is_batched(monkeypatch):
+    """bfloat16, three 4 x 16 matrices: each product of the Gram form is one batched product
+    of the three (a stack of 3), as the iteration as written's are; the step matches the
+    step of one matrix at a time to bfloat16's rounding of the products."""
+    from vega.codegen import reference
+    gen = torch.Generator().manual_seed(10)
+    start = [torch.randn(4, 16, generator=gen) for _ in range(3)]
+    grads = [[torch.randn(4, 16, generator=gen) for _ in range(3)] for _ in range(5)]
+    batches = []
+    for name in ("matmul", "baddbmm"):
+        def recorded(*args, _fn=getattr(torch, name), **kwargs):
+            out = _fn(*args, **kwargs)
+            if out.dim() == 3:  # (a stack of matrices)
+                batches.append(tuple(out.shape))
+            return out
+        monkeypatch.setattr(torch, name, recorded)
+
+    def run(elements):
+        monkeypatch.setattr(reference, "BATCH_ELEMENTS", elements)
+        ps = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = vega.optim.Muon(ps, lr=0.02)
+        for gs in grads:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            opt.step()
+        return ps
+    batched = run(1 << 24)
+    # a step: x x^T and R x a run (two runs), A^2 a Newton-Schulz step (five), P A and
+    # (P A) P^T a step but a run's last (three), R's product a step but a run's first (three)
+    assert set(batches) == {(3, 4, 4), (3, 4, 16)}, set(batches)
+    assert batches.count((3, 4, 16)) == 2 * 5 and len(batches) == 5 * (4 + 5 + 2 * 3 + 3)
+    batches.clear()
+    alone = run(0)
+    assert not batches
+    moved = max(float((p.detach() - q).abs().max()) for p, q in zip(alone, start))
+    for p, q in zip(batched, alone):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0.01 * moved)
+
+
 def test_muon_takes_the_shorter_side_as_rows(monkeypatch):
     """The matrix view's rows are a matrix's shorter side, so x @ transpose(x) is the smaller
     Gram matrix for a tall and a wide matrix alike; the two updates are each other's

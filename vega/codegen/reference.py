@@ -26,6 +26,7 @@ import operator
 import torch
 
 from vega.codegen import precision, quant
+from vega.codegen.gram import Gram, gram_form
 from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_codes, check_dtypes,
                                check_states, geometry, hyper_var, leveled, linearize, state_var)
 from vega.codegen.record import Pre, finite_of
@@ -108,6 +109,7 @@ class TorchRenderer(Renderer):
         Op.AMAX: lambda self, node, phase, a: f"_amax({a})",
         **_product_ops(lambda name, args: f"_{name}({args})"),
         Op.TRANSPOSE: lambda self, node, phase, a: f"_transpose({a}, geo, {node.src[0].dom!r})",
+        Op.SHIFT: _fn("_shift"),
         Op.SIZE: lambda self, node, phase: f"_size(p, geo, {node.arg})",
         Op.BF16: lambda self, node, phase, a: f"_bf16({a}, p)",
         Op.WIDEN: lambda self, node, phase, a: f"_widen({a}, p)",
@@ -588,6 +590,15 @@ def _shifted(s, a, b):
     return shifted
 
 
+def _shift(s, b):
+    """``b + s I`` (``b`` a square or a batch of squares, ``s`` one number), a tensor of its
+    own in ``b``'s dtype: the Gram form's ``P`` (``vega.codegen.gram``), whose diagonal is
+    added as ``_shifted``'s."""
+    out = b.to(memory_format=torch.contiguous_format, copy=True)
+    out.diagonal(0, -2, -1).add_(s.to(out.dtype) if isinstance(s, torch.Tensor) else s)
+    return out
+
+
 # bfloat16 products batched over the tensors of one shape (``Kernel._batched``): on the
 # CPU a batched bfloat16 product of several matrices takes markedly less time than one
 # product a matrix (docs/performance.md). The elementwise work stays tensor by tensor.
@@ -799,7 +810,8 @@ class Kernel:
                      "_fit": _fit, "_broadcast": _broadcast, "_reduce": _reduce,
                      "_matmul": _matmul, "_transpose": _transpose, "_size": _size,
                      "_bf16": _bf16, "_widen": _widen, "_matmul_add": _matmul_add,
-                     "_matmul_shift": _matmul_shift, "_into": _into}
+                     "_matmul_shift": _matmul_shift, "_into": _into, "_shift": _shift}
+        self._gram = self._gram_form(gram_form(shown), dict(namespace))
         self._staged_text = render_staged(shown, self.linear)
         exec(compile(self._staged_text, f"<vega reference, staged: {program.name}>", "exec"),
              namespace)
@@ -818,8 +830,53 @@ class Kernel:
         self._inits = [namespace[f"init_{state_var(s.name)}"] for s in program.states]
         self._modes = {name: namespace[f"mode_{name}"] for name, _ in program.modes}
 
+    def _gram_form(self, gram: Gram | None, namespace: dict):
+        """(the Gram form, its ``update`` and ``update_batched`` (or None), and where each of
+        its scalars sits among ``update``'s): ``vega.codegen.gram``; None where the program
+        has no Newton-Schulz chain, or where the form reads a scalar the program's ``update``
+        is not given (it reads the same ones)."""
+        if gram is None:
+            return None
+        lin = linearize(gram.program)
+        named = {name: key for key, name in lin.names.items()}
+        mine = self.linear.scalar_outputs
+        at = [self.linear.names.get(named[name]) for name in lin.scalar_outputs]
+        if not all(name in mine for name in at):
+            return None
+        text = render(gram.program, lin)
+        exec(compile(text, f"<vega reference, Gram form: {self.program.name}>", "exec"),
+             namespace)
+        batched = render_batched(gram.program, lin)
+        if batched is not None:
+            exec(compile(batched, f"<vega reference, Gram form, batched: "
+                                  f"{self.program.name}>", "exec"), namespace)
+        self.gram_text = text
+        return (gram, namespace["update"], namespace.get("update_batched") if batched else None,
+                [mine.index(name) for name in at])
+
+    def _form(self, geo: Geometry | None):
+        """(``update``, ``update_batched``, where its scalars sit among ``update``'s or None)
+        for a tensor of matrix view ``geo``: the Gram form's where it pays (``Gram.pays``)."""
+        if self._gram is None or geo is None:
+            return self._update, self._update_batched, None
+        gram, update, batched, at = self._gram
+        _, rows, cols = _matrix_axes(geo)
+        if not gram.pays(rows, cols):
+            return self._update, self._update_batched, None
+        return update, batched, at
+
+    def _given(self, args: list, at: list[int] | None) -> list:
+        """``_args``'s arguments for an ``update`` whose scalars sit at ``at``."""
+        if at is None:
+            return args
+        fixed = 2 + len(self.program.states)
+        return args[:fixed] + [args[fixed + k] for k in at]
+
     def source(self) -> str:
-        return self.text
+        if self._gram is None:
+            return self.text
+        return (f"{self.text}\n# Where a tensor's matrix view pays for it (vega.codegen.gram), "
+                f"the Newton-Schulz steps in the Gram form:\n\n{self.gram_text}")
 
     def _hyper_args(self, values: dict, dtype, device):
         return [v if isinstance(v, torch.Tensor) and v.dtype == dtype and v.device == device
@@ -901,8 +958,10 @@ class Kernel:
         for ids in self._batches(params, grads, states):
             if len(ids) > 1:  # tensors of one shape: their products batched
                 geo = geometry(params[ids[0]].shape)
-                outs = self._batched([self._args(cache, i, params[i], grads[i], states, steps,
-                                                 values, gscale) for i in ids], geo)
+                _, batched, at = self._form(geo)
+                outs = self._batched(batched, [self._given(self._args(
+                    cache, i, params[i], grads[i], states, steps, values, gscale), at)
+                    for i in ids], geo)
                 for i, out in zip(ids, outs):
                     self._write(i, params[i], grads[i], states, out, finite, donate,
                                 new_params, new_states, keys[i])
@@ -911,8 +970,9 @@ class Kernel:
             p, g = params[i], grads[i]
             args = self._args(cache, i, p, g, states, steps, values, gscale)
             extra = (geometry(p.shape),) if self.program.uses_axes else ()
-            self._write(i, p, g, states, self._update(*args, *extra), finite, donate,
-                        new_params, new_states, keys[i])
+            update, _, at = self._form(extra[0] if extra else None)
+            self._write(i, p, g, states, update(*self._given(args, at), *extra), finite,
+                        donate, new_params, new_states, keys[i])
         return new_params, new_states, advance_steps(steps, finite, donate), finite
 
     def _batches(self, params, grads, states) -> list[list[int]]:
@@ -939,11 +999,11 @@ class Kernel:
             out += [ids[k:k + size] for k in range(0, len(ids), size)]
         return out
 
-    def _batched(self, args: list, geo: Geometry) -> list[tuple]:
+    def _batched(self, update_batched, args: list, geo: Geometry) -> list[tuple]:
         """``update``'s values for tensors of one shape (``args``: each one's arguments),
         their generators (``update_batched``) run side by side: at each matrix product all
         ask for the same product, computed as one (``_products``)."""
-        gens = [self._update_batched(*a, geo) for a in args]
+        gens = [update_batched(*a, geo) for a in args]
         asked = [next(gen) for gen in gens]  # (every generator asks at least once)
         kept: dict = {}
         while True:

@@ -1,0 +1,143 @@
+"""The Gram form of Newton-Schulz chains (``vega.codegen.gram``): which programs it rewrites,
+where it runs, and that it computes the iteration as written."""
+import pytest
+import torch
+
+import vega
+from vega.codegen import gram, reference
+
+CUBIC = """
+optimizer o() {
+    x = g / norm(g)
+    repeat 4 {
+        A = x @ transpose(x)
+        x = 1.5 * x + (-0.5 * A) @ x
+    }
+    p = p - x
+}"""
+
+
+def form(text: str, shape=(3, 10)):
+    program = vega.compile(text).program(shape=shape)
+    return gram.gram_form(reference.fuse_products(program))
+
+
+def products_of(monkeypatch) -> list:
+    """The shapes of the products torch computes from here on (the last two axes)."""
+    out = []
+    for name in ("matmul", "addmm", "baddbmm", "bmm"):
+        def recorded(*args, _fn=getattr(torch, name), **kwargs):
+            res = _fn(*args, **kwargs)
+            out.append(tuple(res.shape[-2:]))
+            return res
+        monkeypatch.setattr(torch, name, recorded)
+    return out
+
+
+def cubic_by_hand(g: torch.Tensor, steps: int = 4) -> torch.Tensor:
+    x = g / g.norm()
+    for _ in range(steps):
+        x = 1.5 * x - 0.5 * (x @ x.T) @ x
+    return x
+
+
+def test_a_chain_of_steps_is_found_and_costed():
+    """Four cubic steps (no square product in B): runs of 3 and 1. The Gram form pays where
+    the columns outnumber the rows by more than 1.5, for the cubic here and for Muon's
+    quintic alike; never for a square or a tall view."""
+    found = form(CUBIC)
+    assert found is not None and found.chains == ((4, 0, (3, 1)),)
+    # standard: 4 (2 m^2 n); Gram: 2 m^2 n + 6 m^3, then 2 m^2 n: n > 1.5 m
+    assert found.pays(30, 46) and not found.pays(30, 45) and not found.pays(30, 30)
+    muon = vega.builtin("muon").program(shape=(4, 12))
+    quintic = gram.gram_form(reference.fuse_products(muon))
+    assert quintic.chains == ((5, 1, (3, 2)),)
+    assert quintic.pays(768, 3072) and quintic.pays(768, 15000)
+    assert not quintic.pays(768, 1152)  # (the same work: the iteration as written)
+    assert not quintic.pays(768, 768) and not quintic.pays(3072, 768)
+
+
+def test_the_gram_form_computes_the_iteration_as_written(monkeypatch):
+    """float64, a wide view: the cubic iteration written out by hand, to rounding; two
+    products of the parameter's size (x x^T aside), where the steps as written take four."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(3, 10, generator=gen, dtype=torch.float64)
+    spec = vega.compile(CUBIC)
+    shapes = products_of(monkeypatch)
+    new, _ = spec.step([torch.zeros_like(g)], [g], spec.init([g]))
+    torch.testing.assert_close(new[0], -cubic_by_hand(g), rtol=1e-12, atol=1e-12)
+    assert shapes.count((3, 10)) == 2, shapes
+    shapes.clear()
+    monkeypatch.setattr(gram.Gram, "pays", lambda self, rows, cols: False)
+    again, _ = spec.step([torch.zeros_like(g)], [g], spec.init([g]))
+    assert shapes.count((3, 10)) == 4, shapes
+    torch.testing.assert_close(again[0], new[0], rtol=1e-12, atol=1e-12)
+
+
+def test_a_square_view_keeps_the_iteration_as_written(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(6, 6, generator=gen, dtype=torch.float64)
+    spec = vega.compile(CUBIC)
+    shapes = products_of(monkeypatch)
+    new, _ = spec.step([torch.zeros_like(g)], [g], spec.init([g]))
+    torch.testing.assert_close(new[0], -cubic_by_hand(g), rtol=1e-12, atol=1e-12)
+    assert shapes.count((6, 6)) == 8  # x x^T and the step's product, four times
+
+
+@pytest.mark.parametrize("text, chains", [
+    # an intermediate x read elsewhere: the steps do not chain
+    ("optimizer o() {\n x = g\n A = x @ transpose(x)\n x = 1.5 * x + (-0.5 * A) @ x\n"
+     " y = x\n A = x @ transpose(x)\n x = 1.5 * x + (-0.5 * A) @ x\n p = p - x - y\n}", None),
+    # B reads more than x x^T (the gradient's own Gram matrix)
+    ("optimizer o() {\n x = g\n G = g @ transpose(g)\n repeat 3 {\n A = x @ transpose(x)\n"
+     " x = 1.5 * x + (G - A) @ x\n }\n p = p - x\n}", None),
+    # one step only
+    ("optimizer o() {\n x = g\n A = x @ transpose(x)\n x = 1.5 * x + (-0.5 * A) @ x\n"
+     " p = p - x\n}", None),
+    # the last A read after the chain: that step is not one, the two before it chain
+    ("optimizer o() {\n x = g\n repeat 3 {\n A = x @ transpose(x)\n"
+     " x = 1.5 * x + (-0.5 * A) @ x\n }\n p = p - x - sum(A)\n}", ((2, 0, (2,)),)),
+])
+def test_what_is_not_a_step_of_a_chain_is_left_as_written(monkeypatch, text, chains):
+    found = form(text)
+    assert (found and found.chains) == chains
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(3, 10, generator=gen, dtype=torch.float64) / 4
+    spec = vega.compile(text)
+    new, _ = spec.step([torch.zeros_like(g)], [g], spec.init([g]))
+    monkeypatch.setattr(gram.Gram, "pays", lambda self, rows, cols: False)
+    spec = vega.compile(text)
+    written, _ = spec.step([torch.zeros_like(g)], [g], spec.init([g]))
+    torch.testing.assert_close(new[0], written[0], rtol=1e-12, atol=1e-12)
+
+
+def test_a_chain_of_a_program_with_more_is_rewritten_alone(monkeypatch):
+    """B without the shift (``x = B @ x``), and values before and after the chain that read
+    x: only the chain's steps change."""
+    text = """
+    optimizer o() {
+        x = g / norm(g)
+        y = 2 * x
+        repeat 3 {
+            A = x @ transpose(x)
+            x = (1.5 * A - A @ A) @ x
+        }
+        p = p - x - y
+    }"""
+    found = form(text)
+    assert found is not None and found.chains == ((3, 1, (3,)),)
+    gen = torch.Generator().manual_seed(2)
+    g = torch.randn(2, 9, generator=gen, dtype=torch.float64)
+    x = g / g.norm()
+    for _ in range(3):
+        a = x @ x.T
+        x = (1.5 * a - a @ a) @ x
+    spec = vega.compile(text)
+    new, _ = spec.step([torch.zeros_like(g)], [g], spec.init([g]))
+    torch.testing.assert_close(new[0], -x - 2 * (g / g.norm()), rtol=1e-12, atol=1e-12)
+
+
+def test_the_source_shows_the_gram_form():
+    text = vega.builtin("muon").source("reference", shape=(4, 12))
+    assert "Gram form" in text and "_shift(h_a" in text
+    assert "Gram form" not in vega.builtin("adamw").source("reference")
