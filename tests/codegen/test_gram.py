@@ -140,4 +140,5 @@ def test_a_chain_of_a_program_with_more_is_rewritten_alone(monkeypatch):
 def test_the_source_shows_the_gram_form():
     text = vega.builtin("muon").source("reference", shape=(4, 12))
     assert "Gram form" in text and "_shift(h_a" in text
+    assert text.count("def update(") == 2 and text.count("def scalars(") == 1
     assert "Gram form" not in vega.builtin("adamw").source("reference")

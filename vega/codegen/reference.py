@@ -850,7 +850,9 @@ class Kernel:
         if batched is not None:
             exec(compile(batched, f"<vega reference, Gram form, batched: "
                                   f"{self.program.name}>", "exec"), namespace)
-        self.gram_text = text
+        start = text.index("def update(")
+        end = text.find("\n\n", start)
+        self.gram_text = text[start:end if end >= 0 else None].rstrip()  # (its update alone)
         return (gram, namespace["update"], namespace.get("update_batched") if batched else None,
                 [mine.index(name) for name in at])
 
@@ -875,8 +877,9 @@ class Kernel:
     def source(self) -> str:
         if self._gram is None:
             return self.text
-        return (f"{self.text}\n# Where a tensor's matrix view pays for it (vega.codegen.gram), "
-                f"the Newton-Schulz steps in the Gram form:\n\n{self.gram_text}")
+        return (f"{self.text}\n# For a tensor whose matrix view is wide enough "
+                f"(vega.codegen.gram.Gram.pays), update with its Newton-Schulz steps in the "
+                f"Gram form:\n\n{self.gram_text}\n")
 
     def _hyper_args(self, values: dict, dtype, device):
         return [v if isinstance(v, torch.Tensor) and v.dtype == dtype and v.device == device
