@@ -142,3 +142,35 @@ def test_the_source_shows_the_gram_form():
     assert "Gram form" in text and "_shift(h_a" in text
     assert text.count("def update(") == 2 and text.count("def scalars(") == 1
     assert "Gram form" not in vega.builtin("adamw").source("reference")
+
+
+def test_p_is_in_the_dtype_of_the_steps_product():
+    """``B`` rounded to bfloat16 meets a float64 ``x``: the step as written widens ``B``
+    (and adds the shift) before its product, so ``P`` and ``R`` are float64 in the Gram
+    form too, not rounded to ``B``'s bfloat16: the two forms agree to float64's rounding,
+    and both to the steps written out by hand."""
+    text = """
+    optimizer o() {
+        x = g / norm(g)
+        repeat 3 {
+            A = x @ transpose(x)
+            x = 1.5 * x + bfloat16(-0.5 * A) @ x
+        }
+        y = g / (2 * norm(g))
+        repeat 3 {
+            A = y @ transpose(y)
+            y = bfloat16(1.5 * A - A @ A) @ y
+        }
+        p = p - x - y
+    }"""
+    found = form(text, (8, 64))
+    assert found.chains == ((3, 0, (3,)), (3, 1, (3,)))
+    g = torch.randn(8, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x, y = g / g.norm(), g / (2 * g.norm())
+    for _ in range(3):
+        x = 1.5 * x + (-0.5 * (x @ x.T)).bfloat16().double() @ x
+        a = y @ y.T
+        y = (1.5 * a - a @ a).bfloat16().double() @ y
+    spec = vega.compile(text)
+    new, _ = spec.step([torch.zeros_like(g)], [g], spec.init([g]))
+    torch.testing.assert_close(new[0], -x - y, rtol=1e-9, atol=1e-12)

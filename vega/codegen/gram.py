@@ -21,11 +21,11 @@ for an m x n matrix view, K steps and q square products in ``B`` (Muon's: 1). Wh
 columns outnumber the rows by about 1.5 or more (a 768 x 3072 layer: 0.67 of the work) the
 Gram form does less. The two are the same function of ``x_0``; in bfloat16 they round
 differently, and the Gram form's rounding grows with the steps of a run (rounding gives
-``A`` small negative eigenvalues, which the iteration then amplifies), so a run is
-restarted from ``x`` after its first ``RESTART`` steps: ``x_2 = R_2 x_0`` computed, ``A``
-and ``R`` begun again from it ("Gram Newton-Schulz", Dao AI Lab, 2026, which restarts
-likewise). Measured against the float64 iteration (docs/performance.md), the restarted
-Gram form in bfloat16 is as close as the standard one, or closer.
+``A`` small negative eigenvalues, which the iteration then amplifies), so a run ends after
+``RUN`` steps: ``x_3 = R_3 x_0`` computed, ``A`` and ``R`` begun again from it ("Gram
+Newton-Schulz", Dao AI Lab, 2026, which restarts likewise). Measured against the float64
+iteration (docs/performance.md), the restarted Gram form in bfloat16 is about as close as
+the standard one, or closer.
 
 ``gram_form`` finds such chains in a program (after ``reference.fuse_products``) and
 returns the program with each written in the Gram form; the reference kernel runs it for
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vega.dsl.ir import Kind, Node, Op, Program, walk
+from vega.dsl.ir import Kind, Node, Op, Program, const, walk
 
 RUN = 3  # the most steps a run takes before the Gram form restarts from x
 _SQUARE = (Op.MATMUL, Op.MATMUL_ADD, Op.MATMUL_SHIFT)  # products of two squares in ``B``
@@ -163,8 +163,10 @@ def _rewritten(chain: list[_Step]) -> Node:
                 x = _node(st.y.op, *((st.s,) if st.s is not None else ()), b, x, dom="rc",
                           name=st.y.name, span=st.y.span)
                 break
-            p = b if st.s is None else Node(Op.SHIFT, (st.s, b), None, "float", Kind.ELEMENT,
-                                             st.y.span, "P", "rr")
+            # P in the step's product's dtype (``x``'s and ``B``'s promoted), as the step
+            # computes ``B + s I`` (or widens ``B``) before multiplying ``x``
+            p = Node(Op.SHIFT, (const(0.0) if st.s is None else st.s, b, x), None, "float",
+                     Kind.ELEMENT, st.y.span, "P", "rr")
             if j < length - 1:  # the next Gram matrix, P A PT
                 a = _node(Op.MATMUL, _node(Op.MATMUL, p, a, dom="rr", span=span),
                           _node(Op.TRANSPOSE, p, dom="rr", span=span), dom="rr", name="A",

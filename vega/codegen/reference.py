@@ -590,12 +590,14 @@ def _shifted(s, a, b):
     return shifted
 
 
-def _shift(s, b):
-    """``b + s I`` (``b`` a square or a batch of squares, ``s`` one number), a tensor of its
-    own in ``b``'s dtype: the Gram form's ``P`` (``vega.codegen.gram``), whose diagonal is
-    added as ``_shifted``'s."""
-    out = b.to(memory_format=torch.contiguous_format, copy=True)
-    out.diagonal(0, -2, -1).add_(s.to(out.dtype) if isinstance(s, torch.Tensor) else s)
+def _shift(s, b, like):
+    """``b + s I`` (``b`` a square or a batch of squares, ``s`` one number; the number 0:
+    ``b`` alone), a tensor of its own in the dtype of ``b``'s product with ``like``: the
+    Gram form's ``P`` (``vega.codegen.gram``), as ``_shifted`` makes it for the step."""
+    dt = torch.promote_types(b.dtype, like.dtype)
+    out = b.to(dt, memory_format=torch.contiguous_format, copy=True)
+    if isinstance(s, torch.Tensor) or s != 0.0:
+        out.diagonal(0, -2, -1).add_(s.to(dt) if isinstance(s, torch.Tensor) else s)
     return out
 
 

@@ -101,7 +101,7 @@ class Op(Enum):
     MATMUL = "@"
     MATMUL_ADD = "@+"  # x + a @ b, one node of the reference's (vega.codegen.reference)
     MATMUL_SHIFT = "@s"  # s * b + a @ b, a square: (a + s I) @ b, one node of the reference's
-    SHIFT = "+sI"  # b + s I, b square: the reference's Gram form (vega.codegen.gram)
+    SHIFT = "+sI"  # b + s I (b square, in b's and x's dtype): the Gram form's (vega.codegen.gram)
     TRANSPOSE = "transpose"
     SIZE = "size"
     BF16 = "bfloat16"
