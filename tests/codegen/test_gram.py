@@ -174,3 +174,43 @@ def test_p_is_in_the_dtype_of_the_steps_product():
     spec = vega.compile(text)
     new, _ = spec.step([torch.zeros_like(g)], [g], spec.init([g]))
     torch.testing.assert_close(new[0], -x - y, rtol=1e-9, atol=1e-12)
+
+
+def test_steps_of_their_own_numbers_and_a_state_before_the_chain(monkeypatch):
+    """Each step's own hyperparameter (a chain need not repeat one body), a state and a
+    decay around it: the Gram form is given the scalars the program's update is, and
+    computes what the steps as written do, with 2 products of the parameter's size where
+    they take 4."""
+    text = """
+    optimizer o(lr = 0.1, k1 = 1.5, k2 = 1.4, k3 = 1.3, k4 = 1.2, w = 0.3, e = 1e-3) {
+        state m = zeros
+        m = w * m + g
+        x = m / max(norm(m), e)
+        A = x @ transpose(x)
+        x = k1 * x + (-0.5 * A) @ x
+        A = x @ transpose(x)
+        x = k2 * x + (-0.4 * A) @ x
+        A = x @ transpose(x)
+        x = k3 * x + (-0.5 * A) @ x
+        A = x @ transpose(x)
+        x = k4 * x + (-0.3 * A) @ x
+        p = p * (1 - lr * w) - lr * x
+    }"""
+    assert form(text, (4, 40)).chains == ((4, 0, (3, 1)),)
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(4, 40, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(4, 40, generator=gen, dtype=torch.float64) for _ in range(3)]
+
+    def run():
+        spec = vega.compile(text)
+        ps, state = [w.clone()], spec.init([w])
+        for g in grads:
+            ps, state = spec.step(ps, [g], state, k2=1.45)
+        return ps[0], state
+    shapes = products_of(monkeypatch)
+    new, state = run()
+    assert shapes.count((4, 40)) == 2 * 3, shapes
+    monkeypatch.setattr(gram.Gram, "pays", lambda self, rows, cols: False)
+    written, state_written = run()
+    torch.testing.assert_close(new, written, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state["m"], state_written["m"], rtol=0, atol=0)

@@ -833,17 +833,16 @@ class Kernel:
         self._modes = {name: namespace[f"mode_{name}"] for name, _ in program.modes}
 
     def _gram_form(self, gram: Gram | None, namespace: dict):
-        """(the Gram form, its ``update`` and ``update_batched`` (or None), and where each of
-        its scalars sits among ``update``'s): ``vega.codegen.gram``; None where the program
-        has no Newton-Schulz chain, or where the form reads a scalar the program's ``update``
-        is not given (it reads the same ones)."""
+        """(the Gram form, its ``update`` and ``update_batched`` (or None)):
+        ``vega.codegen.gram``; None where the program has no Newton-Schulz chain, or where
+        the form's ``update`` is not given the scalars the program's is, in its order (it
+        reads the same ones: called with the same arguments)."""
         if gram is None:
             return None
         lin = linearize(gram.program)
         named = {name: key for key, name in lin.names.items()}
-        mine = self.linear.scalar_outputs
-        at = [self.linear.names.get(named[name]) for name in lin.scalar_outputs]
-        if not all(name in mine for name in at):
+        if tuple(self.linear.names.get(named[name]) for name in lin.scalar_outputs) \
+                != self.linear.scalar_outputs:
             return None
         text = render(gram.program, lin)
         exec(compile(text, f"<vega reference, Gram form: {self.program.name}>", "exec"),
@@ -855,26 +854,18 @@ class Kernel:
         start = text.index("def update(")
         end = text.find("\n\n", start)
         self.gram_text = text[start:end if end >= 0 else None].rstrip()  # (its update alone)
-        return (gram, namespace["update"], namespace.get("update_batched") if batched else None,
-                [mine.index(name) for name in at])
+        return gram, namespace["update"], namespace.get("update_batched") if batched else None
 
     def _form(self, geo: Geometry | None):
-        """(``update``, ``update_batched``, where its scalars sit among ``update``'s or None)
-        for a tensor of matrix view ``geo``: the Gram form's where it pays (``Gram.pays``)."""
+        """(``update``, ``update_batched``) for a tensor of matrix view ``geo``: the Gram
+        form's where it pays (``Gram.pays``)."""
         if self._gram is None or geo is None:
-            return self._update, self._update_batched, None
-        gram, update, batched, at = self._gram
+            return self._update, self._update_batched
+        gram, update, batched = self._gram
         _, rows, cols = _matrix_axes(geo)
         if not gram.pays(rows, cols):
-            return self._update, self._update_batched, None
-        return update, batched, at
-
-    def _given(self, args: list, at: list[int] | None) -> list:
-        """``_args``'s arguments for an ``update`` whose scalars sit at ``at``."""
-        if at is None:
-            return args
-        fixed = 2 + len(self.program.states)
-        return args[:fixed] + [args[fixed + k] for k in at]
+            return self._update, self._update_batched
+        return update, batched
 
     def source(self) -> str:
         if self._gram is None:
@@ -963,10 +954,10 @@ class Kernel:
         for ids in self._batches(params, grads, states):
             if len(ids) > 1:  # tensors of one shape: their products batched
                 geo = geometry(params[ids[0]].shape)
-                _, batched, at = self._form(geo)
-                outs = self._batched(batched, [self._given(self._args(
-                    cache, i, params[i], grads[i], states, steps, values, gscale), at)
-                    for i in ids], geo)
+                batched = self._form(geo)[1]
+                outs = self._batched(batched, [self._args(cache, i, params[i], grads[i],
+                                                          states, steps, values, gscale)
+                                               for i in ids], geo)
                 for i, out in zip(ids, outs):
                     self._write(i, params[i], grads[i], states, out, finite, donate,
                                 new_params, new_states, keys[i])
@@ -975,9 +966,9 @@ class Kernel:
             p, g = params[i], grads[i]
             args = self._args(cache, i, p, g, states, steps, values, gscale)
             extra = (geometry(p.shape),) if self.program.uses_axes else ()
-            update, _, at = self._form(extra[0] if extra else None)
-            self._write(i, p, g, states, update(*self._given(args, at), *extra), finite,
-                        donate, new_params, new_states, keys[i])
+            update = self._form(extra[0] if extra else None)[0]
+            self._write(i, p, g, states, update(*args, *extra), finite, donate, new_params,
+                        new_states, keys[i])
         return new_params, new_states, advance_steps(steps, finite, donate), finite
 
     def _batches(self, params, grads, states) -> list[list[int]]:
