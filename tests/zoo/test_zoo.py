@@ -868,23 +868,11 @@ def test_muon_bf16_against_torch():
     assert apart("bf16", "float64") > 1e-4  # (the flag takes effect)
 
 
-def test_muon_matrices_of_one_shape_against_torch_float64(monkeypatch):
-    """Matrices of one shape in float64 (``bf16 = false``): each matrix's parameter and
-    momentum are torch's step written out in float64, over 20 steps; their products are
-    float64, so they step one by one (only bfloat16 products are batched: no tensor asks
-    for a product side by side, nothing is stacked)."""
-    from vega.codegen import reference
-    batches = []
-    real = reference._products
-    monkeypatch.setattr(reference, "_products",
-                        lambda asked, kept: batches.append(len(asked)) or real(asked, kept))
-    stacked = []
-    real_stack = torch.stack
-    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacked.append(len(ts)) or
-                        real_stack(ts, *a, **k))
-    gen = torch.Generator().manual_seed(5)
-    shapes = {"w0": (6, 9), "w1": (6, 9), "w2": (6, 9), "t0": (9, 6), "t1": (9, 6),
-              "v": (9,)}
+def muon_class_against_torch_float64(shapes: dict, seed: int) -> None:
+    """vega.optim.Muon in float64 (``bf16 = false``) on parameters of ``shapes``, 20 steps of
+    random gradients: after each, every parameter and momentum equal to torch's step
+    written out in float64 (``muon_torch_float64``)."""
+    gen = torch.Generator().manual_seed(seed)
     start = {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
     grads = [{n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
              for _ in range(STEPS)]
@@ -900,9 +888,42 @@ def test_muon_matrices_of_one_shape_against_torch_float64(monkeypatch):
         opt.step()
         for n, p in ps.items():
             assert_close(p.detach(), want[k][f"p.{n}"], f"p.{n}", k)
-            if n != "v":
+            if p.dim() == 2:
                 assert_close(opt.state[p]["buf"], want[k][f"buf.{n}"], f"buf.{n}", k)
+
+
+def test_muon_matrices_of_one_shape_against_torch_float64(monkeypatch):
+    """Matrices of one shape in float64 (``bf16 = false``): each matrix's parameter and
+    momentum are torch's step written out in float64, over 20 steps; their products are
+    float64, so they step one by one (only bfloat16 products are batched: no tensor asks
+    for a product side by side, nothing is stacked)."""
+    from vega.codegen import reference
+    batches = []
+    real = reference._products
+    monkeypatch.setattr(reference, "_products",
+                        lambda asked, kept: batches.append(len(asked)) or real(asked, kept))
+    stacked = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacked.append(len(ts)) or
+                        real_stack(ts, *a, **k))
+    muon_class_against_torch_float64({"w0": (6, 9), "w1": (6, 9), "w2": (6, 9), "t0": (9, 6),
+                                      "t1": (9, 6), "v": (9,)}, 5)
     assert not batches and not stacked
+
+
+def muon_class_steps(monkeypatch, start: list, grads: list, elements: int) -> list:
+    """vega.optim.Muon (lr 0.02, its other defaults: bfloat16 products) from ``start``, a
+    step for each list of ``grads``, up to ``elements`` values of a shape batched
+    (``reference.BATCH_ELEMENTS``): the parameters."""
+    from vega.codegen import reference
+    monkeypatch.setattr(reference, "BATCH_ELEMENTS", elements)
+    ps = [torch.nn.Parameter(p.clone()) for p in start]
+    opt = vega.optim.Muon(ps, lr=0.02)
+    for gs in grads:
+        for p, g in zip(ps, gs):
+            p.grad = g.clone()
+        opt.step()
+    return ps
 
 
 def test_muon_bfloat16_products_of_one_shape_are_one_batched_product(monkeypatch):
@@ -911,21 +932,13 @@ def test_muon_bfloat16_products_of_one_shape_are_one_batched_product(monkeypatch
     square of each product with a diagonal added), the products' results and transposes
     found again. The step matches the step of one matrix at a time to bfloat16's
     rounding of the products."""
-    from vega.codegen import reference
     gen = torch.Generator().manual_seed(6)
     shapes = [(6, 9), (6, 9), (6, 9), (9, 6), (9, 6), (9,)]
     start = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(5)]
 
     def run(elements):
-        monkeypatch.setattr(reference, "BATCH_ELEMENTS", elements)
-        ps = [torch.nn.Parameter(p.clone()) for p in start]
-        opt = vega.optim.Muon(ps, lr=0.02)
-        for gs in grads:
-            for p, g in zip(ps, gs):
-                p.grad = g.clone()
-            opt.step()
-        return ps
+        return muon_class_steps(monkeypatch, start, grads, elements)
     stacked = []
     real = torch.stack
     monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacked.append(
@@ -948,29 +961,11 @@ def test_muon_wide_and_tall_matrices_in_the_gram_form_against_torch_float64(monk
     float64 each matrix's parameter and momentum are torch's step written out, 20 steps,
     with two products of the matrix's size a step where the iteration as written takes
     five."""
-    shapes = {"w": (4, 12), "t": (12, 4), "s": (5, 5), "v": (12,)}
-    gen = torch.Generator().manual_seed(8)
-    start = {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
-    grads = [{n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
-             for _ in range(STEPS)]
-    h = dict(lr=0.02, weight_decay=0.05, momentum=0.9, a=3.0, b=-3.2, c=1.2, eps=1e-3,
-             ns_steps=5.0, adam_lr=0.01, adam_b1=0.8, adam_b2=0.95, adam_eps=1e-3,
-             adam_weight_decay=0.05, nesterov=True, match_rms_adamw=False, bf16=False)
-    want = muon_torch_float64(start, lambda k: grads[k], h, STEPS)
-    ps = {n: torch.nn.Parameter(p.clone()) for n, p in start.items()}
-    opt = vega.optim.Muon(list(ps.values()), **h)
     products = []
     real = torch.matmul
     monkeypatch.setattr(torch, "matmul", lambda a, b: products.append(
         tuple(a.shape[-2:]) + tuple(b.shape[-1:])) or real(a, b))
-    for k in range(STEPS):
-        for n, p in ps.items():
-            p.grad = grads[k][n].clone()
-        opt.step()
-        for n, p in ps.items():
-            assert_close(p.detach(), want[k][f"p.{n}"], f"p.{n}", k)
-            if n != "v":
-                assert_close(opt.state[p]["buf"], want[k][f"buf.{n}"], f"buf.{n}", k)
+    muon_class_against_torch_float64({"w": (4, 12), "t": (12, 4), "s": (5, 5), "v": (12,)}, 8)
     # a step: R x, twice for each of the two 4 x 12 views; x x^T twice each (its restart)
     assert products.count((4, 4, 12)) == 2 * 2 * STEPS, products[:40]
     assert products.count((4, 12, 4)) == 2 * 2 * STEPS
@@ -1014,7 +1009,6 @@ def test_muon_gram_form_of_matrices_of_one_shape_is_batched(monkeypatch):
     """bfloat16, three 4 x 16 matrices: each product of the Gram form is one batched product
     of the three (a stack of 3), as the iteration as written's are; the step matches the
     step of one matrix at a time to bfloat16's rounding of the products."""
-    from vega.codegen import reference
     gen = torch.Generator().manual_seed(10)
     start = [torch.randn(4, 16, generator=gen) for _ in range(3)]
     grads = [[torch.randn(4, 16, generator=gen) for _ in range(3)] for _ in range(5)]
@@ -1028,14 +1022,7 @@ def test_muon_gram_form_of_matrices_of_one_shape_is_batched(monkeypatch):
         monkeypatch.setattr(torch, name, recorded)
 
     def run(elements):
-        monkeypatch.setattr(reference, "BATCH_ELEMENTS", elements)
-        ps = [torch.nn.Parameter(p.clone()) for p in start]
-        opt = vega.optim.Muon(ps, lr=0.02)
-        for gs in grads:
-            for p, g in zip(ps, gs):
-                p.grad = g.clone()
-            opt.step()
-        return ps
+        return muon_class_steps(monkeypatch, start, grads, elements)
     batched = run(1 << 24)
     # a step: x x^T and R x a run (two runs), A^2 a Newton-Schulz step (five), P A and
     # (P A) P^T a step but a run's last (three), R's product a step but a run's first (three)
