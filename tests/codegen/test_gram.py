@@ -55,6 +55,7 @@ def test_a_chain_of_steps_is_found_and_costed():
     assert quintic.pays(768, 3072) and quintic.pays(768, 15000)
     assert not quintic.pays(768, 1152)  # (the same work: the iteration as written)
     assert not quintic.pays(768, 768) and not quintic.pays(3072, 768)
+    assert quintic.pays(2, 256) and not quintic.pays(1, 256)  # (one row: as written)
 
 
 def test_the_gram_form_computes_the_iteration_as_written(monkeypatch):

@@ -61,8 +61,13 @@ class Gram:
 
     def pays(self, rows: int, cols: int) -> bool:
         """Whether the Gram form does fewer multiply-adds for a matrix view of ``rows`` x
-        ``cols`` (a batch of them alike) than the iteration as written."""
+        ``cols`` (a batch of them alike) than the iteration as written. Never for one row:
+        its Gram matrix is one number, whose product over the steps rounds as a whole; in
+        bfloat16 the steps as written came out closer (a 1 x 256 matrix, 20 draws: median
+        0.006 from the float64 iteration, against 0.038; from 2 rows on, alike)."""
         m, n = rows, cols
+        if m < 2:
+            return False
         standard = gram = 0
         for steps, q, runs in self.chains:
             standard += steps * (2 * m * m * n + q * m ** 3)
