@@ -352,3 +352,51 @@ def test_a_value_written_over_keeps_the_layout_a_new_tensor_would_take(monkeypat
                         lambda dead, how, a, b: reference._INTO[how][0](a, b))
     want, _ = spec.step([p], [g], spec.init([p]))
     assert torch.equal(got[0], want[0])
+
+
+def test_runs_of_element_lines_are_computed_a_part_at_a_time(monkeypatch):
+    """In a program with matrix products, a run of two or more element lines over the whole
+    matrix view (Muon's momentum, ``u`` and its rounding; its update of the parameter) is
+    computed ``reference.TILE`` values at a time (``reference._tiled``): bitwise the values
+    of the whole tensors at once, parameters and momentum, in float64 and bfloat16, wide
+    (the Gram form), square, tall (whose product comes out transposed: its run takes the
+    whole tensors) and batched matrices, over 3 steps."""
+    from vega import codegen
+    from vega.codegen import reference
+    spec = vega.compile_file("specs/muon.vega")
+    shapes = [(8, 200), (8, 200), (200, 8), (40, 40), (9,)]
+    gen = torch.Generator().manual_seed(11)
+    for dtype, bf16 in ((torch.float32, True), (torch.float64, False)):
+        start = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+        grads = [[torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+                 for _ in range(3)]
+        kerns = [codegen.kernel("reference", spec.program(s, bf16=bf16)) for s in shapes]
+        assert all("_tiled(" in k.source() for k in kerns[:4])
+        parts = []
+
+        def tiled(fn, full, rest):
+            out = reference._tiled(lambda *a: parts.append(a[0].numel()) or fn(*a), full, rest)
+            return out
+        fns = [f for k in kerns for f in (k._update, k._update_batched,
+                                          *((k._gram[1], k._gram[2]) if k._gram else ()))
+               if f is not None]
+        results = []
+        for size in (64, 1 << 30):
+            monkeypatch.setattr(reference, "TILE", size)
+            for f in fns:
+                f.__globals__["_tiled"] = tiled
+            ps = [p.clone() for p in start]
+            state = spec.init(ps, bf16=bf16)
+            for gs in grads:
+                ps, state = spec.step(ps, gs, state, backend="reference", bf16=bf16)
+            results.append((ps, state))
+        for f in fns:
+            f.__globals__["_tiled"] = reference._tiled
+        (ps_a, st_a), (ps_b, st_b) = results
+        assert all(torch.equal(a, b) for a, b in zip(ps_a, ps_b))
+        flat_a, flat_b = torch.utils._pytree.tree_leaves(st_a), \
+            torch.utils._pytree.tree_leaves(st_b)
+        assert len(flat_a) == len(flat_b) > len(shapes)
+        assert all(a is b is None or torch.equal(a, b) for a, b in zip(flat_a, flat_b))
+        # parts of 64 values: 25 a run of a 1,600-value matrix; the whole tensors at once
+        assert parts.count(64) >= 3 * 3 * 25 and 1600 in parts

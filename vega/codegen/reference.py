@@ -32,8 +32,8 @@ from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_code
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import Done, advance_steps, memo, run_staged
 from vega.codegen.tensors import PLAIN_TYPES, refuse_inplace
-from vega.dsl.ir import (AXIS_REDUCTIONS, MATRIX_OPS, REDUCTIONS, SCALAR_STATE, Kind, Node, Op,
-                        Program, is_global, walk)
+from vega.dsl.ir import (AXIS_REDUCTIONS, COMPARISONS, LOGIC, MATRIX_OPS, REDUCTIONS,
+                        SCALAR_STATE, Kind, Node, Op, Program, is_global, walk)
 
 
 def _fn(name):
@@ -120,7 +120,7 @@ class TorchRenderer(Renderer):
 
     def expr(self, linear: Linear, node: Node, phase: str) -> str:
         if node.kind != Kind.ELEMENT or node.op in REDUCTIONS or node.op in AXIS_REDUCTIONS \
-                or node.op in MATRIX_OPS \
+                or node.op in MATRIX_OPS or node.op is Op.SHIFT \
                 or all(s.kind != Kind.ELEMENT or s.dom == node.dom for s in node.src):
             return super().expr(linear, node, phase)
         # operands of a smaller domain (one value per row, ...) broadcast into this one
@@ -235,8 +235,11 @@ def _element_body(lin: Linear, r: TorchRenderer) -> list[str]:
     ``+ - * /`` of a value of its own domain written over an operand that dies there
     (``_into``) where that operand is a temporary of its own (an arithmetic value) that no
     product, transpose, conversion or output reads: a matrix's temporaries are large, and
-    on the CPU a new tensor's pages cost more than the pass that fills them."""
-    lines = lin.element_lines
+    on the CPU a new tensor's pages cost more than the pass that fills them. A run of two or
+    more element lines over the whole matrix view (``_tile_runs``, after ``_late`` has put
+    each beside its readers) is a function of its own, which ``_tiled`` calls on a part of
+    the tensors at a time."""
+    lines = _late(lin.element_lines)
     mine = {lin.ref(line.node) for line in lines}
     returned = {lin.names.get(id(node)) for _, node in lin.outputs}
     last: dict[str, int] = {}  # each element value's last reader
@@ -260,21 +263,121 @@ def _element_body(lin: Linear, r: TorchRenderer) -> list[str]:
                 return name
         return None
     deads = [over(k, line.node) for k, line in enumerate(lines)]
-    out = []
-    for k, line in enumerate(lines):
-        node, dead = line.node, deads[k]
+
+    def line_of(k: int, indent: str) -> str:
+        line, dead = lines[k], deads[k]
+        node = line.node
         if node.op in _CONVERSIONS and line.var in deads:  # a tensor of its own, written over
             x = r.operand(lin, node.src[0], "element")
-            out.append(f"    {line.var} = {_CONVERSIONS[node.op]}({x}, p, True)")
-        elif dead is None:
-            out.append(f"    {line.var} = {r.expr(lin, node, 'element')}")
-        else:
-            a, b = (r.operand(lin, s, "element") for s in node.src)
-            out.append(f"    {line.var} = _into({dead}, {_OVER[node.op]!r}, {a}, {b})")
-        done = sorted(n for n, at in last.items() if at == k and n not in returned)
+            return f"{indent}{line.var} = {_CONVERSIONS[node.op]}({x}, p, True)"
+        if dead is None:
+            return f"{indent}{line.var} = {r.expr(lin, node, 'element')}"
+        a, b = (r.operand(lin, s, "element") for s in node.src)
+        return f"{indent}{line.var} = _into({dead}, {_OVER[node.op]!r}, {a}, {b})"
+    out = []
+    k = 0
+    for lo, hi in _tile_runs(lines):
+        for j in range(k, lo):  # (the lines before the run, one by one)
+            out.append(line_of(j, "    "))
+            done = sorted(n for n, at in last.items() if at == j and n not in returned)
+            if done:
+                out.append(f"    del {', '.join(done)}")
+        run = {line.var for line in lines[lo:hi]}
+        read = [s for line in lines[lo:hi] for s in line.node.src
+                if s.op is not Op.CONST and lin.names.get(id(s)) not in run]
+        full = list(dict.fromkeys(lin.names[id(s)] for s in read if s.kind == Kind.ELEMENT))
+        rest = list(dict.fromkeys([*(lin.names[id(s)] for s in read
+                                     if s.kind != Kind.ELEMENT), "p"]))
+        rest = [v for v in rest if v not in full]  # (p: as the lines make numbers tensors)
+        made = [line.var for line in lines[lo:hi]
+                if line.var in returned or last.get(line.var, -1) >= hi]
+        fn = f"_tile_{lo}"  # (no closure: every name it reads is an argument)
+        out.append(f"    def {fn}({', '.join(full + rest)}):")
+        out += [line_of(j, "        ") for j in range(lo, hi)]
+        out.append(f"        return ({''.join(v + ', ' for v in made)})")
+        out.append(f"    ({''.join(v + ', ' for v in made)}) = _tiled({fn}, "
+                   f"({''.join(v + ', ' for v in full)}), ({''.join(v + ', ' for v in rest)}))")
+        done = sorted(n for n, at in last.items()
+                      if lo <= at < hi and n not in returned and n not in run)
+        out.append(f"    del {', '.join([fn, *done])}")
+        k = hi
+    for j in range(k, len(lines)):
+        out.append(line_of(j, "    "))
+        done = sorted(n for n, at in last.items() if at == j and n not in returned)
         if done:
             out.append(f"    del {', '.join(done)}")
     return out
+
+
+def _late(lines) -> list:
+    """``lines`` with each of ``_tiled``'s operations (``_tile_runs``) moved to just before
+    its first reader (an output's to the end), the others in their order: the decayed
+    parameter of Muon's update (``p * (1 - lr * weight_decay)``) is made beside the rest of
+    the update, after the products, in one run with it, not before them and held."""
+    placed: list = []
+    for line in reversed(lines):
+        at = len(placed)
+        if _tiles(line.node):
+            at = next((k for k, later in enumerate(placed)
+                       if any(s is line.node for s in later.node.src)), len(placed))
+        else:  # (in its place: before every line that came after it)
+            at = 0
+        placed.insert(at, line)
+    return placed
+
+
+def _tiles(node: Node) -> bool:
+    """Whether ``_tiled`` may compute ``node`` a part of the tensor at a time."""
+    elems = [s for s in node.src if s.kind == Kind.ELEMENT]
+    return node.kind == Kind.ELEMENT and node.dom == "rc" and node.op in _TILED_OPS \
+        and bool(elems) and all(s.dom == "rc" for s in elems)
+
+
+# ``_tiled``: the element operations whose value is the same whatever part of a tensor they
+# are given (each correctly rounded, or exact), and the size of a part
+_TILED_OPS = frozenset(_OVER) | {Op.NEG, Op.BF16, Op.WIDEN, Op.MIN, Op.MAX, Op.WHERE, Op.ABS,
+                                 Op.SIGN, Op.SQRT} | COMPARISONS | LOGIC
+TILE = 1 << 18
+
+
+def _tile_runs(lines) -> list[tuple[int, int]]:
+    """The runs ``[lo, hi)`` of two or more element lines of the whole matrix view (``rc``,
+    no operand of another domain), each of ``_TILED_OPS`` with an operand of the view: those
+    ``_tiled`` computes a part of the tensor at a time."""
+    runs, lo = [], None
+    for k, line in enumerate([*lines, None]):
+        if line is not None and _tiles(line.node):
+            lo = k if lo is None else lo
+            continue
+        if lo is not None and k - lo >= 2:
+            runs.append((lo, k))
+        lo = None
+    return runs
+
+
+def _tiled(fn, full: tuple, rest: tuple) -> tuple:
+    """``fn(*full, *rest)``: a run of element lines (``_element_body``) over tensors of the
+    whole matrix view ``full`` (and per-tensor values and numbers ``rest``), computed
+    ``TILE`` values at a time where they are plain, contiguous tensors of one shape and
+    device of at least two parts (no gradient recorded, dynamo not tracing), each result
+    written into a tensor of the whole shape. Its temporaries are a part's, which the
+    caches hold, not the tensor's: a pass over memory and a new tensor's pages less for
+    each, and each value the same (``_TILED_OPS``)."""
+    t0 = full[0]
+    n = t0.numel()
+    if n < 2 * TILE or torch.is_grad_enabled() or torch.compiler.is_compiling() or any(
+            type(t) not in PLAIN_TYPES or t.shape != t0.shape or t.device != t0.device
+            or not t.is_contiguous() for t in full):
+        return fn(*full, *rest)
+    flat = [t.view(-1) for t in full]
+    outs = None
+    for a in range(0, n, TILE):
+        part = fn(*(f[a:a + TILE] for f in flat), *rest)
+        if outs is None:
+            outs = [torch.empty(t0.shape, dtype=q.dtype, device=q.device) for q in part]
+        for o, q in zip(outs, part):
+            o.view(-1)[a:a + TILE].copy_(q)
+    return tuple(outs)
 
 
 _INTO = {"+": (operator.add, torch.add), "-": (operator.sub, torch.sub),
@@ -812,7 +915,8 @@ class Kernel:
                      "_fit": _fit, "_broadcast": _broadcast, "_reduce": _reduce,
                      "_matmul": _matmul, "_transpose": _transpose, "_size": _size,
                      "_bf16": _bf16, "_widen": _widen, "_matmul_add": _matmul_add,
-                     "_matmul_shift": _matmul_shift, "_into": _into, "_shift": _shift}
+                     "_matmul_shift": _matmul_shift, "_into": _into, "_shift": _shift,
+                     "_tiled": _tiled}
         self._gram = self._gram_form(gram_form(shown), dict(namespace))
         self._staged_text = render_staged(shown, self.linear)
         exec(compile(self._staged_text, f"<vega reference, staged: {program.name}>", "exec"),
