@@ -291,3 +291,13 @@ def test_every_setting_a_spec_compiles_with_steps(source, hypers, w, v):
                              **hypers)
         torch.testing.assert_close(new_p["w"], torch.full((2, 3), w, dtype=torch.float64))
         torch.testing.assert_close(new_p["v"], torch.full((4,), v, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_a_negative_zero_is_its_own_constant_beside_zero(backend):
+    """-0.0 == 0.0 in Python, and they hash alike: a program that uses both keeps each (the
+    sharing of equal subexpressions tells them apart by sign)."""
+    spec = vega.compile("optimizer o() {\n p = where(g > 0, -0.0, p)\n}")
+    g = torch.tensor([1.0, -1.0])
+    new, _ = spec.step([torch.full((2,), 3.0)], [g], spec.init([g]), backend=backend)
+    assert math.copysign(1.0, float(new[0][0])) == -1.0 and float(new[0][1]) == 3.0

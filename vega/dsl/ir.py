@@ -420,7 +420,10 @@ def cse(program: Program) -> Program:
     memo: dict[int, Node] = {}
     for node in walk(node for _, node in program.updates):
         src = tuple(memo[id(s)] for s in node.src)
-        key = (node.op, tuple(id(s) for s in src), node.arg, node.dtype, node.dom)
+        arg = node.arg  # (-0.0 == 0.0, and hashes alike: a constant's sign is its own)
+        if type(arg) is float:
+            arg = (arg, math.copysign(1.0, arg))
+        key = (node.op, tuple(id(s) for s in src), arg, node.dtype, node.dom)
         if key not in canon:
             canon[key] = node if src == node.src else Node(
                 node.op, src, node.arg, node.dtype, node.kind, node.span, node.name, node.dom)
