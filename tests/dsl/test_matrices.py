@@ -400,3 +400,17 @@ def test_runs_of_element_lines_are_computed_a_part_at_a_time(monkeypatch):
         assert all(a is b is None or torch.equal(a, b) for a, b in zip(flat_a, flat_b))
         # parts of 64 values: 25 a run of a 1,600-value matrix; the whole tensors at once
         assert parts.count(64) >= 3 * 3 * 25 and 1600 in parts
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_widen_and_bfloat16_of_a_number_in_the_scalar_phase(backend):
+    """``widen(2)`` and ``bfloat16(lr)`` are values of the scalar phase (of no tensor):
+    there the number is made a tensor on ``t``'s device, and a number that stays one is
+    given to the element phase in the compute type."""
+    text = "optimizer o(lr = 0.1) {\n y = (g @ transpose(g)) @ g\n" \
+           " p = p - widen(2) - bfloat16(lr) + 0 * y\n}"
+    spec = vega.compile(text)
+    p, g = torch.ones(2, 3), torch.full((2, 3), 0.5)
+    new, _ = spec.step([p], [g], spec.init([p]), backend=backend)
+    want = 1.0 - 2.0 - float(torch.tensor(0.1).bfloat16())
+    assert torch.equal(new[0], torch.full((2, 3), want))

@@ -111,8 +111,10 @@ class TorchRenderer(Renderer):
         Op.TRANSPOSE: lambda self, node, phase, a: f"_transpose({a}, geo, {node.src[0].dom!r})",
         Op.SHIFT: _fn("_shift"),
         Op.SIZE: lambda self, node, phase: f"_size(p, geo, {node.arg})",
-        Op.BF16: lambda self, node, phase, a: f"_bf16({a}, p)",
-        Op.WIDEN: lambda self, node, phase, a: f"_widen({a}, p)",
+        # (``p``, or in the scalar phase ``t``: the device of a number made a tensor)
+        Op.BF16: lambda self, node, phase, a: f"_bf16({a}, {'p' if phase == 'element' else 't'})",
+        Op.WIDEN: lambda self, node, phase, a:
+            f"_widen({a}, {'p' if phase == 'element' else 't'})",
         **{op: (lambda axis, how: lambda self, node, phase, a:
                 f"_reduce({a}, geo, {node.src[0].dom!r}, {axis!r}, {how!r})")(*spec)
            for op, spec in AXIS_REDUCTIONS.items()},
@@ -316,12 +318,10 @@ def _late(lines) -> list:
     the update, after the products, in one run with it, not before them and held."""
     placed: list = []
     for line in reversed(lines):
-        at = len(placed)
+        at = 0  # (in its place: before every line that came after it)
         if _tiles(line.node):
             at = next((k for k, later in enumerate(placed)
                        if any(s is line.node for s in later.node.src)), len(placed))
-        else:  # (in its place: before every line that came after it)
-            at = 0
         placed.insert(at, line)
     return placed
 
@@ -1030,7 +1030,9 @@ class Kernel:
         """The scalar phase in float64, each result rounded once to the compute dtype."""
         t = (step + 1).to(torch.float64)
         scal = self._scalars(t, *self._hyper_args(values, torch.float64, device))
-        return [x.to(cd) if x.is_floating_point() else x for x in scal]
+        # (a number made no tensor, ``widen(2)``: one of the compute dtype)
+        return [torch.as_tensor(x, dtype=cd, device=device) if not isinstance(x, torch.Tensor)
+                else x.to(cd) if x.is_floating_point() else x for x in scal]
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None):
         """One fused step of every tensor: (new params, new states, new steps, finite).
