@@ -356,8 +356,8 @@ def test_a_value_written_over_keeps_the_layout_a_new_tensor_would_take(monkeypat
 
 def test_runs_of_element_lines_are_computed_a_part_at_a_time(monkeypatch):
     """In a program with matrix products, a run of two or more element lines over the whole
-    matrix view (Muon's momentum, ``u`` and its rounding; its update of the parameter) is
-    computed ``reference.TILE`` values at a time (``reference._tiled``): bitwise the values
+    matrix view (Muon's momentum, ``u`` and its rounding; its update of the parameter) of a
+    CPU tensor is computed ``reference.TILE`` values at a time (``_tiled``): bitwise the values
     of the whole tensors at once, parameters and momentum, in float64 and bfloat16, wide
     (the Gram form), square, tall (whose product comes out transposed: its run takes the
     whole tensors) and batched matrices, over 3 steps."""
@@ -381,17 +381,19 @@ def test_runs_of_element_lines_are_computed_a_part_at_a_time(monkeypatch):
                                           *((k._gram[1], k._gram[2]) if k._gram else ()))
                if f is not None]
         results = []
-        for size in (64, 1 << 30):
-            monkeypatch.setattr(reference, "TILE", size)
+        try:  # (the kernels are kept with their programs: put back for later tests)
+            for size in (64, 1 << 30):
+                monkeypatch.setattr(reference, "TILE", size)
+                for f in fns:
+                    f.__globals__["_tiled"] = tiled
+                ps = [p.clone() for p in start]
+                state = spec.init(ps, bf16=bf16)
+                for gs in grads:
+                    ps, state = spec.step(ps, gs, state, backend="reference", bf16=bf16)
+                results.append((ps, state))
+        finally:
             for f in fns:
-                f.__globals__["_tiled"] = tiled
-            ps = [p.clone() for p in start]
-            state = spec.init(ps, bf16=bf16)
-            for gs in grads:
-                ps, state = spec.step(ps, gs, state, backend="reference", bf16=bf16)
-            results.append((ps, state))
-        for f in fns:
-            f.__globals__["_tiled"] = reference._tiled
+                f.__globals__["_tiled"] = reference._tiled
         (ps_a, st_a), (ps_b, st_b) = results
         assert all(torch.equal(a, b) for a, b in zip(ps_a, ps_b))
         flat_a, flat_b = torch.utils._pytree.tree_leaves(st_a), \
@@ -400,6 +402,14 @@ def test_runs_of_element_lines_are_computed_a_part_at_a_time(monkeypatch):
         assert all(a is b is None or torch.equal(a, b) for a, b in zip(flat_a, flat_b))
         # parts of 64 values: 25 a run of a 1,600-value matrix; the whole tensors at once
         assert parts.count(64) >= 3 * 3 * 25 and 1600 in parts
+    monkeypatch.setattr(reference, "TILE", 64)
+    calls = []
+    for device in ("cpu", "meta"):  # (another device: the whole tensors at once)
+        both = (torch.zeros(800, 4, device=device),) * 2
+        with torch.no_grad():  # (as a step runs)
+            got = reference._tiled(lambda a, b: calls.append(a.numel()) or (a + b,), both, ())
+        assert got[0].shape == (800, 4) and got[0].device.type == device
+    assert calls == [64] * 50 + [3200]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

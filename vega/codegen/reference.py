@@ -358,16 +358,17 @@ def _tile_runs(lines) -> list[tuple[int, int]]:
 def _tiled(fn, full: tuple, rest: tuple) -> tuple:
     """``fn(*full, *rest)``: a run of element lines (``_element_body``) over tensors of the
     whole matrix view ``full`` (and per-tensor values and numbers ``rest``), computed
-    ``TILE`` values at a time where they are plain, contiguous tensors of one shape and
-    device of at least two parts (no gradient recorded, dynamo not tracing), each result
-    written into a tensor of the whole shape. Its temporaries are a part's, which the
-    caches hold, not the tensor's: a pass over memory and a new tensor's pages less for
-    each, and each value the same (``_TILED_OPS``)."""
+    ``TILE`` values at a time where they are plain, contiguous CPU tensors of one shape of
+    at least two parts (no gradient recorded, dynamo not tracing), each result written into
+    a tensor of the whole shape. Its temporaries are a part's, which the caches hold, not
+    the tensor's: a pass over memory and a new tensor's pages less for each, and each value
+    the same (``_TILED_OPS``). (On a GPU each part would be kernel launches more: whole.)"""
     t0 = full[0]
     n = t0.numel()
-    if n < 2 * TILE or torch.is_grad_enabled() or torch.compiler.is_compiling() or any(
-            type(t) not in PLAIN_TYPES or t.shape != t0.shape or t.device != t0.device
-            or not t.is_contiguous() for t in full):
+    if n < 2 * TILE or t0.device.type != "cpu" or torch.is_grad_enabled() \
+            or torch.compiler.is_compiling() or any(
+                type(t) not in PLAIN_TYPES or t.shape != t0.shape or t.device != t0.device
+                or not t.is_contiguous() for t in full):
         return fn(*full, *rest)
     flat = [t.view(-1) for t in full]
     outs = None
