@@ -213,56 +213,70 @@ def _stepped(spec, shape, count: int, seed: int):
     return ps, gs, got
 
 
-def test_arithmetic_of_a_matrix_program_writes_over_its_dead_temporaries():
+def muon_steps_alike(monkeypatch, shapes, seed: int, name: str, runs, check) -> None:
+    """Muon from random parameters of ``shapes``, 3 steps, in float32 (bfloat16 products)
+    and float64, once for each ``(settings, fn)`` of ``runs``: the module's attributes
+    ``settings`` set (``vega.codegen.reference``'s) and the kernels' helper ``name``
+    replaced by ``fn`` (put back after, whatever happens). Every run's parameters and state
+    bitwise equal; ``check(kernels)`` after each dtype's runs."""
+    from vega import codegen
+    from vega.codegen import reference
+    spec = vega.compile_file("specs/muon.vega")
+    gen = torch.Generator().manual_seed(seed)
+    for dtype, bf16 in ((torch.float32, True), (torch.float64, False)):
+        start = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+        grads = [[torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+                 for _ in range(3)]
+        kerns = [codegen.kernel("reference", spec.program(s, bf16=bf16)) for s in shapes]
+        fns = [f for k in kerns for f in (k._update, k._update_batched,
+                                          *((k._gram[1], k._gram[2]) if k._gram else ()))
+               if f is not None]
+        results = []
+        try:  # (the kernels are kept with their programs: put back for later tests)
+            for settings, fn in runs:
+                for attr, value in settings.items():
+                    monkeypatch.setattr(reference, attr, value)
+                for f in fns:
+                    f.__globals__[name] = fn
+                ps = [p.clone() for p in start]
+                state = spec.init(ps, bf16=bf16)
+                for gs in grads:
+                    ps, state = spec.step(ps, gs, state, backend="reference", bf16=bf16)
+                results.append((ps, torch.utils._pytree.tree_leaves(state)))
+        finally:
+            for f in fns:
+                f.__globals__[name] = getattr(reference, name)
+        (ps_a, st_a), (ps_b, st_b) = results
+        assert all(torch.equal(a, b) for a, b in zip(ps_a, ps_b))
+        assert len(st_a) == len(st_b) > len(shapes)
+        assert all(a is b is None or torch.equal(a, b) for a, b in zip(st_a, st_b))
+        check(kerns)
+
+
+def test_arithmetic_of_a_matrix_program_writes_over_its_dead_temporaries(monkeypatch):
     """In a program with matrix products, ``+ - * /`` of a temporary that dies there writes
     its value over it (``reference._into``): Muon's steps, batched (bfloat16) and one tensor
     at a time (float64), give bitwise the values the same functions give with every such
     operation making a new tensor, parameters and momentum; and most such operations did
     write over (not where a tall matrix's transposed product meets the row-major
     parameter: the result keeps the layout a new tensor would take)."""
-    from vega import codegen
     from vega.codegen import reference
-    spec = vega.compile_file("specs/muon.vega")
-    shapes = [(6, 9), (6, 9), (9, 6), (7, 5), (7, 5)]
-    gen = torch.Generator().manual_seed(8)
-    for dtype, bf16 in ((torch.float32, True), (torch.float64, False)):
-        start = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
-        grads = [[torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
-                 for _ in range(3)]
-        kerns = [codegen.kernel("reference", spec.program(s, bf16=bf16)) for s in shapes]
+    overs = []
+
+    def into(dead, how, a, b):
+        out = reference._into(dead, how, a, b)
+        overs.append(out is dead)
+        return out
+
+    def apart(dead, how, a, b):
+        return reference._INTO[how][0](a, b)
+
+    def check(kerns):
         assert all("_into(" in k.source() for k in kerns)
-        overs = []
-
-        def into(dead, how, a, b):
-            out = reference._into(dead, how, a, b)
-            overs.append(out is dead)
-            return out
-
-        def apart(dead, how, a, b):
-            return reference._INTO[how][0](a, b)
-
-        results = []
-        for fn in (into, apart):
-            for kern in kerns:
-                for f in (kern._update, kern._update_batched):
-                    if f is not None:
-                        f.__globals__["_into"] = fn
-            ps = [p.clone() for p in start]
-            state = spec.init(ps, bf16=bf16)
-            for gs in grads:
-                ps, state = spec.step(ps, gs, state, backend="reference", bf16=bf16)
-            results.append((ps, state))
-        for kern in kerns:
-            for f in (kern._update, kern._update_batched):
-                if f is not None:
-                    f.__globals__["_into"] = reference._into
-        (ps_a, st_a), (ps_b, st_b) = results
-        assert all(torch.equal(a, b) for a, b in zip(ps_a, ps_b))
-        flat_a, flat_b = torch.utils._pytree.tree_leaves(st_a), \
-            torch.utils._pytree.tree_leaves(st_b)
-        assert len(flat_a) == len(flat_b) > len(shapes)
-        assert all(torch.equal(a, b) for a, b in zip(flat_a, flat_b))
         assert sum(overs) > len(overs) / 2
+        overs.clear()
+    muon_steps_alike(monkeypatch, [(6, 9), (6, 9), (9, 6), (7, 5), (7, 5)], 8, "_into",
+                     [({}, into), ({}, apart)], check)
 
 
 def test_writing_over_a_temporary_falls_back_to_a_new_tensor_where_it_does_not_fit():
@@ -361,47 +375,19 @@ def test_runs_of_element_lines_are_computed_a_part_at_a_time(monkeypatch):
     of the whole tensors at once, parameters and momentum, in float64 and bfloat16, wide
     (the Gram form), square, tall (whose product comes out transposed: its run takes the
     whole tensors) and batched matrices, over 3 steps."""
-    from vega import codegen
     from vega.codegen import reference
-    spec = vega.compile_file("specs/muon.vega")
-    shapes = [(8, 200), (8, 200), (200, 8), (40, 40), (9,)]
-    gen = torch.Generator().manual_seed(11)
-    for dtype, bf16 in ((torch.float32, True), (torch.float64, False)):
-        start = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
-        grads = [[torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
-                 for _ in range(3)]
-        kerns = [codegen.kernel("reference", spec.program(s, bf16=bf16)) for s in shapes]
-        assert all("_tiled(" in k.source() for k in kerns[:4])
-        parts = []
+    parts = []
 
-        def tiled(fn, full, rest):
-            out = reference._tiled(lambda *a: parts.append(a[0].numel()) or fn(*a), full, rest)
-            return out
-        fns = [f for k in kerns for f in (k._update, k._update_batched,
-                                          *((k._gram[1], k._gram[2]) if k._gram else ()))
-               if f is not None]
-        results = []
-        try:  # (the kernels are kept with their programs: put back for later tests)
-            for size in (64, 1 << 30):
-                monkeypatch.setattr(reference, "TILE", size)
-                for f in fns:
-                    f.__globals__["_tiled"] = tiled
-                ps = [p.clone() for p in start]
-                state = spec.init(ps, bf16=bf16)
-                for gs in grads:
-                    ps, state = spec.step(ps, gs, state, backend="reference", bf16=bf16)
-                results.append((ps, state))
-        finally:
-            for f in fns:
-                f.__globals__["_tiled"] = reference._tiled
-        (ps_a, st_a), (ps_b, st_b) = results
-        assert all(torch.equal(a, b) for a, b in zip(ps_a, ps_b))
-        flat_a, flat_b = torch.utils._pytree.tree_leaves(st_a), \
-            torch.utils._pytree.tree_leaves(st_b)
-        assert len(flat_a) == len(flat_b) > len(shapes)
-        assert all(a is b is None or torch.equal(a, b) for a, b in zip(flat_a, flat_b))
+    def tiled(fn, full, rest):
+        return reference._tiled(lambda *a: parts.append(a[0].numel()) or fn(*a), full, rest)
+
+    def check(kerns):
+        assert all("_tiled(" in k.source() for k in kerns[:4])
         # parts of 64 values: 25 a run of a 1,600-value matrix; the whole tensors at once
         assert parts.count(64) >= 3 * 3 * 25 and 1600 in parts
+        parts.clear()
+    muon_steps_alike(monkeypatch, [(8, 200), (8, 200), (200, 8), (40, 40), (9,)], 11,
+                     "_tiled", [({"TILE": 64}, tiled), ({"TILE": 1 << 30}, tiled)], check)
     monkeypatch.setattr(reference, "TILE", 64)
     calls = []
     for device in ("cpu", "meta"):  # (another device: the whole tensors at once)
