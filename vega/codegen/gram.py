@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vega.dsl.ir import Kind, Node, Op, Program, const, walk
+from vega.dsl.ir import Kind, Node, Op, Program, const, replaced, walk, with_updates
 
 RUN = 3  # the most steps a run takes before the Gram form restarts from x
 _SQUARE = (Op.MATMUL, Op.MATMUL_ADD, Op.MATMUL_SHIFT)  # products of two squares in ``B``
@@ -138,21 +138,6 @@ def _step(y: Node, users: dict[int, int]) -> _Step | None:
     return _Step(y, x, s, b, a, squares)
 
 
-def _substitute(node: Node, old: Node, new: Node, memo: dict[int, Node]) -> Node:
-    """``node`` with ``old`` replaced by ``new`` below it."""
-    if node is old:
-        return new
-    done = memo.get(id(node))
-    if done is not None:
-        return done
-    src = tuple(_substitute(s, old, new, memo) if s.kind == Kind.ELEMENT else s
-                for s in node.src)
-    out = node if all(a is b for a, b in zip(src, node.src)) else Node(
-        node.op, src, node.arg, node.dtype, node.kind, node.span, node.name, node.dom)
-    memo[id(node)] = out
-    return out
-
-
 def _rewritten(chain: list[_Step]) -> Node:
     """The last value of ``chain`` computed in the Gram form."""
     x = chain[0].x
@@ -163,7 +148,7 @@ def _rewritten(chain: list[_Step]) -> Node:
         a = run[0].a if done == 0 else _gram_of(x, span)
         r = None
         for j, st in enumerate(run):
-            b = _substitute(st.b, st.a, a, {})
+            b = replaced(st.b, {id(st.a): a}, {})
             if length == 1:  # (a run of one step: the step as written)
                 x = _node(st.y.op, *((st.s,) if st.s is not None else ()), b, x, dom="rc",
                           name=st.y.name, span=st.y.span)
@@ -211,22 +196,7 @@ def gram_form(program: Program) -> Gram | None:
         return None
     swaps = {id(chain[-1].y): _rewritten(chain) for chain in chains}
     memo: dict[int, Node] = {}
-
-    def swap(node: Node) -> Node:
-        done = memo.get(id(node))
-        if done is not None:
-            return done
-        out = swaps.get(id(node))
-        if out is None:
-            src = tuple(swap(s) for s in node.src)
-            out = node if all(a is b for a, b in zip(src, node.src)) else Node(
-                node.op, src, node.arg, node.dtype, node.kind, node.span, node.name, node.dom)
-        memo[id(node)] = out
-        return out
-    updates = tuple((target, swap(node)) for target, node in program.updates)
-    out = Program(program.name, program.hypers, program.flags, program.states, updates,
-                  program.shapes, program.modes)
-    for attr in ("master", "rounding", "quant"):
-        object.__setattr__(out, attr, getattr(program, attr))
+    out = with_updates(program, ((target, replaced(node, swaps, memo))
+                                 for target, node in program.updates))
     shape = tuple((len(c), max(st.squares for st in c), _runs(len(c))) for c in chains)
     return Gram(out, shape)

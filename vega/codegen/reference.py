@@ -33,7 +33,8 @@ from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import Done, advance_steps, memo, run_staged
 from vega.codegen.tensors import PLAIN_TYPES, refuse_inplace
 from vega.dsl.ir import (AXIS_REDUCTIONS, COMPARISONS, LOGIC, MATRIX_OPS, REDUCTIONS,
-                        SCALAR_STATE, Kind, Node, Op, Program, is_global, walk)
+                        SCALAR_STATE, Kind, Node, Op, Program, is_global, walk, with_src,
+                        with_updates)
 
 
 def _fn(name):
@@ -697,12 +698,11 @@ def _shifted(s, a, b):
 def _shift(s, b, like):
     """``b + s I`` (``b`` a square or a batch of squares, ``s`` one number; the number 0:
     ``b`` alone), a tensor of its own in the dtype of ``b``'s product with ``like``: the
-    Gram form's ``P`` (``vega.codegen.gram``), as ``_shifted`` makes it for the step."""
-    dt = torch.promote_types(b.dtype, like.dtype)
-    out = b.to(dt, memory_format=torch.contiguous_format, copy=True)
+    Gram form's ``P`` (``vega.codegen.gram``), ``_shifted``'s for the step."""
     if isinstance(s, torch.Tensor) or s != 0.0:
-        out.diagonal(0, -2, -1).add_(s.to(dt) if isinstance(s, torch.Tensor) else s)
-    return out
+        return _shifted(s, b, like)
+    return b.to(torch.promote_types(b.dtype, like.dtype), memory_format=torch.contiguous_format,
+                copy=True)
 
 
 # bfloat16 products batched over the tensors of one shape (``Kernel._batched``): on the
@@ -795,8 +795,7 @@ def fuse_products(program: Program) -> Program:
         if done is not None:
             return done
         src = tuple(swap(s) for s in node.src)
-        out = node if all(a is b for a, b in zip(src, node.src)) else Node(
-            node.op, src, node.arg, node.dtype, node.kind, node.span, node.name, node.dom)
+        out = with_src(node, src)
         if node.op is Op.ADD and node.kind == Kind.ELEMENT:
             for k in (0, 1):
                 m, x = node.src[k], node.src[1 - k]
@@ -813,12 +812,7 @@ def fuse_products(program: Program) -> Program:
                     break
         memo[id(node)] = out
         return out
-    updates = tuple((target, swap(node)) for target, node in program.updates)
-    out = Program(program.name, program.hypers, program.flags, program.states, updates,
-                  program.shapes, program.modes)
-    for attr in ("master", "rounding"):
-        object.__setattr__(out, attr, getattr(program, attr))
-    return out
+    return with_updates(program, ((target, swap(node)) for target, node in program.updates))
 
 
 def _scaled_copy(x: Node, b: Node) -> Node | None:

@@ -414,6 +414,35 @@ def _group_states(program: Program) -> tuple[str, ...]:
         fed |= more
 
 
+def with_src(node: Node, src: tuple[Node, ...]) -> Node:
+    """``node`` with the operands ``src``: ``node`` itself where each is its own already."""
+    if all(a is b for a, b in zip(src, node.src)):
+        return node
+    return Node(node.op, src, node.arg, node.dtype, node.kind, node.span, node.name, node.dom)
+
+
+def replaced(node: Node, swaps: dict[int, Node], memo: dict[int, Node]) -> Node:
+    """``node`` with each node below it (itself too) whose id ``swaps`` holds replaced by its
+    value there; each node rebuilt once (``memo``, shared across the roots of a program)."""
+    done = memo.get(id(node))
+    if done is None:
+        done = swaps.get(id(node))
+        if done is None:
+            done = with_src(node, tuple(replaced(s, swaps, memo) for s in node.src))
+        memo[id(node)] = done
+    return done
+
+
+def with_updates(program: Program, updates) -> Program:
+    """``program`` with ``updates`` for its own, its precision (``master``, ``rounding``) and
+    its 8-bit states (``quant``) kept: a rewriting of its values."""
+    out = Program(program.name, program.hypers, program.flags, program.states, tuple(updates),
+                  program.shapes, program.modes)
+    for attr in ("master", "rounding", "quant"):
+        object.__setattr__(out, attr, getattr(program, attr))
+    return out
+
+
 def cse(program: Program) -> Program:
     """The same program with structurally equal subexpressions shared (one node each)."""
     canon: dict[tuple, Node] = {}
