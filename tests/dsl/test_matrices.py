@@ -134,7 +134,14 @@ def test_matrix_programs_run_on_the_reference_kernels():
     spec = vega.compile("optimizer o() {\n p = p - g @ transpose(g) @ g\n}")
     program = spec.program(shape=(3, 4))
     assert program.torch_only and program.has_matrices
-    assert spec.source("c", shape=(3, 4)) == spec.source("reference", shape=(3, 4))
+    shown = spec.source("reference", shape=(3, 4))
+    assert spec.source("c", shape=(3, 4)) == shown and "_tiled(" not in shown
+    muon = vega.compile_file("specs/muon.vega")
+    shown = muon.source("reference", shape=(3, 40))
+    assert "_tiled(" in shown and "C loop" not in shown
+    if vega.codegen.c.available():  # (the C backend's: its runs in C loops)
+        assert muon.source("c", shape=(3, 40)).startswith(shown)
+        assert "C loop" in muon.source("c", shape=(3, 40))
 
 
 def test_modes_and_initial_values_may_use_matrices_rows_and_sizes():
@@ -410,3 +417,103 @@ def test_widen_and_bfloat16_of_a_number_in_the_scalar_phase(backend):
     new, _ = spec.step([p], [g], spec.init([p]), backend=backend)
     want = 1.0 - 2.0 - float(torch.tensor(0.1).bfloat16())
     assert torch.equal(new[0], torch.full((2, 3), want))
+
+
+def _c_and_reference(spec, shapes, dtype, steps, seed, **hypers):
+    """``spec`` stepped ``steps`` times from the same random parameters and gradients on the
+    C backend and on the reference's: (each one's parameters and state leaves), and the C
+    loops the C backend's step ran (``vega.codegen.c.runs.COUNTS``)."""
+    from vega.codegen.c import runs
+    gen = torch.Generator().manual_seed(seed)
+    start = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(steps)]
+    out = []
+    before = runs.COUNTS["loops"]
+    for backend in ("c", "reference"):
+        ps = [p.clone() for p in start]
+        state = spec.init(ps, **hypers)
+        for gs in grads:
+            ps, state = spec.step(ps, gs, state, backend=backend, **hypers)
+        out.append((ps, torch.utils._pytree.tree_leaves(state)))
+        if backend == "c":
+            loops = runs.COUNTS["loops"] - before
+    return out, loops
+
+
+def _same_bits(a, b) -> bool:
+    """Whether ``a`` and ``b`` hold the same values bit for bit (signed zeros told apart),
+    NaN where the other has NaN (of any payload)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(
+        a.contiguous().view(ints)[~nan], b.contiguous().view(ints)[~nan])
+
+
+def _alike(results) -> None:
+    (ps_a, st_a), (ps_b, st_b) = results
+    assert all(_same_bits(a, b) for a, b in zip(ps_a, ps_b))
+    assert len(st_a) == len(st_b)
+    assert all(a is b is None or _same_bits(a, b) for a, b in zip(st_a, st_b))
+
+
+@pytest.mark.skipif(not vega.codegen.c.available(), reason="no C compiler")
+@pytest.mark.parametrize("dtype, bf16", [(torch.float32, True), (torch.float32, False),
+                                         (torch.bfloat16, True), (torch.float64, True),
+                                         (torch.float64, False)])
+def test_the_c_backend_computes_muons_element_runs_in_c_loops(dtype, bf16):
+    """On the C backend, Muon's runs of element lines (its momentum, Nesterov mix and
+    rounding to bfloat16; its update of the parameter) are each one C loop
+    (``vega.codegen.c.runs``): bitwise the reference's values, parameters and momentum,
+    for wide (the Gram form), tall, square and one-row matrices, two of one shape (stepped
+    side by side, ``render_batched``), over 3 steps. Where a loop does not apply, the run
+    stays on torch's operations: in float64, the rounding to bfloat16 (from float64 torch
+    rounds twice); the update of the tall matrix, whose products come out transposed (not
+    contiguous)."""
+    spec = vega.compile_file("specs/muon.vega")
+    shapes = [(8, 200), (8, 200), (200, 8), (40, 40), (1, 90)]
+    results, loops = _c_and_reference(spec, shapes, dtype, 3, 5, bf16=bf16)
+    _alike(results)
+    before = 0 if dtype == torch.float64 and bf16 else len(shapes)
+    assert loops == 3 * (before + len(shapes) - 1)
+
+
+@pytest.mark.skipif(not vega.codegen.c.available(), reason="no C compiler")
+def test_c_loops_compute_comparisons_selections_and_signs_as_the_reference():
+    """A run with every operation the loops take (``+ - * /``, comparisons, ``and``, ``or``,
+    ``not``, ``where`` of numbers and of bools, ``min``, ``max`` (NaN winning), ``abs``,
+    ``sign`` (of -0.0 and NaN), negation, numbers, ``bfloat16`` and ``widen``): bitwise the
+    reference's, NaN and signed zeros in the gradients and a NaN in the state included;
+    and one with a square root, which stays on torch's operations (torch's float32 root on
+    the CPU is not correctly rounded)."""
+    text = """
+    optimizer o(lr = 0.1) {
+        state m = zeros
+        state q = zeros
+        state z = zeros
+        m = 0.5 * m + g / 3
+        big = (m > 0.25 and not (g < -1)) or m != m
+        q = where(big, min(m, 1), -abs(m)) + max(m, g) - max(2, g) + where(m > g, 1, 0)
+        z = sign(g) * where(big, 2, 3) - min(g, 0)
+        x = bfloat16(where(big, q, -q))
+        A = x @ transpose(x)
+        p = p - lr * widen(A @ x) - lr * z + ROOT
+    }"""
+    gen = torch.Generator().manual_seed(3)
+    for root, runs_each in (("0", 2), ("sqrt(abs(m))", 1)):
+        spec = vega.compile(text.replace("ROOT", root))
+        shapes = [(6, 30), (12, 12)]
+        results, loops = _c_and_reference(spec, shapes, torch.float32, 2, 7)
+        _alike(results)
+        assert loops == runs_each * len(shapes) * 2
+    g = torch.randn(6, 30, generator=gen)
+    g[0, :4] = torch.tensor([float("nan"), -0.0, 0.0, float("inf")])
+    p = torch.randn(6, 30, generator=gen)
+    spec = vega.compile(text.replace("ROOT", "0"))
+    outs = []
+    for backend in ("c", "reference"):  # (the NaN kept in m, beside a finite gradient)
+        ps, state = spec.step([p], [g], spec.init([p]), backend=backend)
+        outs.append(spec.step(ps, [g.nan_to_num()], state, backend=backend))
+    _alike([(ps, torch.utils._pytree.tree_leaves(state)) for ps, state in outs])
+    assert outs[0][1]["q"][0].isnan().sum() == 1

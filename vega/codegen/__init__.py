@@ -11,6 +11,7 @@ from functools import _CacheInfo
 import torch
 
 from vega.codegen import c, reference, triton
+from vega.codegen.c import runs as c_runs
 from vega.dsl.ir import Program
 from vega.tracing import untraced
 
@@ -60,7 +61,10 @@ def kernel(backend: str, program: Program):
 
 def _kernel(backend: str, program: Program, counting: bool):
     found = program.kernels.get(backend)
-    if found is None and backend != "reference" and _reference_only(program):
+    if found is None and backend == "c" and program.torch_only and c.available():
+        check_backend(backend)  # (the reference's kernel, its element runs in C loops)
+        found = program.kernels[backend] = reference.Kernel(program, runs=c_runs.tiled_for)
+    elif found is None and backend != "reference" and _reference_only(program):
         check_backend(backend)  # (what only the reference computes runs there on any device)
         found = program.kernels[backend] = _kernel("reference", program, counting)
     elif found is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 
 import torch
 
@@ -232,16 +233,24 @@ _CONVERSIONS = {Op.BF16: "_bf16", Op.WIDEN: "_widen"}  # fresh when asked (``fre
 _READERS = _FRESH | REDUCTIONS
 
 
-def _element_body(lin: Linear, r: TorchRenderer) -> list[str]:
-    """The element lines of a program with matrix products, each value deleted after its
-    last use (a suspended ``update_batched`` holds only what it still needs), and each
-    ``+ - * /`` of a value of its own domain written over an operand that dies there
-    (``_into``) where that operand is a temporary of its own (an arithmetic value) that no
-    product, transpose, conversion or output reads: a matrix's temporaries are large, and
-    on the CPU a new tensor's pages cost more than the pass that fills them. A run of two or
-    more element lines over the whole matrix view (``_tile_runs``, after ``_late`` has put
-    each beside its readers) is a function of its own, which ``_tiled`` calls on a part of
-    the tensors at a time."""
+@dataclass(frozen=True)
+class Run:
+    """A run of element lines that ``_element_body`` makes a function of its own,
+    ``name(*full, *rest)``, returning ``made``: ``full``, the values of the whole matrix view
+    it reads; ``rest``, the per-tensor values (0-d tensors) and ``p``, whose dtype the
+    conversions read; ``lines``, its ``Line``s (``_tile_runs``)."""
+    name: str
+    lines: tuple
+    full: tuple[str, ...]
+    rest: tuple[str, ...]
+    made: tuple[str, ...]
+
+
+def _element_plan(lin: Linear) -> tuple[list, set, dict, dict, list[tuple[int, int, Run]]]:
+    """The element lines of a program with matrix products as ``_element_body`` writes
+    them: (the lines, in order (``_late``); the values returned; each value's last reader;
+    whether every reader of a value only reads it (``_READERS``); the runs, each with its
+    lines' positions)."""
     lines = _late(lin.element_lines)
     mine = {lin.ref(line.node) for line in lines}
     returned = {lin.names.get(id(node)) for _, node in lin.outputs}
@@ -253,6 +262,43 @@ def _element_body(lin: Linear, r: TorchRenderer) -> list[str]:
             if name in mine:
                 last[name] = k
                 readers[name] = readers.get(name, True) and line.node.op in _READERS
+    runs = []
+    for lo, hi in _tile_runs(lines):
+        run = {line.var for line in lines[lo:hi]}
+        read = [s for line in lines[lo:hi] for s in line.node.src
+                if s.op is not Op.CONST and lin.names.get(id(s)) not in run]
+        full = list(dict.fromkeys(lin.names[id(s)] for s in read if s.kind == Kind.ELEMENT))
+        rest = list(dict.fromkeys([*(lin.names[id(s)] for s in read
+                                     if s.kind != Kind.ELEMENT), "p"]))
+        rest = [v for v in rest if v not in full]  # (p: as the lines make numbers tensors)
+        made = [line.var for line in lines[lo:hi]
+                if line.var in returned or last.get(line.var, -1) >= hi]
+        runs.append((lo, hi, Run(f"_tile_{lo}", tuple(lines[lo:hi]), tuple(full),
+                                 tuple(rest), tuple(made))))
+    return lines, returned, last, readers, runs
+
+
+def element_runs(lin: Linear) -> list[Run]:
+    """The runs of element lines of ``lin`` (a program with matrix products) that its
+    ``update`` computes as functions of their own (``_element_body``)."""
+    if not _has_products(lin):
+        return []
+    return [run for _, _, run in _element_plan(lin)[-1]]
+
+
+def _element_body(lin: Linear, r: TorchRenderer) -> list[str]:
+    """The element lines of a program with matrix products, each value deleted after its
+    last use (a suspended ``update_batched`` holds only what it still needs), and each
+    ``+ - * /`` of a value of its own domain written over an operand that dies there
+    (``_into``) where that operand is a temporary of its own (an arithmetic value) that no
+    product, transpose, conversion or output reads: a matrix's temporaries are large, and
+    on the CPU a new tensor's pages cost more than the pass that fills them. A run of two or
+    more element lines over the whole matrix view (``_tile_runs``, after ``_late`` has put
+    each beside its readers) is a function of its own (``Run``), which ``_tiled`` calls on
+    a part of the tensors at a time (the C backend's, ``vega.codegen.c.runs``: one loop in
+    C where it can)."""
+    lines, returned, last, readers, runs = _element_plan(lin)
+    mine = {lin.ref(line.node) for line in lines}
 
     def over(k: int, node: Node) -> str | None:  # the operand to write the value over
         if node.op not in _OVER or node.kind != Kind.ELEMENT or any(
@@ -279,29 +325,22 @@ def _element_body(lin: Linear, r: TorchRenderer) -> list[str]:
         return f"{indent}{line.var} = _into({dead}, {_OVER[node.op]!r}, {a}, {b})"
     out = []
     k = 0
-    for lo, hi in _tile_runs(lines):
+    for lo, hi, run in runs:
         for j in range(k, lo):  # (the lines before the run, one by one)
             out.append(line_of(j, "    "))
             done = sorted(n for n, at in last.items() if at == j and n not in returned)
             if done:
                 out.append(f"    del {', '.join(done)}")
-        run = {line.var for line in lines[lo:hi]}
-        read = [s for line in lines[lo:hi] for s in line.node.src
-                if s.op is not Op.CONST and lin.names.get(id(s)) not in run]
-        full = list(dict.fromkeys(lin.names[id(s)] for s in read if s.kind == Kind.ELEMENT))
-        rest = list(dict.fromkeys([*(lin.names[id(s)] for s in read
-                                     if s.kind != Kind.ELEMENT), "p"]))
-        rest = [v for v in rest if v not in full]  # (p: as the lines make numbers tensors)
-        made = [line.var for line in lines[lo:hi]
-                if line.var in returned or last.get(line.var, -1) >= hi]
-        fn = f"_tile_{lo}"  # (no closure: every name it reads is an argument)
+        full, rest, made = run.full, run.rest, run.made
+        fn = run.name  # (no closure: every name it reads is an argument)
         out.append(f"    def {fn}({', '.join(full + rest)}):")
         out += [line_of(j, "        ") for j in range(lo, hi)]
         out.append(f"        return ({''.join(v + ', ' for v in made)})")
         out.append(f"    ({''.join(v + ', ' for v in made)}) = _tiled({fn}, "
                    f"({''.join(v + ', ' for v in full)}), ({''.join(v + ', ' for v in rest)}))")
+        inside = {line.var for line in run.lines}
         done = sorted(n for n, at in last.items()
-                      if lo <= at < hi and n not in returned and n not in run)
+                      if lo <= at < hi and n not in returned and n not in inside)
         out.append(f"    del {', '.join([fn, *done])}")
         k = hi
     for j in range(k, len(lines)):
@@ -900,8 +939,12 @@ class Kernel:
 
     backend = "reference"
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, runs=None):
+        """``runs``: where given, ``runs(linear)`` is the ``_tiled`` of the functions
+        rendered from ``linear`` (the C backend's: ``vega.codegen.c.runs``), which computes
+        the same values; else ``_tiled``."""
         self.program = program
+        self._runs = runs
         shown = fuse_products(program)  # (the program as the functions compute it)
         self.linear = linearize(shown)
         self.text = render(shown, self.linear)
@@ -913,6 +956,8 @@ class Kernel:
                      "_matmul_shift": _matmul_shift, "_into": _into, "_shift": _shift,
                      "_tiled": _tiled}
         self._gram = self._gram_form(gram_form(shown), dict(namespace))
+        if runs is not None:
+            namespace["_tiled"] = runs(self.linear)
         self._staged_text = render_staged(shown, self.linear)
         exec(compile(self._staged_text, f"<vega reference, staged: {program.name}>", "exec"),
              namespace)
@@ -943,6 +988,8 @@ class Kernel:
         if tuple(self.linear.names.get(named[name]) for name in lin.scalar_outputs) \
                 != self.linear.scalar_outputs:
             return None
+        if self._runs is not None:
+            namespace["_tiled"] = self._runs(lin)
         text = render(gram.program, lin)
         exec(compile(text, f"<vega reference, Gram form: {self.program.name}>", "exec"),
              namespace)
@@ -967,11 +1014,16 @@ class Kernel:
         return update, batched
 
     def source(self) -> str:
-        if self._gram is None:
-            return self.text
-        return (f"{self.text}\n# For a tensor whose matrix view is wide enough "
-                f"(vega.codegen.gram.Gram.pays), update with its Newton-Schulz steps in the "
-                f"Gram form:\n\n{self.gram_text}\n")
+        text = self.text
+        if self._gram is not None:
+            text = (f"{text}\n# For a tensor whose matrix view is wide enough "
+                    f"(vega.codegen.gram.Gram.pays), update with its Newton-Schulz steps in "
+                    f"the Gram form:\n\n{self.gram_text}\n")
+        if self._runs is not None and "_tiled(" in text:
+            text += ("\n# The C backend computes each run of element lines given to _tiled "
+                     "in one C loop\n# where its operations and its tensors' dtypes allow "
+                     "(vega.codegen.c.runs).\n")
+        return text
 
     def _hyper_args(self, values: dict, dtype, device):
         return [v if isinstance(v, torch.Tensor) and v.dtype == dtype and v.device == device
