@@ -128,6 +128,42 @@ def test_one_cycle_with_cycled_momentum_matches_torch(name, kw, states):
         assert group["b1"] not in (0.9, group["betas"][0])  # cycled; synced at the next step
 
 
+def test_a_state_saved_after_a_cycled_momentum_resumes():
+    """OneCycleLR writes betas after a step; a state saved then (betas and b1 disagree until
+    the next step) loads into a new optimizer, a deep copy and an unpickled one, each taking
+    betas, as torch's class reads it, and resumes bitwise."""
+    import copy
+    import io
+
+    def build():
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 10))
+        return p, vega.optim.AdamW([p], lr=1e-2)
+    p, opt = build()
+    sched = _one_cycle(opt)
+    for k in range(3):
+        p.grad = torch.full_like(p, 0.1 * (k + 1))
+        opt.step()
+        sched.step()
+    group = opt.param_groups[0]
+    assert group["betas"][0] != group["b1"]  # (cycled, not yet synced)
+    saved = copy.deepcopy(opt.state_dict())
+    q, loaded = build()
+    q.data.copy_(p.detach())
+    loaded.load_state_dict(saved)
+    buffer = io.BytesIO()
+    torch.save(opt, buffer)
+    buffer.seek(0)
+    copies = [loaded, copy.deepcopy(opt), torch.load(buffer, weights_only=False)]
+    p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    for other in copies:
+        other_p = other.param_groups[0]["params"][0]
+        other_p.grad = torch.full_like(p, 0.5)
+        other.step()
+        assert torch.equal(other_p, p)
+        assert other.param_groups[0]["b1"] == group["b1"] == group["betas"][0]
+
+
 # -- maximize and dampening ---------------------------------------------------------------
 
 TORCH_TWINS = [  # (class, keywords both take, vega's state -> torch's)

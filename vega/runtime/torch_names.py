@@ -125,7 +125,11 @@ class BetaSync:
 
     def sync(self, owner: str, k: int, group: dict) -> None:
         """Make ``group``'s ``betas`` and ``b1``, ``b2``, ... agree, taking the one changed
-        since the last step; ValueError where both changed to values that disagree."""
+        since the last step; ValueError where both changed to values that disagree. A group
+        not seen before (loaded from a state dict, or of a copied or unpickled optimizer)
+        takes ``betas``, as torch's classes read it: a scheduler that cycles momentum
+        (``OneCycleLR``) writes ``betas`` between steps, so a state saved after it disagrees
+        with ``b1`` until the next step."""
         if not self.names:
             return
         ours = tuple(group[n] for n in self.names)
@@ -142,6 +146,8 @@ class BetaSync:
                 group.update(zip(self.names, theirs))
             elif last is not None and same_betas(theirs, last):  # b1, b2, ... changed
                 group["betas"] = ours
+            elif last is None:  # (not seen: betas, as torch reads it)
+                group.update(zip(self.names, theirs))
             else:
                 mine = ", ".join(f"{n}={engine.shown(v)}" for n, v in zip(self.names, ours))
                 raise ValueError(f"{owner}: group {k} has betas={engine.shown(tuple(theirs))} "
