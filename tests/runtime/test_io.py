@@ -483,9 +483,9 @@ def test_step_refuses_a_state_replaced_by_a_misshaped_one(backend):
     opt.step()
     opt.state[p]["v"] = torch.zeros(3)
     before = p.detach().clone()
-    with pytest.raises(ValueError, match=rf"backend '{backend}': state 'v' of parameter 0 has "
-                                         r"shape \(3,\), but its parameter, of shape "
-                                         r"\(1000,\), needs \(1000,\)"):
+    with pytest.raises(ValueError, match=rf"SGD: parameter 0 of group 0: backend '{backend}': "
+                                         r"state 'v' has shape \(3,\), but its parameter, of "
+                                         r"shape \(1000,\), needs \(1000,\)"):
         opt.step()
     assert torch.equal(p.detach(), before)
 

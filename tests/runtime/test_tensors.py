@@ -409,6 +409,35 @@ def test_the_class_refuses_what_it_cannot_write_before_writing_any_group():
     assert all(torch.equal(x, y) for x, y in zip(before, [p, q, opt.state[p]["step"]]))
 
 
+@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("spoil, words", [
+    ("resized", r"AdamW: parameter 0 of group 1: backend '\w+': state 'mu' has shape \(6, 4\)"),
+    ("gradient", r"AdamW: the gradient of parameter 0 of group 1 has shape \(3,\)"),
+    ("schedule", r"hyperparameter 'lr': its schedule returned a tensor of shape \(2,\)"),
+    ("backend", r"backend='cpu' is not one of"),
+])
+def test_a_step_refused_for_one_group_steps_no_other(backend, spoil, words):
+    """What a later group's kernel refuses (its states' shapes against a resized parameter,
+    its gradient's shape, its schedule's value, its backend) is found before the first
+    group is written: the step changes no parameter, state or step counter of any group."""
+    a, b = torch.nn.Parameter(_rand(8, seed=1)), torch.nn.Parameter(_rand(6, 4, seed=2))
+    opt = vega.optim.AdamW([{"params": [a]}, {"params": [b]}], lr=1e-2, backend=backend)
+    a.grad, b.grad = torch.ones(8), torch.ones(6, 4)
+    opt.step()
+    if spoil == "resized":
+        b.data, b.grad = _rand(7, 4, seed=3), torch.ones(7, 4)
+    elif spoil == "gradient":
+        b.grad.data = torch.ones(3)
+    elif spoil == "schedule":
+        opt.param_groups[1]["lr"] = lambda step: torch.full((2,), 1e-3)
+    else:
+        opt.param_groups[1]["backend"] = "cpu"
+    before = [a.detach().clone(), *(x.clone() for x in opt.state[a].values())]
+    with pytest.raises(ValueError, match=words):
+        opt.step()
+    assert all(torch.equal(x, y) for x, y in zip(before, [a, *opt.state[a].values()]))
+
+
 # -- versions and inference tensors ----------------------------------------------------------
 
 @pytest.mark.parametrize("backend", [None, *BACKENDS])

@@ -558,19 +558,20 @@ def tensor_values(program: Program, kern, values, steps):
 
 
 def run(program: Program, backend: str, params, grads, states, steps, values, donate: bool,
-        pre: torch.Tensor | None = None, adjust=None):
+        pre: torch.Tensor | None = None, adjust=None, evaluated: bool = False):
     """One step of ``program`` over lists of tensors.
 
     ``states`` is a list, one per state variable, of per-parameter tensor lists;
     ``steps`` the int32 counter of each parameter (the same tensor may repeat);
     ``values`` the hyperparameters of each parameter, schedules unevaluated;
     ``pre`` the prelude's record (``prelude``); ``adjust`` a ``LossScale`` the kernel
-    adjusts in place after the step, where its ``adjusts`` says it does. Returns (new
-    params, new states, new steps, finite).
+    adjusts in place after the step, where its ``adjusts`` says it does; ``evaluated``:
+    ``values`` are ``tensor_values``' already. Returns (new params, new states, new steps,
+    finite).
     """
     compiling = torch.compiler.is_compiling()
     kern = codegen.kernel(backend, program)
-    per_tensor = tensor_values(program, kern, values, steps)
+    per_tensor = values if evaluated else tensor_values(program, kern, values, steps)
     # complex parameters step as real pairs
     if any_complex(params):
         _no_complex_axes(program)

@@ -20,7 +20,8 @@ import torch
 
 from vega import codegen
 from vega.codegen import quant
-from vega.codegen.base import distinct, state_shape
+from vega.codegen.base import (check_codes, check_dtypes, check_states, distinct,
+                               state_shape)
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
                                   dense_words, first_with_own_ops, gather, inplace_problem,
@@ -330,6 +331,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                 getattr(codegen.kernel(work[0][1], work[0][0]), "checks_writes", False)
             if not compiling and not one_call:
                 self._check_writes(work)
+            # what each call's kernel would refuse, and each one's values at its step
+            # counters, found before the first call writes anything
+            evaluated = None if compiling or one_call else self._check_work(work)
             check = self.skip_nonfinite or self.loss_scale is not None
             pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work], None,
                                  self.max_grad_norm, check, loss_scale=self.loss_scale)
@@ -346,12 +350,15 @@ class SpecOptimizer(torch.optim.Optimizer):
         for k, (program, backend, params, grads, states, steps, values) in enumerate(work):
             try:
                 engine.run(program, backend, params, grads, states, steps,
-                           [values] * len(params), donate=True, pre=pre,
-                           adjust=self.loss_scale if adjusted and k == len(work) - 1 else None)
+                           [values] * len(params) if evaluated is None else evaluated[k],
+                           donate=True, pre=pre,
+                           adjust=self.loss_scale if adjusted and k == len(work) - 1 else None,
+                           evaluated=evaluated is not None)
             except ValueError:
                 if one_call:  # (refused before anything was written) in the class's words
                     self._refused()
                     self._check_writes(work)
+                    self._check_work(work)
                 raise
         if self.loss_scale is not None and not adjusted:
             self.loss_scale.adjust_(finite_of(pre))
@@ -451,6 +458,38 @@ class SpecOptimizer(torch.optim.Optimizer):
         k, other, words = problem
         raise ValueError(f"{type(self).__name__}: {label(k)} "
                          f"{words.format(other=label(other)) if other is not None else words}")
+
+    def _check_work(self, work) -> list:
+        """Raise ValueError, naming the parameter, where the kernel of a call of ``work``
+        (several: parameter groups, or programs) would refuse its tensors or values: its
+        backend, the shapes and dtypes of its gradients and states (``check_states``,
+        ``check_codes``, ``check_dtypes``), its hyperparameters at each step counter. All
+        are checked before the first call writes, so that a step refused for one group has
+        not stepped another. Returns each call's values as its kernel takes them
+        (``engine.tensor_values``)."""
+        owner = type(self).__name__
+        out = []
+        for program, backend, params, grads, states, steps, values in work:
+            kern = codegen.kernel(backend, program)
+            for p, g in zip(params, grads):
+                if g.shape != p.shape:
+                    raise ValueError(f"{owner}: the gradient of {self._name(p)} has shape "
+                                     f"{tuple(g.shape)}, but the parameter has shape "
+                                     f"{tuple(p.shape)}")
+            try:
+                check_states(backend, program, params, states)
+                check_codes(backend, program, states)
+                check_dtypes(backend, program, params, grads, states)
+            except ValueError as e:
+                for i, p in enumerate(params):  # (which parameter, by the class's name of it)
+                    try:
+                        check_states(backend, program, [p], [[col[i]] for col in states])
+                    except ValueError as one:
+                        words = str(one).replace(" of parameter 0 ", " ")
+                        raise ValueError(f"{owner}: {self._name(p)}: {words}") from None
+                raise ValueError(f"{owner}: {e}") from None
+            out.append(engine.tensor_values(program, kern, [values] * len(params), steps))
+        return out
 
     def _group_work(self, k, group, grads_all, flags, values) -> list[tuple]:
         """The engine.run calls of group ``k``: (program, backend, params, grads, states,
