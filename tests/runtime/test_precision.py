@@ -256,6 +256,36 @@ def test_master_copy_made_where_missing_and_dropped_where_off():
     assert (opt.state[model.weight]["master"] - now).abs().max() < 2e-3
 
 
+@pytest.mark.parametrize("backend", ["c", "reference"])
+def test_master_copies_follow_parameters_made_half_and_parameters_set_by_hand(backend):
+    """Parameters turned into bfloat16 after the first steps (``model.to(torch.bfloat16)``)
+    get their master copies at the next step (the step's plan compares their dtypes), so
+    small updates are kept; a parameter set by hand keeps its value where its master copy
+    is deleted (the next step makes it anew from the parameter)."""
+    if backend == "c" and not vega.codegen.c.available():
+        pytest.skip("no C compiler")
+    model = torch.nn.Linear(16, 16, bias=False)
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-5, master_weights=True, backend=backend)
+    model.weight.grad = torch.randn(16, 16)
+    opt.step()
+    assert "master" not in opt.state[model.weight]  # (float32: no copy)
+    model.to(BF16)
+    start = model.weight.detach().clone()
+    for _ in range(5):
+        model.weight.grad = torch.full((16, 16), 1.0, dtype=BF16)
+        opt.step()
+    master = opt.state[model.weight]["master"]
+    assert master.dtype == torch.float32
+    assert (master != start.float()).all()  # every update kept, in the copy
+    with torch.no_grad():
+        model.weight.fill_(5.0)
+    del opt.state[model.weight]["master"]
+    model.weight.grad = torch.full((16, 16), 1.0, dtype=BF16)
+    opt.step()
+    assert torch.equal(model.weight, torch.full((16, 16), 5.0, dtype=BF16))
+    assert (opt.state[model.weight]["master"] < 5.0).all()
+
+
 def test_bytes_with_master_weights():
     params = {"w": torch.randn(64, 32).to(BF16), "b": torch.randn(32).to(BF16)}
     state = vega.adamw_init(params, master_weights=True)

@@ -535,6 +535,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         plans = self._plans()
         plans += [None] * (k + 1 - len(plans))
         plan.precision = (master, seed)
+        # (master copies and stochastic rounding: programs chosen by the parameters' dtypes)
+        plan.dtypes = [p.dtype for p in plan.params] if master or seed is not None else None
         plans[k] = plan
         return plan.work(backend, grads, sts, values)
 
@@ -606,6 +608,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             found |= part_found
         if found & (NO_GRAD | NOT_STRIDED) or plan.params[0].device.type != plan.device \
                 or self._shapes(plan.params) != plan.shapes \
+                or (plan.dtypes is not None and [p.dtype for p in plan.params] != plan.dtypes) \
                 or not all(map(operator.is_, map(_GRAD, plan.absent), repeat(None))):
             return None, self._grads(group), False
         backend = group["backend"] or codegen.default_backend(plan.device)
