@@ -543,6 +543,31 @@ def test_codes_without_scales_refused():
         vega.optim.AdamW(model.parameters(), lr=1e-2).load_state_dict(saved)
 
 
+@pytest.mark.parametrize("keeps", [None, U8])
+def test_codes_without_any_scales_or_with_misshaped_ones_refused_on_loading(keeps):
+    """Codes without a single scale (every ``*_absmax`` gone) are refused on loading as
+    without one, by an optimizer keeping floats and by an 8-bit one (whose small tensors
+    keep floats too); scales of the wrong length, by one that dequantizes them, before it
+    reads them. The optimizer is left as it was and still steps."""
+    model, _, saved = _saved_8bit(1)
+    bare = {k: {n: v for n, v in st.items() if not n.endswith("_absmax")}
+            for k, st in saved["state"].items()}
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=keeps)
+    with pytest.raises(ValueError, match="holds 8-bit codes without their scales"):
+        opt.load_state_dict({**saved, "state": bare})
+    assert not opt.state
+    if keeps is None:
+        for k, st in saved["state"].items():
+            if "nu_absmax" in st:
+                st["nu_absmax"] = torch.cat([st["nu_absmax"], st["nu_absmax"]])
+                break
+        with pytest.raises(ValueError, match=r"holds 8-bit codes of shape \(\d+, \d+\) and "
+                                             r"scales of shape \(\d+,\)"):
+            opt.load_state_dict(saved)
+        assert not opt.state
+    _train(model, opt, 1, seed=2)
+
+
 @pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
 def test_float_state_where_codes_are_kept_refused(backend):
     params = params_of({"w": (64, 100)})

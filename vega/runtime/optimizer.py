@@ -831,8 +831,10 @@ class SpecOptimizer(torch.optim.Optimizer):
                 continue
             wanted = engine.state_dtype_of(self.spec._spec, group["state_dtype"])
             sds = wanted if isinstance(wanted, dict) else {}
-            if self._q8(group, [p], fresh=True) or any(quant.SUFFIX in str(n)
-                                                       for n in originals[pid]):
+            if self._q8(group, [p], fresh=True) or any(
+                    quant.SUFFIX in str(n) or (isinstance(v, torch.Tensor)
+                                               and v.dtype == torch.uint8)
+                    for n, v in originals[pid].items()):
                 # 8-bit states as this optimizer keeps them: codes kept, float values
                 # quantized, codes dequantized where it keeps floats (a warning says which)
                 originals[pid] = self._loaded_q8(pid, p, group, originals[pid])
@@ -894,6 +896,13 @@ class SpecOptimizer(torch.optim.Optimizer):
                               f"{value.dtype}; it is quantized to 8 bits, as this optimizer "
                               "keeps it (state_dtype torch.uint8)", stacklevel=4)
             elif is_codes and s.name not in program.quant:
+                blocks = (p.numel() + quant.BLOCK - 1) // quant.BLOCK
+                if value.shape != p.shape or tuple(scale.shape) != (blocks,):
+                    raise ValueError(
+                        f"{owner}: state '{s.name}' of parameter {pid} holds 8-bit codes of "
+                        f"shape {tuple(value.shape)} and scales of shape {tuple(scale.shape)}, "
+                        f"but the parameter, of shape {tuple(p.shape)}, needs codes of its "
+                        f"shape and ({blocks},) scales")
                 out[s.name] = quant.dequantize_t(value.to(p.device), scale.to(p.device),
                                                  not quant.nonnegative(base, s.name))
                 del out[s.name + quant.SUFFIX]
