@@ -500,7 +500,9 @@ class SpecOptimizer(torch.optim.Optimizer):
             return []
         grads = [g for g in grads_all if g is not None]
         if _any_sparse(grads):
-            raise ValueError(f"{owner} does not support sparse gradients")
+            i = next(i for i, g in enumerate(grads) if g.layout != torch.strided)
+            raise ValueError(f"{owner} does not support sparse gradients: the gradient of "
+                             f"{self._name(params[i])} is {grads[i].layout}")
         master, seed = _precision(owner, group)
         progs = engine.programs(owner, self.spec._spec, flags, values, params, master=master,
                                 seed=seed, quantized=self._q8(group, params))
