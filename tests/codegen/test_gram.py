@@ -95,6 +95,10 @@ def test_a_square_view_keeps_the_iteration_as_written(monkeypatch):
     # one step only
     ("optimizer o() {\n x = g\n A = x @ transpose(x)\n x = 1.5 * x + (-0.5 * A) @ x\n"
      " p = p - x\n}", None),
+    # B widened: a bfloat16 x becomes float32 after the first step, and each later A is
+    # float32, which the Gram form would compute from the first step's bfloat16 A
+    ("optimizer o() {\n x = bfloat16(g)\n repeat 3 {\n A = x @ transpose(x)\n"
+     " x = 1.5 * x + widen(-0.5 * A) @ x\n }\n p = p - widen(x)\n}", None),
     # the last A read after the chain: that step is not one, the two before it chain
     ("optimizer o() {\n x = g\n repeat 3 {\n A = x @ transpose(x)\n"
      " x = 1.5 * x + (-0.5 * A) @ x\n }\n p = p - x - sum(A)\n}", ((2, 0, (2,)),)),

@@ -122,6 +122,12 @@ def _step(y: Node, users: dict[int, int]) -> _Step | None:
         todo.extend(n.src)
     if len(found) != 1:
         return None
+    if any(n.op is Op.WIDEN for n in inner.values()):
+        # B widened may be of a wider dtype than x (bfloat16): the step's product, the next
+        # x, and its Gram matrix are then of B's, where the Gram form would carry A's
+        # rounding to x's dtype into every later step (a B rounded to bfloat16 meets a
+        # wider x in x's dtype: x's stays)
+        return None
     a = found[0]
     # nothing else reads ``A`` or the values between it and ``B`` (they are not computed in
     # the Gram form), nor ``x``'s transpose
