@@ -417,9 +417,9 @@ def test_refuses_a_misshaped_state_before_launching():
     opt.step()
     opt.state[p]["v"] = torch.zeros(3, device=DEVICE)
     before = p.detach().clone()
-    with pytest.raises(ValueError, match=r"backend 'triton': state 'v' of parameter 0 has "
-                                         r"shape \(3,\), but its parameter, of shape \(1000,\), "
-                                         r"needs \(1000,\)"):
+    with pytest.raises(ValueError, match=r"SGD: parameter 0 of group 0: backend 'triton': "
+                                         r"state 'v' has shape \(3,\), but its parameter, of "
+                                         r"shape \(1000,\), needs \(1000,\)"):
         opt.step()
     assert torch.equal(p.detach(), before)
 

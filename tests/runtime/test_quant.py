@@ -206,7 +206,8 @@ def assert_same_8bit(got, ref):
 def test_backends_match_reference(backend, kw):
     assert_same_8bit(run_adamw(backend, **kw), run_adamw("reference", **kw))
     # the kernels are the backend's own, not a hand-off to the reference's
-    q8 = [v for v in vega.adamw.program().variants.values() if v.quant]
+    # (the variants this step made: other tests of the process may have made others)
+    q8 = [v for v in vega.adamw.program().variants.values() if v.quant and backend in v.kernels]
     assert q8 and all(type(v.kernels[backend]).__module__ != "vega.codegen.reference"
                       for v in q8)
 
@@ -561,8 +562,8 @@ def test_codes_without_any_scales_or_with_misshaped_ones_refused_on_loading(keep
             if "nu_absmax" in st:
                 st["nu_absmax"] = torch.cat([st["nu_absmax"], st["nu_absmax"]])
                 break
-        with pytest.raises(ValueError, match=r"holds 8-bit codes of shape \(\d+, \d+\) and "
-                                             r"scales of shape \(\d+,\)"):
+        with pytest.raises(ValueError, match=r"holds \d+ 8-bit codes and \d+ scales, but the "
+                                             r"parameter, of shape \(\d+, \d+\), needs"):
             opt.load_state_dict(saved)
         assert not opt.state
     _train(model, opt, 1, seed=2)

@@ -25,7 +25,7 @@ from vega.codegen.base import (check_codes, check_dtypes, check_states, distinct
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
                                   dense_words, first_with_own_ops, gather, inplace_problem,
-                                  own_ops_words, same)
+                                  is_dtensor, own_ops_words, same)
 from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -898,13 +898,14 @@ class SpecOptimizer(torch.optim.Optimizer):
                               f"{value.dtype}; it is quantized to 8 bits, as this optimizer "
                               "keeps it (state_dtype torch.uint8)", stacklevel=4)
             elif is_codes and s.name not in program.quant:
-                blocks = (p.numel() + quant.BLOCK - 1) // quant.BLOCK
-                if value.shape != p.shape or tuple(scale.shape) != (blocks,):
+                blocks = (value.numel() + quant.BLOCK - 1) // quant.BLOCK
+                if not is_dtensor(value) and (  # (a shard's blocks: each shard's own)
+                        value.numel() != p.numel() or scale.numel() != blocks):
                     raise ValueError(
-                        f"{owner}: state '{s.name}' of parameter {pid} holds 8-bit codes of "
-                        f"shape {tuple(value.shape)} and scales of shape {tuple(scale.shape)}, "
-                        f"but the parameter, of shape {tuple(p.shape)}, needs codes of its "
-                        f"shape and ({blocks},) scales")
+                        f"{owner}: state '{s.name}' of parameter {pid} holds "
+                        f"{value.numel()} 8-bit codes and {scale.numel()} scales, but the "
+                        f"parameter, of shape {tuple(p.shape)}, needs {p.numel()} codes and "
+                        f"one scale a block of {quant.BLOCK}")
                 out[s.name] = quant.dequantize_t(value.to(p.device), scale.to(p.device),
                                                  not quant.nonnegative(base, s.name))
                 del out[s.name + quant.SUFFIX]
