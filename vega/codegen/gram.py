@@ -27,6 +27,11 @@ Newton-Schulz", Dao AI Lab, 2026, which restarts likewise). Measured against the
 iteration (docs/performance.md), the restarted Gram form in bfloat16 is about as close as
 the standard one, or closer.
 
+Each product with ``P`` is taken as ``s M + B M`` (``Op.MATMUL_SHIFT``: ``s`` given as a
+number is torch.addmm's exact ``beta``, not rounded into a bfloat16 ``P``'s diagonal):
+``P A``, then ``P (P A)T = P A PT`` (``A`` symmetric), and ``R`` after the first ``P``,
+which alone is formed (``Op.SHIFT``).
+
 ``gram_form`` finds such chains in a program (after ``reference.fuse_products``) and
 returns the program with each written in the Gram form; the reference kernel runs it for
 the tensors whose shape ``Gram.pays`` for.
@@ -163,11 +168,22 @@ def _rewritten(chain: list[_Step]) -> Node:
             # computes ``B + s I`` (or widens ``B``) before multiplying ``x``
             p = Node(Op.SHIFT, (const(0.0) if st.s is None else st.s, b, x), None, "float",
                      Kind.ELEMENT, st.y.span, "P", "rr")
-            if j < length - 1:  # the next Gram matrix, P A PT
-                a = _node(Op.MATMUL, _node(Op.MATMUL, p, a, dom="rr", span=span),
-                          _node(Op.TRANSPOSE, p, dom="rr", span=span), dom="rr", name="A",
-                          span=span)
-            r = p if r is None else _node(Op.MATMUL, p, r, dom="rr", name="R", span=span)
+            if st.s is None:  # P = B: the next Gram matrix P A PT, and R
+                if j < length - 1:
+                    a = _node(Op.MATMUL, _node(Op.MATMUL, p, a, dom="rr", span=span),
+                              _node(Op.TRANSPOSE, p, dom="rr", span=span), dom="rr",
+                              name="A", span=span)
+                r = p if r is None else _node(Op.MATMUL, p, r, dom="rr", name="R", span=span)
+                continue
+            # P = B + s I multiplied as s M + B M (``reference._matmul_shift``: s exact where
+            # it is a number, as the steps as written take it, not rounded into P's diagonal):
+            # P A, then P (P A)T = P A PT (A symmetric), the next Gram matrix; R = P R
+            if j < length - 1:
+                pa = _node(Op.MATMUL_SHIFT, st.s, b, a, dom="rr", span=span)
+                a = _node(Op.MATMUL_SHIFT, st.s, b, _node(Op.TRANSPOSE, pa, dom="rr", span=span),
+                          dom="rr", name="A", span=span)
+            r = p if r is None else _node(Op.MATMUL_SHIFT, st.s, b, r, dom="rr", name="R",
+                                          span=span)
         else:
             x = _node(Op.MATMUL, r, x, dom="rc", name=run[-1].y.name, span=run[-1].y.span)
         done += length

@@ -700,28 +700,31 @@ def _matmul_add(x, a, b, geo: Geometry, dx: str, da: str, db: str):
     return _product(*_operands("matmul_add", (x, a, b, geo, dx, da, db)))
 
 
-def _product(m, a, b, geo: Geometry | None):
+def _product(m, a, b, geo: Geometry | None, beta=1):
     """One tensor's product from its ``_operands``, shaped back with ``geo`` where given."""
-    out = _multiplied(m, a, b)
+    out = _multiplied(m, a, b, beta)
     return _from_matrices(out, geo) if geo is not None else out
 
 
-def _multiplied(m, a, b):
-    """``m + a @ b`` (``a @ b`` where ``m`` is None) of matrices, or of batches of them
-    (any number of leading axes, ``_products``' stacked ones among them)."""
+def _multiplied(m, a, b, beta=1):
+    """``beta * m + a @ b`` (``a @ b`` where ``m`` is None) of matrices, or of batches of
+    them (any number of leading axes, ``_products``' stacked ones among them); ``beta`` a
+    number, which torch.addmm takes as it is (in bfloat16 too)."""
     if m is None:
         return torch.matmul(a, b)
     if m.dtype != a.dtype:  # (addmm takes one dtype: the sum promotes, as x + a @ b would)
-        return m + torch.matmul(a, b)
+        return (m if beta == 1 else beta * m) + torch.matmul(a, b)
     if m.dim() == 2:  # one product, the sum rounded once
-        return torch.addmm(m, a, b)
-    return torch.baddbmm(*(x.flatten(0, -3) for x in (m, a, b))).view(m.shape)
+        return torch.addmm(m, a, b, beta=beta)
+    return torch.baddbmm(*(x.flatten(0, -3) for x in (m, a, b)), beta=beta).view(m.shape)
 
 
 def _matmul_shift(s, a, b, geo: Geometry, da: str, db: str):
-    """``s * b + a @ b`` (``a`` square, ``s`` one number): ``(a + s I) @ b``, one product
-    and no pass over ``b``'s size (Newton-Schulz's ``a * x + B @ x``: its ``x`` is the
-    large matrix)."""
+    """``s * b + a @ b`` (``a`` square, ``s`` one number) in one product, no pass over
+    ``b``'s size (Newton-Schulz's ``a * x + B @ x``: its ``x`` is the large matrix): where
+    ``s`` is a number (``Kernel._args``' ``exact``), torch.addmm's ``beta``, exact, as
+    torch.optim.Muon's; where it is a tensor, ``(a + s I) @ b``, ``s`` added on the diagonal
+    in the product's dtype (rounded there to bfloat16)."""
     return _product(*_operands("matmul_shift", (s, a, b, geo, da, db)))
 
 
@@ -751,11 +754,20 @@ BATCH_ELEMENTS = 1 << 24  # the most values of a parameter shape a batch holds
 _KEPT = 8  # stacked operands and products kept for the next products to find
 
 
+def _number(x) -> bool:
+    """Whether ``x`` is a plain number (a hyperparameter given as one: ``Kernel._args``)."""
+    return type(x) in (float, int)
+
+
 def _operands(name: str, args) -> tuple:
     """One tensor's product ``name`` (``render_batched``'s) as ``(addend or None, left,
-    right, geometry to shape the result back with or None)``, its operands matrices."""
+    right, geometry to shape the result back with or None[, the addend's factor])``, its
+    operands matrices."""
     if name == "matmul_shift":
         s, a, b, geo, da, db = args
+        if _number(s):  # (beta: exact)
+            left, right = _promoted(_matrices(a, geo, da), _matrices(b, geo, db))
+            return right, left, right, geo if da[0] + db[1] == "rc" else None, s
         name, args = "matmul", (_shifted(s, a, b), b, geo, da, db)
     if name == "matmul":
         a, b, geo, da, db = args
@@ -805,11 +817,12 @@ def _products(asked, kept: dict) -> list:
     tensor otherwise (on the CPU a batched float32 or float16 product took longer than
     one product a matrix: docs/performance.md)."""
     found = [_operands(name, args) for name, args in asked]
-    if found[0][1].dtype != torch.bfloat16:
+    betas = {operands[4] if len(operands) > 4 else 1 for operands in found}
+    if found[0][1].dtype != torch.bfloat16 or len(betas) > 1:
         return [_product(*operands) for operands in found]
-    ms, as_, bs, geos = zip(*found)
+    ms, as_, bs, geos = (list(x) for x in zip(*(operands[:4] for operands in found)))
     out = _multiplied(None if ms[0] is None else _stack(ms, kept), _stack(as_, kept),
-                      _stack(bs, kept))
+                      _stack(bs, kept), betas.pop())
     items = out.unbind(0)
     _keep(kept, _layout(items), out, None)
     return [_from_matrices(o, geo) if geo is not None else o for o, geo in zip(items, geos)]
@@ -955,9 +968,20 @@ class Kernel:
                      "_bf16": _bf16, "_widen": _widen, "_matmul_add": _matmul_add,
                      "_matmul_shift": _matmul_shift, "_into": _into, "_shift": _shift,
                      "_tiled": _tiled}
-        self._gram = self._gram_form(gram_form(shown), dict(namespace))
+        found = gram_form(shown)
+        self._gram = self._gram_form(found, dict(namespace))
         if runs is not None:
             namespace["_tiled"] = runs(self.linear)
+        # the hyperparameters a product adds times its operand (``_matmul_shift``, ``_shift``:
+        # Newton-Schulz's a and b), by their places among the scalars: given as numbers,
+        # they reach the products as numbers (``_args``)
+        roots = [n for _, n in shown.updates] + \
+            ([n for _, n in found.program.updates] if self._gram is not None else [])
+        shifted = {n.src[0].arg for n in walk(roots)
+                   if n.op in (Op.MATMUL_SHIFT, Op.SHIFT) and n.src[0].op is Op.HYPER}
+        names = {hyper_var(h): h for h in shifted}
+        self._exact = [(k, names[out]) for k, out in enumerate(self.linear.scalar_outputs)
+                       if out in names]
         self._staged_text = render_staged(shown, self.linear)
         exec(compile(self._staged_text, f"<vega reference, staged: {program.name}>", "exec"),
              namespace)
@@ -1242,6 +1266,12 @@ class Kernel:
         cd = compute_dtype(p.dtype)
         scalars = memo(cache, (steps[i], values[i]), (cd, p.device),
                        self._scalar_phase, steps[i], values[i], cd, p.device)
+        if self._exact:
+            given = [(k, values[i][h]) for k, h in self._exact if _number(values[i][h])]
+            if given:
+                scalars = list(scalars)
+                for k, v in given:
+                    scalars[k] = float(v)
         gc = g.to(cd)
         if gscale is not None:
             gc = gc * gscale[0].to(cd) * gscale[1].to(cd)
