@@ -24,8 +24,8 @@ from vega.codegen.base import (check_codes, check_dtypes, check_states, distinct
                                state_shape)
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
-                                  dense_words, first_with_own_ops, gather, inplace_problem,
-                                  is_dtensor, own_ops_words, same)
+                                  dense_words, first_with_own_ops, floats, gather,
+                                  inplace_problem, is_dtensor, like, own_ops_words, same)
 from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -471,6 +471,12 @@ class SpecOptimizer(torch.optim.Optimizer):
         out = []
         for program, backend, params, grads, states, steps, values in work:
             kern = codegen.kernel(backend, program)
+            if not program.quant and like(params, grads) and floats(params) \
+                    and floats(grads) and all(s.dom == "rc" and like(params, col) and floats(col)
+                                              for s, col in zip(program.states, states)):
+                # (the common case, in the native module's passes: a few ns a tensor)
+                out.append(engine.tensor_values(program, kern, [values] * len(params), steps))
+                continue
             for p, g in zip(params, grads):
                 if g.shape != p.shape:
                     raise ValueError(f"{owner}: the gradient of {self._name(p)} has shape "
