@@ -517,3 +517,38 @@ def test_c_loops_compute_comparisons_selections_and_signs_as_the_reference():
         outs.append(spec.step(ps, [g.nan_to_num()], state, backend=backend))
     _alike([(ps, torch.utils._pytree.tree_leaves(state)) for ps, state in outs])
     assert outs[0][1]["q"][0].isnan().sum() == 1
+
+
+@pytest.mark.skipif(not vega.codegen.c.available(), reason="no C compiler")
+def test_c_loops_leave_to_torch_what_torch_rounds_otherwise_and_allocate_on_the_cpu():
+    """A number over a value (``3.0 / x``: Python's ``/`` gives ``x.reciprocal() * 3.0``,
+    rounded twice) stays on torch's operations, bitwise the reference's; a hyperparameter the
+    products shift by, given as a number, keeps the 0-d tensor's values where it also
+    divides; and a loop's results are CPU tensors whatever torch's default device is."""
+    text = """
+    optimizer o(lr = 0.01, a = 3.4445) {
+        state m = zeros
+        state y = zeros
+        state q = zeros
+        m = 0.9 * m + g
+        y = 3.0 / (m + 2.0)
+        q = a / (m * m + 1.0)
+        x = bfloat16(m)
+        A = x @ transpose(x)
+        x = a * x + A @ x
+        p = p - lr * widen(x)
+    }"""
+    spec = vega.compile(text)
+    results, loops = _c_and_reference(spec, [(8, 32), (16, 16)], torch.float32, 2, 4)
+    _alike(results)
+    gen = torch.Generator().manual_seed(4)
+    p, g = torch.randn(8, 32, generator=gen), torch.randn(8, 32, generator=gen)
+    m = 0.9 * torch.zeros(8, 32) + g
+    for a in (3.4445, torch.tensor(3.4445)):
+        _, state = spec.step([p], [g], spec.init([p]), backend="c", a=a)
+        assert torch.equal(state["q"][0], torch.tensor(3.4445) / (m * m + 1.0))
+    muon = vega.compile_file("specs/muon.vega")
+    want, _ = muon.step([p], [g], muon.init([p]), backend="reference")
+    with torch.device("meta"):
+        got, _ = muon.step([p], [g], muon.init([p]), backend="c")
+    assert got[0].device.type == "cpu" and _same_bits(got[0], want[0])

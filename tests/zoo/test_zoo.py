@@ -876,6 +876,17 @@ def test_muon_bfloat16_iteration_is_about_as_close_to_float64_as_torchs(shape, b
     assert ours <= bound * theirs, (ours, theirs)
 
 
+def test_muon_steps_alike_whether_or_not_a_hyperparameter_is_scheduled():
+    """A schedule among the hyperparameters (``lr``) gives every tensor its values from a
+    table; a and b, given as numbers, stay numbers there, the products' exact beta: the
+    step is bitwise the one without a schedule."""
+    gen = torch.Generator().manual_seed(3)
+    p, g = torch.randn(16, 64, generator=gen), torch.randn(16, 64, generator=gen)
+    steps = [vega.muon_step([p], [g], vega.muon_init([p]), lr=lr)[0][0]
+             for lr in (1e-2, vega.schedule.constant(1e-2), lambda t: 1e-2)]
+    assert torch.equal(steps[0], steps[1]) and torch.equal(steps[0], steps[2])
+
+
 def test_muon_bf16_against_torch():
     """With bf16 (the default), the Newton-Schulz iteration runs in bfloat16 as
     torch.optim.Muon's: the two agree to bfloat16's precision, not bitwise (torch's addmm

@@ -977,8 +977,16 @@ class Kernel:
         # they reach the products as numbers (``_args``)
         roots = [n for _, n in shown.updates] + \
             ([n for _, n in found.program.updates] if self._gram is not None else [])
-        shifted = {n.src[0].arg for n in walk(roots)
+        nodes = walk(roots)
+        shifted = {n.src[0].arg for n in nodes
                    if n.op in (Op.MATMUL_SHIFT, Op.SHIFT) and n.src[0].op is Op.HYPER}
+        # (only a hyperparameter whose every other use gives a number the value a 0-d tensor
+        # gives: a product, a sum, a difference; not ``a / x``, which Python computes as
+        # ``x.reciprocal() * a``, nor a comparison or a function)
+        for n in nodes:
+            if n.op in (Op.MATMUL_SHIFT, Op.SHIFT, Op.MUL, Op.ADD, Op.SUB):
+                continue
+            shifted -= {s.arg for s in n.src if s.op is Op.HYPER}
         names = {hyper_var(h): h for h in shifted}
         self._exact = [(k, names[out]) for k, out in enumerate(self.linear.scalar_outputs)
                        if out in names]

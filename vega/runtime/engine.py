@@ -554,7 +554,14 @@ def tensor_values(program: Program, kern, values, steps):
         evaluated: dict = {}
         return [memo(evaluated, (step, vals), (), at_step, vals, step, compiling=compiling)
                 for step, vals in zip(steps, values)]
-    return rows if getattr(kern, "takes_rows", False) else rows.dicts()
+    if getattr(kern, "takes_rows", False):
+        return rows
+    dicts = rows.dicts()  # (0-d tensors: a value given as a number stays one, which the
+    for d, given in zip(dicts, values):  # reference's products take exact: Kernel._args)
+        for name, v in given.items():
+            if type(v) in (float, int) and name in d:
+                d[name] = v
+    return dicts
 
 
 def run(program: Program, backend: str, params, grads, states, steps, values, donate: bool,

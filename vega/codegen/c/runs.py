@@ -8,13 +8,15 @@ reference computes a few torch operations at a time over parts of the tensors
 (``reference._tiled``). On the C backend each run is one loop in C instead, over every
 element, all its values in registers (``tiled_for``): one pass over memory for the run.
 
-A loop computes what the torch operations compute, bit for bit: each of its operations is
-one that torch rounds correctly (``+ - * /``, the conversions between float32 and
+A loop computes what the torch operations compute, bit for bit (a NaN stays a NaN, whose
+sign and payload may differ from torch's): each of its operations is one that torch rounds
+correctly (``+ - * /``, the conversions between float32 and
 bfloat16, comparisons, selections, ``abs``, ``sign``, ``min``, ``max`` as the reference
 writes them). A run with another operation (torch's float32 ``sqrt`` on the CPU is not
 correctly rounded: it differs from the rounded root in the last place for about one value
-in six), with arithmetic on bfloat16 values, or with a value of a dtype it does not
-expect, stays on torch's operations; so do tensors that are not plain, contiguous CPU
+in six), with a number divided by a value (Python's ``/`` computes ``3.0 / x`` as
+``x.reciprocal() * 3.0``, rounded twice), with arithmetic on bfloat16 values, or with a
+value of a dtype it does not expect, stays on torch's operations; so do tensors that are not plain, contiguous CPU
 tensors of one shape, a step that records gradients, and a step dynamo traces.
 """
 from __future__ import annotations
@@ -48,7 +50,7 @@ const char *vega_key(void) { return "@KEY@"; }
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
 }
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch */
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even (a NaN: a NaN) */
     uint32_t u; memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
@@ -110,6 +112,10 @@ def source(run: reference.Run, lin: Linear,
         floats = all(d in (cd, None) for d in types)
         bools = all(d in (torch.bool, None) for d in types)
         op = node.op
+        if op is Op.DIV and node.src[0].op is Op.CONST:
+            # (a number over a tensor: Python's ``/`` gives ``b.reciprocal() * a``, rounded
+            # twice, where the loop would divide once)
+            raise Unsupported("a number divided by a value")
         if op in _ARITHMETIC and floats:
             a, b = texts
             if op in (Op.MIN, Op.MAX):  # as reference._minmax
@@ -213,19 +219,34 @@ class Runs:
         dtypes = {}
         for name, t in zip(run.full, full):
             if type(t) not in PLAIN_TYPES or t.device.type != "cpu" or t.shape != t0.shape \
-                    or not t.is_contiguous():
+                    or not t.is_contiguous() or t.is_neg() or t.is_conj():
                 return reference._tiled(fn, full, rest)
             dtypes[name] = t.dtype
+        numbers = False
         for name, x in zip(run.rest, rest):
-            if type(x) not in PLAIN_TYPES or x.device.type != "cpu" or (
+            if type(x) in (float, int):  # (a number: of the compute dtype, as torch takes it)
+                numbers = True
+                continue
+            if type(x) not in PLAIN_TYPES or x.device.type != "cpu" or x.is_neg() or (
                     name != "p" and x.dim() != 0):
                 return reference._tiled(fn, full, rest)
             dtypes[name] = x.dtype
+        if "p" not in dtypes:
+            return reference._tiled(fn, full, rest)
+        if numbers:
+            given = {name for name, x in zip(run.rest, rest) if type(x) in (float, int)}
+            if any(line.node.op is Op.DIV and self.lin.names.get(id(line.node.src[0])) in given
+                   for line in run.lines):  # (a number over a tensor: see source)
+                return reference._tiled(fn, full, rest)
+            rest = tuple(torch.tensor(x, dtype=dtypes["p"]) if type(x) in (float, int) else x
+                         for x in rest)
+            for name, x in zip(run.rest, rest):
+                dtypes[name] = x.dtype
         found = self._loop(run, dtypes)
         if found is None:
             return reference._tiled(fn, full, rest)
         loop, out_dtypes = found
-        outs = [torch.empty(t0.shape, dtype=d) for d in out_dtypes]
+        outs = [torch.empty(t0.shape, dtype=d, device=t0.device) for d in out_dtypes]
         values = [x for name, x in zip(run.rest, rest) if name != "p"]
         addresses = (ctypes.c_void_p * (len(full) + len(values) + len(outs)))(
             *(t.data_ptr() for t in (*full, *values, *outs)))
