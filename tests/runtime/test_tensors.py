@@ -488,3 +488,18 @@ def test_inference_tensors_are_written_only_inside_inference_mode():
         vega.adamw.step({"w": w}, {"w": torch.ones(6)}, state, donate=True)
     assert torch.equal(w, before) and int(state["step"]) == 0
     vega.adamw.step({"w": w}, {"w": torch.ones(6)}, state)
+
+
+def test_a_first_step_refused_in_a_later_group_leaves_no_state():
+    """A sparse gradient in group 1 is refused while the step gathers its groups: the
+    states group 0's first step made are dropped, and the next step makes them again."""
+    a, b = torch.nn.Parameter(_rand(5, seed=1)), torch.nn.Parameter(_rand(5, seed=2))
+    opt = vega.optim.AdamW([{"params": [a]}, {"params": [b]}], lr=1e-2)
+    a.grad, b.grad = torch.ones(5), torch.ones(5).to_sparse()
+    with pytest.raises(ValueError, match="the gradient of parameter 0 of group 1 is "
+                                         "torch.sparse_coo"):
+        opt.step()
+    assert not opt.state
+    b.grad = torch.ones(5)
+    opt.step()
+    assert int(opt.state[a]["step"]) == int(opt.state[b]["step"]) == 1

@@ -164,6 +164,28 @@ def test_a_state_saved_after_a_cycled_momentum_resumes():
         assert other.param_groups[0]["b1"] == group["b1"] == group["betas"][0]
 
 
+def test_a_b1_changed_before_saving_is_saved():
+    """b1 changed by hand, then the state saved (or the optimizer copied) before a step:
+    the groups are made to agree first, so the loaded group steps with the new b1."""
+    import copy
+    w = torch.nn.Parameter(torch.ones(4))
+    w.grad = torch.ones(4)
+    opt = vega.optim.Adam([w], lr=1e-2)
+    opt.step()
+    opt.param_groups[0]["b1"] = 0.5
+    w2 = torch.nn.Parameter(w.detach().clone())
+    w2.grad = torch.ones(4)
+    loaded = vega.optim.Adam([w2], lr=1e-2)
+    loaded.load_state_dict(opt.state_dict())
+    copied = copy.deepcopy(opt)
+    copied.param_groups[0]["params"][0].grad = torch.ones(4)
+    opt.step()
+    loaded.step()
+    copied.step()
+    assert loaded.param_groups[0]["betas"][0] == copied.param_groups[0]["b1"] == 0.5
+    assert torch.equal(w, w2) and torch.equal(w, copied.param_groups[0]["params"][0])
+
+
 # -- maximize and dampening ---------------------------------------------------------------
 
 TORCH_TWINS = [  # (class, keywords both take, vega's state -> torch's)

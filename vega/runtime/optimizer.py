@@ -291,18 +291,22 @@ class SpecOptimizer(torch.optim.Optimizer):
         if not torch.compiler.is_compiling():  # the states this step makes (``_refused``)
             self.__dict__["_vega_fresh"] = []
         sync = self._betas()
-        for k, group in enumerate(self.param_groups):
-            if group.get("mode", "train") != "train":
-                raise ValueError(f"{type(self).__name__}: step() with the parameters in mode "
-                                 f"{group['mode']!r}; call train() before stepping")
-            sync.sync(type(self).__name__, k, group)
-            flags, values = self._group_values(group)
-            found, grads, is_plain = self._planned_work(k, group, flags, values)
-            if found is None:
-                found = self._group_work(k, group, grads, flags, values)
-            elif is_plain:
-                plain.add(len(found_work))
-            found_work.append((group, found))
+        try:  # (refused here: the states a first step made in an earlier group are dropped)
+            for k, group in enumerate(self.param_groups):
+                if group.get("mode", "train") != "train":
+                    raise ValueError(f"{type(self).__name__}: step() with the parameters in "
+                                     f"mode {group['mode']!r}; call train() before stepping")
+                sync.sync(type(self).__name__, k, group)
+                flags, values = self._group_values(group)
+                found, grads, is_plain = self._planned_work(k, group, flags, values)
+                if found is None:
+                    found = self._group_work(k, group, grads, flags, values)
+                elif is_plain:
+                    plain.add(len(found_work))
+                found_work.append((group, found))
+        except (TypeError, ValueError):
+            self._refused()
+            raise
         group_of = getattr(self, "reduce_group", None)
         if group_of is not None or any(item[0].spans_group or (
                 k not in plain and sharded.involved(item[2], None))
@@ -697,15 +701,26 @@ class SpecOptimizer(torch.optim.Optimizer):
                     keep_master=True)
             group["mode"] = name
 
+    def _synced_betas(self, owner: str) -> None:
+        """Each group's ``betas`` and ``b1``, ``b2``, ... made to agree now, as the next step
+        would (``BetaSync.sync``), before the groups are saved or copied: a loaded or copied
+        group, whose memory of which changed is not saved, then holds the values the step
+        would have taken."""
+        sync = self._betas()
+        for k, group in enumerate(self.param_groups):
+            sync.sync(owner, k, group)
+
     def __getstate__(self) -> dict:
         """torch's (defaults, state, groups) and the fused-step settings (copy.deepcopy,
         pickle)."""
+        self._synced_betas(type(self).__name__)
         return {**super().__getstate__(), "max_grad_norm": self.max_grad_norm,
                 "loss_scale": self.loss_scale, "skip_nonfinite": self.skip_nonfinite,
                 "reduce_group": getattr(self, "reduce_group", None)}
 
     def state_dict(self) -> dict:
         """torch's format, plus the loss scale's two tensors under ``'loss_scale'``."""
+        self._synced_betas(f"{type(self).__name__}.state_dict")
         out = super().state_dict()
         if self.loss_scale is not None:
             out["loss_scale"] = dict(zip(_LOSS_SCALE_LEAVES, self.loss_scale.tensors()))
