@@ -30,7 +30,7 @@ from vega.codegen.record import make_pre  # noqa: E402
 
 assert codegen.BACKENDS["triton"] is triton_backend
 DEVICE = "cpu" if triton_runtime.interpreting() else "cuda"
-if DEVICE == "cpu" and not triton_runtime._library_interpreted():
+if DEVICE == "cpu" and not triton_runtime.library_interpreted():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run with "
                 "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 

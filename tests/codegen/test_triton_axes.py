@@ -20,7 +20,7 @@ from vega.codegen import triton_runtime  # noqa: E402
 from .test_triton import leaves as all_leaves  # noqa: E402
 
 DEVICE = "cpu" if triton_runtime.interpreting() else "cuda"
-if DEVICE == "cpu" and not triton_runtime._library_interpreted():
+if DEVICE == "cpu" and not triton_runtime.library_interpreted():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run with "
                 "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 

@@ -245,3 +245,39 @@ def test_unaligned_tensors_step_as_aligned_ones(dtype, fused):
         torch.testing.assert_close(p1[k], p3[k])
         torch.testing.assert_close(s1["nu"][k], s3["nu"][k])
     assert not torch.equal(p1["w"], start)  # (it moved)
+
+
+# -- the element runs of a program with matrix products (vega.codegen.triton_runs) -----------
+
+RUN_OPS = """
+optimizer o(lr = 0.1) {
+    state m = zeros
+    state z = zeros
+    m = 0.5 * m + g / (abs(m) + 3)
+    big = (m > 0.25 and not (g < -1)) or m != m
+    z = sign(g) * where(big, min(m, 1), -abs(m)) - max(g, 0)
+    x = bfloat16(where(big, m, -m))
+    A = x @ transpose(x)
+    p = p - lr * widen(A @ x) - lr * z
+}"""
+
+
+def test_element_runs_compile_to_exact_vector_kernels():
+    """Muon's element runs and a run of every operation the loops take, compiled for sm_90a:
+    torch's values need each product and sum rounded apart (no fused multiply-add), divisions
+    rounded correctly (no ``div.full``), subnormals kept (no ``.ftz``); their loads and
+    stores are 128 bits wide, and nothing spills."""
+    launches = []
+    for spec in (vega.compile_file("specs/muon.vega"), vega.compile(RUN_OPS)):
+        params = [torch.randn(64, 256, device=DEVICE), torch.randn(96, 96, device=DEVICE)]
+        grads = [torch.randn_like(p) for p in params]
+        state = spec.init(params)
+        launches += triton_ptx.record(lambda: spec.step(params, grads, state,
+                                                        backend="triton"))
+    runs = _pick(launches, "vega_run")
+    assert len(runs) == 8 and all(not x.fp_fusion for x in runs), launches
+    figures = triton_ptx.compile_launches(runs)
+    assert len(figures) >= 3
+    for f in figures:
+        assert f.fmas == f.approximate == f.flushed == 0, f
+        assert f.spill_stores == f.spill_loads == 0 and f.v4_loads >= 2 and f.v4_stores >= 1, f

@@ -419,25 +419,35 @@ def test_widen_and_bfloat16_of_a_number_in_the_scalar_phase(backend):
     assert torch.equal(new[0], torch.full((2, 3), want))
 
 
-def _c_and_reference(spec, shapes, dtype, steps, seed, **hypers):
-    """``spec`` stepped ``steps`` times from the same random parameters and gradients on the
-    C backend and on the reference's: (each one's parameters and state leaves), and the C
-    loops the C backend's step ran (``vega.codegen.c.runs.COUNTS``)."""
-    from vega.codegen.c import runs
+def _loops_and_reference(backend, spec, shapes, dtype, steps, seed, **hypers):
+    """``spec`` stepped ``steps`` times from the same random parameters and gradients on
+    ``backend`` and on the reference's: (each one's parameters and state leaves), and the
+    loops the backend's step ran (``vega.codegen.runs.COUNTS``)."""
+    from vega.codegen import runs
+    name = LOOPS[backend]
     gen = torch.Generator().manual_seed(seed)
     start = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     grads = [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(steps)]
     out = []
-    before = runs.COUNTS["loops"]
-    for backend in ("c", "reference"):
+    before = runs.COUNTS.get(name, 0)
+    for b in (backend, "reference"):
         ps = [p.clone() for p in start]
         state = spec.init(ps, **hypers)
         for gs in grads:
-            ps, state = spec.step(ps, gs, state, backend=backend, **hypers)
+            ps, state = spec.step(ps, gs, state, backend=b, **hypers)
         out.append((ps, torch.utils._pytree.tree_leaves(state)))
-        if backend == "c":
-            loops = runs.COUNTS["loops"] - before
+        if b == backend:
+            loops = runs.COUNTS.get(name, 0) - before
     return out, loops
+
+
+# the backends whose loops compute element runs (``vega.codegen.runs``): their class's name
+LOOPS = {"c": "CRuns", "triton": "TritonRuns"}
+LOOP_BACKENDS = [
+    pytest.param("c", marks=pytest.mark.skipif(not vega.codegen.c.available(),
+                                               reason="no C compiler")),
+    pytest.param("triton", marks=pytest.mark.skipif(
+        "triton" not in vega.codegen.BACKENDS, reason="triton is not installed"))]
 
 
 def _same_bits(a, b) -> bool:
@@ -458,41 +468,52 @@ def _alike(results) -> None:
     assert all(a is b is None or _same_bits(a, b) for a, b in zip(st_a, st_b))
 
 
-@pytest.mark.skipif(not vega.codegen.c.available(), reason="no C compiler")
+def _device(backend):
+    """Where ``backend``'s loops run: Triton's on the GPU, or on the CPU under its
+    interpreter."""
+    from vega.codegen import triton_runtime
+    return "cuda" if backend == "triton" and not triton_runtime.interpreting() else "cpu"
+
+
+@pytest.mark.parametrize("backend", LOOP_BACKENDS)
 @pytest.mark.parametrize("dtype, bf16", [(torch.float32, True), (torch.float32, False),
                                          (torch.bfloat16, True), (torch.float64, True),
                                          (torch.float64, False)])
-def test_the_c_backend_computes_muons_element_runs_in_c_loops(dtype, bf16):
-    """On the C backend, Muon's runs of element lines (its momentum, Nesterov mix and
-    rounding to bfloat16; its update of the parameter) are each one C loop
-    (``vega.codegen.c.runs``): bitwise the reference's values, parameters and momentum,
-    for wide (the Gram form), tall, square and one-row matrices, two of one shape (stepped
-    side by side, ``render_batched``), over 3 steps. Where a loop does not apply, the run
-    stays on torch's operations: in float64, the rounding to bfloat16 (from float64 torch
-    rounds twice); the update of the tall matrix, whose products come out transposed (not
-    contiguous)."""
+def test_muons_element_runs_are_loops_of_the_backend(backend, dtype, bf16):
+    """On the C and Triton backends, Muon's runs of element lines (its momentum, Nesterov
+    mix and rounding to bfloat16; its update of the parameter) are each one loop of the
+    backend (``vega.codegen.runs``: a C loop, a Triton kernel): bitwise the reference's
+    values, parameters and momentum, for wide (the Gram form), tall, square and one-row
+    matrices, two of one shape (stepped side by side, ``render_batched``), over 3 steps.
+    Where a loop does not apply, the run stays on torch's operations: in float64, the
+    rounding to bfloat16 (from float64 torch rounds twice); the update of the tall matrix,
+    whose products come out transposed (not contiguous)."""
     spec = vega.compile_file("specs/muon.vega")
     shapes = [(8, 200), (8, 200), (200, 8), (40, 40), (1, 90)]
-    results, loops = _c_and_reference(spec, shapes, dtype, 3, 5, bf16=bf16)
+    with torch.device(_device(backend)):
+        results, loops = _loops_and_reference(backend, spec, shapes, dtype, 3, 5, bf16=bf16)
     _alike(results)
     before = 0 if dtype == torch.float64 and bf16 else len(shapes)
     assert loops == 3 * (before + len(shapes) - 1)
 
 
-@pytest.mark.skipif(not vega.codegen.c.available(), reason="no C compiler")
-def test_c_loops_compute_comparisons_selections_and_signs_as_the_reference():
+@pytest.mark.parametrize("backend", LOOP_BACKENDS)
+def test_loops_compute_comparisons_selections_and_signs_as_the_reference(backend):
     """A run with every operation the loops take (``+ - * /``, comparisons, ``and``, ``or``,
     ``not``, ``where`` of numbers and of bools, ``min``, ``max`` (NaN winning), ``abs``,
     ``sign`` (of -0.0 and NaN), negation, numbers, ``bfloat16`` and ``widen``): bitwise the
     reference's, NaN and signed zeros in the gradients and a NaN in the state included;
     and one with a square root, which stays on torch's operations (torch's float32 root on
-    the CPU is not correctly rounded)."""
+    the CPU is not correctly rounded). Triton's divide by a value (a division by a number
+    stays on torch's operations there: CUDA's torch multiplies by its reciprocal)."""
     text = """
     optimizer o(lr = 0.1) {
         state m = zeros
         state q = zeros
         state z = zeros
-        m = 0.5 * m + g / 3
+        state w = zeros
+        m = 0.5 * m + g / DIVISOR
+        w = -g
         big = (m > 0.25 and not (g < -1)) or m != m
         q = where(big, min(m, 1), -abs(m)) + max(m, g) - max(2, g) + where(m > g, 1, 0)
         z = sign(g) * where(big, 2, 3) - min(g, 0)
@@ -500,31 +521,37 @@ def test_c_loops_compute_comparisons_selections_and_signs_as_the_reference():
         A = x @ transpose(x)
         p = p - lr * widen(A @ x) - lr * z + ROOT
     }"""
+    text = text.replace("DIVISOR", "3" if backend == "c" else "(abs(m) + 3)")
+    device = _device(backend)
     gen = torch.Generator().manual_seed(3)
     for root, runs_each in (("0", 2), ("sqrt(abs(m))", 1)):
         spec = vega.compile(text.replace("ROOT", root))
         shapes = [(6, 30), (12, 12)]
-        results, loops = _c_and_reference(spec, shapes, torch.float32, 2, 7)
+        with torch.device(device):
+            results, loops = _loops_and_reference(backend, spec, shapes, torch.float32, 2, 7)
         _alike(results)
         assert loops == runs_each * len(shapes) * 2
     g = torch.randn(6, 30, generator=gen)
     g[0, :4] = torch.tensor([float("nan"), -0.0, 0.0, float("inf")])
     p = torch.randn(6, 30, generator=gen)
+    p, g = p.to(device), g.to(device)
     spec = vega.compile(text.replace("ROOT", "0"))
     outs = []
-    for backend in ("c", "reference"):  # (the NaN kept in m, beside a finite gradient)
-        ps, state = spec.step([p], [g], spec.init([p]), backend=backend)
-        outs.append(spec.step(ps, [g.nan_to_num()], state, backend=backend))
+    for b in (backend, "reference"):  # (the NaN kept in m, beside a finite gradient)
+        ps, state = spec.step([p], [g], spec.init([p]), backend=b)
+        outs.append(spec.step(ps, [g.nan_to_num()], state, backend=b))
     _alike([(ps, torch.utils._pytree.tree_leaves(state)) for ps, state in outs])
     assert outs[0][1]["q"][0].isnan().sum() == 1
 
 
-@pytest.mark.skipif(not vega.codegen.c.available(), reason="no C compiler")
-def test_c_loops_leave_to_torch_what_torch_rounds_otherwise_and_allocate_on_the_cpu():
+@pytest.mark.parametrize("backend", LOOP_BACKENDS)
+def test_loops_leave_to_torch_what_torch_rounds_otherwise_and_allocate_on_its_device(backend):
     """A number over a value (``3.0 / x``: Python's ``/`` gives ``x.reciprocal() * 3.0``,
-    rounded twice) stays on torch's operations, bitwise the reference's; a hyperparameter the
+    rounded twice) stays on torch's operations, bitwise the reference's, and so does a
+    value over a number on Triton (``vega.codegen.triton_runs``); a hyperparameter the
     products shift by, given as a number, keeps the 0-d tensor's values where it also
-    divides; and a loop's results are CPU tensors whatever torch's default device is."""
+    divides; and a loop's results are on its tensors' device whatever torch's default
+    device is."""
     text = """
     optimizer o(lr = 0.01, a = 3.4445) {
         state m = zeros
@@ -538,17 +565,29 @@ def test_c_loops_leave_to_torch_what_torch_rounds_otherwise_and_allocate_on_the_
         x = a * x + A @ x
         p = p - lr * widen(x)
     }"""
+    device = _device(backend)
     spec = vega.compile(text)
-    results, loops = _c_and_reference(spec, [(8, 32), (16, 16)], torch.float32, 2, 4)
+    with torch.device(device):
+        results, loops = _loops_and_reference(backend, spec, [(8, 32), (16, 16)],
+                                              torch.float32, 2, 4)
     _alike(results)
+    assert loops == 2 * 2  # (the update: a loop; the run with the divisions: torch's)
+    over = vega.compile(text.replace("y = 3.0 / (m + 2.0)", "y = m / 3.0").replace(
+        "q = a / (m * m + 1.0)", "q = m + 1.0"))
+    with torch.device(device):
+        results, loops = _loops_and_reference(backend, over, [(8, 32)], torch.float32, 2, 4)
+    _alike(results)
+    assert loops == 2 * (2 if backend == "c" else 1)
     gen = torch.Generator().manual_seed(4)
     p, g = torch.randn(8, 32, generator=gen), torch.randn(8, 32, generator=gen)
-    m = 0.9 * torch.zeros(8, 32) + g
-    for a in (3.4445, torch.tensor(3.4445)):
-        _, state = spec.step([p], [g], spec.init([p]), backend="c", a=a)
-        assert torch.equal(state["q"][0], torch.tensor(3.4445) / (m * m + 1.0))
+    p, g = p.to(device), g.to(device)
+    m = 0.9 * torch.zeros(8, 32, device=device) + g
+    for a in (3.4445, torch.tensor(3.4445, device=device)):
+        _, state = spec.step([p], [g], spec.init([p]), backend=backend, a=a)
+        want = torch.tensor(3.4445, device=device) / (m * m + 1.0)
+        assert torch.equal(state["q"][0], want)
     muon = vega.compile_file("specs/muon.vega")
     want, _ = muon.step([p], [g], muon.init([p]), backend="reference")
     with torch.device("meta"):
-        got, _ = muon.step([p], [g], muon.init([p]), backend="c")
-    assert got[0].device.type == "cpu" and _same_bits(got[0], want[0])
+        got, _ = muon.step([p], [g], muon.init([p]), backend=backend)
+    assert got[0].device == p.device and _same_bits(got[0], want[0])

@@ -11,7 +11,8 @@ from functools import _CacheInfo
 import torch
 
 from vega.codegen import c, reference, triton
-from vega.codegen.c import runs as c_runs
+from vega.codegen.c.runs import CRuns
+from vega.codegen.triton_runs import TritonRuns
 from vega.dsl.ir import Program
 from vega.tracing import untraced
 
@@ -61,9 +62,10 @@ def kernel(backend: str, program: Program):
 
 def _kernel(backend: str, program: Program, counting: bool):
     found = program.kernels.get(backend)
-    if found is None and backend == "c" and program.torch_only and c.available():
-        check_backend(backend)  # (the reference's kernel, its element runs in C loops)
-        found = program.kernels[backend] = reference.Kernel(program, runs=c_runs.tiled_for)
+    if found is None and program.torch_only and backend in _RUNS and _RUNS[backend][1]():
+        check_backend(backend)  # (the reference's kernel, its element runs in the backend's
+        # loops: vega.codegen.runs)
+        found = program.kernels[backend] = reference.Kernel(program, runs=_RUNS[backend][0])
     elif found is None and backend != "reference" and _reference_only(program):
         check_backend(backend)  # (what only the reference computes runs there on any device)
         found = program.kernels[backend] = _kernel("reference", program, counting)
@@ -76,6 +78,10 @@ def _kernel(backend: str, program: Program, counting: bool):
     elif counting:
         _COUNTS["hits"] += 1
     return found
+
+
+# backend -> (its ``vega.codegen.runs.Runs`` class, whether it is there)
+_RUNS = {"c": (CRuns, c.available), "triton": (TritonRuns, triton.available)}
 
 
 def _reference_only(program: Program) -> bool:

@@ -295,8 +295,8 @@ def _element_body(lin: Linear, r: TorchRenderer) -> list[str]:
     on the CPU a new tensor's pages cost more than the pass that fills them. A run of two or
     more element lines over the whole matrix view (``_tile_runs``, after ``_late`` has put
     each beside its readers) is a function of its own (``Run``), which ``_tiled`` calls on
-    a part of the tensors at a time (the C backend's, ``vega.codegen.c.runs``: one loop in
-    C where it can)."""
+    a part of the tensors at a time (a backend's, ``vega.codegen.runs``: one loop of the
+    backend where it can)."""
     lines, returned, last, readers, runs = _element_plan(lin)
     mine = {lin.ref(line.node) for line in lines}
 
@@ -953,9 +953,10 @@ class Kernel:
     backend = "reference"
 
     def __init__(self, program: Program, runs=None):
-        """``runs``: where given, ``runs(linear)`` is the ``_tiled`` of the functions
-        rendered from ``linear`` (the C backend's: ``vega.codegen.c.runs``), which computes
-        the same values; else ``_tiled``."""
+        """``runs``: where given, a ``vega.codegen.runs.Runs`` class, whose
+        ``runs(linear).tiled`` is the ``_tiled`` of the functions rendered from ``linear``
+        (a backend's loops: ``vega.codegen.c.runs``, ``vega.codegen.triton_runs``), which
+        computes the same values; else ``_tiled``."""
         self.program = program
         self._runs = runs
         shown = fuse_products(program)  # (the program as the functions compute it)
@@ -971,7 +972,7 @@ class Kernel:
         found = gram_form(shown)
         self._gram = self._gram_form(found, dict(namespace))
         if runs is not None:
-            namespace["_tiled"] = runs(self.linear)
+            namespace["_tiled"] = runs(self.linear).tiled
         # the hyperparameters a product adds times its operand (``_matmul_shift``, ``_shift``:
         # Newton-Schulz's a and b), by their places among the scalars: given as numbers,
         # they reach the products as numbers (``_args``)
@@ -1021,7 +1022,7 @@ class Kernel:
                 != self.linear.scalar_outputs:
             return None
         if self._runs is not None:
-            namespace["_tiled"] = self._runs(lin)
+            namespace["_tiled"] = self._runs(lin).tiled
         text = render(gram.program, lin)
         exec(compile(text, f"<vega reference, Gram form: {self.program.name}>", "exec"),
              namespace)
@@ -1052,9 +1053,7 @@ class Kernel:
                     f"(vega.codegen.gram.Gram.pays), update with its Newton-Schulz steps in "
                     f"the Gram form:\n\n{self.gram_text}\n")
         if self._runs is not None and "_tiled(" in text:
-            text += ("\n# The C backend computes each run of element lines given to _tiled "
-                     "in one C loop\n# where its operations and its tensors' dtypes allow "
-                     "(vega.codegen.c.runs).\n")
+            text += self._runs.NOTE
         return text
 
     def _hyper_args(self, values: dict, dtype, device):

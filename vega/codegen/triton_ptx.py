@@ -49,10 +49,11 @@ class Launch:
     aligned: tuple[int, ...]  # positions of arguments divisible by 16 (pointers: bytes)
     num_warps: int
     maxnreg: int | None = None  # the registers a thread may use, where the launch caps them
+    fp_fusion: bool = True  # whether a product and a sum may contract into one fused op
 
     def key(self) -> tuple:
         return (self.kernel, self.source, self.signature, self.constexprs, self.aligned,
-                self.num_warps, self.maxnreg)
+                self.num_warps, self.maxnreg, self.fp_fusion)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class Figures:
     f64_ops: int  # double-precision arithmetic instructions (fma, mul, add, ... .f64)
     max_dropping_nan: int  # max.f32/f64 whose result no select makes NaN on a NaN operand
     max_nan: int  # max.NaN.f32, or a max.f64 made NaN by a select (a propagating max)
+    fmas: int = 0  # fused multiply-adds (fma.rn.f32/f64): a product and a sum rounded once
+    approximate: int = 0  # approximate divisions, roots and reciprocals (div.full, .approx)
+    flushed: int = 0  # float32 arithmetic that flushes subnormals to zero (.ftz)
 
 
 def _argument(value, name: str) -> tuple[str, bool]:
@@ -106,6 +110,7 @@ def recording():
         names = list(py.__code__.co_varnames[:py.__code__.co_argcount])
         warps = meta.pop("num_warps", tr.WARPS_GPU)
         maxnreg = meta.pop("maxnreg", None)  # (launch options, not constexprs)
+        fp_fusion = meta.pop("enable_fp_fusion", True)
         signature, aligned = [], []
         for k, (name, value) in enumerate(zip(names, args)):
             ty, div = _argument(value, name)
@@ -114,7 +119,7 @@ def recording():
                 aligned.append(k)
         signature += [(name, "constexpr") for name in meta]
         found.append(Launch(py.__name__, filename, source, tuple(signature),
-                            tuple(meta.items()), tuple(aligned), warps, maxnreg))
+                            tuple(meta.items()), tuple(aligned), warps, maxnreg, fp_fusion))
 
     old = tr.launch
     tr.launch = record_one
@@ -222,7 +227,10 @@ def figures(kernel: str, ptx: str, ptxas_out: str, num_warps: int, block) -> Fig
         stores=len(re.findall(r"\bst\.global\b", ptx)),
         libdevice=tuple(called),
         f64_ops=f64,
-        max_dropping_nan=len(plain) - guarded, max_nan=nan_max + guarded)
+        max_dropping_nan=len(plain) - guarded, max_nan=nan_max + guarded,
+        fmas=len(re.findall(r"^\s*fma\.rn\.(?:ftz\.)?f(?:32|64)\b", ptx, re.M)),
+        approximate=len(re.findall(r"^\s*(?:div|sqrt|rcp|rsqrt)\.(?:full|approx)\b", ptx, re.M)),
+        flushed=len(re.findall(r"^\s*\w+\.(?:\w+\.)*ftz\.(?:\w+\.)*f32\b", ptx, re.M)))
 
 
 def _compile_one(launch: dict, tmp: str) -> dict:
@@ -241,6 +249,8 @@ def _compile_one(launch: dict, tmp: str) -> dict:
     options = {"num_warps": launch["num_warps"]}
     if launch.get("maxnreg") is not None:
         options["maxnreg"] = launch["maxnreg"]
+    if not launch.get("fp_fusion", True):
+        options["enable_fp_fusion"] = False
     compiled = triton.compile(src, target=GPUTarget(*TARGET), options=options)
     ptx = compiled.asm["ptx"]
     path = os.path.join(tmp, f"{launch['kernel']}.ptx")

@@ -178,7 +178,7 @@ def check_device(device: torch.device) -> None:
         raise ValueError("backend='triton' on CPU tensors runs in Triton's interpreter: set the "
                          "environment variable TRITON_INTERPRET=1 before triton is imported "
                          "(or use backend='c' or 'reference')")
-    if device.type == "cpu" and not _library_interpreted():
+    if device.type == "cpu" and not library_interpreted():
         raise ValueError("TRITON_INTERPRET=1 was set after triton was imported (torch._dynamo "
                          "imports it), so triton.language is not interpreted: set it before "
                          "(in the environment, or first thing in the program)")
@@ -189,7 +189,7 @@ def check_device(device: torch.device) -> None:
         raise ValueError(f"backend='triton' runs on CUDA tensors, got tensors on {device}")
 
 
-def _library_interpreted() -> bool:
+def library_interpreted() -> bool:
     """Whether triton.language's own jit functions (tl.sum, ...) run in the interpreter:
     they are decorated when triton is imported, so only if TRITON_INTERPRET was set then."""
     import triton.language as tl
