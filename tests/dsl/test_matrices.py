@@ -485,16 +485,40 @@ def test_muons_element_runs_are_loops_of_the_backend(backend, dtype, bf16):
     backend (``vega.codegen.runs``: a C loop, a Triton kernel): bitwise the reference's
     values, parameters and momentum, for wide (the Gram form), tall, square and one-row
     matrices, two of one shape (stepped side by side, ``render_batched``), over 3 steps.
-    Where a loop does not apply, the run stays on torch's operations: in float64, the
-    rounding to bfloat16 (from float64 torch rounds twice); the update of the tall matrix,
-    whose products come out transposed (not contiguous)."""
+    The update of the tall matrix reads its products transposed (not contiguous): a
+    contiguous copy of them first. Where a loop does not apply, the run stays on torch's
+    operations: in float64, the rounding to bfloat16 (from float64 torch rounds twice)."""
     spec = vega.compile_file("specs/muon.vega")
     shapes = [(8, 200), (8, 200), (200, 8), (40, 40), (1, 90)]
     with torch.device(_device(backend)):
         results, loops = _loops_and_reference(backend, spec, shapes, dtype, 3, 5, bf16=bf16)
     _alike(results)
     before = 0 if dtype == torch.float64 and bf16 else len(shapes)
-    assert loops == 3 * (before + len(shapes) - 1)
+    assert loops == 3 * (before + len(shapes))
+
+
+@pytest.mark.parametrize("backend", LOOP_BACKENDS)
+def test_a_run_over_transposed_products_is_a_loop_only_where_nothing_sums_its_values(backend):
+    """A tall matrix's products come out transposed. A run that reads one is a loop over a
+    contiguous copy of it where the run's values are only returned (``p``'s update); where a
+    later line reads them (``z``, whose norm sums it in its layout) the run stays on torch's
+    operations, which keep that layout. Bitwise the reference's, over 2 steps."""
+    text = """
+    optimizer o(lr = 0.1) {
+        state m = zeros
+        m = 0.9 * m + g
+        x = bfloat16(m)
+        A = x @ transpose(x)
+        z = widen(A @ x) * 2 + m
+        n = norm(z)
+        p = p - lr * (z / n) * 0.5
+    }"""
+    spec = vega.compile(text)
+    for shape, runs in (((200, 8), 2), ((8, 200), 3)):  # (tall, wide)
+        with torch.device(_device(backend)):
+            results, loops = _loops_and_reference(backend, spec, [shape], torch.float32, 2, 6)
+        _alike(results)
+        assert loops == 2 * runs, shape
 
 
 @pytest.mark.parametrize("backend", LOOP_BACKENDS)

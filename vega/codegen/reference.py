@@ -238,12 +238,14 @@ class Run:
     """A run of element lines that ``_element_body`` makes a function of its own,
     ``name(*full, *rest)``, returning ``made``: ``full``, the values of the whole matrix view
     it reads; ``rest``, the per-tensor values (0-d tensors) and ``p``, whose dtype the
-    conversions read; ``lines``, its ``Line``s (``_tile_runs``)."""
+    conversions read; ``lines``, its ``Line``s (``_tile_runs``); ``later``, the values of
+    ``made`` that later lines read (the others are only returned)."""
     name: str
     lines: tuple
     full: tuple[str, ...]
     rest: tuple[str, ...]
     made: tuple[str, ...]
+    later: tuple[str, ...] = ()
 
 
 def _element_plan(lin: Linear) -> tuple[list, set, dict, dict, list[tuple[int, int, Run]]]:
@@ -273,8 +275,9 @@ def _element_plan(lin: Linear) -> tuple[list, set, dict, dict, list[tuple[int, i
         rest = [v for v in rest if v not in full]  # (p: as the lines make numbers tensors)
         made = [line.var for line in lines[lo:hi]
                 if line.var in returned or last.get(line.var, -1) >= hi]
+        later = [v for v in made if last.get(v, -1) >= hi]
         runs.append((lo, hi, Run(f"_tile_{lo}", tuple(lines[lo:hi]), tuple(full),
-                                 tuple(rest), tuple(made))))
+                                 tuple(rest), tuple(made), tuple(later))))
     return lines, returned, last, readers, runs
 
 

@@ -240,9 +240,17 @@ class Runs:
         dtypes = {}
         for name, t in zip(run.full, full):
             if type(t) not in PLAIN_TYPES or t.device != t0.device or t.shape != t0.shape \
-                    or not t.is_contiguous() or t.is_neg() or t.is_conj():
+                    or t.is_neg() or t.is_conj():
                 return reference._tiled(fn, full, rest)
             dtypes[name] = t.dtype
+        if not all(t.is_contiguous() for t in full):
+            # (a tall matrix's products come out transposed: where the run's values are only
+            # returned, never read by a later line (whose sums could follow their layout),
+            # each such tensor is copied into a contiguous one first: one pass of its own,
+            # where torch's operations over mixed layouts take several slow ones)
+            if run.later:
+                return reference._tiled(fn, full, rest)
+            full = tuple(t.contiguous() for t in full)
         numbers = False
         for name, x in zip(run.rest, rest):
             if type(x) in (float, int):  # (a number: of the compute dtype, as torch takes it)
