@@ -1,5 +1,6 @@
 """The language's features: what parses, what it means, how the IR comes out."""
 import math
+import os
 
 import pytest
 import torch
@@ -293,11 +294,19 @@ def test_every_setting_a_spec_compiles_with_steps(source, hypers, w, v):
         torch.testing.assert_close(new_p["v"], torch.full((4,), v, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("backend", ["reference", "c"])
-def test_a_negative_zero_is_its_own_constant_beside_zero(backend):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend", [
+    "reference", "c", pytest.param("triton", marks=pytest.mark.skipif(
+        "triton" not in vega.codegen.BACKENDS or not torch.cuda.is_available() and
+        os.environ.get("TRITON_INTERPRET") != "1", reason="no Triton to run"))])
+def test_a_negative_zero_is_its_own_constant_beside_zero(backend, dtype):
     """-0.0 == 0.0 in Python, and they hash alike: a program that uses both keeps each (the
-    sharing of equal subexpressions tells them apart by sign)."""
-    spec = vega.compile("optimizer o() {\n p = where(g > 0, -0.0, p)\n}")
-    g = torch.tensor([1.0, -1.0])
-    new, _ = spec.step([torch.full((2,), 3.0)], [g], spec.init([g]), backend=backend)
+    sharing of equal subexpressions tells them apart by sign); and Triton, whose constants
+    are +0.0 for -0.0, is given a product that makes it, per element and per tensor."""
+    spec = vega.compile("optimizer o() {\n p = where(g > 0, -0.0, p) + where(t > 0, -0.0, 1)"
+                        "\n}")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    g = torch.tensor([1.0, -1.0], dtype=dtype, device=device)
+    new, _ = spec.step([torch.full((2,), 3.0, dtype=dtype, device=device)], [g],
+                       spec.init([g]), backend=backend)
     assert math.copysign(1.0, float(new[0][0])) == -1.0 and float(new[0][1]) == 3.0

@@ -525,8 +525,9 @@ def test_a_run_over_transposed_products_is_a_loop_only_where_nothing_sums_its_va
 def test_loops_compute_comparisons_selections_and_signs_as_the_reference(backend):
     """A run with every operation the loops take (``+ - * /``, comparisons, ``and``, ``or``,
     ``not``, ``where`` of numbers and of bools, ``min``, ``max`` (NaN winning), ``abs``,
-    ``sign`` (of -0.0 and NaN), negation, numbers, ``bfloat16`` and ``widen``): bitwise the
-    reference's, NaN and signed zeros in the gradients and a NaN in the state included;
+    ``sign`` (of -0.0 and NaN), negation, numbers (-0.0 among them), ``bfloat16`` and
+    ``widen`` (of subnormals too)): bitwise the reference's, NaN and signed zeros in the
+    gradients and a NaN in the state included;
     and one with a square root, which stays on torch's operations (torch's float32 root on
     the CPU is not correctly rounded). Triton's divide by a value (a division by a number
     stays on torch's operations there: CUDA's torch multiplies by its reciprocal)."""
@@ -536,8 +537,10 @@ def test_loops_compute_comparisons_selections_and_signs_as_the_reference(backend
         state q = zeros
         state z = zeros
         state w = zeros
+        state y = zeros
         m = 0.5 * m + g / DIVISOR
         w = -g
+        y = g / where(g > 0, -0.0, 1.0) + widen(bfloat16(g * 1e-39)) * 1e38
         big = (m > 0.25 and not (g < -1)) or m != m
         q = where(big, min(m, 1), -abs(m)) + max(m, g) - max(2, g) + where(m > g, 1, 0)
         z = sign(g) * where(big, 2, 3) - min(g, 0)
@@ -566,6 +569,7 @@ def test_loops_compute_comparisons_selections_and_signs_as_the_reference(backend
         outs.append(spec.step(ps, [g.nan_to_num()], state, backend=b))
     _alike([(ps, torch.utils._pytree.tree_leaves(state)) for ps, state in outs])
     assert outs[0][1]["q"][0].isnan().sum() == 1
+    assert (outs[0][1]["y"][0] == float("-inf")).any()  # (g over -0.0)
 
 
 @pytest.mark.parametrize("backend", LOOP_BACKENDS)
@@ -615,3 +619,15 @@ def test_loops_leave_to_torch_what_torch_rounds_otherwise_and_allocate_on_its_de
     with torch.device("meta"):
         got, _ = muon.step([p], [g], muon.init([p]), backend=backend)
     assert got[0].device == p.device and _same_bits(got[0], want[0])
+    # a number given for a hyperparameter that a run reads (as a number: the products shift
+    # by it too), whatever the default device
+    shifted = vega.compile(text.replace("y = 3.0 / (m + 2.0)", "y = a * m + 1.0").replace(
+        "q = a / (m * m + 1.0)", "q = m - 1.0"))
+    want = shifted.step([p], [g], shifted.init([p]), backend="reference", a=3.4445)
+    from vega.codegen import runs
+    before = runs.COUNTS.get(LOOPS[backend], 0)
+    with torch.device("meta"):
+        got = shifted.step([p], [g], shifted.init([p]), backend=backend, a=3.4445)
+    assert runs.COUNTS.get(LOOPS[backend], 0) - before == 2
+    _alike([(got[0], torch.utils._pytree.tree_leaves(got[1])),
+            (want[0], torch.utils._pytree.tree_leaves(want[1]))])

@@ -56,7 +56,7 @@ class Operand:
 @dataclass(frozen=True)
 class Step:
     """One line of a loop: ``var = form(args)``, a value of ``dtype``. ``form`` is one of
-    ``arith`` (``op`` one of ``+ - * /``), ``min`` and ``max`` (as ``reference._minmax``:
+    ``arith`` (``op`` one of ``+ - *``), ``divide``, ``min`` and ``max`` (as ``reference._minmax``:
     ``nan``, whether the first operand may be a NaN, which then wins), ``compare`` (``op``),
     ``and``, ``or``, ``not``, ``neg``, ``abs``, ``sign`` (NaN and -0.0 kept), ``where``,
     ``round`` (float32 to bfloat16, to nearest even), ``widen`` (bfloat16 to the compute
@@ -72,8 +72,9 @@ class Step:
 @dataclass(frozen=True)
 class Loop:
     """A run as one loop over ``n`` elements: it reads ``full`` (values of every element,
-    each (name, dtype)) and ``values`` (one value for all, 0-d tensors), computes ``steps``
-    in the compute dtype ``compute``, and writes ``made`` (each (name, dtype))."""
+    each (name, dtype)) and ``values`` (one value for all: 0-d tensors, or numbers of the
+    compute dtype), computes ``steps`` in the compute dtype ``compute``, and writes
+    ``made`` (each (name, dtype))."""
     run: reference.Run
     compute: torch.dtype
     full: tuple[tuple[str, torch.dtype], ...]
@@ -128,17 +129,16 @@ def plan(run: reference.Run, lin: Linear, dtypes: dict[str, torch.dtype],
         if op is Op.DIV and args[1].number and not divides_by_numbers:
             raise Unsupported("a value divided by a number")
         if op in ARITHMETIC and floats:
-            form, out = "arith", cd
+            form, out = ("divide" if op is Op.DIV else "arith"), cd
         elif op in (Op.MIN, Op.MAX) and floats:
             x = node.src[0]
             form, out = ("min" if op is Op.MIN else "max"), cd
             nan = not (x.op is Op.CONST and x.arg == x.arg)
         elif op in COMPARISONS and floats:
             form, out = "compare", torch.bool
-        elif op in (Op.AND, Op.OR) and bools:
-            form, out = ("and" if op is Op.AND else "or"), torch.bool
-        elif op is Op.NOT and bools:
-            form, out = "not", torch.bool
+        elif op in (Op.AND, Op.OR, Op.NOT) and bools and not any(a.number for a in args):
+            # (the language folds a logic operation with a constant: none reaches a loop)
+            form, out = op.name.lower(), torch.bool
         elif op in (Op.NEG, Op.ABS, Op.SIGN) and floats:
             form, out = op.name.lower(), cd
         elif op is Op.WHERE and types[0] in (torch.bool, None):
@@ -264,6 +264,8 @@ class Runs:
             return reference._tiled(fn, full, rest)
         if numbers:
             cd = dtypes["p"]
+            # (guards: ``reference.Kernel`` gives as numbers only hyperparameters that are
+            # otherwise only multiplied, added or subtracted)
             given = {name for name, x in zip(run.rest, rest) if type(x) in (float, int)}
             if not self.numbers_ok(cd) or any(
                     line.node.op is Op.DIV and self.lin.names.get(id(line.node.src[0])) in given

@@ -23,17 +23,14 @@ in a float64 run (a Triton launch takes a number as float32).
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 
 import torch
 
 from vega.codegen import runs, triton_runtime
-from vega.dsl.ir import Op
 
-_TL = {torch.float32: "tl.float32", torch.float64: "tl.float64", torch.bfloat16: "tl.bfloat16",
-       torch.bool: "tl.int1"}
+_TL = {torch.float32: "tl.float32", torch.float64: "tl.float64"}  # (the compute dtypes)
 
 HEADER = '''"""vega: an element run of a program with matrix products (vega.codegen.triton_runs)"""
 import triton
@@ -47,28 +44,30 @@ def to_bf16(x):
     r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     r = tl.where(x != x, (u >> 16) | 0x40, r)  # NaN stays a quiet NaN
     return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def widen(x):
+    """bfloat16 -> float32, exactly (the interpreter's cast mistakes subnormals)."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 '''
-
-
-def _logic(word: str, infix: str):
-    # (the interpreter cannot combine a block of bools with a bool: a where)
-    return lambda step, t: (f"{t[0]} {infix} {t[1]}" if not any(a.number for a in step.args)
-                            else f"tl.where({t[0]}, {word.format(*t)})")
 
 
 # the Triton of each form of a loop's steps (``vega.codegen.runs.expression``)
 _FORMS = {
     "arith": "{0} {op} {1}", "compare": "{0} {op} {1}",
-    "divide": "tl.div_rn({0}, {1})",  # (float32's ``/`` is approximate: div.full.f32)
+    # (float32's ``/`` is approximate, div.full.f32: tl.div_rn; float64's is div.rn.f64)
+    "divide": lambda step, t: (f"tl.div_rn({t[0]}, {t[1]})" if step.dtype == torch.float32
+                               else f"{t[0]} / {t[1]}"),
     # (two wheres, as vega.codegen.triton._minmax)
     "min": "{nan}tl.where({0} {cmp} {1}, {0}, {1}){close}",
     "max": "{nan}tl.where({0} {cmp} {1}, {0}, {1}){close}",
     "nan": "tl.where({0} != {0}, {0}, ",
-    "and": _logic("{1}, False", "&"), "or": _logic("True, {1}", "|"),
-    "not": lambda step, t: repr(not step.args[0].value) if step.args[0].number else f"~{t[0]}",
+    "and": "{0} & {1}", "or": "{0} | {1}", "not": "~{0}",
     "neg": "{0} * -1.0",  # (Triton's -x is 0 - x: +0.0 for 0.0)
     "abs": "tl.abs({0})", "sign": "tl.where({0} > 0, 1.0, tl.where({0} < 0, -1.0, {0})).to({ct})",
-    "where": "tl.where({0}, {1}, {2})", "round": "to_bf16({0})", "widen": "{0}.to({ct})",
+    "where": "tl.where({0}, {1}, {2})", "round": "to_bf16({0})",
+    "widen": "widen({0}).to({ct})",  # (exact: the interpreter's cast mistakes subnormals)
     "same": "{0}",
 }
 
@@ -80,10 +79,10 @@ def _expr(step: runs.Step, loop: runs.Loop) -> str:
     def number(v) -> str:
         if isinstance(v, bool):
             return repr(v)
+        if v == 0 and math.copysign(1.0, v) < 0:  # (tl.full of -0.0 is +0.0)
+            return f"(tl.full((), 0.0, {ct}) * -1.0)"
         lit = repr(v) if v == v and abs(v) != math.inf else f'float("{v!r}")'
         return f"tl.full((), {lit}, {ct})"
-    if step.op is Op.DIV and loop.compute == torch.float32:
-        step = dataclasses.replace(step, form="divide")
     return runs.expression(step, _FORMS, number, ct=ct, close=")" if step.nan else "")
 
 
@@ -140,6 +139,11 @@ class TritonRuns(runs.Runs):
         block = triton_runtime.block_size(
             tuple(str(d).removeprefix("torch.") for _, d in (*loop.full, *loop.made)
                   if d != torch.bool) or ("float32",))
-        values = [float(x) if type(x) in (float, int) else x for x in values]
-        triton_runtime.launch(built, (max(1, -(-n // block)),), *full, *values, *outs, n,
-                              BLOCK=block, enable_fp_fusion=False)
+        device = full[0].device
+        # (a number: a float32 argument on a GPU; the interpreter passes one as a Python
+        # float, which has no dtype: a 0-d tensor there)
+        values = [x if type(x) not in (float, int) else torch.tensor(float(x), device=device)
+                  if device.type == "cpu" else float(x) for x in values]
+        with triton_runtime.on_device(device):  # (Triton launches on the current device)
+            triton_runtime.launch(built, (max(1, -(-n // block)),), *full, *values, *outs, n,
+                                  BLOCK=block, enable_fp_fusion=False)

@@ -431,7 +431,7 @@ def _prelude_launch(kern, found, pre: torch.Tensor, setting: torch.Tensor | None
     # (made while a graph is captured, its zero fill is the graph's, run first at each replay)
     done = _DONE.get((pre.device, stream), lambda: torch.zeros(
         1, dtype=torch.int32, device=pre.device), capturing)
-    with _on(pre.device):
+    with on_device(pre.device):
         for gdt, rows, numels in found:
             block = block_size((gdt,))
             bmap = block_map(numels, block, pre.device)
@@ -483,7 +483,7 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
     device = finite.device
     check_device(device)
     src_t = steps if inplace else old_steps
-    with _on(device):
+    with on_device(device):
         found, hyp = _tables(kern, params, states, grads, old_params, old_states, src_t,
                              step_index, hyper_tensors, hyper_floats, hyper_slots,
                              hyper_index, inplace, device)
@@ -706,7 +706,8 @@ def _(kernel, params, states, steps, finite, grads, old_params, old_states, old_
     return None
 
 
-def _on(device: torch.device):
+def on_device(device: torch.device):
+    """Within: ``device`` (a CUDA device) is the current one, where Triton launches."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -820,7 +821,7 @@ def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pr
     names = program.state_names
     hyper_tensors, hyper_floats, hyper_slots, hyper_index = hypers
     nhyper = len(program.float_hypers)
-    with _on(device):
+    with on_device(device):
         hyp = _hyper_array(device, nhyper, max(hyper_index, default=-1) + 1, hyper_tensors,
                            hyper_floats, hyper_slots)
         try:
@@ -944,7 +945,7 @@ def staged(kern, params, grads, states, steps, values, donate, pre, views):
     work_p, work_s = readable(params), readable(flat)
     finite = torch.empty((), dtype=torch.bool, device=device)
     check_device(device)
-    with _on(device):
+    with on_device(device):
         found, hyp = _tables(kern, work_p, work_s, grads, [], [], uniq_steps, step_index,
                              hyper_tensors, hyper_floats, hyper_slots, hyper_index, True,
                              device)
@@ -952,7 +953,7 @@ def staged(kern, params, grads, states, steps, values, donate, pre, views):
                     device, views=views)
     answer = None
     while True:  # (the device made current for the launches alone, not between them)
-        with _on(device):
+        with on_device(device):
             try:
                 parts = gen.send(answer)
             except StopIteration:

@@ -41,7 +41,7 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even (a NaN: 
 
 # the C of each form of a loop's steps (``vega.codegen.runs.expression``)
 _FORMS = {
-    "arith": "{0} {op} {1}", "compare": "{0} {op} {1}",
+    "arith": "{0} {op} {1}", "divide": "{0} / {1}", "compare": "{0} {op} {1}",
     "min": "(({0} {cmp} {1}){nan}) ? {0} : {1}", "max": "(({0} {cmp} {1}){nan}) ? {0} : {1}",
     "nan": " || {0} != {0}",  # (as reference._minmax: a NaN first operand wins)
     "and": "{0} && {1}", "or": "{0} || {1}", "not": "!{0}", "neg": "-{0}",
@@ -115,8 +115,9 @@ class CRuns(runs.Runs):
 
     def call(self, built, loop: runs.Loop, n: int, full: tuple, values: list,
              outs: list) -> None:
-        values = [x if type(x) not in (float, int) else torch.tensor(x, dtype=loop.compute)
-                  for x in values]  # (a number: a 0-d tensor of the compute dtype)
+        values = [x if type(x) not in (float, int)
+                  else torch.tensor(x, dtype=loop.compute, device="cpu")
+                  for x in values]  # (a number: a 0-d CPU tensor of the compute dtype)
         addresses = (ctypes.c_void_p * (len(full) + len(values) + len(outs)))(
             *(t.data_ptr() for t in (*full, *values, *outs)))
         built(n, addresses, torch.get_num_threads())
