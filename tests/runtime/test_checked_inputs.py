@@ -630,6 +630,36 @@ def test_a_fused_setting_changed_after_construction_is_checked_by_the_step(attr,
     assert not any(torch.equal(p, b) for p, b in zip(params, before))
 
 
+@pytest.mark.parametrize("key, value, words", [
+    ("maximize", 1, r"maximize=1 must be True or False"),
+    ("maximize", "yes", r"maximize='yes' must be True or False"),
+    ("state_dtype", torch.int8, r"state_dtype=torch.int8 must be None, a torch float dtype"),
+    ("state_dtype", {"mu": torch.int8}, r"state_dtype\['mu'\]=torch.int8 must be one of"),
+    ("backend", "cuda", r"backend='cuda' is not one of"),
+    ("foreach", 3, r"foreach=3 must be None, True or False"),
+    ("differentiable", True, r"differentiable=True is not supported"),
+])
+def test_a_group_setting_changed_after_construction_is_checked_by_the_step(key, value, words):
+    """A group's ``maximize``, ``state_dtype``, ``backend`` and torch's keywords set after
+    the group was given are checked by the next step as the constructor checks them
+    (``maximize=1`` stepped as maximizing without a word; ``state_dtype=torch.int8`` made an
+    int8 state a kernel then refused), before any state is made or anything written; set
+    back, the step runs."""
+    params = _params()
+    opt = vega.optim.AdamW(params, lr=0.1)
+    default = opt.param_groups[0].get(key, False if key == "differentiable" else None)
+    opt.param_groups[0][key] = value
+    for p in params:
+        p.grad = torch.full_like(p, 1.0)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=rf"^AdamW: group 0: {words}"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and not opt.state
+    opt.param_groups[0][key] = default
+    opt.step()
+    assert not any(torch.equal(p, b) for p, b in zip(params, before))
+
+
 @pytest.mark.parametrize("extra, error, words", [
     ({"lr_": 1.0}, TypeError, r"a parameter group has 'lr_', unknown to SGD \(did you mean "
                               r"'lr'\?\)"),

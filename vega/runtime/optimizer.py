@@ -297,6 +297,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{type(self).__name__}: step() with the parameters in "
                                      f"mode {group['mode']!r}; call train() before stepping")
                 sync.sync(type(self).__name__, k, group)
+                self._check_group_settings(k, group)
                 flags, values = self._group_values(group)
                 found, grads, is_plain = self._planned_work(k, group, flags, values)
                 if found is None:
@@ -392,6 +393,32 @@ class SpecOptimizer(torch.optim.Optimizer):
             return
         engine.check_fused(type(self).__name__, *now)
         self.__dict__["_vega_checked"] = now
+
+    def _check_group_settings(self, k: int, group: dict) -> None:
+        """``_check_group``'s checks of the settings a step reads from a group, as the step
+        finds them (``opt.param_groups[0]["maximize"] = 1`` is refused as the constructor
+        refuses it, before a state is made): ``maximize``, ``backend``, ``state_dtype`` and
+        torch's keywords; once for each value, the last ones checked kept (the
+        hyperparameters and the precision settings are checked each step)."""
+        now = (group, group["maximize"], group.get("backend"), group.get("state_dtype"),
+               *(group.get(key) for key in torch_names.KEYWORDS[:4]))
+        if not torch.compiler.is_compiling():
+            kept = self.__dict__.setdefault("_vega_group_checked", {})
+            last = kept.get(k)
+            if last is not None and all(map(operator.is_, now, last)):
+                return
+        owner = type(self).__name__
+        _, maximize, backend, state_dtype, *keywords = now
+        torch_names.check_keywords(f"{owner}: group {k}", maximize, *keywords[:3],
+                                   keywords[3] if keywords[3] is not None else False)
+        try:
+            codegen.check_backend(backend)
+        except ValueError as e:
+            raise ValueError(f"{owner}: group {k}: {e}") from None
+        engine.check_state_dtype(f"{owner}: group {k}", state_dtype,
+                                 self.spec._spec.state_names)
+        if not torch.compiler.is_compiling():
+            kept[k] = now
 
     def _routed(self, group, work: list[tuple]) -> list[tuple]:
         """``work`` (a group's engine.run calls) on the reference backend where a tensor
