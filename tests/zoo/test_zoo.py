@@ -836,16 +836,17 @@ def test_schedule_free_eval_params_match_optax(case):
             assert_close(p, theirs[n], f"class train p.{n} against optax", k + 1)
 
 
-@pytest.mark.parametrize("shape, bound", [((32, 32), 1.3), ((64, 64), 1.3), ((64, 256), 2.2),
+@pytest.mark.parametrize("shape, bound", [((32, 32), 1.0), ((64, 64), 1.0), ((64, 256), 2.2),
                                           ((256, 64), 2.2)])
 def test_muon_bfloat16_iteration_is_about_as_close_to_float64_as_torchs(shape, bound):
     """Muon's update in bfloat16 (lr 1, no momentum, no decay: the iteration's result, from
     four random gradients), its distance from the float64 iteration against torch.optim.
-    Muon's: a and b, given as numbers, are torch.addmm's exact beta in the steps as written
-    (square matrices: within 1.3x torch's distance) and in the Gram form's products (wide
-    and tall: within 2.2x; its P is formed once a run). Added on the diagonal in bfloat16,
-    where they round, the distance was about 3.5x torch's; and a's digits past bfloat16's
-    changed nothing."""
+    Muon's: a and b, given as numbers, are torch.addmm's exact beta, and c its exact alpha,
+    in the steps as written (square matrices: torch's distance, the iteration torch's to
+    the bit; with c * A rounded to bfloat16 first, 1.1x) and in the Gram form's products
+    (wide and tall: within 2.2x; its P is formed once a run). Added on the diagonal in
+    bfloat16, where they round, the distance was about 3.5x torch's; and a's digits past
+    bfloat16's changed nothing."""
     h = dict(lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False)
     opt = vega.builtin("muon")
     ours = theirs = 0.0
@@ -874,6 +875,32 @@ def test_muon_bfloat16_iteration_is_about_as_close_to_float64_as_torchs(shape, b
             other, _ = opt.step([p], [g], opt.init([p]), a=3.4375, **h)
             assert not torch.equal(other[0], new[0])
     assert ours <= bound * theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muons_iteration_as_written_is_torchs_to_the_bit(nesterov):
+    """Where the Newton-Schulz steps keep their form (square matrices, and a side up to 1.5
+    times the other), vega's bfloat16 iteration is torch.optim.Muon's bit for bit: the same
+    rounding to bfloat16 and norm, and each product torch.addmm with a and b its exact beta
+    and c its exact alpha (``reference.fuse_products``). With lr 1, no momentum and no
+    decay, the parameters after 3 steps are torch's to the bit (float32, rows up to
+    columns: the scale is 1), two matrices of one shape stepped side by side (one batched
+    product, ``render_batched``) among them."""
+    h = dict(lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=nesterov)
+    gen = torch.Generator().manual_seed(8)
+    shapes = {"s": (40, 40), "t": (40, 40), "w": (48, 64)}
+    ours = {k: torch.nn.Parameter(torch.randn(s, generator=gen)) for k, s in shapes.items()}
+    theirs = {k: torch.nn.Parameter(p.detach().clone()) for k, p in ours.items()}
+    opt = vega.optim.Muon(list(ours.values()), **h)
+    ref = torch.optim.Muon(list(theirs.values()), **h)
+    for _ in range(3):
+        for k, p in ours.items():
+            p.grad = torch.randn(p.shape, generator=gen)
+            theirs[k].grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for k in shapes:
+        assert torch.equal(ours[k].detach(), theirs[k].detach()), k
 
 
 def test_muon_steps_alike_whether_or_not_a_hyperparameter_is_scheduled():
@@ -979,9 +1006,9 @@ def muon_class_steps(monkeypatch, start: list, grads: list, elements: int) -> li
 
 def test_muon_bfloat16_products_of_one_shape_are_one_batched_product(monkeypatch):
     """In bfloat16, the matrices of one shape take each product as one batched product of
-    their stacked matrices: each stacked once a step (x, then only c * A, the small square
-    an iteration computes between its products), the products' results and transposes
-    found again. The step matches the step of one matrix at a time to bfloat16's
+    their stacked matrices: each stacked once a step (x; every square an iteration
+    multiplies is a product's result, found again with its transpose, ``c`` taken as the
+    products' alpha, not multiplied into ``A`` first). The step matches the step of one matrix at a time to bfloat16's
     rounding of the products."""
     gen = torch.Generator().manual_seed(6)
     shapes = [(6, 9), (6, 9), (6, 9), (9, 6), (9, 6), (9,)]
@@ -997,10 +1024,10 @@ def test_muon_bfloat16_products_of_one_shape_are_one_batched_product(monkeypatch
     batched = run(1 << 24)
     batches = list(stacked)
     alone = run(0)
-    # 2 batches (3 wide, 2 tall), 5 steps: x, and c * A an iteration (its shifts are
-    # addmm's beta: no shifted square made)
+    # 2 batches (3 wide, 2 tall), 5 steps: x alone (the shifts are addmm's beta, c its
+    # alpha: no square made between the products)
     assert sorted(set(batches)) == [(2, torch.bfloat16), (3, torch.bfloat16)]
-    assert len(batches) == 2 * 5 * (1 + 5) and len(stacked) == len(batches)
+    assert len(batches) == 2 * 5 and len(stacked) == len(batches)
     moved = max(float((p.detach() - q).abs().max()) for p, q in zip(alone, start))
     for p, q in zip(batched, alone):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0.01 * moved)
@@ -1029,9 +1056,12 @@ def test_muon_gram_form_in_bfloat16_is_as_close_to_float64_as_the_iteration_as_w
         monkeypatch):
     """Muon's orthogonalization of one matrix in bfloat16 (lr 1, no momentum, no decay: the
     update is the iteration's result), against the float64 iteration: the Gram form's error
-    at most the iteration as written's, and 5% more, on a random matrix, a nearly low-rank
-    one and one of widely spread singular values. (Without its restart, the Gram form's
-    rounding grows without bound on the nearly low-rank one.)"""
+    at most the iteration as written's, and 5% more, on a nearly low-rank matrix and one of
+    widely spread singular values; on a random one, 25% more (the iteration as written is
+    torch.optim.Muon's to the bit, ``c`` its products' exact alpha: 0.0149 against the Gram
+    form's 0.0178, where before both took ``c * A`` rounded, 0.0245 against 0.0214).
+    (Without its restart, the Gram form's rounding grows without bound on the nearly
+    low-rank one.)"""
     from vega.codegen import gram
     opt = vega.builtin("muon")
     h = dict(lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False)
@@ -1054,7 +1084,8 @@ def test_muon_gram_form_in_bfloat16_is_as_close_to_float64_as_the_iteration_as_w
         for form in ("gram", "written"):
             monkeypatch.setattr(gram.Gram, "pays", lambda self, rows, cols, f=form: f == "gram")
             errors[form] = float((update(g, True) - exact).norm() / exact.norm())
-        assert errors["gram"] <= 1.05 * errors["written"], (name, errors)
+        assert errors["gram"] <= (1.25 if name == "random" else 1.05) * errors["written"], \
+            (name, errors)
         assert errors["written"] > 1e-3  # (bfloat16's rounding is there to compare)
 
 

@@ -51,9 +51,9 @@ def _product_ops(call) -> dict:
         Op.MATMUL_ADD: lambda self, node, phase, x, a, b:
             call("matmul_add", f"{x}, {a}, {b}, geo, "
                                f"{', '.join(repr(s.dom) for s in node.src)}"),
-        Op.MATMUL_SHIFT: lambda self, node, phase, s, a, b:
+        Op.MATMUL_SHIFT: lambda self, node, phase, s, a, b, *alpha:
             call("matmul_shift", f"{s}, {a}, {b}, geo, {node.src[1].dom!r}, "
-                                 f"{node.src[2].dom!r}"),
+                                 f"{node.src[2].dom!r}{''.join(', ' + x for x in alpha)}"),
     }
 
 
@@ -703,32 +703,37 @@ def _matmul_add(x, a, b, geo: Geometry, dx: str, da: str, db: str):
     return _product(*_operands("matmul_add", (x, a, b, geo, dx, da, db)))
 
 
-def _product(m, a, b, geo: Geometry | None, beta=1):
+def _product(m, a, b, geo: Geometry | None, beta=1, alpha=1):
     """One tensor's product from its ``_operands``, shaped back with ``geo`` where given."""
-    out = _multiplied(m, a, b, beta)
+    out = _multiplied(m, a, b, beta, alpha)
     return _from_matrices(out, geo) if geo is not None else out
 
 
-def _multiplied(m, a, b, beta=1):
-    """``beta * m + a @ b`` (``a @ b`` where ``m`` is None) of matrices, or of batches of
-    them (any number of leading axes, ``_products``' stacked ones among them); ``beta`` a
-    number, which torch.addmm takes as it is (in bfloat16 too)."""
+def _multiplied(m, a, b, beta=1, alpha=1):
+    """``beta * m + alpha * (a @ b)`` (``a @ b`` where ``m`` is None) of matrices, or of
+    batches of them (any number of leading axes, ``_products``' stacked ones among them);
+    ``beta`` and ``alpha`` numbers, which torch.addmm takes as they are (in bfloat16 too;
+    ``alpha`` is 1 but for ``_matmul_shift``'s, whose ``m`` has ``a``'s dtype)."""
     if m is None:
         return torch.matmul(a, b)
     if m.dtype != a.dtype:  # (addmm takes one dtype: the sum promotes, as x + a @ b would)
         return (m if beta == 1 else beta * m) + torch.matmul(a, b)
     if m.dim() == 2:  # one product, the sum rounded once
-        return torch.addmm(m, a, b, beta=beta)
-    return torch.baddbmm(*(x.flatten(0, -3) for x in (m, a, b)), beta=beta).view(m.shape)
+        return torch.addmm(m, a, b, beta=beta, alpha=alpha)
+    return torch.baddbmm(*(x.flatten(0, -3) for x in (m, a, b)), beta=beta,
+                         alpha=alpha).view(m.shape)
 
 
-def _matmul_shift(s, a, b, geo: Geometry, da: str, db: str):
-    """``s * b + a @ b`` (``a`` square, ``s`` one number) in one product, no pass over
-    ``b``'s size (Newton-Schulz's ``a * x + B @ x``: its ``x`` is the large matrix): where
-    ``s`` is a number (``Kernel._args``' ``exact``), torch.addmm's ``beta``, exact, as
-    torch.optim.Muon's; where it is a tensor, ``(a + s I) @ b``, ``s`` added on the diagonal
-    in the product's dtype (rounded there to bfloat16)."""
-    return _product(*_operands("matmul_shift", (s, a, b, geo, da, db)))
+def _matmul_shift(s, a, b, geo: Geometry, da: str, db: str, alpha=1):
+    """``s * b + alpha * (a @ b)`` (``a`` square, ``s`` one number; ``alpha`` one number,
+    ``fuse_products``' where the program multiplies ``a`` by one) in one product, no pass
+    over ``b``'s size (Newton-Schulz's ``a * x + B @ x``: its ``x`` is the large matrix;
+    its ``B = b * A + c * A @ A``): where ``s`` and ``alpha`` are numbers (``Kernel._args``'
+    ``exact``), torch.addmm's ``beta`` and ``alpha``, exact, as torch.optim.Muon's; where
+    ``s`` is a tensor, ``(alpha a + s I) @ b``, ``s`` added on the diagonal in the
+    product's dtype (rounded there to bfloat16); where ``alpha`` is, ``alpha a`` first, as
+    the program wrote it."""
+    return _product(*_operands("matmul_shift", (s, a, b, geo, da, db, alpha)))
 
 
 def _shifted(s, a, b):
@@ -767,10 +772,13 @@ def _operands(name: str, args) -> tuple:
     right, geometry to shape the result back with or None[, the addend's factor])``, its
     operands matrices."""
     if name == "matmul_shift":
-        s, a, b, geo, da, db = args
-        if _number(s):  # (beta: exact)
+        s, a, b, geo, da, db, *alpha = args
+        alpha = alpha[0] if alpha else 1
+        if not _number(alpha) or not _number(s):  # (alpha times a, as the program wrote it)
+            a, alpha = (a if _number(alpha) and alpha == 1 else alpha * a), 1
+        if _number(s):  # (beta and alpha: exact)
             left, right = _promoted(_matrices(a, geo, da), _matrices(b, geo, db))
-            return right, left, right, geo if da[0] + db[1] == "rc" else None, s
+            return right, left, right, geo if da[0] + db[1] == "rc" else None, s, alpha
         name, args = "matmul", (_shifted(s, a, b), b, geo, da, db)
     if name == "matmul":
         a, b, geo, da, db = args
@@ -820,12 +828,12 @@ def _products(asked, kept: dict) -> list:
     tensor otherwise (on the CPU a batched float32 or float16 product took longer than
     one product a matrix: docs/performance.md)."""
     found = [_operands(name, args) for name, args in asked]
-    betas = {operands[4] if len(operands) > 4 else 1 for operands in found}
-    if found[0][1].dtype != torch.bfloat16 or len(betas) > 1:
+    factors = {tuple(operands[4:]) or (1, 1) for operands in found}  # (beta, alpha)
+    if found[0][1].dtype != torch.bfloat16 or len(factors) > 1:
         return [_product(*operands) for operands in found]
     ms, as_, bs, geos = (list(x) for x in zip(*(operands[:4] for operands in found)))
     out = _multiplied(None if ms[0] is None else _stack(ms, kept), _stack(as_, kept),
-                      _stack(bs, kept), betas.pop())
+                      _stack(bs, kept), *factors.pop())
     items = out.unbind(0)
     _keep(kept, _layout(items), out, None)
     return [_from_matrices(o, geo) if geo is not None else o for o, geo in zip(items, geos)]
@@ -859,7 +867,17 @@ def fuse_products(program: Program) -> Program:
                     scale = _scaled_copy(x, m.src[1])
                     if scale is not None and m.src[0].dom in ("rr", "cc") \
                             and users.get(id(x)) == 1:
-                        out = Node(Op.MATMUL_SHIFT, (swap(scale), *src[k].src), None,
+                        left, right = src[k].src
+                        # (``s * b + (c * a) @ b`` of two squares: ``c`` the product's alpha,
+                        # where nothing else reads ``c * a``, as torch.optim.Muon's ``B``;
+                        # a step of the iteration, whose ``b`` is not square, keeps its
+                        # form for vega.codegen.gram)
+                        alpha = _scaled(m.src[0]) if users.get(id(m.src[0])) == 1 \
+                            and m.src[1].dom in ("rr", "cc") else None
+                        more = ()
+                        if alpha is not None:
+                            left, more = swap(alpha[1]), (swap(alpha[0]),)
+                        out = Node(Op.MATMUL_SHIFT, (swap(scale), left, right, *more), None,
                                    "float", node.kind, node.span, node.name, node.dom)
                     else:
                         out = Node(Op.MATMUL_ADD, (src[1 - k], *src[k].src), None, "float",
@@ -868,6 +886,18 @@ def fuse_products(program: Program) -> Program:
         memo[id(node)] = out
         return out
     return with_updates(program, ((target, swap(node)) for target, node in program.updates))
+
+
+def _scaled(x: Node) -> tuple[Node, Node] | None:
+    """(``s``, ``y``) where ``x`` is ``s * y`` or ``y * s``, ``s`` one value per tensor and
+    ``y`` a value per element, else None."""
+    if x.op is not Op.MUL:
+        return None
+    for k in (0, 1):
+        s, y = x.src[k], x.src[1 - k]
+        if s.kind != Kind.ELEMENT and y.kind == Kind.ELEMENT:
+            return s, y
+    return None
 
 
 def _scaled_copy(x: Node, b: Node) -> Node | None:
@@ -982,8 +1012,8 @@ class Kernel:
         roots = [n for _, n in shown.updates] + \
             ([n for _, n in found.program.updates] if self._gram is not None else [])
         nodes = walk(roots)
-        shifted = {n.src[0].arg for n in nodes
-                   if n.op in (Op.MATMUL_SHIFT, Op.SHIFT) and n.src[0].op is Op.HYPER}
+        shifted = {s.arg for n in nodes if n.op in (Op.MATMUL_SHIFT, Op.SHIFT)
+                   for s in (n.src[0], *n.src[3:]) if s.op is Op.HYPER}
         # (only a hyperparameter whose every other use gives a number the value a 0-d tensor
         # gives: a product, a sum, a difference; not ``a / x``, which Python computes as
         # ``x.reciprocal() * a``, nor a comparison or a function)
