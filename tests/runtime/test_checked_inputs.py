@@ -660,6 +660,30 @@ def test_a_group_setting_changed_after_construction_is_checked_by_the_step(key, 
     assert not any(torch.equal(p, b) for p, b in zip(params, before))
 
 
+def test_a_dict_of_state_dtypes_changed_in_place_is_checked_and_no_group_is_kept_alive():
+    """A group's ``state_dtype`` dict changed in place after a step is checked by the next
+    one (a kept dict would be the same object); and the step's memory of what it checked
+    holds no group: a group dropped from ``param_groups`` frees its parameters."""
+    import gc
+    import weakref
+    w, v = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(1000))
+    opt = vega.optim.AdamW([{"params": [w], "state_dtype": {"mu": torch.float32}},
+                            {"params": [v]}], lr=0.1)
+    w.grad, v.grad = torch.ones(3), torch.ones(1000)
+    opt.step()
+    opt.param_groups[0]["state_dtype"]["mu"] = torch.int8
+    with pytest.raises(ValueError, match=r"group 0: state_dtype\['mu'\]=torch.int8 must be"):
+        opt.step()
+    opt.param_groups[0]["state_dtype"]["mu"] = torch.float32
+    opt.step()
+    gone = weakref.ref(v)
+    opt.param_groups.pop()
+    del opt.state[v], v
+    gc.collect()
+    opt.step()
+    assert gone() is None
+
+
 @pytest.mark.parametrize("extra, error, words", [
     ({"lr_": 1.0}, TypeError, r"a parameter group has 'lr_', unknown to SGD \(did you mean "
                               r"'lr'\?\)"),

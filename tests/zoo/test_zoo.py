@@ -903,6 +903,38 @@ def test_muons_iteration_as_written_is_torchs_to_the_bit(nesterov):
         assert torch.equal(ours[k].detach(), theirs[k].detach()), k
 
 
+def test_a_product_factor_is_exact_only_where_a_number_gives_what_a_tensor_gives():
+    """A hyperparameter that is a product's factor (``c``, the alpha of ``B``'s product) and
+    is used elsewhere too reaches every use as a 0-d tensor, given as a number or not (a
+    float32 0-d tensor times a bfloat16 matrix rounds to bfloat16 first, a number does
+    not). Factors of 0, or past float32's range, given as numbers, step as the tensors
+    would, NaN and all (torch.addmm ignores an operand times 0, its NaN too, and refuses
+    1e39)."""
+    text = """
+    optimizer o(lr = 1.0, b = -4.775, c = 2.0315) {
+        x = bfloat16(g)
+        A = x @ transpose(x)
+        B = b * A + c * A @ A
+        p = p - widen(B @ x)OTHER
+    }"""
+    gen = torch.Generator().manual_seed(2)
+    p, g = torch.randn(6, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    spec = vega.compile(text.replace("OTHER", " - widen(c * x)"))
+    number, _ = spec.step([p], [g], spec.init([p]), c=2.0315)
+    tensor, _ = spec.step([p], [g], spec.init([p]), c=torch.tensor(2.0315))
+    assert torch.equal(number[0], tensor[0])
+    g[0, 0] = float("inf")
+    for x in ("bfloat16(g)", "g"):  # (float32's addmm drops a NaN times 0; bfloat16's not)
+        spec = vega.compile(text.replace("OTHER", "").replace("bfloat16(g)", x).replace(
+            "widen(B @ x)", "widen(B @ x)" if x != "g" else "B @ x"))
+        for b, c in ((0.0, 0.0), (1e39, 1e39), (-4.775, 1e39)):
+            number, _ = spec.step([p], [g], spec.init([p]), b=b, c=c)
+            tensor, _ = spec.step([p], [g], spec.init([p]), b=torch.tensor(b),
+                                  c=torch.tensor(c))
+            assert torch.equal(number[0].isnan(), tensor[0].isnan()), (x, b, c)
+            assert torch.equal(number[0].nan_to_num(), tensor[0].nan_to_num()), (x, b, c)
+
+
 def test_muon_steps_alike_whether_or_not_a_hyperparameter_is_scheduled():
     """A schedule among the hyperparameters (``lr``) gives every tensor its values from a
     table; a and b, given as numbers, stay numbers there, the products' exact beta: the
@@ -916,10 +948,11 @@ def test_muon_steps_alike_whether_or_not_a_hyperparameter_is_scheduled():
 
 def test_muon_bf16_against_torch():
     """With bf16 (the default), the Newton-Schulz iteration runs in bfloat16 as
-    torch.optim.Muon's: the two agree to bfloat16's precision, not bitwise (torch's addmm
-    rounds b A + c A A once; vega rounds c A and adds b on its diagonal, then multiplies),
-    each as far from the float64 iteration as from the other. (Two matrices of one shape:
-    their products batched.)"""
+    torch.optim.Muon's: with momentum, the two agree to bfloat16's precision, not bitwise
+    (torch's momentum is a lerp, vega's a sum of products; and 24x16 is in the Gram form),
+    each as far from the float64 iteration as from the other
+    (``test_muons_iteration_as_written_is_torchs_to_the_bit`` takes the iteration alone).
+    (Two matrices of one shape: their products batched.)"""
     gen = torch.Generator().manual_seed(3)
     shapes = [(16, 24), (24, 16), (20, 20), (16, 24)]
     start = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]

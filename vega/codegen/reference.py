@@ -774,9 +774,10 @@ def _operands(name: str, args) -> tuple:
     if name == "matmul_shift":
         s, a, b, geo, da, db, *alpha = args
         alpha = alpha[0] if alpha else 1
-        if not _number(alpha) or not _number(s):  # (alpha times a, as the program wrote it)
-            a, alpha = (a if _number(alpha) and alpha == 1 else alpha * a), 1
-        if _number(s):  # (beta and alpha: exact)
+        if not (_number(alpha) and alpha == 1) and not (_factor(alpha, a, b)
+                                                         and _factor(s, a, b)):
+            a, alpha = alpha * a, 1  # (alpha times a, as the program wrote it)
+        if _factor(s, a, b):  # (beta and alpha: exact)
             left, right = _promoted(_matrices(a, geo, da), _matrices(b, geo, db))
             return right, left, right, geo if da[0] + db[1] == "rc" else None, s, alpha
         name, args = "matmul", (_shifted(s, a, b), b, geo, da, db)
@@ -787,6 +788,18 @@ def _operands(name: str, args) -> tuple:
     x, a, b, geo, dx, da, db = args
     return (_matrices(x, geo, dx), *_promoted(_matrices(a, geo, da), _matrices(b, geo, db)),
             geo if dx == "rc" else None)
+
+
+_F32_MAX = 3.4028234663852886e38
+
+
+def _factor(v, a, b) -> bool:
+    """Whether ``v`` may be torch.addmm's exact ``beta`` or ``alpha`` for matrices ``a`` and
+    ``b``: a number (``Kernel._args``' ``exact``), not 0 (a factor 0 makes torch.addmm ignore
+    its operand, a NaN in it too, where ``0 * x`` is NaN), within float32's range unless the
+    product is float64 (torch.addmm refuses it; the tensor's way gives inf or NaN)."""
+    return _number(v) and v != 0 and (abs(v) <= _F32_MAX or (
+        a.dtype == torch.float64 and b.dtype == torch.float64))
 
 
 def _matrices(x, geo: Geometry, dom: str):
@@ -1014,13 +1027,12 @@ class Kernel:
         nodes = walk(roots)
         shifted = {s.arg for n in nodes if n.op in (Op.MATMUL_SHIFT, Op.SHIFT)
                    for s in (n.src[0], *n.src[3:]) if s.op is Op.HYPER}
-        # (only a hyperparameter whose every other use gives a number the value a 0-d tensor
-        # gives: a product, a sum, a difference; not ``a / x``, which Python computes as
-        # ``x.reciprocal() * a``, nor a comparison or a function)
+        # (only a hyperparameter the program uses nowhere else: elsewhere a number does not
+        # give the value a 0-d tensor gives: ``a / x`` is ``x.reciprocal() * a``, and a
+        # float32 0-d tensor times a bfloat16 matrix is rounded to bfloat16 first)
         for n in nodes:
-            if n.op in (Op.MATMUL_SHIFT, Op.SHIFT, Op.MUL, Op.ADD, Op.SUB):
-                continue
-            shifted -= {s.arg for s in n.src if s.op is Op.HYPER}
+            if n.op not in (Op.MATMUL_SHIFT, Op.SHIFT):
+                shifted -= {s.arg for s in n.src if s.op is Op.HYPER}
         names = {hyper_var(h): h for h in shifted}
         self._exact = [(k, names[out]) for k, out in enumerate(self.linear.scalar_outputs)
                        if out in names]

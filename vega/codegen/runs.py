@@ -72,9 +72,8 @@ class Step:
 @dataclass(frozen=True)
 class Loop:
     """A run as one loop over ``n`` elements: it reads ``full`` (values of every element,
-    each (name, dtype)) and ``values`` (one value for all: 0-d tensors, or numbers of the
-    compute dtype), computes ``steps`` in the compute dtype ``compute``, and writes
-    ``made`` (each (name, dtype))."""
+    each (name, dtype)) and ``values`` (one value for all: 0-d tensors), computes ``steps``
+    in the compute dtype ``compute``, and writes ``made`` (each (name, dtype))."""
     run: reference.Run
     compute: torch.dtype
     full: tuple[tuple[str, torch.dtype], ...]
@@ -191,7 +190,7 @@ def expression(step: Step, forms: dict, number, **words) -> str:
 class Runs:
     """The runs of one linear program's functions as loops of a backend: ``tiled`` stands
     for ``reference._tiled`` in them. A backend says where its loops run (``device_ok``),
-    which runs they compute (``DIVIDES_BY_NUMBERS``, ``numbers_ok``), how a loop is built
+    which runs they compute (``DIVIDES_BY_NUMBERS``), how a loop is built
     from its plan (``build``) and how it is called (``call``)."""
 
     NOTE = ""  # what ``reference.Kernel.source`` says of the runs
@@ -204,10 +203,6 @@ class Runs:
 
     def device_ok(self, device: torch.device) -> bool:
         raise NotImplementedError
-
-    def numbers_ok(self, compute: torch.dtype) -> bool:
-        """Whether a loop takes numbers (given where a 0-d tensor may be) of ``compute``."""
-        return True
 
     def build(self, loop: Loop):
         raise NotImplementedError
@@ -251,32 +246,15 @@ class Runs:
             if run.later:
                 return reference._tiled(fn, full, rest)
             full = tuple(t.contiguous() for t in full)
-        numbers = False
         for name, x in zip(run.rest, rest):
-            if type(x) in (float, int):  # (a number: of the compute dtype, as torch takes it)
-                numbers = True
-                continue
+            # (a number is a guard's case: ``reference.Kernel`` gives numbers to its products
+            # alone, never to a run)
             if type(x) not in PLAIN_TYPES or x.is_neg() or (
                     name != "p" and (x.dim() != 0 or x.device != t0.device)):
                 return reference._tiled(fn, full, rest)
             dtypes[name] = x.dtype
         if "p" not in dtypes:
             return reference._tiled(fn, full, rest)
-        if numbers:
-            cd = dtypes["p"]
-            # (guards: ``reference.Kernel`` gives as numbers only hyperparameters that are
-            # otherwise only multiplied, added or subtracted)
-            given = {name for name, x in zip(run.rest, rest) if type(x) in (float, int)}
-            if not self.numbers_ok(cd) or any(
-                    line.node.op is Op.DIV and self.lin.names.get(id(line.node.src[0])) in given
-                    for line in run.lines):  # (a number over a tensor: see ``plan``)
-                return reference._tiled(fn, full, rest)
-            if not self.DIVIDES_BY_NUMBERS and any(
-                    line.node.op is Op.DIV and self.lin.names.get(id(line.node.src[1])) in given
-                    for line in run.lines):
-                return reference._tiled(fn, full, rest)
-            for name in given:
-                dtypes[name] = cd
         found = self._loop(run, dtypes)
         if found is None:
             return reference._tiled(fn, full, rest)

@@ -18,8 +18,7 @@ bit for bit:
 
 On CPU tensors the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, as the
 rest of the backend), and compute what torch's CPU operations compute. Elsewhere (CPU
-tensors without the interpreter) the runs stay on torch's operations; so do numbers given
-in a float64 run (a Triton launch takes a number as float32).
+tensors without the interpreter) the runs stay on torch's operations.
 """
 from __future__ import annotations
 
@@ -88,15 +87,14 @@ def _expr(step: runs.Step, loop: runs.Loop) -> str:
 
 def source(loop: runs.Loop) -> str:
     """The Triton source of ``loop``: a module defining the kernel ``vega_run``, whose
-    arguments are the full inputs, the values (0-d tensors, or float32 numbers), the
+    arguments are the full inputs, the values (0-d tensors), the
     outputs, the count ``n`` and ``BLOCK``; program ``k`` computes the elements
     ``[k BLOCK, (k + 1) BLOCK)``."""
     full, values, made = loop.full, loop.values, loop.made
     names = [f"A{k}" for k in range(len(full))] + [f"V{k}" for k in range(len(values))] + \
         [f"O{k}" for k in range(len(made))]
     body = [f"    {n} = tl.load(A{k} + i, mask=mask)" for k, (n, _) in enumerate(full)]
-    body += [f"    {n} = tl.load(V{k}) if V{k}.dtype.is_ptr() else V{k}"
-             for k, (n, _) in enumerate(values)]
+    body += [f"    {n} = tl.load(V{k})" for k, (n, _) in enumerate(values)]
     body += [f"    {s.var} = {_expr(s, loop)}" for s in loop.steps]
     body += [f"    tl.store(O{k} + i, {n}, mask=mask)" for k, (n, _) in enumerate(made)]
     args = [n for n, _ in (*full, *values)]
@@ -126,9 +124,6 @@ class TritonRuns(runs.Runs):
         return device.type == "cpu" and triton_runtime.interpreting() \
             and triton_runtime.library_interpreted()
 
-    def numbers_ok(self, compute: torch.dtype) -> bool:
-        return compute == torch.float32
-
     def build(self, loop: runs.Loop):
         text = source(loop)
         name = f"run_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
@@ -140,10 +135,6 @@ class TritonRuns(runs.Runs):
             tuple(str(d).removeprefix("torch.") for _, d in (*loop.full, *loop.made)
                   if d != torch.bool) or ("float32",))
         device = full[0].device
-        # (a number: a float32 argument on a GPU; the interpreter passes one as a Python
-        # float, which has no dtype: a 0-d tensor there)
-        values = [x if type(x) not in (float, int) else torch.tensor(float(x), device=device)
-                  if device.type == "cpu" else float(x) for x in values]
         with triton_runtime.on_device(device):  # (Triton launches on the current device)
             triton_runtime.launch(built, (max(1, -(-n // block)),), *full, *values, *outs, n,
                                   BLOCK=block, enable_fp_fusion=False)

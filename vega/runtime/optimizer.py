@@ -308,6 +308,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self._refused()
             raise
+        sync.keep(self.param_groups)
         group_of = getattr(self, "reduce_group", None)
         if group_of is not None or any(item[0].spans_group or (
                 k not in plain and sharded.involved(item[2], None))
@@ -398,17 +399,20 @@ class SpecOptimizer(torch.optim.Optimizer):
         """``_check_group``'s checks of the settings a step reads from a group, as the step
         finds them (``opt.param_groups[0]["maximize"] = 1`` is refused as the constructor
         refuses it, before a state is made): ``maximize``, ``backend``, ``state_dtype`` and
-        torch's keywords; once for each value, the last ones checked kept (the
-        hyperparameters and the precision settings are checked each step)."""
-        now = (group, group["maximize"], group.get("backend"), group.get("state_dtype"),
+        torch's keywords; once for each value, the last ones checked kept (values only, not
+        the group: a dropped group's parameters are freed; a dict of state dtypes, which may
+        change in place, each step; the hyperparameters and the precision settings are
+        checked each step)."""
+        now = (group["maximize"], group.get("backend"), group.get("state_dtype"),
                *(group.get(key) for key in torch_names.KEYWORDS[:4]))
-        if not torch.compiler.is_compiling():
+        keep = not torch.compiler.is_compiling() and not isinstance(now[2], dict)
+        if keep:
             kept = self.__dict__.setdefault("_vega_group_checked", {})
             last = kept.get(k)
             if last is not None and all(map(operator.is_, now, last)):
                 return
         owner = type(self).__name__
-        _, maximize, backend, state_dtype, *keywords = now
+        maximize, backend, state_dtype, *keywords = now
         torch_names.check_keywords(f"{owner}: group {k}", maximize, *keywords[:3],
                                    keywords[3] if keywords[3] is not None else False)
         try:
@@ -417,7 +421,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{owner}: group {k}: {e}") from None
         engine.check_state_dtype(f"{owner}: group {k}", state_dtype,
                                  self.spec._spec.state_names)
-        if not torch.compiler.is_compiling():
+        if keep:
             kept[k] = now
 
     def _routed(self, group, work: list[tuple]) -> list[tuple]:

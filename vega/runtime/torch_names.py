@@ -123,6 +123,13 @@ class BetaSync:
         if self.names:
             self.seen[id(group)] = (group, tuple(group["betas"]))
 
+    def keep(self, groups: list) -> None:
+        """Forget the groups not in ``groups`` (the optimizer's, after a step): a group
+        dropped from ``param_groups`` is not held, nor its parameters."""
+        if len(self.seen) > len(groups):
+            now = {id(g) for g in groups}
+            self.seen = {k: v for k, v in self.seen.items() if k in now}
+
     def sync(self, owner: str, k: int, group: dict) -> None:
         """Make ``group``'s ``betas`` and ``b1``, ``b2``, ... agree, taking the one changed
         since the last step; ValueError where both changed to values that disagree. A group

@@ -115,9 +115,6 @@ class CRuns(runs.Runs):
 
     def call(self, built, loop: runs.Loop, n: int, full: tuple, values: list,
              outs: list) -> None:
-        values = [x if type(x) not in (float, int)
-                  else torch.tensor(x, dtype=loop.compute, device="cpu")
-                  for x in values]  # (a number: a 0-d CPU tensor of the compute dtype)
         addresses = (ctypes.c_void_p * (len(full) + len(values) + len(outs)))(
             *(t.data_ptr() for t in (*full, *values, *outs)))
         built(n, addresses, torch.get_num_threads())
