@@ -774,10 +774,10 @@ def _operands(name: str, args) -> tuple:
     if name == "matmul_shift":
         s, a, b, geo, da, db, *alpha = args
         alpha = alpha[0] if alpha else 1
-        if not (_number(alpha) and alpha == 1) and not (_factor(alpha, a, b)
-                                                         and _factor(s, a, b)):
+        exact = _factor(s, a, b)  # (beta, and alpha with it: exact)
+        if not (_number(alpha) and alpha == 1 or exact and _factor(alpha, a, b)):
             a, alpha = alpha * a, 1  # (alpha times a, as the program wrote it)
-        if _factor(s, a, b):  # (beta and alpha: exact)
+        if exact:
             left, right = _promoted(_matrices(a, geo, da), _matrices(b, geo, db))
             return right, left, right, geo if da[0] + db[1] == "rc" else None, s, alpha
         name, args = "matmul", (_shifted(s, a, b), b, geo, da, db)

@@ -24,6 +24,7 @@ on the backend's device, a step that records gradients, and a step dynamo traces
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -187,7 +188,7 @@ def expression(step: Step, forms: dict, number, **words) -> str:
                        nan=nan, **words)
 
 
-class Runs:
+class Runs(abc.ABC):
     """The runs of one linear program's functions as loops of a backend: ``tiled`` stands
     for ``reference._tiled`` in them. A backend says where its loops run (``device_ok``),
     which runs they compute (``DIVIDES_BY_NUMBERS``), how a loop is built
@@ -201,14 +202,17 @@ class Runs:
         self.runs = {run.name: run for run in reference.element_runs(lin)}
         self._loops: dict = {}  # (run name, dtypes) -> (built loop, its Loop) or None
 
+    @abc.abstractmethod
     def device_ok(self, device: torch.device) -> bool:
-        raise NotImplementedError
+        """Whether the loops run on tensors of ``device``."""
 
+    @abc.abstractmethod
     def build(self, loop: Loop):
-        raise NotImplementedError
+        """The backend's callable loop of ``loop``."""
 
+    @abc.abstractmethod
     def call(self, built, loop: Loop, n: int, full: tuple, values: list, outs: list) -> None:
-        raise NotImplementedError
+        """Run ``built`` over ``n`` elements of ``full`` with ``values``, into ``outs``."""
 
     def _loop(self, run: reference.Run, dtypes: dict):
         key = (run.name, tuple(sorted((n, str(d)) for n, d in dtypes.items())))

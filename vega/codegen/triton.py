@@ -268,7 +268,7 @@ class TritonRenderer(Renderer):
     def const(self, value) -> str:
         if isinstance(value, bool):
             return repr(value)
-        if _negative_zero(value):  # (Triton makes a constant -0.0 +0.0: a product)
+        if negative_zero(value):  # (Triton makes a constant -0.0 +0.0: a product)
             return "(tl.full((), 0.0, tl.float32) * -1.0)"
         if math.isnan(value):
             return 'float("nan")'
@@ -297,7 +297,7 @@ class TritonRenderer(Renderer):
         return f"tl.full((), {text}, {'tl.float64' if phase == 'scalar' else self.ct})"
 
 
-def _negative_zero(value) -> bool:
+def negative_zero(value) -> bool:
     """Whether ``value`` is -0.0 (which Triton's constants, ``tl.full`` among them, make
     +0.0)."""
     return not isinstance(value, bool) and value == 0 and math.copysign(1.0, value) < 0

@@ -28,6 +28,7 @@ import math
 import torch
 
 from vega.codegen import runs, triton_runtime
+from vega.codegen.triton import negative_zero
 
 _TL = {torch.float32: "tl.float32", torch.float64: "tl.float64"}  # (the compute dtypes)
 
@@ -78,7 +79,7 @@ def _expr(step: runs.Step, loop: runs.Loop) -> str:
     def number(v) -> str:
         if isinstance(v, bool):
             return repr(v)
-        if v == 0 and math.copysign(1.0, v) < 0:  # (tl.full of -0.0 is +0.0)
+        if negative_zero(v):  # (tl.full of -0.0 is +0.0)
             return f"(tl.full((), 0.0, {ct}) * -1.0)"
         lit = repr(v) if v == v and abs(v) != math.inf else f'float("{v!r}")'
         return f"tl.full((), {lit}, {ct})"

@@ -201,14 +201,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         """ValueError (or TypeError) where a group's settings are not ones a step can take:
         ``maximize``, ``backend``, ``state_dtype``, the precision settings and the
         hyperparameters (a group given to the optimizer, or loaded)."""
-        if not isinstance(group["maximize"], bool):
-            raise ValueError(f"{owner}: maximize={engine.shown(group['maximize'])} must be "
-                             "True or False")
-        try:
-            codegen.check_backend(group.get("backend"))
-        except ValueError as e:
-            raise ValueError(f"{owner}: {e}") from None
-        engine.check_state_dtype(owner, group.get("state_dtype"), self.spec._spec.state_names)
+        self._check_settings_of(owner, _settings(group))
         _precision(owner, group)
         engine.resolve(owner, self.spec.hypers, {h.name: group[h.name] for h in self.spec.hypers})
         engine.shape_values(owner, self.spec._spec, {}, group)
@@ -403,26 +396,27 @@ class SpecOptimizer(torch.optim.Optimizer):
         the group: a dropped group's parameters are freed; a dict of state dtypes, which may
         change in place, each step; the hyperparameters and the precision settings are
         checked each step)."""
-        now = (group["maximize"], group.get("backend"), group.get("state_dtype"),
-               *(group.get(key) for key in torch_names.KEYWORDS[:4]))
+        now = _settings(group)
         keep = not torch.compiler.is_compiling() and not isinstance(now[2], dict)
         if keep:
             kept = self.__dict__.setdefault("_vega_group_checked", {})
             last = kept.get(k)
             if last is not None and all(map(operator.is_, now, last)):
                 return
-        owner = type(self).__name__
-        maximize, backend, state_dtype, *keywords = now
-        torch_names.check_keywords(f"{owner}: group {k}", maximize, *keywords[:3],
-                                   keywords[3] if keywords[3] is not None else False)
+        self._check_settings_of(f"{type(self).__name__}: group {k}", now)
+        if keep:
+            kept[k] = now
+
+    def _check_settings_of(self, owner: str, settings: tuple) -> None:
+        """ValueError naming the first of a group's ``_settings`` a step cannot take."""
+        maximize, backend, state_dtype, foreach, fused, capturable, differentiable = settings
+        torch_names.check_keywords(owner, maximize, foreach, fused, capturable,
+                                   differentiable if differentiable is not None else False)
         try:
             codegen.check_backend(backend)
         except ValueError as e:
-            raise ValueError(f"{owner}: group {k}: {e}") from None
-        engine.check_state_dtype(f"{owner}: group {k}", state_dtype,
-                                 self.spec._spec.state_names)
-        if keep:
-            kept[k] = now
+            raise ValueError(f"{owner}: {e}") from None
+        engine.check_state_dtype(owner, state_dtype, self.spec._spec.state_names)
 
     def _routed(self, group, work: list[tuple]) -> list[tuple]:
         """``work`` (a group's engine.run calls) on the reference backend where a tensor
@@ -1064,6 +1058,14 @@ def _q8(sd, params, state=None) -> list[frozenset] | None:
         any_q8 = any_q8 or bool(q)
         out.append(q)
     return out if any_q8 else None
+
+
+def _settings(group: dict) -> tuple:
+    """A group's settings a step reads besides its hyperparameters and precision:
+    (maximize, backend, state_dtype, and torch's foreach, fused, capturable,
+    differentiable)."""
+    return (group["maximize"], group.get("backend"), group.get("state_dtype"),
+            *(group.get(key) for key in torch_names.KEYWORDS[:4]))
 
 
 def _precision(owner: str, group: dict) -> tuple[bool, int | None]:
