@@ -129,9 +129,13 @@ def test_the_c_and_triton_kernels_run_the_stages_of_one_plan(text):
     assert program.uses_axes
     found = plan.axis_plan(program)
     assert found.nstages >= 1 and triton.axis_plan is plan.axis_plan
-    src = spec.source(backend="c", shape=shape)
+    text = spec.source(backend="c", shape=shape)
+    src = text.split("void vega_axes_stage0(")[0]  # vega_axes_step: every stage, in order
     assert [int(k) for k in re.findall(r"/\* stage (\d+) \*/", src)] == \
         list(range(1, found.nstages + 1))
+    for k in range(found.nstages):  # the step over shards: an entry point a stage
+        entry = text.split(f"void vega_axes_stage{k}(")[1].split("\nvoid ")[0]
+        assert re.findall(r"/\* stage (\d+) \*/", entry) == [str(k + 1)]
     name = linearize(program).ref
     for k in range(found.nstages):
         part = src.split(f"/* stage {k + 1} */")[1].split("/* stage")[0]

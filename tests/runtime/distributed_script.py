@@ -42,7 +42,8 @@ optimizer reductions(lr = 0.01) {
 """)
 OPTIMIZERS["reductions"] = (REDUCTIONS.optimizer_class, {})
 # the per-tensor reductions alone, in two phases (the second reads the first's results):
-# stepped on the C kernels' staged step, where the other runs the reference's
+# the C kernels' phases of a program of element values (the other: its stages over a
+# matrix view)
 PER_TENSOR = vega.compile("""
 optimizer per_tensor(lr = 0.01) {
     state m = zeros

@@ -20,7 +20,8 @@ import torch
 from vega.codegen.quant import scale_shape
 from vega.codegen.tensors import native_passes
 from vega.dsl.check import matrix_axes
-from vega.dsl.ir import LEAVES, QBLOCK, REDUCTIONS, SCALAR_STATE, Kind, Node, Op, Program, walk
+from vega.dsl.ir import (DOMAINS, LEAVES, QBLOCK, REDUCTIONS, SCALAR_STATE, Kind, Node, Op,
+                         Program, walk)
 
 
 @dataclass(frozen=True)
@@ -340,10 +341,11 @@ def codes_without_scales(backend: str, name: str) -> ValueError:
                       "state_dtype=torch.uint8 and keep its scales with it")
 
 
-def check_states(backend: str, program: Program, params, states) -> None:
+def check_states(backend: str, program: Program, params, states, geos=None) -> None:
     """Raise ValueError unless every state tensor has the shape its parameter needs
     (``states``: one list per state variable): a kernel would read and write past a
-    smaller one."""
+    smaller one. ``geos``: each parameter's matrix view (``Geometry``) where it is not its
+    shape's own (a shard's: ``ShardView.local``)."""
     shapes = None
     for name, (scale, _) in program.quant.items():  # 8 bits: codes and their scales
         names = program.state_names
@@ -360,14 +362,16 @@ def check_states(backend: str, program: Program, params, states) -> None:
             if [x.shape for x in col] == shapes:  # (a map of an attrgetter: not traceable)
                 continue
         for i, (p, x) in enumerate(zip(params, col)):
-            want = state_shape(p, s.dom)
+            want = geos[i].shape(s.dom) if geos is not None and s.dom in DOMAINS \
+                and s.dom != "rc" else state_shape(p, s.dom)
             if tuple(x.shape) != want:
                 raise ValueError(f"backend '{backend}': state '{s.name}' of parameter {i} has "
                                  f"shape {tuple(x.shape)}, but its parameter, of shape "
                                  f"{tuple(p.shape)}, needs {want}")
 
 
-def axis_geometry(shape) -> tuple[int, ...]:
+def axis_geometry(shape, axes: tuple[int | None, int | None] | None = None) \
+        -> tuple[int, ...]:
     """The integers a compiled kernel needs to walk a tensor's matrix view (see
     ``vega.dsl.ir``): ``(n_rc, n_r, n_c, n_, Sr, Sc, fr, fc, rr, cc)``.
 
@@ -387,8 +391,12 @@ def axis_geometry(shape) -> tuple[int, ...]:
       ``k < Sc``; ``col_*`` of a full value, ``put(o, fr, Sr, k)`` for ``k < Sr``;
       ``col_*`` of a per-row value, ``put(o, rr, Sr, k)``; ``row_*`` of a per-column
       value, ``put(o, cc, Sc, k)``.
+
+    ``axes``: the (row, column) axes where they are not ``shape``'s own (a shard's are
+    those of the whole tensor: ``ShardView.local``).
     """
-    geo = geometry(tuple(int(n) for n in shape))
+    shape = tuple(int(n) for n in shape)
+    geo = geometry(shape) if axes is None else Geometry(shape, axes)
     r, c = geo.r, geo.c
     row_shape, col_shape = geo.shape("r"), geo.shape("c")  # per-row, per-column values
     def inner(shape, axis):  # the stride of ``axis`` in a contiguous ``shape``

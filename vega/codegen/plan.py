@@ -189,6 +189,12 @@ class AxisPlan:
         return ([n for launch in found for n in launch.gathers],
                 [n for launch in found for n in launch.reductions])
 
+    @property
+    def reductions(self) -> tuple[Node, ...]:
+        """Every per-tensor reduction, stage by stage in launch order: a step over shards
+        keeps their results in this order (the C kernels' ``vega_axes_stage<k>``)."""
+        return tuple(n for k in range(self.nstages) for n in self.stage(k)[1])
+
 
 def axis_plan(program: Program) -> AxisPlan:
     """The stages of a program that uses the matrix view, and their launches in order: a

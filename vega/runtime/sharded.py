@@ -13,8 +13,11 @@ one buffer, one collective per stage:
   the same steps;
 - a spec's reductions of one tensor (LAMB's norms, ``sum``, ``mean``, ``max``) and along
   an axis (Adafactor's row and column means) where the shard holds part of what they
-  reduce: each stage of the reference's staged step (``vega.codegen.reference.stages``)
-  yields its partial results, which are combined over the mesh and given back.
+  reduce: each stage of a kernel's staged step (``Kernel.staged``, the stages of
+  ``vega.codegen.reference.stages``) yields its partial results, which are combined over
+  the mesh and given back. The C kernels run such a step for programs of element values
+  and for those over a matrix view without reductions over a group; the Triton kernels,
+  for programs of element values; the reference's staged step runs the others.
 
 A state is a DTensor on its parameter's mesh: sharded as the parameter where it keeps the
 sharded axis, replicated where it reduces that axis away (Adafactor's per-row factor of a
@@ -371,8 +374,8 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
     for k, loc in enumerate(locs):
         if loc.staged():
             kern = codegen.kernel(loc.backend, loc.program)
-            if not getattr(kern, "stageable", False):  # (Triton's, and the C kernels of a
-                kern = codegen.kernel("reference", loc.program)  # program over a matrix view)
+            if not getattr(kern, "stageable", False):  # (``Kernel.stageable``)
+                kern = codegen.kernel("reference", loc.program)
             values = engine.tensor_values(loc.program, kern, loc.values, loc.steps)
             gens[k] = kern.staged(loc.lp, loc.lg, loc.ls, loc.steps, values, donate, pre,
                                   loc.views)

@@ -15,18 +15,18 @@ import numpy as np
 import torch
 from torch.autograd.graph import increment_version
 
-from vega.codegen import record, reference
-from vega.codegen.base import (HyperRows, axis_geometry, check_codes, check_states, distinct,
-                               of_elements, reduction_phases, state_key)
+from vega.codegen import plan, record, reference
+from vega.codegen.base import (Geometry, HyperRows, axis_geometry, check_codes, check_states,
+                               distinct, geometry, of_elements, reduction_phases, state_key)
 from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
 from vega.codegen.reference import global_keys
 from vega.codegen.steps import Done, finished, run_staged, shard_part
-from vega.codegen.c.staged import NGEO, AxesSource, line_lengths
+from vega.codegen.c.staged import NGEO, AxesSource, line_lengths, materialized
 from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
                                   refuse_inplace, roles, shared_pair)
-from vega.dsl.ir import QBLOCK, SCALAR_STATE, Program
+from vega.dsl.ir import AXIS_REDUCTIONS, QBLOCK, SCALAR_STATE, Program
 from vega.tracing import untraced
 
 # -- running ------------------------------------------------------------------
@@ -35,6 +35,9 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "
            torch.float16: "float16", torch.uint8: "uint8"}  # (uint8: a state's 8-bit codes)
 _GROUP_KEYS: dict[tuple, tuple[str, str, str]] = {}  # validated (p, g, state) dtypes
 _ENTRY = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int
+# a stage of a step over shards of a program over a matrix view (``vega_axes_stage<k>``)
+_AXES_ENTRY = (ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+               ctypes.c_void_p, ctypes.c_int)
 
 
 def _ptr(x: torch.Tensor | None):
@@ -68,6 +71,9 @@ class Kernel:
         self._nred = sum(map(len, self._phases))
         self._axes = program.uses_axes  # one vega_axes_step instead of phases and update
         self._of_elements = not self._axes and of_elements(self._phases)  # (``stageable``)
+        # a program over a matrix view: its stages and the values it keeps in buffers
+        self._axis_plan = plan.axis_plan(program) if self._axes else None
+        self._mats = materialized(program) if self._axes else []
         self.global_keys = global_keys(program)  # its reductions over a group, named
         self.columns = record.table_columns(len(program.states), NGEO if self._axes else 0)
         # how the custom ops find this kernel: a name never given to another (a counter,
@@ -103,11 +109,14 @@ class Kernel:
                 ["vega_prelude", "vega_update"] + [f"vega_phase{k}{how}" for k in range(
                     self._nphases) for how in ("", "_partial")] + (
                     ["vega_fused"] if self._nphases else [])
-            for name in names:
+            staged = [f"vega_axes_stage{k}" for k in range(self._axis_plan.nstages)] + \
+                ["vega_axes_write"] if self._axes else []
+            for name in names + staged:
                 fn = getattr(lib, name)
                 fn.restype = None
-                fn.argtypes = _ENTRY if name not in ("vega_prelude", "vega_axes_step") else (
-                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+                fn.argtypes = _AXES_ENTRY if name in staged else _ENTRY \
+                    if name not in ("vega_prelude", "vega_axes_step") else (
+                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
             lib.vega_advance.restype = None
             lib.vega_advance.argtypes = (ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p)
             self._libs[dtypes] = lib
@@ -303,11 +312,12 @@ class Kernel:
     @property
     def stageable(self) -> bool:
         """Whether its step over shards, and over a group's reductions, runs here
-        (``staged``): every reduction per tensor, of per-element values. A program over a
-        matrix view (Adafactor's) steps its shards on the reference's staged step, as does
-        a step that dynamo traces (``staged`` calls the kernels through ctypes, which dynamo
-        cannot trace)."""
-        return self._of_elements and not torch.compiler.is_compiling()
+        (``staged``): every reduction per tensor, of per-element values, or a program over
+        a matrix view (Adafactor's) without reductions over a group. Not a step that dynamo
+        traces (``staged`` calls the kernels through ctypes, which dynamo cannot trace):
+        the reference's staged step runs there."""
+        return (self._of_elements or self._axes and not self.program.spans_group) \
+            and not torch.compiler.is_compiling()
 
     def staged(self, params, grads, states, steps, values, donate, pre, views):
         """``vega.codegen.reference.Kernel.staged`` in these kernels (where ``stageable``):
@@ -317,7 +327,11 @@ class Kernel:
         tensor)]`` (one sum and one max tensor of every tensor's partials, per dtype group)
         and are sent back combined over all processes, finished here (a norm's square
         root, a mean's division by the whole tensor's count) for the next phase and the
-        update to read."""
+        update to read. A program over a matrix view: ``_staged_axes``."""
+        if self._axes:
+            yield from self._staged_axes(params, grads, states, steps, values, donate, pre,
+                                         views)
+            return
         unique, step_index = distinct(steps)
         if not donate:
             unique = [s.clone() for s in unique]
@@ -362,6 +376,112 @@ class Kernel:
         if tables:
             step_ptrs = _int64s([s.data_ptr() for s in unique])
             tables[-1][0].vega_advance(len(unique), _ptr(step_ptrs), _ptr(pre))
+        copy_back([*params, *flat], [*work_p, *work_s])
+        _written(params)
+        n = len(params)
+        yield Done((params, [flat[k * n:(k + 1) * n] for k in range(len(states))],
+                    [unique[k] for k in step_index], record.finite_of(pre)))
+
+    def _staged_axes(self, params, grads, states, steps, values, donate, pre, views):
+        """``staged`` of a program over a matrix view (``vega.codegen.c.staged``), stage by
+        stage (``vega_axes_stage<k>``, over every tensor of a dtype group). A stage leaves
+        its axis reductions' results in the buffers of its materialized values, made here
+        so that they outlast it; where the shard holds part of the reduced axis, their
+        partial results instead (a sum, or a maximum, in float64: the ``q_`` buffers). It
+        leaves its per-tensor reductions' partial results in the reduction buffer. Those a
+        shard splits are yielded, each times its tensor's ``ShardView.weight``, and sent
+        back combined over all processes; every one is finished here (a mean divided by the
+        whole axis's or tensor's count, a norm's square root) for the later stages to read.
+        ``vega_axes_write`` then writes every output from the old values."""
+        axes, mats = self._axis_plan, self._mats
+        geos = [v.local if v is not None else geometry(p.shape) for v, p in zip(views, params)]
+        spans = {}  # (tensor, materialized axis reduction) -> whether other processes hold
+        for i, v in enumerate(views):  # part of what it reduces
+            for j, m in enumerate(mats):
+                if v is None or m.op not in AXIS_REDUCTIONS:
+                    continue
+                which = AXIS_REDUCTIONS[m.op][0]
+                spans[i, j] = v.spans(which, m.src[0].dom)
+                if spans[i, j] and v.splits(m.dom):
+                    raise ValueError(
+                        f"a {m.op.value} of a tensor of shape {v.full.full} split over "
+                        f"processes along axes {sorted(v.split)}: its result is split too, "
+                        "which vega's reductions across processes do not combine; shard such "
+                        "a tensor along one axis")
+        unique, step_index = distinct(steps)
+        if not donate:
+            unique = [s.clone() for s in unique]
+        hyp, hyp_index = self._hyper_tables(values)
+        flat = [s for col in states for s in col]
+        if not donate:
+            params, flat = [p.clone() for p in params], [s.clone() for s in flat]
+        self._refuse_writes(params, flat, unique)
+        work_p, work_g, work_s = readable(params), readable(grads), readable(flat)
+        work_h = [h.contiguous() for h in hyp]
+        tables = self._tables(work_p, work_g, work_s, unique, step_index, work_h, hyp_index,
+                              geos=geos)
+        nth = torch.get_num_threads()
+        slots = {id(n): q for q, n in enumerate(axes.reductions)}
+        work = []  # per dtype group: its library, table, buffers, reduction grid, positions
+        for lib, table, _, idx in tables:
+            ct = torch.float64 if params[idx[0]].dtype == torch.float64 else torch.float32
+            bufs, addresses = {}, []
+            for i in idx:
+                row = []
+                for j, m in enumerate(mats):
+                    n = math.prod(geos[i].shape(m.dom))
+                    bufs[i, j] = torch.empty(max(n, 1), dtype=ct)
+                    # (zeros: a skipped step's stages write nothing, and are combined)
+                    raw = torch.zeros(max(n, 1), dtype=torch.float64) \
+                        if spans.get((i, j)) else None
+                    bufs[i, j, "raw"] = raw
+                    row += [bufs[i, j].data_ptr(), raw.data_ptr() if raw is not None else 0]
+                addresses.append(row or [0])
+            mtab = torch.tensor(addresses, dtype=torch.int64)
+            red = torch.zeros((len(idx), max(1, len(slots))), dtype=torch.float64)
+            work.append((lib, table, bufs, mtab, red, idx))
+        for k in range(axes.nstages):
+            gathers, reds = axes.stage(k)
+            parts, finish = [], []
+            for lib, table, bufs, mtab, red, idx in work:
+                getattr(lib, f"vega_axes_stage{k}")(table.shape[0], _ptr(table), _ptr(pre),
+                                                    _ptr(red), _ptr(mtab), nth)
+                for r, i in enumerate(idx):
+                    v = views[i]
+                    for m in gathers:
+                        j = mats.index(m)
+                        if not spans.get((i, j)):
+                            continue
+                        how = "max" if AXIS_REDUCTIONS[m.op][1] == "max" else "sum"
+                        raw = bufs[i, j, "raw"]
+                        parts.append((how, raw if how == "max" or v.weight == 1
+                                      else raw * v.weight))
+                        length = v.full.full[v.local.axis(AXIS_REDUCTIONS[m.op][0])]
+                        finish.append((bufs[i, j], AXIS_REDUCTIONS[m.op][1], length))
+                    for m in reds:
+                        dom, q = m.src[0].dom, slots[id(m)]
+                        if v is None or not v.spans(None, dom):  # all here
+                            red[r, q] = finished(m.op, red[r, q],
+                                                 math.prod(geos[i].shape(dom)))
+                            continue
+                        parts.append(shard_part(m.op, red[r, q], v.weight, None)[:2])
+                        finish.append((red[r], q, m.op, math.prod(v.full.shape(dom))))
+            if not parts:
+                continue
+            combined = yield parts
+            for done, value in zip(finish, combined):
+                if isinstance(done[1], str):  # an axis reduction's total, into its buffer
+                    buf, how, length = done
+                    buf.copy_(value / length if how == "mean" else value)
+                else:
+                    grid, q, op, count = done
+                    grid[q] = finished(op, value, count)
+        for lib, table, bufs, mtab, red, idx in work:
+            lib.vega_axes_write(table.shape[0], _ptr(table), _ptr(pre), _ptr(red), _ptr(mtab),
+                                nth)
+        if work:
+            step_ptrs = _int64s([s.data_ptr() for s in unique])
+            work[-1][0].vega_advance(len(unique), _ptr(step_ptrs), _ptr(pre))
         copy_back([*params, *flat], [*work_p, *work_s])
         _written(params)
         n = len(params)
@@ -486,14 +606,15 @@ class Kernel:
         return plan
 
     def _tables(self, params, grads, flat_states, steps, step_index, hyp, hyp_index,
-                outs=None):
+                outs=None, geos=None):
         """(library, address table, reduction buffer, positions) per dtype group; checks
         every tensor. ``outs``: the tensors an out-of-place step writes (the parameters',
         then the states' as in ``flat_states``), new contiguous tensors like the inputs; by
-        default the step writes in place."""
+        default the step writes in place. ``geos``: each parameter's matrix view
+        (``Geometry``) where it is not its shape's own (a shard's)."""
         n = len(params)
         states = [flat_states[k * n:(k + 1) * n] for k in range(len(self.program.states))]
-        check_states("c", self.program, params, states)
+        check_states("c", self.program, params, states, geos)
         check_codes("c", self.program, states)
         if list(map(_SHAPE_OF, params)) != list(map(_SHAPE_OF, grads)):
             raise ValueError("backend 'c': a gradient's shape differs from its parameter's")
@@ -516,7 +637,8 @@ class Kernel:
             numel=[list(map(torch.Tensor.numel, params))], p=[list(map(ptr, params))],
             g=[list(map(ptr, grads))], state=[list(map(ptr, col)) for col in states],
             step=[[steps_at[k] for k in step_index]], hyper=[[hyp_at[r] for r in hyp_index]],
-            geo=np.array([self._geometry(p.shape) for p in params],
+            geo=np.array([self._geometry(p.shape) for p in params] if geos is None else
+                         [self._geometry_of(geo) for geo in geos],
                          dtype=np.int64).reshape(n, cols.ngeo).T,
             p_out=[list(map(ptr, outs[:n]))],
             state_out=[list(map(ptr, outs[k * n:(k + 1) * n]))
@@ -576,6 +698,11 @@ class Kernel:
                 _GEOMETRY.clear()
             found = _GEOMETRY[shape] = (*axis_geometry(shape), *line_lengths(shape))
         return found
+
+    def _geometry_of(self, geo: Geometry) -> tuple[int, ...]:
+        """``_geometry`` of a matrix view whose axes may not be its shape's own."""
+        axes = (geo.r, geo.c)
+        return (*axis_geometry(geo.full, axes), *line_lengths(geo.full, axes))
 
     def _launch(self, tables, step_ptrs, pre, nth):
         """Every phase and the update of each dtype group, then the step counters (at the

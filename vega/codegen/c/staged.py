@@ -50,15 +50,17 @@ _AXIS = plan.AXIS  # (domain of an axis reduction's source, the axis it reduces)
 _IDENT = {"max": "-INFINITY", "sum": "0", "sumsq": "0", "mean": "0"}
 
 
-def line_lengths(shape) -> tuple[int, int, int]:
+def line_lengths(shape, axes: tuple[int | None, int | None] | None = None) \
+        -> tuple[int, int, int]:
     """For the loops over the values per element, per row and per column of a tensor of
     ``shape``: a length L such that along every run of L positions that starts at a
     multiple of L, each index map into a smaller domain (``_MAPS``) is affine with step 0
     or 1. It is the size of the domain's axes after its last matrix axis where that is
     above 1, else the size of that axis; a domain without a matrix axis maps to the others
-    one to one."""
+    one to one. ``axes``: the (row, column) axes where they are not ``shape``'s own
+    (``vega.codegen.base.axis_geometry``)."""
     shape = tuple(int(n) for n in shape)
-    r, c = matrix_axes(shape)
+    r, c = matrix_axes(shape) if axes is None else axes
     out = []
     for dom in ("rc", "r", "c"):
         kept = [a for a in range(len(shape))
@@ -70,6 +72,28 @@ def line_lengths(shape) -> tuple[int, int, int]:
         after = math.prod(shape[a] for a in kept if a > last)
         out.append(max(1, after if after > 1 else shape[last]))
     return tuple(out)
+
+
+def materialized(program: Program) -> list[Node]:
+    """The values of a program over a matrix view that ``AxesSource`` computes into a
+    buffer of their domain, in the order they are computed: each axis reduction, each
+    value that a value of a larger domain reads, and each written to an output of a larger
+    domain."""
+    nodes = walk(node for _, node in program.updates)
+    doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
+    found: dict[int, Node] = {}
+    for node in nodes:
+        if node.op in AXIS_REDUCTIONS:
+            found[id(node)] = node
+        elif node.kind == Kind.ELEMENT:
+            for s in node.src:
+                if s.kind == Kind.ELEMENT and s.op not in LEAVES and s.dom != node.dom:
+                    found[id(s)] = s
+    for target, node in program.updates:
+        if node.kind == Kind.ELEMENT and node.op not in LEAVES and node.dom != doms[target]:
+            found[id(node)] = node
+    order = {id(n): k for k, n in enumerate(nodes)}
+    return sorted(found.values(), key=lambda n: order[id(n)])
 
 
 class AxesSource(Source):
@@ -107,20 +131,12 @@ class AxesSource(Source):
         self.nodes = walk(node for _, node in program.updates)
         self.order = {id(n): k for k, n in enumerate(self.nodes)}
         self.doms = {"p": "rc", **{s.name: s.dom for s in program.states}}
-        self.mat: dict[int, Node] = {}  # materialized values, by id
-        for node in self.nodes:
-            if node.op in AXIS_REDUCTIONS:
-                self.mat[id(node)] = node
-            elif node.kind == Kind.ELEMENT:
-                for s in node.src:
-                    if s.kind == Kind.ELEMENT and s.op not in LEAVES and s.dom != node.dom:
-                        self.mat[id(s)] = s
-        for target, node in program.updates:
-            if node.kind == Kind.ELEMENT and node.op not in LEAVES \
-                    and node.dom != self.doms[target]:
-                self.mat[id(node)] = node
+        self.mats = materialized(program)
+        self.mat = {id(n): n for n in self.mats}  # materialized values, by id
         # the stages (Triton's launches are the same: ``vega.codegen.plan.axis_plan``)
         self.axes = plan.axis_plan(program)
+        # a step over shards: each per-tensor reduction's slot in the reduction buffer
+        self.red_slots = {id(n): q for q, n in enumerate(self.axes.reductions)}
 
     def _buf(self, node: Node) -> str:
         return "m_" + self.lin.ref(node)
@@ -154,10 +170,11 @@ class AxesSource(Source):
         return out
 
     def _over(self, dom: str, roots, after, what: str, compute=frozenset(),
-              reduce=()) -> list[str]:
+              reduce=(), raw: bool = False) -> list[str]:
         """A loop over the values of ``dom``: ``roots`` at each position ``j``, then the
         statements ``after``; ``reduce``: per-tensor reductions of the roots, accumulated
-        in a partial per CHUNK positions, combined in order into their variables."""
+        in a partial per CHUNK positions, combined in order into their variables (``raw``:
+        into their slots of ``red``, combined but not finished: a step over shards)."""
         n, maps = f"n_{_TAG[dom]}", []
 
         def index(d: str) -> str:
@@ -233,15 +250,19 @@ class AxesSource(Source):
                     f"        double x = part[k * {nr} + {q}];",
                     f"        {_combine(_PARTIALS[node.op], f'r{q}', 'x')}",
                     "    }",
+                    f"    red[i * NRED_AXES + {self.red_slots[id(node)]}] = r{q};" if raw else
                     f"    {self._var(node)} = (CT)({_finish(node.op, f'r{q}', f'(double){n}')});"]
         if reduce:
             out.append("    free(part);")
         return out + ["}"]
 
-    def _gather(self, node: Node) -> list[str]:
+    def _gather(self, node: Node, raw: bool = False) -> list[str]:
         """The loop materializing an axis reduction: output o combines its source at
         ``(o / inner * len + k) * inner + o % inner`` for k < len, in order (where
-        ``inner > 1``: in up to 8 fixed parts of the k, combined in order)."""
+        ``inner > 1``: in up to 8 fixed parts of the k, combined in order). ``raw``: where
+        the tensor's ``q_`` buffer is given (a shard holding part of the reduced axis), its
+        combined but unfinished values go there, in double (a mean's sum), for the step
+        over shards to combine across processes and finish into the ``m_`` buffer."""
         src = node.src[0]
         axis, how = AXIS_REDUCTIONS[node.op]
         inner, length = _AXIS[src.dom, axis]
@@ -254,6 +275,10 @@ class AxesSource(Source):
             return [indent + line for line in body]
         value = "{} / (double)len" if how == "mean" else "{}"
         ident = _IDENT[how]
+
+        def put(at: str, acc: str) -> str:
+            done = f"{buf}[{at}] = (CT)({value.format(acc)});"
+            return f"if (q_{buf[2:]}) q_{buf[2:]}[{at}] = {acc}; else {done}" if raw else done
         par = (f"#pragma omp parallel for schedule(static) num_threads(nth) "
                f"if ({nout} * len >= PAR_MIN)")
         return [
@@ -267,7 +292,7 @@ class AxesSource(Source):
             "            for (int64_t x = o * len; x < (o + 1) * len; x++) {",
             *at("acc", " " * 16),
             "            }",
-            f"            {buf}[o] = (CT)({value.format('acc')});",
+            f"            {put('o', 'acc')}",
             "        }",
             "    } else if (inner > 1) {  /* GB outputs side by side, their sources by rows,",
             "        read a row of a tile at a time; with few tiles, the rows in nk parts */",
@@ -302,7 +327,7 @@ class AxesSource(Source):
             "                    const double y = part[(tile * nk + q) * tw + b];",
             f"                    {_combine('max' if how == 'max' else 'sum', 'r', 'y')}",
             "                }",
-            f"                {buf}[a * inner + b0 + b] = (CT)({value.format('r')});",
+            f"                {put('a * inner + b0 + b', 'r')}",
             "            }",
             "        }",
             "        free(part);",
@@ -314,59 +339,83 @@ class AxesSource(Source):
         """The number of values of a state of domain ``dom`` (``geo``: axis_geometry)."""
         return f"geo[{DOMAINS.index(dom)}]"
 
-    def _entries(self) -> list[str]:
-        lin, r = self.lin, self.r
-        body = [line[12:] for line in self._block_start([])]
-        body += ["const int64_t *geo = row + COL_GEO;  /* axis_geometry, line_lengths */",
-                 *(f"const int64_t {name} = geo[{k}];  /* {what} */"
-                   for k, (name, what) in enumerate(plan.GEOMETRY))]
-        mats = sorted(self.mat.values(), key=lambda n: self.order[id(n)])
-        for m in mats:
-            n = f"n_{_TAG[m.dom]}"
-            body.append(f"CT *{self._buf(m)} = (CT *)malloc(sizeof(CT) * (size_t)({n} > 0 ? "
-                        f"{n} : 1));  /* {DOMAIN_WORDS[m.dom]} */")
-        level = self.axes.level
-        for k in range(self.axes.nstages + 1):
-            # a stage: the values it materializes (a matrix's first: a row's or a column's
-            # may read one; a value reads others of its domain at its own position), then its
-            # axis reductions, then its per-tensor ones, which may read those values; after
-            # the last stage, only the values the writes read materialized
-            gathers, reds = self.axes.stage(k)  # (none after the last stage)
-            here = [n for n in self.nodes if id(n) in self.mat and level[id(n)] == k
-                    and n.op not in AXIS_REDUCTIONS]
-            if not (gathers or reds or here):
-                continue
-            body.append(f"/* stage {k + 1} */" if k < self.axes.nstages
-                        else "/* the values the writes read */")
+    def _start(self) -> list[str]:
+        """Per tensor: the scalar phase, the pointers, the geometry."""
+        return [line[12:] for line in self._block_start([])] + [
+            "const int64_t *geo = row + COL_GEO;  /* axis_geometry, line_lengths */",
+            *(f"const int64_t {name} = geo[{k}];  /* {what} */"
+              for k, (name, what) in enumerate(plan.GEOMETRY))]
+
+    def _stage(self, k: int, raw: bool = False) -> list[str]:
+        """Stage ``k`` of one tensor: the values it materializes (a matrix's first: a row's
+        or a column's may read one; a value reads others of its domain at its own
+        position), then its axis reductions, then its per-tensor ones, which may read those
+        values; after the last stage (``k == nstages``), only the values the writes read
+        materialized. ``raw``: a stage of a step over shards (``vega_axes_stage<k>``): its
+        reductions' partial results are left for the caller, and the per-tensor values
+        they give are not computed here."""
+        lin, r, level = self.lin, self.r, self.axes.level
+        gathers, reds = self.axes.stage(k)  # (none after the last stage)
+        here = [n for n in self.mats if level[id(n)] == k and n.op not in AXIS_REDUCTIONS]
+        if not (gathers or reds or here):
+            return []
+        body = [f"/* stage {k + 1} */" if k < self.axes.nstages
+                else "/* the values the writes read */"]
+        if not raw:
             body += [f"CT {self._var(n)};" for n in reds]
-            for dom in ("", "r", "c", "rc"):
-                ns = [n for n in here if n.dom == dom]
-                if ns:
-                    body += self._over(dom, ns, [f"{self._buf(n)}[j] = (CT){self._var(n)};"
-                                                 for n in ns],
-                                       f"{', '.join(map(self._buf, ns))}: "
-                                       f"{DOMAIN_WORDS[dom]}, kept", compute={id(n) for n in ns})
-            for n in gathers:
-                body += self._gather(n)
-            for dom in DOMAINS:
-                rs = [n for n in reds if n.src[0].dom == dom]
-                if rs:
-                    body += self._over(dom, [n.src[0] for n in rs], [], ", ".join(
-                        f"{self._var(n)} = {n.op.value}({r.operand(lin, n.src[0])})"
-                        for n in rs) + f": over {DOMAIN_WORDS[dom]}", reduce=rs)
-            for n in self.nodes:  # per-tensor values, now known
-                if n.kind == Kind.TENSOR and n.op not in REDUCTIONS and level[id(n)] == k + 1:
-                    ctype = "int" if n.dtype == "bool" else "CT"
-                    body.append(f"const {ctype} {self._var(n)} = {r.expr(lin, n, 'element')};")
-        body.append("/* the writes, from the old values */")
+        for dom in ("", "r", "c", "rc"):
+            ns = [n for n in here if n.dom == dom]
+            if ns:
+                body += self._over(dom, ns, [f"{self._buf(n)}[j] = (CT){self._var(n)};"
+                                             for n in ns],
+                                   f"{', '.join(map(self._buf, ns))}: "
+                                   f"{DOMAIN_WORDS[dom]}, kept", compute={id(n) for n in ns})
+        for n in gathers:
+            body += self._gather(n, raw)
+        for dom in DOMAINS:
+            rs = [n for n in reds if n.src[0].dom == dom]
+            if rs:
+                body += self._over(dom, [n.src[0] for n in rs], [], ", ".join(
+                    f"{self._var(n)} = {n.op.value}({r.operand(lin, n.src[0])})"
+                    for n in rs) + f": over {DOMAIN_WORDS[dom]}", reduce=rs, raw=raw)
+        if not raw:
+            body += self._known(k + 1, k + 1)
+        return body
+
+    def _known(self, lo: int, hi: int) -> list[str]:
+        """The per-tensor values (not reductions) known from stage ``lo`` to ``hi``."""
+        out = []
+        for n in self.nodes:
+            if n.kind == Kind.TENSOR and n.op not in REDUCTIONS \
+                    and lo <= self.axes.level[id(n)] <= hi:
+                ctype = "int" if n.dtype == "bool" else "CT"
+                out.append(f"const {ctype} {self._var(n)} = "
+                           f"{self.r.expr(self.lin, n, 'element')};")
+        return out
+
+    def _writes(self) -> list[str]:
+        """The last pass: every output, from the old values."""
+        body = ["/* the writes, from the old values */"]
         for dom in ("rc", "r", "c"):
             outs = [(t, n) for t, n in self.program.updates if self.doms[t] == dom]
             if outs:
                 body += self._over(dom, [n for _, n in outs],
-                                   [self._store(t, r.operand(lin, n), "j") for t, n in outs],
+                                   [self._store(t, self.r.operand(self.lin, n), "j")
+                                    for t, n in outs],
                                    f"write {', '.join(t for t, _ in outs)}: "
                                    f"{DOMAIN_WORDS[dom]}")
-        body += [f"free({self._buf(m)});" for m in mats]
+        return body
+
+    def _entries(self) -> list[str]:
+        body = self._start()
+        for m in self.mats:
+            n = f"n_{_TAG[m.dom]}"
+            body.append(f"CT *{self._buf(m)} = (CT *)malloc(sizeof(CT) * (size_t)({n} > 0 ? "
+                        f"{n} : 1));  /* {DOMAIN_WORDS[m.dom]} */")
+        for k in range(self.axes.nstages + 1):
+            body += self._stage(k)
+        body += self._writes()
+        body += [f"free({self._buf(m)});" for m in self.mats]
         return [AXES_HEADER,
                 *self._pass_through(),
                 "void vega_axes_step(int64_t nt, const int64_t *tab, const double *pre, "
@@ -377,6 +426,48 @@ class AxesSource(Source):
                 *("        " + line if line else "" for line in body),
                 "    }",
                 "}",
-                ""]
+                "",
+                *self._stage_entries()]
 
-
+    def _stage_entries(self) -> list[str]:
+        """The step over shards (``vega.codegen.c.launch.Kernel.staged``): an entry point
+        per stage, ``vega_axes_stage<k>``, then ``vega_axes_write``, each over every tensor
+        of the table. The materialized values live in the caller's buffers (``mtab``: per
+        tensor, per materialized value, its ``m_`` buffer and its ``q_`` one, or 0), so they
+        outlast a stage; the per-tensor reductions' results are read back from ``red``
+        (``NRED_AXES`` slots a tensor, in ``AxisPlan.reductions``' order), combined across
+        processes and finished by the caller between stages, and the values they give are
+        computed again in each later entry."""
+        nm = len(self.mats)
+        out = [f"#define NRED_AXES {max(1, len(self.red_slots))}",
+               f"#define NMAT_AXES {max(1, 2 * nm)}", ""]
+        done: list[Node] = []
+        for k in range(self.axes.nstages + 1):
+            body = self._start()
+            for j, m in enumerate(self.mats):
+                body.append(f"CT *{self._buf(m)} = (CT *)(intptr_t)mtab[i * NMAT_AXES + "
+                            f"{2 * j}];  /* {DOMAIN_WORDS[m.dom]} */")
+                if m.op in AXIS_REDUCTIONS:
+                    body.append(f"double *q_{self._buf(m)[2:]} = (double *)(intptr_t)"
+                                f"mtab[i * NMAT_AXES + {2 * j + 1}];")
+            body += [f"const CT {self._var(n)} = (CT)red[i * NRED_AXES + "
+                     f"{self.red_slots[id(n)]}];" for n in done]
+            body += self._known(1, k)
+            body += self._stage(k, raw=True)
+            last = k == self.axes.nstages
+            if last:
+                body += self._writes()
+            else:
+                done += self.axes.stage(k)[1]
+            name = "vega_axes_write" if last else f"vega_axes_stage{k}"
+            out += [f"void {name}(int64_t nt, const int64_t *tab, const double *pre, "
+                    "double *red, const int64_t *mtab, int nth) {",
+                    *self._prologue("{ pass_through(nt, tab); return; }" if last
+                                    else "return;"),
+                    "    for (int64_t i = 0; i < nt; i++) {",
+                    "        const int64_t *row = tab + i * ROW;",
+                    *("        " + line if line else "" for line in body),
+                    "    }",
+                    "}",
+                    ""]
+        return out
