@@ -20,7 +20,7 @@ import torch
 from vega.codegen.quant import scale_shape
 from vega.codegen.tensors import native_passes
 from vega.dsl.check import matrix_axes
-from vega.dsl.ir import (DOMAINS, LEAVES, QBLOCK, REDUCTIONS, SCALAR_STATE, Kind, Node, Op,
+from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAINS, LEAVES, QBLOCK, REDUCTIONS, SCALAR_STATE, Kind, Node, Op,
                          Program, walk)
 
 
@@ -275,6 +275,25 @@ class ShardView:
         if which is None:
             return self.splits(dom)
         return self.local.axis(which) in self.split
+
+
+def split_result(op: Op, view: ShardView) -> ValueError:
+    """The error of a reduction along an axis whose result a shard splits too."""
+    return ValueError(
+        f"a {op.value} of a tensor of shape {view.full.full} split over processes along "
+        f"axes {sorted(view.split)}: its result is split too, which vega's reductions "
+        "across processes do not combine; shard such a tensor along one axis")
+
+
+def refuse_split_results(nodes, views) -> None:
+    """Raise ``split_result`` where a reduction along an axis (of ``nodes``, a program's)
+    reads values other processes hold (a shard splits the axis it runs along) and its
+    result would be split too (the shard splits the other axis as well)."""
+    for v in views:
+        for m in nodes if v is not None else ():
+            if m.op in AXIS_REDUCTIONS and v.spans(AXIS_REDUCTIONS[m.op][0], m.src[0].dom) \
+                    and v.splits(m.dom):
+                raise split_result(m.op, v)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ import torch
 from vega.codegen import precision, quant
 from vega.codegen.gram import Gram, gram_form
 from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_codes, check_dtypes,
-                               check_states, geometry, hyper_var, leveled, linearize, state_var)
+                               check_states, geometry, hyper_var, leveled, linearize, split_result,
+                               state_var)
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import Done, advance_steps, memo, run_staged
 from vega.codegen.tensors import PLAIN_TYPES, refuse_inplace
@@ -614,10 +615,7 @@ def _partial(op: Op, x: torch.Tensor, view: ShardView, dom: str):
     which, how = AXIS_REDUCTIONS[op]
     out_dom = dom.replace(which, "")
     if view.splits(out_dom):
-        raise ValueError(
-            f"a {op.value} of a tensor of shape {view.full.full} split over processes along "
-            f"axes {sorted(view.split)}: its result is split too, which vega's reductions "
-            f"across processes do not combine; shard such a tensor along one axis")
+        raise split_result(op, view)
     axis = view.local.axis(which)
     dim = view.local.position(axis, dom)
     if how == "max":

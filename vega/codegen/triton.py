@@ -488,8 +488,8 @@ class _Emitter:
                 else:
                     init.append(f"{name} = tl.zeros([BLOCK], dtype={ct})")
                     steps.append(f"{name} += tl.sum(tl.where({kmask}, {x}, 0.0), axis=1)")
-                if how == "mean":
-                    done.append(f"{name} = {name} / {n}.to({ct})")
+                if how == "mean":  # (RAW: a step over shards divides the combined sums)
+                    done += ["if not RAW:", f"    {name} = {name} / {n}.to({ct})"]
                 root.names[id(node)] = out[id(node)] = name
             what = ", ".join(f"{n.op.value}({x})" for n, x in zip(group, xs))
             root.lines += [f"# {what}", *init,
@@ -1051,13 +1051,15 @@ class Kernel:
         # the update writes the states of one number per tensor, in each tensor's first
         # block: an empty tensor gets a block too
         self.first_block = first_block(program)
-        # the staged path's launches (kind, kernel, domain, wide, partial results)
-        self.plan = None
+        # the staged path's launches (kind, kernel, domain, wide, partial results, stage),
+        # and its stages (``axes``)
+        self.plan = self.axes = None
         self._of_elements = not program.uses_axes and of_elements(self.phases)
         if program.uses_axes:
-            staged = axis_plan(program)
-            self.plan = ([(x.kind, x.fn, DOMS.index(x.dom), x.wide, len(x.reductions))
-                          for x in staged.launches], [DOMS.index(n.dom) for n in staged.temps])
+            self.axes = staged = axis_plan(program)
+            self.plan = ([(x.kind, x.fn, DOMS.index(x.dom), x.wide, len(x.reductions),
+                           x.stage) for x in staged.launches],
+                         [DOMS.index(n.dom) for n in staged.temps])
         text = self.source()
         self.prefix = kernel_prefix(program)  # of the kernels' names
         # the modules' name, by their source; the custom ops' name for this kernel, its own
@@ -1113,11 +1115,12 @@ class Kernel:
     @property
     def stageable(self) -> bool:
         """Whether ``staged`` runs this program here: its reductions are per tensor, each of
-        per-element values (``vega.codegen.c.Kernel.stageable``); a program over a matrix
-        view steps its shards on the reference's staged step, as does a step that dynamo
-        traces (``staged`` launches the kernels itself, not through ``vega::triton_step``,
-        which is what a traced step calls)."""
-        return self._of_elements and not torch.compiler.is_compiling()
+        per-element values, or it is a program over a matrix view without reductions over
+        a group (``vega.codegen.c.Kernel.stageable``). Not a step that dynamo traces
+        (``staged`` launches the kernels itself, not through ``vega::triton_step``, which is
+        what a traced step calls): the reference's staged step runs there."""
+        return (self._of_elements or self.plan is not None and not self.program.spans_group) \
+            and not torch.compiler.is_compiling()
 
     def staged(self, params, grads, states, steps, values, donate, pre, views):
         """``vega.codegen.reference.Kernel.staged`` in these kernels (where ``stageable``):

@@ -38,13 +38,14 @@ from itertools import chain
 import torch
 from torch.autograd.graph import increment_version
 
-from vega.codegen.base import HyperRows, axis_geometry, check_states, distinct, state_key
+from vega.codegen.base import (HyperRows, axis_geometry, check_states, distinct, geometry,
+                               refuse_split_results, state_key)
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
 from vega.codegen.steps import Done, finished, shard_part
 from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, own_ops_words,
                                   readable, refuse_inplace)
-from vega.dsl.ir import QBLOCK, SCALAR_STATE, Op
+from vega.dsl.ir import AXIS_REDUCTIONS, QBLOCK, SCALAR_STATE, Op
 
 # on a GPU: warps a program, and bytes of its narrowest tensor each thread reads or writes
 # at once (one 128-bit access); a program's BLOCK is 32 * WARPS_GPU threads times the elements
@@ -492,10 +493,11 @@ def _step_impl(kernel: str, params: list[torch.Tensor], states: list[torch.Tenso
 
 
 def _tables(kern, params, states, grads, old_params, old_states, src_t, step_index,
-            hyper_tensors, hyper_floats, hyper_slots, hyper_index, inplace, device):
+            hyper_tensors, hyper_floats, hyper_slots, hyper_index, inplace, device, geos=None):
     """(the tables of a step, per dtype group: its dtypes, positions, rows on the host,
     whether every address is 16-byte aligned and the tensors' lengths; the
-    hyperparameters' device array), on the device ``_on``: ``_step_impl``'s arguments."""
+    hyperparameters' device array), on the device ``_on``: ``_step_impl``'s arguments;
+    ``geos``: ``_launches``'."""
     n, nstate = len(params), len(kern.program.states)
     src_p, src_s = (params, states) if inplace else (old_params, old_states)
     nhyper = len(kern.program.float_hypers)
@@ -522,8 +524,9 @@ def _tables(kern, params, states, grads, old_params, old_states, src_t, step_ind
             for a in (p_in[i], g_at[i], p_out[i], *ins, *outs):
                 misaligned |= a
         if kern.plan is not None:
-            rows = [row + extra for row, extra in zip(
-                rows, _geometry(kern, [params[i].shape for i in idx]))]
+            rows = [row + extra for row, extra in zip(rows, _geometry(
+                kern, [params[i].shape for i in idx],
+                [geos[i] for i in idx] if geos is not None else None))]
         found.append((key, idx, torch.tensor(rows, dtype=torch.int64), misaligned % 16 == 0,
                       tuple(numels[i] for i in idx)))
     return found, hyp
@@ -537,12 +540,13 @@ def _launch_groups(*args, **kwargs) -> None:
 
 
 def _launches(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
-              scale_config, device, counters=None, views=None):
+              scale_config, device, counters=None, views=None, geos=None):
     """The launches of a step (``_step_impl``) given its tables: ``found``, a (dtypes,
     positions, the table's rows on the host, whether every address is 16-byte aligned, the
     tensors' lengths) per dtype group, on the device ``_on``; ``counters``: the step
     counters' table on the host (each one's address read, then written), or None to make
-    it here. A generator: given ``views`` (each tensor's ``ShardView`` or None, the step
+    it here. ``geos``: each tensor's ``Geometry`` where it is not its shape's own (a
+    shard's). A generator: given ``views`` (each tensor's ``ShardView`` or None, the step
     over shards: ``staged``), it yields each phase's per-tensor partial results and is sent
     them back combined across processes (``vega.codegen.steps.drive``); otherwise it yields
     nothing."""
@@ -580,7 +584,7 @@ def _launches(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
                                               dtype=torch.float64, device=device))
                     if bmap.nblocks or views is not None else None)
     slot = 0
-    for k, nparts in enumerate(kern.phase_sizes):
+    for k, nparts in enumerate(kern.phase_sizes if kern.plan is None else []):
         for (key, idx, mod, table, scal, aligned, _), m in zip(work, maps):
             if m is None:
                 continue
@@ -596,10 +600,12 @@ def _launches(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
         if views is not None:
             yield from _combined(kern, work, maps, views, k, slot)
         slot += nparts
+    if kern.plan is not None:
+        yield from _axes_launches(kern, [
+            (mod, table, idx, key, scal, [params[i].shape for i in idx],
+             [geos[i] for i in idx] if geos is not None else None)
+            for key, idx, mod, table, scal, _, _ in work], pre, device, views)
     for w, ((key, idx, mod, table, scal, aligned, numels), m) in enumerate(zip(work, maps)):
-        if kern.plan is not None:
-            _staged(kern, mod, table, [params[i].shape for i in idx], key, pre, scal, device)
-            continue
         if m is None or m[1].nblocks == 0:
             continue
         block, bmap, red = m
@@ -647,13 +653,20 @@ def _combined(kern, work, maps, views, k, slot):
         red[:, c] = finished(op, value, count)
 
 
-def _geometry(kern, shapes) -> list[list[int]]:
+def _axis_geometries(shapes, geos=None) -> list[tuple[int, ...]]:
+    """``axis_geometry`` of each shape, or of each ``Geometry`` of ``geos`` (a shard's:
+    ``ShardView.local``) where given."""
+    if geos is None:
+        return [axis_geometry(shape) for shape in shapes]
+    return [axis_geometry(g.full, (g.r, g.c)) for g in geos]
+
+
+def _geometry(kern, shapes, geos=None) -> list[list[int]]:
     """The geometry columns, then the temporaries' offsets, of each row of a program that
-    uses the matrix view."""
+    uses the matrix view (``geos``: ``_axis_geometries``')."""
     _, temps = kern.plan
     out, total = [], 0
-    for shape in shapes:
-        geo = axis_geometry(shape)
+    for geo in _axis_geometries(shapes, geos):
         offsets = []
         for d in temps:
             offsets.append(total)
@@ -662,35 +675,102 @@ def _geometry(kern, shapes) -> list[list[int]]:
     return out
 
 
-def _staged(kern, mod, table, shapes, dtypes, pre, scal, device) -> None:
-    """The launches of a program that uses the matrix view, for one dtype group (see
-    ``vega.codegen.plan.axis_plan``): each over the values of one domain of every tensor."""
+def _axes_launches(kern, groups, pre, device, views=None):
+    """The launches of a program that uses the matrix view (see
+    ``vega.codegen.plan.axis_plan``), stage by stage over every dtype group (``groups``:
+    its module, table, positions, dtypes, scalars, and its tensors' shapes and
+    ``Geometry``s, or None for their shapes' own), each over the values of one domain of
+    every tensor of a group. A generator: given ``views`` (each tensor's ``ShardView`` or
+    None: the step over shards), the stages leave their sums along an axis and per tensor
+    unfinished (``RAW``), and ``_combined_axes`` yields and finishes them between stages;
+    otherwise it yields nothing."""
     launches, temps = kern.plan
-    name, has_pre = kern.prefix, pre is not None
-    geos = [axis_geometry(shape) for shape in shapes]
-    total = sum(geo[d] for geo in geos for d in temps)  # the temporaries, one after another
-    ct = torch.float64 if dtypes[0] == "float64" else torch.float32
-    tmp = torch.empty(max(total, 1), dtype=ct, device=device)
-    red = torch.empty((len(geos), max(kern.nred, 1)), dtype=torch.float64, device=device)
-    # int32 index arithmetic where every index and size fits (an element's, a temporary's)
-    i32 = max([total, *(geo[0] for geo in geos)]) < 2**31 - block_size(dtypes)
+    name, has_pre, raw = kern.prefix, pre is not None, views is not None
     (wide, kblock) = WIDE_INTERPRETER if _small_blocks() else WIDE_GPU
-    parts = {}
-    for kind, fn, dom, is_wide, nparts in launches:
-        block = wide if is_wide else block_size(dtypes)
-        bmap = block_map(tuple(geo[dom] for geo in geos), block, device)
-        if kind == "finish":
-            launch(mod[f"{name}_{fn}"], (len(geos),), table, bmap.first, parts[dom], red,
-                   BLOCK=FINISH_BLOCK, RAW=False, num_warps=4)
-            continue
-        args = [table, bmap.tensor, bmap.start, scal, red, tmp]
-        if nparts:
-            parts[dom] = torch.empty((max(bmap.nblocks, 1), nparts), dtype=torch.float64,
-                                     device=device)
-            args.append(parts[dom])
-        if bmap.nblocks:
-            launch(mod[f"{name}_{fn}"], (bmap.nblocks,), *args, HAS_PRE=has_pre, I32=i32,
-                   BLOCK=block, **({"KBLOCK": kblock} if is_wide else {}))
+    work = []
+    for mod, table, idx, dtypes, scal, shapes, gs in groups:
+        geo = _axis_geometries(shapes, gs)
+        total = sum(x[d] for x in geo for d in temps)  # the temporaries, one after another
+        ct = torch.float64 if dtypes[0] == "float64" else torch.float32
+        tmp = torch.empty(max(total, 1), dtype=ct, device=device)
+        red = torch.empty((len(geo), max(kern.nred, 1)), dtype=torch.float64, device=device)
+        if raw:  # (a skipped step writes nothing, and its partial results are combined)
+            tmp.zero_()
+            red.zero_()
+        # int32 index arithmetic where every index and size fits (an element's, a temporary's)
+        i32 = max([total, *(x[0] for x in geo)]) < 2**31 - block_size(dtypes)
+        work.append((mod, table, idx, dtypes, scal, gs, geo, tmp, red, i32))
+    for stage in range(kern.axes.nstages + 1):
+        for mod, table, _, dtypes, scal, gs, geo, tmp, red, i32 in work:
+            parts = {}
+            for kind, fn, dom, is_wide, nparts, at in launches:
+                if at != stage:
+                    continue
+                block = wide if is_wide else block_size(dtypes)
+                bmap = block_map(tuple(x[dom] for x in geo), block, device)
+                if kind == "finish":
+                    launch(mod[f"{name}_{fn}"], (len(geo),), table, bmap.first, parts[dom], red,
+                           BLOCK=FINISH_BLOCK, RAW=raw, num_warps=4)
+                    continue
+                args = [table, bmap.tensor, bmap.start, scal, red, tmp]
+                if nparts:
+                    parts[dom] = torch.empty((max(bmap.nblocks, 1), nparts),
+                                             dtype=torch.float64, device=device)
+                    args.append(parts[dom])
+                if bmap.nblocks:
+                    launch(mod[f"{name}_{fn}"], (bmap.nblocks,), *args, HAS_PRE=has_pre,
+                           I32=i32, BLOCK=block,
+                           **({"KBLOCK": kblock, "RAW": raw} if is_wide else {}))
+        if raw and stage < kern.axes.nstages:
+            yield from _combined_axes(kern, work, views, stage)
+
+
+def _combined_axes(kern, work, views, stage):
+    """Stage ``stage``'s results of a step over shards (``_axes_launches``), each tensor's:
+    a reduction along an axis, or per tensor, that other processes hold part of is yielded
+    (times the tensor's ``ShardView.weight``, but a maximum) and its combined total
+    finished; the others are finished as they are."""
+    gathers, reds = kern.axes.stage(stage)
+    slots = {id(n): j for j, n in enumerate(n for ph in kern.phases for n in ph)}
+    parts, finish = [], []
+    for _, _, idx, _, _, gs, geo, tmp, red, _ in work:
+        offset = 0
+        for r, (i, g, x) in enumerate(zip(idx, gs, geo)):
+            v = views[i]
+            at = {}
+            for q, d in enumerate(kern.plan[1]):
+                at[q] = (offset, x[d])
+                offset += x[d]
+            for m in gathers:
+                which, how = AXIS_REDUCTIONS[m.op]
+                lo, size = at[next(q for q, n in enumerate(kern.axes.temps) if n is m)]
+                out = tmp[lo:lo + size]
+                axis = g.axis(which)
+                if v is None or not v.spans(which, m.src[0].dom):
+                    if how == "mean":
+                        out.div_(g.full[axis] if axis is not None else 1)
+                    continue
+                part = out.double()
+                parts.append(("max", part) if how == "max" else
+                             ("sum", part * v.weight if v.weight != 1 else part))
+                finish.append((out, how, v.full.full[axis]))
+            for m in reds:
+                dom, q = m.src[0].dom, slots[id(m)]
+                if v is None or not v.spans(None, dom):  # all here
+                    red[r, q] = finished(m.op, red[r, q], math.prod(g.shape(dom)))
+                    continue
+                parts.append(shard_part(m.op, red[r, q].clone(), v.weight, None)[:2])
+                finish.append((red[r], q, m.op, math.prod(v.full.shape(dom))))
+    if not parts:
+        return
+    combined = yield parts
+    for done, value in zip(finish, combined):
+        if isinstance(done[1], str):  # an axis reduction's total, into its temporary
+            out, how, length = done
+            out.copy_(value / length if how == "mean" else value)
+        else:
+            grid, q, op, count = done
+            grid[q] = finished(op, value, count)
 
 
 _step_op = torch.library.custom_op("vega::triton_step",
@@ -934,7 +1014,12 @@ def staged(kern, params, grads, states, steps, values, donate, pre, views):
     uniq_steps, step_index = distinct(steps)
     hyper_tensors, hyper_floats, hyper_slots, hyper_index = _hypers(kern, values)
     _check_all(kern, params, grads, states, device)
-    check_states("triton", kern.program, params, states)
+    # (a shard's matrix view keeps the whole tensor's row and column axes)
+    geos = None
+    if kern.plan is not None:
+        refuse_split_results(kern.axes.temps, views)
+        geos = [v.local if v is not None else geometry(p.shape) for v, p in zip(views, params)]
+    check_states("triton", kern.program, params, states, geos)
     grads = readable(grads)
     flat = [s for col in states for s in col]
     if donate:
@@ -948,9 +1033,9 @@ def staged(kern, params, grads, states, steps, values, donate, pre, views):
     with on_device(device):
         found, hyp = _tables(kern, work_p, work_s, grads, [], [], uniq_steps, step_index,
                              hyper_tensors, hyper_floats, hyper_slots, hyper_index, True,
-                             device)
+                             device, geos)
     gen = _launches(kern, found, work_p, uniq_steps, uniq_steps, finite, pre, hyp, [], None,
-                    device, views=views)
+                    device, views=views, geos=geos)
     answer = None
     while True:  # (the device made current for the launches alone, not between them)
         with on_device(device):

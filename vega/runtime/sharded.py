@@ -15,9 +15,9 @@ one buffer, one collective per stage:
   an axis (Adafactor's row and column means) where the shard holds part of what they
   reduce: each stage of a kernel's staged step (``Kernel.staged``, the stages of
   ``vega.codegen.reference.stages``) yields its partial results, which are combined over
-  the mesh and given back. The C kernels run such a step for programs of element values
-  and for those over a matrix view without reductions over a group; the Triton kernels,
-  for programs of element values; the reference's staged step runs the others.
+  the mesh and given back. The C and Triton kernels run such a step for programs of
+  element values and for those over a matrix view without reductions over a group
+  (``Kernel.stageable``); the reference's staged step runs the others.
 
 A state is a DTensor on its parameter's mesh: sharded as the parameter where it keeps the
 sharded axis, replicated where it reduces that axis away (Adafactor's per-row factor of a

@@ -17,7 +17,8 @@ from torch.autograd.graph import increment_version
 
 from vega.codegen import plan, record, reference
 from vega.codegen.base import (Geometry, HyperRows, axis_geometry, check_codes, check_states,
-                               distinct, geometry, of_elements, reduction_phases, state_key)
+                               distinct, geometry, of_elements, reduction_phases,
+                               refuse_split_results, state_key)
 from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
@@ -394,20 +395,13 @@ class Kernel:
         whole axis's or tensor's count, a norm's square root) for the later stages to read.
         ``vega_axes_write`` then writes every output from the old values."""
         axes, mats = self._axis_plan, self._mats
+        refuse_split_results(mats, views)
         geos = [v.local if v is not None else geometry(p.shape) for v, p in zip(views, params)]
-        spans = {}  # (tensor, materialized axis reduction) -> whether other processes hold
-        for i, v in enumerate(views):  # part of what it reduces
-            for j, m in enumerate(mats):
-                if v is None or m.op not in AXIS_REDUCTIONS:
-                    continue
-                which = AXIS_REDUCTIONS[m.op][0]
-                spans[i, j] = v.spans(which, m.src[0].dom)
-                if spans[i, j] and v.splits(m.dom):
-                    raise ValueError(
-                        f"a {m.op.value} of a tensor of shape {v.full.full} split over "
-                        f"processes along axes {sorted(v.split)}: its result is split too, "
-                        "which vega's reductions across processes do not combine; shard such "
-                        "a tensor along one axis")
+        spans = {(i, j): v.spans(AXIS_REDUCTIONS[m.op][0], m.src[0].dom)
+                 for i, v in enumerate(views) if v is not None
+                 for j, m in enumerate(mats) if m.op in AXIS_REDUCTIONS}
+        # (tensor, materialized axis reduction) -> whether other processes hold part of
+        # what it reduces
         unique, step_index = distinct(steps)
         if not donate:
             unique = [s.clone() for s in unique]
