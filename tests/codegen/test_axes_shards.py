@@ -117,8 +117,9 @@ def test_staged_step_over_shards_of_a_matrix_view_is_the_whole_step(which, shape
                                                                     replicas, dtype, backend):
     """A program over a matrix view stepped over shards on ``backend``'s kernels: each
     stage's reductions along an axis a shard splits, and per tensor, combined across the
-    shards (uneven ones, an empty one, two copies of each), give the whole tensor's step: against the backend's own step of the whole tensor and
-    the reference's, on the parameter and every state, over three steps."""
+    shards (uneven ones, an empty one, two copies of each), give the whole tensor's step:
+    against the backend's own step of the whole tensor and the reference's, on the
+    parameter and every state, over three steps."""
     if which == "sharded":
         program, values = SHARDED.program(shape), {"lr": 0.01, "b": 0.9}
     else:

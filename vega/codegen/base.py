@@ -20,8 +20,8 @@ import torch
 from vega.codegen.quant import scale_shape
 from vega.codegen.tensors import native_passes
 from vega.dsl.check import matrix_axes
-from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAINS, LEAVES, QBLOCK, REDUCTIONS, SCALAR_STATE, Kind, Node, Op,
-                         Program, walk)
+from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAINS, LEAVES, QBLOCK, REDUCTIONS, SCALAR_STATE,
+                         Kind, Node, Op, Program, walk)
 
 
 @dataclass(frozen=True)
