@@ -281,3 +281,62 @@ def test_element_runs_compile_to_exact_vector_kernels():
     for f in figures:
         assert f.fmas == f.approximate == f.flushed == 0, f
         assert f.spill_stores == f.spill_loads == 0 and f.v4_loads >= 2 and f.v4_stores >= 1, f
+
+
+def test_a_step_over_shards_compiles_its_raw_stage_kernels():
+    """FSDP2's step of Adafactor's factored matrix over a shard splitting a reduced axis
+    (``Kernel.staged``): its stage kernels leave a mean along an axis as its sum (``RAW``)
+    and its finish kernels leave per-tensor sums raw; they compile for sm_90a without
+    spills, as the plain step's do, with no more registers than theirs."""
+    from vega import codegen
+    from vega.codegen.base import Geometry, ShardView, geometry
+    from vega.codegen.steps import drive
+    shape = FACTORED[0]
+    program = vega.adafactor.program(shape)
+    assert program.uses_axes
+    kern = codegen.kernel("triton", program)
+    full = geometry(shape)
+    values = dict(lr=0.01, decay_rate=0.8, decay_offset=0.0, min_dim_size_to_factor=128.0,
+                  clipping_threshold=1.0, momentum=0.9, weight_decay_rate=0.0, eps=1e-30,
+                  param_scale_min=1e-3)
+    assert set(values) == set(program.float_hypers)
+    launches = {}
+    for split in (None, 0, 1):  # the plain step's, and a shard of each axis
+        n = shape[split] // 2 if split is not None else None
+        p = torch.randn(shape, device=DEVICE) if split is None else \
+            torch.randn(shape, device=DEVICE).narrow(split, 0, n).contiguous()
+        local = Geometry(tuple(p.shape), axes=(full.r, full.c))
+        view = ShardView(local, full, frozenset() if split is None else frozenset({split}))
+        states = [s.narrow(local_axis, 0, n).contiguous()
+                  if split is not None and (local_axis := _axis_of(full, s.dim(), split,
+                                                                   st.dom)) is not None
+                  else s for s, st in zip(kern.init(torch.randn(shape, device=DEVICE),
+                                                    values, torch.float32), program.states)]
+        steps = [torch.zeros((), dtype=torch.int32, device=DEVICE)]
+
+        def step():
+            drive({0: kern.staged([p], [torch.randn_like(p)], [[s] for s in states], steps,
+                                  [values], False, None, [view])}, [None],
+                  lambda parts: [x for _, x in parts])
+        launches[split] = triton_ptx.record(step)
+    raw = [x for k in (0, 1) for x in launches[k] if dict(x.constexprs).get("RAW")]
+    plain = [x for x in launches[None] if "RAW" in dict(x.constexprs)]
+    assert raw and plain
+    assert {x.kernel for x in raw} >= {x.kernel for x in plain if "_stage" in x.kernel}
+    figures = triton_ptx.compile_launches(raw + plain)
+    by_key = {x.key(): f for x, f in zip(triton_ptx.distinct(raw + plain), figures)}
+    most = {}
+    for x in plain:
+        most[x.kernel] = max(most.get(x.kernel, 0), by_key[x.key()].registers)
+    for x in raw:
+        f = by_key[x.key()]
+        assert f.spill_stores == f.spill_loads == 0, (x.kernel, f)
+        assert f.registers <= max(most.get(x.kernel, 64), 64), (x.kernel, f)
+
+
+def _axis_of(full, ndim: int, axis: int, dom: str):
+    """Where ``axis`` of a tensor of matrix view ``full`` sits in a value of domain ``dom``
+    (of ``ndim`` axes), or None where that value has no such axis."""
+    if not full.keeps(dom, axis) or ndim == 0:
+        return None
+    return full.position(axis, dom)
