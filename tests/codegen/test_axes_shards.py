@@ -184,8 +184,9 @@ def test_staged_step_over_unsplit_tensors_is_the_plain_step_bitwise(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_staged_step_over_shards_refuses_what_it_cannot_read(backend):
-    """A reduction whose result a shard splits too (a tensor split along both axes), and a
-    shard's state of the wrong shape: ValueError, before anything is written."""
+    """A reduction whose result a shard splits too (a tensor split along both axes), a
+    shard's state of the wrong shape, and a view of other local values than the parameter
+    holds: ValueError, before anything is written."""
     from vega.codegen.base import Geometry, ShardView, geometry
     program = SHARDED.program((12, 10))
     kern = codegen.kernel(backend, program)
@@ -204,6 +205,13 @@ def test_staged_step_over_shards_refuses_what_it_cannot_read(backend):
     gen = kern.staged([p], [g], [[s] for s in bad], steps, [values], True, None,
                       [ShardView(local, full, frozenset({0}))])
     with pytest.raises(ValueError, match="state 'vr' of parameter 0 has shape \\(4,\\)"):
+        gen.send(None)
+    wide = Geometry((12, 5), axes=(full.r, full.c))  # (its states: those of 12 x 5 values)
+    gen = kern.staged([p], [g], [[states[0]], [torch.zeros(wide.shape("r"))],
+                                 [torch.zeros(wide.shape("c"))]], steps, [values], True,
+                      None, [ShardView(wide, full, frozenset({1}))])
+    with pytest.raises(ValueError, match=r"parameter 0 has shape \(6, 5\), but its shard's "
+                       r"view holds local values of shape \(12, 5\)"):
         gen.send(None)
     assert all(torch.equal(a, b) for a, b in zip(before, (p, *states)))
     assert int(steps[0]) == 0

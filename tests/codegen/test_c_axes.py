@@ -308,4 +308,3 @@ def test_pure_steps_over_a_matrix_view_write_new_tensors(source, monkeypatch):
                                      randn(ADA_SHAPES, dtype, 7), monkeypatch)
         else:
             pure_against_donated(vega.compile(source), {}, randn(shapes, dtype, 7), monkeypatch)
-

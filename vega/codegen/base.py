@@ -285,6 +285,16 @@ def split_result(op: Op, view: ShardView) -> ValueError:
         "across processes do not combine; shard such a tensor along one axis")
 
 
+def check_views(backend: str, params, views) -> None:
+    """Raise ValueError where a parameter's ``ShardView`` describes other local values than
+    the parameter holds: a kernel sized from the view would read and write past them."""
+    for i, (p, v) in enumerate(zip(params, views)):
+        if v is not None and tuple(v.local.full) != tuple(p.shape):
+            raise ValueError(f"backend '{backend}': parameter {i} has shape {tuple(p.shape)}, "
+                             f"but its shard's view holds local values of shape "
+                             f"{tuple(v.local.full)}")
+
+
 def refuse_split_results(nodes, views) -> None:
     """Raise ``split_result`` where a reduction along an axis (of ``nodes``, a program's)
     reads values other processes hold (a shard splits the axis it runs along) and its

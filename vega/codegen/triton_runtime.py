@@ -38,8 +38,8 @@ from itertools import chain
 import torch
 from torch.autograd.graph import increment_version
 
-from vega.codegen.base import (HyperRows, axis_geometry, check_states, distinct, geometry,
-                               refuse_split_results, state_key)
+from vega.codegen.base import (HyperRows, axis_geometry, check_states, check_views, distinct,
+                               geometry, refuse_split_results, state_key)
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
 from vega.codegen.steps import Done, finished, shard_part
@@ -1017,6 +1017,7 @@ def staged(kern, params, grads, states, steps, values, donate, pre, views):
     # (a shard's matrix view keeps the whole tensor's row and column axes)
     geos = None
     if kern.plan is not None:
+        check_views("triton", params, views)
         refuse_split_results(kern.axes.temps, views)
         geos = [v.local if v is not None else geometry(p.shape) for v, p in zip(views, params)]
     check_states("triton", kern.program, params, states, geos)

@@ -17,7 +17,7 @@ from torch.autograd.graph import increment_version
 
 from vega.codegen import plan, record, reference
 from vega.codegen.base import (Geometry, HyperRows, axis_geometry, check_codes, check_states,
-                               distinct, geometry, of_elements, reduction_phases,
+                               check_views, distinct, geometry, of_elements, reduction_phases,
                                refuse_split_results, state_key)
 from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
@@ -395,6 +395,7 @@ class Kernel:
         whole axis's or tensor's count, a norm's square root) for the later stages to read.
         ``vega_axes_write`` then writes every output from the old values."""
         axes, mats = self._axis_plan, self._mats
+        check_views("c", params, views)
         refuse_split_results(mats, views)
         geos = [v.local if v is not None else geometry(p.shape) for v, p in zip(views, params)]
         spans = {(i, j): v.spans(AXIS_REDUCTIONS[m.op][0], m.src[0].dom)
