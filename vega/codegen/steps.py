@@ -2,6 +2,8 @@
 work done once per distinct tensor within one call."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vega.dsl.ir import Op
@@ -31,6 +33,44 @@ def finished(op: Op, total: torch.Tensor, count) -> torch.Tensor:
     """A reduction's value from its ``total`` combined over processes: a norm's square
     root, a mean's division by the whole tensor's ``count`` of values."""
     return total.sqrt() if op is Op.NORM else (total / count if op is Op.MEAN else total)
+
+
+def axis_part(how: str, raw: torch.Tensor, out: torch.Tensor, view, length: int, parts: list,
+              finish: list) -> None:
+    """A reduction along an axis that a shard splits, in a staged step over shards of a
+    program over a matrix view: its partial results ``raw`` (sums, or maxima: ``how``)
+    appended to ``parts`` (a sum times the view's weight), and where its finished value
+    goes (``out``, divided by the whole axis's ``length`` where a mean) to ``finish``
+    (``finish_combined``)."""
+    part = raw.double()
+    parts.append(("max", part) if how == "max" else
+                 ("sum", part * view.weight if view.weight != 1 else part))
+    finish.append((out, how, length))
+
+
+def tensor_part(node, row: torch.Tensor, q: int, view, geo, parts: list, finish: list) -> None:
+    """A per-tensor reduction (``node``) of one tensor in a staged step over shards of a
+    program over a matrix view, its raw result at ``row[q]`` (``geo``: the tensor's local
+    matrix view): finished in place where its values are all here, else its part appended
+    to ``parts`` (times the view's weight) and its finish to ``finish``."""
+    dom = node.src[0].dom
+    if view is None or not view.spans(None, dom):
+        row[q] = finished(node.op, row[q], math.prod(geo.shape(dom)))
+        return
+    parts.append(shard_part(node.op, row[q].clone(), view.weight, None)[:2])
+    finish.append((row, q, node.op, math.prod(view.full.shape(dom))))
+
+
+def finish_combined(finish: list, combined: list) -> None:
+    """Each total of ``combined`` (the parts of ``axis_part`` and ``tensor_part``, combined
+    over processes) finished into its place."""
+    for done, value in zip(finish, combined):
+        if isinstance(done[1], str):  # an axis reduction's totals, into its values
+            out, how, length = done
+            out.copy_(value / length if how == "mean" else value)
+        else:
+            row, q, op, count = done
+            row[q] = finished(op, value, count)
 
 
 def advance_steps(steps, finite, donate):

@@ -42,7 +42,8 @@ from vega.codegen.base import (HyperRows, axis_geometry, check_states, check_vie
                                geometry, refuse_split_results, state_key)
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
-from vega.codegen.steps import Done, finished, shard_part
+from vega.codegen.steps import (Done, axis_part, finish_combined, finished, shard_part,
+                                tensor_part)
 from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, own_ops_words,
                                   readable, refuse_inplace)
 from vega.dsl.ir import AXIS_REDUCTIONS, QBLOCK, SCALAR_STATE, Op
@@ -746,31 +747,14 @@ def _combined_axes(kern, work, views, stage):
                 lo, size = at[next(q for q, n in enumerate(kern.axes.temps) if n is m)]
                 out = tmp[lo:lo + size]
                 axis = g.axis(which)
-                if v is None or not v.spans(which, m.src[0].dom):
-                    if how == "mean":
-                        out.div_(g.full[axis] if axis is not None else 1)
-                    continue
-                part = out.double()
-                parts.append(("max", part) if how == "max" else
-                             ("sum", part * v.weight if v.weight != 1 else part))
-                finish.append((out, how, v.full.full[axis]))
+                if v is not None and v.spans(which, m.src[0].dom):
+                    axis_part(how, out, out, v, v.full.full[axis], parts, finish)
+                elif how == "mean":  # all here
+                    out.div_(g.full[axis] if axis is not None else 1)
             for m in reds:
-                dom, q = m.src[0].dom, slots[id(m)]
-                if v is None or not v.spans(None, dom):  # all here
-                    red[r, q] = finished(m.op, red[r, q], math.prod(g.shape(dom)))
-                    continue
-                parts.append(shard_part(m.op, red[r, q].clone(), v.weight, None)[:2])
-                finish.append((red[r], q, m.op, math.prod(v.full.shape(dom))))
-    if not parts:
-        return
-    combined = yield parts
-    for done, value in zip(finish, combined):
-        if isinstance(done[1], str):  # an axis reduction's total, into its temporary
-            out, how, length = done
-            out.copy_(value / length if how == "mean" else value)
-        else:
-            grid, q, op, count = done
-            grid[q] = finished(op, value, count)
+                tensor_part(m, red[r], slots[id(m)], v, g, parts, finish)
+    if parts:
+        finish_combined(finish, (yield parts))
 
 
 _step_op = torch.library.custom_op("vega::triton_step",

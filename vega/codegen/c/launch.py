@@ -23,7 +23,8 @@ from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
 from vega.codegen.reference import global_keys
-from vega.codegen.steps import Done, finished, run_staged, shard_part
+from vega.codegen.steps import (Done, axis_part, finish_combined, finished, run_staged,
+                                shard_part, tensor_part)
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths, materialized
 from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
                                   refuse_inplace, roles, shared_pair)
@@ -333,17 +334,8 @@ class Kernel:
             yield from self._staged_axes(params, grads, states, steps, values, donate, pre,
                                          views)
             return
-        unique, step_index = distinct(steps)
-        if not donate:
-            unique = [s.clone() for s in unique]
-        hyp, hyp_index = self._hyper_tables(values)
-        flat = [s for col in states for s in col]
-        if not donate:
-            params, flat = [p.clone() for p in params], [s.clone() for s in flat]
-        self._refuse_writes(params, flat, unique)
-        work_p, work_g, work_s = readable(params), readable(grads), readable(flat)
-        work_h = [h.contiguous() for h in hyp]
-        tables = self._tables(work_p, work_g, work_s, unique, step_index, work_h, hyp_index)
+        params, flat, unique, step_index, work_p, work_s, tables = self._staged_tables(
+            params, grads, states, steps, values, donate)
         nth = torch.get_num_threads()
         phases = self._phases
         # each table's reduction buffer as a grid (a row per tensor), the weight of each
@@ -383,6 +375,23 @@ class Kernel:
         yield Done((params, [flat[k * n:(k + 1) * n] for k in range(len(states))],
                     [unique[k] for k in step_index], record.finite_of(pre)))
 
+    def _staged_tables(self, params, grads, states, steps, values, donate, geos=None):
+        """What a staged step steps: (parameters, flat states and distinct step counters,
+        copies where not ``donate``; the counters' index; the parameters and states the
+        kernels read and write, contiguous; the tables, ``_tables``' with ``geos``)."""
+        unique, step_index = distinct(steps)
+        if not donate:
+            unique = [s.clone() for s in unique]
+        hyp, hyp_index = self._hyper_tables(values)
+        flat = [s for col in states for s in col]
+        if not donate:
+            params, flat = [p.clone() for p in params], [s.clone() for s in flat]
+        self._refuse_writes(params, flat, unique)
+        work_p, work_g, work_s = readable(params), readable(grads), readable(flat)
+        tables = self._tables(work_p, work_g, work_s, unique, step_index,
+                              [h.contiguous() for h in hyp], hyp_index, geos=geos)
+        return params, flat, unique, step_index, work_p, work_s, tables
+
     def _staged_axes(self, params, grads, states, steps, values, donate, pre, views):
         """``staged`` of a program over a matrix view (``vega.codegen.c.staged``), stage by
         stage (``vega_axes_stage<k>``, over every tensor of a dtype group). A stage leaves
@@ -403,18 +412,8 @@ class Kernel:
                  for j, m in enumerate(mats) if m.op in AXIS_REDUCTIONS}
         # (tensor, materialized axis reduction) -> whether other processes hold part of
         # what it reduces
-        unique, step_index = distinct(steps)
-        if not donate:
-            unique = [s.clone() for s in unique]
-        hyp, hyp_index = self._hyper_tables(values)
-        flat = [s for col in states for s in col]
-        if not donate:
-            params, flat = [p.clone() for p in params], [s.clone() for s in flat]
-        self._refuse_writes(params, flat, unique)
-        work_p, work_g, work_s = readable(params), readable(grads), readable(flat)
-        work_h = [h.contiguous() for h in hyp]
-        tables = self._tables(work_p, work_g, work_s, unique, step_index, work_h, hyp_index,
-                              geos=geos)
+        params, flat, unique, step_index, work_p, work_s, tables = self._staged_tables(
+            params, grads, states, steps, values, donate, geos)
         nth = torch.get_num_threads()
         slots = {id(n): q for q, n in enumerate(axes.reductions)}
         work = []  # per dtype group: its library, table, buffers, reduction grid, positions
@@ -445,32 +444,14 @@ class Kernel:
                     v = views[i]
                     for m in gathers:
                         j = mats.index(m)
-                        if not spans.get((i, j)):
-                            continue
-                        how = "max" if AXIS_REDUCTIONS[m.op][1] == "max" else "sum"
-                        raw = bufs[i, j, "raw"]
-                        parts.append((how, raw if how == "max" or v.weight == 1
-                                      else raw * v.weight))
-                        length = v.full.full[v.local.axis(AXIS_REDUCTIONS[m.op][0])]
-                        finish.append((bufs[i, j], AXIS_REDUCTIONS[m.op][1], length))
+                        if spans.get((i, j)):
+                            which, how = AXIS_REDUCTIONS[m.op]
+                            axis_part(how, bufs[i, j, "raw"], bufs[i, j], v,
+                                      v.full.full[v.local.axis(which)], parts, finish)
                     for m in reds:
-                        dom, q = m.src[0].dom, slots[id(m)]
-                        if v is None or not v.spans(None, dom):  # all here
-                            red[r, q] = finished(m.op, red[r, q],
-                                                 math.prod(geos[i].shape(dom)))
-                            continue
-                        parts.append(shard_part(m.op, red[r, q], v.weight, None)[:2])
-                        finish.append((red[r], q, m.op, math.prod(v.full.shape(dom))))
-            if not parts:
-                continue
-            combined = yield parts
-            for done, value in zip(finish, combined):
-                if isinstance(done[1], str):  # an axis reduction's total, into its buffer
-                    buf, how, length = done
-                    buf.copy_(value / length if how == "mean" else value)
-                else:
-                    grid, q, op, count = done
-                    grid[q] = finished(op, value, count)
+                        tensor_part(m, red[r], slots[id(m)], v, geos[i], parts, finish)
+            if parts:
+                finish_combined(finish, (yield parts))
         for lib, table, bufs, mtab, red, idx in work:
             lib.vega_axes_write(table.shape[0], _ptr(table), _ptr(pre), _ptr(red), _ptr(mtab),
                                 nth)
