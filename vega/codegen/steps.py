@@ -48,21 +48,39 @@ def axis_part(how: str, raw: torch.Tensor, out: torch.Tensor, view, length: int,
     finish.append((out, how, length))
 
 
-def tensor_part(node, row: torch.Tensor, q: int, view, geo, parts: list, finish: list) -> None:
-    """A per-tensor reduction (``node``) of one tensor in a staged step over shards of a
-    program over a matrix view, its raw result at ``row[q]`` (``geo``: the tensor's local
-    matrix view): finished in place where its values are all here, else its part appended
-    to ``parts`` (times the view's weight) and its finish to ``finish``."""
+def tensor_parts(node, col: torch.Tensor, views, geos, parts: list, finish: list) -> None:
+    """A per-tensor reduction (``node``) of a dtype group's tensors in a staged step over
+    shards of a program over a matrix view, their raw results in ``col`` (a tensor each;
+    ``views``, ``geos``: their ``ShardView``s, or None, and local matrix views): finished in
+    place where a tensor's values are all here; for the others, one part appended to
+    ``parts`` (each times its view's weight) and its finish to ``finish``
+    (``finish_combined``)."""
     dom = node.src[0].dom
-    if view is None or not view.spans(None, dom):
-        row[q] = finished(node.op, row[q], math.prod(geo.shape(dom)))
-        return
-    parts.append(shard_part(node.op, row[q].clone(), view.weight, None)[:2])
-    finish.append((row, q, node.op, math.prod(view.full.shape(dom))))
+    here, split = [], []  # (row, count of the values reduced)
+    for r, (v, g) in enumerate(zip(views, geos)):
+        if v is None or not v.spans(None, dom):
+            here.append((r, math.prod(g.shape(dom))))
+        else:
+            split.append((r, math.prod(v.full.shape(dom)), v.weight))
+
+    def rows(found) -> torch.Tensor:
+        return torch.tensor([x[0] for x in found], device=col.device)
+
+    def counts(found) -> torch.Tensor:
+        return torch.tensor([x[1] for x in found], dtype=torch.float64, device=col.device)
+    if here:
+        at = rows(here)
+        col[at] = finished(node.op, col[at], counts(here))
+    if split:
+        at, weights = rows(split), [x[2] for x in split]
+        parts.append(shard_part(node.op, col[at], None if all(w == 1 for w in weights) else
+                                torch.tensor(weights, dtype=torch.float64,
+                                             device=col.device), None)[:2])
+        finish.append((col, at, node.op, counts(split)))
 
 
 def finish_combined(finish: list, combined: list) -> None:
-    """Each total of ``combined`` (the parts of ``axis_part`` and ``tensor_part``, combined
+    """Each total of ``combined`` (the parts of ``axis_part`` and ``tensor_parts``, combined
     over processes) finished into its place."""
     for done, value in zip(finish, combined):
         if isinstance(done[1], str):  # an axis reduction's totals, into its values

@@ -43,7 +43,7 @@ from vega.codegen.base import (HyperRows, axis_geometry, check_states, check_vie
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
 from vega.codegen.steps import (Done, axis_part, finish_combined, finished, shard_part,
-                                tensor_part)
+                                tensor_parts)
 from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, own_ops_words,
                                   readable, refuse_inplace)
 from vega.dsl.ir import AXIS_REDUCTIONS, QBLOCK, SCALAR_STATE, Op
@@ -736,7 +736,7 @@ def _combined_axes(kern, work, views, stage):
     parts, finish = [], []
     for _, _, idx, _, _, gs, geo, tmp, red, _ in work:
         offset = 0
-        for r, (i, g, x) in enumerate(zip(idx, gs, geo)):
+        for i, g, x in zip(idx, gs, geo):
             v = views[i]
             at = {}
             for q, d in enumerate(kern.plan[1]):
@@ -751,8 +751,8 @@ def _combined_axes(kern, work, views, stage):
                     axis_part(how, out, out, v, v.full.full[axis], parts, finish)
                 elif how == "mean":  # all here
                     out.div_(g.full[axis] if axis is not None else 1)
-            for m in reds:
-                tensor_part(m, red[r], slots[id(m)], v, g, parts, finish)
+        for m in reds:
+            tensor_parts(m, red[:, slots[id(m)]], [views[i] for i in idx], gs, parts, finish)
     if parts:
         finish_combined(finish, (yield parts))
 

@@ -24,7 +24,7 @@ from vega.codegen.c import native
 from vega.codegen.c.render import Source
 from vega.codegen.reference import global_keys
 from vega.codegen.steps import (Done, axis_part, finish_combined, finished, run_staged,
-                                shard_part, tensor_part)
+                                shard_part, tensor_parts)
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths, materialized
 from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
                                   refuse_inplace, roles, shared_pair)
@@ -416,43 +416,54 @@ class Kernel:
             params, grads, states, steps, values, donate, geos)
         nth = torch.get_num_threads()
         slots = {id(n): q for q, n in enumerate(axes.reductions)}
+        at = {id(m): j for j, m in enumerate(mats)}
         work = []  # per dtype group: its library, table, buffers, reduction grid, positions
         for lib, table, _, idx in tables:
+            # every materialized value of the group in one buffer, and the partial results
+            # of those a shard splits in another (zeros: a skipped step's stages write
+            # nothing, and are combined); views of them only where a split one is combined
             ct = torch.float64 if params[idx[0]].dtype == torch.float64 else torch.float32
-            bufs, addresses = {}, []
-            for i in idx:
+            sizes = [[max(1, math.prod(geos[i].shape(m.dom))) for m in mats] for i in idx]
+            split = [[bool(spans.get((i, j))) for j in range(len(mats))] for i in idx]
+            buf = torch.empty(max(1, sum(map(sum, sizes))), dtype=ct)
+            raw = torch.zeros(max(1, sum(n for ns, ss in zip(sizes, split)
+                                         for n, s in zip(ns, ss) if s)), dtype=torch.float64)
+            m_at, q_at, esize = buf.data_ptr(), raw.data_ptr(), buf.element_size()
+            addresses, bufs = [], {}
+            for i, ns, ss in zip(idx, sizes, split):
                 row = []
-                for j, m in enumerate(mats):
-                    n = math.prod(geos[i].shape(m.dom))
-                    bufs[i, j] = torch.empty(max(n, 1), dtype=ct)
-                    # (zeros: a skipped step's stages write nothing, and are combined)
-                    raw = torch.zeros(max(n, 1), dtype=torch.float64) \
-                        if spans.get((i, j)) else None
-                    bufs[i, j, "raw"] = raw
-                    row += [bufs[i, j].data_ptr(), raw.data_ptr() if raw is not None else 0]
+                for j, (n, s) in enumerate(zip(ns, ss)):
+                    row += [m_at, q_at if s else 0]
+                    if s:
+                        lo, q_lo = (m_at - buf.data_ptr()) // esize, \
+                            (q_at - raw.data_ptr()) // 8
+                        bufs[i, j] = (buf[lo:lo + n], raw[q_lo:q_lo + n])
+                        q_at += 8 * n
+                    m_at += esize * n
                 addresses.append(row or [0])
             mtab = torch.tensor(addresses, dtype=torch.int64)
             red = torch.zeros((len(idx), max(1, len(slots))), dtype=torch.float64)
-            work.append((lib, table, bufs, mtab, red, idx))
+            work.append((lib, table, (buf, raw, bufs), mtab, red, idx))
         for k in range(axes.nstages):
             gathers, reds = axes.stage(k)
             parts, finish = [], []
-            for lib, table, bufs, mtab, red, idx in work:
+            for lib, table, (_, _, bufs), mtab, red, idx in work:
                 getattr(lib, f"vega_axes_stage{k}")(table.shape[0], _ptr(table), _ptr(pre),
                                                     _ptr(red), _ptr(mtab), nth)
-                for r, i in enumerate(idx):
-                    v = views[i]
-                    for m in gathers:
-                        j = mats.index(m)
-                        if spans.get((i, j)):
-                            which, how = AXIS_REDUCTIONS[m.op]
-                            axis_part(how, bufs[i, j, "raw"], bufs[i, j], v,
-                                      v.full.full[v.local.axis(which)], parts, finish)
-                    for m in reds:
-                        tensor_part(m, red[r], slots[id(m)], v, geos[i], parts, finish)
+                for m in gathers:
+                    which, how = AXIS_REDUCTIONS[m.op]
+                    for i in idx:
+                        if (i, at[id(m)]) in bufs:
+                            out, part = bufs[i, at[id(m)]]
+                            v = views[i]
+                            axis_part(how, part, out, v, v.full.full[v.local.axis(which)],
+                                      parts, finish)
+                for m in reds:
+                    tensor_parts(m, red[:, slots[id(m)]], [views[i] for i in idx],
+                                 [geos[i] for i in idx], parts, finish)
             if parts:
                 finish_combined(finish, (yield parts))
-        for lib, table, bufs, mtab, red, idx in work:
+        for lib, table, _, mtab, red, idx in work:
             lib.vega_axes_write(table.shape[0], _ptr(table), _ptr(pre), _ptr(red), _ptr(mtab),
                                 nth)
         if work:
@@ -677,8 +688,15 @@ class Kernel:
 
     def _geometry_of(self, geo: Geometry) -> tuple[int, ...]:
         """``_geometry`` of a matrix view whose axes may not be its shape's own."""
-        axes = (geo.r, geo.c)
-        return (*axis_geometry(geo.full, axes), *line_lengths(geo.full, axes))
+        key = (geo.full, geo.r, geo.c)
+        found = _GEOMETRY.get(key)
+        if found is None:
+            if len(_GEOMETRY) > 4096:
+                _GEOMETRY.clear()
+            axes = (geo.r, geo.c)
+            found = _GEOMETRY[key] = (*axis_geometry(geo.full, axes),
+                                      *line_lengths(geo.full, axes))
+        return found
 
     def _launch(self, tables, step_ptrs, pre, nth):
         """Every phase and the update of each dtype group, then the step counters (at the
@@ -848,7 +866,7 @@ _DTYPE_OF = operator.attrgetter("dtype")
 _DEVICE_OF = operator.attrgetter("device")
 _SHAPE_OF = operator.attrgetter("shape")
 _IS_CPU = operator.attrgetter("is_cpu")
-_GEOMETRY: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> Kernel._geometry
+_GEOMETRY: dict[tuple, tuple[int, ...]] = {}  # shape (or shape, axes) -> Kernel._geometry(_of)
 
 
 # a state's domain -> its length in a geometry row (4: one number, a 0-d tensor)
