@@ -48,13 +48,16 @@ def axis_part(how: str, raw: torch.Tensor, out: torch.Tensor, view, length: int,
     finish.append((out, how, length))
 
 
-def tensor_parts(node, col: torch.Tensor, views, geos, parts: list, finish: list) -> None:
+def tensor_parts(node, col: torch.Tensor, views, geos, parts: list, finish: list,
+                 on_device=None) -> None:
     """A per-tensor reduction (``node``) of a dtype group's tensors in a staged step over
     shards of a program over a matrix view, their raw results in ``col`` (a tensor each;
     ``views``, ``geos``: their ``ShardView``s, or None, and local matrix views): finished in
     place where a tensor's values are all here; for the others, one part appended to
     ``parts`` (each times its view's weight) and its finish to ``finish``
-    (``finish_combined``)."""
+    (``finish_combined``). ``on_device``: how a small table made on the host reaches
+    ``col``'s device (a GPU's: without blocking, ``triton_runtime._device``)."""
+    move = on_device or (lambda t: t)
     dom = node.src[0].dom
     here, split = [], []  # (row, count of the values reduced)
     for r, (v, g) in enumerate(zip(views, geos)):
@@ -64,18 +67,17 @@ def tensor_parts(node, col: torch.Tensor, views, geos, parts: list, finish: list
             split.append((r, math.prod(v.full.shape(dom)), v.weight))
 
     def rows(found) -> torch.Tensor:
-        return torch.tensor([x[0] for x in found], device=col.device)
+        return move(torch.tensor([x[0] for x in found], dtype=torch.int64))
 
     def counts(found) -> torch.Tensor:
-        return torch.tensor([x[1] for x in found], dtype=torch.float64, device=col.device)
+        return move(torch.tensor([x[1] for x in found], dtype=torch.float64))
     if here:
         at = rows(here)
         col[at] = finished(node.op, col[at], counts(here))
     if split:
         at, weights = rows(split), [x[2] for x in split]
         parts.append(shard_part(node.op, col[at], None if all(w == 1 for w in weights) else
-                                torch.tensor(weights, dtype=torch.float64,
-                                             device=col.device), None)[:2])
+                                move(torch.tensor(weights, dtype=torch.float64)), None)[:2])
         finish.append((col, at, node.op, counts(split)))
 
 

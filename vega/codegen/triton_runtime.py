@@ -33,7 +33,7 @@ import operator
 import os
 import weakref
 from collections import OrderedDict
-from itertools import chain
+from itertools import accumulate, chain
 
 import torch
 from torch.autograd.graph import increment_version
@@ -700,9 +700,13 @@ def _axes_launches(kern, groups, pre, device, views=None):
             red.zero_()
         # int32 index arithmetic where every index and size fits (an element's, a temporary's)
         i32 = max([total, *(x[0] for x in geo)]) < 2**31 - block_size(dtypes)
-        work.append((mod, table, idx, dtypes, scal, gs, geo, tmp, red, i32))
+        # each tensor's temporaries, in order (the table's T_ columns: ``_geometry``)
+        sizes = [[x[d] for d in temps] for x in geo]
+        starts = accumulate((n for row in sizes for n in row), initial=0)
+        spots = [[(next(starts), n) for n in row] for row in sizes]
+        work.append((mod, table, idx, dtypes, scal, gs, spots, tmp, red, i32, geo))
     for stage in range(kern.axes.nstages + 1):
-        for mod, table, _, dtypes, scal, gs, geo, tmp, red, i32 in work:
+        for mod, table, _, dtypes, scal, _, _, tmp, red, i32, geo in work:
             parts = {}
             for kind, fn, dom, is_wide, nparts, at in launches:
                 if at != stage:
@@ -733,18 +737,14 @@ def _combined_axes(kern, work, views, stage):
     finished; the others are finished as they are."""
     gathers, reds = kern.axes.stage(stage)
     slots = {id(n): j for j, n in enumerate(n for ph in kern.phases for n in ph)}
+    temp = {id(n): q for q, n in enumerate(kern.axes.temps)}
     parts, finish = [], []
-    for _, _, idx, _, _, gs, geo, tmp, red, _ in work:
-        offset = 0
-        for i, g, x in zip(idx, gs, geo):
+    for _, _, idx, _, _, gs, spots, tmp, red, _, _ in work:
+        for i, g, spot in zip(idx, gs, spots):
             v = views[i]
-            at = {}
-            for q, d in enumerate(kern.plan[1]):
-                at[q] = (offset, x[d])
-                offset += x[d]
             for m in gathers:
                 which, how = AXIS_REDUCTIONS[m.op]
-                lo, size = at[next(q for q, n in enumerate(kern.axes.temps) if n is m)]
+                lo, size = spot[temp[id(m)]]
                 out = tmp[lo:lo + size]
                 axis = g.axis(which)
                 if v is not None and v.spans(which, m.src[0].dom):
@@ -752,7 +752,8 @@ def _combined_axes(kern, work, views, stage):
                 elif how == "mean":  # all here
                     out.div_(g.full[axis] if axis is not None else 1)
         for m in reds:
-            tensor_parts(m, red[:, slots[id(m)]], [views[i] for i in idx], gs, parts, finish)
+            tensor_parts(m, red[:, slots[id(m)]], [views[i] for i in idx], gs, parts, finish,
+                         lambda t: _device(t, red.device))
     if parts:
         finish_combined(finish, (yield parts))
 

@@ -366,14 +366,8 @@ class Kernel:
                 grid[:, c] = finished(op, value, count)
         for lib, table, red, _ in tables:
             lib.vega_update(table.shape[0], _ptr(table), _ptr(pre), _ptr(red), nth)
-        if tables:
-            step_ptrs = _int64s([s.data_ptr() for s in unique])
-            tables[-1][0].vega_advance(len(unique), _ptr(step_ptrs), _ptr(pre))
-        copy_back([*params, *flat], [*work_p, *work_s])
-        _written(params)
-        n = len(params)
-        yield Done((params, [flat[k * n:(k + 1) * n] for k in range(len(states))],
-                    [unique[k] for k in step_index], record.finite_of(pre)))
+        yield _staged_answer(tables[-1][0] if tables else None, params, flat, unique,
+                             step_index, work_p, work_s, len(states), pre)
 
     def _staged_tables(self, params, grads, states, steps, values, donate, geos=None):
         """What a staged step steps: (parameters, flat states and distinct step counters,
@@ -466,14 +460,8 @@ class Kernel:
         for lib, table, _, mtab, red, idx in work:
             lib.vega_axes_write(table.shape[0], _ptr(table), _ptr(pre), _ptr(red), _ptr(mtab),
                                 nth)
-        if work:
-            step_ptrs = _int64s([s.data_ptr() for s in unique])
-            work[-1][0].vega_advance(len(unique), _ptr(step_ptrs), _ptr(pre))
-        copy_back([*params, *flat], [*work_p, *work_s])
-        _written(params)
-        n = len(params)
-        yield Done((params, [flat[k * n:(k + 1) * n] for k in range(len(states))],
-                    [unique[k] for k in step_index], record.finite_of(pre)))
+        yield _staged_answer(work[-1][0] if work else None, params, flat, unique, step_index,
+                             work_p, work_s, len(states), pre)
 
     def _traced_step(self, params, grads, flat_states, steps, step_index, hyp, hyp_index,
                      pre) -> None:
@@ -845,6 +833,21 @@ def _as_stored(tensors) -> bool:
     tensor's conjugate, ``x.conj().imag``, stores them negated)."""
     return all(map(torch.Tensor.is_contiguous, tensors)) \
         and not any(map(torch.Tensor.is_neg, tensors))
+
+
+def _staged_answer(lib, params, flat, unique, step_index, work_p, work_s, nstates: int,
+                   pre) -> Done:
+    """The end of a staged step (``Kernel.staged``), its updates written: the step counters
+    advanced (by ``lib``, the last dtype group's library; none without tensors), the work
+    copies written back, and the step's answer."""
+    if lib is not None:
+        step_ptrs = _int64s([s.data_ptr() for s in unique])  # (alive through the call)
+        lib.vega_advance(len(unique), _ptr(step_ptrs), _ptr(pre))
+    copy_back([*params, *flat], [*work_p, *work_s])
+    _written(params)
+    n = len(params)
+    return Done((params, [flat[k * n:(k + 1) * n] for k in range(nstates)],
+                 [unique[k] for k in step_index], record.finite_of(pre)))
 
 
 def _written(params) -> None:
