@@ -244,6 +244,23 @@ def test_any_complex_native_is_the_python_one(monkeypatch):
         monkeypatch.undo()
 
 
+def test_uniform_native_is_the_python_one(monkeypatch):
+    """A fused step's gradients in one pass (``tensors.uniform``): plain dense real tensors on
+    one device, and each case where it must say no, alike in both passes."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    from vega.codegen import tensors
+    ok = [torch.ones(3), torch.nn.Parameter(torch.ones(2, 2, dtype=torch.float64)),
+          torch.ones((), dtype=torch.bfloat16)]
+    nested = torch.nested.nested_tensor([torch.ones(3)])
+    for items, want in ((ok, True), ([], True), (ok[:1], True),
+                        (ok + [torch.ones(2, dtype=torch.complex64)], False),
+                        (ok + [TwoTensor(torch.ones(3), torch.ones(3))], False),
+                        (ok + [None], False), (ok + [torch.ones(3).to_sparse()], False),
+                        (ok + [torch.ones(3, device="meta")], False), (ok + [nested], False)):
+        assert _both(monkeypatch, tensors.uniform, items) == (want, want), items
+        monkeypatch.undo()
+
+
 def test_floats_and_like_native_are_the_python_ones(monkeypatch):
     """A functional step's quick checks (``tensors.floats``, ``tensors.like``): each case
     where it must say no (a shape, a device, complexness, a layout, a tensor subclass, a

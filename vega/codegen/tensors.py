@@ -98,6 +98,20 @@ def like(refs: list, items: list) -> bool:
                and x.shape == r.shape for r, x in zip(refs, items))
 
 
+def uniform(tensors: list) -> bool:
+    """Whether every item of ``tensors`` is a plain (``PLAIN_TYPES``) dense real tensor on the
+    first one's device (a fused step's gradients, in the common case: one pass, native where
+    the module is loaded, where the prelude's checks took three); False while dynamo traces.
+    False says nothing of what differs."""
+    mod = native_passes()
+    if mod is not None:
+        return mod.uniform(tensors, _PLAIN_TUPLE)
+    if torch.compiler.is_compiling():
+        return False
+    return all(type(t) in PLAIN_TYPES and dense(t) and not t.is_complex()
+               and t.device == tensors[0].device for t in tensors)
+
+
 def on_one_device(tensors: list) -> bool:
     """Whether every tensor of ``tensors`` is on the first one's device (in one native pass
     where it is loaded and they are plain strided tensors)."""

@@ -18,7 +18,8 @@ from vega.codegen import precision, quant
 from vega.codegen.precision import MASTER
 from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
-from vega.codegen.tensors import any_complex, first_with_own_ops, on_one_device, same
+from vega.codegen.tensors import (any_complex, first_with_own_ops, on_one_device, same,
+                                  uniform)
 from vega.schedule import Schedule
 from vega.dsl.ir import HyperParam, Program
 from vega.tracing import untraced
@@ -428,7 +429,10 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False,
     """
     if inv_scale is None and loss_scale is None and max_norm is None and not check:
         return None
-    for _, _, grads in parts:
+    every = parts[0][2] if len(parts) == 1 else [g for _, _, grads in parts for g in grads]
+    # the common case in one native pass: plain real tensors on one device; else each asked
+    plain = uniform(every)
+    for _, _, grads in parts if not plain else ():
         k = first_with_own_ops(grads) if not torch.compiler.is_compiling() else None
         if k is not None:
             raise ValueError(
@@ -436,8 +440,7 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False,
                 f"gradient as plain tensors, but one is a {type(grads[k]).__name__}, a tensor "
                 f"subclass with operations of its own (whose norm is its own); step without "
                 f"them, clipping with torch.nn.utils.clip_grad_norm_")
-    every = parts[0][2] if len(parts) == 1 else [g for _, _, grads in parts for g in grads]
-    if not on_one_device(every):
+    if not plain and not on_one_device(every):
         devices = {g.device for g in every}
         raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "
                          f"device, got {sorted(map(str, devices))}")
@@ -454,7 +457,7 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False,
             inv_scale = inverse_scale(loss_scale)
         pre = record(device, inv_scale, max_norm, check)
     for kern, (_, _, grads) in zip(kerns, parts):
-        if any_complex(grads):
+        if not plain and any_complex(grads):
             grads = [_real(g) for g in grads]
         if init is not None:
             kern.prelude(grads, pre, init)

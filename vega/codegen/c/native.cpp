@@ -1037,6 +1037,27 @@ py::object any_complex(py::handle items_, py::handle plain_) {
                       [](const at::Tensor &t) { return t.is_complex(); });
 }
 
+// Whether every item is a dense real tensor (strided, not nested, not complex) exactly of a
+// type of ``plain``, on the first one's device: what a fused step's prelude asks of its
+// gradients, in one pass (False says nothing of what differs: the caller's checks say it).
+bool uniform(py::handle items_, py::handle plain_) {
+    const py::tuple items = tuple_of(items_, "uniform: tensors");
+    if (!PyTuple_Check(plain_.ptr())) throw py::type_error("uniform: plain: a tuple");
+    const Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
+    PyObject **X = &PyTuple_GET_ITEM(items.ptr(), 0);
+    c10::Device device(c10::kCPU);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        prefetch_objects(X, static_cast<size_t>(n), static_cast<size_t>(i));
+        if (!of_types(X[i], plain_.ptr())) return false;
+        const at::Tensor &x = THPVariable_Unpack(X[i]);
+        if (i == 0) device = x.device();
+        if (x.is_nested() || x.layout() != c10::kStrided || x.is_complex() ||
+            x.device() != device)
+            return false;
+    }
+    return true;
+}
+
 // Whether every item is a floating-point tensor, complex ones not (None: see ``over_plain``).
 py::object floats(py::handle items_, py::handle plain_) {
     return over_plain(items_, plain_, "floats", false,
@@ -1155,6 +1176,7 @@ PYBIND11_MODULE(vega_native, m) {
     m.def("distinct", &distinct);
     m.def("same", &same);
     m.def("any_complex", &any_complex);
+    m.def("uniform", &uniform);
     m.def("floats", &floats);
     m.def("like", &like);
     m.def("triton_grad_rows", &triton_grad_rows);
