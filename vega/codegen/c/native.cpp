@@ -172,10 +172,11 @@ constexpr Py_ssize_t PREFETCH_AHEAD = 8;
 // go tensor after tensor, each a long run of code, would wait for one such chain at a time.
 // So a pass over tensors asks the cache for those a few places ahead, a link of the chain at
 // a time (``prefetch_ahead``): 1,000 one-element parameters stepped with a torch step in
-// between, a class step's cost around its kernels came to 0.25-0.30 of torch's fused step's
-// where it was 0.34-0.39. These are hints: an address is taken through torch's public API
-// (the tensor's object, its storage's), the lines it spans are asked for, and nothing is read
-// there (a prefetch of any address never faults).
+// between, a class step's cost around its kernels came to 0.33-0.35 of torch's fused step's
+// against 0.36-0.39 without (three interleaved pairs of runs, docs/performance.md). These
+// are hints: an address is taken through torch's public API (the tensor's object, its
+// storage's), the lines it spans are asked for, and nothing is read there (a prefetch of any
+// address never faults).
 inline void prefetch_lines(const void *at, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64)
         __builtin_prefetch(static_cast<const char *>(at) + off);
