@@ -174,9 +174,9 @@ constexpr Py_ssize_t PREFETCH_AHEAD = 8;
 // a time (``prefetch_ahead``): 1,000 one-element parameters stepped with a torch step in
 // between, a class step's cost around its kernels came to 0.33-0.35 of torch's fused step's
 // against 0.36-0.39 without (three interleaved pairs of runs, docs/performance.md). These
-// are hints: an address is taken through torch's public API (the tensor's object, its
-// storage's), the lines it spans are asked for, and nothing is read there (a prefetch of any
-// address never faults).
+// are hints: an address is taken through torch's public API (the tensor's object; its
+// storage's, read from the tensor's object once that has come), and the lines it spans are
+// asked for; nothing at those addresses is read (a prefetch of any address never faults).
 inline void prefetch_lines(const void *at, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64)
         __builtin_prefetch(static_cast<const char *>(at) + off);
