@@ -300,10 +300,22 @@ def refuse_split_results(nodes, views) -> None:
     reads values other processes hold (a shard splits the axis it runs along) and its
     result would be split too (the shard splits the other axis as well)."""
     for v in views:
-        for m in nodes if v is not None else ():
+        if v is None:
+            continue
+        for m in nodes:
             if m.op in AXIS_REDUCTIONS and v.spans(AXIS_REDUCTIONS[m.op][0], m.src[0].dom) \
                     and v.splits(m.dom):
                 raise split_result(m.op, v)
+
+
+def shard_geometries(backend: str, params, views, nodes) -> list[Geometry]:
+    """Each parameter's matrix view in a compiled kernel's step over shards of a program
+    over a matrix view (a shard's keeps the whole tensor's row and column axes:
+    ``ShardView.local``), after ``check_views`` and ``refuse_split_results`` of the
+    program's ``nodes`` (its axis reductions among them)."""
+    check_views(backend, params, views)
+    refuse_split_results(nodes, views)
+    return [v.local if v is not None else geometry(p.shape) for v, p in zip(views, params)]
 
 
 @dataclass(frozen=True)

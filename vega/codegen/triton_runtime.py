@@ -38,8 +38,8 @@ from itertools import accumulate, chain
 import torch
 from torch.autograd.graph import increment_version
 
-from vega.codegen.base import (HyperRows, axis_geometry, check_states, check_views, distinct,
-                               geometry, refuse_split_results, state_key)
+from vega.codegen.base import (HyperRows, axis_geometry, check_states, distinct,
+                               shard_geometries, state_key)
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
 from vega.codegen.steps import (Done, axis_part, finish_combined, finished, shard_part,
@@ -999,12 +999,8 @@ def staged(kern, params, grads, states, steps, values, donate, pre, views):
     uniq_steps, step_index = distinct(steps)
     hyper_tensors, hyper_floats, hyper_slots, hyper_index = _hypers(kern, values)
     _check_all(kern, params, grads, states, device)
-    # (a shard's matrix view keeps the whole tensor's row and column axes)
-    geos = None
-    if kern.plan is not None:
-        check_views("triton", params, views)
-        refuse_split_results(kern.axes.temps, views)
-        geos = [v.local if v is not None else geometry(p.shape) for v, p in zip(views, params)]
+    geos = shard_geometries("triton", params, views, kern.axes.temps) \
+        if kern.plan is not None else None
     check_states("triton", kern.program, params, states, geos)
     grads = readable(grads)
     flat = [s for col in states for s in col]

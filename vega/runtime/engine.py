@@ -418,6 +418,23 @@ def record(device, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
     return make_pre(device, inv_scale, max_norm, check)
 
 
+def _check_prelude(parts, every) -> None:
+    """ValueError where a fused step's gradients (``every``, those of ``parts``) are not all
+    plain tensors on one device."""
+    for _, _, grads in parts:
+        k = first_with_own_ops(grads) if not torch.compiler.is_compiling() else None
+        if k is not None:
+            raise ValueError(
+                f"a fused step (max_grad_norm, loss_scale, skip_nonfinite) sums over every "
+                f"gradient as plain tensors, but one is a {type(grads[k]).__name__}, a tensor "
+                f"subclass with operations of its own (whose norm is its own); step without "
+                f"them, clipping with torch.nn.utils.clip_grad_norm_")
+    if not on_one_device(every):
+        devices = {g.device for g in every}
+        raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "
+                         f"device, got {sorted(map(str, devices))}")
+
+
 def prelude(parts, inv_scale=None, max_norm=None, check=False,
             loss_scale=None) -> torch.Tensor | None:
     """Gather, over every gradient of every group, what a fused step needs before updating.
@@ -432,18 +449,8 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False,
     every = parts[0][2] if len(parts) == 1 else [g for _, _, grads in parts for g in grads]
     # the common case in one native pass: plain real tensors on one device; else each asked
     plain = uniform(every)
-    for _, _, grads in parts if not plain else ():
-        k = first_with_own_ops(grads) if not torch.compiler.is_compiling() else None
-        if k is not None:
-            raise ValueError(
-                f"a fused step (max_grad_norm, loss_scale, skip_nonfinite) sums over every "
-                f"gradient as plain tensors, but one is a {type(grads[k]).__name__}, a tensor "
-                f"subclass with operations of its own (whose norm is its own); step without "
-                f"them, clipping with torch.nn.utils.clip_grad_norm_")
-    if not plain and not on_one_device(every):
-        devices = {g.device for g in every}
-        raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "
-                         f"device, got {sorted(map(str, devices))}")
+    if not plain:
+        _check_prelude(parts, every)
     device = every[0].device if every else torch.device("cpu")
     kerns = [codegen.kernel(backend, program) for program, backend, _ in parts]
     init = None

@@ -16,9 +16,8 @@ import torch
 from torch.autograd.graph import increment_version
 
 from vega.codegen import plan, record, reference
-from vega.codegen.base import (Geometry, HyperRows, axis_geometry, check_codes, check_states,
-                               check_views, distinct, geometry, of_elements, reduction_phases,
-                               refuse_split_results, state_key)
+from vega.codegen.base import (HyperRows, axis_geometry, check_codes, check_states, distinct,
+                               of_elements, reduction_phases, shard_geometries, state_key)
 from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c.render import Source
@@ -398,9 +397,7 @@ class Kernel:
         whole axis's or tensor's count, a norm's square root) for the later stages to read.
         ``vega_axes_write`` then writes every output from the old values."""
         axes, mats = self._axis_plan, self._mats
-        check_views("c", params, views)
-        refuse_split_results(mats, views)
-        geos = [v.local if v is not None else geometry(p.shape) for v, p in zip(views, params)]
+        geos = shard_geometries("c", params, views, mats)
         spans = {(i, j): v.spans(AXIS_REDUCTIONS[m.op][0], m.src[0].dom)
                  for i, v in enumerate(views) if v is not None
                  for j, m in enumerate(mats) if m.op in AXIS_REDUCTIONS}
@@ -422,18 +419,16 @@ class Kernel:
             buf = torch.empty(max(1, sum(map(sum, sizes))), dtype=ct)
             raw = torch.zeros(max(1, sum(n for ns, ss in zip(sizes, split)
                                          for n, s in zip(ns, ss) if s)), dtype=torch.float64)
-            m_at, q_at, esize = buf.data_ptr(), raw.data_ptr(), buf.element_size()
+            esize, lo, q_lo = buf.element_size(), 0, 0  # (where the next value starts)
             addresses, bufs = [], {}
             for i, ns, ss in zip(idx, sizes, split):
                 row = []
                 for j, (n, s) in enumerate(zip(ns, ss)):
-                    row += [m_at, q_at if s else 0]
+                    row += [buf.data_ptr() + esize * lo, raw.data_ptr() + 8 * q_lo if s else 0]
                     if s:
-                        lo, q_lo = (m_at - buf.data_ptr()) // esize, \
-                            (q_at - raw.data_ptr()) // 8
                         bufs[i, j] = (buf[lo:lo + n], raw[q_lo:q_lo + n])
-                        q_at += 8 * n
-                    m_at += esize * n
+                        q_lo += n
+                    lo += n
                 addresses.append(row or [0])
             mtab = torch.tensor(addresses, dtype=torch.int64)
             red = torch.zeros((len(idx), max(1, len(slots))), dtype=torch.float64)
@@ -613,7 +608,7 @@ class Kernel:
             g=[list(map(ptr, grads))], state=[list(map(ptr, col)) for col in states],
             step=[[steps_at[k] for k in step_index]], hyper=[[hyp_at[r] for r in hyp_index]],
             geo=np.array([self._geometry(p.shape) for p in params] if geos is None else
-                         [self._geometry_of(geo) for geo in geos],
+                         [self._geometry(geo.full, (geo.r, geo.c)) for geo in geos],
                          dtype=np.int64).reshape(n, cols.ngeo).T,
             p_out=[list(map(ptr, outs[:n]))],
             state_out=[list(map(ptr, outs[k * n:(k + 1) * n]))
@@ -663,27 +658,17 @@ class Kernel:
             groups.setdefault(self._group_key(p, g, sd[i]), []).append(i)
         return list(groups.items())
 
-    def _geometry(self, shape) -> tuple[int, ...]:
-        """The integers a table row of a program over a matrix view ends with."""
+    def _geometry(self, shape, axes=None) -> tuple[int, ...]:
+        """The integers a table row of a program over a matrix view ends with; ``axes``:
+        its (row, column) axes where they are not ``shape``'s own (a shard's view)."""
         if not self._axes:
             return ()
-        found = _GEOMETRY.get(shape)
-        if found is None:
-            if len(_GEOMETRY) > 4096:
-                _GEOMETRY.clear()
-            found = _GEOMETRY[shape] = (*axis_geometry(shape), *line_lengths(shape))
-        return found
-
-    def _geometry_of(self, geo: Geometry) -> tuple[int, ...]:
-        """``_geometry`` of a matrix view whose axes may not be its shape's own."""
-        key = (geo.full, geo.r, geo.c)
+        key = shape if axes is None else (shape, axes)
         found = _GEOMETRY.get(key)
         if found is None:
             if len(_GEOMETRY) > 4096:
                 _GEOMETRY.clear()
-            axes = (geo.r, geo.c)
-            found = _GEOMETRY[key] = (*axis_geometry(geo.full, axes),
-                                      *line_lengths(geo.full, axes))
+            found = _GEOMETRY[key] = (*axis_geometry(shape, axes), *line_lengths(shape, axes))
         return found
 
     def _launch(self, tables, step_ptrs, pre, nth):
@@ -869,7 +854,7 @@ _DTYPE_OF = operator.attrgetter("dtype")
 _DEVICE_OF = operator.attrgetter("device")
 _SHAPE_OF = operator.attrgetter("shape")
 _IS_CPU = operator.attrgetter("is_cpu")
-_GEOMETRY: dict[tuple, tuple[int, ...]] = {}  # shape (or shape, axes) -> Kernel._geometry(_of)
+_GEOMETRY: dict[tuple, tuple[int, ...]] = {}  # shape (or shape, axes) -> Kernel._geometry
 
 
 # a state's domain -> its length in a geometry row (4: one number, a 0-d tensor)

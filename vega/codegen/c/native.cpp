@@ -217,6 +217,13 @@ void bump(const at::Tensor &t) {
     if (!t.is_inference()) torch::autograd::impl::bump_version(t);
 }
 
+// ``bump(t)`` in a pass over tensors, the counter of ``ahead`` (the tensor PREFETCH_AHEAD
+// places on, or null past the end) read first: an atomic increment waits for its line.
+void bump_ahead(const at::Tensor &t, const at::Tensor *ahead) {
+    if (ahead != nullptr && !ahead->is_inference()) (void)ahead->_version();
+    bump(t);
+}
+
 // Whether two of the tensors written in place share memory (each contiguous: its span is
 // its memory). The spans of the last call of this thread for this kernel are kept: the same
 // tensors again (a training loop) are not sorted again.
@@ -476,10 +483,12 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
         }
         f[0] = p.numel();
         f[3 + ns] = static_cast<int64_t>(dtype_code(p, g, states, i, n, ns));
-        // the first values the kernels read and write, asked for while the others are checked
+        // the first values the kernels read (the gradient's) and write (the parameter's and
+        // the states'), asked for while the others are checked
         __builtin_prefetch(reinterpret_cast<const void *>(f[2]));
-        for (size_t s = 1; s < ns + 3; s += s == 1 ? 2 : 1)
-            __builtin_prefetch(reinterpret_cast<const void *>(f[s]), 1);
+        __builtin_prefetch(reinterpret_cast<const void *>(f[1]), 1);
+        for (size_t s = 0; s < ns; s++)
+            __builtin_prefetch(reinterpret_cast<const void *>(f[3 + s]), 1);
     });
     // (a step counter shared by several parameters appears once)
     if (in_place && any_shared(id, spans))
@@ -804,12 +813,10 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
     if (any_shared(id, spans)) throw Refused("two tensors a step writes share memory");
     // the parameters' version counters, as an in-place torch operation bumps them (autograd
     // then refuses a graph that saved one of them): the step is taken from here on
-    for (size_t i = 0; i < n; i++) {
-        // (an atomic increment waits for its line: the counter 8 ahead read first)
-        const at::Tensor &a = THPVariable_Unpack(P[std::min(i + PREFETCH_AHEAD, n - 1)]);
-        if (!a.is_inference()) (void)a._version();
-        bump(THPVariable_Unpack(P[i]));
-    }
+    for (size_t i = 0; i < n; i++)
+        bump_ahead(THPVariable_Unpack(P[i]), i + PREFETCH_AHEAD < n
+                                                 ? &THPVariable_Unpack(P[i + PREFETCH_AHEAD])
+                                                 : nullptr);
     py::list out;
     for (Found &f : groups) {
         const int64_t rows = static_cast<int64_t>(f.index.size());
@@ -1025,6 +1032,7 @@ py::object over_plain(py::handle items_, py::handle plain_, const std::string &w
     PyObject **X = &PyTuple_GET_ITEM(items.ptr(), 0);
     bool found = !any;
     for (Py_ssize_t i = 0; i < n; i++) {
+        prefetch_objects(X, static_cast<size_t>(n), static_cast<size_t>(i));
         if (!of_types(X[i], plain_.ptr())) return py::none();
         const bool holds = pred(THPVariable_Unpack(X[i]));
         found = any ? found || holds : found && holds;
@@ -1042,21 +1050,13 @@ py::object any_complex(py::handle items_, py::handle plain_) {
 // type of ``plain``, on the first one's device: what a fused step's prelude asks of its
 // gradients, in one pass (False says nothing of what differs: the caller's checks say it).
 bool uniform(py::handle items_, py::handle plain_) {
-    const py::tuple items = tuple_of(items_, "uniform: tensors");
-    if (!PyTuple_Check(plain_.ptr())) throw py::type_error("uniform: plain: a tuple");
-    const Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
-    PyObject **X = &PyTuple_GET_ITEM(items.ptr(), 0);
-    c10::Device device(c10::kCPU);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        prefetch_objects(X, static_cast<size_t>(n), static_cast<size_t>(i));
-        if (!of_types(X[i], plain_.ptr())) return false;
-        const at::Tensor &x = THPVariable_Unpack(X[i]);
-        if (i == 0) device = x.device();
-        if (x.is_nested() || x.layout() != c10::kStrided || x.is_complex() ||
-            x.device() != device)
-            return false;
-    }
-    return true;
+    c10::optional<c10::Device> first;
+    const py::object found = over_plain(items_, plain_, "uniform", false, [&](const at::Tensor &x) {
+        if (!first) first = x.device();
+        return !x.is_nested() && x.layout() == c10::kStrided && !x.is_complex() &&
+               x.device() == *first;
+    });
+    return !found.is_none() && found.cast<bool>();
 }
 
 // Whether every item is a floating-point tensor, complex ones not (None: see ``over_plain``).
@@ -1148,10 +1148,8 @@ PYBIND11_MODULE(vega_native, m) {
                   pre, geometry, o.list());
         if (o.ts.empty())
             each_apart(p.ts.size(), wide(p.list()), [&](size_t i) {
-                // (an atomic increment waits for its line: the counter 8 ahead read first)
                 const size_t a = i + PREFETCH_AHEAD;
-                if (a < p.ts.size() && !p.ts[a]->is_inference()) (void)p.ts[a]->_version();
-                bump(*p.ts[i]);
+                bump_ahead(*p.ts[i], a < p.ts.size() ? p.ts[a] : nullptr);
             });
     });
     // whether a step in place may write every one of these tensors: none an inference
