@@ -307,9 +307,10 @@ def _device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 class BlockMap:
     """Which tensor, and which elements of it, each program of a launch works on."""
 
-    def __init__(self, numels: tuple[int, ...], block: int, device: torch.device,
+    def __init__(self, numels: tuple[int, ...] | bytes, block: int, device: torch.device,
                  capturing: bool = False, every: bool = False):
         # (``every``: an empty tensor has a block too, whose program reads no element)
+        numels = _lengths(numels)
         counts = torch.tensor([max(-(-n // block), int(every)) for n in numels],
                               dtype=torch.int64)
         first = torch.zeros(len(numels) + 1, dtype=torch.int64)
@@ -326,11 +327,18 @@ class BlockMap:
             self.tensor, self.start, self.first = (dev for dev, _ in copies)
 
 
-def block_map(numels: tuple[int, ...], block: int, device: torch.device,
+def _lengths(numels: tuple[int, ...] | bytes) -> tuple[int, ...]:
+    """Tensors' lengths given as ints, or as the bytes of int64s in the machine's order (the
+    native operator's ``triton_rows`` gives them so: one object a step, hashed and compared
+    as one)."""
+    return tuple(memoryview(numels).cast("q")) if isinstance(numels, bytes) else numels
+
+
+def block_map(numels: tuple[int, ...] | bytes, block: int, device: torch.device,
               every: bool = False) -> BlockMap:
-    """The BlockMap of tensors of ``numels`` elements; ``every``: an empty one has a block
-    too (a program writing the states of one number per tensor: ``triton.Source``'s
-    ``first_block``)."""
+    """The BlockMap of tensors of ``numels`` elements (ints, or ``_lengths``' bytes);
+    ``every``: an empty one has a block too (a program writing the states of one number per
+    tensor: ``triton.Source``'s ``first_block``)."""
     capturing = _capturing(device)
     return _MAPS.get((numels, block, device, every),
                      lambda: BlockMap(numels, block, device, capturing, every), capturing)
@@ -544,13 +552,13 @@ def _launches(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
               scale_config, device, counters=None, views=None, geos=None):
     """The launches of a step (``_step_impl``) given its tables: ``found``, a (dtypes,
     positions, the table's rows on the host, whether every address is 16-byte aligned, the
-    tensors' lengths) per dtype group, on the device ``_on``; ``counters``: the step
-    counters' table on the host (each one's address read, then written), or None to make
-    it here. ``geos``: each tensor's ``Geometry`` where it is not its shape's own (a
-    shard's). A generator: given ``views`` (each tensor's ``ShardView`` or None, the step
-    over shards: ``staged``), it yields each phase's per-tensor partial results and is sent
-    them back combined across processes (``vega.codegen.steps.drive``); otherwise it yields
-    nothing."""
+    tensors' lengths, as ``block_map`` takes them) per dtype group, on the device ``_on``;
+    ``counters``: the step counters' table on the host (each one's address read, then
+    written), or None to make it here. ``geos``: each tensor's ``Geometry`` where it is not
+    its shape's own (a shard's). A generator: given ``views`` (each tensor's ``ShardView`` or
+    None, the step over shards: ``staged``), it yields each phase's per-tensor partial
+    results and is sent them back combined across processes (``vega.codegen.steps.drive``);
+    otherwise it yields nothing."""
     name = kern.prefix
     has_pre = pre is not None
     # each group's table and this step's scalars, all computed before any counter moves
@@ -643,7 +651,7 @@ def _combined(kern, work, maps, views, k, slot):
             torch.tensor(weights, dtype=torch.float64), red.device)
         count = _device(torch.tensor(
             [math.prod(views[i].full.full) if views[i] is not None else n
-             for i, n in zip(idx, numels)], dtype=torch.float64), red.device) \
+             for i, n in zip(idx, _lengths(numels))], dtype=torch.float64), red.device) \
             if any(n.op is Op.MEAN for n in phase) else None
         for q, node in enumerate(phase):
             parts.append(shard_part(node.op, red[:, slot + q].clone(), weight,
@@ -946,8 +954,9 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
                 finite = None
             elif not uniq_steps:
                 finite = finite_of(pre)
-            return list(params), [list(col) for col in states], list(uniq_steps) \
-                if len(uniq_steps) == n else [uniq_steps[k] for k in step_index], finite
+            # (the lists as given, the tensors stepped in place: engine.run copies them)
+            return params, states, uniq_steps if len(uniq_steps) == n else \
+                [uniq_steps[k] for k in step_index], finite
     _check_all(kern, params, grads, states, device)
     check_states("triton", kern.program, params, states)
     # each read as its values (resolved: no negative bit), contiguous (as they are, in the

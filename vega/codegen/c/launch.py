@@ -305,9 +305,10 @@ class Kernel:
             else:  # eagerly, directly (the operator's dispatch costs more a tensor)
                 self._step(*args)
         n = len(params)
-        states = [flat[k * n:(k + 1) * n] for k in range(len(states))]
+        if not donate:  # (in place: the lists as given, which engine.run copies)
+            states = [flat[k * n:(k + 1) * n] for k in range(len(states))]
         finite = record.finite_of(pre)
-        return params, states, list(unique) if len(unique) == n else \
+        return params, states, unique if len(unique) == n else \
             [unique[k] for k in step_index], finite  # (n distinct: ``step_index`` is 0..n-1)
 
     @property

@@ -707,15 +707,42 @@ Plain plain_on(PyObject *x, const c10::Device &device, bool codes, bool written,
     return {t, at};
 }
 
+// A dtype group's tensors' lengths as the block maps take them (vega.codegen.triton_runtime
+// .block_map): the bytes of their int64s, one object hashed and compared as one (a tuple of
+// Python ints took an int made for each tensor, compared one by one, each step).
+py::bytes lengths(const std::vector<int64_t> &numels) {
+    return py::bytes(reinterpret_cast<const char *>(numels.data()),
+                     numels.size() * sizeof(int64_t));
+}
+
+// A dtype group's parameters' positions among ``n``: ``range(n)`` where the group holds them
+// all (one dtype group, the common case: no int made a parameter), else a list of them.
+py::object positions(const std::vector<int64_t> &index, size_t n) {
+    if (index.size() == n) {
+        py::object all = py::reinterpret_steal<py::object>(
+            PyObject_CallFunction(reinterpret_cast<PyObject *>(&PyRange_Type), "n",
+                                  static_cast<Py_ssize_t>(n)));
+        if (!all) throw py::error_already_set();
+        return all;
+    }
+    py::list out(index.size());
+    for (size_t r = 0; r < index.size(); r++) {
+        PyObject *k = PyLong_FromLongLong(index[r]);
+        if (k == nullptr) throw py::error_already_set();
+        PyList_SET_ITEM(out.ptr(), r, k);  // (a stolen reference)
+    }
+    return out;
+}
+
 // The rows of the address tables of a Triton step in place (vega.codegen.triton_runtime),
 // grouped by dtypes, after checking every tensor as its Python path does: (key "p g s", the
-// parameters' positions, an int64 CPU tensor of rows [n, 6 + 2 * states], whether every
-// address is 16-byte aligned, the parameters' lengths), a group each; then the step
-// counters' table (int64 [counters, 2]: each one's address twice). ``states``: state by
-// state; ``doms``: each state's domain (0 the parameter's shape, 4 one number, 5 one a block
-// of 256: 8-bit scales); ``codes``: whether each holds 8-bit codes (uint8), ``scales``:
-// whether float32 only. Refused (ValueError) where any check fails or any two written tensors
-// share memory; else the parameters' version counters are bumped.
+// parameters' positions (``positions``), an int64 CPU tensor of rows [n, 6 + 2 * states],
+// whether every address is 16-byte aligned, the parameters' lengths (``lengths``)), a group
+// each; then the step counters' table (int64 [counters, 2]: each one's address twice).
+// ``states``: state by state; ``doms``: each state's domain (0 the parameter's shape, 4 one
+// number, 5 one a block of 256: 8-bit scales); ``codes``: whether each holds 8-bit codes
+// (uint8), ``scales``: whether float32 only. Refused (ValueError) where any check fails or
+// any two written tensors share memory; else the parameters' version counters are bumped.
 py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::handle states_,
                      py::handle steps_, py::handle step_index_, int64_t hyp_at,
                      int64_t hyp_width, py::handle hyper_index_,
@@ -822,19 +849,8 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
         const int64_t rows = static_cast<int64_t>(f.index.size());
         at::Tensor table = at::empty({rows, width}, at::TensorOptions().dtype(at::kLong));
         std::memcpy(table.data_ptr(), f.rows.data(), f.rows.size() * sizeof(int64_t));
-        py::tuple numels(rows);
-        py::list index(rows);
-        for (int64_t r = 0; r < rows; r++) {  // (stolen references, as the C API makes them)
-            PyObject *a = PyLong_FromLongLong(f.numels[r]), *b = PyLong_FromLongLong(f.index[r]);
-            if (a == nullptr || b == nullptr) {
-                Py_XDECREF(a);
-                Py_XDECREF(b);
-                throw py::error_already_set();
-            }
-            PyTuple_SET_ITEM(numels.ptr(), r, a);
-            PyList_SET_ITEM(index.ptr(), r, b);
-        }
-        out.append(py::make_tuple(f.key, index, table, f.any_address % 16 == 0, numels));
+        out.append(py::make_tuple(f.key, positions(f.index, n), table, f.any_address % 16 == 0,
+                                  lengths(f.numels)));
     }
     // the step counters' table: each counter's address, read and written (in place: twice)
     at::Tensor counters = at::empty({static_cast<int64_t>(nt), 2},
@@ -846,7 +862,8 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
 
 // The prelude's tables of a Triton step (vega.codegen.triton_runtime): the gradients grouped
 // by dtype, each plain on ``device`` as ``plain_on`` checks (else Refused), as (dtype name, an
-// int64 [n, 2] CPU tensor of rows (length, address), the lengths), a group each.
+// int64 [n, 2] CPU tensor of rows (length, address), the lengths as ``lengths`` gives them),
+// a group each.
 py::list triton_grad_rows(py::handle grads_, const c10::Device &device) {
     py::object grads = py::reinterpret_steal<py::object>(PySequence_Fast(grads_.ptr(), ""));
     if (!grads) throw py::error_already_set();
@@ -872,13 +889,9 @@ py::list triton_grad_rows(py::handle grads_, const c10::Device &device) {
         const int64_t count = static_cast<int64_t>(grp.second.size() / 2);
         at::Tensor table = at::empty({count, 2}, at::TensorOptions().dtype(at::kLong));
         std::memcpy(table.data_ptr(), grp.second.data(), grp.second.size() * sizeof(int64_t));
-        py::tuple numels(count);
-        for (int64_t r = 0; r < count; r++) {
-            PyObject *k = PyLong_FromLongLong(grp.second[2 * r]);
-            if (k == nullptr) throw py::error_already_set();
-            PyTuple_SET_ITEM(numels.ptr(), r, k);  // (a stolen reference)
-        }
-        out.append(py::make_tuple(dtype_name(grp.first), table, numels));
+        std::vector<int64_t> numels(static_cast<size_t>(count));
+        for (int64_t r = 0; r < count; r++) numels[r] = grp.second[2 * r];
+        out.append(py::make_tuple(dtype_name(grp.first), table, lengths(numels)));
     }
     return out;
 }
