@@ -329,6 +329,40 @@ def test_checked_on_two_threads_the_first_wrong_tensor_is_named(operator, wrong)
     assert all(int(t) == 0 for t in steps)
 
 
+@pytest.mark.parametrize("wrong", [None, "a state's shape", "two states share memory"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_operator_advances_the_versions_of_a_step_it_takes(operator, wrong, threads):
+    """The eager call advances each parameter's version counter once, after every tensor is
+    checked and its libraries found, before the kernels run (``step_impl``'s ``bump``); a step
+    it refuses (the last parameter's state of the wrong shape, two of its states one tensor,
+    a library not built yet) leaves every version as it was. On one thread and on two
+    (``APART_MIN`` tensors and more)."""
+    kernel = c_backend.Kernel(vega.builtin("adamw").program())
+    kernel._registered(operator)
+    n = 200
+    params, grads = [torch.zeros(300) for _ in range(n)], [torch.ones(300) for _ in range(n)]
+    mus, nus = [torch.zeros(300) for _ in range(n)], [torch.zeros(300) for _ in range(n)]
+    if wrong == "a state's shape":
+        mus[-1] = torch.zeros(3)
+    elif wrong is not None:
+        nus[-1] = mus[-1]
+    steps = [torch.zeros((), dtype=torch.int32) for _ in range(n)]
+    args = (params, grads, mus + nus, steps, list(range(n)),
+            [torch.full((8,), 0.1, dtype=torch.float64)], [0] * n, None, [], [])
+    before = [p._version for p in params]
+    with two_threads() if threads == 2 else contextlib.nullcontext():
+        # (refused: its tensors; or, the first time, its library not yet built)
+        with pytest.raises(ValueError if wrong else operator.MissingLibrary):
+            operator.step(kernel.id, *args)
+        assert [p._version for p in params] == before
+        assert all(int(t) == 0 for t in steps) and all(not p.any() for p in params)
+        if wrong:
+            return
+        kernel._native_call(operator, operator.step, *args)  # (builds it, calls again)
+    assert [p._version for p in params] == [v + 1 for v in before]
+    assert all(int(t) == 1 for t in steps) and all(p.any() for p in params)
+
+
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_the_class_step_is_the_functional_step_bitwise(name):
     """``vega.optim.<Class>.step()`` gathers each group's tensors and calls what

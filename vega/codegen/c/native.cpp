@@ -390,11 +390,15 @@ void each_apart(size_t n, bool apart, const Check &check) {
 }
 
 // ``List``: at::TensorList (the operator's), or ``Pointed`` (the eager call's: by pointer).
+// ``bump``: a step in place advances the parameters' version counters, as an in-place torch
+// operation does (the eager call's; the operator's dispatch does its own), once every tensor
+// is checked and before the kernels run: each parameter's tensor is still in the cache
+// then, where the kernels' pass over the values pushes it out.
 template <class List>
 void step_impl(int64_t id, const List &params, const List &grads, const List &states,
                const List &steps, c10::IntArrayRef step_index, const List &hypers,
                c10::IntArrayRef hyper_index, const c10::optional<at::Tensor> &pre,
-               c10::IntArrayRef geometry, const List &outs) {
+               c10::IntArrayRef geometry, const List &outs, bool bump = false) {
     auto k = kernel_of(id);
     const size_t n = params.size(), ns = static_cast<size_t>(k->nstates);
     const bool in_place = outs.empty();
@@ -522,6 +526,11 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
         grp.largest = std::max(grp.largest, f[0]);
         grp.total += f[0];
     }
+    // (every library is found: nothing after this refuses the step)
+    if (bump && in_place)
+        each_apart(n, apart, [&](size_t i) {
+            bump_ahead(params[i], i + PREFETCH_AHEAD < n ? &params[i + PREFETCH_AHEAD] : nullptr);
+        });
     if (groups.empty()) return;
     const int nth = at::get_num_threads();
     std::vector<std::vector<double>> reds(groups.size());
@@ -626,6 +635,18 @@ struct Held {
     py::object tuple;
     std::vector<const at::Tensor *> ts;
     Pointed list() const { return {ts}; }
+    // The objects' heads asked for, for writing: a step's kernels push them out of the
+    // cache, and the Python that follows counts references to each (this tuple's, then the
+    // caller's lists'), object after object; asked for in one pass, they come in parallel.
+    // With ``step_impl``'s ``bump`` before the kernels, a class step over 1,000 parameters of
+    // 10k elements or fewer, raced with torch's fused step, took 3.93 ms against 4.04 (the
+    // mean of eight interleaved runs' medians), and over 1,000 of one element 0.73 against
+    // 0.82 (ten runs). Needs no GIL: the tuple is not changed.
+    void prefetch() const {
+        const Py_ssize_t n = PyTuple_GET_SIZE(tuple.ptr());
+        PyObject *const *items = &PyTuple_GET_ITEM(tuple.ptr(), 0);
+        for (Py_ssize_t i = 0; i < n; i++) __builtin_prefetch(items[i], 1);
+    }
 };
 
 Held tensors_of(py::handle seq, const char *what) {
@@ -1144,8 +1165,8 @@ PYBIND11_MODULE(vega_native, m) {
     // the eager calls: the arguments converted with the GIL held, the work done without it.
     // A step in place then advances the parameters' version counters, as an in-place torch
     // operation does (torch.autograd.graph.increment_version's rule: an inference tensor has
-    // none), so that autograd refuses a graph that saved their old values; while it reads
-    // each parameter, not in a second pass over them all.
+    // none), so that autograd refuses a graph that saved their old values (``step_impl``'s
+    // ``bump``).
     m.def("step", [](int64_t id, py::handle params, py::handle grads, py::handle states,
                      py::handle steps, py::handle step_index_, py::handle hypers,
                      py::handle hyper_index_, const c10::optional<at::Tensor> &pre,
@@ -1158,12 +1179,8 @@ PYBIND11_MODULE(vega_native, m) {
                                    geometry = ints_of(geometry_, "geometry");
         py::gil_scoped_release unlocked;
         step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(), hyper_index,
-                  pre, geometry, o.list());
-        if (o.ts.empty())
-            each_apart(p.ts.size(), wide(p.list()), [&](size_t i) {
-                const size_t a = i + PREFETCH_AHEAD;
-                bump_ahead(*p.ts[i], a < p.ts.size() ? p.ts[a] : nullptr);
-            });
+                  pre, geometry, o.list(), true);
+        for (const Held *held : {&p, &g, &s, &t}) held->prefetch();
     });
     // whether a step in place may write every one of these tensors: none an inference
     // tensor outside inference mode, each contiguous, no two sharing memory (False where one
