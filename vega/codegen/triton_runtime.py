@@ -33,7 +33,7 @@ import operator
 import os
 import weakref
 from collections import OrderedDict
-from itertools import accumulate, chain
+from itertools import accumulate
 
 import torch
 from torch.autograd.graph import increment_version
@@ -892,14 +892,13 @@ def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pr
     check_device(device)
     scales = {sc for sc, _ in program.quant.values()}
     names = program.state_names
-    hyper_tensors, hyper_floats, hyper_slots, hyper_index = hypers
+    hyper_tensors, hyper_floats, hyper_slots, hyper_index, sets = hypers
     nhyper = len(program.float_hypers)
     with on_device(device):
-        hyp = _hyper_array(device, nhyper, max(hyper_index, default=-1) + 1, hyper_tensors,
-                           hyper_floats, hyper_slots)
+        hyp = _hyper_array(device, nhyper, sets, hyper_tensors, hyper_floats, hyper_slots)
         try:
             groups, counters = mod.triton_rows(
-                kern.native_id, params, grads, list(chain.from_iterable(states)), uniq_steps,
+                kern.native_id, params, grads, states, uniq_steps,
                 step_index, hyp.data_ptr(), max(nhyper, 1) * 8, hyper_index, doms,
                 [n in program.quant for n in names], [n in scales for n in names], device)
         except ValueError:
@@ -915,15 +914,18 @@ def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pr
     return finite
 
 
-def _hypers(kern, values) -> tuple[list, list, list, list]:
+def _hypers(kern, values) -> tuple[list, list, list, list, int]:
     """The hyperparameters of a step's tensors as ``vega::triton_step`` takes them: (0-d
-    tensors, floats, each value's place among those, each tensor's set of values)."""
+    tensors, floats, each value's place among those, each tensor's set of values), and the
+    number of those sets (the rows of ``_hyper_array``'s array)."""
     hyper_tensors, hyper_floats, hyper_slots = [], [], []
     if isinstance(values, HyperRows):  # the table as it is: _hyper_array takes it whole
         uniq_values, hyper_index = [], values.index
         hyper_tensors.append(values.table)
+        sets = values.table.shape[0]
     else:
         uniq_values, hyper_index = distinct(values)
+        sets = len(uniq_values)
     for vals in uniq_values:
         for h in kern.program.float_hypers:
             v = vals[h]
@@ -933,7 +935,7 @@ def _hypers(kern, values) -> tuple[list, list, list, list]:
             else:
                 hyper_slots.append(-1 - len(hyper_floats))
                 hyper_floats.append(float(v))
-    return hyper_tensors, hyper_floats, hyper_slots, hyper_index
+    return hyper_tensors, hyper_floats, hyper_slots, hyper_index, sets
 
 
 def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
@@ -945,7 +947,7 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
     # distinct step counters and hyperparameter sets (the same object is shared by many tensors)
     uniq_steps, step_index = distinct(steps)
     hypers = _hypers(kern, values)
-    hyper_tensors, hyper_floats, hyper_slots, hyper_index = hypers
+    hyper_tensors, hyper_floats, hyper_slots, hyper_index, _ = hypers
     if donate and n and not torch.compiler.is_compiling():
         finite = _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pre,
                               adjust, device)
@@ -1006,7 +1008,7 @@ def staged(kern, params, grads, states, steps, values, donate, pre, views):
     n = len(params)
     device = params[0].device if n else (pre.device if pre is not None else torch.device("cpu"))
     uniq_steps, step_index = distinct(steps)
-    hyper_tensors, hyper_floats, hyper_slots, hyper_index = _hypers(kern, values)
+    hyper_tensors, hyper_floats, hyper_slots, hyper_index, _ = _hypers(kern, values)
     _check_all(kern, params, grads, states, device)
     geos = shard_geometries("triton", params, views, kern.axes.temps) \
         if kern.plan is not None else None

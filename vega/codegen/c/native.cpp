@@ -760,9 +760,9 @@ py::object positions(const std::vector<int64_t> &index, size_t n) {
 // parameters' positions (``positions``), an int64 CPU tensor of rows [n, 6 + 2 * states],
 // whether every address is 16-byte aligned, the parameters' lengths (``lengths``)), a group
 // each; then the step counters' table (int64 [counters, 2]: each one's address twice).
-// ``states``: state by state; ``doms``: each state's domain (0 the parameter's shape, 4 one
-// number, 5 one a block of 256: 8-bit scales); ``codes``: whether each holds 8-bit codes
-// (uint8), ``scales``: whether float32 only. Refused (ValueError) where any check fails or
+// ``states``: a list of each state's tensors, state by state; ``doms``: each state's domain
+// (0 the parameter's shape, 4 one number, 5 one a block of 256: 8-bit scales); ``codes``:
+// whether each holds 8-bit codes (uint8), ``scales``: whether float32 only. Refused (ValueError) where any check fails or
 // any two written tensors share memory; else the parameters' version counters are bumped.
 py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::handle states_,
                      py::handle steps_, py::handle step_index_, int64_t hyp_at,
@@ -781,12 +781,23 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
     const size_t n = PySequence_Fast_GET_SIZE(params.ptr()), ns = doms.size(),
                  nt = PySequence_Fast_GET_SIZE(steps.ptr());
     if (static_cast<size_t>(PySequence_Fast_GET_SIZE(grads.ptr())) != n ||
-        static_cast<size_t>(PySequence_Fast_GET_SIZE(states.ptr())) != ns * n ||
+        static_cast<size_t>(PySequence_Fast_GET_SIZE(states.ptr())) != ns ||
         step_index.size() != n || hyper_index.size() != n || codes.size() != ns ||
         scales.size() != ns)
         throw Refused("the lists of a step do not match");
+    // each state's column (its tensors, a parameter each), read as the lists it holds
+    std::vector<py::object> columns(ns);
+    std::vector<PyObject **> S(ns);
+    for (size_t s = 0; s < ns; s++) {
+        columns[s] = py::reinterpret_steal<py::object>(
+            PySequence_Fast(PySequence_Fast_GET_ITEM(states.ptr(), s), ""));
+        if (!columns[s]) throw py::error_already_set();
+        if (static_cast<size_t>(PySequence_Fast_GET_SIZE(columns[s].ptr())) != n)
+            throw Refused("the lists of a step do not match");
+        S[s] = PySequence_Fast_ITEMS(columns[s].ptr());
+    }
     PyObject **P = PySequence_Fast_ITEMS(params.ptr()), **G = PySequence_Fast_ITEMS(grads.ptr()),
-             **S = PySequence_Fast_ITEMS(states.ptr()), **T = PySequence_Fast_ITEMS(steps.ptr());
+             **T = PySequence_Fast_ITEMS(steps.ptr());
     const bool inference_mode = c10::InferenceMode::is_enabled();
     std::vector<Span> spans;
     spans.reserve(n * (ns + 1) + nt);
@@ -813,14 +824,14 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
     for (size_t i = 0; i < n; i++) {
         prefetch_objects(P, n, i);
         prefetch_objects(G, n, i);
-        for (size_t s = 0; s < ns; s++) prefetch_objects(S + s * n, n, i);
+        for (size_t s = 0; s < ns; s++) prefetch_objects(S[s], n, i);
         const Plain pp = plain_on(P[i], device, false, true, inference_mode),
                     gg = plain_on(G[i], device, false, false, inference_mode);
         const at::Tensor &p = pp.t, &g = gg.t;
         if (g.numel() != p.numel()) throw Refused("a gradient's length differs");
         spans.push_back(pp.span());
         for (size_t s = 0; s < ns; s++) {
-            const Plain xx = plain_on(S[s * n + i], device, codes[s], true, inference_mode);
+            const Plain xx = plain_on(S[s][i], device, codes[s], true, inference_mode);
             const at::Tensor &x = xx.t;
             if (scales[s] && x.scalar_type() != c10::ScalarType::Float)
                 throw Refused("8-bit scales not float32");
