@@ -8,7 +8,8 @@ does not depend on their sizes: block maps and tables are cached), on the CPU un
 interpreter. Rows: a plain class step, one with clipping and a skip of non-finite steps, one
 with a dynamic loss scale too, the functional step, and torch's fused AdamW class step on
 ``meta`` tensors (its host side: meta kernels compute nothing); each for 148 tensors and for
-twice as many, with the time a tensor adds.
+two, three and four times as many, with the time a tensor adds: the least-squares slope over
+the four sizes (a difference of two of them moves with this machine's noise).
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ import sys
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+COPIES = (1, 2, 3, 4)  # GPT-2 small's tensors, and as many again, twice and three times
 
 
 def gpt2_shapes(scale: int) -> list[tuple[int, ...]]:
@@ -36,6 +40,13 @@ def per_step(step, steps: int, rounds: int = 7) -> float:
     with triton_ptx.recording() as found:
         step()  # warm: block maps, tables
         return best_of(step, steps, rounds, before=found.clear)
+
+
+def slope(sizes, times) -> float:
+    """The least-squares slope of ``times`` over ``sizes``."""
+    mx, my = sum(sizes) / len(sizes), sum(times) / len(times)
+    return sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / \
+        sum((x - mx) ** 2 for x in sizes)
 
 
 def best_of(step, steps: int, rounds: int, before=lambda: None) -> float:
@@ -90,7 +101,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     shapes = gpt2_shapes(args.scale)
     rows = {}
-    for copies in (1, 2):
+    for copies in COPIES:
         ws = [torch.nn.Parameter(torch.zeros(s)) for s in shapes * copies]
         for w in ws:
             w.grad = torch.zeros_like(w)
@@ -113,11 +124,14 @@ def main(argv=None) -> int:
         if meta is not None:
             rows.setdefault("torch AdamW fused (meta tensors)", []).append(meta)
     n = len(shapes)
+    sizes = [k * n for k in COPIES]
     print(f"host time a step, kernels recorded not run; GPT-2 small's {n} tensors "
-          f"(axes / {args.scale}) and {2 * n}; torch {torch.__version__}")
-    print(f"{'step':34} {n:>5} tensors {2 * n:>5} tensors   per tensor")
-    for label, (one, two) in rows.items():
-        print(f"{label:34} {one * 1e6:9.0f} us {two * 1e6:9.0f} us {(two - one) / n * 1e6:8.2f} us")
+          f"(axes / {args.scale}), and {', '.join(map(str, sizes[1:]))}; "
+          f"torch {torch.__version__}")
+    print(f"{'step':34} " + " ".join(f"{k:>5} tensors" for k in sizes) + "   per tensor")
+    for label, times in rows.items():
+        print(f"{label:34} " + " ".join(f"{t * 1e6:10.0f} us" for t in times) +
+              f" {slope(sizes, times) * 1e6:8.2f} us")
     return 0
 
 
