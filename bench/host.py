@@ -45,7 +45,7 @@ def per_step(step, steps: int, rounds: int = 7) -> float:
 def slope(sizes, times) -> float:
     """The least-squares slope of ``times`` over ``sizes``."""
     mx, my = sum(sizes) / len(sizes), sum(times) / len(times)
-    return sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / \
+    return sum((x - mx) * (y - my) for x, y in zip(sizes, times, strict=True)) / \
         sum((x - mx) ** 2 for x in sizes)
 
 
