@@ -217,11 +217,16 @@ void bump(const at::Tensor &t) {
     if (!t.is_inference()) torch::autograd::impl::bump_version(t);
 }
 
-// ``bump(t)`` in a pass over tensors, the counter of ``ahead`` (the tensor PREFETCH_AHEAD
-// places on, or null past the end) read first: an atomic increment waits for its line.
-void bump_ahead(const at::Tensor &t, const at::Tensor *ahead) {
-    if (ahead != nullptr && !ahead->is_inference()) (void)ahead->_version();
-    bump(t);
+// In a pass over ``n`` tensors at ``at(i)``, at ``i``: ``bump(at(i))``, the counter of the
+// tensor ``PREFETCH_AHEAD`` places on read first (as ``prefetch_ahead`` asks ahead): an
+// atomic increment waits for its line.
+template <class At>
+void bump_ahead(size_t n, size_t i, const At &at) {
+    if (i + PREFETCH_AHEAD < n) {
+        const at::Tensor &ahead = at(i + PREFETCH_AHEAD);
+        if (!ahead.is_inference()) (void)ahead._version();
+    }
+    bump(at(i));
 }
 
 // Whether two of the tensors written in place share memory (each contiguous: its span is
@@ -402,9 +407,10 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
     auto k = kernel_of(id);
     const size_t n = params.size(), ns = static_cast<size_t>(k->nstates);
     const bool in_place = outs.empty();
+    const size_t ngeo = k->axes ? static_cast<size_t>(k->col.ngeo()) * n : 0;
     if (grads.size() != n || states.size() != ns * n || step_index.size() != n ||
-        hyper_index.size() != n || (k->axes && geometry.size() != static_cast<size_t>(k->col.ngeo()) * n) ||
-        (!k->axes && !geometry.empty()) || (!in_place && outs.size() != (ns + 1) * n))
+        hyper_index.size() != n || geometry.size() != ngeo ||
+        (!in_place && outs.size() != (ns + 1) * n))
         fail("backend 'c': the lists of a step do not match: " + std::to_string(n) +
              " parameters, " + std::to_string(grads.size()) + " gradients, " +
              std::to_string(states.size()) + " state tensors for " + std::to_string(ns) +
@@ -529,7 +535,7 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
     // (every library is found: nothing after this refuses the step)
     if (bump && in_place)
         each_apart(n, apart, [&](size_t i) {
-            bump_ahead(params[i], i + PREFETCH_AHEAD < n ? &params[i + PREFETCH_AHEAD] : nullptr);
+            bump_ahead(n, i, [&](size_t k) -> const at::Tensor & { return params[k]; });
         });
     if (groups.empty()) return;
     const int nth = at::get_num_threads();
@@ -762,8 +768,9 @@ py::object positions(const std::vector<int64_t> &index, size_t n) {
 // each; then the step counters' table (int64 [counters, 2]: each one's address twice).
 // ``states``: a list of each state's tensors, state by state; ``doms``: each state's domain
 // (0 the parameter's shape, 4 one number, 5 one a block of 256: 8-bit scales); ``codes``:
-// whether each holds 8-bit codes (uint8), ``scales``: whether float32 only. Refused (ValueError) where any check fails or
-// any two written tensors share memory; else the parameters' version counters are bumped.
+// whether each holds 8-bit codes (uint8), ``scales``: whether float32 only. Refused
+// (ValueError) where any check fails or any two written tensors share memory; else the
+// parameters' version counters are bumped.
 py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::handle states_,
                      py::handle steps_, py::handle step_index_, int64_t hyp_at,
                      int64_t hyp_width, py::handle hyper_index_,
@@ -873,9 +880,7 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
     // the parameters' version counters, as an in-place torch operation bumps them (autograd
     // then refuses a graph that saved one of them): the step is taken from here on
     for (size_t i = 0; i < n; i++)
-        bump_ahead(THPVariable_Unpack(P[i]), i + PREFETCH_AHEAD < n
-                                                 ? &THPVariable_Unpack(P[i + PREFETCH_AHEAD])
-                                                 : nullptr);
+        bump_ahead(n, i, [&](size_t k) -> const at::Tensor & { return THPVariable_Unpack(P[k]); });
     py::list out;
     for (Found &f : groups) {
         const int64_t rows = static_cast<int64_t>(f.index.size());
