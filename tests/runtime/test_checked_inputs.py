@@ -790,6 +790,46 @@ def test_a_meta_tensor_hyperparameter_or_loaded_state_is_named():
         torch.equal(before[0][i][k], after[0][i][k]) for i in before[0] for k in before[0][i])
 
 
+_COUNTERS = {"float32": lambda: torch.tensor(1.0), "float64": lambda: torch.tensor(1.0).double(),
+             "int64": lambda: torch.tensor(1), "1-d": lambda: torch.tensor([1], dtype=torch.int32)}
+
+
+@pytest.mark.parametrize("backend", ["c", "triton"])
+@pytest.mark.parametrize("counter", list(_COUNTERS))
+def test_a_step_counter_not_a_0d_int32_tensor_is_refused_before_anything_is_written(
+        backend, counter):
+    """The fused backends' kernels read and advance a step counter as one int32: a counter of
+    another dtype or shape, set by hand, is refused by the class step (by the backend, in its
+    step and in its staged step over a group's sums) and by the functional step (which checks
+    its state first, on every backend), and nothing is written (Triton advanced a float32
+    counter's bits as an int32's and read its step as one: a wrong update, silently)."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    words = rf"backend '{backend}': a step counter must be a 0-d int32 tensor on"
+    for cls in (vega.optim.AdamW, vega.optim.Prodigy):  # (Prodigy's sums over the group:
+        w = torch.nn.Parameter(torch.ones(3, device=device))  # the kernels' staged step)
+        w.grad = torch.full_like(w, 0.5)
+        opt = cls([w], lr=0.1, backend=backend)
+        opt.step()
+        opt.state[w]["step"] = _COUNTERS[counter]().to(device)
+        before = [w.detach().clone(), *(v.clone() for v in opt.state[w].values())]
+        with pytest.raises(ValueError, match=words):
+            opt.step()
+        after = [w.detach(), *opt.state[w].values()]
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(before, after))
+    params = {"a": torch.ones(3, device=device), "b": torch.ones(2, 2, device=device)}
+    grads = {k: torch.full_like(v, 0.5) for k, v in params.items()}
+    state = vega.adamw_init(params)
+    state["step"] = _COUNTERS[counter]().to(device)
+    before = copy.deepcopy((params, state))
+    with pytest.raises(ValueError, match=r"^adamw_step: state\['step'\] must be a 0-d int32 "
+                                         r"tensor"):
+        vega.adamw_step(params, grads, state, donate=True, backend=backend)
+    assert all(torch.equal(x, y) for x, y in zip(
+        [params["a"], params["b"], state["mu"]["a"], state["nu"]["b"], state["step"]],
+        [before[0]["a"], before[0]["b"], before[1]["mu"]["a"], before[1]["nu"]["b"],
+         before[1]["step"]]))
+
+
 @pytest.mark.parametrize("backend", ["c", "reference"])
 def test_a_refused_first_step_leaves_no_state(backend):
     """A first step refused before it writes anything (two parameters overlapping in one

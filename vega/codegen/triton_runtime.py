@@ -812,6 +812,17 @@ def _check_all(kern, params, grads, states, device) -> None:
 _KNOWN = frozenset(DTYPES)
 
 
+def _check_counters(steps, device) -> None:
+    """Every step counter a 0-d int32 tensor on ``device``, as the kernels read and advance
+    it (a float32 counter's bits were advanced as an int32's, and its step read as one: a
+    wrong update, silently), else ValueError naming it, as the C backend's."""
+    for t in steps:
+        if t.dtype != torch.int32 or t.dim() != 0 or t.device != device:
+            raise ValueError(f"backend 'triton': a step counter must be a 0-d int32 tensor on "
+                             f"{device}, got shape {tuple(t.shape)} and dtype {t.dtype} on "
+                             f"{t.device}")
+
+
 def _check(kern, what: str, x: torch.Tensor) -> None:
     if has_own_ops(x):  # (no storage of its own to read: DTensor)
         raise ValueError(f"backend 'triton': {what} {own_ops_words(x)}; use "
@@ -960,6 +971,7 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
             return params, states, uniq_steps if len(uniq_steps) == n else \
                 [uniq_steps[k] for k in step_index], finite
     _check_all(kern, params, grads, states, device)
+    _check_counters(uniq_steps, device)
     check_states("triton", kern.program, params, states)
     # each read as its values (resolved: no negative bit), contiguous (as they are, in the
     # common case: a pass over the flags, not a copy's call a tensor)
@@ -1010,6 +1022,7 @@ def staged(kern, params, grads, states, steps, values, donate, pre, views):
     uniq_steps, step_index = distinct(steps)
     hyper_tensors, hyper_floats, hyper_slots, hyper_index, _ = _hypers(kern, values)
     _check_all(kern, params, grads, states, device)
+    _check_counters(uniq_steps, device)
     geos = shard_geometries("triton", params, views, kern.axes.temps) \
         if kern.plan is not None else None
     check_states("triton", kern.program, params, states, geos)
