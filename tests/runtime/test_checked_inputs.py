@@ -7,6 +7,9 @@ import copy
 import math
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -734,21 +737,90 @@ def test_a_negative_step_counter_is_refused_by_set_leaf_and_load(tmp_path):
         vega.load(tmp_path / "s.safetensors", like=state)
 
 
-@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("backend", ["c", "reference", "triton"])
 @pytest.mark.parametrize("value", [None, 3.0])
-def test_a_state_entry_set_by_hand_to_a_non_tensor_is_named(backend, value):
-    """``opt.state[p]['mu'] = None`` (or a number) is named by the next step, which writes
-    nothing (a TypeError from deep inside before)."""
-    w = torch.nn.Parameter(torch.ones(3))
-    w.grad = torch.ones(3)
+@pytest.mark.parametrize("name", ["mu", "step"])
+def test_a_state_entry_set_by_hand_to_a_non_tensor_is_named(backend, value, name):
+    """``opt.state[p]['mu'] = None`` (or a number; or the step counter) is named by the next
+    step, which writes nothing (a TypeError from deep inside before; a counter set so was
+    named by no backend, and Triton's in an AttributeError)."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    w = torch.nn.Parameter(torch.ones(3, device=device))
+    w.grad = torch.ones(3, device=device)
     opt = vega.optim.AdamW([w], lr=0.1, backend=backend)
     opt.step()
-    opt.state[w]["mu"] = value
-    before = w.detach().clone()
-    with pytest.raises(ValueError, match=rf"^AdamW: state 'mu' of parameter 0 of group 0 is "
-                                         rf"{value}, not a tensor"):
+    opt.state[w][name] = value
+    before = [w.detach().clone(), *(v.clone() for v in opt.state[w].values()
+                                     if isinstance(v, torch.Tensor))]
+    with pytest.raises(ValueError, match=rf"^AdamW: state '{name}' of parameter 0 of group 0 "
+                                         rf"is {value}, not a tensor"):
         opt.step()
-    assert torch.equal(w, before) and int(opt.state[w]["step"]) == 1
+    after = [w.detach(), *(v for v in opt.state[w].values() if isinstance(v, torch.Tensor))]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def _meta_state_refused(backend: str, cls: str) -> None:
+    """``test_a_state_set_by_hand_on_another_device_is_named_before_anything_is_written``'s
+    check (in a child process for Triton: see there)."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    w = torch.nn.Parameter(torch.ones(3, device=device))
+    w.grad = torch.ones(3, device=device)
+    opt = getattr(vega.optim, cls)([w], lr=0.1, backend=backend)
+    opt.step()
+    name = next(n for n, v in opt.state[w].items() if n != "step")
+    opt.state[w][name] = opt.state[w][name].to("meta")
+    before = [w.detach().clone(), *(v.clone() for n, v in opt.state[w].items() if n != name)]
+    # (AdamW's step names the parameter by its group; Prodigy's, whose sums span the group,
+    # is checked by its backend's staged step)
+    words = rf"^{cls}: parameter 0 of group 0: backend '{backend}': state '{name}' is on meta, " \
+        if cls == "AdamW" else rf"^backend '{backend}'.*state.*on meta"
+    with pytest.raises(ValueError, match=words):
+        opt.step()
+    after = [w.detach(), *(v for n, v in opt.state[w].items() if n != name)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("backend", ["c", "reference", "triton"])
+@pytest.mark.parametrize("cls", ["AdamW", "Prodigy"])
+def test_a_state_set_by_hand_on_another_device_is_named_before_anything_is_written(
+        backend, cls):
+    """A class's state tensor set by hand on another device than its parameter's (``meta``
+    here: no address, no values) is refused by every backend, naming it, before anything is
+    written (Triton's kernel read its address, 0, and the process died of a segmentation
+    fault: its case runs in a child process; the reference raised torch's RuntimeError)."""
+    if backend != "triton":
+        _meta_state_refused(backend, cls)
+        return
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", "from tests.runtime.test_checked_inputs import "
+         f"_meta_state_refused; _meta_state_refused({backend!r}, {cls!r})"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("backend", ["c", "triton"])
+def test_a_step_counter_at_its_last_value_steps_as_the_reference(backend):
+    """A step counter may be any whole number in [0, 2**31 - 1] (it stops there): at
+    2**31 - 1 the step's t is 2**31 on every backend, and the backends agree (the
+    reference's t was computed in int32, wrapped to -2**31, and every step changed
+    nothing)."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    got = {}
+    for be in ("reference", backend):
+        w = torch.nn.Parameter(torch.ones(3, device=device))
+        w.grad = torch.ones(3, device=device)
+        opt = vega.optim.AdamW([w], lr=0.1, weight_decay=0.0, backend=be)
+        opt.step()
+        opt.state[w]["step"].fill_(2 ** 31 - 1)
+        before = w.detach().clone()
+        for _ in range(2):
+            opt.step()
+        assert int(opt.state[w]["step"]) == 2 ** 31 - 1
+        got[be] = w.detach().cpu()
+        assert not torch.equal(got[be], before.cpu()), be
+    torch.testing.assert_close(got[backend], got["reference"], rtol=1e-6, atol=0)
 
 
 def test_loss_scale_scale_and_a_group_without_params_are_named():

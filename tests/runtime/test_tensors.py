@@ -503,3 +503,12 @@ def test_a_first_step_refused_in_a_later_group_leaves_no_state():
     b.grad = torch.ones(5)
     opt.step()
     assert int(opt.state[a]["step"]) == int(opt.state[b]["step"]) == 1
+
+
+def test_inplace_problem_names_an_item_that_is_not_a_tensor():
+    """``inplace_problem`` names an item that is not a tensor (None, a number) by its position
+    and ``MISSING_WORDS``, where the native module is loaded too (its pass raised a TypeError
+    of its own, "vega_native: tensor 1 is a float", before)."""
+    from vega.codegen.tensors import MISSING_WORDS, inplace_problem
+    for x in (None, 3.0):
+        assert inplace_problem([torch.ones(2), x]) == (1, None, MISSING_WORDS)

@@ -382,6 +382,21 @@ def codes_without_scales(backend: str, name: str) -> ValueError:
                       "state_dtype=torch.uint8 and keep its scales with it")
 
 
+def check_state_devices(backend: str, program: Program, params, states) -> None:
+    """Raise ValueError unless every state tensor is on its parameter's device (a state on
+    ``meta`` has no address: a Triton kernel read address 0; the reference's torch
+    operations raised a RuntimeError of their own). The compiled backends check each
+    tensor's device with its address; this is the reference's check, and a class's
+    (``_check_work``), which names the parameter."""
+    devices = None
+    for s, col in zip(program.states, states):
+        devices = [p.device for p in params] if devices is None else devices
+        if [x.device for x in col] != devices:
+            i, x = next((i, x) for i, x in enumerate(col) if x.device != devices[i])
+            raise ValueError(f"backend '{backend}': state '{s.name}' of parameter {i} is on "
+                             f"{x.device}, but its parameter is on {devices[i]}")
+
+
 def check_states(backend: str, program: Program, params, states, geos=None) -> None:
     """Raise ValueError unless every state tensor has the shape its parameter needs
     (``states``: one list per state variable): a kernel would read and write past a

@@ -29,8 +29,8 @@ import torch
 from vega.codegen import precision, quant
 from vega.codegen.gram import Gram, gram_form
 from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_codes, check_dtypes,
-                               check_states, geometry, hyper_var, leveled, linearize, split_result,
-                               state_var)
+                               check_state_devices, check_states, geometry, hyper_var, leveled,
+                               linearize, split_result, state_var)
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import Done, advance_steps, memo, run_staged
 from vega.codegen.tensors import PLAIN_TYPES, refuse_inplace
@@ -1149,7 +1149,7 @@ class Kernel:
 
     def _scalar_phase(self, step, values, cd, device):
         """The scalar phase in float64, each result rounded once to the compute dtype."""
-        t = (step + 1).to(torch.float64)
+        t = step.to(torch.float64) + 1  # (in int32, 2**31 - 1 + 1 wrapped to -2**31)
         scal = self._scalars(t, *self._hyper_args(values, torch.float64, device))
         # (a number made no tensor, ``widen(2)``: one of the compute dtype)
         return [torch.as_tensor(x, dtype=cd, device=device) if not isinstance(x, torch.Tensor)
@@ -1169,6 +1169,7 @@ class Kernel:
         every parameter, state and step counter as it was. ``finite`` is that
         flag as a 0-d bool tensor (None without ``pre``).
         """
+        check_state_devices("reference", self.program, params, states)
         check_states("reference", self.program, params, states)
         check_codes("reference", self.program, states)
         check_dtypes("reference", self.program, params, grads, states)
@@ -1249,7 +1250,9 @@ class Kernel:
         that span processes, ``[(how, float64 tensor), ...]`` (how: "sum" or "max"), and
         is sent them back combined over all processes; it returns ``__call__``'s answer.
         ``views``: each tensor's ``ShardView`` (the states' shapes are the caller's to
-        check: a shard's matrix view is not its own shape's)."""
+        check: a shard's matrix view is not its own shape's; their devices are checked
+        here)."""
+        check_state_devices("reference", self.program, params, states)
         finite, gscale = self._begin(params, states, steps, donate, pre)
         cache: dict = {}
         gens, asked, outs = [], [], [None] * len(params)

@@ -262,8 +262,11 @@ def inplace_problem(tensors) -> tuple[int, int | None, str] | None:
     if not torch.compiler.is_compiling():
         from vega.codegen.c import native  # (the C backend imports this module)
         mod = native.module()
-        if mod is not None and mod.writable(tensors):
-            return None
+        try:
+            if mod is not None and mod.writable(tensors):
+                return None
+        except TypeError:  # (an object not a tensor: named below)
+            pass
     spans = []
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):

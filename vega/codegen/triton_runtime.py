@@ -790,13 +790,14 @@ _DEVICE_OF = operator.attrgetter("device")
 
 
 def _check_all(kern, params, grads, states, device) -> None:
-    """``_check`` of every parameter, gradient and state, and every parameter and gradient
-    on ``device``: in a few passes over their types, dtypes and devices where all is well
-    (the common case), tensor by tensor to say which is wrong otherwise."""
+    """``_check`` of every parameter, gradient and state, and every one on ``device`` (the
+    kernels read and write each at its address there: a state on ``meta``, whose address is
+    0, crashed the process): in a few passes over their types, dtypes and devices where all
+    is well (the common case), tensor by tensor to say which is wrong otherwise."""
     if not torch.compiler.is_compiling():  # (dynamo traces the checks one by one)
         every = [*params, *grads, *(x for col in states for x in col)]
         if first_with_own_ops(every) is None and _KNOWN.issuperset(map(_DTYPE, every)) \
-                and all(d == device for d in map(_DEVICE_OF, [*params, *grads])):
+                and all(d == device for d in map(_DEVICE_OF, every)):
             return
     for p, g in zip(params, grads):
         _check(kern, "parameters", p)
@@ -807,6 +808,9 @@ def _check_all(kern, params, grads, states, device) -> None:
     for col in states:
         for x in col:
             _check(kern, "state", x)
+            if x.device != device:
+                raise ValueError(f"backend 'triton' needs every tensor of a step on one "
+                                 f"device, got a state on {x.device} besides {device}")
 
 
 _KNOWN = frozenset(DTYPES)
@@ -816,7 +820,7 @@ def _check_counters(steps, device) -> None:
     """Every step counter a 0-d int32 tensor on ``device``, as the kernels read and advance
     it (a float32 counter's bits were advanced as an int32's, and its step read as one: a
     wrong update, silently), else ValueError naming it, as the C backend's."""
-    for t in steps:
+    for t in steps:  # (one not a tensor is named before: by the class, the functional step)
         if t.dtype != torch.int32 or t.dim() != 0 or t.device != device:
             raise ValueError(f"backend 'triton': a step counter must be a 0-d int32 tensor on "
                              f"{device}, got shape {tuple(t.shape)} and dtype {t.dtype} on "

@@ -20,8 +20,8 @@ import torch
 
 from vega import codegen
 from vega.codegen import quant
-from vega.codegen.base import (check_codes, check_dtypes, check_states, distinct,
-                               state_shape)
+from vega.codegen.base import (check_codes, check_dtypes, check_state_devices, check_states,
+                               distinct, state_shape)
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
                                   dense_words, first_with_own_ops, floats, gather,
@@ -426,7 +426,9 @@ class SpecOptimizer(torch.optim.Optimizer):
         out = []
         for item in work:
             program, backend, params, grads, states, steps, values = item
-            for n, col in zip(program.state_names, states):  # (a state entry set by hand)
+            for n, col in zip([*program.state_names, "step"], [*states, steps]):  # (a state
+                # entry set by hand; a step counter too, which the kernels would take as a list
+                # item they cannot read)
                 i = next((j for j, x in enumerate(col) if not isinstance(x, torch.Tensor)), None)
                 if i is not None:
                     raise ValueError(f"{type(self).__name__}: state '{n}' of "
@@ -512,13 +514,16 @@ class SpecOptimizer(torch.optim.Optimizer):
                                      f"{tuple(g.shape)}, but the parameter has shape "
                                      f"{tuple(p.shape)}")
             try:
+                check_state_devices(backend, program, params, states)
                 check_states(backend, program, params, states)
                 check_codes(backend, program, states)
                 check_dtypes(backend, program, params, grads, states)
             except ValueError as e:
                 for i, p in enumerate(params):  # (which parameter, by the class's name of it)
                     try:
-                        check_states(backend, program, [p], [[col[i]] for col in states])
+                        one = [[col[i]] for col in states]
+                        check_state_devices(backend, program, [p], one)
+                        check_states(backend, program, [p], one)
                     except ValueError as one:
                         words = str(one).replace(" of parameter 0 ", " ")
                         raise ValueError(f"{owner}: {self._name(p)}: {words}") from None
