@@ -979,3 +979,35 @@ def test_the_scalar_phase_is_taken_again_only_for_the_same_step_and_hyperparamet
     for h, want in ((0.0, 0.5), (-0.0, -0.5), (0.0, 0.5)):
         got, _ = signed.step(x, x, signed.init(x), backend="c", h=h)
         assert torch.equal(got[0], torch.full((3,), want, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["prodigy", "dadapt_adamw"])
+def test_a_staged_step_with_tensor_hyperparameters_matches_the_reference(name):
+    """A rule with sums over the group (its C step staged: phases, then the update) given its
+    hyperparameters as 0-d tensors steps as the reference does, over three steps, parameters
+    and every state (the arrays of those values are made for the step, and were freed before
+    its kernels read them: Prodigy's step came out NaN)."""
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    hypers = {"lr": torch.tensor(1.0), "weight_decay": torch.tensor(0.01),
+              "b1": torch.tensor(0.9, dtype=torch.float64)}
+    init, step = getattr(vega, f"{name}_init"), getattr(vega, f"{name}_step")
+    got = {}
+    for backend in ("reference", "c"):
+        p = {k: v.clone() for k, v in params.items()}
+        state = init(p)
+        g2 = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            grads = {k: torch.randn(v.shape, generator=g2) for k, v in p.items()}
+            p, state = step(p, grads, state, backend=backend, **hypers)
+        got[backend] = (p, state)
+    (p_ref, s_ref), (p_c, s_c) = got["reference"], got["c"]
+    for k in params:
+        assert p_c[k].isfinite().all(), k
+        assert_close(p_c[k], p_ref[k], torch.float32, f"param {k}")
+    for field, leaves in s_ref.items():
+        if isinstance(leaves, dict):
+            for k, ref in leaves.items():
+                assert_close(s_c[field][k], ref, torch.float32, f"{field}.{k}")
+        else:
+            assert_close(s_c[field], leaves, torch.float32, field)

@@ -334,8 +334,8 @@ class Kernel:
             yield from self._staged_axes(params, grads, states, steps, values, donate, pre,
                                          views)
             return
-        params, flat, unique, step_index, work_p, work_s, tables = self._staged_tables(
-            params, grads, states, steps, values, donate)
+        params, flat, unique, step_index, work_p, work_s, tables, _rows = self._staged_tables(
+            params, grads, states, steps, values, donate)  # (_rows: see _staged_tables)
         nth = torch.get_num_threads()
         phases = self._phases
         # each table's reduction buffer as a grid (a row per tensor), the weight of each
@@ -372,19 +372,24 @@ class Kernel:
     def _staged_tables(self, params, grads, states, steps, values, donate, geos=None):
         """What a staged step steps: (parameters, flat states and distinct step counters,
         copies where not ``donate``; the counters' index; the parameters and states the
-        kernels read and write, contiguous; the tables, ``_tables``' with ``geos``)."""
+        kernels read and write, contiguous; the tables, ``_tables``' with ``geos``; the
+        hyperparameters' arrays, whose rows' addresses the tables hold: the caller keeps
+        them until its last kernel has run (those of tensor hyperparameters are made for
+        the step, and were freed when this returned: the kernels read freed memory, and
+        Prodigy's step with ``lr=torch.tensor(1.0)`` came out NaN))."""
         unique, step_index = distinct(steps)
         if not donate:
             unique = [s.clone() for s in unique]
         hyp, hyp_index = self._hyper_tables(values)
+        hyp = [h.contiguous() for h in hyp]
         flat = [s for col in states for s in col]
         if not donate:
             params, flat = [p.clone() for p in params], [s.clone() for s in flat]
         self._refuse_writes(params, flat, unique)
         work_p, work_g, work_s = readable(params), readable(grads), readable(flat)
-        tables = self._tables(work_p, work_g, work_s, unique, step_index,
-                              [h.contiguous() for h in hyp], hyp_index, geos=geos)
-        return params, flat, unique, step_index, work_p, work_s, tables
+        tables = self._tables(work_p, work_g, work_s, unique, step_index, hyp, hyp_index,
+                              geos=geos)
+        return params, flat, unique, step_index, work_p, work_s, tables, hyp
 
     def _staged_axes(self, params, grads, states, steps, values, donate, pre, views):
         """``staged`` of a program over a matrix view (``vega.codegen.c.staged``), stage by
@@ -404,8 +409,8 @@ class Kernel:
                  for j, m in enumerate(mats) if m.op in AXIS_REDUCTIONS}
         # (tensor, materialized axis reduction) -> whether other processes hold part of
         # what it reduces
-        params, flat, unique, step_index, work_p, work_s, tables = self._staged_tables(
-            params, grads, states, steps, values, donate, geos)
+        params, flat, unique, step_index, work_p, work_s, tables, _rows = self._staged_tables(
+            params, grads, states, steps, values, donate, geos)  # (_rows: see _staged_tables)
         nth = torch.get_num_threads()
         slots = {id(n): q for q, n in enumerate(axes.reductions)}
         at = {id(m): j for j, m in enumerate(mats)}
