@@ -918,3 +918,21 @@ def test_a_refused_first_step_leaves_no_state(backend):
     p2.data = torch.zeros(4)  # (its own memory now)
     opt.step()
     assert len(opt.state) == 2 and int(opt.state[p1]["step"]) == 1
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+def test_a_state_leaf_of_one_number_per_tensor_of_another_shape_is_named(backend):
+    """A functional state leaf of one number per tensor (novograd's ``nu``, a 0-d tensor)
+    given another shape is a ValueError naming it and what it needs (a KeyError, 's', from
+    the message's own table before), and nothing is written."""
+    params = {"a": torch.tensor([1.0, 2.0, 3.0])}
+    grads = {"a": torch.tensor([0.1, -0.2, 0.3])}
+    state = vega.novograd_init(params)
+    state["nu"]["a"] = torch.zeros(3)
+    before = copy.deepcopy((params, state))
+    with pytest.raises(ValueError, match=r"^novograd_step: state leaf 'nu.a' has shape \(3,\) "
+                                         r"on cpu, but its parameter \(3,\) needs one number "
+                                         r"per tensor \(a 0-d tensor\): \(\) on cpu"):
+        vega.novograd_step(params, grads, state, lr=1e-2, donate=True, backend=backend)
+    assert torch.equal(params["a"], before[0]["a"]) and torch.equal(state["nu"]["a"],
+                                                                    before[1]["nu"]["a"])

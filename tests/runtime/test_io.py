@@ -554,6 +554,17 @@ def test_save_into_a_missing_directory_names_it(tmp_path):
         vega.save(tmp_path / "nowhere" / "s.safetensors", vega.adamw_init(make_params()))
 
 
+def test_save_to_a_directory_names_it_and_leaves_it_as_it_was(tmp_path):
+    """``vega.save`` of a path that is a directory says so, and leaves no temporary file
+    there (the rename over the directory failed, naming the temporary file)."""
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"^vega.save: '.*d' is a directory; vega.save "
+                                                r"writes one file"):
+        vega.save(tmp_path / "d", vega.adamw_init(make_params()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+    assert list((tmp_path / "d").iterdir()) == []
+
+
 def test_like_is_a_keyword(saved):
     path, _, state = saved
     with pytest.raises(TypeError):

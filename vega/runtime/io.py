@@ -129,6 +129,9 @@ def save(path, state) -> None:
     if not directory.is_dir():
         raise FileNotFoundError(f"vega.save: cannot write {str(target)!r}: no directory "
                                 f"{str(directory)!r}")
+    if target.is_dir():  # (the rename over it failed naming the temporary file)
+        raise IsADirectoryError(f"vega.save: {str(target)!r} is a directory; vega.save writes "
+                                f"one file (a path such as {str(target / 'state.safetensors')!r})")
     tmp = str(directory / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies
     try:
