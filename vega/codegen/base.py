@@ -388,9 +388,8 @@ def check_state_devices(backend: str, program: Program, params, states) -> None:
     operations raised a RuntimeError of their own). The compiled backends check each
     tensor's device with its address; this is the reference's check, and a class's
     (``_check_work``), which names the parameter."""
-    devices = None
+    devices = [p.device for p in params]
     for s, col in zip(program.states, states):
-        devices = [p.device for p in params] if devices is None else devices
         if [x.device for x in col] != devices:
             i, x = next((i, x) for i, x in enumerate(col) if x.device != devices[i])
             raise ValueError(f"backend '{backend}': state '{s.name}' of parameter {i} is on "

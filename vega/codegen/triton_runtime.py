@@ -38,8 +38,8 @@ from itertools import accumulate
 import torch
 from torch.autograd.graph import increment_version
 
-from vega.codegen.base import (HyperRows, axis_geometry, check_states, distinct,
-                               shard_geometries, state_key)
+from vega.codegen.base import (HyperRows, axis_geometry, check_state_devices, check_states,
+                               distinct, shard_geometries, state_key)
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
 from vega.codegen.steps import (Done, axis_part, finish_combined, finished, shard_part,
@@ -789,11 +789,13 @@ def on_device(device: torch.device):
 _DEVICE_OF = operator.attrgetter("device")
 
 
-def _check_all(kern, params, grads, states, device) -> None:
-    """``_check`` of every parameter, gradient and state, and every one on ``device`` (the
+def _check_all(kern, params, grads, states, steps, device) -> None:
+    """``_check`` of every parameter, gradient and state, every one on ``device`` (the
     kernels read and write each at its address there: a state on ``meta``, whose address is
-    0, crashed the process): in a few passes over their types, dtypes and devices where all
-    is well (the common case), tensor by tensor to say which is wrong otherwise."""
+    0, crashed the process), and ``_check_counters`` of the distinct step counters ``steps``:
+    in a few passes over their types, dtypes and devices where all is well (the common
+    case), tensor by tensor to say which is wrong otherwise."""
+    _check_counters(steps, device)
     if not torch.compiler.is_compiling():  # (dynamo traces the checks one by one)
         every = [*params, *grads, *(x for col in states for x in col)]
         if first_with_own_ops(every) is None and _KNOWN.issuperset(map(_DTYPE, every)) \
@@ -808,9 +810,7 @@ def _check_all(kern, params, grads, states, device) -> None:
     for col in states:
         for x in col:
             _check(kern, "state", x)
-            if x.device != device:
-                raise ValueError(f"backend 'triton' needs every tensor of a step on one "
-                                 f"device, got a state on {x.device} besides {device}")
+    check_state_devices("triton", kern.program, params, states)  # (each on its parameter's)
 
 
 _KNOWN = frozenset(DTYPES)
@@ -974,8 +974,7 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
             # (the lists as given, the tensors stepped in place: engine.run copies them)
             return params, states, uniq_steps if len(uniq_steps) == n else \
                 [uniq_steps[k] for k in step_index], finite
-    _check_all(kern, params, grads, states, device)
-    _check_counters(uniq_steps, device)
+    _check_all(kern, params, grads, states, uniq_steps, device)
     check_states("triton", kern.program, params, states)
     # each read as its values (resolved: no negative bit), contiguous (as they are, in the
     # common case: a pass over the flags, not a copy's call a tensor)
@@ -1025,8 +1024,7 @@ def staged(kern, params, grads, states, steps, values, donate, pre, views):
     device = params[0].device if n else (pre.device if pre is not None else torch.device("cpu"))
     uniq_steps, step_index = distinct(steps)
     hyper_tensors, hyper_floats, hyper_slots, hyper_index, _ = _hypers(kern, values)
-    _check_all(kern, params, grads, states, device)
-    _check_counters(uniq_steps, device)
+    _check_all(kern, params, grads, states, uniq_steps, device)
     geos = shard_geometries("triton", params, views, kern.axes.temps) \
         if kern.plan is not None else None
     check_states("triton", kern.program, params, states, geos)

@@ -426,9 +426,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         out = []
         for item in work:
             program, backend, params, grads, states, steps, values = item
-            for n, col in zip([*program.state_names, "step"], [*states, steps]):  # (a state
-                # entry set by hand; a step counter too, which the kernels would take as a list
-                # item they cannot read)
+            # (a state entry set by hand, the step counter too)
+            for n, col in zip([*program.state_names, "step"], [*states, steps]):
                 i = next((j for j, x in enumerate(col) if not isinstance(x, torch.Tensor)), None)
                 if i is not None:
                     raise ValueError(f"{type(self).__name__}: state '{n}' of "
@@ -521,9 +520,9 @@ class SpecOptimizer(torch.optim.Optimizer):
             except ValueError as e:
                 for i, p in enumerate(params):  # (which parameter, by the class's name of it)
                     try:
-                        one = [[col[i]] for col in states]
-                        check_state_devices(backend, program, [p], one)
-                        check_states(backend, program, [p], one)
+                        its = [[col[i]] for col in states]
+                        check_state_devices(backend, program, [p], its)
+                        check_states(backend, program, [p], its)
                     except ValueError as one:
                         words = str(one).replace(" of parameter 0 ", " ")
                         raise ValueError(f"{owner}: {self._name(p)}: {words}") from None
