@@ -235,6 +235,39 @@ def test_gather_native_is_the_python_one(monkeypatch):
         tensors.gather(ps, sts, ["mu", "step"])
 
 
+def test_gather_reads_a_state_dict_in_any_key_order(monkeypatch):
+    """The native pass reads a state dict's entries in order while its keys are the names
+    asked for, in order, and looks the rest up: any other order, keys equal to the names
+    but other objects, and other keys before, between or after them give what ``st[name]``
+    gives, as the Python path does."""
+    from vega.codegen import tensors
+    names = ["mu", "nu", "step"]
+    other = ["".join(["m", "u"]), "".join(["n", "u"]), "".join(["st", "ep"])]
+    assert all(a == b and a is not b for a, b in zip(names, other))
+    made = [lambda t: dict(zip(names, t)),  # (in order, the names themselves)
+            lambda t: dict(zip(reversed(names), reversed(t))),
+            lambda t: {names[1]: t[1], names[0]: t[0], names[2]: t[2]},
+            lambda t: dict(zip(other, t)),
+            lambda t: {names[0]: t[0], other[1]: t[1], names[2]: t[2]},
+            lambda t: {"extra": torch.ones(1), **dict(zip(names, t))},
+            lambda t: {names[0]: t[0], "extra": torch.ones(1), names[1]: t[1], names[2]: t[2]},
+            lambda t: {**dict(zip(names, t)), "extra": torch.ones(1)}]
+    ps = [torch.nn.Parameter(torch.zeros(3)) for _ in made]
+    for p in ps:
+        p.grad = torch.ones(3)
+    values = [[torch.full((3,), float(k)), torch.full((3,), -float(k)),
+               torch.tensor(k, dtype=torch.int32)] for k in range(len(made))]
+    sts = [make(t) for make, t in zip(made, values)]
+    fast, slow = _both(monkeypatch, tensors.gather, ps, sts, names)
+    monkeypatch.undo()
+    for got in (fast, slow):
+        assert got[2] == 0
+        assert all(x is y for c, d in zip(got[1], zip(*values)) for x, y in zip(c, d))
+    del sts[4][other[1]]  # (one of those looked up, missing)
+    with pytest.raises(KeyError):
+        tensors.gather(ps, sts, names)
+
+
 def test_any_complex_native_is_the_python_one(monkeypatch):
     from vega.codegen import tensors
     real = [torch.zeros(2), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]

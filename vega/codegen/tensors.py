@@ -123,7 +123,7 @@ def on_one_device(tensors: list) -> bool:
 
 def gather(params, sts, names) -> tuple[list, list[list], int]:
     """What a class step reads of a group, in one pass of the native module where it is
-    loaded (``vega.codegen.c.native``: about 90 ns a parameter with three state tensors,
+    loaded (``vega.codegen.c.native``: about 50 ns a parameter with three state tensors,
     where the same passes in Python take about 490 ns): (each parameter's gradient, as
     ``p.grad`` reads it; for each of ``names``, the list of ``st[name]`` over the state
     dicts ``sts``; flags: ``NO_GRAD``, some gradient is None; ``NOT_PLAIN``, some gradient
