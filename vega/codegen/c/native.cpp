@@ -704,6 +704,17 @@ std::vector<int64_t> ints_of(py::handle seq, const char *what) {
     return out;
 }
 
+// A step's index of each parameter's step counter or hyperparameter row (``ints_of``); None
+// for the common cases, which then make no int a parameter: each parameter its own counter,
+// in order (``counting``: 0, 1, ..., n - 1), or one row for all (n zeros).
+std::vector<int64_t> indices_of(py::handle seq, size_t n, bool counting, const char *what) {
+    if (!seq.is_none()) return ints_of(seq, what);
+    std::vector<int64_t> out(n, 0);
+    if (counting)
+        for (size_t i = 0; i < n; i++) out[i] = static_cast<int64_t>(i);
+    return out;
+}
+
 // -- Triton's address tables -----------------------------------------------------------------
 
 // Raised where a Triton step's tensors are not all plain and as its kernels read them:
@@ -778,10 +789,6 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
                      int64_t hyp_width, py::handle hyper_index_,
                      const std::vector<int64_t> &doms, const std::vector<bool> &codes,
                      const std::vector<bool> &scales, const c10::Device &device) {
-    // (the per-tensor index lists read by ``ints_of``: pybind11's conversion took ~30 ns an
-    // item)
-    const std::vector<int64_t> step_index = ints_of(step_index_, "step index"),
-                               hyper_index = ints_of(hyper_index_, "hyperparameter index");
     py::object params = py::reinterpret_steal<py::object>(PySequence_Fast(params_.ptr(), "")),
                grads = py::reinterpret_steal<py::object>(PySequence_Fast(grads_.ptr(), "")),
                states = py::reinterpret_steal<py::object>(PySequence_Fast(states_.ptr(), "")),
@@ -789,6 +796,11 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
     if (!params || !grads || !states || !steps) throw py::error_already_set();
     const size_t n = PySequence_Fast_GET_SIZE(params.ptr()), ns = doms.size(),
                  nt = PySequence_Fast_GET_SIZE(steps.ptr());
+    // (the per-tensor index lists read by ``ints_of``: pybind11's conversion took ~30 ns an
+    // item; None for the common ones, ``indices_of``)
+    const std::vector<int64_t> step_index = indices_of(step_index_, n, true, "step index"),
+                               hyper_index = indices_of(hyper_index_, n, false,
+                                                        "hyperparameter index");
     if (static_cast<size_t>(PySequence_Fast_GET_SIZE(grads.ptr())) != n ||
         static_cast<size_t>(PySequence_Fast_GET_SIZE(states.ptr())) != ns ||
         step_index.size() != n || hyper_index.size() != n || codes.size() != ns ||
@@ -1209,8 +1221,10 @@ PYBIND11_MODULE(vega_native, m) {
         const auto p = tensors_of(params, "parameter"), g = tensors_of(grads, "gradient"),
                    s = tensors_of(states, "state tensor"), t = tensors_of(steps, "step counter"),
                    h = tensors_of(hypers, "hyperparameter row"), o = tensors_of(outs, "output");
-        const std::vector<int64_t> step_index = ints_of(step_index_, "step index"),
-                                   hyper_index = ints_of(hyper_index_, "hyperparameter index"),
+        const size_t n = p.ts.size();
+        const std::vector<int64_t> step_index = indices_of(step_index_, n, true, "step index"),
+                                   hyper_index = indices_of(hyper_index_, n, false,
+                                                            "hyperparameter index"),
                                    geometry = ints_of(geometry_, "geometry");
         py::gil_scoped_release unlocked;
         step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(), hyper_index,
