@@ -166,3 +166,46 @@ def test_tensors_the_native_checks_refuse_take_the_python_path(what, monkeypatch
     assert calls == [False]
     for k in params:
         torch.testing.assert_close(params[k], ref[k])
+
+
+@pytest.mark.parametrize("change", ["none", "replaced", "swapped"])
+def test_the_step_takes_what_its_prelude_found_only_of_the_same_gradients(change, monkeypatch):
+    """A fused step's prelude checks its gradients and hands what it found (their lengths,
+    addresses and dtypes) to the step's ``triton_rows``, which takes it only where it is
+    given the same tensors in the same order: a gradient replaced by another tensor, or two
+    swapped, between the two are read anew (their addresses in the table)."""
+    ws = _params([torch.float32] * 3, [(300,), (300,), (7,)])
+    opt = vega.optim.AdamW(ws, lr=1e-3, backend="triton", max_grad_norm=1.0)
+    with monkeypatch.context() as m:  # (the states made, the kernels loaded)
+        m.setattr(triton_runtime, "launch", lambda *a, **k: None)
+        opt.step()
+    mod, given, tables, used = native.module(), [], [], []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(mod, name)
+
+        def triton_rows(self, *args):
+            given.append(args[-1] is not None)
+            out = mod.triton_rows(*args)
+            tables.append([rows for _, _, rows, _, _ in out[0]])
+            return out
+
+    real = triton_runtime._native_step
+
+    def native_step(kern, params, grads, *rest):
+        if change == "replaced":
+            grads[0] = grads[0].clone()
+        elif change == "swapped":
+            grads[0], grads[1] = grads[1], grads[0]
+        used.append([g.data_ptr() for g in grads])
+        return real(kern, params, grads, *rest)
+
+    with monkeypatch.context() as m:
+        m.setattr(triton_runtime, "launch", lambda *a, **k: None)
+        m.setattr(triton_runtime, "_table_builder", lambda: Recording())
+        m.setattr(triton_runtime, "_native_step", native_step)
+        opt.step()
+    assert given == [True]  # (offered: triton_rows decides)
+    assert len(tables) == 1 and len(tables[0]) == 1  # (one dtype group)
+    assert tables[0][0][:, 2].tolist() == used[0]

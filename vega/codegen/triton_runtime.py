@@ -845,9 +845,12 @@ def prelude(kern, grads, pre: torch.Tensor, init=None) -> None:
     if mod is not None:  # each gradient checked and its row made in C++
         check_device(pre.device)
         try:
-            found = mod.triton_grad_rows(grads, pre.device)
+            found, checked = mod.triton_grad_rows(grads, pre.device)
         except ValueError:  # (the checks below say what)
             pass
+        else:  # (for this step's triton_rows: the record is made for the step, and goes)
+            kept = pre.__dict__.setdefault(_CHECKED, {})
+            kept[id(grads)] = checked
     if found is None:
         for g in grads:
             _check(kern, "gradients", g)
@@ -877,6 +880,12 @@ def _scale_args(adjust, device) -> tuple[list, torch.Tensor | None]:
     key = (device, float(adjust.growth_interval), float(adjust.growth_factor),
            float(adjust.backoff_factor))
     return list(adjust.tensors()), _constants(_SCALE_CONFIGS, key, list(key[1:]), device)
+
+
+# the record's attribute that holds what the prelude's ``triton_grad_rows`` found of each
+# list of gradients (by the list's id), which the step's ``triton_rows`` takes where they are
+# the same tensors in the same order (it compares them): their checks are not done twice
+_CHECKED = "_vega_checked_grads"
 
 
 def _table_builder():
@@ -909,6 +918,8 @@ def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pr
     names = program.state_names
     hyper_tensors, hyper_floats, hyper_slots, hyper_index, sets = hypers
     nhyper = len(program.float_hypers)
+    kept = pre.__dict__.get(_CHECKED) if pre is not None else None
+    checked = kept.pop(id(grads), None) if kept else None
     with on_device(device):
         hyp = _hyper_array(device, nhyper, sets, hyper_tensors, hyper_floats, hyper_slots)
         try:
@@ -916,7 +927,8 @@ def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pr
                 kern.native_id, params, grads, states, uniq_steps,
                 None if len(uniq_steps) == len(params) else step_index, hyp.data_ptr(),
                 max(nhyper, 1) * 8, None if sets == 1 else hyper_index, doms,
-                [n in program.quant for n in names], [n in scales for n in names], device)
+                [n in program.quant for n in names], [n in scales for n in names], device,
+                checked)
         except ValueError:
             return False
         finite = torch.empty((), dtype=torch.bool, device=device)

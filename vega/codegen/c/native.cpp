@@ -287,11 +287,10 @@ struct Group {
 constexpr uint64_t OTHER_CODES = ~0ull;
 
 template <class List>
-uint64_t dtype_code(const at::Tensor &p, const at::Tensor &g, const List &states, size_t i,
+uint64_t dtype_code(const at::Tensor &p, c10::ScalarType g, const List &states, size_t i,
                     size_t n, size_t ns) {
     if (ns > 5) return OTHER_CODES;
-    uint64_t code = static_cast<uint64_t>(p.scalar_type()) |
-                    static_cast<uint64_t>(g.scalar_type()) << 8;
+    uint64_t code = static_cast<uint64_t>(p.scalar_type()) | static_cast<uint64_t>(g) << 8;
     for (size_t s = 0; s < ns; s++)
         code |= static_cast<uint64_t>(states[s * n + i].scalar_type()) << (16 + 8 * s);
     return code;
@@ -494,7 +493,7 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
             }
         }
         f[0] = p.numel();
-        f[3 + ns] = static_cast<int64_t>(dtype_code(p, g, states, i, n, ns));
+        f[3 + ns] = static_cast<int64_t>(dtype_code(p, g.scalar_type(), states, i, n, ns));
         // the first values the kernels read (the gradient's) and write (the parameter's and
         // the states'), asked for while the others are checked
         __builtin_prefetch(reinterpret_cast<const void *>(f[2]));
@@ -774,6 +773,36 @@ py::object positions(const std::vector<int64_t> &index, size_t n) {
     return out;
 }
 
+// What ``triton_grad_rows`` found of a step's gradients, for the same step's ``triton_rows``
+// (its prelude's tables are made first): (the gradients, as a tuple that holds them; the bytes
+// of int64s: the device's type and index, then each gradient's length, address and dtype).
+// ``triton_rows`` takes these for its gradients where they are the same objects, in the same
+// order, on its device: a gradient's length, address and dtype change only through its
+// tensor (``set_``, ``.data =``), which nothing between a prelude and its step calls. The
+// checks and the reads of each gradient's tensor (some 230 instructions a gradient) are not
+// done twice.
+struct Checked {
+    const int64_t *info = nullptr;  // (null: none to take)
+    py::object keep;  // (the bytes)
+
+    Checked(py::handle found, PyObject *const *G, size_t n, const c10::Device &device) {
+        if (found.is_none() || !PyTuple_Check(found.ptr()) || PyTuple_GET_SIZE(found.ptr()) != 2)
+            return;
+        PyObject *grads = PyTuple_GET_ITEM(found.ptr(), 0),
+                 *bytes = PyTuple_GET_ITEM(found.ptr(), 1);
+        if (!PyTuple_Check(grads) || static_cast<size_t>(PyTuple_GET_SIZE(grads)) != n ||
+            !PyBytes_Check(bytes) ||
+            static_cast<size_t>(PyBytes_GET_SIZE(bytes)) != (2 + 3 * n) * sizeof(int64_t))
+            return;
+        if (n && std::memcmp(&PyTuple_GET_ITEM(grads, 0), G, n * sizeof(PyObject *)) != 0)
+            return;
+        const auto *at = reinterpret_cast<const int64_t *>(PyBytes_AS_STRING(bytes));
+        if (at[0] != static_cast<int64_t>(device.type()) || at[1] != device.index()) return;
+        info = at + 2;
+        keep = py::reinterpret_borrow<py::object>(bytes);
+    }
+};
+
 // The rows of the address tables of a Triton step in place (vega.codegen.triton_runtime),
 // grouped by dtypes, after checking every tensor as its Python path does: (key "p g s", the
 // parameters' positions (``positions``), an int64 CPU tensor of rows [n, 6 + 2 * states],
@@ -781,14 +810,16 @@ py::object positions(const std::vector<int64_t> &index, size_t n) {
 // each; then the step counters' table (int64 [counters, 2]: each one's address twice).
 // ``states``: a list of each state's tensors, state by state; ``doms``: each state's domain
 // (0 the parameter's shape, 4 one number, 5 one a block of 256: 8-bit scales); ``codes``:
-// whether each holds 8-bit codes (uint8), ``scales``: whether float32 only. Refused
-// (ValueError) where any check fails or any two written tensors share memory; else the
-// parameters' version counters are bumped.
+// whether each holds 8-bit codes (uint8), ``scales``: whether float32 only; ``checked``:
+// what the step's prelude found of the gradients (``Checked``), or None. The step counter
+// and hyperparameter indices: see ``indices_of``. Refused (ValueError) where any check fails
+// or any two written tensors share memory; else the parameters' version counters are bumped.
 py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::handle states_,
                      py::handle steps_, py::handle step_index_, int64_t hyp_at,
                      int64_t hyp_width, py::handle hyper_index_,
                      const std::vector<int64_t> &doms, const std::vector<bool> &codes,
-                     const std::vector<bool> &scales, const c10::Device &device) {
+                     const std::vector<bool> &scales, const c10::Device &device,
+                     py::handle checked_) {
     py::object params = py::reinterpret_steal<py::object>(PySequence_Fast(params_.ptr(), "")),
                grads = py::reinterpret_steal<py::object>(PySequence_Fast(grads_.ptr(), "")),
                states = py::reinterpret_steal<py::object>(PySequence_Fast(states_.ptr(), "")),
@@ -820,6 +851,7 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
     PyObject **P = PySequence_Fast_ITEMS(params.ptr()), **G = PySequence_Fast_ITEMS(grads.ptr()),
              **T = PySequence_Fast_ITEMS(steps.ptr());
     const bool inference_mode = c10::InferenceMode::is_enabled();
+    const Checked checked(checked_, G, n, device);  // (the prelude's, where it serves)
     std::vector<Span> spans;
     spans.reserve(n * (ns + 1) + nt);
     std::vector<int64_t> step_at(nt);
@@ -844,12 +876,21 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
     std::vector<int64_t> st_at(ns);
     for (size_t i = 0; i < n; i++) {
         prefetch_objects(P, n, i);
-        prefetch_objects(G, n, i);
+        if (!checked.info) prefetch_objects(G, n, i);
         for (size_t s = 0; s < ns; s++) prefetch_objects(S[s], n, i);
-        const Plain pp = plain_on(P[i], device, false, true, inference_mode),
-                    gg = plain_on(G[i], device, false, false, inference_mode);
-        const at::Tensor &p = pp.t, &g = gg.t;
-        if (g.numel() != p.numel()) throw Refused("a gradient's length differs");
+        const Plain pp = plain_on(P[i], device, false, true, inference_mode);
+        const at::Tensor &p = pp.t;
+        int64_t g_numel, g_at;
+        c10::ScalarType g_type;
+        if (checked.info) {
+            const int64_t *found = checked.info + 3 * i;
+            g_numel = found[0], g_at = found[1];
+            g_type = static_cast<c10::ScalarType>(found[2]);
+        } else {
+            const Plain gg = plain_on(G[i], device, false, false, inference_mode);
+            g_numel = gg.t.numel(), g_at = gg.at, g_type = gg.t.scalar_type();
+        }
+        if (g_numel != p.numel()) throw Refused("a gradient's length differs");
         spans.push_back(pp.span());
         for (size_t s = 0; s < ns; s++) {
             const Plain xx = plain_on(S[s][i], device, codes[s], true, inference_mode);
@@ -864,8 +905,8 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
         if (step_index[i] < 0 || static_cast<size_t>(step_index[i]) >= nt || hyper_index[i] < 0)
             throw Refused("an index is out of range");
         const Pointed one{st};  // (this parameter's states, as a list of one parameter's)
-        const uint64_t code = dtype_code(p, g, one, 0, 1, ns);
-        auto key = [&] { return dtype_key(p, g, one, 0, 1, ns); };
+        const uint64_t code = dtype_code(p, g_type, one, 0, 1, ns);
+        auto key = [&] { return dtype_key(p, THPVariable_Unpack(G[i]), one, 0, 1, ns); };
         std::string named;
         Found *grp = found_group(groups, code, key, named);
         if (grp == nullptr) {  // (room for the rest: one group holds every parameter, as a
@@ -884,7 +925,7 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
         // and each state are written: themselves (vega.codegen.triton_runtime._step_impl)
         row[0] = p.numel();
         row[1] = row[5 + ns] = pp.at;
-        row[2] = gg.at;
+        row[2] = g_at;
         for (size_t s = 0; s < ns; s++) row[3 + s] = row[6 + ns + s] = st_at[s];
         row[3 + ns] = step_at[step_index[i]];
         row[4 + ns] = hyp_at + hyper_index[i] * hyp_width;
@@ -917,17 +958,23 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
 // The prelude's tables of a Triton step (vega.codegen.triton_runtime): the gradients grouped
 // by dtype, each plain on ``device`` as ``plain_on`` checks (else Refused), as (dtype name, an
 // int64 [n, 2] CPU tensor of rows (length, address), the lengths as ``lengths`` gives them),
-// a group each.
-py::list triton_grad_rows(py::handle grads_, const c10::Device &device) {
-    py::object grads = py::reinterpret_steal<py::object>(PySequence_Fast(grads_.ptr(), ""));
+// a group each; and what it found of them, for the step's ``triton_rows`` (``Checked``).
+py::tuple triton_grad_rows(py::handle grads_, const c10::Device &device) {
+    py::tuple grads = py::reinterpret_steal<py::tuple>(PySequence_Tuple(grads_.ptr()));
     if (!grads) throw py::error_already_set();
-    const size_t n = PySequence_Fast_GET_SIZE(grads.ptr());
-    PyObject **G = PySequence_Fast_ITEMS(grads.ptr());
+    const size_t n = PyTuple_GET_SIZE(grads.ptr());
+    PyObject **G = &PyTuple_GET_ITEM(grads.ptr(), 0);
     std::vector<std::pair<c10::ScalarType, std::vector<int64_t>>> groups;  // rows by dtype
+    std::vector<int64_t> info(2 + 3 * n);  // (``Checked``)
+    info[0] = static_cast<int64_t>(device.type());
+    info[1] = device.index();
     for (size_t i = 0; i < n; i++) {
         prefetch_objects(G, n, i);
         const Plain gg = plain_on(G[i], device, false, false, true);
         const at::Tensor &g = gg.t;
+        info[2 + 3 * i] = g.numel();
+        info[3 + 3 * i] = gg.at;
+        info[4 + 3 * i] = static_cast<int64_t>(g.scalar_type());
         std::vector<int64_t> *rows = nullptr;
         for (auto &grp : groups)
             if (grp.first == g.scalar_type()) rows = &grp.second;
@@ -947,7 +994,8 @@ py::list triton_grad_rows(py::handle grads_, const c10::Device &device) {
         for (int64_t r = 0; r < count; r++) numels[r] = grp.second[2 * r];
         out.append(py::make_tuple(dtype_name(grp.first), table, lengths(numels)));
     }
-    return out;
+    return py::make_tuple(out, py::make_tuple(grads, py::bytes(
+        reinterpret_cast<const char *>(info.data()), info.size() * sizeof(int64_t))));
 }
 
 // -- gathering a class step's tensors (vega.codegen.c.native.gather) ---------------------
