@@ -1069,7 +1069,7 @@ py::object gather(py::handle params_, py::handle sts_, py::handle names_, py::ha
     // A state dict's entries read in order while its keys are ``names`` themselves, in order
     // (a class's state dicts are made so): a pointer compared an entry, where a lookup hashed
     // and probed (~110 instructions a name). From the first other key on, looked up.
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n && nn; i++) {  // (no names: no state dict read, as before)
         if (i + PREFETCH_AHEAD < n) __builtin_prefetch(S[i + PREFETCH_AHEAD]);
         if (!PyDict_CheckExact(S[i])) return py::none();
         Py_ssize_t k = 0, pos = 0;
