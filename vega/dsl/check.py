@@ -264,7 +264,7 @@ class _Walker:
                                 f"{_suggest(s.dtype, list(DTYPES))}", s.dtype_span)
             if s.dtype == "uint8" and dom != "rc":
                 raise SpecError(f"state '{s.name}' holds "
-                                f"{ir.DOMAIN_WORDS.get(dom, 'one number per tensor')}: only a "
+                                f"{ir.DOMAIN_WORDS[dom]}: only a "
                                 "state shaped like p is kept in 8 bits (uint8)", s.dtype_span)
             init = self.init_expr(s.init, env)
             if init.dtype != "float":

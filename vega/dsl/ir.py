@@ -132,6 +132,7 @@ DOMAIN_WORDS = {"rr": "a rows x rows matrix", "cc": "a columns x columns matrix"
                 "cr": "a columns x rows matrix (a transpose)",
                 "rc": "one value per element", "r": "one value per row",
                 "c": "one value per column", "": "one value per matrix",
+                SCALAR_STATE: "one number per tensor (a 0-d tensor)",
                 QBLOCK: "one value per block of 256 (an 8-bit state's scales)"}
 
 

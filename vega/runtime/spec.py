@@ -611,8 +611,7 @@ def _check_state_leaf(owner, name, p, s, dom="rc"):
     want = state_shape(p, dom)
     if tuple(s.shape) != want or s.device != p.device:
         whose = "its parameter has" if dom == "rc" else \
-            f"its parameter {tuple(p.shape)} needs " \
-            f"{ir.DOMAIN_WORDS.get(dom, 'one number per tensor (a 0-d tensor)')}:"
+            f"its parameter {tuple(p.shape)} needs {ir.DOMAIN_WORDS[dom]}:"
         raise ValueError(f"{owner}: state leaf '{name()}' has shape {tuple(s.shape)} on "
                          f"{s.device}, but {whose} {want} on {p.device}")
 

@@ -782,8 +782,7 @@ py::object positions(const std::vector<int64_t> &index, size_t n) {
 // checks and the reads of each gradient's tensor (some 230 instructions a gradient) are not
 // done twice.
 struct Checked {
-    const int64_t *info = nullptr;  // (null: none to take)
-    py::object keep;  // (the bytes)
+    const int64_t *info = nullptr;  // (null: none to take; else into the caller's bytes)
 
     Checked(py::handle found, PyObject *const *G, size_t n, const c10::Device &device) {
         if (found.is_none() || !PyTuple_Check(found.ptr()) || PyTuple_GET_SIZE(found.ptr()) != 2)
@@ -799,7 +798,6 @@ struct Checked {
         const auto *at = reinterpret_cast<const int64_t *>(PyBytes_AS_STRING(bytes));
         if (at[0] != static_cast<int64_t>(device.type()) || at[1] != device.index()) return;
         info = at + 2;
-        keep = py::reinterpret_borrow<py::object>(bytes);
     }
 };
 
