@@ -177,6 +177,11 @@ def test_distinct_native_is_the_python_one(monkeypatch):
         monkeypatch.undo()
         assert fast[1] == slow[1] and len(fast[0]) == len(slow[0])
         assert all(x is y for x, y in zip(fast[0], slow[0]))
+        # each its own (and more than one): the positions are range(n) on both paths (no
+        # int made an item), the distinct ones a new list
+        each = len(set(map(id, items))) == len(items) > 1
+        assert (type(fast[1]) is range) == (type(slow[1]) is range) == each
+        assert fast[0] is not items and type(fast[0]) is list
 
 
 def test_same_native_is_the_python_one(monkeypatch):
@@ -189,6 +194,45 @@ def test_same_native_is_the_python_one(monkeypatch):
         fast, slow = _both(monkeypatch, same, x, y)
         monkeypatch.undo()
         assert fast == slow and (want is None or fast == want)
+
+
+def test_same_reads_a_list_subclass_as_it_iterates(monkeypatch):
+    """A list or tuple is compared as it holds its items; any other sequence (a subclass
+    of list that iterates its own way) as it iterates, on both paths."""
+    from vega.codegen.tensors import same
+    a, b = torch.zeros(1), torch.zeros(1)
+
+    class Backwards(list):
+        def __iter__(self):
+            return reversed(list(super().__iter__()))
+    for x, y, want in (([a, b], Backwards([b, a]), True), (Backwards([a, b]), [a, b], False),
+                       ((a, b), Backwards([b, a]), True)):
+        fast, slow = _both(monkeypatch, same, x, y)
+        monkeypatch.undo()
+        assert fast == slow == want
+
+
+def test_the_prelude_tables_give_the_same_lengths_object_for_the_same_lengths():
+    """A dtype group's lengths (the bytes of their int64s, a block map's key) are the same
+    object as a recent call's where they are equal: the map's lookup hashes nothing; other
+    lengths of as many bytes are other bytes."""
+    mod = native.module(wait=True)
+    if mod is None:
+        pytest.skip("the native operator cannot be built here")
+    cpu = torch.device("cpu")
+
+    def lengths(*numels):
+        found, _ = mod.triton_grad_rows([torch.zeros(n) for n in numels], cpu)
+        (_, _, out), = found
+        assert list(memoryview(out).cast("q")) == list(numels)
+        return out
+    first = lengths(3, 5, 7)
+    assert lengths(3, 5, 7) is first
+    assert lengths(5, 3, 7) is not first and lengths(7, 5, 3) is not first
+    assert lengths(3, 5, 7) is first  # (still held among the last few)
+    for k in range(1, 12):  # more than are held: the first made again, equal
+        lengths(k)
+    assert lengths(3, 5, 7) == first
 
 
 def test_gather_native_is_the_python_one(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import operator
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -180,9 +181,11 @@ def is_schedule(v) -> bool:
     return callable(v) and not isinstance(v, torch.Tensor)
 
 
-def distinct(items: list) -> tuple[list, list[int]]:
+def distinct(items: list) -> tuple[list, Sequence[int]]:
     """The distinct objects of ``items`` (by identity) and the position of each item among
-    them. Under torch.compile by ``is`` (``id()`` would guard on every object's address)."""
+    them: ``range(len(items))`` where each is its own (a class's step counters: no int made
+    an item), else a list. Under torch.compile by ``is`` (``id()`` would guard on every
+    object's address), a list."""
     uniq, index = [], []
     if torch.compiler.is_compiling():
         for x in items:
@@ -199,7 +202,7 @@ def distinct(items: list) -> tuple[list, list[int]]:
     if all(map(operator.is_, items, repeat(items[0]))):  # all one (a group's hyperparameters)
         return [items[0]], [0] * len(items)
     if len(set(map(id, items))) == len(items):  # each its own (a class's step counters)
-        return list(items), list(range(len(items)))
+        return list(items), range(len(items))
     at: dict[int, int] = {}
     for x, k in zip(items, map(id, items)):
         if k not in at:

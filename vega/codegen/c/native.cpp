@@ -748,10 +748,23 @@ Plain plain_on(PyObject *x, const c10::Device &device, bool codes, bool written,
 
 // A dtype group's tensors' lengths as the block maps take them (vega.codegen.triton_runtime
 // .block_map): the bytes of their int64s, one object hashed and compared as one (a tuple of
-// Python ints took an int made for each tensor, compared one by one, each step).
+// Python ints took an int made for each tensor, compared one by one, each step). The same
+// lengths as one of the last few calls' give that call's object again: its hash is kept in
+// it, and the block map's lookup finds its key by identity (hashing a new one took some 50
+// instructions a tensor, each step). (The objects are held for the process; the GIL held.)
 py::bytes lengths(const std::vector<int64_t> &numels) {
-    return py::bytes(reinterpret_cast<const char *>(numels.data()),
-                     numels.size() * sizeof(int64_t));
+    static PyObject *last[8] = {};
+    static size_t next = 0;
+    const size_t size = numels.size() * sizeof(int64_t);
+    for (PyObject *b : last)
+        if (b != nullptr && static_cast<size_t>(PyBytes_GET_SIZE(b)) == size &&
+            std::memcmp(PyBytes_AS_STRING(b), numels.data(), size) == 0)
+            return py::reinterpret_borrow<py::bytes>(b);
+    py::bytes made(reinterpret_cast<const char *>(numels.data()), size);
+    Py_XDECREF(last[next]);
+    last[next] = (Py_INCREF(made.ptr()), made.ptr());
+    next = (next + 1) % 8;
+    return made;
 }
 
 // A dtype group's parameters' positions among ``n``: ``range(n)`` where the group holds them
@@ -1115,37 +1128,59 @@ py::tuple distinct(py::handle items_) {
     size_t size = 16;
     while (size < 2 * static_cast<size_t>(n)) size *= 2;
     std::vector<PyObject *> keys(size, nullptr);
-    std::vector<Py_ssize_t> at(size);
-    py::list uniq, index(n);
+    std::vector<Py_ssize_t> at(size), pos(static_cast<size_t>(n));
     Py_ssize_t count = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n)  // (its reference count is written)
-            __builtin_prefetch(X[i + PREFETCH_AHEAD], 1);
         size_t h = (reinterpret_cast<uintptr_t>(X[i]) >> 4) * 0x9E3779B97F4A7C15ull;
         size_t slot = (h >> 20) & (size - 1);
         while (keys[slot] != nullptr && keys[slot] != X[i]) slot = (slot + 1) & (size - 1);
         if (keys[slot] == nullptr) {
             keys[slot] = X[i];
             at[slot] = count++;
-            if (PyList_Append(uniq.ptr(), X[i]) != 0) throw py::error_already_set();
         }
-        PyObject *k = at[slot] < (1 << 16) ? ints[static_cast<size_t>(at[slot])]
-                                           : PyLong_FromSsize_t(at[slot]);
+        pos[static_cast<size_t>(i)] = at[slot];
+    }
+    if (count == n) {  // all distinct (each parameter its own counter): the items, in order,
+        // and ``range(n)``, which makes no int an item
+        py::object all = py::reinterpret_steal<py::object>(
+                       PyObject_CallFunction(reinterpret_cast<PyObject *>(&PyRange_Type), "n", n)),
+                   uniq = py::reinterpret_steal<py::object>(PySequence_List(items.ptr()));
+        if (!all || !uniq) throw py::error_already_set();
+        return py::make_tuple(uniq, all);
+    }
+    py::list uniq(count), index(n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_ssize_t j = pos[static_cast<size_t>(i)];
+        PyObject *k = j < (1 << 16) ? ints[static_cast<size_t>(j)] : PyLong_FromSsize_t(j);
         if (k == nullptr) throw py::error_already_set();
-        if (at[slot] < (1 << 16)) Py_INCREF(k);
+        if (j < (1 << 16)) Py_INCREF(k);
         PyList_SET_ITEM(index.ptr(), i, k);
+        if (PyList_GET_ITEM(uniq.ptr(), j) == nullptr)  // (its first place)
+            PyList_SET_ITEM(uniq.ptr(), j, (Py_INCREF(X[i]), X[i]));
     }
     return py::make_tuple(uniq, index);
 }
 
+// A list or tuple's items as they are, else a tuple of the sequence's (``tuple_of``): where
+// nothing runs Python code while the items are read (a compare of addresses), a list need not
+// be copied (the copy and its references cost more than the compare).
+struct Items {
+    py::object held;
+    PyObject **at;
+    Py_ssize_t n;
+    Items(py::handle seq, const char *what) {
+        held = PyList_CheckExact(seq.ptr()) || PyTuple_CheckExact(seq.ptr())
+                   ? py::reinterpret_borrow<py::object>(seq)
+                   : py::object(tuple_of(seq, what));
+        at = PySequence_Fast_ITEMS(held.ptr());
+        n = PySequence_Fast_GET_SIZE(held.ptr());
+    }
+};
+
 // Whether sequences ``a`` and ``b`` hold the same objects in the same order (by identity).
 bool same(py::handle a_, py::handle b_) {
-    const py::tuple a = tuple_of(a_, "same: a"), b = tuple_of(b_, "same: b");
-    const Py_ssize_t n = PyTuple_GET_SIZE(a.ptr());
-    if (PyTuple_GET_SIZE(b.ptr()) != n) return false;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (PyTuple_GET_ITEM(a.ptr(), i) != PyTuple_GET_ITEM(b.ptr(), i)) return false;
-    return true;
+    const Items a(a_, "same: a"), b(b_, "same: b");
+    return a.n == b.n && (a.n == 0 || std::memcmp(a.at, b.at, a.n * sizeof(PyObject *)) == 0);
 }
 
 // Whether ``pred`` holds for some (``any``) or for every tensor of a sequence; None where an
