@@ -1,6 +1,9 @@
 """``vega bench``'s machinery on tiny parameter sets (its timings are not asserted)."""
 import math
 
+import pytest
+import torch
+
 from vega import bench
 
 
@@ -167,6 +170,19 @@ def test_a_stream_row_moves_its_bytes():
         _, grads = bench._tensors(shapes)
         (row,) = bench.other_rows(shapes, grads, ["sgd"], stream)
         assert row[4] > 0  # raced with sgd and its counterpart
+
+
+def test_the_read_only_pass_reads_every_element():
+    """The read-only loop (each thread's share as four quarters, and what is left over)
+    sums the squares of every element, whatever the length."""
+    if not bench.cbuild.available():
+        pytest.skip("no C compiler")
+    stream = bench.Stream("plain", elements=1 << 12)
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 3, 7, 4097, 1000003):
+        a = torch.rand(n, generator=gen)
+        want = float((a.double() ** 2).sum())
+        assert abs(stream.read_fn(a.data_ptr(), n) - want) <= 1e-5 * want
 
 
 def test_muon_row_races_the_matrices_with_torch():

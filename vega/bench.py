@@ -149,16 +149,25 @@ void vega_stream_quarters(float *restrict p, const float *restrict g, float *res
         for (int64_t i = lo + 4 * q; i < hi; i++) one(p, g, m, v, i);
     }
 }
-/* a read-only pass, the fused step's prelude's kind: the sum of squares of one array */
+/* a read-only pass, the fused step's prelude's kind: the sum of squares of one array, each
+   thread's share read as four quarters side by side, as the prelude reads it (one run a
+   thread read 10% slower on an EPYC, where two to eight runs read alike) */
 double vega_stream_read(const float *restrict g, int64_t n) {
     double total = 0;
-    #pragma omp parallel for schedule(static) reduction(+:total)
-    for (int64_t j0 = 0; j0 < n; j0 += 2048) {
-        int64_t j1 = n < j0 + 2048 ? n : j0 + 2048;
-        float part = 0;
-        #pragma omp simd reduction(+:part)
-        for (int64_t j = j0; j < j1; j++) part += g[j] * g[j];
-        total += part;
+    #pragma omp parallel reduction(+:total)
+    {
+        int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        int64_t lo = n * id / nt, hi = n * (id + 1) / nt, q = (hi - lo) / 4;
+        for (int64_t o = 0; o < q; o += 512) {
+            int64_t m = q - o < 512 ? q - o : 512;
+            const float *a = g + lo + o, *b = a + q, *c = b + q, *d = c + q;
+            float part = 0;
+            #pragma omp simd reduction(+:part)
+            for (int64_t j = 0; j < m; j++)
+                part += (a[j] * a[j] + b[j] * b[j]) + (c[j] * c[j] + d[j] * d[j]);
+            total += part;
+        }
+        for (int64_t j = lo + 4 * q; j < hi; j++) total += g[j] * g[j];
     }
     return total;
 }
