@@ -1,6 +1,9 @@
-"""``bench/gpu_check.py`` with ``VEGA_CHECK_DRY=1``: every section of the GPU probe runs on the
-CPU (the kernels under Triton's interpreter, tiny sizes), so that a lent GPU's one run meets
-no mistake of the script's own, nor internals it reaches into that have since changed."""
+"""``bench/gpu_check.py`` with ``VEGA_CHECK_DRY=1``: the GPU probe on the CPU (the kernels under
+Triton's interpreter, tiny sizes). The sections that can run there do (correctness, the warps
+varied, the bandwidth rows, the tensor past 2**31 elements at a small size, torch.compile), so
+that a run on a GPU meets no mistake of the script's own nor internals of vega it reaches into
+that have since changed; those that need CUDA (launches, host synchronizations, CUDA graphs,
+the block-map cache probe) return at once."""
 import json
 import os
 import subprocess

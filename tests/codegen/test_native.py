@@ -212,6 +212,23 @@ def test_same_reads_a_list_subclass_as_it_iterates(monkeypatch):
         assert fast == slow == want
 
 
+def test_same_survives_a_sequence_whose_iteration_changes_the_other():
+    """``b`` read as it iterates may change list ``a``: both are held before either's items
+    are read (a freed array of 2M items was read, and the process died)."""
+    mod = native.module(wait=True)
+    if mod is None:
+        pytest.skip("the native operator cannot be built here")
+    a = [object() for _ in range(2_000_000)]
+
+    class Clears(list):
+        def __iter__(self):
+            a.clear()
+            return super().__iter__()
+    b = Clears(a)
+    assert mod.same(a, b) is False  # (a is empty by the time its items are read)
+    assert mod.same(Clears([1]), []) is False
+
+
 def test_the_prelude_tables_give_the_same_lengths_object_for_the_same_lengths():
     """A dtype group's lengths (the bytes of their int64s, a block map's key) are the same
     object as a recent call's where they are equal: the map's lookup hashes nothing; other

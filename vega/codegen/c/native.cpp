@@ -751,7 +751,8 @@ Plain plain_on(PyObject *x, const c10::Device &device, bool codes, bool written,
 // Python ints took an int made for each tensor, compared one by one, each step). The same
 // lengths as one of the last few calls' give that call's object again: its hash is kept in
 // it, and the block map's lookup finds its key by identity (hashing a new one took some 50
-// instructions a tensor, each step). (The objects are held for the process; the GIL held.)
+// instructions a tensor, each step). (The objects are held for the life of the process, as
+// ``distinct``'s ints are, and read and replaced with the GIL held: its callers hold it.)
 py::bytes lengths(const std::vector<int64_t> &numels) {
     static PyObject *last[8] = {};
     static size_t next = 0;
@@ -1143,9 +1144,10 @@ py::tuple distinct(py::handle items_) {
     if (count == n) {  // all distinct (each parameter its own counter): the items, in order,
         // and ``range(n)``, which makes no int an item
         py::object all = py::reinterpret_steal<py::object>(
-                       PyObject_CallFunction(reinterpret_cast<PyObject *>(&PyRange_Type), "n", n)),
-                   uniq = py::reinterpret_steal<py::object>(PySequence_List(items.ptr()));
-        if (!all || !uniq) throw py::error_already_set();
+            PyObject_CallFunction(reinterpret_cast<PyObject *>(&PyRange_Type), "n", n));
+        if (!all) throw py::error_already_set();
+        py::object uniq = py::reinterpret_steal<py::object>(PySequence_List(items.ptr()));
+        if (!uniq) throw py::error_already_set();
         return py::make_tuple(uniq, all);
     }
     py::list uniq(count), index(n);
@@ -1161,26 +1163,24 @@ py::tuple distinct(py::handle items_) {
     return py::make_tuple(uniq, index);
 }
 
-// A list or tuple's items as they are, else a tuple of the sequence's (``tuple_of``): where
-// nothing runs Python code while the items are read (a compare of addresses), a list need not
-// be copied (the copy and its references cost more than the compare).
-struct Items {
-    py::object held;
-    PyObject **at;
-    Py_ssize_t n;
-    Items(py::handle seq, const char *what) {
-        held = PyList_CheckExact(seq.ptr()) || PyTuple_CheckExact(seq.ptr())
-                   ? py::reinterpret_borrow<py::object>(seq)
-                   : py::object(tuple_of(seq, what));
-        at = PySequence_Fast_ITEMS(held.ptr());
-        n = PySequence_Fast_GET_SIZE(held.ptr());
-    }
-};
+// A list or tuple as it is, else a tuple of the sequence's items (``tuple_of``: its iteration
+// may run Python code). Its items are read with ``PySequence_Fast_ITEMS`` only once nothing
+// more can run Python code: a list is read in place, not copied (the copy and its references
+// cost more than a compare of addresses).
+py::object held_items(py::handle seq, const char *what) {
+    return PyList_CheckExact(seq.ptr()) || PyTuple_CheckExact(seq.ptr())
+               ? py::reinterpret_borrow<py::object>(seq)
+               : py::object(tuple_of(seq, what));
+}
 
 // Whether sequences ``a`` and ``b`` hold the same objects in the same order (by identity).
+// (Both are held before either's items are read: iterating ``b`` could change list ``a``.)
 bool same(py::handle a_, py::handle b_) {
-    const Items a(a_, "same: a"), b(b_, "same: b");
-    return a.n == b.n && (a.n == 0 || std::memcmp(a.at, b.at, a.n * sizeof(PyObject *)) == 0);
+    const py::object a = held_items(a_, "same: a"), b = held_items(b_, "same: b");
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(a.ptr());
+    return n == PySequence_Fast_GET_SIZE(b.ptr()) &&
+           (n == 0 || std::memcmp(PySequence_Fast_ITEMS(a.ptr()), PySequence_Fast_ITEMS(b.ptr()),
+                                  n * sizeof(PyObject *)) == 0);
 }
 
 // Whether ``pred`` holds for some (``any``) or for every tensor of a sequence; None where an
