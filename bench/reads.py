@@ -19,51 +19,10 @@ import statistics
 import sys
 import time
 
-SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <omp.h>
-const char *vega_key(void) { return "@KEY@"; }
-void adamw(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
-           int64_t n) {
-    #pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        float gi = g[i], mi = 0.9f * m[i] + 0.1f * gi, vi = 0.999f * v[i] + 0.001f * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] -= 1e-3f * (mi / (sqrtf(vi) + 1e-8f) + 0.01f * p[i]);
-    }
-}
-void add(float *restrict a, const float *restrict b, int64_t n) {
-    #pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; i++) a[i] += b[i];
-}
-double read_runs(const float *restrict g, int64_t n, int runs) {
-    double total = 0;
-    #pragma omp parallel reduction(+:total)
-    {
-        int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-        int64_t lo = n * id / nt, hi = n * (id + 1) / nt, q = (hi - lo) / runs;
-        for (int64_t o = 0; o < q; o += 512) {
-            int64_t m = q - o < 512 ? q - o : 512;
-            float part = 0;
-            for (int r = 0; r < runs; r++) {
-                const float *a = g + lo + r * q + o;
-                #pragma omp simd reduction(+:part)
-                for (int64_t j = 0; j < m; j++) part += a[j] * a[j];
-            }
-            total += part;
-        }
-        for (int64_t j = lo + runs * q; j < hi; j++) total += g[j] * g[j];
-    }
-    return total;
-}
-"""
-
-
 def main(argv=None) -> int:
     import torch
 
+    from vega import bench
     from vega.codegen.c import build
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -75,17 +34,18 @@ def main(argv=None) -> int:
     if build.compiler() is None:
         print("no C compiler: nothing to measure")
         return 1
-    lib, _, _ = build.build(SOURCE)
+    lib, _, _ = build.build(bench.STREAM_C)  # (the bench's bound's loops, and these)
     n = int(args.mb * 1e6) // 4
     p, g, m, v = (torch.full((n,), x) for x in (0.5, 0.01, 0.0, 0.0))
     at = [ctypes.c_void_p(t.data_ptr()) for t in (p, g, m, v)]
-    lib.read_runs.restype = ctypes.c_double
-    lib.read_runs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    loops = {"AdamW-like (28 B an element)": (28, lambda: lib.adamw(*at, ctypes.c_int64(n))),
-             "a += b (12 B)": (12, lambda: lib.add(at[2], at[1], ctypes.c_int64(n)))}
+    lib.vega_stream_read_runs.restype = ctypes.c_double
+    lib.vega_stream_read_runs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    loops = {"AdamW-like (28 B an element)":
+             (28, lambda: lib.vega_stream_plain(*at, ctypes.c_int64(n))),
+             "a += b (12 B)": (12, lambda: lib.vega_stream_add(at[2], at[1], ctypes.c_int64(n)))}
     for runs in (1, 2, 4, 8):
         loops[f"sum of squares, {runs} run{'s' * (runs > 1)} a thread (4 B)"] = (
-            4, lambda runs=runs: lib.read_runs(at[1], n, runs))
+            4, lambda runs=runs: lib.vega_stream_read_runs(at[1], n, runs))
     rates: dict[str, list[float]] = {label: [] for label in loops}
     for _ in range(args.rounds + 1):  # (the first round touches the pages: not counted)
         for label, (nbytes, fn) in loops.items():

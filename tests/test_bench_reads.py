@@ -1,7 +1,6 @@
 """``bench/reads.py``: its loops read what they say (every element, in any number of runs a
 thread), and a short run prints every loop and the floor it derives."""
 import ctypes
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -9,30 +8,25 @@ from pathlib import Path
 import pytest
 import torch
 
+from vega import bench
 from vega.codegen.c import build
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "reads.py"
 needs_cc = pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("bench_reads", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @needs_cc
 def test_the_read_loop_sums_every_square_in_any_number_of_runs():
-    lib, _, _ = build.build(_script().SOURCE)
-    lib.read_runs.restype = ctypes.c_double
-    lib.read_runs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib, _, _ = build.build(bench.STREAM_C)
+    lib.vega_stream_read_runs.restype = ctypes.c_double
+    lib.vega_stream_read_runs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     gen = torch.Generator().manual_seed(0)
     for n in (1, 5, 1031, 100003):
         a = torch.rand(n, generator=gen)
         want = float((a.double() ** 2).sum())
         for runs in (1, 2, 4, 8):
-            assert abs(lib.read_runs(a.data_ptr(), n, runs) - want) <= 1e-5 * want, (n, runs)
+            got = lib.vega_stream_read_runs(a.data_ptr(), n, runs)
+            assert abs(got - want) <= 1e-5 * want, (n, runs)
 
 
 @needs_cc

@@ -114,8 +114,9 @@ def race(fns: dict, budget: float = 6.0, max_rounds: int = 9, min_rounds: int = 
 
 # An AdamW-like loop over p, g, m and v (reads 16 bytes an element, writes 12), timed on
 # this run's threads: as a plain OpenMP split, and with each thread's share read as four
-# quarters side by side (more loads in flight); the faster is the machine's bound.
-_STREAM_C = r"""
+# quarters side by side (more loads in flight); the faster is the machine's bound. Beside
+# it, the read-only pass raced with the rows, and the loops bench/reads.py races.
+STREAM_C = r"""
 #include <math.h>
 #include <stdint.h>
 const char *vega_key(void) { return "@KEY@"; }
@@ -171,12 +172,38 @@ double vega_stream_read(const float *restrict g, int64_t n) {
     }
     return total;
 }
+/* bench/reads.py's loops: a sum of squares read as ``runs`` runs a thread side by side, and
+   a += b (reads 8 bytes an element, writes 4) */
+double vega_stream_read_runs(const float *restrict g, int64_t n, int runs) {
+    double total = 0;
+    #pragma omp parallel reduction(+:total)
+    {
+        int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        int64_t lo = n * id / nt, hi = n * (id + 1) / nt, q = (hi - lo) / runs;
+        for (int64_t o = 0; o < q; o += 512) {
+            int64_t m = q - o < 512 ? q - o : 512;
+            float part = 0;
+            for (int r = 0; r < runs; r++) {
+                const float *a = g + lo + r * q + o;
+                #pragma omp simd reduction(+:part)
+                for (int64_t j = 0; j < m; j++) part += a[j] * a[j];
+            }
+            total += part;
+        }
+        for (int64_t j = lo + runs * q; j < hi; j++) total += g[j] * g[j];
+    }
+    return total;
+}
+void vega_stream_add(float *restrict a, const float *restrict b, int64_t n) {
+    #pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) a[i] += b[i];
+}
 """.replace("#include <stdint.h>", "#include <stdint.h>\n#include <omp.h>")
 STREAM_BYTES = 28  # a float32 element of the loop above: 4 reads and 3 writes
 
 
 def bandwidth(elements: int = 1 << 24, repeats: int = 7) -> tuple[float, str]:
-    """(bytes a second, which loop) of the faster of ``_STREAM_C``'s two loops over four
+    """(bytes a second, which loop) of the faster of ``STREAM_C``'s two loops over four
     float32 arrays of ``elements`` each (256 MB in all by default), the best of
     ``repeats`` timings each, on torch's thread count; (NaN, why) without a C compiler."""
     if not cbuild.available():
@@ -195,7 +222,7 @@ def bandwidth(elements: int = 1 << 24, repeats: int = 7) -> tuple[float, str]:
 
 
 class Stream:
-    """``_STREAM_C``'s faster loop over four float32 arrays of ``elements`` each, as a row
+    """``STREAM_C``'s faster loop over four float32 arrays of ``elements`` each, as a row
     to race beside the steps (``race``): the bandwidth bound measured in the same rounds as
     the rows it bounds, so that a drift of the machine's speed touches both alike.
     ``nbytes``: what one call moves. Calling it without a C compiler does nothing."""
@@ -206,7 +233,7 @@ class Stream:
         if not cbuild.available() or loop not in ("plain", "quarters"):
             return
         import ctypes
-        lib, _, _ = cbuild.build(_STREAM_C)
+        lib, _, _ = cbuild.build(STREAM_C)
         self.arrays = [torch.full((elements,), x) for x in (0.5, 0.01, 0.0, 0.0)]
         self.args = [ctypes.c_void_p(a.data_ptr()) for a in self.arrays] + [elements]
         self.fn = getattr(lib, f"vega_stream_{loop}")

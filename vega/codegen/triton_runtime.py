@@ -923,9 +923,8 @@ def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pr
     with on_device(device):
         hyp = _hyper_array(device, nhyper, sets, hyper_tensors, hyper_floats, hyper_slots)
         try:
-            groups, counters = mod.triton_rows(  # (None: each its own counter; one row)
-                kern.native_id, params, grads, states, uniq_steps,
-                None if len(uniq_steps) == len(params) else step_index, hyp.data_ptr(),
+            groups, counters = mod.triton_rows(  # (None: one row of hyperparameters)
+                kern.native_id, params, grads, states, uniq_steps, step_index, hyp.data_ptr(),
                 max(nhyper, 1) * 8, None if sets == 1 else hyper_index, doms,
                 [n in program.quant for n in names], [n in scales for n in names], device,
                 checked)

@@ -491,13 +491,12 @@ class Kernel:
         contiguous copies of those not stored as the kernels read them."""
         mod = native.module()
         if mod is not None:
-            # (None for the common indices, which the operator then makes: each parameter its
-            # own counter, in order; one row of hyperparameters for all)
+            # (None for one row of hyperparameters for all, which the operator makes, as it
+            # does the counters' index where it is ``distinct``'s range: no int a parameter)
             one_row = len(hyp) == 1 and hyp[0].dim() == 1
             try:
-                self._native_call(mod, mod.step, params, grads, flat_states, steps,
-                                  None if len(steps) == len(params) else step_index, hyp,
-                                  None if one_row else hyp_index, pre,
+                self._native_call(mod, mod.step, params, grads, flat_states, steps, step_index,
+                                  hyp, None if one_row else hyp_index, pre,
                                   self._geometries(params), [])
                 return  # (it advanced the parameters' versions: ``_written``)
             except ValueError:

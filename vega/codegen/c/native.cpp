@@ -703,15 +703,24 @@ std::vector<int64_t> ints_of(py::handle seq, const char *what) {
     return out;
 }
 
-// A step's index of each parameter's step counter or hyperparameter row (``ints_of``); None
-// for the common cases, which then make no int a parameter: each parameter its own counter,
-// in order (``counting``: 0, 1, ..., n - 1), or one row for all (n zeros).
-std::vector<int64_t> indices_of(py::handle seq, size_t n, bool counting, const char *what) {
-    if (!seq.is_none()) return ints_of(seq, what);
+// A step's index of each parameter's step counter or hyperparameter row (``ints_of``),
+// without an int read a parameter in the common cases: ``range(n)``, each parameter its own
+// (``distinct``'s answer where every counter is distinct), and None, one row for all.
+std::vector<int64_t> indices_of(py::handle seq, size_t n, const char *what) {
     std::vector<int64_t> out(n, 0);
-    if (counting)
-        for (size_t i = 0; i < n; i++) out[i] = static_cast<int64_t>(i);
-    return out;
+    if (seq.is_none()) return out;
+    if (PyRange_Check(seq.ptr())) {
+        py::object all = py::reinterpret_steal<py::object>(PyObject_CallFunction(
+            reinterpret_cast<PyObject *>(&PyRange_Type), "n", static_cast<Py_ssize_t>(n)));
+        if (!all) throw py::error_already_set();
+        const int same = PyObject_RichCompareBool(seq.ptr(), all.ptr(), Py_EQ);
+        if (same < 0) throw py::error_already_set();
+        if (same) {
+            for (size_t i = 0; i < n; i++) out[i] = static_cast<int64_t>(i);
+            return out;
+        }
+    }
+    return ints_of(seq, what);
 }
 
 // -- Triton's address tables -----------------------------------------------------------------
@@ -840,10 +849,9 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
     const size_t n = PySequence_Fast_GET_SIZE(params.ptr()), ns = doms.size(),
                  nt = PySequence_Fast_GET_SIZE(steps.ptr());
     // (the per-tensor index lists read by ``ints_of``: pybind11's conversion took ~30 ns an
-    // item; None for the common ones, ``indices_of``)
-    const std::vector<int64_t> step_index = indices_of(step_index_, n, true, "step index"),
-                               hyper_index = indices_of(hyper_index_, n, false,
-                                                        "hyperparameter index");
+    // item; the common ones made here, ``indices_of``)
+    const std::vector<int64_t> step_index = indices_of(step_index_, n, "step index"),
+                               hyper_index = indices_of(hyper_index_, n, "hyperparameter index");
     if (static_cast<size_t>(PySequence_Fast_GET_SIZE(grads.ptr())) != n ||
         static_cast<size_t>(PySequence_Fast_GET_SIZE(states.ptr())) != ns ||
         step_index.size() != n || hyper_index.size() != n || codes.size() != ns ||
@@ -1303,9 +1311,9 @@ PYBIND11_MODULE(vega_native, m) {
                    s = tensors_of(states, "state tensor"), t = tensors_of(steps, "step counter"),
                    h = tensors_of(hypers, "hyperparameter row"), o = tensors_of(outs, "output");
         const size_t n = p.ts.size();
-        const std::vector<int64_t> step_index = indices_of(step_index_, n, true, "step index"),
-                                   hyper_index = indices_of(hyper_index_, n, false,
-                                                            "hyperparameter index"),
+        const std::vector<int64_t> step_index = indices_of(step_index_, n, "step index"),
+                                   hyper_index =
+                                       indices_of(hyper_index_, n, "hyperparameter index"),
                                    geometry = ints_of(geometry_, "geometry");
         py::gil_scoped_release unlocked;
         step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(), hyper_index,
