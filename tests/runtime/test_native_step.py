@@ -245,6 +245,29 @@ def test_gradients_of_any_layout_and_dtype_step_as_on_the_python_path(grads):
         assert direct == [True] * 3 + [grads != "not contiguous", True]
 
 
+@pytest.mark.parametrize("way", ["operator", "python"])
+def test_a_staged_step_reads_a_gradient_not_contiguous_as_its_copy(way):
+    """A gradient that is not contiguous is stepped as a contiguous copy, which lives until
+    the last of a staged step's kernels has read it (its table holds only its address): the
+    same step, bit for bit, as with the contiguous gradient."""
+    runs = []
+    for layout in ("contiguous", "transposed"):
+        params = _params(torch.float32)
+        opt = vega.optim.Prodigy(params, **SPECS["prodigy"])
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if layout == "transposed" and step == 2:
+                params[5].grad = params[5].grad.t().contiguous().t()
+                assert not params[5].grad.is_contiguous()
+            with python_path() if way == "python" else contextlib.nullcontext():
+                opt.step()
+        runs.append((params, opt))
+    (ps, opt), (qs, twin) = runs
+    _equal(ps, qs, opt, twin)
+
+
 def test_a_state_tensor_resized_in_place_is_refused_not_written_past():
     ours, theirs, opt, twin, direct = _twins("adamw", torch.float32)
     for step in range(3):

@@ -334,8 +334,8 @@ class Kernel:
             yield from self._staged_axes(params, grads, states, steps, values, donate, pre,
                                          views)
             return
-        params, flat, unique, step_index, work_p, work_s, tables, _rows = self._staged_tables(
-            params, grads, states, steps, values, donate)  # (_rows: see _staged_tables)
+        params, flat, unique, step_index, work_p, work_s, tables, _kept = self._staged_tables(
+            params, grads, states, steps, values, donate)  # (_kept: see _staged_tables)
         nth = torch.get_num_threads()
         phases = self._phases
         # each table's reduction buffer as a grid (a row per tensor), the weight of each
@@ -372,11 +372,13 @@ class Kernel:
     def _staged_tables(self, params, grads, states, steps, values, donate, geos=None):
         """What a staged step steps: (parameters, flat states and distinct step counters,
         copies where not ``donate``; the counters' index; the parameters and states the
-        kernels read and write, contiguous; the tables, ``_tables``' with ``geos``; the
-        hyperparameters' arrays, whose rows' addresses the tables hold: the caller keeps
-        them until its last kernel has run (those of tensor hyperparameters are made for
-        the step, and were freed when this returned: the kernels read freed memory, and
-        Prodigy's step with ``lr=torch.tensor(1.0)`` came out NaN))."""
+        kernels read and write, contiguous; the tables, ``_tables``' with ``geos``; what
+        else the tables hold addresses of, which the caller keeps until its last kernel has
+        run: the hyperparameters' arrays and the gradients the kernels read (those of tensor
+        hyperparameters are made for the step, as are contiguous copies of gradients that
+        are not: freed when this returned, the kernels read freed memory; Prodigy's step
+        with ``lr=torch.tensor(1.0)`` came out NaN, and with a transposed gradient its
+        moments held 1e20))."""
         unique, step_index = distinct(steps)
         if not donate:
             unique = [s.clone() for s in unique]
@@ -389,7 +391,7 @@ class Kernel:
         work_p, work_g, work_s = readable(params), readable(grads), readable(flat)
         tables = self._tables(work_p, work_g, work_s, unique, step_index, hyp, hyp_index,
                               geos=geos)
-        return params, flat, unique, step_index, work_p, work_s, tables, hyp
+        return params, flat, unique, step_index, work_p, work_s, tables, (hyp, work_g)
 
     def _staged_axes(self, params, grads, states, steps, values, donate, pre, views):
         """``staged`` of a program over a matrix view (``vega.codegen.c.staged``), stage by
@@ -409,8 +411,8 @@ class Kernel:
                  for j, m in enumerate(mats) if m.op in AXIS_REDUCTIONS}
         # (tensor, materialized axis reduction) -> whether other processes hold part of
         # what it reduces
-        params, flat, unique, step_index, work_p, work_s, tables, _rows = self._staged_tables(
-            params, grads, states, steps, values, donate, geos)  # (_rows: see _staged_tables)
+        params, flat, unique, step_index, work_p, work_s, tables, _kept = self._staged_tables(
+            params, grads, states, steps, values, donate, geos)  # (_kept: see _staged_tables)
         nth = torch.get_num_threads()
         slots = {id(n): q for q, n in enumerate(axes.reductions)}
         at = {id(m): j for j, m in enumerate(mats)}
