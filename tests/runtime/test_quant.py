@@ -569,14 +569,40 @@ def test_codes_without_any_scales_or_with_misshaped_ones_refused_on_loading(keep
     _train(model, opt, 1, seed=2)
 
 
+@pytest.mark.parametrize("wrong", ["codes", "scales"])
+@pytest.mark.parametrize("rule", ["adamw", "prodigy"])  # (prodigy's: a staged step)
 @pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
-def test_float_state_where_codes_are_kept_refused(backend):
+def test_float_state_where_codes_are_kept_refused(backend, rule, wrong):
     params = params_of({"w": (64, 100)})
-    state = vega.adamw.init(params, state_dtype=U8)
-    state["mu"]["w"] = torch.zeros(64, 100)
-    with pytest.raises(ValueError, match=r"state 'mu' is kept in 8 bits .*torch.uint8.* "
-                                         r"but a tensor of it is torch.float32"):
-        vega.adamw.step(params, grads_of(params, 0), state, backend=backend)
+    state = getattr(vega, rule).init(params, state_dtype=U8)
+    if wrong == "codes":
+        state["mu"]["w"] = torch.zeros(64, 100)
+        words = r"state 'mu' is kept in 8 bits .*torch.uint8.* but a tensor of it is " \
+            r"torch.float32"
+    else:
+        state["mu_absmax"]["w"] = state["mu_absmax"]["w"].double()
+        words = r"state 'mu_absmax' is kept in 8 bits .*torch.float32.* but a tensor of " \
+            r"it is torch.float64"
+    with pytest.raises(ValueError, match=words):
+        getattr(vega, rule).step(params, grads_of(params, 0), state, backend=backend)
+
+
+@pytest.mark.parametrize("wrong, words", [
+    ("an int32 state", r"state 'mu' has a tensor of dtype torch.int32|does not support state "
+                       r"of dtype torch.int32"),
+    ("codes without scales", r"state 'mu' holds 8-bit codes \(torch.uint8\) without their "
+                             r"scales 'mu_absmax'")])
+@pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
+def test_a_staged_step_refuses_the_states_a_plain_step_refuses(backend, wrong, words):
+    """Prodigy's step runs in stages (``staged``: its sums over the group between them); its
+    states' dtypes are checked as a plain step checks them, on every backend: an integer
+    state would be truncated, codes without their scales read as numbers."""
+    params = params_of({"w": (64, 100)})
+    state = vega.prodigy.init(params)
+    state["mu"]["w"] = torch.zeros(64, 100, dtype=torch.int32 if wrong == "an int32 state"
+                                   else U8)
+    with pytest.raises(ValueError, match=words):
+        vega.prodigy.step(params, grads_of(params, 0), state, backend=backend)
 
 
 @pytest.mark.parametrize("make, words", [
