@@ -73,15 +73,19 @@ def _twins(name, dtype, **extra):
     twin = _Twin(cls(theirs, **SPECS[name], **copy.deepcopy(extra)))
     native_steps, calls = [], []
     real_step, real_python = opt.step, c_backend.Kernel._python_step
+    real_tables = c_backend.Kernel._tables  # (the Python path's tables: a staged step's too)
 
     def step():
         calls.clear()
         c_backend.Kernel._python_step = lambda self, *a: calls.append(False) or real_python(
             self, *a)
+        c_backend.Kernel._tables = lambda self, *a, **k: calls.append(False) or real_tables(
+            self, *a, **k)
         try:
             real_step()
         finally:
             c_backend.Kernel._python_step = real_python
+            c_backend.Kernel._tables = real_tables
         native_steps.append(not calls)
     opt.step = step
     return ours, theirs, opt, twin, native_steps
@@ -245,6 +249,26 @@ def test_gradients_of_any_layout_and_dtype_step_as_on_the_python_path(grads):
         assert direct == [True] * 3 + [grads != "not contiguous", True]
 
 
+@pytest.mark.parametrize("change", ["none", "a float64 parameter", "a gradient not contiguous"])
+def test_a_staged_step_takes_its_tables_from_the_operator(change):
+    """Prodigy's reductions over the group run its kernels phase by phase (``staged``): the
+    operator checks its tensors and builds its tables (``tables``), one a dtype group, each
+    with its parameters' positions; what it refuses (a gradient not contiguous) is stepped
+    on contiguous copies, as the Python path steps it."""
+    ours, theirs, opt, twin, direct = _twins("prodigy", torch.float32)
+    if change == "a float64 parameter":  # (two dtype groups: positions 1, and the others)
+        ours[1].data, theirs[1].data = ours[1].data.double(), theirs[1].data.double()
+    for step in range(5):
+        _grads(ours, theirs, step)
+        if step == 3 and change == "a gradient not contiguous":
+            for p in (ours[5], theirs[5]):
+                p.grad = p.grad.t().contiguous().t()
+        opt.step()
+        twin.step()
+        _equal(ours, theirs, opt, twin)
+    assert direct == [True] * 3 + [change != "a gradient not contiguous", True]
+
+
 @pytest.mark.parametrize("way", ["operator", "python"])
 def test_a_staged_step_reads_a_gradient_not_contiguous_as_its_copy(way):
     """A gradient that is not contiguous is stepped as a contiguous copy, which lives until
@@ -266,6 +290,32 @@ def test_a_staged_step_reads_a_gradient_not_contiguous_as_its_copy(way):
         runs.append((params, opt))
     (ps, opt), (qs, twin) = runs
     _equal(ps, qs, opt, twin)
+
+
+def test_the_operators_staged_tables_are_the_python_paths(monkeypatch):
+    """``tables`` (the operator's rows of a staged step) holds, row for row, what the Python
+    path's ``_tables`` holds: the same library, addresses and lengths, each dtype group's
+    parameters at the same positions."""
+    params = _params(torch.float32)
+    for k in (1, 4):
+        params[k].data = params[k].data.double()
+    opt = vega.optim.Prodigy(params, **SPECS["prodigy"])
+    asked = []
+    real = c_backend.Kernel._native_tables
+    monkeypatch.setattr(c_backend.Kernel, "_native_tables",
+                        lambda self, *a: asked.append((self, a)) or real(self, *a))
+    for step in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    kernel, args = asked[-1]
+    ours, theirs = real(kernel, *args), kernel._tables(*args)
+    assert len(ours) == len(theirs) == 2
+    for (lib, table, red, idx), (lib2, table2, red2, idx2) in zip(ours, theirs):
+        assert lib is lib2 and list(idx) == list(idx2)
+        assert table.dtype == table2.dtype == torch.int64 and torch.equal(table, table2)
+        assert red.shape == red2.shape and red.dtype == red2.dtype
+    assert sorted(i for *_, idx in ours for i in idx) == list(range(len(params)))
 
 
 def test_a_state_tensor_resized_in_place_is_refused_not_written_past():

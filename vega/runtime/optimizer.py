@@ -312,7 +312,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                                    engine.inverse_scale(self.loss_scale), self.max_grad_norm,
                                    check, True, group_of,
                                    [k for k, (_, w) in enumerate(found_work) for _ in w],
-                                   spans=self.spec._spec.spans_group)
+                                   spans=self.spec._spec.spans_group,
+                                   plain=[k in plain for k, (_, w) in enumerate(found_work)
+                                          for _ in w])
             if self.loss_scale is not None:
                 self.loss_scale = self.loss_scale.adjust(finite_of(pre))
             self._share_group_states(found_work)
@@ -677,8 +679,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             for program, _, params, *_ in work:
                 for name in program.group_states:
                     fresh.setdefault(name, self.state[params[0]][name])
-            if not fresh:
-                continue
+            if not fresh or sum(len(item[2]) for item in work) == len(group["params"]):
+                continue  # (every parameter of the group stepped)
             fresh["step"] = self.state[work[0][2][0]]["step"]
             stepped = {id(p) for item in work for p in item[2]}
             for p in group["params"]:

@@ -268,13 +268,20 @@ class _Local:
     DTensors (plain tensors as they are), each tensor's ``ShardView``, and how to make the
     new values DTensors again."""
 
-    def __init__(self, owner: str, item, mesh_box: list):
+    def __init__(self, owner: str, item, mesh_box: list, plain: bool = False):
         program, backend, params, grads, states, steps, values = item
         if isinstance(values, dict):  # (a class's group: one dict for all its tensors)
             values = [values] * len(params)
         self.program, self.backend, self.steps, self.values = program, backend, steps, values
         self.params, self.grads, self.states = params, grads, states
-        self.views: list[ShardView | None] = []
+        if plain and params and (not mesh_box or mesh_box[0] is None):
+            # every tensor known to be a plain one (the class step's ``PLAIN_TYPES``), as
+            # are the items' before it: all of them this process's, as they are
+            mesh_box[:] = [None]
+            self.views = [None] * len(params)
+            self.lp, self.lg, self.ls = list(params), list(grads), [list(c) for c in states]
+            return
+        self.views = []
         self.lp, self.lg = [], []
         self.ls = [[] for _ in states]
         for i, p in enumerate(params):
@@ -339,16 +346,18 @@ class _Local:
 
 
 def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
-          reduce_group=None, group_of=None, spans: bool = False):
+          reduce_group=None, group_of=None, spans: bool = False, plain=None):
     """``engine.prelude`` over every item's gradients and ``engine.run`` of each item
     (``(program, backend, params, grads, states, steps, values)``, values a dict per
     tensor, or one for all), reducing across
     processes (the module's doc): returns (the prelude's record, each item's answer).
     ``group_of``: each item's parameter group, over whose tensors a spec's reductions over
     a group (``global_sum``) run (None: the items are one group). ``spans``: the spec has
-    such reductions (a rank without tensors to step knows it so)."""
+    such reductions (a rank without tensors to step knows it so). ``plain``: for each item,
+    whether its every tensor is known to be a plain one, not a DTensor (None: none known)."""
     box: list = []
-    locs = [_Local(owner, item, box) for item in items]
+    locs = [_Local(owner, item, box, plain is not None and plain[k])
+            for k, item in enumerate(items)]
     if reduce_group is not None and (spans or any(loc.program.spans_group for loc in locs)):
         _same_programs(owner, locs, group_of, reduce_group)
     mesh = box[0] if box else None

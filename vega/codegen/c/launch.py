@@ -341,9 +341,14 @@ class Kernel:
         # each table's reduction buffer as a grid (a row per tensor), the weight of each
         # tensor's partial sums and its whole count of elements
         grids = []
-        for _, _, red, idx in tables:
+        whole = views.count(None) == len(views)  # (every tensor this process's, whole)
+        for _, table, red, idx in tables:
             red.zero_()  # (a skipped step's phases write nothing)
-            grids.append((red[:len(idx) * self._nred].view(len(idx), self._nred),
+            grid = red[:len(idx) * self._nred].view(len(idx), self._nred)
+            if whole:  # (a weight of None: each 1; the counts, the rows' lengths)
+                grids.append((grid, None, table[:, self.columns.numel].to(torch.float64)))
+                continue
+            grids.append((grid,
                           torch.tensor([views[i].weight if views[i] is not None else 1.0
                                         for i in idx], dtype=torch.float64),
                           torch.tensor([math.prod(views[i].full.full if views[i] is not None
@@ -387,11 +392,34 @@ class Kernel:
         flat = [s for col in states for s in col]
         if not donate:
             params, flat = [p.clone() for p in params], [s.clone() for s in flat]
+        if geos is None:
+            if self.program.quant:  # (8-bit codes and scales, each of its dtype, as ``_call``
+                check_states("c", self.program, params, states)  # checks them first)
+            tables = self._native_tables(params, grads, flat, unique, step_index, hyp,
+                                         hyp_index)
+            if tables is not None:  # (every tensor as the kernels read it: no work copies)
+                return params, flat, unique, step_index, params, flat, tables, (hyp, grads)
         self._refuse_writes(params, flat, unique)
         work_p, work_g, work_s = readable(params), readable(grads), readable(flat)
         tables = self._tables(work_p, work_g, work_s, unique, step_index, hyp, hyp_index,
                               geos=geos)
         return params, flat, unique, step_index, work_p, work_s, tables, (hyp, work_g)
+
+    def _native_tables(self, params, grads, flat, unique, step_index, hyp, hyp_index):
+        """``_tables`` of a staged step in place, by the native operator (``tables``: the
+        checks and rows of its ``step``), where it is built and takes these tensors; else None
+        (the Python path then says which tensor is wrong, or steps contiguous copies)."""
+        mod = native.module()
+        if mod is None or self._axes or torch.compiler.is_compiling():
+            return None
+        try:
+            groups, _ = self._native_call(mod, mod.tables, params, grads, flat, unique,
+                                          step_index, hyp, hyp_index, [])
+        except ValueError:
+            return None
+        return [(self.library(tuple(key.split())), table,
+                 torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64), idx)
+                for key, table, idx in groups]
 
     def _staged_axes(self, params, grads, states, steps, values, donate, pre, views):
         """``staged`` of a program over a matrix view (``vega.codegen.c.staged``), stage by
@@ -840,11 +868,13 @@ def _staged_answer(lib, params, flat, unique, step_index, work_p, work_s, nstate
     if lib is not None:
         step_ptrs = _int64s([s.data_ptr() for s in unique])  # (alive through the call)
         lib.vega_advance(len(unique), _ptr(step_ptrs), _ptr(pre))
-    copy_back([*params, *flat], [*work_p, *work_s])
+    if work_p is not params or work_s is not flat:  # (the same lists: no copies made)
+        copy_back([*params, *flat], [*work_p, *work_s])
     _written(params)
     n = len(params)
     return Done((params, [flat[k * n:(k + 1) * n] for k in range(nstates)],
-                 [unique[k] for k in step_index], record.finite_of(pre)))
+                 unique if len(unique) == n else [unique[k] for k in step_index],
+                 record.finite_of(pre)))  # (n distinct: ``step_index`` is 0..n-1)
 
 
 def _written(params) -> None:

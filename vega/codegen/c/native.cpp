@@ -279,6 +279,14 @@ struct Group {
     int64_t n = 0, largest = 0, total = 0;
     std::string key;  // "p g s" dtypes
     uint64_t code = 0;  // the same, packed (dtype_code)
+    std::vector<int64_t> at;  // its parameters' positions (kept for ``tables`` only)
+};
+
+// What ``step_impl`` built, for a caller that runs the kernels itself (``tables``): each
+// dtype group's rows, and the distinct step counters' addresses.
+struct Built {
+    std::vector<Group> groups;
+    std::vector<int64_t> steps;
 };
 
 // The dtypes of a parameter, its gradient and its states packed in one number, 8 bits each,
@@ -399,12 +407,14 @@ void each_apart(size_t n, bool apart, const Check &check) {
 // ``bump``: a step in place advances the parameters' version counters, as an in-place torch
 // operation does (the eager call's; the operator's dispatch does its own), once every tensor
 // is checked and before the kernels run: each parameter's tensor is still in the cache
-// then, where the kernels' pass over the values pushes it out.
+// then, where the kernels' pass over the values pushes it out. ``keep``: every tensor
+// checked and the rows built, kept there, and no kernel run (``tables``).
 template <class List>
 void step_impl(int64_t id, const List &params, const List &grads, const List &states,
                const List &steps, c10::IntArrayRef step_index, const List &hypers,
                c10::IntArrayRef hyper_index, const c10::optional<at::Tensor> &pre,
-               c10::IntArrayRef geometry, const List &outs, bool bump = false) {
+               c10::IntArrayRef geometry, const List &outs, bool bump = false,
+               Built *keep = nullptr) {
     auto k = kernel_of(id);
     const size_t n = params.size(), ns = static_cast<size_t>(k->nstates);
     const bool in_place = outs.empty();
@@ -532,6 +542,12 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
         grp.n++;
         grp.largest = std::max(grp.largest, f[0]);
         grp.total += f[0];
+        if (keep) grp.at.push_back(static_cast<int64_t>(i));
+    }
+    if (keep) {  // (the caller runs the kernels, and advances the versions it writes)
+        keep->groups = std::move(groups);
+        keep->steps = std::move(step_at);
+        return;
     }
     // (every library is found: nothing after this refuses the step)
     if (bump && in_place)
@@ -1319,6 +1335,42 @@ PYBIND11_MODULE(vega_native, m) {
         step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(), hyper_index,
                   pre, geometry, o.list(), true);
         for (const Held *held : {&p, &g, &s, &t}) held->prefetch();
+    });
+    // A staged step's tables (vega.codegen.c.launch.Kernel._staged_tables: its kernels run
+    // phase by phase, their reductions over the group combined between): the step's every
+    // check, in place, and its rows, built as for ``step`` (none of its tensors written, no
+    // version advanced): ([(the dtype group's "p g s" key, its rows as an int64 tensor, its
+    // parameters' positions)], the distinct step counters' addresses as an int64 tensor).
+    m.def("tables", [](int64_t id, py::handle params, py::handle grads, py::handle states,
+                       py::handle steps, py::handle step_index_, py::handle hypers,
+                       py::handle hyper_index_, py::handle geometry_) {
+        const auto p = tensors_of(params, "parameter"), g = tensors_of(grads, "gradient"),
+                   s = tensors_of(states, "state tensor"), t = tensors_of(steps, "step counter"),
+                   h = tensors_of(hypers, "hyperparameter row"),
+                   o = tensors_of(py::tuple(), "output");
+        const size_t n = p.ts.size();
+        const std::vector<int64_t> step_index = indices_of(step_index_, n, "step index"),
+                                   hyper_index =
+                                       indices_of(hyper_index_, n, "hyperparameter index"),
+                                   geometry = ints_of(geometry_, "geometry");
+        Built built;
+        {
+            py::gil_scoped_release unlocked;
+            step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(),
+                      hyper_index, c10::nullopt, geometry, o.list(), false, &built);
+        }
+        const int64_t width = kernel_of(id)->col.width;
+        py::list out;
+        for (const Group &grp : built.groups) {
+            at::Tensor rows = at::empty({grp.n, width}, at::kLong);
+            std::memcpy(rows.data_ptr<int64_t>(), grp.rows.data(),
+                        grp.rows.size() * sizeof(int64_t));
+            out.append(py::make_tuple(grp.key, rows, positions(grp.at, n)));
+        }
+        at::Tensor steps_at = at::empty({static_cast<int64_t>(built.steps.size())}, at::kLong);
+        std::memcpy(steps_at.data_ptr<int64_t>(), built.steps.data(),
+                    built.steps.size() * sizeof(int64_t));
+        return py::make_tuple(out, steps_at);
     });
     // whether a step in place may write every one of these tensors: none an inference
     // tensor outside inference mode, each contiguous, no two sharing memory (False where one
