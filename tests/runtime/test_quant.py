@@ -587,6 +587,25 @@ def test_float_state_where_codes_are_kept_refused(backend, rule, wrong):
         getattr(vega, rule).step(params, grads_of(params, 0), state, backend=backend)
 
 
+@pytest.mark.parametrize("wrong", ["codes", "scales"])
+@pytest.mark.parametrize("name", ["AdamW", "Prodigy"])
+def test_a_class_step_refuses_codes_or_scales_of_another_dtype(name, wrong):
+    """An 8-bit state's codes set by hand to float32, or its scales to float64: the step
+    in place (the operator's, on the C backend) refuses them by name and writes nothing;
+    read as codes and scales, they would be garbage."""
+    p = torch.nn.Parameter(torch.randn(64, 100))
+    opt = getattr(vega.optim, name)([p], state_dtype=U8)
+    p.grad = torch.randn(64, 100)
+    opt.step()
+    key = "mu" if wrong == "codes" else "mu_absmax"
+    opt.state[p][key] = opt.state[p][key].float() if wrong == "codes" else \
+        opt.state[p][key].double()
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=f"state '{key}' is kept in 8 bits"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
 @pytest.mark.parametrize("wrong, words", [
     ("an int32 state", r"state 'mu' has a tensor of dtype torch.int32|does not support state "
                        r"of dtype torch.int32"),

@@ -131,10 +131,14 @@ class Kernel:
             if self._native is not mod:
                 p = self.program
                 c = self.columns
+                wants = [0] * len(p.states)  # (8 bits: codes uint8, scales float32)
+                for name, (scale, _) in p.quant.items():
+                    wants[p.state_names.index(name)] = 1
+                    wants[p.state_names.index(scale)] = 2
                 mod.add_kernel(self.id, p.name, len(p.states), self._nphases, self._nred,
                                len(p.float_hypers), self._axes, [_DOMS[s.dom] for s in p.states],
                                [c.numel, c.p, c.g, c.state, c.step, c.hyper, c.geo, c.p_out,
-                                c.state_out, c.width])
+                                c.state_out, c.width], wants)
                 self._native, self._native_libs = mod, set()
                 weakref.finalize(self, mod.drop_kernel, self.id)
             for dtypes, lib in list(self._libs.items()):
@@ -266,8 +270,11 @@ class Kernel:
 
     def _call(self, params, grads, states, steps, values, donate, pre=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``."""
-        if self.program.quant:  # 8-bit codes and scales, each of its dtype (codes without
-            check_states("c", self.program, params, states)  # scales: the library refuses)
+        if self.program.quant and torch.compiler.is_compiling():
+            # 8-bit codes and scales, each of its dtype (codes without scales: the library
+            # refuses), checked in words while traced; eagerly, the operator checks them, and
+            # what it refuses, the Python path (``_tables``) names
+            check_states("c", self.program, params, states)
         unique, step_index = distinct(steps)  # the distinct step counters, by identity
         if not donate:
             unique = [s.clone() for s in unique]
@@ -393,8 +400,6 @@ class Kernel:
         if not donate:
             params, flat = [p.clone() for p in params], [s.clone() for s in flat]
         if geos is None:
-            if self.program.quant:  # (8-bit codes and scales, each of its dtype, as ``_call``
-                check_states("c", self.program, params, states)  # checks them first)
             tables = self._native_tables(params, grads, flat, unique, step_index, hyp,
                                          hyp_index)
             if tables is not None:  # (every tensor as the kernels read it: no work copies)

@@ -68,7 +68,9 @@ struct Kernel {
     int64_t nstates = 0, nphases = 0, nred = 0, nhyper = 0;
     bool axes = false;
     std::vector<int64_t> doms;  // each state's length: 0 its parameter's, 1-3 geometry[k],
-                                // 4 one number
+                                // 4 one number, 5 one a block of 256
+    std::vector<int64_t> wants;  // each state's dtype where the program fixes it (an 8-bit
+                                 // state's codes: 1, uint8; its scales: 2, float32), else 0
     Columns col{};
     std::map<std::string, std::shared_ptr<const Library>> libs;  // "p g s" dtypes
 };
@@ -486,6 +488,12 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
             if (!state_fits(x, p, k->doms[s], geo))
                 fail("backend 'c': state " + std::to_string(s) + " of parameter " +
                      std::to_string(i) + " has the wrong shape");
+            // (a library is found by the dtypes of its tensors; a program's 8-bit codes and
+            // scales are read as theirs, whatever its key says)
+            if (k->wants[s] && x.scalar_type() != (k->wants[s] == 1 ? c10::ScalarType::Byte
+                                                                      : c10::ScalarType::Float))
+                fail("backend 'c': state " + std::to_string(s) + " of parameter " +
+                     std::to_string(i) + " is not of the dtype its 8-bit state keeps");
         }
         if (step_index[i] < 0 || step_index[i] >= static_cast<int64_t>(nt) ||
             hyper_index[i] < 0 || hyper_index[i] >= static_cast<int64_t>(hyp_at.size()))
@@ -1281,9 +1289,10 @@ PYBIND11_MODULE(vega_native, m) {
     py::register_exception<MissingLibrary>(m, "MissingLibrary", PyExc_LookupError);
     m.def("add_kernel", [](int64_t id, std::string name, int64_t nstates, int64_t nphases,
                            int64_t nred, int64_t nhyper, bool axes, std::vector<int64_t> doms,
-                           std::vector<int64_t> columns) {
-        if (static_cast<int64_t>(doms.size()) != nstates || columns.size() != 10)
-            fail("add_kernel: one domain a state and ten column starts");
+                           std::vector<int64_t> columns, std::vector<int64_t> wants) {
+        if (static_cast<int64_t>(doms.size()) != nstates || columns.size() != 10 ||
+            static_cast<int64_t>(wants.size()) != nstates)
+            fail("add_kernel: one domain and one dtype a state, and ten column starts");
         auto k = std::make_shared<Kernel>();
         k->col = {columns[0], columns[1], columns[2], columns[3], columns[4],
                   columns[5], columns[6], columns[7], columns[8], columns[9]};
@@ -1291,6 +1300,7 @@ PYBIND11_MODULE(vega_native, m) {
         k->nstates = nstates, k->nphases = nphases, k->nred = nred, k->nhyper = nhyper;
         k->axes = axes;
         k->doms = std::move(doms);
+        k->wants = std::move(wants);
         std::lock_guard<std::mutex> guard(registry_lock);
         registry[id] = k;
     });
