@@ -534,6 +534,29 @@ def test_an_integer_or_bool_gradient_or_state_is_refused_before_anything_is_writ
          before[1]["step"]]))
 
 
+@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("key, wrong", [("mu", "shape"), ("d", "shape"), ("p0", "dtype")])
+def test_a_staged_class_step_names_a_wrong_state_before_anything_is_written(key, wrong,
+                                                                           backend):
+    """Prodigy's class step runs in stages (its sums over the group): a state tensor set by
+    hand to another shape or to an integer dtype is named as the plain step names it, on
+    every backend, and nothing is written (the reference's staged step checked neither: a
+    raw RuntimeError of mismatched sizes, an int32 state truncated)."""
+    params = _params()
+    opt = _stepped(vega.optim.Prodigy(params, backend=backend), params)
+    st = opt.state[params[1]]
+    st[key] = torch.zeros(3) if wrong == "shape" else st[key].to(torch.int32)
+    before = _snapshot(opt), [p.detach().clone() for p in params]
+    words = rf"state '{key}' of parameter 1 has shape \(3,\)" if wrong == "shape" else \
+        rf"backend '{backend}'.* state( '{key}')?.* torch.int32"
+    with pytest.raises(ValueError, match=words):
+        _stepped(opt, params, steps=1)
+    after = _snapshot(opt), [p.detach().clone() for p in params]
+    assert all(torch.equal(x, y) for x, y in zip(before[1], after[1]))
+    for i in before[0][0]:
+        assert all(torch.equal(v, after[0][0][i][k]) for k, v in before[0][0][i].items())
+
+
 def _not_dense(kind: str) -> torch.Tensor:
     import warnings
     with warnings.catch_warnings():  # (torch's beta and prototype notes)

@@ -29,8 +29,8 @@ import torch
 from vega.codegen import precision, quant
 from vega.codegen.gram import Gram, gram_form
 from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_codes, check_dtypes,
-                               check_quant_dtypes, check_state_devices, check_states, geometry,
-                               hyper_var, leveled, linearize, split_result, state_var)
+                               check_state_devices, check_states, geometry, hyper_var, leveled,
+                               linearize, split_result, state_var)
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import Done, advance_steps, memo, run_staged
 from vega.codegen.tensors import PLAIN_TYPES, refuse_inplace
@@ -1249,17 +1249,17 @@ class Kernel:
         end of each stage (``stages``) it yields the partial results of its reductions
         that span processes, ``[(how, float64 tensor), ...]`` (how: "sum" or "max"), and
         is sent them back combined over all processes; it returns ``__call__``'s answer.
-        ``views``: each tensor's ``ShardView`` (the states' shapes are the caller's to
-        check: a shard's matrix view is not its own shape's; their devices and dtypes are
-        checked here, as ``__call__`` checks them)."""
+        ``views``: each tensor's ``ShardView`` (its states' shapes are checked against a
+        shard's own matrix view, ``ShardView.local``; their devices and dtypes as
+        ``__call__`` checks them)."""
+        geos = [v.local if v is not None else geometry(p.shape) for v, p in zip(views, params)]
         check_state_devices("reference", self.program, params, states)
-        check_quant_dtypes("reference", self.program, states)
+        check_states("reference", self.program, params, states, geos)
         check_codes("reference", self.program, states)
         check_dtypes("reference", self.program, params, grads, states)
         finite, gscale = self._begin(params, states, steps, donate, pre)
         cache: dict = {}
         gens, asked, outs = [], [], [None] * len(params)
-        geos = [v.local if v is not None else geometry(p.shape) for v, p in zip(views, params)]
         for i, (p, g) in enumerate(zip(params, grads)):
             args = self._args(cache, i, p, g, states, steps, values, gscale)
             gens.append(self._update_staged(*args, geos[i]))
