@@ -392,3 +392,37 @@ def test_floats_and_like_native_are_the_python_ones(monkeypatch):
                         (refs + [TwoTensor(torch.ones(3), torch.ones(3))], True)):
         assert _both(monkeypatch, tensors.floats, items) == (want, want), items
         monkeypatch.undo()
+
+
+def test_fit_says_yes_only_to_states_a_kernel_takes():
+    """A class step's quick check of its states (``tensors.fit``): yes to a state like its
+    parameter, of one number, 8-bit codes like it, float32 scales one a block of 256; no to
+    each other shape, dtype, device, layout or type, which the step's checks then name."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    from vega.codegen import tensors
+    from vega.dsl.ir import QBLOCK, SCALAR_STATE
+    assert native.module(wait=True) is not None
+    params = [torch.zeros(300), torch.nn.Parameter(torch.zeros(2, 2))]
+    cases = [  # (domain, want, states, the answer)
+        ("rc", 0, [torch.ones(300), torch.ones(2, 2, dtype=torch.float64)], True),
+        ("rc", 0, [torch.ones(300), torch.ones(4)], False),
+        ("rc", 0, [torch.ones(300), torch.ones(2, 2, dtype=torch.int32)], False),
+        ("rc", 0, [torch.ones(300), torch.ones(2, 2, dtype=torch.complex64)], False),
+        ("rc", 0, [torch.ones(300), torch.ones(2, 2, dtype=torch.uint8)], False),
+        ("rc", 0, [torch.ones(300), torch.ones(2, 2, device="meta")], False),
+        ("rc", 0, [torch.ones(300), TwoTensor(torch.ones(2, 2), torch.ones(2, 2))], False),
+        ("rc", 0, [torch.ones(300).to_sparse(), torch.ones(2, 2)], False),
+        ("rc", 0, [torch.ones(300)], False),
+        ("rc", 1, [torch.ones(300, dtype=torch.uint8), torch.ones(2, 2, dtype=torch.uint8)],
+         True),
+        ("rc", 1, [torch.ones(300, dtype=torch.uint8), torch.ones(2, 2)], False),
+        (SCALAR_STATE, 0, [torch.ones(()), torch.ones((), dtype=torch.bfloat16)], True),
+        (SCALAR_STATE, 0, [torch.ones(()), torch.ones(1)], False),
+        (QBLOCK, 0, [torch.ones(2), torch.ones(1)], True),
+        (QBLOCK, 0, [torch.ones(2), torch.ones(1, 1)], False),
+        (QBLOCK, 0, [torch.ones(1), torch.ones(1)], False),
+        (QBLOCK, 0, [torch.ones(2), torch.ones(1, dtype=torch.float64)], False),
+        ("r", 0, [torch.ones(300), torch.ones(2)], False),  # (a matrix view's: not here)
+    ]
+    for dom, want, states, answer in cases:
+        assert tensors.fit(params, states, dom, want) is answer, (dom, want, states)

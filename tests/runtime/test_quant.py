@@ -606,6 +606,34 @@ def test_a_class_step_refuses_codes_or_scales_of_another_dtype(name, wrong):
     assert torch.equal(p.detach(), before)
 
 
+@pytest.mark.parametrize("wrong", ["an int32 state", "a state of another shape",
+                                   "codes of float32", "scales of float64", "scales as a row"])
+def test_a_class_step_of_two_programs_checks_both_before_either_writes(wrong):
+    """An 8-bit class step over a matrix (codes and scales) and a bias (small: float32
+    state) makes two calls; a wrong state of either is named before the first writes."""
+    w, b = torch.nn.Parameter(torch.randn(64, 100)), torch.nn.Parameter(torch.randn(7))
+    opt = vega.optim.AdamW([w, b], state_dtype=U8)
+    w.grad, b.grad = torch.randn(64, 100), torch.randn(7)
+    opt.step()
+    assert opt.state[b]["mu"].dtype == torch.float32 and opt.state[w]["mu"].dtype == U8
+    sw, sb = opt.state[w], opt.state[b]
+    if wrong == "an int32 state":
+        sb["nu"], words = sb["nu"].to(torch.int32), "state 'nu' has a tensor of dtype torch.int32"
+    elif wrong == "a state of another shape":
+        sb["nu"], words = torch.zeros(6), r"state 'nu' has shape \(6,\)"
+    elif wrong == "codes of float32":
+        sw["mu"], words = sw["mu"].float(), "state 'mu' is kept in 8 bits"
+    elif wrong == "scales of float64":
+        sw["nu_absmax"], words = sw["nu_absmax"].double(), "state 'nu_absmax' is kept in 8 bits"
+    else:
+        sw["nu_absmax"] = sw["nu_absmax"][None]
+        words = r"state 'nu_absmax' has shape \(1, 25\), but its parameter, of shape"
+    before = [w.detach().clone(), b.detach().clone()]
+    with pytest.raises(ValueError, match=words):
+        opt.step()
+    assert torch.equal(w.detach(), before[0]) and torch.equal(b.detach(), before[1])
+
+
 @pytest.mark.parametrize("wrong, words", [
     ("an int32 state", r"state 'mu' has a tensor of dtype torch.int32|does not support state "
                        r"of dtype torch.int32"),

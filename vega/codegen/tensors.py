@@ -21,6 +21,8 @@ import sys
 import numpy as np
 import torch
 
+from vega.dsl.ir import QBLOCK, SCALAR_STATE
+
 # the types of tensors with no operations of their own (a pass over types finds them)
 PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 PLAIN_OR_NONE = PLAIN_TYPES | {type(None)}
@@ -96,6 +98,22 @@ def like(refs: list, items: list) -> bool:
     return all(type(x) in PLAIN_TYPES and dense(x) and dense(r) and x.device == device
                and r.device == device and x.is_complex() == r.is_complex()
                and x.shape == r.shape for r, x in zip(refs, items))
+
+
+_FIT_DOMS = {"rc": 0, SCALAR_STATE: 4, QBLOCK: 5}
+
+
+def fit(params: list, col: list, dom: str, want: int = 0) -> bool:
+    """Whether every ``col[i]`` is a plain strided tensor (``PLAIN_TYPES``) on the device of
+    ``params[i]`` that a kernel takes as a state of domain ``dom`` of it (its shape, one
+    number, or one a block of 256 of its elements: an 8-bit state's scales, float32),
+    floating-point (``want`` 0) or 8-bit codes (1: uint8): a class step's quick check of
+    its states, in one pass of the native module where it is loaded. False says nothing of
+    what differs (nor, without the module, anything at all)."""
+    mod = native_passes()
+    if mod is None or dom not in _FIT_DOMS:
+        return False
+    return mod.fit(params, col, _PLAIN_TUPLE, _FIT_DOMS[dom], 2 if dom == QBLOCK else want)
 
 
 def uniform(tensors: list) -> bool:

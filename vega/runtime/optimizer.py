@@ -24,7 +24,7 @@ from vega.codegen.base import (check_codes, check_dtypes, check_state_devices, c
                                distinct, state_shape)
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
-                                  dense_words, first_with_own_ops, floats, gather,
+                                  dense_words, first_with_own_ops, fit, floats, gather,
                                   inplace_problem, is_dtensor, like, own_ops_words, same)
 from vega.runtime import engine, sharded, torch_names
 
@@ -503,10 +503,11 @@ class SpecOptimizer(torch.optim.Optimizer):
         out = []
         for program, backend, params, grads, states, steps, values in work:
             kern = codegen.kernel(backend, program)
-            if not program.quant and like(params, grads) and floats(params) \
-                    and floats(grads) and all(s.dom == "rc" and like(params, col) and floats(col)
-                                              for s, col in zip(program.states, states)):
-                # (the common case, in the native module's passes: a few ns a tensor)
+            if like(params, grads) and floats(params) and floats(grads) and all(
+                    fit(params, col, s.dom, 1 if s.name in program.quant else 0)
+                    for s, col in zip(program.states, states)):
+                # (the common case, in the native module's passes: a few ns a tensor; states
+                # like their parameters, of one number, or 8-bit codes and their scales)
                 out.append(engine.tensor_values(program, kern, [values] * len(params), steps))
                 continue
             for p, g in zip(params, grads):

@@ -1285,6 +1285,37 @@ bool like(py::handle refs_, py::handle items_, py::handle plain_) {
     return true;
 }
 
+// Whether every ``items[i]`` is a strided tensor exactly of a type of ``plain``, on the device
+// of ``refs[i]``, that a kernel takes as a state of its parameter ``refs[i]``: of its shape
+// (``dom`` 0), one number (4) or one a block of 256 of its elements (5, an 8-bit state's
+// scales), a floating-point one (``want`` 0), 8-bit codes (1: uint8) or float32 scales (2).
+// The quick check of a class step's states before its first call writes (False sends the
+// caller to its checks tensor by tensor, which say what is wrong; other domains: False).
+bool fit(py::handle refs_, py::handle items_, py::handle plain_, int64_t dom, int64_t want) {
+    const py::tuple refs = tuple_of(refs_, "fit: refs"), items = tuple_of(items_, "fit: items");
+    if (!PyTuple_Check(plain_.ptr())) throw py::type_error("fit: plain: a tuple");
+    const Py_ssize_t n = PyTuple_GET_SIZE(refs.ptr());
+    if (PyTuple_GET_SIZE(items.ptr()) != n || (dom != 0 && dom != 4 && dom != 5)) return false;
+    PyObject **R = &PyTuple_GET_ITEM(refs.ptr(), 0), **X = &PyTuple_GET_ITEM(items.ptr(), 0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        prefetch_objects(X, static_cast<size_t>(n), static_cast<size_t>(i));
+        if (!THPVariable_Check(R[i])) throw py::type_error("fit: refs must be tensors");
+        if (!of_types(X[i], plain_.ptr())) return false;
+        const at::Tensor &x = THPVariable_Unpack(X[i]), &r = THPVariable_Unpack(R[i]);
+        if (x.is_nested() || r.is_nested() || x.layout() != c10::kStrided ||
+            x.device() != r.device())
+            return false;
+        const bool shaped = dom == 0 ? x.sizes() == r.sizes()
+                          : dom == 4 ? x.dim() == 0
+                                     : x.dim() == 1 && x.size(0) == (r.numel() + 255) / 256;
+        const bool typed = want == 0 ? x.is_floating_point()
+                         : want == 1 ? x.scalar_type() == c10::ScalarType::Byte
+                                     : x.scalar_type() == c10::ScalarType::Float;
+        if (!shaped || !typed) return false;
+    }
+    return true;
+}
+
 PYBIND11_MODULE(vega_native, m) {
     py::register_exception<MissingLibrary>(m, "MissingLibrary", PyExc_LookupError);
     m.def("add_kernel", [](int64_t id, std::string name, int64_t nstates, int64_t nphases,
@@ -1408,6 +1439,7 @@ PYBIND11_MODULE(vega_native, m) {
     m.def("uniform", &uniform);
     m.def("floats", &floats);
     m.def("like", &like);
+    m.def("fit", &fit);
     m.def("triton_grad_rows", &triton_grad_rows);
     m.def("prelude", [](int64_t id, py::handle grads, const at::Tensor &pre) {
         const auto g = tensors_of(grads, "gradient");
