@@ -557,6 +557,35 @@ def test_a_staged_class_step_names_a_wrong_state_before_anything_is_written(key,
         assert all(torch.equal(v, after[0][0][i][k]) for k, v in before[0][0][i].items())
 
 
+@pytest.mark.parametrize("name, key, wrong, words", [
+    ("Prodigy", "num", lambda x: x.reshape(1), r"state 'num' has shape \(1,\)"),
+    ("Prodigy", "mu", lambda x: x.to(torch.complex64),
+     "does not support state 'mu' of dtype torch.complex64"),
+    ("AdamW", "mu", lambda x: x.to(torch.complex64),
+     "does not support state 'mu' of dtype torch.complex64"),
+    ("AdamW", "nu", lambda x: x.to(torch.float8_e4m3fn),
+     "does not support state 'nu' of dtype torch.float8_e4m3fn")])
+def test_a_wrong_state_of_the_second_group_is_named_before_the_first_is_written(name, key,
+                                                                               wrong, words):
+    """A class step of two groups checks both before either is written: a state set by hand
+    in the second group to another shape, or to a dtype the C kernels do not take (complex,
+    float8), is named and nothing is written (the first group's kernels had run: Prodigy's
+    step in stages checked no group before the first, and float8 and complex states passed
+    the checks the kernels then refused)."""
+    params = _params(3)
+    opt = _stepped(getattr(vega.optim, name)([{"params": params[:1]}, {"params": params[1:]}]),
+                   params)
+    opt.state[params[2]][key] = wrong(opt.state[params[2]][key])
+    before = [p.detach().clone() for p in params], _snapshot(opt)[0]
+    with pytest.raises(ValueError, match=f"{name}: parameter 1 of group 1: .*{words}"):
+        _stepped(opt, params, steps=1)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before[0]))
+    after = _snapshot(opt)[0]
+    for i, st in before[1].items():
+        for k, v in st.items():
+            assert v.dtype == after[i][k].dtype and torch.equal(v, after[i][k]), (i, k)
+
+
 def _not_dense(kind: str) -> torch.Tensor:
     import warnings
     with warnings.catch_warnings():  # (torch's beta and prototype notes)

@@ -292,6 +292,55 @@ def test_a_staged_step_reads_a_gradient_not_contiguous_as_its_copy(way):
     _equal(ps, qs, opt, twin)
 
 
+@pytest.mark.parametrize("name", ["adamw", "prodigy"])
+def test_a_step_of_ten_dtype_groups_builds_every_library(name):
+    """States set by hand to ten different pairs of dtypes: ten dtype groups in one step,
+    each a library built when the operator first asks for it (however many it asks for),
+    stepped as the Python path steps them."""
+    ours, theirs, opt, twin, direct = _twins(name, torch.float32)
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+    pairs = [(a, b) for a in dtypes for b in dtypes if (a, b) != (torch.float32,) * 2][:10]
+    ours += [torch.nn.Parameter(torch.randn(10)) for _ in pairs]
+    theirs += [q.detach().clone().requires_grad_() for q in ours[-len(pairs):]]
+    for o, ps in ((opt, ours), (twin.opt, theirs)):
+        o.param_groups[0]["params"] += ps[-len(pairs):]
+    for step in range(3):
+        _grads(ours, theirs, step)
+        opt.step()
+        twin.step()
+        if step == 0:
+            for ps, o in ((ours, opt), (theirs, twin.opt)):
+                for q, (a, b) in zip(ps[-len(pairs):], pairs):
+                    st = o.state[q]
+                    st["mu"], st["nu"] = st["mu"].to(a), st["nu"].to(b)
+        _equal(ours, theirs, opt, twin)
+    assert direct == [True] * 3
+
+
+def test_the_python_paths_plan_takes_no_scales_of_another_shape(monkeypatch):
+    """The Python path's tables of a recent call serve again for tensors at the same
+    addresses and of the same lengths; an 8-bit state's scales made a row (a view: the same
+    address and length) are not taken for them, but refused by name."""
+    from vega.runtime import engine
+    p = torch.nn.Parameter(torch.randn(64, 100))
+    opt = vega.optim.AdamW([p], state_dtype=torch.uint8)
+    calls = []
+    real = engine.run
+    monkeypatch.setattr(engine, "run", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    p.grad = torch.randn(64, 100)
+    opt.step()
+    (program, backend, params, grads, states, steps, values), kw = calls[-1]
+    scales = program.state_names.index("mu_absmax")
+    with python_path():
+        real(program, backend, params, grads, states, steps, values, **kw)
+        states[scales] = [x[None] for x in states[scales]]
+        before = p.detach().clone()
+        with pytest.raises(ValueError, match=r"state 'mu_absmax' of parameter 0 has shape "
+                                             r"\(1, 25\)"):
+            real(program, backend, params, grads, states, steps, values, **kw)
+    assert torch.equal(p.detach(), before)
+
+
 def test_the_operators_staged_tables_are_the_python_paths(monkeypatch):
     """``tables`` (the operator's rows of a staged step) holds, row for row, what the Python
     path's ``_tables`` holds: the same library, addresses and lengths, each dtype group's

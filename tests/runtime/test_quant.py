@@ -606,6 +606,29 @@ def test_a_class_step_refuses_codes_or_scales_of_another_dtype(name, wrong):
     assert torch.equal(p.detach(), before)
 
 
+@pytest.mark.parametrize("way", ["operator", "python"])
+@pytest.mark.parametrize("name", ["AdamW", "Prodigy"])
+def test_scales_as_a_row_are_refused_on_every_path(name, way, monkeypatch):
+    """An 8-bit state's scales made a row, ``[None]`` (a view: the same address and length),
+    are refused by name and nothing is written: by the operator, and by the Python path
+    (``VEGA_NATIVE=0``), whose plan of a recent step at the same addresses and lengths
+    does not take them."""
+    if way == "python":
+        from vega.codegen.c import native
+        monkeypatch.setattr(native, "module", lambda wait=None: None)
+    p = torch.nn.Parameter(torch.randn(64, 100))
+    opt = getattr(vega.optim, name)([p], state_dtype=U8)
+    for _ in range(2):
+        p.grad = torch.randn(64, 100)
+        opt.step()
+    opt.state[p]["mu_absmax"] = opt.state[p]["mu_absmax"][None]
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"state 'mu_absmax' (of parameter 0 )?has shape "
+                                         r"\(1, 25\)"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
 @pytest.mark.parametrize("wrong", ["an int32 state", "a state of another shape",
                                    "codes of float32", "scales of float64", "scales as a row"])
 def test_a_class_step_of_two_programs_checks_both_before_either_writes(wrong):

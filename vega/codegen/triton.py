@@ -1037,6 +1037,7 @@ class Kernel:
 
     backend = "triton"
     takes_rows = True  # values may come as a HyperRows table
+    state_dtypes = frozenset(triton_runtime.DTYPES)  # (a class step checks states' first)
     # a step in place refuses, before its first launch, any tensor it cannot write
     # (triton_runtime: the native table builder's checks, or refuse_inplace)
     checks_writes = True

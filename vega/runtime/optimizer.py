@@ -24,7 +24,7 @@ from vega.codegen.base import (check_codes, check_dtypes, check_state_devices, c
                                distinct, state_shape)
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
-                                  dense_words, first_with_own_ops, fit, floats, gather,
+                                  dense_words, first_with_own_ops, fit, gather,
                                   inplace_problem, is_dtensor, like, own_ops_words, same)
 from vega.runtime import engine, sharded, torch_names
 
@@ -308,7 +308,15 @@ class SpecOptimizer(torch.optim.Optimizer):
                 for k, (_, w) in enumerate(found_work) for item in w):
             # DTensors, a reduce_group, or reductions over a group: vega.runtime.sharded
             check = self.skip_nonfinite or self.loss_scale is not None
-            pre, _ = sharded.fused(type(self).__name__, [i for _, w in found_work for i in w],
+            items = [i for _, w in found_work for i in w]
+            if len(items) > 1 and len(plain) == len(found_work):
+                try:  # (plain tensors, several calls: each checked before the first writes)
+                    self._check_writes(items)
+                    self._check_work(items)
+                except (TypeError, ValueError):
+                    self._refused()
+                    raise
+            pre, _ = sharded.fused(type(self).__name__, items,
                                    engine.inverse_scale(self.loss_scale), self.max_grad_norm,
                                    check, True, group_of,
                                    [k for k, (_, w) in enumerate(found_work) for _ in w],
@@ -503,8 +511,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         out = []
         for program, backend, params, grads, states, steps, values in work:
             kern = codegen.kernel(backend, program)
-            if like(params, grads) and floats(params) and floats(grads) and all(
-                    fit(params, col, s.dom, 1 if s.name in program.quant else 0)
+            if like(params, grads) and fit(params, params, "rc") and fit(params, grads, "rc") \
+                    and all(fit(params, col, s.dom, 1 if s.name in program.quant else 0)
                     for s, col in zip(program.states, states)):
                 # (the common case, in the native module's passes: a few ns a tensor; states
                 # like their parameters, of one number, or 8-bit codes and their scales)
@@ -530,6 +538,17 @@ class SpecOptimizer(torch.optim.Optimizer):
                         words = str(one).replace(" of parameter 0 ", " ")
                         raise ValueError(f"{owner}: {self._name(p)}: {words}") from None
                 raise ValueError(f"{owner}: {e}") from None
+            supported = getattr(kern, "state_dtypes", None)  # (the compiled kernels')
+            for what, col in (("parameters", params), ("gradients", grads),
+                              *((f"state '{s.name}'", col)
+                                for s, col in zip(program.states, states))):
+                bad = next((i for i, x in enumerate(col) if supported is not None and (
+                    x.dtype not in supported or x.dtype == torch.uint8 and what[0] != "s")),
+                    None)
+                if bad is not None:
+                    raise ValueError(f"{owner}: {self._name(params[bad])}: backend "
+                                     f"'{backend}' does not support {what} of dtype "
+                                     f"{col[bad].dtype}")
             out.append(engine.tensor_values(program, kern, [values] * len(params), steps))
         return out
 

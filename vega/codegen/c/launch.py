@@ -56,6 +56,7 @@ class Kernel:
 
     backend = "c"
     takes_rows = True  # values may come as a HyperRows table
+    state_dtypes = frozenset(_DTYPES)  # (a class step checks its states' against them first)
 
     @property
     def checks_writes(self) -> bool:
@@ -159,13 +160,17 @@ class Kernel:
         """``call(self.id, *args)``, a function of the native module, building the libraries
         it asks for (each call checks every tensor before it writes any)."""
         self._registered(mod)
-        for _ in range(8):  # (a library for each dtype group it meets)
+        built = set()
+        while True:  # (a library for each dtype group it meets, however many)
             try:
                 return call(self.id, *args)
             except mod.MissingLibrary as e:
-                self.library(tuple(str(e.args[0]).split()))
+                key = tuple(str(e.args[0]).split())
+                if key in built:  # (built and registered, yet missing: not to loop on)
+                    raise
+                built.add(key)
+                self.library(key)
                 self._registered(mod)
-        return call(self.id, *args)
 
     def _group_key(self, p, g, s_dtype):
         """The dtype group of a parameter, its gradient and its states (``s_dtype``: their
@@ -557,7 +562,10 @@ class Kernel:
             fixed = list(map(ptr, params)) + list(map(ptr, flat_states)) + list(map(ptr, steps))
             meta = ([p.shape for p in params] if self._axes else list(map(numel, params)),
                     [g.shape for g in grads] if self._axes else list(map(numel, grads)),
-                    list(map(numel, flat_states)),
+                    # (an 8-bit state's scales of another shape, a row, are refused by
+                    # ``_tables``' check, not taken for the plan of the same lengths)
+                    [s.shape for s in flat_states] if self.program.quant
+                    else list(map(numel, flat_states)),
                     list(map(_DTYPE_OF, [*params, *grads, *flat_states, *steps])),
                     list(step_index), list(hyp_index), [h.shape for h in hyp])
             grad_ptrs = list(map(ptr, grads))

@@ -126,7 +126,7 @@ bool as_stored(const at::Tensor &t) {
 bool state_fits(const at::Tensor &x, const at::Tensor &p, int64_t dom, const int64_t *geo) {
     return dom == 0 ? x.sizes().equals(p.sizes())
          : dom == 4 ? x.dim() == 0
-         : dom == 5 ? x.numel() == (p.numel() + 255) / 256
+         : dom == 5 ? x.dim() == 1 && x.numel() == (p.numel() + 255) / 256
                     : geo != nullptr && x.numel() == geo[dom];
 }
 
@@ -1288,7 +1288,8 @@ bool like(py::handle refs_, py::handle items_, py::handle plain_) {
 // Whether every ``items[i]`` is a strided tensor exactly of a type of ``plain``, on the device
 // of ``refs[i]``, that a kernel takes as a state of its parameter ``refs[i]``: of its shape
 // (``dom`` 0), one number (4) or one a block of 256 of its elements (5, an 8-bit state's
-// scales), a floating-point one (``want`` 0), 8-bit codes (1: uint8) or float32 scales (2).
+// scales), of a dtype the compiled kernels take (``want`` 0: float32, float64, bfloat16 or
+// float16), 8-bit codes (1: uint8) or float32 scales (2).
 // The quick check of a class step's states before its first call writes (False sends the
 // caller to its checks tensor by tensor, which say what is wrong; other domains: False).
 bool fit(py::handle refs_, py::handle items_, py::handle plain_, int64_t dom, int64_t want) {
@@ -1308,9 +1309,13 @@ bool fit(py::handle refs_, py::handle items_, py::handle plain_, int64_t dom, in
         const bool shaped = dom == 0 ? x.sizes() == r.sizes()
                           : dom == 4 ? x.dim() == 0
                                      : x.dim() == 1 && x.size(0) == (r.numel() + 255) / 256;
-        const bool typed = want == 0 ? x.is_floating_point()
-                         : want == 1 ? x.scalar_type() == c10::ScalarType::Byte
-                                     : x.scalar_type() == c10::ScalarType::Float;
+        const c10::ScalarType t = x.scalar_type();
+        const bool typed = want == 0 ? t == c10::ScalarType::Float ||
+                                           t == c10::ScalarType::Double ||
+                                           t == c10::ScalarType::BFloat16 ||
+                                           t == c10::ScalarType::Half
+                         : want == 1 ? t == c10::ScalarType::Byte
+                                     : t == c10::ScalarType::Float;
         if (!shaped || !typed) return false;
     }
     return true;
