@@ -586,6 +586,24 @@ def test_a_wrong_state_of_the_second_group_is_named_before_the_first_is_written(
             assert v.dtype == after[i][k].dtype and torch.equal(v, after[i][k]), (i, k)
 
 
+@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("name, key", [("AdamW", "mu"), ("NAdam", "mu_product"),
+                                       ("Prodigy", "d")])
+def test_a_sparse_state_set_by_hand_is_named_before_anything_is_written(name, key, backend):
+    """A state entry set by hand to a sparse tensor is named as sparse, and nothing is
+    written (it was called an expanded tensor, and a sparse state of one number failed with
+    torch's raw 'Cannot access data pointer')."""
+    params = _params()
+    opt = _stepped(getattr(vega.optim, name)(params, backend=backend), params)
+    opt.state[params[1]][key] = opt.state[params[1]][key].to_sparse()
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=rf"state '{key}' of parameter 1 .*is sparse "
+                                         r"\(torch.sparse_coo\); a step in place writes "
+                                         r"dense \(strided\) tensors"):
+        _stepped(opt, params, steps=1)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+
+
 def _not_dense(kind: str) -> torch.Tensor:
     import warnings
     with warnings.catch_warnings():  # (torch's beta and prototype notes)

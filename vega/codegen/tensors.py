@@ -270,6 +270,7 @@ OVERLAP_WORDS = ("has elements at one memory location (an expanded tensor, a str
 SHARE_WORDS = "shares memory with {other}: a step in place would write that memory twice"
 MISSING_WORDS = ("is not a tensor (None, or another object, where the step writes one); "
                  "a state entry set by hand must be a tensor")
+NOT_DENSE_WORDS = "is {what}; a step in place writes dense (strided) tensors"
 
 
 def inplace_problem(tensors) -> tuple[int, int | None, str] | None:
@@ -290,6 +291,9 @@ def inplace_problem(tensors) -> tuple[int, int | None, str] | None:
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             return i, None, MISSING_WORDS
+        if not dense(t):  # (no strides, nor memory of its own, to write)
+            return i, None, NOT_DENSE_WORDS.format(
+                what="a nested tensor" if t.is_nested else f"sparse ({t.layout})")
         if inference_outside(t):
             return i, None, INFERENCE_WORDS
         if overlaps_itself(t):
