@@ -586,6 +586,46 @@ def test_a_wrong_state_of_the_second_group_is_named_before_the_first_is_written(
             assert v.dtype == after[i][k].dtype and torch.equal(v, after[i][k]), (i, k)
 
 
+@pytest.mark.parametrize("name", ["AdamW", "NAdam"])
+def test_complex_parameters_in_two_groups_step_as_in_one(name):
+    """Complex parameters (and their complex states) are stepped as their real views; the
+    checks a class step of several calls makes before the first writes take them."""
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(5, 3, dtype=torch.complex64, generator=gen) for _ in range(3)]
+    ours = [torch.nn.Parameter(v.clone()) for v in values]
+    theirs = [torch.nn.Parameter(v.clone()) for v in values]
+    cls = getattr(vega.optim, name)
+    opt = cls([{"params": ours[:1]}, {"params": ours[1:]}], backend="c")
+    one = cls(theirs, backend="c")
+    for step in range(3):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(5, 3, dtype=torch.complex64, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        one.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+        assert all(torch.equal(opt.state[p][k], one.state[q][k]) for k in opt.state[p])
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+def test_a_rule_with_a_state_of_one_number_steps_complex_parameters_as_torch(backend):
+    """NAdam keeps one number a tensor (``mu_product``): real for a complex parameter, whose
+    other states are complex like it (its first step failed in view_as_complex of a 0-d
+    tensor); stepped as torch.optim.NAdam steps complex parameters."""
+    gen = torch.Generator().manual_seed(0)
+    value = torch.randn(5, 3, dtype=torch.complex64, generator=gen)
+    p, q = torch.nn.Parameter(value.clone()), torch.nn.Parameter(value.clone())
+    ours, theirs = vega.optim.NAdam([p], backend=backend), torch.optim.NAdam([q])
+    for _ in range(4):
+        p.grad = torch.randn(5, 3, dtype=torch.complex64, generator=gen)
+        q.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+    assert ours.state[p]["mu_product"].dtype == torch.float32
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("backend", ["c", "reference"])
 @pytest.mark.parametrize("name, key", [("AdamW", "mu"), ("NAdam", "mu_product"),
                                        ("Prodigy", "d")])

@@ -399,7 +399,9 @@ def init_leaf(program: Program, p: torch.Tensor, values: dict,
            for sd in state_dtypes(p, program, state_dtype)]
     kern = codegen.kernel("reference", program)
     out = kern.init(_real(p), values, sds)
-    return [torch.view_as_complex(s) if p.is_complex() else s for s in out]
+    # (a state like its parameter is complex like it; one of one number a tensor stays real)
+    return [torch.view_as_complex(s) if p.is_complex() and st.dom == "rc" else s
+            for st, s in zip(program.states, out)]
 
 
 def inverse_scale(loss_scale) -> torch.Tensor | None:

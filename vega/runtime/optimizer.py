@@ -33,6 +33,11 @@ _LAYOUT = operator.attrgetter("layout")
 _GRAD = operator.attrgetter("grad")
 
 
+def _real(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a tensor's real view (its own, for a real one)."""
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
 def _any_sparse(grads) -> bool:
     """Whether any gradient is sparse, of any layout but strided (COO, CSR, CSC, BSR, BSC:
     a map of an attrgetter, fast, where dynamo is not tracing: it cannot trace one)."""
@@ -539,16 +544,20 @@ class SpecOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"{owner}: {self._name(p)}: {words}") from None
                 raise ValueError(f"{owner}: {e}") from None
             supported = getattr(kern, "state_dtypes", None)  # (the compiled kernels')
-            for what, col in (("parameters", params), ("gradients", grads),
-                              *((f"state '{s.name}'", col)
-                                for s, col in zip(program.states, states))):
+            for what, dom, col in (("parameters", "rc", params), ("gradients", "rc", grads),
+                                   *((f"state '{s.name}'", s.dom, col)
+                                     for s, col in zip(program.states, states))):
+                # (a complex tensor is stepped as its real view: one like its parameter is
+                # complex like it, one of one number real)
                 bad = next((i for i, x in enumerate(col) if supported is not None and (
-                    x.dtype not in supported or x.dtype == torch.uint8 and what[0] != "s")),
-                    None)
+                    _real(x.dtype) not in supported
+                    or x.is_complex() != (params[i].is_complex() and dom == "rc")
+                    or x.dtype == torch.uint8 and what[0] != "s")), None)
                 if bad is not None:
                     raise ValueError(f"{owner}: {self._name(params[bad])}: backend "
                                      f"'{backend}' does not support {what} of dtype "
-                                     f"{col[bad].dtype}")
+                                     f"{col[bad].dtype} (its parameter's: "
+                                     f"{params[bad].dtype})")
             out.append(engine.tensor_values(program, kern, [values] * len(params), steps))
         return out
 
