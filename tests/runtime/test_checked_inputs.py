@@ -560,13 +560,17 @@ def test_a_staged_class_step_names_a_wrong_state_before_anything_is_written(key,
 @pytest.mark.parametrize("name, key, wrong, words", [
     ("Prodigy", "num", lambda x: x.reshape(1), r"state 'num' has shape \(1,\)"),
     ("Prodigy", "mu", lambda x: x.to(torch.complex64),
-     "does not support state 'mu' of dtype torch.complex64"),
+     "state 'mu' is of dtype torch.complex64, but its parameter is of dtype torch.float32: "
+     "real like it"),
     ("AdamW", "mu", lambda x: x.to(torch.complex64),
-     "does not support state 'mu' of dtype torch.complex64"),
+     "state 'mu' is of dtype torch.complex64, but its parameter is of dtype torch.float32: "
+     "real like it"),
     ("AdamW", "nu", lambda x: x.to(torch.float8_e4m3fn),
      "does not support state 'nu' of dtype torch.float8_e4m3fn")])
+@pytest.mark.parametrize("how", ["in place", "in a new dict"])
 def test_a_wrong_state_of_the_second_group_is_named_before_the_first_is_written(name, key,
-                                                                               wrong, words):
+                                                                               wrong, words,
+                                                                               how):
     """A class step of two groups checks both before either is written: a state set by hand
     in the second group to another shape, or to a dtype the C kernels do not take (complex,
     float8), is named and nothing is written (the first group's kernels had run: Prodigy's
@@ -575,7 +579,10 @@ def test_a_wrong_state_of_the_second_group_is_named_before_the_first_is_written(
     params = _params(3)
     opt = _stepped(getattr(vega.optim, name)([{"params": params[:1]}, {"params": params[1:]}]),
                    params)
-    opt.state[params[2]][key] = wrong(opt.state[params[2]][key])
+    if how == "in place":
+        opt.state[params[2]][key] = wrong(opt.state[params[2]][key])
+    else:  # (the group's plan made again: its tensors not known to be plain ones)
+        opt.state[params[2]] = {**opt.state[params[2]], key: wrong(opt.state[params[2]][key])}
     before = [p.detach().clone() for p in params], _snapshot(opt)[0]
     with pytest.raises(ValueError, match=f"{name}: parameter 1 of group 1: .*{words}"):
         _stepped(opt, params, steps=1)
@@ -606,6 +613,42 @@ def test_complex_parameters_in_two_groups_step_as_in_one(name):
     for p, q in zip(ours, theirs):
         assert torch.equal(p, q)
         assert all(torch.equal(opt.state[p][k], one.state[q][k]) for k in opt.state[p])
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+def test_a_step_in_stages_takes_complex_parameters_on_the_reference_backend(backend):
+    """Prodigy's step in stages runs its kernels on real tensors: complex parameters are
+    refused by name on the C backend (its first step leaves no state), stepped on the
+    reference backend."""
+    p = torch.nn.Parameter(torch.randn(5, 3, dtype=torch.complex64))
+    opt = vega.optim.Prodigy([p], backend=backend)
+    p.grad = torch.randn(5, 3, dtype=torch.complex64)
+    before = p.detach().clone()
+    if backend == "reference":
+        opt.step()
+        assert not torch.equal(p.detach(), before) and opt.state[p]["mu"].is_complex()
+        return
+    with pytest.raises(ValueError, match="prodigy's step in stages .* takes complex "
+                                         "parameters on the reference backend only"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and not opt.state.get(p)
+
+
+def test_a_real_state_of_a_complex_parameter_is_named_as_such():
+    """A state set by hand to a real tensor for a complex parameter is named for what it
+    is, not as a dtype the backend does not take."""
+    ps = [torch.nn.Parameter(torch.randn(5, 3, dtype=torch.complex64)) for _ in range(2)]
+    opt = vega.optim.AdamW([{"params": ps[:1]}, {"params": ps[1:]}])
+    for p in ps:
+        p.grad = torch.randn(5, 3, dtype=torch.complex64)
+    opt.step()
+    opt.state[ps[1]]["mu"] = opt.state[ps[1]]["mu"].real.clone()
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(ValueError, match=r"AdamW: parameter 0 of group 1: state 'mu' is of "
+                                         r"dtype torch.float32, but its parameter is of dtype "
+                                         r"torch.complex64: complex like it"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
 
 
 @pytest.mark.parametrize("backend", ["c", "reference"])

@@ -610,9 +610,8 @@ def test_a_class_step_refuses_codes_or_scales_of_another_dtype(name, wrong):
 @pytest.mark.parametrize("name", ["AdamW", "Prodigy"])
 def test_scales_as_a_row_are_refused_on_every_path(name, way, monkeypatch):
     """An 8-bit state's scales made a row, ``[None]`` (a view: the same address and length),
-    are refused by name and nothing is written: by the operator, and by the Python path
-    (``VEGA_NATIVE=0``), whose plan of a recent step at the same addresses and lengths
-    does not take them."""
+    are refused by name and nothing is written: by the operator, and on the Python path
+    (``VEGA_NATIVE=0``; its plan of a recent call: test_native_step.py)."""
     if way == "python":
         from vega.codegen.c import native
         monkeypatch.setattr(native, "module", lambda wait=None: None)

@@ -314,20 +314,22 @@ class SpecOptimizer(torch.optim.Optimizer):
             # DTensors, a reduce_group, or reductions over a group: vega.runtime.sharded
             check = self.skip_nonfinite or self.loss_scale is not None
             items = [i for _, w in found_work for i in w]
-            if len(items) > 1 and len(plain) == len(found_work):
-                try:  # (plain tensors, several calls: each checked before the first writes)
+            try:
+                if len(items) > 1 and all(k in plain or PLAIN_TYPES.issuperset(map(type, it[2]))
+                                          for k, (_, w) in enumerate(found_work) for it in w):
+                    # (plain parameters, several calls: each checked before the first writes)
                     self._check_writes(items)
                     self._check_work(items)
-                except (TypeError, ValueError):
-                    self._refused()
-                    raise
-            pre, _ = sharded.fused(type(self).__name__, items,
-                                   engine.inverse_scale(self.loss_scale), self.max_grad_norm,
-                                   check, True, group_of,
-                                   [k for k, (_, w) in enumerate(found_work) for _ in w],
-                                   spans=self.spec._spec.spans_group,
-                                   plain=[k in plain for k, (_, w) in enumerate(found_work)
-                                          for _ in w])
+                pre, _ = sharded.fused(type(self).__name__, items,
+                                       engine.inverse_scale(self.loss_scale),
+                                       self.max_grad_norm, check, True, group_of,
+                                       [k for k, (_, w) in enumerate(found_work) for _ in w],
+                                       spans=self.spec._spec.spans_group,
+                                       plain=[k in plain for k, (_, w) in enumerate(found_work)
+                                              for _ in w])
+            except (TypeError, ValueError):  # (refused before anything was written)
+                self._refused()
+                raise
             if self.loss_scale is not None:
                 self.loss_scale = self.loss_scale.adjust(finite_of(pre))
             self._share_group_states(found_work)
@@ -553,11 +555,16 @@ class SpecOptimizer(torch.optim.Optimizer):
                     _real(x.dtype) not in supported
                     or x.is_complex() != (params[i].is_complex() and dom == "rc")
                     or x.dtype == torch.uint8 and what[0] != "s")), None)
-                if bad is not None:
-                    raise ValueError(f"{owner}: {self._name(params[bad])}: backend "
-                                     f"'{backend}' does not support {what} of dtype "
-                                     f"{col[bad].dtype} (its parameter's: "
-                                     f"{params[bad].dtype})")
+                if bad is None:
+                    continue
+                x, p = col[bad], params[bad]
+                if _real(x.dtype) in supported and x.dtype != torch.uint8:
+                    raise ValueError(f"{owner}: {self._name(p)}: {what} is of dtype {x.dtype}, "
+                                     f"but its parameter is of dtype {p.dtype}: "
+                                     + ("complex like it" if p.is_complex() else "real like it")
+                                     + (" where shaped like it" if what[0] == "s" else ""))
+                raise ValueError(f"{owner}: {self._name(p)}: backend '{backend}' does not "
+                                 f"support {what} of dtype {x.dtype}")
             out.append(engine.tensor_values(program, kern, [values] * len(params), steps))
         return out
 

@@ -358,6 +358,12 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
     box: list = []
     locs = [_Local(owner, item, box, plain is not None and plain[k])
             for k, item in enumerate(items)]
+    for loc in locs:  # (the staged kernels step real tensors; the reference, complex ones)
+        if loc.staged() and loc.backend != "reference" and any(
+                x.is_complex() for x in loc.lp):
+            raise ValueError(f"{owner}: {loc.program.name}'s step in stages (its reductions "
+                             f"over the group, or over shards) takes complex parameters on "
+                             f"the reference backend only: pass backend='reference'")
     if reduce_group is not None and (spans or any(loc.program.spans_group for loc in locs)):
         _same_programs(owner, locs, group_of, reduce_group)
     mesh = box[0] if box else None
