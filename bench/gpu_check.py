@@ -78,6 +78,7 @@ def section(name, need_s):
 import vega  # noqa: E402
 from vega import codegen  # noqa: E402
 from vega.codegen import triton_runtime as tr  # noqa: E402
+from vega.runtime.tree import flatten, leaf_paths, state_names  # noqa: E402
 
 # -- parameter sets ------------------------------------------------------------------------
 
@@ -153,12 +154,11 @@ def device_info():
 
 
 def leaves(params, state):
-    yield from (("p." + k, v) for k, v in params.items())
-    for field, t in state.items():
-        if field == "step":
-            yield "step", t
-        else:
-            yield from ((f"{field}.{k}", v) for k, v in t.items() if v is not None)
+    """(name, tensor) of each parameter ("p.<key>") and each state leaf ("mu.<key>",
+    "step"), as vega.save names them (None leaves left out)."""
+    for names, tree in ((["p." + n for n in leaf_paths(params)], params),
+                        (state_names(state), state)):
+        yield from zip(names, (v for v in flatten(tree)[0] if v is not None), strict=True)
 
 
 def compare(tri, ref, dtype):

@@ -399,9 +399,12 @@ def check_state_devices(backend: str, program: Program, params, states) -> None:
                              f"{x.device}, but its parameter is on {devices[i]}")
 
 
-def check_quant_dtypes(backend: str, program: Program, states) -> None:
-    """Raise ValueError unless each state ``program`` keeps in 8 bits holds codes
-    (torch.uint8) and its scales float32 (``states``: one list per state variable)."""
+def check_states(backend: str, program: Program, params, states, geos=None) -> None:
+    """Raise ValueError unless every state tensor has the shape its parameter needs
+    (``states``: one list per state variable): a kernel would read and write past a
+    smaller one. ``geos``: each parameter's matrix view (``Geometry``) where it is not its
+    shape's own (a shard's: ``ShardView.local``)."""
+    shapes = None
     for name, (scale, _) in program.quant.items():  # 8 bits: codes and their scales
         names = program.state_names
         for st, want in ((name, torch.uint8), (scale, torch.float32)):
@@ -411,15 +414,6 @@ def check_quant_dtypes(backend: str, program: Program, states) -> None:
                 raise ValueError(f"backend '{backend}': state '{st}' is kept in 8 bits "
                                  f"(state_dtype torch.uint8), as {want}, but a tensor of it is "
                                  f"{bad}: make the state with the same state_dtype")
-
-
-def check_states(backend: str, program: Program, params, states, geos=None) -> None:
-    """Raise ValueError unless every state tensor has the shape its parameter needs
-    (``states``: one list per state variable): a kernel would read and write past a
-    smaller one. ``geos``: each parameter's matrix view (``Geometry``) where it is not its
-    shape's own (a shard's: ``ShardView.local``)."""
-    check_quant_dtypes(backend, program, states)
-    shapes = None
     for s, col in zip(program.states, states):
         if s.dom == "rc":  # like the parameter: the shapes compared in one pass
             shapes = [p.shape for p in params] if shapes is None else shapes

@@ -33,11 +33,6 @@ _LAYOUT = operator.attrgetter("layout")
 _GRAD = operator.attrgetter("grad")
 
 
-def _real(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a tensor's real view (its own, for a real one)."""
-    return dtype.to_real() if dtype.is_complex else dtype
-
-
 def _any_sparse(grads) -> bool:
     """Whether any gradient is sparse, of any layout but strided (COO, CSR, CSC, BSR, BSC:
     a map of an attrgetter, fast, where dynamo is not tracing: it cannot trace one)."""
@@ -552,13 +547,13 @@ class SpecOptimizer(torch.optim.Optimizer):
                 # (a complex tensor is stepped as its real view: one like its parameter is
                 # complex like it, one of one number real)
                 bad = next((i for i, x in enumerate(col) if supported is not None and (
-                    _real(x.dtype) not in supported
+                    x.dtype.to_real() not in supported
                     or x.is_complex() != (params[i].is_complex() and dom == "rc")
                     or x.dtype == torch.uint8 and what[0] != "s")), None)
                 if bad is None:
                     continue
                 x, p = col[bad], params[bad]
-                if _real(x.dtype) in supported and x.dtype != torch.uint8:
+                if x.dtype.to_real() in supported and x.dtype != torch.uint8:
                     raise ValueError(f"{owner}: {self._name(p)}: {what} is of dtype {x.dtype}, "
                                      f"but its parameter is of dtype {p.dtype}: "
                                      + ("complex like it" if p.is_complex() else "real like it")

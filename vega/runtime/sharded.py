@@ -37,7 +37,7 @@ from vega import codegen
 from vega.codegen import quant
 from vega.codegen.base import Geometry, ShardView, geometry, state_shape
 from vega.codegen.steps import drive
-from vega.codegen.tensors import PLAIN_TYPES, is_dtensor
+from vega.codegen.tensors import PLAIN_TYPES, any_complex, is_dtensor
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import QBLOCK, SCALAR_STATE
 from vega.runtime import engine
@@ -359,8 +359,7 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
     locs = [_Local(owner, item, box, plain is not None and plain[k])
             for k, item in enumerate(items)]
     for loc in locs:  # (the staged kernels step real tensors; the reference, complex ones)
-        if loc.staged() and loc.backend != "reference" and any(
-                x.is_complex() for x in loc.lp):
+        if loc.backend != "reference" and loc.staged() and any_complex(loc.lp):
             raise ValueError(f"{owner}: {loc.program.name}'s step in stages (its reductions "
                              f"over the group, or over shards) takes complex parameters on "
                              f"the reference backend only: pass backend='reference'")

@@ -423,8 +423,8 @@ class Kernel:
         if mod is None or self._axes or torch.compiler.is_compiling():
             return None
         try:
-            groups, _ = self._native_call(mod, mod.tables, params, grads, flat, unique,
-                                          step_index, hyp, hyp_index, [])
+            groups = self._native_call(mod, mod.tables, params, grads, flat, unique,
+                                       step_index, hyp, hyp_index, [])
         except ValueError:
             return None
         return [(self.library(tuple(key.split())), table,

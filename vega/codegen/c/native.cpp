@@ -284,12 +284,6 @@ struct Group {
     std::vector<int64_t> at;  // its parameters' positions (kept for ``tables`` only)
 };
 
-// What ``step_impl`` built, for a caller that runs the kernels itself (``tables``): each
-// dtype group's rows, and the distinct step counters' addresses.
-struct Built {
-    std::vector<Group> groups;
-    std::vector<int64_t> steps;
-};
 
 // The dtypes of a parameter, its gradient and its states packed in one number, 8 bits each,
 // compared before any string is made; OTHER_CODES where more than five states do not fit,
@@ -410,13 +404,13 @@ void each_apart(size_t n, bool apart, const Check &check) {
 // operation does (the eager call's; the operator's dispatch does its own), once every tensor
 // is checked and before the kernels run: each parameter's tensor is still in the cache
 // then, where the kernels' pass over the values pushes it out. ``keep``: every tensor
-// checked and the rows built, kept there, and no kernel run (``tables``).
+// checked and each dtype group's rows built, kept there, and no kernel run (``tables``).
 template <class List>
 void step_impl(int64_t id, const List &params, const List &grads, const List &states,
                const List &steps, c10::IntArrayRef step_index, const List &hypers,
                c10::IntArrayRef hyper_index, const c10::optional<at::Tensor> &pre,
                c10::IntArrayRef geometry, const List &outs, bool bump = false,
-               Built *keep = nullptr) {
+               std::vector<Group> *keep = nullptr) {
     auto k = kernel_of(id);
     const size_t n = params.size(), ns = static_cast<size_t>(k->nstates);
     const bool in_place = outs.empty();
@@ -553,8 +547,7 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
         if (keep) grp.at.push_back(static_cast<int64_t>(i));
     }
     if (keep) {  // (the caller runs the kernels, and advances the versions it writes)
-        keep->groups = std::move(groups);
-        keep->steps = std::move(step_at);
+        *keep = std::move(groups);
         return;
     }
     // (every library is found: nothing after this refuses the step)
@@ -746,6 +739,30 @@ std::vector<int64_t> indices_of(py::handle seq, size_t n, const char *what) {
     }
     return ints_of(seq, what);
 }
+
+// A step's arguments as the eager calls take them (``step``, ``tables``), converted with the
+// GIL held; ``run`` does the work without it. Made and destroyed with the GIL held.
+struct EagerArgs {
+    Held p, g, s, t, h, o;
+    std::vector<int64_t> step_index, hyper_index, geometry;
+    EagerArgs(py::handle params, py::handle grads, py::handle states, py::handle steps,
+              py::handle step_index_, py::handle hypers, py::handle hyper_index_,
+              py::handle geometry_, py::handle outs)
+        : p(tensors_of(params, "parameter")), g(tensors_of(grads, "gradient")),
+          s(tensors_of(states, "state tensor")), t(tensors_of(steps, "step counter")),
+          h(tensors_of(hypers, "hyperparameter row")), o(tensors_of(outs, "output")),
+          step_index(indices_of(step_index_, p.ts.size(), "step index")),
+          hyper_index(indices_of(hyper_index_, p.ts.size(), "hyperparameter index")),
+          geometry(ints_of(geometry_, "geometry")) {}
+    // ``step_impl`` (``bump``, ``keep``: its own), then the tensors' objects asked for
+    void run(int64_t id, const c10::optional<at::Tensor> &pre, bool bump,
+             std::vector<Group> *keep) const {
+        py::gil_scoped_release unlocked;
+        step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(), hyper_index,
+                  pre, geometry, o.list(), bump, keep);
+        for (const Held *held : {&p, &g, &s, &t}) held->prefetch();
+    }
+};
 
 // -- Triton's address tables -----------------------------------------------------------------
 
@@ -1366,57 +1383,33 @@ PYBIND11_MODULE(vega_native, m) {
     // none), so that autograd refuses a graph that saved their old values (``step_impl``'s
     // ``bump``).
     m.def("step", [](int64_t id, py::handle params, py::handle grads, py::handle states,
-                     py::handle steps, py::handle step_index_, py::handle hypers,
-                     py::handle hyper_index_, const c10::optional<at::Tensor> &pre,
-                     py::handle geometry_, py::handle outs) {
-        const auto p = tensors_of(params, "parameter"), g = tensors_of(grads, "gradient"),
-                   s = tensors_of(states, "state tensor"), t = tensors_of(steps, "step counter"),
-                   h = tensors_of(hypers, "hyperparameter row"), o = tensors_of(outs, "output");
-        const size_t n = p.ts.size();
-        const std::vector<int64_t> step_index = indices_of(step_index_, n, "step index"),
-                                   hyper_index =
-                                       indices_of(hyper_index_, n, "hyperparameter index"),
-                                   geometry = ints_of(geometry_, "geometry");
-        py::gil_scoped_release unlocked;
-        step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(), hyper_index,
-                  pre, geometry, o.list(), true);
-        for (const Held *held : {&p, &g, &s, &t}) held->prefetch();
+                     py::handle steps, py::handle step_index, py::handle hypers,
+                     py::handle hyper_index, const c10::optional<at::Tensor> &pre,
+                     py::handle geometry, py::handle outs) {
+        EagerArgs(params, grads, states, steps, step_index, hypers, hyper_index, geometry, outs)
+            .run(id, pre, true, nullptr);
     });
     // A staged step's tables (vega.codegen.c.launch.Kernel._staged_tables: its kernels run
     // phase by phase, their reductions over the group combined between): the step's every
     // check, in place, and its rows, built as for ``step`` (none of its tensors written, no
-    // version advanced): ([(the dtype group's "p g s" key, its rows as an int64 tensor, its
-    // parameters' positions)], the distinct step counters' addresses as an int64 tensor).
+    // version advanced): [(the dtype group's "p g s" key, its rows as an int64 tensor, its
+    // parameters' positions)].
     m.def("tables", [](int64_t id, py::handle params, py::handle grads, py::handle states,
-                       py::handle steps, py::handle step_index_, py::handle hypers,
-                       py::handle hyper_index_, py::handle geometry_) {
-        const auto p = tensors_of(params, "parameter"), g = tensors_of(grads, "gradient"),
-                   s = tensors_of(states, "state tensor"), t = tensors_of(steps, "step counter"),
-                   h = tensors_of(hypers, "hyperparameter row"),
-                   o = tensors_of(py::tuple(), "output");
-        const size_t n = p.ts.size();
-        const std::vector<int64_t> step_index = indices_of(step_index_, n, "step index"),
-                                   hyper_index =
-                                       indices_of(hyper_index_, n, "hyperparameter index"),
-                                   geometry = ints_of(geometry_, "geometry");
-        Built built;
-        {
-            py::gil_scoped_release unlocked;
-            step_impl(id, p.list(), g.list(), s.list(), t.list(), step_index, h.list(),
-                      hyper_index, c10::nullopt, geometry, o.list(), false, &built);
-        }
+                       py::handle steps, py::handle step_index, py::handle hypers,
+                       py::handle hyper_index, py::handle geometry) {
+        const EagerArgs args(params, grads, states, steps, step_index, hypers, hyper_index,
+                             geometry, py::tuple());
+        std::vector<Group> groups;
+        args.run(id, c10::nullopt, false, &groups);
         const int64_t width = kernel_of(id)->col.width;
         py::list out;
-        for (const Group &grp : built.groups) {
+        for (const Group &grp : groups) {
             at::Tensor rows = at::empty({grp.n, width}, at::kLong);
             std::memcpy(rows.data_ptr<int64_t>(), grp.rows.data(),
                         grp.rows.size() * sizeof(int64_t));
-            out.append(py::make_tuple(grp.key, rows, positions(grp.at, n)));
+            out.append(py::make_tuple(grp.key, rows, positions(grp.at, args.p.ts.size())));
         }
-        at::Tensor steps_at = at::empty({static_cast<int64_t>(built.steps.size())}, at::kLong);
-        std::memcpy(steps_at.data_ptr<int64_t>(), built.steps.data(),
-                    built.steps.size() * sizeof(int64_t));
-        return py::make_tuple(out, steps_at);
+        return out;
     });
     // whether a step in place may write every one of these tensors: none an inference
     // tensor outside inference mode, each contiguous, no two sharing memory (False where one
