@@ -652,6 +652,44 @@ def test_a_real_state_of_a_complex_parameter_is_named_as_such():
 
 
 @pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_complex_parameters_state_set_to_its_real_view_is_refused(groups, backend):
+    """A state set by hand to the real view of its complex value, shaped ``(..., 2)``, is
+    refused by shape whether the step is one call or several, and nothing is written (one
+    call took it as the parameter's real view, and stepped it; torch.optim refuses it)."""
+    ps = [torch.nn.Parameter(torch.randn(5, 3, dtype=torch.complex64)) for _ in range(2)]
+    opt = vega.optim.AdamW([{"params": ps}] if groups == 1 else
+                           [{"params": ps[:1]}, {"params": ps[1:]}], backend=backend)
+    for p in ps:
+        p.grad = torch.randn(5, 3, dtype=torch.complex64)
+    opt.step()
+    opt.state[ps[1]]["mu"] = torch.view_as_real(opt.state[ps[1]]["mu"]).clone()
+    before = [p.detach().clone() for p in ps]
+    states = {k: v.clone() for k, v in opt.state[ps[1]].items()}
+    with pytest.raises(ValueError, match=rf"AdamW: parameter {1 if groups == 1 else 0} of "
+                                         rf"group {groups - 1}: .*state 'mu' has shape "
+                                         r"\(5, 3, 2\), but its parameter, of shape \(5, 3\)"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    assert all(torch.equal(opt.state[ps[1]][k], v) for k, v in states.items())
+
+
+def test_a_step_over_lists_names_a_real_state_of_a_complex_parameter():
+    """``engine.run``, beneath every step over lists, names a real state of a complex
+    parameter before any kernel runs."""
+    from vega.runtime import engine
+    program = vega.adamw.program()
+    p, g = torch.randn(5, 3, dtype=torch.complex64), torch.randn(5, 3, dtype=torch.complex64)
+    mu = torch.zeros(5, 3, 2)
+    with pytest.raises(ValueError, match=r"state 'mu' of parameter 0 is of dtype "
+                                         r"torch.float32, but its parameter is of dtype "
+                                         r"torch.complex64: complex like it"):
+        engine.run(program, "c", [p], [g], [[mu], [torch.zeros_like(p)]],
+                   [torch.zeros((), dtype=torch.int32)], [{}], donate=True)
+    assert not mu.any()
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
 def test_a_rule_with_a_state_of_one_number_steps_complex_parameters_as_torch(backend):
     """NAdam keeps one number a tensor (``mu_product``): real for a complex parameter, whose
     other states are complex like it (its first step failed in view_as_complex of a 0-d

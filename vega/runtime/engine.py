@@ -379,6 +379,21 @@ def _real(x: torch.Tensor, resolve: bool = True) -> torch.Tensor:
     return torch.view_as_real(x.resolve_conj() if resolve else x)
 
 
+def _check_complex_states(program: Program, params, states) -> None:
+    """A complex parameter's state shaped like it is complex like it: a real one (its real
+    view, shaped ``(..., 2)``, say) would pass as the parameter's real view does, where
+    torch.optim refuses it (``view_as_real`` of a real tensor) and a step of several calls
+    refuses it by shape."""
+    for st, col in zip(program.states, states):
+        if st.dom != "rc":
+            continue
+        for i, (p, x) in enumerate(zip(params, col)):
+            if p.is_complex() and isinstance(x, torch.Tensor) and not x.is_complex():
+                raise ValueError(f"{program.name}: state '{st.name}' of parameter {i} is of "
+                                 f"dtype {x.dtype}, but its parameter is of dtype {p.dtype}: "
+                                 "complex like it where shaped like it")
+
+
 def _no_complex_axes(program: Program) -> None:
     if program.uses_axes:
         raise ValueError(f"{program.name}: complex parameters have no matrix view; its row "
@@ -594,6 +609,7 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     # complex parameters step as real pairs
     if any_complex(params):
         _no_complex_axes(program)
+        _check_complex_states(program, params, states)
         # a conjugate written in place steps as a resolved copy, copied back below; while
         # dynamo traces, which cannot ask which are conjugates, it is refused as before
         writes = not (donate and compiling)
