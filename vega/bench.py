@@ -613,8 +613,9 @@ def measure(quick: bool, compile_torch: bool, bound: Stream | None = None) -> di
     """One run of the comparison: per parameter set, its parameter count, the AdamW rows
     (label -> median seconds) and the other optimizers' rows; with ``bound``, raced with
     each table's rows (and the bytes one call of it moves)."""
+    small = 200 if quick else 1000
     sets = {"GPT-2-like (40M params, 51 tensors)": gpt2_like(),
-            "many-small (1,000 tensors <= 10k)": many_small(200 if quick else 1000)}
+            f"many-small ({small:,} tensors <= 10k)": many_small(small)}
     out = {}
     for title, shapes in sets.items():
         _, grads = _tensors(shapes)

@@ -6,7 +6,7 @@ A representative set, compiled once for the module (one subprocess, about 25 ker
 AdamW's update in float32 and bfloat16 and with 8-bit state, the prelude and its finish, the
 scalars kernel, LAMB's phase and finish, Adafactor's staged kernels and the standalone counter
 advance, the bfloat16 updates with 8-bit state of AdamW, AdEMAMix and Adan, and AdEMAMix's
-float64 update; and every shipped spec's bfloat16 update (another subprocess, 22 kernels).
+float64 update; and every shipped spec's bfloat16 update (another subprocess).
 ``bench/ptx.py`` compiles every shipped spec's kernels.
 """
 import pytest

@@ -4,7 +4,7 @@ other exception; the texts that compile render on every backend, and a sample of
 steps on the C backend as on the reference.
 
 Deterministic (a fixed seed), so a failure reproduces; ``VEGA_FUZZ_N`` sets the number of
-mutations per spec (default 40: 440 texts, a few seconds)."""
+mutations per spec (default 40: 1,000 texts over the 25 shipped specs)."""
 import os
 import random
 import re
