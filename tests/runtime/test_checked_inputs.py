@@ -615,23 +615,37 @@ def test_complex_parameters_in_two_groups_step_as_in_one(name):
         assert all(torch.equal(opt.state[p][k], one.state[q][k]) for k in opt.state[p])
 
 
-@pytest.mark.parametrize("backend", ["c", "reference"])
-def test_a_step_in_stages_takes_complex_parameters_on_the_reference_backend(backend):
-    """Prodigy's step in stages runs its kernels on real tensors: complex parameters are
-    refused by name on the C backend (its first step leaves no state), stepped on the
-    reference backend."""
-    p = torch.nn.Parameter(torch.randn(5, 3, dtype=torch.complex64))
-    opt = vega.optim.Prodigy([p], backend=backend)
-    p.grad = torch.randn(5, 3, dtype=torch.complex64)
-    before = p.detach().clone()
-    if backend == "reference":
-        opt.step()
-        assert not torch.equal(p.detach(), before) and opt.state[p]["mu"].is_complex()
-        return
-    with pytest.raises(ValueError, match="prodigy's step in stages .* takes complex "
-                                         "parameters on the reference backend only"):
-        opt.step()
-    assert torch.equal(p.detach(), before) and not opt.state.get(p)
+@pytest.mark.parametrize("backend", ["c", "reference", "triton"])
+@pytest.mark.parametrize("name", ["Prodigy", "DAdaptAdamW"])
+def test_a_step_in_stages_steps_complex_parameters_as_their_real_views(name, backend):
+    """Prodigy's and D-Adaptation's steps (sums over the group between the phases) step a
+    complex parameter as its two real coordinates: bit for bit as the same values given as
+    a real parameter of shape (..., 2), the state's d too. (The reference backend cast the
+    gradient to real, which dropped its imaginary part and left every parameter real after
+    the first step; the C and Triton backends refused complex parameters.) The functional
+    step, pure, gives the same values and leaves its inputs alone."""
+    gen = torch.Generator().manual_seed(0)
+    value = torch.randn(5, 3, dtype=torch.complex64, generator=gen)
+    z = torch.nn.Parameter(value.clone())
+    r = torch.nn.Parameter(torch.view_as_real(value).clone())
+    ours = getattr(vega.optim, name)([z], lr=0.5, backend=backend)
+    twin = getattr(vega.optim, name)([r], lr=0.5, backend=backend)
+    grads = [torch.randn(5, 3, dtype=torch.complex64, generator=gen) for _ in range(3)]
+    for g in grads:
+        z.grad, r.grad = g.clone(), torch.view_as_real(g).clone()
+        ours.step()
+        twin.step()
+    assert torch.equal(torch.view_as_real(z.detach()), r.detach())
+    assert z.detach().imag.abs().min() > 0
+    for key, x in ours.state[z].items():
+        assert torch.equal(torch.view_as_real(x) if x.is_complex() else x, twin.state[r][key]), key
+    spec = vega.builtin({"Prodigy": "prodigy", "DAdaptAdamW": "dadapt_adamw"}[name])
+    params, state = {"z": value.clone()}, spec.init({"z": value.clone()}, lr=0.5)
+    for g in grads:
+        g_in = {"z": g.clone()}
+        params, state = spec.step(params, g_in, state, backend=backend, lr=0.5)
+        assert torch.equal(g_in["z"], g)
+    assert torch.equal(params["z"], z.detach())
 
 
 def test_a_real_state_of_a_complex_parameter_is_named_as_such():

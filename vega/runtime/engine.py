@@ -603,33 +603,45 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     ``values`` are ``tensor_values``' already. Returns (new params, new states, new steps,
     finite).
     """
-    compiling = torch.compiler.is_compiling()
     kern = codegen.kernel(backend, program)
     per_tensor = values if evaluated else tensor_values(program, kern, values, steps)
     # complex parameters step as real pairs
-    if any_complex(params):
-        _no_complex_axes(program)
-        _check_complex_states(program, params, states)
-        # a conjugate written in place steps as a resolved copy, copied back below; while
-        # dynamo traces, which cannot ask which are conjugates, it is refused as before
-        writes = not (donate and compiling)
-        real_p = [_real(p, writes) for p in params]
-        real_s = [[_real(s, writes) for s in col] for col in states]
-        real_g = [_real(g) for g in grads]
-    else:
-        real_p, real_s, real_g = params, states, grads
+    real_p, real_g, real_s = as_real(program, params, grads, states, donate) \
+        if any_complex(params) else (params, grads, states)
     extra = {"adjust": adjust} if adjust is not None else {}
     new_p, new_s, new_steps, finite = kern(real_p, real_g, real_s, steps, per_tensor, donate,
                                            pre, **extra)
-    if not donate:
-        new_p = [torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(params, new_p)]
-        new_s = [[torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(col, ncol)]
-                 for col, ncol in zip(states, new_s)]
-    else:
+    if real_p is not params:
+        new_p, new_s = as_complex(params, states, real_p, real_s, new_p, new_s, donate)
+    elif donate:
         new_p, new_s = list(params), [list(col) for col in states]
-        if real_p is not params and not compiling:  # a conjugate stepped as a copy: back
-            for orig, real in zip([*params, *(s for col in states for s in col)],
-                                  [*real_p, *(s for col in real_s for s in col)]):
-                if orig.is_complex() and orig.is_conj():
-                    orig.copy_(torch.view_as_complex(real))
     return new_p, new_s, new_steps, finite
+
+
+def as_real(program: Program, params, grads, states, donate: bool):
+    """(params, grads, states) of a step over complex parameters, each complex tensor as its
+    real view, checked first (``_check_complex_states``). A conjugate written in place steps
+    as a resolved copy, which ``as_complex`` copies back; while dynamo traces, which cannot
+    ask which are conjugates, it is refused as before."""
+    _no_complex_axes(program)
+    _check_complex_states(program, params, states)
+    writes = not (donate and torch.compiler.is_compiling())
+    return ([_real(p, writes) for p in params], [_real(g) for g in grads],
+            [[_real(s, writes) for s in col] for col in states])
+
+
+def as_complex(params, states, real_p, real_s, new_p, new_s, donate: bool):
+    """The new (params, states) of a step over ``as_real``'s tensors, complex where their
+    old values were: a pure step's new values viewed as complex; in place, the old tensors
+    themselves, a conjugate stepped as a copy copied back."""
+    if not donate:
+        return ([torch.view_as_complex(n) if o.is_complex() else n
+                 for o, n in zip(params, new_p)],
+                [[torch.view_as_complex(n) if o.is_complex() else n for o, n in zip(col, ncol)]
+                 for col, ncol in zip(states, new_s)])
+    if not torch.compiler.is_compiling():
+        for orig, real in zip([*params, *(s for col in states for s in col)],
+                              [*real_p, *(s for col in real_s for s in col)]):
+            if orig.is_complex() and orig.is_conj():
+                orig.copy_(torch.view_as_complex(real))
+    return list(params), [list(col) for col in states]

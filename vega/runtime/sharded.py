@@ -274,6 +274,7 @@ class _Local:
             values = [values] * len(params)
         self.program, self.backend, self.steps, self.values = program, backend, steps, values
         self.params, self.grads, self.states = params, grads, states
+        self.complex = None  # (params, states) where stepped as real views (``fused``)
         if plain and params and (not mesh_box or mesh_box[0] is None):
             # every tensor known to be a plain one (the class step's ``PLAIN_TYPES``), as
             # are the items' before it: all of them this process's, as they are
@@ -358,11 +359,10 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
     box: list = []
     locs = [_Local(owner, item, box, plain is not None and plain[k])
             for k, item in enumerate(items)]
-    for loc in locs:  # (the staged kernels step real tensors; the reference, complex ones)
-        if loc.backend != "reference" and loc.staged() and any_complex(loc.lp):
-            raise ValueError(f"{owner}: {loc.program.name}'s step in stages (its reductions "
-                             f"over the group, or over shards) takes complex parameters on "
-                             f"the reference backend only: pass backend='reference'")
+    for loc in locs:  # (a step in stages over complex parameters: over their real views)
+        if loc.staged() and any_complex(loc.lp):
+            loc.complex = (loc.lp, loc.ls)
+            loc.lp, loc.lg, loc.ls = engine.as_real(loc.program, loc.lp, loc.lg, loc.ls, donate)
     if reduce_group is not None and (spans or any(loc.program.spans_group for loc in locs)):
         _same_programs(owner, locs, group_of, reduce_group)
     mesh = box[0] if box else None
@@ -403,6 +403,11 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
     drive(gens, results, (lambda parts: combine(parts, groups)) if groups else None,
           (lambda parts: combine(parts, spanning))
           if reduce_group is not None else None, group_of, needs)
+    for k, loc in enumerate(locs):
+        if loc.complex is not None:
+            new_p, new_s, new_steps, finite = results[k]
+            results[k] = (*engine.as_complex(*loc.complex, loc.lp, loc.ls, new_p, new_s, donate),
+                          new_steps, finite)
     if not donate:
         results = [loc.wrap(r) for loc, r in zip(locs, results)]
     return pre, results
