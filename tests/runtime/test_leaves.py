@@ -318,6 +318,31 @@ def test_params_without_grad_are_left_alone(cls):
         assert int(opt.state[ps[i]]["step"]) == (3 if shared else 1)
 
 
+@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("name", ["prodigy", "dadapt_adamw"])
+def test_a_parameter_whose_first_gradient_comes_late_takes_its_groups_values(name, backend):
+    """A parameter of a rule with states of one number per group (Prodigy's d and num) whose
+    first gradient comes after its group has stepped takes the group's d, num and step
+    counter, as the rule's own implementations hold them once for the group; the class then
+    steps as the functional step, whose state holds every leaf from the start (it started
+    from d0 and counted its own steps: two d's in one group)."""
+    spec = vega.builtin(name)
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))
+    opt = spec.optimizer_class([a, b], backend=backend)
+    params = {"a": torch.ones(3), "b": torch.ones(4)}
+    state = spec.init(params)
+    for i in range(4):
+        grads = {"a": torch.full((3,), 1.0 + i), "b": None if i < 2 else torch.full((4,), -1.0)}
+        a.grad, b.grad = grads["a"], grads["b"]
+        opt.step()
+        params, state = spec.step(params, grads, state, backend=backend)
+    assert same_bits(a.detach(), params["a"]) and same_bits(b.detach(), params["b"])
+    for key, value in opt.state[b].items():
+        want = state[key] if key == "step" else state[key]["b"]
+        assert same_bits(value, want), key
+    assert int(opt.state[b]["step"]) == 4
+
+
 def test_param_never_given_a_grad_gets_no_state():
     p, q = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
     opt = vega.optim.Adam([p, q])

@@ -583,13 +583,18 @@ class SpecOptimizer(torch.optim.Optimizer):
         wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
         sts = []  # each parameter's state dict (one lookup: a tensor hashes in Python)
         at_zero: dict = {}
+        joined: list = []  # (the group's values of its states of one number per group)
         for p, program in zip(params, progs):
             want = wants.get(id(program))
             if want is None:
                 want = wants[id(program)] = {*program.state_names, "step"}
             st = self.state.get(p)
             if not st:
+                if program.group_states and not joined:
+                    joined.append(self._group_values_now(group, program))
                 st = self.state[p] = self._init_state(p, program, values, group, at_zero)
+                for name, value in (joined[0] if joined else {}).items():
+                    st[name].copy_(value)
                 fresh = self.__dict__.get("_vega_fresh")
                 if fresh is not None:
                     fresh.append(p)
@@ -613,6 +618,19 @@ class SpecOptimizer(torch.optim.Optimizer):
         plan.dtypes = [p.dtype for p in plan.params] if master or seed is not None else None
         plans[k] = plan
         return plan.work(backend, grads, sts, values)
+
+    def _group_values_now(self, group, program) -> dict:
+        """The values a parameter's first state takes from its group where the group holds
+        states of one number per group (``Program.group_states``: Prodigy's d and num), as
+        those of Prodigy's and D-Adaptation's own implementations are the group's: the
+        group's values and its step counter, from a parameter of the group that has stepped
+        (``_share_group_states`` keeps them alike); none where none has."""
+        names = (*program.group_states, "step")
+        for q in group["params"]:
+            st = self.state.get(q)
+            if st and all(name in st for name in names):
+                return {name: st[name] for name in names}
+        return {}
 
     def _shapes(self, params) -> list | None:
         """The parameters' shapes, where the spec picks programs by shape."""
