@@ -665,6 +665,26 @@ def test_a_real_state_of_a_complex_parameter_is_named_as_such():
     assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
 
 
+@pytest.mark.parametrize("backend", ["c", "reference", "triton"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_complex_state_of_a_real_parameter_is_refused(groups, backend):
+    """A state set by hand to a complex tensor for a real parameter is refused by name on
+    every backend, and nothing is written (the reference dropped its imaginary part with
+    torch's warning, and kept a complex state)."""
+    ps = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(2)]
+    opt = vega.optim.AdamW([{"params": ps}] if groups == 1 else
+                           [{"params": ps[:1]}, {"params": ps[1:]}], backend=backend)
+    for p in ps:
+        p.grad = torch.randn(5, 3)
+    opt.step()
+    opt.state[ps[1]]["mu"] = opt.state[ps[1]]["mu"].to(torch.complex64)
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(ValueError, match=r"state 'mu' .*is of dtype torch.complex64, but its "
+                                         r"parameter is of dtype torch.float32: real like it"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+
+
 @pytest.mark.parametrize("backend", ["c", "reference"])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_a_complex_parameters_state_set_to_its_real_view_is_refused(groups, backend):
@@ -1105,6 +1125,36 @@ def test_a_step_counter_not_a_0d_int32_tensor_is_refused_before_anything_is_writ
         [params["a"], params["b"], state["mu"]["a"], state["nu"]["b"], state["step"]],
         [before[0]["a"], before[0]["b"], before[1]["mu"]["a"], before[1]["nu"]["b"],
          before[1]["step"]]))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("name", ["AdamW", "Prodigy"])
+@pytest.mark.parametrize("backend, counter", [
+    *((b, c) for b in ("c", "triton") for c in _COUNTERS), ("reference", "1-d")])
+def test_a_bad_step_counter_of_any_group_is_refused_before_any_group_is_written(
+        backend, counter, name, groups):
+    """A step counter set by hand that the backend does not take (the compiled kernels: not
+    a 0-d int32 tensor; every backend: not one number) on a parameter of the last group is
+    refused by name, and no group is written: the class step of several calls checks the
+    counters with the rest before the first call (a float32 counter, torch.optim's, in a
+    second group was refused by the C kernels after the first group had stepped; one of
+    shape (1,) failed with torch's raw error midway through Prodigy's reference step)."""
+    ws = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    opt = getattr(vega.optim, name)([{"params": ws}] if groups == 1 else
+                                    [{"params": ws[:1]}, {"params": ws[1:]}],
+                                    lr=0.1, backend=backend)
+    for w in ws:
+        w.grad = torch.full_like(w, 0.5)
+    opt.step()
+    opt.state[ws[1]]["step"] = _COUNTERS[counter]()
+    before = [[w.detach().clone(), *(v.clone() for v in opt.state[w].values())] for w in ws]
+    words = "int32 tensor" if backend != "reference" else r"tensor \(one number\)"
+    with pytest.raises(ValueError, match=rf"backend '{backend}': a step counter must be a 0-d "
+                                         rf"{words}"):
+        opt.step()
+    for w, was in zip(ws, before):
+        now = [w.detach(), *opt.state[w].values()]
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(was, now))
 
 
 @pytest.mark.parametrize("backend", ["c", "reference"])

@@ -28,9 +28,9 @@ import torch
 
 from vega.codegen import precision, quant
 from vega.codegen.gram import Gram, gram_form
-from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_codes, check_dtypes,
-                               check_state_devices, check_states, geometry, hyper_var, leveled,
-                               linearize, split_result, state_var)
+from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_codes, check_counters,
+                               check_dtypes, check_state_devices, check_states, geometry,
+                               hyper_var, leveled, linearize, split_result, state_var)
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import Done, advance_steps, memo, run_staged
 from vega.codegen.tensors import PLAIN_TYPES, refuse_inplace
@@ -1173,6 +1173,7 @@ class Kernel:
         check_states("reference", self.program, params, states)
         check_codes("reference", self.program, states)
         check_dtypes("reference", self.program, params, grads, states)
+        check_counters("reference", steps)
         if self.program.spans_group:  # its reductions over the group, between stages
             return run_staged(self, params, grads, states, steps, values, donate, pre)
         finite, gscale = self._begin(params, states, steps, donate, pre)
@@ -1257,6 +1258,7 @@ class Kernel:
         check_states("reference", self.program, params, states, geos)
         check_codes("reference", self.program, states)
         check_dtypes("reference", self.program, params, grads, states)
+        check_counters("reference", steps)
         finite, gscale = self._begin(params, states, steps, donate, pre)
         cache: dict = {}
         gens, asked, outs = [], [], [None] * len(params)

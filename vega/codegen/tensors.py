@@ -107,8 +107,9 @@ def fit(params: list, col: list, dom: str, want: int = 0) -> bool:
     """Whether every ``col[i]`` is a plain strided tensor (``PLAIN_TYPES``) on the device of
     ``params[i]`` that a kernel takes as a state of domain ``dom`` of it (its shape, one
     number, or one a block of 256 of its elements: an 8-bit state's scales, float32), of a
-    dtype the compiled kernels take (``want`` 0: float32, float64, bfloat16 or float16) or
-    8-bit codes (1: uint8): a class step's quick check of its states, in one pass of the
+    dtype the compiled kernels take (``want`` 0: float32, float64, bfloat16 or float16),
+    8-bit codes (1: uint8) or step counters (3: int32, of one number): a class step's quick
+    check of its states, in one pass of the
     native module where it is loaded. False says nothing of what differs (nor, without the
     module, anything at all)."""
     mod = native_passes()

@@ -26,6 +26,7 @@ from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
                                   dense_words, first_with_own_ops, fit, gather,
                                   inplace_problem, is_dtensor, like, own_ops_words, same)
+from vega.dsl.ir import SCALAR_STATE
 from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -515,7 +516,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             kern = codegen.kernel(backend, program)
             if like(params, grads) and fit(params, params, "rc") and fit(params, grads, "rc") \
                     and all(fit(params, col, s.dom, 1 if s.name in program.quant else 0)
-                    for s, col in zip(program.states, states)):
+                            for s, col in zip(program.states, states)) \
+                    and fit(params, steps, SCALAR_STATE, 3):
                 # (the common case, in the native module's passes: a few ns a tensor; states
                 # like their parameters, of one number, or 8-bit codes and their scales)
                 out.append(engine.tensor_values(program, kern, [values] * len(params), steps))
@@ -536,11 +538,21 @@ class SpecOptimizer(torch.optim.Optimizer):
                         its = [[col[i]] for col in states]
                         check_state_devices(backend, program, [p], its)
                         check_states(backend, program, [p], its)
+                        check_dtypes(backend, program, [p], [grads[i]], its)
                     except ValueError as one:
                         words = str(one).replace(" of parameter 0 ", " ")
                         raise ValueError(f"{owner}: {self._name(p)}: {words}") from None
                 raise ValueError(f"{owner}: {e}") from None
             supported = getattr(kern, "state_dtypes", None)  # (the compiled kernels')
+            for i, t in enumerate(steps):  # (the compiled kernels read an int32)
+                if t.dim() != 0 or t.device != params[i].device or (
+                        supported is not None and t.dtype != torch.int32):
+                    raise ValueError(f"{owner}: {self._name(params[i])}: backend '{backend}': "
+                                     f"a step counter must be a 0-d "
+                                     + ("tensor (one number)" if supported is None else
+                                        "int32 tensor") + f" on "
+                                     f"{params[i].device}, got shape {tuple(t.shape)} and "
+                                     f"dtype {t.dtype} on {t.device}")
             for what, dom, col in (("parameters", "rc", params), ("gradients", "rc", grads),
                                    *((f"state '{s.name}'", s.dom, col)
                                      for s, col in zip(program.states, states))):

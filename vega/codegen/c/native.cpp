@@ -1306,7 +1306,7 @@ bool like(py::handle refs_, py::handle items_, py::handle plain_) {
 // of ``refs[i]``, that a kernel takes as a state of its parameter ``refs[i]``: of its shape
 // (``dom`` 0), one number (4) or one a block of 256 of its elements (5, an 8-bit state's
 // scales), of a dtype the compiled kernels take (``want`` 0: float32, float64, bfloat16 or
-// float16), 8-bit codes (1: uint8) or float32 scales (2).
+// float16), 8-bit codes (1: uint8), float32 scales (2) or step counters (3: int32).
 // The quick check of a class step's states before its first call writes (False sends the
 // caller to its checks tensor by tensor, which say what is wrong; other domains: False).
 bool fit(py::handle refs_, py::handle items_, py::handle plain_, int64_t dom, int64_t want) {
@@ -1332,7 +1332,8 @@ bool fit(py::handle refs_, py::handle items_, py::handle plain_, int64_t dom, in
                                            t == c10::ScalarType::BFloat16 ||
                                            t == c10::ScalarType::Half
                          : want == 1 ? t == c10::ScalarType::Byte
-                                     : t == c10::ScalarType::Float;
+                         : want == 2 ? t == c10::ScalarType::Float
+                                     : t == c10::ScalarType::Int;
         if (!shaped || !typed) return false;
     }
     return true;
