@@ -1157,6 +1157,48 @@ def test_a_bad_step_counter_of_any_group_is_refused_before_any_group_is_written(
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(was, now))
 
 
+def _two_programs(how: str):
+    """(params, grads, state, step keywords, the refusal's words) of a functional step of two
+    programs whose second call's state is one its kernel refuses: 8-bit state (the large
+    tensor's codes, the small one's float32) with the small one's codes set by hand and
+    its scales lost; master weights over a bfloat16 and a float32 parameter, with an int32
+    state of the float32 one."""
+    gen = torch.Generator().manual_seed(0)
+    if how == "8-bit":
+        params = {"w": torch.randn(70, 64, generator=gen), "b": torch.randn(5000, generator=gen)}
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+        state = vega.adamw_init(params, state_dtype=torch.uint8)
+        state["mu_absmax"]["b"] = None
+        return params, grads, state, {}, (r"params leaf 'b': backend '\w+': state 'mu' holds "
+                                          r"8-bit codes \(torch.uint8\) without their scales")
+    params = {"w": torch.ones(4, 4, dtype=torch.bfloat16), "b": torch.ones(5)}
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    state = vega.adamw_init(params, master_weights=True)
+    state["mu"]["b"] = state["mu"]["b"].to(torch.int32)
+    return params, grads, state, {"master_weights": True}, (
+        r"params leaf 'b': backend '\w+': state 'mu' has a tensor of dtype torch.int32")
+
+
+@pytest.mark.parametrize("backend", ["c", "reference", "triton"])
+@pytest.mark.parametrize("how", ["8-bit", "master weights"])
+def test_a_functional_step_of_two_programs_in_place_checks_both_before_writing(how, backend):
+    """A functional step in place whose leaves take two programs (8-bit state beside float32
+    state; master weights beside none) checks the second call's tensors before the first
+    call writes: a state its kernel refuses is named, and no leaf is written (the first
+    program's parameters and states had stepped, and the counter had not)."""
+    params, grads, state, more, words = _two_programs(how)
+    before = copy.deepcopy((params, state))
+    with pytest.raises(ValueError, match=rf"^adamw_step: {words}"):
+        vega.adamw_step(params, grads, state, backend=backend, donate=True, lr=0.1, **more)
+    for field, was in [("params", before[0]), *before[1].items()]:
+        now = params if field == "params" else state[field]
+        if field == "step":
+            assert torch.equal(now, was)
+            continue
+        assert all((now[k] is None) == (was[k] is None) and
+                   (was[k] is None or torch.equal(now[k], was[k])) for k in was), field
+
+
 @pytest.mark.parametrize("backend", ["c", "reference"])
 def test_a_refused_first_step_leaves_no_state(backend):
     """A first step refused before it writes anything (two parameters overlapping in one

@@ -13,15 +13,16 @@ import numbers
 import torch
 
 from vega import codegen
-from vega.codegen.base import HyperRows, distinct, is_schedule
+from vega.codegen.base import (HyperRows, check_codes, check_dtypes, check_state_devices,
+                               check_states, distinct, is_schedule)
 from vega.codegen import precision, quant
 from vega.codegen.precision import MASTER
 from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
-from vega.codegen.tensors import (any_complex, first_with_own_ops, on_one_device, same,
-                                  uniform)
+from vega.codegen.tensors import (any_complex, first_with_own_ops, fit, like, on_one_device,
+                                  same, uniform)
 from vega.schedule import Schedule
-from vega.dsl.ir import HyperParam, Program
+from vega.dsl.ir import SCALAR_STATE, HyperParam, Program
 from vega.tracing import untraced
 
 def _suggest(name, names) -> str:
@@ -616,6 +617,71 @@ def run(program: Program, backend: str, params, grads, states, steps, values, do
     elif donate:
         new_p, new_s = list(params), [list(col) for col in states]
     return new_p, new_s, new_steps, finite
+
+
+def check_call(owner: str, program: Program, backend: str, params, grads, states, steps,
+               name) -> None:
+    """Raise ValueError, naming the tensor (``name(i)``: parameter ``i``'s name), where the
+    kernel of one ``run`` call would refuse its tensors: the shapes, devices and dtypes of
+    its gradients and states (``check_states``, ``check_codes``, ``check_dtypes``, the
+    compiled kernels' ``state_dtypes``) and its step counters. A step of several calls
+    checks each before the first writes, so that one refused has not stepped another."""
+    kern = codegen.kernel(backend, program)
+    if like(params, grads) and fit(params, params, "rc") and fit(params, grads, "rc") \
+            and all(fit(params, col, s.dom, 1 if s.name in program.quant else 0)
+                    for s, col in zip(program.states, states)) \
+            and fit(params, steps, SCALAR_STATE, 3):
+        # (the common case, in the native module's passes: a few ns a tensor; states like
+        # their parameters, of one number, or 8-bit codes and their scales)
+        return
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g.shape != p.shape:
+            raise ValueError(f"{owner}: the gradient of {name(i)} has shape {tuple(g.shape)}, "
+                             f"but the parameter has shape {tuple(p.shape)}")
+    try:
+        check_state_devices(backend, program, params, states)
+        check_states(backend, program, params, states)
+        check_codes(backend, program, states)
+        check_dtypes(backend, program, params, grads, states)
+    except ValueError as e:
+        for i, p in enumerate(params):  # (which parameter, by the caller's name of it)
+            try:
+                its = [[col[i]] for col in states]
+                check_state_devices(backend, program, [p], its)
+                check_states(backend, program, [p], its)
+                check_codes(backend, program, its)
+                check_dtypes(backend, program, [p], [grads[i]], its)
+            except ValueError as one:
+                words = str(one).replace(" of parameter 0 ", " ")
+                raise ValueError(f"{owner}: {name(i)}: {words}") from None
+        raise ValueError(f"{owner}: {e}") from None
+    supported = getattr(kern, "state_dtypes", None)  # (the compiled kernels')
+    for i, t in enumerate(steps):  # (the compiled kernels read an int32)
+        if t.dim() != 0 or t.device != params[i].device or (
+                supported is not None and t.dtype != torch.int32):
+            raise ValueError(f"{owner}: {name(i)}: backend '{backend}': a step counter must be "
+                             "a 0-d " + ("tensor (one number)" if supported is None else
+                                         "int32 tensor") + f" on {params[i].device}, got shape "
+                             f"{tuple(t.shape)} and dtype {t.dtype} on {t.device}")
+    for what, dom, col in (("parameters", "rc", params), ("gradients", "rc", grads),
+                           *((f"state '{s.name}'", s.dom, col)
+                             for s, col in zip(program.states, states))):
+        # (a complex tensor is stepped as its real view: one like its parameter is complex
+        # like it, one of one number real)
+        bad = next((i for i, x in enumerate(col) if supported is not None and (
+            x.dtype.to_real() not in supported
+            or x.is_complex() != (params[i].is_complex() and dom == "rc")
+            or x.dtype == torch.uint8 and what[0] != "s")), None)
+        if bad is None:
+            continue
+        x, p = col[bad], params[bad]
+        if x.dtype.to_real() in supported and x.dtype != torch.uint8:
+            raise ValueError(f"{owner}: {name(bad)}: {what} is of dtype {x.dtype}, but its "
+                             f"parameter is of dtype {p.dtype}: "
+                             + ("complex like it" if p.is_complex() else "real like it")
+                             + (" where shaped like it" if what[0] == "s" else ""))
+        raise ValueError(f"{owner}: {name(bad)}: backend '{backend}' does not support {what} "
+                         f"of dtype {x.dtype}")
 
 
 def as_real(program: Program, params, grads, states, donate: bool):

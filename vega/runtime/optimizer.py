@@ -20,13 +20,11 @@ import torch
 
 from vega import codegen
 from vega.codegen import quant
-from vega.codegen.base import (check_codes, check_dtypes, check_state_devices, check_states,
-                               distinct, state_shape)
+from vega.codegen.base import distinct, state_shape
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
-                                  dense_words, first_with_own_ops, fit, gather,
-                                  inplace_problem, is_dtensor, like, own_ops_words, same)
-from vega.dsl.ir import SCALAR_STATE
+                                  dense_words, first_with_own_ops, gather, inplace_problem,
+                                  is_dtensor, own_ops_words, same)
 from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -513,65 +511,9 @@ class SpecOptimizer(torch.optim.Optimizer):
         owner = type(self).__name__
         out = []
         for program, backend, params, grads, states, steps, values in work:
+            engine.check_call(owner, program, backend, params, grads, states, steps,
+                              lambda i, params=params: self._name(params[i]))
             kern = codegen.kernel(backend, program)
-            if like(params, grads) and fit(params, params, "rc") and fit(params, grads, "rc") \
-                    and all(fit(params, col, s.dom, 1 if s.name in program.quant else 0)
-                            for s, col in zip(program.states, states)) \
-                    and fit(params, steps, SCALAR_STATE, 3):
-                # (the common case, in the native module's passes: a few ns a tensor; states
-                # like their parameters, of one number, or 8-bit codes and their scales)
-                out.append(engine.tensor_values(program, kern, [values] * len(params), steps))
-                continue
-            for p, g in zip(params, grads):
-                if g.shape != p.shape:
-                    raise ValueError(f"{owner}: the gradient of {self._name(p)} has shape "
-                                     f"{tuple(g.shape)}, but the parameter has shape "
-                                     f"{tuple(p.shape)}")
-            try:
-                check_state_devices(backend, program, params, states)
-                check_states(backend, program, params, states)
-                check_codes(backend, program, states)
-                check_dtypes(backend, program, params, grads, states)
-            except ValueError as e:
-                for i, p in enumerate(params):  # (which parameter, by the class's name of it)
-                    try:
-                        its = [[col[i]] for col in states]
-                        check_state_devices(backend, program, [p], its)
-                        check_states(backend, program, [p], its)
-                        check_dtypes(backend, program, [p], [grads[i]], its)
-                    except ValueError as one:
-                        words = str(one).replace(" of parameter 0 ", " ")
-                        raise ValueError(f"{owner}: {self._name(p)}: {words}") from None
-                raise ValueError(f"{owner}: {e}") from None
-            supported = getattr(kern, "state_dtypes", None)  # (the compiled kernels')
-            for i, t in enumerate(steps):  # (the compiled kernels read an int32)
-                if t.dim() != 0 or t.device != params[i].device or (
-                        supported is not None and t.dtype != torch.int32):
-                    raise ValueError(f"{owner}: {self._name(params[i])}: backend '{backend}': "
-                                     f"a step counter must be a 0-d "
-                                     + ("tensor (one number)" if supported is None else
-                                        "int32 tensor") + f" on "
-                                     f"{params[i].device}, got shape {tuple(t.shape)} and "
-                                     f"dtype {t.dtype} on {t.device}")
-            for what, dom, col in (("parameters", "rc", params), ("gradients", "rc", grads),
-                                   *((f"state '{s.name}'", s.dom, col)
-                                     for s, col in zip(program.states, states))):
-                # (a complex tensor is stepped as its real view: one like its parameter is
-                # complex like it, one of one number real)
-                bad = next((i for i, x in enumerate(col) if supported is not None and (
-                    x.dtype.to_real() not in supported
-                    or x.is_complex() != (params[i].is_complex() and dom == "rc")
-                    or x.dtype == torch.uint8 and what[0] != "s")), None)
-                if bad is None:
-                    continue
-                x, p = col[bad], params[bad]
-                if x.dtype.to_real() in supported and x.dtype != torch.uint8:
-                    raise ValueError(f"{owner}: {self._name(p)}: {what} is of dtype {x.dtype}, "
-                                     f"but its parameter is of dtype {p.dtype}: "
-                                     + ("complex like it" if p.is_complex() else "real like it")
-                                     + (" where shaped like it" if what[0] == "s" else ""))
-                raise ValueError(f"{owner}: {self._name(p)}: backend '{backend}' does not "
-                                 f"support {what} of dtype {x.dtype}")
             out.append(engine.tensor_values(program, kern, [values] * len(params), steps))
         return out
 

@@ -242,6 +242,12 @@ class CompiledSpec:
                       [[columns[n][i] for i in ids] for n in program.state_names],
                       [step if len(work) == 1 or not donate else step.clone()] * len(ids),
                       [values] * len(ids)) for program, ids in work]
+            if donate and len(items) > 1 and not spread and not torch.compiler.is_compiling():
+                # (several calls in place: each checked before the first writes)
+                paths = _paths(params, p_leaves)
+                for (program, ids), item in zip(work, items):
+                    engine.check_call(owner, program, backend, *item[2:6],
+                                      lambda k, ids=ids: f"params leaf '{paths[ids[k]]}'")
             if spread or any(program.spans_group for program, _ in work):
                 pre, results = sharded.fused(owner, items, inv, max_grad_norm, check, donate,
                                              reduce_group, spans=self._spec.spans_group)
