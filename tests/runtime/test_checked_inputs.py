@@ -1087,6 +1087,24 @@ def test_a_meta_tensor_hyperparameter_or_loaded_state_is_named():
         torch.equal(before[0][i][k], after[0][i][k]) for i in before[0] for k in before[0][i])
 
 
+@pytest.mark.parametrize("kind, words", [("sparse_coo", r"sparse \(torch.sparse_coo\)"),
+                                         ("sparse_csr", r"sparse \(torch.sparse_csr\)"),
+                                         ("nested", "a nested tensor")])
+def test_a_loaded_state_that_is_not_dense_is_named(kind, words):
+    """A sparse or nested entry of a loaded state is refused by name and the load changes
+    nothing (a nested one failed with torch's 'NestedTensorImpl doesn't support sizes'; a
+    sparse one was loaded, and only the next step refused it)."""
+    params = _params()
+    opt = _stepped(vega.optim.AdamW(params, lr=0.1), params)
+    snap = _snapshot(opt)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][1]["mu"] = _not_dense(kind)
+    with pytest.raises(ValueError, match=rf"^AdamW.load_state_dict: state 'mu' of parameter id "
+                                         rf"1 is {words}; a step keeps dense \(strided\) states"):
+        opt.load_state_dict(saved)
+    _unchanged(opt, snap)
+
+
 _COUNTERS = {"float32": lambda: torch.tensor(1.0), "float64": lambda: torch.tensor(1.0).double(),
              "int64": lambda: torch.tensor(1), "1-d": lambda: torch.tensor([1], dtype=torch.int32)}
 

@@ -845,6 +845,10 @@ class SpecOptimizer(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and value.device.type == "meta":
                     raise ValueError(f"{owner}: state {name!r} of parameter id {pid!r} is a "
                                      f"meta tensor, which has no values to load")
+                if isinstance(value, torch.Tensor) and not dense(value):
+                    what = "a nested tensor" if value.is_nested else f"sparse ({value.layout})"
+                    raise ValueError(f"{owner}: state {name!r} of parameter id {pid!r} is "
+                                     f"{what}; a step keeps dense (strided) states")
         want = _group_keys(self.spec)
         groups = state_dict["param_groups"]
         for k, group in enumerate(groups if isinstance(groups, (list, tuple)) else ()):
