@@ -255,6 +255,28 @@ def test_a_file_that_is_not_a_state_is_named(tmp_path, saved):
         vega.load(tmp_path / "absent.safetensors", like=state)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_load_of_a_fifo_or_a_directory_is_refused_without_reading(tmp_path, saved):
+    """A FIFO (whose open blocks until a writer comes: vega.load waited for ever) or a
+    directory is named as not a regular file. A writer in a process of its own opens the
+    FIFO, for 5 seconds at most, so that a load that does read it fails this test instead of
+    hanging it (a thread could not: the read holds the GIL)."""
+    _, _, state = saved
+    fifo = tmp_path / "state.safetensors"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen([sys.executable, "-c", "import os, signal, sys; signal.alarm(5); "
+                               "os.close(os.open(sys.argv[1], os.O_WRONLY))", str(fifo)])
+    try:
+        with pytest.raises(ValueError, match=r"^vega\.load: '.*state\.safetensors' is a FIFO, "
+                                             r"not a regular file"):
+            vega.load(fifo, like=state)
+    finally:
+        writer.kill()
+        writer.wait()
+    with pytest.raises(ValueError, match=r"^vega\.load: '.*' is a directory, not a regular"):
+        vega.load(tmp_path, like=state)
+
+
 def test_leaf_names_must_be_unique(tmp_path):
     state = {"mu": {"a.b": torch.zeros(2), "a": {"b": torch.zeros(2)}},
              "step": torch.zeros((), dtype=torch.int32)}

@@ -19,6 +19,7 @@ import json
 import numbers
 import os
 import secrets
+import stat
 from pathlib import Path
 
 import torch
@@ -175,6 +176,16 @@ def _complex_names(f, where: str) -> set[str]:
         raise ValueError(f"vega.load: {where} has corrupt 'vega.complex' metadata") from err
 
 
+def not_regular(mode: int) -> str | None:
+    """What a file of ``os.stat`` mode ``mode`` is where it is not a regular file ("a FIFO",
+    "a directory", ...), for a message that refuses it; None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a character device" if stat.S_ISCHR(mode) else "a block device"
+            if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+
+
 def load(path, *, like) -> dict:
     """The state saved in ``path``, with the structure of ``like``.
 
@@ -191,6 +202,10 @@ def load(path, *, like) -> dict:
     where = repr(os.fspath(path))
     if not os.path.exists(path):
         raise FileNotFoundError(f"vega.load: no such file {where}")
+    kind = not_regular(os.stat(path).st_mode)  # (a FIFO would block the read for ever)
+    if kind is not None:
+        raise ValueError(f"vega.load: {where} is {kind}, not a regular file; a state file is "
+                         "one vega.save wrote")
     try:
         with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
             return pytree.tree_unflatten(_read(f, where, named, leaves), spec)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 import operator
 import os
-import stat
 from functools import cached_property, partial
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from vega.codegen.tensors import (dense, dense_words, first_with_own_ops, floats
                                   inplace_problem, like, on_one_device, own_ops_words, same)
 from vega.codegen.steps import advance_steps
 from vega.runtime import engine, sharded
+from vega.runtime.io import not_regular
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
 
 
@@ -676,9 +676,6 @@ def read_spec_file(name: str) -> str:
 
 
 def _regular(mode: int, refused) -> None:
-    if stat.S_ISREG(mode):
-        return
-    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-            else "a character device" if stat.S_ISCHR(mode) else "a block device"
-            if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
-    raise refused(f"{kind}, not a regular file; a spec is read from a .vega file")
+    kind = not_regular(mode)
+    if kind is not None:
+        raise refused(f"{kind}, not a regular file; a spec is read from a .vega file")
