@@ -67,6 +67,33 @@ def test_overflow_skips_and_backs_off(backend):
     assert other.loss_scale.loss_scale.item() == 4.0
 
 
+@pytest.mark.parametrize("name", ["AdamW", "Prodigy"])
+def test_a_class_adjusts_the_callers_loss_scale_in_place(name):
+    """Every rule's class step adjusts the loss scale it was given in place, the caller's
+    object itself (Prodigy's and D-Adaptation's steps, through vega.runtime.sharded, bound a
+    new one, and the caller's stayed at its first value); a second optimizer given the same
+    scale is refused, which each one's steps would adjust (the second unscaled its
+    gradients by a scale the loss was not scaled by); once the first is gone it is free."""
+    import gc
+    ls = vega.LossScale.dynamic(init=4.0, growth_interval=1)
+    ps = _params()
+    opt = getattr(vega.optim, name)(ps, lr=1e-2, loss_scale=ls)
+    for step in range(3):
+        _set_grads(ps, step, scale=ls.loss_scale.item())
+        opt.step()
+    assert opt.loss_scale is ls and ls.loss_scale.item() == 32.0
+    with pytest.raises(ValueError, match=rf"^SGD: loss_scale is the loss scale of another "
+                                         rf"optimizer \({name}\), whose steps adjust it"):
+        vega.optim.SGD(_params(), lr=1.0, loss_scale=ls)
+    other = vega.optim.SGD(_params(), lr=1.0)
+    other.loss_scale = ls  # (set after construction: refused by the step's check)
+    with pytest.raises(ValueError, match=r"^SGD: loss_scale is the loss scale of another"):
+        other.step()
+    del opt
+    gc.collect()
+    vega.optim.SGD(_params(), lr=1.0, loss_scale=ls)
+
+
 def test_functional_step_returns_the_adjusted_scale():
     params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
     state = vega.adamw_init(params)

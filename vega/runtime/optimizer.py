@@ -14,6 +14,7 @@ import inspect
 import math
 import numbers
 import operator
+import weakref
 from itertools import repeat
 
 import torch
@@ -28,6 +29,8 @@ from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, 
 from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
+# a loss scale's tensor -> (a weak reference to) the optimizer that adjusts it (``_claim_scale``)
+_SCALE_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LAYOUT = operator.attrgetter("layout")
 _GRAD = operator.attrgetter("grad")
 
@@ -130,6 +133,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             first = next((p for g in self.param_groups for p in g["params"]), None)
             if first is not None:
                 loss_scale.to_(first.device)
+        self._claim_scale()
 
     def add_param_group(self, param_group: dict) -> None:
         owner = type(self).__name__
@@ -324,8 +328,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             except (TypeError, ValueError):  # (refused before anything was written)
                 self._refused()
                 raise
-            if self.loss_scale is not None:
-                self.loss_scale = self.loss_scale.adjust(finite_of(pre))
+            if self.loss_scale is not None:  # (in place, as below)
+                self.loss_scale.adjust_(finite_of(pre))
             self._share_group_states(found_work)
             self.__dict__.pop("_vega_fresh", None)
             return loss
@@ -397,7 +401,26 @@ class SpecOptimizer(torch.optim.Optimizer):
         if last is not None and all(map(operator.is_, now, last)):
             return
         engine.check_fused(type(self).__name__, *now)
+        self._claim_scale()
         self.__dict__["_vega_checked"] = now
+
+    def _claim_scale(self) -> None:
+        """The loss scale made this optimizer's: its steps adjust it in place, so that one
+        shared with another optimizer would be adjusted by each, and the second would unscale
+        its gradients by a scale the loss was not scaled by (and advance its counter twice a
+        step). Refused while another optimizer that holds it lives."""
+        ls = self.loss_scale
+        if ls is None:
+            return
+        held = _SCALE_OWNERS.get(ls.loss_scale)
+        other = held() if held is not None else None
+        if other is not None and other is not self:
+            raise ValueError(
+                f"{type(self).__name__}: loss_scale is the loss scale of another optimizer "
+                f"({type(other).__name__}), whose steps adjust it in place: give each optimizer "
+                "a LossScale of its own, or step both sets of parameters with one optimizer (a "
+                "parameter group each), whose steps share one scale")
+        _SCALE_OWNERS[ls.loss_scale] = weakref.ref(self)
 
     def _check_group_settings(self, k: int, group: dict) -> None:
         """``_check_group``'s checks of the settings a step reads from a group, as the step
