@@ -57,7 +57,7 @@ class SpecError(VegaError, ValueError):
             return f"{self.filename}: error: {self.message}"
         sp = self.span
         head = f"{self.filename}:{sp.line}:{sp.column}: error: {self.message}"
-        lines = self.source.splitlines()
+        lines = source_lines(self.source)
         if not 1 <= sp.line <= len(lines):
             return head
         text = lines[sp.line - 1].expandtabs(1)
@@ -65,3 +65,16 @@ class SpecError(VegaError, ValueError):
         width = max(1, min(end, len(text) + 1) - sp.column)
         caret = " " * (sp.column - 1) + "^" * width
         return f"{head}\n    {text}\n    {caret}"
+
+
+def source_lines(text: str) -> list[str]:
+    """The lines of a spec's text as its parser counts them: split at ``\n`` alone, where
+    ``str.splitlines`` splits at ``\f``, ``\v``, ``\x1c``-``\x1e``, ``\x85``, ``\u2028`` and
+    ``\u2029`` too (which the grammar reads as spaces, or within a line); a last ``\n``
+    ends the last line, as for ``splitlines``."""
+    if not text:
+        return []
+    lines = text.split("\n")
+    if text.endswith("\n"):
+        lines.pop()
+    return lines

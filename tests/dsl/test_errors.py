@@ -273,9 +273,31 @@ def test_no_input_escapes_as_a_traceback():
     assert compiled < 400  # the mutations do break specs
 
 
-def test_deep_nesting_is_a_spec_error():
-    text = "optimizer o() { p = " + "(" * 3000 + "p" + ")" * 3000 + " }"
-    try:
-        vega.compile(text)
-    except SpecError as err:
-        assert "nests too deeply" in err.message
+@pytest.mark.parametrize("expr", ["(" * 3000 + "p" + ")" * 3000, "-(" * 1000 + "g" + ")" * 1000,
+                                  "^".join(["g"] * 1000)],
+                         ids=["brackets", "negations", "powers"])
+def test_deep_nesting_is_a_spec_error(expr):
+    """Nesting past what the compiler's recursion takes is a SpecError saying so (a chain of
+    powers failed inside the parser's transformer: an internal compiler error)."""
+    with pytest.raises(SpecError, match="the spec nests too deeply to compile"):
+        vega.compile("optimizer o(lr = 0.1) { p = p - lr * " + expr + " }")
+
+
+@pytest.mark.parametrize("sep", ["\r", "\r\n", "\f\n", "\n    # a \v\x1c\x85\u2028 b\n"],
+                         ids=["cr", "crlf", "form feed", "breaks in a comment"])
+@pytest.mark.parametrize("body, message, quoted", [
+    ("p = p - lr * qq", "undefined name 'qq'", "p = p - lr * qq"),
+    ("p = p - lr * g ** 2", "Vega writes powers as 'a ^ b', not 'a ** b'", "p = p - lr * g ** 2"),
+])
+def test_an_error_quotes_its_line_whatever_the_line_ends(sep, body, message, quoted):
+    """Line ends other than \\n (a lone \\r, as an old Mac wrote them) and characters that
+    str.splitlines breaks at but the grammar reads as spaces or within a comment (form feed,
+    \\x85, \\u2028, ...) leave an error's line, column and quoted line right (the quote was
+    another line, or the hint for ** failed as an internal compiler error)."""
+    text = "optimizer o(lr = 0.1) {" + sep + "    " + body + sep + "}"
+    with pytest.raises(SpecError) as info:
+        vega.compile(text, "o.vega")
+    head, line, caret = str(info.value).split("\n")
+    assert head.startswith(f"o.vega:{3 if '#' in sep else 2}:") and head.endswith(message)
+    column = int(head.split(":")[2])
+    assert line.strip() == quoted and caret.index("^") - 4 == column - 1

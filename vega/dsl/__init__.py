@@ -155,6 +155,9 @@ def _guard(fn, source, filename, tree=None):
     except RecursionError:
         raise SpecError("the spec nests too deeply to compile", None, source, filename) from None
     except Exception as err:  # a bug of ours: still say where, never a bare traceback
+        if isinstance(getattr(err, "orig_exc", None), RecursionError):  # (lark's VisitError)
+            raise SpecError("the spec nests too deeply to compile", None, source,
+                            filename) from None
         span = tree.name_span if tree is not None else None
         raise SpecError(f"internal compiler error ({type(err).__name__}: {err}); please "
                         "report it with this spec", span, source, filename) from err
@@ -164,6 +167,7 @@ def load(source: str, filename: str = "<spec>") -> Spec:
     """Parse and check spec text. Raises SpecError on any mistake."""
     if not isinstance(source, str):
         raise TypeError(f"a spec is text, got {type(source).__name__}")
+    source = source.replace("\r\n", "\n").replace("\r", "\n")  # (as a file is read)
     tree = _guard(lambda: unroll(parse(source, filename)), source, filename)
     hypers = _guard(lambda: check(tree), source, filename, tree)
     return Spec(source, filename, tree, hypers)

@@ -9,7 +9,7 @@ from lark import Lark, Token, Transformer, v_args
 
 from vega.dsl import ast
 from vega.dsl.parse_errors import PARSE_ERROR_EXAMPLES
-from vega.errors import Span, SpecError
+from vega.errors import Span, SpecError, source_lines
 
 
 @cache
@@ -185,7 +185,7 @@ class _Build(Transformer):
 def _doc(source: str) -> str:
     """The comment lines before `optimizer`: the spec's documentation."""
     lines = []
-    for line in source.splitlines():
+    for line in source_lines(source):
         s = line.strip()
         if s.startswith("optimizer"):
             break
@@ -252,7 +252,7 @@ _PAIRS = {")": "([", "}": "{", "]": "(["}
 def _unbalanced(source: str) -> SpecError | None:
     """The first bracket that is never closed or never opened, if any."""
     stack: list[tuple[str, int, int]] = []
-    for lineno, line in enumerate(source.splitlines(), 1):
+    for lineno, line in enumerate(source_lines(source), 1):
         for col, ch in enumerate(line.split("#", 1)[0], 1):
             if ch in "({[":
                 stack.append((ch, lineno, col))
@@ -283,8 +283,9 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
         if bracket is not None:
             raise bracket.with_source(source, filename) from None
         if isinstance(err, lark.exceptions.UnexpectedToken) and str(err.token) == "*":
-            lines = source.splitlines()
-            if err.column > 1 and lines[err.line - 1][err.column - 2] == "*":
+            lines = source_lines(source)
+            if 0 < err.line <= len(lines) and 1 < err.column <= len(lines[err.line - 1]) + 1 \
+                    and lines[err.line - 1][err.column - 2] == "*":
                 raise SpecError("Vega writes powers as 'a ^ b', not 'a ** b'",
                                 Span(err.line, err.column - 1, err.line, err.column + 1),
                                 source, filename) from None
@@ -293,7 +294,7 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
         message = f"{what}: {label}" if label else what
         line, col = err.line, err.column
         if line is None or line < 0:  # at the end of input
-            lines = source.splitlines() or [""]
+            lines = source_lines(source) or [""]
             line, col = len(lines), len(lines[-1]) + 1
         width = len(str(err.token)) if isinstance(err, lark.exceptions.UnexpectedToken) else 1
         raise SpecError(message, Span(line, col, line, col + max(1, width)), source,
