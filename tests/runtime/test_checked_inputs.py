@@ -547,8 +547,8 @@ def test_a_staged_class_step_names_a_wrong_state_before_anything_is_written(key,
     st = opt.state[params[1]]
     st[key] = torch.zeros(3) if wrong == "shape" else st[key].to(torch.int32)
     before = _snapshot(opt), [p.detach().clone() for p in params]
-    words = rf"state '{key}' of parameter 1 has shape \(3,\)" if wrong == "shape" else \
-        rf"backend '{backend}'.* state( '{key}')?.* torch.int32"
+    words = rf"^Prodigy: parameter 1 of group 0: backend '{backend}': state '{key}' has shape " \
+        r"\(3,\)" if wrong == "shape" else rf"backend '{backend}'.* state( '{key}')?.* torch.int32"
     with pytest.raises(ValueError, match=words):
         _stepped(opt, params, steps=1)
     after = _snapshot(opt), [p.detach().clone() for p in params]
@@ -643,8 +643,13 @@ def test_a_step_in_stages_steps_complex_parameters_as_their_real_views(name, bac
     params, state = {"z": value.clone()}, spec.init({"z": value.clone()}, lr=0.5)
     for g in grads:
         g_in = {"z": g.clone()}
-        params, state = spec.step(params, g_in, state, backend=backend, lr=0.5)
-        assert torch.equal(g_in["z"], g)
+        was = copy.deepcopy((params, state))
+        new_params, new_state = spec.step(params, g_in, state, backend=backend, lr=0.5)
+        assert torch.equal(g_in["z"], g) and torch.equal(params["z"], was[0]["z"])
+        assert all(torch.equal(x, y) for x, y in zip(
+            [state[k] if k == "step" else state[k]["z"] for k in state],
+            [was[1][k] if k == "step" else was[1][k]["z"] for k in state]))
+        params, state = new_params, new_state
     assert torch.equal(params["z"], z.detach())
 
 
@@ -685,22 +690,49 @@ def test_a_complex_state_of_a_real_parameter_is_refused(groups, backend):
     assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
 
 
-@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("backend", ["c", "reference", "triton"])
 @pytest.mark.parametrize("groups", [1, 2])
-def test_a_complex_parameters_state_set_to_its_real_view_is_refused(groups, backend):
+@pytest.mark.parametrize("name, key", [("NAdam", "mu_product"), ("Prodigy", "d")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_a_complex_state_of_one_number_is_refused(dtype, name, key, groups, backend):
+    """A state of one number (NAdam's mu_product, Prodigy's d) set by hand to a complex
+    tensor is refused by name, for real and complex parameters alike (it is real for both),
+    and nothing is written (the reference stepped it, its imaginary part dropped; one call
+    over complex parameters named it by its real view's shape)."""
+    ps = [torch.nn.Parameter(torch.randn(5, 3, dtype=dtype)) for _ in range(2)]
+    opt = getattr(vega.optim, name)([{"params": ps}] if groups == 1 else
+                                    [{"params": ps[:1]}, {"params": ps[1:]}], backend=backend)
+    for p in ps:
+        p.grad = torch.randn(5, 3, dtype=dtype)
+    opt.step()
+    opt.state[ps[1]][key] = opt.state[ps[1]][key].to(torch.complex64)
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(ValueError, match=rf"^{name}: parameter {1 if groups == 1 else 0} of "
+                                         rf"group {groups - 1}: .*state '{key}' is of dtype "
+                                         r"torch.complex64, but its parameter is of dtype "
+                                         r".*: a state of one number is real"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+
+
+@pytest.mark.parametrize("backend", ["c", "reference", "triton"])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("name", ["AdamW", "Prodigy"])
+def test_a_complex_parameters_state_set_to_its_real_view_is_refused(name, groups, backend):
     """A state set by hand to the real view of its complex value, shaped ``(..., 2)``, is
-    refused by shape whether the step is one call or several, and nothing is written (one
-    call took it as the parameter's real view, and stepped it; torch.optim refuses it)."""
+    refused by shape, in the class's words, whether the step is one call or several (Prodigy's
+    one call: a step in stages), and nothing is written (one call took it as the parameter's
+    real view, and stepped it; torch.optim refuses it)."""
     ps = [torch.nn.Parameter(torch.randn(5, 3, dtype=torch.complex64)) for _ in range(2)]
-    opt = vega.optim.AdamW([{"params": ps}] if groups == 1 else
-                           [{"params": ps[:1]}, {"params": ps[1:]}], backend=backend)
+    opt = getattr(vega.optim, name)([{"params": ps}] if groups == 1 else
+                                    [{"params": ps[:1]}, {"params": ps[1:]}], backend=backend)
     for p in ps:
         p.grad = torch.randn(5, 3, dtype=torch.complex64)
     opt.step()
     opt.state[ps[1]]["mu"] = torch.view_as_real(opt.state[ps[1]]["mu"]).clone()
     before = [p.detach().clone() for p in ps]
     states = {k: v.clone() for k, v in opt.state[ps[1]].items()}
-    with pytest.raises(ValueError, match=rf"AdamW: parameter {1 if groups == 1 else 0} of "
+    with pytest.raises(ValueError, match=rf"^{name}: parameter {1 if groups == 1 else 0} of "
                                          rf"group {groups - 1}: .*state 'mu' has shape "
                                          r"\(5, 3, 2\), but its parameter, of shape \(5, 3\)"):
         opt.step()
@@ -995,10 +1027,9 @@ def _meta_state_refused(backend: str, cls: str) -> None:
     name = next(n for n, v in opt.state[w].items() if n != "step")
     opt.state[w][name] = opt.state[w][name].to("meta")
     before = [w.detach().clone(), *(v.clone() for n, v in opt.state[w].items() if n != name)]
-    # (AdamW's step names the parameter by its group; Prodigy's, whose sums span the group,
-    # is checked by its backend's staged step)
-    words = rf"^{cls}: parameter 0 of group 0: backend '{backend}': state '{name}' is on meta, " \
-        if cls == "AdamW" else rf"^backend '{backend}'.*state.*on meta"
+    # (both name the parameter by its group: Prodigy's step, whose sums span the group, is
+    # refused by its backend's staged step, and named again in the class's words)
+    words = rf"^{cls}: parameter 0 of group 0: backend '{backend}': state '{name}' is on meta, "
     with pytest.raises(ValueError, match=words):
         opt.step()
     after = [w.detach(), *(v for n, v in opt.state[w].items() if n != name)]
@@ -1173,6 +1204,26 @@ def test_a_bad_step_counter_of_any_group_is_refused_before_any_group_is_written(
     for w, was in zip(ws, before):
         now = [w.detach(), *opt.state[w].values()]
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(was, now))
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("name", ["AdamW", "Prodigy"])
+@pytest.mark.parametrize("counter", [5, None])
+def test_a_step_counter_that_is_not_a_tensor_is_named(counter, name, backend):
+    """A step counter set by hand to a number or None is named as not a tensor, in the
+    class's words, and nothing is written (the reference's check of the counters' shapes
+    asked a number for its dimensions: a raw AttributeError)."""
+    ws = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    opt = getattr(vega.optim, name)(ws, lr=0.1, backend=backend)
+    for w in ws:
+        w.grad = torch.full_like(w, 0.5)
+    opt.step()
+    opt.state[ws[1]]["step"] = counter
+    before = [w.detach().clone() for w in ws]
+    with pytest.raises(ValueError, match=rf"^{name}: state 'step' of parameter 1 of group 0 "
+                                         r"is .*not a tensor"):
+        opt.step()
+    assert all(torch.equal(w.detach(), b) for w, b in zip(ws, before))
 
 
 def _two_programs(how: str):

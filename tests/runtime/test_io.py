@@ -384,6 +384,16 @@ def test_set_leaf_is_pure_and_checked():
         vega.set_leaf(state, "nu.layer1.bais", torch.zeros(8))
     with pytest.raises(ValueError, match=r"value for leaf 'nu\.layer1\.bias' must be a tensor"):
         vega.set_leaf(state, "nu.layer1.bias", [0.0] * 8)
+    with pytest.raises(ValueError, match=r"value for leaf 'nu\.layer1\.bias' is sparse "
+                                         r"\(torch\.sparse_coo\); a state holds dense"):
+        vega.set_leaf(state, "nu.layer1.bias", torch.zeros(8).to_sparse())
+    import warnings
+    with warnings.catch_warnings():  # (torch's prototype note on nested tensors)
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.zeros(8)])
+    with pytest.raises(ValueError, match=r"value for leaf 'nu\.layer1\.bias' is a nested "
+                                         r"tensor"):
+        vega.set_leaf(state, "nu.layer1.bias", nested)
     assert_same_bits(state, before)
 
 

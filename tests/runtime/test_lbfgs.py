@@ -7,6 +7,7 @@ the end.
 """
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -506,6 +507,29 @@ def test_optimizer_class_matches_functional_and_trains():
     first = opt2.state[lin2.weight]
     assert first["step"].dtype == torch.int32 and int(first["step"]) == 15
     assert first["weights"].dtype == torch.float64 and first["diff_params"].shape == (4, 1, 6)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "nested"])
+def test_load_state_dict_refuses_a_state_that_is_not_dense(kind):
+    """A sparse or nested state entry is refused by name and nothing is loaded (it was
+    loaded, and the next step failed in torch's index_copy_ or its nested sizes)."""
+    import warnings
+    lin = torch.nn.Linear(3, 1)
+    opt = LBFGS(lin.parameters(), lr=0.5, memory_size=2)
+    lin(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())  # (torch's shares the live state's dicts)
+    weights = sd["state"][0]["weights"]
+    with warnings.catch_warnings():  # (torch's prototype note on nested tensors)
+        warnings.simplefilter("ignore")
+        sd["state"][0]["weights"] = weights.to_sparse() if kind == "sparse" else \
+            torch.nested.nested_tensor([weights])
+    before = {k: v.clone() for k, v in opt.state[lin.weight].items()}
+    with pytest.raises(ValueError, match=r"^LBFGS.load_state_dict: state 'weights' of parameter "
+                                         r"id 0 is (sparse \(torch.sparse_coo\)|a nested tensor); "
+                                         r"L-BFGS keeps dense"):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(opt.state[lin.weight][k], v) for k, v in before.items())
 
 
 def test_optimizer_class_validates():

@@ -377,15 +377,17 @@ def check_dtypes(backend: str, program: Program, params, grads, states) -> None:
             raise ValueError(f"backend '{backend}': state '{st.name}' has a tensor of dtype "
                              f"{col[i].dtype}; a step keeps its states in floating-point (or "
                              f"complex) tensors, or in 8 bits (state_dtype=torch.uint8)")
-        if st.dom == "rc" and any(x.dtype.is_complex for x in col if x is not None):
-            # (a state shaped like its parameter is complex like it: the imaginary part of
-            # one of a real parameter would be dropped)
-            i = next((i for i, (p, x) in enumerate(zip(params, col))
-                      if x is not None and x.is_complex() != p.is_complex()), None)
+        if any(x.dtype.is_complex for x in col if x is not None):
+            # (a state shaped like its parameter is complex like it, one of one number real:
+            # the imaginary part of another would be dropped)
+            i = next((i for i, (p, x) in enumerate(zip(params, col)) if x is not None
+                      and x.is_complex() != (st.dom == "rc" and p.is_complex())), None)
             if i is not None:
                 raise ValueError(f"backend '{backend}': state '{st.name}' of parameter {i} is "
                                  f"of dtype {col[i].dtype}, but its parameter is of dtype "
-                                 f"{params[i].dtype}: real like it where shaped like it")
+                                 f"{params[i].dtype}: " + ("real like it where shaped like it"
+                                                           if st.dom == "rc" else
+                                                           "a state of one number is real"))
 
 
 def check_counters(backend: str, steps) -> None:
@@ -393,7 +395,8 @@ def check_counters(backend: str, steps) -> None:
     reference reads one of any dtype (the compiled kernels an int32's), but one of shape (1,)
     set by hand made the values it scales tensors of that shape, which a state of one number
     cannot take (Prodigy's d: torch's raw error, midway through a step)."""
-    i = next((i for i, t in enumerate(steps) if t.dim() != 0), None)
+    i = next((i for i, t in enumerate(steps) if isinstance(t, torch.Tensor) and t.dim() != 0),
+             None)  # (one that is not a tensor: named with what a step writes)
     if i is not None:
         raise ValueError(f"backend '{backend}': a step counter must be a 0-d tensor (one "
                          f"number), got shape {tuple(steps[i].shape)} for parameter {i}")

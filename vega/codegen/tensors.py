@@ -65,10 +65,15 @@ def dense(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and not t.is_nested
 
 
+def not_dense(t: torch.Tensor) -> str:
+    """What a tensor that is not ``dense`` is ("sparse (torch.sparse_coo)", "a nested
+    tensor"), for a message that refuses it."""
+    return "a nested tensor" if t.is_nested else f"sparse ({t.layout})"
+
+
 def dense_words(t: torch.Tensor) -> str:
     """What a parameter that is not ``dense`` is, for a message that refuses it."""
-    what = "a nested tensor" if t.is_nested else f"sparse ({t.layout})"
-    return f"{what}; vega steps dense (strided) parameters"
+    return f"{not_dense(t)}; vega steps dense (strided) parameters"
 
 
 def floats(tensors: list) -> bool:
@@ -108,8 +113,8 @@ def fit(params: list, col: list, dom: str, want: int = 0) -> bool:
     ``params[i]`` that a kernel takes as a state of domain ``dom`` of it (its shape, one
     number, or one a block of 256 of its elements: an 8-bit state's scales, float32), of a
     dtype the compiled kernels take (``want`` 0: float32, float64, bfloat16 or float16),
-    8-bit codes (1: uint8) or step counters (3: int32, of one number): a class step's quick
-    check of its states, in one pass of the
+    8-bit codes (1: uint8) or step counters (3: int32, of one number): the quick check of a
+    step's states before its first call writes (``engine.check_call``), in one pass of the
     native module where it is loaded. False says nothing of what differs (nor, without the
     module, anything at all)."""
     mod = native_passes()
@@ -293,8 +298,7 @@ def inplace_problem(tensors) -> tuple[int, int | None, str] | None:
         if not isinstance(t, torch.Tensor):
             return i, None, MISSING_WORDS
         if not dense(t):  # (no strides, nor memory of its own, to write)
-            return i, None, NOT_DENSE_WORDS.format(
-                what="a nested tensor" if t.is_nested else f"sparse ({t.layout})")
+            return i, None, NOT_DENSE_WORDS.format(what=not_dense(t))
         if inference_outside(t):
             return i, None, INFERENCE_WORDS
         if overlaps_itself(t):

@@ -384,15 +384,22 @@ def _check_complex_states(program: Program, params, states) -> None:
     """A complex parameter's state shaped like it is complex like it: a real one (its real
     view, shaped ``(..., 2)``, say) would pass as the parameter's real view does, where
     torch.optim refuses it (``view_as_real`` of a real tensor) and a step of several calls
-    refuses it by shape."""
+    refuses it by shape. A state of one number (or 8-bit scales) is real: a complex one
+    would be taken as its real view, of two numbers."""
     for st, col in zip(program.states, states):
-        if st.dom != "rc":
-            continue
         for i, (p, x) in enumerate(zip(params, col)):
-            if p.is_complex() and isinstance(x, torch.Tensor) and not x.is_complex():
+            if isinstance(x, torch.Tensor) and x.is_complex() != (
+                    st.dom == "rc" and p.is_complex()):
                 raise ValueError(f"{program.name}: state '{st.name}' of parameter {i} is of "
                                  f"dtype {x.dtype}, but its parameter is of dtype {p.dtype}: "
-                                 "complex like it where shaped like it")
+                                 + _like_words(st.dom, p))
+
+
+def _like_words(dom: str, p: torch.Tensor) -> str:
+    """What a state of domain ``dom`` of parameter ``p`` must be, complex or real."""
+    if dom != "rc":
+        return "a state of one number is real"
+    return ("complex like it" if p.is_complex() else "real like it") + " where shaped like it"
 
 
 def _no_complex_axes(program: Program) -> None:
@@ -626,7 +633,6 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
     its gradients and states (``check_states``, ``check_codes``, ``check_dtypes``, the
     compiled kernels' ``state_dtypes``) and its step counters. A step of several calls
     checks each before the first writes, so that one refused has not stepped another."""
-    kern = codegen.kernel(backend, program)
     if like(params, grads) and fit(params, params, "rc") and fit(params, grads, "rc") \
             and all(fit(params, col, s.dom, 1 if s.name in program.quant else 0)
                     for s, col in zip(program.states, states)) \
@@ -655,8 +661,10 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
                 words = str(one).replace(" of parameter 0 ", " ")
                 raise ValueError(f"{owner}: {name(i)}: {words}") from None
         raise ValueError(f"{owner}: {e}") from None
-    supported = getattr(kern, "state_dtypes", None)  # (the compiled kernels')
-    for i, t in enumerate(steps):  # (the compiled kernels read an int32)
+    supported = getattr(codegen.kernel(backend, program), "state_dtypes", None)  # (compiled)
+    for i, t in enumerate(steps):  # (the compiled kernels read an int32; not a tensor: named
+        if not isinstance(t, torch.Tensor):  # by the caller's check of what it writes)
+            continue
         if t.dim() != 0 or t.device != params[i].device or (
                 supported is not None and t.dtype != torch.int32):
             raise ValueError(f"{owner}: {name(i)}: backend '{backend}': a step counter must be "
@@ -678,8 +686,8 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
         if x.dtype.to_real() in supported and x.dtype != torch.uint8:
             raise ValueError(f"{owner}: {name(bad)}: {what} is of dtype {x.dtype}, but its "
                              f"parameter is of dtype {p.dtype}: "
-                             + ("complex like it" if p.is_complex() else "real like it")
-                             + (" where shaped like it" if what[0] == "s" else ""))
+                             + (_like_words(dom, p) if what[0] == "s" else
+                                "complex like it" if p.is_complex() else "real like it"))
         raise ValueError(f"{owner}: {name(bad)}: backend '{backend}' does not support {what} "
                          f"of dtype {x.dtype}")
 

@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.utils import _pytree as pytree
 
+from vega.codegen.tensors import dense, not_dense
 from vega.runtime.tree import state_names
 
 __all__ = ["get_leaf", "load", "save", "set_leaf"]
@@ -309,6 +310,9 @@ def set_leaf(state, name: str, value):
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{who}: the value for leaf {name!r} must be a tensor, got "
                          f"{type(value).__name__}")
+    if not dense(value):
+        raise ValueError(f"{who}: the value for leaf {name!r} is {not_dense(value)}; a state "
+                         "holds dense (strided) tensors")
     if isinstance(old, torch.Tensor):
         if value.dtype != old.dtype or value.shape != old.shape:
             raise ValueError(f"{who}: leaf {name!r} is {_describe(old)}; the value given is "

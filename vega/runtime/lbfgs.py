@@ -59,6 +59,7 @@ from functools import partial
 import torch
 
 from vega.codegen.steps import advance_steps
+from vega.codegen.tensors import dense, not_dense
 from vega.runtime import sharded
 from vega.runtime.engine import check_state_dtype, state_dtype_for
 from vega.runtime.spec import _check_leaves, _label, flatten_pair, stepped
@@ -469,8 +470,15 @@ class LBFGS(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, keeping the saved dtypes (torch would cast state to each
-        parameter's dtype) and the step counter int32, on each parameter's device."""
+        parameter's dtype) and the step counter int32, on each parameter's device. A sparse
+        or nested state entry is refused by name, before anything is loaded."""
         originals = {k: dict(v) for k, v in state_dict["state"].items()}
+        for pid, entries in originals.items():
+            for name, value in entries.items():
+                if isinstance(value, torch.Tensor) and not dense(value):
+                    raise ValueError(f"LBFGS.load_state_dict: state {name!r} of parameter id "
+                                     f"{pid!r} is {not_dense(value)}; L-BFGS keeps dense "
+                                     "(strided) states")
         super().load_state_dict(state_dict)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]

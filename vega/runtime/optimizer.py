@@ -25,7 +25,7 @@ from vega.codegen.base import distinct, state_shape
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
                                   dense_words, first_with_own_ops, gather, inplace_problem,
-                                  is_dtensor, own_ops_words, same)
+                                  is_dtensor, not_dense, own_ops_words, same)
 from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -312,9 +312,10 @@ class SpecOptimizer(torch.optim.Optimizer):
             # DTensors, a reduce_group, or reductions over a group: vega.runtime.sharded
             check = self.skip_nonfinite or self.loss_scale is not None
             items = [i for _, w in found_work for i in w]
+            all_plain = all(k in plain or PLAIN_TYPES.issuperset(map(type, it[2]))
+                            for k, (_, w) in enumerate(found_work) for it in w)
             try:
-                if len(items) > 1 and all(k in plain or PLAIN_TYPES.issuperset(map(type, it[2]))
-                                          for k, (_, w) in enumerate(found_work) for it in w):
+                if len(items) > 1 and all_plain:
                     # (plain parameters, several calls: each checked before the first writes)
                     self._check_writes(items)
                     self._check_work(items)
@@ -327,6 +328,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                                               for _ in w])
             except (TypeError, ValueError):  # (refused before anything was written)
                 self._refused()
+                if len(items) == 1 and all_plain:  # (in the class's words, where it has them)
+                    self._check_writes(items)
+                    self._check_work(items)
                 raise
             if self.loss_scale is not None:  # (in place, as below)
                 self.loss_scale.adjust_(finite_of(pre))
@@ -869,9 +873,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{owner}: state {name!r} of parameter id {pid!r} is a "
                                      f"meta tensor, which has no values to load")
                 if isinstance(value, torch.Tensor) and not dense(value):
-                    what = "a nested tensor" if value.is_nested else f"sparse ({value.layout})"
                     raise ValueError(f"{owner}: state {name!r} of parameter id {pid!r} is "
-                                     f"{what}; a step keeps dense (strided) states")
+                                     f"{not_dense(value)}; a step keeps dense (strided) states")
         want = _group_keys(self.spec)
         groups = state_dict["param_groups"]
         for k, group in enumerate(groups if isinstance(groups, (list, tuple)) else ()):

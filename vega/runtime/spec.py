@@ -244,10 +244,15 @@ class CompiledSpec:
                       [values] * len(ids)) for program, ids in work]
             if donate and len(items) > 1 and not spread and not torch.compiler.is_compiling():
                 # (several calls in place: each checked before the first writes)
-                paths = _paths(params, p_leaves)
+                found: list = []  # (the leaves' names: found only for a message)
+
+                def named(k, ids):
+                    if not found:
+                        found.extend(_paths(params, p_leaves))
+                    return f"params leaf '{found[ids[k]]}'"
                 for (program, ids), item in zip(work, items):
                     engine.check_call(owner, program, backend, *item[2:6],
-                                      lambda k, ids=ids: f"params leaf '{paths[ids[k]]}'")
+                                      lambda k, ids=ids: named(k, ids))
             if spread or any(program.spans_group for program, _ in work):
                 pre, results = sharded.fused(owner, items, inv, max_grad_norm, check, donate,
                                              reduce_group, spans=self._spec.spans_group)
