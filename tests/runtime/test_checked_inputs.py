@@ -653,21 +653,35 @@ def test_a_step_in_stages_steps_complex_parameters_as_their_real_views(name, bac
     assert torch.equal(params["z"], z.detach())
 
 
+def _set_by_hand_is_refused(name, backend, groups, dtype, key, new, match) -> None:
+    """A class over two parameters of ``dtype`` (in one group, or in two) steps once; state
+    ``key`` of the second is set by hand to ``new(its value)``; the next step is refused with
+    a ValueError matching ``match``, and no parameter or state is written."""
+    ps = [torch.nn.Parameter(torch.randn(5, 3, dtype=dtype)) for _ in range(2)]
+    opt = getattr(vega.optim, name)([{"params": ps}] if groups == 1 else
+                                    [{"params": ps[:1]}, {"params": ps[1:]}], backend=backend)
+    for p in ps:
+        p.grad = torch.randn(5, 3, dtype=dtype)
+    opt.step()
+    opt.state[ps[1]][key] = new(opt.state[ps[1]][key])
+    before = [[p.detach().clone(), *(v.clone() for v in opt.state[p].values())] for p in ps]
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    for p, was in zip(ps, before):
+        assert all(torch.equal(a, b) for a, b in zip([p.detach(), *opt.state[p].values()], was))
+
+
+def _named(name: str, groups: int) -> str:
+    """How a class names the second of ``_set_by_hand_is_refused``'s parameters."""
+    return rf"^{name}: parameter {1 if groups == 1 else 0} of group {groups - 1}: "
+
+
 def test_a_real_state_of_a_complex_parameter_is_named_as_such():
     """A state set by hand to a real tensor for a complex parameter is named for what it
     is, not as a dtype the backend does not take."""
-    ps = [torch.nn.Parameter(torch.randn(5, 3, dtype=torch.complex64)) for _ in range(2)]
-    opt = vega.optim.AdamW([{"params": ps[:1]}, {"params": ps[1:]}])
-    for p in ps:
-        p.grad = torch.randn(5, 3, dtype=torch.complex64)
-    opt.step()
-    opt.state[ps[1]]["mu"] = opt.state[ps[1]]["mu"].real.clone()
-    before = [p.detach().clone() for p in ps]
-    with pytest.raises(ValueError, match=r"AdamW: parameter 0 of group 1: state 'mu' is of "
-                                         r"dtype torch.float32, but its parameter is of dtype "
-                                         r"torch.complex64: complex like it"):
-        opt.step()
-    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    _set_by_hand_is_refused("AdamW", "c", 2, torch.complex64, "mu", lambda x: x.real.clone(),
+                            _named("AdamW", 2) + r"state 'mu' is of dtype torch.float32, but its "
+                            r"parameter is of dtype torch.complex64: complex like it")
 
 
 @pytest.mark.parametrize("backend", ["c", "reference", "triton"])
@@ -676,18 +690,10 @@ def test_a_complex_state_of_a_real_parameter_is_refused(groups, backend):
     """A state set by hand to a complex tensor for a real parameter is refused by name on
     every backend, and nothing is written (the reference dropped its imaginary part with
     torch's warning, and kept a complex state)."""
-    ps = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(2)]
-    opt = vega.optim.AdamW([{"params": ps}] if groups == 1 else
-                           [{"params": ps[:1]}, {"params": ps[1:]}], backend=backend)
-    for p in ps:
-        p.grad = torch.randn(5, 3)
-    opt.step()
-    opt.state[ps[1]]["mu"] = opt.state[ps[1]]["mu"].to(torch.complex64)
-    before = [p.detach().clone() for p in ps]
-    with pytest.raises(ValueError, match=r"state 'mu' .*is of dtype torch.complex64, but its "
-                                         r"parameter is of dtype torch.float32: real like it"):
-        opt.step()
-    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    _set_by_hand_is_refused("AdamW", backend, groups, torch.float32, "mu",
+                            lambda x: x.to(torch.complex64),
+                            _named("AdamW", groups) + r".*state 'mu' is of dtype torch.complex64, "
+                            r"but its parameter is of dtype torch.float32: real like it")
 
 
 @pytest.mark.parametrize("backend", ["c", "reference", "triton"])
@@ -699,20 +705,10 @@ def test_a_complex_state_of_one_number_is_refused(dtype, name, key, groups, back
     tensor is refused by name, for real and complex parameters alike (it is real for both),
     and nothing is written (the reference stepped it, its imaginary part dropped; one call
     over complex parameters named it by its real view's shape)."""
-    ps = [torch.nn.Parameter(torch.randn(5, 3, dtype=dtype)) for _ in range(2)]
-    opt = getattr(vega.optim, name)([{"params": ps}] if groups == 1 else
-                                    [{"params": ps[:1]}, {"params": ps[1:]}], backend=backend)
-    for p in ps:
-        p.grad = torch.randn(5, 3, dtype=dtype)
-    opt.step()
-    opt.state[ps[1]][key] = opt.state[ps[1]][key].to(torch.complex64)
-    before = [p.detach().clone() for p in ps]
-    with pytest.raises(ValueError, match=rf"^{name}: parameter {1 if groups == 1 else 0} of "
-                                         rf"group {groups - 1}: .*state '{key}' is of dtype "
-                                         r"torch.complex64, but its parameter is of dtype "
-                                         r".*: a state of one number is real"):
-        opt.step()
-    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    _set_by_hand_is_refused(name, backend, groups, dtype, key, lambda x: x.to(torch.complex64),
+                            _named(name, groups) + rf".*state '{key}' is of dtype "
+                            r"torch.complex64, but its parameter is of dtype .*: a state of one "
+                            r"number is real")
 
 
 @pytest.mark.parametrize("backend", ["c", "reference", "triton"])
@@ -723,21 +719,10 @@ def test_a_complex_parameters_state_set_to_its_real_view_is_refused(name, groups
     refused by shape, in the class's words, whether the step is one call or several (Prodigy's
     one call: a step in stages), and nothing is written (one call took it as the parameter's
     real view, and stepped it; torch.optim refuses it)."""
-    ps = [torch.nn.Parameter(torch.randn(5, 3, dtype=torch.complex64)) for _ in range(2)]
-    opt = getattr(vega.optim, name)([{"params": ps}] if groups == 1 else
-                                    [{"params": ps[:1]}, {"params": ps[1:]}], backend=backend)
-    for p in ps:
-        p.grad = torch.randn(5, 3, dtype=torch.complex64)
-    opt.step()
-    opt.state[ps[1]]["mu"] = torch.view_as_real(opt.state[ps[1]]["mu"]).clone()
-    before = [p.detach().clone() for p in ps]
-    states = {k: v.clone() for k, v in opt.state[ps[1]].items()}
-    with pytest.raises(ValueError, match=rf"^{name}: parameter {1 if groups == 1 else 0} of "
-                                         rf"group {groups - 1}: .*state 'mu' has shape "
-                                         r"\(5, 3, 2\), but its parameter, of shape \(5, 3\)"):
-        opt.step()
-    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
-    assert all(torch.equal(opt.state[ps[1]][k], v) for k, v in states.items())
+    _set_by_hand_is_refused(name, backend, groups, torch.complex64, "mu",
+                            lambda x: torch.view_as_real(x).clone(),
+                            _named(name, groups) + r".*state 'mu' has shape \(5, 3, 2\), but "
+                            r"its parameter, of shape \(5, 3\)")
 
 
 def test_a_step_over_lists_names_a_real_state_of_a_complex_parameter():
