@@ -331,7 +331,11 @@ def test_stochastic_rounding_keeps_nan_inf_and_exact_values():
 
 SR = [("adamw", {}, {"nu": BF16}, BF16), ("lion", {}, None, BF16),
       ("sgd", {"momentum": 0.9}, BF16, BF16), ("adamw", {}, BF16, torch.float32),
-      ("adafactor", {"min_dim_size_to_factor": 8}, BF16, BF16)]
+      ("adafactor", {"min_dim_size_to_factor": 8}, BF16, BF16),
+      # states of one number a tensor (nadam's mu_product, novograd's nu, d-adaptation's
+      # num, schedule-free's weight_sum: Triton's were rounded to nearest)
+      ("nadam", {}, BF16, BF16), ("novograd", {}, BF16, BF16),
+      ("dadapt_adamw", {}, BF16, BF16), ("schedule_free_adamw", {}, BF16, BF16)]
 
 
 @pytest.mark.parametrize("name, hypers, sd, dtype", SR)

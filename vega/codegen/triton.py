@@ -649,6 +649,11 @@ class Source:
         for line in lin.scalar_lines:
             if id(line.node) in scalar_nodes:
                 lines.append(f"{line.var} = {r.expr(lin, line.node, 'scalar')}")
+        if self._rounded():  # the generator's key of each tensor (vega.codegen.precision)
+            lines += ["sr_step = tl.load(tl.load(row + STEP, mask=rmask, other=0)"
+                      ".to(tl.pointer_type(tl.int32)), mask=rmask, other=0)",
+                      f"sr_key = mix(mix(mix(tl.full([BLOCK], {self.program.rounding}, "
+                      "tl.uint32)) ^ sr_step.to(tl.uint32)) ^ rows.to(tl.uint32))"]
         lines += self._per_tensor_lines(scalar_nodes, news)
         slots = []
         for k, (slot, n) in enumerate(self.scal.values()):
@@ -656,16 +661,12 @@ class Source:
             slots.append({"name": slot, "index": 3 + k, "comment": name})
             value = f"tl.where({name}, 1.0, 0.0)" if n.dtype == "bool" else name  # (1 or 0)
             lines.append(f"keep(scal + {slot}, {value}, rmask)")
-        if self._rounded():  # the generator's key of each tensor (vega.codegen.precision)
+        if self._rounded():  # (the key, for the update kernels: two 16-bit halves)
             at = 3 + len(slots)
             slots += [{"name": "SCAL_KEY_HI", "index": at, "comment": "generator key, high half"},
                       {"name": "SCAL_KEY_LO", "index": at + 1,
                        "comment": "generator key, low half"}]
-            lines += ["sr_step = tl.load(tl.load(row + STEP, mask=rmask, other=0)"
-                      ".to(tl.pointer_type(tl.int32)), mask=rmask, other=0)",
-                      f"sr_key = mix(mix(mix(tl.full([BLOCK], {self.program.rounding}, "
-                      "tl.uint32)) ^ sr_step.to(tl.uint32)) ^ rows.to(tl.uint32))",
-                      f"tl.store(scal + SCAL_KEY_HI, (sr_key >> 16).to({self.ct}), mask=rmask)",
+            lines += [f"tl.store(scal + SCAL_KEY_HI, (sr_key >> 16).to({self.ct}), mask=rmask)",
                       f"tl.store(scal + SCAL_KEY_LO, (sr_key & 0xFFFF).to({self.ct}), "
                       "mask=rmask)"]
         return {"lines": lines, "slots": slots}
@@ -726,8 +727,10 @@ class Source:
             value = r.operand(refs, node)
             if node.op is Op.CONST:
                 value = f"tl.full([BLOCK], {value}, {self.ct})"
-            lines.append(f"tl.store(out_{x}, tl.where(finite, {self._as_stored(value, x)}, "
-                         f"raw_{x}), mask=rmask)")
+            stored = (f"to_bf16_sr({value}, mix(sr_key + {self._slot(x)}), "
+                      "tl.zeros([BLOCK], dtype=tl.uint32))") if x in self._rounded() else \
+                self._as_stored(value, x)  # (a number's element index j is 0)
+            lines.append(f"tl.store(out_{x}, tl.where(finite, {stored}, raw_{x}), mask=rmask)")
         return lines
 
     # -- kernels --------------------------------------------------------------
@@ -869,8 +872,10 @@ class Source:
             value = self.r.operand(self.lin, node)
             if node.op is Op.CONST:
                 value = f"tl.full((), {value}, {self.ct})"
+            stored = f"to_bf16_sr({value}, key_{x}, tl.zeros((), dtype=tl.uint32))" \
+                if x in self._rounded() else self._as_stored(value, x)
             lines += ["    if finite:",
-                      f"        tl.store(out_{x}, {self._as_stored(value, x)})",
+                      f"        tl.store(out_{x}, {stored})",
                       "    else:",
                       f"        tl.store(out_{x}, tl.load(ptr_{x}))"]
         return lines
