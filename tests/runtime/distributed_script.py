@@ -216,7 +216,10 @@ def nan_skips_with(cls, **kw) -> None:
 def dcp_resume(wrap: str = "fsdp", q8: bool = False) -> None:
     """get_state_dict / dcp.save, then dcp.load / set_state_dict into a fresh model and
     optimizer: the next steps are bitwise those of the run that went on (under FSDP2, or
-    DDP: ``wrap``; ``q8``: 8-bit state, its codes and scales)."""
+    DDP: ``wrap``; ``q8``: 8-bit state, its codes and scales; else with a loss scale that
+    grows by 3 each step, whose tensors the checkpoint holds beside the optimizer's state
+    dict, as docs/distributed.md shows: torch's optimizer state dict keeps 'state' and
+    'param_groups' only, and its get_state_dict of a fresh optimizer steps it once)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -228,22 +231,29 @@ def dcp_resume(wrap: str = "fsdp", q8: bool = False) -> None:
     def make():
         net = (q8_model if q8 else model)()
         net = sharded(net) if wrap == "fsdp" else DDP(net)
+        scale = None if q8 else vega.LossScale.dynamic(init=1000.0, growth_interval=1,
+                                                       growth_factor=3.0)
         return net, vega.optim.AdamW(net.parameters(), lr=1e-2, max_grad_norm=1.0,
-                                     state_dtype=torch.uint8 if q8 else None)
+                                     state_dtype=torch.uint8 if q8 else None, loss_scale=scale)
 
     def steps(net, opt, ks):
         for k in ks:
             opt.zero_grad()
-            (q8_loss if q8 else loss_of)(net, k).backward()
+            loss = (q8_loss if q8 else loss_of)(net, k)
+            (loss if opt.loss_scale is None else opt.loss_scale.scale(loss)).backward()
             opt.step()
+
+    def scale_of(opt) -> dict:  # (the loss scale's tensors, which dcp.load writes in place)
+        return {} if opt.loss_scale is None else {"loss_scale": dict(zip(
+            ("scale", "good_steps", "skipped_steps", "min_scale"), opt.loss_scale.tensors()))}
     net, opt = make()
     steps(net, opt, range(2))
     msd, osd = get_state_dict(net, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
+    dcp.save({"model": msd, "optim": osd, **scale_of(opt)}, checkpoint_id=folder)
     steps(net, opt, range(2, 4))
     net2, opt2 = make()
     msd2, osd2 = get_state_dict(net2, opt2)
-    state = {"model": msd2, "optim": osd2}
+    state = {"model": msd2, "optim": osd2, **scale_of(opt2)}
     dcp.load(state, checkpoint_id=folder)
     set_state_dict(net2, opt2, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
@@ -255,6 +265,10 @@ def dcp_resume(wrap: str = "fsdp", q8: bool = False) -> None:
             assert torch.equal(a, b) and a.dtype == b.dtype, (RANK, key)
     if q8:
         assert any(s.dtype == torch.uint8 for st in opt2.state.values() for s in st.values())
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(opt.loss_scale.tensors(),
+                                                     opt2.loss_scale.tensors())), RANK
+        assert float(opt2.loss_scale.loss_scale) == 1000.0 * 3 ** 4, RANK
     found[f"dcp-{wrap}{'-q8' if q8 else ''}"] = "bitwise"
 
 
