@@ -592,9 +592,10 @@ def test_prelude_tables_follow_new_gradients():
     ps = [torch.randn(100, requires_grad=True), torch.randn(7, 3, requires_grad=True),
           torch.randn(5, dtype=torch.float64, requires_grad=True)]
     ref = [p.detach().clone().requires_grad_() for p in ps]
-    kw = {"lr": 1e-2, "max_grad_norm": 0.5, "loss_scale": vega.LossScale.dynamic(init=4.0)}
-    opt = vega.optim.AdamW(ps, backend="c", **kw)
-    ref_opt = vega.optim.AdamW(ref, backend="reference", **kw)
+    kw = {"lr": 1e-2, "max_grad_norm": 0.5}  # (a loss scale each: one belongs to one optimizer)
+    opt = vega.optim.AdamW(ps, backend="c", loss_scale=vega.LossScale.dynamic(init=4.0), **kw)
+    ref_opt = vega.optim.AdamW(ref, backend="reference",
+                               loss_scale=vega.LossScale.dynamic(init=4.0), **kw)
     for step in range(6):
         gen = torch.Generator().manual_seed(step)
         for p, q in zip(ps, ref):
