@@ -1211,6 +1211,42 @@ def test_a_step_counter_that_is_not_a_tensor_is_named(counter, name, backend):
     assert all(torch.equal(w.detach(), b) for w, b in zip(ws, before))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+@pytest.mark.parametrize("name", ["AdamW", "Prodigy"])
+def test_a_state_set_to_none_is_named_for_complex_parameters_too(name, dtype):
+    """A state set by hand to None is named as not a tensor whatever the parameters' dtype
+    (Prodigy's step over complex parameters asked None for its dtype, taking real views:
+    a raw AttributeError); nothing is written."""
+    p = torch.nn.Parameter(torch.randn(9, dtype=dtype))
+    opt = getattr(vega.optim, name)([p], backend="c")
+    p.grad = torch.randn(9, dtype=dtype)
+    opt.step()
+    opt.state[p]["mu"] = None
+    before = [p.detach().clone(), *(v.clone() for v in opt.state[p].values() if v is not None)]
+    with pytest.raises(ValueError, match=rf"^{name}: state 'mu' of parameter 0 of group 0 is "
+                                         r".*not a tensor"):
+        opt.step()
+    after = [p.detach(), *(v for v in opt.state[p].values() if v is not None)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Prodigy"])
+def test_a_first_step_that_cannot_build_its_kernels_leaves_no_state(tmp_path, name):
+    """backend='c' where there is no C compiler: the first step's CompilerError leaves no
+    state (it kept the zeros it had made), as a refused first step leaves none; a process
+    of its own, whose PATH holds no compiler, with an empty kernel cache."""
+    code = ("import torch, vega\n"
+            "p = torch.nn.Parameter(torch.randn(9)); p.grad = torch.randn(9)\n"
+            f"opt = vega.optim.{name}([p], backend='c')\n"
+            "try:\n    opt.step()\nexcept vega.VegaError as e:\n    print(type(e).__name__)\n"
+            "print(len(opt.state.get(p, {})))")
+    env = {**os.environ, "CC": "/nonexistent", "CXX": "/nonexistent",
+           "PATH": os.path.dirname(sys.executable), "VEGA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.stdout.split() == ["CompilerError", "0"], done.stdout + done.stderr
+
+
 def _two_programs(how: str):
     """(params, grads, state, step keywords, the refusal's words) of a functional step of two
     programs whose second call's state is one its kernel refuses: 8-bit state (the large

@@ -374,8 +374,9 @@ def _real(x: torch.Tensor, resolve: bool = True) -> torch.Tensor:
     """A complex tensor's real view (of its values: a conjugate, ``x.conj()``, resolved into
     a copy first; it has no real view. ``resolve_conj`` returns ``x`` itself where it is no
     conjugate, and dynamo cannot trace ``is_conj()``). Not ``resolve``: the view of ``x``
-    itself (torch refuses a conjugate)."""
-    if not x.is_complex():
+    itself (torch refuses a conjugate). Anything else, a tensor that is not complex or a
+    state set by hand to another object, as it is (the kernels' checks name the latter)."""
+    if not isinstance(x, torch.Tensor) or not x.is_complex():
         return x
     return torch.view_as_real(x.resolve_conj() if resolve else x)
 

@@ -26,6 +26,7 @@ from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
                                   dense_words, first_with_own_ops, gather, inplace_problem,
                                   is_dtensor, not_dense, own_ops_words, same)
+from vega.errors import VegaError
 from vega.runtime import engine, sharded, torch_names
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
@@ -326,8 +327,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                                        spans=self.spec._spec.spans_group,
                                        plain=[k in plain for k, (_, w) in enumerate(found_work)
                                               for _ in w])
-            except (TypeError, ValueError):  # (refused before anything was written)
-                self._refused()
+            except (TypeError, ValueError, VegaError):  # (refused, or its kernels not built,
+                self._refused()                          # before anything was written)
                 if len(items) == 1 and all_plain:  # (in the class's words, where it has them)
                     self._check_writes(items)
                     self._check_work(items)
@@ -372,9 +373,10 @@ class SpecOptimizer(torch.optim.Optimizer):
                            donate=True, pre=pre,
                            adjust=self.loss_scale if adjusted and k == len(work) - 1 else None,
                            evaluated=evaluated is not None)
-            except ValueError:
-                if one_call:  # (refused before anything was written) in the class's words
-                    self._refused()
+            except (ValueError, VegaError) as err:
+                if k == 0:  # (the first call writes nothing before it refuses its tensors, or
+                    self._refused()  # fails to build its kernels: no state made is kept)
+                if one_call and isinstance(err, ValueError):  # (in the class's words)
                     self._check_writes(work)
                     self._check_work(work)
                 raise
