@@ -682,3 +682,8 @@ def main() -> None:
 if __name__ == "__main__":
     tempfile.tempdir = OUT
     main()
+    # (every check ran and its answer is printed: no interpreter teardown, where gloo's threads
+    # ended a rank of a loaded machine with "terminate called without an active exception"
+    # after its answer, once in many runs)
+    sys.stdout.flush()
+    os._exit(0)
