@@ -377,17 +377,34 @@ def check_dtypes(backend: str, program: Program, params, grads, states) -> None:
             raise ValueError(f"backend '{backend}': state '{st.name}' has a tensor of dtype "
                              f"{col[i].dtype}; a step keeps its states in floating-point (or "
                              f"complex) tensors, or in 8 bits (state_dtype=torch.uint8)")
-        if any(x.dtype.is_complex for x in col if x is not None):
-            # (a state shaped like its parameter is complex like it, one of one number real:
-            # the imaginary part of another would be dropped)
-            i = next((i for i, (p, x) in enumerate(zip(params, col)) if x is not None
-                      and x.is_complex() != (st.dom == "rc" and p.is_complex())), None)
-            if i is not None:
-                raise ValueError(f"backend '{backend}': state '{st.name}' of parameter {i} is "
-                                 f"of dtype {col[i].dtype}, but its parameter is of dtype "
-                                 f"{params[i].dtype}: " + ("real like it where shaped like it"
-                                                           if st.dom == "rc" else
-                                                           "a state of one number is real"))
+    check_complexness(f"backend '{backend}'", program, params, states, every=False)
+
+
+def check_complexness(who: str, program: Program, params, states, every: bool = True) -> None:
+    """Raise ValueError (``who``: the caller, for the message) for a state whose complexness
+    is not its parameter's: one shaped like its parameter is complex where the parameter is
+    (a real one of a complex parameter, its real view say, would pass as the parameter's
+    real view does), one of one number (or 8-bit scales) real, for any parameter (the
+    imaginary part of a complex one would be dropped). ``every``: every state (a step over
+    complex parameters, before their real views); else only the states holding a complex
+    tensor (a backend's check, whose parameters are real views where they were complex).
+    Objects that are not tensors are left to the checks of what a step writes."""
+    for st, col in zip(program.states, states):
+        if not every and not any(isinstance(x, torch.Tensor) and x.is_complex() for x in col):
+            continue
+        i = next((i for i, (p, x) in enumerate(zip(params, col)) if isinstance(x, torch.Tensor)
+                  and x.is_complex() != (st.dom == "rc" and p.is_complex())), None)
+        if i is not None:
+            raise ValueError(f"{who}: state '{st.name}' of parameter {i} is of dtype "
+                             f"{col[i].dtype}, but its parameter is of dtype {params[i].dtype}: "
+                             + like_words(st.dom, params[i]))
+
+
+def like_words(dom: str, p: torch.Tensor) -> str:
+    """What a state of domain ``dom`` of parameter ``p`` must be, complex or real."""
+    if dom != "rc":
+        return "a state of one number is real"
+    return ("complex like it" if p.is_complex() else "real like it") + " where shaped like it"
 
 
 def check_counters(backend: str, steps) -> None:

@@ -13,8 +13,9 @@ import numbers
 import torch
 
 from vega import codegen
-from vega.codegen.base import (HyperRows, check_codes, check_dtypes, check_state_devices,
-                               check_states, distinct, is_schedule)
+from vega.codegen.base import (HyperRows, check_codes, check_complexness, check_dtypes,
+                               check_state_devices, check_states, distinct, is_schedule,
+                               like_words)
 from vega.codegen import precision, quant
 from vega.codegen.precision import MASTER
 from vega.codegen.record import PRE_SLOTS, make_pre
@@ -381,28 +382,6 @@ def _real(x: torch.Tensor, resolve: bool = True) -> torch.Tensor:
     return torch.view_as_real(x.resolve_conj() if resolve else x)
 
 
-def _check_complex_states(program: Program, params, states) -> None:
-    """A complex parameter's state shaped like it is complex like it: a real one (its real
-    view, shaped ``(..., 2)``, say) would pass as the parameter's real view does, where
-    torch.optim refuses it (``view_as_real`` of a real tensor) and a step of several calls
-    refuses it by shape. A state of one number (or 8-bit scales) is real: a complex one
-    would be taken as its real view, of two numbers."""
-    for st, col in zip(program.states, states):
-        for i, (p, x) in enumerate(zip(params, col)):
-            if isinstance(x, torch.Tensor) and x.is_complex() != (
-                    st.dom == "rc" and p.is_complex()):
-                raise ValueError(f"{program.name}: state '{st.name}' of parameter {i} is of "
-                                 f"dtype {x.dtype}, but its parameter is of dtype {p.dtype}: "
-                                 + _like_words(st.dom, p))
-
-
-def _like_words(dom: str, p: torch.Tensor) -> str:
-    """What a state of domain ``dom`` of parameter ``p`` must be, complex or real."""
-    if dom != "rc":
-        return "a state of one number is real"
-    return ("complex like it" if p.is_complex() else "real like it") + " where shaped like it"
-
-
 def _no_complex_axes(program: Program) -> None:
     if program.uses_axes:
         raise ValueError(f"{program.name}: complex parameters have no matrix view; its row "
@@ -687,7 +666,7 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
         if x.dtype.to_real() in supported and x.dtype != torch.uint8:
             raise ValueError(f"{owner}: {name(bad)}: {what} is of dtype {x.dtype}, but its "
                              f"parameter is of dtype {p.dtype}: "
-                             + (_like_words(dom, p) if what[0] == "s" else
+                             + (like_words(dom, p) if what[0] == "s" else
                                 "complex like it" if p.is_complex() else "real like it"))
         raise ValueError(f"{owner}: {name(bad)}: backend '{backend}' does not support {what} "
                          f"of dtype {x.dtype}")
@@ -695,11 +674,12 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
 
 def as_real(program: Program, params, grads, states, donate: bool):
     """(params, grads, states) of a step over complex parameters, each complex tensor as its
-    real view, checked first (``_check_complex_states``). A conjugate written in place steps
-    as a resolved copy, which ``as_complex`` copies back; while dynamo traces, which cannot
-    ask which are conjugates, it is refused as before."""
+    real view, checked first (``check_complexness``: a real view of a complex state would
+    pass as the parameter's real view does, where torch.optim refuses it). A conjugate
+    written in place steps as a resolved copy, which ``as_complex`` copies back; while
+    dynamo traces, which cannot ask which are conjugates, it is refused as before."""
     _no_complex_axes(program)
-    _check_complex_states(program, params, states)
+    check_complexness(program.name, program, params, states)
     writes = not (donate and torch.compiler.is_compiling())
     return ([_real(p, writes) for p in params], [_real(g) for g in grads],
             [[_real(s, writes) for s in col] for col in states])

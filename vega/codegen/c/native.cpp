@@ -1323,9 +1323,7 @@ bool fit(py::handle refs_, py::handle items_, py::handle plain_, int64_t dom, in
         if (x.is_nested() || r.is_nested() || x.layout() != c10::kStrided ||
             x.device() != r.device())
             return false;
-        const bool shaped = dom == 0 ? x.sizes() == r.sizes()
-                          : dom == 4 ? x.dim() == 0
-                                     : x.dim() == 1 && x.size(0) == (r.numel() + 255) / 256;
+        const bool shaped = state_fits(x, r, dom, nullptr);
         const c10::ScalarType t = x.scalar_type();
         const bool typed = want == 0 ? t == c10::ScalarType::Float ||
                                            t == c10::ScalarType::Double ||
