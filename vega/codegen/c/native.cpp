@@ -1097,12 +1097,21 @@ py::object gather(py::handle params_, py::handle sts_, py::handle names_, py::ha
             __builtin_prefetch(P[i + 2 * PREFETCH_AHEAD]);
             __builtin_prefetch(S[i + 2 * PREFETCH_AHEAD]);
         }
-        // (p.grad reads the parameter's tensor, then its autograd metadata: ``prefetch_ahead``)
+        // (p.grad reads the parameter's tensor, then its autograd metadata, then the gradient's
+        // tensor: each asked for nearer than the link before, once that link has come; the
+        // gradient's through the tensor's own public grad(), which, unlike Tensor::grad(), does not
+        // warn of a tensor that is not a leaf. With these, gather over the 1,000 tensors of the
+        // many-small set after torch's fused step: 259-268 us, against 310-344 before)
         if (i + PREFETCH_AHEAD < n && THPVariable_CheckExact(P[i + PREFETCH_AHEAD]))
             prefetch_tensor(THPVariable_Unpack(P[i + PREFETCH_AHEAD]));
         if (i + PREFETCH_AHEAD / 2 < n && THPVariable_CheckExact(P[i + PREFETCH_AHEAD / 2]))
             __builtin_prefetch(THPVariable_Unpack(P[i + PREFETCH_AHEAD / 2])
                                    .unsafeGetTensorImpl()->autograd_meta());
+        if (i + PREFETCH_AHEAD / 4 < n && THPVariable_CheckExact(P[i + PREFETCH_AHEAD / 4])) {
+            const at::Tensor &ahead =
+                THPVariable_Unpack(P[i + PREFETCH_AHEAD / 4]).unsafeGetTensorImpl()->grad();
+            if (ahead.defined()) prefetch_tensor(ahead);
+        }
         if (!of_types(P[i], plain)) return py::none();
         const at::Tensor &g = THPVariable_Unpack(P[i]).grad();
         if (!g.defined()) {
@@ -1131,7 +1140,17 @@ py::object gather(py::handle params_, py::handle sts_, py::handle names_, py::ha
     // (a class's state dicts are made so): a pointer compared an entry, where a lookup hashed
     // and probed (~110 instructions a name). From the first other key on, looked up.
     for (Py_ssize_t i = 0; i < n && nn; i++) {  // (no names: no state dict read, as before)
+        // (the dict, then its table of entries, then the values its first entries hold)
         if (i + PREFETCH_AHEAD < n) __builtin_prefetch(S[i + PREFETCH_AHEAD]);
+        if (i + PREFETCH_AHEAD / 2 < n && PyDict_CheckExact(S[i + PREFETCH_AHEAD / 2]))
+            prefetch_lines(reinterpret_cast<PyDictObject *>(S[i + PREFETCH_AHEAD / 2])->ma_keys,
+                           128);
+        if (i + PREFETCH_AHEAD / 4 < n && PyDict_CheckExact(S[i + PREFETCH_AHEAD / 4])) {
+            Py_ssize_t pos = 0, k = 0;
+            PyObject *key, *value;
+            while (k++ < nn && PyDict_Next(S[i + PREFETCH_AHEAD / 4], &pos, &key, &value))
+                __builtin_prefetch(value, 1);
+        }
         if (!PyDict_CheckExact(S[i])) return py::none();
         Py_ssize_t k = 0, pos = 0;
         PyObject *key, *value;
