@@ -5,6 +5,7 @@ files' leaves and keys, spec files, and the loss scale's settings (docs/robustne
 "Inputs that are checked")."""
 import copy
 import math
+import operator
 import os
 import re
 import subprocess
@@ -101,6 +102,34 @@ def test_load_state_dict_takes_a_loss_scale_it_can_step_with():
     assert other.loss_scale.loss_scale.item() == 8.0
     assert other.loss_scale.min_scale.item() == 2.0
     assert other.loss_scale.good_steps.item() == 2
+
+
+def test_load_state_dict_loads_the_scale_into_the_optimizers_own():
+    """The loop scales its loss with the object it gave the optimizer: loading copies the
+    saved values into that object's tensors. A new object would leave the loop's scale
+    behind, never adjusted, and the steps would unscale by a scale the loss was not scaled
+    by."""
+    ps = _params()
+    opt = _stepped(vega.optim.AdamW(ps, lr=1e-2, loss_scale=LossScale.dynamic(
+        init=64.0, growth_interval=1)), ps)
+    saved = opt.loss_scale.loss_scale.item()
+    mine = LossScale.dynamic(init=1024.0, growth_interval=1)
+    tensors = mine.tensors()
+    other = vega.optim.AdamW(_params(), lr=1e-2, loss_scale=mine)
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert other.loss_scale is mine and all(map(operator.is_, mine.tensors(), tensors))
+    assert mine.loss_scale.item() == saved != 1024.0
+    assert mine.good_steps.item() == opt.loss_scale.good_steps.item()
+
+
+def test_load_state_dict_says_a_saved_scale_is_not_loaded():
+    ps = _params()
+    opt = _stepped(vega.optim.AdamW(ps, lr=1e-2, loss_scale=LossScale.dynamic(init=64.0)), ps)
+    other = vega.optim.AdamW(_params(), lr=1e-2)
+    with pytest.warns(UserWarning, match=r"^AdamW\.load_state_dict: the state dict holds a "
+                      "loss scale, but this optimizer has none"):
+        other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert other.loss_scale is None
 
 
 # -- another optimizer's state --------------------------------------------------------

@@ -843,14 +843,17 @@ class SpecOptimizer(torch.optim.Optimizer):
         if torch_names.is_torch_format(state_dict, name, _group_keys(self.spec)):
             state_dict = torch_names.from_torch(f"{type(self).__name__}.load_state_dict", name,
                                                 state_dict, self.param_groups)
-        before = self.state, self.param_groups, self.loss_scale
+        before = self.state, self.param_groups
         try:
             self._check_saved(state_dict)
-            self._load(state_dict)
+            scale = self._load(state_dict)
             self._check_loaded()
         except BaseException:  # nothing changes
-            self.state, self.param_groups, self.loss_scale = before
+            self.state, self.param_groups = before
             raise
+        if scale is not None:  # (into the scale's own tensors: the object the caller scales
+            for mine, saved in zip(self.loss_scale.tensors(), scale):  # its loss with, and a
+                mine.copy_(saved)  # captured graph replays, stays this optimizer's scale)
         self.state = _counting(self.state)  # (torch's loading made a new defaultdict)
         self._plans().clear()
         sync = self._betas()
@@ -895,13 +898,22 @@ class SpecOptimizer(torch.optim.Optimizer):
                        f"{type(self).__name__}" if unknown else "")
                     + f"; {_seems_from(group.keys(), type(self).__name__)}")
 
-    def _load(self, state_dict: dict) -> None:
+    def _load(self, state_dict: dict) -> list | None:
+        """torch's loading of ``state_dict`` and vega's conversions of its states; returns
+        the saved loss scale's tensors, checked, for the caller to copy into this optimizer's
+        scale once everything is loaded (None where none is saved)."""
         saved = state_dict["state"]
         originals = {k: dict(v) for k, v in saved.items()}
         scale = state_dict.get("loss_scale")
-        if scale is not None and self.loss_scale is not None:
-            self.loss_scale = _loaded_scale(f"{type(self).__name__}.load_state_dict", scale,
-                                            self.loss_scale)
+        if scale is not None and self.loss_scale is None:
+            import warnings
+            warnings.warn(f"{type(self).__name__}.load_state_dict: the state dict holds a loss "
+                          "scale, but this optimizer has none (loss_scale=None): the saved "
+                          "scale is not loaded", stacklevel=3)
+            scale = None
+        elif scale is not None:
+            scale = _loaded_scale(f"{type(self).__name__}.load_state_dict", scale,
+                                  self.loss_scale)
         mine = [g.get("state_dtype") for g in self.param_groups]
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "loss_scale"})
         for group, dtype in zip(self.param_groups, mine):  # the dtypes this optimizer keeps
@@ -949,6 +961,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                     self.state[p][name] = value.to(device=p.device, dtype=torch.int32).clone()
                 elif value.is_floating_point() or value.is_complex():
                     self.state[p][name] = value.to(device=p.device, dtype=sd).clone()
+        return scale
 
     def _q8(self, group, params, fresh: bool = False) -> list[frozenset] | None:
         """``_q8`` of a group's parameters: as their states hold them (``fresh``: as the
@@ -1195,10 +1208,11 @@ _SCALE_RULES = {
 }
 
 
-def _loaded_scale(owner: str, scale, current):
-    """The loss scale of a state_dict's ``'loss_scale'`` entry, with ``current``'s
-    configuration and devices; ValueError naming the entry and its value where it is not a
-    scale's (a negative scale flips every update; a NaN one skips every step)."""
+def _loaded_scale(owner: str, scale, current) -> list:
+    """The tensors of a state_dict's ``'loss_scale'`` entry, in ``current.tensors()``'s order,
+    on its devices (those missing from the entry: ``current``'s own values); ValueError naming
+    the entry and its value where it is not a scale's (a negative scale flips every update; a
+    NaN one skips every step)."""
     if not isinstance(scale, dict):
         raise ValueError(f"{owner}: 'loss_scale' is {engine.shown(scale)}; it is the dict of "
                          f"{', '.join(_LOSS_SCALE_LEAVES)} that state_dict() writes")
@@ -1225,7 +1239,7 @@ def _loaded_scale(owner: str, scale, current):
     if got["min_scale"].item() > got["loss_scale"].item():
         raise ValueError(f"{owner}: loss_scale entry 'min_scale' is {got['min_scale'].item()!r}, "
                          f"above the scale, {got['loss_scale'].item()!r}")
-    return type(current)._from([got[n] for n in _LOSS_SCALE_LEAVES], current._config())
+    return [got[n].clone() for n in _LOSS_SCALE_LEAVES]
 
 
 def _same(a: dict, b: dict) -> bool:
