@@ -532,6 +532,88 @@ def test_load_state_dict_refuses_a_state_that_is_not_dense(kind):
     assert all(torch.equal(opt.state[lin.weight][k], v) for k, v in before.items())
 
 
+def _torch_lbfgs_state():
+    lin = torch.nn.Linear(6, 1, dtype=torch.float64)
+    opt = torch.optim.LBFGS(lin.parameters(), lr=0.1)
+    x = torch.randn(5, 6, dtype=torch.float64)
+
+    def closure():
+        opt.zero_grad()
+        loss = lin(x).pow(2).sum()
+        loss.backward()
+        return loss
+    opt.step(closure)
+    return opt.state_dict()
+
+
+def _set(field, value, pid=0):
+    def change(sd):
+        if value is None:
+            del sd["state"][pid][field]
+        else:
+            sd["state"][pid][field] = value(sd["state"][pid][field])
+    return change
+
+
+BAD_LOADS = [
+    ("weights missing", _set("weights", None), r"the first parameter's state\['weights'\] must "
+     r"be a float32 or float64 tensor of shape \(4,\) \(memory_size\), got None"),
+    ("params_prev missing", _set("params_prev", None, 1), r"state leaf 'params_prev\.1' is "
+     r"missing"),
+    ("diff_params transposed", _set("diff_params", lambda t: t.transpose(1, 2).contiguous()),
+     r"state leaf 'diff_params\.0' has shape \(4, 6, 1\) on cpu, but needs \(4, 1, 6\)"),
+    ("diff_params float32", _set("diff_params", lambda t: t.float()),
+     r"state leaf 'diff_updates\.0' has dtype torch\.float64, the other state leaves of its "
+     r"parameter torch\.float32"),
+    ("step -1", _set("step", lambda t: torch.tensor(-1, dtype=torch.int32)),
+     r"the first parameter's state\['step'\] is -1; a step counter is a whole number"),
+    ("step float", _set("step", lambda t: t.float()),
+     r"the first parameter's state\['step'\] must be a 0-d int32 tensor"),
+    ("weights of another memory", _set("weights", lambda t: t[:2]),
+     r"the first parameter's state\['weights'\] must be a float32 or float64 tensor of "
+     r"shape \(4,\)"),
+    ("an unknown entry", lambda sd: sd["state"][1].__setitem__("momentum", torch.zeros(1)),
+     r"the state of parameter 1 has .*'momentum'.*; unknown: \['momentum'\]"),
+    ("lr -1", lambda sd: sd["param_groups"][0].__setitem__("lr", -1.0), r"lr=-1\.0 must be"),
+    ("memory_size 0", lambda sd: sd["param_groups"][0].__setitem__("memory_size", 0),
+     r"memory_size=0 must be a positive integer"),
+    ("torch.optim.LBFGS's", None, r"the group of the state has no 'memory_size', "
+     r"'scale_init_precond', 'state_dtype': it is not the state of vega\.optim\.LBFGS"),
+    ("not a state dict", lambda sd: sd.pop("param_groups"), r"a state_dict is a dict with "
+     r"'state'"),
+]
+
+
+@pytest.mark.parametrize("change,message", [b[1:] for b in BAD_LOADS],
+                         ids=[b[0] for b in BAD_LOADS])
+def test_load_state_dict_refuses_what_a_step_cannot_read(change, message):
+    """Each refused before the optimizer changes (they were loaded, and the next step failed
+    in a KeyError or torch's index_copy_, the state before gone); it still steps."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 1, dtype=torch.float64)
+    opt = LBFGS(lin.parameters(), lr=0.5, memory_size=4)
+    for _ in range(3):
+        lin.zero_grad()
+        lin(torch.randn(5, 6, dtype=torch.float64)).pow(2).sum().backward()
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    if change is None:
+        sd = _torch_lbfgs_state()
+    else:
+        change(sd)
+    before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in lin.parameters()}
+    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                            for g in opt.param_groups])
+    with pytest.raises(ValueError, match=r"^LBFGS\.load_state_dict: " + message):
+        opt.load_state_dict(sd)
+    for p in lin.parameters():
+        assert opt.state[p].keys() == before[id(p)].keys()
+        assert all(torch.equal(opt.state[p][k], v) for k, v in before[id(p)].items())
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+    lin(torch.ones(1, 6, dtype=torch.float64)).sum().backward()
+    opt.step()
+
+
 def test_optimizer_class_validates():
     lin = torch.nn.Linear(2, 1)
     with pytest.raises(ValueError, match="lr=-1"):

@@ -61,7 +61,7 @@ import torch
 from vega.codegen.steps import advance_steps
 from vega.codegen.tensors import dense, not_dense
 from vega.runtime import sharded
-from vega.runtime.engine import check_state_dtype, state_dtype_for
+from vega.runtime.engine import check_state_dtype, shown, state_dtype_for
 from vega.runtime.spec import _check_leaves, _label, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
 
@@ -470,21 +470,87 @@ class LBFGS(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, keeping the saved dtypes (torch would cast state to each
-        parameter's dtype) and the step counter int32, on each parameter's device. A sparse
-        or nested state entry is refused by name, before anything is loaded."""
+        parameter's dtype) and the step counter int32, on each parameter's device.
+
+        Checked, each refusal a ``ValueError`` that leaves the optimizer as it was: a dict
+        with ``state`` and ``param_groups``, dense entries, a group with this class's settings
+        (torch.optim.LBFGS's has others), and each parameter's state as a step reads it: none,
+        or its four buffers at the shapes ``memory_size`` and the parameter need, the first
+        parameter's holding ``weights`` and a step counter too (``_check_loaded``)."""
+        owner = "LBFGS.load_state_dict"
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys() \
+                or not isinstance(state_dict["state"], dict) \
+                or not all(isinstance(v, dict) for v in state_dict["state"].values()):
+            raise ValueError(f"{owner}: a state_dict is a dict with 'state' (a dict of each "
+                             "parameter's state dict) and 'param_groups', as state_dict() "
+                             "returns")
         originals = {k: dict(v) for k, v in state_dict["state"].items()}
         for pid, entries in originals.items():
             for name, value in entries.items():
                 if isinstance(value, torch.Tensor) and not dense(value):
-                    raise ValueError(f"LBFGS.load_state_dict: state {name!r} of parameter id "
+                    raise ValueError(f"{owner}: state {name!r} of parameter id "
                                      f"{pid!r} is {not_dense(value)}; L-BFGS keeps dense "
                                      "(strided) states")
-        super().load_state_dict(state_dict)
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(ids, params):
-            if pid not in originals or p not in self.state:
+        before = self.state, self.param_groups
+        try:
+            super().load_state_dict(state_dict)
+            ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+            params = [p for g in self.param_groups for p in g["params"]]
+            for pid, p in zip(ids, params):
+                if pid not in originals or p not in self.state:
+                    continue
+                for name, value in originals[pid].items():
+                    if isinstance(value, torch.Tensor):
+                        self.state[p][name] = value.to(device=p.device, copy=True)
+            self._check_loaded(owner)
+        except BaseException:  # nothing changes
+            self.state, self.param_groups = before
+            raise
+
+    def _check_loaded(self, owner: str) -> None:
+        """ValueError where the loaded groups or states are not what a step reads."""
+        group = self.param_groups[0]
+        missing = sorted({"lr", "memory_size", "scale_init_precond", "state_dtype"}
+                         - group.keys())
+        if missing:
+            raise ValueError(f"{owner}: the group of the state has no "
+                             f"{', '.join(map(repr, missing))}: it is not the state of "
+                             "vega.optim.LBFGS (torch.optim.LBFGS's has other settings)")
+        _check_lr(owner, group["lr"])
+        m = _check_memory_size(owner, group["memory_size"])
+        _check_bool(owner, "scale_init_precond", group["scale_init_precond"])
+        check_state_dtype(owner, group["state_dtype"])
+        params = group["params"]
+        buffers = False
+        for i, p in enumerate(params):
+            st = self.state.get(p) or {}
+            allowed = set(TREE_FIELDS) | ({"weights", "step"} if i == 0 else set())
+            unknown = sorted(map(str, st.keys() - allowed))
+            if unknown:
+                raise ValueError(f"{owner}: the state of parameter {i} has "
+                                 f"{sorted(map(str, st))}, but L-BFGS keeps "
+                                 f"{list(TREE_FIELDS)}"
+                                 + (", and the first parameter's also 'weights' and 'step'"
+                                    if i == 0 else "")
+                                 + f"; unknown: {unknown}")
+            if not any(f in st for f in TREE_FIELDS):
                 continue
-            for name, value in originals[pid].items():
-                if isinstance(value, torch.Tensor):
-                    self.state[p][name] = value.to(device=p.device, copy=True)
+            buffers = True
+            leaves = {f: st.get(f) for f in TREE_FIELDS}
+            _check_state_leaves(owner, partial(str, i), p, leaves, m)
+        head = self.state.get(params[0]) or {} if params else {}
+        if buffers or "weights" in head or "step" in head:
+            weights, step = head.get("weights"), head.get("step")
+            if not (isinstance(weights, torch.Tensor) and weights.shape == (m,)
+                    and weights.dtype in (torch.float32, torch.float64)):
+                raise ValueError(f"{owner}: the first parameter's state['weights'] must be a "
+                                 f"float32 or float64 tensor of shape ({m},) (memory_size), "
+                                 f"got {shown(weights)}")
+            if not (isinstance(step, torch.Tensor) and step.dim() == 0
+                    and step.dtype == torch.int32 and step.device == weights.device):
+                raise ValueError(f"{owner}: the first parameter's state['step'] must be a 0-d "
+                                 f"int32 tensor on {weights.device}, got {shown(step)}")
+            if step.item() < 0:
+                raise ValueError(f"{owner}: the first parameter's state['step'] is "
+                                 f"{step.item()}; a step counter is a whole number in "
+                                 "[0, 2**31 - 1]")
