@@ -150,8 +150,15 @@ def _vega_state(cls, **kw):
     return _stepped(cls(ps, **kw), ps).state_dict()
 
 
+def _unnamed(sd: dict) -> dict:
+    """A vega state dict without the rule's name (one saved through
+    torch.distributed.checkpoint keeps only 'state' and 'param_groups'): the groups' keys
+    say whose it seems."""
+    return {k: v for k, v in sd.items() if k != "vega_rule"}
+
+
 OTHERS = [
-    (vega.optim.SGD, lambda: _vega_state(vega.optim.Adam),
+    (vega.optim.SGD, lambda: _unnamed(_vega_state(vega.optim.Adam)),
      r"group 0 of the state has no 'dampening', 'momentum', 'nesterov' and has 'amsgrad', 'b1', "
      r"'b2', 'betas', 'eps', unknown to SGD; it seems to be the state of vega\.optim\.Adam or "
      r"vega\.optim\.AdamW"),
@@ -162,7 +169,7 @@ OTHERS = [
     (vega.optim.Adagrad, _torch_adam_state,
      r"group 0 of the state has no 'backend', 'initial_accumulator_value', 'lr_decay', "
      r"'state_dtype' and has .*'betas'.*; it seems to be the state of torch\.optim\.Adam"),
-    (vega.optim.LARS, lambda: _vega_state(vega.optim.SGD, momentum=0.9),
+    (vega.optim.LARS, lambda: _unnamed(_vega_state(vega.optim.SGD, momentum=0.9)),
      r"group 0 of the state has no 'eps', 'trust_coefficient' and has 'dampening', unknown to "
      r"LARS; it seems to be the state of vega\.optim\.SGD"),
 ]
@@ -178,6 +185,30 @@ def test_load_state_dict_of_another_optimizer_says_whose_it_seems(cls, make, mes
         opt.load_state_dict(make())
     _unchanged(opt, snap)
     _stepped(opt, ps, 1)
+
+
+RULES = [(vega.optim.AdamW, vega.optim.Adam, "adam", "adamw"),
+         (vega.optim.Adam, vega.optim.AdamW, "adamw", "adam"),
+         (vega.optim.RAdam, vega.optim.AdamW, "adamw", "radam"),
+         (vega.optim.RAdam, vega.optim.Yogi, "yogi", "radam"),
+         (vega.optim.LAMB, vega.optim.Adam, "adam", "lamb")]
+
+
+@pytest.mark.parametrize("cls,other,theirs,mine", RULES,
+                         ids=[f"{o.__name__}>{c.__name__}" for c, o, _, _ in RULES])
+def test_load_state_dict_refuses_the_state_of_another_rule(cls, other, theirs, mine):
+    """Groups whose keys this class also has, with another meaning: AdamW's weight_decay is
+    Adam's L2 penalty, and RAdam has none. Before, such a state loaded without a word (and
+    RAdam's group held a weight_decay it did not apply)."""
+    ps = _params()
+    opt = _stepped(cls(ps, lr=0.1), ps)
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}\.load_state_dict: the state is of "
+                       rf"the rule '{theirs}', and {cls.__name__} steps the rule '{mine}'"):
+        opt.load_state_dict(_vega_state(other, lr=0.1))
+    _unchanged(opt, snap)
+    _stepped(opt, ps, 1)
+    opt.load_state_dict(opt.state_dict())  # (its own: named, and taken)
 
 
 def test_load_state_dict_refuses_state_entries_of_another_optimizer():

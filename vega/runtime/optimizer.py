@@ -782,9 +782,13 @@ class SpecOptimizer(torch.optim.Optimizer):
                 "reduce_group": getattr(self, "reduce_group", None)}
 
     def state_dict(self) -> dict:
-        """torch's format, plus the loss scale's two tensors under ``'loss_scale'``."""
+        """torch's format, plus the loss scale's tensors under ``'loss_scale'`` and the
+        rule's name (the spec's) under ``'vega_rule'``: ``load_state_dict`` refuses the state
+        of another rule, whose groups may hold the same keys (Adam's and AdamW's do) with
+        another meaning."""
         self._synced_betas(f"{type(self).__name__}.state_dict")
         out = super().state_dict()
+        out[torch_names.RULE_KEY] = self.spec.name
         if self.loss_scale is not None:
             out["loss_scale"] = dict(zip(_LOSS_SCALE_LEAVES, self.loss_scale.tensors()))
         return out
@@ -868,6 +872,11 @@ class SpecOptimizer(torch.optim.Optimizer):
                 type(state_dict).__name__
             raise ValueError(f"{owner}: a state_dict is a dict with 'state' and 'param_groups' "
                              f"(what state_dict() returns), got {got}")
+        rule = state_dict.get(torch_names.RULE_KEY, self.spec.name)
+        if rule != self.spec.name:
+            raise ValueError(f"{owner}: the state is of the rule {rule!r}, and "
+                             f"{type(self).__name__} steps the rule {self.spec.name!r}: a "
+                             "group's settings would not mean what they meant there")
         if not isinstance(state_dict["state"], dict) or not all(
                 isinstance(v, dict) for v in state_dict["state"].values()):
             raise ValueError(f"{owner}: state_dict['state'] must be a dict of each parameter's "
@@ -915,7 +924,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             scale = _loaded_scale(f"{type(self).__name__}.load_state_dict", scale,
                                   self.loss_scale)
         mine = [g.get("state_dtype") for g in self.param_groups]
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "loss_scale"})
+        super().load_state_dict({k: v for k, v in state_dict.items()
+                                 if k not in ("loss_scale", torch_names.RULE_KEY)})
         for group, dtype in zip(self.param_groups, mine):  # the dtypes this optimizer keeps
             group["state_dtype"] = dtype
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]

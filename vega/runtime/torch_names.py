@@ -169,6 +169,9 @@ class BetaSync:
 # The classes whose rule torch.optim's class of the same name steps, each state under
 # torch's name (vega's -> torch's; None: torch keeps none); and the values of torch's group
 # keys at which its rule is vega's (a key absent from a saved group is taken as that value).
+# the entry of vega's state dicts that names the rule (``SpecOptimizer.state_dict``)
+RULE_KEY = "vega_rule"
+
 TORCH_STATES = {
     "SGD": {"v": "momentum_buffer", "step": None},
     "Adam": {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"},
@@ -277,5 +280,5 @@ def to_torch(owner: str, cls_name: str, betas: tuple, state_dict: dict) -> dict:
         if "step" in new:  # (torch's counters are float32, on the host)
             new["step"] = new["step"].to(device="cpu", dtype=torch.float32)
         state[pid] = new
-    return {**{k: v for k, v in state_dict.items() if k != "loss_scale"},
+    return {**{k: v for k, v in state_dict.items() if k not in ("loss_scale", RULE_KEY)},
             "state": state, "param_groups": groups}
