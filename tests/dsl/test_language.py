@@ -59,6 +59,26 @@ def test_constant_powers_become_plain_ops(exponent, op):
     torch.testing.assert_close(new["w"], p ** float(exponent), rtol=1e-15, atol=0)
 
 
+NEGATIVE_BASES = [("(-2) ^ k", "k", 2.0, 4.0), ("(-2) ^ k", "k", 3.0, -8.0),
+                  ("(-0.5) ^ k", "k", 2.0, 0.25), ("(0 - 2) ^ k", "k", 2.0, 4.0),
+                  ("(-2) ^ 2 ^ k", "k", 1.0, 4.0), ("(-1) ^ t", None, None, -1.0)]
+
+
+@pytest.mark.parametrize("base,name,value,want", NEGATIVE_BASES,
+                         ids=[f"{b}|{v}" for b, _, v, _ in NEGATIVE_BASES])
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_a_negative_number_raised_to_a_power_that_is_not_constant(backend, base, name, value,
+                                                                  want):
+    """(-2) ^ k is 4 at k = 2: the reference's Python read its -2.0 ** k as -(2.0 ** k)."""
+    hypers = f"{name} = 1.0" if name else ""
+    spec = vega.compile(f"optimizer o({hypers}) {{ p = p + {base} }}")
+    p = {"w": torch.zeros(2, dtype=torch.float64)}
+    kw = {name: value} if name else {}
+    new, _ = spec.step(p, {"w": torch.zeros(2, dtype=torch.float64)}, spec.init(p),
+                       backend=backend, **kw)
+    assert new["w"].tolist() == [want, want]
+
+
 def test_scalar_subexpressions_are_hoisted():
     prog = vega.adamw.program()
     from vega.codegen.base import linearize

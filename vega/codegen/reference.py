@@ -83,7 +83,8 @@ def _where(self, node, phase, c, a, b):
 class TorchRenderer(Renderer):
     code_for_op = {
         Op.NEG: lambda self, node, phase, a: f"-{a}",
-        Op.POW: lambda self, node, phase, a, b: f"{a} ** {b}",
+        # (parenthesized: a negative number's literal, -2.0, is -(2.0 ** b) in Python)
+        Op.POW: lambda self, node, phase, a, b: f"({a}) ** ({b})",
         Op.AND: _fn("torch.logical_and"),
         Op.OR: _fn("torch.logical_or"),
         Op.NOT: _fn("torch.logical_not"),
