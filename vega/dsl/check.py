@@ -70,7 +70,12 @@ INIT_NAMES = {"zeros": 0.0, "ones": 1.0}
 # be taken for the other
 API_NAMES = ("params", "grads", "state", "self", "backend", "donate", "max_grad_norm",
              "loss_scale", "skip_nonfinite", "state_dtype", "master_weights",
-             "stochastic_rounding", "rounding_seed")
+             "stochastic_rounding", "rounding_seed", "reduce_group", "maximize", "foreach",
+             "fused", "capturable", "differentiable", "mode")
+# keys torch.optim and its LR schedulers write into a parameter group (OneCycleLR's max_lr,
+# ...): a hyperparameter of the name would be overwritten in the optimizer class's groups
+GROUP_KEYS = ("param_names", "initial_lr", "max_lr", "min_lr", "max_momentum",
+              "base_momentum", "swa_lr")
 STEP_COUNTER = "step"  # a state dict's step counter
 BINARY = {"+": Op.ADD, "-": Op.SUB, "*": Op.MUL, "/": Op.DIV, "^": Op.POW, "<": Op.LT,
           "<=": Op.LE, ">": Op.GT, ">=": Op.GE, "==": Op.EQ, "!=": Op.NE, "and": Op.AND,
@@ -120,7 +125,8 @@ class _Walker:
                                 f"{seen[h.name].line}", h.span)
             reserved = self._reserved(h.name) or (
                 "a keyword of vega's steps and optimizer classes" if h.name in API_NAMES
-                else None)
+                else "a key torch.optim and its LR schedulers write into parameter groups"
+                if h.name in GROUP_KEYS else None)
             if reserved:
                 raise SpecError(f"'{h.name}' cannot name a hyperparameter: it is {reserved}",
                                 h.span)

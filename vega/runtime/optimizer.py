@@ -26,6 +26,7 @@ from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
                                   dense_words, first_with_own_ops, gather, inplace_problem,
                                   is_dtensor, not_dense, own_ops_words, same)
+from vega.dsl.check import GROUP_KEYS
 from vega.errors import VegaError
 from vega.runtime import engine, sharded, torch_names
 
@@ -1070,8 +1071,7 @@ class SpecOptimizer(torch.optim.Optimizer):
 
 
 # (torch's, its schedulers': OneCycleLR's, SWALR's)
-_GROUP_EXTRAS = frozenset({"params", "param_names", "initial_lr", "max_lr", "min_lr",
-                           "max_momentum", "base_momentum", "swa_lr"})
+_GROUP_EXTRAS = frozenset({"params", *GROUP_KEYS})
 
 
 @functools.cache
