@@ -107,9 +107,9 @@ class TorchRenderer(Renderer):
         Op.SIGMOID: _fn("torch.sigmoid"),
         Op.FLOOR: _fn("torch.floor"),
         Op.ROUND: _fn("torch.round"),
-        Op.NORM: _fn("torch.linalg.vector_norm"),
-        Op.SUM: _fn("torch.sum"),
-        Op.MEAN: _fn("torch.mean"),
+        Op.NORM: _fn("_norm"),
+        Op.SUM: _fn("_sum"),
+        Op.MEAN: _fn("_mean"),
         Op.AMAX: lambda self, node, phase, a: f"_amax({a})",
         **_product_ops(lambda name, args: f"_{name}({args})"),
         Op.TRANSPOSE: lambda self, node, phase, a: f"_transpose({a}, geo, {node.src[0].dom!r})",
@@ -588,11 +588,11 @@ def _global_partial(op: Op, x, view: ShardView | None):
 def _local_reduction(op: Op, x, geo: Geometry, dom):
     """A reduction of values that are all here: the reference's own expression of it."""
     if op is Op.NORM:
-        return torch.linalg.vector_norm(x)
+        return _norm(x)
     if op is Op.SUM:
-        return torch.sum(x)
+        return _sum(x)
     if op is Op.MEAN:
-        return torch.mean(x)
+        return _mean(x)
     if op is Op.AMAX:
         return _amax(x)
     which, how = AXIS_REDUCTIONS[op]
@@ -953,6 +953,25 @@ def _amax(x):
     return torch.amax(x) if x.numel() else x.new_full((), -math.inf)
 
 
+# A tensor's norm, sum and mean, accumulated in float64 (complex128) and rounded once to its
+# dtype, as the C and Triton kernels and the reductions over a group accumulate: in float32,
+# the norm of values of 1e30 overflowed to inf, and a sum of 20,000 values lost digits.
+def _wide(x):
+    return torch.complex128 if x.is_complex() else torch.float64
+
+
+def _norm(x):
+    return torch.linalg.vector_norm(x, dtype=_wide(x)).to(x.dtype.to_real())
+
+
+def _sum(x):
+    return torch.sum(x, dtype=_wide(x)).to(x.dtype)
+
+
+def _mean(x):
+    return torch.mean(x, dtype=_wide(x)).to(x.dtype)
+
+
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are views of one storage (not empty). Under torch.compile,
     whether they are one tensor: there the writes are functionalized, views and all. A
@@ -1008,6 +1027,7 @@ class Kernel:
         self.linear = linearize(shown)
         self.text = render(shown, self.linear)
         namespace = {"torch": torch, "math": math, "_amax": _amax, "_sign": _sign,
+                     "_norm": _norm, "_sum": _sum, "_mean": _mean,
                      "_atan2": _atan2,
                      "_fit": _fit, "_broadcast": _broadcast, "_reduce": _reduce,
                      "_matmul": _matmul, "_transpose": _transpose, "_size": _size,
