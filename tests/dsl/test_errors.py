@@ -156,6 +156,14 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p\n  }\n"
      "  mode eval {\n    p = 2 * p\n  }\n}\n", "mode 'eval' is already declared on line 3",
      6, 8),
+    # (one mode alone: after eval(), train() had no mode to go back by, and no step ran again)
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p\n  }\n}\n",
+     "the spec declares mode 'eval' but not mode 'train': a spec with modes says both", 3, 8),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode train {\n    p = p\n  }\n}\n",
+     "the spec declares mode 'train' but not mode 'eval'", 3, 8),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode train {\n    p = p\n  }\n"
+     "  mode foo {\n    p = p\n  }\n}\n", "mode 'foo' is not a mode of the optimizer classes: "
+     "a spec's modes are 'train' (the step's) and 'eval'", 6, 8),
     # matrices
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g @ g\n}\n",
      "'@' of a rows x columns matrix and a rows x columns one: the left's columns must be "
@@ -274,13 +282,17 @@ def test_no_input_escapes_as_a_traceback():
 
 
 @pytest.mark.parametrize("expr", ["(" * 3000 + "p" + ")" * 3000, "-(" * 1000 + "g" + ")" * 1000,
-                                  "^".join(["g"] * 1000)],
-                         ids=["brackets", "negations", "powers"])
+                                  "^".join(["g"] * 1000), " + ".join(["g"] * 2000)],
+                         ids=["brackets", "negations", "powers", "a long sum"])
 def test_deep_nesting_is_a_spec_error(expr):
     """Nesting past what the compiler's recursion takes is a SpecError saying so (a chain of
-    powers failed inside the parser's transformer: an internal compiler error)."""
-    with pytest.raises(SpecError, match="the spec nests too deeply to compile"):
-        vega.compile("optimizer o(lr = 0.1) { p = p - lr * " + expr + " }")
+    powers failed inside the parser's transformer: an internal compiler error), at the line
+    that most likely holds it (it had no line: a 2,000-term sum, which nests as deep)."""
+    text = "optimizer o(lr = 0.1) {\n    x = g * 2 # (a comment: ((((\n    p = p - lr * " + \
+        expr + "\n}"
+    with pytest.raises(SpecError, match=r"^<spec>:3:5: error: the spec nests too deeply to "
+                                        r"compile: .* split it into values\n\s*p = p - lr"):
+        vega.compile(text)
 
 
 @pytest.mark.parametrize("sep", ["\r", "\r\n", "\f\n", "\n    # a \v\x1c\x85\u2028 b\n"],

@@ -155,6 +155,9 @@ def test_modes_and_initial_values_may_use_matrices_rows_and_sizes():
         mode eval {
             p = p - row_mean(z) + z @ transpose(z) @ p * size(p, 0)
         }
+        mode train {
+            p = p
+        }
     }"""
     spec = vega.compile(text)
     p = torch.randn(3, 4, dtype=torch.float64)
@@ -183,7 +186,7 @@ def test_bfloat16_matrices_meet_the_compute_type_by_promotion():
 
 def test_a_mode_takes_ifs_on_the_shape():
     spec = vega.compile("optimizer o() {\n p = p - g\n mode eval {\n if ndim(p) == 2 {\n"
-                        " p = 2 * p\n } else {\n p = 3 * p\n }\n }\n}")
+                        " p = 2 * p\n } else {\n p = 3 * p\n }\n }\n mode train {\n p = p\n }\n}")
     params = [torch.ones(2, 2), torch.ones(3)]
     got = spec.mode("eval", params, spec.init(params))
     assert torch.equal(got[0], torch.full((2, 2), 2.0)) and torch.equal(got[1], torch.full((3,), 3.0))

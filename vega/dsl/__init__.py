@@ -8,7 +8,7 @@ from vega.dsl.check import (GLOBAL_FUNCTIONS, _calls, _names, all_flag_settings,
                             open_value, reads_shape, shape_conditions, state_decls, static_value,
                             unroll)
 from vega.dsl.parser import parse
-from vega.errors import SpecError
+from vega.errors import Span, SpecError
 
 __all__ = ["Spec", "load", "ir", "ast"]
 
@@ -146,6 +146,24 @@ def _declared(stmts):
     return (d.name for d in state_decls(stmts))
 
 
+_TOO_DEEP = ("the spec nests too deeply to compile: an expression of more than a few hundred "
+             "operators or parentheses inside one another (a long sum is one inside another "
+             "too); split it into values")
+
+
+def _deepest_line(source: str) -> Span | None:
+    """Where an expression too deep to compile most likely is: the line with the most
+    operators and opening parentheses (comments aside), the whole of its text."""
+    best, score = None, 0
+    for k, line in enumerate(source.split("\n"), 1):
+        text = line.split("#", 1)[0]
+        n = sum(text.count(c) for c in "(+-*/^@")
+        if n > score and text.strip():
+            start = len(text) - len(text.lstrip()) + 1
+            best, score = Span(k, start, k, len(text.rstrip()) + 1), n
+    return best
+
+
 def _guard(fn, source, filename, tree=None):
     """Run a compiler stage; every failure leaves as a SpecError pointing at the source."""
     try:
@@ -153,11 +171,10 @@ def _guard(fn, source, filename, tree=None):
     except SpecError as err:
         raise err.with_source(source, filename) from None
     except RecursionError:
-        raise SpecError("the spec nests too deeply to compile", None, source, filename) from None
+        raise SpecError(_TOO_DEEP, _deepest_line(source), source, filename) from None
     except Exception as err:  # a bug of ours: still say where, never a bare traceback
         if isinstance(getattr(err, "orig_exc", None), RecursionError):  # (lark's VisitError)
-            raise SpecError("the spec nests too deeply to compile", None, source,
-                            filename) from None
+            raise SpecError(_TOO_DEEP, _deepest_line(source), source, filename) from None
         span = tree.name_span if tree is not None else None
         raise SpecError(f"internal compiler error ({type(err).__name__}: {err}); please "
                         "report it with this spec", span, source, filename) from err

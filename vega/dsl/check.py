@@ -77,6 +77,7 @@ API_NAMES = ("params", "grads", "state", "self", "backend", "donate", "max_grad_
 GROUP_KEYS = ("param_names", "initial_lr", "max_lr", "min_lr", "max_momentum",
               "base_momentum", "swa_lr")
 STEP_COUNTER = "step"  # a state dict's step counter
+MODES = ("train", "eval")  # a spec's modes: the step's, and the one eval() switches to
 BINARY = {"+": Op.ADD, "-": Op.SUB, "*": Op.MUL, "/": Op.DIV, "^": Op.POW, "<": Op.LT,
           "<=": Op.LE, ">": Op.GT, ">=": Op.GE, "==": Op.EQ, "!=": Op.NE, "and": Op.AND,
           "or": Op.OR, "@": Op.MATMUL}
@@ -210,6 +211,10 @@ class _Walker:
             if m.name in seen:
                 raise SpecError(f"mode '{m.name}' is already declared on line {seen[m.name]}",
                                 m.name_span)
+            if m.name not in MODES:
+                raise SpecError(f"mode '{m.name}' is not a mode of the optimizer classes: a "
+                                "spec's modes are 'train' (the step's) and 'eval' (opt.train() "
+                                "and opt.eval() switch between them)", m.name_span)
             seen[m.name] = m.name_span.line
             menv = {n: b for n, b in start.items() if b.role == "hyper"}
             menv["p"] = _Binding(ir.leaf(Op.PARAM, Kind.ELEMENT, "p"), "builtin", None)
@@ -230,6 +235,13 @@ class _Walker:
                 raise SpecError(f"mode '{m.name}' never assigns p: a mode says how the "
                                 "parameters look in it", m.name_span)
             out.append((m.name, p))
+        if out and len(seen) < len(MODES):
+            (name, line), = seen.items()
+            other = next(m for m in MODES if m != name)
+            raise SpecError(f"the spec declares mode '{name}' but not mode '{other}': a spec "
+                            "with modes says both, so that opt.train() and opt.eval() can "
+                            "switch the parameters there and back",
+                            next(m.name_span for m in self.mode_blocks))
         return tuple(out)
 
     def block(self, stmts, env):
