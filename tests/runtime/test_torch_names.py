@@ -317,12 +317,22 @@ def _torch_state(cls, **kw):
 
 @pytest.mark.parametrize("cls,saved,message", [
     (vega.optim.Adam, lambda: _torch_state(torch.optim.Adam, decoupled_weight_decay=True),
-     r"Adam\.load_state_dict: group 0 of torch\.optim\.Adam's state has "
-     r"decoupled_weight_decay=True, but vega\.optim\.Adam's rule is torch's at "
+     r"Adam\.load_state_dict: group 0 of the state in torch\.optim's format has "
+     r"decoupled_weight_decay=True \(the state of torch\.optim\.AdamW: load it into "
+     r"vega\.optim\.AdamW\), but vega\.optim\.Adam's rule is torch's at "
      r"decoupled_weight_decay=False"),
+    (vega.optim.AdamW, lambda: _torch_state(torch.optim.Adam),
+     r"AdamW\.load_state_dict: group 0 of the state in torch\.optim's format has "
+     r"decoupled_weight_decay=False \(the state of torch\.optim\.Adam: load it into "
+     r"vega\.optim\.Adam\), but vega\.optim\.AdamW's rule is torch's at "
+     r"decoupled_weight_decay=True"),
     (vega.optim.RAdam, lambda: _torch_state(torch.optim.RAdam, weight_decay=0.1),
-     r"RAdam\.load_state_dict: group 0 of torch\.optim\.RAdam's state has weight_decay=0\.1, "
-     r"but vega\.optim\.RAdam's rule is torch's at weight_decay=0"),
+     r"RAdam\.load_state_dict: group 0 of the state in torch\.optim's format has "
+     r"weight_decay=0\.1, but vega\.optim\.RAdam's rule is torch's at weight_decay=0"),
+    (vega.optim.NAdam, lambda: _torch_state(torch.optim.NAdam),
+     r"NAdam\.load_state_dict: group 0 of the state has no .*; it seems to be the state of "
+     r"torch\.optim\.NAdam, whose format vega\.optim\.NAdam does not convert \(torch's "
+     r"states are converted for Adagrad, Adam, AdamW, RAdam, RMSprop, SGD\)"),
     (vega.optim.SGD, lambda: _torch_state(torch.optim.Adam),
      r"SGD\.load_state_dict: group 0 of the state has no 'backend', 'dampening', 'momentum', "
      r"'nesterov', 'state_dtype' .*it seems to be the state of torch\.optim\.Adam"),
@@ -335,13 +345,34 @@ def test_torch_state_dict_of_another_rule_is_refused(cls, saved, message):
 
 def test_torch_format_of_a_rule_torch_has_not():
     opt = _run(lambda ps: vega.optim.Lion(ps))[1]
-    with pytest.raises(ValueError, match=r"Lion\.torch_state_dict: torch\.optim has no class "
-                                         r"with vega\.optim\.Lion's rule"):
+    with pytest.raises(ValueError, match=r"Lion\.torch_state_dict: vega\.optim\.Lion's state "
+                                         r"is not converted to torch's format; it is for "
+                                         r"Adagrad, Adam, AdamW, RAdam, RMSprop, SGD"):
+        opt.torch_state_dict()
+    opt = _run(lambda ps: vega.optim.NAdam(ps))[1]  # (torch has a NAdam; not converted)
+    with pytest.raises(ValueError, match=r"NAdam\.torch_state_dict: vega\.optim\.NAdam's "
+                                         r"state is not converted"):
         opt.torch_state_dict()
     opt = _run(lambda ps: vega.optim.AdamW(ps, lr=vega.schedule.constant(1e-2)))[1]
     with pytest.raises(ValueError, match=r"AdamW\.torch_state_dict: group 0 has lr=.*; torch's "
                                          r"state format holds plain numbers"):
         opt.torch_state_dict()
+
+
+def test_decoupled_weight_decay_as_torchs_classes_take_it():
+    """torch.optim.Adam(decoupled_weight_decay=False) is torch's default, and vega's Adam's
+    rule: taken (it was an unexpected hyperparameter); True is AdamW's rule, refused with a
+    pointer there. torch.optim.AdamW takes no such keyword, and neither does vega's."""
+    p = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    vega.optim.Adam([p], decoupled_weight_decay=False)
+    vega.optim.RAdam([p], decoupled_weight_decay=False)
+    with pytest.raises(ValueError, match=r"^Adam: decoupled_weight_decay=True: vega\.optim\."
+                                         r"Adam's rule is torch's at decoupled_weight_decay="
+                                         r"False; another rule is another class \(vega\.optim"
+                                         r"\.AdamW\)"):
+        vega.optim.Adam([p], decoupled_weight_decay=True)
+    with pytest.raises(TypeError, match="unexpected hyperparameter 'decoupled_weight_decay'"):
+        vega.optim.AdamW([p], decoupled_weight_decay=True)
 
 
 def test_rprop_takes_torch_etas_and_step_sizes():

@@ -113,6 +113,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         sharded.check_group(owner, reduce_group)
         self.reduce_group = reduce_group
         torch_names.check_keywords(owner, maximize, foreach, fused, capturable, differentiable)
+        torch_names.take_rule_keywords(owner, self.spec.class_name, self.spec, hypers)
         names = torch_names.beta_names(self.spec)
         if names and "betas" in hypers:
             hypers.update(torch_names.split_betas(owner, names, hypers.pop("betas"), hypers))
@@ -892,7 +893,11 @@ class SpecOptimizer(torch.optim.Optimizer):
                                      f"{not_dense(value)}; a step keeps dense (strided) states")
         want = _group_keys(self.spec)
         groups = state_dict["param_groups"]
-        for k, group in enumerate(groups if isinstance(groups, (list, tuple)) else ()):
+        if not isinstance(groups, (list, tuple)):
+            raise ValueError(f"{owner}: state_dict['param_groups'] is "
+                             f"{type(groups).__name__}; it is the list of the groups' dicts "
+                             "that state_dict() writes")
+        for k, group in enumerate(groups):
             if not isinstance(group, dict) or "params" not in group:
                 raise ValueError(f"{owner}: param_groups[{k}] is not a parameter group (a dict "
                                  "with 'params')")
@@ -1177,6 +1182,10 @@ def _seems_from(keys, owner: str, states: bool = False) -> str:
         elif abs(s - score) <= 1e-9 and s > 0:
             best.append(name)
     best = [n for n in best if n != f"vega.optim.{owner}"]
+    if best == [f"torch.optim.{owner}"] and score >= 0.6:  # (a format not converted)
+        return (f"it seems to be the state of torch.optim.{owner}, whose format "
+                f"vega.optim.{owner} does not convert (torch's states are converted for "
+                f"{', '.join(sorted(torch_names.TORCH_STATES))})")
     if best and score >= 0.6:
         return (f"it seems to be the state of {' or '.join(best)}; load an optimizer's state "
                 "into an optimizer of the same class")

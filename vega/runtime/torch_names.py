@@ -91,6 +91,24 @@ def check_keywords(owner: str, maximize, foreach, fused, capturable, differentia
                          "differentiable step")
 
 
+def take_rule_keywords(owner: str, cls_name: str, spec, hypers: dict) -> None:
+    """torch's keywords that pick its rule (``decoupled_weight_decay``), taken out of
+    ``hypers`` where the class has no hyperparameter of the name: at the value where torch's
+    rule is this class's, a keyword torch's own class takes; ValueError at another."""
+    names = {h.name for h in spec.hypers}
+    theirs = getattr(torch.optim, cls_name, None)
+    takes = inspect.signature(theirs.__init__).parameters if theirs is not None else {}
+    for name, value in _TORCH_RULES.get(cls_name, {}).items():
+        if name not in hypers or name in names or name not in takes or name == "weight_decay":
+            continue
+        given = hypers.pop(name)
+        if given is not value and not (type(given) is bool and given == value):
+            other = " (vega.optim.AdamW)" if cls_name == "Adam" else ""
+            raise ValueError(f"{owner}: {name}={engine.shown(given)}: vega.optim.{cls_name}'s "
+                             f"rule is torch's at {name}={value}; another rule is another "
+                             f"class{other}")
+
+
 def negated(grads: list) -> list:
     """``grads`` negated (``maximize``), None kept where a parameter has no gradient: a
     new list of new tensors, as torch's foreach step negates them."""
@@ -226,10 +244,14 @@ def from_torch(owner: str, cls_name: str, state_dict: dict, current: list) -> di
                              "differentiable=True, which vega's fused step is not")
         for key, value in rules.items():
             if key in group and group[key] != value:
+                other = next((f" (the state of torch.optim.{name}: load it into "
+                              f"vega.optim.{name})" for name, r in _TORCH_RULES.items()
+                              if key == "decoupled_weight_decay" and name in ("Adam", "AdamW")
+                              and r.get(key) == group[key]), "")
                 raise ValueError(
-                    f"{owner}: group {k} of torch.optim.{cls_name}'s state has "
-                    f"{key}={engine.shown(group[key])}, but vega.optim.{cls_name}'s rule is "
-                    f"torch's at {key}={value!r}")
+                    f"{owner}: group {k} of the state in torch.optim's format has "
+                    f"{key}={engine.shown(group[key])}{other}, but vega.optim.{cls_name}'s "
+                    f"rule is torch's at {key}={value!r}")
         here = current[k] if k < len(current) else current[-1]
         out = {key: v for key, v in group.items() if key not in KEYWORDS}
         if isinstance(group.get("betas"), (tuple, list)):
@@ -254,9 +276,8 @@ def to_torch(owner: str, cls_name: str, betas: tuple, state_dict: dict) -> dict:
     where a hyperparameter is not a plain number (a tensor or
     a schedule: torch's groups hold its own kinds) or the class has no torch counterpart."""
     if cls_name not in TORCH_STATES:
-        raise ValueError(f"{owner}: torch.optim has no class with vega.optim.{cls_name}'s "
-                         f"rule; torch's state format is for "
-                         f"{', '.join(sorted(TORCH_STATES))}")
+        raise ValueError(f"{owner}: vega.optim.{cls_name}'s state is not converted to torch's "
+                         f"format; it is for {', '.join(sorted(TORCH_STATES))}")
     names = TORCH_STATES[cls_name]
     rules = _TORCH_RULES.get(cls_name, {})
     takes = inspect.signature(getattr(torch.optim, cls_name).__init__).parameters
