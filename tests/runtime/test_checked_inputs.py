@@ -277,6 +277,9 @@ def test_load_state_dict_takes_torch_adams_float_step_counter():
 @pytest.mark.parametrize("broken,message", [
     (lambda sd: sd.pop("state"), "a state_dict is a dict with 'state' and 'param_groups'"),
     (lambda sd: sd["state"].__setitem__(0, [1.0]), r"state_dict\['state'\] must be a dict"),
+    (lambda sd: sd["state"][0].__setitem__("nu", sd["state"][0]["nu"].to(torch.int8)),
+     r"state 'nu' of parameter id 0 is of dtype torch\.int8; a state is a float tensor, or "
+     r"8-bit codes of dtype torch\.uint8"),
     (lambda sd: sd.__setitem__("param_groups", {"params": [0, 1, 2]}),
      r"state_dict\['param_groups'\] is dict; it is the list of the groups' dicts"),
     (lambda sd: sd["param_groups"][0].__setitem__("state_dtype", "float32"),

@@ -891,6 +891,12 @@ class SpecOptimizer(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and not dense(value):
                     raise ValueError(f"{owner}: state {name!r} of parameter id {pid!r} is "
                                      f"{not_dense(value)}; a step keeps dense (strided) states")
+                if isinstance(value, torch.Tensor) and name != "step" and \
+                        value.dtype != torch.uint8 and not (value.is_floating_point()
+                                                            or value.is_complex()):
+                    raise ValueError(f"{owner}: state {name!r} of parameter id {pid!r} is of "
+                                     f"dtype {value.dtype}; a state is a float tensor, or 8-bit "
+                                     "codes of dtype torch.uint8")
         want = _group_keys(self.spec)
         groups = state_dict["param_groups"]
         if not isinstance(groups, (list, tuple)):
