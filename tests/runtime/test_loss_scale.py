@@ -261,6 +261,11 @@ BAD = [
     (lambda: LossScale.dynamic(growth_interval=-5), "growth_interval=-5"),
     (lambda: LossScale.dynamic(growth_interval=2.5), "growth_interval=2.5"),
     (lambda: LossScale.dynamic(growth_interval=2000.0), "growth_interval=2000.0"),
+    # (compared with the int32 count of good steps: a larger one grew the scale every step)
+    (lambda: LossScale.dynamic(growth_interval=2**31), "growth_interval=2147483648 must be at "
+     "most 2**31 - 1"),
+    (lambda: LossScale.dynamic().adjust(torch.tensor(True), growth_interval=2**40),
+     "growth_interval=1099511627776 must be at most 2**31 - 1"),
     (lambda: LossScale.dynamic(growth_factor=0.0), "growth_factor=0.0"),
     (lambda: LossScale.dynamic(growth_factor=-2.0), "growth_factor=-2.0"),
     (lambda: LossScale.dynamic(backoff_factor=0.0), "backoff_factor=0.0"),

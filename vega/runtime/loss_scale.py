@@ -83,6 +83,9 @@ def _scale_value(who: str, name: str, value) -> float:
     return x
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _check_config(who: str, growth_interval, growth_factor, backoff_factor) -> tuple:
     """The settings of a dynamic scale, as ``torch.amp.GradScaler`` takes them: a positive
     interval, a growth factor above 1 (growing that does not grow), a backoff factor in
@@ -91,6 +94,11 @@ def _check_config(who: str, growth_interval, growth_factor, backoff_factor) -> t
             or growth_interval <= 0):
         raise ValueError(f"{who}: growth_interval={_shown(growth_interval)} must be a "
                          "positive integer")
+    if growth_interval > _INT32_MAX:  # (compared with the int32 count of good steps, a
+        raise ValueError(                # larger one wrapped: the scale grew every step)
+            f"{who}: growth_interval={growth_interval} must be at most 2**31 - 1 (the good "
+            "steps are counted in int32); for a scale that never grows, use "
+            "LossScale.static or growth_interval=2**31 - 1")
     grow = _positive_real(who, "growth_factor", growth_factor)
     back = _positive_real(who, "backoff_factor", backoff_factor)
     if not grow > 1.0:
