@@ -145,6 +145,16 @@ def test_restarts_far_out_match_a_running_sum():
     check(s, expected)
 
 
+@pytest.mark.parametrize("decay,t_mul,restart", [(10, 1.2, 22), (5, 1.2, 11), (100, 1.1, 331),
+                                                 (50, 1.4, 120)])
+def test_restarts_at_a_whole_step_a_decimal_t_mul_puts_them_on(decay, t_mul, restart):
+    """10 * 1.2 is 12 steps: cycle 2 starts at step 22, though in binary 1.2 puts its start at
+    22.000000000000004 (the step ran at the old cycle's floor, a step late to restart)."""
+    s = schedule.cosine_decay_restarts(1.0, decay, t_mul=t_mul, alpha=0.25)
+    assert s(restart) == 1.0 and float(s(torch.tensor(restart))) == 1.0
+    assert s(restart - 1) < 0.5 and float(s(torch.tensor(restart - 1))) < 0.5
+
+
 ALL = [a[1] for a in AGREE + BY_HAND]
 
 
