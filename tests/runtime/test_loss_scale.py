@@ -192,6 +192,26 @@ def test_step_applies_or_skips_exactly(make):
     assert torch.equal(bits(p4["b"]), bits(new_p["b"]))
 
 
+def test_step_refuses_a_step_fn_that_writes_the_state_in_place():
+    """A step with donate=True leaves no old state to keep on an overflow: it was stepped
+    with inf in it, the counter advanced, and the scale backed off as if the step had been
+    skipped. Now that is said; a pure step through the same call keeps the state."""
+    import vega
+    params = {"w": torch.ones(3)}
+    grads = {"w": torch.tensor([1.0, float("inf"), 1.0])}
+    ls = LossScale.dynamic(init=2.0)
+    state = vega.adam_init(params)
+    with pytest.raises(ValueError, match=r"^LossScale\.step: step_fn wrote state leaf 0 in "
+                                         r"place \(a step with donate=True\?\)"):
+        ls.step(grads, lambda g: vega.adam_step(params, g, state, lr=0.1, donate=True),
+                (params, state))
+    params, state = {"w": torch.ones(3)}, vega.adam_init({"w": torch.ones(3)})
+    (new_p, new_s), ls2 = ls.step(grads, lambda g: vega.adam_step(params, g, state, lr=0.1),
+                                  (params, state))
+    assert torch.equal(new_p["w"], torch.ones(3)) and int(new_s["step"]) == 0
+    assert ls2.skipped_steps.item() == 1
+
+
 def test_pytree_leaves_and_names():
     ls = LossScale.dynamic(init=8.0, growth_interval=7, growth_factor=3.0, backoff_factor=0.25)
     leaves, spec = pytree.tree_flatten(ls)

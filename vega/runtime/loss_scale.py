@@ -354,9 +354,21 @@ class LossScale:
         """
         unscaled = self.unscale(grads)
         finite = grads_finite(unscaled, reduce_group=reduce_group)
-        new = step_fn(unscaled)
-        new_leaves, new_spec = pytree.tree_flatten(new)
         old_leaves, old_spec = pytree.tree_flatten(state)
+        # (each state tensor's version counter: one written in place advanced it; not while
+        # dynamo traces, where versions are no values to compare)
+        versions = [None] * len(old_leaves) if torch.compiler.is_compiling() else \
+            [o._version if isinstance(o, torch.Tensor) else None for o in old_leaves]
+        new = step_fn(unscaled)
+        written = next((k for k, (o, v) in enumerate(zip(old_leaves, versions))
+                        if v is not None and o._version != v), None)
+        if written is not None:  # (its old values are gone: an overflow could not be undone)
+            raise ValueError(
+                f"LossScale.step: step_fn wrote state leaf {written} in place (a step with "
+                "donate=True?), so a step whose gradients are not finite could not be undone; "
+                "the state now holds the step's values. Give it a pure step, or use the step's "
+                "own loss_scale= (fused: it skips such a step in place)")
+        new_leaves, new_spec = pytree.tree_flatten(new)
         if new_spec != old_spec:
             raise ValueError(f"LossScale.step: step_fn returned a structure {new_spec} "
                              f"different from the state's {old_spec}")
