@@ -212,6 +212,32 @@ def test_step_refuses_a_step_fn_that_writes_the_state_in_place():
     assert ls2.skipped_steps.item() == 1
 
 
+@pytest.mark.parametrize("leaf,value,message", [
+    ("loss_scale", -4.0, "'loss_scale' is -4.0; it must be positive and finite"),
+    ("loss_scale", float("nan"), "'loss_scale' is nan"),
+    ("skipped_steps", -1, "'skipped_steps' is -1; it must be at least 0"),
+    ("min_scale", 1e9, "'min_scale' is 1000000000.0, above the scale"),
+])
+def test_a_scale_kept_in_a_state_is_checked_where_its_values_come_in(tmp_path, leaf, value,
+                                                                       message):
+    """set_leaf, vega.load and the constructor take a scale's values as load_state_dict does:
+    a negative scale set by hand stepped uphill."""
+    state = {"m": torch.zeros(2), "ls": LossScale.dynamic(init=4.0)}
+    with pytest.raises(ValueError, match=rf"^vega\.set_leaf: leaf 'ls\.{leaf}': the loss "
+                                         rf"scale's {re.escape(message)}"):
+        vega.set_leaf(state, f"ls.{leaf}", value)
+    bad = state["ls"].tensors()
+    bad = [torch.tensor(value, dtype=t.dtype) if name == leaf else t
+           for name, t in zip(("loss_scale", "good_steps", "skipped_steps", "min_scale"), bad)]
+    saved = {"m": torch.zeros(2), "ls": LossScale._from(bad, state["ls"]._config())}
+    vega.save(tmp_path / "s.safetensors", saved)
+    with pytest.raises(ValueError, match=r"^vega\.load: .*: the loss scale's " +
+                       re.escape(message)):
+        vega.load(tmp_path / "s.safetensors", like=state)
+    with pytest.raises(ValueError, match=r"^LossScale: " + re.escape(message)):
+        LossScale(*bad)
+
+
 def test_pytree_leaves_and_names():
     ls = LossScale.dynamic(init=8.0, growth_interval=7, growth_factor=3.0, backoff_factor=0.25)
     leaves, spec = pytree.tree_flatten(ls)

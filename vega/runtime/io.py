@@ -209,10 +209,21 @@ def load(path, *, like) -> dict:
                          "one vega.save wrote")
     try:
         with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
-            return pytree.tree_unflatten(_read(f, where, named, leaves), spec)
+            out = pytree.tree_unflatten(_read(f, where, named, leaves), spec)
     except (SafetensorError, OSError) as err:
         raise ValueError(f"vega.load: {where} is not a vega state file (not a readable "
                          f"safetensors file: {err})") from err
+    _check_scales(f"vega.load: {where}", out)
+    return out
+
+
+def _check_scales(who: str, state) -> None:
+    """Each loss scale in ``state`` holding values a scale can take (``check_scale_values``:
+    a negative scale flips every update's sign, a NaN one skips every step)."""
+    from vega.runtime.loss_scale import LossScale, check_scale_values
+    for node in pytree.tree_leaves(state, is_leaf=lambda x: isinstance(x, LossScale)):
+        if isinstance(node, LossScale):
+            check_scale_values(who, node.tensors(), "the loss scale's ")
 
 
 def _read(f, where, named, leaves) -> list:
@@ -323,4 +334,6 @@ def set_leaf(state, name: str, value):
     _check_counter(f"{who}: the value for leaf {name!r}", name, value)
     out = list(leaves)
     out[i] = value
-    return pytree.tree_unflatten(out, spec)
+    new = pytree.tree_unflatten(out, spec)
+    _check_scales(f"{who}: leaf {name!r}", new)
+    return new

@@ -159,6 +159,7 @@ class LossScale:
         (self.growth_interval, self.growth_factor,
          self.backoff_factor) = _check_config("LossScale", growth_interval, growth_factor,
                                               backoff_factor)
+        check_scale_values("LossScale", self.tensors())
         self.is_dynamic = bool(dynamic)
         self.device_given = True  # (its tensors were given: where they are is meant)
 
@@ -379,6 +380,36 @@ class LossScale:
 
 
 _LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
+# each leaf's dtype and the values it may hold (a negative scale flips every update's sign,
+# a NaN one skips every step)
+_RULES = {
+    "loss_scale": (torch.float32, lambda x: math.isfinite(x) and x > 0, "positive and finite"),
+    "good_steps": (torch.int32, lambda x: x >= -1, "at least -1 (-1: a static scale)"),
+    "skipped_steps": (torch.int32, lambda x: x >= 0, "at least 0"),
+    "min_scale": (torch.float32, lambda x: math.isfinite(x) and x >= 0,
+                  "at least 0 and finite (0: no floor)"),
+}
+
+
+def check_scale_values(owner: str, leaves, label: str = "") -> None:
+    """ValueError naming the first of a loss scale's four leaves (``_LEAVES``' order) that
+    is not a 0-d tensor of its dtype holding a value a scale can take, or a floor above the
+    scale. Reads the values (outside any step: a state loaded, a leaf set, a scale made);
+    meta tensors, which hold none, are taken as they are."""
+    values = {}
+    for name, x in zip(_LEAVES, leaves):
+        dtype, ok, words = _RULES[name]
+        if not isinstance(x, torch.Tensor) or x.dim() != 0 or x.dtype != dtype:
+            raise ValueError(f"{owner}: {label}'{name}' is {_shown(x)}; it must be a 0-d "
+                             f"{dtype} tensor")
+        if x.device.type == "meta":
+            return
+        values[name] = x.item()
+        if not ok(values[name]):
+            raise ValueError(f"{owner}: {label}'{name}' is {values[name]!r}; it must be {words}")
+    if values["min_scale"] > values["loss_scale"]:
+        raise ValueError(f"{owner}: {label}'min_scale' is {values['min_scale']!r}, above the "
+                         f"scale, {values['loss_scale']!r}")
 
 
 def _flatten(ls: LossScale):

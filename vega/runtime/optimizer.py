@@ -29,6 +29,7 @@ from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, 
 from vega.dsl.check import GROUP_KEYS
 from vega.errors import VegaError
 from vega.runtime import engine, sharded, torch_names
+from vega.runtime.loss_scale import check_scale_values
 
 _LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
 # a loss scale's tensor -> (a weak reference to) the optimizer that adjusts it (``_claim_scale``)
@@ -1224,15 +1225,6 @@ def _check_step(owner: str, pid, value: torch.Tensor) -> None:
 
 
 # what each of the loss scale's tensors holds: (dtype, the test of its value, its words)
-_SCALE_RULES = {
-    "loss_scale": (torch.float32, lambda x: math.isfinite(x) and x > 0, "positive and finite"),
-    "good_steps": (torch.int32, lambda x: x >= -1, "at least -1 (-1: a static scale)"),
-    "skipped_steps": (torch.int32, lambda x: x >= 0, "at least 0"),
-    "min_scale": (torch.float32, lambda x: math.isfinite(x) and x >= 0,
-                  "at least 0 and finite (0: no floor)"),
-}
-
-
 def _loaded_scale(owner: str, scale, current) -> list:
     """The tensors of a state_dict's ``'loss_scale'`` entry, in ``current.tensors()``'s order,
     on its devices (those missing from the entry: ``current``'s own values); ValueError naming
@@ -1246,24 +1238,9 @@ def _loaded_scale(owner: str, scale, current) -> list:
         raise ValueError(f"{owner}: 'loss_scale' has {', '.join(map(repr, unknown))}; a loss "
                          f"scale has {', '.join(_LOSS_SCALE_LEAVES)}")
     mine = dict(zip(_LOSS_SCALE_LEAVES, current.tensors()))
-    got = {}
-    for name in _LOSS_SCALE_LEAVES:
-        if name not in scale:
-            got[name] = mine[name]
-            continue
-        x = scale[name]
-        dtype, ok, words = _SCALE_RULES[name]
-        if not isinstance(x, torch.Tensor) or x.dim() != 0 or x.dtype != dtype:
-            raise ValueError(f"{owner}: loss_scale entry '{name}' is {engine.shown(x)}; it must be "
-                             f"a 0-d {dtype} tensor")
-        value = x.item()
-        if not ok(value):
-            raise ValueError(f"{owner}: loss_scale entry '{name}' is {value!r}; it must be "
-                             f"{words}")
-        got[name] = x.to(device=mine[name].device).clone()
-    if got["min_scale"].item() > got["loss_scale"].item():
-        raise ValueError(f"{owner}: loss_scale entry 'min_scale' is {got['min_scale'].item()!r}, "
-                         f"above the scale, {got['loss_scale'].item()!r}")
+    got = {name: scale.get(name, mine[name]) for name in _LOSS_SCALE_LEAVES}
+    check_scale_values(owner, [got[n] for n in _LOSS_SCALE_LEAVES], "loss_scale entry ")
+    got = {name: x.to(device=mine[name].device) for name, x in got.items()}
     return [got[n].clone() for n in _LOSS_SCALE_LEAVES]
 
 
