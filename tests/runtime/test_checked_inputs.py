@@ -3,6 +3,7 @@ a raw error: loaded states and loss scales, hyperparameters past the float range
 schedules that return something other than one value, state dtypes, state leaves, state
 files' leaves and keys, spec files, and the loss scale's settings (docs/robustness.md,
 "Inputs that are checked")."""
+import collections
 import copy
 import math
 import operator
@@ -409,6 +410,22 @@ def test_a_state_leaf_that_is_not_a_tensor_is_named(mu, message):
     state["mu"] = mu
     with pytest.raises(ValueError, match=rf"^adamw_step: {message}"):
         vega.adamw_step([p], [p], state)
+
+
+@pytest.mark.parametrize("grads,message", [
+    ({"b": torch.ones(3), "a": torch.ones(3)}, r"params have a leaf at 'a', grads have a "
+                                               r"tensor at 'b'"),
+    ({"a": torch.ones(3), "c": torch.ones(3)}, r"params have a leaf at 'b', grads have a "
+                                               r"tensor at 'c'"),
+    (collections.OrderedDict(a=torch.ones(3), b=torch.ones(3)), r"grads are a OrderedDict, "
+                                                                r"params a dict"),
+])
+def test_grads_of_another_structure_say_where(grads, message):
+    """(the message said only "2 leaves against 2")"""
+    params = {"a": torch.ones(3), "b": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"^adamw_step: grads do not have the structure of "
+                                         r"params \(2 leaves against 2\): " + message):
+        vega.adamw_step(params, grads, vega.adamw_init(params))
 
 
 # -- state files ----------------------------------------------------------------------

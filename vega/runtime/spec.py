@@ -387,8 +387,10 @@ def flatten_pair(owner: str, params, grads):
     _check_leaves(owner, "params", params, p_leaves)
     g_leaves, g_spec = flatten(grads)
     if g_spec != p_spec:
+        where = _where_unlike("grads", grads, p_spec).replace("'grads' has", "grads have") \
+            .replace("'grads' is", "grads are")
         raise ValueError(f"{owner}: grads do not have the structure of params "
-                         f"({len(g_leaves)} leaves against {len(p_leaves)})")
+                         f"({len(g_leaves)} leaves against {len(p_leaves)}){where}")
     return p_leaves, p_spec, g_leaves
 
 
