@@ -960,8 +960,9 @@ def _wide(x):
     return torch.complex128 if x.is_complex() else torch.float64
 
 
-def _norm(x):
-    return torch.linalg.vector_norm(x, dtype=_wide(x)).to(x.dtype.to_real())
+def _norm(x):  # (x.real's dtype: dynamo does not trace dtype.to_real)
+    n = torch.linalg.vector_norm(x, dtype=_wide(x))
+    return n.to(x.real.dtype if x.is_complex() else x.dtype)
 
 
 def _sum(x):
