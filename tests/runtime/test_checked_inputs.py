@@ -428,6 +428,17 @@ def test_grads_of_another_structure_say_where(grads, message):
         vega.adamw_step(params, grads, vega.adamw_init(params))
 
 
+def test_params_with_two_leaves_of_one_name_are_refused_at_init():
+    """{1: a, "1": b}: both leaves are named '1', which vega.save and get_leaf refused only
+    once a state had been made and stepped."""
+    with pytest.raises(ValueError, match=r"^adamw_init: two leaves of params are both named "
+                                         r"'1' \(a state names each leaf by its keys joined "
+                                         r"with '\.'\); rename a key"):
+        vega.adamw_init({1: torch.ones(2), "1": torch.ones(2)})
+    assert vega.state_names(vega.adamw_init({1: torch.ones(2), 2: torch.ones(2)}))[:2] == \
+        ["mu.1", "mu.2"]
+
+
 # -- state files ----------------------------------------------------------------------
 
 def test_save_refuses_a_meta_or_sparse_leaf(tmp_path):

@@ -109,6 +109,7 @@ class CompiledSpec:
         leaves, spec = flatten(params)
         _check_leaves(owner, "params", params, leaves)
         _check_dense(owner, params, leaves)
+        _check_distinct_names(owner, params)
         # a state an if on values declares (sgd's v under `if momentum > 0`) is made
         # unless the values given here turn the if off: sgd_init(params) has v
         held = self._spec.held_open(flags, values, self._spec.value_hypers - hypers.keys())
@@ -379,6 +380,18 @@ def _checked_shape(owner: str, shape) -> tuple[int, ...]:
         raise ValueError(f"{owner}: shape={engine.shown(shape)} is too large: a tensor has at "
                          "most 2**63 - 1 elements")
     return sizes
+
+
+def _check_distinct_names(owner: str, params) -> None:
+    """ValueError where two leaves of ``params`` have one name (``{1: a, "1": b}``): a state
+    names each leaf by its keys joined with '.' (``vega.save``, ``get_leaf``), which would
+    refuse the state only later. Once, at init (a step does not build the names)."""
+    seen = set()
+    for name in leaf_paths(params):
+        if name in seen:
+            raise ValueError(f"{owner}: two leaves of params are both named {name!r} (a "
+                             "state names each leaf by its keys joined with '.'); rename a key")
+        seen.add(name)
 
 
 def flatten_pair(owner: str, params, grads):
