@@ -428,6 +428,16 @@ def test_grads_of_another_structure_say_where(grads, message):
         vega.adamw_step(params, grads, vega.adamw_init(params))
 
 
+def test_backend_c_names_parameters_off_the_cpu_before_their_counters():
+    """(meta parameters were refused for their step counter's device, which follows theirs)"""
+    params = {"w": torch.empty(3, device="meta")}
+    with pytest.raises(ValueError, match=r"^backend 'c' runs on CPU tensors, got "
+                                         r"parameters on meta; use backend='triton' or "
+                                         r"'reference'"):
+        vega.adamw_step(params, {"w": torch.empty(3, device="meta")}, vega.adamw_init(params),
+                        backend="c")
+
+
 def test_params_with_two_leaves_of_one_name_are_refused_at_init():
     """{1: a, "1": b}: both leaves are named '1', which vega.save and get_leaf refused only
     once a state had been made and stepped."""

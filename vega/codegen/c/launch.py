@@ -641,6 +641,10 @@ class Kernel:
         check_codes("c", self.program, states)
         if list(map(_SHAPE_OF, params)) != list(map(_SHAPE_OF, grads)):
             raise ValueError("backend 'c': a gradient's shape differs from its parameter's")
+        off = next((p for p in params if not p.is_cpu), None)  # (before their counters, which
+        if off is not None:                                     # live where they do)
+            raise ValueError(f"backend 'c' runs on CPU tensors, got parameters on "
+                             f"{off.device}; use backend='triton' or 'reference'")
         for t in steps:
             if t.dtype != torch.int32 or t.dim() != 0 or not t.is_cpu:
                 raise ValueError(f"backend 'c': a step counter must be a 0-d int32 tensor on "
