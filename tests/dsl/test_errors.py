@@ -156,14 +156,6 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p\n  }\n"
      "  mode eval {\n    p = 2 * p\n  }\n}\n", "mode 'eval' is already declared on line 3",
      6, 8),
-    # (one mode alone: after eval(), train() had no mode to go back by, and no step ran again)
-    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p\n  }\n}\n",
-     "the spec declares mode 'eval' but not mode 'train': a spec with modes says both", 3, 8),
-    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode train {\n    p = p\n  }\n}\n",
-     "the spec declares mode 'train' but not mode 'eval'", 3, 8),
-    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode train {\n    p = p\n  }\n"
-     "  mode foo {\n    p = p\n  }\n}\n", "mode 'foo' is not a mode of the optimizer classes: "
-     "a spec's modes are 'train' (the step's) and 'eval'", 6, 8),
     # matrices
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g @ g\n}\n",
      "'@' of a rows x columns matrix and a rows x columns one: the left's columns must be "

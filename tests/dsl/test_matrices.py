@@ -192,6 +192,20 @@ def test_a_mode_takes_ifs_on_the_shape():
     assert torch.equal(got[0], torch.full((2, 2), 2.0)) and torch.equal(got[1], torch.full((3,), 3.0))
 
 
+def test_a_rule_with_one_mode_steps_functionally_but_makes_no_class():
+    """spec.mode takes any mode the spec declares; the class, whose steps run in mode train
+    and whose eval() and train() switch there and back, needs exactly those two (with eval
+    alone, eval() left it unable to step again)."""
+    spec = vega.compile("optimizer o(lr = 0.1) {\n p = p - lr * g\n mode eval {\n p = 2 * p\n"
+                        " }\n}")
+    assert torch.equal(spec.mode("eval", [torch.ones(2)], spec.init([torch.ones(2)]))[0],
+                       torch.full((2,), 2.0))
+    with pytest.raises(ValueError, match=r"^O: the rule's modes are 'eval'; the class steps in "
+                                         r"mode 'train' and switches with train\(\) and "
+                                         r"eval\(\), so its rule declares exactly"):
+        spec.optimizer([torch.nn.Parameter(torch.ones(2))])
+
+
 def test_bfloat16_products_step_side_by_side_only_for_tensors_with_values_in_memory():
     """Tensors of one shape take their bfloat16 products together (``_batches``), found
     again by their addresses: not a tensor without values (an empty one; a meta or lazy

@@ -72,12 +72,8 @@ API_NAMES = ("params", "grads", "state", "self", "backend", "donate", "max_grad_
              "loss_scale", "skip_nonfinite", "state_dtype", "master_weights",
              "stochastic_rounding", "rounding_seed", "reduce_group", "maximize", "foreach",
              "fused", "capturable", "differentiable", "mode")
-# keys torch.optim and its LR schedulers write into a parameter group (OneCycleLR's max_lr,
-# ...): a hyperparameter of the name would be overwritten in the optimizer class's groups
-GROUP_KEYS = ("param_names", "initial_lr", "max_lr", "min_lr", "max_momentum",
-              "base_momentum", "swa_lr")
+
 STEP_COUNTER = "step"  # a state dict's step counter
-MODES = ("train", "eval")  # a spec's modes: the step's, and the one eval() switches to
 BINARY = {"+": Op.ADD, "-": Op.SUB, "*": Op.MUL, "/": Op.DIV, "^": Op.POW, "<": Op.LT,
           "<=": Op.LE, ">": Op.GT, ">=": Op.GE, "==": Op.EQ, "!=": Op.NE, "and": Op.AND,
           "or": Op.OR, "@": Op.MATMUL}
@@ -125,9 +121,8 @@ class _Walker:
                 raise SpecError(f"hyperparameter '{h.name}' is already declared on line "
                                 f"{seen[h.name].line}", h.span)
             reserved = self._reserved(h.name) or (
-                "a keyword of vega's steps and optimizer classes" if h.name in API_NAMES
-                else "a key torch.optim and its LR schedulers write into parameter groups"
-                if h.name in GROUP_KEYS else None)
+                "a keyword of vega's steps or optimizer classes" if h.name in API_NAMES
+                else None)
             if reserved:
                 raise SpecError(f"'{h.name}' cannot name a hyperparameter: it is {reserved}",
                                 h.span)
@@ -211,10 +206,7 @@ class _Walker:
             if m.name in seen:
                 raise SpecError(f"mode '{m.name}' is already declared on line {seen[m.name]}",
                                 m.name_span)
-            if m.name not in MODES:
-                raise SpecError(f"mode '{m.name}' is not a mode of the optimizer classes: a "
-                                "spec's modes are 'train' (the step's) and 'eval' (opt.train() "
-                                "and opt.eval() switch between them)", m.name_span)
+
             seen[m.name] = m.name_span.line
             menv = {n: b for n, b in start.items() if b.role == "hyper"}
             menv["p"] = _Binding(ir.leaf(Op.PARAM, Kind.ELEMENT, "p"), "builtin", None)
@@ -235,13 +227,6 @@ class _Walker:
                 raise SpecError(f"mode '{m.name}' never assigns p: a mode says how the "
                                 "parameters look in it", m.name_span)
             out.append((m.name, p))
-        if out and len(seen) < len(MODES):
-            (name, line), = seen.items()
-            other = next(m for m in MODES if m != name)
-            raise SpecError(f"the spec declares mode '{name}' but not mode '{other}': a spec "
-                            "with modes says both, so that opt.train() and opt.eval() can "
-                            "switch the parameters there and back",
-                            next(m.name_span for m in self.mode_blocks))
         return tuple(out)
 
     def block(self, stmts, env):

@@ -26,7 +26,6 @@ from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
                                   dense_words, first_with_own_ops, gather, inplace_problem,
                                   is_dtensor, not_dense, own_ops_words, same)
-from vega.dsl.check import GROUP_KEYS
 from vega.errors import VegaError
 from vega.runtime import engine, sharded, torch_names
 from vega.runtime.loss_scale import check_scale_values
@@ -125,6 +124,12 @@ class SpecOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite = skip_nonfinite
         betas = {"betas": tuple(values[n] for n in names)} if names else {}
         if self.spec.modes:  # (schedule-free's: the parameters step in mode "train")
+            if sorted(self.spec.modes) != ["eval", "train"]:  # (eval() then train(): there
+                raise ValueError(                              # and back)
+                    f"{owner}: the rule's modes are {', '.join(map(repr, self.spec.modes))}; "
+                    "the class steps in mode 'train' and switches with train() and eval(), "
+                    "so its rule declares exactly 'train' and 'eval' (the functional "
+                    "spec.mode(name, ...) takes any)")
             betas["mode"] = "train"
         super().__init__(params, {**flags, **values, **betas, "maximize": maximize,
                                   "backend": backend, "state_dtype": state_dtype,
@@ -1083,7 +1088,8 @@ class SpecOptimizer(torch.optim.Optimizer):
 
 
 # (torch's, its schedulers': OneCycleLR's, SWALR's)
-_GROUP_EXTRAS = frozenset({"params", *GROUP_KEYS})
+_GROUP_EXTRAS = frozenset({"params", "param_names", "initial_lr", "max_lr", "min_lr",
+                           "max_momentum", "base_momentum", "swa_lr"})
 
 
 @functools.cache
