@@ -311,16 +311,17 @@ class CosineDecayRestarts(Schedule):
         self.alpha = _real(self._name, "alpha", alpha)
 
     def _start(self, c, ops):
-        """The first step of cycle ``c``: the whole step it is within 1e-9 (relative) of,
-        where it is (``t_mul=1.2`` is 1.19999999999999996 in binary: cycle 1 of
+        """The first step of cycle ``c``: the whole step it is within rounding of (1e-12,
+        relative), where it is (``t_mul=1.2`` is 1.19999999999999996 in binary: cycle 1 of
         ``decay_steps=10`` lasts 12 steps, and cycle 2 starts at step 22, not at
-        22.000000000000004 one step later)."""
+        22.000000000000004 one step later; a start that is not whole stays as it is, up to
+        the 2**31 steps a counter holds)."""
         d, t = self.decay_steps, self.t_mul
         if t == 1:
             return d * c
         s = d * (ops.pow(t, c) - 1) / (t - 1)
         whole = ops.floor(s + 0.5)
-        tol = 1e-9 * (1 + whole)
+        tol = 1e-12 * (1 + whole)
         return ops.where(s - whole <= tol, ops.where(whole - s <= tol, whole, s), s)
 
     def _at(self, k, ops):

@@ -238,6 +238,20 @@ def test_a_scale_kept_in_a_state_is_checked_where_its_values_come_in(tmp_path, l
         LossScale(*bad)
 
 
+def test_step_and_constructor_take_what_they_took():
+    """A state of inference tensors (which keep no version counter) steps through
+    LossScale.step, and the constructor checks values, not dtypes (an int64 counter)."""
+    with torch.inference_mode():
+        params = {"w": torch.ones(3)}
+        state = vega.adam_init(params)
+    (new_p, _), _ = LossScale.dynamic(init=2.0).step(
+        {"w": torch.ones(3)}, lambda g: vega.adam_step(params, g, state, lr=0.1),
+        (params, state))
+    assert torch.allclose(new_p["w"], torch.full((3,), 0.9))
+    ls = LossScale(torch.tensor(8.0), torch.tensor(0), growth_interval=2)
+    assert ls.adjust(torch.tensor(True)).loss_scale.item() == 8.0
+
+
 def test_pytree_leaves_and_names():
     ls = LossScale.dynamic(init=8.0, growth_interval=7, growth_factor=3.0, backoff_factor=0.25)
     leaves, spec = pytree.tree_flatten(ls)

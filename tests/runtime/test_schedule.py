@@ -155,6 +155,14 @@ def test_restarts_at_a_whole_step_a_decimal_t_mul_puts_them_on(decay, t_mul, res
     assert s(restart - 1) < 0.5 and float(s(torch.tensor(restart - 1))) < 0.5
 
 
+def test_restarts_far_out_keep_a_start_that_is_not_whole():
+    """t_mul = 1.25 is exact: cycle 2 of decay_steps=400000001 starts at 900000002.25, and
+    step 900000002 is still cycle 1's last (a tolerance of 1e-9 snapped it to the restart)."""
+    s = schedule.cosine_decay_restarts(1.0, 400000001, t_mul=1.25)
+    assert s(900000002) < 1e-9 and float(s(torch.tensor(900000002))) < 1e-9
+    assert s(900000003) == 1.0 and float(s(torch.tensor(900000003))) == 1.0
+
+
 ALL = [a[1] for a in AGREE + BY_HAND]
 
 

@@ -365,6 +365,7 @@ def test_decoupled_weight_decay_as_torchs_classes_take_it():
     pointer there. torch.optim.AdamW takes no such keyword, and neither does vega's."""
     p = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
     vega.optim.Adam([p], decoupled_weight_decay=False)
+    vega.optim.Adam([p], decoupled_weight_decay=0)  # (as torch takes it)
     vega.optim.RAdam([p], decoupled_weight_decay=False)
     with pytest.raises(ValueError, match=r"^Adam: decoupled_weight_decay=True: vega\.optim\."
                                          r"Adam's rule is torch's at decoupled_weight_decay="

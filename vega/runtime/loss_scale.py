@@ -159,7 +159,7 @@ class LossScale:
         (self.growth_interval, self.growth_factor,
          self.backoff_factor) = _check_config("LossScale", growth_interval, growth_factor,
                                               backoff_factor)
-        check_scale_values("LossScale", self.tensors())
+        check_scale_values("LossScale", self.tensors(), dtypes=False)
         self.is_dynamic = bool(dynamic)
         self.device_given = True  # (its tensors were given: where they are is meant)
 
@@ -359,7 +359,8 @@ class LossScale:
         # (each state tensor's version counter: one written in place advanced it; not while
         # dynamo traces, where versions are no values to compare)
         versions = [None] * len(old_leaves) if torch.compiler.is_compiling() else \
-            [o._version if isinstance(o, torch.Tensor) else None for o in old_leaves]
+            [o._version if isinstance(o, torch.Tensor) and not o.is_inference() else None
+             for o in old_leaves]  # (an inference tensor keeps no version counter)
         new = step_fn(unscaled)
         written = next((k for k, (o, v) in enumerate(zip(old_leaves, versions))
                         if v is not None and o._version != v), None)
@@ -391,15 +392,18 @@ _RULES = {
 }
 
 
-def check_scale_values(owner: str, leaves, label: str = "") -> None:
+def check_scale_values(owner: str, leaves, label: str = "", dtypes: bool = True) -> None:
     """ValueError naming the first of a loss scale's four leaves (``_LEAVES``' order) that
     is not a 0-d tensor of its dtype holding a value a scale can take, or a floor above the
     scale. Reads the values (outside any step: a state loaded, a leaf set, a scale made);
-    meta tensors, which hold none, are taken as they are."""
+    meta tensors, which hold none, are taken as they are. ``dtypes=False``: the values of
+    0-d tensors only, of any dtype (the constructor's, which has always taken others)."""
     values = {}
     for name, x in zip(_LEAVES, leaves):
         dtype, ok, words = _RULES[name]
-        if not isinstance(x, torch.Tensor) or x.dim() != 0 or x.dtype != dtype:
+        if not dtypes and not (isinstance(x, torch.Tensor) and x.dim() == 0):
+            return
+        if dtypes and (not isinstance(x, torch.Tensor) or x.dim() != 0 or x.dtype != dtype):
             raise ValueError(f"{owner}: {label}'{name}' is {_shown(x)}; it must be a 0-d "
                              f"{dtype} tensor")
         if x.device.type == "meta":

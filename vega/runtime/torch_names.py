@@ -102,7 +102,7 @@ def take_rule_keywords(owner: str, cls_name: str, spec, hypers: dict) -> None:
         if name not in hypers or name in names or name not in takes or name == "weight_decay":
             continue
         given = hypers.pop(name)
-        if given is not value and not (type(given) is bool and given == value):
+        if not (isinstance(given, (bool, int)) and bool(given) == value):  # (torch takes 0)
             other = " (vega.optim.AdamW)" if cls_name == "Adam" else ""
             raise ValueError(f"{owner}: {name}={engine.shown(given)}: vega.optim.{cls_name}'s "
                              f"rule is torch's at {name}={value}; another rule is another "
