@@ -73,9 +73,9 @@ def test_atan2_matches_torch_in_every_quadrant(backend, dtype):
 
 
 POW_BASES = [0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 1e-30,
-             3.7, -3.7, 1.0000001]
+             -1e-30, 3.7, -3.7, 1.0000001]
 POW_EXPONENTS = [0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 3.0, -3.0, 7.0, 9.0, 0.5, 1.5, -1.5, 2.5, -2.5,
-                 63.0, 64.0, 100.0, math.inf, -math.inf, math.nan]
+                 63.0, 64.0, 100.0, 2001.0, -2001.0, math.inf, -math.inf, math.nan]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -178,7 +178,9 @@ constexpr Py_ssize_t PREFETCH_AHEAD = 8;
 // against 0.36-0.39 without (three interleaved pairs of runs, docs/performance.md). These
 // are hints: an address is taken through torch's public API (the tensor's object; its
 // storage's, read from the tensor's object once that has come), and the lines it spans are
-// asked for; nothing at those addresses is read (a prefetch of any address never faults).
+// asked for (a prefetch of any address never faults). What is read to find an address is
+// read through public accessors of objects the pass holds, as the pass reads them a few
+// places later (gather's: a parameter's grad(), a state dict's first entries by PyDict_Next).
 inline void prefetch_lines(const void *at, size_t bytes) {
     const uintptr_t first = reinterpret_cast<uintptr_t>(at) & ~uintptr_t{63},
                     end = reinterpret_cast<uintptr_t>(at) + bytes;
