@@ -72,7 +72,6 @@ API_NAMES = ("params", "grads", "state", "self", "backend", "donate", "max_grad_
              "loss_scale", "skip_nonfinite", "state_dtype", "master_weights",
              "stochastic_rounding", "rounding_seed", "reduce_group", "maximize", "foreach",
              "fused", "capturable", "differentiable", "mode")
-
 STEP_COUNTER = "step"  # a state dict's step counter
 BINARY = {"+": Op.ADD, "-": Op.SUB, "*": Op.MUL, "/": Op.DIV, "^": Op.POW, "<": Op.LT,
           "<=": Op.LE, ">": Op.GT, ">=": Op.GE, "==": Op.EQ, "!=": Op.NE, "and": Op.AND,
@@ -206,7 +205,6 @@ class _Walker:
             if m.name in seen:
                 raise SpecError(f"mode '{m.name}' is already declared on line {seen[m.name]}",
                                 m.name_span)
-
             seen[m.name] = m.name_span.line
             menv = {n: b for n, b in start.items() if b.role == "hyper"}
             menv["p"] = _Binding(ir.leaf(Op.PARAM, Kind.ELEMENT, "p"), "builtin", None)

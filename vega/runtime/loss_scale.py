@@ -173,8 +173,13 @@ class LossScale:
         :meth:`step` still skips the steps whose gradients are not finite.
         """
         s = _scale_value("LossScale.static", "s", s)
-        out = cls(torch.full((), s, dtype=torch.float32, device=device),
-                  torch.full((), -1, dtype=torch.int32, device=device), dynamic=False)
+        # (its values checked above: made without the constructor's check, which reads them
+        # back from the device)
+        out = cls._from([torch.full((), s, dtype=torch.float32, device=device),
+                         torch.full((), -1, dtype=torch.int32, device=device),
+                         torch.zeros((), dtype=torch.int32, device=device),
+                         torch.zeros((), dtype=torch.float32, device=device)],
+                        (2000, 2.0, 0.5, False))  # (the constructor's defaults)
         out.device_given = device is not None
         return out
 
@@ -188,18 +193,18 @@ class LossScale:
         it (jmp's ``min_loss_scale``; DeepSpeed's ``min_loss_scale``).
         """
         init = _scale_value("LossScale.dynamic", "init", init)
-        _check_config("LossScale.dynamic", growth_interval, growth_factor, backoff_factor)
+        config = _check_config("LossScale.dynamic", growth_interval, growth_factor,
+                               backoff_factor)
         floor = 0.0 if min_scale is None else _scale_value("LossScale.dynamic", "min_scale",
                                                             min_scale)
         if floor > init:
             raise ValueError(f"LossScale.dynamic: min_scale={min_scale!r} is above "
                              f"init={init!r}")
-        out = cls(torch.full((), init, dtype=torch.float32, device=device),
-                  torch.zeros((), dtype=torch.int32, device=device),
-                  torch.zeros((), dtype=torch.int32, device=device),
-                  torch.full((), floor, dtype=torch.float32, device=device),
-                  growth_interval=growth_interval, growth_factor=growth_factor,
-                  backoff_factor=backoff_factor, dynamic=True)
+        out = cls._from([torch.full((), init, dtype=torch.float32, device=device),
+                         torch.zeros((), dtype=torch.int32, device=device),
+                         torch.zeros((), dtype=torch.int32, device=device),
+                         torch.full((), floor, dtype=torch.float32, device=device)],
+                        (*config, True))  # (checked above, as in static)
         out.device_given = device is not None
         return out
 
@@ -380,7 +385,7 @@ class LossScale:
         return pytree.tree_unflatten(kept, old_spec), self.adjust(finite)
 
 
-_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
+LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")  # (tensors()' order)
 # each leaf's dtype and the values it may hold (a negative scale flips every update's sign,
 # a NaN one skips every step)
 _RULES = {
@@ -393,13 +398,13 @@ _RULES = {
 
 
 def check_scale_values(owner: str, leaves, label: str = "", dtypes: bool = True) -> None:
-    """ValueError naming the first of a loss scale's four leaves (``_LEAVES``' order) that
+    """ValueError naming the first of a loss scale's four leaves (``LEAVES``' order) that
     is not a 0-d tensor of its dtype holding a value a scale can take, or a floor above the
     scale. Reads the values (outside any step: a state loaded, a leaf set, a scale made);
     meta tensors, which hold none, are taken as they are. ``dtypes=False``: the values of
     0-d tensors only, of any dtype (the constructor's, which has always taken others)."""
     values = {}
-    for name, x in zip(_LEAVES, leaves):
+    for name, x in zip(LEAVES, leaves):
         dtype, ok, words = _RULES[name]
         if not dtypes and not (isinstance(x, torch.Tensor) and x.dim() == 0):
             return
@@ -421,7 +426,7 @@ def _flatten(ls: LossScale):
 
 
 def _flatten_with_keys(ls: LossScale):
-    return ([(pytree.GetAttrKey(name), t) for name, t in zip(_LEAVES, ls.tensors())],
+    return ([(pytree.GetAttrKey(name), t) for name, t in zip(LEAVES, ls.tensors())],
             ls._config())
 
 

@@ -28,9 +28,8 @@ from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, 
                                   is_dtensor, not_dense, own_ops_words, same)
 from vega.errors import VegaError
 from vega.runtime import engine, sharded, torch_names
-from vega.runtime.loss_scale import check_scale_values
+from vega.runtime.loss_scale import LEAVES, check_scale_values
 
-_LOSS_SCALE_LEAVES = ("loss_scale", "good_steps", "skipped_steps", "min_scale")
 # a loss scale's tensor -> (a weak reference to) the optimizer that adjusts it (``_claim_scale``)
 _SCALE_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LAYOUT = operator.attrgetter("layout")
@@ -798,7 +797,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         out = super().state_dict()
         out[torch_names.RULE_KEY] = self.spec.name
         if self.loss_scale is not None:
-            out["loss_scale"] = dict(zip(_LOSS_SCALE_LEAVES, self.loss_scale.tensors()))
+            out["loss_scale"] = dict(zip(LEAVES, self.loss_scale.tensors()))
         return out
 
     def torch_state_dict(self) -> dict:
@@ -1230,7 +1229,6 @@ def _check_step(owner: str, pid, value: torch.Tensor) -> None:
                          f"{x!r}; a step counter is a whole number in [0, 2**31 - 1]")
 
 
-# what each of the loss scale's tensors holds: (dtype, the test of its value, its words)
 def _loaded_scale(owner: str, scale, current) -> list:
     """The tensors of a state_dict's ``'loss_scale'`` entry, in ``current.tensors()``'s order,
     on its devices (those missing from the entry: ``current``'s own values); ValueError naming
@@ -1238,16 +1236,16 @@ def _loaded_scale(owner: str, scale, current) -> list:
     NaN one skips every step)."""
     if not isinstance(scale, dict):
         raise ValueError(f"{owner}: 'loss_scale' is {engine.shown(scale)}; it is the dict of "
-                         f"{', '.join(_LOSS_SCALE_LEAVES)} that state_dict() writes")
-    unknown = sorted(map(str, scale.keys() - set(_LOSS_SCALE_LEAVES)))
+                         f"{', '.join(LEAVES)} that state_dict() writes")
+    unknown = sorted(map(str, scale.keys() - set(LEAVES)))
     if unknown:
         raise ValueError(f"{owner}: 'loss_scale' has {', '.join(map(repr, unknown))}; a loss "
-                         f"scale has {', '.join(_LOSS_SCALE_LEAVES)}")
-    mine = dict(zip(_LOSS_SCALE_LEAVES, current.tensors()))
-    got = {name: scale.get(name, mine[name]) for name in _LOSS_SCALE_LEAVES}
-    check_scale_values(owner, [got[n] for n in _LOSS_SCALE_LEAVES], "loss_scale entry ")
+                         f"scale has {', '.join(LEAVES)}")
+    mine = dict(zip(LEAVES, current.tensors()))
+    got = {name: scale.get(name, mine[name]) for name in LEAVES}
+    check_scale_values(owner, [got[n] for n in LEAVES], "loss_scale entry ")
     got = {name: x.to(device=mine[name].device) for name, x in got.items()}
-    return [got[n].clone() for n in _LOSS_SCALE_LEAVES]
+    return [got[n].clone() for n in LEAVES]
 
 
 def _same(a: dict, b: dict) -> bool:
