@@ -485,6 +485,40 @@ def test_the_operator_advances_the_versions_of_a_step_it_takes(operator, wrong, 
     assert all(int(t) == 1 for t in steps) and all(p.any() for p in params)
 
 
+def test_tensors_that_share_memory_are_refused_after_others_stepped_in_turn(operator):
+    """The operator keeps the spans of its last few calls that shared no memory, not to sort
+    them again (``any_shared``): optimizers that take turns keep theirs, and tensors that
+    share memory are refused still, whether of one of them or the same spans over again."""
+    kernel = c_backend.Kernel(vega.builtin("adamw").program())
+    kernel._registered(operator)
+
+    def lists(n):
+        return ([torch.zeros(8) for _ in range(n)], [torch.ones(8) for _ in range(n)],
+                [torch.zeros(8) for _ in range(2 * n)],
+                [torch.zeros((), dtype=torch.int32) for _ in range(n)])
+
+    def step(params, grads, states, steps):
+        n = len(params)
+        kernel._native_call(operator, operator.step, params, grads, states, steps,
+                            list(range(n)), [torch.full((8,), 0.1, dtype=torch.float64)],
+                            [0] * n, None, [], [])
+
+    turns = [lists(n) for n in (3, 3, 4, 5, 3, 6)]  # (more than are kept)
+    for _ in range(3):
+        for args in turns:
+            step(*args)
+    params, grads, states, steps = turns[0]
+    for shared in ([*states[:4], states[3], states[5]],  # two states of one tensor
+                   [*states[:3], params[0], *states[4:]]):  # a state its parameter
+        before = [p.clone() for p in params]
+        with pytest.raises(ValueError, match="share memory"):
+            step(params, grads, shared, steps)
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+        assert all(int(t) == 3 for t in steps)
+    step(params, grads, states, steps)  # (its own again: taken)
+    assert all(int(t) == 4 for t in steps)
+
+
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_the_class_step_is_the_functional_step_bitwise(name):
     """``vega.optim.<Class>.step()`` gathers each group's tensors and calls what

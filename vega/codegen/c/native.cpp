@@ -236,14 +236,21 @@ void bump_ahead(size_t n, size_t i, const At &at) {
 }
 
 // Whether two of the tensors written in place share memory (each contiguous: its span is
-// its memory). The spans of the last call of this thread for this kernel are kept: the same
-// tensors again (a training loop) are not sorted again.
-bool any_shared(int64_t id, const std::vector<Span> &spans) {
-    thread_local std::unordered_map<int64_t, std::vector<Span>> last;
-    auto &seen = last[id];
-    if (seen.size() == spans.size() &&
-        std::memcmp(seen.data(), spans.data(), spans.size() * sizeof(Span)) == 0)
-        return false;
+// its memory). The spans of this thread's last few calls that shared none are kept, the
+// latest first: the same tensors again are not sorted again, in a training loop and where
+// optimizers take turns (a GAN's two; a benchmark's rows, where one kept call, sorted again
+// each turn, was a fifth of a step over 1,000 one-element parameters).
+constexpr size_t SPANS_KEPT = 4;
+
+bool any_shared(const std::vector<Span> &spans) {
+    thread_local std::vector<std::vector<Span>> kept;
+    for (size_t k = 0; k < kept.size(); k++)
+        if (kept[k].size() == spans.size() &&
+            std::memcmp(kept[k].data(), spans.data(), spans.size() * sizeof(Span)) == 0) {
+            std::rotate(kept.begin(), kept.begin() + static_cast<std::ptrdiff_t>(k),
+                        kept.begin() + static_cast<std::ptrdiff_t>(k) + 1);
+            return false;
+        }
     std::vector<Span> sorted;
     sorted.reserve(spans.size());
     for (const Span &s : spans)
@@ -255,8 +262,8 @@ bool any_shared(int64_t id, const std::vector<Span> &spans) {
         if (k && sorted[k].lo < reach) return true;
         reach = std::max(reach, sorted[k].hi);
     }
-    if (last.size() > 64) last.clear();
-    last[id] = spans;
+    if (kept.size() == SPANS_KEPT) kept.pop_back();
+    kept.insert(kept.begin(), spans);
     return false;
 }
 
@@ -516,7 +523,7 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
             __builtin_prefetch(reinterpret_cast<const void *>(f[3 + s]), 1);
     });
     // (a step counter shared by several parameters appears once)
-    if (in_place && any_shared(id, spans))
+    if (in_place && any_shared(spans))
         fail("backend 'c': two tensors a step writes share memory");
     // the rows, the parameters grouped by dtypes
     std::vector<Group> groups;
@@ -997,7 +1004,7 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
         grp->index.push_back(static_cast<int64_t>(i));
         grp->numels.push_back(p.numel());
     }
-    if (any_shared(id, spans)) throw Refused("two tensors a step writes share memory");
+    if (any_shared(spans)) throw Refused("two tensors a step writes share memory");
     // the parameters' version counters, as an in-place torch operation bumps them (autograd
     // then refuses a graph that saved one of them): the step is taken from here on
     for (size_t i = 0; i < n; i++)
@@ -1446,7 +1453,7 @@ PYBIND11_MODULE(vega_native, m) {
                 return false;
             spans.push_back(span_of(t));
         }
-        return !any_shared(-1, spans);
+        return !any_shared(spans);
     });
     py::register_exception<Refused>(m, "Refused", PyExc_ValueError);
     m.def("triton_rows", &triton_rows);
