@@ -235,6 +235,33 @@ void bump_ahead(size_t n, size_t i, const At &at) {
     bump(at(i));
 }
 
+// A C step's own passes over tensors (``step_impl``'s, ``prelude_impl``'s) ask in chunks
+// instead: at the first position of each run of ``PREFETCH_CHUNK``, every tensor of the run,
+// then every storage of the run (``prefetch_tensors``), each a burst of independent requests
+// that come together, where asking a few places ahead kept fewer in flight. Over 1,000
+// one-element parameters stepped in turn with torch's fused step, the operator's call took a
+// median 0.55-0.77 ms (eight runs) against 0.63-0.86 ms asking a few places ahead (seven
+// runs, interleaved with those). ``gather``'s chains are longer (the parameter's object, its
+// tensor, its autograd metadata, the gradient's tensor): asked a chunk at a time, link after
+// link, it took longer (four interleaved pairs of runs), and asks a few places ahead still.
+constexpr size_t PREFETCH_CHUNK = 64;
+
+// In a run [lo, hi) of a pass, at ``i``: ``warm(i, end)`` where ``i`` starts a chunk (or the
+// run), for the chunk's positions [i, end).
+template <class Warm>
+inline void warm_chunk(size_t lo, size_t hi, size_t i, const Warm &warm) {
+    if (i == lo || i % PREFETCH_CHUNK == 0)
+        warm(i, std::min(hi, (i / PREFETCH_CHUNK + 1) * PREFETCH_CHUNK));
+}
+
+// The tensors ``each(k, f)`` passes to ``f`` for each position k of [from, to) asked for,
+// then their storages.
+template <class Each>
+void prefetch_tensors(size_t from, size_t to, const Each &each) {
+    for (size_t k = from; k < to; k++) each(k, prefetch_tensor);
+    for (size_t k = from; k < to; k++) each(k, prefetch_storage);
+}
+
 // Whether two of the tensors written in place share memory (each contiguous: its span is
 // its memory). The spans of this thread's last few calls that shared none are kept, the
 // latest first: the same tensors again are not sorted again, in a training loop and where
@@ -382,10 +409,14 @@ bool wide(const List &ts) {
     return seen * static_cast<int64_t>(n / APART_MIN) >= APART_ELEMENTS;
 }
 
-template <class Check>
-void each_apart(size_t n, bool apart, const Check &check) {
+// (``warm``: the chunks' prefetches, ``warm_chunk``)
+template <class Warm, class Check>
+void each_apart(size_t n, bool apart, const Warm &warm, const Check &check) {
     if (!apart) {
-        for (size_t i = 0; i < n; i++) check(i);
+        for (size_t i = 0; i < n; i++) {
+            warm_chunk(0, n, i, warm);
+            check(i);
+        }
         return;
     }
     std::mutex lock;
@@ -394,6 +425,8 @@ void each_apart(size_t n, bool apart, const Check &check) {
     at::parallel_for(0, static_cast<int64_t>(n), APART_MIN / 2, [&](int64_t lo, int64_t hi) {
         for (int64_t i = lo; i < hi; i++) {
             try {
+                warm_chunk(static_cast<size_t>(lo), static_cast<size_t>(hi),
+                           static_cast<size_t>(i), warm);
                 check(static_cast<size_t>(i));
             } catch (...) {
                 std::lock_guard<std::mutex> guard(lock);
@@ -438,8 +471,10 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
     std::vector<int64_t> step_at(nt);
     std::vector<Span> spans(in_place ? n * (ns + 1) + nt : 0);
     const bool apart = wide(params);
-    each_apart(nt, apart && nt >= APART_MIN, [&](size_t j) {
-        prefetch_ahead(nt, j, [&](size_t k) { return &steps[k]; });
+    const auto warm_steps = [&](size_t from, size_t to) {
+        prefetch_tensors(from, to, [&](size_t k, auto ask) { ask(steps[k]); });
+    };
+    each_apart(nt, apart && nt >= APART_MIN, warm_steps, [&](size_t j) {
         const at::Tensor &t = steps[j];
         if (!is_counter(t, c10::Device(c10::kCPU)))
             fail("backend 'c': a step counter must be a 0-d int32 tensor on the CPU");
@@ -471,11 +506,14 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
     // dtypes packed (``dtype_code``)
     const size_t fw = ns + 4;
     std::vector<int64_t> found(n * fw);
-    each_apart(n, apart, [&](size_t i) {
-        prefetch_ahead(n, i, [&](size_t k) { return &params[k]; });
-        prefetch_ahead(n, i, [&](size_t k) { return &grads[k]; });
-        for (size_t s = 0; s < ns; s++)
-            prefetch_ahead(n, i, [&](size_t k) { return &states[s * n + k]; });
+    const auto warm = [&](size_t from, size_t to) {
+        prefetch_tensors(from, to, [&](size_t k, auto ask) {
+            ask(params[k]);
+            ask(grads[k]);
+            for (size_t s = 0; s < ns; s++) ask(states[s * n + k]);
+        });
+    };
+    each_apart(n, apart, warm, [&](size_t i) {
         const at::Tensor &p = params[i], &g = grads[i];
         int64_t *f = found.data() + i * fw;
         f[1] = check_plain(p, "parameter", i);
@@ -560,10 +598,11 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
         return;
     }
     // (every library is found: nothing after this refuses the step)
-    if (bump && in_place)
-        each_apart(n, apart, [&](size_t i) {
-            bump_ahead(n, i, [&](size_t k) -> const at::Tensor & { return params[k]; });
-        });
+    if (bump && in_place)  // (each chunk's counters read first: an atomic increment waits)
+        each_apart(n, apart, [&](size_t from, size_t to) {
+            for (size_t k = from; k < to; k++)
+                if (!params[k].is_inference()) (void)params[k]._version();
+        }, [&](size_t i) { ::bump(params[i]); });
     if (groups.empty()) return;
     const int nth = at::get_num_threads();
     std::vector<std::vector<double>> reds(groups.size());
@@ -600,7 +639,9 @@ void prelude_impl(int64_t id, const List &grads, const at::Tensor &pre) {
     // each gradient's address, length and dtype (on several threads: ``each_apart``)
     const size_t n = grads.size();
     std::vector<int64_t> found(3 * n);
-    each_apart(n, wide(grads), [&](size_t i) {
+    each_apart(n, wide(grads), [&](size_t from, size_t to) {
+        prefetch_tensors(from, to, [&](size_t k, auto ask) { ask(grads[k]); });
+    }, [&](size_t i) {
         const at::Tensor &g = grads[i];
         found[3 * i] = check_plain(g, "gradient", i);
         found[3 * i + 1] = g.numel();
