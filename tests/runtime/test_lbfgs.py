@@ -509,6 +509,40 @@ def test_optimizer_class_matches_functional_and_trains():
     assert first["weights"].dtype == torch.float64 and first["diff_params"].shape == (4, 1, 6)
 
 
+@pytest.mark.parametrize("state_dtype", [None, torch.float64, torch.float32,
+                                         torch.complex128])
+def test_optimizer_class_steps_complex_parameters_as_the_functional_step(state_dtype):
+    """A complex parameter keeps complex state under a real ``state_dtype`` (its complex
+    counterpart), in the class as in ``lbfgs_init``, and a real one real state under a
+    complex ``state_dtype`` (its real counterpart): the class's state took the real dtype
+    for the complex parameter, and both forms the complex one for the real parameter, and
+    the first step failed in the curvature pair's shapes."""
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(6, 4, generator=gen, dtype=torch.complex64)
+    t = torch.randn(6, generator=gen, dtype=torch.complex64)
+    z = torch.nn.Parameter(torch.randn(4, generator=gen, dtype=torch.complex64))
+    x = torch.nn.Parameter(torch.randn(3, generator=gen))
+    opt = LBFGS([z, x], lr=0.5, memory_size=3, state_dtype=state_dtype)
+    ref = {"z": z.detach().clone(), "x": x.detach().clone()}
+    state = lbfgs_init(ref, memory_size=3, state_dtype=state_dtype)
+
+    def grads(p):
+        return {"z": a.conj().T @ (a @ p["z"] - t), "x": 2.0 * (p["x"] - 1.0)}
+    for _ in range(5):
+        g = grads({"z": z.detach(), "x": x.detach()})
+        z.grad, x.grad = g["z"], g["x"]
+        opt.step()
+        ref, state = lbfgs_step(ref, grads(ref), state, lr=0.5)
+        assert torch.equal(z.detach(), ref["z"]) and torch.equal(x.detach(), ref["x"])
+    for f in ("diff_params", "diff_updates", "params_prev", "updates_prev"):
+        assert torch.equal(opt.state[z][f], state[f]["z"]), f
+        assert torch.equal(opt.state[x][f], state[f]["x"]), f
+    assert opt.state[z]["diff_params"].is_complex()
+    assert not opt.state[x]["diff_params"].is_complex()
+    assert torch.equal(opt.state[z]["weights"], state["weights"])
+    assert int(opt.state[z]["step"]) == 5
+
+
 @pytest.mark.parametrize("kind", ["sparse", "nested"])
 def test_load_state_dict_refuses_a_state_that_is_not_dense(kind):
     """A sparse or nested state entry is refused by name and nothing is loaded (it was

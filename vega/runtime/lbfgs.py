@@ -43,7 +43,9 @@ pure by default; ``donate=True`` updates params and state in place.
 Leaves that are neither float nor complex tensors pass through unchanged (their
 state leaves are ``None``). A complex parameter steps as its two real
 coordinates (``torch.view_as_real``) -- which is also what optax computes,
-since it takes the real part of every inner product. Half-precision parameters
+since it takes the real part of every inner product. Its state is complex: a real
+``state_dtype`` keeps its complex counterpart for it (complex128 for float64), and a
+complex one keeps its real counterpart for a real parameter. Half-precision parameters
 keep float32 state by default (``state_dtype``), as vega's other optimizers do.
 The inner products and ``weights`` are in float64 if any state leaf is float64,
 else in float32. A float leaf whose gradient is ``None`` is left out of the
@@ -105,6 +107,19 @@ def _check_bool(owner: str, name: str, value) -> None:
         raise ValueError(f"{owner}: {name}={value!r} must be True or False")
 
 
+def _tree_dtype(p: torch.Tensor, state_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of parameter ``p``'s state: ``state_dtype_for``'s, complex where ``p`` is and
+    real where it is not (a real ``state_dtype`` given for a complex parameter its complex
+    counterpart, complex128 for float64, else complex64; a complex one for a real parameter
+    its real counterpart, as the spec optimizers take it)."""
+    sd = state_dtype_for(p, state_dtype)
+    if p.is_complex() and not sd.is_complex:
+        sd = torch.complex128 if sd == torch.float64 else torch.complex64
+    elif not p.is_complex() and sd.is_complex:
+        sd = sd.to_real()
+    return sd
+
+
 def _scalar_dtype(state_dtypes) -> torch.dtype:
     """float64 if any (real) state dtype is float64, else float32."""
     return torch.float64 if any(d == torch.float64 for d in state_dtypes) else torch.float32
@@ -134,9 +149,7 @@ def lbfgs_init(params, *, memory_size: int = 10, state_dtype: torch.dtype | None
                 for f in TREE_FIELDS:
                     fields[f].append(None)
                 continue
-            sd = state_dtype_for(p, state_dtype)
-            if p.is_complex() and not sd.is_complex:
-                sd = torch.complex128 if sd == torch.float64 else torch.complex64
+            sd = _tree_dtype(p, state_dtype)
             real_dtypes.append(sd.to_real() if sd.is_complex else sd)
             for f in MEMORY_FIELDS:
                 fields[f].append(torch.zeros((m, *p.shape), dtype=sd, device=p.device))
@@ -424,7 +437,7 @@ class LBFGS(torch.optim.Optimizer):
         head = group["params"][0]
         st = self.state[head]
         if "step" not in st:
-            sds = [state_dtype_for(p, group["state_dtype"]) for p in group["params"]]
+            sds = [_tree_dtype(p, group["state_dtype"]) for p in group["params"]]
             st["weights"] = torch.zeros(group["memory_size"], device=head.device,
                                         dtype=_scalar_dtype([d.to_real() if d.is_complex else d
                                                              for d in sds]))
@@ -434,7 +447,7 @@ class LBFGS(torch.optim.Optimizer):
     def _param_state(self, p, group) -> dict:
         st = self.state[p]
         if "diff_params" not in st:
-            sd = state_dtype_for(p, group["state_dtype"])
+            sd = _tree_dtype(p, group["state_dtype"])
             m = group["memory_size"]
             for f in MEMORY_FIELDS:
                 st[f] = torch.zeros((m, *p.shape), dtype=sd, device=p.device)
