@@ -428,6 +428,33 @@ def test_grads_of_another_structure_say_where(grads, message):
         vega.adamw_step(params, grads, vega.adamw_init(params))
 
 
+_Pair = collections.namedtuple("_Pair", "u v")
+
+
+@pytest.mark.parametrize("kind,message", [
+    (tuple, r"grads have a tuple at 'a\.x', where params have a list"),
+    (collections.OrderedDict, r"grads have a OrderedDict at 'n\.v\.1', where params have a "
+                              r"dict"),
+])
+def test_grads_whose_inner_containers_differ_say_where(kind, message):
+    """A container of another type inside the trees is named by its path (the message said
+    only "3 leaves against 3"), for the gradients and for a state field."""
+    def tree(seq, mapping):
+        return {"a": {"x": seq([torch.ones(2)])},
+                "n": _Pair(torch.ones(1), [torch.ones(3), mapping(w=torch.ones(2))])}
+    params = tree(list, dict)
+    grads = tree(kind, dict) if kind is tuple else tree(list, kind)
+    with pytest.raises(ValueError, match=r"^adamw_step: grads do not have the structure of "
+                                         r"params \(4 leaves against 4\): " + message):
+        vega.adamw_step(params, grads, vega.adamw_init(params))
+    state = vega.adamw_init(params)
+    state["mu"] = grads
+    field = message.replace("grads have", "'mu' has")
+    with pytest.raises(ValueError, match=r"^adamw_step: state field 'mu' does not have the "
+                                         r"structure of params: " + field):
+        vega.adamw_step(params, params, state)
+
+
 def test_backend_c_names_parameters_off_the_cpu_before_their_counters():
     """(meta parameters were refused for their step counter's device, which follows theirs)"""
     params = {"w": torch.empty(3, device="meta")}

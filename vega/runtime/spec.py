@@ -605,9 +605,37 @@ def _where_unlike(field: str, sub, p_spec) -> str:
             return f": {said[0]}, {said[1]}"
         if b[1] != "a leaf" and b[1] != "a tensor":
             return f": '{field}' has {b[1]} at {b[0]!r}, where params have a tensor"
-    if type(sub) is not type(params):
-        return f": '{field}' is a {type(sub).__name__}, params a {type(params).__name__}"
-    return ""
+    from torch.utils import _pytree as pytree
+    node = _unlike_node(p_spec, pytree.tree_flatten(sub, is_leaf=lambda x: x is None)[1])
+    if node is None:
+        return ""
+    where, ours, theirs = node
+    if not where:
+        return f": '{field}' is a {theirs.__name__}, params a {ours.__name__}"
+    return f": '{field}' has a {theirs.__name__} at {where!r}, where params have a " \
+           f"{ours.__name__}"
+
+
+def _unlike_node(a, b, path: str = ""):
+    """(dotted path, a's node type, b's) of the first node where the structures ``a`` and
+    ``b`` (torch's TreeSpecs, of the same leaf paths) hold containers of different types (a
+    list against a tuple, a dict against an OrderedDict); None where none does. Its paths
+    name the nodes as ``_typed_paths`` names the leaves."""
+    if a.type is not b.type:
+        return path, a.type, b.type
+    children = a.children()
+    context = a.context
+    for k, (x, y) in enumerate(zip(children, b.children())):
+        if isinstance(context, (list, tuple)) and len(context) == len(children):
+            key = context[k]  # (a dict's keys)
+        elif hasattr(context, "_fields"):
+            key = context._fields[k]  # (a namedtuple's)
+        else:
+            key = k
+        found = _unlike_node(x, y, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def _typed_paths(tree) -> list[tuple[str, str]]:
