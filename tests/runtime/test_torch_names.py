@@ -390,3 +390,30 @@ def test_rprop_takes_torch_etas_and_step_sizes():
         vega.optim.Rprop([p], step_sizes=(1e-6,))
     with pytest.raises(TypeError, match="etas"):  # a spec without those names
         vega.optim.Adam([p], etas=(0.4, 1.5))
+
+
+@pytest.mark.parametrize("cls,torch_cls,message", [
+    ("AdamW", "AdamW", r"torch\.optim\.Adam or torch\.optim\.AdamW or torch\.optim\.RAdam's"),
+    ("SGD", "SGD", r"torch\.optim\.SGD's"),
+])
+def test_a_torch_state_written_in_directly_is_named_at_the_step(cls, torch_cls, message):
+    """A state written into a vega optimizer's ``state`` without its load_state_dict, as
+    ZeroRedundancyOptimizer.load_state_dict writes the state of the optimizer it wraps, is
+    not converted: the step names it torch's and says how to convert it (it asked whether a
+    bool hyperparameter had changed)."""
+    lin = torch.nn.Linear(3, 2)
+    theirs = getattr(torch.optim, torch_cls)(lin.parameters(), lr=0.1, momentum=0.9) \
+        if torch_cls == "SGD" else getattr(torch.optim, torch_cls)(lin.parameters(), lr=0.1)
+    lin(torch.ones(2, 3)).sum().backward()
+    theirs.step()
+    ours = getattr(vega.optim, cls)(lin.parameters(), lr=0.1,
+                                    **({"momentum": 0.9} if cls == "SGD" else {}))
+    for p in lin.parameters():
+        ours.state[p] = dict(theirs.state[p])
+    before = [p.detach().clone() for p in lin.parameters()]
+    with pytest.raises(ValueError, match=rf"^{cls}: the state of parameter 0 of group 0 has "
+                                         rf"\[.*\], the entries of {message} state, where this "
+                                         rf"optimizer keeps .*load it into a vega\.optim\.{cls} "
+                                         r"with load_state_dict"):
+        ours.step()
+    assert all(torch.equal(p, b) for p, b in zip(lin.parameters(), before))

@@ -590,6 +590,17 @@ class SpecOptimizer(torch.optim.Optimizer):
                     fresh.append(p)
             elif st.keys() != want and not self._adapt_state(p, st, want, program, values,
                                                               group):
+                theirs = [f"torch.optim.{n}" for n, keys in _TORCH_STATES.items()
+                          if set(keys) == st.keys()]
+                if theirs:  # (written in directly: ZeroRedundancyOptimizer's loading)
+                    raise ValueError(
+                        f"{owner}: the state of {self._name(p)} has {sorted(st)}, the "
+                        f"entries of {' or '.join(theirs)}'s state, where this optimizer "
+                        f"keeps {sorted(want)}: a state written into it without its "
+                        "load_state_dict (as ZeroRedundancyOptimizer.load_state_dict writes "
+                        "the state of the optimizer it wraps) is not converted; load it into "
+                        f"a vega.optim.{owner} with load_state_dict, which converts torch's "
+                        "states, and save that optimizer's state_dict")
                 raise ValueError(
                     f"{owner}: a parameter's state has {sorted(st)} but the "
                     f"group's settings need {sorted(want)}; was a bool hyperparameter"
