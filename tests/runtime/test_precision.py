@@ -257,6 +257,29 @@ def test_master_copy_made_where_missing_and_dropped_where_off():
 
 
 @pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("others", [True, False])
+def test_master_copies_of_parameters_without_a_gradient_are_dropped_where_off(backend, others):
+    """Turning master_weights off drops the copy of a parameter that has no gradient at the
+    next step too (with or without another that steps): it came back, over the value the
+    parameter was set to since, when master_weights was turned on again."""
+    a, b = (torch.nn.Parameter(torch.ones(4, dtype=BF16)) for _ in range(2))
+    opt = vega.optim.AdamW([a, b], lr=1e-3, master_weights=True, backend=backend)
+    a.grad, b.grad = torch.ones(4, dtype=BF16), torch.ones(4, dtype=BF16)
+    opt.step()
+    opt.param_groups[0]["master_weights"] = False
+    a.grad, b.grad = (torch.ones(4, dtype=BF16) if others else None), None
+    opt.step()
+    assert "master" not in opt.state[a] and "master" not in opt.state[b]
+    with torch.no_grad():
+        b.fill_(7.0)
+    opt.param_groups[0]["master_weights"] = True
+    b.grad = torch.zeros(4, dtype=BF16)
+    opt.step()
+    assert torch.equal(b.detach(), torch.full((4,), 7.0, dtype=BF16))
+    assert (opt.state[b]["master"] - 7.0).abs().max() < 1e-2  # (a step of decay from 7)
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
 def test_master_copies_follow_parameters_made_half_and_parameters_set_by_hand(backend):
     """Parameters turned into bfloat16 after the first steps (``model.to(torch.bfloat16)``)
     get their master copies at the next step (the step's plan compares their dtypes), so

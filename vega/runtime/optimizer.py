@@ -558,14 +558,15 @@ class SpecOptimizer(torch.optim.Optimizer):
         steps, values) per program; states made where missing; remembered (``_Plan``)."""
         owner = type(self).__name__
         params = [p for p, g in zip(group["params"], grads_all) if g is not None]
+        master, seed = _precision(owner, group)
         if not params:
+            self._drop_masters(group, master)
             return []
         grads = [g for g in grads_all if g is not None]
         if _any_sparse(grads):
             i = next(i for i, g in enumerate(grads) if g.layout != torch.strided)
             raise ValueError(f"{owner} does not support sparse gradients: the gradient of "
                              f"{self._name(params[i])} is {grads[i].layout}")
-        master, seed = _precision(owner, group)
         progs = engine.programs(owner, self.spec._spec, flags, values, params, master=master,
                                 seed=seed, quantized=self._q8(group, params))
         shaped = "".join(f", or {n} (it picks each tensor's program)"
@@ -606,6 +607,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                     f"group's settings need {sorted(want)}; was a bool hyperparameter"
                     f"{shaped} changed after the first step?")
             sts.append(st)
+        self._drop_masters(group, master)
         device = params[0].device.type
         backend = group["backend"] or codegen.default_backend(device)
         parts = [(program, None if len(ks) == len(params) else ks)
@@ -619,6 +621,17 @@ class SpecOptimizer(torch.optim.Optimizer):
         plan.dtypes = [p.dtype for p in plan.params] if master or seed is not None else None
         plans[k] = plan
         return plan.work(backend, grads, sts, values)
+
+    def _drop_masters(self, group, master: bool) -> None:
+        """Master weights off in ``group``: every parameter's master copy dropped, those
+        without a gradient this step too (a stale copy would come back, over what the
+        parameter became since, when they are turned on again)."""
+        if master or engine.MASTER not in self._lazy_states():
+            return
+        for q in group["params"]:
+            st = self.state.get(q)
+            if st and engine.MASTER in st:
+                del st[engine.MASTER]
 
     def _group_values_now(self, group, program) -> dict:
         """The values a parameter's first state takes from its group where the group holds
