@@ -786,6 +786,26 @@ def test_prodigy_estimate_grows_on_a_quadratic(case):
     assert float(state["d"]["w"]) > 10 * case.hypers["d0"]
 
 
+@pytest.mark.parametrize("name", ["prodigy", "dadapt_adamw"])
+@pytest.mark.parametrize("backend", ["c", "reference"])
+def test_a_step_of_zero_gradients_keeps_the_estimate(name, backend):
+    """Where every gradient so far is 0, the group's |s|_1 is 0: d is kept and the step
+    moves nothing, as the authors' implementations skip it (optax's d is 0 / 0, NaN, and so
+    is every parameter after it, for good); the steps after it adapt d as usual."""
+    spec = vega.builtin(name)
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 6, dtype=torch.float64))
+    opt = getattr(vega.optim, spec.class_name)([p], backend=backend)
+    before = p.detach().clone()
+    p.grad = torch.zeros(6, dtype=torch.float64)
+    opt.step()
+    assert torch.equal(p.detach(), before)
+    assert float(opt.state[p]["d"]) == 1e-6 and int(opt.state[p]["step"]) == 1
+    for _ in range(20):
+        p.grad = 2 * (p.detach() - 1)
+        opt.step()
+    assert torch.isfinite(p).all() and float(opt.state[p]["d"]) > 1e-5
+
+
 def test_schedule_free_warmup_differs_only_in_float32():
     """optax's own warmup_steps computes its schedule in float32: against the float64
     schedule of the comparison, its trajectory parts at float32's precision, no further."""
