@@ -569,6 +569,41 @@ def test_codes_without_any_scales_or_with_misshaped_ones_refused_on_loading(keep
     _train(model, opt, 1, seed=2)
 
 
+@pytest.mark.parametrize("wrong", ["codes cast to float32", "a negative scale"])
+@pytest.mark.parametrize("keeps", [None, U8])
+def test_codes_cast_to_a_float_or_negative_scales_refused_on_loading(keeps, wrong):
+    """A saved 8-bit state whose codes were cast to float32 beside their scales (read as
+    values, the codes, up to 255, took their place) or a scale made negative (its block's
+    values turned over: NaN parameters at the next step) is refused on loading, by an
+    optimizer keeping floats and by an 8-bit one, and the optimizer is left as it was. A NaN
+    or infinite scale, which a step leaves where its block held one, loads."""
+    model, _, saved = _saved_8bit(1)
+    st = next(st for st in saved["state"].values() if "nu_absmax" in st)
+    if wrong == "codes cast to float32":
+        st["nu"] = st["nu"].float()
+        words = (r"state 'nu' of parameter \d+ is torch.float32 beside its 8-bit scales "
+                 r"'nu_absmax': 8-bit codes are torch.uint8")
+    else:
+        st["nu_absmax"] = st["nu_absmax"].clone()
+        st["nu_absmax"][0] = -st["nu_absmax"][0]
+        words = r"the scales 'nu_absmax' of state 'nu' of parameter \d+ hold a negative value"
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=keeps)
+    _train(model, opt, 1, seed=3)
+    before = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    with pytest.raises(ValueError, match=rf"^AdamW.load_state_dict: {words}"):
+        opt.load_state_dict(saved)
+    assert {id(p): st.keys() for p, st in opt.state.items()} == \
+        {k: v.keys() for k, v in before.items()}
+    assert all(torch.equal(v, before[id(p)][k]) for p, st in opt.state.items()
+               for k, v in st.items())
+    if wrong == "a negative scale":
+        import warnings
+        st["nu_absmax"][0] = float("nan")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (dequantized, where the loader keeps floats)
+            opt.load_state_dict(saved)
+
+
 @pytest.mark.parametrize("wrong", ["codes", "scales"])
 @pytest.mark.parametrize("rule", ["adamw", "prodigy"])  # (prodigy's: a staged step)
 @pytest.mark.parametrize("backend", [*BACKENDS, "reference"])

@@ -1041,6 +1041,9 @@ class SpecOptimizer(torch.optim.Optimizer):
             if is_codes and not isinstance(scale, torch.Tensor):
                 raise ValueError(f"{owner}: state '{s.name}' of parameter {pid} holds 8-bit "
                                  f"codes without their scales '{s.name}{quant.SUFFIX}'")
+            if isinstance(scale, torch.Tensor):
+                _check_scales(owner, f"'{s.name}' of parameter {pid}", value, scale,
+                              s.name + quant.SUFFIX)
             if s.name in program.quant and not is_codes:
                 signed = program.quant[s.name][1]
                 out[s.name], out[s.name + quant.SUFFIX] = quant.quantize_t(
@@ -1236,6 +1239,29 @@ _TORCH_STATES = {
     "NAdam": ("step", "mu_product", "exp_avg", "exp_avg_sq"),
     "RAdam": ("step", "exp_avg", "exp_avg_sq"), "Adadelta": ("step", "square_avg", "acc_delta"),
 }
+
+
+def _check_scales(owner: str, what: str, codes: torch.Tensor, scales: torch.Tensor,
+                  name: str) -> None:
+    """A loaded 8-bit state ``what``: uint8 codes beside floating-point scales none of which
+    is negative (a block's largest magnitude: a negative one turns its values over, and the
+    square root of a second moment is NaN; a NaN or an infinite one is what a step leaves
+    where a block held one, as a float state holds it). Codes cast to a float after saving
+    are refused: read as values, they would be the codes, each up to 255. (Read on the
+    host: loading is not a step.)"""
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"{owner}: state {what} is {codes.dtype} beside its 8-bit scales "
+                         f"'{name}': 8-bit codes are torch.uint8 (were they cast after "
+                         "saving?); load a state saved by the optimizer, or without the "
+                         "scales a float state")
+    if not scales.is_floating_point():
+        raise ValueError(f"{owner}: the scales '{name}' of state {what} are {scales.dtype}, "
+                         "not floating-point")
+    if is_dtensor(scales):
+        scales = scales.to_local()
+    if scales.device.type != "meta" and bool((scales < 0).any()):
+        raise ValueError(f"{owner}: the scales '{name}' of state {what} hold a negative "
+                         "value; a scale is the largest magnitude of its block")
 
 
 def _check_step(owner: str, pid, value: torch.Tensor) -> None:
