@@ -107,6 +107,61 @@ def test_state_dtype_is_each_states_own():
     assert torch.equal(state["nu"]["w"], want)
 
 
+@pytest.mark.parametrize("half", [BF16, torch.float16])
+@pytest.mark.parametrize("param_dtype", [torch.float32, BF16])
+def test_a_half_state_dtype_keeps_weight_copies_and_numbers_at_the_parameters_precision(
+        half, param_dtype):
+    """One half dtype for every state leaves a copy of the weights (Prodigy's p0,
+    schedule-free's z) and a state of one number (d, num, weight_sum, max_lr) at the
+    parameter's precision, as 8 bits do; a dict names them in half all the same."""
+    keep = torch.float32
+    p = {"w": torch.randn(40, dtype=param_dtype)}
+    for name, copies, numbers, moments in (
+            ("prodigy", ["p0"], ["d", "num"], ["mu", "nu", "s"]),
+            ("schedule_free_adamw", ["z"], ["weight_sum", "max_lr"], ["nu"]),
+            ("dadapt_adamw", [], ["d", "num"], ["mu", "nu", "s"]),
+            ("nadam", [], ["mu_product"], ["m", "v"])):
+        state = getattr(vega, name).init(p, state_dtype=half)
+        for n in copies + numbers:
+            assert state[n]["w"].dtype == keep, (name, n)
+        for n in moments:
+            assert state[n]["w"].dtype == half, (name, n)
+        named = getattr(vega, name).init(p, state_dtype={n: half for n in copies + numbers})
+        for n in copies + numbers:
+            assert named[n]["w"].dtype == half, (name, n)
+
+
+def test_a_class_loading_under_a_half_state_dtype_keeps_weight_copies_precise():
+    """A class loading a state under one half dtype converts it as it makes it: p0, d and
+    num at the parameter's precision, the moments in half (whatever their saved dtype)."""
+    p = torch.nn.Parameter(torch.randn(40))
+    saved = vega.optim.Prodigy([p], state_dtype={"p0": BF16, "d": BF16, "mu": BF16})
+    p.grad = torch.randn(40)
+    saved.step()
+    opt = vega.optim.Prodigy([p], state_dtype=BF16)
+    opt.load_state_dict(saved.state_dict())
+    st = opt.state[p]
+    assert {n: st[n].dtype for n in ("p0", "d", "num", "mu", "nu", "s")} == {
+        "p0": torch.float32, "d": torch.float32, "num": torch.float32, "mu": BF16, "nu": BF16,
+        "s": BF16}
+    opt.step()
+
+
+def test_prodigy_with_bfloat16_state_adapts_as_with_float32():
+    """With one bfloat16 dtype for its states, Prodigy's estimate grows as in float32 (it
+    stayed at d0: p0 in bfloat16, and the rounding of p0 - p read as progress)."""
+    ds = []
+    for sd in (None, BF16):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(2000))
+        opt = vega.optim.Prodigy([p], state_dtype=sd)
+        for _ in range(30):
+            p.grad = p.detach().clone()
+            opt.step()
+        ds.append(float(opt.state[p]["d"]))
+    assert ds[0] > 1e-2 and abs(ds[1] - ds[0]) < 1e-2 * ds[0]
+
+
 def test_class_state_dtype_and_checkpoint():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)

@@ -90,9 +90,15 @@ def _resolved(program: Program, names: frozenset[str]) -> frozenset[str]:
     out = {n for n in names if n != "*" and not n.startswith("!")}
     if "*" in names:
         out |= {s.name for s in program.states if s.dom == "rc"
-                and not (program.master and s.name == MASTER)
-                and not any(n.op is Op.PARAM for n in ir.walk([s.init]))}
+                and not (program.master and s.name == MASTER) and not weight_copy(s)}
     return frozenset(out - {n[1:] for n in names if n.startswith("!")})
+
+
+def weight_copy(state) -> bool:
+    """Whether ``state`` (a program's, shaped like its parameter) starts from the parameter:
+    a copy of the weights (schedule-free's ``z``, Prodigy's ``p0``), which a state dtype of
+    fewer bits than the parameter's would blur."""
+    return state.dom == "rc" and any(n.op is Op.PARAM for n in ir.walk([state.init]))
 
 
 def scale_names(program: Program) -> frozenset[str]:

@@ -37,7 +37,7 @@ def shown(value) -> str:
     return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
 
 
-_HALF = (torch.bfloat16, torch.float16)
+HALF = (torch.bfloat16, torch.float16)
 STATE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -97,6 +97,13 @@ def state_dtype_of(spec, state_dtype):
     return out
 
 
+def keeps_precision(state) -> bool:
+    """Whether ``state`` keeps its parameter's precision under one half dtype (or 8 bits)
+    for every state: a copy of the weights (``quant.weight_copy``) or a state of one
+    number a tensor."""
+    return quant.weight_copy(state) or state.dom == SCALAR_STATE
+
+
 def state_dtypes(p: torch.Tensor, program: Program, state_dtype) -> list[torch.dtype]:
     """The dtype of each state of ``program`` for parameter ``p``: ``state_dtype`` (one dtype
     for all, or a dict by state name, the others by default; ``state_dtype_for``); a master
@@ -115,6 +122,14 @@ def state_dtypes(p: torch.Tensor, program: Program, state_dtype) -> list[torch.d
                              "parameters; a complex parameter keeps complex state")
         if dtype == torch.uint8:  # 8 bits where the program keeps them so (quant.variant)
             out.append(dtype if s.name in program.quant else state_dtype_for(p, None))
+            continue
+        if every in HALF and keeps_precision(s):
+            # one half dtype for every state: a copy of the weights (Prodigy's p0,
+            # schedule-free's z) and a state of one number (Prodigy's d, schedule-free's
+            # weight_sum) at the parameter's precision, as under 8 bits: rounded to half,
+            # Prodigy's p0 - p read the rounding as progress, z is the iterate, and a sum
+            # in bfloat16 stops growing once it is 256 times what it adds
+            out.append(state_dtype_for(p, None))
             continue
         if dtype is not None and p.is_complex() and not dtype.is_complex:
             where = f"[{s.name!r}]" if s.name in per else ""
@@ -240,7 +255,7 @@ def programs(owner: str, spec, flags: dict, values: dict, tensors,
     out = _programs(owner, spec, flags, values, tensors, held)
     if master or seed is not None:  # (a master copy for half parameters only)
         out = [None if prog is None else
-               untraced(precision.variant, prog, master and t.dtype in _HALF, seed)
+               untraced(precision.variant, prog, master and t.dtype in HALF, seed)
                for prog, t in zip(out, tensors)]
     if quantized is not None and any(quantized):
         try:

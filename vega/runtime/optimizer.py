@@ -983,6 +983,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 continue
             wanted = engine.state_dtype_of(self.spec._spec, group["state_dtype"])
             sds = wanted if isinstance(wanted, dict) else {}
+            precise = self._precise_states(p, group) if wanted in engine.HALF else ()
             if self._q8(group, [p], fresh=True) or any(
                     quant.SUFFIX in str(n) or (isinstance(v, torch.Tensor)
                                                and v.dtype == torch.uint8)
@@ -994,8 +995,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                     del self.state[p][name]  # (the scales of a state dequantized)
             for name, value in originals[pid].items():
                 sd = engine.state_dtype_for(p, sds.get(name) if sds else wanted)
-                if sd == torch.uint8:  # kept in floats here (a tensor too small for 8 bits)
-                    sd = engine.state_dtype_for(p, None)
+                if sd == torch.uint8 or name in precise:  # kept in floats here (a tensor too
+                    sd = engine.state_dtype_for(p, None)  # small for 8 bits), or at the
+                    # parameter's precision under one half dtype (``engine.keeps_precision``)
                 if name == engine.MASTER and group.get("master_weights"):
                     sd = torch.float32
                 if not isinstance(value, torch.Tensor):
@@ -1019,6 +1021,16 @@ class SpecOptimizer(torch.optim.Optimizer):
         group's state_dtype would make them)."""
         return _q8(engine.state_dtype_of(self.spec._spec, group.get("state_dtype")), params,
                    None if fresh else self.state)
+
+    def _precise_states(self, p, group) -> set[str]:
+        """The states of parameter ``p`` that keep its precision under one half state dtype
+        for every state (``engine.keeps_precision``)."""
+        owner = f"{type(self).__name__}.load_state_dict"
+        flags, values = self._group_values(group)
+        master, seed = _precision(owner, group)
+        program = engine.programs(owner, self.spec._spec, flags, values, [p], master=master,
+                                  seed=seed)[0]
+        return {s.name for s in program.states if engine.keeps_precision(s)}
 
     def _loaded_q8(self, pid, p, group, saved: dict) -> dict:
         """``saved``, one parameter's loaded state, with its 8-bit states as this optimizer
