@@ -1389,8 +1389,9 @@ def _two_programs(how: str):
         grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
         state = vega.adamw_init(params, state_dtype=torch.uint8)
         state["mu_absmax"]["b"] = None
-        return params, grads, state, {}, (r"params leaf 'b': backend '\w+': state 'mu' holds "
-                                          r"8-bit codes \(torch.uint8\) without their scales")
+        return params, grads, state, {}, (r"state leaf 'mu\.b' holds 8-bit codes "
+                                          r"\(torch.uint8\) without their scales: "
+                                          r"'mu_absmax\.b' is None")
     params = {"w": torch.ones(4, 4, dtype=torch.bfloat16), "b": torch.ones(5)}
     grads = {k: torch.ones_like(v) for k, v in params.items()}
     state = vega.adamw_init(params, master_weights=True)

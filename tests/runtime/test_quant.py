@@ -610,16 +610,39 @@ def test_codes_cast_to_a_float_or_negative_scales_refused_on_loading(keeps, wron
 def test_float_state_where_codes_are_kept_refused(backend, rule, wrong):
     params = params_of({"w": (64, 100)})
     state = getattr(vega, rule).init(params, state_dtype=U8)
-    if wrong == "codes":
+    if wrong == "codes":  # (named by its leaf, before a backend sees it)
         state["mu"]["w"] = torch.zeros(64, 100)
-        words = r"state 'mu' is kept in 8 bits .*torch.uint8.* but a tensor of it is " \
-            r"torch.float32"
+        words = r"state leaf 'mu\.w' is torch.float32 beside 8-bit scales 'mu_absmax\.w'"
     else:
         state["mu_absmax"]["w"] = state["mu_absmax"]["w"].double()
         words = r"state 'mu_absmax' is kept in 8 bits .*torch.float32.* but a tensor of " \
             r"it is torch.float64"
     with pytest.raises(ValueError, match=words):
         getattr(vega, rule).step(params, grads_of(params, 0), state, backend=backend)
+
+
+@pytest.mark.parametrize("wrong, words", [
+    ("the large tensor's scales lost", r"state leaf 'nu\.w' holds 8-bit codes \(torch.uint8\) "
+                                       r"without their scales: 'nu_absmax\.w' is None"),
+    ("its codes cast to float32", r"state leaf 'nu\.w' is torch.float32 beside 8-bit scales "
+                                  r"'nu_absmax\.w'"),
+    ("scales beside the small tensor's floats", r"state leaf 'nu\.b' is torch.float32 beside "
+                                                r"8-bit scales 'nu_absmax\.b'")])
+def test_a_functional_step_names_the_leaf_of_codes_and_scales_that_do_not_pair(wrong, words):
+    """8-bit codes without their scales, or scales beside float values, are named by the
+    leaf (the scales of the only 8-bit tensor lost read as an extra field: "state has
+    fields [...] but this step needs [...]; make it with adamw_init(...)")."""
+    params = {"w": torch.randn(5000)} if "large" in wrong else \
+        {"w": torch.randn(5000), "b": torch.randn(7)}
+    state = vega.adamw_init(params, state_dtype=U8)
+    if "lost" in wrong:
+        state["nu_absmax"]["w"] = None
+    elif "cast" in wrong:
+        state["nu"]["w"] = state["nu"]["w"].float()
+    else:
+        state["nu_absmax"]["b"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=rf"^adamw_step: {words}"):
+        vega.adamw_step(params, grads_of(params, 0), state)
 
 
 @pytest.mark.parametrize("wrong", ["codes", "scales"])

@@ -71,10 +71,11 @@ class CompiledSpec:
         the spec's plain program)."""
         return engine.state_fields(progs if any(progs) else [self._spec.program(flags, held)])
 
-    def _quantized(self, state, n: int) -> list[frozenset] | None:
+    def _quantized(self, state, n: int, owner: str) -> list[frozenset] | None:
         """The states each of ``n`` parameters keeps in 8 bits, as ``state`` holds them: those
         with scales (``mu_absmax`` beside ``mu``, ``vega.codegen.quant``) where its leaf is
-        there; None where the state holds none."""
+        there; None where the state holds none. ValueError naming the leaf where 8-bit codes
+        (uint8) have no scales beside them, or scales have no codes."""
         if not isinstance(state, dict):
             return None
         declared = self._spec.state_names
@@ -88,9 +89,23 @@ class CompiledSpec:
             if len(scales) != n:
                 raise ValueError(f"{self.name}: state '{name}{quant.SUFFIX}' has "
                                  f"{len(scales)} leaves, the parameters {n}")
+            codes = flatten(state[name])[0] if name in state else []
             for i, leaf in enumerate(scales):
+                code = codes[i] if len(codes) == n else None
+                coded = isinstance(code, torch.Tensor) and code.dtype == torch.uint8
                 if leaf is not None:
                     out[i].add(name)
+                if isinstance(code, torch.Tensor) and coded != (leaf is not None):
+                    path = _paths(state[name], codes)[i]
+                    label = f"'{name}.{path}'" if path else f"'{name}'"
+                    scale = f"'{name}{quant.SUFFIX}.{path}'" if path else \
+                        f"'{name}{quant.SUFFIX}'"
+                    raise ValueError(
+                        f"{owner}: state leaf {label} holds 8-bit codes (torch.uint8) without "
+                        f"their scales: {scale} is None" if coded else
+                        f"{owner}: state leaf {label} is {code.dtype} beside 8-bit scales "
+                        f"{scale}: 8-bit codes are torch.uint8; make the state with the same "
+                        "state_dtype")
         return [frozenset(q) for q in out]
 
     # -- functional API -------------------------------------------------------
@@ -182,7 +197,7 @@ class CompiledSpec:
                                 p_leaves if every_float else
                                 [p if is_steppable(p) else None for p in p_leaves], held,
                                 master=master_weights, seed=seed,
-                                quantized=self._quantized(state, len(p_leaves)))
+                                quantized=self._quantized(state, len(p_leaves), owner))
         names = [f.name for f in self._fields(flags, progs, held)]
         shaped = self._spec.shape_hypers
         columns = _check_state(owner, self, flags, names, state, p_spec, shaped)
@@ -314,7 +329,7 @@ class CompiledSpec:
         progs = engine.programs(owner, self._spec, flags, values,
                                 [p if is_steppable(p) else None for p in p_leaves],
                                 master=master_weights,
-                                quantized=self._quantized(state, len(p_leaves)))
+                                quantized=self._quantized(state, len(p_leaves), owner))
         names = [f.name for f in self._fields(flags, progs)]
         columns = _check_state(owner, self, flags, names, state, p_spec,
                                self._spec.shape_hypers)
