@@ -789,7 +789,7 @@ def test_prodigy_estimate_grows_on_a_quadratic(case):
 @pytest.mark.parametrize("name", ["prodigy", "dadapt_adamw"])
 @pytest.mark.parametrize("backend", ["c", "reference"])
 def test_a_step_of_zero_gradients_keeps_the_estimate(name, backend):
-    """Where every gradient so far is 0, the group's |s|_1 is 0: d is kept and the step
+    """Where every gradient until then is 0, the group's |s|_1 is 0: d is kept and the step
     moves nothing, as the authors' implementations skip it (optax's d is 0 / 0, NaN, and so
     is every parameter after it, for good); the steps after it adapt d as usual."""
     spec = vega.builtin(name)
