@@ -1022,15 +1022,20 @@ class SpecOptimizer(torch.optim.Optimizer):
         return _q8(engine.state_dtype_of(self.spec._spec, group.get("state_dtype")), params,
                    None if fresh else self.state)
 
-    def _precise_states(self, p, group) -> set[str]:
-        """The states of parameter ``p`` that keep its precision under one half state dtype
-        for every state (``engine.keeps_precision``)."""
+    def _loading_program(self, p, group, quantized=None):
+        """The program that steps parameter ``p`` under ``group``'s settings, for
+        ``load_state_dict`` (``quantized``: ``engine.programs``')."""
         owner = f"{type(self).__name__}.load_state_dict"
         flags, values = self._group_values(group)
         master, seed = _precision(owner, group)
-        program = engine.programs(owner, self.spec._spec, flags, values, [p], master=master,
-                                  seed=seed)[0]
-        return {s.name for s in program.states if engine.keeps_precision(s)}
+        return engine.programs(owner, self.spec._spec, flags, values, [p], master=master,
+                               seed=seed, quantized=quantized)[0]
+
+    def _precise_states(self, p, group) -> set[str]:
+        """The states of parameter ``p`` that keep its precision under one half state dtype
+        for every state (``engine.keeps_precision``)."""
+        return {s.name for s in self._loading_program(p, group).states
+                if engine.keeps_precision(s)}
 
     def _loaded_q8(self, pid, p, group, saved: dict) -> dict:
         """``saved``, one parameter's loaded state, with its 8-bit states as this optimizer
@@ -1038,12 +1043,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         8-bit one it keeps in floats dequantized (each with a warning naming it)."""
         import warnings
         owner = f"{type(self).__name__}.load_state_dict"
-        flags, values = self._group_values(group)
-        master, seed = _precision(owner, group)
-        base = engine.programs(owner, self.spec._spec, flags, values, [p], master=master,
-                               seed=seed)[0]
-        program = engine.programs(owner, self.spec._spec, flags, values, [p], master=master,
-                                  seed=seed, quantized=self._q8(group, [p], fresh=True))[0]
+        base = self._loading_program(p, group)
+        program = self._loading_program(p, group, self._q8(group, [p], fresh=True))
         out = dict(saved)
         for s in base.states:
             value, scale = saved.get(s.name), saved.get(s.name + quant.SUFFIX)
@@ -1054,8 +1055,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{owner}: state '{s.name}' of parameter {pid} holds 8-bit "
                                  f"codes without their scales '{s.name}{quant.SUFFIX}'")
             if isinstance(scale, torch.Tensor):
-                _check_scales(owner, f"'{s.name}' of parameter {pid}", value, scale,
-                              s.name + quant.SUFFIX)
+                _check_q8_scales(owner, f"'{s.name}' of parameter {pid}", value, scale,
+                                 s.name + quant.SUFFIX)
             if s.name in program.quant and not is_codes:
                 signed = program.quant[s.name][1]
                 out[s.name], out[s.name + quant.SUFFIX] = quant.quantize_t(
@@ -1253,8 +1254,8 @@ _TORCH_STATES = {
 }
 
 
-def _check_scales(owner: str, what: str, codes: torch.Tensor, scales: torch.Tensor,
-                  name: str) -> None:
+def _check_q8_scales(owner: str, what: str, codes: torch.Tensor, scales: torch.Tensor,
+                     name: str) -> None:
     """A loaded 8-bit state ``what``: uint8 codes beside floating-point scales none of which
     is negative (a block's largest magnitude: a negative one turns its values over, and the
     square root of a second moment is NaN; a NaN or an infinite one is what a step leaves

@@ -90,22 +90,13 @@ class CompiledSpec:
                 raise ValueError(f"{self.name}: state '{name}{quant.SUFFIX}' has "
                                  f"{len(scales)} leaves, the parameters {n}")
             codes = flatten(state[name])[0] if name in state else []
-            for i, leaf in enumerate(scales):
-                code = codes[i] if len(codes) == n else None
-                coded = isinstance(code, torch.Tensor) and code.dtype == torch.uint8
-                if leaf is not None:
-                    out[i].add(name)
-                if isinstance(code, torch.Tensor) and coded != (leaf is not None):
-                    path = _paths(state[name], codes)[i]
-                    label = f"'{name}.{path}'" if path else f"'{name}'"
-                    scale = f"'{name}{quant.SUFFIX}.{path}'" if path else \
-                        f"'{name}{quant.SUFFIX}'"
-                    raise ValueError(
-                        f"{owner}: state leaf {label} holds 8-bit codes (torch.uint8) without "
-                        f"their scales: {scale} is None" if coded else
-                        f"{owner}: state leaf {label} is {code.dtype} beside 8-bit scales "
-                        f"{scale}: 8-bit codes are torch.uint8; make the state with the same "
-                        "state_dtype")
+            scaled = [leaf is not None for leaf in scales]
+            for q, there in zip(out, scaled):
+                if there:
+                    q.add(name)
+            if len(codes) == n and [getattr(c, "dtype", None) == torch.uint8
+                                    for c in codes] != scaled:
+                _unpaired(owner, name, state[name], codes, scaled)
         return [frozenset(q) for q in out]
 
     # -- functional API -------------------------------------------------------
@@ -395,6 +386,23 @@ def _checked_shape(owner: str, shape) -> tuple[int, ...]:
         raise ValueError(f"{owner}: shape={engine.shown(shape)} is too large: a tensor has at "
                          "most 2**63 - 1 elements")
     return sizes
+
+
+def _unpaired(owner: str, name: str, tree, codes, scaled) -> None:
+    """ValueError naming the first leaf of 8-bit state ``name`` (its ``tree``, flattened to
+    ``codes``) whose codes (uint8) have no scales beside them (``scaled``: where they have),
+    or that is a float tensor beside scales."""
+    for i, (code, there) in enumerate(zip(codes, scaled)):
+        if isinstance(code, torch.Tensor) and (code.dtype == torch.uint8) != there:
+            path = _paths(tree, codes)[i]
+            at = f".{path}" if path else ""
+            if not there:
+                raise ValueError(f"{owner}: state leaf '{name}{at}' holds 8-bit codes "
+                                 f"(torch.uint8) without their scales: "
+                                 f"'{name}{quant.SUFFIX}{at}' is None")
+            raise ValueError(f"{owner}: state leaf '{name}{at}' is {code.dtype} beside 8-bit "
+                             f"scales '{name}{quant.SUFFIX}{at}': 8-bit codes are torch.uint8; "
+                             "make the state with the same state_dtype")
 
 
 def _check_distinct_names(owner: str, params) -> None:
