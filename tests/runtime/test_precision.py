@@ -265,6 +265,39 @@ def test_master_weights_only_for_half_parameters():
     assert new["n"].dtype == torch.float32 and state["master"]["n"] is None
 
 
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
+def test_complex32_parameters_keep_a_complex64_master_copy(backend):
+    # complex32 steps as pairs of float16: its master copy is complex64 (pairs of float32),
+    # and takes the steps complex64 parameters from the same start take
+    g = torch.Generator().manual_seed(3)
+    half = {"z": torch.randn(37, 5, dtype=torch.complex64, generator=g).to(torch.complex32)}
+    single = {"z": half["z"].to(torch.complex64)}
+    state32, state64 = vega.adamw_init(half, master_weights=True), vega.adamw_init(single)
+    assert state32["master"]["z"].dtype == torch.complex64
+    for k in range(4):
+        grad = torch.randn(37, 5, dtype=torch.complex64, generator=g)
+        half, state32 = vega.adamw_step(half, {"z": grad.to(torch.complex32)}, state32,
+                                        backend=backend, lr=1e-5, master_weights=True)
+        single, state64 = vega.adamw_step(single, {"z": grad.to(torch.complex32).to(
+            torch.complex64)}, state64, backend=backend, lr=1e-5)
+    assert torch.equal(state32["master"]["z"], single["z"])
+    assert torch.equal(torch.view_as_real(half["z"]),  # (no equal for complex32)
+                       torch.view_as_real(single["z"].to(torch.complex32)))
+    for name in ("mu", "nu"):
+        assert torch.equal(state32[name]["z"], state64[name]["z"]), name
+    # a class: the copy saved and loaded as complex64
+    p = torch.nn.Parameter(torch.randn(6, dtype=torch.complex64).to(torch.complex32))
+    opt = vega.optim.AdamW([p], lr=1e-5, master_weights=True,
+                           backend=None if backend == "c" else backend)
+    p.grad = torch.randn(6, dtype=torch.complex64).to(torch.complex32)
+    opt.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    again = vega.optim.AdamW([q], lr=1e-5, master_weights=True)
+    again.load_state_dict(opt.state_dict())
+    assert again.state[q]["master"].dtype == torch.complex64
+    assert torch.equal(again.state[q]["master"], opt.state[p]["master"])
+
+
 def test_master_weights_class_checkpoint():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4).to(BF16)

@@ -38,6 +38,9 @@ def shown(value) -> str:
 
 
 HALF = (torch.bfloat16, torch.float16)
+# the parameters that keep a master copy under ``master_weights``: half ones, real or complex
+# (a complex one steps as pairs of its real dtype)
+HALF_PARAMS = (*HALF, torch.complex32)
 STATE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -104,6 +107,12 @@ def keeps_precision(state) -> bool:
     return quant.weight_copy(state) or state.dom == SCALAR_STATE
 
 
+def master_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of ``p``'s master copy: float32, complex64 for a complex parameter (complex32
+    steps as pairs of float16)."""
+    return torch.complex64 if p.is_complex() else torch.float32
+
+
 def state_dtypes(p: torch.Tensor, program: Program, state_dtype) -> list[torch.dtype]:
     """The dtype of each state of ``program`` for parameter ``p``: ``state_dtype`` (one dtype
     for all, or a dict by state name, the others by default; ``state_dtype_for``); a master
@@ -113,7 +122,10 @@ def state_dtypes(p: torch.Tensor, program: Program, state_dtype) -> list[torch.d
     out = []
     scales = quant.scale_names(program)
     for s in program.states:
-        if (s.name == MASTER and program.master) or s.name in scales:
+        if s.name == MASTER and program.master:
+            out.append(master_dtype(p))
+            continue
+        if s.name in scales:
             out.append(torch.float32)
             continue
         dtype = per.get(s.name, every)
@@ -255,7 +267,7 @@ def programs(owner: str, spec, flags: dict, values: dict, tensors,
     out = _programs(owner, spec, flags, values, tensors, held)
     if master or seed is not None:  # (a master copy for half parameters only)
         out = [None if prog is None else
-               untraced(precision.variant, prog, master and t.dtype in HALF, seed)
+               untraced(precision.variant, prog, master and t.dtype in HALF_PARAMS, seed)
                for prog, t in zip(out, tensors)]
     if quantized is not None and any(quantized):
         try:

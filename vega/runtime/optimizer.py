@@ -999,7 +999,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                     sd = engine.state_dtype_for(p, None)  # small for 8 bits), or at the
                     # parameter's precision under one half dtype (``engine.keeps_precision``)
                 if name == engine.MASTER and group.get("master_weights"):
-                    sd = torch.float32
+                    sd = engine.master_dtype(p)
                 if not isinstance(value, torch.Tensor):
                     continue
                 if value.dtype == torch.uint8:  # codes, as saved

@@ -106,7 +106,8 @@ class CompiledSpec:
         every state (None: float32 for bfloat16 and float16 parameters, else the
         parameter's), or a dict from state names to dtypes (``{"nu": torch.bfloat16}``).
         ``master_weights``: a state ``master``, a float32 copy of each bfloat16 or float16
-        parameter, which the step updates (docs/precision.md)."""
+        parameter (complex64 of a complex32 one), which the step updates
+        (docs/precision.md)."""
         owner = f"{self.name}_init"
         flags, values = engine.resolve(owner, self.hypers, hypers)
         engine.check_state_dtype(owner, state_dtype, self._spec.state_names)
@@ -165,7 +166,7 @@ class CompiledSpec:
         across their mesh (``vega.runtime.sharded``).
 
         ``master_weights``: the state holds a float32 master copy of each bfloat16 or float16
-        parameter (made by ``init(params, master_weights=True)``), which the step updates
+        parameter (complex64 of a complex32 one; made by ``init(params, master_weights=True)``), which the step updates
         before writing the parameter rounded. ``stochastic_rounding``: bfloat16 values (the
         parameters, bfloat16 state) are rounded stochastically, with bits drawn from
         ``rounding_seed``, the step counter and each tensor's and element's position
