@@ -174,27 +174,34 @@ def _check_state(owner: str, state, p_spec, memory_size) -> int:
     if set(state) != set(FIELDS):
         raise ValueError(f"{owner}: state has fields {sorted(state)}, but lbfgs needs "
                          f"{sorted(FIELDS)}; make it with lbfgs_init(params)")
-    step = state["step"]
-    if not (isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.int32):
-        raise ValueError(f"{owner}: state['step'] must be a 0-d int32 tensor, got {step!r}")
-    weights = state["weights"]
-    if not (isinstance(weights, torch.Tensor) and weights.dim() == 1
-            and weights.dtype in (torch.float32, torch.float64) and weights.shape[0] >= 1):
-        raise ValueError(f"{owner}: state['weights'] must be a float32 or float64 tensor of "
-                         f"shape (memory_size,), got {weights!r}")
-    m = weights.shape[0]
+    m = _check_weights_step(owner, state["weights"], state["step"], "state")
     if memory_size is not None:
         given = _check_memory_size(owner, memory_size)
         if given != m:
             raise ValueError(f"{owner}: memory_size={memory_size!r}, but the state was made "
                              f"with memory_size={m}")
-    if weights.device != step.device:
-        raise ValueError(f"{owner}: state['weights'] is on {weights.device}, state['step'] "
-                         f"on {step.device}")
     for f in TREE_FIELDS:
         if flatten(state[f])[1] != p_spec:
             raise ValueError(f"{owner}: state field '{f}' does not have the structure of params")
     return m
+
+
+def _check_weights_step(owner: str, weights, step, where: str, m: int | None = None) -> int:
+    """The memory size of the L-BFGS state whose ``weights`` and ``step`` are these (``where``
+    they are: ``state`` or the first parameter's), or ValueError: ``weights`` a float32 or
+    float64 tensor of shape (memory_size,) (``(m,)`` where given), ``step`` a 0-d int32
+    tensor on its device."""
+    size = f"({m},) (memory_size)" if m is not None else "(memory_size,)"
+    if not (isinstance(weights, torch.Tensor) and weights.dim() == 1
+            and weights.dtype in (torch.float32, torch.float64)
+            and (weights.shape[0] == m if m is not None else weights.shape[0] >= 1)):
+        raise ValueError(f"{owner}: {where}['weights'] must be a float32 or float64 tensor "
+                         f"of shape {size}, got {shown(weights)}")
+    if not (isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.int32
+            and step.device == weights.device):
+        raise ValueError(f"{owner}: {where}['step'] must be a 0-d int32 tensor on "
+                         f"{weights.device}, got {shown(step)}")
+    return weights.shape[0]
 
 
 def _check_state_leaves(owner: str, name, p: torch.Tensor, leaves: dict, m: int) -> None:
@@ -553,16 +560,9 @@ class LBFGS(torch.optim.Optimizer):
             _check_state_leaves(owner, partial(str, i), p, leaves, m)
         head = self.state.get(params[0]) or {} if params else {}
         if buffers or "weights" in head or "step" in head:
-            weights, step = head.get("weights"), head.get("step")
-            if not (isinstance(weights, torch.Tensor) and weights.shape == (m,)
-                    and weights.dtype in (torch.float32, torch.float64)):
-                raise ValueError(f"{owner}: the first parameter's state['weights'] must be a "
-                                 f"float32 or float64 tensor of shape ({m},) (memory_size), "
-                                 f"got {shown(weights)}")
-            if not (isinstance(step, torch.Tensor) and step.dim() == 0
-                    and step.dtype == torch.int32 and step.device == weights.device):
-                raise ValueError(f"{owner}: the first parameter's state['step'] must be a 0-d "
-                                 f"int32 tensor on {weights.device}, got {shown(step)}")
+            step = head.get("step")
+            _check_weights_step(owner, head.get("weights"), step,
+                                "the first parameter's state", m)
             if step.item() < 0:
                 raise ValueError(f"{owner}: the first parameter's state['step'] is "
                                  f"{step.item()}; a step counter is a whole number in "
