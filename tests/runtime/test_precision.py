@@ -661,6 +661,50 @@ def test_master_weights_need_the_master_state():
         vega.adamw_step(params, make_grads(params, 0), state, master_weights=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_half_parameter_made_float_steps_on_from_its_master_copy(dtype):
+    """A class: a bfloat16 parameter made float32 (``model.float()``) takes its master copy's
+    value at the next step, which then drops the copy, and steps on as a float32 parameter
+    that started from the copy would. A functional step refuses a state whose copy it would
+    pass on stale, naming the leaf, and changes nothing."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16, bias=False).to(BF16)
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-5, master_weights=True)
+    for _ in range(3):
+        model.weight.grad = torch.ones(16, 16, dtype=BF16)
+        opt.step()
+    st = opt.state[model.weight]
+    ref = torch.nn.Parameter(st["master"].to(dtype, copy=True))
+    twin = vega.optim.AdamW([ref], lr=1e-5)
+    twin.state[ref].update({"mu": st["mu"].to(dtype, copy=True),
+                            "nu": st["nu"].to(dtype, copy=True), "step": st["step"].clone()})
+    assert not torch.equal(model.weight.float(), st["master"])  # (the rounding lost)
+    model.to(dtype)
+    model.weight.grad, ref.grad = torch.ones(16, 16, dtype=dtype), torch.ones(16, 16, dtype=dtype)
+    opt.step()
+    twin.step()
+    assert "master" not in opt.state[model.weight]
+    assert torch.equal(model.weight, ref)
+
+    params = {"w": torch.randn(4, 3).to(BF16), "b": torch.randn(3).to(BF16)}
+    state = vega.adamw_init(params, master_weights=True)
+    grads = {n: torch.ones_like(p) for n, p in params.items()}
+    params, state = vega.adamw_step(params, grads, state, master_weights=True)
+    kept = {n: t.clone() for n, t in state["master"].items()}
+    mixed = {"w": params["w"].to(dtype), "b": params["b"]}
+    with pytest.raises(ValueError, match=r"state leaf 'master\.w' is a master copy, but "
+                       r"params leaf 'w' is torch\.float"):
+        vega.adamw_step(mixed, {n: g.to(mixed[n].dtype) for n, g in grads.items()}, state,
+                        master_weights=True, donate=True)
+    every = {n: p.to(dtype) for n, p in params.items()}
+    with pytest.raises(ValueError, match=r"state holds master copies \('master'\), but this "
+                       r"step keeps none"):
+        vega.adamw_step(every, {n: g.to(dtype) for n, g in grads.items()}, state,
+                        master_weights=True, donate=True)
+    assert all(torch.equal(kept[n], state["master"][n]) for n in kept)
+    assert int(state["step"]) == 1
+
+
 def test_a_spec_with_a_state_named_master():
     spec = vega.compile("""
 optimizer keeps(lr = 0.1) {

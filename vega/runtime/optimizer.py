@@ -252,8 +252,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         becomes positive or returns to 0): created fresh where missing, kept where no
         longer read, as torch keeps its momentum_buffer. A master copy (``master_weights``
         turned on, or a state loaded without one): made from the parameter where missing,
-        dropped where no longer kept (a stale copy must not come back). False for any other
-        mismatch."""
+        dropped where no longer kept (a stale copy must not come back), its value taken by a
+        parameter no longer half. False for any other mismatch."""
         lazy = self._lazy_states()
         missing, extra = want - st.keys(), st.keys() - want
         if not (missing <= lazy and extra <= lazy):
@@ -262,6 +262,10 @@ class SpecOptimizer(torch.optim.Optimizer):
             fresh = self._init_state(p, program, values, group)
             st.update({name: fresh[name] for name in missing})
         if engine.MASTER in extra and engine.MASTER in lazy:
+            if group.get("master_weights") and p.dtype not in engine.HALF_PARAMS:
+                # a half parameter made float32 (``model.float()``): it steps on from its
+                # master copy, the value the steps made, not from that value rounded
+                p.copy_(st[engine.MASTER])
             del st[engine.MASTER]
         return True
 

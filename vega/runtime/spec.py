@@ -166,8 +166,9 @@ class CompiledSpec:
         across their mesh (``vega.runtime.sharded``).
 
         ``master_weights``: the state holds a float32 master copy of each bfloat16 or float16
-        parameter (complex64 of a complex32 one; made by ``init(params, master_weights=True)``), which the step updates
-        before writing the parameter rounded. ``stochastic_rounding``: bfloat16 values (the
+        parameter (complex64 of a complex32 one; made by ``init(params,
+        master_weights=True)``), which the step updates before writing the parameter
+        rounded. ``stochastic_rounding``: bfloat16 values (the
         parameters, bfloat16 state) are rounded stochastically, with bits drawn from
         ``rounding_seed``, the step counter and each tensor's and element's position
         (docs/precision.md).
@@ -193,6 +194,7 @@ class CompiledSpec:
         names = [f.name for f in self._fields(flags, progs, held)]
         shaped = self._spec.shape_hypers
         columns = _check_state(owner, self, flags, names, state, p_spec, shaped)
+        _check_masters(owner, params, p_leaves, progs, columns)
         step = state["step"]
 
         def check_state(i, name, p):  # name(): the leaf's path, for messages
@@ -325,6 +327,7 @@ class CompiledSpec:
         names = [f.name for f in self._fields(flags, progs)]
         columns = _check_state(owner, self, flags, names, state, p_spec,
                                self._spec.shape_hypers)
+        _check_masters(owner, params, p_leaves, progs, columns)
         out = [p.detach().clone() if is_steppable(p) else p for p in p_leaves]
         vals = engine.at_step(values, state["step"])
         with torch.no_grad():
@@ -588,11 +591,37 @@ def _check_grad(owner, name, p, g):
                      f"{p.dtype}")
 
 
+def _check_masters(owner, params, p_leaves, progs, columns) -> None:
+    """ValueError where the state holds a master copy of a parameter that is no longer half
+    (made float32 after init): the copy would be passed on untouched, stale, and the
+    parameter step on from its rounded value."""
+    if engine.MASTER in columns:
+        col = columns[engine.MASTER]
+        if same(progs, [progs[0]] * len(progs)):  # (one program, with the copies: the rule)
+            return
+        for i, prog in enumerate(progs):
+            if prog is not None and col[i] is not None \
+                    and engine.MASTER not in prog.state_names:
+                path = _paths(params, p_leaves)[i]
+                raise ValueError(
+                    f"{owner}: state leaf '{_label(engine.MASTER, lambda: path)}' is a master "
+                    f"copy, but params leaf '{path}' is {p_leaves[i].dtype}, its own master "
+                    "copy: to step on from the copy, set the parameter to it and the leaf to "
+                    "None")
+
+
 def _check_state(owner, cspec, flags, names, state, p_spec, shaped=()):
     if not isinstance(state, dict):
         raise ValueError(f"{owner}: state must be the dict that {cspec.name}_init returns, "
                          f"got {type(state).__name__}")
     want = set(names) | {"step"}
+    if engine.MASTER not in want and set(state) == want | {engine.MASTER} \
+            and engine.MASTER not in cspec._spec.state_names:
+        raise ValueError(f"{owner}: state holds master copies ('master'), but this step keeps "
+                         "none: pass master_weights=True to step with them; a parameter that "
+                         "is not bfloat16, float16 or complex32 keeps none (it is its own "
+                         "copy): where none is now, set each parameter to its copy and drop "
+                         "the field to step on from them")
     if set(state) != want:
         master = engine.MASTER in want or engine.MASTER in state
         flags = ", ".join([*(f"{k}={v}" for k, v in sorted(flags.items())),
