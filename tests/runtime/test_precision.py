@@ -59,7 +59,8 @@ def tolerance(t):
     # one unit in the last place of the stored dtype (a value near a rounding boundary may
     # round either way after float32 arithmetic in another order)
     return {torch.bfloat16: dict(rtol=1e-2, atol=1e-6), torch.float16: dict(rtol=2e-3, atol=1e-6),
-            torch.float32: dict(rtol=2e-5, atol=1e-7)}[t.dtype]
+            torch.float32: dict(rtol=2e-5, atol=1e-7),
+            torch.float64: dict(rtol=1e-12, atol=1e-15)}[t.dtype]
 
 
 # Adafactor's float32 parameters differ from the reference's by a few ulps of their largest
@@ -93,6 +94,19 @@ def test_state_dtype_matches_reference(name, sd, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_state_dtype_with_bf16_params(backend):
     assert_like_reference("adamw", backend, dtype=BF16, init_kw={"state_dtype": {"nu": BF16}})
+
+
+@pytest.mark.parametrize("name, sd", [("adamw", BF16), ("adafactor", BF16),
+                                      ("adamw", {"nu": BF16})])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_dtype_with_float64_params(name, sd, backend):
+    """float64 parameters with bfloat16 state: each value rounded to float32 and then to
+    bfloat16, as torch casts it (Triton's rounding took the 64 bits for 32 and refused)."""
+    assert_like_reference(name, backend, dtype=torch.float64, init_kw={"state_dtype": sd},
+                          **HYPERS.get(name, {}))
+    assert_like_reference(name, backend, dtype=torch.float64, init_kw={"state_dtype": sd},
+                          step_kw={"stochastic_rounding": True, "rounding_seed": 5},
+                          **HYPERS.get(name, {}))
 
 
 def test_state_dtype_is_each_states_own():

@@ -152,6 +152,19 @@ static inline uint16_t f32_to_bf16_sr(float f, uint32_t r) {  /* stochastic roun
 }
 """
 
+# Round to nearest even to bfloat16 in Triton, for the generated modules (vega.codegen.triton's
+# template, vega.codegen.triton_runs): by bit arithmetic, as the interpreter's cast truncates;
+# a float64 value (a float64 parameter's step) rounded to float32 first, as the C backend
+# and torch's cast round it (a bitcast of its 64 bits to 32 is refused).
+TRITON_TO_BF16 = '''@triton.jit
+def to_bf16(x):
+    """float32 -> bfloat16 rounded to nearest even (float64 through float32)."""
+    x = x.to(tl.float32)
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    r = tl.where(x != x, (u >> 16) | 0x40, r)  # NaN stays a quiet NaN
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)'''
+
 TRITON_HELPERS = '''
 
 @triton.jit
@@ -166,7 +179,9 @@ def mix(x):
 
 @triton.jit
 def to_bf16_sr(x, key, j):
-    """float32 -> bfloat16 stochastically rounded: the bits of mix(key ^ j) (uint32)."""
+    """float32 -> bfloat16 stochastically rounded: the bits of mix(key ^ j) (uint32); a
+    float64 value rounded to float32 first, as the C backend and torch cast it."""
+    x = x.to(tl.float32)
     u = x.to(tl.uint32, bitcast=True)
     r = mix(key ^ j.to(tl.uint32)) & 0xFFFF
     out = (u + r) >> 16

@@ -1002,6 +1002,7 @@ class Source:
             columns=self.cols, nred=len(self.slots), pre_slots=named("PRE", PRE_SLOTS),
             needs_pow=any(n.op is Op.POW for n in nodes), helpers=_helpers(nodes),
             needs_bf16="bfloat16" in (pdt, *self.storage.values()),
+            to_bf16=precision.TRITON_TO_BF16,
             rounding=(precision.TRITON_HELPERS if self._rounded() else "")
             + (quant.TRITON_HELPERS if self.quant else ""),
             needs_nanmax=any(n.op is Op.AMAX for n in nodes),

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from vega.codegen import runs, triton_runtime
+from vega.codegen import precision, runs, triton_runtime
 from vega.codegen.triton import negative_zero
 
 _TL = {torch.float32: "tl.float32", torch.float64: "tl.float64"}  # (the compute dtypes)
@@ -37,13 +37,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def to_bf16(x):
-    """float32 -> bfloat16 rounded to nearest even (the interpreter's cast truncates)."""
-    u = x.to(tl.uint32, bitcast=True)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    r = tl.where(x != x, (u >> 16) | 0x40, r)  # NaN stays a quiet NaN
-    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+''' + precision.TRITON_TO_BF16 + '''
 
 
 @triton.jit
