@@ -296,6 +296,9 @@ class WarmupCosineDecay(Schedule):
         return ops.where(k <= w, warm, tail)
 
 
+_FAR = 2.0 ** 100  # past any step a counter or a Python int of 64 bits holds
+
+
 class CosineDecayRestarts(Schedule):
     _name = "cosine_decay_restarts"
     _fields = ("init_value", "decay_steps", "t_mul", "m_mul", "alpha")
@@ -319,7 +322,8 @@ class CosineDecayRestarts(Schedule):
         d, t = self.decay_steps, self.t_mul
         if t == 1:
             return d * c
-        s = d * (ops.pow(t, c) - 1) / (t - 1)
+        # (past any step, 2**100, where t ** c overflows: a huge t_mul's next cycle)
+        s = ops.clamp(d * (ops.pow(t, c) - 1) / (t - 1), hi=_FAR)
         whole = ops.floor(s + 0.5)
         tol = 1e-12 * (1 + whole)
         return ops.where(s - whole <= tol, ops.where(whole - s <= tol, whole, s), s)
@@ -329,7 +333,9 @@ class CosineDecayRestarts(Schedule):
         if t == 1:
             c = ops.floor(k / d)
         else:
-            c = ops.floor(ops.log1p(k * (t - 1) / d) / math.log(t))
+            # (k * (t - 1) capped where it would overflow, with a huge t_mul: there, cycle 1
+            # or 2 of the estimate, which the checks below put right)
+            c = ops.floor(ops.log1p(ops.clamp(k * (t - 1) / d, hi=_FAR)) / math.log(t))
         # The closed form may be off by one at a cycle boundary through rounding.
         c = ops.where(k < self._start(c, ops), c - 1, c)
         c = ops.where(k >= self._start(c + 1, ops), c + 1, c)

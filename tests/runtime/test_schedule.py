@@ -163,6 +163,19 @@ def test_restarts_far_out_keep_a_start_that_is_not_whole():
     assert s(900000003) == 1.0 and float(s(torch.tensor(900000003))) == 1.0
 
 
+@pytest.mark.parametrize("t_mul", [1e20, 1e154, 1e200, 1e300])
+def test_restarts_with_a_huge_t_mul_stay_in_cycle_one(t_mul):
+    """With decay_steps=1, cycle 1 starts at step 1 and lasts t_mul steps: every step a
+    counter holds is in it. t_mul ** 2 and k * t_mul overflow a double past 1.3e154 and
+    1e299: the value went NaN on the device and the host path raised OverflowError."""
+    s = schedule.cosine_decay_restarts(1.0, 1, t_mul=t_mul, alpha=0.1)
+    for k in (1, 2, 1000, 2**31 - 1, 2**62):
+        want = 0.9 * 0.5 * (1 + c(pi * (k - 1) / t_mul)) + 0.1
+        assert s(k) == pytest.approx(want, rel=1e-12), k
+        if k < 2**31:
+            assert float(s(torch.tensor(k, dtype=torch.int32))) == pytest.approx(want, rel=1e-12)
+
+
 ALL = [a[1] for a in AGREE + BY_HAND]
 
 
