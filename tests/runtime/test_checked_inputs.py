@@ -347,6 +347,10 @@ BAD_SCHEDULES = {
     "a complex tensor": (lambda step: torch.tensor(1e-3j), r"a tensor of shape \(\) and dtype "
                          r"torch\.complex64"),
     "a huge int": (lambda step: 10**400, r"1000.*, too large for a float"),
+    "a meta tensor": (lambda step: torch.tensor(1e-3, device="meta"),
+                      r"a meta tensor, which the step cannot read"),
+    "a sparse tensor": (lambda step: torch.tensor([1e-3]).to_sparse(),
+                        r"a torch\.sparse_coo tensor, which the step cannot read"),
 }
 
 
@@ -413,8 +417,9 @@ def test_a_state_leaf_that_is_not_a_tensor_is_named(mu, message):
 
 
 @pytest.mark.parametrize("grads,message", [
-    ({"b": torch.ones(3), "a": torch.ones(3)}, r"params have a leaf at 'a', grads have a "
-                                               r"tensor at 'b'"),
+    ({"b": torch.ones(3), "a": torch.ones(3)}, r"grads have the leaves of params in another "
+                                               r"order \('b', 'a'\); a dict's keys are read in "
+                                               r"their order"),
     ({"a": torch.ones(3), "c": torch.ones(3)}, r"params have a leaf at 'b', grads have a "
                                                r"tensor at 'c'"),
     (collections.OrderedDict(a=torch.ones(3), b=torch.ones(3)), r"grads are a OrderedDict, "
@@ -566,6 +571,12 @@ def test_compile_file_reads_only_a_regular_file_of_utf8_text(tmp_path):
     crlf = tmp_path / "crlf.vega"
     crlf.write_bytes(GOOD.replace("\n", "\r\n").encode())
     assert vega.compile_file(crlf).name == "o"  # line ends read as open() reads text
+    bom = tmp_path / "bom.vega"  # (UTF-8 with a byte-order mark, as editors may save it)
+    bom.write_bytes(b"\xef\xbb\xbf" + (GOOD + "x\n").encode())
+    with pytest.raises(vega.SpecError, match=r"bom\.vega:4:1: error"):  # (columns as without)
+        vega.compile_file(bom)
+    bom.write_bytes(b"\xef\xbb\xbf" + GOOD.encode())
+    assert vega.compile_file(bom).name == "o"
 
 
 def test_program_refuses_a_shape_no_tensor_has():

@@ -646,9 +646,18 @@ def _check_state(owner, cspec, flags, names, state, p_spec, shaped=()):
 
 def _where_unlike(field: str, sub, p_spec) -> str:
     """Where a state field's tree first differs from the parameters', for a message: the
-    first leaf path (in order) that the two do not share, and what each holds there."""
+    same leaf paths in another order (a dict's keys), or the first leaf path (in order) that
+    the two do not share, and what each holds there."""
     params = unflatten([None] * p_spec.num_leaves, p_spec)
     ours, theirs = _typed_paths(params), _typed_paths(sub)
+    order, their_order = [path for path, _ in ours], [path for path, _ in theirs]
+    if order != their_order and sorted(order) == sorted(their_order) \
+            and len(set(order)) == len(order):
+        shown_order = ", ".join(repr(path) for path, _ in theirs[:4]) + \
+            (", ..." if len(theirs) > 4 else "")
+        return (f": '{field}' has the leaves of params in another order ({shown_order}); "
+                "a dict's keys are read in their order, as torch's pytrees read them, so "
+                "they must come in the order of params' keys")
     for k in range(max(len(ours), len(theirs))):
         a = ours[k] if k < len(ours) else None
         b = theirs[k] if k < len(theirs) else None
@@ -769,7 +778,8 @@ def read_spec_file(name: str) -> str:
         raise refused(f"larger than {MAX_SPEC_BYTES} bytes (1 MiB), the most a spec file may "
                       "have; is it a spec?")
     try:
-        text = data.decode("utf-8")
+        # (a byte-order mark at the start, which editors may write, read as none)
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         raise refused(f"not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}); "
                       "a spec file is UTF-8 text") from None
