@@ -4,7 +4,8 @@ A schedule maps a step counter ``k >= 0`` (completed steps: 0 for the first
 update, optax's ``count`` convention) to a value. Every schedule is a small
 picklable object with a readable ``repr``, callable two ways:
 
-- on an integer step tensor (int32 or int64, 0-d, any device): a 0-d float64
+- on an integer step tensor (int32 or int64, 0-d, any device; a float one is a
+  TypeError, as a float step is): a 0-d float64
   tensor on the same device (float32 on MPS, which has no float64; on a tensor of
   many steps, a tensor of their values, each equal to the value at that step
   alone), computed with tensor
@@ -137,7 +138,7 @@ class Schedule:
 
     def __call__(self, step):
         if isinstance(step, torch.Tensor):
-            if step.is_complex() or step.dtype == torch.bool:
+            if step.is_complex() or step.is_floating_point() or step.dtype == torch.bool:
                 raise TypeError(f"a schedule takes an integer step tensor, got {step.dtype}")
             ops = _Device(step.device)
             k = torch.clamp(step.to(ops.dtype), min=0)

@@ -196,6 +196,9 @@ def test_tensor_step_keeps_device_and_negative_counts_as_zero():
         s(1.5)
     with pytest.raises(TypeError):
         s(torch.tensor(True))
+    for dtype in (torch.float32, torch.float64):  # (a step of 2.5, as 2.5 is refused)
+        with pytest.raises(TypeError, match=rf"integer step tensor, got {dtype}"):
+            s(torch.tensor(2.5, dtype=dtype))
 
 
 def test_a_tensor_of_steps_gives_each_steps_value_bitwise():
