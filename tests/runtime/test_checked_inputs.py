@@ -1465,3 +1465,10 @@ def test_a_state_leaf_of_one_number_per_tensor_of_another_shape_is_named(backend
         vega.novograd_step(params, grads, state, lr=1e-2, donate=True, backend=backend)
     assert torch.equal(params["a"], before[0]["a"]) and torch.equal(state["nu"]["a"],
                                                                     before[1]["nu"]["a"])
+
+
+def test_the_base_class_without_a_rule_says_so():
+    """(It raised AttributeError: 'NoneType' object has no attribute 'class_name'.)"""
+    with pytest.raises(TypeError, match=r"^SpecOptimizer has no rule: SpecOptimizer is the "
+                                        r"base of vega's classes"):
+        vega.optim.SpecOptimizer([torch.nn.Parameter(torch.ones(2))])

@@ -392,6 +392,63 @@ def test_rprop_takes_torch_etas_and_step_sizes():
         vega.optim.Adam([p], etas=(0.4, 1.5))
 
 
+RPROP = {"etas": (0.4, 1.5), "step_sizes": (1e-3, 0.3)}
+
+
+@pytest.mark.parametrize("where", ["a group given", "add_param_group", "set between steps"])
+def test_rprop_groups_take_torch_etas_and_step_sizes(where):
+    """Rprop's groups hold torch's ``etas`` and ``step_sizes`` beside the four values they
+    name, as groups hold ``betas``: given in a group, added, or set between steps, they
+    step as torch's Rprop steps them (they were kept as inert keys, the defaults stepped)."""
+    def make(mod):
+        def opt(params):
+            if where == "a group given":
+                return mod.Rprop([{"params": params, **RPROP}], lr=0.02)
+            if where == "add_param_group":
+                o = mod.Rprop([torch.zeros(1, dtype=torch.float64, requires_grad=True)],
+                              lr=0.02)
+                o.add_param_group({"params": params, **RPROP})
+                return o
+            o = mod.Rprop(params, lr=0.02)
+            o.register_step_post_hook(lambda o, *_: o.param_groups[0].update(RPROP))
+            return o
+        return opt
+    ours, theirs = _run(make(vega.optim)), _run(make(torch.optim))
+    _same_run(ours, theirs, {"g_prev": "prev", "step_size": "step_size"})
+    group = ours[1].param_groups[-1]
+    assert (group["etaminus"], group["etaplus"], group["etas"]) == (0.4, 1.5, (0.4, 1.5))
+    assert (group["step_size_min"], group["step_size_max"]) == (1e-3, 0.3)
+
+
+def test_a_group_refuses_a_setting_of_torchs_class_the_rule_does_not_take():
+    """A group of RAdam with torch.optim.RAdam's weight_decay (or Adam's with its
+    decoupled_weight_decay) at another value than the rule's would step as without it: refused
+    where given, added or set between steps, before anything changes; at the rule's value
+    (a framework's weight_decay=0 for every class) it is kept, as torch keeps it."""
+    p = torch.nn.Parameter(torch.ones(3))
+    words = (r"a parameter group has weight_decay=0\.5, a setting of torch\.optim\.RAdam "
+             r"that vega\.optim\.RAdam does not take: its rule is torch's at weight_decay=0")
+    with pytest.raises(ValueError, match=r"^RAdam: " + words):
+        vega.optim.RAdam([{"params": [p], "weight_decay": 0.5}], lr=0.1)
+    opt = vega.optim.RAdam([{"params": [p], "weight_decay": 0.0}], lr=0.1)
+    with pytest.raises(ValueError, match=words):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))],
+                             "weight_decay": 0.5})
+    assert len(opt.param_groups) == 1
+    p.grad = torch.ones(3)
+    opt.step()
+    before = (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+    opt.param_groups[0]["weight_decay"] = 0.5
+    with pytest.raises(ValueError, match=r"^RAdam: group 0: " + words):
+        opt.step()
+    assert torch.equal(p, before[0])
+    assert all(torch.equal(v, before[1][k]) for k, v in opt.state[p].items())
+    with pytest.raises(ValueError, match=r"decoupled_weight_decay=True, a setting of "
+                                         r"torch\.optim\.Adam"):
+        vega.optim.Adam([{"params": [p], "decoupled_weight_decay": True}])
+    vega.optim.Lion([{"params": [p], "weight_decay": 0.5}])  # (no torch.optim.Lion: kept)
+
+
 @pytest.mark.parametrize("cls,torch_cls,message", [
     ("AdamW", "AdamW", r"torch\.optim\.Adam or torch\.optim\.AdamW or torch\.optim\.RAdam's"),
     ("SGD", "SGD", r"torch\.optim\.SGD's"),

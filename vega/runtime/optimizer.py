@@ -97,6 +97,7 @@ class SpecOptimizer(torch.optim.Optimizer):
     """Base of the optimizer classes; see ``CompiledSpec.optimizer_class``."""
 
     spec = None  # the CompiledSpec, set on each subclass
+    _vega_torch_only: dict = {}  # torch_names.torch_only of its rule, set on each subclass
 
     def __init__(self, params, *, backend: str | None = None,
                  state_dtype=None, max_grad_norm: float | None = None,
@@ -106,6 +107,10 @@ class SpecOptimizer(torch.optim.Optimizer):
                  reduce_group=None, master_weights: bool = False,
                  stochastic_rounding: bool = False, rounding_seed: int = 0, **hypers):
         owner = type(self).__name__
+        if self.spec is None:
+            raise TypeError(f"{owner} has no rule: SpecOptimizer is the base of vega's "
+                            "classes; make one of vega.optim's, or a spec's "
+                            "(vega.compile(...).optimizer_class)")
         codegen.check_backend(backend)
         engine.check_precision(owner, master_weights, stochastic_rounding, rounding_seed)
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
@@ -121,7 +126,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.loss_scale = loss_scale
         self.skip_nonfinite = skip_nonfinite
-        betas = {"betas": tuple(values[n] for n in names)} if names else {}
+        betas = {key: tuple(values[n] for n in ns)  # (betas; Rprop's etas, step_sizes)
+                 for key, ns in torch_names.tuple_keys(self.spec).items()}
         if self.spec.modes:  # (schedule-free's: the parameters step in mode "train")
             if sorted(self.spec.modes) != ["eval", "train"]:  # (eval() then train(): there
                 raise ValueError(                              # and back)
@@ -197,6 +203,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                              f"but the optimizer's is {engine.shown(mine)}: {key} is a setting "
                              f"of the whole optimizer (the groups step together); give it to "
                              f"{owner}(..., {key}=...)")
+        torch_names.check_torch_only(owner, self.spec.class_name, self._vega_torch_only, given)
         torch_names.check_keywords(owner, False, given.get("foreach"), given.get("fused"),
                                    given.get("capturable"), given.get("differentiable", False))
         known = {*_group_keys(self.spec), *_optional_keys(self.spec),
@@ -218,12 +225,13 @@ class SpecOptimizer(torch.optim.Optimizer):
         engine.shape_values(owner, self.spec._spec, {}, group)
 
     def _betas(self) -> torch_names.BetaSync:
-        """Which of ``betas`` and ``b1``, ``b2``, ... each group last had in step (kept off
-        torch's state: an unpickled or loaded optimizer starts without)."""
+        """Which of ``betas`` and ``b1``, ``b2``, ... (and Rprop's ``etas``, ``step_sizes``
+        and the values they name) each group last had in step (kept off torch's state: an
+        unpickled or loaded optimizer starts without)."""
         sync = self.__dict__.get("_vega_betas")
         if sync is None:
             sync = self.__dict__["_vega_betas"] = torch_names.BetaSync(
-                torch_names.beta_names(self.spec))
+                torch_names.tuple_keys(self.spec))
         return sync
 
     def _group_values(self, group):
@@ -447,14 +455,17 @@ class SpecOptimizer(torch.optim.Optimizer):
         the group: a dropped group's parameters are freed; a dict of state dtypes, which may
         change in place, each step; the hyperparameters and the precision settings are
         checked each step)."""
-        now = _settings(group)
+        only = self._vega_torch_only
+        now = _settings(group) + (tuple(map(group.get, only)) if only else ())
         keep = not torch.compiler.is_compiling() and not isinstance(now[2], dict)
         if keep:
             kept = self.__dict__.setdefault("_vega_group_checked", {})
             last = kept.get(k)
             if last is not None and all(map(operator.is_, now, last)):
                 return
-        self._check_settings_of(f"{type(self).__name__}: group {k}", now)
+        self._check_settings_of(f"{type(self).__name__}: group {k}", now[:7])
+        torch_names.check_torch_only(f"{type(self).__name__}: group {k}", self.spec.class_name,
+                                     only, group)
         if keep:
             kept[k] = now
 
@@ -1155,9 +1166,9 @@ def _group_keys(cspec) -> frozenset:
 
 def _optional_keys(cspec) -> frozenset:
     """The keys of a group that a state saved before groups held them may lack: torch's
-    names ``maximize`` and ``betas`` (where the spec has ``b1``, ``b2``, ...), and the
-    precision options (off)."""
-    return frozenset({"maximize", *(("betas",) if torch_names.beta_names(cspec) else ()),
+    names ``maximize``, ``betas`` (where the spec has ``b1``, ``b2``, ...) and Rprop's
+    ``etas`` and ``step_sizes``, and the precision options (off)."""
+    return frozenset({"maximize", *torch_names.tuple_keys(cspec),
                       *(("mode",) if cspec.modes else ()), *_PRECISION_DEFAULTS})
 
 
@@ -1373,11 +1384,11 @@ def optimizer_class(spec) -> type:
               "fused), differentiable=False,", "reduce_group=None (a torch.distributed process "
               "group: the gradients' norm and finite check span its ranks' parameters;",
               "DTensor parameters reduce over their mesh: vega.runtime.sharded)."]
-    names = torch_names.beta_names(spec)
-    if names:
-        lines[-1] += f" betas=({', '.join(names)}), torch's name for {', '.join(names)}."
+    for key, names in torch_names.tuple_keys(spec).items():
+        lines[-1] += f" {key}=({', '.join(names)}), torch's name for {', '.join(names)}."
 
     return type(spec.class_name, (SpecOptimizer,), {
         "spec": spec, "__doc__": "\n".join(lines), "__module__": "vega.optim",
+        "_vega_torch_only": torch_names.torch_only(spec),
         "__qualname__": spec.class_name,
     })

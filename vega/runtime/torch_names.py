@@ -2,8 +2,10 @@
 ``fused``, ``capturable`` and ``differentiable``.
 
 ``betas`` is a second name for a spec's ``b1``, ``b2``, ... (the hyperparameters a spec
-names so): a group holds both, and whichever a caller (or a torch LR scheduler, as
-``OneCycleLR(cycle_momentum=True)``) changes, the other follows at the next step.
+names so), as Rprop's ``etas`` and ``step_sizes`` are for its ``etaminus``, ``etaplus`` and
+``step_size_min``, ``step_size_max`` (``tuple_keys``): a group holds both, and whichever a
+caller (or a torch LR scheduler, as ``OneCycleLR(cycle_momentum=True)``) changes, the other
+follows at the next step.
 """
 from __future__ import annotations
 
@@ -65,6 +67,59 @@ def split_betas(owner: str, names: tuple, betas, given: dict, key: str = "betas"
 PAIRS = {"etas": ("etaminus", "etaplus"), "step_sizes": ("step_size_min", "step_size_max")}
 
 
+def tuple_keys(spec) -> dict[str, tuple[str, ...]]:
+    """torch's tuple keywords that name a spec's hyperparameters, each with those names:
+    ``betas`` for ``b1``, ``b2``, ..., and each of ``PAIRS`` whose names the spec has."""
+    out = {}
+    names = beta_names(spec)
+    if names:
+        out["betas"] = names
+    have = {h.name for h in spec.hypers}
+    out.update((key, pair) for key, pair in PAIRS.items() if set(pair) <= have)
+    return out
+
+
+def torch_only(spec) -> dict[str, object]:
+    """The keywords of torch.optim's class of the spec's class name that the class does not
+    take (neither hyperparameters, ``tuple_keys`` nor torch's implementation keywords), each
+    with the value at which torch's rule is the class's: its default there, or
+    ``_TORCH_RULES``' (RAdam's ``weight_decay`` 0). A group may hold one at that value, as a
+    framework's groups for torch's class do; at another, torch would step another rule."""
+    theirs = getattr(torch.optim, spec.class_name, None)
+    if not (isinstance(theirs, type) and issubclass(theirs, torch.optim.Optimizer)):
+        return {}
+    mine = {h.name for h in spec.hypers} | set(tuple_keys(spec)) | {
+        "maximize", "differentiable", *_IMPLEMENTATION_KEYWORDS}
+    rules = _TORCH_RULES.get(spec.class_name, {})
+    return {name: rules.get(name, p.default)
+            for name, p in inspect.signature(theirs.__init__).parameters.items()
+            if name not in ("self", "params") and name not in mine
+            and p.default is not inspect.Parameter.empty}
+
+
+def _at(given, value) -> bool:
+    """Whether a group's ``given`` is torch's ``value`` of a keyword (``torch_only``)."""
+    if isinstance(value, bool):
+        return isinstance(given, int) and bool(given) == value  # (torch takes 0 for False)
+    if value is None:
+        return given is None
+    if isinstance(value, tuple):
+        return isinstance(given, (tuple, list)) and len(given) == len(value) \
+            and all(map(_same, given, value))
+    return _same(given, value)
+
+
+def check_torch_only(owner: str, cls_name: str, only: dict, group: dict) -> None:
+    """ValueError where ``group`` holds one of ``only`` (``torch_only``) at a value other than
+    torch's value for this class's rule: the class would step as if it were absent."""
+    for key, value in only.items():
+        if key in group and not _at(group[key], value):
+            raise ValueError(f"{owner}: a parameter group has {key}={engine.shown(group[key])}, "
+                             f"a setting of torch.optim.{cls_name} that vega.optim.{cls_name} "
+                             f"does not take: its rule is torch's at {key}={value!r}, and the "
+                             "group would step as without it")
+
+
 def split_pairs(owner: str, spec, hypers: dict) -> None:
     """``hypers`` with each of ``PAIRS`` the spec has the names of split into them."""
     have = {h.name for h in spec.hypers}
@@ -120,26 +175,26 @@ def negated(grads: list) -> list:
 
 
 class BetaSync:
-    """The ``betas`` of each group as last seen in step with its ``b1``, ``b2``, ...: which
-    of the two names a caller changed since (kept off torch's state, by the group)."""
+    """Each group's torch tuples (``betas``; Rprop's ``etas``, ``step_sizes``: ``tuple_keys``)
+    as last seen in step with the hyperparameters they name: which of the two names a caller
+    changed since (kept off torch's state, by the group)."""
 
-    def __init__(self, names: tuple):
-        self.names = names
-        self.seen: dict[int, tuple] = {}  # id(group) -> (group, betas)
+    def __init__(self, keys: dict[str, tuple[str, ...]]):
+        self.keys = keys
+        self.seen: dict[int, tuple] = {}  # id(group) -> (group, {key: its tuple})
 
     def fill(self, owner: str, param_group: dict, defaults: dict) -> None:
-        """A group being added: ``betas`` from its own names (or theirs from ``betas``),
+        """A group being added: each tuple from its own names (or theirs from the tuple),
         defaults for the rest; ValueError where the two disagree."""
-        if not self.names:
-            return
-        given = {n: param_group[n] for n in self.names if n in param_group}
-        if "betas" in param_group:
-            param_group.update(split_betas(owner, self.names, param_group["betas"], given))
-        param_group["betas"] = tuple(param_group.get(n, defaults[n]) for n in self.names)
+        for key, names in self.keys.items():
+            given = {n: param_group[n] for n in names if n in param_group}
+            if key in param_group:
+                param_group.update(split_betas(owner, names, param_group[key], given, key))
+            param_group[key] = tuple(param_group.get(n, defaults[n]) for n in names)
 
     def remember(self, group: dict) -> None:
-        if self.names:
-            self.seen[id(group)] = (group, tuple(group["betas"]))
+        if self.keys:
+            self.seen[id(group)] = (group, {key: tuple(group[key]) for key in self.keys})
 
     def keep(self, groups: list) -> None:
         """Forget the groups not in ``groups`` (the optimizer's, after a step): a group
@@ -149,37 +204,39 @@ class BetaSync:
             self.seen = {k: v for k, v in self.seen.items() if k in now}
 
     def sync(self, owner: str, k: int, group: dict) -> None:
-        """Make ``group``'s ``betas`` and ``b1``, ``b2``, ... agree, taking the one changed
-        since the last step; ValueError where both changed to values that disagree. A group
-        not seen before (loaded from a state dict, or of a copied or unpickled optimizer)
-        takes ``betas``, as torch's classes read it: a scheduler that cycles momentum
-        (``OneCycleLR``) writes ``betas`` between steps, so a state saved after it disagrees
-        with ``b1`` until the next step."""
-        if not self.names:
+        """Make each of ``group``'s tuples and the hyperparameters it names agree, taking the
+        one changed since the last step; ValueError where both changed to values that
+        disagree. A group not seen before (loaded from a state dict, or of a copied or
+        unpickled optimizer) takes the tuple, as torch's classes read it: a scheduler that
+        cycles momentum (``OneCycleLR``) writes ``betas`` between steps, so a state saved
+        after it disagrees with ``b1`` until the next step."""
+        if not self.keys:
             return
-        ours = tuple(group[n] for n in self.names)
-        theirs = group.get("betas")
-        if theirs is None:  # (a state saved before groups held betas)
-            group["betas"] = ours
-        elif not isinstance(theirs, (tuple, list)) or len(theirs) != len(self.names):
-            raise ValueError(f"{owner}: group {k} has betas={engine.shown(theirs)}; it must be "
-                             f"a tuple of {len(self.names)} values, {_shown_betas(self.names)}")
-        elif not same_betas(ours, theirs):
-            seen = self.seen.get(id(group))
-            last = seen[1] if seen is not None and seen[0] is group else None
-            if last is not None and same_betas(ours, last):  # betas changed
-                group.update(zip(self.names, theirs))
-            elif last is not None and same_betas(theirs, last):  # b1, b2, ... changed
-                group["betas"] = ours
-            elif last is None:  # (not seen: betas, as torch reads it)
-                group.update(zip(self.names, theirs))
-            else:
-                mine = ", ".join(f"{n}={engine.shown(v)}" for n, v in zip(self.names, ours))
-                raise ValueError(f"{owner}: group {k} has betas={engine.shown(tuple(theirs))} "
-                                 f"but {mine}; betas is {_shown_betas(self.names)}: change "
-                                 "one of the two")
+        seen = self.seen.get(id(group))
+        lasts = seen[1] if seen is not None and seen[0] is group else None
+        for key, names in self.keys.items():
+            ours = tuple(group[n] for n in names)
+            theirs = group.get(key)
+            if theirs is None:  # (a state saved before groups held the tuple)
+                group[key] = ours
+            elif not isinstance(theirs, (tuple, list)) or len(theirs) != len(names):
+                raise ValueError(f"{owner}: group {k} has {key}={engine.shown(theirs)}; it "
+                                 f"must be a tuple of {len(names)} values, "
+                                 f"{_shown_betas(names)}")
+            elif not same_betas(ours, theirs):
+                last = lasts.get(key) if lasts is not None else None
+                if last is not None and same_betas(ours, last):  # the tuple changed
+                    group.update(zip(names, theirs))
+                elif last is not None and same_betas(theirs, last):  # its names changed
+                    group[key] = ours
+                elif last is None:  # (not seen: the tuple, as torch reads it)
+                    group.update(zip(names, theirs))
+                else:
+                    mine = ", ".join(f"{n}={engine.shown(v)}" for n, v in zip(names, ours))
+                    raise ValueError(f"{owner}: group {k} has {key}="
+                                     f"{engine.shown(tuple(theirs))} but {mine}; {key} is "
+                                     f"{_shown_betas(names)}: change one of the two")
         self.remember(group)
-
 
 
 # -- torch.optim's state dicts --------------------------------------------------------------
