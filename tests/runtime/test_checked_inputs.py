@@ -133,6 +133,29 @@ def test_load_state_dict_says_a_saved_scale_is_not_loaded():
     assert other.loss_scale is None
 
 
+def test_load_state_dict_keeps_its_own_scale_of_another_kind():
+    """A dynamic scale's state loaded by an optimizer with a static one (or the other way)
+    is not loaded, with a warning: copied in, the static scale took the saved value and a
+    counter it never advanced, and a dynamic one a static's counter of -1 (growth a step
+    late)."""
+    ps = _params()
+    opt = _stepped(vega.optim.AdamW(ps, lr=1e-2, loss_scale=LossScale.dynamic(
+        init=64.0, growth_interval=1)), ps)
+    static = LossScale.static(8.0)
+    other = vega.optim.AdamW(_params(), lr=1e-2, loss_scale=static)
+    with pytest.warns(UserWarning, match=r"^AdamW\.load_state_dict: the state dict holds a "
+                      r"dynamic loss scale, but this optimizer's is static: the saved scale is "
+                      r"not loaded"):
+        other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert static.loss_scale.item() == 8.0 and static.good_steps.item() == -1
+    dynamic = LossScale.dynamic(init=4.0)
+    again = vega.optim.AdamW(_params(), lr=1e-2, loss_scale=dynamic)
+    with pytest.warns(UserWarning, match=r"holds a static loss scale, but this optimizer's is "
+                                         r"dynamic"):
+        again.load_state_dict(copy.deepcopy(other.state_dict()))
+    assert dynamic.loss_scale.item() == 4.0 and dynamic.good_steps.item() == 0
+
+
 # -- another optimizer's state --------------------------------------------------------
 
 def _torch_sgd_state():

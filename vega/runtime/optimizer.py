@@ -979,6 +979,15 @@ class SpecOptimizer(torch.optim.Optimizer):
         elif scale is not None:
             scale = _loaded_scale(f"{type(self).__name__}.load_state_dict", scale,
                                   self.loss_scale)
+            saved_dynamic = int(scale[1]) != -1  # (good_steps: -1 for a static scale)
+            if saved_dynamic != self.loss_scale.is_dynamic:
+                import warnings
+                kinds = ("dynamic", "static") if saved_dynamic else ("static", "dynamic")
+                warnings.warn(f"{type(self).__name__}.load_state_dict: the state dict holds a "
+                              f"{kinds[0]} loss scale, but this optimizer's is {kinds[1]}: "
+                              "the saved scale is not loaded (to resume it, make the "
+                              f"optimizer with LossScale.{kinds[0]}(...))", stacklevel=3)
+                scale = None
         mine = [g.get("state_dtype") for g in self.param_groups]
         super().load_state_dict({k: v for k, v in state_dict.items()
                                  if k not in ("loss_scale", torch_names.RULE_KEY)})
