@@ -420,6 +420,29 @@ def test_rprop_groups_take_torch_etas_and_step_sizes(where):
     assert (group["step_size_min"], group["step_size_max"]) == (1e-3, 0.3)
 
 
+def test_muon_takes_torch_ns_coefficients():
+    """torch.optim.Muon's ns_coefficients=(a, b, c) are vega's a, b, c, where the optimizer is
+    made and in a group (they were refused as an unexpected hyperparameter), and step as
+    torch's; a tuple of another length is refused by name."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 6, generator=gen)
+    coefficients = (2.0, -1.5, 0.5)
+    p, q = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    ours = vega.optim.Muon([{"params": [p], "ns_coefficients": coefficients}], lr=0.02)
+    theirs = torch.optim.Muon([q], lr=0.02, ns_coefficients=coefficients)
+    assert tuple(ours.param_groups[0][n] for n in "abc") == coefficients
+    for _ in range(3):
+        g = torch.randn(8, 6, generator=gen)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    assert_close(p.detach(), q.detach(), rtol=1e-5, scale=1.0, what="parameter")
+    assert not torch.allclose(p, w)
+    with pytest.raises(ValueError, match=r"ns_coefficients=\(3\.0, -4\.0\) must be a tuple of "
+                                         r"3 values, \(a, b, c\)"):
+        vega.optim.Muon([p], ns_coefficients=(3.0, -4.0))
+
+
 def test_a_group_refuses_a_setting_of_torchs_class_the_rule_does_not_take():
     """A group of RAdam with torch.optim.RAdam's weight_decay (or Adam's with its
     decoupled_weight_decay) at another value than the rule's would step as without it: refused

@@ -121,7 +121,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         names = torch_names.beta_names(self.spec)
         if names and "betas" in hypers:
             hypers.update(torch_names.split_betas(owner, names, hypers.pop("betas"), hypers))
-        torch_names.split_pairs(owner, self.spec, hypers)
+        torch_names.split_tuples(owner, self.spec, hypers)
         flags, values = engine.resolve(owner, self.spec.hypers, hypers)
         self.max_grad_norm = max_grad_norm
         self.loss_scale = loss_scale
@@ -225,8 +225,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         engine.shape_values(owner, self.spec._spec, {}, group)
 
     def _betas(self) -> torch_names.BetaSync:
-        """Which of ``betas`` and ``b1``, ``b2``, ... (and Rprop's ``etas``, ``step_sizes``
-        and the values they name) each group last had in step (kept off torch's state: an
+        """Which of ``betas`` and ``b1``, ``b2``, ... (and torch's other tuples and the values
+        they name, ``torch_names.tuple_keys``) each group last had in step (kept off torch's state: an
         unpickled or loaded optimizer starts without)."""
         sync = self.__dict__.get("_vega_betas")
         if sync is None:
@@ -1175,8 +1175,8 @@ def _group_keys(cspec) -> frozenset:
 
 def _optional_keys(cspec) -> frozenset:
     """The keys of a group that a state saved before groups held them may lack: torch's
-    names ``maximize``, ``betas`` (where the spec has ``b1``, ``b2``, ...) and Rprop's
-    ``etas`` and ``step_sizes``, and the precision options (off)."""
+    names ``maximize``, ``betas`` (where the spec has ``b1``, ``b2``, ...) and the other
+    tuples (``torch_names.tuple_keys``), and the precision options (off)."""
     return frozenset({"maximize", *torch_names.tuple_keys(cspec),
                       *(("mode",) if cspec.modes else ()), *_PRECISION_DEFAULTS})
 

@@ -3,7 +3,8 @@
 
 ``betas`` is a second name for a spec's ``b1``, ``b2``, ... (the hyperparameters a spec
 names so), as Rprop's ``etas`` and ``step_sizes`` are for its ``etaminus``, ``etaplus`` and
-``step_size_min``, ``step_size_max`` (``tuple_keys``): a group holds both, and whichever a
+``step_size_min``, ``step_size_max``, and Muon's ``ns_coefficients`` for its ``a``, ``b``,
+``c`` (``tuple_keys``): a group holds both, and whichever a
 caller (or a torch LR scheduler, as ``OneCycleLR(cycle_momentum=True)``) changes, the other
 follows at the next step.
 """
@@ -49,7 +50,7 @@ def _shown_betas(names) -> str:
 def split_betas(owner: str, names: tuple, betas, given: dict, key: str = "betas") -> dict:
     """``betas`` as ``{b1: ..., b2: ...}``; ValueError where it is not a sequence of
     ``len(names)`` values, or where it disagrees with a value ``given`` by its own name.
-    (``key``: torch's name of the tuple, for another of ``PAIRS``.)"""
+    (``key``: torch's name of the tuple, for another of ``TUPLES``.)"""
     if not isinstance(betas, (tuple, list)) or len(betas) != len(names):
         raise ValueError(f"{owner}: {key}={engine.shown(betas)} must be a tuple of "
                          f"{len(names)} values, {_shown_betas(names)}")
@@ -62,20 +63,21 @@ def split_betas(owner: str, names: tuple, betas, given: dict, key: str = "betas"
     return out
 
 
-# torch's other tuple keywords, for the hyperparameters a spec names one by one (Rprop's):
-# accepted where an optimizer is made, split into the spec's names
-PAIRS = {"etas": ("etaminus", "etaplus"), "step_sizes": ("step_size_min", "step_size_max")}
+# torch's other tuple keywords, for the hyperparameters a spec names one by one (Rprop's,
+# Muon's Newton-Schulz coefficients): split into the spec's names, and held by its groups
+TUPLES = {"etas": ("etaminus", "etaplus"), "step_sizes": ("step_size_min", "step_size_max"),
+          "ns_coefficients": ("a", "b", "c")}
 
 
 def tuple_keys(spec) -> dict[str, tuple[str, ...]]:
     """torch's tuple keywords that name a spec's hyperparameters, each with those names:
-    ``betas`` for ``b1``, ``b2``, ..., and each of ``PAIRS`` whose names the spec has."""
+    ``betas`` for ``b1``, ``b2``, ..., and each of ``TUPLES`` whose names the spec has."""
     out = {}
     names = beta_names(spec)
     if names:
         out["betas"] = names
     have = {h.name for h in spec.hypers}
-    out.update((key, pair) for key, pair in PAIRS.items() if set(pair) <= have)
+    out.update((key, pair) for key, pair in TUPLES.items() if set(pair) <= have)
     return out
 
 
@@ -120,10 +122,10 @@ def check_torch_only(owner: str, cls_name: str, only: dict, group: dict) -> None
                              "group would step as without it")
 
 
-def split_pairs(owner: str, spec, hypers: dict) -> None:
-    """``hypers`` with each of ``PAIRS`` the spec has the names of split into them."""
+def split_tuples(owner: str, spec, hypers: dict) -> None:
+    """``hypers`` with each of ``TUPLES`` the spec has the names of split into them."""
     have = {h.name for h in spec.hypers}
-    for key, names in PAIRS.items():
+    for key, names in TUPLES.items():
         if key in hypers and set(names) <= have:
             hypers.update(split_betas(owner, names, hypers.pop(key), hypers, key))
 
