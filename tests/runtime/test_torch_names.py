@@ -441,6 +441,11 @@ def test_muon_takes_torch_ns_coefficients():
     with pytest.raises(ValueError, match=r"ns_coefficients=\(3\.0, -4\.0\) must be a tuple of "
                                          r"3 values, \(a, b, c\)"):
         vega.optim.Muon([p], ns_coefficients=(3.0, -4.0))
+    # (torch's keyword for torch's Muon: a spec of one's own with an a, b and c is not Muon)
+    mine = vega.compile("optimizer abc(a = 1.0, b = 2.0, c = 3.0) {\n  p = p - a * b * c * g\n}")
+    assert "ns_coefficients" not in mine.optimizer([p]).param_groups[0]
+    with pytest.raises(TypeError, match="ns_coefficients"):
+        mine.optimizer([p], ns_coefficients=(1.0, 2.0, 3.0))
 
 
 def test_a_group_refuses_a_setting_of_torchs_class_the_rule_does_not_take():

@@ -71,14 +71,27 @@ TUPLES = {"etas": ("etaminus", "etaplus"), "step_sizes": ("step_size_min", "step
 
 def tuple_keys(spec) -> dict[str, tuple[str, ...]]:
     """torch's tuple keywords that name a spec's hyperparameters, each with those names:
-    ``betas`` for ``b1``, ``b2``, ..., and each of ``TUPLES`` whose names the spec has."""
+    ``betas`` for ``b1``, ``b2``, ...; and each of ``TUPLES`` that torch.optim's class of the
+    spec's class name takes, where the spec has its names (Muon's ``a``, ``b``, ``c`` are
+    ``ns_coefficients``; a spec of its own with hyperparameters of those names is not)."""
     out = {}
     names = beta_names(spec)
     if names:
         out["betas"] = names
     have = {h.name for h in spec.hypers}
-    out.update((key, pair) for key, pair in TUPLES.items() if set(pair) <= have)
+    takes = _torch_keywords(spec.class_name)
+    out.update((key, names) for key, names in TUPLES.items()
+               if key in takes and set(names) <= have)
     return out
+
+
+def _torch_keywords(cls_name: str) -> dict:
+    """The parameters of ``torch.optim.<cls_name>.__init__`` (none where torch has no such
+    optimizer)."""
+    theirs = getattr(torch.optim, cls_name, None)
+    if not (isinstance(theirs, type) and issubclass(theirs, torch.optim.Optimizer)):
+        return {}
+    return dict(inspect.signature(theirs.__init__).parameters)
 
 
 def torch_only(spec) -> dict[str, object]:
@@ -87,14 +100,11 @@ def torch_only(spec) -> dict[str, object]:
     with the value at which torch's rule is the class's: its default there, or
     ``_TORCH_RULES``' (RAdam's ``weight_decay`` 0). A group may hold one at that value, as a
     framework's groups for torch's class do; at another, torch would step another rule."""
-    theirs = getattr(torch.optim, spec.class_name, None)
-    if not (isinstance(theirs, type) and issubclass(theirs, torch.optim.Optimizer)):
-        return {}
     mine = {h.name for h in spec.hypers} | set(tuple_keys(spec)) | {
         "maximize", "differentiable", *_IMPLEMENTATION_KEYWORDS}
     rules = _TORCH_RULES.get(spec.class_name, {})
     return {name: rules.get(name, p.default)
-            for name, p in inspect.signature(theirs.__init__).parameters.items()
+            for name, p in _torch_keywords(spec.class_name).items()
             if name not in ("self", "params") and name not in mine
             and p.default is not inspect.Parameter.empty}
 
@@ -123,10 +133,10 @@ def check_torch_only(owner: str, cls_name: str, only: dict, group: dict) -> None
 
 
 def split_tuples(owner: str, spec, hypers: dict) -> None:
-    """``hypers`` with each of ``TUPLES`` the spec has the names of split into them."""
-    have = {h.name for h in spec.hypers}
-    for key, names in TUPLES.items():
-        if key in hypers and set(names) <= have:
+    """``hypers`` with each of ``TUPLES`` the spec takes (``tuple_keys``) split into the
+    names it gives."""
+    for key, names in tuple_keys(spec).items():
+        if key != "betas" and key in hypers:
             hypers.update(split_betas(owner, names, hypers.pop(key), hypers, key))
 
 
