@@ -363,15 +363,14 @@ def scheduled(name: str, x):
     it is one value: a real number, or a real tensor of one element; else ValueError naming
     the hyperparameter. Its dtype and shape are checked, never its value (no host sync)."""
     if isinstance(x, torch.Tensor):
-        if x.numel() == 1 and not x.is_complex() and x.dtype != torch.bool \
-                and x.layout == torch.strided and x.device.type != "meta":
-            return x
         if x.device.type == "meta" or x.layout != torch.strided:
             what = "a meta tensor" if x.device.type == "meta" else f"a {x.layout} tensor"
             raise ValueError(f"hyperparameter {name!r}: its schedule returned {what}, which "
                              "the step cannot read: a schedule returns one value at a step "
                              "counter, a number or a 0-d float tensor on the counter's "
                              "device")
+        if x.numel() == 1 and not x.is_complex() and x.dtype != torch.bool:
+            return x
         raise ValueError(f"hyperparameter {name!r}: its schedule returned a tensor of shape "
                          f"{tuple(x.shape)} and dtype {x.dtype}; a schedule returns one value "
                          "at a step counter: a number or a 0-d float tensor")

@@ -14,6 +14,7 @@ import inspect
 import math
 import numbers
 import operator
+import warnings
 import weakref
 from itertools import repeat
 
@@ -118,9 +119,6 @@ class SpecOptimizer(torch.optim.Optimizer):
         self.reduce_group = reduce_group
         torch_names.check_keywords(owner, maximize, foreach, fused, capturable, differentiable)
         torch_names.take_rule_keywords(owner, self.spec.class_name, self.spec, hypers)
-        names = torch_names.beta_names(self.spec)
-        if names and "betas" in hypers:
-            hypers.update(torch_names.split_betas(owner, names, hypers.pop("betas"), hypers))
         torch_names.split_tuples(owner, self.spec, hypers)
         flags, values = engine.resolve(owner, self.spec.hypers, hypers)
         self.max_grad_norm = max_grad_norm
@@ -156,7 +154,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                              f"tensors it steps), got one with {sorted(map(str, param_group))}")
         if isinstance(param_group, dict):
             self._check_group_keys(owner, param_group)
-            self._betas().fill(owner, param_group, self.defaults)
+            self._tuples().fill(owner, param_group, self.defaults)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -165,7 +163,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
-        self._betas().remember(group)
+        self._tuples().remember(group)
 
     @staticmethod
     def _check_params(owner: str, group: dict, index: int) -> None:
@@ -224,13 +222,13 @@ class SpecOptimizer(torch.optim.Optimizer):
         engine.resolve(owner, self.spec.hypers, {h.name: group[h.name] for h in self.spec.hypers})
         engine.shape_values(owner, self.spec._spec, {}, group)
 
-    def _betas(self) -> torch_names.BetaSync:
-        """Which of ``betas`` and ``b1``, ``b2``, ... (and torch's other tuples and the values
-        they name, ``torch_names.tuple_keys``) each group last had in step (kept off torch's state: an
-        unpickled or loaded optimizer starts without)."""
-        sync = self.__dict__.get("_vega_betas")
+    def _tuples(self) -> torch_names.TupleSync:
+        """Which of each of torch's tuples (``betas``, ...: ``torch_names.tuple_keys``) and
+        the values it names each group last had in step (kept off torch's state: an unpickled
+        or loaded optimizer starts without)."""
+        sync = self.__dict__.get("_vega_tuples")
         if sync is None:
-            sync = self.__dict__["_vega_betas"] = torch_names.BetaSync(
+            sync = self.__dict__["_vega_tuples"] = torch_names.TupleSync(
                 torch_names.tuple_keys(self.spec))
         return sync
 
@@ -306,7 +304,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         plain = set()  # the positions of those whose tensors are all plain (``_planned_work``)
         if not torch.compiler.is_compiling():  # the states this step makes (``_refused``)
             self.__dict__["_vega_fresh"] = []
-        sync = self._betas()
+        sync = self._tuples()
         try:  # (refused here: the states a first step made in an earlier group are dropped)
             for k, group in enumerate(self.param_groups):
                 if group.get("mode", "train") != "train":
@@ -456,14 +454,15 @@ class SpecOptimizer(torch.optim.Optimizer):
         change in place, each step; the hyperparameters and the precision settings are
         checked each step)."""
         only = self._vega_torch_only
-        now = _settings(group) + (tuple(map(group.get, only)) if only else ())
+        base = _settings(group)
+        now = base + tuple(map(group.get, only)) if only else base
         keep = not torch.compiler.is_compiling() and not isinstance(now[2], dict)
         if keep:
             kept = self.__dict__.setdefault("_vega_group_checked", {})
             last = kept.get(k)
             if last is not None and all(map(operator.is_, now, last)):
                 return
-        self._check_settings_of(f"{type(self).__name__}: group {k}", now[:7])
+        self._check_settings_of(f"{type(self).__name__}: group {k}", base)
         torch_names.check_torch_only(f"{type(self).__name__}: group {k}", self.spec.class_name,
                                      only, group)
         if keep:
@@ -810,19 +809,19 @@ class SpecOptimizer(torch.optim.Optimizer):
                     keep_master=True)
             group["mode"] = name
 
-    def _synced_betas(self, owner: str) -> None:
+    def _synced_tuples(self, owner: str) -> None:
         """Each group's ``betas`` and ``b1``, ``b2``, ... made to agree now, as the next step
-        would (``BetaSync.sync``), before the groups are saved or copied: a loaded or copied
+        would (``TupleSync.sync``), before the groups are saved or copied: a loaded or copied
         group, whose memory of which changed is not saved, then holds the values the step
         would have taken."""
-        sync = self._betas()
+        sync = self._tuples()
         for k, group in enumerate(self.param_groups):
             sync.sync(owner, k, group)
 
     def __getstate__(self) -> dict:
         """torch's (defaults, state, groups) and the fused-step settings (copy.deepcopy,
         pickle)."""
-        self._synced_betas(type(self).__name__)
+        self._synced_tuples(type(self).__name__)
         return {**super().__getstate__(), "max_grad_norm": self.max_grad_norm,
                 "loss_scale": self.loss_scale, "skip_nonfinite": self.skip_nonfinite,
                 "reduce_group": getattr(self, "reduce_group", None)}
@@ -832,7 +831,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         rule's name (the spec's) under ``'vega_rule'``: ``load_state_dict`` refuses the state
         of another rule, whose groups may hold the same keys (Adam's and AdamW's do) with
         another meaning."""
-        self._synced_betas(f"{type(self).__name__}.state_dict")
+        self._synced_tuples(f"{type(self).__name__}.state_dict")
         out = super().state_dict()
         out[torch_names.RULE_KEY] = self.spec.name
         if self.loss_scale is not None:
@@ -851,7 +850,6 @@ class SpecOptimizer(torch.optim.Optimizer):
     def _floats(self, owner: str, state_dict: dict) -> dict:
         """``state_dict`` with each 8-bit state dequantized to float32 and its scales
         dropped (torch.optim keeps float state), with a warning saying so."""
-        import warnings
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [(p, g) for g in self.param_groups for p in g["params"]]
         out, said = dict(state_dict), False
@@ -906,7 +904,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 mine.copy_(saved)  # captured graph replays, stays this optimizer's scale)
         self.state = _counting(self.state)  # (torch's loading made a new defaultdict)
         self._plans().clear()
-        sync = self._betas()
+        sync = self._tuples()
         sync.seen = {id(g): sync.seen[id(g)] for g in self.param_groups if id(g) in sync.seen}
 
     def _check_saved(self, state_dict) -> None:
@@ -971,7 +969,6 @@ class SpecOptimizer(torch.optim.Optimizer):
         originals = {k: dict(v) for k, v in saved.items()}
         scale = state_dict.get("loss_scale")
         if scale is not None and self.loss_scale is None:
-            import warnings
             warnings.warn(f"{type(self).__name__}.load_state_dict: the state dict holds a loss "
                           "scale, but this optimizer has none (loss_scale=None): the saved "
                           "scale is not loaded", stacklevel=3)
@@ -981,7 +978,6 @@ class SpecOptimizer(torch.optim.Optimizer):
                                   self.loss_scale)
             saved_dynamic = int(scale[1]) != -1  # (good_steps: -1 for a static scale)
             if saved_dynamic != self.loss_scale.is_dynamic:
-                import warnings
                 kinds = ("dynamic", "static") if saved_dynamic else ("static", "dynamic")
                 warnings.warn(f"{type(self).__name__}.load_state_dict: the state dict holds a "
                               f"{kinds[0]} loss scale, but this optimizer's is {kinds[1]}: "
@@ -1000,7 +996,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             for key, default in _PRECISION_DEFAULTS.items():
                 group.setdefault(key, default)
             self._check_group(f"{type(self).__name__}.load_state_dict: group {k}", group)
-            self._betas().sync(f"{type(self).__name__}.load_state_dict", k, group)
+            self._tuples().sync(f"{type(self).__name__}.load_state_dict", k, group)
         declared = self.spec._spec.state_names
         for pid, (p, group) in zip(ids, params):
             if pid not in originals or p not in self.state:
@@ -1065,7 +1061,6 @@ class SpecOptimizer(torch.optim.Optimizer):
         """``saved``, one parameter's loaded state, with its 8-bit states as this optimizer
         keeps them (``vega.codegen.quant``): a float state it keeps in 8 bits quantized, an
         8-bit one it keeps in floats dequantized (each with a warning naming it)."""
-        import warnings
         owner = f"{type(self).__name__}.load_state_dict"
         base = self._loading_program(p, group)
         program = self._loading_program(p, group, self._q8(group, [p], fresh=True))

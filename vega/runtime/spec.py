@@ -595,19 +595,17 @@ def _check_masters(owner, params, p_leaves, progs, columns) -> None:
     """ValueError where the state holds a master copy of a parameter that is no longer half
     (made float32 after init): the copy would be passed on untouched, stale, and the
     parameter step on from its rounded value."""
-    if engine.MASTER in columns:
-        col = columns[engine.MASTER]
-        if same(progs, [progs[0]] * len(progs)):  # (one program, with the copies: the rule)
-            return
-        for i, prog in enumerate(progs):
-            if prog is not None and col[i] is not None \
-                    and engine.MASTER not in prog.state_names:
-                path = _paths(params, p_leaves)[i]
-                raise ValueError(
-                    f"{owner}: state leaf '{_label(engine.MASTER, lambda: path)}' is a master "
-                    f"copy, but params leaf '{path}' is {p_leaves[i].dtype}, its own master "
-                    "copy: to step on from the copy, set the parameter to it and the leaf to "
-                    "None")
+    # (one program for all, the field's: the common case)
+    if engine.MASTER not in columns or same(progs, [progs[0]] * len(progs)):
+        return
+    col = columns[engine.MASTER]
+    for i, prog in enumerate(progs):
+        if prog is not None and col[i] is not None and engine.MASTER not in prog.state_names:
+            path = _paths(params, p_leaves)[i]
+            raise ValueError(
+                f"{owner}: state leaf '{_label(engine.MASTER, lambda: path)}' is a master "
+                f"copy, but params leaf '{path}' is {p_leaves[i].dtype}, its own master "
+                "copy: to step on from the copy, set the parameter to it and the leaf to None")
 
 
 def _check_state(owner, cspec, flags, names, state, p_spec, shaped=()):

@@ -133,10 +133,10 @@ def check_torch_only(owner: str, cls_name: str, only: dict, group: dict) -> None
 
 
 def split_tuples(owner: str, spec, hypers: dict) -> None:
-    """``hypers`` with each of ``TUPLES`` the spec takes (``tuple_keys``) split into the
-    names it gives."""
+    """``hypers`` with each of torch's tuples the spec takes (``tuple_keys``: ``betas``, and
+    those of ``TUPLES``) split into the names it gives."""
     for key, names in tuple_keys(spec).items():
-        if key != "betas" and key in hypers:
+        if key in hypers:
             hypers.update(split_betas(owner, names, hypers.pop(key), hypers, key))
 
 
@@ -163,13 +163,12 @@ def take_rule_keywords(owner: str, cls_name: str, spec, hypers: dict) -> None:
     ``hypers`` where the class has no hyperparameter of the name: at the value where torch's
     rule is this class's, a keyword torch's own class takes; ValueError at another."""
     names = {h.name for h in spec.hypers}
-    theirs = getattr(torch.optim, cls_name, None)
-    takes = inspect.signature(theirs.__init__).parameters if theirs is not None else {}
+    takes = _torch_keywords(cls_name)
     for name, value in _TORCH_RULES.get(cls_name, {}).items():
         if name not in hypers or name in names or name not in takes or name == "weight_decay":
             continue
         given = hypers.pop(name)
-        if not (isinstance(given, (bool, int)) and bool(given) == value):  # (torch takes 0)
+        if not _at(given, value):
             other = " (vega.optim.AdamW)" if cls_name == "Adam" else ""
             raise ValueError(f"{owner}: {name}={engine.shown(given)}: vega.optim.{cls_name}'s "
                              f"rule is torch's at {name}={value}; another rule is another "
@@ -186,7 +185,7 @@ def negated(grads: list) -> list:
     return [None if g is None else next(neg) for g in grads]
 
 
-class BetaSync:
+class TupleSync:
     """Each group's torch tuples (``betas``; Rprop's ``etas``, ``step_sizes``: ``tuple_keys``)
     as last seen in step with the hyperparameters they name: which of the two names a caller
     changed since (kept off torch's state, by the group)."""
