@@ -2,6 +2,7 @@
 RANK WORLD OUTDIR CHECK...``. Each check asserts; the rank prints one JSON line of what
 it measured (largest differences, collectives counted) at the end."""
 import copy
+import functools
 import json
 import os
 import sys
@@ -272,6 +273,45 @@ def dcp_resume(wrap: str = "fsdp", q8: bool = False) -> None:
     found[f"dcp-{wrap}{'-q8' if q8 else ''}"] = "bitwise"
 
 
+def full_state_dict(cls_name: str) -> None:
+    """get_state_dict / set_state_dict with ``full_state_dict=True`` (whole tensors, which
+    torch gives back as DTensors, its 0-d values as plain tensors) under FSDP2, then two
+    more steps: bitwise those of the run that went on, for a rule with states of one number
+    (Prodigy's ``d``, D-Adaptation's, schedule-free's ``weight_sum``)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                         set_state_dict)
+    cls = getattr(vega.optim, cls_name)
+    options = StateDictOptions(full_state_dict=True)
+
+    def make():
+        net = sharded(model())
+        return net, cls(net.parameters(), lr=1e-2 if cls_name == "AdamW" else 1.0)
+
+    def steps(net, opt, ks):
+        for k in ks:
+            opt.zero_grad()
+            loss_of(net, k).backward()
+            opt.step()
+    net, opt = make()
+    steps(net, opt, range(2))
+    msd, osd = get_state_dict(net, opt, options=options)
+    net2, opt2 = make()
+    set_state_dict(net2, opt2, model_state_dict=msd, optim_state_dict=osd, options=options)
+    steps(net, opt, range(2, 4))
+    steps(net2, opt2, range(2, 4))
+    for p, q in zip(net.parameters(), net2.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), (RANK, cls_name)
+        assert opt.state[p].keys() == opt2.state[q].keys(), (RANK, cls_name)
+        for key, a in opt.state[p].items():
+            b = opt2.state[q][key]
+            assert type(a) is type(b) and a.dtype == b.dtype, (RANK, cls_name, key)
+            if type(a).__name__ == "DTensor":
+                assert a.placements == b.placements, (RANK, cls_name, key)
+                a, b = a.to_local(), b.to_local()
+            assert torch.equal(a, b), (RANK, cls_name, key)
+    found.setdefault("full-state-dict", {})[cls_name] = "bitwise"
+
+
 def docs_example() -> None:
     """docs/distributed.md's FSDP2 example, its train() in this process group: it learns."""
     from pathlib import Path
@@ -320,9 +360,9 @@ def zero_against_ddp(cls=vega.optim.AdamW, lr=1e-2, key="zero", **hypers) -> Non
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp, zero = DDP(model()), DDP(model())
     opt_ddp = cls(ddp.parameters(), lr=lr, max_grad_norm=1.0, **hypers)
-    opt_zero = ZeroRedundancyOptimizer(zero.parameters(), optimizer_class=cls,
-                                       lr=lr, max_grad_norm=1.0, **hypers,
-                                       reduce_group=dist.group.WORLD)
+    opt_zero = ZeroRedundancyOptimizer(
+        zero.parameters(), lr=lr, max_grad_norm=1.0, **hypers,
+        optimizer_class=functools.partial(cls, reduce_group=dist.group.WORLD))
     for k in range(5):
         for m, o in ((ddp, opt_ddp), (zero, opt_zero)):
             o.zero_grad()
@@ -335,6 +375,57 @@ def zero_against_ddp(cls=vega.optim.AdamW, lr=1e-2, key="zero", **hypers) -> Non
     if cls is vega.optim.Prodigy:  # (the estimate is the same in every tensor)
         d = [s["d"] for s in opt_ddp.state.values()]
         assert all(torch.equal(x, d[0]) for x in d), d
+
+
+def zero_save(cls_name: str) -> None:
+    """A checkpoint of ZeroRedundancyOptimizer over a vega class with its reduce_group given
+    through ``functools.partial`` (out of ZeRO's groups, which its state_dict pickles):
+    consolidated on rank 0, saved, loaded into a fresh ZeRO on every rank; the next steps
+    are bitwise those of the run that went on. Given as ZeRO's keyword, the group is in
+    ZeRO's groups: a warning says so, and consolidating still works (the wrapped
+    optimizer's state dict leaves it out)."""
+    import warnings
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    cls = getattr(vega.optim, cls_name)
+    lr = 1e-2 if cls_name == "AdamW" else 0.1
+    path = os.path.join(OUT, f"zero-{cls_name}.pt")
+
+    def make():
+        net = DDP(model())
+        return net, ZeroRedundancyOptimizer(
+            net.parameters(), lr=lr,
+            optimizer_class=functools.partial(cls, reduce_group=dist.group.WORLD))
+
+    def steps(net, opt, ks):
+        for k in ks:
+            opt.zero_grad()
+            x, y = batch(10 * k + RANK)
+            ((net(x) - y) ** 2).sum().backward()
+            opt.step()
+    net, opt = make()
+    steps(net, opt, range(2))
+    opt.consolidate_state_dict(to=0)
+    if RANK == 0:
+        torch.save(opt.state_dict(), path)
+    dist.barrier()
+    net2, opt2 = make()
+    net2.load_state_dict(net.state_dict())
+    opt2.load_state_dict(torch.load(path, weights_only=False))
+    steps(net, opt, range(2, 4))
+    steps(net2, opt2, range(2, 4))
+    for p, q in zip(net.parameters(), net2.parameters()):
+        assert torch.equal(p, q), (RANK, cls_name)
+        for key, a in opt.optim.state.get(p, {}).items():
+            assert torch.equal(a, opt2.optim.state[q][key]), (RANK, cls_name, key)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        kept = ZeroRedundancyOptimizer(DDP(model()).parameters(), optimizer_class=cls, lr=lr,
+                                       reduce_group=dist.group.WORLD)
+    assert any("functools.partial" in str(w.message) for w in seen), (RANK, cls_name)
+    kept.consolidate_state_dict(to=0)
+    found.setdefault("zero-save", {})[cls_name] = "bitwise"
 
 
 def functions_over_group() -> None:
@@ -408,8 +499,9 @@ def functions_over_group() -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp, zero = DDP(model()), DDP(model())
     opt_ddp = vega.optim.LBFGS(ddp.parameters(), lr=0.1, memory_size=3)
-    opt_zero = ZeroRedundancyOptimizer(zero.parameters(), optimizer_class=vega.optim.LBFGS,
-                                       lr=0.1, memory_size=3, reduce_group=group)
+    opt_zero = ZeroRedundancyOptimizer(
+        zero.parameters(), lr=0.1, memory_size=3,
+        optimizer_class=functools.partial(vega.optim.LBFGS, reduce_group=group))
     for k in range(4):
         for m, o in ((ddp, opt_ddp), (zero, opt_zero)):
             o.zero_grad()
@@ -662,6 +754,10 @@ def main() -> None:
         elif check == "triton-nan":  # (LAMB's norms, split by shards, in Triton's phases)
             nan_skips_with(vega.optim.LAMB, backend="triton")
             found[check] = "skipped"
+        elif check.startswith("zero-save-"):
+            zero_save(check.removeprefix("zero-save-"))
+        elif check.startswith("full-"):
+            full_state_dict(check.removeprefix("full-"))
         elif check.startswith("triton-"):
             fsdp_against_unsharded(check.removeprefix("triton-"), backend="triton")
         else:

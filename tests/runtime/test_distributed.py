@@ -6,7 +6,8 @@ shard splits; SGD with momentum; a rule with every other reduction, max included
 per-tensor reductions alone, in two stages, which the C kernels' phases step); the
 collectives of each step counted (one per stage of
 reductions, for all tensors at once); a NaN in one rank's shard skips the step on every rank;
-``torch.distributed.checkpoint`` resumes bitwise under FSDP2 and DDP; the example of
+``torch.distributed.checkpoint`` resumes bitwise under FSDP2 and DDP, and so do full state
+dicts (``full_state_dict=True``) of rules with states of one number; the example of
 docs/distributed.md trains; ``ZeroRedundancyOptimizer`` with
 ``reduce_group`` matches DDP, for the spec classes and for LBFGS; the gradient functions
 (``global_norm``, ``clip_by_global_norm``, ``grads_finite``, ``LossScale.step``) span a
@@ -76,7 +77,9 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     found = launch(2, ["AdamW", "LAMB", "Adafactor", "SGD", "reductions", "per_tensor", "nan",
                        "dcp",
                        "dcp-ddp", "zero", "docs", "functions", "Prodigy", "zero-prodigy",
-                       "muon-fsdp", "uneven", "q8", "q8-load", "dcp-q8"],
+                       "muon-fsdp", "uneven", "q8", "q8-load", "dcp-q8", "full-AdamW",
+                       "full-Prodigy", "full-DAdaptAdamW", "full-ScheduleFreeAdamW",
+                       "zero-save-AdamW", "zero-save-LBFGS"],
                    tmp_path)
     assert found[0] == found[1]  # every rank saw the same
     for name, collectives, staged in (("AdamW", 1, []), ("LAMB", 2, ["c"]),
@@ -104,6 +107,11 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     assert found[0]["q8"]["steps"] == 16 and found[0]["q8"]["aligned"] <= 1e-9
     assert found[0]["q8-load"] == "converted"
     assert found[0]["dcp-fsdp-q8"] == "bitwise"
+    # ZeRO's checkpoints (reduce_group through functools.partial)
+    assert found[0]["zero-save"] == {"AdamW": "bitwise", "LBFGS": "bitwise"}
+    # full (unsharded) state dicts, whose 0-d values torch loads as plain tensors
+    assert found[0]["full-state-dict"] == dict.fromkeys(
+        ("AdamW", "Prodigy", "DAdaptAdamW", "ScheduleFreeAdamW"), "bitwise")
     # global_norm, clip_by_global_norm, lbfgs_step and LBFGS under ZeRO, over reduce_group
     # and over DTensor leaves (the script checks the skips and counts the collectives)
     assert set(found[0]["functions"]) == {"norm", "clip", "lbfgs", "lbfgs-zero",

@@ -432,6 +432,8 @@ class LBFGS(torch.optim.Optimizer):
         if self.param_groups:
             raise ValueError("LBFGS does not support per-parameter options (parameter groups): "
                              "its curvature pairs span all parameters")
+        if isinstance(param_group, dict):
+            sharded.warn_group_objects("LBFGS", self, param_group)
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
             if not is_steppable(p):
@@ -487,6 +489,11 @@ class LBFGS(torch.optim.Optimizer):
             shared["weights"], shared["step"], lr, m, group["scale_init_precond"], True,
             self.reduce_group)
         return loss
+
+    def state_dict(self) -> dict:
+        """torch's, without a ``reduce_group`` that ``ZeroRedundancyOptimizer`` put in the
+        group (``sharded.without_group_objects``)."""
+        return sharded.without_group_objects(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, keeping the saved dtypes (torch would cast state to each

@@ -154,6 +154,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                              f"tensors it steps), got one with {sorted(map(str, param_group))}")
         if isinstance(param_group, dict):
             self._check_group_keys(owner, param_group)
+            sharded.warn_group_objects(owner, self, param_group)
             self._tuples().fill(owner, param_group, self.defaults)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -832,7 +833,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         of another rule, whose groups may hold the same keys (Adam's and AdamW's do) with
         another meaning."""
         self._synced_tuples(f"{type(self).__name__}.state_dict")
-        out = super().state_dict()
+        out = sharded.without_group_objects(self, super().state_dict())
         out[torch_names.RULE_KEY] = self.spec.name
         if self.loss_scale is not None:
             out["loss_scale"] = dict(zip(LEAVES, self.loss_scale.tensors()))
@@ -1034,7 +1035,25 @@ class SpecOptimizer(torch.optim.Optimizer):
                     self.state[p][name] = value.to(device=p.device, dtype=torch.int32).clone()
                 elif value.is_floating_point() or value.is_complex():
                     self.state[p][name] = value.to(device=p.device, dtype=sd).clone()
+                if is_dtensor(p) and not is_dtensor(self.state[p][name]):
+                    self.state[p][name] = self._replicated(p, group, name,
+                                                           self.state[p][name])
         return scale
+
+    def _replicated(self, p, group, name, value: torch.Tensor):
+        """A plain tensor loaded as the state of one number of DTensor ``p`` (Prodigy's
+        ``d``): torch's loading of a full state dict (``set_state_dict`` with
+        ``full_state_dict=True``) gives every 0-d value as a plain tensor, as it does
+        torch's ``step``; the step keeps such a state replicated over ``p``'s mesh. Other
+        states are left as they are (a step names them)."""
+        doms = {s.name: s.dom for s in self._loading_program(p, group).states}
+        if doms.get(name) != sharded.SCALAR_STATE or value.numel() != 1:
+            return value
+        from torch.distributed.tensor import DTensor
+        mesh = p.device_mesh
+        return DTensor.from_local(value.reshape(()).to(p.to_local().device), mesh,
+                                  sharded.state_placements(p, sharded.SCALAR_STATE),
+                                  run_check=False)
 
     def _q8(self, group, params, fresh: bool = False) -> list[frozenset] | None:
         """``_q8`` of a group's parameters: as their states hold them (``fresh``: as the

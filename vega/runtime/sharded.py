@@ -58,6 +58,46 @@ def check_group(owner: str, group) -> None:
                          "processes)")
 
 
+# A whole optimizer's settings that are objects of its own (a process group, a loss scale),
+# not values: ZeroRedundancyOptimizer keeps the keywords it passes on in its parameter groups
+# and copies them into the groups of the optimizer it wraps, where they are the optimizer's.
+OWN_OBJECTS = ("reduce_group", "loss_scale")
+
+
+def warn_group_objects(owner: str, optimizer, group: dict) -> None:
+    """Warn where a parameter group holds ``optimizer``'s process group or loss scale (as
+    ``ZeroRedundancyOptimizer``'s groups do where they are its keywords): its state dict, of
+    those groups, cannot be saved (a process group cannot be pickled), and a loaded one
+    would hold another loss scale object. Given through ``functools.partial``, they stay
+    out of the groups."""
+    import warnings
+    held = [k for k in OWN_OBJECTS
+            if k in group and group[k] is not None and group[k] is getattr(optimizer, k, None)]
+    if held:
+        given = ", ".join(f"{k}=..." for k in held)
+        warnings.warn(
+            f"{owner}: a parameter group holds this optimizer's {' and '.join(held)} (as "
+            "ZeroRedundancyOptimizer keeps the keywords it passes on in its groups): a state "
+            "dict of such groups cannot be saved (a process group cannot be pickled) or "
+            f"loaded; give them with optimizer_class=functools.partial({owner}, {given}) "
+            "(docs/distributed.md)", stacklevel=4)
+
+
+def without_group_objects(optimizer, state_dict: dict) -> dict:
+    """``state_dict`` with each group's entries of ``OWN_OBJECTS`` that are ``optimizer``'s
+    own left out: not state (the loss scale's tensors are saved beside the groups), and a
+    process group cannot be pickled (``ZeroRedundancyOptimizer.consolidate_state_dict``
+    pickles the state dict of the optimizer it wraps)."""
+    groups = state_dict.get("param_groups")
+    if not any(k in g and g[k] is not None and g[k] is getattr(optimizer, k, None)
+               for g in groups or () for k in OWN_OBJECTS):
+        return state_dict
+    return {**state_dict, "param_groups": [
+        {k: v for k, v in g.items()
+         if not (k in OWN_OBJECTS and v is not None and v is getattr(optimizer, k, None))}
+        for g in groups]}
+
+
 def group_device(group) -> torch.device:
     """Where a tensor the collectives of ``group`` take lives: this process's CUDA device
     for an NCCL group, the CPU otherwise (gloo; None: no group)."""
