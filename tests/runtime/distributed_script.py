@@ -337,6 +337,20 @@ def muon_refused() -> None:
         assert "need each tensor whole on one process" in str(err), err
         found["muon-fsdp"] = "refused"
     assert all(torch.equal(p.full_tensor(), b) for p, b in zip(net.parameters(), before))
+    # L-BFGS's inner products take whole tensors: refused as clearly, before it makes any
+    # state (its ring buffers hold memory_size copies of each parameter), in both APIs
+    lbfgs = vega.optim.LBFGS(net.parameters(), lr=0.1)
+    for step in (lbfgs.step, lambda: vega.lbfgs_step(
+            dict(net.named_parameters()), {n: p.grad for n, p in net.named_parameters()},
+            vega.lbfgs_init({"x": torch.zeros(1)}))):
+        try:
+            step()
+            raise AssertionError("an L-BFGS step over DTensors was taken")
+        except ValueError as err:
+            assert "L-BFGS does not step DTensors" in str(err), err
+    assert not lbfgs.state
+    assert all(torch.equal(p.full_tensor(), b) for p, b in zip(net.parameters(), before))
+    found["lbfgs-fsdp"] = "refused"
 
 
 def uneven_refused() -> None:

@@ -100,7 +100,7 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     assert found[0]["docs"] == "learns"  # docs/distributed.md's example
     assert found[0]["zero"]["diff"] <= 1e-9
     assert found[0]["zero-prodigy"]["diff"] <= 1e-9
-    assert found[0]["muon-fsdp"] == "refused"
+    assert found[0]["muon-fsdp"] == found[0]["lbfgs-fsdp"] == "refused"
     assert found[0]["uneven"] == "refused"  # (on every rank: found[0] == found[1])
     # 8-bit state: each step of each shard is the plain 8-bit step of the shard (16 of
     # them, checked bitwise); shards on block boundaries match the unsharded tensor

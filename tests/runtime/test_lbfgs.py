@@ -335,7 +335,7 @@ def test_donate_updates_in_place_and_agrees_with_pure():
     assert vega.state_names(got_state) == vega.state_names(want_state)
 
 
-def test_non_float_leaves_and_missing_grads_pass_through():
+def test_non_float_leaves_pass_through_and_a_leaf_without_gradients_stays():
     params = {**make_params(), "idx": torch.arange(4), "frozen": torch.ones(2, dtype=torch.float64)}
     u, y = consts()
     state = lbfgs_init(params, memory_size=3)
@@ -343,13 +343,49 @@ def test_non_float_leaves_and_missing_grads_pass_through():
     for _ in range(5):
         g = {**grad(p, u, y), "idx": None, "frozen": None}
         p, state = lbfgs_step(p, g, state)
-    assert p["idx"] is params["idx"] and p["frozen"] is params["frozen"]
-    assert state["diff_params"]["idx"] is None
+    assert p["idx"] is params["idx"] and state["diff_params"]["idx"] is None
+    # (a None gradient is a zero one: a leaf that never has one never moves)
+    assert torch.equal(p["frozen"], params["frozen"])
     assert torch.equal(state["diff_params"]["frozen"], torch.zeros(3, 2, dtype=torch.float64))
     # the stepped leaves follow optax over just those leaves
     _, _, jp, _ = run_both(memory_size=3, steps=5)
     for name in jp:
         assert_close(p[name], jp[name], name)
+
+
+def _quadratic(dim: int = 6):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(dim, dim, generator=gen, dtype=torch.float64)
+    return q @ q.T + torch.eye(dim, dtype=torch.float64), torch.randn(dim, generator=gen,
+                                                                       dtype=torch.float64)
+
+
+def test_a_missing_gradient_is_a_zero_gradient():
+    # every other step one parameter has no gradient: the class and the functional step
+    # take it as a zero gradient (as torch.optim.LBFGS does), bitwise, and stay bounded on a
+    # convex quadratic (leaving it out paired ring-buffer slots of other steps with this
+    # step's weight: the loss reached 1e15)
+    a, c = _quadratic()
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.full((2,), 0.5, dtype=torch.float64))
+    opt = LBFGS([w, b], lr=1.0, memory_size=3)
+    params = {"w": w.detach().clone(), "b": b.detach().clone()}
+    state = lbfgs_init(params, memory_size=3)
+
+    def loss_of(x):
+        return 0.5 * x @ a @ x - c @ x
+    for k in range(40):
+        opt.zero_grad()
+        loss_of(torch.cat([w, b])).backward()
+        if k % 2:
+            b.grad = None
+        opt.step()
+        x = torch.cat([params["w"], params["b"]]).requires_grad_()
+        gw, gb = torch.autograd.grad(loss_of(x), x)[0].split([4, 2])
+        params, state = lbfgs_step(params, {"w": gw, "b": None if k % 2 else gb}, state)
+        assert torch.equal(w.detach(), params["w"]) and torch.equal(b.detach(), params["b"]), k
+    assert torch.equal(opt.state[b]["diff_updates"], state["diff_updates"]["b"])
+    assert abs(float(loss_of(torch.cat([w, b])))) < 10  # (it was 4.8e15)
 
 
 def test_requires_grad_is_kept():
@@ -656,6 +692,17 @@ def test_optimizer_class_validates():
         LBFGS(lin.parameters(), memory_size=0)
     with pytest.raises(ValueError, match="parameter groups"):
         LBFGS([{"params": [lin.weight]}, {"params": [lin.bias]}])
+    # torch.optim.LBFGS's keywords: what they are here
+    with pytest.raises(TypeError, match=r"history_size=5 is torch.optim.LBFGS's name; give "
+                                        r"memory_size=\.\.\."):
+        LBFGS(lin.parameters(), history_size=5)
+    for key, value in (("max_iter", 20), ("line_search_fn", "strong_wolfe"),
+                       ("tolerance_grad", 1e-7)):
+        with pytest.raises(TypeError, match=f"{key}=.* torch.optim.LBFGS's line search and "
+                                            "inner loop; vega's LBFGS is optax's rule"):
+            LBFGS(lin.parameters(), **{key: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'momentum'"):
+        LBFGS(lin.parameters(), momentum=0.9)
     half = LBFGS(torch.nn.Linear(2, 1).half().parameters())
     for p in half.param_groups[0]["params"]:
         p.grad = torch.ones_like(p)

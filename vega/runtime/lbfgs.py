@@ -48,9 +48,11 @@ since it takes the real part of every inner product. Its state is complex: a rea
 complex one keeps its real counterpart for a real parameter. Half-precision parameters
 keep float32 state by default (``state_dtype``), as vega's other optimizers do.
 The inner products and ``weights`` are in float64 if any state leaf is float64,
-else in float32. A float leaf whose gradient is ``None`` is left out of the
-step: it and its state stay as they were (the curvature pairs then cover only
-the leaves that have gradients).
+else in float32. A float leaf whose gradient is ``None`` steps with a zero gradient,
+as torch.optim.LBFGS takes it (the loss does not depend on it): the curvature pairs
+span every leaf at every step, and a leaf that never has a gradient never moves.
+DTensor parameters (FSDP2) are refused; under DDP or ZeroRedundancyOptimizer,
+``reduce_group`` spans the ranks.
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ from functools import partial
 import torch
 
 from vega.codegen.steps import advance_steps
-from vega.codegen.tensors import dense, not_dense
+from vega.codegen.tensors import dense, is_dtensor, not_dense
 from vega.runtime import sharded
 from vega.runtime.engine import check_state_dtype, shown, state_dtype_for
 from vega.runtime.spec import _check_leaves, _label, flatten_pair, stepped
@@ -223,6 +225,28 @@ def _check_state_leaves(owner: str, name, p: torch.Tensor, leaves: dict, m: int)
         dtype = s.dtype
 
 
+def _zero_for_none(p, g):
+    """A gradient of ``None`` for a parameter that steps is a zero gradient (as
+    torch.optim.LBFGS takes it): the loss does not depend on the parameter, and the curvature
+    pairs span every parameter at every step. (Leaving it out of a step would pair its part
+    of the ring buffers, written at another step, with this step's weight.)"""
+    if g is None and isinstance(p, torch.Tensor) and is_steppable(p) and dense(p):
+        return torch.zeros_like(p)
+    return g
+
+
+def _refuse_dtensors(owner: str, params) -> None:
+    """ValueError for a DTensor parameter (FSDP2, tensor parallel), before any state is
+    made: the two-loop recursion's inner products take whole parameters."""
+    for i, p in enumerate(params):
+        if is_dtensor(p):
+            raise ValueError(f"{owner}: parameter {i} is a DTensor (placements "
+                             f"{tuple(p.placements)}): L-BFGS does not step DTensors (its "
+                             "inner products take whole tensors); under DDP or "
+                             "ZeroRedundancyOptimizer give it reduce_group "
+                             "(docs/distributed.md)")
+
+
 def _real(x: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(x.resolve_conj()) if x.is_complex() else x
 
@@ -363,6 +387,8 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
     _check_bool(owner, "scale_init_precond", scale_init_precond)
     _check_bool(owner, "donate", donate)
     p_leaves, p_spec, g_leaves = flatten_pair(owner, params, grads)
+    _refuse_dtensors(owner, p_leaves)
+    g_leaves = [_zero_for_none(p, g) for p, g in zip(p_leaves, g_leaves)]
     m = _check_state(owner, state, p_spec, memory_size)
     cols = {f: flatten(state[f])[0] for f in TREE_FIELDS}
     idx = stepped(owner, params, p_leaves, g_leaves, lambda i, name, p: _check_state_leaves(
@@ -395,6 +421,26 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
 
 # -- torch.optim ------------------------------------------------------------------------
 
+_TORCH_LBFGS = ("history_size", "max_iter", "max_eval", "tolerance_grad", "tolerance_change",
+                "line_search_fn")
+
+
+def _refuse_torch_keywords(owner: str, given: dict) -> None:
+    """TypeError for a keyword the class does not take, saying what torch.optim.LBFGS's
+    keywords are here: ``history_size`` is ``memory_size``; the others set its line search
+    and inner loop, which this fixed-rate rule has not."""
+    for key in given:
+        if key == "history_size":
+            raise TypeError(f"{owner}: history_size={shown(given[key])} is torch.optim.LBFGS's "
+                            "name; give memory_size=..., the number of curvature pairs kept")
+        if key in _TORCH_LBFGS:
+            raise TypeError(f"{owner}: {key}={shown(given[key])} is a keyword of "
+                            "torch.optim.LBFGS's line search and inner loop; vega's LBFGS is "
+                            "optax's rule at a fixed rate: one update a step from the "
+                            "gradients in p.grad, no line search (docs/optimizers.md)")
+        raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {key!r}")
+
+
 class LBFGS(torch.optim.Optimizer):
     """L-BFGS at a fixed rate as a ``torch.optim.Optimizer``: the rule of ``lbfgs_step``.
 
@@ -413,8 +459,9 @@ class LBFGS(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1.0, memory_size: int = 10, scale_init_precond: bool = True,
-                 *, state_dtype: torch.dtype | None = None, reduce_group=None):
+                 *, state_dtype: torch.dtype | None = None, reduce_group=None, **torch_only):
         owner = "LBFGS"
+        _refuse_torch_keywords(owner, torch_only)
         sharded.check_group(owner, reduce_group)
         self.reduce_group = reduce_group
         lr = _check_lr(owner, lr)
@@ -466,7 +513,8 @@ class LBFGS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter that has a gradient; returns the closure's loss."""
+        """One update of every parameter (a ``None`` gradient is a zero one), unless none
+        has a gradient; returns the closure's loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -474,17 +522,18 @@ class LBFGS(torch.optim.Optimizer):
         group = self.param_groups[0]
         lr = _check_lr("LBFGS", group["lr"])
         _check_bool("LBFGS", "scale_init_precond", group["scale_init_precond"])
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params and self.reduce_group is None:  # (in a group, the others' products
-            return loss                               # need this rank's collectives)
+        params = group["params"]
+        if self.reduce_group is None and all(p.grad is None for p in params):
+            return loss  # (in a group, the others' products need this rank's collectives)
+        _refuse_dtensors("LBFGS", params)
         for p in params:
-            if p.grad.is_sparse:
+            if p.grad is not None and p.grad.is_sparse:
                 raise ValueError("LBFGS does not support sparse gradients")
         shared = self._shared(group)
         states = [self._param_state(p, group) for p in params]
         m = shared["weights"].shape[0]
         _, _, _, _, _, _, shared["step"] = _lbfgs(
-            [_real(p) for p in params], [_real(p.grad) for p in params],
+            [_real(p) for p in params], [_real(_zero_for_none(p, p.grad)) for p in params],
             *([_real(st[f]) for st in states] for f in TREE_FIELDS),
             shared["weights"], shared["step"], lr, m, group["scale_init_precond"], True,
             self.reduce_group)
