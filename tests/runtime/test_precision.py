@@ -813,3 +813,34 @@ def test_a_complex_parameter_refuses_a_real_state_dtype():
     p = {"z": torch.randn(4, dtype=torch.complex64)}
     with pytest.raises(ValueError, match=r"state_dtype\['nu'\]=torch.bfloat16: a complex "):
         vega.adamw_init(p, state_dtype={"nu": torch.bfloat16})
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("c", marks=needs_c)])
+def test_a_complex_state_dtype_resumes_from_its_own_state_dict(backend):
+    """A complex state_dtype (the one state_dtype a model of real and complex parameters can
+    give all of them) keeps its real counterpart for the real ones, and loading the
+    optimizer's own state dict keeps it so: the steps after are bitwise those of the run
+    that went on (loading made the real parameters' states complex, and the next step
+    refused them)."""
+    g = torch.Generator().manual_seed(0)
+
+    def run(reload: bool):
+        z = torch.randn(10, 10, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+        w = torch.randn(7, generator=torch.Generator().manual_seed(2))
+        z.requires_grad_(), w.requires_grad_()
+        opt = vega.optim.AdamW([z, w], lr=1e-2, state_dtype=torch.complex128, backend=backend)
+        for k in range(4):
+            if k == 2 and reload:
+                opt.load_state_dict(opt.state_dict())
+            z.grad = torch.randn(z.shape, dtype=z.dtype, generator=g.manual_seed(10 + k))
+            w.grad = torch.randn(w.shape, generator=g.manual_seed(20 + k))
+            opt.step()
+        return z, w, opt
+    z, w, opt = run(True)
+    z2, w2, opt2 = run(False)
+    assert opt.state[w]["mu"].dtype == torch.float64
+    assert opt.state[z]["mu"].dtype == torch.complex128
+    assert torch.equal(z, z2) and torch.equal(w, w2)
+    for p, q in ((z, z2), (w, w2)):
+        for key in ("mu", "nu", "step"):
+            assert torch.equal(opt.state[p][key], opt2.state[q][key]), key

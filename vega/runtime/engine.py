@@ -394,8 +394,11 @@ def _fits(x: numbers.Real) -> bool:
 
 
 def state_dtype_for(p: torch.Tensor, state_dtype: torch.dtype | None) -> torch.dtype:
-    """float32 state for bfloat16/float16 parameters by default, else the parameter's."""
+    """float32 state for bfloat16/float16 parameters by default, else the parameter's; a
+    complex ``state_dtype`` given for a real parameter its real counterpart."""
     if state_dtype is not None:
+        if state_dtype.is_complex and not p.is_complex():
+            return state_dtype.to_real()
         return state_dtype
     real = p.real.dtype if p.is_complex() else p.dtype
     base = torch.float32 if real in (torch.bfloat16, torch.float16) else real
