@@ -481,6 +481,36 @@ def test_distributed_checkpoint_round_trip(tmp_path):
     _same_state(opt, model, opt2, model2)
 
 
+@pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning")
+def test_a_distributed_checkpoint_of_8bit_state_loaded_as_float_state_is_refused(tmp_path):
+    """torch.distributed.checkpoint loads into the state dict of the optimizer given: one of
+    float state has no scales, so an 8-bit checkpoint's codes came as float values (0 to 254
+    where the moments were 1e-3) with no word. Refused, naming the state (dcp.load itself
+    wrote them into the optimizer's state tensors: loading changes nothing more)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    model = _model()
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    _train(model, opt, 3, seed=1)
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path))
+    model2 = _model()
+    opt2 = vega.optim.AdamW(model2.parameters(), lr=1e-2)
+    _train(model2, opt2, 1, seed=3)
+    target = {"optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    before = {k: {n: v.clone() for n, v in st.items()} for k, st in opt2.state.items()}
+    with pytest.raises(ValueError, match=r"state 'mu' of parameter \S+ was saved in 8 bits "
+                                         r"\(its group's state_dtype is torch.uint8\), but "
+                                         r"holds torch.float32 values without its scales"):
+        set_optimizer_state_dict(model2, opt2, target["optim"])
+    assert all(torch.equal(v, before[k][n]) for k, st in opt2.state.items()
+               for n, v in st.items())
+
+
 def test_float_state_loaded_into_an_8bit_optimizer_is_quantized_and_back():
     model = _model()
     opt = vega.optim.AdamW(model.parameters(), lr=1e-2)

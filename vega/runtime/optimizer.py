@@ -999,9 +999,12 @@ class SpecOptimizer(torch.optim.Optimizer):
             self._check_group(f"{type(self).__name__}.load_state_dict: group {k}", group)
             self._tuples().sync(f"{type(self).__name__}.load_state_dict", k, group)
         declared = self.spec._spec.state_names
+        saved_dtypes = {i: g.get("state_dtype") for g in state_dict["param_groups"]
+                        for i in g["params"]}
         for pid, (p, group) in zip(ids, params):
             if pid not in originals or p not in self.state:
                 continue
+            self._check_codes_kept(pid, p, group, saved_dtypes.get(pid), originals[pid])
             wanted = engine.state_dtype_of(self.spec._spec, group["state_dtype"])
             sds = wanted if isinstance(wanted, dict) else {}
             precise = self._precise_states(p, group) if wanted in engine.HALF else ()
@@ -1054,6 +1057,32 @@ class SpecOptimizer(torch.optim.Optimizer):
         return DTensor.from_local(value.reshape(()).to(p.to_local().device), mesh,
                                   sharded.state_placements(p, sharded.SCALAR_STATE),
                                   run_check=False)
+
+    def _check_codes_kept(self, pid, p, group, saved_dtype, saved: dict) -> None:
+        """ValueError where a state its saved group kept in 8 bits (``state_dtype``
+        torch.uint8) comes as floats without its scales: the codes cast to another dtype,
+        as ``torch.distributed.checkpoint`` loads a checkpoint into the state dict of the
+        optimizer it is given, which for float state has no scales (their values, 0 to
+        254, would be taken as the state's)."""
+        sd = engine.state_dtype_of(self.spec._spec, saved_dtype)
+        q = engine.q8_names(sd, p) if isinstance(sd, dict) or sd == torch.uint8 else None
+        if not q:
+            return
+        program = self._loading_program(p, group, [q])
+        for name in program.quant:
+            value = saved.get(name)
+            if isinstance(value, torch.Tensor) and value.dtype != torch.uint8 \
+                    and name + quant.SUFFIX not in saved:
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: state '{name}' of parameter "
+                    f"{pid} was saved in 8 bits (its group's state_dtype is "
+                    f"{engine.shown(saved_dtype)}), but holds {value.dtype} values without "
+                    f"its scales '{name}{quant.SUFFIX}': the codes were cast, as "
+                    "torch.distributed.checkpoint loads a checkpoint into the tensors of "
+                    "the state dict it is given (an optimizer's of float state has no "
+                    "scales, and dcp.load wrote the codes into its states too); load it "
+                    "into an optimizer made with state_dtype=torch.uint8, then that "
+                    "optimizer's state_dict() into one of float state (docs/distributed.md)")
 
     def _q8(self, group, params, fresh: bool = False) -> list[frozenset] | None:
         """``_q8`` of a group's parameters: as their states hold them (``fresh``: as the
