@@ -26,7 +26,21 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(b = 0.5 in [0 1]) {\n  p = p\n}\n", "range", 1, 27),
     ("optimizer o(lr = 1 in [0, 1), b = abc) {\n  p = p\n}\n",
      "unexpected 'abc': a hyperparameter's default is a number", 1, 35),
-    ("optimizer o(f = true) {\n  if f p = p\n}\n", "braces", 2, 8),
+    ("optimizer o(f = true) {\n  if f p = p\n}\n",
+     "'if f' needs '{' after its condition; an if's body goes in braces", 2, 3),
+    # a left-out '{': at the block's head, not at the '}' left closing nothing at the end
+    ("optimizer o(lr = 1e-3, cautious = false) {\n  state m = zeros\n  m = 0.9 * m + g\n"
+     "  if cautious\n    m = m * 2\n  }\n  p = p - lr * m\n}\n",
+     "'if cautious' needs '{' after its condition", 4, 3),
+    ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    p = p - lr * g\n  } else\n"
+     "    p = p - 2 * lr * g\n  }\n}\n",
+     "'else' needs '{' or 'if' after it; an else's body goes in braces", 4, 5),
+    ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    p = p - lr * g\n  } else\n"
+     "    p = p - 2 * lr * g\n}\n", "'else' needs '{' or 'if' after it", 4, 5),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval\n    p = p\n  }\n}\n",
+     "'mode eval' needs '{' after its name", 3, 3),
+    ("optimizer o(lr = 1e-3) {\n  repeat 3\n    p = p - lr * g\n  }\n}\n",
+     "'repeat 3' needs '{' after its count", 2, 3),
     ("optimizer o() {\n  p - g\n}\n", "a statement is", 2, 5),
     # names
     ("optimizer o(lr = 1e-3, b1 = 0.9) {\n  state mu = zeros\n  mu = b1 * mu + g\n"

@@ -7,6 +7,15 @@ its own label.
 """
 from __future__ import annotations
 
+# the labels of a block whose '{' is left out, by the keyword that starts it; the parser
+# puts them after its own words, at the block's head (``'if f' needs '{' after ...``)
+BLOCK_LABELS = {
+    "IF": "an if's body goes in braces: if cond { ... }",
+    "ELSE": "an else's body goes in braces: else { ... }, or else if cond { ... }",
+    "MODE": "a mode's body goes in braces: mode NAME { ... }",
+    "REPEAT": "a repeat's body goes in braces: repeat N { ... }",
+}
+
 PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
     "a spec starts with 'optimizer NAME(hyperparameters) {'": [
         "adam(lr = 1) { p = p }",
@@ -50,8 +59,17 @@ PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
         "optimizer o(b = 0.5 in [a, 1]) { p = p }",
         "optimizer o(b = 0.5 in [0, a]) { p = p }",
     ],
-    "an if's body goes in braces: if cond { ... }": [
+    BLOCK_LABELS["IF"]: [
         "optimizer o(f = true) { if f p = p }",
         "optimizer o(f = true) { if (f) p = p }",
+    ],
+    BLOCK_LABELS["ELSE"]: [
+        "optimizer o(f = true) { if f { p = p } else p = p }",
+    ],
+    BLOCK_LABELS["MODE"]: [
+        "optimizer o() { p = p mode eval p = p }",
+    ],
+    BLOCK_LABELS["REPEAT"]: [
+        "optimizer o() { repeat 2 p = p }",
     ],
 }

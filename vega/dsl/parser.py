@@ -8,7 +8,7 @@ import lark
 from lark import Lark, Token, Transformer, v_args
 
 from vega.dsl import ast
-from vega.dsl.parse_errors import PARSE_ERROR_EXAMPLES
+from vega.dsl.parse_errors import BLOCK_LABELS, PARSE_ERROR_EXAMPLES
 from vega.errors import Span, SpecError, source_lines
 
 
@@ -274,11 +274,60 @@ def _unbalanced(source: str) -> SpecError | None:
     return None
 
 
+# tokens that may begin a statement or end a body: after an if's condition, an else, a
+# mode's name or a repeat's count, one of these means the '{' was left out
+_STATEMENT_TOKENS = {"NAME", "STATE", "IF", "MODE", "REPEAT", "SEMICOLON", "RBRACE", "$END"}
+# what each block's head is, that its '{' follows
+_BLOCK_HEADS = {"IF": "its condition", "MODE": "its name", "REPEAT": "its count"}
+
+
+def _end(x) -> tuple[int, int] | None:
+    """Where a token or a tree built so far ends (line, column), if known."""
+    meta = x if isinstance(x, Token) else getattr(x, "meta", None)
+    if meta is None or getattr(meta, "empty", False) or getattr(meta, "end_line", None) is None:
+        return None
+    return meta.end_line, meta.end_column
+
+
+def _quoted(source: str, start: Token, end: tuple[int, int] | None) -> str:
+    """The text from ``start`` to ``end`` where it is one short line, else ``start``'s."""
+    if end is not None and end[0] == start.line and end[1] - start.column <= 40:
+        return " ".join(source_lines(source)[start.line - 1][start.column - 1:end[1] - 1].split())
+    return str(start)
+
+
+def _missing_brace(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
+    """A block whose '{' was left out (``if cautious`` with its body on the next line, an
+    ``else`` or a ``mode eval`` without one), at the head of the block: the parse fails
+    only at the next statement, or at a '}' at the end that then closes nothing."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken) \
+            or err.token.type not in _STATEMENT_TOKENS or "LBRACE" not in err.accepts:
+        return None
+    stack = getattr(getattr(err, "interactive_parser", None), "parser_state", None)
+    stack = getattr(stack, "value_stack", None) or []
+    if err.accepts == {"LBRACE", "IF"} and stack and isinstance(stack[-1], Token) \
+            and stack[-1].type == "ELSE":
+        tok = stack[-1]
+        return SpecError(f"'else' needs '{{' or 'if' after it; {BLOCK_LABELS['ELSE']}",
+                         Span(tok.line, tok.column, tok.end_line, tok.end_column))
+    if err.accepts != {"LBRACE"} or len(stack) < 2 or not isinstance(stack[-2], Token) \
+            or stack[-2].type not in _BLOCK_HEADS:
+        return None
+    head, end = stack[-2], _end(stack[-1])
+    span = Span(head.line, head.column, *(end or (head.end_line, head.end_column)))
+    return SpecError(f"'{_quoted(source, head, end)}' needs '{{' after "
+                     f"{_BLOCK_HEADS[head.type]}; {BLOCK_LABELS[head.type]}", span)
+
+
 def parse(source: str, filename: str = "<spec>") -> ast.Spec:
     """Parse a spec's text into its syntax tree, or raise a SpecError."""
     try:
         tree = _parser().parse(source)
     except lark.exceptions.UnexpectedInput as err:
+        # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
+        found = _missing_brace(err, source)
+        if found is not None:
+            raise found.with_source(source, filename) from None
         bracket = _unbalanced(source)
         if bracket is not None:
             raise bracket.with_source(source, filename) from None
