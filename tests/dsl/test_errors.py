@@ -41,6 +41,15 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "'mode eval' needs '{' after its name", 3, 3),
     ("optimizer o(lr = 1e-3) {\n  repeat 3\n    p = p - lr * g\n  }\n}\n",
      "'repeat 3' needs '{' after its count", 2, 3),
+    # a near miss of a keyword at a statement's start
+    ("optimizer o(lr = 1e-3) {\n  stat m = zeros\n  m = 0.9 * m + g\n  p = p - lr * m\n}\n",
+     "unknown keyword 'stat' (did you mean 'state'?)", 2, 3),
+    ("optimizer o(lr = 1e-3, f = true) {\n  iff f {\n    p = p - lr * g\n  }\n}\n",
+     "unknown keyword 'iff' (did you mean 'if'?)", 2, 3),
+    ("optimizer o(lr = 1e-3, f = true) {\n  if f {\n    p = p - lr * g\n  } els {\n"
+     "    p = p\n  }\n}\n", "unknown keyword 'els' (did you mean 'else'?)", 4, 5),
+    ("optimizer o(lr = 1e-3) {\n  Repeat 2 {\n    p = p - lr * g\n  }\n}\n",
+     "unknown keyword 'Repeat' (did you mean 'repeat'?)", 2, 3),
     ("optimizer o() {\n  p - g\n}\n", "a statement is", 2, 5),
     # names
     ("optimizer o(lr = 1e-3, b1 = 0.9) {\n  state mu = zeros\n  mu = b1 * mu + g\n"

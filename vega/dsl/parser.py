@@ -1,6 +1,7 @@
 """Text -> syntax tree, with lark. Parse errors become SpecErrors with a caret."""
 from __future__ import annotations
 
+import difflib
 from functools import cache
 from importlib.resources import files
 
@@ -279,6 +280,8 @@ def _unbalanced(source: str) -> SpecError | None:
 _STATEMENT_TOKENS = {"NAME", "STATE", "IF", "MODE", "REPEAT", "SEMICOLON", "RBRACE", "$END"}
 # what each block's head is, that its '{' follows
 _BLOCK_HEADS = {"IF": "its condition", "MODE": "its name", "REPEAT": "its count"}
+# the words that begin a statement (or continue an if)
+_STATEMENT_KEYWORDS = ("state", "if", "else", "mode", "repeat")
 
 
 def _end(x) -> tuple[int, int] | None:
@@ -319,13 +322,30 @@ def _missing_brace(err: lark.exceptions.UnexpectedInput, source: str) -> SpecErr
                      f"{_BLOCK_HEADS[head.type]}; {BLOCK_LABELS[head.type]}", span)
 
 
+def _misspelled_keyword(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
+    """A statement that starts with a near miss of a keyword (``stat m = zeros``): the
+    parse takes the word for a name to assign and fails at the next token."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken) or err.accepts != {"EQUAL"}:
+        return None
+    stack = getattr(getattr(err, "interactive_parser", None), "parser_state", None)
+    stack = getattr(stack, "value_stack", None) or []
+    if not stack or not isinstance(stack[-1], Token) or stack[-1].type != "NAME":
+        return None
+    word = stack[-1]
+    close = difflib.get_close_matches(str(word).lower(), _STATEMENT_KEYWORDS, n=1, cutoff=0.6)
+    if not close:
+        return None
+    return SpecError(f"unknown keyword '{word}' (did you mean '{close[0]}'?)",
+                     Span(word.line, word.column, word.end_line, word.end_column))
+
+
 def parse(source: str, filename: str = "<spec>") -> ast.Spec:
     """Parse a spec's text into its syntax tree, or raise a SpecError."""
     try:
         tree = _parser().parse(source)
     except lark.exceptions.UnexpectedInput as err:
         # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
-        found = _missing_brace(err, source)
+        found = _missing_brace(err, source) or _misspelled_keyword(err)
         if found is not None:
             raise found.with_source(source, filename) from None
         bracket = _unbalanced(source)
