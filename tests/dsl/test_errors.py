@@ -173,7 +173,11 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  state z = p\n  p = p - lr * g\n  mode eval {\n"
      "    z = p\n  }\n}\n", "mode 'eval' cannot assign state 'z'", 5, 5),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    x = p * g\n  }\n}\n",
-     "undefined name 'g'", 4, 13),
+     "mode 'eval' cannot read 'g': a mode runs outside a step, without a gradient; it reads "
+     "p, the states and the hyperparameters", 4, 13),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p / t\n  }\n}\n",
+     "mode 'eval' cannot read 't': a mode runs outside a step, without an update's index",
+     4, 13),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    x = p\n  }\n}\n",
      "mode 'eval' never assigns p", 3, 8),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p\n  }\n"

@@ -65,6 +65,8 @@ DTYPES = ast.STATE_DTYPE_WORDS  # the dtypes a state declaration may name
 STATE_SHAPES = {None: "rc", "rows": "r", "cols": "c", "scalar": ir.SCALAR_STATE}
 BUILTINS = {"p": "the parameter", "g": "the gradient", "t": "the update's index (1, 2, ...)"}
 INIT_NAMES = {"zeros": 0.0, "ones": 1.0}
+# the builtins a mode's block cannot read, and why
+MODE_UNREADABLE = {"g": "without a gradient", "t": "without an update's index"}
 # the keyword arguments of init, step and the optimizer classes beside the hyperparameters,
 # and the names a param group already holds: a hyperparameter of one of these names would
 # be taken for the other
@@ -430,6 +432,10 @@ class _Walker:
                                     e.span)
                 if e.id in FUNCTIONS or e.id in GLOBAL_FUNCTIONS:
                     raise SpecError(f"'{e.id}' is a function; call it as {e.id}(...)", e.span)
+                if self.in_mode is not None and e.id in MODE_UNREADABLE:
+                    raise SpecError(f"mode '{self.in_mode}' cannot read '{e.id}': a mode runs "
+                                    f"outside a step, {MODE_UNREADABLE[e.id]}; it reads p, the "
+                                    "states and the hyperparameters", e.span)
                 if e.id.lower() in ast.CONSTANTS:  # Inf, NaN, PI
                     raise SpecError(f"undefined name '{e.id}' (did you mean "
                                     f"'{e.id.lower()}'?)", e.span)
