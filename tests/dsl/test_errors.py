@@ -193,9 +193,11 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  A = g @ transpose(g)\n  p = p - A\n}\n",
      "'-' combines a rows x rows matrix with one value per element (the rows x columns "
      "matrix view): a matrix of a product meets only matrices of its shape and numbers",
-     3, 7),
+     3, 9),
     ("optimizer o(lr = 1e-3) {\n  A = g @ transpose(g)\n  p = p - lr * (A + g)\n}\n",
-     "'+' combines a rows x rows matrix with one value per element", 3, 21),
+     "'+' combines a rows x rows matrix with one value per element", 3, 19),
+    ("optimizer o(lr = 1e-3) {\n  A = g @ transpose(g)\n  p = p - lr * max(g, A)\n}\n",
+     "max() combines a rows x rows matrix with one value per element", 3, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * transpose(lr) * g\n}\n",
      "transpose() takes a matrix", 2, 26),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * row_mean(g @ transpose(g))\n}\n",

@@ -461,7 +461,7 @@ class _Walker:
             if op is Op.MATMUL:
                 _matmul_check(a, b, e)
             else:
-                _same_matrices(f"'{e.op}'", [a, b], [e.a, e.b], e.span)
+                _same_matrices(f"'{e.op}'", [a, b], e.op_span)
             return ir.apply(op, a, b, span=e.span)
         return self.call(e, env)
 
@@ -502,7 +502,7 @@ class _Walker:
             raise SpecError(f"{e.fn}() reduces an axis of the matrix view, but its argument is "
                             f"{ir.DOMAIN_WORDS[args[0].dom]}", e.args[0].span)
         if op not in ir.REDUCTIONS:
-            _same_matrices(f"{e.fn}()", args, e.args, e.span)
+            _same_matrices(f"{e.fn}()", args, e.fn_span)
         if op in ir.AXIS_REDUCTIONS:
             x = args[0]
             self._need("float", x, e.args[0], f"{e.fn}()")
@@ -598,17 +598,18 @@ def _matmul_check(a: Node, b: Node, e) -> None:
                         "of them", e.op_span)
 
 
-def _same_matrices(what: str, nodes, exprs, span) -> None:
+def _same_matrices(what: str, nodes, span) -> None:
     """A matrix of a product (rows x rows, ...) combines only with matrices of its own
-    shape and with values the same for every element; SpecError otherwise."""
-    mats = [(n, x) for n, x in zip(nodes, exprs) if n.kind == Kind.ELEMENT]
-    doms = {n.dom for n, _ in mats}
+    shape and with values the same for every element; SpecError otherwise, at ``span``:
+    the operator or the function that combines them (as a mismatched '@' is marked)."""
+    mats = [n for n in nodes if n.kind == Kind.ELEMENT]
+    doms = {n.dom for n in mats}
     if len(doms) > 1 and doms & set(ir.MATRIX_DOMAINS):
-        first = next(n for n, _ in mats if n.dom in ir.MATRIX_DOMAINS)
-        other = next((n, x) for n, x in mats if n.dom != first.dom)
-        raise SpecError(f"{what} combines {_matrix_words(first)} with {_matrix_words(other[0])}"
+        first = next(n for n in mats if n.dom in ir.MATRIX_DOMAINS)
+        other = next(n for n in mats if n.dom != first.dom)
+        raise SpecError(f"{what} combines {_matrix_words(first)} with {_matrix_words(other)}"
                         ": a matrix of a product meets only matrices of its shape and "
-                        "numbers", other[1].span)
+                        "numbers", span)
 
 
 def _size(e: ast.Call) -> Node:
