@@ -2,6 +2,7 @@
 import random
 
 import pytest
+import torch
 
 import vega
 from vega.dsl.parse_errors import PARSE_ERROR_EXAMPLES
@@ -117,6 +118,19 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "unexpected 'Inf': a range's bounds are numbers, inf, -inf or pi", 1, 27),
     # flow
     ("optimizer o(lr = 1e-3) {\n  state m = zeros\n  m = m + g\n}\n", "never assigns p", 1, 11),
+    # a state never assigned keeps its start: a misspelled update (mm) is named
+    ("optimizer o(lr = 1e-3, b2 = 0.9) {\n  state m = zeros\n  mm = b2 * m + (1 - b2) * g\n"
+     "  p = p - lr * m\n}\n",
+     "state 'm' is never assigned, so it would keep its initial value at every step (did you "
+     "mean 'm = ...' on line 3, where 'mm' is assigned and never read?)", 2, 9),
+    ("optimizer o(lr = 1e-3) {\n  state k: scalar = ones\n  p = p - lr * k * g\n}\n",
+     "state 'k' is never assigned, so it would keep its initial value at every step; assign "
+     "it (k = ...), or write the constant where it is read", 2, 9),
+    ("optimizer o(lr = 1e-3, f = true) {\n  state v = zeros\n  if f {\n    vv = g * g\n"
+     "  }\n  p = p - lr * g / (sqrt(v) + 1)\n}\n",
+     "(did you mean 'v = ...' on line 4, where 'vv' is assigned and never read?)", 2, 9),
+    ("optimizer o(lr = 1e-3) {\n  state z = p\n  zz = z - lr * g\n  p = z\n}\n",
+     "state 'z' is never assigned", 2, 9),
     ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    d = g\n  }\n  p = p - lr * d\n}\n",
      "assigned only in one branch of the if on line 2", 5, 16),
     ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    state m = zeros\n  }\n  m = g\n"
@@ -247,6 +261,19 @@ def test_parse_examples_are_labelled(label):
         with pytest.raises(SpecError) as info:
             vega.compile(example)
         assert label in info.value.message, (example, info.value.message)
+
+
+def test_a_state_may_keep_what_it_started_from():
+    """A state never assigned keeps its initial value: a mistake where that is a constant,
+    but where it is taken from p or a float hyperparameter, what they were at the start
+    (Prodigy's p0), where no close name is assigned and never read."""
+    spec = vega.compile("optimizer o(lr = 0.5, k = 2.0) {\n  state p0 = p\n"
+                        "  state k0: scalar = k\n  p = p - lr * g + 0 * (p0 - p) * k0\n}\n")
+    p = torch.arange(3.0, dtype=torch.float64)
+    state = spec.init(p)
+    p1, state = spec.step(p, torch.ones(3, dtype=torch.float64), state)
+    assert torch.equal(state["p0"], p) and state["k0"].item() == 2.0
+    assert torch.equal(p1, p - 0.5)
 
 
 def test_compile_file_names_the_file(tmp_path):

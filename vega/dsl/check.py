@@ -193,11 +193,39 @@ class _Walker:
                             "change the parameters", self.spec.name_span)
         modes = self.modes(start, env)
         if self.checking:
+            self.check_states_assigned()
             return hypers
         updates = [("p", env["p"].node)] + [(s.name, env[s.name].node) for s in self.states]
         return ir.cse(ir.Program(self.spec.name, hypers, tuple(sorted(self.flags.items())),
                                  tuple(self.states), tuple(updates), tuple(self.shapes),
                                  modes))
+
+    def check_states_assigned(self):
+        """Every state is assigned somewhere in the body (in some branch of an if too), or
+        keeps what it was given at the start: p, or a float hyperparameter's value then
+        (prodigy's ``state p0 = p``). One that starts as a constant and is never assigned
+        keeps it at every step, most likely because its update was written to a
+        misspelled name (``mm = b2 * m + ...``): that is an error, at the declaration,
+        which names a close name assigned but never read; so is a state that keeps what
+        it was given where such a name is there."""
+        body = self.spec.body
+        floats = {h.name for h in self.spec.hypers if h.type == "float"}
+        for decl in state_decls(body):
+            if _assigns(body, decl.name):
+                continue
+            assigned = _assigned_values(body)
+            read = {n.id for e in _body_exprs(body) for n in _names(e)}
+            unread = {n: line for n, line in assigned.items()
+                      if n not in read and n not in self.declared and n != "p"}
+            close = difflib.get_close_matches(decl.name, sorted(unread), n=1, cutoff=0.6)
+            keeps = any(n.id == "p" or n.id in floats for n in _names(decl.init))
+            if keeps and not close:
+                continue
+            hint = (f" (did you mean '{decl.name} = ...' on line {unread[close[0]]}, where "
+                    f"'{close[0]}' is assigned and never read?)" if close else
+                    f"; assign it ({decl.name} = ...), or write the constant where it is read")
+            raise SpecError(f"state '{decl.name}' is never assigned, so it would keep its "
+                            f"initial value at every step{hint}", decl.name_span)
 
     def modes(self, start, env) -> tuple[tuple[str, Node], ...]:
         """Each ``mode NAME { ... }``: p's value in that mode, of p, the states as stored
@@ -795,6 +823,29 @@ def _assigns(stmts, name: str) -> bool:
     """Whether ``stmts`` assign ``name``, in some branch of an if too."""
     return any(isinstance(s, ast.Assign) and s.name == name
                or isinstance(s, ast.If) and _assigns(s.then + s.orelse, name) for s in stmts)
+
+
+def _assigned_values(stmts, out=None) -> dict[str, int]:
+    """Each name ``stmts`` assign (in the branches of ifs too), with the line of its first
+    assignment."""
+    out = {} if out is None else out
+    for s in stmts:
+        if isinstance(s, ast.Assign):
+            out.setdefault(s.name, s.name_span.line)
+        elif isinstance(s, ast.If):
+            _assigned_values(s.then + s.orelse, out)
+    return out
+
+
+def _body_exprs(stmts):
+    """Every expression ``stmts`` evaluate: values, initial values, conditions (not those
+    of a mode's block, which has names of its own)."""
+    for s in stmts:
+        if isinstance(s, (ast.Assign, ast.StateDecl)):
+            yield s.value if isinstance(s, ast.Assign) else s.init
+        elif isinstance(s, ast.If):
+            yield s.cond
+            yield from _body_exprs(s.then + s.orelse)
 
 
 def _names(e):
