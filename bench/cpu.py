@@ -1,7 +1,11 @@
-"""CPU benchmark: ``python bench/cpu.py [--quick] [--no-compile]`` (the same as ``vega bench``)."""
+"""CPU benchmark: ``python bench/cpu.py [--quick] [--no-compile] [--repeat N]``, the same
+as ``vega bench``, with the same options."""
+import argparse
 import sys
 
-from vega.bench import main
+from vega.cli import BENCH_HELP, add_bench_options, cmd_bench
 
 if __name__ == "__main__":
-    sys.exit(main(quick="--quick" in sys.argv, compile_torch="--no-compile" not in sys.argv))
+    parser = argparse.ArgumentParser(prog="python bench/cpu.py", description=BENCH_HELP)
+    add_bench_options(parser)
+    sys.exit(cmd_bench(parser.parse_args()))

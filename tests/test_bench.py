@@ -216,3 +216,27 @@ def test_the_8bit_table_prints_each_row_against_vegas_8bit_step():
     found = bench.ratios(run, 4e9)
     assert found[("tiny", "8-bit: torchao AdamW8bit / vega 8-bit")] == 15.0
     assert ("tiny", "8-bit: bitsandbytes AdamW8bit (not installed) / vega 8-bit") not in found
+
+
+def _bench_cpu_py(*args):
+    """``python bench/cpu.py ARGS``, with this checkout's vega; 60 seconds at most (a run
+    that ignored its options would start the whole benchmark)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, str(root / "bench" / "cpu.py"), *args],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_bench_cpu_py_takes_the_options_of_vega_bench():
+    out = _bench_cpu_py("--help")
+    assert out.returncode == 0, out.stderr
+    assert "usage: python bench/cpu.py" in out.stdout
+    for option in ("--quick", "--no-compile", "--repeat N"):
+        assert option in out.stdout
+    out = _bench_cpu_py("--repeat", "0")  # read, and refused as vega bench refuses it
+    assert out.returncode == 2 and "argument --repeat: '0' is not a positive integer" in out.stderr

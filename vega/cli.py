@@ -159,6 +159,19 @@ def cmd_bench(args) -> int:
     return bench_main(quick=args.quick, compile_torch=not args.no_compile, repeat=args.repeat)
 
 
+BENCH_HELP = "time one optimizer step against torch.optim and optax"
+
+
+def add_bench_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``vega bench``, which ``python bench/cpu.py`` takes too."""
+    parser.add_argument("--quick", action="store_true", help="fewer tensors and optimizers")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip torch.compile (slow to build)")
+    parser.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
+                        help="run the whole comparison N times; print each ratio's median "
+                        "and range")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vega", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,11 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=400, help="training steps per optimizer")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_demo)
-    p = sub.add_parser("bench", help="time one optimizer step against torch.optim and optax")
-    p.add_argument("--quick", action="store_true", help="fewer tensors and optimizers")
-    p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to build)")
-    p.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
-                   help="run the whole comparison N times; print each ratio's median and range")
+    p = sub.add_parser("bench", help=BENCH_HELP)
+    add_bench_options(p)
     p.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
     status = 0
