@@ -101,6 +101,26 @@ def test_every_row_prints_its_bytes_and_bound():
     assert abs(found[("tiny", "sgd: speed-up")] - 2.0) < 1e-12
 
 
+def test_a_library_that_is_not_installed_prints_a_dash():
+    """A counterpart that is not installed has no time: its row prints a dash, not nan, and
+    the ratios of a repeated run leave it out."""
+    run = _fake_run()
+    run["tiny"]["rows"]["optax adamw under jax.jit (not installed)"] = float("nan")
+    run["tiny"]["others"].append(("lamb", 0.005, "pytorch_optimizer (not installed)",
+                                  float("nan"), float("nan")))
+    lines = []
+    bench.report(run, 4e9, lambda text="": lines.append(text))
+    text = "\n".join(lines)
+    assert "nan" not in text, text
+    assert any(line.startswith("lamb ") and "pytorch_optimizer (not installed)" in line
+               and line.split()[5:7] == ["-", "-"] for line in lines), text
+    assert any(line.startswith("optax adamw under jax.jit (not installed)")
+               and line.split()[-2:] == ["-", "-"] for line in lines), text
+    found = bench.ratios(run, 4e9)
+    assert ("tiny", "lamb: speed-up") not in found
+    assert not any(math.isnan(v) for v in found.values()), found
+
+
 def test_the_header_names_the_cpu_caches_and_threads():
     text = bench._machine()
     assert "threads" in text and "torch" in text

@@ -691,6 +691,9 @@ def report(run: dict, rate: float, say) -> None:
             if label.startswith("("):
                 say(f"{label:<60} {secs:>10.1f} s")
                 continue
+            if math.isnan(secs):  # a library that is not installed
+                say(f"{label:<60} {'-':>10} {'-':>14}")
+                continue
             alone = label == FUNCTIONAL  # its ratio: to torch's fused step in its own race
             base = rows[FUNCTIONAL_FUSED] if alone else fused
             note = ""
@@ -712,8 +715,11 @@ def report(run: dict, rate: float, say) -> None:
         for name, ours, label, theirs, bsecs in res["others"]:
             note = _bound_note(ours, bytes_per_param(name, OTHERS[name][0]), nparams,
                                _rate(res, bsecs, rate))
-            say(f"{name:<10} {1e3 * ours:>9.2f}   {label:<40} {1e3 * theirs:>9.2f} "
-                f"{theirs / ours:>8.2f}x   {note}")
+            if math.isnan(theirs):  # the counterpart's library is not installed
+                say(f"{name:<10} {1e3 * ours:>9.2f}   {label:<40} {'-':>9} {'-':>9}   {note}")
+            else:
+                say(f"{name:<10} {1e3 * ours:>9.2f}   {label:<40} {1e3 * theirs:>9.2f} "
+                    f"{theirs / ours:>8.2f}x   {note}")
         if res.get("eight_bit"):
             q8 = res["eight_bit"]
             say(f"\n{'8-bit AdamW (state: 2.03 B/param; float32: 8)':<60} {'median ms':>10} "
@@ -741,7 +747,7 @@ def ratios(run: dict, rate: float) -> dict:
         fused = rows["torch AdamW fused"]
         table_rate = _rate(res, rows.get(BOUND), rate)
         for label, secs in rows.items():
-            if label.startswith("(") or label == FUNCTIONAL_FUSED:
+            if label.startswith("(") or label == FUNCTIONAL_FUSED or math.isnan(secs):
                 continue
             base = rows[FUNCTIONAL_FUSED] if label == FUNCTIONAL else fused
             out[(title, f"{label} / torch fused")] = secs / base
@@ -762,7 +768,8 @@ def ratios(run: dict, rate: float) -> dict:
                 out[(title, f"8-bit: {label} / vega 8-bit")] = \
                     secs / res["eight_bit"][Q8_STATE]
         for name, ours, _, theirs, bsecs in res["others"]:
-            out[(title, f"{name}: speed-up")] = theirs / ours
+            if not math.isnan(theirs):
+                out[(title, f"{name}: speed-up")] = theirs / ours
             row_rate = _rate(res, bsecs, rate)
             if row_rate > 0:
                 out[(title, f"{name} / bound")] = ours / (
