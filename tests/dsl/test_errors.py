@@ -184,6 +184,8 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "  }\n}\n", "global_max() cannot stand in mode 'eval'", 4, 13),
     ("optimizer o(lr = 1e-3, f = true) {\n  p = p - lr * g\n  if f {\n    mode eval {\n"
      "      p = p\n    }\n  }\n}\n", "mode 'eval' must stand at the top", 4, 5),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  repeat 1 {\n    mode eval {\n"
+     "      p = p\n    }\n  }\n}\n", "outside every if, repeat and mode", 4, 5),
     ("optimizer o(lr = 1e-3) {\n  state z = p\n  p = p - lr * g\n  mode eval {\n"
      "    z = p\n  }\n}\n", "mode 'eval' cannot assign state 'z'", 5, 5),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    x = p * g\n  }\n}\n",

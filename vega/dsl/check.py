@@ -267,7 +267,7 @@ class _Walker:
         if isinstance(s, ast.Mode):
             if self.in_mode is not None or not any(s is m for m in self.mode_blocks):
                 raise SpecError(f"mode '{s.name}' must stand at the top of the spec's body, "
-                                "outside every if and mode", s.span)
+                                "outside every if, repeat and mode", s.span)
             return env  # (walked after the body: ``modes``)
         if isinstance(s, ast.StateDecl) and self.in_mode is not None:
             raise SpecError(f"a mode cannot declare a state: mode '{self.in_mode}' only says "
@@ -896,6 +896,10 @@ def unroll(spec: ast.Spec) -> ast.Spec:
         for st in stmts:
             if isinstance(st, ast.Repeat):
                 body = walk(st.body)
+                mode = next((m for m in body if isinstance(m, ast.Mode)), None)
+                if mode is not None:  # (one inside an if is refused as any such mode)
+                    raise SpecError(f"mode '{mode.name}' must stand at the top of the spec's "
+                                    "body, outside every if, repeat and mode", mode.span)
                 decl = next(state_decls(body), None)
                 if decl is not None:
                     raise SpecError(f"state '{decl.name}' is declared inside a repeat, which "
