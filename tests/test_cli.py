@@ -57,6 +57,9 @@ def test_show_list_and_help(capsys):
         assert f"vega {command}" in helptext
     assert "the kernel a step on CPU tensors runs (C where a C compiler is found, else the " \
         "reference)" in " ".join(helptext.split())
+    demo = ("train a small classifier with vega's AdamW and SGD, an AdaBelief spec compiled on "
+            "the spot and torch.optim.AdamW")  # the four rows vega.demo trains
+    assert " ".join(helptext.split()).count(demo) == 2  # the commands' list and demo's line
     with pytest.raises(SystemExit):
         cli.main(["show", "--help"])
     assert "(default: the kernel a step on CPU tensors runs, c where a C compiler is found, " \

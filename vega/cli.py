@@ -17,7 +17,9 @@ commands:
                                        print the kernel a step on CPU tensors runs (C where
                                        a C compiler is found, else the reference)
   vega list                            the optimizers that ship with vega
-  vega demo                            train a small model with vega and torch.optim
+  vega demo                            train a small classifier with vega's AdamW and SGD,
+                                       an AdaBelief spec compiled on the spot and
+                                       torch.optim.AdamW
   vega bench [--quick] [--no-compile] [--repeat N]
                                        time one step against torch.optim and optax, and
                                        against the machine's memory-bandwidth bound
@@ -159,6 +161,8 @@ def cmd_bench(args) -> int:
     return bench_main(quick=args.quick, compile_torch=not args.no_compile, repeat=args.repeat)
 
 
+DEMO_HELP = ("train a small classifier with vega's AdamW and SGD, an AdaBelief spec compiled "
+             "on the spot and torch.optim.AdamW")
 BENCH_HELP = "time one optimizer step against torch.optim and optax"
 
 
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_show)
     p = sub.add_parser("list", help="list the shipped optimizers")
     p.set_defaults(fn=cmd_list)
-    p = sub.add_parser("demo", help="train a small model with vega and torch.optim.AdamW")
+    p = sub.add_parser("demo", help=DEMO_HELP)
     p.add_argument("--steps", type=int, default=400, help="training steps per optimizer")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_demo)
