@@ -847,6 +847,7 @@ if __name__ == "__main__":
     if DEV == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check (VEGA_CHECK_DRY=1 smoke-tests this script on CPU)")
         sys.exit(2)
+    os.makedirs(OUT, exist_ok=True)  # now, not after every section has run (gpu_check.sh's too)
     for key, fn in todo:
         if not only or key in only:
             fn()
