@@ -71,6 +71,7 @@ def check_error(err: SpecError, text: str, filename: str):
     if line <= len(lines):  # the source line and a caret under the column
         assert rest and rest[0].strip() == lines[line - 1].strip(), message
         assert len(rest) >= 2 and "^" in rest[1], message
+        assert 1 <= col <= len(lines[line - 1]) + 1, message  # (the caret within the line)
         assert "internal compiler error" not in first, message
 
 
