@@ -456,6 +456,27 @@ def test_vega_save_and_load_keep_codes_and_scales(tmp_path):
                 assert back[field][n].dtype == t.dtype and torch.equal(back[field][n], t)
 
 
+def test_vega_load_and_set_leaf_refuse_a_negative_8bit_scale(tmp_path):
+    """A negative scale (a damaged or edited file) turns its block's values over: the next
+    step gave NaN parameters. vega.load and vega.set_leaf refuse it, as load_state_dict
+    does, naming the leaf."""
+    params = params_of()
+    state = vega.adamw.init(params, state_dtype=U8)
+    params, state = vega.adamw.step(params, grads_of(params, 0), state)
+    name = next(f"nu_absmax.{n}" for n, t in state["nu_absmax"].items() if t is not None)
+    bad = vega.set_leaf(state, name, state["nu_absmax"][name[10:]] * 1)  # (a copy)
+    bad["nu_absmax"][name[10:]][0] = -1.0
+    vega.save(tmp_path / "s.safetensors", bad)
+    with pytest.raises(ValueError, match=rf"vega.load: .*: leaf '{name}' holds a negative "
+                                         "value; it is a state's 8-bit scales"):
+        vega.load(tmp_path / "s.safetensors", like=state)
+    with pytest.raises(ValueError, match=rf"vega.set_leaf: the value for leaf '{name}' "
+                                         "holds a negative value"):
+        vega.set_leaf(state, name, bad["nu_absmax"][name[10:]])
+    vega.save(tmp_path / "s.safetensors", state)  # (its own scales load)
+    vega.load(tmp_path / "s.safetensors", like=state)
+
+
 @pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning")
 def test_distributed_checkpoint_round_trip(tmp_path):

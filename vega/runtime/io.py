@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.utils import _pytree as pytree
 
+from vega.codegen import quant
 from vega.codegen.tensors import dense, not_dense
 from vega.runtime.tree import state_names
 
@@ -214,7 +215,30 @@ def load(path, *, like) -> dict:
         raise ValueError(f"vega.load: {where} is not a vega state file (not a readable "
                          f"safetensors file: {err})") from err
     _check_scales(f"vega.load: {where}", out)
+    _check_q8_scales(f"vega.load: {where}", out)
     return out
+
+
+def _check_q8_scales(who: str, state) -> None:
+    """The 8-bit scales of a state (its fields named ``<state>_absmax``) hold no negative
+    value, as ``load_state_dict`` checks them: a scale is its block's largest magnitude, and
+    a negative one turns the block's values over (NaN parameters at the next step). A NaN
+    or infinite one is what a step leaves where its block held one. (Read on the host:
+    loading is not a step.)"""
+    if not isinstance(state, dict):
+        return
+    for key, field in state.items():
+        if not (isinstance(key, str) and key.endswith(quant.SUFFIX)):
+            continue
+        for path, leaf in pytree.tree_flatten_with_path(field)[0]:
+            _no_negative_scale(f"{who}: leaf", key + pytree.keystr(path).replace("['", ".")
+                               .replace("']", ""), leaf)
+
+
+def _no_negative_scale(what: str, name: str, leaf) -> None:
+    if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and bool((leaf < 0).any()):
+        raise ValueError(f"{what} {name!r} holds a negative value; it is a state's 8-bit "
+                         "scales, each its block's largest magnitude")
 
 
 def _check_scales(who: str, state) -> None:
@@ -336,4 +360,6 @@ def set_leaf(state, name: str, value):
     out[i] = value
     new = pytree.tree_unflatten(out, spec)
     _check_scales(f"{who}: leaf {name!r}", new)
+    if name.split(".")[0].endswith(quant.SUFFIX):
+        _no_negative_scale(f"{who}: the value for leaf", name, value)
     return new
