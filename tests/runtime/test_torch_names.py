@@ -448,6 +448,40 @@ def test_muon_takes_torch_ns_coefficients():
         mine.optimizer([p], ns_coefficients=(1.0, 2.0, 3.0))
 
 
+def test_the_constructor_takes_a_setting_of_torchs_class_as_its_groups_do():
+    """A keyword of torch's same-named class that the rule does not take is taken at the
+    value where torch's rule is vega's, as a group takes it (it was an unexpected
+    hyperparameter at every value), and refused at another; torch's
+    adjust_lr_fn='match_rms_adamw' is Muon's match_rms_adamw=True."""
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    vega.optim.RAdam([p], weight_decay=0)
+    vega.optim.RAdam([p], weight_decay=0.0, decoupled_weight_decay=False)
+    with pytest.raises(ValueError, match=r"^RAdam: weight_decay=0\.1: vega\.optim\.RAdam's "
+                                         r"rule is torch's at weight_decay=0; another rule"):
+        vega.optim.RAdam([p], weight_decay=0.1)
+    assert vega.optim.Muon([p], adjust_lr_fn=None).defaults["match_rms_adamw"] is False
+    opt = vega.optim.Muon([p], adjust_lr_fn="match_rms_adamw")
+    assert opt.defaults["match_rms_adamw"] is True
+    with pytest.raises(ValueError, match=r"adjust_lr_fn='match_rms_adamw' is "
+                                         r"match_rms_adamw=True, but match_rms_adamw=False"):
+        vega.optim.Muon([p], adjust_lr_fn="match_rms_adamw", match_rms_adamw=False)
+    vega.optim.Muon([p], adjust_lr_fn="original")  # (torch's None)
+    with pytest.raises(ValueError, match=r"^Muon: adjust_lr_fn='other': .*; torch's "
+                                         r"adjust_lr_fn='match_rms_adamw' is match_rms_adamw"):
+        vega.optim.Muon([p], adjust_lr_fn="other")
+    with pytest.raises(ValueError, match=r"group would step as without it; torch's "
+                                         r"adjust_lr_fn='match_rms_adamw' is match_rms_adamw"):
+        vega.optim.Muon([{"params": [p], "adjust_lr_fn": "match_rms_adamw"}])
+    # stepped as the vega keyword
+    q = torch.nn.Parameter(p.detach().clone())
+    mine = vega.optim.Muon([q], lr=0.1, match_rms_adamw=True)
+    for o, x in ((opt, p), (mine, q)):
+        x.grad = torch.ones(4, 3)
+        o.param_groups[0]["lr"] = 0.1
+        o.step()
+    assert torch.equal(p, q)
+
+
 def test_a_group_refuses_a_setting_of_torchs_class_the_rule_does_not_take():
     """A group of RAdam with torch.optim.RAdam's weight_decay (or Adam's with its
     decoupled_weight_decay) at another value than the rule's would step as without it: refused

@@ -118,7 +118,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         sharded.check_group(owner, reduce_group)
         self.reduce_group = reduce_group
         torch_names.check_keywords(owner, maximize, foreach, fused, capturable, differentiable)
-        torch_names.take_rule_keywords(owner, self.spec.class_name, self.spec, hypers)
+        torch_names.take_rule_keywords(owner, self.spec.class_name, self.spec, hypers,
+                                       self._vega_torch_only)
         torch_names.split_tuples(owner, self.spec, hypers)
         flags, values = engine.resolve(owner, self.spec.hypers, hypers)
         self.max_grad_norm = max_grad_norm

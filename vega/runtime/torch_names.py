@@ -110,7 +110,10 @@ def torch_only(spec) -> dict[str, object]:
 
 
 def _at(given, value) -> bool:
-    """Whether a group's ``given`` is torch's ``value`` of a keyword (``torch_only``)."""
+    """Whether a group's ``given`` is torch's ``value`` of a keyword (``torch_only``)
+    (Muon's ``adjust_lr_fn="original"`` is its None)."""
+    if given == "original" and value is None:
+        return True
     if isinstance(value, bool):
         return isinstance(given, int) and bool(given) == value  # (torch takes 0 for False)
     if value is None:
@@ -126,10 +129,12 @@ def check_torch_only(owner: str, cls_name: str, only: dict, group: dict) -> None
     torch's value for this class's rule: the class would step as if it were absent."""
     for key, value in only.items():
         if key in group and not _at(group[key], value):
+            hint = ("; torch's adjust_lr_fn='match_rms_adamw' is match_rms_adamw=True"
+                    if key == "adjust_lr_fn" else "")
             raise ValueError(f"{owner}: a parameter group has {key}={engine.shown(group[key])}, "
                              f"a setting of torch.optim.{cls_name} that vega.optim.{cls_name} "
                              f"does not take: its rule is torch's at {key}={value!r}, and the "
-                             "group would step as without it")
+                             f"group would step as without it{hint}")
 
 
 def split_tuples(owner: str, spec, hypers: dict) -> None:
@@ -158,21 +163,34 @@ def check_keywords(owner: str, maximize, foreach, fused, capturable, differentia
                          "differentiable step")
 
 
-def take_rule_keywords(owner: str, cls_name: str, spec, hypers: dict) -> None:
-    """torch's keywords that pick its rule (``decoupled_weight_decay``), taken out of
-    ``hypers`` where the class has no hyperparameter of the name: at the value where torch's
-    rule is this class's, a keyword torch's own class takes; ValueError at another."""
+def take_rule_keywords(owner: str, cls_name: str, spec, hypers: dict, only: dict) -> None:
+    """torch's keywords that pick its rule, taken out of ``hypers`` where the class has no
+    hyperparameter of the name: those of ``_TORCH_RULES`` torch's own class takes
+    (``decoupled_weight_decay``) and the others of ``only`` (``torch_only``: RAdam's
+    ``weight_decay``, Muon's ``adjust_lr_fn``), each at the value where torch's rule is this
+    class's, as a group may hold them; ValueError at another. Muon's
+    ``adjust_lr_fn="match_rms_adamw"`` is its ``match_rms_adamw=True``."""
     names = {h.name for h in spec.hypers}
     takes = _torch_keywords(cls_name)
-    for name, value in _TORCH_RULES.get(cls_name, {}).items():
-        if name not in hypers or name in names or name not in takes or name == "weight_decay":
+    rules = {**only, **{n: v for n, v in _TORCH_RULES.get(cls_name, {}).items() if n in takes}}
+    for name, value in rules.items():
+        if name not in hypers or name in names:
             continue
         given = hypers.pop(name)
-        if not _at(given, value):
-            other = " (vega.optim.AdamW)" if cls_name == "Adam" else ""
-            raise ValueError(f"{owner}: {name}={engine.shown(given)}: vega.optim.{cls_name}'s "
-                             f"rule is torch's at {name}={value}; another rule is another "
-                             f"class{other}")
+        if _at(given, value):
+            continue
+        if name == "adjust_lr_fn" and given == "match_rms_adamw" and "match_rms_adamw" in names:
+            if hypers.setdefault("match_rms_adamw", True) is not True:
+                raise ValueError(f"{owner}: adjust_lr_fn='match_rms_adamw' is "
+                                 "match_rms_adamw=True, but match_rms_adamw="
+                                 f"{engine.shown(hypers['match_rms_adamw'])} is given too")
+            continue
+        other = " (vega.optim.AdamW)" if cls_name == "Adam" else ""
+        hint = ("; torch's adjust_lr_fn='match_rms_adamw' is match_rms_adamw=True"
+                if name == "adjust_lr_fn" else "")
+        raise ValueError(f"{owner}: {name}={engine.shown(given)}: vega.optim.{cls_name}'s "
+                         f"rule is torch's at {name}={value}; another rule is another "
+                         f"class{other}{hint}")
 
 
 def negated(grads: list) -> list:
