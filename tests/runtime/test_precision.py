@@ -844,3 +844,45 @@ def test_a_complex_state_dtype_resumes_from_its_own_state_dict(backend):
     for p, q in ((z, z2), (w, w2)):
         for key in ("mu", "nu", "step"):
             assert torch.equal(opt.state[p][key], opt2.state[q][key]), key
+
+
+def test_a_refused_step_keeps_master_copies_and_parameters():
+    """A step refused for another group's setting changes nothing: master weights turned off
+    in group 0 dropped its master copy while the step was planned (then turned on again, the
+    copy was made anew from the rounded parameter: 0.003 off), and a parameter made float32
+    took its master copy's value; both are put back."""
+    def grads(a, b, g):
+        a.grad = torch.randn(a.shape, generator=g).to(a.dtype)
+        b.grad = torch.randn(10, generator=g)
+
+    def run(refuse: bool, made_float: bool):
+        torch.manual_seed(0)
+        a = torch.randn(64, 8).to(torch.bfloat16).requires_grad_()
+        b = torch.randn(10).requires_grad_()
+        opt = vega.optim.AdamW([{"params": [a]}, {"params": [b]}], lr=1e-3,
+                               master_weights=True)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            grads(a, b, g)
+            opt.step()
+        if made_float:
+            a.data = a.data.float()
+        else:
+            opt.param_groups[0]["master_weights"] = False
+        if refuse:
+            before = a.detach().clone(), {k: v.clone() for k, v in opt.state[a].items()}
+            opt.param_groups[1]["lr"] = -1.0
+            with pytest.raises(ValueError, match="lr=-1.0"):
+                opt.step()
+            assert torch.equal(a.detach(), before[0])
+            assert opt.state[a].keys() == before[1].keys()
+            assert all(torch.equal(v, before[1][k]) for k, v in opt.state[a].items())
+            opt.param_groups[1]["lr"] = 1e-3
+        opt.param_groups[0]["master_weights"] = True
+        grads(a, b, g)
+        opt.step()
+        return a.detach().clone(), {k: v.clone() for k, v in opt.state[a].items()}
+    for made_float in (False, True):
+        (pa, sa), (pb, sb) = run(False, made_float), run(True, made_float)
+        assert torch.equal(pa, pb) and sa.keys() == sb.keys()
+        assert all(torch.equal(v, sb[k]) for k, v in sa.items())

@@ -266,16 +266,28 @@ class SpecOptimizer(torch.optim.Optimizer):
         missing, extra = want - st.keys(), st.keys() - want
         if not (missing <= lazy and extra <= lazy):
             return False
+        undo = self.__dict__.get("_vega_fresh")  # (what ``_refused`` undoes)
         if missing:
             fresh = self._init_state(p, program, values, group)
             st.update({name: fresh[name] for name in missing})
+            if undo is not None:
+                undo.append(lambda: [st.pop(name, None) for name in missing])
         if engine.MASTER in extra and engine.MASTER in lazy:
             if group.get("master_weights") and p.dtype not in engine.HALF_PARAMS:
                 # a half parameter made float32 (``model.float()``): it steps on from its
                 # master copy, the value the steps made, not from that value rounded
+                if undo is not None:
+                    undo.append(functools.partial(p.copy_, p.detach().clone()))
                 p.copy_(st[engine.MASTER])
-            del st[engine.MASTER]
+            self._drop_master(st)
         return True
+
+    def _drop_master(self, st: dict) -> None:
+        """``st``'s master copy dropped; kept for ``_refused`` to put back."""
+        master = st.pop(engine.MASTER)
+        undo = self.__dict__.get("_vega_fresh")
+        if undo is not None:
+            undo.append(functools.partial(st.__setitem__, engine.MASTER, master))
 
     def _lazy_states(self) -> frozenset:
         """The states a step makes where missing: those an if on values declares, and the
@@ -407,11 +419,16 @@ class SpecOptimizer(torch.optim.Optimizer):
     def _refused(self) -> None:
         """A step refused before it wrote anything leaves no state it made either: the
         parameters' states made in it (``_group_work``: their first step) are dropped, with
-        the plans that hold them."""
+        the plans that hold them, and what it changed of states it found is put back, last
+        first (a master copy dropped, a parameter that took its master copy's value, a
+        state a value turned on: ``_adapt_state``)."""
         fresh = self.__dict__.pop("_vega_fresh", None)
         if fresh:
-            for p in fresh:
-                self.state.pop(p, None)
+            for item in reversed(fresh):
+                if isinstance(item, torch.Tensor):
+                    self.state.pop(item, None)
+                else:
+                    item()
             self._plans().clear()
 
     def _check_settings(self) -> None:
@@ -647,7 +664,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         for q in group["params"]:
             st = self.state.get(q)
             if st and engine.MASTER in st:
-                del st[engine.MASTER]
+                self._drop_master(st)
 
     def _group_values_now(self, group, program) -> dict:
         """The values a parameter's first state takes from its group where the group holds
