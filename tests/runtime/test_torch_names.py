@@ -536,3 +536,21 @@ def test_a_torch_state_written_in_directly_is_named_at_the_step(cls, torch_cls, 
                                          r"with load_state_dict"):
         ours.step()
     assert all(torch.equal(p, b) for p, b in zip(lin.parameters(), before))
+
+
+def test_torch_state_dict_leaves_master_copies_out_with_a_warning():
+    """torch.optim keeps no master copy: torch's format leaves vega's out, with a warning
+    (torch's class kept it as a state of its own, cast to the bfloat16 parameter's dtype)."""
+    p = torch.nn.Parameter(torch.randn(6, 4).to(torch.bfloat16))
+    opt = vega.optim.AdamW([p], lr=1e-2, master_weights=True)
+    p.grad = torch.randn(6, 4).to(torch.bfloat16)
+    opt.step()
+    assert "master" in opt.state[p]
+    with pytest.warns(UserWarning, match=r"AdamW.torch_state_dict: the master copies .* are "
+                                         "left out: torch.optim keeps none"):
+        converted = opt.torch_state_dict()
+    assert set(converted["state"][0]) == {"exp_avg", "exp_avg_sq", "step"}
+    theirs = torch.optim.AdamW([p], lr=1e-2)
+    theirs.load_state_dict(converted)
+    theirs.step()
+    assert set(theirs.state[p]) == {"exp_avg", "exp_avg_sq", "step"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import warnings
 
 import torch
 
@@ -380,12 +381,17 @@ def to_torch(owner: str, cls_name: str, betas: tuple, state_dict: dict) -> dict:
                                                differentiable=False).items() if key in takes)
         out.update(rules)
         groups.append(out)
-    state = {}
+    state, masters = {}, False
     for pid, st in state_dict["state"].items():
         new = {names.get(key, key): v for key, v in st.items()}
         new.pop(None, None)
+        masters = new.pop(engine.MASTER, None) is not None or masters
         if "step" in new:  # (torch's counters are float32, on the host)
             new["step"] = new["step"].to(device="cpu", dtype=torch.float32)
         state[pid] = new
+    if masters:  # (torch's class would keep it as a state, cast to the parameter's dtype)
+        warnings.warn(f"{owner}: the master copies of the half-precision parameters "
+                      "(master_weights=True) are left out: torch.optim keeps none, and steps "
+                      "the parameters as they are", stacklevel=3)
     return {**{k: v for k, v in state_dict.items() if k not in ("loss_scale", RULE_KEY)},
             "state": state, "param_groups": groups}
