@@ -241,6 +241,11 @@ def test_unknown_flag_and_bad_values():
         vega.optim.AdamW([torch.zeros(2, requires_grad=True)], lr=-0.1)
     with pytest.raises(ValueError, match="amsgrad=1 must be True or False"):
         vega.adam_init(p, amsgrad=1)
+    # a state's dtypes are its init's: a step names where to give them
+    with pytest.raises(TypeError, match=r"adam_step got state_dtype: a state's dtypes are "
+                                        r"chosen where it is made \(adam_init\(params, "
+                                        r"state_dtype=\.\.\.\)\)"):
+        vega.adam_step(p, p, vega.adam_init(p), state_dtype=torch.bfloat16)
 
 
 # (expression of A and B, a, b): folded where both are literals, computed by the kernels'

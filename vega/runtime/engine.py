@@ -226,6 +226,10 @@ def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, base: dict 
     """Split keyword arguments into (flags, values), defaults filled in, each checked."""
     known = {h.name: h for h in hypers}
     for name in given:
+        if name == "state_dtype" and owner.endswith("_step"):
+            raise TypeError(f"{owner} got state_dtype: a state's dtypes are chosen where it "
+                            f"is made ({owner[:-len('_step')]}_init(params, state_dtype=...)), "
+                            "and a step keeps them")
         if name not in known:
             raise TypeError(f"{owner} got an unexpected hyperparameter {name!r}"
                             f"{_suggest(name, list(known))}; it takes "
