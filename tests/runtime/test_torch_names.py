@@ -554,3 +554,32 @@ def test_torch_state_dict_leaves_master_copies_out_with_a_warning():
     theirs.load_state_dict(converted)
     theirs.step()
     assert set(theirs.state[p]) == {"exp_avg", "exp_avg_sq", "step"}
+
+
+def test_amsgrad_turned_off_keeps_its_state_as_torch_and_on_makes_it():
+    """A state an if on a bool declares (amsgrad's nu_max) is kept where the bool is turned
+    off after steps, as torch.optim.Adam keeps max_exp_avg_sq and steps without it (it was a
+    ValueError), and made fresh where the bool is turned on (torch's step fails on the
+    missing key): the steps after equal a fresh amsgrad's."""
+    def run(cls, g):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 7, dtype=torch.float64))
+        opt = cls([p], lr=0.1, amsgrad=True)
+        for k in range(6):
+            if k == 3:
+                opt.param_groups[0]["amsgrad"] = False
+            p.grad = torch.randn(7, dtype=torch.float64, generator=g)
+            opt.step()
+        return p, opt
+    p, mine = run(vega.optim.Adam, torch.Generator().manual_seed(0))
+    q, theirs = run(torch.optim.Adam, torch.Generator().manual_seed(0))
+    assert torch.allclose(p, q, rtol=0, atol=1e-12)
+    assert torch.allclose(mine.state[p]["nu_max"], theirs.state[q]["max_exp_avg_sq"],
+                          rtol=0, atol=1e-15)
+    # turned on after steps without it: nu_max starts at zeros, as a fresh amsgrad's
+    a = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    opt = vega.optim.Adam([a], lr=0.1)
+    a.grad = torch.ones(4, dtype=torch.float64)
+    opt.step()
+    opt.param_groups[0]["amsgrad"] = True
+    opt.step()
+    assert torch.equal(opt.state[a]["nu_max"], opt.state[a]["nu"])

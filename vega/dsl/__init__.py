@@ -35,6 +35,7 @@ class Spec:
     # the states declared under an if on hyperparameter values alone (sgd's v under
     # `if momentum > 0`): a class creates them when the values turn such an if on
     value_states: frozenset[str] = field(init=False, repr=False)
+    flag_states: frozenset[str] = field(init=False, repr=False)
     # per shape condition: the float hyperparameters it reads, and the states its then
     # branch declares, where it reads values alone (None where it reads the shape)
     _value_ifs: tuple = field(init=False, repr=False)
@@ -55,6 +56,8 @@ class Spec:
         self.value_states = frozenset(
             name for s in self.shape_conditions if not reads_shape(s.cond)
             for name in _declared(s.then + s.orelse))
+        self.flag_states = frozenset(_flag_declared(self.tree.body, self.shape_conditions)) - \
+            frozenset(d.name for d in self.tree.body if isinstance(d, ast.StateDecl))
         self._value_ifs = tuple(
             None if reads_shape(s.cond) else
             (frozenset(n.id for n in _names(s.cond) if n.id in floats),
@@ -139,6 +142,19 @@ def _expressions(stmts):
             yield from _expressions(s.then + s.orelse)
         elif isinstance(s, ast.Mode):
             yield from _expressions(s.body)
+
+
+def _flag_declared(stmts, shape_ifs, under_shape: bool = False):
+    """The names of the states declared under an if on bool hyperparameters (amsgrad's
+    ``nu_max``), none of them under an if on the tensor's shape."""
+    for s in stmts:
+        if isinstance(s, ast.If):
+            shaped = under_shape or any(s is c and reads_shape(c.cond) for c in shape_ifs)
+            flag = not any(s is c for c in shape_ifs)
+            for d in state_decls(s.then + s.orelse):
+                if flag and not shaped:
+                    yield d.name
+            yield from _flag_declared(s.then + s.orelse, shape_ifs, shaped)
 
 
 def _declared(stmts):

@@ -290,12 +290,14 @@ class SpecOptimizer(torch.optim.Optimizer):
             undo.append(functools.partial(st.__setitem__, engine.MASTER, master))
 
     def _lazy_states(self) -> frozenset:
-        """The states a step makes where missing: those an if on values declares, and the
-        master copy (unless the spec has a state of that name)."""
+        """The states a step makes where missing and keeps where no longer read: those an if
+        on values or on bools declares (sgd's ``v``, amsgrad's ``nu_max``: torch.optim.Adam
+        keeps its ``max_exp_avg_sq`` where amsgrad is turned off), and the master copy
+        (unless the spec has a state of that name)."""
         spec = self.spec._spec
         own = engine.MASTER in spec.state_names
         scales = frozenset(n + quant.SUFFIX for n in spec.value_states)  # (8-bit ones')
-        return spec.value_states | scales | (
+        return spec.value_states | spec.flag_states | scales | (
             frozenset() if own else frozenset({engine.MASTER}))
 
     @torch.no_grad()
