@@ -583,3 +583,31 @@ def test_amsgrad_turned_off_keeps_its_state_as_torch_and_on_makes_it():
     opt.param_groups[0]["amsgrad"] = True
     opt.step()
     assert torch.equal(opt.state[a]["nu_max"], opt.state[a]["nu"])
+
+
+def test_a_rule_without_weight_decay_refuses_a_decaying_group():
+    """A framework's decay and no-decay groups give weight_decay to every optimizer: a class
+    torch has not whose rule does not decay (AdaBelief, Yogi, ADOPT, a spec of one's own)
+    kept weight_decay=0.5 and stepped as without it. It takes 0 and refuses another value,
+    as RAdam does; a class of torch's that has none keeps the key, as torch's does."""
+    p = torch.nn.Parameter(torch.ones(3))
+    words = (r"a parameter group has weight_decay=0\.5, which AdaBelief's rule does not take "
+             r"\(it has no weight_decay\): only weight_decay=0 is taken, and the group would "
+             r"step as without it")
+    with pytest.raises(ValueError, match=words):
+        vega.optim.AdaBelief([{"params": [p], "weight_decay": 0.5}])
+    with pytest.raises(ValueError, match=r"^Yogi: weight_decay=0\.1, which Yogi's rule does "
+                                         r"not take"):
+        vega.optim.Yogi([p], weight_decay=0.1)
+    opt = vega.optim.ADOPT([{"params": [p], "weight_decay": 0.0}], weight_decay=0)
+    p.grad = torch.ones(3)
+    opt.step()
+    opt.param_groups[0]["weight_decay"] = 0.5
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="ADOPT's rule does not take"):
+        opt.step()
+    assert torch.equal(p, before)
+    mine = vega.compile("optimizer plain(lr = 0.1) { p = p - lr * g }").optimizer_class
+    with pytest.raises(ValueError, match="rule does not take"):
+        mine([{"params": [p], "weight_decay": 0.01}])
+    vega.optim.Rprop([{"params": [p], "weight_decay": 0.5}])  # (torch's Rprop keeps it too)

@@ -104,10 +104,22 @@ def torch_only(spec) -> dict[str, object]:
     mine = {h.name for h in spec.hypers} | set(tuple_keys(spec)) | {
         "maximize", "differentiable", *_IMPLEMENTATION_KEYWORDS}
     rules = _TORCH_RULES.get(spec.class_name, {})
+    theirs = _torch_keywords(spec.class_name)
+    if not theirs and "weight_decay" not in mine:
+        # a class torch has not (AdaBelief, a spec of one's own) whose rule does not decay:
+        # a group's weight_decay (a framework's decay and no-decay groups) would be lost
+        return {"weight_decay": 0}
     return {name: rules.get(name, p.default)
-            for name, p in _torch_keywords(spec.class_name).items()
+            for name, p in theirs.items()
             if name not in ("self", "params") and name not in mine
             and p.default is not inspect.Parameter.empty}
+
+
+def _not_taken(cls_name: str, key: str) -> str:
+    """Who does not take ``key``: torch's class of the name has it, or none has."""
+    if _torch_keywords(cls_name):
+        return f"a setting of torch.optim.{cls_name} that vega.optim.{cls_name} does not take"
+    return f"which {cls_name}'s rule does not take (it has no {key})"
 
 
 def _at(given, value) -> bool:
@@ -132,10 +144,11 @@ def check_torch_only(owner: str, cls_name: str, only: dict, group: dict) -> None
         if key in group and not _at(group[key], value):
             hint = ("; torch's adjust_lr_fn='match_rms_adamw' is match_rms_adamw=True"
                     if key == "adjust_lr_fn" else "")
+            at = (f"its rule is torch's at {key}={value!r}" if _torch_keywords(cls_name)
+                  else f"only {key}={value!r} is taken")
             raise ValueError(f"{owner}: a parameter group has {key}={engine.shown(group[key])}, "
-                             f"a setting of torch.optim.{cls_name} that vega.optim.{cls_name} "
-                             f"does not take: its rule is torch's at {key}={value!r}, and the "
-                             f"group would step as without it{hint}")
+                             f"{_not_taken(cls_name, key)}: {at}, and the group would step "
+                             f"as without it{hint}")
 
 
 def split_tuples(owner: str, spec, hypers: dict) -> None:
@@ -189,6 +202,9 @@ def take_rule_keywords(owner: str, cls_name: str, spec, hypers: dict, only: dict
         other = " (vega.optim.AdamW)" if cls_name == "Adam" else ""
         hint = ("; torch's adjust_lr_fn='match_rms_adamw' is match_rms_adamw=True"
                 if name == "adjust_lr_fn" else "")
+        if not takes:  # (no torch class of the name: a rule that does not decay)
+            raise ValueError(f"{owner}: {name}={engine.shown(given)}, {_not_taken(cls_name, name)}"
+                             f": only {name}={value} is taken, and it would step as without it")
         raise ValueError(f"{owner}: {name}={engine.shown(given)}: vega.optim.{cls_name}'s "
                          f"rule is torch's at {name}={value}; another rule is another "
                          f"class{other}{hint}")
