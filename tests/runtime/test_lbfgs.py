@@ -709,3 +709,29 @@ def test_optimizer_class_validates():
     half.step()
     st = half.state[half.param_groups[0]["params"][0]]
     assert st["diff_params"].dtype == torch.float32 and st["weights"].dtype == torch.float32
+
+
+def test_load_state_dict_hooks_run_as_torchs():
+    """A pre-hook's answer is what is loaded, and a post-hook's changes stay (the saved
+    values were cast in after torch's loading ran the hooks, undoing them)."""
+    lin = torch.nn.Linear(3, 1, dtype=torch.float64)
+    opt = LBFGS(lin.parameters(), lr=0.5, memory_size=3)
+    for _ in range(2):
+        opt.zero_grad()
+        lin(torch.ones(2, 3, dtype=torch.float64)).square().sum().backward()
+        opt.step()
+    saved = opt.state_dict()
+    other = LBFGS(lin.parameters(), lr=0.5, memory_size=3)
+
+    def pre(o, sd):
+        sd = dict(sd)
+        sd["state"] = {i: {k: (torch.zeros_like(v) if k == "diff_params" else v)
+                           for k, v in st.items()} for i, st in sd["state"].items()}
+        return sd
+    other.register_load_state_dict_pre_hook(pre)
+    other.register_load_state_dict_post_hook(
+        lambda o: o.state[lin.weight]["weights"].fill_(7.0))
+    other.load_state_dict(saved)
+    assert not other.state[lin.weight]["diff_params"].any()
+    assert (other.state[lin.weight]["weights"] == 7.0).all()
+    assert opt.state[lin.weight]["diff_params"].any()  # (the saved dict is the caller's)

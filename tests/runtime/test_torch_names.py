@@ -611,3 +611,58 @@ def test_a_rule_without_weight_decay_refuses_a_decaying_group():
     with pytest.raises(ValueError, match="rule does not take"):
         mine([{"params": [p], "weight_decay": 0.01}])
     vega.optim.Rprop([{"params": [p], "weight_decay": 0.5}])  # (torch's Rprop keeps it too)
+
+
+@pytest.mark.parametrize("kind", ["pre", "post", "migrate", "torch names"])
+def test_load_state_dict_hooks_run_as_torchs(kind):
+    """torch's load_state_dict hooks: what a pre-hook returns is what is loaded (it was
+    checked, converted and cast from the caller's dict, so the hook's changes were undone or
+    refused), and what a post-hook writes into the state stays; a pre-hook sees torch's
+    names in a state dict of torch's class."""
+    def trained(cls):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 3)
+        opt = cls(lin.parameters(), lr=1e-2)
+        for _ in range(3):
+            opt.zero_grad()
+            lin(torch.randn(2, 4)).sum().backward()
+            opt.step()
+        return opt.state_dict()
+    seen = []
+
+    def pre(opt, sd):
+        seen.append(sorted(next(iter(sd["state"].values()))))
+        sd = dict(sd)
+        if kind == "migrate":  # (an old checkpoint's name for lr)
+            sd["param_groups"] = [{**{k: v for k, v in g.items() if k != "learning_rate"},
+                                   "lr": g["learning_rate"]} for g in sd["param_groups"]]
+            return sd
+        sd["state"] = {i: {**st, "mu": torch.zeros_like(st["mu"])}
+                       for i, st in sd["state"].items()}
+        return sd
+
+    def post(opt):
+        for st in opt.state.values():
+            st["mu"] = torch.zeros_like(st["mu"])
+    saved = trained(torch.optim.AdamW if kind == "torch names" else vega.optim.AdamW)
+    if kind == "migrate":
+        saved["param_groups"] = [{**{k: v for k, v in g.items() if k != "lr"},
+                                  "learning_rate": g["lr"]} for g in saved["param_groups"]]
+    opt = vega.optim.AdamW(torch.nn.Linear(4, 3).parameters(), lr=1e-2)
+    if kind == "torch names":
+        opt.register_load_state_dict_pre_hook(lambda o, sd: seen.append(
+            sorted(next(iter(sd["state"].values())))))
+    elif kind == "post":
+        opt.register_load_state_dict_post_hook(post)
+    else:
+        opt.register_load_state_dict_pre_hook(pre)
+    opt.load_state_dict(saved)
+    st = next(iter(opt.state.values()))
+    if kind == "torch names":
+        assert seen == [["exp_avg", "exp_avg_sq", "step"]]
+        return
+    assert int(st["step"]) == 3
+    if kind == "migrate":
+        assert opt.param_groups[0]["lr"] == 1e-2 and "learning_rate" not in opt.param_groups[0]
+    else:
+        assert not st["mu"].any() and st["nu"].any()

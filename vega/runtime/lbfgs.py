@@ -64,7 +64,7 @@ import torch
 
 from vega.codegen.steps import advance_steps
 from vega.codegen.tensors import dense, is_dtensor, not_dense
-from vega.runtime import sharded
+from vega.runtime import sharded, torch_names
 from vega.runtime.engine import check_state_dtype, shown, state_dtype_for
 from vega.runtime.spec import _check_leaves, _label, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
@@ -552,7 +552,11 @@ class LBFGS(torch.optim.Optimizer):
         with ``state`` and ``param_groups``, dense entries, a group with this class's settings
         (torch.optim.LBFGS's has others), and each parameter's state as a step reads it: none,
         or its four buffers at the shapes ``memory_size`` and the parameter need, the first
-        parameter's holding ``weights`` and a step counter too (``_check_loaded``)."""
+        parameter's holding ``weights`` and a step counter too (``_check_loaded``). torch's
+        load_state_dict hooks run as torch runs them (``torch_names.loading``)."""
+        torch_names.loading(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
         owner = "LBFGS.load_state_dict"
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys() \
                 or not isinstance(state_dict["state"], dict) \

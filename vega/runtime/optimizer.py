@@ -907,7 +907,12 @@ class SpecOptimizer(torch.optim.Optimizer):
         the groups carry this optimizer's hyperparameters (not another optimizer's), each
         parameter's state has this optimizer's entries at the shapes its parameter needs,
         and the loss scale's tensors are 0-d, of their dtypes, with values a scale can take.
+        torch's load_state_dict hooks run as torch runs them: the pre-hooks on what is
+        given, before any of this, the post-hooks on the state loaded.
         """
+        torch_names.loading(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
         name = self.spec.class_name
         if torch_names.is_torch_format(state_dict, name, _group_keys(self.spec)):
             state_dict = torch_names.from_torch(f"{type(self).__name__}.load_state_dict", name,

@@ -10,6 +10,7 @@ follows at the next step.
 """
 from __future__ import annotations
 
+import collections
 import inspect
 import numbers
 import warnings
@@ -208,6 +209,35 @@ def take_rule_keywords(owner: str, cls_name: str, spec, hypers: dict, only: dict
         raise ValueError(f"{owner}: {name}={engine.shown(given)}: vega.optim.{cls_name}'s "
                          f"rule is torch's at {name}={value}; another rule is another "
                          f"class{other}{hint}")
+
+
+def loading(opt, state_dict, load) -> None:
+    """``opt.load_state_dict`` in torch's order around vega's own loading ``load``: the
+    load_state_dict pre-hooks (``register_load_state_dict_pre_hook``) first, on a shallow
+    copy of what the caller gave, each one's answer replacing it (so that a hook migrating an
+    old checkpoint runs before vega converts or checks it); then ``load`` of the result, with
+    the hooks held off (the loading of torch's class inside it would run them again, and the
+    values vega casts after it would undo what they changed); then the post-hooks, on the
+    state as loaded."""
+    if isinstance(state_dict, dict):
+        state_dict = state_dict.copy()
+    pre = opt.__dict__.get("_optimizer_load_state_dict_pre_hooks") or {}
+    post = opt.__dict__.get("_optimizer_load_state_dict_post_hooks") or {}
+    for hook in list(pre.values()):
+        answer = hook(opt, state_dict)
+        if answer is not None:
+            state_dict = answer
+    if pre or post:
+        opt._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
+        opt._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
+    try:
+        load(state_dict)
+    finally:
+        if pre or post:
+            opt._optimizer_load_state_dict_pre_hooks = pre
+            opt._optimizer_load_state_dict_post_hooks = post
+    for hook in list(post.values()):
+        hook(opt)
 
 
 def negated(grads: list) -> list:
