@@ -1011,6 +1011,15 @@ def test_a_parameter_given_twice_in_a_group_is_named_at_both_places():
         with pytest.raises(ValueError, match=r"parameter 1 of group 1 is parameter 0 again"):
             opt.add_param_group({"params": [v, v]})
     assert len(opt.param_groups) == 1
+    # put in a group's list after the optimizer was made: the step says so (it said that
+    # the parameter shared memory with itself), in the same group or another
+    for group in (0, 1):
+        opt = vega.optim.AdamW([{"params": [w]}, {"params": [v]}], lr=0.1)
+        opt.param_groups[group]["params"].append(w)
+        w.grad, v.grad = torch.ones(3), torch.ones(2)
+        with pytest.raises(ValueError, match=r"^AdamW: parameter 0 of group 0 is in the "
+                                             r"optimizer twice \(put in a group's list"):
+            opt.step()
 
 
 @pytest.mark.parametrize("attr, value, words", [

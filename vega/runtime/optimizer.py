@@ -568,6 +568,10 @@ class SpecOptimizer(torch.optim.Optimizer):
                 k -= len(params)
             return "a tensor"
         k, other, words = problem
+        if other is not None and label(k) == label(other):  # (one tensor, listed twice)
+            raise ValueError(f"{type(self).__name__}: {label(k)} is in the optimizer twice "
+                             "(put in a group's list again after it was made): a step in "
+                             "place would write it twice; give each parameter once")
         raise ValueError(f"{type(self).__name__}: {label(k)} "
                          f"{words.format(other=label(other)) if other is not None else words}")
 
