@@ -1504,3 +1504,18 @@ def test_the_base_class_without_a_rule_says_so():
     with pytest.raises(TypeError, match=r"^SpecOptimizer has no rule: SpecOptimizer is the "
                                         r"base of vega's classes"):
         vega.optim.SpecOptimizer([torch.nn.Parameter(torch.ones(2))])
+
+
+def test_a_state_of_its_own_class_missing_a_key_names_no_other_class():
+    """AdamW's own state with 'lr' taken out was said to seem vega.optim.Adam's (whose keys
+    are AdamW's): where the optimizer's own class fits as well as any, none is named."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = vega.optim.AdamW([p])
+    p.grad = torch.ones(3)
+    opt.step()
+    saved = opt.state_dict()
+    del saved["param_groups"][0]["lr"]
+    with pytest.raises(ValueError, match=r"^AdamW.load_state_dict: group 0 of the state has no "
+                                         r"'lr'; was it saved from another optimizer than "
+                                         r"vega.optim.AdamW\?$"):
+        vega.optim.AdamW([p]).load_state_dict(saved)

@@ -1329,7 +1329,8 @@ def _seems_from(keys, owner: str, states: bool = False) -> str:
             best, score = [name], s
         elif abs(s - score) <= 1e-9 and s > 0:
             best.append(name)
-    best = [n for n in best if n != f"vega.optim.{owner}"]
+    if f"vega.optim.{owner}" in best:  # (its own keys, some missing: no other to name)
+        return f"was it saved from another optimizer than vega.optim.{owner}?"
     if best == [f"torch.optim.{owner}"] and score >= 0.6:  # (a format not converted)
         return (f"it seems to be the state of torch.optim.{owner}, whose format "
                 f"vega.optim.{owner} does not convert (torch's states are converted for "
