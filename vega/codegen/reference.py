@@ -1198,7 +1198,7 @@ class Kernel:
         check_counters("reference", steps)
         if self.program.spans_group:  # its reductions over the group, between stages
             return run_staged(self, params, grads, states, steps, values, donate, pre)
-        finite, gscale = self._begin(params, states, steps, donate, pre)
+        finite, gscale = self._begin(params, grads, states, steps, donate, pre)
         cache: dict = {}
         new_params, new_states = [None] * len(params), [[None] * len(params) for _ in states]
         keys = self._rounding_keys(params, grads, states, steps)
@@ -1281,7 +1281,7 @@ class Kernel:
         check_codes("reference", self.program, states)
         check_dtypes("reference", self.program, params, grads, states)
         check_counters("reference", steps)
-        finite, gscale = self._begin(params, states, steps, donate, pre)
+        finite, gscale = self._begin(params, grads, states, steps, donate, pre)
         cache: dict = {}
         gens, asked, outs = [], [], [None] * len(params)
         for i, (p, g) in enumerate(zip(params, grads)):
@@ -1327,13 +1327,13 @@ class Kernel:
                         keys[i])
         yield Done((new_params, new_states, advance_steps(steps, finite, donate), finite))
 
-    def _begin(self, params, states, steps, donate, pre):
+    def _begin(self, params, grads, states, steps, donate, pre):
         """(the all-finite flag, (inverse loss scale, clip coefficient)), None each without
         ``pre``; in place, every write checked first."""
         if donate and not torch.compiler.is_compiling():  # all checked before any is written
             refuse_inplace("reference", self.program.state_names, params,
                            [s for col in states for s in col],
-                           list({id(s): s for s in steps}.values()))
+                           list({id(s): s for s in steps}.values()), grads)
         if pre is None:
             return None, None
         max_norm = pre[Pre.MAX_NORM]

@@ -279,17 +279,21 @@ MISSING_WORDS = ("is not a tensor (None, or another object, where the step write
 NOT_DENSE_WORDS = "is {what}; a step in place writes dense (strided) tensors"
 
 
-def inplace_problem(tensors) -> tuple[int, int | None, str] | None:
+def inplace_problem(tensors, reads=()) -> tuple[int, int | None, str] | None:
     """The first problem a step in place would meet writing all of ``tensors`` (None where
     there is none): (position, another position or None, a ``*_WORDS`` text, where ``{other}``
-    stands for the other's name). Where the C backend's native operator is built, one call
-    of it answers for contiguous tensors (the common case)."""
+    stands for the other's name); and reading ``reads`` (the gradients: a position among
+    them is ``len(tensors)`` and on) after it has written a tensor that shares memory with
+    one. Where the C backend's native operator is built, one call of it answers for
+    contiguous tensors (the common case)."""
     tensors = tensors if isinstance(tensors, list) else list(tensors)
+    reads = [g for g in reads]
     if not torch.compiler.is_compiling():
         from vega.codegen.c import native  # (the C backend imports this module)
         mod = native.module()
         try:
-            if mod is not None and mod.writable(tensors):
+            if mod is not None and mod.writable(
+                    tensors, [g for g in reads if g is not None] if reads else None):
                 return None
         except TypeError:  # (an object not a tensor: named below)
             pass
@@ -306,7 +310,39 @@ def inplace_problem(tensors) -> tuple[int, int | None, str] | None:
         spans.append(_span(t))
     lo = np.array([s[0] for s in spans], dtype=np.int64)
     hi = np.array([s[1] for s in spans], dtype=np.int64)
-    return shared_pair(tensors, lo, hi)
+    pair = shared_pair(tensors, lo, hi)
+    if pair is not None or not reads:
+        return pair
+    found = read_written_pair(tensors, reads)
+    return None if found is None else (len(tensors) + found[0], found[1], READ_SHARE_WORDS)
+
+
+READ_SHARE_WORDS = ("shares memory with {other}, which the step writes: a step in place could "
+                    "read it after writing there; give a copy (p.grad = g.clone())")
+
+
+def read_written_pair(written, reads) -> tuple[int, int] | None:
+    """(a position in ``reads``, one in ``written``) of a read tensor and a written one that
+    share an element's memory (None where none do): spans that meet are compared as
+    ``_cluster_pair`` compares them."""
+    items = [(t, False, k) for k, t in enumerate(written)] + \
+        [(t, True, k) for k, t in enumerate(reads)
+         if isinstance(t, torch.Tensor) and dense(t)]
+    spans = [_span(t) for t, _, _ in items]
+    active: list[int] = []  # (the spans so far that reach past the next one's start)
+    for i in sorted(range(len(items)), key=lambda i: spans[i][0]):
+        lo, hi = spans[i]
+        if hi <= lo:
+            continue
+        active = [a for a in active if spans[a][1] > lo]
+        for a in active:
+            if items[a][1] != items[i][1] and _cluster_pair(
+                    [items[a][0], items[i][0]], [0, 1], np.array([spans[a][0], lo]),
+                    np.array([spans[a][1], hi])) is not None:
+                r, w = (a, i) if items[a][1] else (i, a)
+                return items[r][2], items[w][2]
+        active.append(i)
+    return None
 
 
 def roles(state_names, n: int, nsteps: int) -> list[str]:
@@ -317,13 +353,14 @@ def roles(state_names, n: int, nsteps: int) -> list[str]:
             *(f"step counter {k}" for k in range(nsteps))]
 
 
-def refuse_inplace(backend: str, state_names, params, flat_states, steps) -> None:
+def refuse_inplace(backend: str, state_names, params, flat_states, steps, grads=()) -> None:
     """Raise ValueError where a kernel's step in place cannot write these parameters, states
-    (flat, state by state) and step counters (``inplace_problem``)."""
-    problem = inplace_problem([*params, *flat_states, *steps])
+    (flat, state by state) and step counters, or read ``grads`` (``inplace_problem``)."""
+    problem = inplace_problem([*params, *flat_states, *steps], grads)
     if problem is not None:
         i, j, words = problem
-        named = roles(state_names, len(params), len(steps))
+        named = roles(state_names, len(params), len(steps)) + \
+            [f"the gradient of parameter {k}" for k in range(len(grads))]
         raise ValueError(f"backend '{backend}': {named[i]} "
                          f"{words.format(other=named[j]) if j is not None else words}")
 

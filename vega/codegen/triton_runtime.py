@@ -996,7 +996,7 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
     if donate:
         if not torch.compiler.is_compiling():  # all checked before any is written
             refuse_inplace("triton", kern.program.state_names, params, flat_states,
-                           uniq_steps)
+                           uniq_steps, grads)
         work_p = readable(params)
         work_s = readable(flat_states)
         compiling = torch.compiler.is_compiling()
@@ -1043,7 +1043,7 @@ def staged(kern, params, grads, states, steps, values, donate, pre, views):
     grads = readable(grads)
     flat = [s for col in states for s in col]
     if donate:
-        refuse_inplace("triton", kern.program.state_names, params, flat, uniq_steps)
+        refuse_inplace("triton", kern.program.state_names, params, flat, uniq_steps, grads)
     else:
         params, flat = [p.clone() for p in params], [s.clone() for s in flat]
         uniq_steps = [s.clone() for s in uniq_steps]

@@ -543,10 +543,14 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     def _check_writes(self, work) -> None:
         """Raise ValueError where the step cannot write a parameter, a state or a step
-        counter in place (``vega.codegen.tensors.inplace_problem``), naming it: checked for
-        every tensor of every group before any is written."""
+        counter in place, or read a gradient that shares memory with one
+        (``vega.codegen.tensors.inplace_problem``), naming it: checked for every tensor of
+        every group before any is written."""
         written, where = [], []  # where: (state name, or None for parameters; parameters)
-        for program, _, params, _, states, steps, _ in work:
+        grads, of = [], []  # (each gradient a step reads, and its parameter)
+        for program, _, params, gs, states, steps, _ in work:
+            grads += gs
+            of += params
             written += params
             where.append((None, params))
             for name, col in zip(program.state_names, states):
@@ -556,11 +560,13 @@ class SpecOptimizer(torch.optim.Optimizer):
             written += uniq
             where.append(("step", [params[index.index(u)] for u in range(len(uniq))]
                           if len(uniq) != len(steps) else params))
-        problem = inplace_problem(written)
+        problem = inplace_problem(written, grads)
         if problem is None:
             return
 
         def label(k: int) -> str:
+            if k >= len(written):
+                return f"the gradient of {self._name(of[k - len(written)])}"
             for name, params in where:
                 if k < len(params):
                     p = self._name(params[k])

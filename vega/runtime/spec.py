@@ -240,7 +240,8 @@ class CompiledSpec:
         work = engine.groups([progs[i] for i in idx])
         work = [(program, [idx[k] for k in ks]) for program, ks in work]
         if donate and not spread and not torch.compiler.is_compiling():
-            _check_writes(owner, params, p_leaves, columns, work, step)  # before any write
+            _check_writes(owner, params, p_leaves, columns, work, step,  # before any write
+                          g_leaves)
         new_p = {}
         new_cols = {n: {} for n in names}
         with torch.no_grad():
@@ -499,10 +500,11 @@ def _own_ops(params, p_leaves, g_leaves, columns, names, idx):
     return None
 
 
-def _check_writes(owner, params, p_leaves, columns, work, step) -> None:
+def _check_writes(owner, params, p_leaves, columns, work, step, g_leaves) -> None:
     """Raise ValueError, naming the leaf, where a step in place (``donate=True``) cannot write
-    a parameter, state or the step counter (``vega.codegen.tensors.inplace_problem``):
-    checked for every tensor before any is written."""
+    a parameter, state or the step counter, or read a gradient that shares memory with one
+    (``vega.codegen.tensors.inplace_problem``): checked for every tensor before any is
+    written."""
     written, where = [], []  # where: (field or None for params, positions) per run
     for program, ids in work:
         written += [p_leaves[i] for i in ids]
@@ -511,12 +513,15 @@ def _check_writes(owner, params, p_leaves, columns, work, step) -> None:
             written += [columns[n][i] for i in ids]
             where.append((n, ids))
     written.append(step)
-    problem = inplace_problem(written)
+    read = [i for _, ids in work for i in ids]
+    problem = inplace_problem(written, [g_leaves[i] for i in read])
     if problem is None:
         return
     paths = _paths(params, p_leaves)
 
     def label(k: int) -> str:
+        if k >= len(written):
+            return f"grads leaf '{paths[read[k - len(written)]]}'"
         for field, ids in where:
             if k < len(ids):
                 path = paths[ids[k]]

@@ -409,8 +409,9 @@ class Kernel:
                                          hyp_index)
             if tables is not None:  # (every tensor as the kernels read it: no work copies)
                 return params, flat, unique, step_index, params, flat, tables, (hyp, grads)
-        self._refuse_writes(params, flat, unique)
-        work_p, work_g, work_s = readable(params), readable(grads), readable(flat)
+        work_g = readable(grads)  # (copies of those not as the kernels read them)
+        self._refuse_writes(params, flat, unique, work_g)
+        work_p, work_s = readable(params), readable(flat)
         tables = self._tables(work_p, work_g, work_s, unique, step_index, hyp, hyp_index,
                               geos=geos)
         return params, flat, unique, step_index, work_p, work_s, tables, (hyp, work_g)
@@ -557,7 +558,7 @@ class Kernel:
                 and all(map(torch.Tensor.is_contiguous, hyp)):
             if not torch.is_inference_mode_enabled() and any(map(
                     torch.Tensor.is_inference, [*params, *flat_states, *steps])):
-                self._refuse_writes(params, flat_states, steps)
+                self._refuse_writes(params, flat_states, steps, grads)
             ptr, numel = torch.Tensor.data_ptr, torch.Tensor.numel
             fixed = list(map(ptr, params)) + list(map(ptr, flat_states)) + list(map(ptr, steps))
             meta = ([p.shape for p in params] if self._axes else list(map(numel, params)),
@@ -575,6 +576,8 @@ class Kernel:
                                     hyp, hyp_index), grad_ptrs)
         if found is not None:
             plan, grad_ptrs = found
+            if plan.meets(grads, grad_ptrs):  # (a gradient in memory the step writes: named)
+                self._refuse_writes(params, flat_states, steps, grads)
             plan.point(grad_ptrs, hyp, hyp_index, self.columns.hyper)
             self._launch(plan.tables, plan.step_ptrs, pre, nth)
             _written(params)
@@ -583,24 +586,25 @@ class Kernel:
         # on contiguous copies of the values, copied back at the end (every copy held until
         # the kernel has run: the table keeps only addresses). What is to be written is
         # checked first: a copy back that failed would leave a step half made.
-        self._refuse_writes(params, flat_states, steps)
+        work_g = readable(grads)  # (a gradient is read as its copy where it is copied)
+        self._refuse_writes(params, flat_states, steps, work_g)
         self._check_readable([("parameter", params), ("gradient", grads),
                               *((f"state '{s.name}'", flat_states[k * len(params):
                                                                   (k + 1) * len(params)])
                                 for k, s in enumerate(self.program.states))])
-        work_p, work_g, work_s = readable(params), readable(grads), readable(flat_states)
+        work_p, work_s = readable(params), readable(flat_states)
         work_h = [h.contiguous() for h in hyp]
         tables = self._tables(work_p, work_g, work_s, steps, step_index, work_h, hyp_index)
         self._launch(tables, _int64s([s.data_ptr() for s in steps]), pre, nth)
         copy_back([*params, *flat_states], [*work_p, *work_s])
         _written(params)
 
-    def _refuse_writes(self, params, flat_states, steps) -> None:
+    def _refuse_writes(self, params, flat_states, steps, grads=()) -> None:
         """Raise ValueError where a step in place cannot write these parameters, states (flat,
         state by state) and step counters (``vega.codegen.tensors.inplace_problem``): an
         inference tensor outside inference mode, elements at one memory location, two that
-        share memory."""
-        refuse_inplace("c", self.program.state_names, params, flat_states, steps)
+        share memory, a gradient (as the kernels read it) that shares memory with one."""
+        refuse_inplace("c", self.program.state_names, params, flat_states, steps, grads)
 
     @staticmethod
     def _check_readable(named) -> None:
@@ -623,7 +627,8 @@ class Kernel:
         if plan is None:
             plan = _Plan(fixed, meta, self._tables(params, grads, flat_states, steps,
                                                    step_index, hyp, hyp_index),
-                         _int64s(list(map(torch.Tensor.data_ptr, steps))))
+                         _int64s(list(map(torch.Tensor.data_ptr, steps))),
+                         [*params, *flat_states, *steps])
             self._plans.insert(0, plan)  # (each group of each optimizer has one)
             del self._plans[64:]
         return plan
@@ -780,11 +785,27 @@ class _Plan:
     step counters; ``meta``, their sizes and dtypes (and the gradients'), and the step
     counter and hyperparameter row of each tensor."""
 
-    def __init__(self, fixed, meta, tables, step_ptrs):
+    def __init__(self, fixed, meta, tables, step_ptrs, written=()):
         self.fixed, self.meta, self.tables, self.step_ptrs = fixed, meta, tables, step_ptrs
         self.hyp_ptrs: list[int] = []
         self.hyp_index: list[int] = []
         self.views = _views(tables)
+        # the written tensors' spans by their starts, and how far those so far reach
+        lo = np.array([t.data_ptr() for t in written], dtype=np.int64)
+        hi = lo + np.array([t.numel() * t.element_size() for t in written], dtype=np.int64)
+        order = np.argsort(lo[hi > lo], kind="stable")
+        self.lo = lo[hi > lo][order]
+        self.reach = np.maximum.accumulate(hi[hi > lo][order]) if len(order) else hi[:0]
+
+    def meets(self, grads, grad_ptrs: list[int]) -> bool:
+        """Whether a gradient's span meets a written tensor's (a new gradient each step;
+        contiguous, as the plan's step reads them)."""
+        if not len(self.lo) or not grads:
+            return False
+        glo = np.array(grad_ptrs, dtype=np.int64)
+        ghi = glo + np.array([g.numel() * g.element_size() for g in grads], dtype=np.int64)
+        k = np.searchsorted(self.lo, ghi, side="left") - 1  # the last written span before
+        return bool(((k >= 0) & (ghi > glo) & (self.reach[np.maximum(k, 0)] > glo)).any())
 
     def point(self, grad_ptrs: list[int], hyp, hyp_index, hyp_col: int) -> None:
         """Write the gradients' addresses, and the hyperparameter rows' where they moved or

@@ -269,28 +269,40 @@ void prefetch_tensors(size_t from, size_t to, const Each &each) {
 // each turn, was a fifth of a step over 1,000 one-element parameters).
 constexpr size_t SPANS_KEPT = 4;
 
-bool any_shared(const std::vector<Span> &spans) {
-    thread_local std::vector<std::vector<Span>> kept;
-    for (size_t k = 0; k < kept.size(); k++)
-        if (kept[k].size() == spans.size() &&
-            std::memcmp(kept[k].data(), spans.data(), spans.size() * sizeof(Span)) == 0) {
+bool any_shared(const std::vector<Span> &spans, const std::vector<Span> &reads = {}) {
+    // (the last few answers kept: the same tensors step after step; reads after spans)
+    thread_local std::vector<std::pair<std::vector<Span>, size_t>> kept;
+    const size_t total = spans.size() + reads.size();
+    for (size_t k = 0; k < kept.size(); k++) {
+        const auto &[all, nw] = kept[k];
+        if (nw == spans.size() && all.size() == total &&
+            std::memcmp(all.data(), spans.data(), spans.size() * sizeof(Span)) == 0 &&
+            (reads.empty() || std::memcmp(all.data() + nw, reads.data(),
+                                          reads.size() * sizeof(Span)) == 0)) {
             std::rotate(kept.begin(), kept.begin() + static_cast<std::ptrdiff_t>(k),
                         kept.begin() + static_cast<std::ptrdiff_t>(k) + 1);
             return false;
         }
-    std::vector<Span> sorted;
-    sorted.reserve(spans.size());
+    }
+    // each span that holds an element, tagged read (1) or written (0), by its start; a
+    // written span meeting any span before it shares memory, a read one only a written one
+    std::vector<std::pair<Span, int>> sorted;
+    sorted.reserve(total);
     for (const Span &s : spans)
-        if (s.hi > s.lo) sorted.push_back(s);
+        if (s.hi > s.lo) sorted.push_back({s, 0});
+    for (const Span &s : reads)
+        if (s.hi > s.lo) sorted.push_back({s, 1});
     std::sort(sorted.begin(), sorted.end(),
-              [](const Span &a, const Span &b) { return a.lo < b.lo; });
-    uintptr_t reach = 0;
-    for (size_t k = 0; k < sorted.size(); k++) {
-        if (k && sorted[k].lo < reach) return true;
-        reach = std::max(reach, sorted[k].hi);
+              [](const auto &a, const auto &b) { return a.first.lo < b.first.lo; });
+    uintptr_t written = 0, read = 0;  // (how far the spans so far of each kind reach)
+    for (const auto &[s, is_read] : sorted) {
+        if (s.lo < written || (!is_read && s.lo < read)) return true;
+        (is_read ? read : written) = std::max(is_read ? read : written, s.hi);
     }
     if (kept.size() == SPANS_KEPT) kept.pop_back();
-    kept.insert(kept.begin(), spans);
+    std::vector<Span> all(spans);
+    all.insert(all.end(), reads.begin(), reads.end());
+    kept.insert(kept.begin(), {std::move(all), spans.size()});
     return false;
 }
 
@@ -469,7 +481,8 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
     // the step counters: 0-d int32 CPU tensors (their spans after the parameters')
     const size_t nt = steps.size();
     std::vector<int64_t> step_at(nt);
-    std::vector<Span> spans(in_place ? n * (ns + 1) + nt : 0);
+    std::vector<Span> spans(in_place ? n * (ns + 1) + nt : 0),
+        reads(in_place ? n : 0);  // (the gradients: none may share memory a step writes)
     const bool apart = wide(params);
     const auto warm_steps = [&](size_t from, size_t to) {
         prefetch_tensors(from, to, [&](size_t k, auto ask) { ask(steps[k]); });
@@ -518,6 +531,7 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
         int64_t *f = found.data() + i * fw;
         f[1] = check_plain(p, "parameter", i);
         f[2] = check_plain(g, "gradient", i);
+        if (in_place) reads[i] = span_at(static_cast<uintptr_t>(f[2]), g);
         if (!p.sizes().equals(g.sizes()))
             fail("backend 'c': gradient " + std::to_string(i) +
                  "'s shape differs from its parameter's");
@@ -561,8 +575,9 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
             __builtin_prefetch(reinterpret_cast<const void *>(f[3 + s]), 1);
     });
     // (a step counter shared by several parameters appears once)
-    if (in_place && any_shared(spans))
-        fail("backend 'c': two tensors a step writes share memory");
+    if (in_place && any_shared(spans, reads))
+        fail("backend 'c': two tensors a step writes share memory, or a gradient shares "
+             "memory with one");
     // the rows, the parameters grouped by dtypes
     std::vector<Group> groups;
     const int64_t width = k->col.width;
@@ -963,8 +978,9 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
              **T = PySequence_Fast_ITEMS(steps.ptr());
     const bool inference_mode = c10::InferenceMode::is_enabled();
     const Checked checked(checked_, G, n, device);  // (the prelude's, where it serves)
-    std::vector<Span> spans;
+    std::vector<Span> spans, reads;
     spans.reserve(n * (ns + 1) + nt);
+    reads.reserve(n);
     std::vector<int64_t> step_at(nt);
     for (size_t j = 0; j < nt; j++) {
         prefetch_objects(T, nt, j);
@@ -1003,6 +1019,8 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
         }
         if (g_numel != p.numel()) throw Refused("a gradient's length differs");
         spans.push_back(pp.span());
+        reads.push_back({static_cast<uintptr_t>(g_at), static_cast<uintptr_t>(g_at) +
+                         static_cast<uintptr_t>(g_numel) * c10::elementSize(g_type)});
         for (size_t s = 0; s < ns; s++) {
             const Plain xx = plain_on(S[s][i], device, codes[s], true, inference_mode);
             const at::Tensor &x = xx.t;
@@ -1045,7 +1063,9 @@ py::tuple triton_rows(int64_t id, py::handle params_, py::handle grads_, py::han
         grp->index.push_back(static_cast<int64_t>(i));
         grp->numels.push_back(p.numel());
     }
-    if (any_shared(spans)) throw Refused("two tensors a step writes share memory");
+    if (any_shared(spans, reads))
+        throw Refused("two tensors a step writes share memory, or a gradient shares memory "
+                      "with one");
     // the parameters' version counters, as an in-place torch operation bumps them (autograd
     // then refuses a graph that saved one of them): the step is taken from here on
     for (size_t i = 0; i < n; i++)
@@ -1480,12 +1500,13 @@ PYBIND11_MODULE(vega_native, m) {
         return out;
     });
     // whether a step in place may write every one of these tensors: none an inference
-    // tensor outside inference mode, each contiguous, no two sharing memory (False where one
-    // is not contiguous: vega.codegen.tensors.inplace_problem then reads it in Python)
-    m.def("writable", [](py::handle seq) {
+    // tensor outside inference mode, each contiguous, no two sharing memory, and none sharing
+    // memory with one of ``reads`` (the gradients) (False where one is not contiguous:
+    // vega.codegen.tensors.inplace_problem then reads it in Python)
+    m.def("writable", [](py::handle seq, py::handle read) {
         const Held tensors = tensors_of(seq, "tensor");
         const bool inference_mode = c10::InferenceMode::is_enabled();
-        std::vector<Span> spans;
+        std::vector<Span> spans, reads;
         spans.reserve(tensors.ts.size());
         for (const at::Tensor *pt : tensors.ts) {
             const at::Tensor &t = *pt;
@@ -1494,8 +1515,19 @@ PYBIND11_MODULE(vega_native, m) {
                 return false;
             spans.push_back(span_of(t));
         }
-        return !any_shared(spans);
-    });
+        if (!read.is_none()) {  // (tensors a step reads: each contiguous, else False)
+            const Held readable = tensors_of(read, "tensor");
+            reads.reserve(readable.ts.size());
+            for (const at::Tensor *pt : readable.ts) {
+                const at::Tensor &t = *pt;
+                if (!t.defined() || t.layout() != c10::kStrided || !t.is_contiguous() ||
+                    (t.numel() && !t.data_ptr()))
+                    return false;
+                reads.push_back(span_of(t));
+            }
+        }
+        return !any_shared(spans, reads);
+    }, py::arg("tensors"), py::arg("reads") = py::none());
     py::register_exception<Refused>(m, "Refused", PyExc_ValueError);
     m.def("triton_rows", &triton_rows);
     m.def("gather", &gather);
