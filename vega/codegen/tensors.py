@@ -287,13 +287,12 @@ def inplace_problem(tensors, reads=()) -> tuple[int, int | None, str] | None:
     one. Where the C backend's native operator is built, one call of it answers for
     contiguous tensors (the common case)."""
     tensors = tensors if isinstance(tensors, list) else list(tensors)
-    reads = [g for g in reads]
+    reads = reads if isinstance(reads, list) else list(reads)
     if not torch.compiler.is_compiling():
         from vega.codegen.c import native  # (the C backend imports this module)
         mod = native.module()
         try:
-            if mod is not None and mod.writable(
-                    tensors, [g for g in reads if g is not None] if reads else None):
+            if mod is not None and mod.writable(tensors, reads or None):
                 return None
         except TypeError:  # (an object not a tensor: named below)
             pass

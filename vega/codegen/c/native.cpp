@@ -1520,7 +1520,8 @@ PYBIND11_MODULE(vega_native, m) {
             reads.reserve(readable.ts.size());
             for (const at::Tensor *pt : readable.ts) {
                 const at::Tensor &t = *pt;
-                if (!t.defined() || t.layout() != c10::kStrided || !t.is_contiguous() ||
+                if (!t.defined()) continue;  // (None: nothing read)
+                if (t.layout() != c10::kStrided || !t.is_contiguous() ||
                     (t.numel() && !t.data_ptr()))
                     return false;
                 reads.push_back(span_of(t));
