@@ -583,6 +583,14 @@ def test_amsgrad_turned_off_keeps_its_state_as_torch_and_on_makes_it():
     opt.param_groups[0]["amsgrad"] = True
     opt.step()
     assert torch.equal(opt.state[a]["nu_max"], opt.state[a]["nu"])
+    # 8-bit states, and their scales, alike (off, then on again)
+    big = torch.nn.Parameter(torch.linspace(-1, 1, 5000))
+    opt = vega.optim.Adam([big], lr=0.1, amsgrad=True, state_dtype=torch.uint8)
+    for on in (True, False, True):
+        opt.param_groups[0]["amsgrad"] = on
+        big.grad = torch.ones(5000)
+        opt.step()
+        assert {"nu_max", "nu_max_absmax"} <= opt.state[big].keys()
 
 
 def test_a_rule_without_weight_decay_refuses_a_decaying_group():

@@ -296,8 +296,9 @@ class SpecOptimizer(torch.optim.Optimizer):
         (unless the spec has a state of that name)."""
         spec = self.spec._spec
         own = engine.MASTER in spec.state_names
-        scales = frozenset(n + quant.SUFFIX for n in spec.value_states)  # (8-bit ones')
-        return spec.value_states | spec.flag_states | scales | (
+        lazy = spec.value_states | spec.flag_states
+        scales = frozenset(n + quant.SUFFIX for n in lazy)  # (8-bit ones')
+        return lazy | scales | (
             frozenset() if own else frozenset({engine.MASTER}))
 
     @torch.no_grad()
