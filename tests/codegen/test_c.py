@@ -1012,3 +1012,21 @@ def test_a_staged_step_with_tensor_hyperparameters_matches_the_reference(name):
                 assert_close(s_c[field][k], ref, torch.float32, f"{field}.{k}")
         else:
             assert_close(s_c[field], leaves, torch.float32, field)
+
+
+def test_a_plans_new_gradients_are_looked_up_in_its_written_spans():
+    """The C kernels' cached plans (the Python path, without the native operator) take a
+    new gradient each step: ``_Plan.meets`` says whether one lies in memory the step writes
+    (the step then names it) and not for one beside it, a shared one or a copy."""
+    from vega.codegen.c.launch import _Plan
+    base = torch.zeros(300)
+    p, q, s = base[:100], base[200:300], torch.zeros(100)
+    plan = _Plan([], (), [], None, [p, q, s], [torch.zeros(100), torch.zeros(100)])
+    ptr = torch.Tensor.data_ptr
+    apart = torch.zeros(100)
+    assert not plan.meets([ptr(apart), ptr(apart)])
+    assert not plan.meets([ptr(base[100:200]), ptr(apart)])  # (between p and q)
+    assert plan.meets([ptr(apart), ptr(base[150:250])])  # (into q)
+    assert plan.meets([ptr(base[1:101]), ptr(apart)])  # (p shifted by one)
+    assert plan.meets([ptr(s), ptr(apart)])  # (a state)
+    assert not _Plan([], (), [], None, [], []).meets([])

@@ -312,7 +312,7 @@ def inplace_problem(tensors, reads=()) -> tuple[int, int | None, str] | None:
     pair = shared_pair(tensors, lo, hi)
     if pair is not None or not reads:
         return pair
-    found = read_written_pair(tensors, reads)
+    found = read_written_pair(tensors, reads, lo, hi)
     return None if found is None else (len(tensors) + found[0], found[1], READ_SHARE_WORDS)
 
 
@@ -320,27 +320,28 @@ READ_SHARE_WORDS = ("shares memory with {other}, which the step writes: a step i
                     "read it after writing there; give a copy (p.grad = g.clone())")
 
 
-def read_written_pair(written, reads) -> tuple[int, int] | None:
+def read_written_pair(written, reads, lo: np.ndarray, hi: np.ndarray) -> tuple[int, int] | None:
     """(a position in ``reads``, one in ``written``) of a read tensor and a written one that
-    share an element's memory (None where none do): spans that meet are compared as
-    ``_cluster_pair`` compares them."""
-    items = [(t, False, k) for k, t in enumerate(written)] + \
-        [(t, True, k) for k, t in enumerate(reads)
-         if isinstance(t, torch.Tensor) and dense(t)]
-    spans = [_span(t) for t, _, _ in items]
-    active: list[int] = []  # (the spans so far that reach past the next one's start)
-    for i in sorted(range(len(items)), key=lambda i: spans[i][0]):
-        lo, hi = spans[i]
-        if hi <= lo:
-            continue
-        active = [a for a in active if spans[a][1] > lo]
-        for a in active:
-            if items[a][1] != items[i][1] and _cluster_pair(
-                    [items[a][0], items[i][0]], [0, 1], np.array([spans[a][0], lo]),
-                    np.array([spans[a][1], hi])) is not None:
-                r, w = (a, i) if items[a][1] else (i, a)
-                return items[r][2], items[w][2]
-        active.append(i)
+    share an element's memory (None where none do), by the written ones' spans ``[lo, hi)``
+    (none of which meet): each read span is looked up among them (sorted by their starts),
+    and spans that meet are compared as ``_cluster_pair`` compares them."""
+    at = [k for k, t in enumerate(reads) if isinstance(t, torch.Tensor) and dense(t)]
+    if not at or not len(lo):
+        return None
+    spans = np.array([_span(reads[k]) for k in at], dtype=np.int64).reshape(-1, 2)
+    keep = np.flatnonzero(hi > lo)
+    order = keep[np.argsort(lo[keep], kind="stable")]
+    starts, reach = lo[order], np.maximum.accumulate(hi[order])
+    # the written spans a read one may meet: those that start before it ends, from the
+    # first whose span or one before it reaches past its start
+    first = np.searchsorted(reach, spans[:, 0], side="right")
+    last = np.searchsorted(starts, spans[:, 1], side="left")
+    for r in np.flatnonzero((last > first) & (spans[:, 1] > spans[:, 0])):
+        for w in order[first[r]:last[r]]:
+            if _cluster_pair([written[w], reads[at[r]]], [0, 1],
+                             np.array([lo[w], spans[r, 0]]),
+                             np.array([hi[w], spans[r, 1]])) is not None:
+                return at[r], int(w)
     return None
 
 

@@ -990,13 +990,13 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
     check_states("triton", kern.program, params, states)
     # each read as its values (resolved: no negative bit), contiguous (as they are, in the
     # common case: a pass over the flags, not a copy's call a tensor)
-    grads = readable(grads)
+    given, grads = grads, readable(grads)
     finite = torch.empty((), dtype=torch.bool, device=device)
     flat_states = [s for col in states for s in col]
     if donate:
         if not torch.compiler.is_compiling():  # all checked before any is written
             refuse_inplace("triton", kern.program.state_names, params, flat_states,
-                           uniq_steps, grads)
+                           uniq_steps, given)
         work_p = readable(params)
         work_s = readable(flat_states)
         compiling = torch.compiler.is_compiling()
@@ -1040,10 +1040,10 @@ def staged(kern, params, grads, states, steps, values, donate, pre, views):
     geos = shard_geometries("triton", params, views, kern.axes.temps) \
         if kern.plan is not None else None
     check_states("triton", kern.program, params, states, geos)
-    grads = readable(grads)
+    given, grads = grads, readable(grads)
     flat = [s for col in states for s in col]
     if donate:
-        refuse_inplace("triton", kern.program.state_names, params, flat, uniq_steps, grads)
+        refuse_inplace("triton", kern.program.state_names, params, flat, uniq_steps, given)
     else:
         params, flat = [p.clone() for p in params], [s.clone() for s in flat]
         uniq_steps = [s.clone() for s in uniq_steps]

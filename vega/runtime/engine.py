@@ -222,14 +222,16 @@ def _finite(x: numbers.Real) -> bool:
         return False
 
 
-def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, base: dict | None = None):
-    """Split keyword arguments into (flags, values), defaults filled in, each checked."""
+def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, base: dict | None = None,
+            init: str | None = None):
+    """Split keyword arguments into (flags, values), defaults filled in, each checked.
+    ``init``: the name of the function that makes the state, for a step's arguments."""
     known = {h.name: h for h in hypers}
     for name in given:
-        if name == "state_dtype" and owner.endswith("_step"):
+        if name == "state_dtype" and init is not None:
             raise TypeError(f"{owner} got state_dtype: a state's dtypes are chosen where it "
-                            f"is made ({owner[:-len('_step')]}_init(params, state_dtype=...)), "
-                            "and a step keeps them")
+                            f"is made ({init}(params, state_dtype=...)), and a step keeps "
+                            "them")
         if name not in known:
             raise TypeError(f"{owner} got an unexpected hyperparameter {name!r}"
                             f"{_suggest(name, list(known))}; it takes "

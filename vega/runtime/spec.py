@@ -178,7 +178,7 @@ class CompiledSpec:
         codegen.check_backend(backend)
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
         sharded.check_group(owner, reduce_group)
-        flags, values = engine.resolve(owner, self.hypers, hypers)
+        flags, values = engine.resolve(owner, self.hypers, hypers, init=f"{self.name}_init")
         p_leaves, p_spec, g_leaves = flatten_pair(owner, params, grads)
         # a state that an if on values declares steps whenever the state holds it, by
         # the values given (sgd's v with momentum 0: v = g)

@@ -409,8 +409,8 @@ class Kernel:
                                          hyp_index)
             if tables is not None:  # (every tensor as the kernels read it: no work copies)
                 return params, flat, unique, step_index, params, flat, tables, (hyp, grads)
-        work_g = readable(grads)  # (copies of those not as the kernels read them)
-        self._refuse_writes(params, flat, unique, work_g)
+        self._refuse_writes(params, flat, unique, grads)
+        work_g = readable(grads)
         work_p, work_s = readable(params), readable(flat)
         tables = self._tables(work_p, work_g, work_s, unique, step_index, hyp, hyp_index,
                               geos=geos)
@@ -576,7 +576,7 @@ class Kernel:
                                     hyp, hyp_index), grad_ptrs)
         if found is not None:
             plan, grad_ptrs = found
-            if plan.meets(grads, grad_ptrs):  # (a gradient in memory the step writes: named)
+            if plan.meets(grad_ptrs):  # (a gradient in memory the step writes: named)
                 self._refuse_writes(params, flat_states, steps, grads)
             plan.point(grad_ptrs, hyp, hyp_index, self.columns.hyper)
             self._launch(plan.tables, plan.step_ptrs, pre, nth)
@@ -586,13 +586,12 @@ class Kernel:
         # on contiguous copies of the values, copied back at the end (every copy held until
         # the kernel has run: the table keeps only addresses). What is to be written is
         # checked first: a copy back that failed would leave a step half made.
-        work_g = readable(grads)  # (a gradient is read as its copy where it is copied)
-        self._refuse_writes(params, flat_states, steps, work_g)
+        self._refuse_writes(params, flat_states, steps, grads)
         self._check_readable([("parameter", params), ("gradient", grads),
                               *((f"state '{s.name}'", flat_states[k * len(params):
                                                                   (k + 1) * len(params)])
                                 for k, s in enumerate(self.program.states))])
-        work_p, work_s = readable(params), readable(flat_states)
+        work_p, work_g, work_s = readable(params), readable(grads), readable(flat_states)
         work_h = [h.contiguous() for h in hyp]
         tables = self._tables(work_p, work_g, work_s, steps, step_index, work_h, hyp_index)
         self._launch(tables, _int64s([s.data_ptr() for s in steps]), pre, nth)
@@ -603,7 +602,7 @@ class Kernel:
         """Raise ValueError where a step in place cannot write these parameters, states (flat,
         state by state) and step counters (``vega.codegen.tensors.inplace_problem``): an
         inference tensor outside inference mode, elements at one memory location, two that
-        share memory, a gradient (as the kernels read it) that shares memory with one."""
+        share memory, a gradient that shares memory with one."""
         refuse_inplace("c", self.program.state_names, params, flat_states, steps, grads)
 
     @staticmethod
@@ -628,7 +627,7 @@ class Kernel:
             plan = _Plan(fixed, meta, self._tables(params, grads, flat_states, steps,
                                                    step_index, hyp, hyp_index),
                          _int64s(list(map(torch.Tensor.data_ptr, steps))),
-                         [*params, *flat_states, *steps])
+                         [*params, *flat_states, *steps], grads)
             self._plans.insert(0, plan)  # (each group of each optimizer has one)
             del self._plans[64:]
         return plan
@@ -785,7 +784,7 @@ class _Plan:
     step counters; ``meta``, their sizes and dtypes (and the gradients'), and the step
     counter and hyperparameter row of each tensor."""
 
-    def __init__(self, fixed, meta, tables, step_ptrs, written=()):
+    def __init__(self, fixed, meta, tables, step_ptrs, written=(), grads=()):
         self.fixed, self.meta, self.tables, self.step_ptrs = fixed, meta, tables, step_ptrs
         self.hyp_ptrs: list[int] = []
         self.hyp_index: list[int] = []
@@ -796,14 +795,17 @@ class _Plan:
         order = np.argsort(lo[hi > lo], kind="stable")
         self.lo = lo[hi > lo][order]
         self.reach = np.maximum.accumulate(hi[hi > lo][order]) if len(order) else hi[:0]
+        # the gradients' bytes (their sizes and dtypes are the plan's: ``meta``)
+        self.grad_bytes = np.array([g.numel() * g.element_size() for g in grads],
+                                   dtype=np.int64)
 
-    def meets(self, grads, grad_ptrs: list[int]) -> bool:
-        """Whether a gradient's span meets a written tensor's (a new gradient each step;
-        contiguous, as the plan's step reads them)."""
-        if not len(self.lo) or not grads:
+    def meets(self, grad_ptrs: list[int]) -> bool:
+        """Whether a gradient's span meets a written tensor's (a new gradient each step, at
+        ``grad_ptrs``; contiguous, as the plan's step reads them)."""
+        if not len(self.lo) or not len(grad_ptrs):
             return False
         glo = np.array(grad_ptrs, dtype=np.int64)
-        ghi = glo + np.array([g.numel() * g.element_size() for g in grads], dtype=np.int64)
+        ghi = glo + self.grad_bytes
         k = np.searchsorted(self.lo, ghi, side="left") - 1  # the last written span before
         return bool(((k >= 0) & (ghi > glo) & (self.reach[np.maximum(k, 0)] > glo)).any())
 

@@ -269,41 +269,55 @@ void prefetch_tensors(size_t from, size_t to, const Each &each) {
 // each turn, was a fifth of a step over 1,000 one-element parameters).
 constexpr size_t SPANS_KEPT = 4;
 
+// Written spans that share no memory, sorted by their starts, with how far those up to each
+// reach: a span of ``reads`` meets one of them where the last that starts before its end
+// reaches past its start (a binary search: no sort, nothing made).
+struct Sorted {
+    std::vector<Span> spans;          // (as given: the key of the cache below)
+    std::vector<uintptr_t> lo, reach;
+    bool meets(const std::vector<Span> &reads) const {
+        for (const Span &r : reads) {
+            if (r.hi <= r.lo) continue;
+            auto it = std::lower_bound(lo.begin(), lo.end(), r.hi);  // (the first at r.hi on)
+            if (it != lo.begin() && reach[static_cast<size_t>(it - lo.begin()) - 1] > r.lo)
+                return true;
+        }
+        return false;
+    }
+};
+
+// Whether two of ``spans`` (written) share memory, or one of ``reads`` (the gradients: a
+// kernel could read one after writing there) shares memory with one of them (kept, above:
+// the gradients, new each step after a backward pass, are looked up in the written spans).
 bool any_shared(const std::vector<Span> &spans, const std::vector<Span> &reads = {}) {
-    // (the last few answers kept: the same tensors step after step; reads after spans)
-    thread_local std::vector<std::pair<std::vector<Span>, size_t>> kept;
-    const size_t total = spans.size() + reads.size();
-    for (size_t k = 0; k < kept.size(); k++) {
-        const auto &[all, nw] = kept[k];
-        if (nw == spans.size() && all.size() == total &&
-            std::memcmp(all.data(), spans.data(), spans.size() * sizeof(Span)) == 0 &&
-            (reads.empty() || std::memcmp(all.data() + nw, reads.data(),
-                                          reads.size() * sizeof(Span)) == 0)) {
+    thread_local std::vector<Sorted> kept;
+    for (size_t k = 0; k < kept.size(); k++)
+        if (kept[k].spans.size() == spans.size() &&
+            std::memcmp(kept[k].spans.data(), spans.data(), spans.size() * sizeof(Span)) == 0) {
             std::rotate(kept.begin(), kept.begin() + static_cast<std::ptrdiff_t>(k),
                         kept.begin() + static_cast<std::ptrdiff_t>(k) + 1);
-            return false;
+            return kept[0].meets(reads);
         }
-    }
-    // each span that holds an element, tagged read (1) or written (0), by its start; a
-    // written span meeting any span before it shares memory, a read one only a written one
-    std::vector<std::pair<Span, int>> sorted;
-    sorted.reserve(total);
+    std::vector<Span> sorted;
+    sorted.reserve(spans.size());
     for (const Span &s : spans)
-        if (s.hi > s.lo) sorted.push_back({s, 0});
-    for (const Span &s : reads)
-        if (s.hi > s.lo) sorted.push_back({s, 1});
+        if (s.hi > s.lo) sorted.push_back(s);
     std::sort(sorted.begin(), sorted.end(),
-              [](const auto &a, const auto &b) { return a.first.lo < b.first.lo; });
-    uintptr_t written = 0, read = 0;  // (how far the spans so far of each kind reach)
-    for (const auto &[s, is_read] : sorted) {
-        if (s.lo < written || (!is_read && s.lo < read)) return true;
-        (is_read ? read : written) = std::max(is_read ? read : written, s.hi);
+              [](const Span &a, const Span &b) { return a.lo < b.lo; });
+    Sorted made{spans, {}, {}};
+    made.lo.reserve(sorted.size());
+    made.reach.reserve(sorted.size());
+    uintptr_t reach = 0;
+    for (size_t k = 0; k < sorted.size(); k++) {
+        if (k && sorted[k].lo < reach) return true;
+        reach = std::max(reach, sorted[k].hi);
+        made.lo.push_back(sorted[k].lo);
+        made.reach.push_back(reach);
     }
+    const bool read_meets = made.meets(reads);
     if (kept.size() == SPANS_KEPT) kept.pop_back();
-    std::vector<Span> all(spans);
-    all.insert(all.end(), reads.begin(), reads.end());
-    kept.insert(kept.begin(), {std::move(all), spans.size()});
-    return false;
+    kept.insert(kept.begin(), std::move(made));
+    return read_meets;
 }
 
 // The memory of contiguous ``t`` whose first element is at ``lo``.
