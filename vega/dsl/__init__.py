@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vega.dsl import ast, ir
-from vega.dsl.check import (GLOBAL_FUNCTIONS, _calls, _names, all_flag_settings, check, lower,
-                            open_value, reads_shape, shape_conditions, state_decls, static_value,
-                            unroll)
+from vega.dsl.check import (GLOBAL_FUNCTIONS, _calls, _names, all_flag_settings, check,
+                            expressions, lower, open_value, reads_shape, shape_conditions,
+                            state_decls, static_value, unroll)
 from vega.dsl.parser import parse
 from vega.errors import Span, SpecError
 
@@ -52,7 +52,7 @@ class Spec:
         self.shape_hypers = tuple(dict.fromkeys(n for n in names if n in floats))
         self.reads_shape = any(reads_shape(s.cond) for s in self.shape_conditions)
         self.spans_group = any(isinstance(c, ast.Call) and c.fn in GLOBAL_FUNCTIONS
-                               for e in _expressions(self.tree.body) for c in _calls(e))
+                               for e in expressions(self.tree.body) for c in _calls(e))
         self.value_states = frozenset(
             name for s in self.shape_conditions if not reads_shape(s.cond)
             for name in _declared(s.then + s.orelse))
@@ -132,16 +132,6 @@ class Spec:
         return all_flag_settings(self.hypers)
 
 
-def _expressions(stmts):
-    """Every expression of ``stmts``, in ifs and modes too."""
-    for s in stmts:
-        if isinstance(s, (ast.Assign, ast.StateDecl)):
-            yield s.value if isinstance(s, ast.Assign) else s.init
-        elif isinstance(s, ast.If):
-            yield s.cond
-            yield from _expressions(s.then + s.orelse)
-        elif isinstance(s, ast.Mode):
-            yield from _expressions(s.body)
 
 
 def _flag_declared(stmts, shape_ifs, under_shape: bool = False):

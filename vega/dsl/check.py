@@ -214,7 +214,7 @@ class _Walker:
             if _assigns(body, decl.name):
                 continue
             assigned = _assigned_values(body)
-            read = {n.id for e in _body_exprs(body) for n in _names(e)}
+            read = {n.id for e in expressions(body, modes=False) for n in _names(e)}
             unread = {n: line for n, line in assigned.items()
                       if n not in read and n not in self.declared and n != "p"}
             close = difflib.get_close_matches(decl.name, sorted(unread), n=1, cutoff=0.6)
@@ -837,15 +837,17 @@ def _assigned_values(stmts, out=None) -> dict[str, int]:
     return out
 
 
-def _body_exprs(stmts):
-    """Every expression ``stmts`` evaluate: values, initial values, conditions (not those
-    of a mode's block, which has names of its own)."""
+def expressions(stmts, modes: bool = True):
+    """Every expression ``stmts`` evaluate: values, initial values, conditions, in ifs, and
+    in modes' blocks where ``modes`` (a mode's block has names of its own)."""
     for s in stmts:
         if isinstance(s, (ast.Assign, ast.StateDecl)):
             yield s.value if isinstance(s, ast.Assign) else s.init
         elif isinstance(s, ast.If):
             yield s.cond
-            yield from _body_exprs(s.then + s.orelse)
+            yield from expressions(s.then + s.orelse, modes)
+        elif isinstance(s, ast.Mode) and modes:
+            yield from expressions(s.body, modes)
 
 
 def _names(e):
