@@ -228,6 +228,16 @@ def scales_of(scales: torch.Tensor, like) -> torch.Tensor:
                               shape=torch.Size(shape), stride=(shape[1], 1))
 
 
+def any_negative(scales: torch.Tensor) -> bool:
+    """Whether floating-point 8-bit scales hold a negative value, which a scale (a block's
+    largest magnitude) cannot: it would turn its block's values over. A NaN or infinite one
+    is what a step leaves where its block held one. Read on the host, for loading (a
+    DTensor's local shard; a meta tensor has no values)."""
+    if is_dtensor(scales):
+        scales = scales.to_local()
+    return scales.device.type != "meta" and bool((scales < 0).any())
+
+
 def absmax_t(x: torch.Tensor) -> torch.Tensor:
     """Each block's largest magnitude (float32, NaN where the block holds one)."""
     flat = x.reshape(-1).to(torch.float32)

@@ -316,6 +316,24 @@ def inplace_problem(tensors, reads=()) -> tuple[int, int | None, str] | None:
     return None if found is None else (len(tensors) + found[0], found[1], READ_SHARE_WORDS)
 
 
+def sorted_spans(lo: np.ndarray, hi: np.ndarray):
+    """The spans ``[lo, hi)`` that hold an element, by their starts: (their positions, their
+    starts, how far those up to each reach), for ``meeting``."""
+    keep = np.flatnonzero(hi > lo)
+    order = keep[np.argsort(lo[keep], kind="stable")]
+    return order, lo[order], np.maximum.accumulate(hi[order]) if len(order) else hi[:0]
+
+
+def meeting(starts: np.ndarray, reach: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """For each span ``[lo, hi)``, the range ``[first, last)`` of the sorted spans
+    (``sorted_spans``) it may meet: those that start before it ends, from the first whose
+    span or one before it reaches past its start; it meets one where ``last > first`` (and
+    it holds an element: an empty one's range is empty)."""
+    first = np.searchsorted(reach, lo, side="right")
+    last = np.where(hi > lo, np.searchsorted(starts, hi, side="left"), 0)
+    return first, last
+
+
 READ_SHARE_WORDS = ("shares memory with {other}, which the step writes: a step in place could "
                     "read it after writing there; give a copy (p.grad = g.clone())")
 
@@ -329,14 +347,9 @@ def read_written_pair(written, reads, lo: np.ndarray, hi: np.ndarray) -> tuple[i
     if not at or not len(lo):
         return None
     spans = np.array([_span(reads[k]) for k in at], dtype=np.int64).reshape(-1, 2)
-    keep = np.flatnonzero(hi > lo)
-    order = keep[np.argsort(lo[keep], kind="stable")]
-    starts, reach = lo[order], np.maximum.accumulate(hi[order])
-    # the written spans a read one may meet: those that start before it ends, from the
-    # first whose span or one before it reaches past its start
-    first = np.searchsorted(reach, spans[:, 0], side="right")
-    last = np.searchsorted(starts, spans[:, 1], side="left")
-    for r in np.flatnonzero((last > first) & (spans[:, 1] > spans[:, 0])):
+    order, starts, reach = sorted_spans(lo, hi)
+    first, last = meeting(starts, reach, spans[:, 0], spans[:, 1])
+    for r in np.flatnonzero(last > first):
         for w in order[first[r]:last[r]]:
             if _cluster_pair([written[w], reads[at[r]]], [0, 1],
                              np.array([lo[w], spans[r, 0]]),

@@ -209,14 +209,16 @@ class _Walker:
         which names a close name assigned but never read; so is a state that keeps what
         it was given where such a name is there."""
         body = self.spec.body
+        assigned = _assigned_values(body)
+        if all(decl.name in assigned for decl in state_decls(body)):
+            return
         floats = {h.name for h in self.spec.hypers if h.type == "float"}
+        read = {n.id for e in expressions(body, modes=False) for n in _names(e)}
+        unread = {n: line for n, line in assigned.items()
+                  if n not in read and n not in self.declared and n != "p"}
         for decl in state_decls(body):
-            if _assigns(body, decl.name):
+            if decl.name in assigned:
                 continue
-            assigned = _assigned_values(body)
-            read = {n.id for e in expressions(body, modes=False) for n in _names(e)}
-            unread = {n: line for n, line in assigned.items()
-                      if n not in read and n not in self.declared and n != "p"}
             close = difflib.get_close_matches(decl.name, sorted(unread), n=1, cutoff=0.6)
             keeps = any(n.id == "p" or n.id in floats for n in _names(decl.init))
             if keeps and not close:

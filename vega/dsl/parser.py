@@ -299,6 +299,12 @@ def _quoted(source: str, start: Token, end: tuple[int, int] | None) -> str:
     return str(start)
 
 
+def _value_stack(err: lark.exceptions.UnexpectedInput) -> list:
+    """What the parser had read before it failed: tokens and the trees made of them."""
+    state = getattr(getattr(err, "interactive_parser", None), "parser_state", None)
+    return getattr(state, "value_stack", None) or []
+
+
 def _missing_brace(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
     """A block whose '{' was left out (``if cautious`` with its body on the next line, an
     ``else`` or a ``mode eval`` without one), at the head of the block: the parse fails
@@ -306,8 +312,7 @@ def _missing_brace(err: lark.exceptions.UnexpectedInput, source: str) -> SpecErr
     if not isinstance(err, lark.exceptions.UnexpectedToken) \
             or err.token.type not in _STATEMENT_TOKENS or "LBRACE" not in err.accepts:
         return None
-    stack = getattr(getattr(err, "interactive_parser", None), "parser_state", None)
-    stack = getattr(stack, "value_stack", None) or []
+    stack = _value_stack(err)
     if err.accepts == {"LBRACE", "IF"} and stack and isinstance(stack[-1], Token) \
             and stack[-1].type == "ELSE":
         tok = stack[-1]
@@ -327,8 +332,7 @@ def _misspelled_keyword(err: lark.exceptions.UnexpectedInput) -> SpecError | Non
     parse takes the word for a name to assign and fails at the next token."""
     if not isinstance(err, lark.exceptions.UnexpectedToken) or err.accepts != {"EQUAL"}:
         return None
-    stack = getattr(getattr(err, "interactive_parser", None), "parser_state", None)
-    stack = getattr(stack, "value_stack", None) or []
+    stack = _value_stack(err)
     if not stack or not isinstance(stack[-1], Token) or stack[-1].type != "NAME":
         return None
     word = stack[-1]

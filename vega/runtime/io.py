@@ -221,10 +221,8 @@ def load(path, *, like) -> dict:
 
 def _check_q8_scales(who: str, state) -> None:
     """The 8-bit scales of a state (its fields named ``<state>_absmax``) hold no negative
-    value, as ``load_state_dict`` checks them: a scale is its block's largest magnitude, and
-    a negative one turns the block's values over (NaN parameters at the next step). A NaN
-    or infinite one is what a step leaves where its block held one. (Read on the host:
-    loading is not a step.)"""
+    value (``quant.any_negative``), as ``load_state_dict`` checks them: a negative one gave
+    NaN parameters at the next step."""
     if not isinstance(state, dict):
         return
     for key, field in state.items():
@@ -236,7 +234,7 @@ def _check_q8_scales(who: str, state) -> None:
 
 
 def _no_negative_scale(what: str, name: str, leaf) -> None:
-    if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and bool((leaf < 0).any()):
+    if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and quant.any_negative(leaf):
         raise ValueError(f"{what} {name!r} holds a negative value; it is a state's 8-bit "
                          "scales, each its block's largest magnitude")
 

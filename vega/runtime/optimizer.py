@@ -1088,11 +1088,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         doms = {s.name: s.dom for s in self._loading_program(p, group).states}
         if doms.get(name) != sharded.SCALAR_STATE or value.numel() != 1:
             return value
-        from torch.distributed.tensor import DTensor
-        mesh = p.device_mesh
-        return DTensor.from_local(value.reshape(()).to(p.to_local().device), mesh,
-                                  sharded.state_placements(p, sharded.SCALAR_STATE),
-                                  run_check=False)
+        return sharded.replicated_scalar(p, value)
 
     def _check_codes_kept(self, pid, p, group, saved_dtype, saved: dict) -> None:
         """ValueError where a state its saved group kept in 8 bits (``state_dtype``
@@ -1374,9 +1370,7 @@ def _check_q8_scales(owner: str, what: str, codes: torch.Tensor, scales: torch.T
     if not scales.is_floating_point():
         raise ValueError(f"{owner}: the scales '{name}' of state {what} are {scales.dtype}, "
                          "not floating-point")
-    if is_dtensor(scales):
-        scales = scales.to_local()
-    if scales.device.type != "meta" and bool((scales < 0).any()):
+    if quant.any_negative(scales):
         raise ValueError(f"{owner}: the scales '{name}' of state {what} hold a negative "
                          "value; a scale is the largest magnitude of its block")
 

@@ -64,6 +64,12 @@ def check_group(owner: str, group) -> None:
 OWN_OBJECTS = ("reduce_group", "loss_scale")
 
 
+def _own_objects(optimizer, group: dict) -> list[str]:
+    """The keys of ``OWN_OBJECTS`` that ``group`` holds as ``optimizer``'s own objects."""
+    return [k for k in OWN_OBJECTS
+            if group.get(k) is not None and group[k] is getattr(optimizer, k, None)]
+
+
 def warn_group_objects(owner: str, optimizer, group: dict) -> None:
     """Warn where a parameter group holds ``optimizer``'s process group or loss scale (as
     ``ZeroRedundancyOptimizer``'s groups do where they are its keywords): its state dict, of
@@ -71,8 +77,7 @@ def warn_group_objects(owner: str, optimizer, group: dict) -> None:
     would hold another loss scale object. Given through ``functools.partial``, they stay
     out of the groups."""
     import warnings
-    held = [k for k in OWN_OBJECTS
-            if k in group and group[k] is not None and group[k] is getattr(optimizer, k, None)]
+    held = _own_objects(optimizer, group)
     if held:
         given = ", ".join(f"{k}=..." for k in held)
         warnings.warn(
@@ -88,14 +93,12 @@ def without_group_objects(optimizer, state_dict: dict) -> dict:
     own left out: not state (the loss scale's tensors are saved beside the groups), and a
     process group cannot be pickled (``ZeroRedundancyOptimizer.consolidate_state_dict``
     pickles the state dict of the optimizer it wraps)."""
-    groups = state_dict.get("param_groups")
-    if not any(k in g and g[k] is not None and g[k] is getattr(optimizer, k, None)
-               for g in groups or () for k in OWN_OBJECTS):
+    groups = state_dict.get("param_groups") or []
+    held = [_own_objects(optimizer, g) for g in groups]
+    if not any(held):
         return state_dict
-    return {**state_dict, "param_groups": [
-        {k: v for k, v in g.items()
-         if not (k in OWN_OBJECTS and v is not None and v is getattr(optimizer, k, None))}
-        for g in groups]}
+    return {**state_dict, "param_groups": [{k: v for k, v in g.items() if k not in keys}
+                                           for g, keys in zip(groups, held)]}
 
 
 def group_device(group) -> torch.device:
@@ -209,6 +212,14 @@ def rewrapped(new: torch.Tensor, like):
     from torch.distributed.tensor import DTensor
     return DTensor.from_local(new, like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
+
+
+def replicated_scalar(p, value: torch.Tensor):
+    """``value``, a plain tensor of one number, as DTensor ``p``'s state of one number:
+    replicated over ``p``'s mesh, on its local device (``state_placements``)."""
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(value.reshape(()).to(p.to_local().device), p.device_mesh,
+                              state_placements(p, SCALAR_STATE), run_check=False)
 
 
 def state_placements(p, dom: str) -> tuple:

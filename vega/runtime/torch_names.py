@@ -123,6 +123,12 @@ def _not_taken(cls_name: str, key: str) -> str:
     return f"which {cls_name}'s rule does not take (it has no {key})"
 
 
+def _hint(key: str) -> str:
+    """Where a refused keyword of torch's has a vega name at another value (Muon's)."""
+    return ("; torch's adjust_lr_fn='match_rms_adamw' is match_rms_adamw=True"
+            if key == "adjust_lr_fn" else "")
+
+
 def _at(given, value) -> bool:
     """Whether a group's ``given`` is torch's ``value`` of a keyword (``torch_only``)
     (Muon's ``adjust_lr_fn="original"`` is its None)."""
@@ -143,13 +149,11 @@ def check_torch_only(owner: str, cls_name: str, only: dict, group: dict) -> None
     torch's value for this class's rule: the class would step as if it were absent."""
     for key, value in only.items():
         if key in group and not _at(group[key], value):
-            hint = ("; torch's adjust_lr_fn='match_rms_adamw' is match_rms_adamw=True"
-                    if key == "adjust_lr_fn" else "")
             at = (f"its rule is torch's at {key}={value!r}" if _torch_keywords(cls_name)
                   else f"only {key}={value!r} is taken")
             raise ValueError(f"{owner}: a parameter group has {key}={engine.shown(group[key])}, "
                              f"{_not_taken(cls_name, key)}: {at}, and the group would step "
-                             f"as without it{hint}")
+                             f"as without it{_hint(key)}")
 
 
 def split_tuples(owner: str, spec, hypers: dict) -> None:
@@ -201,14 +205,12 @@ def take_rule_keywords(owner: str, cls_name: str, spec, hypers: dict, only: dict
                                  f"{engine.shown(hypers['match_rms_adamw'])} is given too")
             continue
         other = " (vega.optim.AdamW)" if cls_name == "Adam" else ""
-        hint = ("; torch's adjust_lr_fn='match_rms_adamw' is match_rms_adamw=True"
-                if name == "adjust_lr_fn" else "")
         if not takes:  # (no torch class of the name: a rule that does not decay)
             raise ValueError(f"{owner}: {name}={engine.shown(given)}, {_not_taken(cls_name, name)}"
                              f": only {name}={value} is taken, and it would step as without it")
         raise ValueError(f"{owner}: {name}={engine.shown(given)}: vega.optim.{cls_name}'s "
                          f"rule is torch's at {name}={value}; another rule is another "
-                         f"class{other}{hint}")
+                         f"class{other}{_hint(name)}")
 
 
 def loading(opt, state_dict, load) -> None:

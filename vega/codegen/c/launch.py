@@ -25,8 +25,8 @@ from vega.codegen.reference import global_keys
 from vega.codegen.steps import (Done, axis_part, finish_combined, finished, run_staged,
                                 shard_part, tensor_parts)
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths, materialized
-from vega.codegen.tensors import (copy_back, has_own_ops, own_ops_words, readable,
-                                  refuse_inplace, roles, shared_pair)
+from vega.codegen.tensors import (copy_back, has_own_ops, meeting, own_ops_words, readable,
+                                  refuse_inplace, roles, shared_pair, sorted_spans)
 from vega.dsl.ir import AXIS_REDUCTIONS, QBLOCK, SCALAR_STATE, Program
 from vega.tracing import untraced
 
@@ -792,9 +792,7 @@ class _Plan:
         # the written tensors' spans by their starts, and how far those so far reach
         lo = np.array([t.data_ptr() for t in written], dtype=np.int64)
         hi = lo + np.array([t.numel() * t.element_size() for t in written], dtype=np.int64)
-        order = np.argsort(lo[hi > lo], kind="stable")
-        self.lo = lo[hi > lo][order]
-        self.reach = np.maximum.accumulate(hi[hi > lo][order]) if len(order) else hi[:0]
+        _, self.starts, self.reach = sorted_spans(lo, hi)
         # the gradients' bytes (their sizes and dtypes are the plan's: ``meta``)
         self.grad_bytes = np.array([g.numel() * g.element_size() for g in grads],
                                    dtype=np.int64)
@@ -802,12 +800,11 @@ class _Plan:
     def meets(self, grad_ptrs: list[int]) -> bool:
         """Whether a gradient's span meets a written tensor's (a new gradient each step, at
         ``grad_ptrs``; contiguous, as the plan's step reads them)."""
-        if not len(self.lo) or not len(grad_ptrs):
+        if not len(self.starts) or not len(grad_ptrs):
             return False
         glo = np.array(grad_ptrs, dtype=np.int64)
-        ghi = glo + self.grad_bytes
-        k = np.searchsorted(self.lo, ghi, side="left") - 1  # the last written span before
-        return bool(((k >= 0) & (ghi > glo) & (self.reach[np.maximum(k, 0)] > glo)).any())
+        first, last = meeting(self.starts, self.reach, glo, glo + self.grad_bytes)
+        return bool((last > first).any())
 
     def point(self, grad_ptrs: list[int], hyp, hyp_index, hyp_col: int) -> None:
         """Write the gradients' addresses, and the hyperparameter rows' where they moved or
