@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 import re
 
 import numpy as np
@@ -735,3 +736,22 @@ def test_load_state_dict_hooks_run_as_torchs():
     assert not other.state[lin.weight]["diff_params"].any()
     assert (other.state[lin.weight]["weights"] == 7.0).all()
     assert opt.state[lin.weight]["diff_params"].any()  # (the saved dict is the caller's)
+
+
+@pytest.mark.parametrize("copied", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))])
+def test_a_copied_or_unpickled_optimizer_steps_as_the_original(copied):
+    """The copy keeps ``reduce_group``, which a step reads: torch's ``__getstate__`` holds
+    only the defaults, state and groups, and the copy's step failed on the attribute."""
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
+    opt = LBFGS([p], lr=0.5, memory_size=3)
+    for k in range(2):
+        p.grad = p.detach() * (k + 1)
+        opt.step()
+    twin = copied(opt)
+    q = twin.param_groups[0]["params"][0]
+    for k in range(2, 4):
+        p.grad = p.detach() * (k + 1)
+        q.grad = q.detach() * (k + 1)
+        opt.step()
+        twin.step()
+    assert torch.equal(q.detach(), p.detach())

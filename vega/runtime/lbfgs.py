@@ -539,6 +539,11 @@ class LBFGS(torch.optim.Optimizer):
             self.reduce_group)
         return loss
 
+    def __getstate__(self) -> dict:
+        """torch's (defaults, state, groups) and ``reduce_group``, which a step reads
+        (copy.deepcopy, pickle)."""
+        return {**super().__getstate__(), "reduce_group": self.reduce_group}
+
     def state_dict(self) -> dict:
         """torch's, without a ``reduce_group`` that ``ZeroRedundancyOptimizer`` put in the
         group (``sharded.without_group_objects``)."""
