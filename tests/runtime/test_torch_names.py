@@ -674,3 +674,21 @@ def test_load_state_dict_hooks_run_as_torchs(kind):
         assert opt.param_groups[0]["lr"] == 1e-2 and "learning_rate" not in opt.param_groups[0]
     else:
         assert not st["mu"].any() and st["nu"].any()
+
+
+def test_adagrad_starts_a_groups_sums_at_the_groups_initial_accumulator_value():
+    """vega's Adagrad reads a group's own initial_accumulator_value, where torch's starts
+    every sum at the optimizer's (specs/adagrad.vega): the two agree where no group gives
+    its own."""
+    a, b = (torch.nn.Parameter(torch.zeros(3)) for _ in range(2))
+    opt = vega.optim.Adagrad([{"params": [a]},
+                              {"params": [b], "initial_accumulator_value": 0.5}],
+                             initial_accumulator_value=0.25)
+    theirs = torch.optim.Adagrad([{"params": [a]},
+                                  {"params": [b], "initial_accumulator_value": 0.5}],
+                                 initial_accumulator_value=0.25)
+    a.grad, b.grad = torch.ones(3), torch.ones(3)
+    opt.step()
+    assert torch.equal(opt.state[a]["acc"], torch.full((3,), 1.25))
+    assert torch.equal(opt.state[b]["acc"], torch.full((3,), 1.5))
+    assert torch.equal(theirs.state[b]["sum"], torch.full((3,), 0.25))
