@@ -755,3 +755,20 @@ def test_a_copied_or_unpickled_optimizer_steps_as_the_original(copied):
         opt.step()
         twin.step()
     assert torch.equal(q.detach(), p.detach())
+
+
+def test_memory_size_changed_after_the_first_step_is_refused():
+    """The ring buffers keep the first step's memory_size: another in the group was ignored
+    (the step went on with the old history's size), now refused, the state unchanged."""
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float64))
+    opt = LBFGS([p], lr=0.5, memory_size=3)
+    p.grad = p.detach().clone()
+    opt.step()
+    opt.param_groups[0]["memory_size"] = 5
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(ValueError, match="memory_size=5, but the state holds 3"):
+        opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in opt.state[p].items())
+    opt.param_groups[0]["memory_size"] = 3
+    opt.step()
+    assert int(opt.state[p]["step"]) == 2

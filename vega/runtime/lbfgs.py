@@ -532,6 +532,10 @@ class LBFGS(torch.optim.Optimizer):
         shared = self._shared(group)
         states = [self._param_state(p, group) for p in params]
         m = shared["weights"].shape[0]
+        if _check_memory_size("LBFGS", group["memory_size"]) != m:
+            raise ValueError(f"LBFGS: memory_size={group['memory_size']!r}, but the state "
+                             f"holds {m} curvature pairs: memory_size is fixed by the first "
+                             "step (a new LBFGS starts another history)")
         _, _, _, _, _, _, shared["step"] = _lbfgs(
             [_real(p) for p in params], [_real(_zero_for_none(p, p.grad)) for p in params],
             *([_real(st[f]) for st in states] for f in TREE_FIELDS),
