@@ -186,6 +186,27 @@ def test_a_b1_changed_before_saving_is_saved():
     assert torch.equal(w, w2) and torch.equal(w, copied.param_groups[0]["params"][0])
 
 
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("key, value", [("b1", 0.5), ("betas", (0.5, 0.999))])
+def test_a_b1_or_betas_changed_on_a_copy_before_its_first_step_is_taken(how, key, value):
+    """A deep copy or an unpickled optimizer is the original's twin: a b1 set by name on it
+    before it steps is taken, as on the original and on a loaded state, where the copy
+    took betas (its memory of which changed is not copied) and stepped with the old b1."""
+    import copy
+    import pickle
+    w = torch.nn.Parameter(torch.ones(4))
+    w.grad = torch.ones(4)
+    opt = vega.optim.Adam([w], lr=1e-2)
+    opt.step()
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    for o in (opt, twin):
+        o.param_groups[0][key] = value
+        o.param_groups[0]["params"][0].grad = torch.ones(4)
+        o.step()
+        assert o.param_groups[0]["b1"] == o.param_groups[0]["betas"][0] == 0.5
+    assert torch.equal(twin.param_groups[0]["params"][0], w)
+
 # -- maximize and dampening ---------------------------------------------------------------
 
 TORCH_TWINS = [  # (class, keywords both take, vega's state -> torch's)

@@ -858,6 +858,15 @@ class SpecOptimizer(torch.optim.Optimizer):
                 "loss_scale": self.loss_scale, "skip_nonfinite": self.skip_nonfinite,
                 "reduce_group": getattr(self, "reduce_group", None)}
 
+    def __setstate__(self, state: dict) -> None:
+        """torch's, then each group's tuples taken as the groups hold them (``__getstate__``
+        made them agree), as ``load_state_dict`` takes a loaded group's: a ``b1`` or a
+        ``betas`` changed on the copy before its first step is then the one taken, as on the
+        optimizer copied (the memory of what changed is not copied)."""
+        super().__setstate__(state)
+        for k, group in enumerate(self.param_groups):
+            self._tuples().sync(type(self).__name__, k, group)
+
     def state_dict(self) -> dict:
         """torch's format, plus the loss scale's tensors under ``'loss_scale'`` and the
         rule's name (the spec's) under ``'vega_rule'``: ``load_state_dict`` refuses the state
