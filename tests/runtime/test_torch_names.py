@@ -713,3 +713,15 @@ def test_adagrad_starts_a_groups_sums_at_the_groups_initial_accumulator_value():
     assert torch.equal(opt.state[a]["acc"], torch.full((3,), 1.25))
     assert torch.equal(opt.state[b]["acc"], torch.full((3,), 1.5))
     assert torch.equal(theirs.state[b]["sum"], torch.full((3,), 0.25))
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "RAdam", "NAdam", "Adagrad",
+                                  "RMSprop", "Adamax", "Adadelta", "Rprop", "Muon"])
+def test_a_class_torch_has_takes_its_defaults(name):
+    """Code written for torch.optim that leaves a hyperparameter out steps the same."""
+    ours = getattr(vega.optim, name)([torch.zeros(2, 2, requires_grad=True)])
+    theirs = getattr(torch.optim, name)([torch.zeros(2, 2, requires_grad=True)])
+    group, torch_group = ours.param_groups[0], theirs.param_groups[0]
+    shared = [k for k in torch_group if k != "params" and k in group]
+    assert "lr" in shared
+    assert {k: group[k] for k in shared} == {k: torch_group[k] for k in shared}
