@@ -42,6 +42,9 @@ __all__ = [
 ]
 
 
+LAST_STEP = 2**31 - 1  # the last count a state's step counter holds (int32, saturating)
+
+
 # -- the two ways of computing: Python doubles and device tensors ----------------------
 
 class _Host:
@@ -150,6 +153,30 @@ class Schedule:
         this module, a ``join`` of them, and a subclass that defines only ``_at``."""
         return type(self).__call__ is Schedule.__call__
 
+    def reach(self, first: int = 0, last: int = LAST_STEP) -> list[tuple[int, float]] | None:
+        """``[(step, value), ...]``: steps in ``[first, last]`` with the values there (the
+        Python path's), among which are the smallest and the largest value the schedule
+        takes at those steps; None where it cannot tell (a subclass of its own, a ``join``
+        with a callable that is not a schedule of this module). Every value listed is one
+        the schedule takes. (``cosine_decay_restarts``: the first and last steps of its
+        first two and last two cycles, where its extremes lie unless ``t_mul`` and
+        ``m_mul`` are both above 1.) A step reads a schedule's values on the device only, so
+        a hyperparameter's range is checked here, on the host, when a schedule is given for
+        it: over every count a step counter holds, ``[0, 2**31 - 1]``."""
+        steps = self._turns(first, last)
+        if steps is None:
+            return None
+        return [(k, self(k)) for k in sorted({k for k in steps if first <= k <= last})]
+
+    def _turns(self, first: int, last: int):
+        """Steps at which the schedule's extremes over ``[first, last]`` lie (others outside
+        that interval are dropped); None where unknown."""
+        return None
+
+    def _ends(self, first: int, last: int):
+        """``_turns`` of a monotonic schedule: the two ends."""
+        return (first, last)
+
     def _at(self, k, ops):
         """The value at step ``k`` (a Python int or a float tensor) with ``ops``."""
         raise TypeError(f"{type(self).__name__} defines neither _at(k, ops) nor __call__")
@@ -166,6 +193,10 @@ class Schedule:
 
     def __hash__(self) -> int:
         return hash((type(self), self._values()))
+
+    def __getstate__(self):
+        # (without what the runtime keeps on the object: ``reach``'s values, checked)
+        return {k: v for k, v in self.__dict__.items() if k != "_vega_reach"}
 
 
 # -- argument checks --------------------------------------------------------------------
@@ -199,6 +230,7 @@ def _length(who: str, name: str, value) -> int:
 
 class Constant(Schedule):
     _name, _fields = "constant", ("value",)
+    _turns = Schedule._ends
 
     def __init__(self, value):
         self.value = _real(self._name, "value", value)
@@ -209,6 +241,7 @@ class Constant(Schedule):
 
 class Linear(Schedule):
     _name, _fields = "linear", ("init_value", "end_value", "steps")
+    _turns = Schedule._ends
 
     def __init__(self, init_value, end_value, steps):
         self.init_value = _real(self._name, "init_value", init_value)
@@ -221,6 +254,7 @@ class Linear(Schedule):
 
 class CosineDecay(Schedule):
     _name, _fields = "cosine_decay", ("init_value", "decay_steps", "alpha")
+    _turns = Schedule._ends
 
     def __init__(self, init_value, decay_steps, alpha=0.0):
         self.init_value = _real(self._name, "init_value", init_value)
@@ -234,6 +268,7 @@ class CosineDecay(Schedule):
 
 class ExponentialDecay(Schedule):
     _name, _fields = "exponential_decay", ("init_value", "decay_rate", "decay_steps")
+    _turns = Schedule._ends
 
     def __init__(self, init_value, decay_rate, decay_steps):
         self.init_value = _real(self._name, "init_value", init_value)
@@ -246,6 +281,7 @@ class ExponentialDecay(Schedule):
 
 class PolynomialDecay(Schedule):
     _name, _fields = "polynomial_decay", ("init_value", "end_value", "decay_steps", "power")
+    _turns = Schedule._ends
 
     def __init__(self, init_value, end_value, decay_steps, power=1.0):
         self.init_value = _real(self._name, "init_value", init_value)
@@ -260,6 +296,7 @@ class PolynomialDecay(Schedule):
 
 class WarmupCosine(Schedule):
     _name, _fields = "warmup_cosine", ("init_value", "peak_value", "warmup_steps")
+    _turns = Schedule._ends
 
     def __init__(self, init_value, peak_value, warmup_steps):
         self.init_value = _real(self._name, "init_value", init_value)
@@ -289,6 +326,9 @@ class WarmupCosineDecay(Schedule):
         self.warmup_steps = _length(self._name, "warmup_steps", warmup_steps)
         self.decay_steps = _length(self._name, "decay_steps", decay_steps)
         self.end_value = _real(self._name, "end_value", end_value)
+
+    def _turns(self, first, last):
+        return (first, last, self.warmup_steps)  # (rising, or falling, to the peak, then back)
 
     def _at(self, k, ops):
         w = self.warmup_steps
@@ -329,7 +369,22 @@ class CosineDecayRestarts(Schedule):
         tol = 1e-12 * (1 + whole)
         return ops.where(s - whole <= tol, ops.where(whole - s <= tol, whole, s), s)
 
-    def _at(self, k, ops):
+    def _turns(self, first, last):
+        # A cycle's extremes are at its first and last steps; the amplitude changes
+        # monotonically from cycle to cycle, and the value at a cycle's last step with its
+        # length: the extremes are in the first two cycles of the interval and the last two
+        # (but where the amplitude and the length both grow), found from the closed form's
+        # cycle of a step, not counted one by one.
+        ca, cb = (int(self._cycle(k, _HOST)) for k in (first, last))
+        steps = [first, last]
+        for c in {ca, ca + 1, cb - 1, cb}:
+            if c >= 0:
+                start, end = (self._start(float(x), _HOST) for x in (c, c + 1))
+                steps += [math.ceil(start), math.ceil(end) - 1]
+        return steps
+
+    def _cycle(self, k, ops):
+        """The cycle that step ``k`` is in."""
         d, t = self.decay_steps, self.t_mul
         if t == 1:
             c = ops.floor(k / d)
@@ -339,7 +394,11 @@ class CosineDecayRestarts(Schedule):
             c = ops.floor(ops.log1p(ops.clamp(k * (t - 1) / d, hi=_FAR)) / math.log(t))
         # The closed form may be off by one at a cycle boundary through rounding.
         c = ops.where(k < self._start(c, ops), c - 1, c)
-        c = ops.where(k >= self._start(c + 1, ops), c + 1, c)
+        return ops.where(k >= self._start(c + 1, ops), c + 1, c)
+
+    def _at(self, k, ops):
+        d, t = self.decay_steps, self.t_mul
+        c = self._cycle(k, ops)
         length = d * ops.pow(t, c)
         amp = self.init_value * ops.pow(self.m_mul, c)
         cf = _cos_factor((k - self._start(c, ops)) / length, ops)
@@ -366,6 +425,9 @@ class OneCycle(Schedule):
 
     def _warmup(self) -> int:
         return math.floor(self.pct_start * self.total_steps)
+
+    def _turns(self, first, last):
+        return (first, last, self._warmup())
 
     def _at(self, k, ops):
         w, peak = self._warmup(), self.max_value
@@ -397,6 +459,9 @@ class PiecewiseConstant(Schedule):
                              f"{len(bounds) + 1} entries, got {len(vals)}")
         self.boundaries = tuple(int(b) for b in bounds)
         self.values = tuple(_real(who, "values", v) for v in vals)
+
+    def _turns(self, first, last):
+        return (first, last, *(b + 1 for b in self.boundaries))  # (each value's first step)
 
     def _at(self, k, ops):
         out = self.values[-1]
@@ -435,6 +500,21 @@ class Join(Schedule):
 
     def elementwise(self) -> bool:
         return all(isinstance(s, Schedule) and s.elementwise() for _, s in self.segments)
+
+    def reach(self, first: int = 0, last: int = LAST_STEP) -> list[tuple[int, float]] | None:
+        # each segment's, over the steps of the interval it runs (the last, to the end)
+        out = []
+        offsets = self._offsets()
+        for i, (off, (_, s)) in enumerate(zip(offsets, self.segments)):
+            end = last if i + 1 == len(offsets) else min(last, offsets[i + 1] - 1)
+            lo = max(first, off)
+            if lo > end:
+                continue
+            mine = s.reach(lo - off, end - off) if isinstance(s, Schedule) else None
+            if mine is None:
+                return None
+            out += [(k + off, v) for k, v in mine]
+        return out
 
     def _offsets(self) -> list[int]:
         out, total = [], 0

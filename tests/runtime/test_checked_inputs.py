@@ -8,6 +8,7 @@ import copy
 import math
 import operator
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 
 import vega
 from vega import LossScale
+from vega.runtime.engine import shown
 
 
 def _params(n=2, seed=0):
@@ -416,6 +418,71 @@ def test_a_schedule_may_return_a_number_or_a_one_element_tensor():
                lambda step: step.double() * 0 + 1e-3, lambda step: step + 1):
         for call in _schedule_calls(lr).values():
             call()
+
+
+# (a schedule, the hyperparameter given it, the first step and value outside its range)
+OUT_OF_RANGE = {
+    "a negative constant": (lambda: vega.schedule.constant(-0.1), "lr", r"-0\.1 at step 0"),
+    "a decay past zero": (lambda: vega.schedule.linear(1e-3, -1e-3, 4), "lr",
+                          r"-0\.0005 at step 3"),
+    "b1 rising past 1": (lambda: vega.schedule.linear(0.9, 1.5, 10), "b1", r"1\.02 at step 2"),
+    "a join's later segment": (lambda: vega.schedule.join([(5, 1e-3), (5, -1.0)]), "lr",
+                               r"-1\.0 at step 5"),
+    "a piecewise value": (lambda: vega.schedule.piecewise_constant([3], [1e-3, -1.0]), "lr",
+                          r"-1\.0 at step 4"),
+    "a restart's floor": (lambda: vega.schedule.cosine_decay_restarts(1.0, 10, alpha=-0.5),
+                          "lr", r"-0\.19\d+ at step 7"),
+}
+
+
+@pytest.mark.parametrize("what", OUT_OF_RANGE)
+def test_a_schedule_that_leaves_the_range_is_refused(what):
+    """A float given for a hyperparameter is checked against its range; so is a schedule of
+    vega.schedule, over every count of the step counter, on the host, where it is given (the
+    functional step, init, a class and its groups, L-BFGS): a decay past zero stepped
+    uphill, a b1 reaching 1 divided by 0. The message names the first step outside."""
+    make, name, at = OUT_OF_RANGE[what]
+    msg = rf"{name}={re.escape(shown(make()))} is {at}, outside {name}'s range"
+    ps = _params(2)
+    before = [p.detach().clone() for p in ps]
+    grads = [torch.ones_like(p) for p in ps]
+    with pytest.raises(ValueError, match="adamw_step: " + msg):
+        vega.adamw_step(before, grads, vega.adamw_init(before), **{name: make()})
+    with pytest.raises(ValueError, match="adamw_init: " + msg):
+        vega.adamw_init(before, **{name: make()})
+    with pytest.raises(ValueError, match="AdamW: " + msg):
+        vega.optim.AdamW(ps, **{name: make()})
+    for backend in ("reference", None):
+        opt = _stepped(vega.optim.AdamW(ps, backend=backend), ps, steps=1)
+        stepped = [p.detach().clone() for p in ps]
+        opt.param_groups[0][name] = make()
+        with pytest.raises(ValueError, match=msg):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(ps, stepped))  # (refused unstepped)
+        with torch.no_grad():
+            for p, q in zip(ps, before):
+                p.copy_(q)
+    if name == "lr":
+        with pytest.raises(ValueError, match="lbfgs_step: " + msg):
+            vega.lbfgs_step(before, grads, vega.lbfgs_init(before), lr=make())
+        with pytest.raises(ValueError, match="LBFGS: " + msg):
+            vega.optim.LBFGS(ps, lr=make())
+
+
+def test_a_schedule_within_the_range_is_taken():
+    """Within the range, at its bounds, and growing to infinity where the range has no
+    upper bound (an exponential growth of lr, as a rate range test runs, overflows only
+    past the float range); a checked schedule pickles as a fresh one."""
+    S = vega.schedule
+    ps = [torch.ones(3)]
+    for name, sched in [("lr", S.warmup_cosine_decay(0.0, 1e-3, 10, 90)),
+                        ("lr", S.exponential_decay(1e-7, 10.0, 100)),
+                        ("b1", S.linear(0.8, 0.0, 10)), ("b1", S.join([(3, 0.5), (3, 0.9)])),
+                        ("lr", S.cosine_decay_restarts(1e-3, 10, t_mul=2.0, m_mul=0.5))]:
+        vega.adamw_step(ps, [torch.ones(3)], vega.adamw_init(ps), **{name: sched})
+        vega.optim.AdamW([torch.nn.Parameter(torch.ones(3))], **{name: sched})
+        assert pickle.dumps(sched) == pickle.dumps(copy.deepcopy(sched))
+        assert pickle.loads(pickle.dumps(sched)) == sched
 
 
 # -- state leaves of the functional step ----------------------------------------------

@@ -388,3 +388,36 @@ def test_join_past_an_int32_step_and_the_steps_its_segments_see():
     assert s(torch.tensor(14, dtype=torch.int32)).item() == pytest.approx(s(14))
     assert s(14) == 0.1 / math.sqrt(5)
     assert all(int(k) >= 0 and k.dtype == torch.int32 for k in seen if isinstance(k, torch.Tensor))
+
+
+@pytest.mark.parametrize("s", [
+    schedule.constant(0.3), schedule.linear(1.0, -1.0, 37),
+    schedule.cosine_decay(2.0, 40, alpha=-0.2), schedule.exponential_decay(1.0, 0.3, 17),
+    schedule.polynomial_decay(-1.0, 2.0, 50, power=3.0), schedule.warmup_cosine(1.0, -1.0, 30),
+    schedule.warmup_cosine_decay(0.5, 2.0, 20, 60, end_value=-0.1),
+    schedule.one_cycle(1.0, 90, pct_start=0.4), schedule.piecewise_constant([3, 40], [1, -2, 0.5]),
+    schedule.cosine_decay_restarts(1.0, 7, t_mul=1.5, m_mul=0.7, alpha=-0.1),
+    schedule.cosine_decay_restarts(-1.0, 9, m_mul=1.2, alpha=0.3),
+    schedule.join([(13, schedule.linear(0.0, 1.0, 13)), (20, -0.5),
+                   (30, schedule.cosine_decay_restarts(2.0, 6, t_mul=2.0))]),
+], ids=repr)
+@pytest.mark.parametrize("first,last", [(0, 300), (5, 80), (41, 41)])
+def test_reach_lists_the_extremes(s, first, last):
+    """``reach(first, last)``, which the hyperparameters' range checks read, lists steps of
+    the interval with their values, among them the smallest and the largest value there
+    (every step evaluated, against it)."""
+    listed = s.reach(first, last)
+    assert all(first <= k <= last and s(k) == v for k, v in listed)
+    values = [s(k) for k in range(first, last + 1)]
+    assert min(v for _, v in listed) == min(values)
+    assert max(v for _, v in listed) == max(values)
+
+
+def test_reach_of_what_it_cannot_tell():
+    """None for a schedule of one's own and a join of a plain callable: no range checked."""
+    class Mine(schedule.Schedule):
+        def _at(self, k, ops):
+            return 1.0
+    assert Mine().reach() is None
+    assert schedule.join([(3, 0.1), (3, lambda k: 0.2)]).reach() is None
+    assert schedule.linear(1.0, 0.0, 10).reach() == [(0, 1.0), (2**31 - 1, 0.0)]

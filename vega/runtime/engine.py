@@ -182,7 +182,44 @@ def check_value(owner: str, h: HyperParam, value):
         if math.isnan(value) or (h.range is not None and not h.range.contains(value)):
             where = f"outside its range {h.range}" if h.range is not None else "not a number"
             raise ValueError(f"{owner}: {h.name}={shown(value)} is {where}")
+    elif isinstance(value, Schedule) and value.elementwise() and h.range is not None:
+        check_reach(owner, h.name, h.range, value)
     return value
+
+
+REACH = "_vega_reach"  # (a schedule's attribute: its values and its reach, kept)
+
+
+def check_reach(owner: str, name: str, r, sched: Schedule) -> None:
+    """ValueError where a ``vega.schedule`` schedule given for hyperparameter ``name`` takes,
+    at a count the step counter holds, a value outside its range ``r`` (a
+    ``vega.dsl.ast.Range``; ``Schedule.reach``: on the host, without a step;
+    kept per schedule object, as the classes check their groups every step). A growing
+    schedule that overflows to infinity on a side where the range has no bound (an
+    exponential growth of ``lr``) is taken: a step reaches it only past the float range."""
+    key = sched._values()
+    kept = getattr(sched, "__dict__", {}).get(REACH)
+    if kept is not None and kept[2] is r and kept[0] == key:
+        return  # (checked against this range last time)
+    reach = kept[1] if kept is not None and kept[0] == key else sched.reach()
+
+    def within(v: float) -> bool:
+        return r.contains(v) or (v == math.inf and r.hi == math.inf) or \
+            (v == -math.inf and r.lo == -math.inf)
+    inside = None  # the last step listed whose value is within the range
+    for k, v in reach or ():
+        if within(v):
+            inside = k
+            continue
+        if inside is not None:  # the first step outside, between the two (found by halves)
+            while k - inside > 1:
+                mid = (inside + k) // 2
+                inside, k = (mid, k) if within(sched(mid)) else (inside, mid)
+            v = sched(k)
+        raise ValueError(f"{owner}: {name}={shown(sched)} is {v!r} at step {k}, outside "
+                         f"{name}'s range {r}")
+    if hasattr(sched, "__dict__"):
+        sched.__dict__[REACH] = (key, reach, r)
 
 
 def check_precision(owner: str, master_weights, stochastic_rounding, rounding_seed):

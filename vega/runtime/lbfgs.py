@@ -65,9 +65,11 @@ import torch
 from vega.codegen.steps import advance_steps
 from vega.codegen.tensors import dense, is_dtensor, not_dense
 from vega.runtime import sharded, torch_names
-from vega.runtime.engine import check_state_dtype, shown, state_dtype_for
+from vega.dsl.ast import Range
+from vega.runtime.engine import check_reach, check_state_dtype, shown, state_dtype_for
 from vega.runtime.spec import _check_leaves, _label, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
+from vega.schedule import Schedule
 
 __all__ = ["LBFGS", "lbfgs_init", "lbfgs_step"]
 
@@ -86,6 +88,9 @@ def _check_memory_size(owner: str, memory_size) -> int:
     return int(memory_size)
 
 
+_LR_RANGE = Range(0.0, math.inf, True, False, None)  # (lr's: a finite number >= 0)
+
+
 def _check_lr(owner: str, lr):
     """A float >= 0, a 0-d float tensor (taken as given: no host sync) or a schedule."""
     if isinstance(lr, torch.Tensor):
@@ -94,6 +99,8 @@ def _check_lr(owner: str, lr):
                              f"{tuple(lr.shape)} and dtype {lr.dtype}")
         return lr
     if callable(lr):
+        if isinstance(lr, Schedule) and lr.elementwise():
+            check_reach(owner, "lr", _LR_RANGE, lr)
         return lr
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
         raise ValueError(f"{owner}: lr={lr!r} must be a float, a 0-d tensor or a schedule "
