@@ -5,7 +5,10 @@ and the ``vega.optim`` classes' state_dict through ``torch.save`` and
 The central property: for every shipped spec, 100 uninterrupted steps equal 50
 steps, a save, a load in a fresh process and 50 more steps -- bitwise.
 """
+import json
 import os
+import re
+import struct
 import subprocess
 import sys
 
@@ -253,6 +256,43 @@ def test_a_file_that_is_not_a_state_is_named(tmp_path, saved):
         vega.load(truncated, like=state)
     with pytest.raises(FileNotFoundError, match=r"no such file '.*absent\.safetensors'"):
         vega.load(tmp_path / "absent.safetensors", like=state)
+
+
+def test_a_file_whose_bytes_changed_is_refused(tmp_path):
+    """A byte of a leaf's values changed on disk (the header intact, so safetensors reads
+    it) is refused by the CRC-32 recorded for each leaf, not loaded as other moments or
+    another step count; a file without the record (older) loads as it is."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    params = make_params()
+    state = vega.adamw_init(params)
+    params, state = vega.adamw_step(params, {"layer1": {k: torch.ones_like(v) for k, v in
+                                                        params["layer1"].items()}}, state)
+    path = tmp_path / "opt.safetensors"
+    vega.save(path, state)
+    data = path.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + size])
+    for name in ("mu.layer1.weight", "step"):
+        start = 8 + size + header[name]["data_offsets"][0]
+        for byte in (0, header[name]["data_offsets"][1] - header[name]["data_offsets"][0] - 1):
+            bad = bytearray(data)
+            bad[start + byte] ^= 0x40
+            (tmp_path / "bad.safetensors").write_bytes(bytes(bad))
+            with pytest.raises(ValueError, match=rf"leaf '{re.escape(name)}' in .*bad\."
+                                                 r"safetensors' does not hold the bytes vega\."
+                                                 r"save wrote .*the file is corrupt"):
+                vega.load(tmp_path / "bad.safetensors", like=state)
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = {k: v for k, v in f.metadata().items() if k != "vega.crc32"}
+    save_file(tensors, str(tmp_path / "older.safetensors"), metadata=metadata)
+    loaded = vega.load(tmp_path / "older.safetensors", like=state)
+    assert all(torch.equal(a, b) for a, b in zip(named(loaded).values(), named(state).values()))
+    save_file(tensors, str(tmp_path / "garbled.safetensors"),
+              metadata={**metadata, "vega.crc32": "{not json"})
+    with pytest.raises(ValueError, match=r"garbled\.safetensors' has corrupt 'vega\.crc32'"):
+        vega.load(tmp_path / "garbled.safetensors", like=state)
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")

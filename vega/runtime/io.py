@@ -6,7 +6,10 @@ marks it as a vega state. safetensors has no complex128, so a complex leaf is
 stored as its real view (``torch.view_as_real``: the shape plus a trailing 2)
 and the metadata lists it. A file is written to a temporary name in the target's
 directory, flushed to disk and renamed into place: an interrupted save leaves
-either the old file or none, never a truncated one.
+either the old file or none, never a truncated one. The metadata records each
+leaf's CRC-32, which ``load`` checks: a file whose bytes changed on disk or on the
+way is refused rather than loaded as other values (safetensors itself checks the
+header and the sizes only).
 
 ``load(path, like=state)`` checks the file against ``like`` -- the same names,
 shapes and dtypes, the step counter int32 -- and returns a new state with
@@ -20,6 +23,7 @@ import numbers
 import os
 import secrets
 import stat
+import zlib
 from pathlib import Path
 
 import torch
@@ -126,7 +130,8 @@ def save(path, state) -> None:
         storages.add(key)
         tensors[name] = t
     metadata = {"vega": FORMAT, "vega.version": FORMAT_VERSION,
-                "vega.complex": json.dumps(complex_names)}
+                "vega.complex": json.dumps(complex_names),
+                CRC: json.dumps({name: _crc(t) for name, t in tensors.items()})}
     target = Path(os.fspath(path))
     directory = target.parent
     if not directory.is_dir():
@@ -160,6 +165,29 @@ def save(path, state) -> None:
         pass
     finally:
         os.close(dfd)
+
+
+CRC = "vega.crc32"  # the metadata key of each leaf's CRC-32, in a JSON object by leaf name
+
+
+def _crc(t: torch.Tensor) -> int:
+    """The CRC-32 of a CPU tensor's bytes (contiguous, as a file stores them)."""
+    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else 0
+
+
+def _checksums(f, where: str) -> dict | None:
+    """Each leaf's CRC-32 as the open file ``f`` records it; None in a file without them
+    (written before they were)."""
+    text = (f.metadata() or {}).get(CRC)
+    if text is None:
+        return None
+    try:
+        out = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        out = None
+    if not isinstance(out, dict) or not all(type(v) is int for v in out.values()):
+        raise ValueError(f"vega.load: {where} has corrupt {CRC!r} metadata")
+    return out
 
 
 def _complex_names(f, where: str) -> set[str]:
@@ -251,6 +279,7 @@ def _check_scales(who: str, state) -> None:
 def _read(f, where, named, leaves) -> list:
     """``leaves`` with each named one replaced by its tensor in the open file ``f``."""
     complex_names = _complex_names(f, where)
+    checksums = _checksums(f, where)
     keys = set(f.keys())
     names = [n for n, _ in named]
     missing = [n for n in names if n not in keys]
@@ -268,6 +297,10 @@ def _read(f, where, named, leaves) -> list:
     out = list(leaves)
     for name, i in named:
         want, got = leaves[i], f.get_tensor(name)
+        if checksums is not None and checksums.get(name) != _crc(got):
+            raise ValueError(f"vega.load: leaf {name!r} in {where} does not hold the bytes "
+                             "vega.save wrote (their CRC-32, recorded in the file, differs): "
+                             "the file is corrupt")
         is_complex = name in complex_names
         if is_complex and (got.dim() == 0 or got.shape[-1] != 2 or not got.is_floating_point()):
             raise ValueError(f"vega.load: leaf {name!r} in {where} is marked complex but is "
