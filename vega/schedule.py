@@ -201,11 +201,19 @@ class Schedule:
 
 # -- argument checks --------------------------------------------------------------------
 
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
+
+
 def _real(who: str, name: str, value) -> float:
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(float(value))):
-        raise ValueError(f"{who}: {name}={value!r} must be a finite real number")
-    return float(value)
+    try:  # (an int past the float range, 10**400, is no float: OverflowError)
+        x = float(value) if isinstance(value, numbers.Real) else math.nan
+    except OverflowError:
+        x = math.inf
+    if isinstance(value, bool) or not math.isfinite(x):
+        raise ValueError(f"{who}: {name}={_shown(value)} must be a finite real number")
+    return x
 
 
 def _positive(who: str, name: str, value) -> float:

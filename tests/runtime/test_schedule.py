@@ -285,6 +285,11 @@ def _cases_bad():
         (lambda: S.linear(0.0, 1.0, 2**63), "steps=9223372036854775808"),
         (lambda: S.piecewise_constant([2**63], [1.0, 2.0]), "boundaries=[9223372036854775808]"),
         (lambda: S.join([(2**64, S.constant(1.0))]), "steps of a segment=18446744073709551616"),
+        # numbers past the float range: a ValueError naming them (was a bare OverflowError)
+        (lambda: S.constant(10**400), "value=10000000000"),
+        (lambda: S.linear(0.0, -10**400, 5), "end_value=-1000000000"),
+        (lambda: S.piecewise_constant([3], [1.0, 10**400]), "values=1000000000"),
+        (lambda: S.join([(3, 10**400)]), "value=1000000000"),
     ]
 
 
