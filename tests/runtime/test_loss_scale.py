@@ -238,6 +238,31 @@ def test_a_scale_kept_in_a_state_is_checked_where_its_values_come_in(tmp_path, l
         LossScale(*bad)
 
 
+def test_a_scale_loaded_into_one_of_the_other_kind_is_refused(tmp_path):
+    """vega.load takes a scale's settings from like= and its tensors from the file: a dynamic
+    scale loaded with a static like= kept its count and stopped adjusting, silently (and a
+    static one loaded as dynamic started to). Either is refused, naming the count; of the
+    same kind it loads bitwise, the file's count and scale with like='s settings."""
+    def state(ls):
+        return {"m": torch.zeros(2), "ls": ls}
+    dynamic = LossScale.dynamic(init=8.0, growth_interval=3).adjust(torch.tensor(True))
+    vega.save(tmp_path / "d.safetensors", state(dynamic))
+    vega.save(tmp_path / "s.safetensors", state(LossScale.static(4.0)))
+    with pytest.raises(ValueError, match=r"^vega\.load: .*d\.safetensors': leaf "
+                                         r"'ls\.good_steps' is 1, the count of a dynamic loss "
+                                         r"scale, but like= has a static one there"):
+        vega.load(tmp_path / "d.safetensors", like=state(LossScale.static(1.0)))
+    with pytest.raises(ValueError, match=r"leaf 'ls\.good_steps' is -1, the count of a "
+                                         r"static loss scale, but like= has a dynamic one"):
+        vega.load(tmp_path / "s.safetensors", like=state(LossScale.dynamic()))
+    loaded = vega.load(tmp_path / "d.safetensors",
+                       like=state(LossScale.dynamic(growth_interval=3)))["ls"]
+    assert all(torch.equal(a, b) for a, b in zip(loaded.tensors(), dynamic.tensors()))
+    assert loaded._config() == dynamic._config()
+    static = vega.load(tmp_path / "s.safetensors", like=state(LossScale.static(1.0)))["ls"]
+    assert static.loss_scale.item() == 4.0 and not static.is_dynamic
+
+
 def test_step_and_constructor_take_what_they_took():
     """A state of inference tensors (which keep no version counter) steps through
     LossScale.step, and the constructor checks values, not dtypes (an int64 counter)."""

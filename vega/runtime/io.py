@@ -243,6 +243,7 @@ def load(path, *, like) -> dict:
         raise ValueError(f"vega.load: {where} is not a vega state file (not a readable "
                          f"safetensors file: {err})") from err
     _check_scales(f"vega.load: {where}", out)
+    _check_scale_kinds(f"vega.load: {where}", out)
     _check_q8_scales(f"vega.load: {where}", out)
     return out
 
@@ -265,6 +266,25 @@ def _no_negative_scale(what: str, name: str, leaf) -> None:
     if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and quant.any_negative(leaf):
         raise ValueError(f"{what} {name!r} holds a negative value; it is a state's 8-bit "
                          "scales, each its block's largest magnitude")
+
+
+def _check_scale_kinds(who: str, state) -> None:
+    """Each loss scale loaded is of the kind of ``like=``'s, static or dynamic: a file holds
+    a scale's four tensors, ``like=`` its settings, and a static scale's good-step count is
+    -1. A dynamic scale loaded as a static one would stop adjusting, and the reverse start
+    to; neither is the scale saved."""
+    from vega.runtime.loss_scale import LossScale
+    pairs = pytree.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, LossScale))[0]
+    for path, node in pairs:
+        if not isinstance(node, LossScale) or node.good_steps.device.type == "meta":
+            continue
+        count = int(node.good_steps)
+        if node.is_dynamic == (count == -1):
+            saved, given = ("static", "dynamic") if count == -1 else ("dynamic", "static")
+            name = ".".join([*(_key(k) for k in path), "good_steps"])
+            raise ValueError(f"{who}: leaf {name!r} is {count}, the count of a {saved} loss "
+                             f"scale, but like= has a {given} one there; give like= a "
+                             f"LossScale.{saved}(...) to load it (its settings are like='s)")
 
 
 def _check_scales(who: str, state) -> None:
