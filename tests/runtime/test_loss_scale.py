@@ -419,3 +419,24 @@ def test_backing_off_never_reaches_zero(backend):
     w.grad = torch.full((3,), float("inf"))
     sub.step()
     assert sub.loss_scale.loss_scale.item() == torch.tensor(1e-40).item()
+
+
+@pytest.mark.parametrize("backend", ["reference", "c", "triton"])
+def test_a_class_step_without_gradients_leaves_the_scale(backend):
+    """A class step in which no parameter has a gradient steps nothing and checks nothing: its
+    scale stays as it was, as the states do (it counted a finite step, so steps called
+    before any backward pass, or after zero_grad(), grew the scale unchecked); the steps with
+    gradients count as before."""
+    ws = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    opt = vega.optim.AdamW([{"params": ws[:1]}, {"params": ws[1:]}], backend=backend,
+                           loss_scale=LossScale.dynamic(init=4.0, growth_interval=2))
+    before = [t.clone() for t in opt.loss_scale.tensors()]
+    for _ in range(3):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(opt.loss_scale.tensors(), before))
+    assert not opt.state
+    ws[1].grad = torch.ones(2)  # (one group's parameter: a step)
+    opt.step()
+    opt.zero_grad()
+    opt.step()
+    assert opt.loss_scale.good_steps.item() == 1 and opt.loss_scale.loss_scale.item() == 4.0

@@ -414,7 +414,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                     self._check_writes(work)
                     self._check_work(work)
                 raise
-        if self.loss_scale is not None and not adjusted:
+        if self.loss_scale is not None and not adjusted and work:
+            # (a step with no gradient at all checked none: the scale stays, as every state
+            # does; torch.amp.GradScaler refuses such a step, "No inf checks were recorded")
             self.loss_scale.adjust_(finite_of(pre))
         self.__dict__.pop("_vega_fresh", None)
         return loss
