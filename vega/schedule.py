@@ -198,6 +198,19 @@ class Schedule:
         # (without what the runtime keeps on the object: ``reach``'s values, checked)
         return {k: v for k, v in self.__dict__.items() if k != "_vega_reach"}
 
+    def _no_arithmetic(self, *other):
+        # A torch LR scheduler scales a group's lr (StepLR: lr * gamma; CosineAnnealingLR:
+        # lr - eta_min; ReduceLROnPlateau: float(lr)): say so, where Python would only say
+        # that the operand types are unsupported.
+        raise TypeError(f"{self!r} is a vega schedule, which a step evaluates on the "
+                        "device at its step counter: it has no arithmetic and no float "
+                        "value, so a torch LR scheduler cannot scale it. Give the optimizer "
+                        "a number for lr and let the torch scheduler move it, or use the "
+                        "vega schedule alone (vega.schedule.join chains schedules)")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _no_arithmetic
+    __truediv__ = __rtruediv__ = __pow__ = __rpow__ = __neg__ = __float__ = _no_arithmetic
+
 
 # -- argument checks --------------------------------------------------------------------
 

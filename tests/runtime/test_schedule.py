@@ -426,3 +426,30 @@ def test_reach_of_what_it_cannot_tell():
     assert Mine().reach() is None
     assert schedule.join([(3, 0.1), (3, lambda k: 0.2)]).reach() is None
     assert schedule.linear(1.0, 0.0, 10).reach() == [(0, 1.0), (2**31 - 1, 0.0)]
+
+
+@pytest.mark.parametrize("scheduler, kw", [
+    (torch.optim.lr_scheduler.StepLR, {"step_size": 1}),
+    (torch.optim.lr_scheduler.CosineAnnealingLR, {"T_max": 4}),
+    (torch.optim.lr_scheduler.ReduceLROnPlateau, {"patience": 0}),
+])
+def test_a_torch_lr_scheduler_over_a_vega_schedule_is_told_why_it_cannot(scheduler, kw):
+    """A torch scheduler scales a group's lr: a vega schedule there is refused with a
+    message that says what to do, and the group keeps its schedule."""
+    import vega.optim
+    sched = schedule.linear(1e-3, 0.0, 100)
+    p = torch.zeros(3, requires_grad=True)
+    opt = vega.optim.AdamW([p], lr=sched)
+    torch_scheduler = scheduler(opt, **kw)
+    with pytest.raises(TypeError, match=r"linear\(.*\) is a vega schedule.*torch LR "
+                                        r"scheduler cannot scale it"):
+        for loss in (1.0, 2.0, 3.0):
+            p.grad = torch.ones(3)
+            opt.step()
+            torch_scheduler.step(*[loss][:scheduler is torch.optim.lr_scheduler.
+                                          ReduceLROnPlateau])
+    assert opt.param_groups[0]["lr"] is sched
+    for op in (lambda s: s * 0.5, lambda s: 0.5 * s, lambda s: s - 1, lambda s: 1 - s,
+               lambda s: s / 2, lambda s: s + 1, lambda s: -s, float):
+        with pytest.raises(TypeError, match="is a vega schedule"):
+            op(sched)
