@@ -482,10 +482,10 @@ class Source:
         targets = [(t, n) for t, n in self.program.updates if t in self._scalar_targets]
         if not targets:
             return []
-        nodes, used, _ = self._element_nodes([n for _, n in targets])
-        for _, n in targets:
-            if n.op in REDUCTIONS and all(u is not n for u in used):
-                used.append(n)
+        # (every reduction is an earlier loop's, in red: a state assigned a reduction of
+        # per-element values does not compute those values here)
+        found = element_plan([n for _, n in targets])
+        nodes, used = list(found.lines), list(found.earlier)
         lines = ["    /* the states of one number per tensor, once each tensor */",
                  "    for (int64_t i = 0; i < nt; i++) {",
                  "        {",
