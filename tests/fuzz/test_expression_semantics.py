@@ -46,3 +46,27 @@ def test_a_state_of_one_number_assigned_a_reduction_of_computed_values(backend):
     assert_same(got_p["x"], want_p["x"], "p")
     for name in ("s", "n"):
         assert_same(got[name]["x"], want[name]["x"], name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16],
+                         ids=str)
+@pytest.mark.parametrize("backend", ["c", "triton"])
+def test_numbers_compared_in_the_compute_type(backend, dtype):
+    """A number is rounded to the step's compute type before it meets a value: Triton makes
+    a bare literal in a comparison a tensor of its own type, so ``p == 0.1`` compared
+    float64 values with 0.1 rounded to float32, and ``p <= 1e39``, ``p == 1e-46`` compared
+    float32 values in float64 (inf <= 1e39 false, 0 == 1e-46 false, where float32 has
+    inf <= inf and 0 == 0)."""
+    text = ("optimizer f(h = 0.1) {\n"
+            "    state a = zeros\n    state b = zeros\n    state c = zeros\n"
+            "    a = where(p == 0.1, 1, 0) + where(p <= 1e39, 2, 0) + where(1e-46 == p, 4, 0)\n"
+            "    b = where(p == 3.4028235e38, 1, 0) + where(p < 1e-40, 2, 0)"
+            " + where(p != -1e-46, 4, 0) + where(p >= -1e300, 8, 0)\n"
+            "    c = max(p, 1e-46) + min(p, -1e39) * where(p > 1e-40, 1e-40, p)\n"
+            "    p = where(h == 0.1, p, -p) + where(t * h > 0.1, 1, 0)\n}")
+    p = edges(dtype)
+    want_p, want = step(text, "reference", p, p)
+    got_p, got = step(text, backend, p, p)
+    assert_same(got_p["x"], want_p["x"], "p")
+    for name in "abc":
+        assert_same(got[name]["x"], want[name]["x"], name)

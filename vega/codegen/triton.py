@@ -60,6 +60,7 @@ import math
 from functools import cache
 from importlib.resources import files
 
+import numpy as np
 import torch
 
 from vega.codegen import plan, precision, quant, reference, triton_runtime
@@ -104,6 +105,16 @@ def _minmax(which):
 def _where(self, node, phase, c, a, b):
     a, b = (self.number(s, x, phase) for s, x in zip(node.src[1:], (a, b)))
     return f"tl.where({c}, {a}, {b})"
+
+
+def _compare(op):
+    # (Triton makes a bare literal beside a comparison a tensor of its own type: float32
+    # where float32 holds it as a normal number, else float64; so 0.1 beside float64 values
+    # would be 0.1 rounded to float32, and 1e39 beside float32 values not inf)
+    def render(self, node, phase, a, b):
+        a, b = (self.number(s, x, phase) for s, x in zip(node.src, (a, b)))
+        return f"{a} {op} {b}"
+    return render
 
 
 def _logic(node, a, b, op, mixed):
@@ -245,6 +256,9 @@ class TritonRenderer(Renderer):
         Op.EXP: _call("tl.exp"),
         Op.LOG: _call("tl.log"),
         Op.ABS: _call("tl.abs"),
+        **{op: _compare(sym) for op, sym in
+           ((Op.LT, "<"), (Op.LE, "<="), (Op.GT, ">"), (Op.GE, ">="), (Op.EQ, "=="),
+            (Op.NE, "!="))},
         Op.SIGN: lambda self, node, phase, a:
             f"tl.where({a} > 0, 1.0, tl.where({a} < 0, -1.0, {a}))",
         Op.MIN: _minmax("minimum"),
@@ -283,8 +297,19 @@ class TritonRenderer(Renderer):
 
     def number(self, node: Node, text: str, phase: str) -> str:
         """``tensor`` for a number literal where float32 would round it (float64 values);
-        a bool one, or one beside float32 values, as it is."""
-        if node.dtype == "bool" or (phase == "element" and self.ct == "tl.float32"):
+        a bool one as it is, and one beside float32 values rounded to float32 (Triton would
+        make one it cannot hold as a normal float32 number a float64: 1e39 or 1e-40)."""
+        if node.dtype == "bool" or node.op is not Op.CONST:
+            return text
+        if phase == "element" and self.ct == "tl.float32":
+            if not _F32_TINY <= abs(node.arg) <= _F32_MAX and math.isfinite(node.arg) \
+                    and node.arg != 0:
+                with np.errstate(over="ignore"):
+                    value = float(np.float32(node.arg))
+                if value == 0 or not _F32_TINY <= abs(value) < math.inf:  # (a subnormal)
+                    return self.const(value) if value == 0 or math.isinf(value) else \
+                        self.tensor(node, repr(value), phase)
+                return repr(value)
             return text
         return self.tensor(node, text, phase)
 
@@ -295,6 +320,10 @@ class TritonRenderer(Renderer):
         if node.op is not Op.CONST:
             return text
         return f"tl.full((), {text}, {'tl.float64' if phase == 'scalar' else self.ct})"
+
+
+_F32_TINY = 2.0 ** -126  # float32's smallest normal number, and its largest:
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def negative_zero(value) -> bool:
