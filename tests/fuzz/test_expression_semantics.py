@@ -70,3 +70,21 @@ def test_numbers_compared_in_the_compute_type(backend, dtype):
     assert_same(got_p["x"], want_p["x"], "p")
     for name in "abc":
         assert_same(got[name]["x"], want[name]["x"], name)
+
+
+@pytest.mark.parametrize("backend", ["c", "triton"])
+def test_bools_of_elements_steps_and_tensors_combine(backend):
+    """A per-element bool with one of the step (``b > t``) or of the tensor (``norm(g) >
+    1``) in ``or`` and in a bool ``where``: Triton's interpreter made floats of a where of a
+    block's bools and such a one, and its ``&`` then failed."""
+    text = ("optimizer f(b = -0.5) {\n    state a = zeros\n    state c = zeros\n"
+            "    a = where(p > 1 and (p == p or b > t), g, p)\n"
+            "    c = where(where(g > 0, b > t, p < -1) and g < 1, g, p)"
+            " + where(where(g > 0, p < 0, norm(g) < 1) and p < 2, 1, 0)\n"
+            "    p = where(where(g > 0, norm(g) > 1, p < 0) and p < 2, g, p)\n}")
+    p, g = edges(torch.float32), edges(torch.float32).flip(0)
+    want_p, want = step(text, "reference", p, g)
+    got_p, got = step(text, backend, p, g)
+    assert_same(got_p["x"], want_p["x"], "p")
+    for name in "ac":
+        assert_same(got[name]["x"], want[name]["x"], name)

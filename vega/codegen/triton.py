@@ -104,7 +104,17 @@ def _minmax(which):
 
 def _where(self, node, phase, c, a, b):
     a, b = (self.number(s, x, phase) for s, x in zip(node.src[1:], (a, b)))
+    if node.kind == Kind.ELEMENT and node.dtype == "bool":
+        a, b = (_bool_of(s, x) for s, x in zip(node.src[1:], (a, b)))
     return f"tl.where({c}, {a}, {b})"
+
+
+def _bool_of(node, text):
+    """A bool of one value per step or tensor as a where's value beside blocks: through a
+    where of literals (the interpreter keeps a comparison's result typed as its operands,
+    and a where of a block's bools and such a one made floats, which its & refused)."""
+    return text if node.kind == Kind.ELEMENT or node.op is Op.CONST else \
+        f"tl.where({text}, True, False)"
 
 
 def _compare(op):
@@ -242,10 +252,10 @@ class TritonRenderer(Renderer):
         # (Triton's -x is 0 - x: +0.0 for x = 0.0, where C and torch give -0.0)
         Op.NEG: lambda self, node, phase, a: f"{a} * -1.0",
         Op.POW: _pow,
-        Op.AND: lambda self, node, phase, a, b: _logic(node, a, b, "&",
-                                                       f"tl.where({a}, {b}, False)"),
-        Op.OR: lambda self, node, phase, a, b: _logic(node, a, b, "|",
-                                                      f"tl.where({a}, True, {b})"),
+        Op.AND: lambda self, node, phase, a, b: _logic(
+            node, a, b, "&", f"tl.where({a}, {_bool_of(node.src[1], b)}, False)"),
+        Op.OR: lambda self, node, phase, a, b: _logic(
+            node, a, b, "|", f"tl.where({a}, True, {_bool_of(node.src[1], b)})"),
         Op.NOT: lambda self, node, phase, a: f"~{a}",
         Op.WHERE: _where,
         Op.SQRT: lambda self, node, phase, a: (
