@@ -88,3 +88,20 @@ def test_bools_of_elements_steps_and_tensors_combine(backend):
     assert_same(got_p["x"], want_p["x"], "p")
     for name in "ac":
         assert_same(got[name]["x"], want[name]["x"], name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("backend", ["c", "triton"])
+def test_a_value_of_the_step_or_tensor_keeps_its_signed_zero(backend, dtype):
+    """``p = -b`` at ``b = 0`` is -0.0 in every element: the Triton kernels made a block of
+    one number per step or tensor by adding it to a block of 0.0, which made -0.0 +0.0."""
+    text = ("optimizer f(b = 0.0) {\n    state s = zeros\n    state n = zeros\n"
+            "    s = -sign(floor(b))\n    n = -norm(g * b)\n    p = -b\n}")
+    p = torch.ones(5, dtype=dtype)
+    want_p, want = step(text, "reference", p, p)
+    got_p, got = step(text, backend, p, p)
+    assert torch.signbit(want_p["x"]).all()
+    assert_same(got_p["x"], want_p["x"], "p")
+    for name in "sn":
+        assert_same(got[name]["x"], want[name]["x"], name)
+

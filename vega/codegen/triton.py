@@ -336,6 +336,12 @@ _F32_TINY = 2.0 ** -126  # float32's smallest normal number, and its largest:
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
+def _as_block(value: str, ct: str) -> str:
+    """A value of one number per step or tensor as a block: added to a block of -0.0, which
+    leaves every value as it is (a block of 0.0 made -0.0 +0.0: p = -b at b = 0)."""
+    return f"(tl.zeros([BLOCK], dtype={ct}) * -1.0 + {value})"
+
+
 def negative_zero(value) -> bool:
     """Whether ``value`` is -0.0 (which Triton's constants, ``tl.full`` among them, make
     +0.0)."""
@@ -960,7 +966,7 @@ class Source:
             if x in self.quant:
                 sc, signed = self.quant[x]
                 if node.kind < Kind.ELEMENT or node.op is Op.CONST:
-                    value = f"(tl.zeros([BLOCK], dtype={self.ct}) + {value})"
+                    value = _as_block(value, self.ct)
                 finite.append(f"    q8_store({value}.to(tl.float32), mask, n, "
                               f"{self.out_ptr[x]}, {self.out_ptr[sc]}, {signed}, BLOCK)")
                 continue
@@ -972,7 +978,7 @@ class Source:
                 value = f"tl.full([BLOCK], {value}, {self.ct})"
             elif node.kind < Kind.ELEMENT:  # one value per tensor: as a block (an expression:
                 # a name bound before the branch keeps its type in it, on a GPU)
-                value = f"(tl.zeros([BLOCK], dtype={self.ct}) + {value})"
+                value = _as_block(value, self.ct)
             value = f"to_bf16_sr({value}, key_{x}, {index})" if x in self._rounded() \
                 else self._as_stored(value, x)
             finite.append(f"    tl.store({self.out_ptr[x]} + offsets, {value}, mask=mask)")
