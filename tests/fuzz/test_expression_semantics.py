@@ -105,3 +105,35 @@ def test_a_value_of_the_step_or_tensor_keeps_its_signed_zero(backend, dtype):
     for name in "sn":
         assert_same(got[name]["x"], want[name]["x"], name)
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_written_half_exponent_is_a_square_root(backend):
+    """``a ^ 0.5`` and ``a ^ -0.5`` written out are torch's ``pow`` by a number: a square
+    root (NaN at -inf, -0.0 at -0.0), where the exponent in a hyperparameter is pow's
+    (docs/language.md)."""
+    x = torch.tensor([-math.inf, -0.0, 0.0, math.inf, -4.0, 4.0], dtype=torch.float64)
+    text = ("optimizer f(h = 0.5) {\n    state a = zeros\n    state b = zeros\n"
+            "    state c = zeros\n    a = p ^ 0.5\n    b = p ^ -0.5\n    c = p ^ h\n"
+            "    p = p ^ -h\n}")
+    got_p, got = step(text, backend, x, x)
+    for name, value in (("a", torch.pow(x, 0.5)), ("b", torch.pow(x, -0.5)),
+                        ("c", torch.pow(x, torch.full_like(x, 0.5)))):
+        assert_same(got[name]["x"], value, name)
+    assert_same(got_p["x"], torch.pow(x, torch.full_like(x, -0.5)), "p")
+    assert_same(got["a"]["x"][:2], torch.tensor([math.nan, -0.0]), "a at -inf, -0.0")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_power_of_numbers_folds_to_what_the_step_computes(backend):
+    """The compiler folds ``(-0.0) ^ -0.5`` as the step computes ``p ^ -0.5`` at ``p =
+    -0.0``: -inf, a reciprocal square root (numpy's power, which folded it, gave inf; and
+    0.0 for ``(-inf) ^ -0.5``, where the step gives NaN)."""
+    x = torch.tensor([-0.0, -math.inf, 4.0, -0.0], dtype=torch.float64)
+    text = ("optimizer f() {\n    state a = zeros\n    state b = zeros\n"
+            "    a = p ^ -0.5\n"
+            "    b = where(g == 0, (-0.0) ^ -0.5, where(g < 0, (-inf) ^ -0.5, 4 ^ -0.5))\n"
+            "    p = where(g == 0, (-0.0) ^ 0.5, where(g < 0, (-inf) ^ 0.5, 4 ^ 0.5))\n}")
+    got_p, got = step(text, backend, x, x)
+    assert_same(got["a"]["x"], torch.tensor([-math.inf, math.nan, 0.5, -math.inf]), "a")
+    assert_same(got["b"]["x"], got["a"]["x"], "b, folded")
+    assert_same(got_p["x"], torch.pow(x, 0.5), "p, folded")

@@ -233,6 +233,10 @@ def _result_dtype(op: Op, src: tuple[Node, ...]) -> str:
 def apply(op: Op, *src: Node, span: Span | None = None) -> Node:
     """A new node, folded when its value is known at compile time."""
     dtype = _result_dtype(op, src)
+    if op is Op.POW and src[1].op is Op.CONST:  # (a number's too: (-0.0) ^ -0.5 is -inf,
+        special = _power(src[0], src[1].arg, span)  # as p ^ -0.5 at p = -0.0, not pow's inf)
+        if special is not None:
+            return special
     if all(s.op is Op.CONST for s in src) and op in _FOLD:
         return const(_FOLD[op](*(s.arg for s in src)), span)
     if op is Op.WHERE and src[0].op is Op.CONST:
@@ -243,10 +247,6 @@ def apply(op: Op, *src: Node, span: Span | None = None) -> Node:
                 if a.arg == (op is Op.AND):  # true and x / false or x
                     return b
                 return const(op is Op.OR, span)
-    if op is Op.POW and src[1].op is Op.CONST and src[0].op is not Op.CONST:
-        special = _power(src[0], src[1].arg, span)
-        if special is not None:
-            return special
     kind = max((s.kind for s in src), default=Kind.CONST)
     dom = join(*(s.dom for s in src if s.kind == Kind.ELEMENT))
     if op in REDUCTIONS:
