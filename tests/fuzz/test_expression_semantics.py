@@ -29,7 +29,8 @@ def assert_same(got, want, what):
     got, want = got.double(), want.double()
     same = (got == want) & (torch.signbit(got) == torch.signbit(want)) \
         | got.isnan() & want.isnan()
-    assert same.all(), f"{what}: {got.tolist()} against the reference's {want.tolist()}"
+    at = torch.nonzero(~same).flatten()[:8]
+    assert same.all(), f"{what} at {at.tolist()}: {got[at].tolist()}, not {want[at].tolist()}"
 
 
 @pytest.mark.parametrize("backend", ["c", "triton"])
@@ -137,3 +138,23 @@ def test_a_power_of_numbers_folds_to_what_the_step_computes(backend):
     assert_same(got["a"]["x"], torch.tensor([-math.inf, math.nan, 0.5, -math.inf]), "a")
     assert_same(got["b"]["x"], got["a"]["x"], "b, folded")
     assert_same(got_p["x"], torch.pow(x, 0.5), "p, folded")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_number_over_a_value_is_one_division(backend, dtype):
+    """``3.0 / g`` is the correctly rounded quotient on every backend: the reference gave
+    Python's ``g.reciprocal() * 3.0``, a unit in the last place off for about a third of
+    the values, NaN for ``0.0 / g`` at a subnormal ``g`` (whose reciprocal overflows) and
+    inf for ``0.1 / 1e-39`` in float32; and ``3.0 / h`` likewise in the scalar phase."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(3000, generator=gen, dtype=torch.float64)
+    g[:4] = torch.tensor([1e-40, -1e-40, 1e-39, -0.0])
+    g = g.to(dtype)
+    text = ("optimizer f(h = 0.9) {\n    state a = zeros\n    state b = zeros\n"
+            "    state c = zeros\n    a = 3.0 / g\n    b = 0.0 / g\n    c = 0.1 / g\n"
+            "    p = p * 0 + 3.0 / h\n}")
+    got_p, got = step(text, backend, torch.zeros_like(g), g)
+    for name, number in (("a", 3.0), ("b", 0.0), ("c", 0.1)):
+        assert_same(got[name]["x"], torch.full_like(g, number) / g, f"{number} / g")
+    assert torch.equal(got_p["x"], torch.full_like(g, 3.0 / 0.9))

@@ -80,8 +80,17 @@ def _where(self, node, phase, c, a, b):
     return f"torch.where({c}, {a}, {b})"
 
 
+def _div(self, node, phase, a, b):
+    # (a number over a value: Python's ``/`` would give ``b.reciprocal() * a``, rounded twice,
+    # and NaN for 0 over a value whose reciprocal overflows)
+    if node.src[0].op is Op.CONST and node.src[1].op is not Op.CONST:
+        return f"_over({a}, {b})"
+    return f"{a} / {b}"
+
+
 class TorchRenderer(Renderer):
     code_for_op = {
+        Op.DIV: _div,
         Op.NEG: lambda self, node, phase, a: f"-{a}",
         # (parenthesized: a negative number's literal, -2.0, is -(2.0 ** b) in Python)
         Op.POW: lambda self, node, phase, a, b: f"({a}) ** ({b})",
@@ -988,6 +997,14 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
 _F32_MAX = float(torch.finfo(torch.float32).max)
 
 
+def _over(number: float, x: torch.Tensor) -> torch.Tensor:
+    """``number / x``, one correctly rounded division, as the C and Triton kernels divide:
+    torch computes a Python number over a tensor as ``x.reciprocal() * number`` (a unit in
+    the last place off for about a third of the values; 0 over a subnormal, whose reciprocal
+    overflows, NaN; 0.1 over 1e-39 inf in float32, where the quotient is 1e38)."""
+    return torch.div(x.new_full((), number), x)
+
+
 def _fit(value: float, like: torch.Tensor) -> float:
     """``value`` rounded to ``like``'s dtype (float32: inf beyond its range)."""
     if like.dtype == torch.float64:
@@ -1030,7 +1047,7 @@ class Kernel:
         namespace = {"torch": torch, "math": math, "_amax": _amax, "_sign": _sign,
                      "_norm": _norm, "_sum": _sum, "_mean": _mean,
                      "_atan2": _atan2,
-                     "_fit": _fit, "_broadcast": _broadcast, "_reduce": _reduce,
+                     "_fit": _fit, "_over": _over, "_broadcast": _broadcast, "_reduce": _reduce,
                      "_matmul": _matmul, "_transpose": _transpose, "_size": _size,
                      "_bf16": _bf16, "_widen": _widen, "_matmul_add": _matmul_add,
                      "_matmul_shift": _matmul_shift, "_into": _into, "_shift": _shift,

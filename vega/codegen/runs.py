@@ -17,9 +17,9 @@ rounds correctly (``+ - * /``, the conversions between float32 and bfloat16, com
 selections, ``abs``, ``sign``, ``min``, ``max`` as the reference writes them). A run with
 another operation (torch's float32 ``sqrt`` on the CPU is not correctly rounded: it differs
 from the rounded root in the last place for about one value in six), with a number divided
-by a value (Python's ``/`` computes ``3.0 / x`` as ``x.reciprocal() * 3.0``, rounded
-twice), with arithmetic on bfloat16 values, or with a value of a dtype it does not expect,
-stays on torch's operations; so do tensors that are not plain and contiguous, of one shape,
+by a value (which the reference divides as a 0-d tensor, ``reference._over``), with
+arithmetic on bfloat16 values, or with a value of a dtype it does not expect, stays on
+torch's operations; so do tensors that are not plain and contiguous, of one shape,
 on the backend's device, a step that records gradients, and a step dynamo traces.
 """
 from __future__ import annotations
@@ -123,8 +123,7 @@ def plan(run: reference.Run, lin: Linear, dtypes: dict[str, torch.dtype],
         bools = all(d in (torch.bool, None) for d in types)
         op, nan = node.op, False
         if op is Op.DIV and args[0].number:
-            # (a number over a tensor: Python's ``/`` gives ``b.reciprocal() * a``, rounded
-            # twice, where the loop would divide once)
+            # (a number over a tensor: the reference's ``_over``, left to torch's operations)
             raise Unsupported("a number divided by a value")
         if op is Op.DIV and args[1].number and not divides_by_numbers:
             raise Unsupported("a value divided by a number")
