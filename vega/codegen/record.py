@@ -106,7 +106,10 @@ def c_defines() -> list[str]:
     return [f"#define {name} {k}  /* {what} */" for name, k, what in named("PRE", PRE_SLOTS)]
 
 
-_BLANK: dict = {}  # (device, max_norm, check) -> a record without a loss scale, never written
+# (device, max_norm, check) -> a record without a loss scale, never written; at most
+# _BLANK_KEPT (a search over max_grad_norm makes a record for each value it tries)
+_BLANK: dict = {}
+_BLANK_KEPT = 16
 
 
 def make_pre(device, inv_scale=None, max_norm=None, check=False) -> torch.Tensor:
@@ -120,6 +123,8 @@ def make_pre(device, inv_scale=None, max_norm=None, check=False) -> torch.Tensor
     if (inv_scale is None and not torch.compiler.is_compiling()
             and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
         if key not in _BLANK:
+            if len(_BLANK) >= _BLANK_KEPT:
+                _BLANK.clear()
             _BLANK[key] = _new_pre(device, None, max_norm, check)
         return _BLANK[key].clone()
     return _new_pre(device, inv_scale, max_norm, check)
