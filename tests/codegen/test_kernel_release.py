@@ -79,3 +79,23 @@ def test_an_optimizer_in_use_keeps_its_kernels():
         assert len(live) == 1 and c.kernel_of(live[0].key) is live[0]
     for p, q in zip(params, twins):
         torch.testing.assert_close(p, q)
+
+
+@pytest.mark.skipif(not c.available(), reason="no C compiler: no C backend")
+def test_a_spec_compiled_again_loads_its_library_once(monkeypatch):
+    """A search that compiles the same spec in each trial loads its C library once: each
+    load maps a copy of its own that is never unloaded, so a load a trial would use up the
+    process's memory maps."""
+    from vega.codegen.c import build as cbuild
+    loads = []
+    real = cbuild.load_verified
+    monkeypatch.setattr(cbuild, "load_verified",
+                        lambda path, load: loads.append(path) or real(path, load))
+    text = "optimizer trial(lr = 0.25) { p = p - lr * g * 7 }"
+    for n in range(5):
+        spec = vega.compile(text)
+        params = [torch.ones(3)]
+        params, _ = spec.step(params, [torch.ones(3)], spec.init(params), backend="c")
+        assert params[0].tolist() == [-0.75] * 3
+        gc.collect()
+    assert len(loads) <= 1, f"{len(loads)} loads of one spec's library"

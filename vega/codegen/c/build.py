@@ -456,6 +456,25 @@ def _load(path: Path, key: str):
     return None
 
 
+# cache key -> the library this process loaded for it (``library``)
+_LOADED: dict[str, ctypes.CDLL] = {}
+_loaded_lock = threading.Lock()
+
+
+def library(source: str) -> ctypes.CDLL:
+    """The loaded library for ``source``: the one this process loaded already for the same
+    key, else ``build``'s. A library is never unloaded, and each load maps a copy of its
+    own (``load_verified``): a program that compiles the same spec again and again (a
+    search over hyperparameters that calls ``vega.compile`` in each trial) would otherwise
+    map one more copy each time, until the process runs out of memory maps."""
+    key = key_of(source)
+    with _loaded_lock:
+        lib = _LOADED.get(key)
+        if lib is None:
+            lib = _LOADED[key] = build(source)[0]
+        return lib
+
+
 def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
     """The loaded library for ``source``: (library, path, whether it was compiled now).
 

@@ -106,7 +106,7 @@ class Kernel:
 
     def library(self, dtypes: tuple[str, str, str]) -> ctypes.CDLL:
         if dtypes not in self._libs:
-            lib, _, _ = cbuild.build(self.source(dtypes))
+            lib = cbuild.library(self.source(dtypes))
             names = ["vega_prelude", "vega_axes_step"] if self._axes else \
                 ["vega_prelude", "vega_update"] + [f"vega_phase{k}{how}" for k in range(
                     self._nphases) for how in ("", "_partial")] + (

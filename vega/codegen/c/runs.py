@@ -107,7 +107,7 @@ class CRuns(runs.Runs):
         return device.type == "cpu"
 
     def build(self, loop: runs.Loop):
-        lib, _, _ = cbuild.build(source(loop))
+        lib = cbuild.library(source(loop))
         fn = lib.vega_run
         fn.restype = None
         fn.argtypes = (ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int)
