@@ -1,10 +1,13 @@
 """What a program that makes and drops many optimizers and steps keeps: nothing of theirs
 once they are gone, and no cache that grows with the values it has seen."""
 import gc
+import weakref
 
+import pytest
 import torch
 
 import vega
+from vega.codegen import c as c_backend
 
 
 def live_tensors() -> int:
@@ -27,3 +30,41 @@ def test_a_search_over_max_grad_norm_keeps_no_record_per_value():
     for n in range(1, 201):
         trial(n)
     assert live_tensors() - before < 50
+
+
+def _stepped_states(backend: str):
+    params = [torch.nn.Parameter(torch.randn(50)) for _ in range(3)]
+    opt = vega.optim.AdamW(params, lr=1e-3, backend=backend)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    return params, opt, [weakref.ref(t) for p in params for t in opt.state[p].values()]
+
+
+@pytest.mark.parametrize("how", ["clear", "del", "pop", "popitem", "replace"])
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_state_dicts_removed_from_an_optimizer_are_freed(backend, how):
+    """A state dict removed from ``opt.state`` (to free its memory, or to reset a parameter)
+    is not kept alive by what the last step planned: its tensors go with it, as with
+    torch.optim."""
+    if backend == "c" and not c_backend.available():
+        pytest.skip("no C compiler")
+    params, opt, refs = _stepped_states(backend)
+    if how == "clear":
+        opt.state.clear()
+    for p in params:
+        if how == "del":
+            del opt.state[p]
+        elif how == "pop":
+            opt.state.pop(p)
+        elif how == "popitem":
+            opt.state.popitem()
+        elif how == "replace":
+            opt.state[p] = {}
+    gc.collect()
+    assert [r() for r in refs if r() is not None] == []
+    for p in params:  # and the next step starts them again
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(int(opt.state[p]["step"]) == 1 for p in params)

@@ -52,16 +52,28 @@ class _States(collections.defaultdict):
     tensor hashes in Python, about 0.2 µs a parameter); their entries it reads each step."""
 
     changes = 0
+    plans = None  # the optimizer's list of step plans (``SpecOptimizer._plans``)
 
     def _changed(self) -> None:
         self.changes += 1
 
+    def _removed(self) -> None:
+        """A state dict was removed or replaced: the plans that hold it (and through it its
+        tensors) go now, not at the next step, so that its memory is freed when the caller
+        drops it (``state.clear()`` to free an optimizer's memory)."""
+        self.changes += 1
+        if self.plans:
+            self.plans.clear()
+
     def __setitem__(self, key, value):
-        self._changed()
+        if self.plans and key in self:
+            self._removed()
+        else:
+            self._changed()
         super().__setitem__(key, value)
 
     def __delitem__(self, key):
-        self._changed()
+        self._removed()
         super().__delitem__(key)
 
     def __ior__(self, other):
@@ -69,15 +81,15 @@ class _States(collections.defaultdict):
         return super().__ior__(other)
 
     def clear(self):
-        self._changed()
+        self._removed()
         super().clear()
 
     def pop(self, *args):
-        self._changed()
+        self._removed()
         return super().pop(*args)
 
     def popitem(self):
-        self._changed()
+        self._removed()
         return super().popitem()
 
     def setdefault(self, *args):
@@ -708,6 +720,9 @@ class SpecOptimizer(torch.optim.Optimizer):
         plans = self.__dict__.get("_vega_plans")
         if plans is None:
             plans = self.__dict__["_vega_plans"] = []
+        state = self.state
+        if type(state) is _States and state.plans is not plans:
+            state.plans = plans  # (which it empties where a state dict is removed)
         del plans[len(self.param_groups):]
         return plans
 
