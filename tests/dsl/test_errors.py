@@ -265,6 +265,22 @@ def test_parse_examples_are_labelled(label):
         assert label in info.value.message, (example, info.value.message)
 
 
+@pytest.mark.parametrize("label", list(PARSE_ERROR_EXAMPLES))
+def test_parse_examples_explain_a_later_statement(label):
+    """A body's statement after the first, or one inside an if, fails as the example does at
+    the start of the body (the same state of the parser, deeper in its stack): the label
+    explains it too."""
+    for example in PARSE_ERROR_EXAMPLES[label]:
+        if not example.startswith("optimizer o() { "):
+            continue
+        body = example[len("optimizer o() { "):]
+        for source in ("optimizer o() { m = p\n" + body,
+                       "optimizer o(f = true) { if f { m = p\n" + body + " }"):
+            with pytest.raises(SpecError) as info:
+                vega.compile(source)
+            assert label in info.value.message, (source, info.value.message)
+
+
 def test_a_state_may_keep_what_it_started_from():
     """A state never assigned keeps its initial value: a mistake where that is a constant,
     but where it is taken from p or a float hyperparameter, what they were at the start

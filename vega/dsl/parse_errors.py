@@ -49,6 +49,7 @@ PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
         "optimizer o() { p }",
         "optimizer o() { p + 1 }",
         "optimizer o() { 1 = p }",
+        "optimizer o() { m = p 1 = p }",
         "optimizer o() { p == p }",
     ],
     "a range is written 'in [lo, hi]', '(lo, hi)', or half-open": [

@@ -224,16 +224,26 @@ def _example_errors() -> tuple[tuple[str, lark.exceptions.UnexpectedInput], ...]
     return tuple(out)
 
 
+def _position(state):
+    """The parser's state in a lark error's ``state`` (the lexer's state, for a character no
+    token begins with, as it is)."""
+    return getattr(state, "position", state)
+
+
 def _label(err: lark.exceptions.UnexpectedInput) -> str | None:
     """The label of the example mistake that fails as ``err`` does: one in the same parser
     state expecting the same tokens, at the same token if any, else at a token of its
     type (``lr = pie`` as ``lr = a``), else the first. lark's ``match_examples`` does
     this, but lark 1.3 raises TypeError (formatting a debug message) when two errors
-    share a state and not their expected tokens."""
+    share a state and not their expected tokens. The state is the parser's state alone,
+    not the depth of its stack (which lark's states also compare): the examples' mistakes
+    stand in their body's first statement, and the same mistake in a later statement, or
+    inside an if, is the same state deeper in the stack."""
     found = typed = None
     for label, ex in _example_errors():
         tokens = all(isinstance(e, lark.exceptions.UnexpectedToken) for e in (ex, err))
-        if ex.state != err.state or (tokens and ex.accepts != err.accepts):
+        if _position(ex.state) != _position(err.state) \
+                or (tokens and ex.accepts != err.accepts):
             continue
         token, ex_token = getattr(err, "token", None), getattr(ex, "token", None)
         if token is not None and ex_token is not None:
