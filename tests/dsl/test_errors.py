@@ -235,6 +235,14 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "    y = g\n  }\n  p = p - lr * transpose(y)\n}\n",
      "'y' is a columns x rows matrix in one branch of this if and one value per element "
      "(the rows x columns matrix view) in the other", 2, 3),
+    # another language's operator or function says how Vega writes it
+    ("optimizer o(k = 2.0) {\n  p = where(t % k == 0, p, p - g)\n}\n",
+     "unexpected character '%': Vega has no remainder operator: t mod k is "
+     "t - k * floor(t / k)", 2, 15),
+    ("optimizer o() {\n  p = where(g > 0 && p > 0, p, g)\n}\n",
+     "unexpected character '&': Vega writes 'and'", 2, 19),
+    ("optimizer o(k = 2.0) {\n  p = p - g * mod(t, k)\n}\n",
+     "unknown function 'mod'; t mod k is t - k * floor(t / k)", 2, 15),
 ]
 
 

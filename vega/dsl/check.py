@@ -58,6 +58,17 @@ FUNCTIONS: dict[str, dict[int, Op]] = {
 # reductions over every tensor of a group: name -> the per-tensor reduction each tensor's
 # part is (summed, or the maximum taken, over the group)
 GLOBAL_FUNCTIONS = {"global_sum": Op.SUM, "global_norm": Op.NORM, "global_max": Op.AMAX}
+# functions of other libraries that Vega writes another way: how (in place of a guess at
+# a close name, which for 'mod' would be 'sigmoid')
+_MOD = "t mod k is t - k * floor(t / k)"
+WRITTEN_OTHERWISE = {
+    "mod": _MOD, "fmod": _MOD, "remainder": _MOD,
+    "pow": "a power is a ^ b", "square": "a square is x * x",
+    "maximum": "the larger of two values is max(a, b)",
+    "minimum": "the smaller of two values is min(a, b)",
+    "clip": "clamp(x, lo, hi) clips", "ceil": "the integer above x is -floor(-x)",
+    "numel": "the mean of x is mean(x), and sum(where(p == p, 1, 1)) counts p's values",
+}
 # shape queries, known per tensor: allowed only in the condition of an if
 SHAPE_QUERIES = {"ndim": "its number of axes", "nrows": "the length of its row axis",
                  "ncols": "the length of its column axis"}
@@ -507,6 +518,8 @@ class _Walker:
             close = difflib.get_close_matches(e.fn, known, n=3, cutoff=0.6)
             hint = (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else
                     f"; the functions are {', '.join(known)}")
+            if e.fn in WRITTEN_OTHERWISE:
+                hint = f"; {WRITTEN_OTHERWISE[e.fn]}"
             if e.fn in env:
                 hint = f"; '{e.fn}' is a value, not a function"
             raise SpecError(f"unknown function '{e.fn}'{hint}", e.fn_span)

@@ -201,9 +201,19 @@ _TOKEN_WORDS = {
 }
 
 
+# characters of other languages' operators, and how Vega writes what they do
+CHARACTER_HINTS = {
+    "%": "Vega has no remainder operator: t mod k is t - k * floor(t / k)",
+    "&": "Vega writes 'and' ('a > 0 and b > 0')",
+    "|": "Vega writes 'or' ('a > 0 or b > 0')",
+    "!": "Vega writes 'not' ('not a > 0'; '!=' is 'not equal')",
+}
+
+
 def _describe_unexpected(err: lark.exceptions.UnexpectedInput) -> str:
     if isinstance(err, lark.exceptions.UnexpectedCharacters):
-        return f"unexpected character {err.char!r}"
+        hint = CHARACTER_HINTS.get(err.char)
+        return f"unexpected character {err.char!r}" + (f": {hint}" if hint else "")
     if isinstance(err, lark.exceptions.UnexpectedEOF):
         return "unexpected end of file"
     tok = err.token
@@ -372,7 +382,9 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
                 raise SpecError("Vega writes powers as 'a ^ b', not 'a ** b'",
                                 Span(err.line, err.column - 1, err.line, err.column + 1),
                                 source, filename) from None
-        label = _label(err)
+        # a character with a hint of its own is explained by it, not by a token's example
+        hinted = getattr(err, "char", None) in CHARACTER_HINTS
+        label = None if hinted else _label(err)
         what = _describe_unexpected(err)
         message = f"{what}: {label}" if label else what
         line, col = err.line, err.column
