@@ -220,7 +220,12 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "row_mean() reduces an axis of the matrix view, but its argument is a rows x rows "
      "matrix", 2, 25),
     ("optimizer o(lr = 1e-3) {\n  state A = zeros\n  A = g @ transpose(g)\n  p = p\n}\n",
-     "state 'A' has one value per element, but this value is a rows x rows matrix", 3, 7),
+     "state 'A' holds one value per element, but this value is a rows x rows matrix", 3, 7),
+    # a state of rows is said to hold one per row, and the message says what to do
+    ("optimizer o(lr = 1e-3) {\n  state L: rows = zeros\n  L = g @ transpose(g)\n  p = p\n}\n",
+     "state 'L' holds one value per row, but this value is a rows x rows matrix; no state "
+     "or parameter keeps a matrix of a product between steps: multiply it back to one "
+     "value per element (A @ x) or reduce it (norm(A))", 3, 7),
     ("optimizer o(lr = 1e-3) {\n  repeat 2.5 {\n    p = p - lr * g\n  }\n}\n",
      "a repeat count is a whole number from 0 to 64, not 2.5", 2, 10),
     ("optimizer o(lr = 1e-3, n = 2.0) {\n  repeat n {\n    p = p - lr * g\n  }\n}\n",

@@ -350,9 +350,15 @@ class _Walker:
                                 f"{old.only_if.line}", s.name_span)
             if value.kind == Kind.ELEMENT and value.dom in ir.MATRIX_DOMAINS and (
                     s.name == "p" or (old is not None and old.role == "state")):
-                what = "the parameter p" if s.name == "p" else f"state '{s.name}'"
-                raise SpecError(f"{what} has one value per element, but this value is "
-                                f"{ir.DOMAIN_WORDS[value.dom]}", s.value.span)
+                if s.name == "p":
+                    what = "the parameter p has one value per element"
+                else:  # as declared: a state of rows (': rows') holds one per row
+                    dom = next(v.dom for v in self.states if v.name == s.name)
+                    what = f"state '{s.name}' holds {ir.DOMAIN_WORDS[dom]}"
+                raise SpecError(f"{what}, but this value is {ir.DOMAIN_WORDS[value.dom]}; "
+                                "no state or parameter keeps a matrix of a product between "
+                                "steps: multiply it back to one value per element (A @ x) "
+                                "or reduce it (norm(A))", s.value.span)
             if (s.name == "p" or (old is not None and old.role == "state")) \
                     and value.dtype != "float":
                 what = "the parameter p" if s.name == "p" else f"state '{s.name}'"
