@@ -335,3 +335,38 @@ def test_a_negative_zero_is_its_own_constant_beside_zero(backend, dtype):
     new, _ = spec.step([torch.full((2,), 3.0, dtype=dtype, device=device)], [g],
                        spec.init([g]), backend=backend)
     assert math.copysign(1.0, float(new[0][0])) == -1.0 and float(new[0][1]) == 3.0
+
+
+def _page_spec(heading):
+    """The spec in the first code block under ``heading`` of docs/language.md."""
+    import pathlib
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "language.md").read_text()
+    section = page[page.index(f"\n{heading}\n"):]
+    return section.split("```\n", 2)[1]
+
+
+@pytest.mark.parametrize("backend", ["reference", "c", "triton"])
+def test_the_pages_cautious_adamw_is_the_papers_rule(backend):
+    """docs/language.md's worked example against a float64 transcription of Cautious
+    AdamW: AdamW's update, zero where its sign is not the gradient's, over the mask's mean."""
+    spec = vega.compile(_page_spec("## Example: Cautious AdamW"), "language.md")
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(5, 7), (16,), ()]
+    params = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    hypers = dict(lr=0.05, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+    want = [p.clone() for p in params]
+    mu = [torch.zeros_like(p) for p in params]
+    nu = [torch.zeros_like(p) for p in params]
+    state = spec.init(params)
+    for t in range(1, 6):
+        grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+        params, state = spec.step(params, grads, state, backend=backend, **hypers)
+        for w, m, v, g in zip(want, mu, nu, grads):
+            m.mul_(0.9).add_(0.1 * g)
+            v.mul_(0.999).add_(0.001 * g * g)
+            u = (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
+            mask = (u * g > 0).double()
+            u = u * mask / mask.mean().clamp(min=1e-3)
+            w.mul_(1 - 0.05 * 0.1).sub_(0.05 * u)
+    for got, w in zip(params, want):
+        torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
