@@ -80,6 +80,13 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "cannot declare a state 'pi': it is a number", 2, 9),
     ("optimizer o(lr = 1e-3) {\n  nan = g != g\n  p = p - lr * g\n}\n",
      "cannot assign 'nan': it is a number", 2, 3),
+    # a function's name taken for a value (AdamP's cosine) says how to name it instead
+    ("optimizer o(lr = 1e-3) {\n  cos = sum(p * g) / (norm(p) * norm(g))\n"
+     "  p = p - lr * cos * g\n}\n",
+     "cannot assign 'cos': it is a function; give it a name of its own ('cos_' or a "
+     "longer one)", 2, 3),
+    ("optimizer o(lr = 1e-3, norm = 1.0) {\n  p = p - lr * g\n}\n",
+     "'norm' cannot name a hyperparameter: it is a function; give it a name of its own", 1, 24),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g * PI\n}\n",
      "undefined name 'PI' (did you mean 'pi'?)", 2, 20),
     # functions

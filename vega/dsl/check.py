@@ -136,7 +136,8 @@ class _Walker:
                 "a keyword of vega's steps or optimizer classes" if h.name in API_NAMES
                 else None)
             if reserved:
-                raise SpecError(f"'{h.name}' cannot name a hyperparameter: it is {reserved}",
+                raise SpecError(f"'{h.name}' cannot name a hyperparameter: it is {reserved}; "
+                                f"give it a name of its own ('{h.name}_' or a longer one)",
                                 h.span)
             seen[h.name] = h.span
             if h.type == "bool" and not isinstance(h.default, bool):
@@ -389,7 +390,8 @@ class _Walker:
     def _check_new_name(self, name, span, env, doing):
         reserved = self._reserved(name)
         if reserved:
-            raise SpecError(f"cannot {doing} '{name}': it is {reserved}", span)
+            raise SpecError(f"cannot {doing} '{name}': it is {reserved}; give it a name of "
+                            f"its own ('{name}_' or a longer one)", span)
         old = env.get(name)
         if old is not None:
             if old.role == "hyper":
