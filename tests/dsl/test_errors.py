@@ -247,6 +247,8 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "    y = g\n  }\n  p = p - lr * transpose(y)\n}\n",
      "'y' is a columns x rows matrix in one branch of this if and one value per element "
      "(the rows x columns matrix view) in the other", 2, 3),
+    ("optimizer o(lr = 1e-3, k: int = 5) {\n  p = p - lr * k * g\n}\n",
+     "unexpected 'int': a hyperparameter's type is float or bool (k: float = 2)", 1, 27),
     # another language's operator or function says how Vega writes it
     ("optimizer o(k = 2.0) {\n  p = where(t % k == 0, p, p - g)\n}\n",
      "unexpected character '%': Vega has no remainder operator: t mod k is "

@@ -27,6 +27,10 @@ PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
         "optimizer o(lr, b = 1) { p = p }",
         "optimizer o(lr = ) { p = p }",
     ],
+    "a hyperparameter's type is float or bool (k: float = 2)": [
+        "optimizer o(k: int = 5) { p = p }",
+        "optimizer o(lr = 1, k: int = 5) { p = p }",
+    ],
     "hyperparameters are separated by commas": [
         "optimizer o(lr = 1 b = 2) { p = p }",
     ],
