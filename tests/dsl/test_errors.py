@@ -255,6 +255,10 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "t - k * floor(t / k)", 2, 15),
     ("optimizer o() {\n  p = where(g > 0 && p > 0, p, g)\n}\n",
      "unexpected character '&': Vega writes 'and'", 2, 19),
+    ("optimizer o() {\n  p = p - g / min(abs(g))\n}\n",
+     "min() takes 2 arguments, got 1; the smallest value of a tensor is -max(-x)", 2, 15),
+    ("optimizer o() {\n  p = p - g / row_min(abs(g))\n}\n",
+     "unknown function 'row_min'; the smallest value of each row is -row_max(-x)", 2, 15),
     ("optimizer o(k = 2.0) {\n  p = p - g * mod(t, k)\n}\n",
      "unknown function 'mod'; t mod k is t - k * floor(t / k)", 2, 15),
 ]

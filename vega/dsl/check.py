@@ -67,6 +67,9 @@ WRITTEN_OTHERWISE = {
     "maximum": "the larger of two values is max(a, b)",
     "minimum": "the smaller of two values is min(a, b)",
     "clip": "clamp(x, lo, hi) clips", "ceil": "the integer above x is -floor(-x)",
+    "row_min": "the smallest value of each row is -row_max(-x)",
+    "col_min": "the smallest value of each column is -col_max(-x)",
+    "global_min": "the smallest value over the group is -global_max(-x)",
     "numel": "the mean of x is mean(x), and sum(where(p == p, 1, 1)) counts p's values",
 }
 # shape queries, known per tensor: allowed only in the condition of an if
@@ -534,8 +537,10 @@ class _Walker:
         if len(e.args) not in arities:
             counts = " or ".join(str(n) for n in sorted(arities))
             plural = "" if counts == "1" else "s"
-            raise SpecError(f"{e.fn}() takes {counts} argument{plural}, got {len(e.args)}",
-                            e.span)
+            hint = ("; the smallest value of a tensor is -max(-x)"
+                    if e.fn == "min" and len(e.args) == 1 else "")
+            raise SpecError(f"{e.fn}() takes {counts} argument{plural}, got {len(e.args)}"
+                            f"{hint}", e.span)
         if e.fn == "size":
             return _size(e)
         args = [self.expr(a, env) for a in e.args]
