@@ -117,6 +117,22 @@ def test_a_state_kept_nonnegative_takes_the_unsigned_map(name, want):
     assert q.state_names[-len(want):] == tuple(n + "_absmax" for n in want)
 
 
+def test_a_bias_corrected_step_size_is_known_nonnegative():
+    """1 - b2 ^ t, with b2 in [0, 1), is not negative: AdaMod's average of step sizes takes
+    the unsigned map (where the signed map's smallest value, 6e-5 of its block's largest,
+    zeroed the small step sizes beside a large one, and those values stopped moving); a
+    power whose base may exceed 1, or a constant below 1, proves nothing."""
+    rule = ("optimizer o(lr = 1e-3 in [0, inf), b1 = 0.9 {}, b3 = 0.9 in [0, 1)) {{\n"
+            "  state v = zeros\n  state s = zeros\n  v = 0.999 * v + 0.001 * g * g\n"
+            "  s = b3 * s + (1 - b3) * lr / ({} - b1 ^ t) / (sqrt(v) + 1e-8)\n"
+            "  p = p - min(s, lr) * g\n}}\n")
+    for rng, c, signed in (("in [0, 1)", "1", False), ("", "1", True),
+                           ("in [0, 2]", "1", True), ("in [0, 1)", "0.5", True)):
+        program = vega.compile(rule.format(rng, c)).program()
+        q = quant.variant(program, frozenset({"s"}))
+        assert q.quant["s"][1] is signed, (rng, c)
+
+
 # -- the step --------------------------------------------------------------------------------
 
 def adamw_8bit_written_out(params, grads_at, steps, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8,

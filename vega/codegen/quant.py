@@ -148,9 +148,12 @@ def nonnegative(program: Program, name: str) -> bool:
             out = any(nn(s) for s in src)
         elif op is Op.WHERE:
             out = nn(src[1]) and nn(src[2])
-        elif op is Op.SUB:  # c - h with h at most c: 1 - b2
-            a, b = src
-            out = a.op is Op.CONST and b.op is Op.HYPER and hi(b.arg) <= a.arg
+        elif op is Op.SUB:  # c - h with h at most c: 1 - b2; c - h ^ x, h in [0, 1], c >= 1
+            a, b = src    # and x >= 0: a bias correction 1 - b2 ^ t
+            out = a.op is Op.CONST and (
+                (b.op is Op.HYPER and hi(b.arg) <= a.arg)
+                or (b.op is Op.POW and b.src[0].op is Op.HYPER and a.arg >= 1
+                    and lo(b.src[0].arg) >= 0 and hi(b.src[0].arg) <= 1 and nn(b.src[1])))
         elif op is Op.POW:
             out = nn(src[0])
         elif op in (Op.SUM, Op.MEAN, Op.ROUND, Op.FLOOR, Op.WIDEN, Op.BF16):
