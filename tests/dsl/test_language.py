@@ -370,3 +370,22 @@ def test_the_pages_cautious_adamw_is_the_papers_rule(backend):
             w.mul_(1 - 0.05 * 0.1).sub_(0.05 * u)
     for got, w in zip(params, want):
         torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
+
+
+def test_a_state_never_assigned_reads_what_the_caller_wrote():
+    """docs/language.md: a state taken from p and never assigned carries values the caller
+    computes (Sophia's Hessian estimate), written into the functional state or a class's."""
+    spec = vega.compile("optimizer o(lr = 0.5) {\n  state h = 0 * p\n"
+                        "  p = p - lr * g / (h + 1)\n}\n")
+    p = torch.ones(3, dtype=torch.float64)
+    state = spec.init([p])
+    state["h"] = [torch.full((3,), 3.0, dtype=torch.float64)]
+    new, state = spec.step([p], [torch.ones(3, dtype=torch.float64)], state)
+    assert torch.equal(new[0], torch.full((3,), 0.875, dtype=torch.float64))
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt = spec.optimizer([w])
+    for _ in range(2):  # the class makes the state (h = 0) in its first step
+        w.grad = torch.ones(3, dtype=torch.float64)
+        opt.step()
+        opt.state[w]["h"].fill_(1.0)
+    assert torch.equal(w.detach(), torch.full((3,), 0.25, dtype=torch.float64))
