@@ -255,6 +255,10 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "t - k * floor(t / k)", 2, 15),
     ("optimizer o() {\n  p = where(g > 0 && p > 0, p, g)\n}\n",
      "unexpected character '&': Vega writes 'and'", 2, 19),
+    # a bool kept as a state (SWATS's switch) says how to keep a flag
+    ("optimizer o() {\n  state on: scalar = zeros\n  on = norm(g) > 1\n  p = p - g\n}\n",
+     "state 'on' must be a number, but this value is a bool; keep a flag as a number, "
+     "where(cond, 1, 0), and test it with flag > 0", 3, 8),
     ("optimizer o() {\n  p = p - g / min(abs(g))\n}\n",
      "min() takes 2 arguments, got 1; the smallest value of a tensor is -max(-x)", 2, 15),
     ("optimizer o() {\n  p = p - g / row_min(abs(g))\n}\n",

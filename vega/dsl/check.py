@@ -366,8 +366,9 @@ class _Walker:
             if (s.name == "p" or (old is not None and old.role == "state")) \
                     and value.dtype != "float":
                 what = "the parameter p" if s.name == "p" else f"state '{s.name}'"
-                raise SpecError(f"{what} must be a number, but this value is a bool",
-                                s.value.span)
+                raise SpecError(f"{what} must be a number, but this value is a bool; keep "
+                                "a flag as a number, where(cond, 1, 0), and test it with "
+                                "flag > 0", s.value.span)
             if old is not None and old.role == "state" and value.kind == Kind.ELEMENT:
                 # against the declared shape, not the value the state holds by now (a
                 # state like p may hold a per-row value, and take a per-element one again)
