@@ -389,3 +389,12 @@ def test_a_state_never_assigned_reads_what_the_caller_wrote():
         opt.step()
         opt.state[w]["h"].fill_(1.0)
     assert torch.equal(w.detach(), torch.full((3,), 0.25, dtype=torch.float64))
+    # written before the first step: an error that says when to write it
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    w.grad = torch.ones(3, dtype=torch.float64)
+    opt = spec.optimizer([w])
+    opt.state[w]["h"] = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"has \['h'\] and no step count: it was written in "
+                       r"before the first step made the state \(\['h', 'step'\]\); write "
+                       r"into it after the first step"):
+        opt.step()

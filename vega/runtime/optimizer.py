@@ -662,6 +662,12 @@ class SpecOptimizer(torch.optim.Optimizer):
                         "the state of the optimizer it wraps) is not converted; load it into "
                         f"a vega.optim.{owner} with load_state_dict, which converts torch's "
                         "states, and save that optimizer's state_dict")
+                if "step" not in st:  # (no step made it: written in by hand)
+                    raise ValueError(
+                        f"{owner}: the state of {self._name(p)} has {sorted(st)} and no "
+                        "step count: it was written in before the first step made the state "
+                        f"({sorted(want)}); write into it after the first step, or into the "
+                        "state of a functional init")
                 raise ValueError(
                     f"{owner}: a parameter's state has {sorted(st)} but the "
                     f"group's settings need {sorted(want)}; was a bool hyperparameter"
