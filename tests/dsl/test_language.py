@@ -346,7 +346,7 @@ def _page_spec(heading):
 
 
 @pytest.mark.parametrize("backend", ["reference", "c", "triton"])
-def test_the_pages_cautious_adamw_is_the_papers_rule(backend):
+def test_the_pages_cautious_adamw_matches_its_rule(backend):
     """docs/language.md's worked example against a float64 transcription of Cautious
     AdamW: AdamW's update, zero where its sign is not the gradient's, over the mask's mean."""
     spec = vega.compile(_page_spec("## Example: Cautious AdamW"), "language.md")
