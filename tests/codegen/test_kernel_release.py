@@ -99,3 +99,16 @@ def test_a_spec_compiled_again_loads_its_library_once(monkeypatch):
         assert params[0].tolist() == [-0.75] * 3
         gc.collect()
     assert len(loads) <= 1, f"{len(loads)} loads of one spec's library"
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no triton")
+def test_a_spec_compiled_again_runs_the_triton_module_already_loaded():
+    """The Triton kernels of a spec compiled again are the jit functions already made for
+    its source: new ones would compile and load their kernels again, and Triton never
+    unloads a loaded CUDA module."""
+    text = "optimizer trial_gpu(lr = 0.25) { p = p - lr * g * 5 }"
+    dtypes = ("float32",) * 3
+    first = codegen.kernel("triton", vega.compile(text).program()).module(dtypes)
+    gc.collect()
+    again = codegen.kernel("triton", vega.compile(text).program()).module(dtypes)
+    assert again is first

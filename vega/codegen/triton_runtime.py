@@ -27,6 +27,7 @@ a device value on the host:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import linecache
 import math
 import operator
@@ -141,15 +142,27 @@ def update_block(dtypes, kern) -> int:
     return min(block, 32 * WARPS_GPU * NARROW_ELEMENTS // ways)
 
 
+# (name, hash of the source, interpreted) -> the namespace executed from that source, for
+# every kernel of the same source: executed again, it would make new jit functions, each
+# compiling and loading its kernels anew (and Triton never unloads a loaded CUDA module)
+_MODULES: dict[tuple[str, str, bool], dict] = {}
+
+
 def load_module(text: str, name: str) -> dict:
-    """Execute generated source as a module; its text is kept in ``linecache`` (where
+    """Execute generated source as a module, once a process for each source (its
+    namespace is read, never written); its text is kept in ``linecache`` (where
     ``@triton.jit`` and tracebacks read it)."""
     import triton  # noqa: F401  (a clear ImportError here, not inside exec)
 
+    key = (name, hashlib.sha256(text.encode()).hexdigest(), interpreting())
+    found = _MODULES.get(key)
+    if found is not None:
+        return found
     filename = f"<vega triton {name}>"
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     namespace = {"__name__": f"vega_triton_{name.replace('-', '_')}"}
     exec(compile(text, filename, "exec"), namespace)
+    _MODULES[key] = namespace
     return namespace
 
 
