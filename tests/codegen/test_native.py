@@ -3,7 +3,9 @@ rebuilt, a failure remembered, off with VEGA_NATIVE=0), in the background, and l
 per process."""
 import errno
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -427,3 +429,33 @@ def test_fit_says_yes_only_to_states_a_kernel_takes():
     ]
     for dom, want, states, answer in cases:
         assert tensors.fit(params, states, dom, want) is answer, (dom, want, states)
+
+
+def test_a_forked_child_waits_for_the_build_its_parent_started(fresh):
+    """A child made by fork while its parent's build runs (a DataLoader's worker) cannot wait
+    for that build, not its own child: it waits for it by its lock and library, as for
+    another process's, rather than take it as failed and step without the operator."""
+    target = fresh / "vega_native_test.so"
+    native._lock(target).touch()  # (a build under way)
+    builder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    log = tempfile.TemporaryFile()
+    native._state.update(pending=(target, builder, log), next_poll=0.0)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            native._poll(False)
+            os.write(w, repr((native._state["failed"],
+                              native._state["pending"] is not None)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        seen = os.read(r, 4096).decode()
+        os.waitpid(pid, 0)
+    finally:
+        builder.kill()
+        builder.wait()
+        log.close()
+        os.close(r)
+    assert seen == "(None, True)", seen

@@ -258,6 +258,21 @@ def _spawn(target: Path) -> None:
         _state["pending"], _state["failed"] = None, f"its build could not start: {e}"
 
 
+def _forked() -> None:
+    """In a child made by ``os.fork`` (a DataLoader's worker, a pool's process) while its
+    parent's build runs: that build is not this process's child, so its exit status cannot
+    be waited for (``poll`` would say 0 at once, and the build would be taken as failed);
+    the child waits for it as for another process's, by its lock and its library."""
+    pending = _state["pending"]
+    if pending is not None and pending[1] is not None:
+        _state["pending"] = (pending[0], None, None)
+        if pending[2] is not None:
+            pending[2].close()  # (this process's copy of the log's descriptor)
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _poll(wait: bool) -> None:
     """Load the library if its build has finished (at most twice a second unless waiting)."""
     now = time.monotonic()
