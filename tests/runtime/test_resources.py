@@ -68,3 +68,30 @@ def test_state_dicts_removed_from_an_optimizer_are_freed(backend, how):
         p.grad = torch.ones_like(p)
     opt.step()
     assert all(int(opt.state[p]["step"]) == 1 for p in params)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, MemoryError, RuntimeError])
+def test_a_first_step_interrupted_before_it_writes_leaves_no_state(error):
+    """A first step stopped before it writes (a ^C in a schedule, memory running out while
+    a later group's state is made) keeps none of the states it made for the earlier groups,
+    as a refused step does; the step tried again is the first."""
+    params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))]
+    calls = []
+
+    def lr(count):
+        calls.append(count)
+        if len(calls) == 1:
+            raise error("stopped")
+        return 0.5
+
+    opt = vega.optim.SGD([{"params": params[:1]}, {"params": params[1:], "lr": lr}], lr=0.5,
+                         backend="reference")
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(error):
+        opt.step()
+    assert len(opt.state) == 0
+    assert [p.tolist() for p in params] == [[1.0] * 4, [1.0] * 3]
+    opt.step()
+    assert [p.tolist() for p in params] == [[0.5] * 4, [0.5] * 3]
+    assert [int(opt.state[p]["step"]) for p in params] == [1, 1]

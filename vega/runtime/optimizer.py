@@ -348,7 +348,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 elif is_plain:
                     plain.add(len(found_work))
                 found_work.append((group, found))
-        except (TypeError, ValueError):
+        except BaseException:  # (refused, or interrupted: nothing written yet)
             self._refused()
             raise
         sync.keep(self.param_groups)
@@ -402,7 +402,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             check = self.skip_nonfinite or self.loss_scale is not None
             pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work], None,
                                  self.max_grad_norm, check, loss_scale=self.loss_scale)
-        except (TypeError, ValueError):
+        except BaseException:  # (refused, or interrupted: nothing written yet)
             self._refused()
             raise
         # the last step's kernels adjust the loss scale themselves where they can (Triton:
