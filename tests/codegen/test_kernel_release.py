@@ -112,3 +112,10 @@ def test_a_spec_compiled_again_runs_the_triton_module_already_loaded():
     gc.collect()
     again = codegen.kernel("triton", vega.compile(text).program()).module(dtypes)
     assert again is first
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no triton")
+def test_a_search_over_many_specs_keeps_a_bounded_number_of_triton_modules():
+    for n in range(triton_runtime._MODULES_KEPT + 10):
+        codegen.kernel("triton", spec(2000 + n).program()).module(("float32",) * 3)
+    assert len(triton_runtime._MODULES) <= triton_runtime._MODULES_KEPT

@@ -144,12 +144,15 @@ def update_block(dtypes, kern) -> int:
 
 # (name, hash of the source, interpreted) -> the namespace executed from that source, for
 # every kernel of the same source: executed again, it would make new jit functions, each
-# compiling and loading its kernels anew (and Triton never unloads a loaded CUDA module)
-_MODULES: dict[tuple[str, str, bool], dict] = {}
+# compiling and loading its kernels anew (and Triton never unloads a loaded CUDA module).
+# The most recently used _MODULES_KEPT (a search over many specs keeps not every one's
+# compiled kernels; a kernel keeps its own namespaces)
+_MODULES: OrderedDict = OrderedDict()
+_MODULES_KEPT = 64
 
 
 def load_module(text: str, name: str) -> dict:
-    """Execute generated source as a module, once a process for each source (its
+    """Execute generated source as a module, once per process for each source (its
     namespace is read, never written); its text is kept in ``linecache`` (where
     ``@triton.jit`` and tracebacks read it)."""
     import triton  # noqa: F401  (a clear ImportError here, not inside exec)
@@ -157,12 +160,16 @@ def load_module(text: str, name: str) -> dict:
     key = (name, hashlib.sha256(text.encode()).hexdigest(), interpreting())
     found = _MODULES.get(key)
     if found is not None:
+        with contextlib.suppress(KeyError):  # (another thread may have let it go just now)
+            _MODULES.move_to_end(key)
         return found
     filename = f"<vega triton {name}>"
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     namespace = {"__name__": f"vega_triton_{name.replace('-', '_')}"}
     exec(compile(text, filename, "exec"), namespace)
     _MODULES[key] = namespace
+    while len(_MODULES) > _MODULES_KEPT:
+        _MODULES.popitem(last=False)
     return namespace
 
 
