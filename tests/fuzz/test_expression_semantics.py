@@ -158,3 +158,18 @@ def test_a_number_over_a_value_is_one_division(backend, dtype):
     for name, number in (("a", 3.0), ("b", 0.0), ("c", 0.1)):
         assert_same(got[name]["x"], torch.full_like(g, number) / g, f"{number} / g")
     assert torch.equal(got_p["x"], torch.full_like(g, 3.0 / 0.9))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_division_by_a_value_of_the_step_is_within_two_units(backend):
+    """``g / (h * t)``: one division on the reference and Triton; the C kernels multiply by
+    the divisor's reciprocal, within two units in the last place (docs/language.md)."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(3000, generator=gen)
+    got_p, _ = step("optimizer f(h = 0.9) { p = g / (h * t) }", backend, g.clone(), g)
+    want = g / torch.full_like(g, 0.9)
+    if backend == "c":
+        ulp = torch.abs(want.double() - torch.nextafter(want, torch.full_like(want, math.inf)))
+        assert ((got_p["x"].double() - want.double()).abs() <= 2 * ulp).all()
+    else:
+        assert_same(got_p["x"], want, f"g / h on {backend}")
