@@ -158,7 +158,8 @@ class Schedule:
         Python path's), among which are the smallest and the largest value the schedule
         takes at those steps; None where it cannot tell (a subclass of its own, a ``join``
         with a callable that is not a schedule of this module). Every value listed is one
-        the schedule takes. (``cosine_decay_restarts``: the first and last steps of its
+        the schedule takes. (``cosine_decay_restarts``: the first and last steps of each
+        cycle where ``t_mul`` is above 1 and the cycles are at most 1024; else of its
         first two and last two cycles, where its extremes lie unless ``t_mul`` and
         ``m_mul`` are both above 1.) A step reads a schedule's values on the device only, so
         a hyperparameter's range is checked here, on the host, when a schedule is given for
@@ -359,6 +360,7 @@ class WarmupCosineDecay(Schedule):
 
 
 _FAR = 2.0 ** 100  # past any step a counter or a Python int of 64 bits holds
+_CYCLES_LISTED = 1024  # (``_turns``: the most cycles listed one by one)
 
 
 class CosineDecayRestarts(Schedule):
@@ -391,14 +393,19 @@ class CosineDecayRestarts(Schedule):
         return ops.where(s - whole <= tol, ops.where(whole - s <= tol, whole, s), s)
 
     def _turns(self, first, last):
-        # A cycle's extremes are at its first and last steps; the amplitude changes
-        # monotonically from cycle to cycle, and the value at a cycle's last step with its
-        # length: the extremes are in the first two cycles of the interval and the last two
-        # (but where the amplitude and the length both grow), found from the closed form's
-        # cycle of a step, not counted one by one.
+        # A cycle's extremes are at its first and last steps. With t_mul > 1 (at most
+        # _CYCLES_LISTED cycles in the interval, as for any t_mul not within a hair of 1),
+        # those of every cycle: a cycle's last step falls short of its end by a fraction
+        # that changes from cycle to cycle (t_mul=1.5), and so does the value there, not
+        # monotonically. Else the cycles are whole steps long, their amplitude changes
+        # monotonically, and the value at a cycle's last step with its length: the extremes
+        # are in the first two cycles of the interval and the last two (but where the
+        # amplitude and the length both grow). Cycles found from the closed form's cycle of
+        # a step, not counted one by one.
         ca, cb = (int(self._cycle(k, _HOST)) for k in (first, last))
         steps = [first, last]
-        for c in {ca, ca + 1, cb - 1, cb}:
+        every = self.t_mul != 1 and cb - ca <= _CYCLES_LISTED
+        for c in range(ca, cb + 1) if every else {ca, ca + 1, cb - 1, cb}:
             if c >= 0:
                 start, end = (self._start(float(x), _HOST) for x in (c, c + 1))
                 steps += [math.ceil(start), math.ceil(end) - 1]

@@ -403,6 +403,10 @@ def test_join_past_an_int32_step_and_the_steps_its_segments_see():
     schedule.one_cycle(1.0, 90, pct_start=0.4), schedule.piecewise_constant([3, 40], [1, -2, 0.5]),
     schedule.cosine_decay_restarts(1.0, 7, t_mul=1.5, m_mul=0.7, alpha=-0.1),
     schedule.cosine_decay_restarts(-1.0, 9, m_mul=1.2, alpha=0.3),
+    # (cycles of 4, 5.2, 6.76, ... steps: the last step of each falls short of its end by
+    # another fraction, so the smallest value is in none of the first or last two)
+    schedule.cosine_decay_restarts(1.2, 4, t_mul=1.3, m_mul=0.9),
+    schedule.cosine_decay_restarts(1.0, 3, t_mul=1.7, m_mul=1.1),
     schedule.join([(13, schedule.linear(0.0, 1.0, 13)), (20, -0.5),
                    (30, schedule.cosine_decay_restarts(2.0, 6, t_mul=2.0))]),
 ], ids=repr)
