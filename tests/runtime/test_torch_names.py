@@ -186,7 +186,6 @@ def test_a_b1_changed_before_saving_is_saved():
     assert torch.equal(w, w2) and torch.equal(w, copied.param_groups[0]["params"][0])
 
 
-
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 @pytest.mark.parametrize("key, value", [("b1", 0.5), ("betas", (0.5, 0.999))])
 def test_a_b1_or_betas_changed_on_a_copy_before_its_first_step_is_taken(how, key, value):
@@ -206,6 +205,7 @@ def test_a_b1_or_betas_changed_on_a_copy_before_its_first_step_is_taken(how, key
         o.step()
         assert o.param_groups[0]["b1"] == o.param_groups[0]["betas"][0] == 0.5
     assert torch.equal(twin.param_groups[0]["params"][0], w)
+
 
 # -- maximize and dampening ---------------------------------------------------------------
 
