@@ -42,7 +42,7 @@ def _stepped_states(backend: str):
     return params, opt, [weakref.ref(t) for p in params for t in opt.state[p].values()]
 
 
-@pytest.mark.parametrize("how", ["clear", "del", "pop", "popitem", "replace"])
+@pytest.mark.parametrize("how", ["clear", "del", "pop", "popitem", "replace", "update", "ior"])
 @pytest.mark.parametrize("backend", ["reference", "c"])
 def test_state_dicts_removed_from_an_optimizer_are_freed(backend, how):
     """A state dict removed from ``opt.state`` (to free its memory, or to reset a parameter)
@@ -62,6 +62,10 @@ def test_state_dicts_removed_from_an_optimizer_are_freed(backend, how):
             opt.state.popitem()
         elif how == "replace":
             opt.state[p] = {}
+        elif how == "update":
+            opt.state.update({p: {}})
+        elif how == "ior":
+            opt.state |= {p: {}}
     gc.collect()
     assert [r() for r in refs if r() is not None] == []
     for p in params:  # and the next step starts them again

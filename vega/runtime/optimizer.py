@@ -77,7 +77,7 @@ class _States(collections.defaultdict):
         super().__delitem__(key)
 
     def __ior__(self, other):
-        self._changed()
+        self._removed()  # (as update: it may replace state dicts)
         return super().__ior__(other)
 
     def clear(self):
@@ -97,7 +97,7 @@ class _States(collections.defaultdict):
         return super().setdefault(*args)
 
     def update(self, *args, **kwargs):
-        self._changed()
+        self._removed()  # (it may replace state dicts, as __setitem__ does)
         super().update(*args, **kwargs)
 
 
