@@ -122,11 +122,12 @@ def make_pre(device, inv_scale=None, max_norm=None, check=False) -> torch.Tensor
     # step makes its record afresh anyway)
     if (inv_scale is None and not torch.compiler.is_compiling()
             and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
-        if key not in _BLANK:
+        blank = _BLANK.get(key)  # (one lookup: another thread may clear it in between)
+        if blank is None:
             if len(_BLANK) >= _BLANK_KEPT:
                 _BLANK.clear()
-            _BLANK[key] = _new_pre(device, None, max_norm, check)
-        return _BLANK[key].clone()
+            blank = _BLANK[key] = _new_pre(device, None, max_norm, check)
+        return blank.clone()
     return _new_pre(device, inv_scale, max_norm, check)
 
 
