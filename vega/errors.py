@@ -4,6 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def shown(value) -> str:
+    """``repr(value)`` for a message, cut short where long (an int of 400 digits)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
+
+
 class VegaError(Exception):
     """The root of every error Vega raises on purpose."""
 

@@ -35,6 +35,8 @@ import numbers
 
 import torch
 
+from vega.errors import shown
+
 __all__ = [
     "Schedule", "constant", "linear", "cosine_decay", "exponential_decay", "polynomial_decay",
     "warmup_cosine", "warmup_cosine_decay", "cosine_decay_restarts", "one_cycle",
@@ -215,18 +217,13 @@ class Schedule:
 
 # -- argument checks --------------------------------------------------------------------
 
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
-
-
 def _real(who: str, name: str, value) -> float:
     try:  # (an int past the float range, 10**400, is no float: OverflowError)
         x = float(value) if isinstance(value, numbers.Real) else math.nan
     except OverflowError:
         x = math.inf
     if isinstance(value, bool) or not math.isfinite(x):
-        raise ValueError(f"{who}: {name}={_shown(value)} must be a finite real number")
+        raise ValueError(f"{who}: {name}={shown(value)} must be a finite real number")
     return x
 
 

@@ -22,19 +22,15 @@ from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
 from vega.codegen.tensors import (any_complex, first_with_own_ops, fit, like, on_one_device,
                                   same, uniform)
+from vega.errors import shown
 from vega.schedule import Schedule
 from vega.dsl.ir import SCALAR_STATE, HyperParam, Program
 from vega.tracing import untraced
 
+
 def _suggest(name, names) -> str:
     close = difflib.get_close_matches(name, names, n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def shown(value) -> str:
-    """``repr(value)`` for a message, cut short where long (an int of 400 digits)."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
 
 
 HALF = (torch.bfloat16, torch.float16)
