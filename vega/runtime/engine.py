@@ -213,7 +213,8 @@ def check_reach(owner: str, name: str, r, sched: Schedule) -> None:
                 inside, k = (mid, k) if within(sched(mid)) else (inside, mid)
             v = sched(k)
         raise ValueError(f"{owner}: {name}={shown(sched)} is {v!r} at step {k}, outside "
-                         f"{name}'s range {r}")
+                         f"{name}'s range {r}; give a schedule that stays within it at every "
+                         "count a step counter holds (to 2**31 - 1)")
     if hasattr(sched, "__dict__"):
         sched.__dict__[REACH] = (key, reach, r)
 
