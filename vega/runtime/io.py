@@ -186,7 +186,8 @@ def _checksums(f, where: str) -> dict | None:
     except (json.JSONDecodeError, TypeError):
         out = None
     if not isinstance(out, dict) or not all(type(v) is int for v in out.values()):
-        raise ValueError(f"vega.load: {where} has corrupt {CRC!r} metadata")
+        raise ValueError(f"vega.load: {where} has corrupt {CRC!r} metadata (each leaf's "
+                         "CRC-32, in a JSON object): load an intact copy of the file")
     return out
 
 
@@ -320,7 +321,7 @@ def _read(f, where, named, leaves) -> list:
         if checksums is not None and checksums.get(name) != _crc(got):
             raise ValueError(f"vega.load: leaf {name!r} in {where} does not hold the bytes "
                              "vega.save wrote (their CRC-32, recorded in the file, differs): "
-                             "the file is corrupt")
+                             "the file is corrupt: load an intact copy of it")
         is_complex = name in complex_names
         if is_complex and (got.dim() == 0 or got.shape[-1] != 2 or not got.is_floating_point()):
             raise ValueError(f"vega.load: leaf {name!r} in {where} is marked complex but is "
