@@ -176,6 +176,15 @@ class Schedule:
         that interval are dropped); None where unknown."""
         return None
 
+    def _first_outside(self, within, inside: int, out: int) -> int:
+        """The first step after ``inside`` and up to ``out``, two consecutive steps ``reach``
+        lists, whose value is not ``within`` (a predicate true at ``inside``, false at
+        ``out``): found by halves, the schedule being monotonic between the two."""
+        while out - inside > 1:
+            mid = (inside + out) // 2
+            inside, out = (mid, out) if within(self(mid)) else (inside, mid)
+        return out
+
     def _ends(self, first: int, last: int):
         """``_turns`` of a monotonic schedule: the two ends."""
         return (first, last)
@@ -408,6 +417,26 @@ class CosineDecayRestarts(Schedule):
                 steps += [math.ceil(start), math.ceil(end) - 1]
         return steps
 
+    def _first_outside(self, within, inside: int, out: int) -> int:
+        # Cycles of one length (t_mul = 1) between the two and unlisted: a step's value
+        # moves monotonically from cycle to cycle at a given place in the cycle, so once a
+        # cycle has a step outside (one of its two ends: a cycle is monotonic), every later
+        # one has. The first such cycle found by halves over cycles, then its step.
+        d = self.decay_steps
+        lo, hi = inside // d, out // d
+        if self.t_mul != 1 or hi - lo < 2:
+            return super()._first_outside(within, inside, out)
+
+        def clear(c: int) -> bool:
+            return within(self(c * d)) and within(self(c * d + d - 1))
+        while hi - lo > 1:  # (cycle lo holds inside, within, and its ends are listed)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if clear(mid) else (lo, mid)
+        start = hi * d
+        if not within(self(start)):
+            return start
+        return super()._first_outside(within, start, min(start + d - 1, out))
+
     def _cycle(self, k, ops):
         """The cycle that step ``k`` is in."""
         d, t = self.decay_steps, self.t_mul
@@ -540,6 +569,15 @@ class Join(Schedule):
                 return None
             out += [(k + off, v) for k, v in mine]
         return out
+
+    def _first_outside(self, within, inside: int, out: int) -> int:
+        # (both in the segment of ``out``: ``reach`` lists each segment's first step)
+        offsets = self._offsets()
+        i = max(j for j, off in enumerate(offsets) if off <= out)
+        off, s = offsets[i], self.segments[i][1]
+        if inside < off:  # (the segment's first step, listed, is the one)
+            return out
+        return off + s._first_outside(within, inside - off, out - off)
 
     def _offsets(self) -> list[int]:
         out, total = [], 0

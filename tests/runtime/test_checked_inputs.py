@@ -432,6 +432,12 @@ OUT_OF_RANGE = {
                           r"-1\.0 at step 4"),
     "a restart's floor": (lambda: vega.schedule.cosine_decay_restarts(1.0, 10, alpha=-0.5),
                           "lr", r"-0\.19\d+ at step 7"),
+    # (cycles that grow past the range: the first cycle outside, of many unlisted by reach)
+    "restarts growing": (lambda: vega.schedule.cosine_decay_restarts(0.5, 10, m_mul=1.1), "b1",
+                         r"1\.07\d+ at step 80"),
+    "a join's restarts": (lambda: vega.schedule.join([(7, 0.5), (9, vega.schedule.
+                          cosine_decay_restarts(0.5, 10, m_mul=1.1))]), "b1",
+                          r"1\.07\d+ at step 87"),
 }
 
 

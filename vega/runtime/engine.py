@@ -207,10 +207,8 @@ def check_reach(owner: str, name: str, r, sched: Schedule) -> None:
         if within(v):
             inside = k
             continue
-        if inside is not None:  # the first step outside, between the two (found by halves)
-            while k - inside > 1:
-                mid = (inside + k) // 2
-                inside, k = (mid, k) if within(sched(mid)) else (inside, mid)
+        if inside is not None:  # the first step outside, between the two
+            k = sched._first_outside(within, inside, k)
             v = sched(k)
         raise ValueError(f"{owner}: {name}={shown(sched)} is {v!r} at step {k}, outside "
                          f"{name}'s range {r}; give a schedule that stays within it at every "
