@@ -411,6 +411,44 @@ def test_master_copies_follow_parameters_made_half_and_parameters_set_by_hand(ba
     assert (opt.state[model.weight]["master"] < 5.0).all()
 
 
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
+def test_modes_with_master_weights_switch_float32_parameters_and_those_without_copies(
+        backend):
+    """Schedule-free's eval() and train() with ``master_weights=True`` over a bfloat16
+    weight and a float32 bias (which keeps no master copy), and a bfloat16 weight whose copy
+    its next step makes (``master_weights`` turned on after its first step): each switches
+    from its own value, as the same parameters without master weights; train() after
+    eval() gives the weight with a copy its rounded copy back."""
+    def make(master):
+        gen = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(8, 8, generator=gen).to(BF16)),
+              torch.nn.Parameter(torch.randn(8, generator=gen)),
+              torch.nn.Parameter(torch.randn(6, generator=gen).to(BF16))]
+        opt = vega.optim.ScheduleFreeAdamW([{"params": ps[:2], "master_weights": master},
+                                            {"params": ps[2:]}], backend=backend, lr=0.1)
+        for k in range(2):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            opt.step()
+        opt.param_groups[1]["master_weights"] = master  # (its copy made at its next step)
+        return ps, opt
+
+    ps, opt = make(True)
+    plain, plain_opt = make(False)
+    assert "master" in opt.state[ps[0]] and "master" not in opt.state[ps[1]]
+    assert "master" not in opt.state[ps[2]]
+    trained = [p.detach().clone() for p in ps]
+    opt.eval()
+    plain_opt.eval()
+    for p, q in zip(ps[1:], plain[1:]):
+        assert torch.equal(p, q)
+    opt.train()
+    plain_opt.train()
+    assert torch.equal(ps[0], trained[0])  # (from its copy, which never left mode train)
+    for p, q in zip(ps[1:], plain[1:]):
+        assert torch.equal(p, q)
+
+
 def test_bytes_with_master_weights():
     params = {"w": torch.randn(64, 32).to(BF16), "b": torch.randn(32).to(BF16)}
     state = vega.adamw_init(params, master_weights=True)

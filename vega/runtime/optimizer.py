@@ -851,10 +851,16 @@ class SpecOptimizer(torch.optim.Optimizer):
             progs = engine.programs(owner, self.spec._spec, flags, values, params,
                                     master=master, seed=seed,
                                     quantized=self._q8(group, params))
+            if master:  # (a half parameter without its copy yet, which its next step makes,
+                # switches from its own value; a float32 one has none: its program, no copy)
+                plain = engine.programs(owner, self.spec._spec, flags, values, params,
+                                        seed=seed, quantized=self._q8(group, params))
+                progs = [prog if engine.MASTER in self.state[p] else alone
+                         for prog, alone, p in zip(progs, plain, params)]
             for program, ids in engine.groups(progs):
                 ps = [params[i] for i in ids]
                 sts = [self.state[p] for p in ps]
-                if master and name == "train":  # the master copies never left mode train
+                if program.master and name == "train":  # the copies never left mode train
                     for p, st in zip(ps, sts):
                         p.copy_(st[engine.MASTER])
                     continue
