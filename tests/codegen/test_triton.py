@@ -684,3 +684,22 @@ def test_states_of_one_number_that_read_a_reduction_are_written_by_a_first_block
     assert float(tri[1]["s"]["e"]) == 0.125 and float(tri[1]["k"]["e"]) == 3.0
     assert all(float(x) == pytest.approx(0.1) for x in tri[1]["d"].values())
     assert launches.names[-2:] == ["vega_first_block_finish0", "vega_first_block_update"]
+
+
+def test_a_triton_state_loaded_on_the_cpu_says_where_the_backend_came_from(monkeypatch):
+    """A checkpoint made with backend='triton' brings its backend into the group that loads
+    it (torch's load_state_dict takes a saved group's settings): the refusal on CPU tensors
+    without the interpreter says so, and how to choose by the device."""
+    saved = vega.optim.AdamW([torch.nn.Parameter(torch.ones(8))], backend="triton")
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = vega.optim.AdamW([p], backend="c")
+    opt.load_state_dict(saved.state_dict())
+    p.grad = torch.ones(8)
+    monkeypatch.setattr(triton_runtime, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match=r"takes the backend of a state_dict it loads.*"
+                                         r"group\['backend'\] = None"):
+        opt.step()
+    assert torch.equal(p, torch.ones(8))
+    opt.param_groups[0]["backend"] = None
+    opt.step()
+    assert not torch.equal(p, torch.ones(8))

@@ -199,7 +199,9 @@ def check_device(device: torch.device) -> None:
     if device.type == "cpu" and not interpreting():
         raise ValueError("backend='triton' on CPU tensors runs in Triton's interpreter: set the "
                          "environment variable TRITON_INTERPRET=1 before triton is imported "
-                         "(or use backend='c' or 'reference')")
+                         "(or use backend='c' or 'reference'; an optimizer's group takes the "
+                         "backend of a state_dict it loads, as torch takes a saved group's "
+                         "settings: set group['backend'] = None to choose by the device)")
     if device.type == "cpu" and not library_interpreted():
         raise ValueError("TRITON_INTERPRET=1 was set after triton was imported (torch._dynamo "
                          "imports it), so triton.language is not interpreted: set it before "
