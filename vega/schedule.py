@@ -45,6 +45,9 @@ __all__ = [
 
 
 LAST_STEP = 2**31 - 1  # the last count a state's step counter holds (int32, saturating)
+# the attribute in which the runtime keeps a schedule's reach, checked against a range
+# (``engine.check_reach``; not pickled or copied with the schedule)
+KEPT_REACH = "_vega_reach"
 
 
 # -- the two ways of computing: Python doubles and device tensors ----------------------
@@ -208,7 +211,7 @@ class Schedule:
 
     def __getstate__(self):
         # (without what the runtime keeps on the object: ``reach``'s values, checked)
-        return {k: v for k, v in self.__dict__.items() if k != "_vega_reach"}
+        return {k: v for k, v in self.__dict__.items() if k != KEPT_REACH}
 
     def _no_arithmetic(self, *other):
         # A torch LR scheduler scales a group's lr (StepLR: lr * gamma; CosineAnnealingLR:

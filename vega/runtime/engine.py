@@ -23,7 +23,7 @@ from vega.codegen.steps import memo
 from vega.codegen.tensors import (any_complex, first_with_own_ops, fit, like, on_one_device,
                                   same, uniform)
 from vega.errors import shown
-from vega.schedule import Schedule
+from vega.schedule import KEPT_REACH, Schedule
 from vega.dsl.ir import SCALAR_STATE, HyperParam, Program
 from vega.tracing import untraced
 
@@ -183,9 +183,6 @@ def check_value(owner: str, h: HyperParam, value):
     return value
 
 
-REACH = "_vega_reach"  # (a schedule's attribute: its values and its reach, kept)
-
-
 def check_reach(owner: str, name: str, r, sched: Schedule) -> None:
     """ValueError where a ``vega.schedule`` schedule given for hyperparameter ``name`` takes,
     at a count the step counter holds, a value outside its range ``r`` (a
@@ -194,7 +191,7 @@ def check_reach(owner: str, name: str, r, sched: Schedule) -> None:
     schedule that overflows to infinity on a side where the range has no bound (an
     exponential growth of ``lr``) is taken: a step reaches it only past the float range."""
     key = sched._values()
-    kept = getattr(sched, "__dict__", {}).get(REACH)
+    kept = sched.__dict__.get(KEPT_REACH)
     if kept is not None and kept[2] is r and kept[0] == key:
         return  # (checked against this range last time)
     reach = kept[1] if kept is not None and kept[0] == key else sched.reach()
@@ -213,8 +210,7 @@ def check_reach(owner: str, name: str, r, sched: Schedule) -> None:
         raise ValueError(f"{owner}: {name}={shown(sched)} is {v!r} at step {k}, outside "
                          f"{name}'s range {r}; give a schedule that stays within it at every "
                          "count a step counter holds (to 2**31 - 1)")
-    if hasattr(sched, "__dict__"):
-        sched.__dict__[REACH] = (key, reach, r)
+    sched.__dict__[KEPT_REACH] = (key, reach, r)
 
 
 def check_precision(owner: str, master_weights, stochastic_rounding, rounding_seed):
