@@ -311,17 +311,16 @@ class TritonRenderer(Renderer):
         make one it cannot hold as a normal float32 number a float64: 1e39 or 1e-40)."""
         if node.dtype == "bool" or node.op is not Op.CONST:
             return text
-        if phase == "element" and self.ct == "tl.float32":
-            if not _F32_TINY <= abs(node.arg) <= _F32_MAX and math.isfinite(node.arg) \
-                    and node.arg != 0:
-                with np.errstate(over="ignore"):
-                    value = float(np.float32(node.arg))
-                if value == 0 or not _F32_TINY <= abs(value) < math.inf:  # (a subnormal)
-                    return self.const(value) if value == 0 or math.isinf(value) else \
-                        self.tensor(node, repr(value), phase)
-                return repr(value)
-            return text
-        return self.tensor(node, text, phase)
+        if phase != "element" or self.ct != "tl.float32":
+            return self.tensor(node, text, phase)
+        x = node.arg
+        if x == 0 or not math.isfinite(x) or _F32_TINY <= abs(x) <= _F32_MAX:
+            return text  # (Triton takes it as a float32 as it is)
+        with np.errstate(over="ignore"):
+            value = float(np.float32(x))
+        if value == 0 or math.isinf(value):
+            return self.const(value)
+        return repr(value) if abs(value) >= _F32_TINY else self.tensor(node, repr(value), phase)
 
     def tensor(self, node: Node, text: str, phase: str) -> str:
         """An operand as a Triton value: a literal becomes a 0-d tensor of the phase's type
@@ -332,8 +331,8 @@ class TritonRenderer(Renderer):
         return f"tl.full((), {text}, {'tl.float64' if phase == 'scalar' else self.ct})"
 
 
-_F32_TINY = 2.0 ** -126  # float32's smallest normal number, and its largest:
-_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = torch.finfo(torch.float32).tiny  # float32's smallest normal number
+_F32_MAX = reference._F32_MAX
 
 
 def _as_block(value: str, ct: str) -> str:
