@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from vega.dsl import ast
 from vega.dsl import ir
 from vega.dsl.ir import Kind, Node, Op
+from vega.dsl.parse_errors import MOD
 from vega.errors import Span, SpecError
 
 # name -> (allowed argument counts, op by argument count)
@@ -60,9 +61,8 @@ FUNCTIONS: dict[str, dict[int, Op]] = {
 GLOBAL_FUNCTIONS = {"global_sum": Op.SUM, "global_norm": Op.NORM, "global_max": Op.AMAX}
 # functions of other libraries that Vega writes another way: how (in place of a guess at
 # a close name, which for 'mod' would be 'sigmoid')
-_MOD = "t mod k is t - k * floor(t / k)"
 WRITTEN_OTHERWISE = {
-    "mod": _MOD, "fmod": _MOD, "remainder": _MOD,
+    "mod": MOD, "fmod": MOD, "remainder": MOD,
     "pow": "a power is a ^ b", "square": "a square is x * x",
     "maximum": "the larger of two values is max(a, b)",
     "minimum": "the smaller of two values is min(a, b)",
@@ -72,6 +72,13 @@ WRITTEN_OTHERWISE = {
     "global_min": "the smallest value over the group is -global_max(-x)",
     "numel": "the mean of x is mean(x), and sum(where(p == p, 1, 1)) counts p's values",
 }
+
+
+def _own_name(name: str) -> str:
+    """What to do where a name is a function's or a keyword's."""
+    return f"give it a name of its own ('{name}_' or a longer one)"
+
+
 # shape queries, known per tensor: allowed only in the condition of an if
 SHAPE_QUERIES = {"ndim": "its number of axes", "nrows": "the length of its row axis",
                  "ncols": "the length of its column axis"}
@@ -140,8 +147,7 @@ class _Walker:
                 else None)
             if reserved:
                 raise SpecError(f"'{h.name}' cannot name a hyperparameter: it is {reserved}; "
-                                f"give it a name of its own ('{h.name}_' or a longer one)",
-                                h.span)
+                                f"{_own_name(h.name)}", h.span)
             seen[h.name] = h.span
             if h.type == "bool" and not isinstance(h.default, bool):
                 raise SpecError(f"bool hyperparameter '{h.name}' needs a default of true or "
@@ -394,8 +400,8 @@ class _Walker:
     def _check_new_name(self, name, span, env, doing):
         reserved = self._reserved(name)
         if reserved:
-            raise SpecError(f"cannot {doing} '{name}': it is {reserved}; give it a name of "
-                            f"its own ('{name}_' or a longer one)", span)
+            raise SpecError(f"cannot {doing} '{name}': it is {reserved}; {_own_name(name)}",
+                            span)
         old = env.get(name)
         if old is not None:
             if old.role == "hyper":

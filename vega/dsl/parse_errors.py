@@ -7,6 +7,9 @@ its own label.
 """
 from __future__ import annotations
 
+# how Vega writes a remainder, which it has no operator or function for ('%', mod())
+MOD = "t mod k is t - k * floor(t / k)"
+
 # the labels of a block whose '{' is left out, by the keyword that starts it; the parser
 # puts them after its own words, at the block's head (``'if f' needs '{' after ...``)
 BLOCK_LABELS = {

@@ -9,7 +9,7 @@ import lark
 from lark import Lark, Token, Transformer, v_args
 
 from vega.dsl import ast
-from vega.dsl.parse_errors import BLOCK_LABELS, PARSE_ERROR_EXAMPLES
+from vega.dsl.parse_errors import BLOCK_LABELS, MOD, PARSE_ERROR_EXAMPLES
 from vega.errors import Span, SpecError, source_lines
 
 
@@ -203,7 +203,7 @@ _TOKEN_WORDS = {
 
 # characters of other languages' operators, and how Vega writes what they do
 CHARACTER_HINTS = {
-    "%": "Vega has no remainder operator: t mod k is t - k * floor(t / k)",
+    "%": f"Vega has no remainder operator: {MOD}",
     "&": "Vega writes 'and' ('a > 0 and b > 0')",
     "|": "Vega writes 'or' ('a > 0 or b > 0')",
     "!": "Vega writes 'not' ('not a > 0'; '!=' is 'not equal')",
