@@ -99,3 +99,27 @@ def test_a_first_step_interrupted_before_it_writes_leaves_no_state(error):
     opt.step()
     assert [p.tolist() for p in params] == [[0.5] * 4, [0.5] * 3]
     assert [int(opt.state[p]["step"]) for p in params] == [1, 1]
+
+
+def test_init_without_state_makes_no_copy_of_a_parameter():
+    """A program with no state (``p = p - lr * g``; SGD without momentum in vega.optim)
+    makes none at init, and no tensor the size of a parameter either: the float32 copy of
+    a bfloat16 parameter it made before was 8 GB for one of 2**31 values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Largest(TorchDispatchMode):
+        made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    Largest.made = max(Largest.made, t.numel())
+            return out
+
+    spec = vega.compile("optimizer plain(lr = 0.1) {\n    p = p - lr * g\n}\n")
+    params = {"w": torch.ones(100_000, dtype=torch.bfloat16), "b": torch.ones(7)}
+    with Largest():
+        state = spec.init(params)
+    assert list(state) == ["step"] and Largest.made < 100

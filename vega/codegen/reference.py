@@ -1148,6 +1148,8 @@ class Kernel:
         """Initial state tensors for a (real, floating) parameter (``geo``: its matrix view,
         where it is not its own shape's: a shard's); ``state_dtype``: one dtype for all, or
         a list, one per state."""
+        if not self._inits:  # (no state: no copy of p in the compute dtype, which for a
+            return []        # half parameter of 2**31 values was 8 GB made for nothing)
         cd = compute_dtype(p.dtype)
         pc = p.detach().to(cd)
         hv = self._hyper_args(values, cd, p.device)
