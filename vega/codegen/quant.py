@@ -257,12 +257,35 @@ def _per_value(scale: torch.Tensor, numel: int) -> torch.Tensor:
 
 def quantize_t(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes: uint8 shaped like ``x``, scales: float32 one per block) of float ``x``. A
-    DTensor's on each rank's shard (``scale_shape``)."""
+    DTensor's on each rank's shard (``scale_shape``). A tensor of more than QUANT_CHUNK
+    values is quantized that many at a time (whole blocks: the same codes and scales),
+    outside a compiled graph."""
     if is_dtensor(x):
         from torch.distributed.tensor import DTensor
         codes, scale = quantize_t(x.to_local(), signed)
         return (DTensor.from_local(codes, x.device_mesh, x.placements, run_check=False,
                                    shape=x.shape, stride=x.stride()), scales_of(scale, x))
+    n = x.numel()
+    if n <= QUANT_CHUNK or torch.compiler.is_compiling():
+        codes, scale = _quantize(x, signed)
+        return codes.reshape(x.shape), scale
+    flat = x.reshape(-1)
+    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(blocks(n), dtype=torch.float32, device=x.device)
+    for a in range(0, n, QUANT_CHUNK):
+        b = min(n, a + QUANT_CHUNK)
+        codes[a:b], scale[a // BLOCK:blocks(b)] = _quantize(flat[a:b], signed)
+    return codes.reshape(x.shape), scale
+
+
+# The values quantize_t takes at a time (a multiple of BLOCK): its temporaries, some ten
+# float32 tensors the size of its input, were 36 bytes a value for each 8-bit state at init
+# (72 GB for AdamW's two states of a parameter of 2**31 values; the states are 4 GB).
+QUANT_CHUNK = 2**22
+
+
+def _quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat codes, scales) of ``x`` (quantize_t's, at once)."""
     scale = absmax_t(x)
     flat = x.reshape(-1).to(torch.float32)
     inv = torch.where(scale > 0, torch.ones_like(scale) / scale, torch.zeros_like(scale))
@@ -274,7 +297,7 @@ def quantize_t(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tenso
     else:
         y = y.clamp(0.0, 1.0)
         c = torch.round(torch.sqrt(torch.sqrt(y)) * 255.0)
-    return c.to(torch.uint8).reshape(x.shape), scale
+    return c.to(torch.uint8), scale
 
 
 def dequantize_t(codes: torch.Tensor, scale: torch.Tensor, signed: bool,
