@@ -143,6 +143,39 @@ def test_a_long_tensor_is_quantized_a_chunk_at_a_time(signed, monkeypatch):
     assert Largest.made <= 4 * quant.BLOCK
 
 
+def test_init_quantizes_each_state_as_it_makes_it(monkeypatch):
+    """8-bit init makes one state's float32 values at a time and quantizes them (AdamW's
+    two were made before either was quantized, and each scale state's init made and copied
+    values like the parameter, then dropped): at most two float32 tensors the size of the
+    parameter are alive at once, its copy in float32 and one state's values (six before)."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    n = 8192
+
+    class Alive(TorchDispatchMode):
+        made, most = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.numel() == n and t.is_floating_point() \
+                        and t.untyped_storage().data_ptr() not in given:
+                    Alive.made.append(weakref.ref(t))
+            Alive.most = max(Alive.most, sum(r() is not None for r in Alive.made))
+            return out
+
+    monkeypatch.setattr(quant, "QUANT_CHUNK", 4 * quant.BLOCK, raising=False)
+    params = {"w": torch.ones(n, dtype=torch.bfloat16)}
+    with Alive():
+        state = vega.adamw_init(params, state_dtype=U8)
+    assert state["mu"]["w"].dtype == state["nu"]["w"].dtype == U8
+    assert Alive.most == 2
+
+
 @pytest.mark.parametrize("name, want", [
     ("adamw", {"mu": True, "nu": False}), ("rmsprop", {"nu": False}),
     ("adagrad", {"acc": False}), ("lion", {"m": True}), ("lamb", {"mu": True, "nu": False}),

@@ -1157,14 +1157,19 @@ class Kernel:
             hv.append(geo or geometry(p.shape))
         sds = state_dtype if isinstance(state_dtype, (list, tuple)) else \
             [state_dtype] * len(self._inits)
-        out = [fn(pc, *hv).to(sd).contiguous().clone() if sd != torch.uint8 else fn(pc, *hv)
-               for fn, sd in zip(self._inits, sds)]
-        names = self.program.state_names
-        for name, (scale, signed) in self.program.quant.items():  # 8 bits: codes and scales
-            k = names.index(name)
-            out[k], out[names.index(scale)] = quant.quantize_t(
-                out[k].to(torch.float32).expand(p.shape), signed)
-        return out
+        # 8 bits: each state's codes and scales made from its values at once (one state's
+        # float32 values alive at a time); the scales' own inits (values like p) not run
+        names, quantized = self.program.state_names, self.program.quant
+        out, scales, skip = {}, {}, quant.scale_names(self.program)
+        for name, fn, sd in zip(names, self._inits, sds):
+            if name in quantized:
+                scale, signed = quantized[name]
+                out[name], scales[scale] = quant.quantize_t(
+                    fn(pc, *hv).to(torch.float32).expand(p.shape), signed)
+            elif name not in skip:
+                x = fn(pc, *hv)
+                out[name] = x.to(sd).contiguous().clone() if sd != torch.uint8 else x
+        return [scales[name] if name in scales else out[name] for name in names]
 
     def mode(self, name: str, params, states, values, keep_master: bool = False) -> None:
         """Set each parameter (in place) to its value in mode ``name`` (``mode NAME {...}``),
