@@ -106,41 +106,59 @@ def test_map_zeros_nan_and_inf():
     assert not back.isfinite().any()  # an inf is not lost either
 
 
+class made_sizes(list):
+    """(numel, dtype) of each tensor ``fn()`` makes (no view of a tensor given to an
+    operation); ``result``: what it returned."""
+
+    def __init__(self, fn):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+        made = self
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                         if isinstance(t, torch.Tensor)}
+                made.extend((t.numel(), t.dtype) for t in tree_leaves(out)
+                            if isinstance(t, torch.Tensor)
+                            and t.untyped_storage().data_ptr() not in given)
+                return out
+        super().__init__()
+        with Record():
+            self.result = fn()
+
+
 @pytest.mark.parametrize("signed", [True, False])
 def test_a_long_tensor_is_quantized_a_chunk_at_a_time(signed, monkeypatch):
-    """quantize_t takes QUANT_CHUNK values at a time (whole blocks): the same codes and
-    scales as at once, and no temporary longer than a chunk (at once, some ten float32
-    tensors the size of the input: 36 bytes a value at init, 72 GB for AdamW's two 8-bit
-    states of a parameter of 2**31 values). A chunk of 4 blocks here, over a length that is
-    no whole number of chunks or blocks, with a NaN, an inf and a zero block."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class Largest(TorchDispatchMode):
-        made = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                     if isinstance(t, torch.Tensor)}
-            for t in tree_leaves(out):  # (made: not a view of an input, nor the codes)
-                if isinstance(t, torch.Tensor) and t.dtype != U8 and \
-                        t.untyped_storage().data_ptr() not in given:
-                    Largest.made = max(Largest.made, t.numel())
-            return out
-
+    """quantize_t and dequantize_t take QUANT_CHUNK values at a time (whole blocks): the
+    same codes, scales and values as at once, and no temporary longer than a chunk (at once,
+    some ten float32 tensors the size of the input: 36 bytes a value at init, 72 GB for
+    AdamW's two 8-bit states of a parameter of 2**31 values). A chunk of 4 blocks here, over
+    a length that is no whole number of chunks or blocks, with a NaN, an inf and a zero
+    block."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(10_000, generator=g) * torch.logspace(-4, 1, 10_000)
     x = x if signed else x.abs()
     x[3000], x[5000], x[7000:7256] = float("nan"), float("inf"), 0.0
     want = quant.quantize_t(x, signed)  # (one chunk: the length is below 2**22)
     monkeypatch.setattr(quant, "QUANT_CHUNK", 4 * quant.BLOCK, raising=False)
-    with Largest():
-        codes, absmax = quant.quantize_t(x.reshape(100, 100), signed)
+    made = made_sizes(lambda: quant.quantize_t(x.reshape(100, 100), signed))
+    codes, absmax = made.result
     assert codes.shape == (100, 100) and torch.equal(codes.reshape(-1), want[0])
     assert torch.equal(absmax.isnan(), want[1].isnan())
     assert torch.equal(absmax.nan_to_num(), want[1].nan_to_num())
-    assert Largest.made <= 4 * quant.BLOCK
+    assert max(n for n, dtype in made if dtype != U8) <= 4 * quant.BLOCK
+    # and back, into bfloat16: the same values as at once; no temporary but the result
+    # longer than a chunk
+    monkeypatch.setattr(quant, "QUANT_CHUNK", 2**22)
+    back = quant.dequantize_t(codes, absmax, signed, torch.bfloat16)
+    monkeypatch.setattr(quant, "QUANT_CHUNK", 4 * quant.BLOCK)
+    made = made_sizes(lambda: quant.dequantize_t(codes, absmax, signed, torch.bfloat16))
+    assert torch.equal(made.result.isnan(), back.isnan())
+    assert torch.equal(made.result.nan_to_num(), back.nan_to_num())
+    assert made.result.shape == (100, 100) and made.result.dtype == torch.bfloat16
+    assert [n for n, _ in made if n > 4 * quant.BLOCK] == [10_000]
 
 
 def test_init_quantizes_each_state_as_it_makes_it(monkeypatch):

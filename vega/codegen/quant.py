@@ -303,7 +303,7 @@ def _quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor
 def dequantize_t(codes: torch.Tensor, scale: torch.Tensor, signed: bool,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float values of ``codes`` with their blocks' ``scale`` (``quantize_t``). A
-    DTensor's on each rank's shard."""
+    DTensor's on each rank's shard. QUANT_CHUNK values at a time, as quantize_t."""
     if is_dtensor(codes):
         from torch.distributed.tensor import DTensor
         local = codes.to_local()
@@ -316,6 +316,19 @@ def dequantize_t(codes: torch.Tensor, scale: torch.Tensor, signed: bool,
                               dtype)
         return DTensor.from_local(values, codes.device_mesh, codes.placements,
                                   run_check=False, shape=codes.shape, stride=codes.stride())
+    n = codes.numel()
+    if n <= QUANT_CHUNK or torch.compiler.is_compiling():
+        return _dequantize(codes, scale, signed).reshape(codes.shape).to(dtype)
+    flat = codes.reshape(-1)  # (QUANT_CHUNK values at a time, as quantize_t)
+    out = torch.empty(n, dtype=dtype, device=codes.device)
+    for a in range(0, n, QUANT_CHUNK):
+        b = min(n, a + QUANT_CHUNK)
+        out[a:b] = _dequantize(flat[a:b], scale[a // BLOCK:blocks(b)], signed).to(dtype)
+    return out.reshape(codes.shape)
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The flat float32 values of ``codes`` (dequantize_t's, at once)."""
     c = codes.reshape(-1).to(torch.float32)
     if signed:  # (times the float32 reciprocal: as fast as a product, on every backend)
         t = (c - 127.0) * (1.0 / 127.0)
@@ -323,7 +336,7 @@ def dequantize_t(codes: torch.Tensor, scale: torch.Tensor, signed: bool,
     else:
         t = c * (1.0 / 255.0)
         v = (t * t) * (t * t)
-    return (v * _per_value(scale.to(torch.float32), c.numel())).reshape(codes.shape).to(dtype)
+    return v * _per_value(scale.to(torch.float32), c.numel())
 
 
 C_HELPERS = r"""
