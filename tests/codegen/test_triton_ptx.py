@@ -2,13 +2,16 @@
 (``vega.codegen.triton_ptx``), their PTX and ``ptxas -v`` read. No GPU is needed; only
 Triton's wheel (its ``ptxas``).
 
-A representative set, compiled once for the module (one subprocess, about 25 kernels):
+A representative set, compiled once for the module (one subprocess, about 35 kernels):
 AdamW's update in float32 and bfloat16 and with 8-bit state, the prelude and its finish, the
 scalars kernel, LAMB's phase and finish, Adafactor's staged kernels and the standalone counter
-advance, the bfloat16 updates with 8-bit state of AdamW, AdEMAMix and Adan, and AdEMAMix's
-float64 update; and every shipped spec's bfloat16 update (another subprocess).
+advance, the bfloat16 updates with 8-bit state of AdamW, AdEMAMix and Adan, AdEMAMix's
+float64 update, and Adafactor's staged kernels without int32 index arithmetic (as for tensors
+of 2**31 elements); and every shipped spec's bfloat16 update (another subprocess).
 ``bench/ptx.py`` compiles every shipped spec's kernels.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,6 +27,12 @@ FACTORED = ((257, 160),)  # adafactor factors it: its staged kernels
 
 def _pick(launches, *suffixes):
     return [x for x in launches if x.kernel.endswith(suffixes)]
+
+
+def _without_i32(launch):
+    """``launch`` with its int32 index arithmetic off (``I32``), as for large tensors."""
+    return dataclasses.replace(launch, constexprs=tuple(
+        (k, False if k == "I32" else v) for k, v in launch.constexprs))
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +57,11 @@ def compiled():
         # 64, AdEMAMix's spilled 48 bytes
         ("ademamix", "float64", _pick(triton_ptx.spec_launches(
             "ademamix", "float64", fused=True), "_update")[-1:]),
+        # Adafactor's staged kernels as the host launches them where an index or size may
+        # pass int32 (I32 False: a tensor of 2**31 - BLOCK elements or more)
+        ("adafactor", "float32,int64", [_without_i32(x) for x in _pick(triton_ptx.spec_launches(
+            "adafactor", "float32", shapes=FACTORED), "_rc", "_r", "_c", "_m")
+            if "I32" in dict(x.constexprs)]),
     ]
     launches = [x for _, _, found in sets for x in found]
     figures = triton_ptx.compile_launches(launches)
@@ -60,6 +74,27 @@ def test_the_set_is_what_it_says(compiled):
     kinds = {name.removeprefix(f"vega_{spec}_") for spec, _, name in compiled}
     assert {"prelude", "scalars", "update", "phase0", "finish0", "stage0_r",
             "stage0_c", "stage1_m", "write_rc", "write_r", "write_c", "advance"} <= kinds
+
+
+def test_addresses_reach_past_2_31_elements(compiled):
+    """A tensor may hold 2**31 elements or more, and a step's tensors together far more. In
+    Triton's IR: the update and phase kernels advance each tensor's address by its block's
+    first element in int64 (AdamW's seven, read and written, besides the table's row and
+    the scalars' row; LAMB's phase its parameter's and gradient's), then index within the
+    block in int32; the prelude reads a gradient at int64 offsets; and Adafactor's staged
+    kernels, which index in int32 where the host finds every index fits (I32), form every
+    address from int64 offsets where it does not."""
+    update = compiled["adamw", "float32", "vega_adamw_update"]
+    assert update.i64_offsets == 9 and update.i32_offsets > 0, update
+    phase = compiled["lamb", "float32", "vega_lamb_phase0"]
+    assert phase.i64_offsets >= 4, phase
+    prelude = compiled["adamw", "float32", "vega_adamw_prelude"]
+    assert prelude.i64_offsets == 2, prelude  # (the table's row; the gradient's values)
+    wide = {name: f for (spec, dtype, name), f in compiled.items() if dtype == "float32,int64"}
+    assert len(wide) == 8, sorted(wide)
+    for name, f in wide.items():
+        assert f.i32_offsets == 0 and f.i64_offsets > 0, (name, f)
+        assert compiled["adafactor", "float32", name].i32_offsets > 0, name  # (I32 on)
 
 
 @pytest.mark.parametrize("dtype,loads,stores", [("float32", 4, 3), ("bfloat16", 4, 3)])

@@ -4,8 +4,9 @@ Triton's wheel carries the whole NVIDIA tool chain (``ptxas`` included), so a ke
 to PTX and a cubin for ``sm_90a`` without a GPU. What decides much of its speed can then be
 read from the result: 128-bit global accesses (``ld.global.v4``, ``st.global.v4``), registers
 a thread and spilled bytes (``ptxas -v``), libdevice functions (inlined, each leaves a label
-``%__nv_log2.exit``), double-precision arithmetic, and max instructions that drop a NaN
-(PTX ``max`` returns the other operand).
+``%__nv_log2.exit``), double-precision arithmetic, max instructions that drop a NaN
+(PTX ``max`` returns the other operand), and, from Triton's IR, whether addresses are formed
+from int32 or int64 offsets (a tensor may hold 2**31 elements or more).
 
 Two halves, in two processes (Triton reads ``TRITON_INTERPRET`` when it is first imported):
 
@@ -77,6 +78,10 @@ class Figures:
     fmas: int = 0  # fused multiply-adds (fma.rn.f32/f64): a product and a sum rounded once
     approximate: int = 0  # approximate divisions, roots and reciprocals (div.full, .approx)
     flushed: int = 0  # float32 arithmetic that flushes subnormals to zero (.ftz)
+    # addresses formed in Triton's IR (tt.addptr): blocks of them from int32 offsets (within
+    # 2**31 elements of their base), and blocks or single ones from int64 offsets
+    i32_offsets: int = 0
+    i64_offsets: int = 0
 
 
 def _argument(value, name: str) -> tuple[str, bool]:
@@ -200,8 +205,23 @@ def ptxas() -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
-def figures(kernel: str, ptx: str, ptxas_out: str, num_warps: int, block) -> Figures:
-    """The figures of one kernel from its PTX and ``ptxas -v``'s report."""
+def _offsets(ttir: str) -> tuple[int, int]:
+    """(tt.addptr of a block of addresses by int32 offsets, tt.addptr by int64 offsets) in
+    Triton's IR: each one's operand types, ``: <pointers>, <offsets>``."""
+    i32 = i64 = 0
+    for line in ttir.splitlines():
+        if "tt.addptr" not in line:
+            continue
+        text = re.sub(r"\{[^{}]*\}", "", line.split(" loc(")[0])  # (attributes have types)
+        ptr, off = text.rsplit(" : ", 1)[-1].strip().rsplit(", ", 1)
+        i32 += ptr.startswith("tensor<") and off.endswith("xi32>")
+        i64 += off == "i64" or off.endswith("xi64>")
+    return i32, i64
+
+
+def figures(kernel: str, ptx: str, ptxas_out: str, num_warps: int, block,
+            ttir: str = "") -> Figures:
+    """The figures of one kernel from its PTX and ``ptxas -v``'s report (and Triton's IR)."""
     regs = re.search(r"Used (\d+) registers", ptxas_out)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_out)
     # libdevice is inlined: each function leaves a label %__nv_<name>.exit (or is called)
@@ -216,6 +236,7 @@ def figures(kernel: str, ptx: str, ptxas_out: str, num_warps: int, block) -> Fig
     guarded = sum(1 for ty, reg in plain if re.search(
         rf"selp\.{ty}\s+%\w+,\s*{nan[ty]},\s*{re.escape(reg)}\b", ptx))
     nan_max = len(re.findall(r"\bmax\.NaN\.f32\b", ptx))
+    offsets = _offsets(ttir)
     return Figures(
         kernel=kernel, num_warps=num_warps, block=block,
         registers=int(regs.group(1)) if regs else -1,
@@ -230,7 +251,8 @@ def figures(kernel: str, ptx: str, ptxas_out: str, num_warps: int, block) -> Fig
         max_dropping_nan=len(plain) - guarded, max_nan=nan_max + guarded,
         fmas=len(re.findall(r"^\s*fma\.rn\.(?:ftz\.)?f(?:32|64)\b", ptx, re.M)),
         approximate=len(re.findall(r"^\s*(?:div|sqrt|rcp|rsqrt)\.(?:full|approx)\b", ptx, re.M)),
-        flushed=len(re.findall(r"^\s*\w+\.(?:\w+\.)*ftz\.(?:\w+\.)*f32\b", ptx, re.M)))
+        flushed=len(re.findall(r"^\s*\w+\.(?:\w+\.)*ftz\.(?:\w+\.)*f32\b", ptx, re.M)),
+        i32_offsets=offsets[0], i64_offsets=offsets[1])
 
 
 def _compile_one(launch: dict, tmp: str) -> dict:
@@ -261,7 +283,7 @@ def _compile_one(launch: dict, tmp: str) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"ptxas failed on {launch['kernel']}: {done.stderr[-2000:]}")
     return asdict(figures(launch["kernel"], ptx, done.stderr, launch["num_warps"],
-                          constexprs.get("BLOCK")))
+                          constexprs.get("BLOCK"), compiled.asm["ttir"]))
 
 
 def main() -> None:
