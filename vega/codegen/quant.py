@@ -41,6 +41,11 @@ from vega.dsl.ir import QBLOCK, Kind, Op, Program, StateVar
 BLOCK = 256  # values a scale
 MIN_NUMEL = 4096  # a smaller tensor keeps its 8-bit states in float32
 SUFFIX = "_absmax"
+# The values quantize_t and dequantize_t take at a time (a multiple of BLOCK): their
+# temporaries, some ten float32 tensors the size of their input, were 36 bytes a value for
+# each 8-bit state at init (72 GB for AdamW's two states of a parameter of 2**31 values;
+# the states are 4 GB).
+QUANT_CHUNK = 2**22
 
 
 def variant(program: Program, names: frozenset[str]) -> Program:
@@ -276,12 +281,6 @@ def quantize_t(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tenso
         b = min(n, a + QUANT_CHUNK)
         codes[a:b], scale[a // BLOCK:blocks(b)] = _quantize(flat[a:b], signed)
     return codes.reshape(x.shape), scale
-
-
-# The values quantize_t takes at a time (a multiple of BLOCK): its temporaries, some ten
-# float32 tensors the size of its input, were 36 bytes a value for each 8-bit state at init
-# (72 GB for AdamW's two states of a parameter of 2**31 values; the states are 4 GB).
-QUANT_CHUNK = 2**22
 
 
 def _quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
