@@ -12,7 +12,7 @@ out...`` as addresses) -- and split the work across threads by element ranges
 over all tensors:
 
 - ``vega_prelude``: adds the sum of squares of the unscaled gradients and the
-  count of non-finite elements into ``pre``;
+  count of blocks holding a non-finite element into ``pre``;
 - ``vega_phase<k>``: per-tensor reductions (``norm``, ``sum``, ``mean``, ``max``)
   of phase k, into ``red``; values needed on both sides are recomputed;
   ``vega_phase<k>_partial`` leaves them unfinished (a sum of squares for a norm, a

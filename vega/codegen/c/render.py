@@ -84,7 +84,7 @@ static int64_t *starts(int64_t nt, const int64_t *tab) {
 
 void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
     /* pre[PRE_SUM_SQ] += sum of squares of g * pre[PRE_INV_SCALE];
-       pre[PRE_NONFINITE] += count of non-finite elements */
+       pre[PRE_NONFINITE] += count of blocks holding a non-finite element */
     int64_t *start = starts(nt, tab);
     int64_t total = start[nt];
     const CT gs = (CT)pre[PRE_INV_SCALE];
