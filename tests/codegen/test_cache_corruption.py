@@ -299,6 +299,33 @@ print(json.dumps({"p": p.tolist(), "warned": [str(w.message) for w in caught]}))
     assert len(ran["warned"]) == 1 and "VEGA_CACHE_DIR=" in ran["warned"][0]
 
 
+def test_no_home_directory_builds_into_a_private_one_with_one_warning(cache, monkeypatch):
+    # a container run under a uid of its own: no HOME, no entry in the password database,
+    # so no ~/.cache to hold the default (pathlib raised "Could not determine home directory"
+    # from inside the first step)
+    import pwd
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+    monkeypatch.delenv("VEGA_CACHE_DIR")
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = [cbuild.build(SOURCE + f"// {n}\n") for n in range(2)]
+        found = native._paths()
+    assert all(compiled for _, _, compiled in built)
+    private = built[0][1].parent
+    assert private.name == "c" and built[1][1].parent == private
+    assert private.parent == cbuild._fallback and private.parent.is_dir()
+    if found is not None:  # (the native operator's library goes beside the kernels)
+        assert found[1].parent == private.parent / "native"
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(warned) == 1, warned
+    assert "home directory cannot be determined" in warned[0] and "HOME" in warned[0]
+    assert "set VEGA_CACHE_DIR" in warned[0] and str(private.parent) in warned[0]
+
+
 def test_no_private_directory_either_is_a_clear_error(cache, tmp_path, monkeypatch):
     file = tmp_path / "a-file"
     file.write_text("")

@@ -72,10 +72,19 @@ class CacheError(VegaError, OSError):
 
 
 def cache_dir() -> Path:
-    """Where the kernels are cached (``safe_dir`` says whether they may be)."""
+    """Where the kernels are cached (``safe_dir`` says whether they may be). Where
+    ``VEGA_CACHE_DIR`` is not set and this user has no home directory to hold the default
+    (no ``HOME``, and no entry in the password database: a container run under a uid of
+    its own), this process's private directory, with one warning that says so."""
     root = os.environ.get("VEGA_CACHE_DIR")
-    path = Path(root) if root else Path.home() / ".cache" / "vega"
-    return path / "c"
+    if root:
+        return Path(root) / "c"
+    try:
+        return Path.home() / ".cache" / "vega" / "c"
+    except (RuntimeError, KeyError, OSError):  # (pathlib says "Could not determine home")
+        return _private_root(Path("~/.cache/vega"), "this user's home directory cannot be "
+                             f"determined (HOME is not set, and uid {os.geteuid()} has no "
+                             "entry in the password database)") / "c"
 
 
 _cache_warned = False
@@ -161,13 +170,22 @@ def safe_dir(path: Path) -> Path:
     directory of this process (removed at exit), with one warning that names
     ``VEGA_CACHE_DIR``. Raises ``CacheError`` where that private directory cannot be made
     either."""
-    global _fallback
     for directory in (path.parent, path):
         problem = _private(directory)
         if problem is not None:
             break
     else:
         return path
+    private = _private_root(directory, problem) / path.name
+    private.mkdir(mode=0o700, exist_ok=True)
+    return private
+
+
+def _private_root(directory: Path, problem: str) -> Path:
+    """This process's private directory (made on the first call, removed at exit), in place
+    of the cache directory ``directory``, which ``problem`` keeps from use: said in one
+    warning that names ``VEGA_CACHE_DIR``. Raises ``CacheError`` where it cannot be made."""
+    global _fallback
     if _fallback is None:
         try:
             _fallback = Path(tempfile.mkdtemp(prefix="vega-cache-"))  # 0o700, a new name
@@ -181,9 +199,7 @@ def safe_dir(path: Path) -> Path:
               f"{problem}; building into {_fallback}, private to this process and removed "
               f"at exit, instead (set VEGA_CACHE_DIR to a directory of your own to keep "
               f"kernels between runs)")
-    private = _fallback / path.name
-    private.mkdir(mode=0o700, exist_ok=True)
-    return private
+    return _fallback
 
 
 def hash_file(path: Path) -> Path:
