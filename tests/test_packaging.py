@@ -1,0 +1,73 @@
+"""A wheel holds every file of the package (its modules and subpackages, and the files it
+opens beside them: the grammar, the Triton template, the native operator's source, the
+shipped specs), and an sdist every file of the repository (the tests read docs/, bench/ and
+.ci/run beside the package). Both are built from a copy of the tracked files by setuptools,
+as ``pip wheel --no-build-isolation`` and ``python -m build --sdist`` would (a few seconds);
+the tests skip outside a git checkout or without setuptools."""
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# one hook a process: setuptools keeps state between builds in one process
+BUILD = """
+import sys
+from setuptools import build_meta
+print("built:", getattr(build_meta, sys.argv[1])(sys.argv[2]))  # (setuptools talks on stdout too)
+"""
+
+
+def _tracked() -> list[str]:
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout: which files are the package's is git's to say")
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+    return [f for f in out.stdout.decode().split("\0") if f and (ROOT / f).is_file()]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    pytest.importorskip("setuptools.build_meta")
+    files = _tracked()
+    src = tmp_path_factory.mktemp("src")
+    for name in files:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, src / name)
+    out = src / "dist"
+    made = []
+    for hook in ("build_wheel", "build_sdist"):
+        run = subprocess.run([sys.executable, "-c", BUILD, hook, str(out)], cwd=src,
+                             capture_output=True, text=True, timeout=300,
+                             stdin=subprocess.DEVNULL)
+        assert run.returncode == 0, run.stderr[-3000:]
+        made.append(next(line for line in run.stdout.splitlines()
+                         if line.startswith("built: ")).split()[1])
+    wheel, sdist = made
+    return files, out / wheel, out / sdist
+
+
+def test_the_wheel_holds_every_file_of_the_package(built):
+    files, wheel, _ = built
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        entry_points = next(z.read(n).decode() for n in names
+                            if n.endswith(".dist-info/entry_points.txt"))
+    # specs/ is installed as vega.specs (pyproject.toml's package-dir)
+    wanted = {f if f.startswith("vega/") else "vega/" + f for f in files
+              if f.startswith(("vega/", "specs/"))}
+    assert sorted(wanted - names) == []
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} \
+        == {"vega"}
+    assert "vega = vega.cli:main" in entry_points
+
+
+def test_the_sdist_holds_every_file_of_the_repository(built):
+    files, _, sdist = built
+    with tarfile.open(sdist) as t:
+        names = {n.partition("/")[2] for n in t.getnames()}
+    assert sorted(set(files) - {".gitignore"} - names) == []
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
