@@ -23,6 +23,29 @@ def test_ci_runs_the_readme_test_command():
     assert ci and ci[-1] in (ROOT / "README.md").read_text()
 
 
+def test_the_readme_python_is_one_every_pinned_version_installs_on():
+    # the README's commands install constraints.txt's pins: each pin installed here must
+    # accept the oldest Python the README names (numpy 2.4.6 and jax 0.10.2 need 3.11)
+    from importlib import metadata
+    named = tuple(map(int, re.search(r"with Python (\d+)\.(\d+)\+",
+                                     (ROOT / "README.md").read_text()).groups()))
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    too_new = []
+    for name, version in pins.items():
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        if dist.version.split("+")[0] != version.strip():  # not the pin's metadata
+            continue
+        needs = dist.metadata.get("Requires-Python") or ""
+        too_new += [f"{name}=={version}: Requires-Python {needs}"
+                    for m in re.finditer(r">=\s*(\d+)\.(\d+)", needs)
+                    if (int(m[1]), int(m[2])) > named]
+    assert not too_new, f"README says Python {named[0]}.{named[1]}+, but {too_new}"
+
+
 def _pages():
     """README.md and every page under docs/."""
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
