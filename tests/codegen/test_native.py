@@ -2,6 +2,7 @@
 rebuilt, a failure remembered, off with VEGA_NATIVE=0), in the background, and loaded once
 per process."""
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -100,6 +101,36 @@ def test_no_compiler_means_the_python_path(fresh, monkeypatch):
     p.grad = torch.ones(4)
     vega.optim.SGD([p], lr=0.5, backend="c").step()
     assert torch.equal(p.detach(), torch.full((4,), 0.5))
+
+
+WITHOUT_SETUPTOOLS = r"""
+import json, sys
+sys.modules["setuptools"] = None  # its import fails, as where it is not installed
+import torch, vega
+from vega.codegen.c import native
+p = torch.nn.Parameter(torch.ones(4))
+p.grad = torch.ones(4)
+vega.optim.SGD([p], lr=0.5, backend="c").step()
+print(json.dumps({"p": p.tolist(), "status": native.status()}))
+"""
+
+
+def test_vega_imports_and_steps_without_setuptools(tmp_path):
+    # torch.utils.cpp_extension, which the operator's build asks for torch's paths, imports
+    # setuptools (torch asks for it, but an install may lack it): import vega failed without it
+    from vega.codegen.c import build as cbuild
+    if cbuild.compiler() is None:
+        pytest.skip("no C compiler here")
+    repo = os.path.abspath(os.path.join(os.path.dirname(native.__file__), *[".."] * 3))
+    env = {**os.environ, "PYTHONPATH": repo,
+           "VEGA_CACHE_DIR": str(tmp_path), "VEGA_NATIVE": "sync"}
+    run = subprocess.run([sys.executable, "-c", WITHOUT_SETUPTOOLS], capture_output=True,
+                         text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ran = json.loads(run.stdout.splitlines()[-1])
+    assert ran["p"] == [0.5] * 4
+    assert "torch.utils.cpp_extension cannot be imported" in ran["status"], ran["status"]
+    assert not (tmp_path / "native").exists()
 
 
 @needs_cxx

@@ -14,11 +14,12 @@ It is compiled against the installed torch with torch's own headers and flags
 (``torch.utils.cpp_extension``'s include and library paths, its C++ ABI setting) by the system
 C++ compiler, once, in the background (a minute or so): steps use the Python path
 (``vega.codegen.c``, ctypes) until it is ready, and always where it cannot be built (no C++
-compiler or Python headers). The library is cached beside the kernels, keyed by its source,
-the compiler, the flags and the torch and Python versions (it is built for the compiler's
-default target, not ``-march=native``, so the CPU is no part of its key), written atomically
-and trusted as the kernels are: loaded only if it is this user's, not writable by others and
-hashes to its recorded SHA-256 (``vega.codegen.c.build``).
+compiler or Python headers, or no setuptools for ``torch.utils.cpp_extension`` to import).
+The library is cached beside the kernels, keyed by its source, the compiler, the flags and
+the torch and Python versions (it is built for the compiler's default target, not
+``-march=native``, so the CPU is no part of its key), written atomically and trusted as the
+kernels are: loaded only if it is this user's, not writable by others and hashes to its
+recorded SHA-256 (``vega.codegen.c.build``).
 
 ``VEGA_NATIVE=0`` turns it off; ``VEGA_NATIVE=sync`` builds it on first use, waiting.
 """
@@ -38,7 +39,6 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 from vega.codegen.c import build as cbuild
 
@@ -66,11 +66,35 @@ def _cxx() -> tuple[str, str] | None:
     return cbuild.find_compiler(os.environ.get("CXX"), "c++", "g++", "clang++")
 
 
+NOT_BUILDABLE = "no C++ compiler, Python headers or torch headers"
+
+
+@cache
+def _cpp_extension():
+    """``torch.utils.cpp_extension``, for torch's include and library paths, imported where a
+    build is wanted (it imports setuptools, which a user may not have: vega imports and
+    steps without it, on the Python path); or the ImportError's words."""
+    try:
+        from torch.utils import cpp_extension
+    except ImportError as e:
+        return f"torch.utils.cpp_extension cannot be imported ({e})"
+    return cpp_extension
+
+
+def _why_not() -> str:
+    """Why ``_paths`` found no way to build the operator."""
+    found = _cpp_extension()
+    return found if isinstance(found, str) else NOT_BUILDABLE
+
+
 def _paths():
-    """(command without output, target) or None where it cannot be built."""
+    """(command without output, target) or None where it cannot be built (``_why_not``)."""
     cxx = _cxx()
     py_include = sysconfig.get_paths().get("include")
     if cxx is None or not py_include or not (Path(py_include) / "Python.h").exists():
+        return None
+    cpp_extension = _cpp_extension()
+    if isinstance(cpp_extension, str):
         return None
     torch_include = cpp_extension.include_paths()
     if not (Path(torch_include[0]) / "torch" / "library.h").exists():
@@ -209,7 +233,7 @@ def build(target: Path | None = None) -> str | None:
     by ``_placed``); the compiler's complaint (also written beside the target), or None."""
     found = _paths()
     if found is None:
-        return "no C++ compiler, Python headers or torch headers"
+        return _why_not()
     command, default = found
     target = _placed(default) if target is None else target
     fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{target.stem}-", dir=target.parent)
@@ -339,7 +363,7 @@ def module(wait: bool | None = None):
             return _state["module"]
         found = _paths()
         if found is None:
-            _state["failed"] = "no C++ compiler, Python headers or torch headers"
+            _state["failed"] = _why_not()
             return None
         target = _placed(found[1])
         failure = _failure(target)
