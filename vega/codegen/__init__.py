@@ -26,8 +26,10 @@ def check_backend(name: str | None) -> None:
     if name is not None and name not in KNOWN:
         raise ValueError(f"backend={name!r} is not one of {', '.join(map(repr, KNOWN))}")
     if name is not None and name not in BACKENDS:
-        raise ValueError(f"backend={name!r} is not available in this version of vega; "
-                         f"available: {', '.join(map(repr, BACKENDS))}")
+        raise ValueError(f"backend={name!r} needs the {name} package, which is not installed "
+                         f"here (vega asks for it on Linux only: pip install {name}, where "
+                         f"it has a build for this system); available: "
+                         f"{', '.join(map(repr, BACKENDS))}")
 
 
 @torch.compiler.assume_constant_result
