@@ -536,6 +536,27 @@ def test_compile_failure_names_the_compiler(tmp_path, monkeypatch):
         cbuild.build("this is not C; const char *vega_key(void) { return \"@KEY@\"; }")
 
 
+def test_a_toolchain_without_openmp_is_said_with_what_to_do(tmp_path, monkeypatch):
+    # a compiler that answers --version but cannot link -fopenmp (no libgomp, a clang
+    # without libomp): the first step said "a bug in vega; please report it"
+    real = cbuild.compiler()
+    if real is None:
+        pytest.skip("no C compiler here")
+    fake = tmp_path / "cc-without-openmp"
+    fake.write_text(f"#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = -fopenmp ] && "
+                    f"echo 'ld: cannot find -lgomp' >&2 && exit 1; done\n"
+                    f"exec {real[0]} \"$@\"\n")
+    fake.chmod(0o700)
+    monkeypatch.setattr(cbuild, "compiler", lambda: (str(fake), "cc-without-openmp 1"))
+    monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(cbuild.CompilerError) as caught:
+        cbuild.build('const char *vega_key(void) { return "@KEY@"; }\n')
+    said = str(caught.value)
+    assert "cannot build vega's C kernels here" in said and "cannot find -lgomp" in said
+    assert "set CC" in said and "backend='reference'" in said and "a bug" not in said
+    assert [f.name for f in (tmp_path / "cache" / "c").iterdir()] == []  # nothing left
+
+
 def test_default_backend_on_cpu_is_c():
     assert codegen.default_backend("cpu") == "c"
     out = subprocess.run([sys.executable, "-c", "import vega, torch; p = torch.zeros(2); "

@@ -64,7 +64,9 @@ _lock = threading.Lock()
 
 
 class CompilerError(VegaError):
-    """The C compiler rejected a generated kernel: a bug in vega, with the compiler's words."""
+    """The C compiler rejected a generated kernel (a bug in vega, with the compiler's words),
+    or cannot build vega's kernels here at all (``toolchain_problem``: what to install or
+    set), or there is none."""
 
 
 class CacheError(VegaError, OSError):
@@ -520,7 +522,8 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
             proc = subprocess.run([cc[0], *FLAGS, tmp_c, "-o", tmp_so, "-lm"],
                                   capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
-                raise CompilerError(f"{cc[0]} failed on a generated kernel (a bug in vega; "
+                raise CompilerError(toolchain_problem(cc, out_dir) or
+                                    f"{cc[0]} failed on a generated kernel (a bug in vega; "
                                     f"please report it):\n{proc.stderr[-4000:]}")
             install(tmp_so, target)
         finally:
@@ -532,3 +535,46 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
             raise CompilerError(f"the compiled kernel {target} does not load"
                                 + (f": {problem}" if problem else ""))
         return lib, target, True
+
+
+# what every kernel asks of the toolchain: the C library's headers, libm, an OpenMP loop, a
+# shared library with vega's flags
+PROBE = """#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+double vega_probe(const double *x, int64_t n) {
+    double total = 0;
+    #pragma omp parallel for reduction(+:total)
+    for (int64_t i = 0; i < n; i++) total += sqrt(x[i]);
+    return total;
+}
+"""
+
+
+def toolchain_problem(cc: tuple[str, str], directory: Path) -> str | None:
+    """Where ``cc`` failed on a kernel: whether it fails on ``PROBE`` too (built in
+    ``directory``), that is, cannot build any kernel here (no OpenMP runtime for -fopenmp,
+    no C headers), said with what to do; None where the probe builds (the kernel was at
+    fault)."""
+    fd, src = tempfile.mkstemp(suffix=".c", prefix=".probe-", dir=directory)
+    out = src[:-2] + ".so"
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(PROBE)
+        proc = subprocess.run([cc[0], *FLAGS, src, "-o", out, "-lm"], capture_output=True,
+                              text=True, timeout=300, stdin=subprocess.DEVNULL)
+        if proc.returncode == 0:
+            return None
+        said = (proc.stderr or proc.stdout)[-2000:]
+    except (OSError, subprocess.SubprocessError) as e:
+        said = str(e)
+    finally:
+        for leftover in (src, out):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    return (f"vega: the C compiler {cc[0]} ({cc[1]}) cannot build vega's C kernels here: it "
+            f"fails on a minimal OpenMP library with their flags ({' '.join(FLAGS)}) too:\n"
+            f"{said.rstrip()}\nInstall what it lacks (for -fopenmp, libgomp with gcc or "
+            f"libomp with clang; the C library's headers), set CC to a C compiler that "
+            f"builds it, or pass backend='reference' (slower)")
