@@ -299,6 +299,17 @@ print(json.dumps({"p": p.tolist(), "warned": [str(w.message) for w in caught]}))
     assert len(ran["warned"]) == 1 and "VEGA_CACHE_DIR=" in ran["warned"][0]
 
 
+def test_a_tilde_in_vega_cache_dir_is_the_home_directory(cache, tmp_path, monkeypatch):
+    # set where no shell expands it (a container's ENV, a .env file): the kernels went into a
+    # directory named "~" under the working directory, a new one wherever a run started
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("VEGA_CACHE_DIR", "~/kernels")
+    monkeypatch.chdir(tmp_path)
+    _, path, compiled = cbuild.build(SOURCE)
+    assert compiled and path.parent == tmp_path / "home" / "kernels" / "c"
+    assert not (tmp_path / "~").exists()
+
+
 def test_no_home_directory_builds_into_a_private_one_with_one_warning(cache, monkeypatch):
     # a container run under a uid of its own: no HOME, no entry in the password database,
     # so no ~/.cache to hold the default (pathlib raised "Could not determine home directory"

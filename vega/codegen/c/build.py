@@ -74,19 +74,19 @@ class CacheError(VegaError, OSError):
 
 
 def cache_dir() -> Path:
-    """Where the kernels are cached (``safe_dir`` says whether they may be). Where
-    ``VEGA_CACHE_DIR`` is not set and this user has no home directory to hold the default
-    (no ``HOME``, and no entry in the password database: a container run under a uid of
-    its own), this process's private directory, with one warning that says so."""
+    """Where the kernels are cached (``safe_dir`` says whether they may be): a leading ``~``
+    of ``VEGA_CACHE_DIR`` is the home directory (set where no shell expands it: a
+    container's environment, a ``.env`` file), not a directory named ``~`` in the working
+    directory. Where there is no home directory to hold the cache (no ``HOME``, and no
+    entry in the password database: a container run under a uid of its own), this
+    process's private directory, with one warning that says so."""
     root = os.environ.get("VEGA_CACHE_DIR")
-    if root:
-        return Path(root) / "c"
     try:
-        return Path.home() / ".cache" / "vega" / "c"
+        return (Path(root).expanduser() if root else Path.home() / ".cache" / "vega") / "c"
     except (RuntimeError, KeyError, OSError):  # (pathlib says "Could not determine home")
-        return _private_root(Path("~/.cache/vega"), "this user's home directory cannot be "
-                             f"determined (HOME is not set, and uid {os.geteuid()} has no "
-                             "entry in the password database)") / "c"
+        return _private_root(Path(root or "~/.cache/vega"), "this user's home directory "
+                             f"cannot be determined (HOME is not set, and uid {os.geteuid()} "
+                             "has no entry in the password database)") / "c"
 
 
 _cache_warned = False
