@@ -1,8 +1,11 @@
 """Importing vega compiles nothing; the shipped optimizers are built when first used."""
 import json
+import os
 import pickle
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -82,3 +85,22 @@ def test_vega_imports_and_steps_without_triton():
     assert ran["p"] == [0.5] * 4
     assert ran["said"] is not None and "triton package, which is not installed" in ran["said"]
     assert "available: 'reference', 'c'" in ran["said"]
+
+
+def test_a_checkout_on_the_path_compiles_its_own_specs(tmp_path):
+    # specs/ is installed as vega.specs (pyproject.toml's package-dir): a checkout only on
+    # PYTHONPATH had none (import vega failed), or another checkout's, where that one was
+    # installed in editable mode, whose specs it then compiled in place of its own
+    root = Path(vega.__file__).resolve().parents[1]
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(root / "vega", tmp_path / "vega", ignore=ignore)
+    shutil.copytree(root / "specs", tmp_path / "specs", ignore=ignore)
+    shutil.copy(root / "pyproject.toml", tmp_path)
+    adamw = tmp_path / "specs" / "adamw.vega"
+    adamw.write_text(adamw.read_text().replace("lr = 1e-3 in", "lr = 7e-3 in", 1))
+    code = "import vega; print(dict((h.name, h.default) for h in vega.adamw.hypers)['lr'])"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300, stdin=subprocess.DEVNULL,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(run.stdout.split()[-1]) == 7e-3

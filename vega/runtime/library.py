@@ -4,11 +4,22 @@ from __future__ import annotations
 import threading
 from functools import cache
 from importlib.resources import files
+from pathlib import Path
 
 from vega.runtime.spec import CompiledSpec, compile
 
+_TREE = Path(__file__).resolve().parents[2]  # the directory that holds this package, vega/
 
+
+@cache
 def _dir():
+    """The shipped specs: ``specs/`` beside the package where it is a source checkout's (its
+    ``vega.specs``, pyproject.toml's mapping of ``specs/``, exists only where a checkout is
+    installed, and may be another checkout's: one installed in editable mode while this one
+    is on PYTHONPATH), else the installed ``vega.specs``."""
+    beside = _TREE / "specs"
+    if (_TREE / "pyproject.toml").is_file() and (beside / "__init__.py").is_file():
+        return beside
     return files("vega.specs")
 
 
