@@ -75,6 +75,12 @@ EOF
     $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3 ||
         $PY -m pip install -q --no-deps -e . 2>&1 | tail -n 3
 fi
+if ! (cd / && $PY -c 'import vega' 2>/dev/null); then
+    # not installed (an offline machine whose setuptools is older than pyproject.toml's
+    # build needs): the checkout itself, on the path, for the scripts run from bench/ too
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    say "vega did not install: importing it from this checkout (PYTHONPATH=$PWD)"
+fi
 $PY -c 'import vega, lark, jinja2' || { say "FATAL: vega does not import"; exit 2; }
 {
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
