@@ -4,6 +4,7 @@ shipped specs), and an sdist every file of the repository (the tests read docs/,
 .ci/run beside the package). Both are built from a copy of the tracked files by setuptools,
 as ``pip wheel --no-build-isolation`` and ``python -m build --sdist`` would (a few seconds);
 the tests skip outside a git checkout or without setuptools."""
+import re
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,13 @@ def _tracked() -> list[str]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
+    setuptools = pytest.importorskip("setuptools")
     pytest.importorskip("setuptools.build_meta")
+    have = tuple(int(x) for x in re.findall(r"\d+", setuptools.__version__)[:2])
+    needs = re.search(r'requires = \["setuptools>=(\d+)', (ROOT / "pyproject.toml").read_text())
+    if have < (int(needs[1]),):
+        pytest.skip(f"setuptools {setuptools.__version__} is older than the build's "
+                    f"setuptools>={needs[1]}")
     files = _tracked()
     src = tmp_path_factory.mktemp("src")
     for name in files:
