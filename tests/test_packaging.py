@@ -73,6 +73,9 @@ def test_the_wheel_holds_every_file_of_the_package(built):
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} \
         == {"vega"}
     assert "vega = vega.cli:main" in entry_points
+    # the version vega says it is (vega bench prints it) is the one it is installed as
+    import vega
+    assert wheel.name.startswith(f"vega-{vega.__version__}-"), (wheel.name, vega.__version__)
 
 
 def test_the_sdist_holds_every_file_of_the_repository(built):
