@@ -555,6 +555,9 @@ def test_a_toolchain_without_openmp_is_said_with_what_to_do(tmp_path, monkeypatc
     assert "cannot build vega's C kernels here" in said and "cannot find -lgomp" in said
     assert "set CC" in said and "backend='reference'" in said and "a bug" not in said
     assert [f.name for f in (tmp_path / "cache" / "c").iterdir()] == []  # nothing left
+    # a probe that cannot be written (a full disk, here no directory) says nothing of the
+    # compiler: the kernel's own error stands
+    assert cbuild.toolchain_problem((str(fake), "1"), tmp_path / "no-such-directory") is None
 
 
 def test_default_backend_on_cpu_is_c():

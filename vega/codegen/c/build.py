@@ -556,23 +556,24 @@ def toolchain_problem(cc: tuple[str, str], directory: Path) -> str | None:
     """Where ``cc`` failed on a kernel: whether it fails on ``PROBE`` too (built in
     ``directory``), that is, cannot build any kernel here (no OpenMP runtime for -fopenmp,
     no C headers), said with what to do; None where the probe builds (the kernel was at
-    fault)."""
-    fd, src = tempfile.mkstemp(suffix=".c", prefix=".probe-", dir=directory)
-    out = src[:-2] + ".so"
+    fault, or the probe could not be run: the kernel's own error stands)."""
+    src = out = None
     try:
+        fd, src = tempfile.mkstemp(suffix=".c", prefix=".probe-", dir=directory)
+        out = src[:-2] + ".so"
         with os.fdopen(fd, "w") as f:
             f.write(PROBE)
         proc = subprocess.run([cc[0], *FLAGS, src, "-o", out, "-lm"], capture_output=True,
                               text=True, timeout=300, stdin=subprocess.DEVNULL)
-        if proc.returncode == 0:
-            return None
-        said = (proc.stderr or proc.stdout)[-2000:]
-    except (OSError, subprocess.SubprocessError) as e:
-        said = str(e)
+    except (OSError, subprocess.SubprocessError):  # (a full disk: no word on the compiler)
+        return None
     finally:
         for leftover in (src, out):
-            if os.path.exists(leftover):
+            if leftover is not None and os.path.exists(leftover):
                 os.unlink(leftover)
+    if proc.returncode == 0:
+        return None
+    said = (proc.stderr or proc.stdout)[-2000:]
     return (f"vega: the C compiler {cc[0]} ({cc[1]}) cannot build vega's C kernels here: it "
             f"fails on a minimal OpenMP library with their flags ({' '.join(FLAGS)}) too:\n"
             f"{said.rstrip()}\nInstall what it lacks (for -fopenmp, libgomp with gcc or "
