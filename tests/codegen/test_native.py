@@ -103,6 +103,30 @@ def test_no_compiler_means_the_python_path(fresh, monkeypatch):
     assert torch.equal(p.detach(), torch.full((4,), 0.5))
 
 
+def test_the_background_build_imports_this_checkouts_vega(fresh, monkeypatch, tmp_path):
+    # the build is "python -m vega.codegen.c.native": where this checkout is on the path of
+    # this process only (a script beside it), it found no vega, or another one
+    seen = {}
+
+    class Recorded:
+        def __init__(self, args, **kwargs):
+            seen.update(args=args, env=kwargs.get("env"))
+
+        def poll(self):
+            return 1
+    monkeypatch.setattr(native.subprocess, "Popen", Recorded)
+    monkeypatch.setenv("PYTHONPATH", "elsewhere")
+    target = tmp_path / "native" / "vega_native-test.so"
+    target.parent.mkdir()
+    native._spawn(target)
+    tree = os.path.abspath(os.path.join(os.path.dirname(native.__file__), *[".."] * 3))
+    assert seen["args"][1:3] == ["-m", "vega.codegen.c.native"]
+    assert os.path.isfile(os.path.join(tree, "pyproject.toml"))  # (the tests' checkout)
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep) == [tree, "elsewhere"]
+    native._lock(target).unlink()
+    native._state["pending"][2].close()  # (the build's log)
+
+
 WITHOUT_SETUPTOOLS = r"""
 import json, sys
 sys.modules["setuptools"] = None  # its import fails, as where it is not installed

@@ -255,6 +255,19 @@ def build(target: Path | None = None) -> str | None:
     return error
 
 
+def _build_env() -> dict | None:
+    """The environment of the build's process: this one's, and where this vega is a source
+    checkout's (pyproject.toml beside the package), that checkout first on PYTHONPATH, so
+    that the build imports this vega where the checkout is on this process's path only (a
+    script beside it, a ``sys.path`` entry added by hand); None, unchanged, for an installed
+    vega (its site directory first on the path could hide the standard library's modules)."""
+    tree = Path(__file__).resolve().parents[3]
+    if not (tree / "pyproject.toml").is_file():
+        return None
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def _spawn(target: Path) -> None:
     """Build in a process of its own (``python -m vega.codegen.c.native``), unless another is
     building it now (its lock file younger than two minutes): it installs the library even
@@ -274,7 +287,8 @@ def _spawn(target: Path) -> None:
             return
         log = tempfile.TemporaryFile()
         proc = subprocess.Popen([sys.executable, "-m", "vega.codegen.c.native", str(lock)],
-                                stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+                                stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                env=_build_env())
         _state["pending"] = (target, proc, log)
     except OSError as e:
         if made:
