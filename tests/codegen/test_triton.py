@@ -703,3 +703,36 @@ def test_a_triton_state_loaded_on_the_cpu_says_where_the_backend_came_from(monke
     opt.param_groups[0]["backend"] = None
     opt.step()
     assert not torch.equal(p, torch.ones(8))
+
+
+@pytest.mark.parametrize("api", ["class", "functional"])
+def test_a_step_of_two_programs_refused_on_the_cpu_writes_neither(monkeypatch, api):
+    """Muon steps a matrix with the reference's operations (on any device) and a vector with
+    Triton's kernel, which refuses CPU tensors without the interpreter: the refusal comes
+    before the matrix's call writes (it had stepped the matrix, its state and counter)."""
+    monkeypatch.setattr(triton_runtime, "interpreting", lambda: False)
+    torch.manual_seed(0)
+    w, b = torch.randn(6, 5), torch.randn(5)
+    gw, gb = torch.randn(6, 5), torch.randn(5)
+    words = r"Triton's interpreter"
+    if api == "functional":
+        params, grads = {"w": w.clone(), "b": b.clone()}, {"w": gw, "b": gb}
+        state = vega.muon_init(params)
+        buf = state["buf"]["w"].clone()
+        with pytest.raises(ValueError, match=words):
+            vega.muon_step(params, grads, state, backend="triton", donate=True)
+        assert torch.equal(params["w"], w) and torch.equal(params["b"], b)
+        assert torch.equal(state["buf"]["w"], buf) and int(state["step"]) == 0
+        return
+    ps = [torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())]
+    ps[0].grad, ps[1].grad = gw, gb
+    opt = vega.optim.Muon(ps, backend="triton")
+    with pytest.raises(ValueError, match=words):
+        opt.step()
+    assert torch.equal(ps[0], w) and torch.equal(ps[1], b) and len(opt.state) == 0
+    opt.param_groups[0]["backend"] = None  # (by the device: it steps as a new optimizer)
+    opt.step()
+    twin = [torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())]
+    twin[0].grad, twin[1].grad = gw, gb
+    vega.optim.Muon(twin).step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, twin))

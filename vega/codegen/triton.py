@@ -1154,6 +1154,13 @@ class Kernel:
                 and not torch.compiler.is_compiling() and not self.program.spans_group
                 and all(t.device == params[0].device for t in loss_scale.tensors()))
 
+    def check_devices(self, params) -> None:
+        """ValueError where a step of ``params`` would refuse their device when it launches
+        (``triton_runtime.check_device``), for a caller that checks several calls before the
+        first writes; a program handed to the reference's operations runs on any."""
+        if params and not (self.program.spans_group and not self.stageable):
+            triton_runtime.check_device(params[0].device)  # (one device: checked with the rest)
+
     def __call__(self, params, grads, states, steps, values, donate, pre=None, adjust=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``; ``adjust``: a
         ``LossScale`` to adjust in place, where ``adjusts`` said so."""

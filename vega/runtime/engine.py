@@ -683,6 +683,12 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
     its gradients and states (``check_states``, ``check_codes``, ``check_dtypes``, the
     compiled kernels' ``state_dtypes``) and its step counters. A step of several calls
     checks each before the first writes, so that one refused has not stepped another."""
+    devices_ok = getattr(codegen.kernel(backend, program), "check_devices", None)
+    if devices_ok is not None:  # (Triton's, off the GPU: refused where it launches; a step of
+        try:                    # two programs would have written the other's tensors)
+            devices_ok(params)
+        except ValueError as e:
+            raise ValueError(f"{owner}: {e}") from None
     if like(params, grads) and fit(params, params, "rc") and fit(params, grads, "rc") \
             and all(fit(params, col, s.dom, 1 if s.name in program.quant else 0)
                     for s, col in zip(program.states, states)) \
