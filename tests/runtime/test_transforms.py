@@ -130,3 +130,47 @@ BAD = [
 def test_bad_arguments_raise(make, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
         make()
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("dtype,bound,want", [
+    (torch.float16, 1e5, [1.0, 6e4, INF, -INF]),  # (past float16's range: inf rounds to inf)
+    (torch.float16, 65519.0, [1.0, 6e4, 65504.0, -65504.0]),  # (rounds to float16's largest)
+    (torch.bfloat16, 1e39, [1.0, 6e4, INF, -INF]),
+    (torch.float32, 1e300, [1.0, 6e4, INF, -INF]),
+    (torch.float32, 10**400, [1.0, 6e4, INF, -INF]),  # (an int past every float)
+])
+def test_clip_by_value_takes_a_bound_past_the_range_of_the_gradients_dtype(dtype, bound, want):
+    """A bound the gradients' dtype cannot hold (1e5 for float16 gradients) clamps as it would
+    exactly, then rounded to the dtype: finite values are within it, an infinite one becomes
+    the bound rounded (torch.clamp refused the bound: value cannot be converted without
+    overflow)."""
+    g = {"w": torch.tensor([1.0, 6e4, INF, -INF], dtype=dtype)}
+    out = clip_by_value(g, bound)["w"]
+    assert out.dtype == dtype and out.tolist() == torch.tensor(want, dtype=dtype).tolist()
+
+
+@pytest.mark.parametrize("max_norm", [1e300, 10**400])
+def test_clip_by_global_norm_takes_a_bound_past_the_range_of_the_norm(max_norm):
+    """max_norm past the float32 norm's range: every finite norm is within it (the identity);
+    an infinite norm scales by 0, as for any finite bound (torch.clamp refused 1e300, and
+    10**400 raised OverflowError)."""
+    g = {"w": torch.tensor([3.0, 4.0]), "h": torch.tensor([1.0], dtype=torch.float16)}
+    out = clip_by_global_norm(g, max_norm)
+    assert all(torch.equal(out[k], g[k]) and out[k].dtype == g[k].dtype for k in g)
+    if max_norm == 1e300:  # (10**400 is no clipping at all, as inf)
+        out = clip_by_global_norm({"w": torch.tensor([3.0, INF])}, max_norm)["w"]
+        assert out[0].item() == 0.0 and out[1].isnan()
+
+
+def test_clip_by_value_traces_under_torch_compile():
+    """clip_by_value, a bound past a leaf's range included, traces whole under torch.compile
+    (fullgraph) and gives the eager result: the bound is rounded on the host."""
+    g = {"h": torch.tensor([1.0, 6e4, float("inf")], dtype=torch.float16),
+         "c": torch.tensor([3 - 0.25j]), "w": torch.tensor([3.0, -7.0]), "i": torch.arange(2)}
+    compiled = torch.compile(lambda g: (clip_by_value(g, 1e5), clip_by_value(g, 2.0)),
+                             fullgraph=True, backend="eager")
+    for got, want in zip(compiled(g), (clip_by_value(g, 1e5), clip_by_value(g, 2.0))):
+        assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in g)

@@ -15,6 +15,8 @@ import numbers
 import torch
 from torch.utils import _pytree as pytree
 
+from vega.errors import shown
+
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
 
 
@@ -26,13 +28,31 @@ def _real_view(g: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(g) if g.is_complex() else g
 
 
-def _positive(who: str, name: str, value) -> None:
-    """A Python number must be positive (a tensor is taken as given: no host sync)."""
+def _positive(who: str, name: str, value):
+    """A Python number must be positive: returned as a float (an int past the float range,
+    10**400, as inf: beyond every value); a tensor is taken as given (no host sync)."""
     if isinstance(value, torch.Tensor):
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
-            or value <= 0:
-        raise ValueError(f"{who}: {name}={value!r} must be a positive number")
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{who}: {name}={shown(value)} must be a positive number")
+    try:
+        x = float(value)
+    except OverflowError:
+        x = math.inf if value > 0 else -math.inf
+    if math.isnan(x) or x <= 0:
+        raise ValueError(f"{who}: {name}={shown(value)} must be a positive number")
+    return x
+
+
+def _within(x: float, dtype: torch.dtype) -> float:
+    """A bound as ``dtype`` holds it: rounded to it where past its range (``torch.clamp``
+    refuses a bound a float16 tensor cannot hold, 1e5; every value of the tensor is within
+    it, and an infinite one becomes what the bound rounds to)."""
+    info = torch.finfo(dtype)
+    if x <= info.max:
+        return x
+    ulp = info.max * info.eps / (2 - info.eps)  # (of the largest value; on the host, exact)
+    return info.max if x < info.max + ulp / 2 else math.inf  # (a tie rounds to inf, even)
 
 
 # A float32 norm on the CPU of a leaf longer than NORM_LONG is taken over chunks of
@@ -108,16 +128,19 @@ def clip_by_global_norm(grads, max_norm, *, reduce_group=None):
     over the mesh of DTensor leaves, which stay DTensors).
     """
     from vega.runtime import sharded
-    _positive("clip_by_global_norm", "max_norm", max_norm)
+    max_norm = _positive("clip_by_global_norm", "max_norm", max_norm)
     sharded.check_group("clip_by_global_norm", reduce_group)
     if not isinstance(max_norm, torch.Tensor) and math.isinf(max_norm):
         return grads
     norm = global_norm(grads, reduce_group=reduce_group)
     if isinstance(max_norm, torch.Tensor):
-        bound = torch.maximum(norm, max_norm.to(norm.device, norm.dtype))
+        coef = max_norm / torch.maximum(norm, max_norm.to(norm.device, norm.dtype))
+    elif max_norm > torch.finfo(norm.dtype).max:  # (past the norm's range, 1e300 for a
+        # float32 norm, which torch.clamp refuses: every finite norm is within it, and an
+        # infinite one scales by 0, as by any bound; NaN stays NaN)
+        coef = torch.where(torch.isinf(norm), 0.0, norm * 0 + 1)
     else:  # a scalar bound: no host-to-device copy (not allowed under CUDA graph capture)
-        bound = torch.clamp(norm, min=max_norm)
-    coef = max_norm / bound
+        coef = max_norm / torch.clamp(norm, min=max_norm)
 
     def scaled(g):
         if g.dtype in (torch.float16, torch.bfloat16):
@@ -139,12 +162,14 @@ def clip_by_value(grads, max):  # the OCaml library's name, shadowing the builti
 
     A complex leaf has its real and imaginary parts clamped separately; NaN stays NaN.
     """
-    _positive("clip_by_value", "max", max)
+    max = _positive("clip_by_value", "max", max)
 
     def one(g):
         if not _float_leaf(g):
             return g
+        x = torch.view_as_real(g) if g.is_complex() else g
+        m = max if isinstance(max, torch.Tensor) else _within(max, x.dtype)
         if g.is_complex():
-            return torch.view_as_complex(torch.clamp(torch.view_as_real(g), -max, max))
-        return torch.clamp(g, -max, max)
+            return torch.view_as_complex(torch.clamp(x, -m, m))
+        return torch.clamp(g, -m, m)
     return pytree.tree_map(one, grads)
