@@ -641,3 +641,15 @@ def test_like_is_a_keyword(saved):
     path, _, state = saved
     with pytest.raises(TypeError):
         vega.load(path, state)
+
+
+def test_a_field_of_a_key_that_is_no_string_is_named_as_its_leaves_are(tmp_path):
+    """A field whose key is not a string and whose value is one tensor is named by the key's
+    text, as the leaves under such keys are: state_names gave the int itself, and save
+    stopped on an internal check ('leaf names disagree')."""
+    state = {1: torch.ones(2), "a": {2: torch.zeros(3)}, "step": torch.zeros((), dtype=torch.int32)}
+    assert vega.state_names(state) == ["1", "a.2", "step"]
+    vega.save(tmp_path / "s.safetensors", state)
+    back = vega.load(tmp_path / "s.safetensors", like=state)
+    assert torch.equal(back[1], state[1]) and torch.equal(back["a"][2], state["a"][2])
+    assert torch.equal(vega.get_leaf(state, "1"), state[1])

@@ -80,7 +80,7 @@ def state_names(state: dict) -> list[str]:
     names = []
     for field, sub in state.items():
         paths = leaf_paths(sub)
-        names += [f"{field}.{p}" if p else field for p in paths]
+        names += [f"{field}.{p}" if p else str(field) for p in paths]
     return names
 
 
