@@ -174,3 +174,22 @@ def test_clip_by_value_traces_under_torch_compile():
                              fullgraph=True, backend="eager")
     for got, want in zip(compiled(g), (clip_by_value(g, 1e5), clip_by_value(g, 2.0))):
         assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in g)
+
+
+@pytest.mark.parametrize("who", ["grads_finite", "global_norm", "clip_by_global_norm",
+                                 "clip_by_value"])
+@pytest.mark.parametrize("layout", ["sparse", "nested"])
+def test_a_sparse_or_nested_gradient_is_named(who, layout):
+    """A sparse or nested gradient (nn.Embedding(sparse=True)'s) is named by its path: torch's
+    norms and finite checks have no kernel for it (a NotImplementedError from inside
+    torch: "Could not run 'aten::linalg_vector_norm' with arguments from the 'SparseCPU'
+    backend")."""
+    import vega
+    bad = torch.ones(3, 2).to_sparse() if layout == "sparse" else \
+        torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    g = {"emb": {"weight": bad}, "b": torch.ones(2)}
+    fn = {"clip_by_global_norm": lambda g: clip_by_global_norm(g, 1.0),
+          "clip_by_value": lambda g: clip_by_value(g, 1.0)}.get(who, getattr(vega, who))
+    words = "sparse" if layout == "sparse" else "a nested tensor"
+    with pytest.raises(ValueError, match=rf"^{who}: the gradient 'emb.weight' is {words}"):
+        fn(g)

@@ -126,8 +126,9 @@ def grads_finite(grads, *, reduce_group=None) -> torch.Tensor:
     answer, and every rank of the group must call it.
     """
     from vega.runtime import sharded
+    from vega.runtime.transforms import float_leaves
     sharded.check_group("grads_finite", reduce_group)
-    leaves = [g for g in pytree.tree_leaves(grads) if _float_leaf(g)]
+    leaves = float_leaves("grads_finite", grads)
     if sharded.involved(leaves, reduce_group):
         bad = sharded.spanning_sum("grads_finite", leaves, lambda x: (~torch.isfinite(x)).sum(
             dtype=torch.float64), reduce_group)

@@ -15,6 +15,7 @@ import numbers
 import torch
 from torch.utils import _pytree as pytree
 
+from vega.codegen.tensors import dense, not_dense
 from vega.errors import shown
 
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
@@ -22,6 +23,25 @@ __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
 
 def _float_leaf(x) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def float_leaves(who: str, grads) -> list:
+    """The float (and complex) leaves of ``grads``; ValueError naming one that is sparse or
+    nested, which torch's norms and finite checks have no kernel for (a NotImplementedError
+    from deep inside torch)."""
+    leaves = [g for g in pytree.tree_leaves(grads) if _float_leaf(g)]
+    if not all(map(dense, leaves)):
+        pairs, _ = pytree.tree_flatten_with_path(grads)
+        path, g = next((p, g) for p, g in pairs if _float_leaf(g) and not dense(g))
+        _refuse(who, path, g)
+    return leaves
+
+
+def _refuse(who: str, path, g: torch.Tensor):
+    from vega.runtime.tree import _key
+    name = ".".join(_key(k) for k in path)
+    which = f"the gradient {name!r}" if name else "the gradient"
+    raise ValueError(f"{who}: {which} is {not_dense(g)}; {who} takes dense (strided) tensors")
 
 
 def _real_view(g: torch.Tensor) -> torch.Tensor:
@@ -95,9 +115,13 @@ def global_norm(grads, *, reduce_group=None) -> torch.Tensor:
     leaves) all-reduces the sum of squares over that group too. One collective each,
     and every rank of the group must call it.
     """
+    return _global_norm("global_norm", grads, reduce_group)
+
+
+def _global_norm(who: str, grads, reduce_group) -> torch.Tensor:
     from vega.runtime import sharded
-    sharded.check_group("global_norm", reduce_group)
-    leaves = [_real_view(g) for g in pytree.tree_leaves(grads) if _float_leaf(g)]
+    sharded.check_group(who, reduce_group)
+    leaves = [_real_view(g) for g in float_leaves(who, grads)]
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
     if sharded.involved(leaves, reduce_group):
         # the sum of squares in float64 on every rank (ranks may hold other dtypes), the
@@ -132,7 +156,7 @@ def clip_by_global_norm(grads, max_norm, *, reduce_group=None):
     sharded.check_group("clip_by_global_norm", reduce_group)
     if not isinstance(max_norm, torch.Tensor) and math.isinf(max_norm):
         return grads
-    norm = global_norm(grads, reduce_group=reduce_group)
+    norm = _global_norm("clip_by_global_norm", grads, reduce_group)
     if isinstance(max_norm, torch.Tensor):
         coef = max_norm / torch.maximum(norm, max_norm.to(norm.device, norm.dtype))
     elif max_norm > torch.finfo(norm.dtype).max:  # (past the norm's range, 1e300 for a
@@ -164,12 +188,14 @@ def clip_by_value(grads, max):  # the OCaml library's name, shadowing the builti
     """
     max = _positive("clip_by_value", "max", max)
 
-    def one(g):
+    def one(path, g):
         if not _float_leaf(g):
             return g
+        if not dense(g):
+            _refuse("clip_by_value", path, g)
         x = torch.view_as_real(g) if g.is_complex() else g
         m = max if isinstance(max, torch.Tensor) else _within(max, x.dtype)
         if g.is_complex():
             return torch.view_as_complex(torch.clamp(x, -m, m))
         return torch.clamp(g, -m, m)
-    return pytree.tree_map(one, grads)
+    return pytree.tree_map_with_path(one, grads)
