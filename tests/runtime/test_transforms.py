@@ -193,3 +193,16 @@ def test_a_sparse_or_nested_gradient_is_named(who, layout):
     words = "sparse" if layout == "sparse" else "a nested tensor"
     with pytest.raises(ValueError, match=rf"^{who}: the gradient 'emb.weight' is {words}"):
         fn(g)
+
+
+@pytest.mark.parametrize("how", ["clip_by_global_norm", "LossScale.unscale"])
+def test_complex_leaves_trace_under_torch_compile(how):
+    """A complex leaf is scaled at its real dtype, found in a way dynamo traces (fullgraph):
+    torch.dtype.to_real() stopped the trace ('Dynamo does not know how to trace method
+    to_real of class dtype')."""
+    import vega
+    g = {"c": torch.tensor([3 - 4j, 1j]), "w": torch.tensor([3.0, -7.0])}
+    fn = (lambda g: clip_by_global_norm(g, 1.0)) if how == "clip_by_global_norm" else \
+        vega.LossScale.dynamic(init=4.0).unscale
+    got, want = torch.compile(fn, fullgraph=True, backend="eager")(g), fn(g)
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in g)

@@ -49,7 +49,8 @@ def _at_dtype(x: torch.Tensor, s: torch.Tensor, op) -> torch.Tensor:
     """
     if x.dtype in (torch.float16, torch.bfloat16):
         return op(x.float(), s.float()).to(x.dtype)
-    real = x.dtype.to_real() if x.dtype.is_complex else x.dtype
+    real = torch.view_as_real(x).dtype if x.is_complex() else x.dtype  # (not dtype's
+    # to_real(), which dynamo cannot trace)
     return op(x, s.to(real))
 
 

@@ -169,8 +169,8 @@ def clip_by_global_norm(grads, max_norm, *, reduce_group=None):
     def scaled(g):
         if g.dtype in (torch.float16, torch.bfloat16):
             return (g.float() * coef.to(g.device, torch.float32)).to(g.dtype)
-        real = g.dtype.to_real() if g.dtype.is_complex else g.dtype
-        return g * coef.to(g.device, real)
+        real = torch.view_as_real(g).dtype if g.is_complex() else g.dtype  # (not dtype's
+        return g * coef.to(g.device, real)  # to_real(), which dynamo cannot trace)
 
     def one(g):
         if not _float_leaf(g):
