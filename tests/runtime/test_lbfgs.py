@@ -794,3 +794,49 @@ def test_memory_size_changed_after_the_first_step_is_refused():
     opt.param_groups[0]["memory_size"] = 3
     opt.step()
     assert int(opt.state[p]["step"]) == 2
+
+
+def _raises_type_error(step):
+    raise TypeError("the schedule's own error")
+
+
+@pytest.mark.parametrize("api", ["class", "functional"])
+@pytest.mark.parametrize("lr,error,msg", [
+    (10**400, ValueError, "lr=1000"),  # (an OverflowError)
+    (torch.tensor(0.1, device="meta"), ValueError, "lr is a meta tensor"),
+    (lambda step: "fast", ValueError, "hyperparameter 'lr': its schedule returned 'fast'"),
+    (lambda step: torch.full((2,), 0.1), ValueError, r"returned a tensor of shape \(2,\)"),
+    (_raises_type_error, TypeError, "the schedule's own error"),
+], ids=["10**400", "meta", "schedule-str", "schedule-vector", "schedule-raises"])
+def test_a_refused_lr_is_named_before_anything_is_written(api, lr, error, msg):
+    """An lr the step cannot take is refused by name, before the history is written: a
+    schedule was called after the step had written its curvature pair in place (the ring
+    buffers and weights changed, the step refused), and what it returned was not checked
+    (TypeError: bad operand type for unary -: 'str'; a size mismatch); a meta tensor
+    failed deep in torch ('Cannot copy out of meta tensor') and 10**400 raised
+    OverflowError."""
+    params = {k: v.clone() for k, v in make_params().items()}
+    state = lbfgs_init(params, memory_size=3)
+    for k in range(2):  # (a history to keep)
+        params, state = lbfgs_step(params, {n: torch.randn_like(p) for n, p in params.items()},
+                                   state, lr=0.1)
+    grads = {n: torch.randn_like(p) for n, p in params.items()}
+    if api == "functional":
+        before = copy.deepcopy((params, state))
+        with pytest.raises(error, match=msg):
+            lbfgs_step(params, grads, state, lr=lr, donate=True)
+        now = (params, state)
+    else:
+        ps = [torch.nn.Parameter(p.clone()) for p in params.values()]
+        opt = LBFGS(ps, lr=0.1, memory_size=3)
+        for p, g in zip(ps, grads.values()):
+            p.grad = g
+        opt.step()
+        before = copy.deepcopy(([p.detach() for p in ps], dict(opt.state)))
+        opt.param_groups[0]["lr"] = lr
+        with pytest.raises(error, match=msg):
+            opt.step()
+        now = ([p.detach() for p in ps], dict(opt.state))
+    flat = [x for x in torch.utils._pytree.tree_leaves(before) if isinstance(x, torch.Tensor)]
+    got = [x for x in torch.utils._pytree.tree_leaves(now) if isinstance(x, torch.Tensor)]
+    assert len(flat) == len(got) and all(torch.equal(a, b) for a, b in zip(flat, got))

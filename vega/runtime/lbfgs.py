@@ -66,7 +66,7 @@ from vega.codegen.steps import advance_steps
 from vega.codegen.tensors import dense, is_dtensor, not_dense
 from vega.runtime import sharded, torch_names
 from vega.dsl.ast import Range
-from vega.runtime.engine import check_reach, check_state_dtype, shown, state_dtype_for
+from vega.runtime.engine import check_reach, check_state_dtype, scheduled, shown, state_dtype_for
 from vega.runtime.spec import _check_leaves, _label, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
 from vega.schedule import Schedule
@@ -97,6 +97,9 @@ def _check_lr(owner: str, lr):
         if lr.dim() != 0 or not lr.is_floating_point():
             raise ValueError(f"{owner}: lr must be a 0-d float tensor, got shape "
                              f"{tuple(lr.shape)} and dtype {lr.dtype}")
+        if lr.device.type == "meta":
+            raise ValueError(f"{owner}: lr is a meta tensor, which has no value: give a "
+                             "tensor on the parameters' device, or a float")
         return lr
     if callable(lr):
         if isinstance(lr, Schedule) and lr.elementwise():
@@ -105,9 +108,12 @@ def _check_lr(owner: str, lr):
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
         raise ValueError(f"{owner}: lr={lr!r} must be a float, a 0-d tensor or a schedule "
                          "(a callable of the step counter)")
-    value = float(lr)
+    try:
+        value = float(lr)
+    except OverflowError:  # (an int past the float range: 10**400)
+        value = math.inf
     if math.isnan(value) or math.isinf(value) or value < 0:
-        raise ValueError(f"{owner}: lr={lr!r} must be a finite number >= 0")
+        raise ValueError(f"{owner}: lr={shown(lr)} must be a finite number >= 0")
     return value
 
 
@@ -315,6 +321,10 @@ def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate, group
     group every inner product is summed over (each rank holding other parameters): one
     all-reduce for the curvature pair's products, one for each slot of the recursion."""
     wd, dev = weights.dtype, weights.device
+    if callable(lr) and not isinstance(lr, torch.Tensor):  # (evaluated and checked before
+        lr = scheduled("lr", lr(step))                      # anything is written)
+        if isinstance(lr, torch.Tensor):
+            lr = lr.reshape(())  # (one element: a parameter keeps its shape)
     count = step.long()
     first = step == 0
     pos = ~first
@@ -367,8 +377,6 @@ def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate, group
         vec = [torch.addcmul(v, w[k], _on(alphas[k] - b, v)) for v, w in zip(vec, OW)]
 
     # 4. the update at the rate lr(step)
-    if callable(lr) and not isinstance(lr, torch.Tensor):
-        lr = lr(step)
     new_p = []
     for p, v in zip(P, vec):
         u = v * (-lr if not isinstance(lr, torch.Tensor) else _on(-lr, v))
