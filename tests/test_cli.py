@@ -225,3 +225,14 @@ def test_show_refuses_a_shape_no_tensor_has(shape, message):
         out = run("show", "adafactor", f"--shape={shape}")
         assert out.returncode == 1 and "Traceback" not in out.stderr
         assert out.stderr == f"vega: --shape {shape!r}: {message}\n"
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999999", str(2**64 - 1), "x"])
+def test_demo_refuses_a_seed_torch_cannot_take(seed, capsys):
+    """A --seed past what torch's generators take (the demo seeds one with seed + 1) is an
+    argument error, before anything trains: it was a traceback from torch.manual_seed
+    (ValueError: Overflow when unpacking long long)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--seed", seed, "--steps", "1"])
+    assert exc.value.code == 2
+    assert f"argument --seed: {seed!r} is not a whole number in" in capsys.readouterr().err

@@ -36,6 +36,18 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _seed(text: str) -> int:
+    """``--seed``: an int torch's generators take, the demo's ``seed + 1`` included."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or not -2**63 <= n <= 2**64 - 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number in "
+                                         "[-2**63, 2**64 - 2]")
+    return n
+
+
 def _load(target: str):
     import vega
     if Path(target).suffix == ".vega" or Path(target).exists():
@@ -198,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_list)
     p = sub.add_parser("demo", help=DEMO_HELP)
     p.add_argument("--steps", type=int, default=400, help="training steps per optimizer")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("bench", help=BENCH_HELP)
     add_bench_options(p)
