@@ -1593,3 +1593,39 @@ def test_a_state_of_its_own_class_missing_a_key_names_no_other_class():
                                          r"'lr'; was it saved from another optimizer than "
                                          r"vega.optim.AdamW\?$"):
         vega.optim.AdamW([p]).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "DAdaptAdamW", "Muon"])
+@pytest.mark.parametrize("when", ["added later", "from the start"])
+def test_a_parameter_off_the_backends_device_in_the_second_group_is_named_first(name, when):
+    """A group whose parameters are on two devices (a meta parameter beside CPU ones) steps
+    on the first one's backend (C), which takes CPU tensors only: the parameter is named
+    before anything is written (the first group had stepped, its state and counters too,
+    before the second group's kernel refused it without naming it: "gradient 2 has no
+    storage the kernels can read"); a first step leaves no state."""
+    params = _params(3)
+    meta = torch.nn.Parameter(torch.randn(3, device="meta"))  # (Muon: a vector, stepped by C)
+    groups = [{"params": params[:1]}, {"params": params[1:]}]
+    if when == "from the start":
+        groups[1]["params"] = params[1:] + [meta]
+    opt = getattr(vega.optim, name)(groups)
+    if when == "added later":
+        _stepped(opt, params)
+        opt.param_groups[1]["params"].append(meta)
+    before = [p.detach().clone() for p in params], {
+        i: {k: v.clone() for k, v in opt.state.get(p, {}).items()} for i, p in enumerate(params)}
+    gen = torch.Generator().manual_seed(3)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    meta.grad = torch.ones_like(meta)
+    with pytest.raises(ValueError, match=rf"^{name}: parameter 2 of group 1: backend 'c' runs "
+                                         r"on CPU tensors, got parameters on meta"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before[0]))
+    assert not opt.state.get(meta)
+    for i, p in enumerate(params):
+        after = opt.state.get(p, {})
+        assert after.keys() == before[1][i].keys(), i  # (none, before a first step)
+        assert all(v.dtype == after[k].dtype and torch.equal(v, after[k])
+                   for k, v in before[1][i].items()), i
+

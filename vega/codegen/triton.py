@@ -1155,11 +1155,12 @@ class Kernel:
                 and all(t.device == params[0].device for t in loss_scale.tensors()))
 
     def check_devices(self, params) -> None:
-        """ValueError where a step of ``params`` would refuse their device when it launches
+        """ValueError where a step of ``params`` would refuse their devices when it launches
         (``triton_runtime.check_device``), for a caller that checks several calls before the
         first writes; a program handed to the reference's operations runs on any."""
-        if params and not (self.program.spans_group and not self.stageable):
-            triton_runtime.check_device(params[0].device)  # (one device: checked with the rest)
+        if not (self.program.spans_group and not self.stageable):
+            for device in {p.device for p in params}:
+                triton_runtime.check_device(device)
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None, adjust=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``; ``adjust``: a

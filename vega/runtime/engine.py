@@ -683,13 +683,22 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
     its gradients and states (``check_states``, ``check_codes``, ``check_dtypes``, the
     compiled kernels' ``state_dtypes``) and its step counters. A step of several calls
     checks each before the first writes, so that one refused has not stepped another."""
+    # the devices its kernel runs on (C's the CPU, Triton's a GPU or its interpreter's): a step
+    # of two calls (two programs, two groups) would have written the first call's tensors
+    # before the second refused its own
     devices_ok = getattr(codegen.kernel(backend, program), "check_devices", None)
-    if devices_ok is not None:  # (Triton's, off the GPU: refused where it launches; a step of
-        try:                    # two programs would have written the other's tensors)
-            devices_ok(params)
+    quick = like(params, grads)  # (every parameter on the first one's device)
+    if devices_ok is not None:
+        try:
+            devices_ok(params[:1] if quick else params)
         except ValueError as e:
+            for i, p in enumerate(params):  # (which parameter, by the caller's name of it)
+                try:
+                    devices_ok([p])
+                except ValueError as one:
+                    raise ValueError(f"{owner}: {name(i)}: {one}") from None
             raise ValueError(f"{owner}: {e}") from None
-    if like(params, grads) and fit(params, params, "rc") and fit(params, grads, "rc") \
+    if quick and fit(params, params, "rc") and fit(params, grads, "rc") \
             and all(fit(params, col, s.dom, 1 if s.name in program.quant else 0)
                     for s, col in zip(program.states, states)) \
             and fit(params, steps, SCALAR_STATE, 3):

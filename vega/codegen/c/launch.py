@@ -45,6 +45,13 @@ def _ptr(x: torch.Tensor | None):
     return ctypes.c_void_p(x.data_ptr()) if x is not None else None
 
 
+def _refuse_off_cpu(params) -> None:
+    off = next((p for p in params if not p.is_cpu), None)
+    if off is not None:
+        raise ValueError(f"backend 'c' runs on CPU tensors, got parameters on {off.device}; "
+                         "use backend='triton' or 'reference'")
+
+
 class Kernel:
     """The C kernels of one program: one library per dtype group, built on first use.
 
@@ -266,6 +273,13 @@ class Kernel:
         nth = torch.get_num_threads()
         for lib, table, _, idx in tables:
             lib.vega_prelude(len(idx), _ptr(table), _ptr(pre), nth)
+
+    def check_devices(self, params) -> None:
+        """ValueError where a step of ``params`` would refuse their devices (``_tables``), for
+        a caller that checks several calls before the first writes; a program handed to the
+        reference's operations runs on any."""
+        if not (self.program.spans_group and not self.stageable):
+            _refuse_off_cpu(params)
 
     def __call__(self, params, grads, states, steps, values, donate, pre=None):
         if self.program.spans_group:  # its reductions over the group, between stages
@@ -645,10 +659,7 @@ class Kernel:
         check_codes("c", self.program, states)
         if list(map(_SHAPE_OF, params)) != list(map(_SHAPE_OF, grads)):
             raise ValueError("backend 'c': a gradient's shape differs from its parameter's")
-        off = next((p for p in params if not p.is_cpu), None)  # (before their counters, which
-        if off is not None:                                     # live where they do)
-            raise ValueError(f"backend 'c' runs on CPU tensors, got parameters on "
-                             f"{off.device}; use backend='triton' or 'reference'")
+        _refuse_off_cpu(params)  # (before their counters, which live where they do)
         for t in steps:
             if t.dtype != torch.int32 or t.dim() != 0 or not t.is_cpu:
                 raise ValueError(f"backend 'c': a step counter must be a 0-d int32 tensor on "
