@@ -1629,3 +1629,22 @@ def test_a_parameter_off_the_backends_device_in_the_second_group_is_named_first(
         assert all(v.dtype == after[k].dtype and torch.equal(v, after[k])
                    for k, v in before[1][i].items()), i
 
+
+@pytest.mark.parametrize("api", ["class", "functional"])
+def test_dadapt_adamw_refuses_eps_0_which_makes_its_first_step_nan(api):
+    """DAdaptAdamW's first step sums s / (sqrt(nu) + eps) at s = nu = 0: 0 / 0 at eps = 0,
+    so d became NaN in the first step and every parameter in the second (the range was
+    [0, inf)); a positive eps, however small, steps."""
+    p = torch.nn.Parameter(torch.randn(5))
+    with pytest.raises(ValueError, match=r"eps=0\.0 is outside its range \(0, inf\)"):
+        if api == "class":
+            vega.optim.DAdaptAdamW([p], eps=0.0)
+        else:
+            params = {"w": p.detach()}
+            vega.dadapt_adamw_step(params, {"w": torch.ones(5)}, vega.dadapt_adamw_init(params),
+                                   eps=0.0)
+    opt = vega.optim.DAdaptAdamW([p], eps=1e-30)
+    for _ in range(2):
+        p.grad = torch.randn(5)
+        opt.step()
+    assert torch.isfinite(p).all() and torch.isfinite(opt.state[p]["d"]).all()
