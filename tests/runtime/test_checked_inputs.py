@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -1648,3 +1649,14 @@ def test_dadapt_adamw_refuses_eps_0_which_makes_its_first_step_nan(api):
         p.grad = torch.randn(5)
         opt.step()
     assert torch.isfinite(p).all() and torch.isfinite(opt.state[p]["d"]).all()
+
+
+@pytest.mark.parametrize("donate", ["no", 1, 0, None, np.bool_(True)])
+def test_a_functional_step_takes_donate_as_a_bool_only(donate):
+    """donate is True or False, as lbfgs_step has it: a string was taken by its truth, so
+    donate='no' stepped the caller's tensors in place."""
+    params = {"w": torch.ones(3)}
+    state = vega.adamw_init(params)
+    with pytest.raises(ValueError, match=r"^adamw_step: donate=.* must be True or False"):
+        vega.adamw_step(params, {"w": torch.ones(3)}, state, donate=donate)
+    assert torch.equal(params["w"], torch.ones(3)) and int(state["step"]) == 0

@@ -174,6 +174,8 @@ class CompiledSpec:
         (docs/precision.md).
         """
         owner = f"{self.name}_step"
+        if not isinstance(donate, bool):  # (a truthy 'no' would write the inputs in place)
+            raise ValueError(f"{owner}: donate={engine.shown(donate)} must be True or False")
         seed = engine.check_precision(owner, master_weights, stochastic_rounding, rounding_seed)
         codegen.check_backend(backend)
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
