@@ -24,8 +24,7 @@ import torch
 # the prelude's record, in order: (slot, meaning)
 PRE_SLOTS = (
     ("sum_sq", "sum of squares of the gradients, each times the inverse loss scale"),
-    ("nonfinite", "non-zero where a gradient holds a NaN or infinity (a count of elements, or "
-                  "of blocks, by backend: only whether it is zero is read)"),
+    ("nonfinite", "non-zero where a gradient is NaN or inf (counts, read as a flag)"),
     ("inv_scale", "inverse loss scale the gradients are multiplied by (1: none)"),
     ("max_norm", "global norm the gradients are clipped to (0: no clipping)"),
     ("check", "1: a step with a non-finite gradient leaves everything as it was"),
