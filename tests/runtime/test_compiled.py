@@ -385,3 +385,46 @@ def test_whole_class_training_step_compiles_without_recompiles(lr):
     assert int(opt.state[next(model.parameters())]["step"]) == 50
     for p, q in zip(model.parameters(), eager[0].parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:2])
+def test_fused_settings_compile_with_dynamic_floats(backend):
+    """Under ``torch.compile(dynamic=True)`` a float setting is a symbolic float: the checks
+    of ``max_grad_norm`` and of a dynamic scale's factors compare it (``math.isfinite``
+    broke the graph, which ``fullgraph=True`` refused). Class and functional steps, one
+    graph each after the step that makes the state, equal to the eager steps; a setting
+    changed to infinity between compiled steps is still refused."""
+    def make():
+        model = make_model()
+        return model, vega.optim.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5,
+                                       loss_scale=vega.LossScale.dynamic(2.0**4),
+                                       backend=backend)
+    runs = []
+    for compiling in (False, True):
+        torch._dynamo.reset()
+        model, opt = make()
+        counter = CompileCounter()
+        step = torch.compile(opt.step, backend=counter, dynamic=True, fullgraph=True) \
+            if compiling else opt.step
+        for x, y in batches(4):
+            opt.loss_scale.scale((model(x) - y).square().mean()).backward()
+            step()
+            opt.zero_grad()
+        runs.append([*model.parameters(), *opt.loss_scale.tensors(),
+                     *(t for st in opt.state.values() for t in st.values())])
+    assert counter.frame_count <= 2, counter.frame_count
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    opt.max_grad_norm = float("inf")  # (fullgraph: dynamo reports the ValueError raised)
+    with pytest.raises(Exception, match="max_grad_norm=inf must be a positive finite"):
+        step()
+
+    params = {"w": torch.ones(3)}
+    grads = {"w": torch.full((3,), 2.0)}
+
+    def functional(max_grad_norm):
+        return vega.adamw_step(params, grads, vega.adamw_init(params), lr=0.1,
+                               max_grad_norm=max_grad_norm, backend=backend)[0]["w"]
+    compiled = torch.compile(functional, backend="eager", dynamic=True, fullgraph=True)
+    for norm in (0.5, 0.25):
+        assert torch.equal(compiled(norm), functional(norm))

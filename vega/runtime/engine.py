@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+import sys
 
 import torch
 
@@ -235,19 +236,19 @@ def check_fused(owner: str, max_grad_norm, skip_nonfinite, loss_scale=None) -> N
                          "(LossScale.dynamic() or LossScale.static(s)) or None")
     if max_grad_norm is not None:
         if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
-                or not max_grad_norm > 0 or not _finite(max_grad_norm):
+                or not positive_finite(max_grad_norm):
             raise ValueError(f"{owner}: max_grad_norm={shown(max_grad_norm)} must be a positive "
                              "finite number (or None for no clipping)")
     if not isinstance(skip_nonfinite, bool):
         raise ValueError(f"{owner}: skip_nonfinite={skip_nonfinite!r} must be True or False")
 
 
-def _finite(x: numbers.Real) -> bool:
-    """Whether a real number is a finite float (10**400 is not)."""
-    try:
-        return math.isfinite(float(x))
-    except OverflowError:
-        return False
+def positive_finite(x: numbers.Real) -> bool:
+    """Whether a real number is positive and a finite float (NaN and 10**400 are not), in
+    comparisons alone: under ``torch.compile(dynamic=True)`` a float setting is a symbolic
+    float, which ``math.isfinite`` cannot take (dynamo breaks the graph there) and a test
+    of ``abs(x) < inf`` would pass at infinity (dynamo takes it as true for every float)."""
+    return 0 < x <= sys.float_info.max
 
 
 def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, base: dict | None = None,

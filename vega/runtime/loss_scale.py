@@ -35,6 +35,8 @@ import numbers
 import torch
 from torch.utils import _pytree as pytree
 
+from vega.runtime.engine import positive_finite
+
 __all__ = ["LossScale", "grads_finite"]
 
 TINY = torch.finfo(torch.float32).tiny  # the floor of backing off where min_scale is lower
@@ -71,7 +73,7 @@ def _positive_real(who: str, name: str, value) -> float:
         x = float(value)
     except OverflowError:  # 10**400
         x = math.inf
-    if not (math.isfinite(x) and x > 0):
+    if not positive_finite(x):  # (compared, as dynamo traces a symbolic float)
         raise ValueError(f"{who}: {name}={_shown(value)} must be positive and finite")
     return x
 
