@@ -1,5 +1,7 @@
 """torch.optim's keywords on vega's classes: betas (and torch's LR schedulers that cycle
 them), maximize, SGD's dampening, foreach / fused / capturable / differentiable."""
+import copy
+
 import pytest
 import torch
 
@@ -695,6 +697,27 @@ def test_load_state_dict_hooks_run_as_torchs(kind):
         assert opt.param_groups[0]["lr"] == 1e-2 and "learning_rate" not in opt.param_groups[0]
     else:
         assert not st["mu"].any() and st["nu"].any()
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "LBFGS"])
+def test_state_dict_post_hooks_see_the_whole_state_dict(cls):
+    """torch's state_dict post-hooks run last, on what state_dict() returns: vega's entries
+    (the loss scale's tensors, the rule's name) were added after them, so that a hook
+    never saw them, and a hook's snapshot (a deep copy) was given the live loss scale."""
+    model = torch.nn.Linear(4, 3)
+    opt = vega.optim.LBFGS(model.parameters()) if cls == "LBFGS" else \
+        vega.optim.AdamW(model.parameters(), loss_scale=vega.LossScale.dynamic())
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append(sorted(sd)))
+    opt.register_state_dict_post_hook(lambda o, sd: copy.deepcopy(sd))
+    saved = opt.state_dict()
+    assert seen == ["pre", sorted(saved)]
+    if cls == "AdamW":
+        assert {"loss_scale", "vega_rule"} <= saved.keys()
+        assert saved["loss_scale"]["loss_scale"] is not opt.loss_scale.loss_scale
+        opt.loss_scale.loss_scale.fill_(2.0)
+        assert float(saved["loss_scale"]["loss_scale"]) == 2.0**15
 
 
 def test_adagrad_starts_a_groups_sums_at_the_groups_initial_accumulator_value():

@@ -579,8 +579,10 @@ class LBFGS(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch's, without a ``reduce_group`` that ``ZeroRedundancyOptimizer`` put in the
-        group (``sharded.without_group_objects``)."""
-        return sharded.without_group_objects(self, super().state_dict())
+        group (``sharded.without_group_objects``), which the state_dict post-hooks see so
+        (``torch_names.saving``)."""
+        return torch_names.saving(
+            self, lambda: sharded.without_group_objects(self, super(LBFGS, self).state_dict()))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, keeping the saved dtypes (torch would cast state to each

@@ -900,7 +900,11 @@ class SpecOptimizer(torch.optim.Optimizer):
         """torch's format, plus the loss scale's tensors under ``'loss_scale'`` and the
         rule's name (the spec's) under ``'vega_rule'``: ``load_state_dict`` refuses the state
         of another rule, whose groups may hold the same keys (Adam's and AdamW's do) with
-        another meaning."""
+        another meaning. torch's state_dict hooks run as torch runs them: the pre-hooks
+        first, the post-hooks on the whole state dict, these entries in it."""
+        return torch_names.saving(self, self._state_dict)
+
+    def _state_dict(self) -> dict:
         self._synced_tuples(f"{type(self).__name__}.state_dict")
         out = sharded.without_group_objects(self, super().state_dict())
         out[torch_names.RULE_KEY] = self.spec.name

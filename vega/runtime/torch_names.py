@@ -242,6 +242,27 @@ def loading(opt, state_dict, load) -> None:
         hook(opt)
 
 
+def saving(opt, save) -> dict:
+    """``opt.state_dict()`` in torch's order around vega's own saving ``save``: the
+    state_dict pre-hooks (``register_state_dict_pre_hook``) run inside it, as torch's saving
+    runs them; the post-hooks are held off there and run on what ``save`` returns, each
+    one's answer replacing it, so that they see (and may change) the whole state dict, the
+    entries vega adds to torch's (the loss scale, the rule's name) too."""
+    post = opt.__dict__.get("_optimizer_state_dict_post_hooks") or {}
+    if post:
+        opt._optimizer_state_dict_post_hooks = collections.OrderedDict()
+    try:
+        state_dict = save()
+    finally:
+        if post:
+            opt._optimizer_state_dict_post_hooks = post
+    for hook in list(post.values()):
+        answer = hook(opt, state_dict)
+        if answer is not None:
+            state_dict = answer
+    return state_dict
+
+
 def negated(grads: list) -> list:
     """``grads`` negated (``maximize``), None kept where a parameter has no gradient: a
     new list of new tensors, as torch's foreach step negates them."""
