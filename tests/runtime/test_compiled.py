@@ -428,3 +428,41 @@ def test_fused_settings_compile_with_dynamic_floats(backend):
     compiled = torch.compile(functional, backend="eager", dynamic=True, fullgraph=True)
     for norm in (0.5, 0.25):
         assert torch.equal(compiled(norm), functional(norm))
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:2])
+def test_class_step_compiles_without_the_plans_of_eager_steps(backend):
+    """A traced class step neither reads nor keeps the plans eager steps reuse
+    (``SpecOptimizer._planned_work``): reading one called an ``attrgetter`` over the
+    parameters without a gradient (one that never has one, here), which dynamo cannot
+    trace (``fullgraph=True`` refused the second compiled step), and a plan kept by a
+    traced step was guarded on, so that a ``load_state_dict`` compiled the step twice. One
+    graph before the state is made, one after, one more after each load; equal to the
+    eager steps bit for bit, every state tensor too."""
+    def run(compiling):
+        torch._dynamo.reset()
+        model = make_model()
+        unused = torch.nn.Parameter(torch.ones(3))
+        opt = vega.optim.AdamW([*model.parameters(), unused], lr=torch.tensor(1e-2),
+                               max_grad_norm=1.0, backend=backend)
+        counter = CompileCounter()
+        step = torch.compile(opt.step, backend=counter, fullgraph=True) \
+            if compiling else opt.step
+        for k, (x, y) in enumerate(batches(8)):
+            (model(x) - y).square().mean().backward()
+            step()
+            opt.zero_grad()
+            if k == 2:
+                saved = opt.state_dict()
+                saved = {**saved, "state": {i: {n: t.clone() for n, t in st.items()}
+                                            for i, st in saved["state"].items()}}
+            if k in (4, 6):
+                opt.load_state_dict(saved)
+        return counter.frame_count, [*model.parameters(), unused,
+                                     *(t for st in opt.state.values() for t in st.values())]
+    frames, compiled = run(True)
+    assert frames == 4, frames
+    eager = run(False)[1]
+    assert len(compiled) == len(eager) == 5 + 4 * 3
+    for a, b in zip(compiled, eager, strict=True):
+        assert torch.equal(a, b)

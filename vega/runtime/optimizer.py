@@ -342,7 +342,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                 sync.sync(type(self).__name__, k, group)
                 self._check_group_settings(k, group)
                 flags, values = self._group_values(group)
-                found, grads, is_plain = self._planned_work(k, group, flags, values)
+                found, grads, is_plain = (None, self._grads(group), False) \
+                    if torch.compiler.is_compiling() else \
+                    self._planned_work(k, group, flags, values)
                 if found is None:
                     found = self._group_work(k, group, grads, flags, values)
                 elif is_plain:
@@ -680,12 +682,13 @@ class SpecOptimizer(torch.optim.Optimizer):
                  for program, ks in engine.groups(progs)]
         plan = _Plan(group, self.state, grads_all, flags, self._choosing(values), device,
                      params, sts, parts, self._shapes(params))
-        plans = self._plans()
-        plans += [None] * (k + 1 - len(plans))
         plan.precision = (master, seed)
         # (master copies and stochastic rounding: programs chosen by the parameters' dtypes)
         plan.dtypes = [p.dtype for p in plan.params] if master or seed is not None else None
-        plans[k] = plan
+        if not torch.compiler.is_compiling():
+            plans = self._plans()
+            plans += [None] * (k + 1 - len(plans))
+            plans[k] = plan
         return plan.work(backend, grads, sts, values)
 
     def _drop_masters(self, group, master: bool) -> None:
@@ -1470,7 +1473,9 @@ class _Plan:
         self.params = self.all_params if all(present) else params
         self.flags, self.choosing, self.device = dict(flags), choosing, device
         self.sts, self.parts, self.shapes = sts, parts, shapes
-        self.changes = getattr(state, "changes", None)  # (``_States``)
+        # (``_States``; not read while dynamo traces, which keeps no plan: no guard on it)
+        self.changes = None if torch.compiler.is_compiling() else getattr(state, "changes",
+                                                                            None)
         # each part's parameters, their state dicts and the names of the state tensors its
         # program reads, with the step counter's; the parameters without a gradient
         self.lists = [(self.params, sts, [*program.state_names, "step"]) if ks is None else
