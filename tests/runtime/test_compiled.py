@@ -466,3 +466,33 @@ def test_class_step_compiles_without_the_plans_of_eager_steps(backend):
     assert len(compiled) == len(eager) == 5 + 4 * 3
     for a, b in zip(compiled, eager, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("lr", ["float", "tensor"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_torch_scheduler_changes_the_rate_without_recompiles(backend, lr):
+    """A class step compiled before a torch LR scheduler wraps it, the scheduler changing
+    the rate after every step: one graph after the step that makes the state, with a rate
+    given as a number too (the Triton operator took it as a float argument, a constant of
+    the graph: each new value compiled the step again, until dynamo's limit refused it),
+    equal to the eager steps bit for bit."""
+    def run(compiling):
+        torch._dynamo.reset()
+        model = make_model()
+        opt = vega.optim.AdamW(model.parameters(), backend=backend, max_grad_norm=1.0,
+                               lr=1e-2 if lr == "float" else torch.tensor(1e-2))
+        counter = CompileCounter()
+        step = torch.compile(opt.step, backend=counter, fullgraph=True) \
+            if compiling else opt.step
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+        for x, y in batches(10):
+            (model(x) - y).square().mean().backward()
+            step()
+            opt.zero_grad()
+            sched.step()
+        return counter.frame_count, [*model.parameters(),
+                                     *(t for st in opt.state.values() for t in st.values())]
+    frames, compiled = run(True)
+    assert frames == 2, frames
+    for a, b in zip(compiled, run(False)[1], strict=True):
+        assert torch.equal(a, b)

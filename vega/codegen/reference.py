@@ -1139,8 +1139,13 @@ class Kernel:
         return text
 
     def _hyper_args(self, values: dict, dtype, device):
+        """The float hyperparameters as 0-d tensors of ``dtype``; a number made one by
+        ``torch.full``, which dynamo traces with the number an input of the graph (with
+        ``torch.as_tensor`` it is a constant: a new value, a torch LR scheduler's, compiled
+        the step again, step after step)."""
         return [v if isinstance(v, torch.Tensor) and v.dtype == dtype and v.device == device
-                else torch.as_tensor(v, dtype=dtype, device=device)
+                else v.to(dtype=dtype, device=device) if isinstance(v, torch.Tensor)
+                else torch.full((), v, dtype=dtype, device=device)
                 for v in (values[h] for h in self.program.float_hypers)]
 
     def init(self, p: torch.Tensor, values: dict, state_dtype,

@@ -963,11 +963,15 @@ def _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pr
     return finite
 
 
-def _hypers(kern, values) -> tuple[list, list, list, list, int]:
+def _hypers(kern, values, device=None) -> tuple[list, list, list, list, int]:
     """The hyperparameters of a step's tensors as ``vega::triton_step`` takes them: (0-d
     tensors, floats, each value's place among those, each tensor's set of values), and the
-    number of those sets (the rows of ``_hyper_array``'s array)."""
+    number of those sets (the rows of ``_hyper_array``'s array). While dynamo traces (on
+    ``device``), a number is a 0-d float64 tensor made in the graph: a float argument of the
+    operator is a constant of the graph, which a new value (a torch LR scheduler's) would
+    compile again, step after step."""
     hyper_tensors, hyper_floats, hyper_slots = [], [], []
+    as_tensor = device is not None and torch.compiler.is_compiling()
     if isinstance(values, HyperRows):  # the table as it is: _hyper_array takes it whole
         uniq_values, hyper_index = [], values.index
         hyper_tensors.append(values.table)
@@ -978,6 +982,8 @@ def _hypers(kern, values) -> tuple[list, list, list, list, int]:
     for vals in uniq_values:
         for h in kern.program.float_hypers:
             v = vals[h]
+            if as_tensor and not isinstance(v, torch.Tensor):
+                v = torch.full((), v, dtype=torch.float64, device=device)
             if isinstance(v, torch.Tensor):
                 hyper_slots.append(len(hyper_tensors))
                 hyper_tensors.append(v)
@@ -995,7 +1001,7 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
     device = params[0].device if n else (pre.device if pre is not None else torch.device("cpu"))
     # distinct step counters and hyperparameter sets (the same object is shared by many tensors)
     uniq_steps, step_index = distinct(steps)
-    hypers = _hypers(kern, values)
+    hypers = _hypers(kern, values, device)
     hyper_tensors, hyper_floats, hyper_slots, hyper_index, _ = hypers
     if donate and n and not torch.compiler.is_compiling():
         finite = _native_step(kern, params, grads, states, uniq_steps, step_index, hypers, pre,
