@@ -496,3 +496,30 @@ def test_a_torch_scheduler_changes_the_rate_without_recompiles(backend, lr):
     assert frames == 2, frames
     for a, b in zip(compiled, run(False)[1], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adafactor"])
+def test_programs_picked_by_values_compile_with_dynamic_floats(name):
+    """Under ``torch.compile(dynamic=True)`` the values an ``if`` of the spec reads (SGD's
+    momentum) are symbolic floats: their outcomes are Python bools (a guard each) before
+    the program is lowered outside the trace, and the cache of programs by values is not
+    asked (its key sorted symbolic floats), which ``fullgraph=True`` refused. One graph
+    after the step that makes the state, equal to the eager steps."""
+    def run(compiling):
+        torch._dynamo.reset()
+        model = make_model()
+        opt = getattr(vega.optim, name)(model.parameters(), max_grad_norm=1.0,
+                                        **({"momentum": 0.9} if name == "SGD" else {}))
+        counter = CompileCounter()
+        step = torch.compile(opt.step, backend=counter, dynamic=True, fullgraph=True) \
+            if compiling else opt.step
+        for x, y in batches(4):
+            (model(x) - y).square().mean().backward()
+            step()
+            opt.zero_grad()
+        return counter.frame_count, [*model.parameters(),
+                                     *(t for st in opt.state.values() for t in st.values())]
+    frames, compiled = run(True)
+    assert frames == 2, frames
+    for a, b in zip(compiled, run(False)[1], strict=True):
+        assert torch.equal(a, b)

@@ -330,9 +330,12 @@ def _programs(owner: str, spec, flags: dict, values: dict, tensors,
     known = shape_values(owner, spec, flags, values) if spec.shape_conditions else {}
     fkey = tuple(sorted(flags.items()))
     if not spec.reads_shape:  # no conditions, or on values only: one program for all
-        program = untraced(_lower, spec, fkey, _or(spec.shapes(known, ()), held))
+        program = untraced(_lower, spec, fkey, _or(_outcomes(spec, known, ()), held))
         return [None if t is None else program for t in tensors]
-    out, seen = [], spec.chosen({**known, "\0held": held})
+    # (while dynamo traces, the values may be symbolic floats (dynamic=True), which the
+    # cache's key cannot hold: the trace keeps what it picks)
+    out = []
+    seen = {} if torch.compiler.is_compiling() else spec.chosen({**known, "\0held": held})
     for t in tensors:
         if t is None:
             out.append(None)
@@ -341,9 +344,16 @@ def _programs(owner: str, spec, flags: dict, values: dict, tensors,
         found = seen.get(shape)
         if found is None:
             found = seen[shape] = untraced(_lower, spec, fkey,
-                                           _or(spec.shapes(known, shape), held))
+                                           _or(_outcomes(spec, known, shape), held))
         out.append(found)
     return out
+
+
+def _outcomes(spec, known: dict, shape: tuple) -> tuple:
+    """``spec.shapes(known, shape)``, each outcome a Python bool also where a value is a
+    symbolic float of dynamo's (``torch.compile(dynamic=True)``): an ``if`` on it guards the
+    graph on the outcome, which ``untraced`` can then take as a constant."""
+    return tuple(True if c else False for c in spec.shapes(known, shape))
 
 
 def _or(outcomes: tuple, held: tuple) -> tuple:
