@@ -523,3 +523,27 @@ def test_programs_picked_by_values_compile_with_dynamic_floats(name):
     assert frames == 2, frames
     for a, b in zip(compiled, run(False)[1], strict=True):
         assert torch.equal(a, b)
+
+
+def test_lbfgs_compiles_with_dynamic_floats():
+    """LBFGS's check of a float ``lr`` compares it (``math.isnan`` of the symbolic float of
+    ``torch.compile(dynamic=True)`` broke the graph, which ``fullgraph=True`` refused): one
+    graph after the step that makes the state, equal to the eager steps."""
+    def run(compiling):
+        torch._dynamo.reset()
+        model = make_model()
+        opt = vega.optim.LBFGS(model.parameters(), lr=0.5)
+        counter = CompileCounter()
+        step = torch.compile(opt.step, backend=counter, dynamic=True, fullgraph=True) \
+            if compiling else opt.step
+        for x, y in batches(4):
+            (model(x) - y).square().mean().backward()
+            step()
+            opt.zero_grad()
+        return counter.frame_count, [*model.parameters(),
+                                     *(t for st in opt.state.values() for t in st.values()
+                                       if isinstance(t, torch.Tensor))]
+    frames, compiled = run(True)
+    assert frames == 2, frames
+    for a, b in zip(compiled, run(False)[1], strict=True):
+        assert torch.equal(a, b)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from functools import partial
 
 import torch
@@ -112,7 +113,7 @@ def _check_lr(owner: str, lr):
         value = float(lr)
     except OverflowError:  # (an int past the float range: 10**400)
         value = math.inf
-    if math.isnan(value) or math.isinf(value) or value < 0:
+    if not 0 <= value <= sys.float_info.max:  # (compared, as dynamo traces a symbolic float)
         raise ValueError(f"{owner}: lr={shown(lr)} must be a finite number >= 0")
     return value
 
