@@ -73,6 +73,18 @@ def test_global_norm_of_long_float32_leaves_on_the_cpu():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("extra", [1, 255])
+def test_the_values_past_a_long_leafs_last_whole_chunk_count(extra):
+    """A long float32 CPU leaf taken in chunks (NORM_LONG) is no whole number of them: the
+    values past the last whole chunk count as much as the others (here they hold the whole
+    norm, 5)."""
+    from vega.runtime import transforms
+    g = torch.zeros(transforms.NORM_LONG + transforms.NORM_CHUNK + extra)
+    g[-1], g[-2 if extra > 1 else 0] = 4.0, 3.0
+    assert global_norm([g]).item() == 5.0
+    assert global_norm({"a": g, "b": torch.ones(1)}).item() == pytest.approx(26**0.5)
+
+
 def test_global_norm_matches_vector_norm_of_concatenation():
     g = grads(torch.float32)
     n = global_norm(g)
