@@ -468,6 +468,47 @@ def test_class_step_compiles_without_the_plans_of_eager_steps(backend):
         assert torch.equal(a, b)
 
 
+def compiled_like_eager(make, n, *, dynamic=None, eager_first=0, then=None) -> int:
+    """Steps the optimizer ``make(model)`` over ``n`` batches twice: eagerly, and with its
+    step compiled (``fullgraph=True``) after ``eager_first`` eager steps; ``then(opt)``, made
+    after the step is compiled, is called after each step. Asserts both end equal bit for
+    bit (the parameters and every state tensor); returns the graphs the compiled run made."""
+    def run(compiling):
+        torch._dynamo.reset()
+        model = make_model()
+        opt = make(model)
+        counter = CompileCounter()
+        step = torch.compile(opt.step, backend=counter, dynamic=dynamic, fullgraph=True) \
+            if compiling else opt.step
+        after = then(opt) if then is not None else (lambda: None)
+        for k, (x, y) in enumerate(batches(n)):
+            (model(x) - y).square().mean().backward()
+            (opt.step if k < eager_first else step)()
+            opt.zero_grad()
+            after()
+        return counter.frame_count, [*model.parameters(),
+                                     *(t for st in opt.state.values() for t in st.values()
+                                       if isinstance(t, torch.Tensor))]
+    frames, compiled = run(True)
+    for a, b in zip(compiled, run(False)[1], strict=True):
+        assert torch.equal(a, b)
+    return frames
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:2])
+def test_a_class_step_compiled_after_eager_steps_reads_no_plan_of_theirs(backend):
+    """A class step compiled after eager steps, which keep plans
+    (``SpecOptimizer._planned_work``), does not read theirs: reading one called an
+    ``attrgetter`` over the parameters without a gradient (one that never has one, here),
+    which dynamo cannot trace (``fullgraph=True`` refused the step). One graph, equal to
+    the eager steps."""
+    def make(model):
+        unused = torch.nn.Parameter(torch.ones(3))
+        return vega.optim.AdamW([*model.parameters(), unused], lr=torch.tensor(1e-2),
+                                max_grad_norm=1.0, backend=backend)
+    assert compiled_like_eager(make, 6, eager_first=2) == 1
+
+
 @pytest.mark.parametrize("lr", ["float", "tensor"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_torch_scheduler_changes_the_rate_without_recompiles(backend, lr):
@@ -476,26 +517,13 @@ def test_a_torch_scheduler_changes_the_rate_without_recompiles(backend, lr):
     given as a number too (the Triton operator took it as a float argument, a constant of
     the graph: each new value compiled the step again, until dynamo's limit refused it),
     equal to the eager steps bit for bit."""
-    def run(compiling):
-        torch._dynamo.reset()
-        model = make_model()
-        opt = vega.optim.AdamW(model.parameters(), backend=backend, max_grad_norm=1.0,
-                               lr=1e-2 if lr == "float" else torch.tensor(1e-2))
-        counter = CompileCounter()
-        step = torch.compile(opt.step, backend=counter, fullgraph=True) \
-            if compiling else opt.step
-        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
-        for x, y in batches(10):
-            (model(x) - y).square().mean().backward()
-            step()
-            opt.zero_grad()
-            sched.step()
-        return counter.frame_count, [*model.parameters(),
-                                     *(t for st in opt.state.values() for t in st.values())]
-    frames, compiled = run(True)
-    assert frames == 2, frames
-    for a, b in zip(compiled, run(False)[1], strict=True):
-        assert torch.equal(a, b)
+    def make(model):
+        return vega.optim.AdamW(model.parameters(), backend=backend, max_grad_norm=1.0,
+                                lr=1e-2 if lr == "float" else torch.tensor(1e-2))
+
+    def then(opt):  # (the scheduler wraps opt.step, already compiled)
+        return torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9).step
+    assert compiled_like_eager(make, 10, then=then) == 2
 
 
 @pytest.mark.parametrize("name", ["SGD", "Adafactor"])
@@ -505,45 +533,15 @@ def test_programs_picked_by_values_compile_with_dynamic_floats(name):
     the program is lowered outside the trace, and the cache of programs by values is not
     asked (its key sorted symbolic floats), which ``fullgraph=True`` refused. One graph
     after the step that makes the state, equal to the eager steps."""
-    def run(compiling):
-        torch._dynamo.reset()
-        model = make_model()
-        opt = getattr(vega.optim, name)(model.parameters(), max_grad_norm=1.0,
-                                        **({"momentum": 0.9} if name == "SGD" else {}))
-        counter = CompileCounter()
-        step = torch.compile(opt.step, backend=counter, dynamic=True, fullgraph=True) \
-            if compiling else opt.step
-        for x, y in batches(4):
-            (model(x) - y).square().mean().backward()
-            step()
-            opt.zero_grad()
-        return counter.frame_count, [*model.parameters(),
-                                     *(t for st in opt.state.values() for t in st.values())]
-    frames, compiled = run(True)
-    assert frames == 2, frames
-    for a, b in zip(compiled, run(False)[1], strict=True):
-        assert torch.equal(a, b)
+    def make(model):
+        return getattr(vega.optim, name)(model.parameters(), max_grad_norm=1.0,
+                                         **({"momentum": 0.9} if name == "SGD" else {}))
+    assert compiled_like_eager(make, 4, dynamic=True) == 2
 
 
 def test_lbfgs_compiles_with_dynamic_floats():
     """LBFGS's check of a float ``lr`` compares it (``math.isnan`` of the symbolic float of
     ``torch.compile(dynamic=True)`` broke the graph, which ``fullgraph=True`` refused): one
     graph after the step that makes the state, equal to the eager steps."""
-    def run(compiling):
-        torch._dynamo.reset()
-        model = make_model()
-        opt = vega.optim.LBFGS(model.parameters(), lr=0.5)
-        counter = CompileCounter()
-        step = torch.compile(opt.step, backend=counter, dynamic=True, fullgraph=True) \
-            if compiling else opt.step
-        for x, y in batches(4):
-            (model(x) - y).square().mean().backward()
-            step()
-            opt.zero_grad()
-        return counter.frame_count, [*model.parameters(),
-                                     *(t for st in opt.state.values() for t in st.values()
-                                       if isinstance(t, torch.Tensor))]
-    frames, compiled = run(True)
-    assert frames == 2, frames
-    for a, b in zip(compiled, run(False)[1], strict=True):
-        assert torch.equal(a, b)
+    assert compiled_like_eager(lambda model: vega.optim.LBFGS(model.parameters(), lr=0.5), 4,
+                               dynamic=True) == 2
