@@ -337,6 +337,22 @@ def test_no_home_directory_builds_into_a_private_one_with_one_warning(cache, mon
     assert "set VEGA_CACHE_DIR" in warned[0] and str(private.parent) in warned[0]
 
 
+def test_a_home_directory_of_no_user_is_said_as_such(cache, tmp_path, monkeypatch):
+    # VEGA_CACHE_DIR=~name/... of a user the password database does not hold, HOME set: the
+    # warning said that HOME was not set and this uid had no entry
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("VEGA_CACHE_DIR", "~no-such-user-of-vega/kernels")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = cbuild.cache_dir()
+    assert path.parent == cbuild._fallback
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(warned) == 1, warned
+    assert "the home directory ~no-such-user-of-vega cannot be determined (no user " \
+        "'no-such-user-of-vega' in the password database)" in warned[0]
+    assert "HOME" not in warned[0] and "uid" not in warned[0]
+
+
 def test_no_private_directory_either_is_a_clear_error(cache, tmp_path, monkeypatch):
     file = tmp_path / "a-file"
     file.write_text("")

@@ -78,15 +78,18 @@ def cache_dir() -> Path:
     of ``VEGA_CACHE_DIR`` is the home directory (set where no shell expands it: a
     container's environment, a ``.env`` file), not a directory named ``~`` in the working
     directory. Where there is no home directory to hold the cache (no ``HOME``, and no
-    entry in the password database: a container run under a uid of its own), this
-    process's private directory, with one warning that says so."""
+    entry in the password database: a container run under a uid of its own; or a ``~name``
+    of no user), this process's private directory, with one warning that says which."""
     root = os.environ.get("VEGA_CACHE_DIR")
     try:
         return (Path(root).expanduser() if root else Path.home() / ".cache" / "vega") / "c"
     except (RuntimeError, KeyError, OSError):  # (pathlib says "Could not determine home")
-        return _private_root(Path(root or "~/.cache/vega"), "this user's home directory "
-                             f"cannot be determined (HOME is not set, and uid {os.geteuid()} "
-                             "has no entry in the password database)") / "c"
+        head = Path(root).parts[0] if root else "~"  # (~ or ~name)
+        problem = "this user's home directory cannot be determined (HOME is not set, and " \
+            f"uid {os.geteuid()} has no entry in the password database)" if head == "~" else \
+            f"the home directory {head} cannot be determined (no user {head[1:]!r} in the " \
+            "password database)"
+        return _private_root(Path(root or "~/.cache/vega"), problem) / "c"
 
 
 _cache_warned = False
