@@ -260,3 +260,26 @@ def test_bench_cpu_py_takes_the_options_of_vega_bench():
         assert option in out.stdout
     out = _bench_cpu_py("--repeat", "0")  # read, and refused as vega bench refuses it
     assert out.returncode == 2 and "argument --repeat: '0' is not a positive integer" in out.stderr
+
+
+def test_the_timings_in_processes_of_their_own_import_this_checkouts_vega(monkeypatch):
+    """The functional rows and the compile times are timed in new Python processes, which
+    import vega: where this checkout is on the path of this process only (a script beside
+    it, a sys.path entry added by hand), they found no vega, or timed another one."""
+    import os
+    import subprocess
+    import types
+    seen = []
+
+    def run(args, **kwargs):
+        seen.append(kwargs.get("env"))
+        return types.SimpleNamespace(returncode=0, stdout="[0.5]" if "-c" in args and
+                                     "json.loads(sys.argv[1])" in args[2] else "0.5\n")
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setenv("PYTHONPATH", "elsewhere")
+    assert bench._in_own_process("functional_seconds", [(1,)], 1) == [0.5]
+    assert bench.compile_times() == (0.5, 0.5)
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(bench.__file__)))
+    assert os.path.isfile(os.path.join(tree, "pyproject.toml"))  # (the tests' checkout)
+    assert len(seen) == 3
+    assert all(env["PYTHONPATH"].split(os.pathsep) == [tree, "elsewhere"] for env in seen)

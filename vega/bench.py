@@ -385,7 +385,7 @@ def _in_own_process(function: str, shapes, count: int) -> list[float]:
             f"out = {function}([tuple(s) for s in json.loads(sys.argv[1])]); "
             "print(json.dumps(list(out) if isinstance(out, tuple) else [out]))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(shapes)], capture_output=True,
-                         text=True, timeout=900)
+                         text=True, timeout=900, env=native.checkout_env())
     if out.returncode != 0:
         raise RuntimeError(f"{function} failed:\n{out.stderr[-2000:]}")
     numbers = json.loads(out.stdout.strip().splitlines()[-1])  # (NaN: json's NaN)
@@ -514,7 +514,7 @@ def compile_times() -> tuple[float, float]:
             "k = codegen.kernel('c', spec.program()); k.library(('float32',) * 3); "
             "print(time.perf_counter() - t)")
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "VEGA_CACHE_DIR": cache}
+        env = {**(native.checkout_env() or os.environ), "VEGA_CACHE_DIR": cache}
         run = [sys.executable, "-c", code]
         cold = float(subprocess.run(run, env=env, capture_output=True, text=True,
                                     check=True).stdout)

@@ -255,10 +255,11 @@ def build(target: Path | None = None) -> str | None:
     return error
 
 
-def _build_env() -> dict | None:
-    """The environment of the build's process: this one's, and where this vega is a source
+def checkout_env() -> dict | None:
+    """The environment of a Python process that imports vega (the build's, ``vega bench``'s
+    timings in a process of their own): this one's, and where this vega is a source
     checkout's (pyproject.toml beside the package), that checkout first on PYTHONPATH, so
-    that the build imports this vega where the checkout is on this process's path only (a
+    that it imports this vega where the checkout is on this process's path only (a
     script beside it, a ``sys.path`` entry added by hand); None, unchanged, for an installed
     vega (its site directory first on the path could hide the standard library's modules)."""
     tree = Path(__file__).resolve().parents[3]
@@ -288,7 +289,7 @@ def _spawn(target: Path) -> None:
         log = tempfile.TemporaryFile()
         proc = subprocess.Popen([sys.executable, "-m", "vega.codegen.c.native", str(lock)],
                                 stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                env=_build_env())
+                                env=checkout_env())
         _state["pending"] = (target, proc, log)
     except OSError as e:
         if made:
