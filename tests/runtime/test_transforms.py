@@ -218,3 +218,20 @@ def test_complex_leaves_trace_under_torch_compile(how):
         vega.LossScale.dynamic(init=4.0).unscale
     got, want = torch.compile(fn, fullgraph=True, backend="eager")(g), fn(g)
     assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in g)
+
+
+def test_a_conjugate_view_is_taken_as_its_values():
+    """A complex leaf that is a conjugate view (``x.conj()``, torch's lazy conjugate) is
+    taken as the values it holds: torch.view_as_real refuses such a view ("view_as_real
+    doesn't work on unresolved conjugated tensors"), which global_norm, clip_by_global_norm,
+    clip_by_value and LossScale.unscale raised from inside torch."""
+    import vega
+    c = torch.tensor([3 + 4j, -1j, 0.5 - 0.25j])
+    lazy, plain = {"c": c.conj()}, {"c": c.conj().resolve_conj()}
+    assert lazy["c"].is_conj() and not plain["c"].is_conj()
+    for fn in (global_norm, lambda g: clip_by_global_norm(g, 1.0),
+               lambda g: clip_by_value(g, 2.0), vega.LossScale.dynamic(init=4.0).unscale):
+        got, want = fn(lazy), fn(plain)
+        for a, b in zip(torch.utils._pytree.tree_leaves(got),
+                        torch.utils._pytree.tree_leaves(want), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a.resolve_conj(), b)

@@ -51,8 +51,8 @@ def _at_dtype(x: torch.Tensor, s: torch.Tensor, op) -> torch.Tensor:
     """
     if x.dtype in (torch.float16, torch.bfloat16):
         return op(x.float(), s.float()).to(x.dtype)
-    real = torch.view_as_real(x).dtype if x.is_complex() else x.dtype  # (not dtype's
-    # to_real(), which dynamo cannot trace)
+    real = x.real.dtype  # (not dtype's to_real(), which dynamo cannot trace, nor
+    # view_as_real's, which refuses a conjugate view)
     return op(x, s.to(real))
 
 

@@ -45,7 +45,9 @@ def _refuse(who: str, path, g: torch.Tensor):
 
 
 def _real_view(g: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(g) if g.is_complex() else g
+    """A complex leaf's values as real pairs (of a conjugate view, which torch.view_as_real
+    refuses, its values' copy); a real leaf as it is."""
+    return torch.view_as_real(g.resolve_conj()) if g.is_complex() else g
 
 
 def _positive(who: str, name: str, value):
@@ -169,8 +171,8 @@ def clip_by_global_norm(grads, max_norm, *, reduce_group=None):
     def scaled(g):
         if g.dtype in (torch.float16, torch.bfloat16):
             return (g.float() * coef.to(g.device, torch.float32)).to(g.dtype)
-        real = torch.view_as_real(g).dtype if g.is_complex() else g.dtype  # (not dtype's
-        return g * coef.to(g.device, real)  # to_real(), which dynamo cannot trace)
+        real = g.real.dtype  # (not dtype's to_real(), which dynamo cannot trace, nor
+        return g * coef.to(g.device, real)  # view_as_real's, which refuses a conjugate view)
 
     def one(g):
         if not _float_leaf(g):
@@ -193,7 +195,7 @@ def clip_by_value(grads, max):  # the OCaml library's name, shadowing the builti
             return g
         if not dense(g):
             _refuse("clip_by_value", path, g)
-        x = torch.view_as_real(g) if g.is_complex() else g
+        x = _real_view(g)
         m = max if isinstance(max, torch.Tensor) else _within(max, x.dtype)
         if g.is_complex():
             return torch.view_as_complex(torch.clamp(x, -m, m))
