@@ -4,12 +4,17 @@
 The source check runs everywhere. The steps over more than 2**31 elements need about 4.5 GB
 (6.8 GB with 8-bit state) and 3-7 s each: they run where the machine has 12 GiB available
 (room beside another test process), or with ``VEGA_LARGE=1``; ``VEGA_LARGE=0`` leaves them
-out. Their gradients are zeros that numpy's calloc leaves untouched (the pages read as zero
-without being made), so only the bfloat16 parameters (and the 8-bit codes) take memory.
+out. They take turns on the machine (a lock file: pytest-xdist's processes, or two runs of
+the suite, each saw the same 12 GiB and would step at once), the memory looked at again
+when a step's turn comes. Their gradients are zeros that numpy's calloc leaves untouched
+(the pages read as zero without being made), so only the bfloat16 parameters (and the 8-bit
+codes) take memory.
 """
+import contextlib
 import math
 import os
 import re
+import tempfile
 
 import numpy as np
 import pytest
@@ -35,10 +40,34 @@ def _available_gib() -> float:
 
 
 _LARGE = os.environ.get("VEGA_LARGE")
-large = pytest.mark.skipif(
-    _LARGE == "0" or (_LARGE != "1" and _available_gib() < 12),
-    reason="steps over 2**31 elements need 4.5-6.8 GB: they run with 12 GiB available, "
-           "or with VEGA_LARGE=1")
+_ROOM = "steps over 2**31 elements need 4.5-6.8 GB: they run with 12 GiB available, or " \
+    "with VEGA_LARGE=1"
+LOCK = os.path.join(tempfile.gettempdir(), f"vega-tests-large-{os.getuid()}.lock")
+
+
+@contextlib.contextmanager
+def one_at_a_time():
+    """Hold the machine's turn of the large steps (``LOCK``, flock), waiting for it."""
+    import fcntl
+    with open(LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # (released as the file closes)
+
+
+@pytest.fixture
+def turn():
+    """This test's turn of the large steps, skipped where the memory is gone by then."""
+    with one_at_a_time():
+        if _LARGE != "1" and _available_gib() < 12:
+            pytest.skip(_ROOM)
+        yield
+
+
+def large(test):
+    """A step over more than 2**31 elements: run where there is room, in its turn."""
+    marked = pytest.mark.usefixtures("turn")(test)
+    return pytest.mark.skipif(_LARGE == "0" or (_LARGE != "1" and _available_gib() < 12),
+                              reason=_ROOM)(marked)
 
 B = 2**31
 
@@ -78,6 +107,25 @@ def _zeros(n: int) -> torch.Tensor:
 
 
 PLAIN = "optimizer plain(lr = 0.1) {\n    p = p - lr * g\n}\n"
+
+
+def test_the_large_steps_take_turns_on_the_machine():
+    """Each large step holds the machine's lock while it runs: another process (another
+    test process of pytest-xdist, another run) cannot take it meanwhile."""
+    import subprocess
+    import sys
+    steps = [v for k, v in globals().items() if k.startswith("test_") and
+             any(m.name == "skipif" for m in getattr(v, "pytestmark", []))]
+    assert len(steps) == 3
+    assert all(any(m.name == "usefixtures" and m.args == ("turn",) for m in t.pytestmark)
+               for t in steps)
+    try_lock = ("import fcntl, sys\nwith open(sys.argv[1], 'a') as f:\n    try:\n"
+                "        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+                "    except BlockingIOError:\n        print('held')\n")
+    with one_at_a_time():
+        out = subprocess.run([sys.executable, "-c", try_lock, LOCK], capture_output=True,
+                             text=True, timeout=60)
+    assert out.stdout.strip() == "held", out.stderr
 
 
 def _step_views(sizes: list[int]):
