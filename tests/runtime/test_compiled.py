@@ -545,3 +545,18 @@ def test_lbfgs_compiles_with_dynamic_floats():
     graph after the step that makes the state, equal to the eager steps."""
     assert compiled_like_eager(lambda model: vega.optim.LBFGS(model.parameters(), lr=0.5), 4,
                                dynamic=True) == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:2])
+def test_a_number_changed_between_steps_compiled_with_dynamic_false_recompiles(backend):
+    """docs/training.md: with ``dynamic=False`` a float setting is a constant of the graph
+    (dynamo specializes it), so a number a torch scheduler changes after every step compiles
+    the step again each time, on dynamo's ``eager`` backend too; a tensor rate does not."""
+    def make(rate):  # (a new tensor each run: the scheduler writes into it)
+        return lambda model: vega.optim.AdamW(model.parameters(), backend=backend, lr=rate())
+
+    def then(opt):
+        return torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9).step
+    assert compiled_like_eager(make(lambda: 1e-2), 4, dynamic=False, then=then) == 4
+    assert compiled_like_eager(make(lambda: torch.tensor(1e-2)), 4, dynamic=False,
+                               then=then) == 2
