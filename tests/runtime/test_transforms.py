@@ -235,3 +235,37 @@ def test_a_conjugate_view_is_taken_as_its_values():
         for a, b in zip(torch.utils._pytree.tree_leaves(got),
                         torch.utils._pytree.tree_leaves(want), strict=True):
             assert a.dtype == b.dtype and torch.equal(a.resolve_conj(), b)
+
+
+def test_a_long_leaf_stored_in_another_order_is_not_copied():
+    """A long float32 CPU leaf whose memory holds its elements in another order of its
+    dimensions (a channels_last convolution's gradient, a transposed one) is normed in the
+    order they are stored: reshape(-1) in its own order copied it (a new tensor the size of
+    the leaf at every call). Its norm is the float64 norm of its values; a slice with a step
+    (no run of memory at all) still steps."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    gen = torch.Generator().manual_seed(0)
+    conv = torch.randn(64, 32, 3, 3, generator=gen).to(memory_format=torch.channels_last)
+    wide = torch.randn(300, 200, generator=gen).t()
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor)}
+            made.extend(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                        and t.untyped_storage().data_ptr() not in given)
+            return out
+    for g in (conv, wide):
+        assert not g.is_contiguous() and g.numel() > 2**14
+        made.clear()
+        with Record():
+            got = global_norm([g])
+        assert max(made) < 2**14, max(made)
+        assert got.item() == pytest.approx(torch.linalg.vector_norm(g.double()).item(),
+                                           rel=1e-6)
+    stepped = torch.randn(2**16, generator=gen)[::3]
+    assert global_norm([stepped]).item() == pytest.approx(
+        torch.linalg.vector_norm(stepped.double()).item(), rel=1e-6)

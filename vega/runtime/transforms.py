@@ -88,12 +88,13 @@ NORM_CHUNK, NORM_LONG = 256, 2**14
 
 def _leaf_norm(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The L2 norm of one leaf in ``dtype`` (in chunks where it is a long float32 one on the
-    CPU, ``NORM_LONG``: a leaf whose elements are not one contiguous run is copied into
-    one)."""
+    CPU, ``NORM_LONG``: a leaf whose elements are not one run of memory in any order of its
+    dimensions, a slice with a step, is copied into one)."""
     n = g.numel()
     if dtype != torch.float32 or g.device.type != "cpu" or n <= NORM_LONG:
         return torch.linalg.vector_norm(g, dtype=dtype)
-    flat = g.reshape(-1)
+    flat = g.reshape(-1) if g.is_contiguous() or torch.compiler.is_compiling() else \
+        _stored_order(g)
     k = n // NORM_CHUNK
     parts = torch.linalg.vector_norm(flat[:k * NORM_CHUNK].view(k, NORM_CHUNK), dim=1,
                                      dtype=dtype)
@@ -101,6 +102,14 @@ def _leaf_norm(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         tail = torch.linalg.vector_norm(flat[k * NORM_CHUNK:], dtype=dtype)
         parts = torch.cat([parts, tail.reshape(1)])
     return (parts * parts).sum().sqrt()
+
+
+def _stored_order(g: torch.Tensor) -> torch.Tensor:
+    """``g``'s elements flat in the order its memory holds them (a norm does not depend on
+    the order): a view where they are one run, as for a channels_last or a transposed
+    tensor's gradient, which ``reshape(-1)`` in its own order would copy."""
+    order = sorted(range(g.dim()), key=g.stride, reverse=True)
+    return g.permute(order).reshape(-1)
 
 
 def global_norm(grads, *, reduce_group=None) -> torch.Tensor:
