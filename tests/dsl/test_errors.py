@@ -409,3 +409,22 @@ def test_an_error_quotes_its_line_whatever_the_line_ends(sep, body, message, quo
     assert head.startswith(f"o.vega:{3 if '#' in sep else 2}:") and head.endswith(message)
     column = int(head.split(":")[2])
     assert line.strip() == quoted and caret.index("^") - 4 == column - 1
+
+
+@pytest.mark.parametrize("text, column, why", [
+    ("optimizer o(lr = 0.1) { p = p - lr * g * 1e400 }", 42, "past float64's range"),
+    ("optimizer o(lr = 0.1) { p = p - lr * g * 2.5E+309 }", 42, "past float64's range"),
+    ("optimizer o(lr = 1e-400) { p = p - lr * g }", 18, "below float64's smallest"),
+    ("optimizer o(lr = 0.1 in [0, 1e999)) { p = p - lr * g }", 29, "past float64's range"),
+])
+def test_a_number_float64_cannot_hold_is_named(text, column, why):
+    """A literal past float64's range read as inf, one below its smallest as 0, with no
+    word; each is now an error at its place, saying what to write (inf, 0). The smallest
+    subnormal and zero written with an exponent stay numbers."""
+    with pytest.raises(SpecError, match=rf"^<spec>:1:{column}: error: the number \S+ is "
+                                        rf"{why}") as info:
+        vega.compile(text)
+    assert info.value.span.end_column - info.value.span.column == len(
+        text[column - 1:].split()[0].rstrip(")"))
+    ok = vega.compile("optimizer o(lr = 0.1) { p = p - lr * g * 4.9e-324 + 0.0e-999 * g }")
+    assert ok.name == "o"

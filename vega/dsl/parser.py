@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import difflib
+import math
+import sys
 from functools import cache
 from importlib.resources import files
 
@@ -363,6 +365,22 @@ def _misspelled_keyword(err: lark.exceptions.UnexpectedInput) -> SpecError | Non
                      Span(word.line, word.column, word.end_line, word.end_column))
 
 
+def _check_numbers(tree, source: str, filename: str) -> None:
+    """Refuse a number literal that float64 cannot hold: past its range it would read as
+    inf, below its smallest value as 0, with no word."""
+    for tok in tree.scan_values(lambda v: isinstance(v, Token) and v.type == "NUMBER"):
+        value = float(tok)
+        if math.isinf(value):
+            why = (f"the number {tok} is past float64's range (at most "
+                   f"{sys.float_info.max:.4g}); write inf for infinity")
+        elif value == 0 and any(c in "123456789" for c in str(tok).lower().split("e")[0]):
+            why = (f"the number {tok} is below float64's smallest (about 4.9e-324), so it "
+                   "would be 0; write 0 for zero")
+        else:
+            continue
+        raise SpecError(why, _span(tok), source, filename)
+
+
 def parse(source: str, filename: str = "<spec>") -> ast.Spec:
     """Parse a spec's text into its syntax tree, or raise a SpecError."""
     try:
@@ -394,6 +412,7 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
         width = len(str(err.token)) if isinstance(err, lark.exceptions.UnexpectedToken) else 1
         raise SpecError(message, Span(line, col, line, col + max(1, width)), source,
                         filename) from None
+    _check_numbers(tree, source, filename)
     spec = _Build().transform(tree)
     return ast.Spec(spec.name, spec.class_name, spec.hypers, spec.body, _doc(source), spec.span,
                     spec.name_span)
