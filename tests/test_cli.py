@@ -45,6 +45,8 @@ def test_show_list_and_help(capsys):
     assert "def scalars(" in text and "nu_max" in text and "torch.where(" in text
     assert cli.main(["show", "adam", "--backend", "cuda"]) == 1
     assert "backend='cuda' is not one of" in capsys.readouterr().err
+    assert cli.main(["show", "adam", "--backend", ""]) == 1  # (not the default backend)
+    assert "backend='' is not one of" in capsys.readouterr().err
     assert cli.main(["list"]) == 0
     listing = capsys.readouterr().out
     for name in ("sgd", "adam", "adamw"):
@@ -145,12 +147,16 @@ def test_demo_waits_for_the_native_operator_being_built(monkeypatch):
 def test_show_takes_a_shape(capsys):
     from vega.cli import main
     assert main(["show", "adafactor", "--backend", "reference", "--shape", "256,128"]) == 0
-    out = capsys.readouterr().out
-    assert "def init_s_v_row" in out and "_reduce(" in out
+    shaped = capsys.readouterr().out
+    assert "def init_s_v_row" in shaped and "_reduce(" in shaped
     assert main(["show", "adafactor", "--backend", "reference"]) == 0
     assert "def init_s_v(" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--shape"):
         main(["show", "adafactor", "--shape", "a,b"])
+    capsys.readouterr()
+    for shape in ("256,128,", " 256 , 128 "):  # (a trailing comma, as in a Python tuple)
+        assert main(["show", "adafactor", "--backend", "reference", "--shape", shape]) == 0
+        assert capsys.readouterr().out == shaped
 
 
 def test_show_sets_a_float_hyperparameter(capsys):
@@ -216,6 +222,9 @@ def test_show_reports_a_file_it_cannot_read(tmp_path, capsys):
     ("1000000000000000000000000000000", "too large: a tensor has at most 2**63 - 1 elements"),
     ("4294967296,4294967296", "too large"),
     ("0,100000000000000000000000", "too large"),
+    ("3,,4", "an empty size"),
+    (",5", "an empty size"),
+    ("5,,", "an empty size"),
 ])
 def test_show_refuses_a_shape_no_tensor_has(shape, message):
     from vega.cli import main

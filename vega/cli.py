@@ -122,7 +122,7 @@ def cmd_show(args) -> int:
         shape = None
         if args.shape is not None:
             shape = _parse_shape(args.shape)
-        backend = args.backend or codegen.default_backend("cpu")
+        backend = args.backend if args.backend is not None else codegen.default_backend("cpu")
         print(spec.source(backend, shape, **_parse_flags(args.set, spec.hypers)))
     except (SpecError, FileNotFoundError, ValueError, TypeError) as err:
         print(err, file=sys.stderr)
@@ -134,9 +134,16 @@ MAX_NUMEL = 2**63 - 1  # what a tensor's element count holds
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
-    """``--shape 512,768``: sizes >= 0 whose product a tensor's element count holds."""
+    """``--shape 512,768``: sizes >= 0 whose product a tensor's element count holds (``""``:
+    a 0-d parameter; a trailing comma, ``512,``, as in a Python tuple)."""
+    sizes = text.split(",") if text.strip() else []
+    if len(sizes) > 1 and not sizes[-1].strip():
+        sizes.pop()
+    if any(not n.strip() for n in sizes):
+        raise SystemExit(f"vega: --shape {text!r}: an empty size; "
+                         "write sizes like 512,768")
     try:
-        shape = tuple(int(n) for n in text.split(",") if n.strip())
+        shape = tuple(int(n) for n in sizes)
     except ValueError:
         raise SystemExit(f"vega: --shape {text!r}: write sizes like 512,768") from None
     numel = 1
