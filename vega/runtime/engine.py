@@ -243,6 +243,15 @@ def check_fused(owner: str, max_grad_norm, skip_nonfinite, loss_scale=None) -> N
         raise ValueError(f"{owner}: skip_nonfinite={skip_nonfinite!r} must be True or False")
 
 
+def as_float(x: numbers.Real) -> float:
+    """A real number as a float; one past the float range (an int, 10**400) as inf or -inf,
+    beyond every float on its side."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
 def positive_finite(x: numbers.Real) -> bool:
     """Whether a real number is positive and a finite float (NaN and 10**400 are not), in
     comparisons alone: under ``torch.compile(dynamic=True)`` a float setting is a symbolic

@@ -67,7 +67,8 @@ from vega.codegen.steps import advance_steps
 from vega.codegen.tensors import dense, is_dtensor, not_dense
 from vega.runtime import sharded, torch_names
 from vega.dsl.ast import Range
-from vega.runtime.engine import check_reach, check_state_dtype, scheduled, shown, state_dtype_for
+from vega.runtime.engine import (as_float, check_reach, check_state_dtype, scheduled, shown,
+                                 state_dtype_for)
 from vega.runtime.spec import _check_leaves, _label, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
 from vega.schedule import Schedule
@@ -109,10 +110,7 @@ def _check_lr(owner: str, lr):
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
         raise ValueError(f"{owner}: lr={lr!r} must be a float, a 0-d tensor or a schedule "
                          "(a callable of the step counter)")
-    try:
-        value = float(lr)
-    except OverflowError:  # (an int past the float range: 10**400)
-        value = math.inf
+    value = as_float(lr)
     if not 0 <= value <= sys.float_info.max:  # (compared, as dynamo traces a symbolic float)
         raise ValueError(f"{owner}: lr={shown(lr)} must be a finite number >= 0")
     return value

@@ -35,7 +35,7 @@ import numbers
 import torch
 from torch.utils import _pytree as pytree
 
-from vega.runtime.engine import positive_finite
+from vega.runtime.engine import as_float, positive_finite
 
 __all__ = ["LossScale", "grads_finite"]
 
@@ -69,10 +69,7 @@ def _shown(value) -> str:
 def _positive_real(who: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{who}: {name}={_shown(value)} must be a positive number")
-    try:
-        x = float(value)
-    except OverflowError:  # 10**400
-        x = math.inf
+    x = as_float(value)
     if not positive_finite(x):  # (compared, as dynamo traces a symbolic float)
         raise ValueError(f"{who}: {name}={_shown(value)} must be positive and finite")
     return x

@@ -19,7 +19,7 @@ from vega.codegen.tensors import (dense, dense_words, first_with_own_ops, floats
 from vega.codegen.steps import advance_steps
 from vega.runtime import engine, sharded
 from vega.runtime.io import not_regular
-from vega.runtime.tree import flatten, is_steppable, leaf_paths, unflatten
+from vega.runtime.tree import flatten, is_steppable, leaf_paths, path_name, unflatten
 
 
 class CompiledSpec:
@@ -709,11 +709,10 @@ def _typed_paths(tree) -> list[tuple[str, str]]:
     """(dotted path, what is there) of each leaf of ``tree``, None counted as a leaf."""
     from torch.utils import _pytree as pytree
 
-    from vega.runtime.tree import _key
     pairs, _ = pytree.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
     out = []
     for path, leaf in pairs:
-        name = ".".join(_key(k) for k in path) or "(the root)"
+        name = path_name(path) or "(the root)"
         what = "a leaf" if leaf is None else "a tensor" if isinstance(leaf, torch.Tensor) \
             else f"a {type(leaf).__name__}"
         out.append((name, what))

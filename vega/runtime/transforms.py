@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from vega.codegen.tensors import dense, not_dense
 from vega.errors import shown
+from vega.runtime.engine import as_float
 
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
 
@@ -38,8 +39,8 @@ def float_leaves(who: str, grads) -> list:
 
 
 def _refuse(who: str, path, g: torch.Tensor):
-    from vega.runtime.tree import _key
-    name = ".".join(_key(k) for k in path)
+    from vega.runtime.tree import path_name
+    name = path_name(path)
     which = f"the gradient {name!r}" if name else "the gradient"
     raise ValueError(f"{who}: {which} is {not_dense(g)}; {who} takes dense (strided) tensors")
 
@@ -57,10 +58,7 @@ def _positive(who: str, name: str, value):
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{who}: {name}={shown(value)} must be a positive number")
-    try:
-        x = float(value)
-    except OverflowError:
-        x = math.inf if value > 0 else -math.inf
+    x = as_float(value)
     if math.isnan(x) or x <= 0:
         raise ValueError(f"{who}: {name}={shown(value)} must be a positive number")
     return x
@@ -172,7 +170,9 @@ def clip_by_global_norm(grads, max_norm, *, reduce_group=None):
         coef = max_norm / torch.maximum(norm, max_norm.to(norm.device, norm.dtype))
     elif max_norm > torch.finfo(norm.dtype).max:  # (past the norm's range, 1e300 for a
         # float32 norm, which torch.clamp refuses: every finite norm is within it, and an
-        # infinite one scales by 0, as by any bound; NaN stays NaN)
+        # infinite one scales by 0, as by any bound; NaN stays NaN. Not the largest float32
+        # as the bound: a number over a tensor is its reciprocal times the number, and the
+        # largest's reciprocal is subnormal)
         coef = torch.where(torch.isinf(norm), 0.0, norm * 0 + 1)
     else:  # a scalar bound: no host-to-device copy (not allowed under CUDA graph capture)
         coef = max_norm / torch.clamp(norm, min=max_norm)

@@ -67,10 +67,15 @@ def _key(k) -> str:
     return str(k)
 
 
+def path_name(path) -> str:
+    """A pytree path's dotted name (``'layer1.weight'``; ``''`` for the root)."""
+    return ".".join(_key(k) for k in path)
+
+
 def leaf_paths(tree) -> list[str]:
     """Dotted paths of the tensor leaves: ``['layer1.weight', 'layer1.bias', ...]``."""
     pairs, _ = pytree.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
-    return [".".join(_key(k) for k in path) for path, leaf in pairs if leaf is not None]
+    return [path_name(path) for path, leaf in pairs if leaf is not None]
 
 
 def state_names(state: dict) -> list[str]:
