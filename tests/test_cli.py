@@ -39,6 +39,16 @@ def test_check_good_and_bad(tmp_path):
     assert run("check", str(tmp_path / "nope.vega")).returncode == 1
 
 
+def test_python_dash_m_vega_is_the_command():
+    # where the environment's scripts directory is not on PATH
+    out = subprocess.run([sys.executable, "-m", "vega", "list"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "adamw" in out.stdout.split()
+    out = subprocess.run([sys.executable, "-m", "vega", "nope"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "invalid choice: 'nope'" in out.stderr
+
+
 def test_show_list_and_help(capsys):
     assert cli.main(["show", "adam", "--backend", "reference", "--set", "amsgrad=true"]) == 0
     text = capsys.readouterr().out

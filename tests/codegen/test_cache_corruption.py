@@ -310,6 +310,21 @@ def test_a_tilde_in_vega_cache_dir_is_the_home_directory(cache, tmp_path, monkey
     assert not (tmp_path / "~").exists()
 
 
+def test_the_default_cache_follows_xdg_cache_home(cache, tmp_path, monkeypatch):
+    # the XDG base directory rule, as torch's extension builder follows it: the kernels went
+    # to ~/.cache/vega whatever XDG_CACHE_HOME said; a relative XDG_CACHE_HOME is ignored
+    monkeypatch.delenv("VEGA_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    _, path, compiled = cbuild.build(SOURCE)
+    assert compiled and path.parent == tmp_path / "xdg" / "vega" / "c"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.chdir(tmp_path)
+    _, path, _ = cbuild.build(SOURCE)
+    assert path.parent == tmp_path / "home" / ".cache" / "vega" / "c"
+    assert not (tmp_path / "relative").exists()
+
+
 def test_no_home_directory_builds_into_a_private_one_with_one_warning(cache, monkeypatch):
     # a container run under a uid of its own: no HOME, no entry in the password database,
     # so no ~/.cache to hold the default (pathlib raised "Could not determine home directory"

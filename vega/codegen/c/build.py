@@ -1,6 +1,7 @@
 """The C toolchain: compile a kernel's source to a shared library, cached on disk.
 
-The cache lives in ``$VEGA_CACHE_DIR`` (default ``~/.cache/vega``), one
+The cache lives in ``$VEGA_CACHE_DIR`` (default ``$XDG_CACHE_HOME/vega``, or
+``~/.cache/vega`` where ``XDG_CACHE_HOME`` is not set to an absolute path), one
 ``<key>.so`` per kernel in its ``c/`` directory, the key a hash of the source,
 the compiler's version, the flags and the CPU ``-march=native`` builds for
 (``target_cpu``). Libraries are written to a temporary name and renamed into
@@ -77,12 +78,18 @@ def cache_dir() -> Path:
     """Where the kernels are cached (``safe_dir`` says whether they may be): a leading ``~``
     of ``VEGA_CACHE_DIR`` is the home directory (set where no shell expands it: a
     container's environment, a ``.env`` file), not a directory named ``~`` in the working
-    directory. Where there is no home directory to hold the cache (no ``HOME``, and no
-    entry in the password database: a container run under a uid of its own; or a ``~name``
-    of no user), this process's private directory, with one warning that says which."""
+    directory. Unset, it is ``vega`` in ``XDG_CACHE_HOME`` where that is an absolute path
+    (the XDG base directory rule, which torch's extension builder follows too; a relative
+    one is ignored, as the rule says), else in ``~/.cache``. Where there is no home
+    directory to hold the cache (no ``HOME``, and no entry in the password database: a
+    container run under a uid of its own; or a ``~name`` of no user), this process's
+    private directory, with one warning that says which."""
     root = os.environ.get("VEGA_CACHE_DIR")
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
     try:
-        return (Path(root).expanduser() if root else Path.home() / ".cache" / "vega") / "c"
+        if root:
+            return Path(root).expanduser() / "c"
+        return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "vega" / "c"
     except (RuntimeError, KeyError, OSError):  # (pathlib says "Could not determine home")
         head = Path(root).parts[0] if root else "~"  # (~ or ~name)
         problem = "this user's home directory cannot be determined (HOME is not set, and " \
@@ -164,8 +171,11 @@ _fallback: Path | None = None  # this process's private directory, where the cac
 def _named() -> str:
     """Where the cache directory comes from, in words."""
     root = os.environ.get("VEGA_CACHE_DIR")
-    return f"VEGA_CACHE_DIR={root}" if root else \
-        "the default, as VEGA_CACHE_DIR is not set"
+    if root:
+        return f"VEGA_CACHE_DIR={root}"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return f"the default under XDG_CACHE_HOME={xdg}, as VEGA_CACHE_DIR is not set" \
+        if os.path.isabs(xdg) else "the default, as VEGA_CACHE_DIR is not set"
 
 
 def safe_dir(path: Path) -> Path:
