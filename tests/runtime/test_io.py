@@ -142,6 +142,17 @@ def test_file_is_keyed_by_the_state_names(tmp_path):
     assert os.listdir(tmp_path) == ["s.safetensors"]  # no temporary file left behind
 
 
+def test_save_with_torch_saves_order_says_which_comes_first(tmp_path):
+    """vega.save(state, path), torch.save's order, is refused saying the path comes first
+    (not as a state that is "a str"), and writes nothing."""
+    state = vega.adamw_init(make_params())
+    for path in (tmp_path / "s", str(tmp_path / "s")):
+        with pytest.raises(ValueError, match=r"^vega\.save: the path comes first, then the "
+                           r"state: vega\.save\('.*s', state\)"):
+            vega.save(state, path)
+    assert os.listdir(tmp_path) == []
+
+
 def test_load_returns_fresh_tensors_with_like_structure(tmp_path):
     params = {"a": torch.randn(3), "k": torch.arange(4), "b": [torch.randn(2, 2)]}
     state = vega.sgd_init(params, momentum=0.9)

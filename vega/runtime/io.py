@@ -106,6 +106,11 @@ def save(path, state) -> None:
     The write is atomic: a temporary file in the same directory, flushed to disk
     (fsync), then renamed over ``path``.
     """
+    if isinstance(path, dict) and isinstance(state, (str, os.PathLike)):
+        # (torch.save's order, object first: the state would be refused as "a str")
+        raise ValueError(f"vega.save: the path comes first, then the state: vega.save("
+                         f"{os.fspath(state)!r}, state), where a dict and then a path were "
+                         "given (torch.save's order)")
     named, leaves, _ = _named(state, "vega.save")
     tensors, complex_names, storages = {}, [], set()
     for name, i in named:
