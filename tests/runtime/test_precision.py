@@ -749,10 +749,17 @@ def test_a_half_parameter_made_float_steps_on_from_its_master_copy(dtype):
         vega.adamw_step(mixed, {n: g.to(mixed[n].dtype) for n, g in grads.items()}, state,
                         master_weights=True, donate=True)
     every = {n: p.to(dtype) for n, p in params.items()}
+    # (master_weights=True was given: the message says the parameters are no longer half,
+    # not to pass the flag)
     with pytest.raises(ValueError, match=r"state holds master copies \('master'\), but this "
-                       r"step keeps none"):
+                       r"step \(master_weights=True\) keeps none: no parameter is bfloat16, "
+                       r"float16 or complex32 now \(each is its own copy\): set each "
+                       r"parameter to its copy"):
         vega.adamw_step(every, {n: g.to(dtype) for n, g in grads.items()}, state,
                         master_weights=True, donate=True)
+    with pytest.raises(ValueError, match=r"but this step \(master_weights=False\) keeps "
+                       r"none: pass master_weights=True to step with them"):
+        vega.adamw_step(every, {n: g.to(dtype) for n, g in grads.items()}, state, donate=True)
     assert all(torch.equal(kept[n], state["master"][n]) for n in kept)
     assert int(state["step"]) == 1
 

@@ -195,7 +195,8 @@ class CompiledSpec:
                                 quantized=self._quantized(state, len(p_leaves), owner))
         names = [f.name for f in self._fields(flags, progs, held)]
         shaped = self._spec.shape_hypers
-        columns = _check_state(owner, self, flags, names, state, p_spec, shaped)
+        columns = _check_state(owner, self, flags, names, state, p_spec, shaped,
+                               master=master_weights)
         _check_masters(owner, params, p_leaves, progs, columns)
         step = state["step"]
 
@@ -329,7 +330,7 @@ class CompiledSpec:
                                 quantized=self._quantized(state, len(p_leaves), owner))
         names = [f.name for f in self._fields(flags, progs)]
         columns = _check_state(owner, self, flags, names, state, p_spec,
-                               self._spec.shape_hypers)
+                               self._spec.shape_hypers, master=master_weights)
         _check_masters(owner, params, p_leaves, progs, columns)
         out = [p.detach().clone() if is_steppable(p) else p for p in p_leaves]
         vals = engine.at_step(values, state["step"])
@@ -615,18 +616,22 @@ def _check_masters(owner, params, p_leaves, progs, columns) -> None:
                 "copy: to step on from the copy, set the parameter to it and the leaf to None")
 
 
-def _check_state(owner, cspec, flags, names, state, p_spec, shaped=()):
+def _check_state(owner, cspec, flags, names, state, p_spec, shaped=(), master=False):
     if not isinstance(state, dict):
         raise ValueError(f"{owner}: state must be the dict that {cspec.name}_init returns, "
                          f"got {type(state).__name__}")
     want = set(names) | {"step"}
     if engine.MASTER not in want and set(state) == want | {engine.MASTER} \
             and engine.MASTER not in cspec._spec.state_names:
-        raise ValueError(f"{owner}: state holds master copies ('master'), but this step keeps "
-                         "none: pass master_weights=True to step with them; a parameter that "
-                         "is not bfloat16, float16 or complex32 keeps none (it is its own "
-                         "copy): where none is now, set each parameter to its copy and drop "
-                         "the field to step on from them")
+        # (with master_weights=True given, no parameter is half any more: the copies are
+        # stale, and passing the flag is no remedy)
+        remedy = "no parameter is bfloat16, float16 or complex32 now (each is its own " \
+            "copy): set" if master else "pass master_weights=True to step with them; a " \
+            "parameter that is not bfloat16, float16 or complex32 keeps none (it is its own " \
+            "copy): where none is now, set"
+        raise ValueError(f"{owner}: state holds master copies ('master'), but this step "
+                         f"(master_weights={master}) keeps none: {remedy} each parameter to "
+                         "its copy and drop the field to step on from them")
     if set(state) != want:
         master = engine.MASTER in want or engine.MASTER in state
         flags = ", ".join([*(f"{k}={v}" for k, v in sorted(flags.items())),
