@@ -514,6 +514,20 @@ def test_a_state_leaf_that_is_not_a_tensor_is_named(mu, message):
         vega.adamw_step([p], [p], state)
 
 
+@pytest.mark.parametrize("state,message", [
+    (lambda s: list(s.values()), r"state must be the dict that adamw_init returns, got list"),
+    (lambda s: None, r"state must be the dict that adamw_init returns, got NoneType"),
+    (lambda s: {"mu": s["mu"]}, r"state has fields \['mu'\], but this step \(amsgrad=False\) "
+                                r"needs \['mu', 'nu', 'step'\]; make it with "
+                                r"adamw_init\(params, amsgrad=False\)"),
+])
+def test_a_state_that_is_not_the_inits_dict_is_named(state, message):
+    """docs/robustness.md, "States of the functional API": not a dict, or other fields."""
+    p = torch.ones(3)
+    with pytest.raises(ValueError, match=rf"^adamw_step: {message}"):
+        vega.adamw_step([p], [p], state(vega.adamw_init([p])))
+
+
 @pytest.mark.parametrize("grads,message", [
     ({"b": torch.ones(3), "a": torch.ones(3)}, r"grads have the leaves of params in another "
                                                r"order \('b', 'a'\); a dict's keys are read in "
