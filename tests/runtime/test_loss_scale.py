@@ -201,8 +201,8 @@ def test_step_refuses_a_step_fn_that_writes_the_state_in_place():
     grads = {"w": torch.tensor([1.0, float("inf"), 1.0])}
     ls = LossScale.dynamic(init=2.0)
     state = vega.adam_init(params)
-    with pytest.raises(ValueError, match=r"^LossScale\.step: step_fn wrote state leaf 0 in "
-                                         r"place \(a step with donate=True\?\)"):
+    with pytest.raises(ValueError, match=r"^LossScale\.step: step_fn wrote state leaf '0\.w' "
+                                         r"in place \(a step with donate=True\?\)"):
         ls.step(grads, lambda g: vega.adam_step(params, g, state, lr=0.1, donate=True),
                 (params, state))
     params, state = {"w": torch.ones(3)}, vega.adam_init({"w": torch.ones(3)})

@@ -36,6 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from vega.runtime.engine import as_float, positive_finite
+from vega.runtime.tree import path_name
 
 __all__ = ["LossScale", "grads_finite"]
 
@@ -371,11 +372,13 @@ class LossScale:
         written = next((k for k, (o, v) in enumerate(zip(old_leaves, versions))
                         if v is not None and o._version != v), None)
         if written is not None:  # (its old values are gone: an overflow could not be undone)
+            path = pytree.tree_flatten_with_path(state)[0][written][0]  # (its name: '0.w')
             raise ValueError(
-                f"LossScale.step: step_fn wrote state leaf {written} in place (a step with "
-                "donate=True?), so a step whose gradients are not finite could not be undone; "
-                "the state now holds the step's values. Give it a pure step, or use the step's "
-                "own loss_scale= (fused: it skips such a step in place)")
+                f"LossScale.step: step_fn wrote state leaf {path_name(path) or written!r} "
+                "in place (a step with donate=True?), so a step whose gradients are not "
+                "finite could not be undone; the state now holds the step's values. Give it "
+                "a pure step, or use the step's own loss_scale= (fused: it skips such a step "
+                "in place)")
         new_leaves, new_spec = pytree.tree_flatten(new)
         if new_spec != old_spec:
             raise ValueError(f"LossScale.step: step_fn returned a structure {new_spec} "
