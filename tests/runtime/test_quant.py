@@ -691,6 +691,26 @@ def _saved_8bit(steps):
     return model, opt, opt.state_dict()
 
 
+def test_8bit_state_for_a_complex_parameter_is_refused_naming_it():
+    """docs/precision.md: a complex parameter with 8-bit state is a ValueError; it names the
+    parameter (its leaf, or its place in a class's groups) and its dtype, and a class refused
+    so keeps no state."""
+    params = {"a": torch.randn(64, 64), "z": torch.randn(64, 64, dtype=torch.complex64)}
+    for sd in (torch.uint8, {"mu": torch.uint8}):
+        with pytest.raises(ValueError, match=r"^adamw_init: params leaf 'z' is torch\.complex64: "
+                           r"state_dtype=torch\.uint8 \(8-bit state\) is kept for real "
+                           r"parameters"):
+            vega.adamw_init(params, state_dtype=sd)
+    ps = [torch.nn.Parameter(t) for t in params.values()]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt = vega.optim.AdamW(ps, state_dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"^AdamW: parameter 1 of group 0 is torch\.complex64: "
+                       r"state_dtype=torch\.uint8 \(8-bit state\)"):
+        opt.step()
+    assert not opt.state
+
+
 def test_codes_without_scales_refused():
     model, _, saved = _saved_8bit(1)
     for st in saved["state"].values():

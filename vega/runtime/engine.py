@@ -110,10 +110,13 @@ def master_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.complex64 if p.is_complex() else torch.float32
 
 
-def state_dtypes(p: torch.Tensor, program: Program, state_dtype) -> list[torch.dtype]:
+def state_dtypes(p: torch.Tensor, program: Program, state_dtype,
+                 where="") -> list[torch.dtype]:
     """The dtype of each state of ``program`` for parameter ``p``: ``state_dtype`` (one dtype
     for all, or a dict by state name, the others by default; ``state_dtype_for``); a master
-    copy of the parameter (``master_weights``) is float32 whatever it says."""
+    copy of the parameter (``master_weights``) is float32 whatever it says. ``where``: the
+    owner and the parameter a refusal names (``"adamw_init: params leaf 'w'"``), or a
+    function that returns them (called only for a refusal)."""
     per = state_dtype if isinstance(state_dtype, dict) else {}
     every = None if isinstance(state_dtype, dict) else state_dtype
     out = []
@@ -127,7 +130,9 @@ def state_dtypes(p: torch.Tensor, program: Program, state_dtype) -> list[torch.d
             continue
         dtype = per.get(s.name, every)
         if dtype == torch.uint8 and p.is_complex():
-            raise ValueError(f"state_dtype={shown(dtype)} (8-bit state) is kept for real "
+            at = where() if callable(where) else where
+            raise ValueError(f"{at + ' is ' + str(p.dtype) + ': ' if at else ''}"
+                             f"state_dtype={shown(dtype)} (8-bit state) is kept for real "
                              "parameters; a complex parameter keeps complex state")
         if dtype == torch.uint8:  # 8 bits where the program keeps them so (quant.variant)
             out.append(dtype if s.name in program.quant else state_dtype_for(p, None))
@@ -479,17 +484,17 @@ def _no_complex_axes(program: Program) -> None:
 
 
 def init_leaf(program: Program, p: torch.Tensor, values: dict,
-              state_dtype) -> list[torch.Tensor]:
+              state_dtype, where="") -> list[torch.Tensor]:
     """The initial state tensors of one parameter (built by the reference backend; a
     DTensor's on its local shard, ``vega.runtime.sharded``). ``state_dtype``: None, a dtype,
-    or a dict by state name (``state_dtypes``)."""
+    or a dict by state name (``state_dtypes``); ``where``, the parameter a refusal names."""
     from vega.runtime import sharded
     if sharded.is_dtensor(p):
         return sharded.init_leaf(program, p, values, state_dtype)
     if p.is_complex():
         _no_complex_axes(program)
     sds = [sd.to_real() if sd.is_complex else sd
-           for sd in state_dtypes(p, program, state_dtype)]
+           for sd in state_dtypes(p, program, state_dtype, where)]
     kern = codegen.kernel("reference", program)
     out = kern.init(_real(p), values, sds)
     # (a state like its parameter is complex like it; one of one number a tensor stays real)

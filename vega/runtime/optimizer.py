@@ -262,7 +262,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         if vals is None:
             vals = at_zero[p.device] = engine.at_step(values, step)
         leaves = engine.init_leaf(program, p, vals,
-                                  engine.state_dtype_of(self.spec._spec, group["state_dtype"]))
+                                  engine.state_dtype_of(self.spec._spec, group["state_dtype"]),
+                                  lambda: f"{type(self).__name__}: {self._name(p)}")
         state = {s.name: leaf for s, leaf in zip(program.states, leaves)}
         state["step"] = step
         return state

@@ -138,8 +138,10 @@ class CompiledSpec:
             for i, (p, program) in enumerate(zip(leaves, progs)):
                 if program is None or not is_steppable(p):
                     continue
+                def where(i=i):  # (the leaf's name, for a refusal only)
+                    return f"{owner}: params leaf {_paths(params, leaves)[i]!r}"
                 for s, leaf in zip(program.states,
-                                   engine.init_leaf(program, p, vals, state_dtype)):
+                                   engine.init_leaf(program, p, vals, state_dtype, where)):
                     columns[s.name][i] = leaf
         state = {f.name: unflatten(columns[f.name], spec) for f in fields}
         state["step"] = step
