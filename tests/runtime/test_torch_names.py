@@ -489,6 +489,12 @@ def test_the_constructor_takes_a_setting_of_torchs_class_as_its_groups_do():
                                          r"match_rms_adamw=True, but match_rms_adamw=False"):
         vega.optim.Muon([p], adjust_lr_fn="match_rms_adamw", match_rms_adamw=False)
     vega.optim.Muon([p], adjust_lr_fn="original")  # (torch's None)
+    vega.optim.Muon([p], adjust_lr_fn="original", match_rms_adamw=False)
+    for fn in ("original", None):  # (torch's rule without the scale, given with it)
+        with pytest.raises(ValueError, match=rf"^Muon: adjust_lr_fn={fn!r} is "
+                                             r"match_rms_adamw=False, but "
+                                             r"match_rms_adamw=True is given too"):
+            vega.optim.Muon([p], adjust_lr_fn=fn, match_rms_adamw=True)
     with pytest.raises(ValueError, match=r"^Muon: adjust_lr_fn='other': .*; torch's "
                                          r"adjust_lr_fn='match_rms_adamw' is match_rms_adamw"):
         vega.optim.Muon([p], adjust_lr_fn="other")

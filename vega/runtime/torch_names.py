@@ -196,6 +196,13 @@ def take_rule_keywords(owner: str, cls_name: str, spec, hypers: dict, only: dict
         if name not in hypers or name in names:
             continue
         given = hypers.pop(name)
+        if name == "adjust_lr_fn" and _at(given, value) and "match_rms_adamw" in names \
+                and hypers.get("match_rms_adamw", False) is not False:
+            # (torch's None and "original" are match_rms_adamw=False: both given, they
+            # disagree, as adjust_lr_fn="match_rms_adamw" with False does)
+            raise ValueError(f"{owner}: adjust_lr_fn={given!r} is match_rms_adamw=False, but "
+                             f"match_rms_adamw={engine.shown(hypers['match_rms_adamw'])} is "
+                             "given too")
         if _at(given, value):
             continue
         if name == "adjust_lr_fn" and given == "match_rms_adamw" and "match_rms_adamw" in names:
