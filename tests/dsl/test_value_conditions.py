@@ -45,6 +45,27 @@ def test_value_condition_needs_a_plain_number():
             spec.init(params, momentum=value)
 
 
+def test_a_repeat_count_needs_a_plain_number():
+    """A repeat by a float hyperparameter chooses each tensor's program by its value, as an
+    if on it does: a tensor or a schedule for it is refused, saying a repeat reads it."""
+    spec = vega.compile("""
+optimizer r(lr = 0.1, n = 2.0 in [0, 4]) {
+    x = g
+    repeat n {
+        x = 0.5 * x
+    }
+    p = p - lr * x
+}
+""")
+    params = {"a": torch.ones(3)}
+    for value in (torch.tensor(2.0), schedule.constant(2.0)):
+        with pytest.raises(ValueError, match=r"^r_init: n=.* must be a plain number: an if of "
+                                             r"the spec reads it \(or a repeat, as its count\)"):
+            spec.init(params, n=value)
+    new, _ = spec.step(params, params, spec.init(params), n=3.0)
+    assert torch.equal(new["a"], torch.full((3,), 1 - 0.1 * 0.125))
+
+
 def test_momentum_turned_on_and_off_follows_torch():
     """As torch.optim.SGD: no buffer while momentum is 0; one started when it turns
     positive (from the gradient: v = 0 * 0.9 + d); kept, unread, when it returns to 0;

@@ -295,7 +295,8 @@ def shape_values(owner: str, spec, flags: dict, values: dict) -> dict:
         v = values[name]
         if isinstance(v, (torch.Tensor, bool)) or callable(v):
             raise ValueError(f"{owner}: {name}={v!r} must be a plain number: an if of "
-                             "the spec reads it to decide which program steps each tensor")
+                             "the spec reads it (or a repeat, as its count) to decide which "
+                             "program steps each tensor")
         known[name] = float(v)
     return known
 
