@@ -114,14 +114,27 @@ def test_wrapper_subclasses_step_on_the_reference_backend_or_are_refused_by_name
             assert "backend 'c': parameter 0 is a TwoTensor" in str(e), e
         else:
             raise AssertionError("not refused")
-        # a fused step sums the gradients as plain tensors: refused, not guessed
+        # a fused step sums the gradients as plain tensors: refused, not guessed, naming the
+        # gradient (a functional step's leaf, a class's parameter)
         try:
             vega.adamw.step({"w": TwoTensor(a, b)}, {"w": TwoTensor(ga, gb)},
                             vega.adamw.init({"w": TwoTensor(a, b)}), max_grad_norm=1.0)
         except ValueError as e:
-            assert "one is a TwoTensor" in str(e) and "clip_grad_norm_" in str(e), e
+            assert "adamw_step: grads leaf 'w' is a TwoTensor" in str(e), e
+            assert "clip_grad_norm_" in str(e), e
         else:
             raise AssertionError("not refused")
+        plain = torch.nn.Parameter(a.clone())
+        two = torch.nn.Parameter(TwoTensor(a.clone(), b.clone()))
+        plain.grad, two.grad = ga.clone(), TwoTensor(ga.clone(), gb.clone())
+        opt = vega.optim.AdamW([{"params": [plain]}, {"params": [two]}], max_grad_norm=1.0)
+        try:
+            opt.step()
+        except ValueError as e:
+            assert "AdamW: the gradient of parameter 0 of group 1 is a TwoTensor" in str(e), e
+        else:
+            raise AssertionError("not refused")
+        assert not opt.state
         print("ok")
     """)
     assert out.stdout.strip() == "ok"

@@ -519,17 +519,19 @@ def record(device, inv_scale=None, max_norm=None, check=False) -> torch.Tensor |
     return make_pre(device, inv_scale, max_norm, check)
 
 
-def _check_prelude(parts, every) -> None:
+def _check_prelude(parts, every, name=None) -> None:
     """ValueError where a fused step's gradients (``every``, those of ``parts``) are not all
-    plain tensors on one device."""
-    for _, _, grads in parts:
+    plain tensors on one device. ``name(j, k)``: the owner and gradient ``k`` of part ``j``
+    (``"adamw_step: grads leaf 'w'"``), for the message."""
+    for j, (_, _, grads) in enumerate(parts):
         k = first_with_own_ops(grads) if not torch.compiler.is_compiling() else None
         if k is not None:
+            which = f"{name(j, k)} is" if name is not None else "one is"
             raise ValueError(
-                f"a fused step (max_grad_norm, loss_scale, skip_nonfinite) sums over every "
-                f"gradient as plain tensors, but one is a {type(grads[k]).__name__}, a tensor "
-                f"subclass with operations of its own (whose norm is its own); step without "
-                f"them, clipping with torch.nn.utils.clip_grad_norm_")
+                f"{which} a {type(grads[k]).__name__}, a tensor subclass with operations of "
+                f"its own (whose norm is its own), but a fused step (max_grad_norm, "
+                f"loss_scale, skip_nonfinite) sums over every gradient as plain tensors; "
+                f"step without them, clipping with torch.nn.utils.clip_grad_norm_")
     if not on_one_device(every):
         devices = {g.device for g in every}
         raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "
@@ -537,13 +539,14 @@ def _check_prelude(parts, every) -> None:
 
 
 def prelude(parts, inv_scale=None, max_norm=None, check=False,
-            loss_scale=None) -> torch.Tensor | None:
+            loss_scale=None, name=None) -> torch.Tensor | None:
     """Gather, over every gradient of every group, what a fused step needs before updating.
 
     ``parts`` lists (program, backend, grads) per group; the gradients are multiplied by
     ``inv_scale``, or by the inverse of ``loss_scale`` (a ``LossScale``: formed by the
     kernels that write the record, else here, ``inverse_scale``). Returns the float64
-    record of ``vega.codegen.record.make_pre`` (None when nothing is asked).
+    record of ``vega.codegen.record.make_pre`` (None when nothing is asked). ``name``: how
+    a refusal names a gradient (``_check_prelude``).
     """
     if inv_scale is None and loss_scale is None and max_norm is None and not check:
         return None
@@ -551,7 +554,7 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False,
     # the common case in one native pass: plain real tensors on one device; else each asked
     plain = uniform(every)
     if not plain:
-        _check_prelude(parts, every)
+        _check_prelude(parts, every, name)
     device = every[0].device if every else torch.device("cpu")
     kerns = [codegen.kernel(backend, program) for program, backend, _ in parts]
     init = None

@@ -404,7 +404,9 @@ class SpecOptimizer(torch.optim.Optimizer):
             evaluated = None if compiling or one_call else self._check_work(work)
             check = self.skip_nonfinite or self.loss_scale is not None
             pre = engine.prelude([(prog, be, gs) for prog, be, _, gs, _, _, _ in work], None,
-                                 self.max_grad_norm, check, loss_scale=self.loss_scale)
+                                 self.max_grad_norm, check, loss_scale=self.loss_scale,
+                                 name=lambda j, k: f"{type(self).__name__}: the gradient of "
+                                                   f"{self._name(work[j][2][k])}")
         except BaseException:  # (refused, or interrupted: nothing written yet)
             self._refused()
             raise

@@ -273,8 +273,10 @@ class CompiledSpec:
                 pre, results = sharded.fused(owner, items, inv, max_grad_norm, check, donate,
                                              reduce_group, spans=self._spec.spans_group)
             else:
-                pre = engine.prelude([(item[0], backend, item[3]) for item in items], inv,
-                                     max_grad_norm, check)
+                pre = engine.prelude(
+                    [(item[0], backend, item[3]) for item in items], inv, max_grad_norm, check,
+                    name=lambda j, k: f"{owner}: grads leaf "
+                                      f"'{_paths(params, p_leaves)[work[j][1][k]]}'")
                 results = [engine.run(*item, donate, pre) for item in items]
             new_step = None
             for (program, ids), (ps, ss, steps, _) in zip(work, results):
