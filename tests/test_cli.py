@@ -54,9 +54,12 @@ def test_show_list_and_help(capsys):
     text = capsys.readouterr().out
     assert "def scalars(" in text and "nu_max" in text and "torch.where(" in text
     assert cli.main(["show", "adam", "--backend", "cuda"]) == 1
-    assert "backend='cuda' is not one of" in capsys.readouterr().err
+    assert "vega: backend='cuda' is not one of" in capsys.readouterr().err
     assert cli.main(["show", "adam", "--backend", ""]) == 1  # (not the default backend)
-    assert "backend='' is not one of" in capsys.readouterr().err
+    assert "vega: backend='' is not one of" in capsys.readouterr().err
+    # (said as the command's other errors are; a spec file's error keeps its file:line:col)
+    assert cli.main(["show", "nonesuch"]) == 1
+    assert capsys.readouterr().err.startswith("vega: no shipped optimizer 'nonesuch'; there ")
     assert cli.main(["list"]) == 0
     listing = capsys.readouterr().out
     for name in ("sgd", "adam", "adamw"):

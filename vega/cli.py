@@ -124,8 +124,11 @@ def cmd_show(args) -> int:
             shape = _parse_shape(args.shape)
         backend = args.backend if args.backend is not None else codegen.default_backend("cpu")
         print(spec.source(backend, shape, **_parse_flags(args.set, spec.hypers)))
-    except (SpecError, FileNotFoundError, ValueError, TypeError) as err:
+    except (SpecError, FileNotFoundError) as err:  # (a place in a file, as vega check says it)
         print(err, file=sys.stderr)
+        return 1
+    except (ValueError, TypeError) as err:
+        print(f"vega: {err}", file=sys.stderr)
         return 1
     return 0
 
@@ -216,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("list", help="list the shipped optimizers")
     p.set_defaults(fn=cmd_list)
     p = sub.add_parser("demo", help=DEMO_HELP)
-    p.add_argument("--steps", type=int, default=400, help="training steps per optimizer")
-    p.add_argument("--seed", type=_seed, default=0)
+    p.add_argument("--steps", type=int, default=400,
+                   help="training steps per optimizer (default: 400)")
+    p.add_argument("--seed", type=_seed, default=0,
+                   help="seed of the data and the initial weights (default: 0)")
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("bench", help=BENCH_HELP)
     add_bench_options(p)
