@@ -937,6 +937,48 @@ def test_a_real_state_of_a_complex_parameter_is_named_as_such():
                             r"parameter is of dtype torch.complex64: complex like it")
 
 
+def _made_complex_is_refused(name, backend, match) -> None:
+    """A class over a real matrix in each of two groups steps twice; the second parameter's
+    data is made complex (``p.data = ...``, its states stay real); the next step is refused
+    with a ValueError matching ``match``, and no parameter or state is written (the first
+    group's included)."""
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(5, 3, generator=gen)) for _ in range(2)]
+    opt = getattr(vega.optim, name)([{"params": ps[:1]}, {"params": ps[1:]}], backend=backend)
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn(5, 3, generator=gen)
+        opt.step()
+    ps[1].data = torch.randn(5, 3, dtype=torch.complex64, generator=gen)
+    for p in ps:
+        p.grad = torch.randn(5, 3, dtype=p.dtype, generator=gen)
+    before = [[p.detach().clone(), *(v.clone() for v in opt.state[p].values())] for p in ps]
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    for p, was in zip(ps, before):
+        assert all(torch.equal(a, b) for a, b in zip([p.detach(), *opt.state[p].values()], was))
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+def test_a_parameter_made_complex_after_its_real_state_is_refused_by_name(backend):
+    """A parameter whose data became complex after its first steps keeps real states: refused
+    by name before the first group is written (the reference refused it inside the second
+    group's run, after the first group had stepped, naming its position in that call)."""
+    _made_complex_is_refused("AdamW", backend, r"^AdamW: parameter 0 of group 1: state 'mu' "
+                             r"is of dtype torch.float32, but its parameter is of dtype "
+                             r"torch.complex64: complex like it")
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+def test_a_parameter_made_complex_under_row_and_column_reductions_is_refused_by_name(backend):
+    """Muon's orthogonalization has no complex form: a matrix made complex after its first
+    steps is refused by name before the first group is written (it was refused inside the
+    second group's run, after the first group had stepped, without naming it)."""
+    _made_complex_is_refused("Muon", backend, r"^Muon: parameter 0 of group 1 is of dtype "
+                             r"torch.complex64: muon's row and column reductions step real "
+                             r"parameters only")
+
+
 @pytest.mark.parametrize("backend", ["c", "reference", "triton"])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_a_complex_state_of_a_real_parameter_is_refused(groups, backend):

@@ -478,6 +478,13 @@ def _real(x: torch.Tensor, resolve: bool = True) -> torch.Tensor:
     return torch.view_as_real(x.resolve_conj() if resolve else x)
 
 
+def complex_axes_words(program: Program, p: torch.Tensor) -> str:
+    """Why complex parameter ``p`` cannot step under ``program`` (``uses_axes``), for a
+    message that names it."""
+    return (f"is of dtype {p.dtype}: {program.name}'s row and column reductions step real "
+            "parameters only (a complex parameter has no matrix view)")
+
+
 def _no_complex_axes(program: Program) -> None:
     if program.uses_axes:
         raise ValueError(f"{program.name}: complex parameters have no matrix view; its row "
@@ -733,6 +740,8 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
             and fit(params, steps, SCALAR_STATE, 3):
         # (the common case, in the native module's passes: a few ns a tensor; states like
         # their parameters, of one number, or 8-bit codes and their scales)
+        if any_complex(params):
+            _check_complex_call(owner, program, params, states, name)
         return
     for i, (p, g) in enumerate(zip(params, grads)):
         if g.shape != p.shape:
@@ -755,6 +764,8 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
                 words = str(one).replace(" of parameter 0 ", " ")
                 raise ValueError(f"{owner}: {name(i)}: {words}") from None
         raise ValueError(f"{owner}: {e}") from None
+    if any_complex(params):  # (``as_real``'s checks, here before the first call writes)
+        _check_complex_call(owner, program, params, states, name)
     supported = getattr(codegen.kernel(backend, program), "state_dtypes", None)  # (compiled)
     for i, t in enumerate(steps):  # (the compiled kernels read an int32; not a tensor: named
         if not isinstance(t, torch.Tensor):  # by the caller's check of what it writes)
@@ -784,6 +795,27 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
                                 "complex like it" if p.is_complex() else "real like it"))
         raise ValueError(f"{owner}: {name(bad)}: backend '{backend}' does not support {what} "
                          f"of dtype {x.dtype}")
+
+
+def _check_complex_call(owner: str, program: Program, params, states, name) -> None:
+    """``check_call``'s ValueError, naming the parameter, where ``as_real`` would refuse a
+    call's complex parameters on any backend: a program with row and column reductions
+    (none has a matrix view), or a state whose complexness is not its parameter's (a real
+    ``mu`` kept from before ``p.data`` became complex). ``as_real`` refuses them inside the
+    run, after the calls before it have written."""
+    if program.uses_axes:
+        i = next(i for i, p in enumerate(params) if p.is_complex())
+        raise ValueError(f"{owner}: {name(i)} {complex_axes_words(program, params[i])}")
+    try:
+        check_complexness(owner, program, params, states)
+    except ValueError:
+        for i, p in enumerate(params):  # (which parameter, by the caller's name of it)
+            try:
+                check_complexness(owner, program, [p], [[col[i]] for col in states])
+            except ValueError as one:  # (on every backend alike: no backend named)
+                words = str(one).removeprefix(f"{owner}: ").replace(" of parameter 0 ", " ")
+                raise ValueError(f"{owner}: {name(i)}: {words}") from None
+        raise
 
 
 def as_real(program: Program, params, grads, states, donate: bool):
