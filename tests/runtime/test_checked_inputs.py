@@ -979,6 +979,25 @@ def test_a_parameter_made_complex_under_row_and_column_reductions_is_refused_by_
                              r"parameters only")
 
 
+@pytest.mark.parametrize("backend", ["c", "reference"])
+def test_a_complex_parameter_under_row_and_column_reductions_is_named_at_its_first_step(
+        backend):
+    """A complex matrix given to Muon is refused at its first step by name, before anything
+    is written or any state is kept (the message, from the making of its state, named no
+    parameter)."""
+    gen = torch.Generator().manual_seed(0)
+    real = torch.nn.Parameter(torch.randn(5, 3, generator=gen))
+    z = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64, generator=gen))
+    opt = vega.optim.Muon([{"params": [real]}, {"params": [z]}], backend=backend)
+    real.grad = torch.randn(5, 3, generator=gen)
+    z.grad = torch.randn(4, 3, dtype=torch.complex64, generator=gen)
+    was = real.detach().clone()
+    with pytest.raises(ValueError, match=r"^Muon: parameter 0 of group 1 is of dtype "
+                                         r"torch.complex64: muon's row and column reductions"):
+        opt.step()
+    assert torch.equal(real.detach(), was) and not opt.state
+
+
 @pytest.mark.parametrize("backend", ["c", "reference", "triton"])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_a_complex_state_of_a_real_parameter_is_refused(groups, backend):
