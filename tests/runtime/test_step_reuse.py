@@ -99,16 +99,23 @@ def test_params_added_to_a_group_and_a_loaded_state_are_followed(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_shape_change_that_picks_another_program_is_refused(backend):
     """adafactor factors a matrix, not a vector: a parameter viewed as a matrix after a
-    step needs other state, and the step says so rather than stepping the old program."""
+    step needs other state, and the step says so, naming the parameter and its new shape,
+    rather than stepping the old program (nothing written: the other parameter neither)."""
+    q = torch.nn.Parameter(torch.randn(5))
     p = torch.nn.Parameter(torch.randn(12))
-    p.grad = torch.randn(12)
-    opt = vega.optim.Adafactor([p], min_dim_size_to_factor=2.0, backend=backend)
+    q.grad, p.grad = torch.randn(5), torch.randn(12)
+    opt = vega.optim.Adafactor([q, p], min_dim_size_to_factor=2.0, backend=backend)
     opt.step()
     p.data = p.data.view(4, 3)
     p.grad = torch.randn(4, 3)
-    with pytest.raises(ValueError, match=r"state has \['step', 'v'\] but the group's settings "
-                                         r"need \['step', 'v_col', 'v_row'\]"):
+    was = q.detach().clone()
+    with pytest.raises(ValueError, match=r"^Adafactor: the state of parameter 1 of group 0 has "
+                                         r"\['step', 'v'\] but the group's settings need "
+                                         r"\['step', 'v_col', 'v_row'\]; .*or the parameter's "
+                                         r"shape \(now \(4, 3\)\) changed after the first "
+                                         r"step\?"):
         opt.step()
+    assert torch.equal(q.detach(), was)
 
 
 def test_a_loaded_state_leaves_nothing_of_the_old_one_alive():

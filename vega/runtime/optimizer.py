@@ -676,10 +676,12 @@ class SpecOptimizer(torch.optim.Optimizer):
                         "step count: it was written in before the first step made the state "
                         f"({sorted(want)}); write into it after the first step, or into the "
                         "state of a functional init")
+                reshaped = ", or the parameter's shape (now " + str(tuple(p.shape)) + \
+                    ")" if self.spec._spec.reads_shape else ""
                 raise ValueError(
-                    f"{owner}: a parameter's state has {sorted(st)} but the "
+                    f"{owner}: the state of {self._name(p)} has {sorted(st)} but the "
                     f"group's settings need {sorted(want)}; was a bool hyperparameter"
-                    f"{shaped} changed after the first step?")
+                    f"{shaped}{reshaped} changed after the first step?")
             sts.append(st)
         self._drop_masters(group, master)
         device = params[0].device.type
