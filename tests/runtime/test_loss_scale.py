@@ -440,3 +440,41 @@ def test_a_class_step_without_gradients_leaves_the_scale(backend):
     opt.zero_grad()
     opt.step()
     assert opt.loss_scale.good_steps.item() == 1 and opt.loss_scale.loss_scale.item() == 4.0
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_a_scale_made_without_a_device_outlives_parameters_made_on_meta(backend):
+    """An optimizer made over a model made on the meta device, then ``to_empty`` (swapping
+    the parameters' tensors in place, as torch does where
+    ``set_swap_module_params_on_conversion(True)``: the optimizer's parameters are the
+    model's), keeps its loss scale's values: a scale made without a device went to meta with
+    the parameters, and its values were lost (scaling the loss raised). It goes where the
+    parameters are at the first step, and steps as over a model made in place."""
+    def made(device):
+        with torch.device(device):
+            model = torch.nn.Linear(4, 3)
+        scale = LossScale.dynamic(init=8.0, growth_interval=1)
+        opt = vega.optim.AdamW(model.parameters(), loss_scale=scale, backend=backend)
+        if device == "meta":
+            prior = torch.__future__.get_swap_module_params_on_conversion()
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            try:
+                model.to_empty(device="cpu")
+            finally:
+                torch.__future__.set_swap_module_params_on_conversion(prior)
+        assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+        with torch.no_grad():
+            model.weight.copy_(torch.linspace(-1, 1, 12).view(3, 4))
+            model.bias.fill_(0.5)
+        return model, scale, opt
+    (ours, ours_scale, ours_opt), (theirs, theirs_scale, theirs_opt) = made("meta"), made("cpu")
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for model, scale, opt in ((ours, ours_scale, ours_opt),
+                                  (theirs, theirs_scale, theirs_opt)):
+            opt.zero_grad()
+            (model(x).square().sum() * scale.loss_scale).backward()
+            opt.step()
+    assert ours_scale.loss_scale.device.type == "cpu" and float(ours_scale.loss_scale) == 64.0
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p.detach(), q.detach())

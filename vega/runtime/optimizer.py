@@ -153,11 +153,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                                   "stochastic_rounding": stochastic_rounding,
                                   "rounding_seed": rounding_seed})
         self.state = _counting(self.state)
-        if loss_scale is not None and not loss_scale.device_given:
-            # made without a device: it lives where the parameters are (no copy a step)
-            first = next((p for g in self.param_groups for p in g["params"]), None)
-            if first is not None:
-                loss_scale.to_(first.device)
+        self._place_scale()
         self._claim_scale()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -468,8 +464,21 @@ class SpecOptimizer(torch.optim.Optimizer):
         if last is not None and all(map(operator.is_, now, last)):
             return
         engine.check_fused(type(self).__name__, *now)
+        self._place_scale()
         self._claim_scale()
         self.__dict__["_vega_checked"] = now
+
+    def _place_scale(self) -> None:
+        """A loss scale made without a device lives where the parameters are (no copy a
+        step): moved there when the optimizer is made, or, where the parameters are on the
+        meta device then (a model made there, for ``to_empty``), when a step first finds
+        them elsewhere: a scale moved to meta would lose its values."""
+        ls = self.loss_scale
+        if ls is None or ls.device_given:
+            return
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        if first is not None and first.device.type != "meta":
+            ls.to_(first.device)
 
     def _claim_scale(self) -> None:
         """The loss scale made this optimizer's: its steps adjust it in place, so that one
