@@ -796,6 +796,56 @@ def test_memory_size_changed_after_the_first_step_is_refused():
     assert int(opt.state[p]["step"]) == 2
 
 
+def _reshaped(opt, p):
+    p.data = torch.randn(3, 4)
+
+
+def _complex(opt, p):
+    p.data = torch.randn(4, 3, dtype=torch.complex64)
+
+
+def _expanded(opt, p):
+    p.data = torch.zeros(1, 3).expand(4, 3)
+
+
+def _listed_again(opt, p):
+    opt.param_groups[0]["params"].append(opt.param_groups[0]["params"][0])
+
+
+@pytest.mark.parametrize("change, message", [
+    (_reshaped, r"^LBFGS: parameter 1 of group 0: state leaf 'diff_params' has shape "
+                r"\(3, 4, 3\) on cpu, but needs \(3, 3, 4\) on cpu"),
+    (_complex, r"^LBFGS: parameter 1 of group 0: state leaf 'diff_params' has dtype "
+               r"torch.float32, the parameter torch.complex64"),
+    (_expanded, r"^LBFGS: parameter 1 of group 0 has elements at one memory location"),
+    (_listed_again, r"^LBFGS: parameter 2 of group 0 shares memory with parameter 0 of "
+                    r"group 0: a step in place would write that memory twice"),
+])
+def test_a_parameter_changed_after_the_first_step_is_refused_by_name(change, message):
+    """A parameter given another shape, made complex or expanded after the first step (or
+    listed again) is refused naming it, before anything is written: the step failed inside
+    torch's arithmetic (a RuntimeError naming no parameter), the expanded one after writing
+    part of the state, and one listed twice was written twice."""
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(2, generator=gen)),
+          torch.nn.Parameter(torch.randn(4, 3, generator=gen))]
+    opt = LBFGS(ps, lr=0.1, memory_size=3)
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    change(opt, ps[1])
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.randn(p.shape, dtype=p.dtype, generator=gen)
+    before = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+              for p in ps]
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    for p, (value, st) in zip(ps, before):
+        assert torch.equal(p.detach(), value)
+        assert all(torch.equal(v, st[k]) for k, v in opt.state[p].items())
+
+
 def _raises_type_error(step):
     raise TypeError("the schedule's own error")
 

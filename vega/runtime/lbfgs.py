@@ -64,7 +64,7 @@ from functools import partial
 import torch
 
 from vega.codegen.steps import advance_steps
-from vega.codegen.tensors import dense, is_dtensor, not_dense
+from vega.codegen.tensors import dense, inplace_problem, is_dtensor, not_dense
 from vega.runtime import sharded, torch_names
 from vega.dsl.ast import Range
 from vega.runtime.engine import (as_float, check_reach, check_state_dtype, scheduled, shown,
@@ -469,6 +469,44 @@ def _refuse_torch_keywords(owner: str, given: dict) -> None:
         raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {key!r}")
 
 
+def _check_class_step(params, states, shared: dict, m: int) -> None:
+    """ValueError, naming the parameter, where the class's step would fail or write part of
+    its tensors only: a state no longer fit for its parameter (``p.data`` given another shape,
+    or made complex, after the first step: ``_check_state_leaves``), and a parameter, state or
+    counter that a step in place cannot write, or a gradient sharing memory with one (an
+    expanded parameter: ``vega.codegen.tensors.inplace_problem``), before anything is
+    written."""
+    for i, (p, st) in enumerate(zip(params, states)):
+        try:
+            _check_state_leaves("LBFGS", lambda: "", p, {f: st.get(f) for f in TREE_FIELDS},
+                                m)
+        except ValueError as e:
+            raise ValueError(f"LBFGS: parameter {i} of group 0: "
+                             f"{str(e).removeprefix('LBFGS: ')}") from None
+    written = [*params, *(st[f] for f in TREE_FIELDS for st in states), shared["weights"],
+               shared["step"]]
+    grads = [p.grad for p in params if p.grad is not None]
+    problem = inplace_problem(written, grads)
+    if problem is None:
+        return
+    n = len(params)
+
+    def label(k: int) -> str:
+        if k >= len(written):  # (a gradient: of the k-th parameter with one)
+            i = [j for j, p in enumerate(params) if p.grad is not None][k - len(written)]
+            return f"the gradient of parameter {i} of group 0"
+        if k < n:
+            return f"parameter {k} of group 0"
+        if k < n * (1 + len(TREE_FIELDS)):
+            f, i = divmod(k - n, n)
+            return f"state '{TREE_FIELDS[f]}' of parameter {i} of group 0"
+        return f"state '{('weights', 'step')[k - n * (1 + len(TREE_FIELDS))]}' of parameter 0 " \
+            "of group 0"
+    k, other, words = problem
+    raise ValueError(f"LBFGS: {label(k)} "
+                     f"{words.format(other=label(other)) if other is not None else words}")
+
+
 class LBFGS(torch.optim.Optimizer):
     """L-BFGS at a fixed rate as a ``torch.optim.Optimizer``: the rule of ``lbfgs_step``.
 
@@ -559,11 +597,13 @@ class LBFGS(torch.optim.Optimizer):
                 raise ValueError("LBFGS does not support sparse gradients")
         shared = self._shared(group)
         states = [self._param_state(p, group) for p in params]
-        m = shared["weights"].shape[0]
+        m = _check_weights_step("LBFGS", shared.get("weights"), shared.get("step"),
+                                "the first parameter's state")
         if _check_memory_size("LBFGS", group["memory_size"]) != m:
             raise ValueError(f"LBFGS: memory_size={group['memory_size']!r}, but the state "
                              f"holds {m} curvature pairs: memory_size is fixed by the first "
                              "step (a new LBFGS starts another history)")
+        _check_class_step(params, states, shared, m)
         _, _, _, _, _, _, shared["step"] = _lbfgs(
             [_real(p) for p in params], [_real(_zero_for_none(p, p.grad)) for p in params],
             *([_real(st[f]) for st in states] for f in TREE_FIELDS),
