@@ -388,3 +388,27 @@ def test_flat_trees_flatten_as_torch_walks_them():
             assert type(back) is type(t) and back is not t
             again, again_spec = pytree.tree_flatten(back, is_leaf=lambda x: x is None)
             assert again_spec == their_spec and all(map(operator.is_, again, theirs))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name, hypers", [
+    ("Adagrad", {"lr": 0.1, "initial_accumulator_value": 0.5}), ("Rprop", {"lr": 0.01})])
+def test_an_empty_complex_parameter_steps_as_torch(name, hypers, backend):
+    """A complex parameter with no element beside others, under a rule whose state starts at
+    a constant (Adagrad's accumulator, Rprop's step sizes), steps as torch.optim's class
+    steps it: its state, the constant expanded to no element, kept stride 0 and could not
+    be viewed as complex (a RuntimeError at the first step)."""
+    gen = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(s, dtype=torch.complex64, generator=gen))
+            for s in [(0,), (3,), (2, 0)]]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = getattr(vega.optim, name)(ours, backend=backend, **hypers)
+    ref = getattr(torch.optim, name)(theirs, foreach=False, **hypers)
+    for _ in range(3):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, dtype=p.dtype, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.detach(), q.detach())

@@ -1173,7 +1173,10 @@ class Kernel:
                     fn(pc, *hv).to(torch.float32).expand(p.shape), signed)
             elif name not in skip:
                 x = fn(pc, *hv)
-                out[name] = x.to(sd).contiguous().clone() if sd != torch.uint8 else x
+                # (a state of its own in contiguous strides: a constant expanded to no element
+                # keeps stride 0 through contiguous(), which view_as_complex refuses)
+                out[name] = x.to(sd).clone(memory_format=torch.contiguous_format) \
+                    if sd != torch.uint8 else x
         return [scales[name] if name in scales else out[name] for name in names]
 
     def mode(self, name: str, params, states, values, keep_master: bool = False) -> None:
