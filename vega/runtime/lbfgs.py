@@ -483,6 +483,8 @@ def _check_class_step(params, states, shared: dict, m: int) -> None:
         except ValueError as e:
             raise ValueError(f"LBFGS: parameter {i} of group 0: "
                              f"{str(e).removeprefix('LBFGS: ')}") from None
+    if torch.compiler.is_compiling():  # (as the other classes: not asked while dynamo
+        return                          # traces, which cannot ask for inference tensors)
     written = [*params, *(st[f] for f in TREE_FIELDS for st in states), shared["weights"],
                shared["step"]]
     grads = [p.grad for p in params if p.grad is not None]
