@@ -846,6 +846,30 @@ def test_a_parameter_changed_after_the_first_step_is_refused_by_name(change, mes
         assert all(torch.equal(v, st[k]) for k, v in opt.state[p].items())
 
 
+def test_a_parameter_made_of_integers_after_it_was_given_is_refused_by_name():
+    """A tensor given as a parameter (one that requires no gradient: torch lets its data
+    become integers) made of integers after the first step is refused naming it, as the
+    class refuses it when given, before anything is written: the step truncated its new
+    values to integers."""
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(2, generator=gen), torch.randn(4, 3, generator=gen)]
+    opt = LBFGS(ps, lr=0.1, memory_size=3)
+    for k in range(2):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen)
+        if k == 1:
+            ps[1].data = (ps[1].data * 10).long()
+            before = [(p.clone(), {n: v.clone() for n, v in opt.state[p].items()}) for p in ps]
+            with pytest.raises(ValueError, match=r"^LBFGS: parameter 1 of group 0 is of dtype "
+                                                 r"torch.int64; LBFGS can only optimize"):
+                opt.step()
+            for p, (value, st) in zip(ps, before):
+                assert torch.equal(p, value)
+                assert all(torch.equal(v, st[n]) for n, v in opt.state[p].items())
+        else:
+            opt.step()
+
+
 def _raises_type_error(step):
     raise TypeError("the schedule's own error")
 

@@ -471,10 +471,10 @@ def _refuse_torch_keywords(owner: str, given: dict) -> None:
 
 def _check_class_step(params, states, shared: dict, m: int) -> None:
     """ValueError, naming the parameter, where the class's step would fail or write part of
-    its tensors only: a state no longer fit for its parameter (``p.data`` given another shape,
-    or made complex, after the first step: ``_check_state_leaves``), and a parameter, state or
-    counter that a step in place cannot write, or a gradient sharing memory with one (an
-    expanded parameter: ``vega.codegen.tensors.inplace_problem``), before anything is
+    its tensors only: a state no longer fit for its parameter (``p.data`` given another
+    shape, or made complex, after the first step: ``_check_state_leaves``), and a parameter,
+    state or counter that a step in place cannot write, or a gradient sharing memory with one
+    (an expanded parameter: ``vega.codegen.tensors.inplace_problem``), before anything is
     written."""
     for i, (p, st) in enumerate(zip(params, states)):
         try:
@@ -594,9 +594,13 @@ class LBFGS(torch.optim.Optimizer):
         if self.reduce_group is None and all(p.grad is None for p in params):
             return loss  # (in a group, the others' products need this rank's collectives)
         _refuse_dtensors("LBFGS", params)
-        for p in params:
+        for i, p in enumerate(params):
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError("LBFGS does not support sparse gradients")
+            if not is_steppable(p):  # (made so after it was given, which refuses it; its
+                raise ValueError(    # values were truncated to integers)
+                    f"LBFGS: parameter {i} of group 0 is of dtype {p.dtype}; LBFGS can only "
+                    "optimize float or complex tensors")
         shared = self._shared(group)
         states = [self._param_state(p, group) for p in params]
         m = _check_weights_step("LBFGS", shared.get("weights"), shared.get("step"),
