@@ -846,6 +846,37 @@ def test_a_parameter_changed_after_the_first_step_is_refused_by_name(change, mes
         assert all(torch.equal(v, st[k]) for k, v in opt.state[p].items())
 
 
+@pytest.mark.parametrize("where, message", [
+    ("param", r"^lbfgs_step: params leaf 'b' has elements at one memory location"),
+    ("state", r"^lbfgs_step: state leaf 'updates_prev.b' has elements at one memory location"),
+    ("grad", r"^lbfgs_step: grads leaf 'b' shares memory with params leaf 'a'"),
+])
+def test_a_donated_step_that_cannot_write_in_place_is_refused_by_name(where, message):
+    """The functional step in place (donate=True) checks what it writes before writing, as
+    the class does: an expanded parameter or state failed inside torch's arithmetic (a
+    RuntimeError naming no leaf) after the other parameters and the previous updates had
+    been written, and a gradient that is another parameter's memory was read after that
+    parameter had been written."""
+    gen = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(4, generator=gen), "b": torch.randn(4, generator=gen)}
+    state = lbfgs_init(params, memory_size=3)
+    grads = {k: torch.randn(4, generator=gen) for k in params}
+    params, state = lbfgs_step(params, grads, state, lr=0.1, donate=True)
+    grads = {k: torch.randn(4, generator=gen) for k in params}
+    if where == "param":
+        params["b"] = torch.zeros(1).expand(4)
+    elif where == "state":
+        state["updates_prev"]["b"] = torch.zeros(1).expand(4)
+    else:
+        grads["b"] = params["a"]
+    before = copy.deepcopy((params, state, grads))
+    with pytest.raises(ValueError, match=message):
+        lbfgs_step(params, grads, state, lr=0.1, donate=True)
+    for was, now in zip(jax.tree_util.tree_leaves(before),
+                        jax.tree_util.tree_leaves((params, state, grads))):
+        assert torch.equal(was, now)
+
+
 def test_a_parameter_made_of_integers_after_it_was_given_is_refused_by_name():
     """A tensor given as a parameter (one that requires no gradient: torch lets its data
     become integers) made of integers after the first step is refused naming it, as the

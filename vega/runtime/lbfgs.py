@@ -69,7 +69,7 @@ from vega.runtime import sharded, torch_names
 from vega.dsl.ast import Range
 from vega.runtime.engine import (as_float, check_reach, check_state_dtype, scheduled, shown,
                                  state_dtype_for)
-from vega.runtime.spec import _check_leaves, _label, flatten_pair, stepped
+from vega.runtime.spec import _check_leaves, _label, _paths, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
 from vega.schedule import Schedule
 
@@ -422,6 +422,8 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
     idx = stepped(owner, params, p_leaves, g_leaves, lambda i, name, p: _check_state_leaves(
         owner, name, p, {f: cols[f][i] for f in TREE_FIELDS}, m))
     weights, step = state["weights"], state["step"]
+    if donate and not torch.compiler.is_compiling():  # (before any write)
+        _check_donated(owner, params, p_leaves, g_leaves, cols, idx, weights, step)
     with torch.no_grad():
         new_p, ndw, ndu, npp, nup, nw, new_step = _lbfgs(
             [_real(p_leaves[i]) for i in idx], [_real(g_leaves[i]) for i in idx],
@@ -445,6 +447,33 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
         "updates_prev": unflatten(out["updates_prev"], p_spec),
         "step": new_step,
     }
+
+
+def _check_donated(owner, params, p_leaves, g_leaves, cols, idx, weights, step) -> None:
+    """ValueError, naming the leaf, where a step in place (``donate=True``) cannot write a
+    parameter, a state leaf, the weights or the counter (an expanded parameter), or would read
+    a gradient sharing memory with one (``vega.codegen.tensors.inplace_problem``), as the
+    other functional steps check theirs: before anything is written."""
+    fields = (None, *TREE_FIELDS)
+    written = [(p_leaves if f is None else cols[f])[i] for f in fields for i in idx]
+    written += [weights, step]
+    problem = inplace_problem(written, [g_leaves[i] for i in idx])
+    if problem is None:
+        return
+    paths = _paths(params, p_leaves)
+    n = len(idx)
+
+    def label(k: int) -> str:
+        if k >= len(written):
+            return f"grads leaf '{paths[idx[k - len(written)]]}'"
+        if k < len(fields) * n:
+            f, j = divmod(k, n)
+            return f"params leaf '{paths[idx[j]]}'" if fields[f] is None else \
+                f"state leaf '{_label(fields[f], lambda: paths[idx[j]])}'"
+        return f"state['{('weights', 'step')[k - len(fields) * n]}']"
+    k, other, words = problem
+    raise ValueError(f"{owner}: {label(k)} "
+                     f"{words.format(other=label(other)) if other is not None else words}")
 
 
 # -- torch.optim ------------------------------------------------------------------------
