@@ -1217,6 +1217,37 @@ def test_torch_state_dict_dequantizes():
     torch.optim.AdamW(model.parameters(), lr=1e-2).load_state_dict(sd)
 
 
+@pytest.mark.parametrize("sd", [U8, {"nu": U8}], ids=["every", "named"])
+@pytest.mark.parametrize("name,hypers", [("AdamW", {}), ("SGD", {"momentum": 0.9}),
+                                         ("RMSprop", {"momentum": 0.5, "centered": True})])
+def test_torch_optims_state_dict_loads_into_an_8bit_optimizer_quantized(name, hypers, sd):
+    """torch.optim's states are floats: an 8-bit optimizer quantizes them as it quantizes
+    its float32 twin's state dict of the same values (they were refused as 8-bit codes
+    cast to floats, the optimizer's own state_dtype taken for the saved one)."""
+    if name != "AdamW":
+        sd = U8 if sd is U8 else {"nu" if name == "RMSprop" else "v": U8}
+    model = torch.nn.Linear(64, 100)
+    theirs = getattr(torch.optim, name)(model.parameters(), lr=1e-2, foreach=False, **hypers)
+    model(torch.randn(8, 64)).sum().backward()
+    theirs.step()
+    saved = theirs.state_dict()
+    ours = getattr(vega.optim, name)(model.parameters(), lr=1e-2, state_dtype=sd, **hypers)
+    with pytest.warns(UserWarning, match="quantized to 8 bits"):
+        ours.load_state_dict(saved)
+    twin = getattr(vega.optim, name)(model.parameters(), lr=1e-2, **hypers)
+    twin.load_state_dict(saved)
+    again = getattr(vega.optim, name)(model.parameters(), lr=1e-2, state_dtype=sd, **hypers)
+    with pytest.warns(UserWarning, match="quantized to 8 bits"):
+        again.load_state_dict(twin.state_dict())
+    w = model.weight
+    assert any(v.dtype == U8 for v in ours.state[w].values())
+    assert ours.state[w].keys() == again.state[w].keys()
+    for key, value in ours.state[w].items():
+        assert torch.equal(value, again.state[w][key]), key
+    assert ours.param_groups[0]["state_dtype"] == sd
+    _train(model, ours, 1, seed=2)
+
+
 def test_scales_saved_in_another_float_dtype_load_as_float32():
     model, opt, saved = _saved_8bit(2)
     for st in saved["state"].values():

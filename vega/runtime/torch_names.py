@@ -395,9 +395,11 @@ def is_torch_format(state_dict, cls_name: str, want: frozenset) -> bool:
 def from_torch(owner: str, cls_name: str, state_dict: dict, current: list) -> dict:
     """torch.optim's state dict of ``cls_name`` in vega's format: states renamed, ``betas``
     spread over ``b1``, ``b2``, groups given ``current``'s (this optimizer's groups')
-    ``backend`` and ``state_dtype``; torch's step counters are converted on loading (and
-    SGD's, which torch does not keep, is 1 where a buffer is). ValueError naming a setting
-    under which torch's rule is not vega's."""
+    ``backend`` and precision settings, and ``state_dtype`` None: torch keeps its states in
+    floats (an 8-bit optimizer quantizes them on loading; this optimizer's ``state_dtype``
+    would say they were saved as 8-bit codes); torch's step counters are converted on
+    loading (and SGD's, which torch does not keep, is 1 where a buffer is). ValueError
+    naming a setting under which torch's rule is not vega's."""
     names = TORCH_STATES[cls_name]
     rules = _TORCH_RULES.get(cls_name, {})
     groups = []
@@ -420,7 +422,7 @@ def from_torch(owner: str, cls_name: str, state_dict: dict, current: list) -> di
         if isinstance(group.get("betas"), (tuple, list)):
             out.update((f"b{i + 1}", b) for i, b in enumerate(group["betas"]))
             out["betas"] = tuple(group["betas"])
-        out.update(backend=here["backend"], state_dtype=here["state_dtype"],
+        out.update(backend=here["backend"], state_dtype=None,
                    **{key: here[key] for key in PRECISION_KEYS if key in here})
         groups.append(out)
     back = {theirs: mine for mine, theirs in names.items() if theirs is not None}
