@@ -1248,6 +1248,29 @@ def test_torch_optims_state_dict_loads_into_an_8bit_optimizer_quantized(name, hy
     _train(model, ours, 1, seed=2)
 
 
+def test_float_state_kept_after_the_group_turned_8bit_loads():
+    """A group's state_dtype set to torch.uint8 after its states were made leaves them
+    floats (docs/precision.md); its state_dict was refused by every optimizer, its own
+    too, as 8-bit codes cast to floats. It loads: as floats into a float optimizer,
+    quantized into an 8-bit one."""
+    model = _model()
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1, seed=1)
+    opt.param_groups[0]["state_dtype"] = U8
+    _train(model, opt, 1, seed=2)
+    w = model[0].weight
+    assert opt.state[w]["mu"].dtype == torch.float32
+    saved = opt.state_dict()
+    floats = vega.optim.AdamW(model.parameters(), lr=1e-2)
+    floats.load_state_dict(saved)
+    assert torch.equal(floats.state[w]["mu"], opt.state[w]["mu"])
+    eight = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    with pytest.warns(UserWarning, match="quantized to 8 bits"):
+        eight.load_state_dict(saved)
+    assert eight.state[w]["mu"].dtype == U8
+    _train(model, eight, 1, seed=3)
+
+
 def test_scales_saved_in_another_float_dtype_load_as_float32():
     model, opt, saved = _saved_8bit(2)
     for st in saved["state"].values():

@@ -246,6 +246,20 @@ def any_negative(scales: torch.Tensor) -> bool:
     return scales.device.type != "meta" and bool((scales < 0).any())
 
 
+def like_codes(values: torch.Tensor) -> bool:
+    """Whether float ``values`` could be 8-bit codes cast to a float: whole numbers from 0
+    to 255, not all 0 (a state of zeros reads as zeros either way: the unsigned map's code
+    0 is 0). A float state rarely is: its group's ``state_dtype``, set to torch.uint8 after
+    the state was made, does not make it codes. Read on the host, for loading (a DTensor's
+    local shard; a meta tensor has no values)."""
+    if is_dtensor(values):
+        values = values.to_local()
+    if values.device.type == "meta" or not values.is_floating_point():
+        return False
+    return bool(((values >= 0) & (values <= 255) & (values == values.round())).all()
+                and (values != 0).any())
+
+
 def absmax_t(x: torch.Tensor) -> torch.Tensor:
     """Each block's largest magnitude (float32, NaN where the block holds one)."""
     flat = x.reshape(-1).to(torch.float32)

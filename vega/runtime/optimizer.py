@@ -1154,10 +1154,13 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     def _check_codes_kept(self, pid, p, group, saved_dtype, saved: dict) -> None:
         """ValueError where a state its saved group kept in 8 bits (``state_dtype``
-        torch.uint8) comes as floats without its scales: the codes cast to another dtype,
-        as ``torch.distributed.checkpoint`` loads a checkpoint into the state dict of the
+        torch.uint8) comes as floats without its scales, valued as codes are (whole
+        numbers from 0 to 255): the codes cast to another dtype, as
+        ``torch.distributed.checkpoint`` loads a checkpoint into the state dict of the
         optimizer it is given, which for float state has no scales (their values, 0 to
-        254, would be taken as the state's)."""
+        254, would be taken as the state's). A float state made before the group's
+        ``state_dtype`` became torch.uint8 (which leaves the states it has as they are)
+        loads as a float state."""
         sd = engine.state_dtype_of(self.spec._spec, saved_dtype)
         q = engine.q8_names(sd, p) if isinstance(sd, dict) or sd == torch.uint8 else None
         if not q:
@@ -1166,7 +1169,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         for name in program.quant:
             value = saved.get(name)
             if isinstance(value, torch.Tensor) and value.dtype != torch.uint8 \
-                    and name + quant.SUFFIX not in saved:
+                    and name + quant.SUFFIX not in saved and quant.like_codes(value):
                 raise ValueError(
                     f"{type(self).__name__}.load_state_dict: state '{name}' of parameter "
                     f"{pid} was saved in 8 bits (its group's state_dtype is "
