@@ -73,6 +73,29 @@ def test_global_norm_of_long_float32_leaves_on_the_cpu():
         torch.set_num_threads(threads)
 
 
+def test_global_norm_of_a_long_leaf_is_the_same_on_any_number_of_threads():
+    """A float32 CPU leaf of more than 2**23 values has more than 32,768 chunks, whose squared
+    norms torch's CPU sum adds a thread's share at a time: the norm (and so the clipped
+    leaf) changed in its last bit between one thread and two. Here the chunks' norms are
+    spread over three decades, each chunk one value."""
+    k = 36868
+    x = torch.zeros(k, 256)
+    x[:, 0] = torch.rand(k, generator=torch.Generator().manual_seed(4)).mul(8).exp()
+    x = x.view(-1)
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got.append((global_norm({"x": x}), clip_by_global_norm([x], 1.0)[0]))
+    finally:
+        torch.set_num_threads(threads)
+    for norm, clipped in got[1:]:
+        assert torch.equal(norm, got[0][0]) and torch.equal(clipped, got[0][1])
+    want = torch.linalg.vector_norm(x.double()).item()
+    assert got[0][0].item() == pytest.approx(want, rel=1e-6)
+
+
 @pytest.mark.parametrize("extra", [1, 255])
 def test_the_values_past_a_long_leafs_last_whole_chunk_count(extra):
     """A long float32 CPU leaf taken in chunks (NORM_LONG) is no whole number of them: the

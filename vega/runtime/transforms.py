@@ -99,7 +99,22 @@ def _leaf_norm(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if n > k * NORM_CHUNK:
         tail = torch.linalg.vector_norm(flat[k * NORM_CHUNK:], dtype=dtype)
         parts = torch.cat([parts, tail.reshape(1)])
-    return (parts * parts).sum().sqrt()
+    return _fixed_sum(parts * parts).sqrt()
+
+
+def _fixed_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of a 1-d tensor, the same bits on any number of threads: torch's CPU sum of
+    more than 32,768 values (its grain) adds each thread's share apart and then the shares,
+    so that a leaf of more than 2**23 values (as many chunks) had a norm that changed in its
+    last bit with ``torch.set_num_threads``. Longer ones are summed a row of NORM_CHUNK at a
+    time (each row by one thread), the rows' sums then in turn."""
+    while x.numel() > NORM_LONG:
+        k = x.numel() // NORM_CHUNK
+        rows = x[:k * NORM_CHUNK].view(k, NORM_CHUNK).sum(dim=1)
+        if x.numel() > k * NORM_CHUNK:
+            rows = torch.cat([rows, x[k * NORM_CHUNK:].sum().reshape(1)])
+        x = rows
+    return x.sum()
 
 
 def _stored_order(g: torch.Tensor) -> torch.Tensor:
