@@ -151,8 +151,9 @@ void vega_stream_quarters(float *restrict p, const float *restrict g, float *res
     }
 }
 /* a read-only pass, the fused step's prelude's kind: the sum of squares of one array, each
-   thread's share read as four quarters side by side, as the prelude reads it (one run a
-   thread read 4 to 12% slower on an EPYC, where two to eight runs read alike) */
+   thread's share read as four quarters side by side, as the prelude reads each piece of
+   65,536 values (one run a thread read 4 to 12% slower on an EPYC, where two to eight runs
+   read alike) */
 double vega_stream_read(const float *restrict g, int64_t n) {
     double total = 0;
     #pragma omp parallel reduction(+:total)

@@ -436,6 +436,31 @@ def test_multi_threaded_steps_are_deterministic():
         torch.set_num_threads(threads)
 
 
+def test_the_fused_norm_is_the_same_on_any_number_of_threads():
+    """max_grad_norm's sum of squares: each thread summed its share of the elements in
+    blocks that began where the share did, so that the norm, and a float64 step clipped by
+    it, changed in the last bits between one thread and two or three. A tensor is now
+    summed in pieces from its start, each piece by one thread, the pieces added in order."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = (300_001, 70_001, 5, 40_000)
+    params = {f"t{k}": torch.randn(n, generator=gen, dtype=torch.float64)
+              for k, n in enumerate(sizes)}
+    grads = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64).mul(
+        torch.rand(v.shape, generator=gen, dtype=torch.float64).mul(6).exp())
+        for k, v in params.items()}
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(vega.sgd_step(params, grads, vega.sgd_init(params), lr=1.0,
+                                      max_grad_norm=1.0, backend="c")[0])
+    finally:
+        torch.set_num_threads(threads)
+    for other in outs[1:]:
+        assert all(torch.equal(outs[0][k], other[k]) for k in params)
+
+
 def test_one_kernel_call_per_phase_for_many_tensors_through_the_operator():
     """Multi-tensor: the native operator calls the update once per dtype group, not once per
     tensor, then the counters' advance once."""

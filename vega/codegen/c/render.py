@@ -81,81 +81,92 @@ static int64_t *starts(int64_t nt, const int64_t *tab) {
 #define SPLIT_MIN @SPLIT_MIN@  /* a thread's share of a tensor at least this long is read as
                             four quarters at once, where one run of loads alone does not keep
                             enough of them in flight to use the memory bandwidth (split_min) */
+#define PRE_PIECE 65536  /* the prelude's sums: a tensor's pieces, each one thread's */
 
 void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
     /* pre[PRE_SUM_SQ] += sum of squares of g * pre[PRE_INV_SCALE];
-       pre[PRE_NONFINITE] += count of blocks holding a non-finite element */
+       pre[PRE_NONFINITE] += count of blocks holding a non-finite element.
+       Each tensor is taken in pieces of PRE_PIECE elements from its start, each piece summed
+       by one thread into a slot of its own, and the slots added in order after the threads:
+       the same bits on any number of threads */
     int64_t *start = starts(nt, tab);
     int64_t total = start[nt];
     const CT gs = (CT)pre[PRE_INV_SCALE];
-    double *part = (double *)calloc(2 * (size_t)(nth > 0 ? nth : 1), sizeof(double));
+    int64_t *slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(nt + 1));
+    slot[0] = 0;  /* tensor i's pieces take slots [slot[i], slot[i + 1]) */
+    for (int64_t i = 0; i < nt; i++)
+        slot[i + 1] = slot[i] + (tab[i * ROW + COL_NUMEL] + PRE_PIECE - 1) / PRE_PIECE;
+    double *sums = (double *)calloc(2 * (size_t)(slot[nt] > 0 ? slot[nt] : 1),
+                                   sizeof(double));
     #pragma omp parallel num_threads(nth) if (total >= PAR_MIN)
     {
         int tid = omp_get_thread_num(), nthr = omp_get_num_threads();
         int64_t lo = total * tid / nthr, hi = total * (tid + 1) / nthr;
-        double sq = 0, bad = 0;
         int64_t i = lo < hi ? locate(start, nt, lo) : nt;
-        while (lo < hi) {
+        for (; i < nt && start[i] < hi; i++) {  /* the pieces that start in [lo, hi) */
             const int64_t *row = tab + i * ROW;
             const GSTORE *G_ = (const GSTORE *)(intptr_t)row[COL_G];
             int64_t numel = row[COL_NUMEL];
-            int64_t b = lo - start[i], e = numel < hi - start[i] ? numel : hi - start[i];
-            /* blocks of 512 summed in the compute type at full SIMD width, the blocks in
-               double; a non-finite element (NaN or inf) sets a flag, not the sum. Four
-               quarters of the range are read at once: one stream alone does not keep
-               enough loads in flight to use the memory bandwidth */
-            int64_t q = (e - b) / 4;
-            for (int64_t o = 0; o < q; o += 512) {
-                int64_t n = q - o < 512 ? q - o : 512;
-                const GSTORE *A = G_ + b + o, *B = A + q, *C = B + q, *D = C + q;
-                CT part = 0;
-                int nonfinite = 0;
-                #pragma omp simd reduction(+:part) reduction(|:nonfinite)
-                for (int64_t j = 0; j < n; j++) {
-                    CT g0 = LOAD_G(A[j]) * gs, g1 = LOAD_G(B[j]) * gs;
-                    CT g2 = LOAD_G(C[j]) * gs, g3 = LOAD_G(D[j]) * gs;
-                    part += (g0 * g0 + g1 * g1) + (g2 * g2 + g3 * g3);
-                    nonfinite |= !(FABS(g0) < (CT)INFINITY) | !(FABS(g1) < (CT)INFINITY)
-                                 | !(FABS(g2) < (CT)INFINITY) | !(FABS(g3) < (CT)INFINITY);
+            int64_t k = lo > start[i] ? (lo - start[i] + PRE_PIECE - 1) / PRE_PIECE : 0;
+            for (; k * PRE_PIECE < numel && start[i] + k * PRE_PIECE < hi; k++) {
+                int64_t b = k * PRE_PIECE, e = numel < b + PRE_PIECE ? numel : b + PRE_PIECE;
+                double sq = 0, bad = 0;
+                /* blocks of 512 summed in the compute type at full SIMD width, the blocks in
+                   double; a non-finite element (NaN or inf) sets a flag, not the sum. Four
+                   quarters of the range are read at once: one stream alone does not keep
+                   enough loads in flight to use the memory bandwidth */
+                int64_t q = (e - b) / 4;
+                for (int64_t o = 0; o < q; o += 512) {
+                    int64_t n = q - o < 512 ? q - o : 512;
+                    const GSTORE *A = G_ + b + o, *B = A + q, *C = B + q, *D = C + q;
+                    CT part = 0;
+                    int nonfinite = 0;
+                    #pragma omp simd reduction(+:part) reduction(|:nonfinite)
+                    for (int64_t j = 0; j < n; j++) {
+                        CT g0 = LOAD_G(A[j]) * gs, g1 = LOAD_G(B[j]) * gs;
+                        CT g2 = LOAD_G(C[j]) * gs, g3 = LOAD_G(D[j]) * gs;
+                        part += (g0 * g0 + g1 * g1) + (g2 * g2 + g3 * g3);
+                        nonfinite |= !(FABS(g0) < (CT)INFINITY) | !(FABS(g1) < (CT)INFINITY)
+                                     | !(FABS(g2) < (CT)INFINITY) | !(FABS(g3) < (CT)INFINITY);
+                    }
+                    if (!nonfinite && !(part < (CT)INFINITY)) {  /* finite values whose squares
+                        overflow the compute type: summed again in double, as the reference */
+                        double d = 0;
+                        for (int64_t j = 0; j < n; j++)
+                            d += sq_d(LOAD_G(A[j]) * gs) + sq_d(LOAD_G(B[j]) * gs)
+                                 + sq_d(LOAD_G(C[j]) * gs) + sq_d(LOAD_G(D[j]) * gs);
+                        sq += d;
+                    } else
+                        sq += (double)part;
+                    bad += nonfinite;
                 }
-                if (!nonfinite && !(part < (CT)INFINITY)) {  /* finite values whose squares
-                    overflow the compute type: summed again in double, as the reference */
-                    double d = 0;
-                    for (int64_t j = 0; j < n; j++)
-                        d += sq_d(LOAD_G(A[j]) * gs) + sq_d(LOAD_G(B[j]) * gs)
-                             + sq_d(LOAD_G(C[j]) * gs) + sq_d(LOAD_G(D[j]) * gs);
-                    sq += d;
-                } else
-                    sq += (double)part;
-                bad += nonfinite;
-            }
-            for (int64_t j0 = b + 4 * q; j0 < e; j0 += 2048) {
-                int64_t j1 = e < j0 + 2048 ? e : j0 + 2048;
-                CT part = 0;
-                int nonfinite = 0;
-                #pragma omp simd reduction(+:part) reduction(|:nonfinite)
-                for (int64_t j = j0; j < j1; j++) {
-                    CT g = LOAD_G(G_[j]) * gs;
-                    part += g * g;
-                    nonfinite |= !(FABS(g) < (CT)INFINITY);
+                for (int64_t j0 = b + 4 * q; j0 < e; j0 += 2048) {
+                    int64_t j1 = e < j0 + 2048 ? e : j0 + 2048;
+                    CT part = 0;
+                    int nonfinite = 0;
+                    #pragma omp simd reduction(+:part) reduction(|:nonfinite)
+                    for (int64_t j = j0; j < j1; j++) {
+                        CT g = LOAD_G(G_[j]) * gs;
+                        part += g * g;
+                        nonfinite |= !(FABS(g) < (CT)INFINITY);
+                    }
+                    if (!nonfinite && !(part < (CT)INFINITY)) {  /* (as above) */
+                        double d = 0;
+                        for (int64_t j = j0; j < j1; j++) d += sq_d(LOAD_G(G_[j]) * gs);
+                        sq += d;
+                    } else
+                        sq += (double)part;
+                    bad += nonfinite;
                 }
-                if (!nonfinite && !(part < (CT)INFINITY)) {  /* (as above) */
-                    double d = 0;
-                    for (int64_t j = j0; j < j1; j++) d += sq_d(LOAD_G(G_[j]) * gs);
-                    sq += d;
-                } else
-                    sq += (double)part;
-                bad += nonfinite;
+                sums[2 * (slot[i] + k)] = sq; sums[2 * (slot[i] + k) + 1] = bad;
             }
-            lo = start[i] + e; i++;
         }
-        part[2 * tid] = sq; part[2 * tid + 1] = bad;
     }
-    for (int t = 0; t < (nth > 0 ? nth : 1); t++) {
-        pre[PRE_SUM_SQ] += part[2 * t];
-        pre[PRE_NONFINITE] += part[2 * t + 1];
+    for (int64_t t = 0; t < slot[nt]; t++) {
+        pre[PRE_SUM_SQ] += sums[2 * t];
+        pre[PRE_NONFINITE] += sums[2 * t + 1];
     }
-    free(part); free(start);
+    free(sums); free(slot); free(start);
 }
 
 void vega_advance(int64_t n, const int64_t *steps, const double *pre) {
