@@ -461,6 +461,38 @@ def test_the_fused_norm_is_the_same_on_any_number_of_threads():
         assert all(torch.equal(outs[0][k], other[k]) for k in params)
 
 
+@pytest.mark.parametrize("name", ["lamb", "lars", "novograd", "adafactor", "prodigy",
+                                  "dadapt_adamw"])
+@pytest.mark.parametrize("sizes", [(300_001, 70_001, 5, 40_000), (10_007,) * 6],
+                         ids=["split", "small"])
+def test_per_tensor_reductions_are_the_same_on_any_number_of_threads(name, sizes):
+    """A per-tensor reduction (a trust ratio's norms, a mean, prodigy's and dadapt's sums)
+    was each thread's partial over its share of the tensor, combined in thread order: a
+    float64 step changed in the last bits between one thread and two or three. Each tensor
+    is now reduced in pieces from its start, each by one thread, combined in order; six
+    tensors of 10,007 go through vega_fused on one thread and the phases' loops on two or
+    three, with the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    params = {f"t{k}": torch.randn(n, generator=gen, dtype=torch.float64)
+              for k, n in enumerate(sizes)}
+    grads = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64)
+             for k, v in params.items()}
+    init, step = getattr(vega, f"{name}_init"), getattr(vega, f"{name}_step")
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            ps, st = params, init(params)
+            for _ in range(2):
+                ps, st = step(ps, grads, st, backend="c")[:2]
+            outs.append(torch.utils._pytree.tree_leaves((ps, st)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
 def test_one_kernel_call_per_phase_for_many_tensors_through_the_operator():
     """Multi-tensor: the native operator calls the update once per dtype group, not once per
     tensor, then the counters' advance once."""

@@ -81,7 +81,8 @@ static int64_t *starts(int64_t nt, const int64_t *tab) {
 #define SPLIT_MIN @SPLIT_MIN@  /* a thread's share of a tensor at least this long is read as
                             four quarters at once, where one run of loads alone does not keep
                             enough of them in flight to use the memory bandwidth (split_min) */
-#define PRE_PIECE 65536  /* the prelude's sums: a tensor's pieces, each one thread's */
+#define PRE_PIECE 65536  /* the prelude's and the phases' sums: a tensor's pieces, each
+                                 one thread's, added in order */
 
 void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
     /* pre[PRE_SUM_SQ] += sum of squares of g * pre[PRE_INV_SCALE];
@@ -607,7 +608,31 @@ class Source:
             "        int64_t i = lo < hi ? locate(start, nt, lo) : nt;"]
 
     def _loop(self, name, before, uses, block_init, nodes, tail, block_end, finish, simd="",
-              stored=None, skip="return;", raw=False, blocked=False):
+              stored=None, skip="return;", raw=False, blocked=False, pieces=False):
+        if pieces:  # (a phase's: its reductions the same on any number of threads)
+            return [
+                *self._parallel(name, skip, before, raw),
+                "        for (; i < nt && start[i] < hi; i++) {  /* pieces starting in [lo, hi) */",
+                "            const int64_t *row = tab + i * ROW;",
+                "            int64_t k_ = lo > start[i] ? (lo - start[i] + PRE_PIECE - 1) / "
+                "PRE_PIECE : 0;",
+                "            for (; k_ * PRE_PIECE < row[COL_NUMEL] && start[i] + k_ * PRE_PIECE "
+                "< hi; k_++) {",
+                "            int64_t b = k_ * PRE_PIECE;",
+                "            int64_t e = row[COL_NUMEL] < b + PRE_PIECE ? row[COL_NUMEL] : "
+                "b + PRE_PIECE;",
+                *self._block_start(uses),
+                *block_init,
+                *self._versions(nodes, tail, simd, stored, blocked),
+                *block_end,
+                "            }",
+                "        }",
+                "    }",
+                *finish,
+                "    free(start);",
+                "}",
+                "",
+            ]
         return [
             *self._parallel(name, skip, before, raw),
             "        while (lo < hi) {",
@@ -742,33 +767,38 @@ class Source:
         return stored, nodes, used, ident, tail, simd
 
     def _phase(self, k: int, phase: list[Node]) -> list[str]:
-        """Per-tensor reductions: per-thread partials, combined in thread order."""
+        """Per-tensor reductions: each tensor in pieces of PRE_PIECE values from its start,
+        each piece's partials by one thread into slots of its own, combined in order after
+        the threads (the same bits on any number of threads)."""
         stored, nodes, used, ident, tail, simd = self._phase_parts(k, phase)
         nr = len(phase)
-        nthr = "(size_t)(nth > 0 ? nth : 1)"
         before = [f"    static const double ident[{nr}] = {{{', '.join(ident)}}};",
-                  f"    size_t nslots = {nthr} * (size_t)nt * {nr};",
-                  "    double *part = (double *)malloc(sizeof(double) * (nslots ? nslots : 1));",
-                  f"    for (size_t q = 0; q < nslots; q++) part[q] = ident[q % {nr}];"]
+                  "    int64_t *slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(nt + 1));",
+                  "    slot[0] = 0;  /* tensor i's pieces take slots [slot[i], slot[i + 1]) */",
+                  "    for (int64_t i = 0; i < nt; i++)",
+                  "        slot[i + 1] = slot[i] + (tab[i * ROW + COL_NUMEL] + PRE_PIECE - 1) / "
+                  "PRE_PIECE;",
+                  f"    size_t nslots = (size_t)slot[nt] * {nr};",
+                  "    double *part = (double *)malloc(sizeof(double) * (nslots ? nslots : 1));"]
         block_init = ["            double " + ", ".join(
             f"acc{q} = {ident[q]}" for q in range(nr)) + ";"]
-        block_end = [f"            part[((size_t)tid * nt + i) * {nr} + {q}] = acc{q};"
+        block_end = [f"            part[(size_t)(slot[i] + k_) * {nr} + {q}] = acc{q};"
                      for q in range(nr)]
         finish = ["    for (int64_t i = 0; i < nt; i++) {"]
         for q, node in enumerate(phase):
             finish.append(f"        double r{q} = {ident[q]};")
-            finish.append(f"        for (size_t t = 0; t < {nthr}; t++) {{")
-            finish.append(f"            double x = part[(t * nt + i) * {nr} + {q}];")
+            finish.append("        for (int64_t t = slot[i]; t < slot[i + 1]; t++) {")
+            finish.append(f"            double x = part[(size_t)t * {nr} + {q}];")
             finish.append(f"            {_combine(_PARTIALS[node.op], f'r{q}', 'x')}")
             finish.append("        }")
             value = _finish(node.op, f"r{q}", "(double)tab[i * ROW + COL_NUMEL]")
             finish.append(f"        red[i * NRED + {self.slots[id(node)]}] = "
                           f"raw ? r{q} : {value};")
-        finish += ["    }", "    free(part);"]
+        finish += ["    }", "    free(part); free(slot);"]
         args = "nt, tab, pre, red, nth"
         sig = "int64_t nt, const int64_t *tab, const double *pre, double *red, int nth"
         return self._loop(f"phase{k}", before, used, block_init, nodes, tail, block_end,
-                          finish, simd, stored, raw=True) + [
+                          finish, simd, stored, raw=True, pieces=True) + [
             f"void vega_phase{k}({sig}) {{ phase{k}({args}, 0); }}",
             "/* each reduction's partial result, its threads' combined but not finished (a sum",
             "   of squares for a norm, a sum for a mean): vega.runtime.sharded combines those",
