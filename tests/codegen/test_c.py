@@ -493,6 +493,62 @@ def test_per_tensor_reductions_are_the_same_on_any_number_of_threads(name, sizes
         assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
 
 
+def test_the_fused_norm_spans_parameter_groups_in_order():
+    """A class's max_grad_norm is the norm over every group's gradients, summed tensor by
+    tensor in the order the groups list them: the same parameters in one group or in two
+    step the same bits (float64, where the norm's last bits show)."""
+    gen = torch.Generator().manual_seed(4)
+    sizes = [int(n) for n in torch.randint(1000, 90_000, (8,), generator=gen)]
+    scales = torch.rand(8, generator=gen, dtype=torch.float64).mul(10).exp()
+
+    def run(split):
+        ps = [torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(k),
+                                             dtype=torch.float64))
+              for k, n in enumerate(sizes)]
+        for k, p in enumerate(ps):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(50 + k),
+                                 dtype=torch.float64) * scales[k]
+        groups = [{"params": ps[:split]}, {"params": ps[split:], "lr": 1.0}] if split else ps
+        vega.optim.SGD(groups, lr=1.0, max_grad_norm=0.5, backend="c").step()
+        return ps
+
+    one = run(0)
+    for split in (3, 5):
+        assert all(torch.equal(a, b) for a, b in zip(one, run(split)))
+
+
+FRESH_STEP = """
+import sys, torch, vega
+gen = torch.Generator().manual_seed(3)
+params = {"big": torch.randn(100_003, generator=gen, dtype=torch.float64),
+          "small": torch.randn(7, generator=gen, dtype=torch.float64)}
+grads = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in params.items()}
+state = vega.sgd_init(params, momentum=0.9)
+for _ in range(2):
+    params, state = vega.sgd_step(params, grads, state, backend="c", momentum=0.9,
+                                  max_grad_norm=1.0)
+torch.save((params, state), sys.argv[1])
+"""
+
+
+def test_a_fresh_process_with_a_cold_cache_and_three_threads_steps_the_same_bits(tmp_path):
+    """The same steps (clipped by the global norm, with momentum) in a fresh process,
+    its kernels compiled afresh into an empty cache and run on OMP_NUM_THREADS=3 (more
+    threads than this machine may have cores) through the Python path (VEGA_NATIVE=0),
+    give the bits this process gives."""
+    env = {**os.environ, "VEGA_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "3",
+           "VEGA_NATIVE": "0"}
+    subprocess.run([sys.executable, "-c", FRESH_STEP, str(tmp_path / "fresh.pt")], env=env,
+                   check=True, timeout=300)
+    scope = {}
+    exec(compile(FRESH_STEP.replace("torch.save((params, state), sys.argv[1])", ""),
+                 "fresh_step", "exec"), scope)
+    got = torch.utils._pytree.tree_leaves(torch.load(tmp_path / "fresh.pt"))
+    want = torch.utils._pytree.tree_leaves((scope["params"], scope["state"]))
+    assert len(got) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_one_kernel_call_per_phase_for_many_tensors_through_the_operator():
     """Multi-tensor: the native operator calls the update once per dtype group, not once per
     tensor, then the counters' advance once."""
