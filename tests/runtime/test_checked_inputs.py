@@ -929,12 +929,17 @@ def _named(name: str, groups: int) -> str:
     return rf"^{name}: parameter {1 if groups == 1 else 0} of group {groups - 1}: "
 
 
-def test_a_real_state_of_a_complex_parameter_is_named_as_such():
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_real_state_of_a_complex_parameter_is_named_as_such(groups):
     """A state set by hand to a real tensor for a complex parameter is named for what it
-    is, not as a dtype the backend does not take."""
-    _set_by_hand_is_refused("AdamW", "c", 2, torch.complex64, "mu", lambda x: x.real.clone(),
-                            _named("AdamW", 2) + r"state 'mu' is of dtype torch.float32, but its "
-                            r"parameter is of dtype torch.complex64: complex like it")
+    is, not as a dtype the backend does not take, and by the parameter's place in its group
+    where the group holds another complex parameter (whose complex state had the backend's
+    check name it as 'parameter 1' of the kernel's call, and each one's check alone found
+    nothing wrong)."""
+    _set_by_hand_is_refused("AdamW", "c", groups, torch.complex64, "mu",
+                            lambda x: x.real.clone(),
+                            _named("AdamW", groups) + r"state 'mu' is of dtype torch.float32, "
+                            r"but its parameter is of dtype torch.complex64: complex like it")
 
 
 def _made_complex_is_refused(name, backend, match) -> None:

@@ -763,9 +763,11 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
             except ValueError as one:
                 words = str(one).replace(" of parameter 0 ", " ")
                 raise ValueError(f"{owner}: {name(i)}: {words}") from None
-        raise ValueError(f"{owner}: {e}") from None
-    if any_complex(params):  # (``as_real``'s checks, here before the first call writes)
-        _check_complex_call(owner, program, params, states, name)
+        # (none refused alone: a real state of a complex parameter is found beside another's
+        # complex one; the checks below name it)
+        unnamed = ValueError(f"{owner}: {e}")
+    else:
+        unnamed = None
     supported = getattr(codegen.kernel(backend, program), "state_dtypes", None)  # (compiled)
     for i, t in enumerate(steps):  # (the compiled kernels read an int32; not a tensor: named
         if not isinstance(t, torch.Tensor):  # by the caller's check of what it writes)
@@ -795,6 +797,10 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
                                 "complex like it" if p.is_complex() else "real like it"))
         raise ValueError(f"{owner}: {name(bad)}: backend '{backend}' does not support {what} "
                          f"of dtype {x.dtype}")
+    if any_complex(params):  # (``as_real``'s checks, here before the first call writes)
+        _check_complex_call(owner, program, params, states, name)
+    if unnamed is not None:
+        raise unnamed from None
 
 
 def _check_complex_call(owner: str, program: Program, params, states, name) -> None:
