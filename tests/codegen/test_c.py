@@ -584,6 +584,18 @@ def test_one_kernel_call_per_phase_for_many_tensors(monkeypatch):
     assert sorted(calls) == [("float32",) * 3, ("float64",) * 3]
 
 
+def test_hundreds_of_settings_keep_their_arrays():
+    """The C kernel keeps an array of each group's plain hyperparameter values across steps
+    for hundreds of groups (layer-wise rates): where a step held more settings than it
+    kept (64), every step emptied its store and made every array again."""
+    kern = codegen.kernel("c", vega.adamw.program())
+    settings = [{"lr": 1e-3 * 0.98 ** k, "b1": 0.9, "b2": 0.999, "eps": 1e-8,
+                 "weight_decay": 0.01 * (k % 3)} for k in range(300)]
+    first = [kern._hyper_array(v) for v in settings]
+    again = [kern._hyper_array(v) for v in settings]
+    assert all(a is b for a, b in zip(first, again))
+
+
 def test_refuses_unsupported_input_clearly():
     p = torch.zeros(3, dtype=torch.int32)
     kern = codegen.kernel("c", vega.sgd.program())

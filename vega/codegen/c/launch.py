@@ -779,11 +779,13 @@ class Kernel:
         if torch.compiler.is_compiling():  # a graph constant: a cache filled while tracing
             return torch.tensor(numbers, dtype=torch.float64)  # would fail the next guards
         # plain numbers: one array per distinct setting, kept across steps; keyed by their
-        # spelling, as -0.0 == 0.0 (and x / -0.0 is not x / 0.0)
+        # spelling, as -0.0 == 0.0 (and x / -0.0 is not x / 0.0). Room for a group's each
+        # of hundreds of groups (layer-wise rates): where a step's settings outnumbered it,
+        # every step emptied it and made every array again
         key = tuple(map(float.hex, numbers))
         arr = self._hyp_cache.get(key)
         if arr is None:
-            if len(self._hyp_cache) > 64:
+            if len(self._hyp_cache) >= _HYP_CACHE:
                 self._hyp_cache.clear()
             arr = self._hyp_cache[key] = torch.tensor(numbers, dtype=torch.float64)
         return arr
@@ -940,6 +942,8 @@ def _written(params) -> None:
 # program (a kernel a torch.compile'd step uses is held by ``vega.tracing``)
 _KERNELS: dict[str, weakref.ref] = {}
 _SERIAL = itertools.count()
+# the most arrays of plain hyperparameter values a kernel keeps (``_hyper_array``)
+_HYP_CACHE = 4096
 _DTYPE_OF = operator.attrgetter("dtype")
 _DEVICE_OF = operator.attrgetter("device")
 _SHAPE_OF = operator.attrgetter("shape")
