@@ -396,6 +396,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             # locks)
             one_call = not compiling and len(work) == 1 and \
                 getattr(codegen.kernel(work[0][1], work[0][0]), "checks_writes", False)
+            if not compiling:  # (groups of one program: one call, a values dict a tensor,
+                work = _joined(work)  # checked here as the calls were, to name a tensor)
             if not compiling and not one_call:
                 self._check_writes(work)
             # what each call's kernel would refuse, and each one's values at its step
@@ -419,7 +421,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         for k, (program, backend, params, grads, states, steps, values) in enumerate(work):
             try:
                 engine.run(program, backend, params, grads, states, steps,
-                           [values] * len(params) if evaluated is None else evaluated[k],
+                           _per_tensor(values, params) if evaluated is None else evaluated[k],
                            donate=True, pre=pre,
                            adjust=self.loss_scale if adjusted and k == len(work) - 1 else None,
                            evaluated=evaluated is not None)
@@ -627,7 +629,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             engine.check_call(owner, program, backend, params, grads, states, steps,
                               lambda i, params=params: self._name(params[i]))
             kern = codegen.kernel(backend, program)
-            out.append(engine.tensor_values(program, kern, [values] * len(params), steps))
+            out.append(engine.tensor_values(program, kern, _per_tensor(values, params), steps))
         return out
 
     def _group_work(self, k, group, grads_all, flags, values) -> list[tuple]:
@@ -1293,6 +1295,42 @@ class SpecOptimizer(torch.optim.Optimizer):
 # (torch's, its schedulers': OneCycleLR's, SWALR's)
 _GROUP_EXTRAS = frozenset({"params", "param_names", "initial_lr", "max_lr", "min_lr",
                            "max_momentum", "base_momentum", "swa_lr"})
+
+
+def _per_tensor(values, params) -> list:
+    """An engine.run call's values, a dict a tensor: a group's one dict for each of its
+    parameters, or the list ``_joined`` made of several groups' (as it is)."""
+    return values if isinstance(values, list) else [values] * len(params)
+
+
+def _joined(work: list) -> list:
+    """A step's engine.run calls with those of one program and backend in a row (groups
+    that differ in their hyperparameters' values only, as groups of layer-wise rates do)
+    made one call, its values a dict a tensor (``_per_tensor``), which the kernels take as
+    the functional step's per-leaf values: a call costs tens of microseconds around its
+    kernels, where a tensor more costs about one. Not a program with sums over a group
+    (``spans_group``: Prodigy's d is the group's; LAMB's trust ratios, each a tensor's,
+    join), whose calls are its groups, nor groups on two devices."""
+    if len(work) < 2:
+        return work
+    out: list = []
+    for item in work:
+        last = out[-1] if out else None
+        if last is None or last[0] is not item[0] or last[1] != item[1] \
+                or item[0].spans_group or last[2][0].device != item[2][0].device:
+            out.append(item)
+            continue
+        if not isinstance(last[6], list):  # (lists of its own, to extend: one pass in all)
+            last = out[-1] = (*last[:2], list(last[2]), list(last[3]),
+                              [list(col) for col in last[4]], list(last[5]),
+                              _per_tensor(last[6], last[2]))
+        last[2].extend(item[2])
+        last[3].extend(item[3])
+        for col, more in zip(last[4], item[4]):
+            col.extend(more)
+        last[5].extend(item[5])
+        last[6].extend(_per_tensor(item[6], item[2]))
+    return out
 
 
 @functools.cache
