@@ -33,7 +33,7 @@ from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_code
                                hyper_var, leveled, linearize, split_result, state_var)
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import Done, advance_steps, memo, run_staged
-from vega.codegen.tensors import PLAIN_TYPES, refuse_inplace
+from vega.codegen.tensors import PLAIN_TYPES, in_memory_order, like_layout, refuse_inplace
 from vega.dsl.ir import (AXIS_REDUCTIONS, COMPARISONS, LOGIC, MATRIX_OPS, REDUCTIONS,
                         SCALAR_STATE, Kind, Node, Op, Program, is_global, walk, with_src,
                         with_updates)
@@ -1173,10 +1173,12 @@ class Kernel:
                     fn(pc, *hv).to(torch.float32).expand(p.shape), signed)
             elif name not in skip:
                 x = fn(pc, *hv)
-                # (a state of its own in contiguous strides: a constant expanded to no element
-                # keeps stride 0 through contiguous(), which view_as_complex refuses)
-                out[name] = x.to(sd).clone(memory_format=torch.contiguous_format) \
-                    if sd != torch.uint8 else x
+                # (a state of its own: in contiguous strides, as like_layout's also are where
+                # it keeps no other layout; a constant expanded to no element keeps stride 0
+                # through contiguous(), which view_as_complex refuses)
+                out[name] = x if sd == torch.uint8 else like_layout(x.to(sd), p) \
+                    if in_memory_order(self.program) else \
+                    x.to(sd).clone(memory_format=torch.contiguous_format)
         return [scales[name] if name in scales else out[name] for name in names]
 
     def mode(self, name: str, params, states, values, keep_master: bool = False) -> None:

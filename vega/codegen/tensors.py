@@ -219,6 +219,76 @@ def readable(tensors: list) -> list:
     return [resolved(t).contiguous() for t in tensors]
 
 
+
+def dense_run(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one run of memory, each once, in some order of its
+    dimensions (a contiguous tensor, a channels_last one, a transposed one; not a slice,
+    not an expanded one)."""
+    extent = 1  # the elements the inner dimensions fill
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride != extent:
+            return False
+        extent *= size
+    return True
+
+
+def in_memory_order(program) -> bool:
+    """Whether ``program`` may step a parameter's tensors as the runs of memory they are
+    (``memory_order``): each value is its element's alone (no matrix view, no row or column
+    state, no ``size(p, k)``, no matrices), or a tensor's sum over all its elements, which
+    the order does not change but for rounding; not 8-bit states (their scales cover blocks
+    of 256 elements in the parameter's order), stochastic rounding (its random bits are
+    drawn by the element's place) or sums over a group (a step in stages)."""
+    return not (program.uses_axes or program.quant or program.rounding is not None
+                or program.needs_whole or program.torch_only or program.spans_group)
+
+
+def like_layout(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A new state ``x`` of parameter ``p``, of its shape, in ``p``'s layout where ``p`` is
+    dense in another order than its dimensions' (a channels_last convolution's weight, a
+    transposed one), as ``torch.zeros_like`` makes torch.optim's: its values in ``x``'s
+    dtype, a tensor of its own (``memory_order`` then steps the three without copies)."""
+    if x.shape != p.shape or p.is_contiguous() or not dense_run(p):
+        return x.clone(memory_format=torch.contiguous_format)  # (stride 0 kept by contiguous())
+    return torch.empty_like(p, dtype=x.dtype).copy_(x)
+
+
+def memory_order(program, params: list, grads: list, flat_states: list):
+    """(params, grads, flat_states) of a step (``flat_states``: each state's tensors, one
+    state after another) with each parameter stored in another order than its dimensions',
+    densely, read as the run of memory it is: a 1-d alias of its memory, and so its
+    gradient and its states shaped like it, where all have its strides (a channels_last
+    convolution's weight, its gradient and states made by ``like_layout``). Element i of
+    each alias is then the same element of each tensor, which an element-wise step
+    (``in_memory_order``) steps in place without copies. None where nothing changes, or a
+    parameter stored in another order is not so (its gradient in another layout): the
+    caller steps contiguous copies."""
+    if not in_memory_order(program):
+        return None
+    n = len(params)
+    rc = [k for k, st in enumerate(program.states) if st.dom == "rc"]
+    params, grads, flat_states = list(params), list(grads), list(flat_states)
+    changed = False
+    for i, p in enumerate(params):
+        if type(p) not in PLAIN_TYPES or p.is_contiguous():
+            continue
+        g = grads[i]
+        if not dense_run(p) or type(g) not in PLAIN_TYPES:
+            return None
+        shape, strides = p.shape, p.stride()
+        of = [g, *(flat_states[k * n + i] for k in rc)]
+        if not all(type(t) in PLAIN_TYPES and t.shape == shape and t.stride() == strides
+                   for t in of):
+            return None
+        line = (p.numel(),)
+        params[i] = p.as_strided(line, (1,))
+        grads[i] = g.as_strided(line, (1,))
+        for k in rc:
+            t = flat_states[k * n + i]
+            flat_states[k * n + i] = t.as_strided(line, (1,))
+        changed = True
+    return (params, grads, flat_states) if changed else None
+
 def copy_back(originals, works) -> None:
     """The values a kernel wrote into ``works`` (``readable``'s copies, or the tensors
     themselves) into ``originals``."""

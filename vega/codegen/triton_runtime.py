@@ -45,8 +45,8 @@ from vega.codegen.c import native
 from vega.codegen.record import finite_of
 from vega.codegen.steps import (Done, axis_part, finish_combined, finished, shard_part,
                                 tensor_parts)
-from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, own_ops_words,
-                                  readable, refuse_inplace)
+from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, memory_order,
+                                  own_ops_words, readable, refuse_inplace)
 from vega.dsl.ir import AXIS_REDUCTIONS, QBLOCK, SCALAR_STATE, Op
 
 # on a GPU: warps a program, and bytes of its narrowest tensor each thread reads or writes
@@ -1018,15 +1018,19 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
     check_states("triton", kern.program, params, states)
     # each read as its values (resolved: no negative bit), contiguous (as they are, in the
     # common case: a pass over the flags, not a copy's call a tensor)
-    given, grads = grads, readable(grads)
-    finite = torch.empty((), dtype=torch.bool, device=device)
     flat_states = [s for col in states for s in col]
+    # a parameter stored in another order than its dimensions' (channels_last), with its
+    # gradient and states: stepped in place as its memory, not as contiguous copies
+    aliased = memory_order(kern.program, params, grads, flat_states) \
+        if donate and not torch.compiler.is_compiling() else None
+    given, grads = grads, readable(grads if aliased is None else aliased[1])
+    finite = torch.empty((), dtype=torch.bool, device=device)
     if donate:
         if not torch.compiler.is_compiling():  # all checked before any is written
             refuse_inplace("triton", kern.program.state_names, params, flat_states,
                            uniq_steps, given)
-        work_p = readable(params)
-        work_s = readable(flat_states)
+        src_p, src_s = (params, flat_states) if aliased is None else (aliased[0], aliased[2])
+        work_p, work_s = readable(src_p), readable(src_s)
         compiling = torch.compiler.is_compiling()
         op = torch.ops.vega.triton_step if compiling else _step_impl
         scale_state, scale_config = _scale_args(adjust, device) if not compiling else ([], None)
@@ -1035,7 +1039,7 @@ def step(kern, params, grads, states, steps, values, donate, pre, adjust=None):
            scale_config)
         if not compiling:  # (what the operator's dispatch does for a mutated argument)
             increment_version(work_p)
-        copy_back([*params, *flat_states], [*work_p, *work_s])
+        copy_back([*src_p, *src_s], [*work_p, *work_s])
         new_p, new_s, new_t = list(params), [list(col) for col in states], uniq_steps
     else:
         old_p = readable(params)

@@ -25,8 +25,9 @@ from vega.codegen.reference import global_keys
 from vega.codegen.steps import (Done, axis_part, finish_combined, finished, run_staged,
                                 shard_part, tensor_parts)
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths, materialized
-from vega.codegen.tensors import (copy_back, has_own_ops, meeting, own_ops_words, readable,
-                                  refuse_inplace, roles, shared_pair, sorted_spans)
+from vega.codegen.tensors import (copy_back, has_own_ops, meeting, memory_order,
+                                  own_ops_words, readable, refuse_inplace, roles, shared_pair,
+                                  sorted_spans)
 from vega.dsl.ir import AXIS_REDUCTIONS, QBLOCK, SCALAR_STATE, Program
 from vega.tracing import untraced
 
@@ -554,6 +555,21 @@ class Kernel:
                                   hyp, None if one_row else hyp_index, pre,
                                   self._geometries(params), [])
                 return  # (it advanced the parameters' versions: ``_written``)
+            except ValueError:
+                pass
+        # a parameter stored in another order than its dimensions' (channels_last), with its
+        # gradient and states: stepped as its memory, where the Python path copied each to a
+        # contiguous tensor and back at every step (what is refused so, the tensors as
+        # given are refused for below, by name)
+        aliased = memory_order(self.program, params, grads, flat_states)
+        if aliased is not None:
+            try:
+                if mod is not None:
+                    self._native_call(mod, mod.step, *aliased, steps, step_index, hyp,
+                                      None if one_row else hyp_index, pre, [], [])
+                else:
+                    self._python_step(*aliased, steps, step_index, hyp, hyp_index, pre)
+                return  # (the aliases share the parameters' version counters)
             except ValueError:
                 pass
         self._python_step(params, grads, flat_states, steps, step_index, hyp, hyp_index, pre)
