@@ -81,3 +81,22 @@ def test_a_functional_step_keeps_the_layout():
     assert all(torch.equal(a, b) for a, b in zip(new, new_twin))
     assert all(torch.equal(a, b) for a, b in zip(new_state["nu"], new_twin_state["nu"]))
 
+
+def test_a_fused_step_reads_such_gradients_as_they_are(monkeypatch):
+    """max_grad_norm over gradients stored in another order: the prelude sums them as the
+    memory they are (no contiguous copies, which the Python path made at every step), and the
+    step clips as its contiguous twin's does."""
+    ps, twins = _pairs(2)
+    opt = vega.optim.AdamW(ps, backend="c", max_grad_norm=0.5, skip_nonfinite=True)
+    twin = vega.optim.AdamW(twins, backend="c", max_grad_norm=0.5, skip_nonfinite=True)
+    copied = []
+    real = launch.Kernel._prelude
+    monkeypatch.setattr(launch.Kernel, "_prelude",
+                        lambda self, grads, pre: copied.append(1) or real(self, grads, pre))
+    for t in range(3):
+        _grads(ps, twins, t)
+        opt.step()
+        twin.step()
+        for p, q in zip(ps, twins):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert not copied

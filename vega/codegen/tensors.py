@@ -232,6 +232,17 @@ def dense_run(t: torch.Tensor) -> bool:
     return True
 
 
+def as_runs(tensors: list) -> list | None:
+    """``tensors`` with each plain one stored densely in another order than its dimensions'
+    (``dense_run``) as a 1-d alias of its memory, for a pass that reads every element once
+    in any order (a sum of squares, a count of non-finite values); None where none is."""
+    out, changed = list(tensors), False
+    for i, t in enumerate(tensors):
+        if type(t) in PLAIN_TYPES and not t.is_contiguous() and dense_run(t):
+            out[i] = t.as_strided((t.numel(),), (1,))
+            changed = True
+    return out if changed else None
+
 def in_memory_order(program) -> bool:
     """Whether ``program`` may step a parameter's tensors as the runs of memory they are
     (``memory_order``): each value is its element's alone (no matrix view, no row or column

@@ -25,7 +25,7 @@ from vega.codegen.reference import global_keys
 from vega.codegen.steps import (Done, axis_part, finish_combined, finished, run_staged,
                                 shard_part, tensor_parts)
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths, materialized
-from vega.codegen.tensors import (copy_back, has_own_ops, meeting, memory_order,
+from vega.codegen.tensors import (as_runs, copy_back, has_own_ops, meeting, memory_order,
                                   own_ops_words, readable, refuse_inplace, roles, shared_pair,
                                   sorted_spans)
 from vega.dsl.ir import AXIS_REDUCTIONS, QBLOCK, SCALAR_STATE, Program
@@ -231,6 +231,15 @@ class Kernel:
                 return self._native_call(mod, mod.prelude, list(grads), pre)
             except ValueError:
                 pass  # (the Python path says which tensor is wrong, or reads a copy)
+            # a gradient stored in another order than its dimensions' (channels_last): its
+            # sums read as the run of memory it is, as torch's norm of it reads it, where the
+            # Python path read a contiguous copy made at every step
+            runs = as_runs(grads)
+            if runs is not None:
+                try:
+                    return self._native_call(mod, mod.prelude, runs, pre)
+                except ValueError:
+                    pass
         self._prelude(grads, pre)
 
     def _prelude(self, grads, pre: torch.Tensor) -> None:
