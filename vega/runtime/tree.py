@@ -34,7 +34,58 @@ def flatten(tree):
                 _FLAT_SPECS[keys] = spec
                 _FLAT_KEYS[id(spec)] = keys
             return values, spec
+        leaves: list = []
+        shape = _nested(tree, leaves)
+        if shape is not None:
+            keys = (shape, len(leaves))
+            spec = _FLAT_SPECS.get(keys)
+            if spec is None:
+                found, spec = pytree.tree_flatten(tree, is_leaf=_is_none)
+                if len(found) != len(leaves) or any(map(operator.is_not, found, leaves)):
+                    return found, spec  # (a torch whose dicts flatten in another order)
+                if len(_FLAT_SPECS) >= 64:
+                    _FLAT_SPECS.clear()
+                    _FLAT_KEYS.clear()
+                _FLAT_SPECS[keys] = spec
+                _FLAT_KEYS[id(spec)] = keys
+            return leaves, spec
     return pytree.tree_flatten(tree, is_leaf=_is_none)
+
+
+def _nested(tree, leaves: list):
+    """The shape of a tree of dicts, lists and tuples whose leaves are all plain tensors,
+    parameters or None (a model's layers, a list of dicts of tensors), its leaves appended to
+    ``leaves`` in the order of torch's walk; None where something else is in it (a
+    namedtuple, a registered node, a number), which torch's walk then flattens. A shape is
+    (kind, its keys or length, the shape of each item: None for a leaf), hashable: a
+    structure's spec is made once by torch's walk, where that walk made a node a container
+    and a call a leaf at every step (18 us a leaf in a list of dicts of two tensors)."""
+    kind = type(tree)
+    items = tree.values() if kind is dict else tree
+    subs = []
+    for item in items:
+        of = type(item)
+        if of in PLAIN_OR_NONE:
+            leaves.append(item)
+            subs.append(None)
+        elif of in _FLAT_KINDS:
+            sub = _nested(item, leaves)
+            if sub is None:
+                return None
+            subs.append(sub)
+        else:
+            return None
+    return kind, tuple(tree) if kind is dict else len(subs), tuple(subs)
+
+
+def _built(shape, leaves):
+    """The tree of ``shape`` (``_nested``'s) holding the next items of iterator
+    ``leaves``."""
+    kind, names, subs = shape
+    items = [next(leaves) if sub is None else _built(sub, leaves) for sub in subs]
+    if kind is dict:
+        return dict(zip(names, items))
+    return items if kind is list else tuple(items)
 
 
 def unflatten(leaves, spec):
@@ -42,7 +93,10 @@ def unflatten(leaves, spec):
     if keys is not None and _FLAT_SPECS.get(keys) is spec:  # (a flat one's: ``flatten``)
         leaves = list(leaves)
         kind, names = keys
-        if kind is dict and len(leaves) == len(names):
+        if type(kind) is tuple:  # (a nested one's: its shape, its count of leaves)
+            if len(leaves) == names:
+                return _built(kind, iter(leaves))
+        elif kind is dict and len(leaves) == len(names):
             return dict(zip(names, leaves))
         if kind is not dict and len(leaves) == names:
             return leaves if kind is list else tuple(leaves)
@@ -54,8 +108,9 @@ def _is_none(x) -> bool:
 
 
 _FLAT_KINDS = frozenset({dict, list, tuple})
-# (dict, its keys), or (list or tuple, its length) -> its TreeSpec (made by torch's walk,
-# once); the id of such a spec -> those (checked against _FLAT_SPECS on use)
+# (dict, its keys), (list or tuple, its length), or (a nested tree's shape, its count of
+# leaves: ``_nested``) -> its TreeSpec (made by torch's walk, once); the id of such a spec
+# -> those (checked against _FLAT_SPECS on use)
 _FLAT_SPECS: dict = {}
 _FLAT_KEYS: dict = {}
 
