@@ -100,3 +100,33 @@ def test_a_fused_step_reads_such_gradients_as_they_are(monkeypatch):
         for p, q in zip(ps, twins):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     assert not copied
+
+
+@pytest.mark.parametrize("source", ["contiguous", "torch"])
+def test_loaded_states_take_the_parameters_layout(source, monkeypatch):
+    """A checkpoint whose states are contiguous (saved before states took their parameter's
+    layout) or torch.optim's loads into states in the parameter's layout, which the next
+    steps read without copies."""
+    ps, twins = _pairs(3)
+    _grads(ps, twins, 0)
+    if source == "torch":
+        saver = torch.optim.AdamW(ps)
+    else:
+        saver = vega.optim.AdamW(ps, backend="c")
+    saver.step()
+    sd = saver.state_dict()
+    if source == "contiguous":
+        sd["state"] = {k: {n: v.contiguous() for n, v in st.items()}
+                       for k, st in sd["state"].items()}
+    opt = vega.optim.AdamW(ps, backend="c")
+    opt.load_state_dict(sd)
+    for p in ps:
+        for key in ("mu", "nu"):
+            assert opt.state[p][key].stride() == p.stride(), key
+    copies = []
+    real = launch.Kernel._python_step
+    monkeypatch.setattr(launch.Kernel, "_python_step",
+                        lambda *a: copies.append(1) or real(*a))
+    _grads(ps, twins, 1)
+    opt.step()
+    assert not copies

@@ -26,7 +26,8 @@ from vega.codegen.base import distinct, state_shape
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
                                   dense_words, first_with_own_ops, gather, inplace_problem,
-                                  is_dtensor, not_dense, own_ops_words, same)
+                                  in_memory_order, is_dtensor, like_layout, not_dense,
+                                  own_ops_words, same)
 from vega.errors import VegaError
 from vega.runtime import engine, sharded, torch_names
 from vega.runtime.loss_scale import LEAVES, check_scale_values
@@ -1117,6 +1118,11 @@ class SpecOptimizer(torch.optim.Optimizer):
                 originals[pid] = self._loaded_q8(pid, p, group, originals[pid])
                 for name in [n for n in self.state[p] if n not in originals[pid]]:
                     del self.state[p][name]  # (the scales of a state dequantized)
+            # (states in the layout of a parameter stored in another order than its
+            # dimensions', which its step reads without copies, as a new state is made:
+            # ``like_layout``; a checkpoint's may be contiguous)
+            laid_out = type(p) in PLAIN_TYPES and not p.is_contiguous() \
+                and in_memory_order(self._loading_program(p, group))
             for name, value in originals[pid].items():
                 sd = engine.state_dtype_for(p, sds.get(name) if sds else wanted)
                 if sd == torch.uint8 or name in precise:  # kept in floats here (a tensor too
@@ -1137,7 +1143,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                     _check_step(type(self).__name__, pid, value)
                     self.state[p][name] = value.to(device=p.device, dtype=torch.int32).clone()
                 elif value.is_floating_point() or value.is_complex():
-                    self.state[p][name] = value.to(device=p.device, dtype=sd).clone()
+                    value = value.to(device=p.device, dtype=sd)
+                    self.state[p][name] = like_layout(value, p) if laid_out else value.clone()
                 if is_dtensor(p) and not is_dtensor(self.state[p][name]):
                     self.state[p][name] = self._replicated(p, group, name,
                                                            self.state[p][name])
