@@ -83,12 +83,25 @@ def test_the_class_adjusts_its_loss_scale_in_place(backend):
     assert ls.loss_scale.item() == 2.0**4 and ls.skipped_steps.item() == 1  # grew, backed off
 
 
-def test_a_loss_scale_made_without_a_device_lives_with_the_parameters():
-    meta = torch.nn.Parameter(torch.empty(3, device="meta"))
+class _Elsewhere(torch.nn.Parameter):
+    """A parameter that says it is on a GPU (this machine has none to put one on)."""
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_a_loss_scale_made_without_a_device_lives_with_the_parameters(monkeypatch):
+    moved = []
+    monkeypatch.setattr(vega.LossScale, "to_", lambda self, device: moved.append(device))
     ls = vega.LossScale.dynamic()
     assert not ls.device_given and ls.loss_scale.device.type == "cpu"
-    vega.optim.AdamW([meta], loss_scale=ls)
-    assert all(t.device.type == "meta" for t in ls.tensors()) and ls.device_given
+    vega.optim.AdamW([_Elsewhere(torch.empty(3))], loss_scale=ls)
+    assert moved == [torch.device("cuda", 0)]  # made so: moved where the parameters are
     told = vega.LossScale.static(8.0, device="cpu")
-    vega.optim.AdamW([torch.nn.Parameter(torch.empty(3, device="meta"))], loss_scale=told)
-    assert all(t.device.type == "cpu" for t in told.tensors())  # told otherwise: kept there
+    vega.optim.AdamW([_Elsewhere(torch.empty(3))], loss_scale=told)
+    assert moved == [torch.device("cuda", 0)]  # told otherwise: kept there
+    # (parameters on the meta device, a model to be made by to_empty: the scale stays with
+    # its values, to go where the parameters are at the first step)
+    vega.optim.AdamW([torch.nn.Parameter(torch.empty(3, device="meta"))],
+                     loss_scale=vega.LossScale.dynamic())
+    assert moved == [torch.device("cuda", 0)]
