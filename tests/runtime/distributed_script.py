@@ -277,20 +277,28 @@ def full_state_dict(cls_name: str) -> None:
     """get_state_dict / set_state_dict with ``full_state_dict=True`` (whole tensors, which
     torch gives back as DTensors, its 0-d values as plain tensors) under FSDP2, then two
     more steps: bitwise those of the run that went on, for a rule with states of one number
-    (Prodigy's ``d``, D-Adaptation's, schedule-free's ``weight_sum``)."""
+    (Prodigy's ``d``, D-Adaptation's, schedule-free's ``weight_sum``). ``AdamW-q8``: 8-bit
+    state, and a group whose ``state_dtype`` is a dict of float dtypes (torch's functions
+    of whole tensors take no ``torch.dtype`` in a state dict: the groups hold their names)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                          set_state_dict)
-    cls = getattr(vega.optim, cls_name)
+    q8 = cls_name == "AdamW-q8"
+    cls = getattr(vega.optim, cls_name.removesuffix("-q8"))
     options = StateDictOptions(full_state_dict=True)
 
     def make():
-        net = sharded(model())
+        net = sharded((q8_model if q8 else model)())
+        if q8:
+            ps = list(net.parameters())
+            return net, cls([{"params": ps[:4], "state_dtype": torch.uint8},
+                             {"params": ps[4:], "state_dtype": {"nu": torch.bfloat16}}],
+                            lr=1e-2)
         return net, cls(net.parameters(), lr=1e-2 if cls_name == "AdamW" else 1.0)
 
     def steps(net, opt, ks):
         for k in ks:
             opt.zero_grad()
-            loss_of(net, k).backward()
+            (q8_loss if q8 else loss_of)(net, k).backward()
             opt.step()
     net, opt = make()
     steps(net, opt, range(2))
@@ -309,6 +317,9 @@ def full_state_dict(cls_name: str) -> None:
                 assert a.placements == b.placements, (RANK, cls_name, key)
                 a, b = a.to_local(), b.to_local()
             assert torch.equal(a, b), (RANK, cls_name, key)
+    if q8:
+        assert any(s.dtype == torch.uint8 for st in opt2.state.values() for s in st.values())
+        assert opt2.param_groups[1]["state_dtype"] == {"nu": torch.bfloat16}
     found.setdefault("full-state-dict", {})[cls_name] = "bitwise"
 
 

@@ -79,6 +79,7 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
                        "dcp-ddp", "zero", "docs", "functions", "Prodigy", "zero-prodigy",
                        "muon-fsdp", "uneven", "q8", "q8-load", "dcp-q8", "full-AdamW",
                        "full-Prodigy", "full-DAdaptAdamW", "full-ScheduleFreeAdamW",
+                       "full-AdamW-q8",
                        "zero-save-AdamW", "zero-save-LBFGS"],
                    tmp_path)
     assert found[0] == found[1]  # every rank saw the same
@@ -111,7 +112,7 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     assert found[0]["zero-save"] == {"AdamW": "bitwise", "LBFGS": "bitwise"}
     # full (unsharded) state dicts, whose 0-d values torch loads as plain tensors
     assert found[0]["full-state-dict"] == dict.fromkeys(
-        ("AdamW", "Prodigy", "DAdaptAdamW", "ScheduleFreeAdamW"), "bitwise")
+        ("AdamW", "Prodigy", "DAdaptAdamW", "ScheduleFreeAdamW", "AdamW-q8"), "bitwise")
     # global_norm, clip_by_global_norm, lbfgs_step and LBFGS under ZeRO, over reduce_group
     # and over DTensor leaves (the script checks the skips and counts the collectives)
     assert set(found[0]["functions"]) == {"norm", "clip", "lbfgs", "lbfgs-zero",

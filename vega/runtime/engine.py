@@ -79,6 +79,29 @@ def check_state_dtype(owner: str, state_dtype, names=None) -> None:
                      f"dtype (torch.float32, torch.float64, torch.bfloat16, ...){per_state}")
 
 
+def saved_state_dtype(state_dtype):
+    """``state_dtype`` as a state dict holds it: each dtype as its name ("torch.uint8"),
+    since ``torch.distributed.checkpoint``'s state dict functions take tensors, numbers,
+    strings, lists and dicts only (``get_state_dict`` of whole tensors, or on the CPU, refuses
+    a ``torch.dtype``); ``loaded_state_dtype`` reads it back."""
+    if isinstance(state_dtype, torch.dtype):
+        return str(state_dtype)
+    if isinstance(state_dtype, dict):
+        return {k: saved_state_dtype(v) for k, v in state_dtype.items()}
+    return state_dtype
+
+
+def loaded_state_dtype(state_dtype):
+    """``saved_state_dtype``'s names of dtypes as the dtypes; anything else as it is (a
+    state dict saved with the dtypes themselves, or a value ``check_state_dtype`` names)."""
+    if isinstance(state_dtype, str) and state_dtype.startswith("torch.") and isinstance(
+            getattr(torch, state_dtype[len("torch."):], None), torch.dtype):
+        return getattr(torch, state_dtype[len("torch."):])
+    if isinstance(state_dtype, dict):
+        return {k: loaded_state_dtype(v) for k, v in state_dtype.items()}
+    return state_dtype
+
+
 _DTYPE_WORDS = {"float32": torch.float32, "float64": torch.float64,
                 "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 

@@ -67,7 +67,8 @@ from vega.codegen.steps import advance_steps
 from vega.codegen.tensors import dense, inplace_problem, is_dtensor, not_dense
 from vega.runtime import sharded, torch_names
 from vega.dsl.ast import Range
-from vega.runtime.engine import (as_float, check_reach, check_state_dtype, scheduled, shown,
+from vega.runtime.engine import (as_float, check_reach, check_state_dtype,
+                                 loaded_state_dtype, saved_state_dtype, scheduled, shown,
                                  state_dtype_for)
 from vega.runtime.spec import _check_leaves, _label, _paths, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
@@ -617,6 +618,9 @@ class LBFGS(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         group = self.param_groups[0]
+        if isinstance(group.get("state_dtype"), str):  # (a saved group's, as
+            # ZeroRedundancyOptimizer.load_state_dict copies it: ``saved_state_dtype``)
+            group["state_dtype"] = loaded_state_dtype(group["state_dtype"])
         lr = _check_lr("LBFGS", group["lr"])
         _check_bool("LBFGS", "scale_init_precond", group["scale_init_precond"])
         params = group["params"]
@@ -655,8 +659,14 @@ class LBFGS(torch.optim.Optimizer):
         """torch's, without a ``reduce_group`` that ``ZeroRedundancyOptimizer`` put in the
         group (``sharded.without_group_objects``), which the state_dict post-hooks see so
         (``torch_names.saving``)."""
-        return torch_names.saving(
-            self, lambda: sharded.without_group_objects(self, super(LBFGS, self).state_dict()))
+        return torch_names.saving(self, self._state_dict)
+
+    def _state_dict(self) -> dict:
+        out = sharded.without_group_objects(self, super().state_dict())
+        out["param_groups"] = [  # (its dtype by name: ``engine.saved_state_dtype``)
+            {**g, "state_dtype": saved_state_dtype(g["state_dtype"])}
+            if "state_dtype" in g else g for g in out["param_groups"]]
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, keeping the saved dtypes (torch would cast state to each
@@ -688,6 +698,9 @@ class LBFGS(torch.optim.Optimizer):
         before = self.state, self.param_groups
         try:
             super().load_state_dict(state_dict)
+            for group in self.param_groups:  # (saved by name: ``engine.saved_state_dtype``)
+                if "state_dtype" in group:
+                    group["state_dtype"] = loaded_state_dtype(group["state_dtype"])
             ids = [i for g in state_dict["param_groups"] for i in g["params"]]
             params = [p for g in self.param_groups for p in g["params"]]
             for pid, p in zip(ids, params):

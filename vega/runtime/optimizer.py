@@ -510,6 +510,11 @@ class SpecOptimizer(torch.optim.Optimizer):
         change in place, each step; the hyperparameters and the precision settings are
         checked each step)."""
         only = self._vega_torch_only
+        if isinstance(group.get("state_dtype"), (str, dict)):  # (a saved group's, as
+            # ZeroRedundancyOptimizer.load_state_dict copies it: ``engine.saved_state_dtype``)
+            dtype = engine.loaded_state_dtype(group["state_dtype"])
+            if dtype != group["state_dtype"]:
+                group["state_dtype"] = dtype
         base = _settings(group)
         now = base + tuple(map(group.get, only)) if only else base
         keep = not torch.compiler.is_compiling() and not isinstance(now[2], dict)
@@ -930,6 +935,9 @@ class SpecOptimizer(torch.optim.Optimizer):
     def _state_dict(self) -> dict:
         self._synced_tuples(f"{type(self).__name__}.state_dict")
         out = sharded.without_group_objects(self, super().state_dict())
+        out["param_groups"] = [  # (each dtype by its name: ``engine.saved_state_dtype``)
+            {**g, "state_dtype": engine.saved_state_dtype(g["state_dtype"])}
+            if "state_dtype" in g else g for g in out["param_groups"]]
         out[torch_names.RULE_KEY] = self.spec.name
         if self.loss_scale is not None:
             out["loss_scale"] = dict(zip(LEAVES, self.loss_scale.tensors()))
@@ -1052,7 +1060,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{owner}: param_groups[{k}] is not a parameter group (a dict "
                                  "with 'params')")
             if "state_dtype" in group:  # (this optimizer's own is kept: still a dtype)
-                engine.check_state_dtype(owner, group["state_dtype"],
+                engine.check_state_dtype(owner, engine.loaded_state_dtype(group["state_dtype"]),
                                          self.spec._spec.state_names)
             missing = sorted(want - group.keys())
             if missing:
@@ -1100,7 +1108,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             self._check_group(f"{type(self).__name__}.load_state_dict: group {k}", group)
             self._tuples().sync(f"{type(self).__name__}.load_state_dict", k, group)
         declared = self.spec._spec.state_names
-        saved_dtypes = {i: g.get("state_dtype") for g in state_dict["param_groups"]
+        saved_dtypes = {i: engine.loaded_state_dtype(g.get("state_dtype"))
+                        for g in state_dict["param_groups"]
                         for i in g["params"]}
         for pid, (p, group) in zip(ids, params):
             if pid not in originals or p not in self.state:
