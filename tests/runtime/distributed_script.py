@@ -377,6 +377,26 @@ def uneven_refused() -> None:
         found["uneven"] = "refused"
 
 
+def split_refused() -> None:
+    """A matrix sharded along both of its axes (a 2 x 2 mesh): factored Adafactor's row and
+    column means would be split themselves, which the step does not combine: refused before
+    anything is made or written, naming the parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (2, WORLD // 2))
+    w = torch.arange(64, dtype=torch.float64).reshape(8, 8) / 64
+    p = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0), Shard(1)]))
+    p.grad = distribute_tensor(w.flip(0), mesh, [Shard(0), Shard(1)])
+    opt = vega.optim.Adafactor([p], lr=1e-2, min_dim_size_to_factor=2.0)
+    try:
+        opt.step()
+        raise AssertionError("a step of a matrix sharded along both axes was taken")
+    except ValueError as err:
+        assert "Adafactor: parameter 0: a row_mean" in str(err), err
+    assert torch.equal(p.full_tensor(), w) and not opt.state
+    found["split"] = "refused"
+
+
 def zero_against_ddp(cls=vega.optim.AdamW, lr=1e-2, key="zero", **hypers) -> None:
     """ZeroRedundancyOptimizer over vega's AdamW with max_grad_norm and reduce_group: the
     clip spans every rank's parameters, as under DDP with one optimizer per rank. Prodigy:
@@ -789,7 +809,8 @@ def main() -> None:
             {"nan": nan_skips, "dcp": dcp_resume, "zero": zero_against_ddp,
              "dcp-ddp": lambda: dcp_resume("ddp"), "docs": docs_example,
              "functions": functions_over_group, "muon-fsdp": muon_refused,
-             "uneven": uneven_refused, "q8": q8_shards, "q8-load": q8_loads,
+             "uneven": uneven_refused, "split": split_refused,
+             "q8": q8_shards, "q8-load": q8_loads,
              "q8-hsdp": lambda: q8_shards(hybrid=True),
              "q8-move-save": lambda: q8_move("save"), "q8-move-load": lambda: q8_move("load"),
              "dcp-q8": lambda: dcp_resume("fsdp", q8=True),

@@ -145,10 +145,13 @@ def test_fsdp2_on_the_triton_kernels(tmp_path):
 def test_fsdp2_on_four_ranks(tmp_path):
     """Four ranks: the 5-row weight's shards hold 2, 2, 1 and 0 rows. And HSDP, a 2 x 2
     mesh (each shard held by two ranks): a replicated value's partial sums count once, and
-    each collective runs over both mesh dimensions. 8-bit state on both."""
+    each collective runs over both mesh dimensions. 8-bit state on both. A matrix sharded
+    along both of its axes is refused where a factored reduction's result would be split."""
     found = launch(4, ["Adafactor", "hsdp-AdamW", "hsdp-LAMB", "hsdp-Adafactor",
-                       "hsdp-per_tensor", "q8", "q8-hsdp"], tmp_path)
+                       "hsdp-per_tensor", "q8", "q8-hsdp", "split"], tmp_path)
     assert all(f == found[0] for f in found)
+    # a matrix sharded along both axes: factored Adafactor refuses it, naming the parameter
+    assert found[0]["split"] == "refused"
     assert found[0]["Adafactor"]["diff"] <= 1e-9
     for name, staged in (("AdamW", []), ("LAMB", ["c"]), ("Adafactor", ["c"]),
                          ("per_tensor", ["c"])):

@@ -196,9 +196,9 @@ def test_the_class_routes_wrapper_subclasses_even_after_plain_steps():
 
 def test_dtensor_steps_its_local_shard():
     """DTensor (one process, one rank): stepped on its local shard by every backend, with
-    clipping, as the plain tensor it holds; a gradient whose local values are partial sums
-    is refused by name; never its address 0 given to a kernel. (Several ranks:
-    ``test_distributed.py``.)"""
+    clipping, as the plain tensor it holds; a gradient whose local values are partial sums,
+    and a complex parameter, are refused by name; never its address 0 given to a kernel.
+    (Several ranks: ``test_distributed.py``.)"""
     out = _child("""
         import os, socket, torch, torch.distributed as dist, vega
         with socket.socket() as s:
@@ -233,6 +233,19 @@ def test_dtensor_steps_its_local_shard():
             assert "Partial" in str(e) and "gradient" in str(e), e
         else:
             raise AssertionError("not refused")
+        # a complex DTensor: refused by name, by the class and the functional init alike
+        c = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4, dtype=torch.complex64),
+                                                 mesh, [Shard(0)]))
+        c.grad = distribute_tensor(torch.randn(4, 4, dtype=torch.complex64), mesh, [Shard(0)])
+        for make, name in ((lambda: vega.optim.AdamW([p, c]).step(),
+                            "AdamW: parameter 1 of group 0 is a complex DTensor"),
+                           (lambda: vega.adamw.init({"w": c}), "leaf 'w' is a complex DTensor")):
+            try:
+                make()
+            except ValueError as e:
+                assert name in str(e), e
+            else:
+                raise AssertionError("not refused")
         dist.destroy_process_group()
         print("ok")
     """)

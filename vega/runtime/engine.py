@@ -521,7 +521,7 @@ def init_leaf(program: Program, p: torch.Tensor, values: dict,
     or a dict by state name (``state_dtypes``); ``where``, the parameter a refusal names."""
     from vega.runtime import sharded
     if sharded.is_dtensor(p):
-        return sharded.init_leaf(program, p, values, state_dtype)
+        return sharded.init_leaf(program, p, values, state_dtype, where)
     if p.is_complex():
         _no_complex_axes(program)
     sds = [sd.to_real() if sd.is_complex else sd

@@ -35,11 +35,12 @@ import torch
 
 from vega import codegen
 from vega.codegen import quant
-from vega.codegen.base import Geometry, ShardView, geometry, state_shape
+from vega.codegen.base import (Geometry, ShardView, geometry, refuse_split_results,
+                               state_shape)
 from vega.codegen.steps import drive
 from vega.codegen.tensors import PLAIN_TYPES, any_complex, is_dtensor
 from vega.dsl.check import matrix_axes
-from vega.dsl.ir import QBLOCK, SCALAR_STATE
+from vega.dsl.ir import QBLOCK, SCALAR_STATE, walk
 from vega.runtime import engine
 
 
@@ -252,19 +253,25 @@ def _strides(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def init_leaf(program, p, values: dict, state_dtype) -> list:
+def init_leaf(program, p, values: dict, state_dtype, where="") -> list:
     """The initial state of DTensor ``p``: made on its local shard, each a DTensor of
-    ``state_placements``."""
+    ``state_placements``. ``where``: the parameter a refusal names (or a function giving
+    it)."""
     from torch.distributed.tensor import DTensor
+    at = (where() if callable(where) else where) or f"{program.name}: a parameter"
     if p.is_complex():
-        raise ValueError(f"{program.name}: a complex DTensor parameter does not step; vega "
-                         "steps complex parameters that are plain tensors")
+        raise ValueError(f"{at} is a complex DTensor, which does not step; vega steps "
+                         "complex parameters that are plain tensors")
     local = p.to_local()
-    view = view_of("a parameter", p)
-    sd = engine.state_dtypes(local, program, state_dtype)
+    view = view_of(at, p)
+    sd = engine.state_dtypes(local, program, state_dtype, where)
     kern = codegen.kernel("reference", program)
+    try:  # (a reduction whose result the shard would split: ``split_result``)
+        leaves = kern.init(local, values, sd, geo=view.local)
+    except ValueError as e:
+        raise ValueError(f"{at}: {e}") from None
     out = []
-    for s, leaf in zip(program.states, kern.init(local, values, sd, geo=view.local)):
+    for s, leaf in zip(program.states, leaves):
         if s.dom == QBLOCK:  # (a row per shard: quant.scale_shape)
             out.append(quant.scales_of(leaf, p))
             continue
@@ -347,6 +354,12 @@ class _Local:
                     out.append(col[i])
                 continue
             self.views.append(view_of(where, p))
+            if program.uses_axes and len(self.views[-1].split) > 1:
+                try:  # (every backend refuses it in its step, naming no parameter)
+                    refuse_split_results(walk(node for _, node in program.updates),
+                                         self.views[-1:])
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
             if program.needs_whole and self.views[-1].split:
                 raise ValueError(
                     f"{where} is a DTensor split over processes (placements "
