@@ -188,6 +188,22 @@ def fsdp_against_unsharded(name: str, hybrid: bool = False, backend=None) -> Non
         "diff": worst, "collectives": counts[0], "staged": where.kinds}
 
 
+def without_prelude() -> None:
+    """Without max_grad_norm, a loss scale or skip_nonfinite there is no prelude to reduce:
+    a step of AdamW over shards makes no collective, LAMB's one (its norms' stage)."""
+    counts = {}
+    for name in ("AdamW", "LAMB"):
+        cls, hypers = OPTIMIZERS[name]
+        net = sharded(model())
+        opt = cls(net.parameters(), **hypers)
+        loss_of(net, 0).backward()
+        with Counted() as c:
+            opt.step()
+        counts[name] = c.n
+    assert counts == {"AdamW": 0, "LAMB": 1}, counts
+    found["without-prelude"] = counts
+
+
 def nan_skips() -> None:
     """A NaN in one rank's shard: every rank skips (parameters, state and counters kept),
     with AdamW and with LAMB (whose norms a shard splits: the C kernels' staged step)."""
@@ -810,6 +826,7 @@ def main() -> None:
              "dcp-ddp": lambda: dcp_resume("ddp"), "docs": docs_example,
              "functions": functions_over_group, "muon-fsdp": muon_refused,
              "uneven": uneven_refused, "split": split_refused,
+             "without-prelude": without_prelude,
              "q8": q8_shards, "q8-load": q8_loads,
              "q8-hsdp": lambda: q8_shards(hybrid=True),
              "q8-move-save": lambda: q8_move("save"), "q8-move-load": lambda: q8_move("load"),

@@ -79,7 +79,7 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
                        "dcp-ddp", "zero", "docs", "functions", "Prodigy", "zero-prodigy",
                        "muon-fsdp", "uneven", "q8", "q8-load", "dcp-q8", "full-AdamW",
                        "full-Prodigy", "full-DAdaptAdamW", "full-ScheduleFreeAdamW",
-                       "full-AdamW-q8",
+                       "full-AdamW-q8", "without-prelude",
                        "zero-save-AdamW", "zero-save-LBFGS"],
                    tmp_path)
     assert found[0] == found[1]  # every rank saw the same
@@ -97,6 +97,8 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
         # the C kernels' stages of a program over a matrix view)
         assert found[0][name]["staged"] == staged, name
     assert found[0]["nan"] == "skipped"
+    # no max_grad_norm, loss scale or skip_nonfinite: no prelude (docs/distributed.md)
+    assert found[0]["without-prelude"] == {"AdamW": 0, "LAMB": 1}
     assert found[0]["dcp-fsdp"] == found[0]["dcp-ddp"] == "bitwise"
     assert found[0]["docs"] == "learns"  # docs/distributed.md's example
     assert found[0]["zero"]["diff"] <= 1e-9
