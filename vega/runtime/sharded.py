@@ -266,12 +266,8 @@ def init_leaf(program, p, values: dict, state_dtype, where="") -> list:
     view = view_of(at, p)
     sd = engine.state_dtypes(local, program, state_dtype, where)
     kern = codegen.kernel("reference", program)
-    try:  # (a reduction whose result the shard would split: ``split_result``)
-        leaves = kern.init(local, values, sd, geo=view.local)
-    except ValueError as e:
-        raise ValueError(f"{at}: {e}") from None
     out = []
-    for s, leaf in zip(program.states, leaves):
+    for s, leaf in zip(program.states, kern.init(local, values, sd, geo=view.local)):
         if s.dom == QBLOCK:  # (a row per shard: quant.scale_shape)
             out.append(quant.scales_of(leaf, p))
             continue
