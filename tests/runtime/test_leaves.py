@@ -399,6 +399,23 @@ def test_nested_trees_flatten_as_torch_walks_them(monkeypatch):
             assert again_spec == their_spec and all(map(operator.is_, again, theirs))
 
 
+@pytest.mark.parametrize("wrap", [lambda d: d, lambda d: [d, {"x": torch.ones(1)}]],
+                         ids=["flat", "nested"])
+def test_keys_equal_in_value_but_not_in_type_keep_their_type(wrap):
+    """A step over {1.0: w} after one over {1: w} (or {True: w}) gives back its own keys:
+    the cached structure of the first tree, whose keys compare equal, gave back an int key
+    for a float one, silently."""
+    def keys(tree):
+        d = tree if isinstance(tree, dict) else tree[0]
+        return [type(k) for k in d]
+    for key in (1, 1.0, True, 1):
+        params = wrap({key: torch.ones(3)})
+        grads = wrap({key: torch.full((3,), 0.5)})
+        state = vega.adamw_init(params)
+        new, state = vega.adamw_step(params, grads, state, backend="c")
+        assert keys(new) == keys(state["mu"]) == [type(key)]
+
+
 def test_a_functional_step_over_layers_steps_as_over_their_list():
     """A functional step over a list of dicts of tensors steps each as a flat list of them."""
     g = torch.Generator().manual_seed(0)

@@ -22,7 +22,7 @@ def flatten(tree):
     if kind in _FLAT_KINDS and not torch.compiler.is_compiling():
         values = list(tree.values()) if kind is dict else list(tree)
         if PLAIN_OR_NONE.issuperset(map(type, values)):  # (leaves whatever is registered)
-            keys = (kind, tuple(tree) if kind is dict else len(values))
+            keys = (kind, tuple(tree), _types(tree)) if kind is dict else (kind, len(values))
             spec = _FLAT_SPECS.get(keys)
             if spec is None:
                 leaves, spec = pytree.tree_flatten(tree, is_leaf=_is_none)
@@ -57,7 +57,8 @@ def _nested(tree, leaves: list):
     parameters or None (a model's layers, a list of dicts of tensors), its leaves appended to
     ``leaves`` in the order of torch's walk; None where something else is in it (a
     namedtuple, a registered node, a number), which torch's walk then flattens. A shape is
-    (kind, its keys or length, the shape of each item: None for a leaf), hashable: a
+    (kind, its keys or length, the shape of each item: None for a leaf, its keys' types
+    where one is not a string: ``_types``), hashable: a
     structure's spec is made once by torch's walk, where that walk made a node a container
     and a call a leaf at every step (18 us a leaf in a list of dicts of two tensors)."""
     kind = type(tree)
@@ -75,13 +76,23 @@ def _nested(tree, leaves: list):
             subs.append(sub)
         else:
             return None
-    return kind, tuple(tree) if kind is dict else len(subs), tuple(subs)
+    if kind is dict:
+        return kind, tuple(tree), tuple(subs), _types(tree)
+    return kind, len(subs), tuple(subs), None
+
+
+def _types(d: dict):
+    """A dict's keys' types, where one is not a string: keys equal in value but not in type
+    (1, 1.0 and True) are other trees (torch's walk keeps each key as it is), which a spec
+    cached by the keys' values alone gave back the first one's keys."""
+    types = set(map(type, d))
+    return None if types <= {str} else tuple(map(type, d))
 
 
 def _built(shape, leaves):
     """The tree of ``shape`` (``_nested``'s) holding the next items of iterator
     ``leaves``."""
-    kind, names, subs = shape
+    kind, names, subs, _ = shape
     items = [next(leaves) if sub is None else _built(sub, leaves) for sub in subs]
     if kind is dict:
         return dict(zip(names, items))
@@ -92,7 +103,7 @@ def unflatten(leaves, spec):
     keys = None if torch.compiler.is_compiling() else _FLAT_KEYS.get(id(spec))
     if keys is not None and _FLAT_SPECS.get(keys) is spec:  # (a flat one's: ``flatten``)
         leaves = list(leaves)
-        kind, names = keys
+        kind, names = keys[:2]
         if type(kind) is tuple:  # (a nested one's: its shape, its count of leaves)
             if len(leaves) == names:
                 return _built(kind, iter(leaves))
