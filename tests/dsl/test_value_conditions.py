@@ -93,8 +93,9 @@ def test_other_state_mismatches_are_still_named():
     opt.step()
     opt.state[p]["mu"] = torch.zeros(3)  # as from another optimizer's state_dict
     del opt.state[p]["v"]
-    with pytest.raises(ValueError, match=r"state has \['mu', 'step'\] but the group's "
-                                         r"settings need \['step', 'v'\]"):
+    with pytest.raises(ValueError, match=r"the state of parameter 0 of group 0 has \['mu', "
+                                         r"'step'\] but the group's settings need \['step', "
+                                         r"'v'\]"):
         opt.step()
 
 
