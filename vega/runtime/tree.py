@@ -23,33 +23,29 @@ def flatten(tree):
         values = list(tree.values()) if kind is dict else list(tree)
         if PLAIN_OR_NONE.issuperset(map(type, values)):  # (leaves whatever is registered)
             keys = (kind, tuple(tree), _types(tree)) if kind is dict else (kind, len(values))
-            spec = _FLAT_SPECS.get(keys)
-            if spec is None:
-                leaves, spec = pytree.tree_flatten(tree, is_leaf=_is_none)
-                if len(leaves) != len(values) or any(map(operator.is_not, leaves, values)):
-                    return leaves, spec  # (a torch whose dicts flatten in another order)
-                if len(_FLAT_SPECS) >= 64:
-                    _FLAT_SPECS.clear()
-                    _FLAT_KEYS.clear()
-                _FLAT_SPECS[keys] = spec
-                _FLAT_KEYS[id(spec)] = keys
-            return values, spec
+            return _cached(keys, tree, values)
         leaves: list = []
         shape = _nested(tree, leaves)
         if shape is not None:
-            keys = (shape, len(leaves))
-            spec = _FLAT_SPECS.get(keys)
-            if spec is None:
-                found, spec = pytree.tree_flatten(tree, is_leaf=_is_none)
-                if len(found) != len(leaves) or any(map(operator.is_not, found, leaves)):
-                    return found, spec  # (a torch whose dicts flatten in another order)
-                if len(_FLAT_SPECS) >= 64:
-                    _FLAT_SPECS.clear()
-                    _FLAT_KEYS.clear()
-                _FLAT_SPECS[keys] = spec
-                _FLAT_KEYS[id(spec)] = keys
-            return leaves, spec
+            return _cached((shape, len(leaves)), tree, leaves)
     return pytree.tree_flatten(tree, is_leaf=_is_none)
+
+
+def _cached(keys, tree, leaves: list):
+    """(leaves, the spec cached for ``keys``), the spec made by torch's walk the first time;
+    torch's walk's own (leaves, spec) where it gives other leaves (a torch whose dicts
+    flatten in another order)."""
+    spec = _FLAT_SPECS.get(keys)
+    if spec is None:
+        found, spec = pytree.tree_flatten(tree, is_leaf=_is_none)
+        if len(found) != len(leaves) or any(map(operator.is_not, found, leaves)):
+            return found, spec
+        if len(_FLAT_SPECS) >= 64:
+            _FLAT_SPECS.clear()
+            _FLAT_KEYS.clear()
+        _FLAT_SPECS[keys] = spec
+        _FLAT_KEYS[id(spec)] = keys
+    return leaves, spec
 
 
 def _nested(tree, leaves: list):
