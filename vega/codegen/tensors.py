@@ -219,7 +219,6 @@ def readable(tensors: list) -> list:
     return [resolved(t).contiguous() for t in tensors]
 
 
-
 def dense_run(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill one run of memory, each once, in some order of its
     dimensions (a contiguous tensor, a channels_last one, a transposed one; not a slice,
@@ -242,6 +241,7 @@ def as_runs(tensors: list) -> list | None:
             out[i] = t.as_strided((t.numel(),), (1,))
             changed = True
     return out if changed else None
+
 
 def in_memory_order(program) -> bool:
     """Whether ``program`` may step a parameter's tensors as the runs of memory they are
@@ -299,6 +299,7 @@ def memory_order(program, params: list, grads: list, flat_states: list):
             flat_states[k * n + i] = t.as_strided(line, (1,))
         changed = True
     return (params, grads, flat_states) if changed else None
+
 
 def copy_back(originals, works) -> None:
     """The values a kernel wrote into ``works`` (``readable``'s copies, or the tensors

@@ -153,7 +153,7 @@ def state_dtypes(p: torch.Tensor, program: Program, state_dtype,
             continue
         dtype = per.get(s.name, every)
         if dtype == torch.uint8 and p.is_complex():
-            at = where() if callable(where) else where
+            at = at_where(where)
             raise ValueError(f"{at + ' is ' + str(p.dtype) + ': ' if at else ''}"
                              f"state_dtype={shown(dtype)} (8-bit state) is kept for real "
                              "parameters; a complex parameter keeps complex state")
@@ -505,13 +505,21 @@ def complex_axes_words(program: Program, p: torch.Tensor) -> str:
     """Why complex parameter ``p`` cannot step under ``program`` (``uses_axes``), for a
     message that names it."""
     return (f"is of dtype {p.dtype}: {program.name}'s row and column reductions step real "
-            "parameters only (a complex parameter has no matrix view)")
+            "parameters only (complex parameters have no matrix view)")
 
 
-def _no_complex_axes(program: Program) -> None:
+def at_where(where) -> str:
+    """The owner and parameter a refusal names: ``where``, or what it returns where it is a
+    function (called for a refusal only: ``init_leaf``, ``state_dtypes``)."""
+    return where() if callable(where) else where
+
+
+def _no_complex_axes(program: Program, p: torch.Tensor, where="") -> None:
+    """ValueError, naming complex ``p`` (``where``; else the rule's 'a parameter'), where
+    ``program`` has row and column reductions."""
     if program.uses_axes:
-        raise ValueError(f"{program.name}: complex parameters have no matrix view; its row "
-                         "and column reductions step real parameters only")
+        at = at_where(where) or f"{program.name}: a parameter"
+        raise ValueError(f"{at} {complex_axes_words(program, p)}")
 
 
 def init_leaf(program: Program, p: torch.Tensor, values: dict,
@@ -523,7 +531,7 @@ def init_leaf(program: Program, p: torch.Tensor, values: dict,
     if sharded.is_dtensor(p):
         return sharded.init_leaf(program, p, values, state_dtype, where)
     if p.is_complex():
-        _no_complex_axes(program)
+        _no_complex_axes(program, p, where)
     sds = [sd.to_real() if sd.is_complex else sd
            for sd in state_dtypes(p, program, state_dtype, where)]
     kern = codegen.kernel("reference", program)
@@ -853,7 +861,9 @@ def as_real(program: Program, params, grads, states, donate: bool):
     pass as the parameter's real view does, where torch.optim refuses it). A conjugate
     written in place steps as a resolved copy, which ``as_complex`` copies back; while
     dynamo traces, which cannot ask which are conjugates, it is refused as before."""
-    _no_complex_axes(program)
+    z = next((p for p in params if p.is_complex()), None)
+    if z is not None:
+        _no_complex_axes(program, z)
     check_complexness(program.name, program, params, states)
     writes = not (donate and torch.compiler.is_compiling())
     return ([_real(p, writes) for p in params], [_real(g) for g in grads],

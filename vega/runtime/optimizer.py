@@ -255,9 +255,6 @@ class SpecOptimizer(torch.optim.Optimizer):
         here, so that a schedule is evaluated once for all the new parameters of a step."""
         step = torch.zeros((), dtype=torch.int32, device=p.device)
         at_zero = {} if at_zero is None else at_zero
-        if program.uses_axes and p.is_complex():  # (init_leaf's refusal, naming it)
-            raise ValueError(f"{type(self).__name__}: {self._name(p)} "
-                             f"{engine.complex_axes_words(program, p)}")
         vals = at_zero.get(p.device)
         if vals is None:
             vals = at_zero[p.device] = engine.at_step(values, step)

@@ -258,7 +258,7 @@ def init_leaf(program, p, values: dict, state_dtype, where="") -> list:
     ``state_placements``. ``where``: the parameter a refusal names (or a function giving
     it)."""
     from torch.distributed.tensor import DTensor
-    at = (where() if callable(where) else where) or f"{program.name}: a parameter"
+    at = engine.at_where(where) or f"{program.name}: a parameter"
     if p.is_complex():
         raise ValueError(f"{at} is a complex DTensor, which does not step; vega steps "
                          "complex parameters that are plain tensors")

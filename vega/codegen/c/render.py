@@ -83,6 +83,14 @@ static int64_t *starts(int64_t nt, const int64_t *tab) {
                             enough of them in flight to use the memory bandwidth (split_min) */
 #define PRE_PIECE 65536  /* the prelude's and the phases' sums: a tensor's pieces, each
                                  one thread's, added in order */
+static int64_t *piece_slots(int64_t nt, const int64_t *tab) {
+    /* tensor i's pieces of PRE_PIECE values take slots [slot[i], slot[i + 1]) */
+    int64_t *slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(nt + 1));
+    slot[0] = 0;
+    for (int64_t i = 0; i < nt; i++)
+        slot[i + 1] = slot[i] + (tab[i * ROW + COL_NUMEL] + PRE_PIECE - 1) / PRE_PIECE;
+    return slot;
+}
 
 void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
     /* pre[PRE_SUM_SQ] += sum of squares of g * pre[PRE_INV_SCALE];
@@ -93,10 +101,7 @@ void vega_prelude(int64_t nt, const int64_t *tab, double *pre, int nth) {
     int64_t *start = starts(nt, tab);
     int64_t total = start[nt];
     const CT gs = (CT)pre[PRE_INV_SCALE];
-    int64_t *slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(nt + 1));
-    slot[0] = 0;  /* tensor i's pieces take slots [slot[i], slot[i + 1]) */
-    for (int64_t i = 0; i < nt; i++)
-        slot[i + 1] = slot[i] + (tab[i * ROW + COL_NUMEL] + PRE_PIECE - 1) / PRE_PIECE;
+    int64_t *slot = piece_slots(nt, tab);
     double *sums = (double *)calloc(2 * (size_t)(slot[nt] > 0 ? slot[nt] : 1),
                                    sizeof(double));
     #pragma omp parallel num_threads(nth) if (total >= PAR_MIN)
@@ -773,11 +778,7 @@ class Source:
         stored, nodes, used, ident, tail, simd = self._phase_parts(k, phase)
         nr = len(phase)
         before = [f"    static const double ident[{nr}] = {{{', '.join(ident)}}};",
-                  "    int64_t *slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(nt + 1));",
-                  "    slot[0] = 0;  /* tensor i's pieces take slots [slot[i], slot[i + 1]) */",
-                  "    for (int64_t i = 0; i < nt; i++)",
-                  "        slot[i + 1] = slot[i] + (tab[i * ROW + COL_NUMEL] + PRE_PIECE - 1) / "
-                  "PRE_PIECE;",
+                  "    int64_t *slot = piece_slots(nt, tab);",
                   f"    size_t nslots = (size_t)slot[nt] * {nr};",
                   "    double *part = (double *)malloc(sizeof(double) * (nslots ? nslots : 1));"]
         block_init = ["            double " + ", ".join(
