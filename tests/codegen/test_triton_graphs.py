@@ -105,3 +105,38 @@ def test_a_loss_scale_made_without_a_device_lives_with_the_parameters(monkeypatc
     vega.optim.AdamW([torch.nn.Parameter(torch.empty(3, device="meta"))],
                      loss_scale=vega.LossScale.dynamic())
     assert moved == [torch.device("cuda", 0)]
+
+
+def test_each_captured_prelude_counts_its_programs_on_a_counter_of_its_own(monkeypatch):
+    """The prelude's last program is the one whose count of finished programs reaches their
+    number. Eager steps on one stream share its counter (their launches run one after
+    another); every graph captured on one stream shared one too, where torch.cuda.graph's
+    default capture stream serves every capture: two such graphs replayed at once on two
+    streams would count each other's programs, one combining partial sums not yet written,
+    the other never finding its last program (its record left unwritten, the counter left
+    past 0 for every later launch). A captured prelude takes a counter of its own, held with
+    its graph and zeroed by it."""
+    counters = []
+
+    def record(fn, grid, *args, **meta):  # (the kernels not run: their counters noted)
+        if getattr(fn, "fn", fn).__name__.endswith("_prelude"):
+            counters.append(args[6])
+    monkeypatch.setattr(tr, "launch", record)
+    params = {"w": torch.randn(100), "b": torch.randn(7)}
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    state = vega.adamw_init(params)
+
+    def step():
+        vega.adamw_step(params, grads, state, lr=1e-3, backend="triton", donate=True,
+                        max_grad_norm=1.0, skip_nonfinite=True)
+    step()
+    step()
+    monkeypatch.setattr(tr, "_capturing", lambda device: True)
+    step()  # two captures on one stream
+    step()
+    monkeypatch.setattr(tr, "_capturing", lambda device: False)
+    step()
+    eager, again, first, second, later = counters
+    assert eager is again is later
+    assert len({id(eager), id(first), id(second)}) == 3
+    assert all(c.dtype == torch.int32 and c.tolist() == [0] for c in counters)

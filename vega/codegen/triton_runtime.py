@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import linecache
 import math
 import operator
@@ -422,7 +423,11 @@ def _dtype_key(p, g, s):
 
 
 _DONE = Kept(64)  # (device, stream) -> int32 [1]: the prelude's count of finished programs,
-# 0 at rest: one a stream, as preludes on two streams may run at once
+# 0 at rest: one a stream, as preludes on two streams may run at once; and one for each
+# prelude a CUDA graph captures (keyed by a number of its own): graphs captured on one stream
+# (torch.cuda.graph's default capture stream serves every capture) may be replayed at once on
+# two, and two launches counting on one counter each miss their last program
+_CAPTURED = itertools.count()
 _SETTINGS = Kept(64)  # (device, max_norm, check) -> float64 [3]: 1, max_norm, check
 
 
@@ -461,8 +466,9 @@ def _prelude_launch(kern, found, pre: torch.Tensor, setting: torch.Tensor | None
     stream = torch.cuda.current_stream(pre.device).cuda_stream \
         if pre.device.type == "cuda" else 0
     # (made while a graph is captured, its zero fill is the graph's, run first at each replay)
-    done = _DONE.get((pre.device, stream), lambda: torch.zeros(
-        1, dtype=torch.int32, device=pre.device), capturing)
+    key = (pre.device, stream, next(_CAPTURED)) if capturing else (pre.device, stream)
+    done = _DONE.get(key, lambda: torch.zeros(1, dtype=torch.int32, device=pre.device),
+                     capturing)
     with on_device(pre.device):
         for gdt, rows, numels in found:
             block = block_size((gdt,))
