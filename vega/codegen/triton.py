@@ -236,6 +236,23 @@ def _helpers(nodes) -> list[str]:
     return [_HELPERS[name][0].strip("\n") for name in out]
 
 
+def _wide(name):
+    """``name`` (``tl.exp``, ``tl.log``) of a float32 value of the element phase computed in
+    float64 and rounded to float32: on a GPU, Triton's float32 ``tl.exp`` is ``ex2.approx`` of
+    ``x * log2(e)`` rounded to float32 (64 units in the last place off near ``exp(87)``) and
+    its ``tl.log`` flushes a subnormal to zero (``-inf``), where the interpreter's numpy is
+    within a unit; float64's are libdevice's, within a unit."""
+    def render(self, node, phase, a):
+        if phase != "element" or self.ct != "tl.float32":
+            return f"{name}({a})"
+        return f"{name}({self.tensor(node.src[0], a, phase)}.to(tl.float64)).to(tl.float32)"
+    return render
+
+
+def _sigmoid(self, node, phase, a):
+    return f"1.0 / (1.0 + {_wide('tl.exp')(self, node, phase, f'(-{a})')})"
+
+
 def _pow(self, node, phase, a, b):
     base, expo = node.src
     if expo.op is Op.CONST and expo.arg == 2.0:
@@ -263,8 +280,8 @@ class TritonRenderer(Renderer):
             else f"tl.sqrt({a})"),
         Op.RSQRT: lambda self, node, phase, a: (
             f"tl.rsqrt({a})" if phase == "element" else f"1.0 / tl.sqrt({a})"),
-        Op.EXP: _call("tl.exp"),
-        Op.LOG: _call("tl.log"),
+        Op.EXP: _wide("tl.exp"),
+        Op.LOG: _wide("tl.log"),
         Op.ABS: _call("tl.abs"),
         **{op: _compare(sym) for op, sym in
            ((Op.LT, "<"), (Op.LE, "<="), (Op.GT, ">"), (Op.GE, ">="), (Op.EQ, "=="),
@@ -281,7 +298,7 @@ class TritonRenderer(Renderer):
         Op.ERF: _call("tl.erf"),
         Op.LOG1P: _call("vlog1p"),
         Op.EXPM1: _call("vexpm1"),
-        Op.SIGMOID: lambda self, node, phase, a: f"1.0 / (1.0 + tl.exp(-{a}))",
+        Op.SIGMOID: _sigmoid,
         Op.FLOOR: _call("tl.floor"),
         Op.ROUND: _call("vround"),
     }

@@ -78,6 +78,9 @@ class Figures:
     fmas: int = 0  # fused multiply-adds (fma.rn.f32/f64): a product and a sum rounded once
     approximate: int = 0  # approximate divisions, roots and reciprocals (div.full, .approx)
     flushed: int = 0  # float32 arithmetic that flushes subnormals to zero (.ftz)
+    # float32 exp2 and log2 approximations (ex2.approx, lg2.approx: Triton's float32 tl.exp is
+    # ex2.approx of x * log2(e) rounded to float32, tens of units in the last place off)
+    fast_exp: int = 0
     # addresses formed in Triton's IR (tt.addptr): blocks of them from int32 offsets (within
     # 2**31 elements of their base), and blocks or single ones from int64 offsets
     i32_offsets: int = 0
@@ -252,6 +255,7 @@ def figures(kernel: str, ptx: str, ptxas_out: str, num_warps: int, block,
         fmas=len(re.findall(r"^\s*fma\.rn\.(?:ftz\.)?f(?:32|64)\b", ptx, re.M)),
         approximate=len(re.findall(r"^\s*(?:div|sqrt|rcp|rsqrt)\.(?:full|approx)\b", ptx, re.M)),
         flushed=len(re.findall(r"^\s*\w+\.(?:\w+\.)*ftz\.(?:\w+\.)*f32\b", ptx, re.M)),
+        fast_exp=len(re.findall(r"^\s*(?:ex2|lg2)\.approx\.(?:ftz\.)?f32\b", ptx, re.M)),
         i32_offsets=offsets[0], i64_offsets=offsets[1])
 
 
