@@ -736,3 +736,27 @@ def test_a_step_of_two_programs_refused_on_the_cpu_writes_neither(monkeypatch, a
     twin[0].grad, twin[1].grad = gw, gb
     vega.optim.Muon(twin).step()
     assert all(torch.equal(p, q) for p, q in zip(ps, twin))
+
+
+def test_rsqrt_of_a_subnormal_float32_is_finite_as_a_gpu_computes_it(monkeypatch):
+    """On a GPU, Triton's float32 ``tl.rsqrt`` is ``rsqrt.approx.ftz.f32``: a subnormal
+    argument is flushed to zero, and rsqrt(1e-40) was inf (a parameter over such a second
+    moment, made inf or NaN), where torch gives 1e20. The interpreter's rsqrt is numpy's,
+    exact: here it flushes as the GPU does, and the kernels' ``rsqrt`` still gives torch's
+    values (a subnormal scaled into the normal numbers first)."""
+    if DEVICE == "cpu":
+        import numpy as np
+        from triton.runtime import interpreter
+
+        def flushing(self, arg):  # (rsqrt.approx.ftz.f32: a subnormal input taken as 0)
+            x = arg.data
+            if x.dtype == np.float32:
+                x = np.where(np.abs(x) < np.finfo(np.float32).tiny, np.float32(0) * x, x)
+            return interpreter.TensorHandle(1 / np.sqrt(x), arg.dtype.scalar)
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_rsqrt", flushing)
+    spec = vega.compile("optimizer o() {\n    state r = zeros\n    r = rsqrt(g)\n    p = p\n}")
+    g = torch.tensor([1e-40, 3e-39, 1.1e-38, 4.0, 0.0, -0.0, -1e-40, 1e30], device=DEVICE)
+    p = torch.zeros_like(g)
+    _, state = spec.step({"x": p}, {"x": g}, spec.init({"x": p}), backend="triton")
+    torch.testing.assert_close(state["r"]["x"], torch.rsqrt(g), rtol=4e-7, atol=0,
+                               equal_nan=True)

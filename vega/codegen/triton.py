@@ -206,6 +206,15 @@ def vatan2(y, x):
     # (wheres, not an or: the interpreter cannot or two scalar bools of the scalars kernel)
     return tl.where(x != x, x + y, tl.where(y != y, x + y, a))
 ''', ("vsignbit",)),
+    "vrsqrt": ('''
+@triton.jit
+def vrsqrt(x):
+    """1 / sqrt(x) of float32 values, a subnormal x included: on a GPU Triton's float32
+    rsqrt (rsqrt.approx.ftz) flushes it to zero (inf, where 1e-40 gives 1e20); such an x is
+    scaled by 2^24 into the normal numbers and its result by 2^12 (both exact)."""
+    tiny = tl.abs(x) < 1.1754943508222875e-38
+    return tl.where(tiny, tl.rsqrt(x * 16777216.0) * 4096.0, tl.rsqrt(x))
+''', ()),
     "vround": ('''
 @triton.jit
 def vround(x):
@@ -218,7 +227,7 @@ def vround(x):
 ''', ()),
 }
 _HELPER_OF = {Op.EXPM1: "vexpm1", Op.LOG1P: "vlog1p", Op.TANH: "vtanh", Op.ATAN2: "vatan2",
-              Op.ROUND: "vround"}
+              Op.ROUND: "vround", Op.RSQRT: "vrsqrt"}
 
 
 def _helpers(nodes) -> list[str]:
@@ -279,7 +288,8 @@ class TritonRenderer(Renderer):
             f"tl.sqrt_rn({a})" if phase == "element" and self.ct == "tl.float32"
             else f"tl.sqrt({a})"),
         Op.RSQRT: lambda self, node, phase, a: (
-            f"tl.rsqrt({a})" if phase == "element" else f"1.0 / tl.sqrt({a})"),
+            f"1.0 / tl.sqrt({a})" if phase != "element" else
+            f"vrsqrt({a})" if self.ct == "tl.float32" else f"tl.rsqrt({a})"),
         Op.EXP: _wide("tl.exp"),
         Op.LOG: _wide("tl.log"),
         Op.ABS: _call("tl.abs"),
