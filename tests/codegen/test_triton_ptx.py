@@ -236,18 +236,19 @@ def test_user_specs_beyond_the_shipped_ones_compile(tmp_path):
 EXP_LOG = """
 optimizer o(lr = 0.1) {
     state m = zeros
-    m = 0.5 * m + exp(g) - log(abs(g) + 1e-30)
+    m = 0.5 * m + exp(g) - log(abs(g) + 1e-30) + expm1(g) * tanh(g)
     p = p - lr * m * sigmoid(g)
 }"""
 
 
 def test_exp_and_log_of_float32_values_are_within_a_unit():
-    """``exp``, ``log`` (and ``sigmoid``) of float32 element values are libdevice's float64
-    functions rounded to float32, within a unit in the last place as docs/language.md says:
-    Triton's float32 ``tl.exp`` is ``ex2.approx.f32`` of ``x * log2(e)`` rounded to float32
-    on a GPU (64 units off near ``exp(87)``; the interpreter's numpy is exact to a unit) and
-    its ``tl.log`` is libdevice's ``logf`` with subnormals flushed (``log(1e-40)`` gave
-    ``-inf``). The update still fits in 64 registers without spilling."""
+    """``exp``, ``log`` (and ``sigmoid``, ``expm1``, ``tanh``) of float32 element values are
+    libdevice's float64 functions rounded to float32, within a unit in the last place as
+    docs/language.md says: Triton's float32 ``tl.exp`` is ``ex2.approx.f32`` of
+    ``x * log2(e)`` rounded to float32 on a GPU (64 units off near ``exp(87)``; the
+    interpreter's numpy is exact to a unit) and its ``tl.log`` is libdevice's ``logf`` with
+    subnormals flushed (``log(1e-40)`` gave ``-inf``). The update still fits in 64 registers
+    without spilling."""
     spec = vega.compile(EXP_LOG)
     params = {"w": torch.randn(3000, device=DEVICE)}
     grads = {k: torch.randn_like(p) for k, p in params.items()}
@@ -255,7 +256,8 @@ def test_exp_and_log_of_float32_values_are_within_a_unit():
     launches = _pick(triton_ptx.record(lambda: spec.step(params, grads, state,
                                                          backend="triton")), "_update")
     (f,) = triton_ptx.compile_launches(launches)
-    assert f.fast_exp == 0 and set(f.libdevice) == {"__nv_exp", "__nv_log"}, f
+    # (expm1's float32 logf of u = e^x: where u is subnormal, u - 1 is -1, the log unused)
+    assert f.fast_exp == 0 and {"__nv_exp", "__nv_log"} <= set(f.libdevice), f
     assert f.spill_stores == f.spill_loads == 0 and f.registers <= 64, f
 
 

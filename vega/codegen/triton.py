@@ -151,8 +151,9 @@ def vsignbit(x):
     "vexpm1": ('''
 @triton.jit
 def vexpm1(x):
-    """e^x - 1, exact near 0: Kahan's (u - 1) x / log(u) with u = e^x."""
-    u = tl.exp(x)
+    """e^x - 1, exact near 0: Kahan's (u - 1) x / log(u) with u = e^x (in float64, rounded:
+    float32's tl.exp is an approximation on a GPU, tens of units off for large x)."""
+    u = tl.exp(x.to(tl.float64)).to(x.dtype)
     um1 = u - 1.0
     r = tl.where(um1 == 0.0, x, um1 * (x / tl.log(u)))
     r = tl.where(um1 == -1.0, -1.0, r)
