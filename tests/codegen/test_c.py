@@ -1182,3 +1182,40 @@ def test_a_plans_new_gradients_are_looked_up_in_its_written_spans():
     assert plan.meets([ptr(base[1:101]), ptr(apart)])  # (p shifted by one)
     assert plan.meets([ptr(s), ptr(apart)])  # (a state)
     assert not _Plan([], (), [], None, [], []).meets([])
+
+
+@pytest.mark.parametrize("native_on", ["1", "0"])
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_fused_reductions_of_an_empty_tensor_at_a_threads_edge(where, native_on, monkeypatch):
+    """vega_fused (small tensors, each thread taking those that start in its share) gives an
+    empty tensor at the edge of a thread's share, the first or the last tensor, the
+    reductions of no values as the reference does (a mean NaN, a max -inf, a norm 0), as it
+    gives one in the middle: the empty tensor was taken by no thread, its reductions left
+    as the step found them (0, or whatever the buffer held)."""
+    monkeypatch.setenv("VEGA_NATIVE", native_on)
+    spec = vega.compile("""optimizer o(lr = 0.1) {
+        state s: scalar = zeros
+        state m: scalar = zeros
+        state n: scalar = zeros
+        s = mean(g)
+        m = max(g)
+        n = norm(g)
+        p = p - lr * g * n
+    }""")
+    sizes = [0] + [100] * 8 if where == "first" else [100] * 8 + [0]
+    gen = torch.Generator().manual_seed(3)
+    params = {f"t{k}": torch.randn(n, generator=gen) for k, n in enumerate(sizes)}
+    grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+    empty = "t0" if where == "first" else "t8"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(3):  # (a buffer of the step's own, reused)
+            _, got = spec.step(params, grads, spec.init(params), backend="c")
+    finally:
+        torch.set_num_threads(threads)
+    _, want = spec.step(params, grads, spec.init(params), backend="reference")
+    for field in "smn":
+        torch.testing.assert_close(got[field][empty], want[field][empty], equal_nan=True,
+                                   msg=f"{field} of the empty tensor")
+        torch.testing.assert_close(got[field]["t1"], want[field]["t1"])

@@ -71,6 +71,14 @@ static int64_t locate(const int64_t *start, int64_t nt, int64_t x) {
     }
     return lo;
 }
+static int64_t first_from(const int64_t *start, int64_t nt, int64_t x) {
+    int64_t lo = 0, hi = nt;  /* first i with start[i] >= x (nt if none) */
+    while (lo < hi) {
+        int64_t mid = (lo + hi) / 2;
+        if (start[mid] < x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
 static int64_t *starts(int64_t nt, const int64_t *tab) {
     int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (nt + 1));
     start[0] = 0;
@@ -832,8 +840,11 @@ class Source:
                  "            }"]
         return [
             *self._parallel("vega_fused", "{ pass_through(nt, tab); return; }"),
-            "        if (i < nt && start[i] < lo) i++;  /* the tensors that start in [lo, hi) */",
-            "        for (; i < nt && start[i] < hi; i++) {",
+            # the tensors that start in [lo, hi), and the last thread's those that start at
+            # the end (empty ones), each tensor on one thread: locate's tensor holding lo
+            # passes over empty ones that start there
+            "        const int64_t end_ = tid == nthr - 1 ? INT64_MAX : hi;",
+            "        for (i = first_from(start, nt, lo); i < nt && start[i] < end_; i++) {",
             "            const int64_t *row = tab + i * ROW;",
             "            const int64_t b = 0, e = row[COL_NUMEL];",
             *body,
