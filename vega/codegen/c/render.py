@@ -235,14 +235,15 @@ def _fn(element, scalar):
 
 
 def _div(self, node, phase, a, b):
-    """``a / b``, or ``a`` times the reciprocal of a per-tensor ``b`` computed once before
-    the loop (a division costs several multiplications: adamw's bias corrections)."""
+    """``a / b``, or ``a`` times the reciprocal of a ``b`` of the scalar phase (of the
+    hyperparameters and the step alone) computed once before the loop (a division costs
+    several multiplications: adamw's bias corrections)."""
     recip = self.recip.get(id(node.src[1])) if phase == "element" else None
     return f"{a} * {recip}" if recip else f"{a} / {b}"
 
 
 class CRenderer(Renderer):
-    recip: dict[int, str] = {}  # id of a per-tensor divisor -> its reciprocal's variable
+    recip: dict[int, str] = {}  # id of a scalar phase's divisor -> its reciprocal's variable
 
     code_for_op = {
         Op.DIV: _div,
