@@ -197,12 +197,6 @@ def _doc(source: str) -> str:
     return "\n".join(lines).strip()
 
 
-_TOKEN_WORDS = {
-    "RBRACE": "'}'", "LBRACE": "'{'", "LPAR": "'('", "RPAR": "')'", "NAME": "a name",
-    "NUMBER": "a number", "EQUAL": "'='", "COMMA": "','", "$END": "the end of the file",
-}
-
-
 # characters of other languages' operators, and how Vega writes what they do
 CHARACTER_HINTS = {
     "%": f"Vega has no remainder operator: {MOD}",
