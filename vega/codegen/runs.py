@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from vega.codegen import reference
-from vega.codegen.base import Linear
+from vega.codegen.base import Linear, Renderer
 from vega.codegen.tensors import PLAIN_TYPES
 from vega.dsl.ir import COMPARISONS, Kind, Op
 
@@ -166,8 +166,7 @@ def plan(run: reference.Run, lin: Linear, dtypes: dict[str, torch.dtype],
                 tuple((n, kinds[n]) for n in run.made))
 
 
-INFIX = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/", Op.LT: "<", Op.LE: "<=",
-         Op.GT: ">", Op.GE: ">=", Op.EQ: "==", Op.NE: "!="}
+INFIX = Renderer.infix  # (the operators C, Python and Triton spell alike)
 
 
 def expression(step: Step, forms: dict, number, **words) -> str:
