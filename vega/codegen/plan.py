@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vega.codegen.base import state_var
-from vega.dsl.ir import AXIS_REDUCTIONS, DOMAINS, REDUCTIONS, Kind, Node, Op, Program, walk
+from vega.dsl.ir import (AXIS_REDUCTIONS, DOMAINS, REDUCTIONS, SCALAR_STATE, Kind, Node, Op,
+                         Program, walk)
 
 DOMS = DOMAINS  # per element, per row, per column, per matrix: axis_geometry's counts' order
 TAG = {"rc": "rc", "r": "r", "c": "c", "": "m"}  # a domain in identifiers
@@ -130,7 +131,6 @@ def per_step_states(program) -> dict[int, Node] | None:
     and the states' old values are (by id), which a backend may compute once a step, before
     the loops over the elements. None where a new value reads anything else (a reduction
     over the elements, as NovoGrad's norm of g), or there is no such state."""
-    from vega.dsl.ir import SCALAR_STATE
     names = {s.name for s in program.states if s.dom == SCALAR_STATE}
     if not names:
         return None
