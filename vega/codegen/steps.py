@@ -1,5 +1,8 @@
-"""Helpers every backend and the runtime share: the step counters' advance, and a memo of
-work done once per distinct tensor within one call."""
+"""Helpers every backend and the runtime share: the step counters' advance, a memo of work
+done once per distinct tensor within one call, and staged steps (``drive``): a step run in
+stages whose reductions over a group, or over tensors split across processes, are combined
+between them (each reduction's parts, ``shard_part``, ``axis_part``, ``tensor_parts``, and
+their finishing, ``finished``, ``finish_combined``)."""
 from __future__ import annotations
 
 import math

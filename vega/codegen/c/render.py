@@ -904,10 +904,6 @@ class Source:
             skip="{ pass_through(nt, tab); return; }", blocked=bool(self.program.quant))
 
 
-
-
-
-
 def _stores_of(plan) -> dict[int, str]:
     """The values a plan of early stores writes (``Source._early_stores``): id -> state."""
     return {id(n): t for here in plan for t, n in here}
