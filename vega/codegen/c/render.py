@@ -502,9 +502,9 @@ class Source:
         return frozenset(s.name for s in self.program.states if s.dom == SCALAR_STATE)
 
     def _scalar_stores(self) -> list[str]:
-        """After every thread's loops, one thread per tensor: the new values of the states
-        of one number per tensor, from the tensor's reductions (``red``), its scalar phase
-        and the old values (which no loop reads any more)."""
+        """After every thread's loops, on the calling thread, tensor by tensor: the new
+        values of the states of one number per tensor, from the tensor's reductions
+        (``red``), its scalar phase and the old values (which no loop reads any more)."""
         targets = [(t, n) for t, n in self.program.updates if t in self._scalar_targets]
         if not targets:
             return []
@@ -671,8 +671,8 @@ class Source:
 
     def _versions(self, nodes: list[Node], tail: list[str], simd, stored,
                   blocked: bool = False) -> list[str]:
-        """The element loop computing ``nodes``, then ``tail``. Where it divides by
-        per-tensor values, two versions: one multiplying by their reciprocals, taken when
+        """The element loop computing ``nodes``, then ``tail``. Where it divides by values
+        of the scalar phase, two versions: one multiplying by their reciprocals, taken when
         every reciprocal is a normal number (``recip_ok``), and one dividing. ``blocked``:
         the update of a program with 8-bit states, a block at a time (``_blocked``)."""
         pragma = [f"            #pragma omp simd{simd}"] if simd is not None else []
