@@ -114,6 +114,11 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(f: bool = 0.5) {\n  p = p\n}\n", "needs a default of true or false", 1, 23),
     ("optimizer o(x: float = true) {\n  p = p\n}\n", "needs a numeric default", 1, 24),
     ("optimizer o(b1 = 1.5 in [0, 1)) {\n  p = p\n}\n", "outside its range [0, 1)", 1, 18),
+    # numbers as written, not to six digits (where '1 is outside [0, 1]' would read false)
+    ("optimizer o(b = 0.999999999 in [0, 0.99999999]) {\n  p = p\n}\n",
+     "the default 0.999999999 of 'b' is outside its range [0, 0.99999999]", 1, 17),
+    ("optimizer o(f: bool = 1.0000001) {\n  p = p\n}\n",
+     "needs a default of true or false, not 1.0000001", 1, 23),
     ("optimizer o(b1 = 0.5 in [1, 0]) {\n  p = p\n}\n", "is empty", 1, 25),
     ("optimizer o(lr = nan) {\n  p = p\n}\n", "the default of 'lr' cannot be nan", 1, 18),
     ("optimizer o(lr = 1 in [0, nan]) {\n  p = p\n}\n",
@@ -235,6 +240,8 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "value per element (A @ x) or reduce it (norm(A))", 3, 7),
     ("optimizer o(lr = 1e-3) {\n  repeat 2.5 {\n    p = p - lr * g\n  }\n}\n",
      "a repeat count is a whole number from 0 to 64, not 2.5", 2, 10),
+    ("optimizer o() {\n  repeat 2.0000001 { p = p }\n}\n",
+     "a repeat count is a whole number from 0 to 64, not 2.0000001", 2, 10),
     ("optimizer o(lr = 1e-3, n = 2.0) {\n  repeat n {\n    p = p - lr * g\n  }\n}\n",
      "repeat n unrolls up to the bound of n's range, which must be at most 64", 2, 10),
     ("optimizer o(lr = 1e-3, steps = 2.0 in [0, 4]) {\n  repeat step {\n    p = p - lr * g\n"

@@ -239,6 +239,11 @@ def test_unknown_flag_and_bad_values():
         vega.adam_step(p, p, vega.adam_init(p), b1=1.5)
     with pytest.raises(ValueError, match="lr=-0.1 is outside its range"):
         vega.optim.AdamW([torch.zeros(2, requires_grad=True)], lr=-0.1)
+    # a bound as written, not to six digits ([0, 1], which would hold the value)
+    close = vega.compile("optimizer o(b = 0.5 in [0, 0.99999999]) { p = p - b * g }")
+    with pytest.raises(ValueError, match=r"b=0\.999999999 is outside its range "
+                                         r"\[0, 0\.99999999\]"):
+        close.step(p, p, close.init(p), b=0.999999999)
     with pytest.raises(ValueError, match="amsgrad=1 must be True or False"):
         vega.adam_init(p, amsgrad=1)
     # a state's dtypes are its init's: a step names where to give them

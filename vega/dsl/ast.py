@@ -11,6 +11,17 @@ from vega.errors import Span
 CONSTANTS = {"inf": math.inf, "nan": math.nan, "pi": math.pi}
 
 
+def number_text(v: float) -> str:
+    """A number of a spec as a message shows it: ``inf`` and ``pi`` by name (3.14159 would
+    hide that a bound is exact), others to every digit that tells it apart (``{:g}``'s six
+    would show 0.999999999 as 1), without a trailing ``.0`` (``1``, ``1e-08``)."""
+    for name in ("inf", "pi"):
+        if abs(v) == CONSTANTS[name]:
+            return name if v > 0 else "-" + name
+    text = repr(float(v))
+    return text[:-2] if text.endswith(".0") else text
+
+
 @dataclass(frozen=True)
 class Num:
     value: float
@@ -46,7 +57,7 @@ class Unary:
 
 @dataclass(frozen=True)
 class Binary:
-    op: str  # + - * / ^ < <= > >= == != and or
+    op: str  # + - * / @ ^ < <= > >= == != and or
     a: Expr
     b: Expr
     span: Span
@@ -124,13 +135,8 @@ class Range:
         return above and below
 
     def __str__(self) -> str:
-        def fmt(v):  # inf and pi as written (3.14159 would hide that the bound is exact)
-            for name in ("inf", "pi"):
-                if abs(v) == CONSTANTS[name]:
-                    return name if v > 0 else "-" + name
-            return f"{v:g}"
-        return (f"{'[' if self.lo_closed else '('}{fmt(self.lo)}, "
-                f"{fmt(self.hi)}{']' if self.hi_closed else ')'}")
+        return (f"{'[' if self.lo_closed else '('}{number_text(self.lo)}, "
+                f"{number_text(self.hi)}{']' if self.hi_closed else ')'}")
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,7 @@ class _Walker:
             seen[h.name] = h.span
             if h.type == "bool" and not isinstance(h.default, bool):
                 raise SpecError(f"bool hyperparameter '{h.name}' needs a default of true or "
-                                f"false, not {h.default:g}", h.default_span)
+                                f"false, not {ast.number_text(h.default)}", h.default_span)
             if h.type == "float" and isinstance(h.default, bool):
                 raise SpecError(f"float hyperparameter '{h.name}' needs a numeric default, "
                                 f"not {str(h.default).lower()}", h.default_span)
@@ -169,8 +169,8 @@ class _Walker:
                 if r.lo > r.hi or (r.lo == r.hi and not (r.lo_closed and r.hi_closed)):
                     raise SpecError(f"the range {r} of '{h.name}' is empty", r.span)
                 if not r.contains(h.default):
-                    raise SpecError(f"the default {h.default:g} of '{h.name}' is outside its "
-                                    f"range {r}", h.default_span)
+                    raise SpecError(f"the default {ast.number_text(h.default)} of '{h.name}' is "
+                                    f"outside its range {r}", h.default_span)
             out.append(ir.HyperParam(h.name, h.type, h.default, h.range, h.span))
         nflags = sum(h.type == "bool" for h in out)
         if nflags > MAX_FLAGS:
@@ -913,7 +913,7 @@ def unroll(spec: ast.Spec) -> ast.Spec:
         if isinstance(c, ast.Num):
             if c.value != int(c.value) or not 0 <= c.value <= MAX_REPEAT:
                 raise SpecError(f"a repeat count is a whole number from 0 to {MAX_REPEAT}, not "
-                                f"{c.value:g}", c.span)
+                                f"{ast.number_text(c.value)}", c.span)
             return int(c.value)
         h = hypers.get(c.id)
         if h is None:
@@ -925,7 +925,7 @@ def unroll(spec: ast.Spec) -> ast.Spec:
         if h.range is None or not h.range.hi <= MAX_REPEAT:
             raise SpecError(f"repeat {c.id} unrolls up to the bound of {c.id}'s range, which "
                             f"must be at most {MAX_REPEAT}: declare it as {c.id} = "
-                            f"{h.default:g} in [0, 10]", c.span)
+                            f"{ast.number_text(h.default)} in [0, 10]", c.span)
         return None
 
     def walk(stmts) -> tuple:
