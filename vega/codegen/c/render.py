@@ -387,9 +387,9 @@ class Source:
         by the later loops rather than computed again from the gradient and the old value
         (which those loops then do not read). Only where the storage holds the compute
         type exactly, and only where no later loop reads the old value."""
-        pdt, _, sdt = self.dtypes
-        if not self.phases or not all(sdt == "float64" or (sdt == "float32" and pdt != "float64")
-                                      for sdt in self.sdts):
+        pdt = self.dtypes[0]
+        if not self.phases or not all(dt == "float64" or (dt == "float32" and pdt != "float64")
+                                      for dt in self.sdts):
             return [[] for _ in self.phases]
         banned: set[str] = set()
         while True:
