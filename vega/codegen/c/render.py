@@ -754,11 +754,11 @@ class Source:
                   *("    " + line for line in body), "                }"]
         for k, ks, how in qs:
             lines += ["                {",
-                      f"                    union {{ int32_t i; float f; }} m_ = {{M{k}_}};",
+                      f"                    union {{ int32_t i; float f; }} mag_ = {{M{k}_}};",
                       "                    /* a NaN wins, in its own state */",
                       f"                    SO{ks}_[jb_ / QBLOCK] = "
-                      "m_.i > 0x7F800000 ? NAN : m_.f;",
-                      "                    const float i_ = q8_inv(m_.f);",
+                      "mag_.i > 0x7F800000 ? NAN : mag_.f;",
+                      "                    const float i_ = q8_inv(mag_.f);",
                       f"                    uint8_t *c_ = SO{k}_ + jb_;",
                       "                    #pragma omp simd",
                       "                    for (int q = 0; q < nb_; q++)",
