@@ -14,18 +14,23 @@ over all tensors:
 - ``vega_prelude``: adds the sum of squares of the unscaled gradients and the
   count of blocks holding a non-finite element into ``pre``;
 - ``vega_phase<k>``: per-tensor reductions (``norm``, ``sum``, ``mean``, ``max``)
-  of phase k, into ``red``; values needed on both sides are recomputed;
-  ``vega_phase<k>_partial`` leaves them unfinished (a sum of squares for a norm, a
-  sum for a mean), for ``vega.runtime.sharded`` to combine across processes;
+  of phase k, into ``red``; values needed on both sides are recomputed (but a state's
+  new value that a phase computes anyway is stored there and loaded by the later loops:
+  ``Source._early_stores``); ``vega_phase<k>_partial`` leaves them unfinished (a sum of
+  squares for a norm, a sum for a mean), for ``vega.runtime.sharded`` to combine across
+  processes;
 - ``vega_update``: the spec's element program, skipping every write when
   ``pre`` counted a non-finite gradient. It reads p and the states at their
   addresses and writes them at the "out" ones: the same addresses for a step in
   place, new tensors for a pure step, which so takes one pass, not a copy and
   then a step (a skipped pure step copies the inputs there);
+- ``vega_fused``: for a table of small tensors (``launch.FUSED_MAX``), each thread takes
+  whole tensors and runs every phase and then the update on one before the next;
 - ``vega_advance``: the step counters plus one, unless skipped.
 
-Reductions combine per-thread partial results in thread order, so a step is
-bitwise reproducible for a given thread count.
+Reductions sum each tensor in pieces of ``PRE_PIECE`` values from its start, each piece by
+one thread, and combine the pieces in order (``vega_fused``: a tensor no longer than one
+piece, by one thread), so a step's bits do not depend on the thread count.
 
 A program over a matrix view (row/column reductions or state, ``Program.uses_axes``)
 gets ``vega_axes_step`` instead of the phases and the update: it steps the tensors
