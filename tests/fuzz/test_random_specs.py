@@ -7,10 +7,10 @@ powers the compiler writes out, comparisons, ``and``/``or``/``not``, ``where``, 
 ``max``, ``clamp``, ``abs``, ``sign``, ``floor``, ``round``, per-tensor and group
 maxima, ``t``, hyperparameters, states of several dtypes and one number per tensor), so
 that one kernel a dtype covers many expressions. Only operations every backend computes
-exactly are drawn (no division by a value of one number per step or tensor: the C
-kernels multiply by its reciprocal, within two units in the last place; and a maximum of
-0.0 and -0.0 over a tensor may be either), so the states must agree bit for bit: the same
-NaNs, the same signs of zero, the same values.
+exactly are drawn (a divisor is one value per element: the C kernels multiply by the
+reciprocal of a divisor of one number per step, within two units in the last place; and a
+maximum of 0.0 and -0.0 over a tensor may be either), so the states must agree bit for
+bit: the same NaNs, the same signs of zero, the same values.
 
 Deterministic (a fixed seed per spec); ``VEGA_FUZZ_SPECS`` sets the number of specs
 (default 1, a few seconds; a few hundred, which take minutes, find what one does not)."""
