@@ -194,6 +194,12 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "unknown function 'global_summ' (did you mean 'global_sum'", 2, 20),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p * global_max(p)\n"
      "  }\n}\n", "global_max() cannot stand in mode 'eval'", 4, 13),
+    # a state's initial value is made for each tensor alone: a reduction over the group there
+    # was each tensor's own (its sum, not the group's), silently
+    ("optimizer o(lr = 1e-3) {\n  state n: scalar = global_sum(p)\n  n = n + 1\n"
+     "  p = p - lr * g * n\n}\n", "global_sum() cannot start a state", 2, 21),
+    ("optimizer o(lr = 1e-3) {\n  state m = p * global_max(abs(p))\n  m = m + g\n"
+     "  p = p - lr * m\n}\n", "global_max() cannot start a state", 2, 17),
     ("optimizer o(lr = 1e-3, f = true) {\n  p = p - lr * g\n  if f {\n    mode eval {\n"
      "      p = p\n    }\n  }\n}\n", "mode 'eval' must stand at the top", 4, 5),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  repeat 1 {\n    mode eval {\n"

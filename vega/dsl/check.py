@@ -132,6 +132,7 @@ class _Walker:
         self.assigns_p = False
         self.in_shape_if: Span | None = None  # the per-tensor if being walked (check mode)
         self.in_mode: str | None = None  # the mode whose block is being walked
+        self.in_init = False  # walking a state's initial value (made for each tensor alone)
         self.mode_blocks = [s for s in spec.body if isinstance(s, ast.Mode)]
 
     # -- header -------------------------------------------------------------
@@ -476,7 +477,11 @@ class _Walker:
                 raise SpecError(f"a state's initial value may use only p, hyperparameters and "
                                 f"constants; '{node.id}' has no value before the first step",
                                 node.span)
-        return self.expr(e, init_env)
+        self.in_init = True
+        try:
+            return self.expr(e, init_env)
+        finally:
+            self.in_init = False
 
     def expr(self, e, env) -> Node:
         if isinstance(e, ast.Num):
@@ -612,6 +617,10 @@ class _Walker:
         if self.in_mode is not None:
             raise SpecError(f"{e.fn}() cannot stand in mode '{self.in_mode}': a mode's values "
                             "are each tensor's own", e.span)
+        if self.in_init:
+            raise SpecError(f"{e.fn}() cannot start a state: a state's initial value is made "
+                            "for each tensor on its own; start it as a number and set it at "
+                            f"the first step (n = where(t == 1, {e.fn}(...), n))", e.span)
         x = self.expr(e.args[0], env)
         self._need("float", x, e.args[0], f"{e.fn}()")
         if x.kind < Kind.TENSOR and not self.checking:  # folded by a bool setting
