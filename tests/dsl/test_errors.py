@@ -194,6 +194,22 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "unknown function 'global_summ' (did you mean 'global_sum'", 2, 20),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p * global_max(p)\n"
      "  }\n}\n", "global_max() cannot stand in mode 'eval'", 4, 13),
+    # a repeat on a hyperparameter's value is said to be one (its body is written out as ifs
+    # on the value, which the messages named as an if on the repeat's line)
+    ("optimizer o(lr = 1e-3, n = 3.0 in [0, 5]) {\n  x = g\n  repeat n {\n    y = x * 0.5\n"
+     "    x = y\n  }\n  p = p - lr * y\n}\n",
+     "'y' is assigned only inside the repeat on line 3, whose body a tensor may run no times "
+     "(by the value of 'n'); assign it before the repeat", 7, 16),
+    ("optimizer o(lr = 1e-3, n = 3.0 in [0, 5]) {\n  x = g\n  repeat n {\n"
+     "    x = x / global_norm(x)\n  }\n  p = p - lr * x\n}\n",
+     "global_norm() reduces over every tensor of a group, so it cannot stand inside the repeat "
+     "on line 3, which each tensor runs as many times as the value of its hyperparameter "
+     "'n' says", 4, 13),
+    ("optimizer o(lr = 1e-3, n = 3.0 in [0, 5]) {\n  x = g\n  repeat n {\n"
+     "    x = x @ transpose(x)\n  }\n  p = p - lr * g\n}\n",
+     "'x' is a rows x rows matrix after the body of this repeat and one value per element "
+     "(the rows x columns matrix view) before it (a tensor may run it no times, by the value "
+     "of 'n')", 3, 3),
     # a state's initial value is made for each tensor alone: a reduction over the group there
     # was each tensor's own (its sum, not the group's), silently
     ("optimizer o(lr = 1e-3) {\n  state n: scalar = global_sum(p)\n  n = n + 1\n"

@@ -116,6 +116,9 @@ class If:
     then: tuple[Stmt, ...]
     orelse: tuple[Stmt, ...]
     span: Span
+    # where ``unroll`` wrote this if for ``repeat N`` on a hyperparameter: N's name (the
+    # messages then speak of the repeat, which is what the spec wrote)
+    repeat: str | None = None
 
 
 Stmt = StateDecl | Assign | If | Mode | Repeat

@@ -134,6 +134,8 @@ class _Walker:
         self.in_mode: str | None = None  # the mode whose block is being walked
         self.in_init = False  # walking a state's initial value (made for each tensor alone)
         self.mode_blocks = [s for s in spec.body if isinstance(s, ast.Mode)]
+        # the spans of the ifs that ``unroll`` wrote for a repeat, with its count's name
+        self.repeats = {s.span: s.repeat for s in _ifs(spec.body) if s.repeat is not None}
 
     # -- header -------------------------------------------------------------
     def hypers(self) -> tuple[ir.HyperParam, ...]:
@@ -357,8 +359,8 @@ class _Walker:
                 raise SpecError(f"mode '{self.in_mode}' cannot assign state '{s.name}': a mode "
                                 "only says how the parameters look (p = ...)", s.name_span)
             elif old.role == "state" and old.only_if is not None:
-                raise SpecError(f"state '{s.name}' is declared only inside the if on line "
-                                f"{old.only_if.line}", s.name_span)
+                raise SpecError(f"state '{s.name}' is declared only inside "
+                                f"{self._block(old.only_if)}", s.name_span)
             if value.kind == Kind.ELEMENT and value.dom in ir.MATRIX_DOMAINS and (
                     s.name == "p" or (old is not None and old.role == "state")):
                 if s.name == "p":
@@ -448,14 +450,19 @@ class _Walker:
         for name in then.keys() | orelse.keys():
             a, b = then.get(name), orelse.get(name)
             if a is not None and b is not None:
+                # (an if that ``unroll`` wrote: its branches are after a repeat's body and
+                # before it)
+                where = ("in one branch of this if and {} in the other" if s.repeat is None
+                         else "after the body of this repeat and {} before it (a tensor may "
+                         f"run it no times, by the value of '{s.repeat}')")
                 if a.node.dtype != b.node.dtype:
-                    raise SpecError(f"'{name}' is {_what(a.node)} in one branch of this if "
-                                    f"and {_what(b.node)} in the other", s.span)
+                    raise SpecError(f"'{name}' is {_what(a.node)} "
+                                    f"{where.format(_what(b.node))}", s.span)
                 mats = {n.dom for n in (a.node, b.node) if n.kind == Kind.ELEMENT}
                 if len(mats) > 1 and mats & set(ir.MATRIX_DOMAINS):
-                    raise SpecError(f"'{name}' is {_matrix_words(a.node)} in one branch of this "
-                                    f"if and {_matrix_words(b.node)} in the other: a matrix of a "
-                                    "product has one shape after an if", s.span)
+                    raise SpecError(f"'{name}' is {_matrix_words(a.node)} "
+                                    f"{where.format(_matrix_words(b.node))}: a matrix of a "
+                                    "product has one shape after an if or a repeat", s.span)
                 only = a.only_if or b.only_if
                 node = _wider(a.node, b.node)
                 merged[name] = _Binding(node, a.role, a.span, only)
@@ -504,6 +511,11 @@ class _Walker:
                     raise SpecError(f"undefined name '{e.id}' (did you mean "
                                     f"'{e.id.lower()}'?)", e.span)
                 raise SpecError(f"undefined name '{e.id}'{_suggest(e.id, env)}", e.span)
+            if b.only_if is not None and b.only_if in self.repeats:
+                raise SpecError(f"'{e.id}' is assigned only inside {self._block(b.only_if)}, "
+                                "whose body a tensor may run no times (by the value of "
+                                f"'{self.repeats[b.only_if]}'); assign it before the repeat",
+                                e.span)
             if b.only_if is not None:
                 raise SpecError(f"'{e.id}' is assigned only in one branch of the if on line "
                                 f"{b.only_if.line}; assign it before the if or in both "
@@ -610,9 +622,12 @@ class _Walker:
         if len(e.args) != 1:
             raise SpecError(f"{e.fn}() takes 1 argument, got {len(e.args)}", e.span)
         if self.in_shape_if is not None:
+            how = (f"runs as many times as the value of its hyperparameter "
+                   f"'{self.repeats[self.in_shape_if]}' says"
+                   if self.in_shape_if in self.repeats else
+                   "takes or not by its shape or the values of its hyperparameters")
             raise SpecError(f"{e.fn}() reduces over every tensor of a group, so it cannot stand "
-                            f"inside the if on line {self.in_shape_if.line}, which each tensor "
-                            "takes or not by its shape or the values of its hyperparameters",
+                            f"inside {self._block(self.in_shape_if)}, which each tensor {how}",
                             e.span)
         if self.in_mode is not None:
             raise SpecError(f"{e.fn}() cannot stand in mode '{self.in_mode}': a mode's values "
@@ -630,6 +645,10 @@ class _Walker:
                             "is the same for every tensor (it would count the tensors)",
                             e.args[0].span)
         return ir.global_reduction(GLOBAL_FUNCTIONS[e.fn], x, e.span)
+
+    def _block(self, span: Span) -> str:
+        """The if (or the repeat, where ``unroll`` wrote the if) that starts at ``span``."""
+        return f"the {'repeat' if span in self.repeats else 'if'} on line {span.line}"
 
     @staticmethod
     def _need(dtype, node, e, where):
@@ -959,7 +978,7 @@ def unroll(spec: ast.Spec) -> ast.Spec:
                 inner: tuple = ()
                 for k in range(int(math.floor(hypers[c.id].range.hi)), 0, -1):
                     cond = ast.Binary(">=", c, ast.Num(float(k), c.span), c.span, c.span)
-                    inner = (ast.If(cond, body + inner, (), st.span),)
+                    inner = (ast.If(cond, body + inner, (), st.span, c.id),)
                 out.extend(inner)
             elif isinstance(st, ast.If):
                 out.append(dataclasses.replace(st, then=walk(st.then), orelse=walk(st.orelse)))
@@ -969,6 +988,16 @@ def unroll(spec: ast.Spec) -> ast.Spec:
                 out.append(st)
         return tuple(out)
     return dataclasses.replace(spec, body=walk(spec.body))
+
+
+def _ifs(stmts):
+    """The ifs of ``stmts``, nested ones and those in modes' blocks too."""
+    for st in stmts:
+        if isinstance(st, ast.If):
+            yield st
+            yield from _ifs(st.then + st.orelse)
+        elif isinstance(st, ast.Mode):
+            yield from _ifs(st.body)
 
 
 def state_decls(stmts):
