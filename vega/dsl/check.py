@@ -128,7 +128,9 @@ class _Walker:
         self.shapes = shapes
         self.static_index = {id(s): k for k, s in enumerate(shape_conditions(spec))}
         self.declared: dict[str, Span] = {}  # every state declaration seen (check mode)
-        self.states: list[ir.StateVar] = []  # in declaration order (lower mode)
+        # in declaration order: the program's (lower mode), or every branch's (check mode,
+        # where an assignment and a mode's block look up a state's declared shape)
+        self.states: list[ir.StateVar] = []
         self.assigns_p = False
         self.in_shape_if: Span | None = None  # the per-tensor if being walked (check mode)
         self.in_mode: str | None = None  # the mode whose block is being walked
