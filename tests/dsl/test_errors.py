@@ -210,6 +210,14 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "'x' is a rows x rows matrix after the body of this repeat and one value per element "
      "(the rows x columns matrix view) before it (a tensor may run it no times, by the value "
      "of 'n')", 3, 3),
+    # size()'s axis: a whole number, inf and nan too (which int() refused inside the check:
+    # an internal compiler error)
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * size(p, inf) * g\n}\n",
+     "size()'s axis is a whole number from 0 to 63", 2, 24),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * size(p, nan) * g\n}\n",
+     "size()'s axis is a whole number from 0 to 63", 2, 24),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * size(p, 1.5) * g\n}\n",
+     "size()'s axis is a whole number from 0 to 63", 2, 24),
     # a state's initial value is made for each tensor alone: a reduction over the group there
     # was each tensor's own (its sum, not the group's), silently
     ("optimizer o(lr = 1e-3) {\n  state n: scalar = global_sum(p)\n  n = n + 1\n"

@@ -710,7 +710,7 @@ def _size(e: ast.Call) -> Node:
     what, k = e.args
     if not (isinstance(what, ast.Name) and what.id in ("p", "g")):
         raise SpecError("size() takes the parameter and an axis: size(p, 0)", what.span)
-    if not (isinstance(k, ast.Num) and k.value == int(k.value) and 0 <= k.value < 64):
+    if not (isinstance(k, ast.Num) and 0 <= k.value < 64 and k.value == int(k.value)):
         raise SpecError("size()'s axis is a whole number from 0 to 63: size(p, 0)", k.span)
     return Node(Op.SIZE, (), int(k.value), "float", Kind.TENSOR, e.span)
 
