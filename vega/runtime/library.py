@@ -43,3 +43,9 @@ def _compiled(name: str) -> CompiledSpec:
         raise ValueError(f"no shipped optimizer {name!r}; there are {', '.join(builtin_names())}")
     path = _dir().joinpath(f"{name}.vega")
     return compile(path.read_text(), f"specs/{name}.vega")
+
+
+def shipped(spec: CompiledSpec) -> bool:
+    """Whether ``spec`` is ``builtin(spec.name)`` (not another spec of a shipped name)."""
+    with _LOCK:
+        return spec.name in builtin_names() and spec is _compiled(spec.name)

@@ -912,6 +912,21 @@ class SpecOptimizer(torch.optim.Optimizer):
                 "loss_scale": self.loss_scale, "skip_nonfinite": self.skip_nonfinite,
                 "reduce_group": getattr(self, "reduce_group", None)}
 
+    def __reduce_ex__(self, protocol):
+        """As any object's, but an optimizer of a spec that is not shipped (``vega.compile``)
+        is remade from its spec (pickled by its text: ``CompiledSpec.__reduce__``): its
+        class, made for that spec, is not the one ``vega.optim`` has by its name (a shipped
+        class of the same name, or none), so it cannot be pickled by that name."""
+        out = super().__reduce_ex__(protocol)
+        cls = type(self)
+        if cls.__dict__.get("spec") is None or cls.spec.__dict__.get("optimizer_class") \
+                is not cls:
+            return out  # (a subclass of the caller's, pickled by its own name)
+        from vega.runtime.library import shipped
+        if shipped(cls.spec):
+            return out
+        return (_of_spec, (cls.spec,), *out[2:])
+
     def __setstate__(self, state: dict) -> None:
         """torch's, then each group's tuples taken as the groups hold them (``__getstate__``
         made them agree), as ``load_state_dict`` takes a loaded group's: a ``b1`` or a
@@ -1564,6 +1579,12 @@ class _Plan:
                         [[st[n] for st in ss] for n in program.state_names],
                         [st["step"] for st in ss], values))
         return out
+
+
+def _of_spec(spec) -> SpecOptimizer:
+    """An optimizer of ``spec``'s class not yet set up (the unpickling of one: its state is
+    set next, ``SpecOptimizer.__setstate__``)."""
+    return object.__new__(spec.optimizer_class)
 
 
 def optimizer_class(spec) -> type:

@@ -41,6 +41,26 @@ class CompiledSpec:
         self.hypers = spec.hypers
         self.defaults = {h.name: h.default for h in spec.hypers}
 
+    def __copy__(self) -> CompiledSpec:
+        """The spec itself, as for a function or a class: a compiled spec does not change
+        (what it holds besides its rule are its kernels, built once, and its class), so a
+        copy of an object that holds one (a deep copy of a configuration, of an optimizer)
+        shares it, where copying its kernels would copy their loaded libraries."""
+        return self
+
+    def __deepcopy__(self, memo) -> CompiledSpec:
+        return self
+
+    def __reduce__(self):
+        """Pickled by its text: unpickled, a shipped spec is ``vega.builtin``'s (the one
+        compiled in that process), any other one is compiled again from the text it was
+        compiled from (its kernels and loaded libraries are not pickled)."""
+        from vega.runtime.library import shipped
+        if shipped(self):
+            from vega.runtime.library import builtin
+            return builtin, (self.name,)
+        return compile, (self._spec.source, self._spec.filename)
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.defaults.items())
         return f"<vega optimizer {self.name}({args}) from {self._spec.filename}>"

@@ -1,0 +1,79 @@
+"""Whole objects copied (copy.copy, copy.deepcopy) and pickled: compiled specs, and the
+optimizers of specs compiled by the caller."""
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import vega
+from vega.runtime.library import builtin
+
+
+def _mine():
+    """The shipped sgd's text under another rule name (its class keeps the name SGD)."""
+    return builtin("sgd").source_text.replace("optimizer sgd as", "optimizer mysgd as", 1)
+
+
+def _pickled(obj):
+    return pickle.loads(pickle.dumps(obj))
+
+
+def _torch_saved(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_a_used_spec_copies_as_itself_and_pickles_by_its_text(backend):
+    """A spec that has stepped holds its kernels (loaded libraries, ctypes pointers): a copy
+    of it, or of anything that holds it, is the spec itself, where copy.deepcopy failed
+    ("ctypes objects containing pointers cannot be pickled"); pickled, it is compiled again
+    from its text (a shipped one is the process's own), where pickle failed on a function of
+    its kernels."""
+    spec = vega.compile(_mine(), "mine.vega")
+    params = [torch.ones(3)]
+    state = spec.init(params)
+    spec.step(params, [torch.ones(3)], state, backend=backend, lr=0.1, momentum=0.9)
+    assert copy.copy(spec) is spec and copy.deepcopy(spec) is spec
+    held = copy.deepcopy({"rule": spec, "lr": 0.1})
+    assert held["rule"] is spec
+    for back in (_pickled(spec), _torch_saved(spec)):
+        assert back.name == "mysgd" and back.source_text == spec.source_text
+        assert back._spec.filename == "mine.vega"
+        ours = spec.step(params, [torch.ones(3)], state, backend=backend, lr=0.1,
+                         momentum=0.9)
+        theirs = back.step(params, [torch.ones(3)], state, backend=backend, lr=0.1,
+                           momentum=0.9)
+        assert torch.equal(ours[0][0], theirs[0][0]) and torch.equal(ours[1]["v"][0],
+                                                                    theirs[1]["v"][0])
+    shipped = builtin("sgd")
+    shipped.step(params, [torch.ones(3)], shipped.init(params), backend=backend)
+    assert _pickled(shipped) is shipped and copy.deepcopy(shipped) is shipped
+
+
+@pytest.mark.parametrize("how", [_pickled, _torch_saved, copy.deepcopy])
+def test_an_optimizer_of_a_compiled_spec_pickles(how):
+    """Its class, made for the caller's spec, has the name of a shipped class (SGD) in
+    vega.optim, or of none: pickled by that name it failed ("not the same object as
+    vega.optim.SGD", or "attribute lookup ... failed"); it is pickled by its spec, and the
+    unpickled optimizer steps as the original, on parameters of its own."""
+    spec = vega.compile(_mine())
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = spec.optimizer([w], lr=0.1, momentum=0.9)
+    w.grad = torch.full((4,), 0.5)
+    opt.step()
+    twin = how(opt)
+    assert type(twin).spec.name == "mysgd"
+    assert type(twin).__name__ == "SGD" and type(twin) is not vega.optim.SGD
+    w2 = twin.param_groups[0]["params"][0]
+    assert w2 is not w and torch.equal(w2, w)
+    for o, p in ((opt, w), (twin, w2)):
+        p.grad = torch.full((4,), 0.25)
+        o.step()
+    assert torch.equal(w2, w)
+    assert torch.equal(twin.state[w2]["v"], opt.state[w]["v"])
+    assert twin.state[w2]["v"].data_ptr() != opt.state[w]["v"].data_ptr()
