@@ -1013,17 +1013,23 @@ class SpecOptimizer(torch.optim.Optimizer):
         if torch_names.is_torch_format(state_dict, name, _group_keys(self.spec)):
             state_dict = torch_names.from_torch(f"{type(self).__name__}.load_state_dict", name,
                                                 state_dict, self.param_groups)
-        before = self.state, self.param_groups
+        before, was = (self.state, self.param_groups), None
         try:
             self._check_saved(state_dict)
             scale = self._load(state_dict)
             self._check_loaded()
+            if scale is not None:  # (into the scale's own tensors: the object the caller
+                # scales its loss with, and a captured graph replays, stays this optimizer's
+                # scale; in the try, so that one interrupted part way is put back)
+                was = [t.clone() for t in self.loss_scale.tensors()]
+                for mine, saved in zip(self.loss_scale.tensors(), scale):
+                    mine.copy_(saved)
         except BaseException:  # nothing changes
             self.state, self.param_groups = before
+            if was is not None:
+                for mine, value in zip(self.loss_scale.tensors(), was):
+                    mine.copy_(value)
             raise
-        if scale is not None:  # (into the scale's own tensors: the object the caller scales
-            for mine, saved in zip(self.loss_scale.tensors(), scale):  # its loss with, and a
-                mine.copy_(saved)  # captured graph replays, stays this optimizer's scale)
         self.state = _counting(self.state)  # (torch's loading made a new defaultdict)
         self._plans().clear()
         sync = self._tuples()

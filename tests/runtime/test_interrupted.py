@@ -1,0 +1,89 @@
+"""A KeyboardInterrupt (or any exception) that arrives part way through a call that changes
+an optimizer leaves it either as it was or as the call makes it, never half changed. An
+interrupt is simulated at each line of a function (``sys.settrace``), one run for each."""
+import copy
+import sys
+
+import torch
+
+import vega
+import vega.optim
+from vega.runtime.optimizer import SpecOptimizer
+
+
+class _Interrupt(KeyboardInterrupt):
+    pass
+
+
+def _interrupted(code, k: int, call) -> bool:
+    """``call()`` with a KeyboardInterrupt raised at the ``k``-th line run in ``code`` (the
+    lines of that function itself, not of what it calls); whether it was raised."""
+    seen = [0]
+
+    def local(frame, event, arg):
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == k:
+                raise _Interrupt
+        return local
+
+    def first(frame, event, arg):
+        return local if frame.f_code is code else None
+
+    sys.settrace(first)
+    try:
+        call()
+    except _Interrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+def _snapshot(params, opt) -> list:
+    out = [p.detach().clone() for p in params]
+    for p in params:
+        out += [(k, v.clone()) for k, v in sorted(opt.state[p].items())]
+    return out + [t.clone() for t in opt.loss_scale.tensors()]
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(
+        x[0] == y[0] and torch.equal(x[1], y[1]) if isinstance(x, tuple) else torch.equal(x, y)
+        for x, y in zip(a, b))
+
+
+def _adam(seed: int, steps: int):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(4, 3, generator=gen).requires_grad_(), torch.randn(5, generator=gen)
+              .requires_grad_()]
+    opt = vega.optim.Adam(params, lr=1e-2,
+                          loss_scale=vega.LossScale.dynamic(2.0**4, growth_interval=1))
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return params, opt
+
+
+def test_a_load_interrupted_at_any_line_loads_all_or_nothing():
+    """The loss scale's tensors were copied after the state was taken, outside what an
+    interrupted load puts back: one interrupted between the two kept the loaded state with
+    the scale (and its counters) of before."""
+    _, saved_from = _adam(1, 3)
+    saved = copy.deepcopy(saved_from.state_dict())
+    params, opt = _adam(0, 2)
+    before = _snapshot(params, opt)
+    opt.load_state_dict(copy.deepcopy(saved))
+    loaded = _snapshot(params, opt)
+    assert not _same(before, loaded)
+    code = SpecOptimizer._load_state_dict.__code__
+    k = 0
+    while True:
+        k += 1
+        params, opt = _adam(0, 2)
+        if not _interrupted(code, k, lambda: opt.load_state_dict(copy.deepcopy(saved))):
+            break
+        now = _snapshot(params, opt)
+        assert _same(now, before) or _same(now, loaded), f"interrupted at line {k}"
+    assert k > 5
