@@ -87,3 +87,46 @@ def test_a_load_interrupted_at_any_line_loads_all_or_nothing():
         now = _snapshot(params, opt)
         assert _same(now, before) or _same(now, loaded), f"interrupted at line {k}"
     assert k > 5
+
+
+def _hooked():
+    w = torch.nn.Parameter(torch.ones(3))
+    w.grad = torch.ones(3)
+    opt = vega.optim.Adam([w])
+    opt.step()
+    opt.register_load_state_dict_pre_hook(lambda o, sd: None)
+    opt.register_load_state_dict_post_hook(lambda o: None)
+    opt.register_state_dict_pre_hook(lambda o: None)
+    opt.register_state_dict_post_hook(lambda o, sd: None)
+    return opt
+
+
+def _hooks(opt) -> list[int]:
+    return [len(opt._optimizer_load_state_dict_pre_hooks),
+            len(opt._optimizer_load_state_dict_post_hooks),
+            len(opt._optimizer_state_dict_pre_hooks), len(opt._optimizer_state_dict_post_hooks)]
+
+
+def test_a_load_or_save_interrupted_before_it_ran_keeps_the_hooks():
+    """``load_state_dict`` and ``state_dict`` hold torch's hooks off while vega's own loading
+    (saving) runs, by setting their dicts empty and back: an interrupt after the first was
+    emptied and before the try that puts them back lost the hooks (silently: a checkpoint
+    migration hook no longer ran)."""
+    from vega.runtime import torch_names
+    saved = _hooked().state_dict()
+    for outer, inner, call in (
+            (torch_names.loading, "_load_state_dict",
+             lambda o: o.load_state_dict(copy.deepcopy(saved))),
+            (torch_names.saving, "_state_dict", lambda o: o.state_dict())):
+        k = 0
+        while True:
+            k += 1
+            opt = _hooked()
+            ran = []
+            own = getattr(opt, inner)
+            setattr(opt, inner, lambda *a, own=own: (ran.append(1), own(*a))[1])
+            if not _interrupted(outer.__code__, k, lambda: call(opt)):
+                break
+            if not ran:  # (interrupted before vega's own part ran)
+                assert _hooks(opt) == [1, 1, 1, 1], (outer.__name__, k)
+        assert k > 3

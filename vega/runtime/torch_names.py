@@ -236,15 +236,18 @@ def loading(opt, state_dict, load) -> None:
         answer = hook(opt, state_dict)
         if answer is not None:
             state_dict = answer
-    if pre or post:
-        opt._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
-        opt._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
+    # (each pair set in one statement, which calls nothing between its two stores, in the
+    # try: a KeyboardInterrupt between the two, or before the try, lost the hooks)
+    none = (collections.OrderedDict(), collections.OrderedDict()) if pre or post else None
     try:
+        if none is not None:
+            (opt._optimizer_load_state_dict_pre_hooks,
+             opt._optimizer_load_state_dict_post_hooks) = none
         load(state_dict)
     finally:
-        if pre or post:
-            opt._optimizer_load_state_dict_pre_hooks = pre
-            opt._optimizer_load_state_dict_post_hooks = post
+        if none is not None:
+            (opt._optimizer_load_state_dict_pre_hooks,
+             opt._optimizer_load_state_dict_post_hooks) = pre, post
     for hook in list(post.values()):
         hook(opt)
 
@@ -256,9 +259,10 @@ def saving(opt, save) -> dict:
     one's answer replacing it, so that they see (and may change) the whole state dict, the
     entries vega adds to torch's (the loss scale, the rule's name) too."""
     post = opt.__dict__.get("_optimizer_state_dict_post_hooks") or {}
-    if post:
-        opt._optimizer_state_dict_post_hooks = collections.OrderedDict()
+    none = collections.OrderedDict()  # (made before the try: ``loading``)
     try:
+        if post:
+            opt._optimizer_state_dict_post_hooks = none
         state_dict = save()
     finally:
         if post:
