@@ -44,7 +44,7 @@ def _snapshot(params, opt) -> list:
     out = [p.detach().clone() for p in params]
     for p in params:
         out += [(k, v.clone()) for k, v in sorted(opt.state[p].items())]
-    return out + [t.clone() for t in opt.loss_scale.tensors()]
+    return out + ([] if opt.loss_scale is None else [t.clone() for t in opt.loss_scale.tensors()])
 
 
 def _same(a, b) -> bool:
@@ -130,3 +130,37 @@ def test_a_load_or_save_interrupted_before_it_ran_keeps_the_hooks():
             if not ran:  # (interrupted before vega's own part ran)
                 assert _hooks(opt) == [1, 1, 1, 1], (outer.__name__, k)
         assert k > 3
+
+
+def _prodigy():
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(4, generator=gen).requires_grad_() for _ in range(2))
+    opt = vega.optim.Prodigy([a, b], lr=1.0)
+    for _ in range(3):  # (b has no gradient yet: its state is made later)
+        a.grad = torch.randn(4, generator=gen)
+        opt.step()
+    a.grad, b.grad = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
+    return (a, b), opt
+
+
+def test_a_first_state_interrupted_as_it_is_made_is_dropped():
+    """A parameter's first state takes its group's values (Prodigy's d and step counter,
+    from the parameters that have stepped): an interrupt after the state was set but before
+    it took them, or before it was noted as made in this step, kept it with the values of
+    a first state (step 0, the initial d), which the next step then stepped from."""
+    params, opt = _prodigy()
+    opt.step()
+    want = _snapshot(params, opt)
+    code = SpecOptimizer._group_work.__code__
+    k = 0
+    while True:
+        k += 1
+        params, opt = _prodigy()
+        grads = [p.grad for p in params]
+        if not _interrupted(code, k, opt.step):
+            break
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()  # (again, whole)
+        assert _same(_snapshot(params, opt), want), f"interrupted at line {k}"
+    assert k > 5

@@ -665,12 +665,12 @@ class SpecOptimizer(torch.optim.Optimizer):
             if not st:
                 if program.group_states and not joined:
                     joined.append(self._group_values_now(group, program))
+                fresh = self.__dict__.get("_vega_fresh")  # (before the state is set: one
+                if fresh is not None:  # interrupted before it is whole is dropped too)
+                    fresh.append(p)
                 st = self.state[p] = self._init_state(p, program, values, group, at_zero)
                 for name, value in (joined[0] if joined else {}).items():
                     st[name].copy_(value)
-                fresh = self.__dict__.get("_vega_fresh")
-                if fresh is not None:
-                    fresh.append(p)
             elif st.keys() != want and not self._adapt_state(p, st, want, program, values,
                                                               group):
                 theirs = [f"torch.optim.{n}" for n, keys in _TORCH_STATES.items()
