@@ -164,3 +164,31 @@ def test_a_first_state_interrupted_as_it_is_made_is_dropped():
         opt.step()  # (again, whole)
         assert _same(_snapshot(params, opt), want), f"interrupted at line {k}"
     assert k > 5
+
+
+def test_an_lbfgs_first_step_interrupted_as_a_state_is_made_steps_again():
+    """LBFGS made a parameter's state one entry at a time, and makes it where
+    ``diff_params`` is missing: one interrupted after that entry lacked the others, and
+    every later step refused it ("state leaf 'diff_updates' is missing")."""
+    from vega.runtime.lbfgs import LBFGS
+
+    def make():
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.randn(3, generator=gen).requires_grad_() for _ in range(2)]
+        for p in params:
+            p.grad = torch.randn(3, generator=gen)
+        return params, vega.optim.LBFGS(params, lr=0.1)
+
+    params, opt = make()
+    opt.step()
+    want = [p.detach().clone() for p in params]
+    code = LBFGS._param_state.__code__
+    k = 0
+    while True:
+        k += 1
+        params, opt = make()
+        if not _interrupted(code, k, opt.step):
+            break
+        opt.step()
+        assert all(torch.equal(p, w) for p, w in zip(params, want)), f"interrupted at {k}"
+    assert k > 2

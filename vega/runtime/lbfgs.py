@@ -603,10 +603,12 @@ class LBFGS(torch.optim.Optimizer):
         if "diff_params" not in st:
             sd = _tree_dtype(p, group["state_dtype"])
             m = group["memory_size"]
-            for f in MEMORY_FIELDS:
-                st[f] = torch.zeros((m, *p.shape), dtype=sd, device=p.device)
-            for f in PREV_FIELDS:
-                st[f] = torch.zeros(p.shape, dtype=sd, device=p.device)
+            # (all made, then set in one update: a state interrupted part way, with
+            # diff_params and not the rest, was never made again, and refused every step)
+            st.update({**{f: torch.zeros((m, *p.shape), dtype=sd, device=p.device)
+                          for f in MEMORY_FIELDS},
+                       **{f: torch.zeros(p.shape, dtype=sd, device=p.device)
+                          for f in PREV_FIELDS}})
         return st
 
     @torch.no_grad()
