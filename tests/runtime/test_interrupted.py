@@ -4,6 +4,7 @@ interrupt is simulated at each line of a function (``sys.settrace``), one run fo
 import copy
 import sys
 
+import pytest
 import torch
 
 import vega
@@ -192,3 +193,30 @@ def test_an_lbfgs_first_step_interrupted_as_a_state_is_made_steps_again():
         opt.step()
         assert all(torch.equal(p, w) for p, w in zip(params, want)), f"interrupted at {k}"
     assert k > 2
+
+
+
+@pytest.mark.parametrize("where", ["keep", "involved"])
+def test_a_first_step_interrupted_before_it_writes_keeps_no_state(where, monkeypatch):
+    """What the step called between its check of every group and the try around its
+    kernels (the groups' tuples kept, whether a tensor is sharded) was in neither try that
+    drops the states a refused first step made: an interrupt there kept them (the
+    parameters unchanged, each with a state at step 0)."""
+    from vega.runtime import sharded, torch_names
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(4, generator=gen).requires_grad_() for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn(4, generator=gen)
+    opt = vega.optim.Adam([{"params": params[:1]}, {"params": params[1:], "lr": 0.1}],
+                          lr=0.01)
+    before = [p.detach().clone() for p in params]
+
+    def interrupt(*args, **kwargs):
+        raise _Interrupt
+
+    monkeypatch.setattr(*(torch_names.TupleSync, "keep") if where == "keep" else
+                        (sharded, "involved"), interrupt)
+    with pytest.raises(_Interrupt):
+        opt.step()
+    assert not any(opt.state.get(p) for p in params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))

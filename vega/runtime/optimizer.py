@@ -348,14 +348,15 @@ class SpecOptimizer(torch.optim.Optimizer):
                 elif is_plain:
                     plain.add(len(found_work))
                 found_work.append((group, found))
+            sync.keep(self.param_groups)
+            group_of = getattr(self, "reduce_group", None)
+            spread = group_of is not None or any(item[0].spans_group or (
+                k not in plain and sharded.involved(item[2], None))
+                for k, (_, w) in enumerate(found_work) for item in w)
         except BaseException:  # (refused, or interrupted: nothing written yet)
             self._refused()
             raise
-        sync.keep(self.param_groups)
-        group_of = getattr(self, "reduce_group", None)
-        if group_of is not None or any(item[0].spans_group or (
-                k not in plain and sharded.involved(item[2], None))
-                for k, (_, w) in enumerate(found_work) for item in w):
+        if spread:
             # DTensors, a reduce_group, or reductions over a group: vega.runtime.sharded
             check = self.skip_nonfinite or self.loss_scale is not None
             items = [i for _, w in found_work for i in w]
@@ -384,8 +385,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             self._share_group_states(found_work)
             self.__dict__.pop("_vega_fresh", None)
             return loss
-        compiling = torch.compiler.is_compiling()
         try:
+            compiling = torch.compiler.is_compiling()
             work = [item for k, (group, w) in enumerate(found_work)
                     for item in (w if k in plain else self._routed(group, w))]
             # all checked before any is written; one call of a kernel that checks its own
