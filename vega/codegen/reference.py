@@ -1005,6 +1005,24 @@ def _over(number: float, x: torch.Tensor) -> torch.Tensor:
     return torch.div(x.new_full((), number), x)
 
 
+def _filled(state, axes: bool):
+    """The number a state starts at where its initial value is one and ``init_<name>`` is
+    ``torch.full_like(p, <number>)`` (``TorchRenderer.output``: a state shaped like its
+    parameter, in a program without axes; the literal as ``TorchRenderer.const`` writes it,
+    not one beyond float32's range, which ``_fit`` rounds to p's dtype); else None."""
+    node = state.init
+    if axes or state.dom == SCALAR_STATE or node.op is not Op.CONST:
+        return None
+    value = node.arg
+    if isinstance(value, bool):
+        return value
+    if math.isnan(value):
+        return math.nan
+    if math.isfinite(value) and abs(value) > _F32_MAX:
+        return None
+    return float(value)
+
+
 def _fit(value: float, like: torch.Tensor) -> float:
     """``value`` rounded to ``like``'s dtype (float32: inf beyond its range)."""
     if like.dtype == torch.float64:
@@ -1089,6 +1107,11 @@ class Kernel:
         self._scalars = namespace["scalars"]
         self._update = namespace["update"]
         self._inits = [namespace[f"init_{state_var(s.name)}"] for s in program.states]
+        # each state's initial value where it is a number (``_filled``), else None; and
+        # whether any other reads a hyperparameter (else ``init`` makes none of them)
+        self._fills = [_filled(s, program.uses_axes) for s in shown.states]
+        self._init_hypers = any(n.op is Op.HYPER for s, c in zip(shown.states, self._fills)
+                                if c is None for n in walk([s.init]))
         self._modes = {name: namespace[f"mode_{name}"] for name, _ in program.modes}
 
     def _gram_form(self, gram: Gram | None, namespace: dict):
@@ -1156,17 +1179,32 @@ class Kernel:
         if not self._inits:  # (no state: no copy of p in the compute dtype, which for a
             return []        # half parameter of 2**31 values was 8 GB made for nothing)
         cd = compute_dtype(p.dtype)
-        pc = p.detach().to(cd)
-        hv = self._hyper_args(values, cd, p.device)
-        if self.program.uses_axes:
-            hv.append(geo or geometry(p.shape))
+        fills = self._fills
+        if all(c is not None for c in fills):  # (numbers: neither p's values nor a
+            pc = hv = None                      # hyperparameter read)
+        else:
+            pc = p.detach().to(cd)
+            hv = self._hyper_args(values, cd, p.device) if self._init_hypers else \
+                [None] * len(self.program.float_hypers)
+            if self.program.uses_axes:
+                hv.append(geo or geometry(p.shape))
         sds = state_dtype if isinstance(state_dtype, (list, tuple)) else \
             [state_dtype] * len(self._inits)
         # 8 bits: each state's codes and scales made from its values at once (one state's
         # float32 values alive at a time); the scales' own inits (values like p) not run
         names, quantized = self.program.state_names, self.program.quant
         out, scales, skip = {}, {}, quant.scale_names(self.program)
-        for name, fn, sd in zip(names, self._inits, sds):
+        laid_out = in_memory_order(self.program)
+        for name, fn, sd, fill in zip(names, self._inits, sds, fills):
+            if fill is not None and name not in quantized and name not in skip \
+                    and sd != torch.uint8:
+                # ``torch.full_like(p, fill)`` in the compute dtype, as ``fn`` gives it, but
+                # in contiguous strides already: a tensor of its own, not copied again
+                x = torch.full(p.shape, fill, dtype=cd, device=p.device).to(sd)
+                out[name] = like_layout(x, p) if laid_out and not p.is_contiguous() else x
+                continue
+            if pc is None:
+                pc, hv = p.detach().to(cd), self._hyper_args(values, cd, p.device)
             if name in quantized:
                 scale, signed = quantized[name]
                 out[name], scales[scale] = quant.quantize_t(
@@ -1177,7 +1215,7 @@ class Kernel:
                 # it keeps no other layout; a constant expanded to no element keeps stride 0
                 # through contiguous(), which view_as_complex refuses)
                 out[name] = x if sd == torch.uint8 else like_layout(x.to(sd), p) \
-                    if in_memory_order(self.program) else \
+                    if laid_out else \
                     x.to(sd).clone(memory_format=torch.contiguous_format)
         return [scales[name] if name in scales else out[name] for name in names]
 

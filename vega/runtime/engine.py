@@ -523,18 +523,28 @@ def _no_complex_axes(program: Program, p: torch.Tensor, where="") -> None:
 
 
 def init_leaf(program: Program, p: torch.Tensor, values: dict,
-              state_dtype, where="") -> list[torch.Tensor]:
+              state_dtype, where="", memo: dict | None = None) -> list[torch.Tensor]:
     """The initial state tensors of one parameter (built by the reference backend; a
     DTensor's on its local shard, ``vega.runtime.sharded``). ``state_dtype``: None, a dtype,
-    or a dict by state name (``state_dtypes``); ``where``, the parameter a refusal names."""
+    or a dict by state name (``state_dtypes``); ``where``, the parameter a refusal names.
+    ``memo``: where given, a dict the caller keeps for parameters of one ``state_dtype``,
+    while ``program`` lives (the parameters of one step of a group): the kernel and the
+    states' dtypes kept there by the program and the parameter's dtype, on which alone they
+    and the refusals made on the way depend (the first parameter refused is named)."""
     from vega.runtime import sharded
     if sharded.is_dtensor(p):
         return sharded.init_leaf(program, p, values, state_dtype, where)
-    if p.is_complex():
-        _no_complex_axes(program, p, where)
-    sds = [sd.to_real() if sd.is_complex else sd
-           for sd in state_dtypes(p, program, state_dtype, where)]
-    kern = codegen.kernel("reference", program)
+    key = (id(program), p.dtype)
+    found = None if memo is None else memo.get(key)
+    if found is None:
+        if p.is_complex():
+            _no_complex_axes(program, p, where)
+        found = (codegen.kernel("reference", program),
+                 [sd.to_real() if sd.is_complex else sd
+                  for sd in state_dtypes(p, program, state_dtype, where)])
+        if memo is not None:
+            memo[key] = found
+    kern, sds = found
     out = kern.init(_real(p), values, sds)
     # (a state like its parameter is complex like it; one of one number a tensor stays real)
     return [torch.view_as_complex(s) if p.is_complex() and st.dom == "rc" else s

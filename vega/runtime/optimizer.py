@@ -250,9 +250,11 @@ class SpecOptimizer(torch.optim.Optimizer):
         engine.resolve(type(self).__name__, self.spec.hypers, {**flags, **values})
         return flags, values
 
-    def _init_state(self, p, program, values, group, at_zero: dict | None = None):
+    def _init_state(self, p, program, values, group, at_zero: dict | None = None,
+                    memo: dict | None = None):
         """A new parameter's state. ``at_zero``: the values at step 0 by device, filled
-        here, so that a schedule is evaluated once for all the new parameters of a step."""
+        here, so that a schedule is evaluated once for all the new parameters of a step;
+        ``memo``: ``engine.init_leaf``'s, for the new parameters of one step of ``group``."""
         step = torch.zeros((), dtype=torch.int32, device=p.device)
         at_zero = {} if at_zero is None else at_zero
         vals = at_zero.get(p.device)
@@ -260,7 +262,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             vals = at_zero[p.device] = engine.at_step(values, step)
         leaves = engine.init_leaf(program, p, vals,
                                   engine.state_dtype_of(self.spec._spec, group["state_dtype"]),
-                                  lambda: f"{type(self).__name__}: {self._name(p)}")
+                                  lambda: f"{type(self).__name__}: {self._name(p)}", memo)
         state = {s.name: leaf for s, leaf in zip(program.states, leaves)}
         state["step"] = step
         return state
@@ -657,6 +659,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
         sts = []  # each parameter's state dict (one lookup: a tensor hashes in Python)
         at_zero: dict = {}
+        memo: dict = {}  # (engine.init_leaf's: the group's programs live through the loop)
         joined: list = []  # (the group's values of its states of one number per group)
         for p, program in zip(params, progs):
             want = wants.get(id(program))
@@ -669,7 +672,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                 fresh = self.__dict__.get("_vega_fresh")  # (before the state is set: one
                 if fresh is not None:  # interrupted before it is whole is dropped too)
                     fresh.append(p)
-                st = self.state[p] = self._init_state(p, program, values, group, at_zero)
+                st = self.state[p] = self._init_state(p, program, values, group, at_zero,
+                                                      memo)
                 for name, value in (joined[0] if joined else {}).items():
                     st[name].copy_(value)
             elif st.keys() != want and not self._adapt_state(p, st, want, program, values,

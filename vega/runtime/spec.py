@@ -154,6 +154,7 @@ class CompiledSpec:
             codegen.kernel(codegen.default_backend(device.type), program)
         vals = engine.at_step(values, step)
         columns = {f.name: [None] * len(leaves) for f in fields}
+        memo: dict = {}  # (engine.init_leaf's, for the leaves' programs, which progs holds)
         with torch.no_grad():
             for i, (p, program) in enumerate(zip(leaves, progs)):
                 if program is None or not is_steppable(p):
@@ -161,7 +162,8 @@ class CompiledSpec:
                 def where(i=i):  # (the leaf's name, for a refusal only)
                     return f"{owner}: params leaf {_paths(params, leaves)[i]!r}"
                 for s, leaf in zip(program.states,
-                                   engine.init_leaf(program, p, vals, state_dtype, where)):
+                                   engine.init_leaf(program, p, vals, state_dtype, where,
+                                                    memo)):
                     columns[s.name][i] = leaf
         state = {f.name: unflatten(columns[f.name], spec) for f in fields}
         state["step"] = step
