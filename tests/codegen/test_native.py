@@ -514,3 +514,17 @@ def test_a_forked_child_waits_for_the_build_its_parent_started(fresh):
         log.close()
         os.close(r)
     assert seen == "(None, True)", seen
+
+
+def test_the_passes_use_the_operator_once_it_is_loaded(monkeypatch):
+    """``native_passes`` finds the operator where it is loaded, and None where it is not or
+    dynamo traces."""
+    from vega.codegen import tensors
+    sentinel = object()
+    monkeypatch.setitem(native._state, "module", sentinel)
+    assert tensors.native_passes() is sentinel
+    monkeypatch.setitem(native._state, "module", None)
+    assert tensors.native_passes() is None
+    monkeypatch.setitem(native._state, "module", sentinel)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert tensors.native_passes() is None

@@ -38,8 +38,10 @@ def native_passes():
     loaded and dynamo is not tracing (which cannot trace it); else None."""
     if torch.compiler.is_compiling():
         return None
-    from vega.codegen.c import native
-    return native.loaded()
+    # (found where it is imported: a module not imported is not loaded; an import statement
+    # here cost about a microsecond a call, twice a group each step)
+    native = sys.modules.get("vega.codegen.c.native")
+    return None if native is None else native.loaded()
 
 
 def same(a: list, b: list) -> bool:
