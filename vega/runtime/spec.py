@@ -308,8 +308,10 @@ class CompiledSpec:
                     continue
                 for k, i in enumerate(ids):
                     new_p[i] = ps[k]
-                    for n, col in zip(program.state_names, ss):
-                        new_cols[n][i] = col[k]
+                for n, col in zip(program.state_names, ss):  # (a column at a time: the
+                    into = new_cols[n]                        # names once, not a leaf's)
+                    for k, i in enumerate(ids):
+                        into[i] = col[k]
             if new_step is None:
                 new_step = advance_steps([step], finite_of(pre), donate)[0]
             elif donate and new_step is not step:
