@@ -340,6 +340,11 @@ class Program:
         # uses_axes: whether any value is not one per element (axis reductions, row or
         # column state).
         object.__setattr__(self, "kernels", {})
+        # the float hyperparameters' names and the states', read by each step (a tuple
+        # made at each read cost about a microsecond, for each group or leaf)
+        object.__setattr__(self, "_float_hypers",
+                           tuple(h.name for h in self.hypers if h.type == "float"))
+        object.__setattr__(self, "_state_names", tuple(s.name for s in self.states))
         # vega.codegen.precision: its variants by (master, seed); whether it keeps a float32
         # master copy of the parameter; the seed of its stochastic rounding (None: none)
         object.__setattr__(self, "variants", {})
@@ -374,11 +379,11 @@ class Program:
 
     @property
     def float_hypers(self) -> tuple[str, ...]:
-        return tuple(h.name for h in self.hypers if h.type == "float")
+        return self._float_hypers
 
     @property
     def state_names(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.states)
+        return self._state_names
 
 
 def _group_states(program: Program) -> tuple[str, ...]:
