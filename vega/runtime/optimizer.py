@@ -243,11 +243,25 @@ class SpecOptimizer(torch.optim.Optimizer):
                 torch_names.tuple_keys(self.spec))
         return sync
 
-    def _group_values(self, group):
-        """The group's (bool hyperparameters, float hyperparameters), checked."""
-        flags = {h.name: group[h.name] for h in self.spec.hypers if h.type == "bool"}
-        values = {h.name: group[h.name] for h in self.spec.hypers if h.type == "float"}
-        engine.resolve(type(self).__name__, self.spec.hypers, {**flags, **values})
+    def _group_values(self, group, k: int | None = None):
+        """The group's (bool hyperparameters, float hyperparameters), checked. ``k``: the
+        group's position, where a step asks: values of immutable types (numbers, bools)
+        checked at its last step are not checked again while the group holds the same
+        objects (a tensor, which may change in place, or a schedule is checked each step)."""
+        hypers = self.spec.hypers
+        flags = {h.name: group[h.name] for h in hypers if h.type == "bool"}
+        values = {h.name: group[h.name] for h in hypers if h.type == "float"}
+        now = (*flags.values(), *values.values())
+        keep = k is not None and _IMMUTABLE.issuperset(map(type, now)) \
+            and not torch.compiler.is_compiling()
+        if keep:
+            kept = self.__dict__.setdefault("_vega_values_checked", {})
+            last = kept.get(k)
+            if last is not None and len(last) == len(now) and all(map(operator.is_, now, last)):
+                return flags, values
+        engine.resolve(type(self).__name__, hypers, {**flags, **values})
+        if keep:
+            kept[k] = now
         return flags, values
 
     def _init_state(self, p, program, values, group, at_zero: dict | None = None,
@@ -341,7 +355,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                                      f"mode {group['mode']!r}; call train() before stepping")
                 sync.sync(type(self).__name__, k, group)
                 self._check_group_settings(k, group)
-                flags, values = self._group_values(group)
+                flags, values = self._group_values(group, k)
                 found, grads, is_plain = (None, self._grads(group), False) \
                     if torch.compiler.is_compiling() else \
                     self._planned_work(k, group, flags, values)
@@ -1330,6 +1344,10 @@ class SpecOptimizer(torch.optim.Optimizer):
                             f"{owner}.load_state_dict: state '{name}' of {where} has "
                             f"shape {tuple(x.shape)}, but {needs}")
 
+
+# the types of a hyperparameter value a step checks once while a group holds it: objects
+# that cannot change (``_group_values``)
+_IMMUTABLE = frozenset({float, int, bool})
 
 # (torch's, its schedulers': OneCycleLR's, SWALR's)
 _GROUP_EXTRAS = frozenset({"params", "param_names", "initial_lr", "max_lr", "min_lr",

@@ -1,0 +1,57 @@
+"""A class step checks each group's hyperparameters at every step, as the constructor does;
+numbers and bools checked at the group's last step are not checked again while the group
+holds the same objects (``SpecOptimizer._group_values``), so a change of any of them, of a
+bool as of a float, is checked at the next step, and a tensor (which may change in place)
+at every step."""
+import pytest
+import torch
+
+import vega.optim
+
+
+def made(n=3):
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randn(8, generator=g, requires_grad=True) for _ in range(n)]
+    for p in ps:
+        p.grad = torch.randn(8, generator=g)
+    opt = vega.optim.AdamW([{"params": [p], "lr": 1e-3 * (k + 1)} for k, p in enumerate(ps)])
+    opt.step()
+    opt.step()
+    return ps, opt
+
+
+@pytest.mark.parametrize("key, bad, words", [
+    ("lr", -1.0, "lr=-1.0"), ("weight_decay", float("nan"), "weight_decay=nan"),
+    ("b1", 1.5, "b1=1.5"), ("eps", 1, None), ("amsgrad", 1, "amsgrad=1"),
+    ("amsgrad", "yes", "amsgrad='yes'")])
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_setting_changed_after_steps_is_checked_at_the_next(key, bad, words, k):
+    ps, opt = made()
+    before = [p.detach().clone() for p in ps]
+    opt.param_groups[k][key] = bad
+    if words is None:  # (a valid value of another type: taken)
+        opt.step()
+        return
+    with pytest.raises(ValueError, match=words):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+
+
+def test_a_tensor_changed_in_place_is_checked_at_the_next_step():
+    ps, opt = made()
+    lr = torch.tensor(1e-3)
+    opt.param_groups[1]["lr"] = lr
+    opt.step()
+    opt.step()
+    lr.set_(torch.tensor([1e-3, 2e-3]))  # (the same object, now of shape (2,))
+    with pytest.raises(ValueError, match="lr must be a 0-d float tensor"):
+        opt.step()
+
+
+def test_a_group_moved_to_another_position_is_checked():
+    ps, opt = made()
+    opt.param_groups[0]["lr"] = -1.0
+    groups = opt.param_groups
+    groups[0], groups[2] = groups[2], groups[0]
+    with pytest.raises(ValueError, match="lr=-1.0"):
+        opt.step()
