@@ -1219,3 +1219,22 @@ def test_fused_reductions_of_an_empty_tensor_at_a_threads_edge(where, native_on,
         torch.testing.assert_close(got[field][empty], want[field][empty], equal_nan=True,
                                    msg=f"{field} of the empty tensor")
         torch.testing.assert_close(got[field]["t1"], want[field]["t1"])
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_each_hyperparameter_keys_the_kept_array_of_values(n):
+    """The C kernel keeps an array of each distinct setting's values across calls, keyed by
+    their bits: a change of any one of them, the last of many as the first, or of a zero's
+    sign alone, is a new array."""
+    names = [f"h{k}" for k in range(n)]
+    spec = vega.compile(f"optimizer many({', '.join(f'{h} = 1.0' for h in names)}) {{\n"
+                        f" p = p + {' + '.join(f'{k + 1} * {h}' for k, h in enumerate(names))}"
+                        f" + where(1 / {names[-1]} > 0, 0.5, -0.5)\n}}")
+    x = [torch.zeros(2, dtype=torch.float64)]
+    base = {h: 0.0 for h in names}
+    for k in (0, n - 1):
+        for value in (0.0, 2.0, -0.0, 0.0):
+            hypers = {**base, names[k]: value}
+            got, _ = spec.step(x, x, spec.init(x), backend="c", **hypers)
+            want, _ = spec.step(x, x, spec.init(x), backend="reference", **hypers)
+            assert torch.equal(got[0], want[0]), (k, value)

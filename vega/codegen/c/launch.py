@@ -8,6 +8,7 @@ import ctypes
 import itertools
 import math
 import operator
+import struct
 import threading
 import weakref
 
@@ -96,7 +97,7 @@ class Kernel:
         self._native = None  # the native operator's module this kernel is registered with
         self._native_libs: set[tuple[str, str, str]] = set()  # (and these libraries)
         self._native_lock = threading.Lock()
-        self._hyp_cache: dict[tuple[float, ...], torch.Tensor] = {}
+        self._hyp_cache: dict[bytes, torch.Tensor] = {}
         # the tables of the last calls: the optimizers and param groups that share this
         # kernel alternate, and each should find its own. A step plan is keyed by the
         # addresses of the tensors it writes, so two threads stepping their own tensors
@@ -796,18 +797,21 @@ class Kernel:
 
     def _hyper_array(self, vals) -> torch.Tensor:
         parts = [vals[n] for n in self.program.float_hypers]
-        if any(isinstance(v, torch.Tensor) for v in parts):  # (a float as it is, not float32)
+        if not _NUMBERS.issuperset(map(type, parts)) and \
+                any(isinstance(v, torch.Tensor) for v in parts):  # (a float as it is, not
+            # float32)
             return torch.stack([v.detach().to(device="cpu", dtype=torch.float64).reshape(())
                                 if isinstance(v, torch.Tensor) else
                                 torch.tensor(float(v), dtype=torch.float64) for v in parts])
-        numbers = tuple(float(v) for v in parts) or (0.0,)
+        numbers = tuple(map(float, parts)) or (0.0,)
         if torch.compiler.is_compiling():  # a graph constant: a cache filled while tracing
             return torch.tensor(numbers, dtype=torch.float64)  # would fail the next guards
         # plain numbers: one array per distinct setting, kept across steps; keyed by their
-        # spelling, as -0.0 == 0.0 (and x / -0.0 is not x / 0.0). Room for a group's each
-        # of hundreds of groups (layer-wise rates): where a step's settings outnumbered it,
-        # every step emptied it and made every array again
-        key = tuple(map(float.hex, numbers))
+        # bits (the array's bytes), as -0.0 == 0.0 (and x / -0.0 is not x / 0.0). Room for
+        # a group's each of hundreds of groups (layer-wise rates): where a step's settings
+        # outnumbered it, every step emptied it and made every array again
+        key = _BITS[len(numbers)].pack(*numbers) if len(numbers) < len(_BITS) else \
+            struct.pack(f"<{len(numbers)}d", *numbers)
         arr = self._hyp_cache.get(key)
         if arr is None:
             if len(self._hyp_cache) >= _HYP_CACHE:
@@ -969,6 +973,10 @@ _KERNELS: dict[str, weakref.ref] = {}
 _SERIAL = itertools.count()
 # the most arrays of plain hyperparameter values a kernel keeps (``_hyper_array``)
 _HYP_CACHE = 4096
+# the types of a hyperparameter value taken as a number (``_hyper_array``), and the packing of
+# n float64 values into the bytes that key their array
+_NUMBERS = frozenset({float, int})
+_BITS = [struct.Struct(f"<{n}d") for n in range(33)]
 _DTYPE_OF = operator.attrgetter("dtype")
 _DEVICE_OF = operator.attrgetter("device")
 _SHAPE_OF = operator.attrgetter("shape")
