@@ -214,6 +214,46 @@ def test_loading_a_live_optimizers_state_shares_no_tensor():
     assert int(a.state[ps[0]]["step"]) == 1 and int(b.state[qs[0]]["step"]) == 2
 
 
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("of_torch", [False, True])
+def test_loaded_states_are_the_optimizers_own_cast_or_not(state_dtype, of_torch):
+    """Each loaded state is a tensor of the optimizer's own, cast where it keeps another
+    dtype (float32 states into bfloat16 ones; torch's float32 step counter into vega's
+    int32): writing into the given dict afterwards changes nothing loaded, and a step
+    changes nothing given."""
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4, 3, generator=g)),
+          torch.nn.Parameter(torch.randn(3, 4, generator=g).t())]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    a = torch.optim.AdamW(ps, lr=0.1) if of_torch else vega.optim.AdamW(ps, lr=0.1)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+    a.step()
+    given = a.state_dict()
+    b = vega.optim.AdamW(qs, lr=0.1, state_dtype=state_dtype)
+    b.load_state_dict(given)
+    saved = {(i, k): v.clone() for i, st in given["state"].items() for k, v in st.items()}
+    names = {"exp_avg": "mu", "exp_avg_sq": "nu"} if of_torch else {}
+    for i, q in enumerate(qs):
+        for name, value in given["state"][i].items():
+            mine = b.state[q][names.get(name, name)]
+            want = torch.int32 if name == "step" else state_dtype or torch.float32
+            assert mine.dtype == want, name
+            assert torch.equal(mine, value.to(want)), name
+    for value in (v for st in given["state"].values() for v in st.values()):
+        value.fill_(7.0)
+    for i, q in enumerate(qs):
+        for name, value in saved.items():
+            if name[0] == i:
+                mine = b.state[q][names.get(name[1], name[1])]
+                assert torch.equal(mine, value.to(mine.dtype)), name
+    for q in qs:
+        q.grad = torch.ones(q.shape)
+    b.step()
+    assert all(torch.equal(v, torch.full_like(v, 7.0))
+               for st in given["state"].values() for v in st.values())
+
+
 @pytest.mark.parametrize("backend", ["c", "triton"])
 def test_clipping_by_a_nan_or_overflowing_norm_as_the_reference(backend):
     """A NaN gradient makes the joint norm, and so every clipped gradient, NaN (a
