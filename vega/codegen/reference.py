@@ -1179,7 +1179,8 @@ class Kernel:
         if not self._inits:  # (no state: no copy of p in the compute dtype, which for a
             return []        # half parameter of 2**31 values was 8 GB made for nothing)
         cd = compute_dtype(p.dtype)
-        fills = self._fills
+        # (a subclass, TwoTensor's wrapper, makes its states by its own full_like)
+        fills = self._fills if type(p) in PLAIN_TYPES else [None] * len(self._fills)
         if all(c is not None for c in fills):  # (numbers: neither p's values nor a
             pc = hv = None                      # hyperparameter read)
         else:
