@@ -286,6 +286,11 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "(the rows x columns matrix view) in the other", 2, 3),
     ("optimizer o(lr = 1e-3, k: int = 5) {\n  p = p - lr * k * g\n}\n",
      "unexpected 'int': a hyperparameter's type is float or bool (k: float = 2)", 1, 27),
+    # a comparison of a comparison is a parse error, which says how to write a range test
+    ("optimizer o(lr = 1e-3) {\n  p = where(0 < g < 1, p - lr * g, p)\n}\n",
+     "unexpected '<': comparisons do not chain: write 'a < b and b < c'", 2, 19),
+    ("optimizer o(lr = 1e-3) {\n  if lr > 0 > lr { p = p }\n}\n",
+     "unexpected '>': comparisons do not chain", 2, 13),
     # another language's operator or function says how Vega writes it
     ("optimizer o(k = 2.0) {\n  p = where(t % k == 0, p, p - g)\n}\n",
      "unexpected character '%': Vega has no remainder operator: t mod k is "

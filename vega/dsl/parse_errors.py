@@ -67,6 +67,11 @@ PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
         "optimizer o(b = 0.5 in [a, 1]) { p = p }",
         "optimizer o(b = 0.5 in [0, a]) { p = p }",
     ],
+    "comparisons do not chain: write 'a < b and b < c'": [
+        "optimizer o() { p = where(p < p < p, p, p) }",
+        "optimizer o() { m = p < p < p }",
+        "optimizer o(f = true) { if p < p < p { p = p } }",
+    ],
     BLOCK_LABELS["IF"]: [
         "optimizer o(f = true) { if f p = p }",
         "optimizer o(f = true) { if (f) p = p }",
