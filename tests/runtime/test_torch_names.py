@@ -726,6 +726,33 @@ def test_state_dict_post_hooks_see_the_whole_state_dict(cls):
         assert float(saved["loss_scale"]["loss_scale"]) == 2.0**15
 
 
+@pytest.mark.parametrize("cls", ["AdamW", "LBFGS"])
+@pytest.mark.parametrize("first", ["pre", "post"])
+def test_a_load_with_hooks_of_one_kind_keeps_the_others_registrable(cls, first):
+    """A load with load_state_dict hooks of one kind only puts back the optimizer's own dict
+    of the other kind: an empty one was put back as a plain ``{}``, to which torch's hook
+    handles cannot take a weak reference, so that a hook of that kind registered after the
+    load failed (TypeError: cannot create weak reference to 'dict' object)."""
+    model = torch.nn.Linear(4, 3)
+    opt = vega.optim.LBFGS(model.parameters()) if cls == "LBFGS" else \
+        vega.optim.AdamW(model.parameters())
+    seen = []
+    hooks = {"pre": (opt.register_load_state_dict_pre_hook, lambda o, sd: seen.append("pre")),
+             "post": (opt.register_load_state_dict_post_hook, lambda o: seen.append("post"))}
+    register, hook = hooks[first]
+    register(hook)
+    opt.load_state_dict(opt.state_dict())
+    assert seen == [first]
+    other = "post" if first == "pre" else "pre"
+    register, hook = hooks[other]
+    handle = register(hook, prepend=True)
+    opt.load_state_dict(opt.state_dict())
+    assert sorted(seen[1:]) == ["post", "pre"]
+    handle.remove()
+    opt.load_state_dict(opt.state_dict())
+    assert seen[3:] == [first]
+
+
 def test_adagrad_starts_a_groups_sums_at_the_groups_initial_accumulator_value():
     """vega's Adagrad reads a group's own initial_accumulator_value, where torch's starts
     every sum at the optimizer's (specs/adagrad.vega): the two agree where no group gives

@@ -230,8 +230,12 @@ def loading(opt, state_dict, load) -> None:
     state as loaded."""
     if isinstance(state_dict, dict):
         state_dict = state_dict.copy()
-    pre = opt.__dict__.get("_optimizer_load_state_dict_pre_hooks") or {}
-    post = opt.__dict__.get("_optimizer_load_state_dict_post_hooks") or {}
+    # (the optimizer's own dicts, put back as they were: an empty one's stand-in ``{}`` put
+    # back in its place took no more hooks, as torch's handles take a weak reference to it)
+    kept = (opt.__dict__.get("_optimizer_load_state_dict_pre_hooks"),
+            opt.__dict__.get("_optimizer_load_state_dict_post_hooks"))
+    pre, post = (hooks or {} for hooks in kept)
+    back = tuple(collections.OrderedDict() if hooks is None else hooks for hooks in kept)
     for hook in list(pre.values()):
         answer = hook(opt, state_dict)
         if answer is not None:
@@ -247,7 +251,7 @@ def loading(opt, state_dict, load) -> None:
     finally:
         if none is not None:
             (opt._optimizer_load_state_dict_pre_hooks,
-             opt._optimizer_load_state_dict_post_hooks) = pre, post
+             opt._optimizer_load_state_dict_post_hooks) = back
     for hook in list(post.values()):
         hook(opt)
 
