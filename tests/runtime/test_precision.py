@@ -854,10 +854,21 @@ def test_compiled_step_in_place_with_states_of_two_dtypes(backend):
 
 def test_a_complex_parameter_refuses_a_real_state_dtype():
     """Complex parameters keep complex state: a real dtype for one of their states is a
-    ValueError naming ``state_dtype`` and the state, not a failure inside torch."""
+    ValueError naming the parameter, ``state_dtype`` and the state, not a failure inside
+    torch; the class's names the parameter by its group and position."""
     p = {"z": torch.randn(4, dtype=torch.complex64)}
-    with pytest.raises(ValueError, match=r"state_dtype\['nu'\]=torch.bfloat16: a complex "):
+    with pytest.raises(ValueError, match=r"adamw_init: params leaf 'z' is torch.complex64: "
+                       r"state_dtype\['nu'\]=torch.bfloat16: a complex "):
         vega.adamw_init(p, state_dtype={"nu": torch.bfloat16})
+    w = torch.nn.Parameter(torch.randn(3))
+    z = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+    w.grad, z.grad = torch.ones_like(w), torch.ones_like(z)
+    before = w.detach().clone()
+    opt = vega.optim.AdamW([w, z], state_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"AdamW: parameter 1 of group 0 is torch.complex64: "
+                       r"state_dtype=torch.float32: a complex "):
+        opt.step()
+    assert not opt.state and torch.equal(w, before)  # (nothing stepped, no state kept)
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("c", marks=needs_c)])

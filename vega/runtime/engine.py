@@ -169,8 +169,9 @@ def state_dtypes(p: torch.Tensor, program: Program, state_dtype,
             out.append(state_dtype_for(p, None))
             continue
         if dtype is not None and p.is_complex() and not dtype.is_complex:
-            where = f"[{s.name!r}]" if s.name in per else ""
-            raise ValueError(f"state_dtype{where}={shown(dtype)}: a complex parameter keeps "
+            at, key = at_where(where), f"[{s.name!r}]" if s.name in per else ""
+            raise ValueError(f"{at + ' is ' + str(p.dtype) + ': ' if at else ''}"
+                             f"state_dtype{key}={shown(dtype)}: a complex parameter keeps "
                              "complex state (torch.complex64 or torch.complex128; None for "
                              "its own precision)")
         out.append(state_dtype_for(p, dtype))
