@@ -257,6 +257,58 @@ def check_precision(owner: str, master_weights, stochastic_rounding, rounding_se
     return rounding_seed if stochastic_rounding else None
 
 
+_TRANSFORM_WORDS = {"Grad": "torch.func.grad (or grad_and_value, vjp, jacrev, hessian)",
+                    "Jvp": "torch.func.jvp", "Vmap": "torch.func.vmap"}
+
+
+def under_transforms(owner: str, backend, donate: bool, backends: bool = True):
+    """The backend a functional step takes under the ``torch.func`` transforms it is called
+    in (``backend`` itself outside them). A step runs under ``torch.no_grad``, its kernels
+    outside autograd: under ``grad`` it is refused rather than give a gradient silently zero.
+    Under ``vmap`` and ``jvp`` (forward mode, which ``no_grad`` leaves on) it steps by the
+    reference backend's torch operations, purely: ``donate=True`` and a compiled backend,
+    whose kernels read a tensor's memory, which a transform's wrapper does not have, are
+    refused. ``backends``: whether the step takes a backend at all."""
+    from torch._C import _functorch
+    if torch.compiler.is_compiling() or _functorch.peek_interpreter_stack() is None:
+        return backend
+    keys = [i.key().name for i in _functorch.get_interpreter_stack()]
+    if "Grad" in keys:
+        raise ValueError(
+            f"{owner}: called under {_TRANSFORM_WORDS['Grad']}: a step is not differentiable "
+            f"by reverse mode (it runs under torch.no_grad, its kernels outside autograd), so "
+            f"a gradient through it would be silently zero; call the step outside the "
+            f"transform, and to differentiate through an update (meta-learning) write that "
+            f"update in torch operations")
+    named = [_TRANSFORM_WORDS[k] for k in keys if k in ("Vmap", "Jvp")]
+    if not named:
+        return backend
+    if donate:
+        raise ValueError(f"{owner}: donate=True under {named[-1]}: the step cannot update "
+                         f"a transform's tensors in place; use donate=False (the default), "
+                         f"which returns the new params and state")
+    if backends and backend not in (None, "reference"):
+        raise ValueError(f"{owner}: backend={backend!r} under {named[-1]}: its kernels read "
+                         f"the tensors' memory, which a transform's tensor does not have; "
+                         f"use backend='reference' (the default under {named[-1]})")
+    return "reference" if backends else backend
+
+
+def zeros(like, shape, dtype, device) -> torch.Tensor:
+    """``torch.zeros(shape)`` for the state of ``like`` (a parameter, or None): under
+    ``torch.func.vmap``, where ``like`` is batched and ``torch.zeros`` would make one tensor
+    that every member of the batch saw (in stride 0 once out of vmap), a batched one made
+    by ``like.new_zeros``, each member's own."""
+    if like is not None and _functorch_wrapped(like):
+        return like.new_zeros(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _functorch_wrapped(t) -> bool:
+    from torch._C import _functorch  # (dynamo cannot trace the query: not while it traces)
+    return not torch.compiler.is_compiling() and _functorch.is_functorch_wrapped_tensor(t)
+
+
 def check_fused(owner: str, max_grad_norm, skip_nonfinite, loss_scale=None) -> None:
     """Validate the fused-step options of a step or an optimizer."""
     from vega.runtime.loss_scale import LossScale
@@ -616,6 +668,13 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False,
         if loss_scale is not None:
             inv_scale = inverse_scale(loss_scale)
         pre = record(device, inv_scale, max_norm, check)
+        if pre is not None and not torch.compiler.is_compiling() \
+                and torch._C._functorch.peek_interpreter_stack() is not None:
+            # under torch.func.vmap, a record each member's own (the reference kernel's
+            # in-place sums of batched gradients into an unbatched one fail)
+            wrapped = next((g for g in every if _functorch_wrapped(g)), None)
+            if wrapped is not None:
+                pre = zeros(wrapped, (), pre.dtype, device) + pre
     for kern, (_, _, grads) in zip(kerns, parts):
         if not plain and any_complex(grads):
             grads = [_real(g) for g in grads]

@@ -69,7 +69,7 @@ from vega.runtime import sharded, torch_names
 from vega.dsl.ast import Range
 from vega.runtime.engine import (as_float, check_reach, check_state_dtype,
                                  loaded_state_dtype, saved_state_dtype, scheduled, shown,
-                                 state_dtype_for)
+                                 state_dtype_for, under_transforms)
 from vega.runtime.spec import _check_leaves, _label, _paths, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
 from vega.schedule import Schedule
@@ -415,6 +415,7 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
     lr = _check_lr(owner, lr)
     _check_bool(owner, "scale_init_precond", scale_init_precond)
     _check_bool(owner, "donate", donate)
+    under_transforms(owner, None, donate, backends=False)  # (grad refused; vmap, jvp pure)
     p_leaves, p_spec, g_leaves = flatten_pair(owner, params, grads)
     _refuse_dtensors(owner, p_leaves)
     g_leaves = [_zero_for_none(p, g) for p, g in zip(p_leaves, g_leaves)]

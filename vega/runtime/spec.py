@@ -202,6 +202,7 @@ class CompiledSpec:
             raise ValueError(f"{owner}: donate={engine.shown(donate)} must be True or False")
         seed = engine.check_precision(owner, master_weights, stochastic_rounding, rounding_seed)
         codegen.check_backend(backend)
+        backend = engine.under_transforms(owner, backend, donate)
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)
         sharded.check_group(owner, reduce_group)
         flags, values = engine.resolve(owner, self.hypers, hypers, init=f"{self.name}_init")

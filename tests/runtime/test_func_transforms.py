@@ -1,0 +1,123 @@
+"""The functional API under ``torch.func`` transforms.
+
+``vmap`` over an ensemble (a batch dimension on params, grads and state) steps each member
+as a loop over the members would, by the reference backend, purely; ``init`` under vmap
+makes each member a state of its own. ``jvp`` (forward mode) goes through a pure reference
+step. ``grad`` (reverse mode) is refused: the step runs outside autograd, and a gradient
+through it would be silently zero. ``donate=True`` and a compiled backend under vmap or jvp
+are refused, naming the transform.
+"""
+import pytest
+import torch
+from torch.func import grad, jvp, vmap
+
+import vega
+
+E = 3
+
+
+def ensemble():
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(E, 4, 5, generator=g, dtype=torch.float64),
+              "b": torch.randn(E, 5, generator=g, dtype=torch.float64)}
+    grads = [{k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in params.items()}
+             for _ in range(3)]
+    return params, grads
+
+
+def member(tree, i):
+    return {k: v[i] for k, v in tree.items()}
+
+
+CASES = [("adamw", dict(lr=1e-2, weight_decay=0.1)), ("sgd", dict(lr=0.1, momentum=0.9)),
+         ("lamb", dict(lr=1e-2)), ("adamw", dict(lr=1e-2, max_grad_norm=0.5)),
+         ("lbfgs", dict(lr=0.1))]
+
+
+@pytest.mark.parametrize("name,kw", CASES)
+def test_vmap_step_is_a_loop_over_members(name, kw):
+    params, grads = ensemble()
+    init = vega.lbfgs_init if name == "lbfgs" else getattr(vega, name).init
+    step = vega.lbfgs_step if name == "lbfgs" else getattr(vega, name).step
+    p, s = params, vmap(init)(params)
+    for g in grads:
+        p, s = vmap(lambda a, b, c: step(a, b, c, **kw))(p, g, s)
+    for i in range(E):
+        q = member(params, i)
+        t = init(q)
+        for g in grads:
+            q, t = step(q, member(g, i), t, **kw)
+        for k in q:
+            torch.testing.assert_close(p[k][i], q[k], rtol=1e-12, atol=1e-12)
+
+
+def test_vmap_step_skips_each_member_of_its_own():
+    params, grads = ensemble()
+    g = {k: v.clone() for k, v in grads[0].items()}
+    g["b"][1, 0] = float("inf")
+    p, s = vmap(lambda a, b, c: vega.adamw_step(a, b, c, lr=0.1, skip_nonfinite=True))(
+        params, g, vmap(vega.adamw_init)(params))
+    assert torch.equal(p["w"][1], params["w"][1]) and int(s["step"][1]) == 0
+    for i in (0, 2):
+        assert not torch.equal(p["w"][i], params["w"][i]) and int(s["step"][i]) == 1
+
+
+@pytest.mark.parametrize("kw,words", [(dict(donate=True), "donate=True under torch.func.vmap"),
+                                      (dict(backend="c"), "backend='c' under torch.func.vmap")])
+def test_vmap_refuses_what_cannot_batch(kw, words):
+    params, grads = ensemble()
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        vmap(lambda a, b, c: vega.adamw_step(a, b, c, lr=0.1, **kw))(
+            params, grads[0], vmap(vega.adamw_init)(params))
+    if "donate" in kw:
+        with pytest.raises(ValueError, match="donate=True under torch.func.vmap"):
+            vmap(lambda a, b, c: vega.lbfgs_step(a, b, c, **kw))(
+                params, grads[0], vmap(vega.lbfgs_init)(params))
+
+
+def test_jvp_through_a_step_is_a_hand_written_update_s():
+    g = torch.Generator().manual_seed(1)
+    w, gw, x = (torch.randn(*s, generator=g, dtype=torch.float64) for s in
+                [(4, 5), (4, 5), (3, 4)])
+
+    def through_vega(lr, w):
+        q, _ = vega.adamw_step({"w": w}, {"w": gw}, vega.adamw_init({"w": w}), lr=lr,
+                               weight_decay=0.1)
+        return (x @ q["w"]).square().sum()
+
+    def by_hand(lr, w):  # AdamW's first step: m_hat = g, v_hat = g**2
+        q = w * (1 - lr * 0.1) - lr * gw / (gw.abs() + 1e-8)
+        return (x @ q).square().sum()
+
+    args, tangents = (torch.tensor(0.01, dtype=torch.float64), w), \
+        (torch.tensor(1.0, dtype=torch.float64), torch.randn(4, 5, generator=g,
+                                                             dtype=torch.float64))
+    got, want = jvp(through_vega, args, tangents), jvp(by_hand, args, tangents)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="backend='c' under torch.func.jvp"):
+        jvp(lambda w: vega.adamw_step({"w": w}, {"w": gw}, vega.adamw_init({"w": w}),
+                                      backend="c")[0]["w"], (w,), (w,))
+
+
+@pytest.mark.parametrize("backend", ["reference", "c", None])
+def test_grad_through_a_step_is_refused_not_zero(backend):
+    w, gw = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+
+    def of_lr(lr):
+        q, _ = vega.sgd_step({"w": w}, {"w": gw}, vega.sgd_init({"w": w}), lr=lr,
+                             backend=backend)
+        return q["w"].square().sum()
+
+    def of_w(w):
+        q, _ = vega.adamw_step({"w": w}, {"w": gw}, vega.adamw_init({"w": w}),
+                               backend=backend)
+        return q["w"].square().sum()
+
+    with pytest.raises(ValueError, match="sgd_step: called under torch.func.grad"):
+        grad(of_lr)(torch.tensor(0.1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="adamw_step: called under torch.func.grad"):
+        grad(of_w)(w)
+    with pytest.raises(ValueError, match="lbfgs_step: called under torch.func.grad"):
+        grad(lambda w: vega.lbfgs_step({"w": w}, {"w": gw}, vega.lbfgs_init({"w": w}))[0][
+            "w"].sum())(w)
+
