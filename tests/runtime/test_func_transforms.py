@@ -12,6 +12,7 @@ import torch
 from torch.func import grad, jvp, vmap
 
 import vega
+from vega.runtime.tree import flatten
 
 E = 3
 
@@ -27,6 +28,27 @@ def ensemble():
 
 def member(tree, i):
     return {k: v[i] for k, v in tree.items()}
+
+
+def own_leaves(state):
+    """Every tensor leaf of a vmapped state, none a stride-0 view shared by the members."""
+    leaves = [x for v in state.values() for x in flatten(v)[0] if x is not None]
+    assert leaves
+    for x in leaves:
+        assert x.shape[0] == E and x.stride(0) != 0, (x.shape, x.stride())
+        x.select(0, 1).fill_(7)  # (a member's own: the others keep their values)
+        assert not (x.select(0, 0) == 7).all()
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adafactor", "schedule_free_adamw"])
+def test_vmap_init_gives_each_member_its_own_state(name):
+    params, _ = ensemble()
+    own_leaves(vmap(getattr(vega, name).init)(params))
+
+
+def test_vmap_lbfgs_init_gives_each_member_its_own_state():
+    params, _ = ensemble()
+    own_leaves(vmap(vega.lbfgs_init)(params))
 
 
 CASES = [("adamw", dict(lr=1e-2, weight_decay=0.1)), ("sgd", dict(lr=0.1, momentum=0.9)),

@@ -1179,8 +1179,13 @@ class Kernel:
         if not self._inits:  # (no state: no copy of p in the compute dtype, which for a
             return []        # half parameter of 2**31 values was 8 GB made for nothing)
         cd = compute_dtype(p.dtype)
-        # (a subclass, TwoTensor's wrapper, makes its states by its own full_like)
-        fills = self._fills if type(p) in PLAIN_TYPES else [None] * len(self._fills)
+        # (a subclass, TwoTensor's wrapper, makes its states by its own full_like, and so
+        # does a torch.func one, whose type is torch.Tensor's: under vmap, torch.full of its
+        # shape would be one tensor that every member of the batch saw, in stride 0)
+        fills = self._fills if type(p) in PLAIN_TYPES and (
+            torch.compiler.is_compiling()
+            or not torch._C._functorch.is_functorch_wrapped_tensor(p)) \
+            else [None] * len(self._fills)
         if all(c is not None for c in fills):  # (numbers: neither p's values nor a
             pc = hv = None                      # hyperparameter read)
         else:

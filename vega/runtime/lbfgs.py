@@ -69,7 +69,7 @@ from vega.runtime import sharded, torch_names
 from vega.dsl.ast import Range
 from vega.runtime.engine import (as_float, check_reach, check_state_dtype,
                                  loaded_state_dtype, saved_state_dtype, scheduled, shown,
-                                 state_dtype_for, under_transforms)
+                                 state_dtype_for, under_transforms, zeros)
 from vega.runtime.spec import _check_leaves, _label, _paths, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
 from vega.schedule import Schedule
@@ -155,7 +155,8 @@ def lbfgs_init(params, *, memory_size: int = 10, state_dtype: torch.dtype | None
     leaves, spec = flatten(params)
     _check_leaves(owner, "params", params, leaves)
     steppable = [p for p in leaves if is_steppable(p)]
-    device = steppable[0].device if steppable else torch.device("cpu")
+    first = steppable[0] if steppable else None
+    device = torch.device("cpu") if first is None else first.device
     fields = {f: [] for f in TREE_FIELDS}
     real_dtypes = []
     with torch.no_grad():
@@ -167,16 +168,16 @@ def lbfgs_init(params, *, memory_size: int = 10, state_dtype: torch.dtype | None
             sd = _tree_dtype(p, state_dtype)
             real_dtypes.append(sd.to_real() if sd.is_complex else sd)
             for f in MEMORY_FIELDS:
-                fields[f].append(torch.zeros((m, *p.shape), dtype=sd, device=p.device))
+                fields[f].append(zeros(p, (m, *p.shape), sd, p.device))
             for f in PREV_FIELDS:
-                fields[f].append(torch.zeros(p.shape, dtype=sd, device=p.device))
+                fields[f].append(zeros(p, p.shape, sd, p.device))
     return {
         "diff_params": unflatten(fields["diff_params"], spec),
         "diff_updates": unflatten(fields["diff_updates"], spec),
-        "weights": torch.zeros(m, dtype=_scalar_dtype(real_dtypes), device=device),
+        "weights": zeros(first, (m,), _scalar_dtype(real_dtypes), device),
         "params_prev": unflatten(fields["params_prev"], spec),
         "updates_prev": unflatten(fields["updates_prev"], spec),
-        "step": torch.zeros((), dtype=torch.int32, device=device),
+        "step": zeros(first, (), torch.int32, device),  # (vmap: each member's own)
     }
 
 

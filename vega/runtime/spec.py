@@ -145,8 +145,9 @@ class CompiledSpec:
                                 master=master_weights,
                                 quantized=[engine.q8_names(state_dtype, p) for p in steppable])
         fields = self._fields(flags, progs, held)
-        device = next((p.device for p in leaves if is_steppable(p)), torch.device("cpu"))
-        step = torch.zeros((), dtype=torch.int32, device=device)
+        first = next((p for p in leaves if is_steppable(p)), None)
+        device = torch.device("cpu") if first is None else first.device
+        step = engine.zeros(first, (), torch.int32, device)  # (vmap: each member's own)
         # Build the kernels a step on these parameters will use by default, here and not in
         # the first step: dynamo cannot trace the build (it runs generated code), so a
         # compiled step that is the first to need a kernel would break its graph.
