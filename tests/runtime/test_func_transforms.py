@@ -143,3 +143,25 @@ def test_grad_through_a_step_is_refused_not_zero(backend):
         grad(lambda w: vega.lbfgs_step({"w": w}, {"w": gw}, vega.lbfgs_init({"w": w}))[0][
             "w"].sum())(w)
 
+
+def test_vmap_step_of_large_tensors_and_matrix_products():
+    # (the reference backend computes a large CPU tensor a tile at a time into a tensor of
+    # its shape, and writes temporaries in place: neither batched under vmap)
+    from vega.codegen.reference import TILE
+    g = torch.Generator().manual_seed(2)
+    params = {"w": torch.randn(2, 2 * TILE + 5, generator=g),
+              "m": torch.randn(2, 725, 725, generator=g)}  # (over 2 * TILE values)
+    grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+    for name, kw in [("adamw", dict(lr=1e-2)), ("muon", dict(lr=1e-2, bf16=False))]:
+        spec = getattr(vega, name)
+        s0 = spec.init(member(params, 0))
+        dims = {k: {a: None if b is None else 0 for a, b in v.items()}
+                if isinstance(v, dict) else 0 for k, v in s0.items()}
+        s = vmap(spec.init, out_dims=dims)(params)
+        p, _ = vmap(lambda a, b, c: spec.step(a, b, c, **kw), in_dims=(0, 0, dims),
+                    out_dims=(0, dims))(params, grads, s)
+        for i in range(2):
+            q, _ = spec.step(member(params, i), member(grads, i),
+                             spec.init(member(params, i)), backend="reference", **kw)
+            for k in q:
+                torch.testing.assert_close(p[k][i], q[k], rtol=0, atol=1e-5)

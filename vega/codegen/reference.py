@@ -409,6 +409,13 @@ def _tile_runs(lines) -> list[tuple[int, int]]:
     return runs
 
 
+def _transformed() -> bool:
+    """Whether a ``torch.func`` transform (vmap, jvp) is running: its tensors are plain
+    ``torch.Tensor`` to Python, but slices of one copied into a tensor made of its shape,
+    or an ``out=`` tensor, are not batched as it is (not while dynamo traces)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def _tiled(fn, full: tuple, rest: tuple) -> tuple:
     """``fn(*full, *rest)``: a run of element lines (``_element_body``) over tensors of the
     whole matrix view ``full`` (and per-tensor values and numbers ``rest``), computed
@@ -420,7 +427,7 @@ def _tiled(fn, full: tuple, rest: tuple) -> tuple:
     t0 = full[0]
     n = t0.numel()
     if n < 2 * TILE or t0.device.type != "cpu" or torch.is_grad_enabled() \
-            or torch.compiler.is_compiling() or any(
+            or torch.compiler.is_compiling() or _transformed() or any(
                 type(t) not in PLAIN_TYPES or t.shape != t0.shape or t.device != t0.device
                 or not t.is_contiguous() for t in full):
         return fn(*full, *rest)
@@ -451,7 +458,7 @@ def _into(dead, how: str, a, b):
         a, b = b, a
     if type(dead) not in PLAIN_TYPES or type(a) not in PLAIN_TYPES \
             or (type(b) not in PLAIN_TYPES and type(b) not in (float, int)) \
-            or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            or torch.is_grad_enabled() or torch.compiler.is_compiling() or _transformed():
         return op(a, b)
     if isinstance(b, torch.Tensor):
         if dead.shape != torch.broadcast_shapes(a.shape, b.shape) or b.device != dead.device:

@@ -229,8 +229,8 @@ class Runs(abc.ABC):
         run = self.runs.get(fn.__name__)
         if run is None or not full or len(full) != len(run.full) \
                 or len(rest) != len(run.rest) or torch.is_grad_enabled() \
-                or torch.compiler.is_compiling():
-            return reference._tiled(fn, full, rest)
+                or torch.compiler.is_compiling() or reference._transformed():
+            return reference._tiled(fn, full, rest)  # (under vmap: whole, by torch)
         t0 = full[0]
         if not self.device_ok(t0.device):
             return reference._tiled(fn, full, rest)
