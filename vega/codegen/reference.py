@@ -33,7 +33,8 @@ from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_code
                                hyper_var, leveled, linearize, split_result, state_var)
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import Done, advance_steps, memo, run_staged
-from vega.codegen.tensors import PLAIN_TYPES, in_memory_order, like_layout, refuse_inplace
+from vega.codegen.tensors import (PLAIN_TYPES, in_memory_order, like_layout, refuse_inplace,
+                                  transformed, wrapped)
 from vega.dsl.ir import (AXIS_REDUCTIONS, COMPARISONS, LOGIC, MATRIX_OPS, REDUCTIONS,
                         SCALAR_STATE, Kind, Node, Op, Program, is_global, walk, with_src,
                         with_updates)
@@ -409,13 +410,6 @@ def _tile_runs(lines) -> list[tuple[int, int]]:
     return runs
 
 
-def _transformed() -> bool:
-    """Whether a ``torch.func`` transform (vmap, jvp) is running: its tensors are plain
-    ``torch.Tensor`` to Python, but slices of one copied into a tensor made of its shape,
-    or an ``out=`` tensor, are not batched as it is (not while dynamo traces)."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
-
-
 def _tiled(fn, full: tuple, rest: tuple) -> tuple:
     """``fn(*full, *rest)``: a run of element lines (``_element_body``) over tensors of the
     whole matrix view ``full`` (and per-tensor values and numbers ``rest``), computed
@@ -427,7 +421,7 @@ def _tiled(fn, full: tuple, rest: tuple) -> tuple:
     t0 = full[0]
     n = t0.numel()
     if n < 2 * TILE or t0.device.type != "cpu" or torch.is_grad_enabled() \
-            or torch.compiler.is_compiling() or _transformed() or any(
+            or torch.compiler.is_compiling() or transformed() or any(
                 type(t) not in PLAIN_TYPES or t.shape != t0.shape or t.device != t0.device
                 or not t.is_contiguous() for t in full):
         return fn(*full, *rest)
@@ -458,7 +452,7 @@ def _into(dead, how: str, a, b):
         a, b = b, a
     if type(dead) not in PLAIN_TYPES or type(a) not in PLAIN_TYPES \
             or (type(b) not in PLAIN_TYPES and type(b) not in (float, int)) \
-            or torch.is_grad_enabled() or torch.compiler.is_compiling() or _transformed():
+            or torch.is_grad_enabled() or torch.compiler.is_compiling() or transformed():
         return op(a, b)
     if isinstance(b, torch.Tensor):
         if dead.shape != torch.broadcast_shapes(a.shape, b.shape) or b.device != dead.device:
@@ -1189,9 +1183,7 @@ class Kernel:
         # (a subclass, TwoTensor's wrapper, makes its states by its own full_like, and so
         # does a torch.func one, whose type is torch.Tensor's: under vmap, torch.full of its
         # shape would be one tensor that every member of the batch saw, in stride 0)
-        fills = self._fills if type(p) in PLAIN_TYPES and (
-            torch.compiler.is_compiling()
-            or not torch._C._functorch.is_functorch_wrapped_tensor(p)) \
+        fills = self._fills if type(p) in PLAIN_TYPES and not wrapped(p) \
             else [None] * len(self._fills)
         if all(c is not None for c in fills):  # (numbers: neither p's values nor a
             pc = hv = None                      # hyperparameter read)

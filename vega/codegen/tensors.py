@@ -44,6 +44,34 @@ def native_passes():
     return None if native is None else native.loaded()
 
 
+# torch.func's own queries (torch has no public one): which transforms are running and
+# whether a tensor is one of their wrappers. Where a torch lacks them, no transform is seen
+# (a step then refuses a wrapper as it refuses any tensor without storage)
+_FUNCTORCH = getattr(torch._C, "_functorch", None)
+_STACK = getattr(_FUNCTORCH, "get_interpreter_stack", None)
+_PEEK = getattr(_FUNCTORCH, "peek_interpreter_stack", None)
+_WRAPPED = getattr(_FUNCTORCH, "is_functorch_wrapped_tensor", None)
+
+
+def transforms() -> tuple[str, ...]:
+    """The ``torch.func`` transforms a call runs under, innermost last (``"Vmap"``,
+    ``"Grad"``, ``"Jvp"``, ...); none while dynamo traces (which cannot trace the query)."""
+    if _PEEK is None or _STACK is None or torch.compiler.is_compiling() or _PEEK() is None:
+        return ()
+    return tuple(i.key().name for i in _STACK())
+
+
+def transformed() -> bool:
+    """Whether a ``torch.func`` transform (vmap, jvp, grad) is running (``transforms``)."""
+    return _PEEK is not None and not torch.compiler.is_compiling() and _PEEK() is not None
+
+
+def wrapped(t) -> bool:
+    """Whether ``t`` is a ``torch.func`` transform's wrapper (a batched or dual tensor, whose
+    type is ``torch.Tensor``'s but which has no storage of its own)."""
+    return _WRAPPED is not None and not torch.compiler.is_compiling() and _WRAPPED(t)
+
+
 def same(a: list, b: list) -> bool:
     """Whether lists ``a`` and ``b`` hold the same objects in the same order, by identity
     (in one pass of the native module where it is loaded: about 1 ns an item, where Python's

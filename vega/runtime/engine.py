@@ -22,7 +22,7 @@ from vega.codegen.precision import MASTER
 from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
 from vega.codegen.tensors import (any_complex, first_with_own_ops, fit, like, on_one_device,
-                                  same, uniform)
+                                  same, transformed, transforms, uniform, wrapped)
 from vega.errors import shown
 from vega.schedule import KEPT_REACH, Schedule
 from vega.dsl.ir import SCALAR_STATE, HyperParam, Program
@@ -269,10 +269,9 @@ def under_transforms(owner: str, backend, donate: bool, backends: bool = True):
     reference backend's torch operations, purely: ``donate=True`` and a compiled backend,
     whose kernels read a tensor's memory, which a transform's wrapper does not have, are
     refused. ``backends``: whether the step takes a backend at all."""
-    from torch._C import _functorch
-    if torch.compiler.is_compiling() or _functorch.peek_interpreter_stack() is None:
+    keys = transforms()
+    if not keys:
         return backend
-    keys = [i.key().name for i in _functorch.get_interpreter_stack()]
     if "Grad" in keys:
         raise ValueError(
             f"{owner}: called under {_TRANSFORM_WORDS['Grad']}: a step is not differentiable "
@@ -299,14 +298,9 @@ def zeros(like, shape, dtype, device) -> torch.Tensor:
     ``torch.func.vmap``, where ``like`` is batched and ``torch.zeros`` would make one tensor
     that every member of the batch saw (in stride 0 once out of vmap), a batched one made
     by ``like.new_zeros``, each member's own."""
-    if like is not None and _functorch_wrapped(like):
+    if like is not None and wrapped(like):
         return like.new_zeros(shape, dtype=dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
-
-
-def _functorch_wrapped(t) -> bool:
-    from torch._C import _functorch  # (dynamo cannot trace the query: not while it traces)
-    return not torch.compiler.is_compiling() and _functorch.is_functorch_wrapped_tensor(t)
 
 
 def check_fused(owner: str, max_grad_norm, skip_nonfinite, loss_scale=None) -> None:
@@ -668,13 +662,12 @@ def prelude(parts, inv_scale=None, max_norm=None, check=False,
         if loss_scale is not None:
             inv_scale = inverse_scale(loss_scale)
         pre = record(device, inv_scale, max_norm, check)
-        if pre is not None and not torch.compiler.is_compiling() \
-                and torch._C._functorch.peek_interpreter_stack() is not None:
+        if pre is not None and transformed():
             # under torch.func.vmap, a record each member's own (the reference kernel's
             # in-place sums of batched gradients into an unbatched one fail)
-            wrapped = next((g for g in every if _functorch_wrapped(g)), None)
-            if wrapped is not None:
-                pre = zeros(wrapped, (), pre.dtype, device) + pre
+            batched = next((g for g in every if wrapped(g)), None)
+            if batched is not None:
+                pre = zeros(batched, (), pre.dtype, device) + pre
     for kern, (_, _, grads) in zip(kerns, parts):
         if not plain and any_complex(grads):
             grads = [_real(g) for g in grads]
