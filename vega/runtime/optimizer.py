@@ -1043,14 +1043,17 @@ class SpecOptimizer(torch.optim.Optimizer):
                 was = [t.clone() for t in self.loss_scale.tensors()]
                 for mine, saved in zip(self.loss_scale.tensors(), scale):
                     mine.copy_(saved)
+            # (torch's loading made a new defaultdict, which counts no change of a state dict:
+            # in the try, so that no interrupt leaves it in place; no plan of the state before
+            # is taken for the new one)
+            self.state = _counting(self.state)
+            self._plans().clear()
         except BaseException:  # nothing changes
             self.state, self.param_groups = before
             if was is not None:
                 for mine, value in zip(self.loss_scale.tensors(), was):
                     mine.copy_(value)
             raise
-        self.state = _counting(self.state)  # (torch's loading made a new defaultdict)
-        self._plans().clear()
         sync = self._tuples()
         sync.seen = {id(g): sync.seen[id(g)] for g in self.param_groups if id(g) in sync.seen}
 
