@@ -261,6 +261,27 @@ def test_exp_and_log_of_float32_values_are_within_a_unit():
     assert f.spill_stores == f.spill_loads == 0 and f.registers <= 64, f
 
 
+@pytest.mark.parametrize("function,called", [
+    ("erf(g)", "__nv_erff"), ("sin(g)", "__nv_sinf"), ("cos(g)", "__nv_cosf"),
+    ("rsqrt(g * g + 1)", "__nv_rsqrtf"), ("log1p(abs(g))", "__nv_logf"),
+    ("expm1(g)", "__nv_logf"), ("atan2(g, p)", "__nv_sqrtf")])
+def test_a_rules_own_functions_call_libdevice(function, called):
+    """docs/gpu.md: no libdevice call is left in an update kernel but a rule's own
+    functions': besides exp, log and powers in float64, libdevice's float32 erf, sin and cos
+    (whose argument reduction is in double), rsqrt, and the log and sqrt that log1p, expm1
+    and atan2 are written with."""
+    spec = vega.compile("optimizer o(lr = 0.1) {\n    state m = zeros\n"
+                        f"    m = {function}\n    p = p - lr * m\n}}")
+    params = {"w": torch.randn(3000, device=DEVICE)}
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    state = spec.init(params)
+    launches = _pick(triton_ptx.record(lambda: spec.step(params, grads, state,
+                                                         backend="triton")), "_update")
+    (f,) = triton_ptx.compile_launches(launches)
+    assert called in f.libdevice, f.libdevice
+    assert (f.f64_ops > 0) == (function[:3] in ("sin", "cos", "exp")), f.f64_ops
+
+
 # -- the host's alignment check, and the unaligned path (under the interpreter) --------------
 
 def _aligned_flags(params):
