@@ -241,6 +241,17 @@ optimizer o(lr = 0.1) {
 }"""
 
 
+def _update_figures(spec) -> triton_ptx.Figures:
+    """The compiled figures of ``spec``'s update kernel, stepping one float32 tensor."""
+    params = {"w": torch.randn(3000, device=DEVICE)}
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    state = spec.init(params)
+    launches = _pick(triton_ptx.record(lambda: spec.step(params, grads, state,
+                                                         backend="triton")), "_update")
+    (f,) = triton_ptx.compile_launches(launches)
+    return f
+
+
 def test_exp_and_log_of_float32_values_are_within_a_unit():
     """``exp``, ``log`` (and ``sigmoid``, ``expm1``, ``tanh``) of float32 element values are
     libdevice's float64 functions rounded to float32, within a unit in the last place as
@@ -249,13 +260,7 @@ def test_exp_and_log_of_float32_values_are_within_a_unit():
     interpreter's numpy is exact to a unit) and its ``tl.log`` is libdevice's ``logf`` with
     subnormals flushed (``log(1e-40)`` gave ``-inf``). The update still fits in 64 registers
     without spilling."""
-    spec = vega.compile(EXP_LOG)
-    params = {"w": torch.randn(3000, device=DEVICE)}
-    grads = {k: torch.randn_like(p) for k, p in params.items()}
-    state = spec.init(params)
-    launches = _pick(triton_ptx.record(lambda: spec.step(params, grads, state,
-                                                         backend="triton")), "_update")
-    (f,) = triton_ptx.compile_launches(launches)
+    f = _update_figures(vega.compile(EXP_LOG))
     # (expm1's float32 logf of u = e^x: where u is subnormal, u - 1 is -1, the log unused)
     assert f.fast_exp == 0 and {"__nv_exp", "__nv_log"} <= set(f.libdevice), f
     assert f.spill_stores == f.spill_loads == 0 and f.registers <= 64, f
@@ -270,14 +275,8 @@ def test_a_rules_own_functions_call_libdevice(function, called):
     functions': besides exp, log and powers in float64, libdevice's float32 erf, sin and cos
     (whose argument reduction is in double), rsqrt, and the log and sqrt that log1p, expm1
     and atan2 are written with."""
-    spec = vega.compile("optimizer o(lr = 0.1) {\n    state m = zeros\n"
-                        f"    m = {function}\n    p = p - lr * m\n}}")
-    params = {"w": torch.randn(3000, device=DEVICE)}
-    grads = {k: torch.randn_like(p) for k, p in params.items()}
-    state = spec.init(params)
-    launches = _pick(triton_ptx.record(lambda: spec.step(params, grads, state,
-                                                         backend="triton")), "_update")
-    (f,) = triton_ptx.compile_launches(launches)
+    f = _update_figures(vega.compile("optimizer o(lr = 0.1) {\n    state m = zeros\n"
+                                     f"    m = {function}\n    p = p - lr * m\n}}"))
     assert called in f.libdevice, f.libdevice
     assert (f.f64_ops > 0) == (function[:3] in ("sin", "cos", "exp")), f.f64_ops
 

@@ -34,7 +34,7 @@ from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_code
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import Done, advance_steps, memo, run_staged
 from vega.codegen.tensors import (PLAIN_TYPES, in_memory_order, like_layout, refuse_inplace,
-                                  transformed, wrapped)
+                                  watched, wrapped)
 from vega.dsl.ir import (AXIS_REDUCTIONS, COMPARISONS, LOGIC, MATRIX_OPS, REDUCTIONS,
                         SCALAR_STATE, Kind, Node, Op, Program, is_global, walk, with_src,
                         with_updates)
@@ -414,14 +414,13 @@ def _tiled(fn, full: tuple, rest: tuple) -> tuple:
     """``fn(*full, *rest)``: a run of element lines (``_element_body``) over tensors of the
     whole matrix view ``full`` (and per-tensor values and numbers ``rest``), computed
     ``TILE`` values at a time where they are plain, contiguous CPU tensors of one shape of
-    at least two parts (no gradient recorded, dynamo not tracing), each result written into
+    at least two parts (torch not watching: ``watched``), each result written into
     a tensor of the whole shape. Its temporaries are a part's, which the caches hold, not
     the tensor's: a pass over memory and a new tensor's pages less for each, and each value
     the same (``_TILED_OPS``). (On a GPU each part would be kernel launches more: whole.)"""
     t0 = full[0]
     n = t0.numel()
-    if n < 2 * TILE or t0.device.type != "cpu" or torch.is_grad_enabled() \
-            or torch.compiler.is_compiling() or transformed() or any(
+    if n < 2 * TILE or t0.device.type != "cpu" or watched() or any(
                 type(t) not in PLAIN_TYPES or t.shape != t0.shape or t.device != t0.device
                 or not t.is_contiguous() for t in full):
         return fn(*full, *rest)
@@ -444,7 +443,7 @@ def _into(dead, how: str, a, b):
     """``a <how> b`` (``+ - * /``), written over ``dead``, a temporary of the update that
     nothing reads again (``_element_body``), where it fits: plain tensors (a number as an
     operand of ``+`` or ``*``, or as ``b``) of the result's shape, dtype and device, each
-    tensor operand 0-d or laid out as ``dead``, no gradient recorded, dynamo not tracing.
+    tensor operand 0-d or laid out as ``dead``, torch not watching (``watched``).
     Else a new tensor, as ``a <how> b`` makes. Both run the same kernel and give a result
     of the same layout: the same values, and the same sums over them later."""
     op, fn = _INTO[how]
@@ -452,7 +451,7 @@ def _into(dead, how: str, a, b):
         a, b = b, a
     if type(dead) not in PLAIN_TYPES or type(a) not in PLAIN_TYPES \
             or (type(b) not in PLAIN_TYPES and type(b) not in (float, int)) \
-            or torch.is_grad_enabled() or torch.compiler.is_compiling() or transformed():
+            or watched():
         return op(a, b)
     if isinstance(b, torch.Tensor):
         if dead.shape != torch.broadcast_shapes(a.shape, b.shape) or b.device != dead.device:

@@ -31,7 +31,7 @@ import torch
 
 from vega.codegen import reference
 from vega.codegen.base import Linear, Renderer
-from vega.codegen.tensors import PLAIN_TYPES, transformed
+from vega.codegen.tensors import PLAIN_TYPES, watched
 from vega.dsl.ir import COMPARISONS, Kind, Op
 
 ARITHMETIC = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV})
@@ -228,8 +228,7 @@ class Runs(abc.ABC):
         program's loops compute for these tensors (see the module's notes)."""
         run = self.runs.get(fn.__name__)
         if run is None or not full or len(full) != len(run.full) \
-                or len(rest) != len(run.rest) or torch.is_grad_enabled() \
-                or torch.compiler.is_compiling() or transformed():
+                or len(rest) != len(run.rest) or watched():
             return reference._tiled(fn, full, rest)  # (under vmap: whole, by torch)
         t0 = full[0]
         if not self.device_ok(t0.device):

@@ -56,14 +56,20 @@ _WRAPPED = getattr(_FUNCTORCH, "is_functorch_wrapped_tensor", None)
 def transforms() -> tuple[str, ...]:
     """The ``torch.func`` transforms a call runs under, innermost last (``"Vmap"``,
     ``"Grad"``, ``"Jvp"``, ...); none while dynamo traces (which cannot trace the query)."""
-    if _PEEK is None or _STACK is None or torch.compiler.is_compiling() or _PEEK() is None:
-        return ()
-    return tuple(i.key().name for i in _STACK())
+    return tuple(i.key().name for i in _STACK()) if _STACK is not None and transformed() \
+        else ()
 
 
 def transformed() -> bool:
     """Whether a ``torch.func`` transform (vmap, jvp, grad) is running (``transforms``)."""
     return _PEEK is not None and not torch.compiler.is_compiling() and _PEEK() is not None
+
+
+def watched() -> bool:
+    """Whether torch records or transforms the operations run now (autograd, dynamo's
+    tracing, a ``torch.func`` transform): a step's own writes into temporaries, into parts
+    of a tensor or through native loops give way to torch's whole-tensor operations."""
+    return torch.is_grad_enabled() or torch.compiler.is_compiling() or transformed()
 
 
 def wrapped(t) -> bool:

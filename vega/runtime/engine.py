@@ -91,6 +91,13 @@ def saved_state_dtype(state_dtype):
     return state_dtype
 
 
+def saved_groups(groups: list) -> list:
+    """A state dict's ``param_groups`` with each group's ``state_dtype`` as it is saved
+    (``saved_state_dtype``)."""
+    return [{**g, "state_dtype": saved_state_dtype(g["state_dtype"])}
+            if "state_dtype" in g else g for g in groups]
+
+
 def loaded_state_dtype(state_dtype):
     """``saved_state_dtype``'s names of dtypes as the dtypes; anything else as it is (a
     state dict saved with the dtypes themselves, or a value ``check_state_dtype`` names)."""

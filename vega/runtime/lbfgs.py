@@ -68,7 +68,7 @@ from vega.codegen.tensors import dense, inplace_problem, is_dtensor, not_dense
 from vega.runtime import sharded, torch_names
 from vega.dsl.ast import Range
 from vega.runtime.engine import (as_float, check_reach, check_state_dtype,
-                                 loaded_state_dtype, saved_state_dtype, scheduled, shown,
+                                 loaded_state_dtype, saved_groups, scheduled, shown,
                                  state_dtype_for, under_transforms, zeros)
 from vega.runtime.spec import _check_leaves, _label, _paths, flatten_pair, stepped
 from vega.runtime.tree import flatten, is_steppable, unflatten
@@ -667,9 +667,7 @@ class LBFGS(torch.optim.Optimizer):
 
     def _state_dict(self) -> dict:
         out = sharded.without_group_objects(self, super().state_dict())
-        out["param_groups"] = [  # (its dtype by name: ``engine.saved_state_dtype``)
-            {**g, "state_dtype": saved_state_dtype(g["state_dtype"])}
-            if "state_dtype" in g else g for g in out["param_groups"]]
+        out["param_groups"] = saved_groups(out["param_groups"])  # (its dtype by name)
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -257,7 +257,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         if keep:
             kept = self.__dict__.setdefault("_vega_values_checked", {})
             last = kept.get(k)
-            if last is not None and len(last) == len(now) and all(map(operator.is_, now, last)):
+            if last is not None and same(now, last):
                 return flags, values
         engine.resolve(type(self).__name__, hypers, {**flags, **values})
         if keep:
@@ -966,9 +966,7 @@ class SpecOptimizer(torch.optim.Optimizer):
     def _state_dict(self) -> dict:
         self._synced_tuples(f"{type(self).__name__}.state_dict")
         out = sharded.without_group_objects(self, super().state_dict())
-        out["param_groups"] = [  # (each dtype by its name: ``engine.saved_state_dtype``)
-            {**g, "state_dtype": engine.saved_state_dtype(g["state_dtype"])}
-            if "state_dtype" in g else g for g in out["param_groups"]]
+        out["param_groups"] = engine.saved_groups(out["param_groups"])  # (dtypes by name)
         out[torch_names.RULE_KEY] = self.spec.name
         if self.loss_scale is not None:
             out["loss_scale"] = dict(zip(LEAVES, self.loss_scale.tensors()))

@@ -55,9 +55,8 @@ class CompiledSpec:
         """Pickled by its text: unpickled, a shipped spec is ``vega.builtin``'s (the one
         compiled in that process), any other one is compiled again from the text it was
         compiled from (its kernels and loaded libraries are not pickled)."""
-        from vega.runtime.library import shipped
+        from vega.runtime.library import builtin, shipped
         if shipped(self):
-            from vega.runtime.library import builtin
             return builtin, (self.name,)
         return compile, (self._spec.source, self._spec.filename)
 

@@ -232,10 +232,9 @@ def loading(opt, state_dict, load) -> None:
         state_dict = state_dict.copy()
     # (the optimizer's own dicts, put back as they were: an empty one's stand-in ``{}`` put
     # back in its place took no more hooks, as torch's handles take a weak reference to it)
-    kept = (opt.__dict__.get("_optimizer_load_state_dict_pre_hooks"),
-            opt.__dict__.get("_optimizer_load_state_dict_post_hooks"))
-    pre, post = (hooks or {} for hooks in kept)
-    back = tuple(collections.OrderedDict() if hooks is None else hooks for hooks in kept)
+    back = pre, post = tuple(collections.OrderedDict() if hooks is None else hooks for hooks in (
+        opt.__dict__.get("_optimizer_load_state_dict_pre_hooks"),
+        opt.__dict__.get("_optimizer_load_state_dict_post_hooks")))
     for hook in list(pre.values()):
         answer = hook(opt, state_dict)
         if answer is not None:

@@ -798,8 +798,7 @@ class Kernel:
     def _hyper_array(self, vals) -> torch.Tensor:
         parts = [vals[n] for n in self.program.float_hypers]
         if not _NUMBERS.issuperset(map(type, parts)) and \
-                any(isinstance(v, torch.Tensor) for v in parts):  # (a float as it is, not
-            # float32)
+                any(isinstance(v, torch.Tensor) for v in parts):  # (a float as it is)
             return torch.stack([v.detach().to(device="cpu", dtype=torch.float64).reshape(())
                                 if isinstance(v, torch.Tensor) else
                                 torch.tensor(float(v), dtype=torch.float64) for v in parts])
