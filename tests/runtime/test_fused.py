@@ -273,3 +273,27 @@ def test_clipping_by_a_nan_or_overflowing_norm_as_the_reference(backend):
     got = vega.sgd_step(p, g, vega.sgd_init(p), backend=backend, lr=1.0, max_grad_norm=1.0)[0]
     torch.testing.assert_close(got["w"], want)
     assert want[0] < 1e-6
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_no_step_of_groups_with_tensor_rates_reads_one_back(backend, monkeypatch):
+    """Groups whose rates are 0-d tensors (layer-wise rates a captured graph can change),
+    joined into one call: telling their values dicts apart compares no tensor's value (an
+    equality of two dicts would call each tensor's ``__bool__``)."""
+    ps = _params()
+    opt = vega.optim.AdamW([{"params": [ps[0]], "lr": torch.tensor(1e-3)},
+                            {"params": [ps[1]], "lr": torch.tensor(1e-3)}], backend=backend)
+    _set_grads(ps, 0)
+    opt.step()
+
+    def refuse(name):
+        def read(*args, **kwargs):
+            raise AssertionError(f"host read Tensor.{name} inside step()")
+        return read
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    for step in range(1, 3):
+        _set_grads(ps, step)
+        opt.step()
+    monkeypatch.undo()
+    assert opt.state[ps[1]]["step"].item() == 3

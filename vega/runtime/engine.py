@@ -765,8 +765,8 @@ def tensor_values(program: Program, kern, values, steps):
     compiling = torch.compiler.is_compiling()
     if compiling:
         uniq = values
-    elif values and values.count(values[0]) == len(values):  # (one dict for all: a class's
-        uniq = values[:1]                                     # group; compared by identity first)
+    elif values and same(values, [values[0]] * len(values)):  # (one dict for all: a class's
+        uniq = values[:1]  # group; by identity: dicts compared by == compare tensors' values)
     else:
         uniq = list({id(v): v for v in values}.values())
     if not any(_has_schedule(v) for v in uniq):
