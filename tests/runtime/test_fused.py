@@ -94,6 +94,26 @@ def test_a_class_adjusts_the_callers_loss_scale_in_place(name):
     vega.optim.SGD(_params(), lr=1.0, loss_scale=ls)
 
 
+def test_a_loss_scale_an_optimizer_let_go_of_is_free():
+    """An optimizer given another loss scale (``opt.loss_scale = ...``) no longer adjusts
+    its first one, which another optimizer may then take; taking it back while that one
+    holds it is refused, as sharing it is."""
+    ls = vega.LossScale.dynamic(init=4.0)
+    ps, qs = _params(), _params(1)
+    first = vega.optim.SGD(ps, lr=1.0, loss_scale=ls)
+    _set_grads(ps, 0)
+    first.step()
+    first.loss_scale = vega.LossScale.dynamic(init=4.0)
+    _set_grads(ps, 1)
+    first.step()
+    second = vega.optim.SGD(qs, lr=1.0, loss_scale=ls)
+    _set_grads(qs, 0)
+    second.step()
+    first.loss_scale = ls
+    with pytest.raises(ValueError, match=r"^SGD: loss_scale is the loss scale of another"):
+        first.step()
+
+
 def test_functional_step_returns_the_adjusted_scale():
     params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
     state = vega.adamw_init(params)

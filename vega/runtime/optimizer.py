@@ -501,13 +501,14 @@ class SpecOptimizer(torch.optim.Optimizer):
         """The loss scale made this optimizer's: its steps adjust it in place, so that one
         shared with another optimizer would be adjusted by each, and the second would unscale
         its gradients by a scale the loss was not scaled by (and advance its counter twice a
-        step). Refused while another optimizer that holds it lives."""
+        step). Refused while another optimizer that holds it lives and still has it as its
+        ``loss_scale`` (one given another scale since has let it go)."""
         ls = self.loss_scale
         if ls is None:
             return
         held = _SCALE_OWNERS.get(ls.loss_scale)
         other = held() if held is not None else None
-        if other is not None and other is not self:
+        if other is not None and other is not self and getattr(other, "loss_scale", None) is ls:
             raise ValueError(
                 f"{type(self).__name__}: loss_scale is the loss scale of another optimizer "
                 f"({type(other).__name__}), whose steps adjust it in place: give each optimizer "
