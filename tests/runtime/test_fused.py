@@ -1,4 +1,6 @@
 """The fused step of the optimizer classes and the functional API: loss scale, clip, skip."""
+import operator
+
 import pytest
 import torch
 
@@ -112,6 +114,20 @@ def test_a_loss_scale_an_optimizer_let_go_of_is_free():
     first.loss_scale = ls
     with pytest.raises(ValueError, match=r"^SGD: loss_scale is the loss scale of another"):
         first.step()
+
+
+def test_a_refused_optimizer_leaves_the_loss_scale_where_it_is():
+    """An optimizer refused another's loss scale does not move it first: a scale made
+    without a device, held by an optimizer whose parameters are on the meta device, waits
+    for their device (its first step), not the refused optimizer's."""
+    ls = vega.LossScale.dynamic(init=4.0)
+    first = vega.optim.SGD([torch.nn.Parameter(torch.zeros(3, device="meta"))], lr=1.0,
+                           loss_scale=ls)
+    held = ls.tensors()
+    with pytest.raises(ValueError, match=r"^SGD: loss_scale is the loss scale of another"):
+        vega.optim.SGD(_params(), lr=1.0, loss_scale=ls)
+    assert not ls.device_given and all(map(operator.is_, ls.tensors(), held))
+    assert first.loss_scale is ls
 
 
 def test_functional_step_returns_the_adjusted_scale():

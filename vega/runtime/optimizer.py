@@ -154,7 +154,6 @@ class SpecOptimizer(torch.optim.Optimizer):
                                   "stochastic_rounding": stochastic_rounding,
                                   "rounding_seed": rounding_seed})
         self.state = _counting(self.state)
-        self._place_scale()
         self._claim_scale()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -481,7 +480,6 @@ class SpecOptimizer(torch.optim.Optimizer):
         if last is not None and all(map(operator.is_, now, last)):
             return
         engine.check_fused(type(self).__name__, *now)
-        self._place_scale()
         self._claim_scale()
         self.__dict__["_vega_checked"] = now
 
@@ -502,7 +500,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         shared with another optimizer would be adjusted by each, and the second would unscale
         its gradients by a scale the loss was not scaled by (and advance its counter twice a
         step). Refused while another optimizer that holds it lives and still has it as its
-        ``loss_scale`` (one given another scale since has let it go)."""
+        ``loss_scale`` (one given another scale since has let it go); placed
+        (``_place_scale``) once it is this optimizer's, so that a refused one is not moved."""
         ls = self.loss_scale
         if ls is None:
             return
@@ -514,6 +513,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 f"({type(other).__name__}), whose steps adjust it in place: give each optimizer "
                 "a LossScale of its own, or step both sets of parameters with one optimizer (a "
                 "parameter group each), whose steps share one scale")
+        self._place_scale()  # (before its tensor is the key: ``to_`` makes new ones)
         _SCALE_OWNERS[ls.loss_scale] = weakref.ref(self)
 
     def _check_group_settings(self, k: int, group: dict) -> None:
