@@ -273,6 +273,18 @@ def test_state_dtypes():
     assert chosen["weights"].dtype == torch.float64
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_state_dtype_no_step_computes_in_is_refused_where_given(dtype):
+    """A float dtype other than float32, float64, bfloat16 and float16 (a float8 one) is
+    refused where it is given, naming it, as the spec optimizers refuse it: the step's
+    arithmetic has no float8 kernels, and failed deep in torch at the first step."""
+    words = rf"state_dtype={re.escape(str(dtype))} is not a dtype"
+    with pytest.raises(ValueError, match=rf"^lbfgs_init: {words}"):
+        lbfgs_init({"a": torch.zeros(3)}, state_dtype=dtype)
+    with pytest.raises(ValueError, match=rf"^LBFGS: {words}"):
+        LBFGS([torch.nn.Parameter(torch.zeros(3))], state_dtype=dtype)
+
+
 def test_save_and_load_round_trip(tmp_path):
     params = make_params()
     u, y = consts()

@@ -49,12 +49,13 @@ def check_state_dtype(owner: str, state_dtype, names=None) -> None:
     """``state_dtype``: None, a torch float (or complex) dtype for every state, or (where
     ``names``, the states a spec declares, are given) a dict from state names to float
     dtypes; else ValueError naming it."""
-    if names is not None and _state_float(state_dtype) and not (
-            state_dtype in STATE_DTYPES or state_dtype.is_complex):
+    if _state_float(state_dtype) and not (state_dtype in STATE_DTYPES
+                                          or state_dtype.is_complex):
         raise ValueError(f"{owner}: state_dtype={shown(state_dtype)} is not a dtype the "
                          "kernels keep state in: torch.float32, torch.float64, "
-                         "torch.bfloat16, torch.float16 or torch.uint8 (8-bit blockwise) "
-                         "(complex64 or complex128 for complex parameters)")
+                         "torch.bfloat16, torch.float16"
+                         + (" or torch.uint8 (8-bit blockwise)" if names is not None else "")
+                         + " (complex64 or complex128 for complex parameters)")
     if state_dtype is None or _state_float(state_dtype) or (
             names is not None and state_dtype == torch.uint8):
         return
