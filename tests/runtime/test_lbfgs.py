@@ -285,6 +285,31 @@ def test_a_state_dtype_no_step_computes_in_is_refused_where_given(dtype):
         LBFGS([torch.nn.Parameter(torch.zeros(3))], state_dtype=dtype)
 
 
+def test_a_conjugate_stepped_in_place_takes_its_update():
+    """A complex parameter that is a conjugate view (``x.conj()``), stepped in place (the
+    functional step's ``donate=True``, the class's step), takes the update the pure step
+    gives its values: it stepped as a resolved copy, and kept its old values while its
+    state and counter advanced."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, dtype=torch.complex64, generator=g)
+    grads = [torch.randn(4, 3, dtype=torch.complex64, generator=g) for _ in range(3)]
+    ref, state = {"z": x.conj().resolve_conj()}, lbfgs_init({"z": x}, memory_size=2)
+    for gr in grads:
+        ref, state = lbfgs_step(ref, {"z": gr}, state, lr=0.1)
+    z = x.clone().conj()
+    donated = lbfgs_init({"z": z}, memory_size=2)
+    for gr in grads:
+        lbfgs_step({"z": z}, {"z": gr}, donated, lr=0.1, donate=True)
+    assert z.is_conj()
+    torch.testing.assert_close(z, ref["z"], rtol=0, atol=0)
+    p = torch.nn.Parameter(x.clone().conj())
+    opt = LBFGS([p], lr=0.1, memory_size=2)
+    for gr in grads:
+        p.grad = gr
+        opt.step()
+    torch.testing.assert_close(p.detach(), ref["z"], rtol=0, atol=0)
+
+
 def test_save_and_load_round_trip(tmp_path):
     params = make_params()
     u, y = consts()

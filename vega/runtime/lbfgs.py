@@ -261,8 +261,22 @@ def _refuse_dtensors(owner: str, params) -> None:
                              "(docs/distributed.md)")
 
 
-def _real(x: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(x.resolve_conj()) if x.is_complex() else x
+def _real(x: torch.Tensor, resolve: bool = True) -> torch.Tensor:
+    """A complex tensor's real view; a conjugate's, of a resolved copy (which a step in place
+    writes, ``_write_back``), or, not ``resolve``, of itself, which torch refuses (while dynamo
+    traces a step in place, which cannot ask which are conjugates: ``engine.as_real``)."""
+    return torch.view_as_real(x.resolve_conj() if resolve else x) if x.is_complex() else x
+
+
+def _write_back(tensors, reals) -> None:
+    """After a step in place over ``_real``'s views of ``tensors``: each conjugate given the
+    new values of the resolved copy that stepped, as the spec optimizers' steps give them
+    (``engine.as_complex``); its update was lost, where the state's advanced."""
+    if torch.compiler.is_compiling():
+        return
+    for t, r in zip(tensors, reals):
+        if t.is_complex() and t.is_conj():
+            t.copy_(torch.view_as_complex(r))
 
 
 def _complex_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -427,11 +441,15 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
     weights, step = state["weights"], state["step"]
     if donate and not torch.compiler.is_compiling():  # (before any write)
         _check_donated(owner, params, p_leaves, g_leaves, cols, idx, weights, step)
+    resolve = not (donate and torch.compiler.is_compiling())
+    written = [[p_leaves[i] for i in idx], *([cols[f][i] for i in idx] for f in TREE_FIELDS)]
+    reals = [[_real(x, resolve) for x in col] for col in written]
     with torch.no_grad():
         new_p, ndw, ndu, npp, nup, nw, new_step = _lbfgs(
-            [_real(p_leaves[i]) for i in idx], [_real(g_leaves[i]) for i in idx],
-            *([_real(cols[f][i]) for i in idx] for f in TREE_FIELDS),
+            reals[0], [_real(g_leaves[i]) for i in idx], *reals[1:],
             weights, step, lr, m, scale_init_precond, donate, reduce_group)
+        if donate:
+            _write_back([x for col in written for x in col], [x for col in reals for x in col])
     out_p = list(p_leaves)
     out = {f: list(cols[f]) for f in TREE_FIELDS}
     for k, i in enumerate(idx):
@@ -647,11 +665,14 @@ class LBFGS(torch.optim.Optimizer):
                              f"holds {m} curvature pairs: memory_size is fixed by the first "
                              "step (a new LBFGS starts another history)")
         _check_class_step(params, states, shared, m)
+        resolve = not torch.compiler.is_compiling()
+        written = [params, *([st[f] for st in states] for f in TREE_FIELDS)]
+        reals = [[_real(x, resolve) for x in col] for col in written]
         _, _, _, _, _, _, shared["step"] = _lbfgs(
-            [_real(p) for p in params], [_real(_zero_for_none(p, p.grad)) for p in params],
-            *([_real(st[f]) for st in states] for f in TREE_FIELDS),
+            reals[0], [_real(_zero_for_none(p, p.grad)) for p in params], *reals[1:],
             shared["weights"], shared["step"], lr, m, group["scale_init_precond"], True,
             self.reduce_group)
+        _write_back([x for col in written for x in col], [x for col in reals for x in col])
         return loss
 
     def __getstate__(self) -> dict:
