@@ -277,6 +277,28 @@ def test_step_and_constructor_take_what_they_took():
     assert ls.adjust(torch.tensor(True)).loss_scale.item() == 8.0
 
 
+def test_the_constructors_kind_agrees_with_its_good_steps():
+    """A static scale counts -1 good steps and a dynamic one counts from 0: the mark by which
+    a loaded state dict (an optimizer's, ``vega.load``'s) tells the two apart. A static scale
+    made with the constructor at good_steps 0 was saved as a dynamic one, and an optimizer
+    of the same static scale refused to load it; each mismatch is refused where it is made."""
+    i32 = torch.int32
+    with pytest.raises(ValueError, match=r"^LossScale: good_steps=0 with dynamic=False: a "
+                                         r"static scale's good_steps is -1"):
+        LossScale(torch.tensor(8.0), torch.tensor(0, dtype=i32), dynamic=False)
+    with pytest.raises(ValueError, match=r"^LossScale: good_steps=-1 with dynamic=True"):
+        LossScale(torch.tensor(8.0), torch.tensor(-1, dtype=i32))
+    ls = LossScale(torch.tensor(8.0), torch.tensor(-1, dtype=i32), dynamic=False)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = vega.optim.SGD([p], lr=0.1, loss_scale=ls)
+    p.grad = torch.ones(3)
+    opt.step()
+    again = LossScale(torch.tensor(2.0), torch.tensor(-1, dtype=i32), dynamic=False)
+    vega.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1,
+                   loss_scale=again).load_state_dict(opt.state_dict())
+    assert again.loss_scale.item() == 8.0
+
+
 def test_pytree_leaves_and_names():
     ls = LossScale.dynamic(init=8.0, growth_interval=7, growth_factor=3.0, backoff_factor=0.25)
     leaves, spec = pytree.tree_flatten(ls)

@@ -163,6 +163,12 @@ class LossScale:
                                               backoff_factor)
         check_scale_values("LossScale", self.tensors(), dtypes=False)
         self.is_dynamic = bool(dynamic)
+        n = good_steps
+        if isinstance(n, torch.Tensor) and n.numel() == 1 and n.device.type != "meta" \
+                and (int(n) == -1) == self.is_dynamic:  # (a state dict tells them so)
+            raise ValueError(f"LossScale: good_steps={int(n)} with dynamic={dynamic!r}: a "
+                             "static scale's good_steps is -1 (LossScale.static(s) makes "
+                             "one), a dynamic one's counts its good steps from 0")
         self.device_given = True  # (its tensors were given: where they are is meant)
 
     # -- construction ----------------------------------------------------------------
