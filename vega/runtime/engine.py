@@ -713,17 +713,6 @@ def hyper_rows(program: Program, values, steps) -> HyperRows | None:
     return HyperRows(tuple(names), table.contiguous(), index)
 
 
-def group_rows(program: Program, values: dict, steps: list,
-               stacked: torch.Tensor) -> HyperRows:
-    """``hyper_rows(program, [values] * n, steps)`` for n distinct counters on one device
-    (a class's group), with the counters already stacked (``stacked``): the same table,
-    without telling the counters apart again."""
-    names = program.float_hypers
-    table, timed = _block(names, values, steps, [stacked], stacked.device)
-    index = list(range(len(steps))) if timed else [0] * len(steps)
-    return HyperRows(tuple(names), table.contiguous(), index)
-
-
 def _block(names, vals: dict, counters: list, stacked: list, device):
     """(the rows of one values dict: one per counter where it holds a schedule, else one;
     whether it does). ``stacked``: the counters stacked, filled on first need."""

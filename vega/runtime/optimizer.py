@@ -1460,8 +1460,6 @@ def _precision(owner: str, group: dict) -> tuple[bool, int | None]:
 def _optimizer_keys() -> dict[str, frozenset]:
     """The group keys of each optimizer class a state_dict may come from: vega's and
     torch's (torch's from their signatures: their defaults are their keyword arguments)."""
-    import inspect
-
     from vega.runtime.library import builtin, builtin_names
     found = {f"vega.optim.{builtin(n).class_name}": _group_keys(builtin(n))
              | _optional_keys(builtin(n)) for n in builtin_names()}
