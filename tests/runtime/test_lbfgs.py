@@ -310,6 +310,17 @@ def test_a_conjugate_stepped_in_place_takes_its_update():
     torch.testing.assert_close(p.detach(), ref["z"], rtol=0, atol=0)
 
 
+def test_a_sparse_parameter_is_refused_where_it_is_given():
+    """A sparse parameter is refused by lbfgs_init and by the class's constructor, naming
+    it, as the spec optimizers' refuse it: lbfgs_init made it dense state, and the class
+    made it state at its first step, both of which the step then refused."""
+    sparse = torch.ones(4).to_sparse()
+    with pytest.raises(ValueError, match=r"^lbfgs_init: params leaf 's' is sparse"):
+        lbfgs_init({"w": torch.ones(3), "s": sparse})
+    with pytest.raises(ValueError, match=r"^LBFGS: parameter 1 of group 0 is sparse"):
+        LBFGS([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(sparse)])
+
+
 def test_save_and_load_round_trip(tmp_path):
     params = make_params()
     u, y = consts()

@@ -64,13 +64,14 @@ from functools import partial
 import torch
 
 from vega.codegen.steps import advance_steps
-from vega.codegen.tensors import dense, inplace_problem, is_dtensor, not_dense
+from vega.codegen.tensors import dense, dense_words, inplace_problem, is_dtensor, not_dense
 from vega.runtime import sharded, torch_names
 from vega.dsl.ast import Range
 from vega.runtime.engine import (as_float, check_reach, check_state_dtype,
                                  loaded_state_dtype, saved_groups, scheduled, shown,
                                  state_dtype_for, under_transforms, zeros)
-from vega.runtime.spec import _check_leaves, _label, _paths, flatten_pair, stepped
+from vega.runtime.spec import (_check_dense, _check_leaves, _label, _paths, flatten_pair,
+                               stepped)
 from vega.runtime.tree import flatten, is_steppable, unflatten
 from vega.schedule import Schedule
 
@@ -154,6 +155,7 @@ def lbfgs_init(params, *, memory_size: int = 10, state_dtype: torch.dtype | None
     check_state_dtype(owner, state_dtype)
     leaves, spec = flatten(params)
     _check_leaves(owner, "params", params, leaves)
+    _check_dense(owner, params, leaves)  # (as the spec optimizers' inits: the step refuses it)
     steppable = [p for p in leaves if is_steppable(p)]
     first = steppable[0] if steppable else None
     device = torch.device("cpu") if first is None else first.device
@@ -600,11 +602,14 @@ class LBFGS(torch.optim.Optimizer):
         if isinstance(param_group, dict):
             sharded.warn_group_objects("LBFGS", self, param_group)
         super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
+        for k, p in enumerate(self.param_groups[-1]["params"]):
             if not is_steppable(p):
                 self.param_groups.pop()
                 raise ValueError(f"LBFGS can only optimize float or complex tensors, got one of "
                                  f"dtype {p.dtype}")
+            if not dense(p):  # (as the spec optimizers' classes: the step refuses it)
+                self.param_groups.pop()
+                raise ValueError(f"LBFGS: parameter {k} of group 0 is {dense_words(p)}")
 
     def _shared(self, group) -> dict:
         """The state of the first parameter, which holds ``weights`` and ``step``."""
