@@ -197,6 +197,18 @@ def test_modes_functional_and_class():
     opt.step()
 
 
+def test_a_functional_mode_names_a_state_leaf_of_another_shape():
+    """``spec.mode`` refuses a state leaf of another shape than its parameter's, naming the
+    leaf by its path (its message was built from a position, which failed with a
+    TypeError)."""
+    spec = vega.compile(MODES)
+    params = {"w": torch.ones(4, 3), "b": torch.ones(3)}
+    state = spec.init(params)
+    state["z"]["w"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"^o\.mode: state leaf 'z\.w' has shape \(3,\)"):
+        spec.mode("eval", params, state)
+
+
 def test_modes_read_the_master_copy():
     """With master weights, eval() reads the float32 master copy and train() restores it."""
     spec = vega.compile(MODES)

@@ -367,8 +367,9 @@ class CompiledSpec:
             for program, ids in engine.groups(progs):
                 for i in ids:
                     for s in program.states:
-                        _check_state_leaf(owner, lambda s=s, i=i: _label(s.name, str(i)),
-                                          p_leaves[i], columns[s.name][i], s.dom)
+                        _check_state_leaf(owner, lambda s=s, i=i: _label(
+                            s.name, lambda: _paths(params, p_leaves)[i]),
+                            p_leaves[i], columns[s.name][i], s.dom)
                 codegen.kernel("reference", program).mode(
                     name, [out[i] for i in ids],
                     [[columns[n][i] for i in ids] for n in program.state_names],
