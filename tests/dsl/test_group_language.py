@@ -209,6 +209,30 @@ def test_a_functional_mode_names_a_state_leaf_of_another_shape():
         spec.mode("eval", params, state)
 
 
+def test_a_class_switches_no_group_where_a_state_cannot_be_read():
+    """eval() and train() check every group's states before they write a parameter, as a
+    step does: a state of another shape that broadcasts (set by hand) wrote wrong values
+    into the parameter, and a group refused after another left the two in two modes."""
+    spec = vega.compile(MODES)
+    ps = [torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(3))]
+    opt = spec.optimizer([{"params": [ps[0]]}, {"params": [ps[1]]}])
+    for p in ps:
+        p.grad = torch.ones(p.shape)
+    opt.step()
+    before = [p.detach().clone() for p in ps]
+    opt.state[ps[1]]["z"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"^O\.eval\(\): state 'z' of parameter 0 of group 1 "
+                                         r"has shape \(1,\) on cpu, but its parameter, of "
+                                         r"shape \(3,\), needs \(3,\)"):
+        opt.eval()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    assert [g["mode"] for g in opt.param_groups] == ["train", "train"]
+    del opt.state[ps[1]]["z"]
+    with pytest.raises(ValueError, match=r"^O\.eval\(\): state 'z' of parameter 0 of group 1 "
+                                         r"is None, not a tensor"):
+        opt.eval()
+
+
 def test_modes_read_the_master_copy():
     """With master weights, eval() reads the float32 master copy and train() restores it."""
     spec = vega.compile(MODES)

@@ -887,7 +887,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         if name not in modes:
             raise ValueError(f"{owner}: the rule has no mode {name!r} (its modes: "
                              f"{', '.join(map(repr, modes))})")
-        for group in self.param_groups:
+        todo = []  # (every group's states checked before any parameter is written)
+        for k, group in enumerate(self.param_groups):
             if group.get("mode", "train") == name:
                 continue
             flags, values = self._group_values(group)
@@ -902,6 +903,10 @@ class SpecOptimizer(torch.optim.Optimizer):
                                         seed=seed, quantized=self._q8(group, params))
                 progs = [prog if engine.MASTER in self.state[p] else alone
                          for prog, alone, p in zip(progs, plain, params)]
+            for p, program in zip(params, progs):
+                self._check_mode_states(f"{owner}.{name}()", p, self.state[p], program)
+            todo.append((group, values, params, progs))
+        for group, values, params, progs in todo:
             for program, ids in engine.groups(progs):
                 ps = [params[i] for i in ids]
                 sts = [self.state[p] for p in ps]
@@ -914,6 +919,21 @@ class SpecOptimizer(torch.optim.Optimizer):
                     name, ps, [[st[n] for st in sts] for n in program.state_names], vals,
                     keep_master=True)
             group["mode"] = name
+
+    def _check_mode_states(self, owner: str, p, st: dict, program) -> None:
+        """ValueError naming the state of ``p`` that a switch of modes cannot read (as the
+        step and the functional ``mode`` refuse it): missing, not a tensor, or not of the
+        shape and device its parameter needs (a state of another shape that broadcasts
+        would write wrong values into the parameter)."""
+        for n, dom in [("step", None), *((s.name, s.dom) for s in program.states)]:
+            x, where = st.get(n), f"{owner}: state '{n}' of {self._name(p)}"
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"{where} is {engine.shown(x)}, not a tensor")
+            want = () if dom is None else state_shape(p, dom)
+            if tuple(x.shape) != want or x.device != p.device:
+                raise ValueError(f"{where} has shape {tuple(x.shape)} on {x.device}, but its "
+                                 f"parameter, of shape {tuple(p.shape)}, needs {want} on "
+                                 f"{p.device}")
 
     def _synced_tuples(self, owner: str) -> None:
         """Each group's ``betas`` and ``b1``, ``b2``, ... made to agree now, as the next step
