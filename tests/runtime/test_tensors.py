@@ -573,3 +573,32 @@ def test_a_gradient_in_memory_a_step_in_place_writes_is_refused(backend):
     w.grad = base[:-1].clone()
     vega.optim.SGD([w], lr=0.5, backend=backend).step()
     assert torch.allclose(w.detach(), before[1:] - 0.5 * before[:-1])
+
+
+def test_a_donated_step_over_a_reduce_group_writes_nothing_it_refuses():
+    """A functional step in place over a ``reduce_group`` checks its plain tensors before
+    its first call writes, as one without: a tensor it cannot write in a later call (an
+    expanded vector beside a factored matrix: two programs) is refused by its leaf's name,
+    with the matrix and the counter as they were (the first call wrote the matrix, and the
+    second refused the vector by its position alone)."""
+    _child("""
+        import os, socket, torch, torch.distributed as dist, vega
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        m, v = torch.ones(256, 256), torch.ones(1).expand(8)
+        state = vega.adafactor_init({"m": torch.ones(256, 256), "v": torch.ones(8)})
+        try:
+            vega.adafactor_step({"m": m, "v": v}, {"m": torch.ones(256, 256),
+                                                   "v": torch.ones(8)}, state, donate=True,
+                                reduce_group=dist.group.WORLD)
+        except ValueError as e:
+            assert str(e).startswith("adafactor_step: params leaf 'v' has elements at one "
+                                     "memory location"), e
+        else:
+            raise AssertionError("not refused")
+        assert torch.equal(m, torch.ones(256, 256)) and int(state["step"]) == 0
+        dist.destroy_process_group()
+    """)

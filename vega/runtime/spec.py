@@ -267,7 +267,11 @@ class CompiledSpec:
                              f"unless a backend is given)")
         work = engine.groups([progs[i] for i in idx])
         work = [(program, [idx[k] for k in ks]) for program, ks in work]
-        if donate and not spread and not torch.compiler.is_compiling():
+        # (plain tensors are checked here under a reduce_group too: its calls run one after
+        # another, and one refused would leave those before it written)
+        checked = not torch.compiler.is_compiling() and not (
+            spread and sharded.involved([p_leaves[i] for i in idx], None))
+        if donate and checked:
             _check_writes(owner, params, p_leaves, columns, work, step,  # before any write
                           g_leaves)
         new_p = {}
@@ -281,7 +285,7 @@ class CompiledSpec:
                       [[columns[n][i] for i in ids] for n in program.state_names],
                       [step if len(work) == 1 or not donate else step.clone()] * len(ids),
                       [values] * len(ids)) for program, ids in work]
-            if donate and len(items) > 1 and not spread and not torch.compiler.is_compiling():
+            if donate and len(items) > 1 and checked:
                 # (several calls in place: each checked before the first writes)
                 found: list = []  # (the leaves' names: found only for a message)
 
