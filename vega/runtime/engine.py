@@ -343,8 +343,7 @@ def positive_finite(x: numbers.Real) -> bool:
     return 0 < x <= sys.float_info.max
 
 
-def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, base: dict | None = None,
-            init: str | None = None):
+def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, init: str | None = None):
     """Split keyword arguments into (flags, values), defaults filled in, each checked.
     ``init``: the name of the function that makes the state, for a step's arguments."""
     known = {h.name: h for h in hypers}
@@ -359,7 +358,7 @@ def resolve(owner: str, hypers: tuple[HyperParam, ...], given: dict, base: dict 
                             f"{', '.join(known) or 'none'}")
     flags, values = {}, {}
     for h in hypers:
-        value = given[h.name] if h.name in given else (base or {}).get(h.name, h.default)
+        value = given[h.name] if h.name in given else h.default
         value = check_value(owner, h, value)
         (flags if h.type == "bool" else values)[h.name] = value
     return flags, values
