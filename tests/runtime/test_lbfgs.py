@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import pickle
 import re
 
@@ -319,6 +320,49 @@ def test_a_sparse_parameter_is_refused_where_it_is_given():
         lbfgs_init({"w": torch.ones(3), "s": sparse})
     with pytest.raises(ValueError, match=r"^LBFGS: parameter 1 of group 0 is sparse"):
         LBFGS([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(sparse)])
+
+
+_EMPTY_RANK = """
+import os, sys, torch, torch.distributed as dist, vega
+rank, path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
+w = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+opt = vega.optim.LBFGS([w] if rank == 0 else [{"params": []}], lr=0.5, memory_size=2,
+                       reduce_group=dist.group.WORLD)
+alone = torch.nn.Parameter(w.detach().clone())
+ref = vega.optim.LBFGS([alone], lr=0.5, memory_size=2)
+for k in range(3):
+    for p in (w, alone):
+        p.grad = torch.full((2, 3), 1.0 + k) * p.detach()
+    opt.step()
+    ref.step()
+if rank == 0:
+    torch.testing.assert_close(w.detach(), alone.detach(), rtol=1e-6, atol=1e-6)
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_without_parameters_takes_part_in_the_groups_steps(tmp_path):
+    """LBFGS over a reduce_group on a rank that holds no parameter (ZeroRedundancyOptimizer
+    with more ranks than parameters) makes the collectives of every step, of sums over
+    nothing, and the rank that holds them steps as alone: its step read the state of a
+    first parameter it has not (IndexError), and the other ranks waited for it."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root}
+    procs = [subprocess.Popen([sys.executable, "-c", _EMPTY_RANK, str(r),
+                               str(tmp_path / "rendezvous")], env=env, cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=120)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0, 0], outs
 
 
 def test_save_and_load_round_trip(tmp_path):

@@ -653,6 +653,15 @@ class LBFGS(torch.optim.Optimizer):
         params = group["params"]
         if self.reduce_group is None and all(p.grad is None for p in params):
             return loss  # (in a group, the others' products need this rank's collectives)
+        if not params:  # (a rank of the group that holds none, ZeroRedundancyOptimizer's with
+            # more ranks than parameters: its collectives, of sums over nothing, without a
+            # state, which lives in the first parameter's)
+            m = _check_memory_size("LBFGS", group["memory_size"])
+            dev = sharded.group_device(self.reduce_group)
+            _lbfgs([], [], [], [], [], [], torch.zeros(m, device=dev),
+                   torch.zeros((), dtype=torch.int32, device=dev), lr, m,
+                   group["scale_init_precond"], True, self.reduce_group)
+            return loss
         _refuse_dtensors("LBFGS", params)
         for i, p in enumerate(params):
             if p.grad is not None and p.grad.is_sparse:
