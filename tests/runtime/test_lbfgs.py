@@ -284,6 +284,13 @@ def test_a_state_dtype_no_step_computes_in_is_refused_where_given(dtype):
         lbfgs_init({"a": torch.zeros(3)}, state_dtype=dtype)
     with pytest.raises(ValueError, match=rf"^LBFGS: {words}"):
         LBFGS([torch.nn.Parameter(torch.zeros(3))], state_dtype=dtype)
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = LBFGS([p])
+    opt.param_groups[0]["state_dtype"] = dtype  # (set before the first step makes state)
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match=rf"^LBFGS: {words}"):
+        opt.step()
+    assert not opt.state
 
 
 def test_a_conjugate_stepped_in_place_takes_its_update():

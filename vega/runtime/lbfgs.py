@@ -650,6 +650,7 @@ class LBFGS(torch.optim.Optimizer):
             group["state_dtype"] = loaded_state_dtype(group["state_dtype"])
         lr = _check_lr("LBFGS", group["lr"])
         _check_bool("LBFGS", "scale_init_precond", group["scale_init_precond"])
+        check_state_dtype("LBFGS", group["state_dtype"])  # (a first step makes state in it)
         params = group["params"]
         if self.reduce_group is None and all(p.grad is None for p in params):
             return loss  # (in a group, the others' products need this rank's collectives)
