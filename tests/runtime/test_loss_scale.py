@@ -299,6 +299,20 @@ def test_the_constructors_kind_agrees_with_its_good_steps():
     assert again.loss_scale.item() == 8.0
 
 
+def test_the_constructor_checks_each_0d_leaf_past_one_it_takes_unchecked():
+    """The constructor checks the values of its 0-d leaves (it takes others as they are):
+    a leaf it takes unchecked (a counter of one element and one dimension) no longer stops
+    the check of those after it, which took a negative floor."""
+    with pytest.raises(ValueError, match=r"^LossScale: 'min_scale' is -5\.0; it must be at "
+                                         r"least 0"):
+        LossScale(torch.tensor(8.0), torch.tensor([0], dtype=torch.int32),
+                  min_scale=torch.tensor(-5.0))
+    with pytest.raises(ValueError, match=r"^LossScale: 'min_scale' is 16\.0, above the "
+                                         r"scale, 8\.0"):
+        LossScale(torch.tensor(8.0), torch.tensor([0], dtype=torch.int32),
+                  min_scale=torch.tensor(16.0))
+
+
 def test_pytree_leaves_and_names():
     ls = LossScale.dynamic(init=8.0, growth_interval=7, growth_factor=3.0, backoff_factor=0.25)
     leaves, spec = pytree.tree_flatten(ls)

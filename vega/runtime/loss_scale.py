@@ -417,16 +417,16 @@ def check_scale_values(owner: str, leaves, label: str = "", dtypes: bool = True)
     for name, x in zip(LEAVES, leaves):
         dtype, ok, words = _RULES[name]
         if not dtypes and not (isinstance(x, torch.Tensor) and x.dim() == 0):
-            return
+            continue
         if dtypes and (not isinstance(x, torch.Tensor) or x.dim() != 0 or x.dtype != dtype):
             raise ValueError(f"{owner}: {label}'{name}' is {_shown(x)}; it must be a 0-d "
                              f"{dtype} tensor")
         if x.device.type == "meta":
-            return
+            continue
         values[name] = x.item()
         if not ok(values[name]):
             raise ValueError(f"{owner}: {label}'{name}' is {values[name]!r}; it must be {words}")
-    if values["min_scale"] > values["loss_scale"]:
+    if values.get("min_scale", -math.inf) > values.get("loss_scale", math.inf):
         raise ValueError(f"{owner}: {label}'min_scale' is {values['min_scale']!r}, above the "
                          f"scale, {values['loss_scale']!r}")
 
