@@ -421,8 +421,9 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
     differences. ``lr`` is a float >= 0, a 0-d tensor or a schedule (called with
     the state's step tensor, the number of completed steps). ``memory_size`` is
     the state's (given here, it must agree with it). No line search: at a fixed
-    rate the step is only as safe as the rate; the first step has norm at most
-    ``lr`` (its direction is ``g / max(1, ||g||)``). ``reduce_group``: a process group
+    rate the step is only as safe as the rate; with ``scale_init_precond`` the first step
+    has norm at most ``lr`` (its direction is ``g / max(1, ||g||)``; without, ``g``).
+    ``reduce_group``: a process group
     whose ranks each hold other parameters (``ZeroRedundancyOptimizer``'s): every inner
     product spans all of them, all-reduced over the group (``2 * memory_size + 1``
     all-reduces a step; every rank of the group must step).
