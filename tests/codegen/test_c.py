@@ -183,6 +183,23 @@ def test_bfloat16_rounds_to_nearest_even():
     assert out.tolist() == g.to(torch.bfloat16).tolist()
 
 
+def test_a_float32_nan_stored_to_bfloat16_stays_nan():
+    """A float32 NaN whose fraction is set only in its low 16 bits (a signaling NaN, which
+    no arithmetic leaves so: a float32 state read and stored as it is) is a NaN in bfloat16,
+    as torch's conversion, not the infinity its top 16 bits alone would be."""
+    spec = vega.compile("optimizer o() {\n    state s = zeros\n    s = s\n    p = s\n}")
+    bits = torch.tensor([0x7F800001, 0xFF800001 - 2**32, 0x7F80FFFF, 0x3F800000],
+                        dtype=torch.int32)
+    p = torch.zeros(4, dtype=torch.bfloat16)
+    for backend in ("reference", "c"):
+        state = spec.init(p)
+        assert state["s"].dtype == torch.float32
+        state["s"] = bits.view(torch.float32).clone()
+        out, _ = spec.step(p, torch.zeros_like(p), state, backend=backend)
+        assert out.isnan().tolist() == [True, True, True, False], (backend, out)
+        assert out[3].item() == 1.0
+
+
 @pytest.mark.parametrize("backend", ["reference", "c"])
 @pytest.mark.parametrize("name", ["adamw", "sgd", "adam"])
 def test_nonfinite_step_is_skipped_exactly(name, backend):
