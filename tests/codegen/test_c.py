@@ -1113,6 +1113,45 @@ def test_min_and_max_of_equal_values_give_the_second():
     assert not torch.signbit(ref[1]["s"]["w"][0])
 
 
+OPPOSITE_ZEROS = """optimizer opposite(a = -1.0) {
+    state lo = zeros
+    state hi = zeros
+    state slo = zeros
+    state shi = zeros
+    state ssign = zeros
+    state szero = zeros
+    lo = min(g, p)
+    hi = max(g, p)
+    slo = min(log(a), 1.0) + 0 * g
+    shi = max(log(a), 1.0) + 0 * g
+    ssign = sign(log(a)) + 0 * g
+    szero = sign(a * 0) * g
+    p = p
+}"""
+
+
+def test_min_max_and_sign_of_zeros_and_nan_in_the_loop_and_the_scalar_phase():
+    """min and max of 0.0 and -0.0 of two tensors give the second; in the scalar phase (of
+    hyperparameters alone) a NaN wins min and max and sign keeps it, and sign(-0.0) is
+    -0.0, in C as on the reference."""
+    spec = vega.compile(OPPOSITE_ZEROS)
+    params = {"w": torch.tensor([-0.0, 0.0, 1.0], dtype=torch.float64)}
+    grads = {"w": torch.tensor([0.0, -0.0, 1.0], dtype=torch.float64)}
+    outs = {b: spec.step(params, grads, spec.init(params), backend=b)[1]
+            for b in ("reference", "c")}
+    for name in ("lo", "hi", "slo", "shi", "ssign", "szero"):  # (NaNs of either sign)
+        got, want = outs["c"][name]["w"], outs["reference"][name]["w"]
+        assert got.isnan().tolist() == want.isnan().tolist(), name
+        assert _same_bits(got[~got.isnan()], want[~want.isnan()]), name
+    ref = outs["reference"]
+    assert ref["lo"]["w"].tolist() == [-0.0, 0.0, 1.0] and ref["hi"]["w"].tolist()[2] == 1.0
+    assert torch.signbit(ref["lo"]["w"]).tolist() == [True, False, False]
+    assert torch.signbit(ref["hi"]["w"]).tolist() == [True, False, False]
+    for name in ("slo", "shi", "ssign"):
+        assert ref[name]["w"].isnan().all(), name
+    assert torch.signbit(ref["szero"]["w"]).tolist() == [True, False, True]
+
+
 def test_the_scalar_phase_is_taken_again_only_for_the_same_step_and_hyperparameters():
     """A tensor's scalar phase is computed once and taken again by the next tensor of its
     thread with bit for bit the same step and hyperparameters (``Source._scalar_phase``):
