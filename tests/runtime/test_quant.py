@@ -221,6 +221,32 @@ def test_a_bias_corrected_step_size_is_known_nonnegative():
         assert q.quant["s"][1] is signed, (rng, c)
 
 
+@pytest.mark.parametrize("expr, rng, signed", [
+    ("max(s - g, 0)", "", False), ("max(g, s)", "", False), ("min(s, g)", "", True),
+    ("min(s, abs(g))", "", False), ("s + max(g)", "", True), ("s + max(abs(g))", "", False),
+    ("where(g > 0, s, g)", "", True), ("where(g > 0, s, g * g)", "", False),
+    ("s * g", "", True), ("s * g * g", "", False), ("abs(g) + (1 - b)", "in [0, 1]", False),
+    ("abs(g) + (1 - b)", "in [0, 2]", True), ("abs(g) ^ b", "", False), ("g ^ b", "", True),
+    ("abs(g) + -1", "", True),
+])
+def test_the_proof_of_a_nonnegative_state_by_operation(expr, rng, signed):
+    """Each operation's rule in the proof that a state is never negative (an unsigned map
+    where it holds, the signed one where it may fail): max of one value known >= 0, min and
+    where of values all known so, a product with each factor of unknown sign an even number
+    of times, a per-tensor max of a value known so, c - h with h at most c, a power of a
+    base known so, a literal's sign."""
+    text = f"optimizer o(b = 0.5 {rng}) {{\n  state s = zeros\n  s = {expr}\n  p = p - s\n}}\n"
+    q = quant.variant(vega.compile(text).program(), frozenset({"s"}))
+    assert q.quant["s"][1] is signed
+
+
+@pytest.mark.parametrize("init, signed", [("-1", True), ("1", False)])
+def test_a_state_that_starts_negative_takes_the_signed_map(init, signed):
+    text = (f"optimizer o() {{\n  state s = {init}\n  s = abs(g) + s * 0.5\n  p = p - s\n}}\n")
+    q = quant.variant(vega.compile(text).program(), frozenset({"s"}))
+    assert q.quant["s"][1] is signed
+
+
 # -- the step --------------------------------------------------------------------------------
 
 def adamw_8bit_written_out(params, grads_at, steps, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8,
