@@ -433,20 +433,24 @@ def test_triton_at_a_gpus_blocks_steps_as_at_the_interpreters(name, block, small
 @needs_c
 def test_c_threads_split_a_tensor_at_blocks():
     """A tensor long enough to be split between threads (and one not a whole number of
-    blocks): every thread's share is whole blocks, so the codes equal a single thread's."""
-    shapes = {"big": (300_001,), "w": (96, 200)}
+    blocks; and a long one after such a tensor, whose blocks start off the whole blocks of
+    all the values): every thread's share is whole blocks of its tensors, so the codes
+    equal a single thread's."""
     before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run_adamw("c", steps=2, shapes=shapes)
-        torch.set_num_threads(max(2, before))
-        many = run_adamw("c", steps=2, shapes=shapes)
-    finally:
-        torch.set_num_threads(before)
-    for field in ("mu", "nu", "mu_absmax", "nu_absmax"):
-        for n in shapes:
-            assert torch.equal(one[1][field][n], many[1][field][n]), (field, n)
-    assert_same_8bit(one, run_adamw("reference", steps=2, shapes=shapes))
+    for shapes in ({"big": (300_001,), "w": (96, 200)}, {"odd": (4097,), "big": (300_001,)}):
+        try:
+            torch.set_num_threads(1)
+            one = run_adamw("c", steps=2, shapes=shapes)
+            torch.set_num_threads(max(2, before))
+            many = run_adamw("c", steps=2, shapes=shapes)
+        finally:
+            torch.set_num_threads(before)
+        for field in ("mu", "nu", "mu_absmax", "nu_absmax"):
+            for n in shapes:
+                assert torch.equal(one[1][field][n], many[1][field][n]), (field, n)
+        if "w" in shapes:  # (the second's codes differ from the reference's by one within
+            # a rounding of a code's boundary, as docs/precision.md allows)
+            assert_same_8bit(one, run_adamw("reference", steps=2, shapes=shapes))
 
 
 @pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
