@@ -148,3 +148,18 @@ def test_per_tensor_reductions_accumulate_in_float64(backend):
     for name, exact in (("sum", g.double().sum()), ("mean", g.double().mean())):
         got = run(f"optimizer f() {{ p = p * 0 + {name}(g) }}", backend, torch.zeros_like(g), g)
         assert torch.equal(got, exact.float().expand_as(g)), (name, got[0], exact)
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_per_tensor_max_is_nan_where_a_value_is(backend):
+    """max(x) of a tensor holding a NaN is NaN wherever the NaN stands (first, last, in a
+    later piece of a long tensor), as torch.amax; of negative values, the largest."""
+    gen = torch.Generator().manual_seed(3)
+    for n, at in ((5, 0), (5, 4), (70000, 69999), (70000, 3)):
+        g = -torch.rand(n, generator=gen) - 1
+        want = g.max().expand(n).clone()
+        got = run("optimizer f() { p = p * 0 + max(g) }", backend, torch.zeros(n), g)
+        assert torch.equal(got, want), (n, got[0], want[0])
+        g[at] = math.nan
+        got = run("optimizer f() { p = p * 0 + max(g) }", backend, torch.zeros(n), g)
+        assert got.isnan().all(), (n, at, got[0])
