@@ -163,3 +163,15 @@ def test_per_tensor_max_is_nan_where_a_value_is(backend):
         g[at] = math.nan
         got = run("optimizer f() { p = p * 0 + max(g) }", backend, torch.zeros(n), g)
         assert got.isnan().all(), (n, at, got[0])
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_round_of_a_hyperparameter_is_half_to_even(backend):
+    """round() in the scalar phase (of hyperparameters alone) rounds halves to even, as in
+    the element loop and torch.round."""
+    x = torch.zeros(1, dtype=torch.float64)
+    for h, want in ((0.5, 0.0), (1.5, 2.0), (2.5, 2.0), (-0.5, -0.0), (-2.5, -2.0),
+                    (3.5, 4.0), (2.4, 2.0)):
+        got = run("optimizer f(h = 0.0) { p = p * 0 + round(h) }", backend, x.clone(),
+                  torch.zeros_like(x), h=h)
+        assert got.item() == want, (h, got.item())
