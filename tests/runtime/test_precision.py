@@ -109,6 +109,16 @@ def test_state_dtype_with_float64_params(name, sd, backend):
                           **HYPERS.get(name, {}))
 
 
+@needs_c
+def test_float32_state_of_float64_params_read_by_a_reduction_is_not_rounded_early():
+    """LAMB's new moments are read by its norms and by the update: with float64 parameters
+    and float32 state, the update reads them in float64, as the reference does, not as
+    stored (C stores a new state value in its reduction phase only where the storage holds
+    the compute type exactly)."""
+    assert_like_reference("lamb", "c", dtype=torch.float64,
+                          init_kw={"state_dtype": torch.float32})
+
+
 def test_state_dtype_is_each_states_own():
     params, state = run("adamw", "reference", steps=1, init_kw={"state_dtype": {"nu": BF16}})
     assert state["mu"]["w"].dtype == torch.float32
