@@ -1113,6 +1113,21 @@ def test_min_and_max_of_equal_values_give_the_second():
     assert not torch.signbit(ref[1]["s"]["w"][0])
 
 
+def test_a_number_over_a_value_is_one_division_on_the_reference_and_in_c():
+    """``0.1 / g``: one correctly rounded division on the reference, as in C (torch's
+    ``0.1 / x`` is ``x.reciprocal() * 0.1``, a unit off for a third of the values, and inf
+    over a subnormal whose reciprocal overflows: 0.1 / 1e-39 is 1e38 in float32)."""
+    gen = torch.Generator().manual_seed(4)
+    g = torch.cat([torch.tensor([1e-39, -1e-39, 0.0, -0.0, math.inf, 3.0]),
+                   torch.randn(3000, generator=gen)])
+    want = torch.div(torch.tensor(0.1), g)
+    spec = vega.compile("optimizer o() {\n    p = 0.1 / g\n}")
+    for backend in ("reference", "c"):
+        got = spec.step(torch.zeros_like(g), g, spec.init(g), backend=backend)[0]
+        assert _same_bits(got, want), (backend, (got != want).sum())
+    assert math.isfinite(want[0].item())
+
+
 OPPOSITE_ZEROS = """optimizer opposite(a = -1.0) {
     state lo = zeros
     state hi = zeros
