@@ -290,6 +290,25 @@ def test_loaded_states_are_the_optimizers_own_cast_or_not(state_dtype, of_torch)
                for st in given["state"].values() for v in st.values())
 
 
+def test_gradients_are_unscaled_then_clipped_in_that_order():
+    """Each gradient times the inverse loss scale, then times the clip coefficient, each
+    product rounded: C and the reference bitwise alike, with a scale whose inverse is not
+    a power of two (the product of the two factors first rounds otherwise)."""
+    gen = torch.Generator().manual_seed(5)
+    p = {"w": torch.zeros(3000), "b": torch.zeros(70)}
+    g = {k: torch.randn(v.shape, generator=gen) * 1000.0 for k, v in p.items()}
+    spec = vega.compile("optimizer o() {\n    p = g\n}")
+    outs = {b: spec.step(p, g, spec.init(p), backend=b, max_grad_norm=1.0,
+                         loss_scale=vega.LossScale.static(1000.0))[0] for b in ("reference", "c")}
+    inv = torch.tensor(1 / 1000.0)
+    norm = torch.sqrt(sum((x.double() / 1000.0).square().sum() for x in g.values()))
+    coef = torch.tensor(1.0 / max(norm.item(), 1.0))
+    for k in p:
+        want = g[k] * inv * coef
+        assert torch.equal(outs["reference"][k], want), k
+        assert torch.equal(outs["c"][k], want), k
+
+
 @pytest.mark.parametrize("backend", ["c", "triton"])
 def test_clipping_by_a_nan_or_overflowing_norm_as_the_reference(backend):
     """A NaN gradient makes the joint norm, and so every clipped gradient, NaN (a
