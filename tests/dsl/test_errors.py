@@ -120,6 +120,8 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(f: bool = 1.0000001) {\n  p = p\n}\n",
      "needs a default of true or false, not 1.0000001", 1, 23),
     ("optimizer o(b1 = 0.5 in [1, 0]) {\n  p = p\n}\n", "is empty", 1, 25),
+    # (one bound open: empty, where no default can be inside it)
+    ("optimizer o(b1 = 1 in (1, 1]) {\n  p = p\n}\n", "the range (1, 1] of 'b1' is empty", 1, 23),
     ("optimizer o(lr = nan) {\n  p = p\n}\n", "the default of 'lr' cannot be nan", 1, 18),
     ("optimizer o(lr = 1 in [0, nan]) {\n  p = p\n}\n",
      "the range [0, nan] of 'lr' has a nan bound", 1, 23),
@@ -217,6 +219,8 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * size(p, nan) * g\n}\n",
      "size()'s axis is a whole number from 0 to 63", 2, 24),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * size(p, 1.5) * g\n}\n",
+     "size()'s axis is a whole number from 0 to 63", 2, 24),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * size(p, 64) * g\n}\n",
      "size()'s axis is a whole number from 0 to 63", 2, 24),
     # a state's initial value is made for each tensor alone: a reduction over the group there
     # was each tensor's own (its sum, not the group's), silently
@@ -470,3 +474,22 @@ def test_a_number_float64_cannot_hold_is_named(text, column, why):
         text[column - 1:].split()[0].rstrip(")"))
     ok = vega.compile("optimizer o(lr = 0.1) { p = p - lr * g * 4.9e-324 + 0.0e-999 * g }")
     assert ok.name == "o"
+
+
+def test_a_repeat_count_of_the_largest_allowed_compiles():
+    """64, the largest repeat count, and a hyperparameter whose range ends at 64 (from 0,
+    the least) are repeat counts; 65 is not."""
+    vega.compile("optimizer o() {\n  repeat 64 {\n    p = p + 1\n  }\n}\n").program()
+    vega.compile("optimizer o() {\n  repeat 0 {\n    p = p + 1\n  }\n  p = p\n}\n").program()
+    vega.compile("optimizer o(n = 2.0 in [0, 64]) {\n  repeat n {\n    p = p + 1\n  }\n}\n")
+    with pytest.raises(SpecError, match="a repeat count is a whole number from 0 to 64, not 65"):
+        vega.compile("optimizer o() {\n  repeat 65 {\n    p = p + 1\n  }\n}\n")
+
+
+def test_a_spec_may_have_eight_bool_hyperparameters_and_not_nine():
+    def spec(n):
+        flags = ", ".join(f"f{k} = false" for k in range(n))
+        return f"optimizer o({flags}) {{\n  p = p\n}}\n"
+    vega.compile(spec(8))
+    with pytest.raises(SpecError, match="at most 8 bool hyperparameters, this one has 9"):
+        vega.compile(spec(9))
