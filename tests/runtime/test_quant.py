@@ -951,6 +951,17 @@ def test_a_staged_step_refuses_the_states_a_plain_step_refuses(backend, wrong, w
     (lambda: vega.lbfgs_init([torch.randn(64, 100)], state_dtype=U8),
      "lbfgs_init: state_dtype=torch.uint8 \\(8-bit state\\) is kept by the optimizers "
      "written as specs"),
+    # a state of one number per tensor, and one whose scales' name the spec takes
+    (lambda: vega.compile("optimizer o() {\n  state n: scalar = 0\n  n = n + norm(g)\n"
+                          "  p = p - 0.01 * g * n\n}\n").init({"w": torch.randn(5000)},
+                                                             state_dtype={"n": U8}),
+     "state 'n' is one number per tensor; only states shaped like the parameter are kept "
+     "in 8 bits"),
+    (lambda: vega.compile("optimizer o() {\n  state mu = zeros\n  state mu_absmax = zeros\n"
+                          "  mu = 0.9 * mu + g\n  mu_absmax = mu_absmax\n  p = p - 0.01 * mu\n"
+                          "}\n").init({"w": torch.randn(5000)}, state_dtype={"mu": U8}),
+     "8-bit state 'mu' keeps its scales in a state named 'mu_absmax', but the spec declares "
+     "one of that name"),
 ])
 def test_bad_8bit_requests(make, words):
     with pytest.raises(ValueError, match=words):
