@@ -119,6 +119,8 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "the default 0.999999999 of 'b' is outside its range [0, 0.99999999]", 1, 17),
     ("optimizer o(f: bool = 1.0000001) {\n  p = p\n}\n",
      "needs a default of true or false, not 1.0000001", 1, 23),
+    ("optimizer o() {\n  p = p - where(g > 0, g, g > 1)\n}\n",
+     "where() needs two values of one type, got a number and a bool", 2, 11),
     ("optimizer o() {\n  state s = p > 0\n  s = s\n  p = p\n}\n",
      "state 's' must start as a number, not a bool", 2, 13),
     ("optimizer o(b1 = 0.5 in [1, 0]) {\n  p = p\n}\n", "is empty", 1, 25),
