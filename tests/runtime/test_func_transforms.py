@@ -165,3 +165,80 @@ def test_vmap_step_of_large_tensors_and_matrix_products():
                              spec.init(member(params, i)), backend="reference", **kw)
             for k in q:
                 torch.testing.assert_close(p[k][i], q[k], rtol=0, atol=1e-5)
+
+
+def _class_opt(name, backend):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+    for p in (w, b):
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    kw = {} if name == "LBFGS" else dict(backend=backend)
+    return [w, b], getattr(vega.optim, name)([w, b], lr=0.1, **kw)
+
+
+@pytest.mark.parametrize("name,backend", [("AdamW", "c"), ("AdamW", "reference"),
+                                          ("Muon", "reference"), ("LBFGS", None)])
+@pytest.mark.parametrize("transform", ["grad", "jvp", "functionalize"])
+def test_a_class_step_under_grad_jvp_or_functionalize_is_refused_and_changes_nothing(
+        name, backend, transform):
+    params, opt = _class_opt(name, backend)
+    before = [p.detach().clone() for p in params]
+
+    def stepping(x):
+        opt.step()
+        return (x * x).sum()
+
+    x = torch.ones(3, dtype=torch.float64)
+    run = {"grad": lambda: grad(stepping)(x), "jvp": lambda: jvp(stepping, (x,), (x,)),
+           "functionalize": lambda: torch.func.functionalize(stepping)(x)}[transform]
+    with pytest.raises(ValueError, match=f"{name}.step: called under torch.func.{transform}"):
+        run()
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+    # the optimizer steps on outside the transform, as a fresh one would
+    fresh_params, fresh = _class_opt(name, backend)
+    opt.step()
+    fresh.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, fresh_params))
+    for p in params:
+        for v in opt.state[p].values():
+            assert not torch._C._functorch.is_functorch_wrapped_tensor(v)
+            assert not torch._is_functional_tensor(v)
+
+
+@pytest.mark.parametrize("name,backend", [("AdamW", "c"), ("Muon", "reference")])
+def test_a_class_step_under_vmap_of_other_tensors_steps_as_outside_it(name, backend):
+    params, opt = _class_opt(name, backend)
+    eager_params, eager = _class_opt(name, backend)
+
+    def stepping(x):
+        opt.step()
+        return x + 1
+
+    vmap(stepping)(torch.zeros(3, 2))
+    eager.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, eager_params))
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_functional_step_under_functionalize_is_the_reference_step(donate):
+    params, grads = ensemble()
+    params, grads = member(params, 0), member(grads[0], 0)
+    ls = vega.LossScale.dynamic()
+    want = vega.adamw_step(params, grads, vega.adamw_init(params), lr=0.1, backend="reference",
+                           max_grad_norm=1.0, loss_scale=ls)
+    mine = {k: v.clone() for k, v in params.items()}
+
+    def step(p, g):
+        return vega.adamw_step(p, g, vega.adamw_init(p), lr=0.1, max_grad_norm=1.0,
+                               loss_scale=vega.LossScale.dynamic(), donate=donate)
+
+    got = torch.func.functionalize(step)(mine, grads)
+    for a, b in zip(flatten(got[:2])[0], flatten(want[:2])[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(got[2].loss_scale, want[2].loss_scale)
+    if donate:  # (functionalize writes the step's writes back into its inputs)
+        assert all(torch.equal(mine[k], want[0][k]) for k in mine)
+    with pytest.raises(ValueError, match="backend='c' under torch.func.functionalize"):
+        torch.func.functionalize(lambda p, g: vega.adamw_step(
+            p, g, vega.adamw_init(p), backend="c"))(params, grads)

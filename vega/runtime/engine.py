@@ -266,7 +266,8 @@ def check_precision(owner: str, master_weights, stochastic_rounding, rounding_se
 
 
 _TRANSFORM_WORDS = {"Grad": "torch.func.grad (or grad_and_value, vjp, jacrev, hessian)",
-                    "Jvp": "torch.func.jvp", "Vmap": "torch.func.vmap"}
+                    "Jvp": "torch.func.jvp", "Vmap": "torch.func.vmap",
+                    "Functionalize": "torch.func.functionalize"}
 
 
 def under_transforms(owner: str, backend, donate: bool, backends: bool = True):
@@ -276,7 +277,10 @@ def under_transforms(owner: str, backend, donate: bool, backends: bool = True):
     Under ``vmap`` and ``jvp`` (forward mode, which ``no_grad`` leaves on) it steps by the
     reference backend's torch operations, purely: ``donate=True`` and a compiled backend,
     whose kernels read a tensor's memory, which a transform's wrapper does not have, are
-    refused. ``backends``: whether the step takes a backend at all."""
+    refused. Under ``functionalize`` likewise by the reference backend, whose operations it
+    follows (a compiled backend is refused: its tensors have no storage either), ``donate=True``
+    included: it turns the writes in place into new tensors, and writes them back into the
+    inputs at its end. ``backends``: whether the step takes a backend at all."""
     keys = transforms()
     if not keys:
         return backend
@@ -287,11 +291,12 @@ def under_transforms(owner: str, backend, donate: bool, backends: bool = True):
             f"a gradient through it would be silently zero; call the step outside the "
             f"transform, and to differentiate through an update (meta-learning) write that "
             f"update in torch operations")
-    named = [_TRANSFORM_WORDS[k] for k in keys if k in ("Vmap", "Jvp")]
+    named = [_TRANSFORM_WORDS[k] for k in keys if k in ("Vmap", "Jvp", "Functionalize")]
     if not named:
         return backend
-    if donate:
-        raise ValueError(f"{owner}: donate=True under {named[-1]}: the step cannot update "
+    pure = [_TRANSFORM_WORDS[k] for k in keys if k in ("Vmap", "Jvp")]
+    if donate and pure:
+        raise ValueError(f"{owner}: donate=True under {pure[-1]}: the step cannot update "
                          f"a transform's tensors in place; use donate=False (the default), "
                          f"which returns the new params and state")
     if backends and backend not in (None, "reference"):
@@ -299,6 +304,22 @@ def under_transforms(owner: str, backend, donate: bool, backends: bool = True):
                          f"the tensors' memory, which a transform's tensor does not have; "
                          f"use backend='reference' (the default under {named[-1]})")
     return "reference" if backends else backend
+
+
+def class_step_transforms(owner: str, rule: str) -> None:
+    """Refuse a class's ``step()`` called under ``torch.func.grad``, ``jvp`` or
+    ``functionalize``, before it changes anything: it writes its parameters and its state,
+    tensors from outside the transform, in place, which these transforms cannot follow (a
+    state made there would hold the transform's tensors, which outlive it). Under ``vmap``
+    alone it steps its own (unbatched) tensors as outside it."""
+    keys = [k for k in transforms() if k in ("Grad", "Jvp", "Functionalize")]
+    if keys:
+        raise ValueError(
+            f"{owner}.step: called under {_TRANSFORM_WORDS[keys[-1]]}: a class's step "
+            f"updates its parameters and its state in place, tensors from outside the "
+            f"transform, which the transform cannot follow; call step() outside the "
+            f"transform, or inside it the functional step of the rule ({rule}_step, e.g. "
+            f"vega.adamw_step), which returns the new params and state")
 
 
 def zeros(like, shape, dtype, device) -> torch.Tensor:

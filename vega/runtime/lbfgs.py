@@ -69,7 +69,8 @@ from vega.runtime import sharded, torch_names
 from vega.dsl.ast import Range
 from vega.runtime.engine import (as_float, check_reach, check_state_dtype,
                                  loaded_state_dtype, saved_groups, scheduled, shown,
-                                 state_dtype_for, under_transforms, zeros)
+                                 state_dtype_for, under_transforms, zeros,
+                                 class_step_transforms)
 from vega.runtime.spec import (_check_dense, _check_leaves, _label, _paths, flatten_pair,
                                stepped)
 from vega.runtime.tree import flatten, is_steppable, unflatten
@@ -641,6 +642,8 @@ class LBFGS(torch.optim.Optimizer):
     def step(self, closure=None):
         """One update of every parameter (a ``None`` gradient is a zero one), unless none
         has a gradient; returns the closure's loss."""
+        if not torch.compiler.is_compiling():  # (refused under torch.func.grad, jvp,
+            class_step_transforms("LBFGS", "lbfgs")  # functionalize)
         loss = None
         if closure is not None:
             with torch.enable_grad():

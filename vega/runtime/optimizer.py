@@ -337,6 +337,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         loss scale or ``skip_nonfinite``: a step whose gradients are not all
         finite changes no parameter and no state. Nothing is read back to the host.
         """
+        if not torch.compiler.is_compiling():  # (refused under torch.func.grad, jvp,
+            engine.class_step_transforms(type(self).__name__, self.spec.name)  # functionalize)
         loss = None
         if closure is not None:
             with torch.enable_grad():
