@@ -1309,3 +1309,51 @@ def test_each_hyperparameter_keys_the_kept_array_of_values(n):
             got, _ = spec.step(x, x, spec.init(x), backend="c", **hypers)
             want, _ = spec.step(x, x, spec.init(x), backend="reference", **hypers)
             assert torch.equal(got[0], want[0]), (k, value)
+
+
+def test_the_kernel_choices_of_the_environment_changed_mid_process_change_no_value(
+        monkeypatch):
+    """``VEGA_C_QUARTERS`` and ``VEGA_C_Q8_TABLE`` are read where a kernel is rendered: one
+    built before a change keeps its choice, one built after takes the new one. Neither
+    choice changes a value (a process holding kernels of both steps as either would alone),
+    which is what makes the mix harmless: a clipped AdamW over long tensors, LAMB's trust
+    ratios and 8-bit state stepped on across a change, and a spec compiled after it."""
+    from vega.codegen.c import render
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.randn(n, generator=gen) for n in (70001, 40000)]
+    grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(4)]
+    cases = [("adamw", dict(max_grad_norm=0.5)), ("lamb", {}),
+             ("adamw", dict(state_dtype=torch.uint8))]
+
+    def run(name, kw, tag, change=None):
+        spec = vega.compile(vega.builtin(name).source_text + f"\n# {tag}\n")
+        ps = [p.clone().requires_grad_() for p in params]
+        opt = spec.optimizer_class(ps, lr=0.01, backend="c", **kw)
+        for k, gs in enumerate(grads):
+            if k == 2 and change is not None:
+                change()
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            opt.step()
+        return ps + [v for st in opt.state.values() for v in st.values()], spec
+
+    def bits(x):
+        return x.view(torch.uint8) if x.dtype.is_floating_point else x
+
+    for name, kw in cases:
+        for first, then in (("1", "0"), ("0", "1")):
+            monkeypatch.setenv("VEGA_C_QUARTERS", then)
+            monkeypatch.setenv("VEGA_C_Q8_TABLE", then)
+            want, _ = run(name, kw, f"all {then}")
+            monkeypatch.setenv("VEGA_C_QUARTERS", first)
+            monkeypatch.setenv("VEGA_C_Q8_TABLE", first)
+
+            def change():
+                monkeypatch.setenv("VEGA_C_QUARTERS", then)
+                monkeypatch.setenv("VEGA_C_Q8_TABLE", then)
+            got, spec = run(name, kw, f"{first} then {then}", change)
+            assert f"#define SPLIT_MIN {'16384' if then == '1' else 'INT64_MAX'} " in \
+                spec.source("c")  # (rendered again now: the new choice)
+            assert render.split_min() == ("16384" if then == "1" else "INT64_MAX")
+            for a, b in zip(got, want):
+                assert torch.equal(bits(a), bits(b)), (name, kw, first)
