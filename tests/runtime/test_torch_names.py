@@ -1,6 +1,7 @@
 """torch.optim's keywords on vega's classes: betas (and torch's LR schedulers that cycle
 them), maximize, SGD's dampening, foreach / fused / capturable / differentiable."""
 import copy
+import re
 
 import pytest
 import torch
@@ -186,6 +187,38 @@ def test_a_b1_changed_before_saving_is_saved():
     copied.step()
     assert loaded.param_groups[0]["betas"][0] == copied.param_groups[0]["b1"] == 0.5
     assert torch.equal(w, w2) and torch.equal(w, copied.param_groups[0]["params"][0])
+
+
+@pytest.mark.parametrize("key, value", [("b1", 0.5), ("betas", (0.5, 0.999)), (None, None)])
+def test_a_state_dict_whose_betas_and_b1_disagree_warns_at_load(key, value):
+    """state_dict() saves betas and b1, b2 in agreement; a saved group changed by hand in one
+    of them (b1 = 0.5 in the checkpoint, as one changes its lr) loads taking betas, as
+    torch's classes read it: the load warns, naming both, where a change of b1 alone was
+    lost without a word. A state dict as saved, and torch.optim's, load without one."""
+    import warnings
+    w = torch.nn.Parameter(torch.ones(4))
+    w.grad = torch.ones(4)
+    opt = vega.optim.AdamW([w], lr=1e-2)
+    opt.step()
+    saved = opt.state_dict()
+    if key is not None:
+        saved["param_groups"][0][key] = value
+    loaded = vega.optim.AdamW([torch.nn.Parameter(w.detach().clone())], lr=1e-2)
+    if key is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            loaded.load_state_dict(saved)
+            torch_opt = torch.optim.AdamW([torch.nn.Parameter(w.detach().clone())])
+            torch_opt.load_state_dict(opt.torch_state_dict())
+            loaded.load_state_dict(torch_opt.state_dict())
+        return
+    shown = "betas=(0.9, 0.999) and b1=0.5" if key == "b1" else "betas=(0.5, 0.999) and b1=0.9"
+    with pytest.warns(UserWarning, match=re.escape(
+            f"AdamW.load_state_dict: group 0 of the state has {shown}, b2=0.999, which "
+            f"disagree")):
+        loaded.load_state_dict(saved)
+    group = loaded.param_groups[0]
+    assert group["b1"] == group["betas"][0] == (0.9 if key == "b1" else 0.5)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])

@@ -1078,6 +1078,26 @@ class SpecOptimizer(torch.optim.Optimizer):
         sync = self._tuples()
         sync.seen = {id(g): sync.seen[id(g)] for g in self.param_groups if id(g) in sync.seen}
 
+    def _warn_loaded_tuples(self, k: int, group: dict) -> None:
+        """A warning where a loaded group's tuple (``betas``) and the names it holds (``b1``,
+        ``b2``) disagree: the load takes the tuple, as torch's classes read it, and
+        ``state_dict()`` saves the two in agreement, so such a group was changed by hand (or
+        saved without that), and a change of ``b1`` alone would be lost without a word."""
+        for key, names in self._tuples().keys.items():
+            theirs = group.get(key)
+            if not isinstance(theirs, (tuple, list)) or len(theirs) != len(names) or \
+                    not all(n in group for n in names):
+                continue  # (the sync names what is wrong with it)
+            ours = tuple(group[n] for n in names)
+            if not torch_names.same_betas(ours, theirs):
+                mine = ", ".join(f"{n}={engine.shown(v)}" for n, v in zip(names, ours))
+                warnings.warn(
+                    f"{type(self).__name__}.load_state_dict: group {k} of the state has "
+                    f"{key}={engine.shown(tuple(theirs))} and {mine}, which disagree "
+                    f"(state_dict() saves them in agreement: one was changed by hand); it "
+                    f"takes {key}, as torch's classes read it: where {mine} was meant, set "
+                    f"{key} too", stacklevel=6)
+
     def _check_saved(self, state_dict) -> None:
         """What torch's loading would take without a word but the step cannot: a state_dict
         without its two entries, or groups without this optimizer's hyperparameters."""
@@ -1155,6 +1175,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                               "the saved scale is not loaded (to resume it, make the "
                               f"optimizer with LossScale.{kinds[0]}(...))", stacklevel=3)
                 scale = None
+        for k, group in enumerate(state_dict["param_groups"]):  # (before torch's loading,
+            self._warn_loaded_tuples(k, group)  # whose __setstate__ takes each tuple)
         mine = [g.get("state_dtype") for g in self.param_groups]
         super().load_state_dict({k: v for k, v in state_dict.items()
                                  if k not in ("loss_scale", torch_names.RULE_KEY)})
