@@ -220,6 +220,30 @@ def test_a_class_step_under_vmap_of_other_tensors_steps_as_outside_it(name, back
     assert all(torch.equal(p, q) for p, q in zip(params, eager_params))
 
 
+@pytest.mark.parametrize("name,backend", [("AdamW", "c"), ("AdamW", "reference"),
+                                          ("LBFGS", None)])
+def test_a_class_step_under_vmap_of_its_own_gradients_is_refused_and_changes_nothing(
+        name, backend):
+    params, opt = _class_opt(name, backend)
+    before = [p.detach().clone() for p in params]
+    grads = [p.grad for p in params]
+
+    def stepping(g):
+        params[0].grad = g
+        opt.step()
+        return g
+
+    with pytest.raises(ValueError, match=f"{name}.step: called under torch.func.vmap with a "
+                                         f"batched parameter or gradient"):
+        vmap(stepping)(torch.randn(3, 4, 5, dtype=torch.float64))
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+    params[0].grad = grads[0]
+    fresh_params, fresh = _class_opt(name, backend)
+    opt.step()
+    fresh.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, fresh_params))
+
+
 @pytest.mark.parametrize("donate", [False, True])
 def test_functional_step_under_functionalize_is_the_reference_step(donate):
     params, grads = ensemble()

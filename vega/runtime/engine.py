@@ -306,19 +306,28 @@ def under_transforms(owner: str, backend, donate: bool, backends: bool = True):
     return "reference" if backends else backend
 
 
-def class_step_transforms(owner: str, rule: str) -> None:
+def class_step_transforms(owner: str, rule: str, groups: list) -> None:
     """Refuse a class's ``step()`` called under ``torch.func.grad``, ``jvp`` or
-    ``functionalize``, before it changes anything: it writes its parameters and its state,
-    tensors from outside the transform, in place, which these transforms cannot follow (a
-    state made there would hold the transform's tensors, which outlive it). Under ``vmap``
-    alone it steps its own (unbatched) tensors as outside it."""
-    keys = [k for k in transforms() if k in ("Grad", "Jvp", "Functionalize")]
-    if keys:
+    ``functionalize``, or under ``vmap`` with a parameter or gradient of its ``groups``
+    batched, before it changes anything: it writes its parameters and its state, tensors
+    from outside the transform, in place, which these transforms cannot follow (a state
+    made there would hold the transform's tensors, which outlive it). Under ``vmap`` of
+    other tensors it steps its own as outside it."""
+    keys = transforms()
+    if not keys:
+        return
+    named = [k for k in keys if k in ("Grad", "Jvp", "Functionalize")]
+    if not named and "Vmap" in keys and any(
+            wrapped(t) for g in groups for p in g["params"] for t in (p, p.grad)
+            if t is not None):
+        named = ["Vmap"]
+    if named:
         raise ValueError(
-            f"{owner}.step: called under {_TRANSFORM_WORDS[keys[-1]]}: a class's step "
-            f"updates its parameters and its state in place, tensors from outside the "
-            f"transform, which the transform cannot follow; call step() outside the "
-            f"transform, or inside it the functional step of the rule ({rule}_step, e.g. "
+            f"{owner}.step: called under {_TRANSFORM_WORDS[named[-1]]}"
+            f"{' with a batched parameter or gradient' if named[-1] == 'Vmap' else ''}: a "
+            f"class's step updates its parameters and its state in place, tensors from "
+            f"outside the transform, which the transform cannot follow; call step() outside "
+            f"the transform, or inside it the functional step of the rule ({rule}_step, e.g. "
             f"vega.adamw_step), which returns the new params and state")
 
 

@@ -338,7 +338,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         finite changes no parameter and no state. Nothing is read back to the host.
         """
         if not torch.compiler.is_compiling():  # (refused under torch.func.grad, jvp,
-            engine.class_step_transforms(type(self).__name__, self.spec.name)  # functionalize)
+            engine.class_step_transforms(  # functionalize; vmap of its own tensors)
+                type(self).__name__, self.spec.name, self.param_groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():
