@@ -585,6 +585,28 @@ def test_the_update_adjusts_the_loss_scale_as_the_reference(init, floor):
     assert topt.loss_scale.skipped_steps.item() == 2
 
 
+def test_a_loss_scale_of_other_dtypes_is_adjusted_as_the_reference():
+    """A dynamic ``LossScale`` whose tensors the constructor took in other dtypes (a float64
+    scale and floor, int64 counts): the update, which reads them as float32 and int32, leaves
+    it to ``LossScale.adjust_``, so it grows as the reference's (the update's program 0
+    read the float64 scale's bits as a float32 and kept it)."""
+    out = {}
+    for backend in ("triton", "reference"):
+        w = torch.nn.Parameter(torch.ones(50, device=DEVICE))
+        scale = vega.LossScale(torch.tensor(1024.0, dtype=torch.float64, device=DEVICE),
+                               torch.tensor(0, device=DEVICE), torch.tensor(0, device=DEVICE),
+                               torch.tensor(1.0, dtype=torch.float64, device=DEVICE),
+                               growth_interval=2)
+        opt = vega.optim.AdamW([w], lr=1e-2, backend=backend, loss_scale=scale)
+        for step in range(3):
+            w.grad = torch.full((50,), 512.0 * (step + 1), device=DEVICE)
+            opt.step()
+        out[backend] = (w.detach(), scale.tensors())
+    (tw, tscale), (rw, rscale) = out["triton"], out["reference"]
+    assert [t.item() for t in tscale] == [t.item() for t in rscale] == [2048.0, 1, 0, 1.0]
+    torch.testing.assert_close(tw, rw)
+
+
 # states of one number per tensor whose new values read only such states' old values, t and
 # the hyperparameters (NAdam's product of momenta): the scalars kernel computes and writes
 # them once a step; a chain of two, one read by the update

@@ -1087,6 +1087,11 @@ class Source:
 _SERIAL = itertools.count()
 
 
+# the dtypes of a loss scale's tensors (``LossScale.tensors()``: the scale, its good and
+# skipped steps, its floor) as the update that adjusts it reads them (the template's advance)
+_SCALE_DTYPES = (torch.float32, torch.int32, torch.int32, torch.float32)
+
+
 def first_block(program: Program) -> bool:
     """Whether the update computes the new values of ``program``'s states of one number per
     tensor (a new value reads a reduction of the elements: ``plan.per_step_states``), and
@@ -1177,10 +1182,13 @@ class Kernel:
     def adjusts(self, params, donate: bool, loss_scale) -> bool:
         """Whether a step of ``params`` (``donate``: in place) adjusts ``loss_scale`` itself
         (``__call__``'s ``adjust``), in its last launch: eagerly, a dynamic scale on the
-        parameters' device, at least one parameter."""
+        parameters' device, at least one parameter, each of the scale's tensors one value
+        of the dtype the kernel reads it as (``_SCALE_DTYPES``: the constructor takes
+        others, which ``LossScale.adjust_`` adjusts in torch)."""
         return (donate and bool(params) and loss_scale is not None and loss_scale.is_dynamic
                 and not torch.compiler.is_compiling() and not self.program.spans_group
-                and all(t.device == params[0].device for t in loss_scale.tensors()))
+                and all(t.device == params[0].device and t.dtype == dt and t.numel() == 1
+                        for t, dt in zip(loss_scale.tensors(), _SCALE_DTYPES)))
 
     def check_devices(self, params) -> None:
         """ValueError where a step of ``params`` would refuse their devices when it launches
