@@ -554,6 +554,22 @@ def test_the_prelude_writes_the_whole_record(case):
     assert torch.allclose(again, tri, rtol=0, atol=0, equal_nan=True), (again, tri)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_the_prelude_inverts_a_loss_scale_of_any_dtype_as_the_reference(dtype):
+    """The record's inverse loss scale from a ``LossScale``'s scale, which the constructor
+    takes in any dtype: 1 / the scale in float64, as ``engine.inverse_scale`` forms it (a
+    float64 scale was rounded to float32 before the prelude inverted it)."""
+    from vega.runtime import engine
+    grads = [torch.randn(300, generator=torch.Generator().manual_seed(0)).to(DEVICE)]
+    scale = vega.LossScale(torch.tensor(1000.1, dtype=dtype, device=DEVICE),
+                           torch.tensor(0, dtype=torch.int32, device=DEVICE))
+    program = vega.adamw.program()
+    tri, ref = (engine.prelude([(program, backend, grads)], None, 0.3, True, loss_scale=scale)
+                for backend in ("triton", "reference"))
+    assert tri[2].item() == ref[2].item() == 1.0 / scale.loss_scale.double().item()
+    assert torch.allclose(tri, ref, rtol=1e-12, atol=0), (tri, ref)
+
+
 @pytest.mark.parametrize("init,floor", [(2.0**8, None), (3.0e38, None), (1.0, 0.75)])
 def test_the_update_adjusts_the_loss_scale_as_the_reference(init, floor):
     """A class step with a dynamic loss scale: the Triton update's program 0 adjusts it in

@@ -866,8 +866,8 @@ def _check(kern, what: str, x: torch.Tensor) -> None:
 
 def prelude(kern, grads, pre: torch.Tensor, init=None) -> None:
     """The kernel's ``prelude``; ``init``: ``(inverse loss scale or None, max_norm, check,
-    loss scale or None)`` (a float32 scale, whose inverse the kernel forms), where ``pre`` is
-    new (``torch.empty``) and this launch writes all of it."""
+    loss scale or None)`` (a float32 scale, whose inverse the kernel forms; another's is
+    formed here), where ``pre`` is new (``torch.empty``) and this launch writes all of it."""
     found = None
     mod = None if torch.compiler.is_compiling() else _table_builder()
     if mod is not None:  # each gradient checked and its row made in C++
@@ -886,8 +886,12 @@ def prelude(kern, grads, pre: torch.Tensor, init=None) -> None:
     if init is not None:
         inv_scale, max_norm, check, scale = init
         setting = settings(pre.device, max_norm, check)
-        if scale is not None:  # a loss scale, inverted by the kernel
-            inv = scale.detach().reshape(()).to(pre.device, torch.float32)
+        if scale is not None:  # a float32 loss scale, inverted by the kernel; one of another
+            # dtype inverted here, in float64 (engine.inverse_scale's: a float64 scale
+            # rounded to float32 first gave another inverse)
+            inv = scale.detach().reshape(()).to(pre.device)
+            if inv.dtype != torch.float32:
+                inv = inv.to(torch.float64).reciprocal()
         elif inv_scale is not None:
             inv = torch.as_tensor(inv_scale).detach().reshape(()).to(pre.device, torch.float64)
     if found is not None:
