@@ -105,3 +105,18 @@ def test_a_loss_scaled_step_is_three_launches():
                            loss_scale=vega.LossScale.dynamic(init=2.0**8, device=DEVICE))
     assert launches(opt.step) == ["vega_adamw_prelude", "vega_adamw_scalars",
                                   "vega_adamw_update"]
+
+
+def test_a_group_of_empty_tensors_last_leaves_the_counters_to_the_update():
+    """Two dtype groups, the last of empty tensors (which launches no update): the other
+    group's update advances the counters, no standalone advance; and a step run advances
+    each once."""
+    ws = [torch.nn.Parameter(torch.randn(100, device=DEVICE)),
+          torch.nn.Parameter(torch.randn(0, 3, device=DEVICE, dtype=torch.bfloat16))]
+    for w in ws:
+        w.grad = torch.randn_like(w)
+    opt = vega.optim.AdamW(ws, lr=1e-3, backend="triton")
+    assert launches(opt.step) == ["vega_adamw_scalars", "vega_adamw_scalars",
+                                  "vega_adamw_update"]
+    opt.step()
+    assert [int(opt.state[w]["step"]) for w in ws] == [1, 1]  # (the recorded steps ran none)

@@ -23,7 +23,8 @@ each program BLOCK consecutive elements of one tensor. A step is:
 - ``vega_<name>_update``: the element program; every write is the new value where the step
   is finite, the old bits where it is skipped; its program 0 then advances the step counters
   (saturating, unless skipped). ``vega_<name>_advance`` does that alone where no update
-  launch can (the staged path, a step of empty tensors).
+  launch can (the stages of a program over the matrix view, a step whose tensors are all
+  empty).
 
 The update and phase kernels advance each pointer to their block once, index within it in
 int32, take full blocks without a mask and, where the host found every address a multiple of

@@ -642,11 +642,13 @@ def _launches(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
             (mod, table, idx, key, scal, [params[i].shape for i in idx],
              [geos[i] for i in idx] if geos is not None else None)
             for key, idx, mod, table, scal, _, _ in work], pre, device, views)
+    # the last update launch advances the counters (a group of empty tensors launches none)
+    final = max((w for w, m in enumerate(maps) if m is not None and m[1].nblocks), default=-1)
     for w, ((key, idx, mod, table, scal, aligned, numels), m) in enumerate(zip(work, maps)):
         if m is None or m[1].nblocks == 0:
             continue
         block, bmap, red = m
-        last = w == len(work) - 1 and not advanced  # the last launch advances the counters
+        last = w == final and not advanced
         launch(mod[f"{name}_update"], (bmap.nblocks,), table, bmap.tensor, bmap.start,
                scal, red, counters if last else table, len(steps) if last else 0, finite,
                scale_tab, scale_cfg, ADVANCE=last, ADJUST=last and adjust,
