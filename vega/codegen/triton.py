@@ -1151,8 +1151,9 @@ class Kernel:
         self.module_name = f"{program.name}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
         serial = next(_SERIAL)
         self.key = f"{self.module_name}-{serial}"
-        # its number for the C++ operator's table builder (which remembers the last spans of
-        # each number's step; the C kernels' are 0 and up, -1 its writable())
+        # its number, the first argument of the C++ operator's table builder (``triton_rows``,
+        # which reads nothing of it: it keeps nothing between steps; the C kernels' numbers
+        # are 0 and up)
         self.native_id = -2 - serial
         self._modules: dict[tuple, dict] = {}
         triton_runtime.register(self)
