@@ -525,6 +525,28 @@ def test_min_and_max_of_equal_values_give_the_second():
         assert_same(x[~nan], y[~nan], name)  # signed zeros and infinities (not NaN's bits)
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "in place"])
+@pytest.mark.parametrize("which", ["parameters", "gradients"])
+def test_a_uint8_parameter_or_gradient_is_refused(which, donate):
+    """uint8 is a state's 8-bit codes only: a kernel called with a uint8 parameter or
+    gradient refuses it, naming it, as the C backend's does (the checks' pass over every
+    tensor's dtype took uint8 for any, and a uint8 parameter was stepped and truncated)."""
+    from vega.runtime import engine
+    p = torch.full((10,), 7.0, device=DEVICE)
+    g = torch.full((10,), 0.5, device=DEVICE)
+    if which == "parameters":
+        p = p.to(torch.uint8)
+    else:
+        g = g.to(torch.uint8)
+    before = p.clone()
+    states = [[torch.zeros(10, device=DEVICE)], [torch.zeros(10, device=DEVICE)]]
+    with pytest.raises(ValueError, match=f"does not support {which} of dtype torch.uint8"):
+        engine.run(vega.adamw.program(), "triton", [p], [g], states,
+                   [torch.zeros((), dtype=torch.int32, device=DEVICE)],
+                   [dict(lr=0.1, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)], donate)
+    assert torch.equal(p, before)
+
+
 @pytest.mark.parametrize("case", ["two groups", "loss scale", "no elements"])
 def test_the_prelude_writes_the_whole_record(case):
     """The fused step's record comes from the prelude alone, made new (``torch.empty``):

@@ -828,7 +828,9 @@ def _check_all(kern, params, grads, states, steps, device) -> None:
     _check_counters(steps, device)
     if not torch.compiler.is_compiling():  # (dynamo traces the checks one by one)
         every = [*params, *grads, *(x for col in states for x in col)]
-        if first_with_own_ops(every) is None and _KNOWN.issuperset(map(_DTYPE, every)) \
+        if first_with_own_ops(every) is None and _FLOATS.issuperset(map(_DTYPE, params)) \
+                and _FLOATS.issuperset(map(_DTYPE, grads)) \
+                and _KNOWN.issuperset(map(_DTYPE, every)) \
                 and all(d == device for d in map(_DEVICE_OF, every)):
             return
     for p, g in zip(params, grads):
@@ -844,6 +846,7 @@ def _check_all(kern, params, grads, states, steps, device) -> None:
 
 
 _KNOWN = frozenset(DTYPES)
+_FLOATS = _KNOWN - {torch.uint8}  # (a parameter's and a gradient's: uint8 is 8-bit codes')
 
 
 def _check_counters(steps, device) -> None:
