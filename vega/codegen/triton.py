@@ -7,8 +7,9 @@ tensor of the group: a device table holds each tensor's addresses (numel, p,
 g, state..., step counter, hyperparameters, outputs) and a block map gives
 each program BLOCK consecutive elements of one tensor. A step is:
 
-- ``vega_<name>_prelude`` and ``vega_<name>_prelude_finish``: the gradients' sum of
-  squares and non-finite count, unscaled, added into ``pre``;
+- ``vega_<name>_prelude``: the gradients' sum of squares and non-finite count, unscaled,
+  added into ``pre`` (or, at a step's first launch, the whole record written), the launch's
+  last program to finish combining every program's partial sums;
 - ``vega_<name>_scalars``: the scalar phase, once a step (float64, as in the reference):
   every scalar the kernels read (``b1 ^ t``, the hyperparameters), the inverse loss scale,
   the clip coefficient and the finite flag, per tensor, rounded to the arithmetic's dtype;

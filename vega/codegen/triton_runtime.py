@@ -533,7 +533,7 @@ def _tables(kern, params, states, grads, old_params, old_states, src_t, step_ind
             hyper_tensors, hyper_floats, hyper_slots, hyper_index, inplace, device, geos=None):
     """(the tables of a step, per dtype group: its dtypes, positions, rows on the host,
     whether every address is 16-byte aligned and the tensors' lengths; the
-    hyperparameters' device array), on the device ``_on``: ``_step_impl``'s arguments;
+    hyperparameters' device array), called within ``on_device``: ``_step_impl``'s arguments;
     ``geos``: ``_launches``'."""
     n, nstate = len(params), len(kern.program.states)
     src_p, src_s = (params, states) if inplace else (old_params, old_states)
@@ -580,7 +580,7 @@ def _launches(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
               scale_config, device, counters=None, views=None, geos=None):
     """The launches of a step (``_step_impl``) given its tables: ``found``, a (dtypes,
     positions, the table's rows on the host, whether every address is 16-byte aligned, the
-    tensors' lengths, as ``block_map`` takes them) per dtype group, on the device ``_on``;
+    tensors' lengths, as ``block_map`` takes them) per dtype group, within ``on_device``;
     ``counters``: the step counters' table on the host (each one's address read, then
     written), or None to make it here. ``geos``: each tensor's ``Geometry`` where it is not
     its shape's own (a shard's). A generator: given ``views`` (each tensor's ``ShardView`` or
