@@ -409,6 +409,17 @@ def test_cpu_tensors_without_the_interpreter_raise(monkeypatch):
         vega.sgd_step(p, torch.ones(3), vega.sgd_init(p), backend="triton")
 
 
+@pytest.mark.parametrize("value", ["1", "true", "Yes", "ON", "y", "0", "no", "off", "2",
+                                   " 1", ""])
+def test_the_interpreter_is_on_where_triton_says_so(monkeypatch, value):
+    """``interpreting()`` reads TRITON_INTERPRET as Triton does: "no" or "2" is off for
+    Triton, which compiles for the GPU, where the runtime took them for on (it refused CUDA
+    tensors, and on the CPU said the variable was set too late)."""
+    knobs = pytest.importorskip("triton.knobs")
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert triton_runtime.interpreting() == bool(knobs.runtime.interpret)
+
+
 def test_refuses_a_misshaped_state_before_launching():
     """A state smaller than its parameter would be read and written past its end."""
     p = torch.nn.Parameter(torch.randn(1000, device=DEVICE))

@@ -98,9 +98,15 @@ def kernel_of(key: str):
     return found
 
 
+# the values of TRITON_INTERPRET that Triton reads as on (its knobs' getenv_bool: any case,
+# nothing stripped); every other value is off
+_INTERPRET_ON = ("1", "true", "yes", "on", "y")
+
+
 def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), as
+    Triton reads the variable."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _INTERPRET_ON
 
 
 _SIZES_FOR_GPU = [False]  # gpu_sizes(): a GPU's sizes, under the interpreter too
