@@ -428,9 +428,10 @@ def codes_without_scales(backend: str, name: str) -> ValueError:
 def check_state_devices(backend: str, program: Program, params, states) -> None:
     """Raise ValueError unless every state tensor is on its parameter's device (a state on
     ``meta`` has no address: a Triton kernel read address 0; the reference's torch
-    operations raised a RuntimeError of their own). The compiled backends check each
-    tensor's device with its address; this is the reference's check, and a class's
-    (``_check_work``), which names the parameter."""
+    operations raised a RuntimeError of their own). The compiled backends' native checks
+    take each tensor's device with its address; this is the reference's check, the Triton
+    step's where its quick pass over the devices fails (``triton_runtime._check_all``), and
+    a class's (``_check_work``), which names the parameter."""
     devices = [p.device for p in params]
     for s, col in zip(program.states, states):
         if [x.device for x in col] != devices:
