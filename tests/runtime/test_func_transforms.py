@@ -7,6 +7,8 @@ step. ``grad`` (reverse mode) is refused: the step runs outside autograd, and a 
 through it would be silently zero. ``donate=True`` and a compiled backend under vmap or jvp
 are refused, naming the transform.
 """
+import re
+
 import pytest
 import torch
 from torch.func import grad, jvp, vmap
@@ -266,3 +268,16 @@ def test_functional_step_under_functionalize_is_the_reference_step(donate):
     with pytest.raises(ValueError, match="backend='c' under torch.func.functionalize"):
         torch.func.functionalize(lambda p, g: vega.adamw_step(
             p, g, vega.adamw_init(p), backend="c"))(params, grads)
+
+
+def test_a_class_step_refused_under_a_transform_names_its_rules_functional_step():
+    """The refusal points to the step to call instead: ``vega.<name>_step`` for a shipped
+    rule, the spec's own ``step`` for one compiled from a text (there is no ``vega.`` step
+    of its name)."""
+    text = vega.builtin("sgd").source_text.replace("optimizer sgd as SGD", "optimizer mine as Mine")
+    for opt, want in [(_class_opt("AdamW", "reference")[1], "(vega.adamw_step)"),
+                      (_class_opt("LBFGS", None)[1], "(vega.lbfgs_step)"),
+                      (vega.compile(text).optimizer([torch.nn.Parameter(torch.ones(3))],
+                                                    lr=0.1), "spec.step")]:
+        with pytest.raises(ValueError, match=re.escape(want)):
+            grad(lambda x: (opt.step(), (x * x).sum())[1])(torch.ones(2))

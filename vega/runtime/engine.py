@@ -307,7 +307,8 @@ def under_transforms(owner: str, backend, donate: bool, backends: bool = True):
 
 
 def class_step_transforms(owner: str, rule: str, groups: list) -> None:
-    """Refuse a class's ``step()`` called under ``torch.func.grad``, ``jvp`` or
+    """(``rule``: the functional step's name, ``vega.adamw_step``, or a function that gives
+    it.) Refuse a class's ``step()`` called under ``torch.func.grad``, ``jvp`` or
     ``functionalize``, or under ``vmap`` with a parameter or gradient of its ``groups``
     batched, before it changes anything: it writes its parameters and its state, tensors
     from outside the transform, in place, which these transforms cannot follow (a state
@@ -327,8 +328,9 @@ def class_step_transforms(owner: str, rule: str, groups: list) -> None:
             f"{' with a batched parameter or gradient' if named[-1] == 'Vmap' else ''}: a "
             f"class's step updates its parameters and its state in place, tensors from "
             f"outside the transform, which the transform cannot follow; call step() outside "
-            f"the transform, or inside it the functional step of the rule ({rule}_step, e.g. "
-            f"vega.adamw_step), which returns the new params and state")
+            f"the transform, or inside it the functional step of the rule "
+            f"({rule() if callable(rule) else rule}), which "
+            f"returns the new params and state")
 
 
 def zeros(like, shape, dtype, device) -> torch.Tensor:

@@ -643,7 +643,7 @@ class LBFGS(torch.optim.Optimizer):
         """One update of every parameter (a ``None`` gradient is a zero one), unless none
         has a gradient; returns the closure's loss."""
         if not torch.compiler.is_compiling():  # (refused under torch.func.grad, jvp,
-            class_step_transforms("LBFGS", "lbfgs",  # functionalize; vmap of its own)
+            class_step_transforms("LBFGS", "vega.lbfgs_step",  # functionalize; vmap of its own)
                                   self.param_groups)
         loss = None
         if closure is not None:

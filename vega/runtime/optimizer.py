@@ -339,7 +339,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         """
         if not torch.compiler.is_compiling():  # (refused under torch.func.grad, jvp,
             engine.class_step_transforms(  # functionalize; vmap of its own tensors)
-                type(self).__name__, self.spec.name, self.param_groups)
+                type(self).__name__, self._functional_step, self.param_groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -954,6 +954,12 @@ class SpecOptimizer(torch.optim.Optimizer):
         return {**super().__getstate__(), "max_grad_norm": self.max_grad_norm,
                 "loss_scale": self.loss_scale, "skip_nonfinite": self.skip_nonfinite,
                 "reduce_group": getattr(self, "reduce_group", None)}
+
+    def _functional_step(self) -> str:
+        """The name of the functional step of this optimizer's rule, for a message."""
+        from vega.runtime.library import shipped
+        return f"vega.{self.spec.name}_step" if shipped(self.spec) else \
+            "its CompiledSpec's step, spec.step"
 
     def __reduce_ex__(self, protocol):
         """As any object's, but an optimizer of a spec that is not shipped (``vega.compile``)
