@@ -140,6 +140,18 @@ def test_scale_and_unscale_keep_dtypes():
     assert ls.scale(torch.tensor(0.5)).item() == 2.0**15
 
 
+def test_bfloat16_is_scaled_in_float32_and_kept():
+    """bfloat16, as float16, meets the scale in float32 and is rounded back once: a 0-d
+    loss keeps its dtype (a 0-d bfloat16 times the 0-d float32 scale would be float32), and
+    a gradient is divided by the float32 scale, not by the scale rounded to bfloat16."""
+    ls = LossScale.static(257.0)  # (256 in bfloat16)
+    loss = torch.tensor(0.75, dtype=torch.bfloat16)
+    assert ls.scale(loss).dtype == torch.bfloat16
+    assert torch.equal(ls.scale(loss), (loss.float() * ls.loss_scale).bfloat16())
+    g = torch.linspace(-3.0, 5.0, 65, dtype=torch.bfloat16)
+    assert torch.equal(ls.unscale(g), (g.float() / ls.loss_scale).bfloat16())
+
+
 def test_grads_finite():
     ok = {"a": torch.ones(3), "b": [torch.zeros(2, dtype=torch.float16)], "i": torch.arange(2)}
     got = grads_finite(ok)
@@ -404,6 +416,36 @@ BAD = [
 def test_bad_arguments_raise(make, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
         make()
+
+
+def test_the_edges_of_the_settings_are_taken():
+    """The largest interval the int32 counter holds (which the refusal of a larger one
+    offers), and a floor equal to the initial scale, are taken."""
+    ls = LossScale.dynamic(init=4.0, growth_interval=2**31 - 1)
+    assert ls.growth_interval == 2**31 - 1
+    assert ls.adjust(True, growth_interval=2**31 - 1).good_steps.item() == 1
+    floored = LossScale.dynamic(init=4.0, min_scale=4.0)
+    backed = floored.adjust(False)
+    assert backed.loss_scale.item() == 4.0 and backed.skipped_steps.item() == 1
+
+
+def test_adjust_takes_an_integer_flag_as_python_truth():
+    """A 0-d integer tensor is finite where it is not 0 (any nonzero count, not 1 only)."""
+    ls = LossScale.dynamic(init=8.0, growth_interval=1)
+    for flag in (torch.tensor(2), torch.tensor(-1, dtype=torch.int8),
+                 torch.tensor(1, dtype=torch.uint8)):
+        assert ls.adjust(flag).loss_scale.item() == 16.0, flag
+    assert ls.adjust(torch.tensor(0)).loss_scale.item() == 4.0
+
+
+def test_step_refuses_a_step_fn_that_returns_another_structure():
+    ls = LossScale.dynamic(init=2.0)
+    state = {"w": torch.ones(2), "b": torch.zeros(1)}
+    grads = {"w": torch.ones(2), "b": torch.ones(1)}
+    with pytest.raises(ValueError, match="different from the state's"):
+        ls.step(grads, lambda g: {"w": state["w"] - g["w"]}, state)
+    with pytest.raises(ValueError, match="different from the state's"):
+        ls.step(grads, lambda g: (state["w"], state["b"]), state)
 
 
 def test_dynamic_follows_jmp_itself():
