@@ -126,6 +126,40 @@ def test_load_state_dict_loads_the_scale_into_the_optimizers_own():
     assert mine.good_steps.item() == opt.loss_scale.good_steps.item()
 
 
+def test_load_state_dict_loads_a_static_scale_into_a_static_one():
+    """A static scale's state (good_steps -1) is of the kind of a static optimizer's scale:
+    loaded without a word (its saved value taken), as a dynamic one into a dynamic one."""
+    import warnings
+    ps = _params()
+    opt = _stepped(vega.optim.AdamW(ps, lr=1e-2, loss_scale=LossScale.static(8.0)), ps)
+    mine = LossScale.static(4.0)
+    other = vega.optim.AdamW(_params(), lr=1e-2, loss_scale=mine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert mine.loss_scale.item() == 8.0 and mine.good_steps.item() == -1
+
+
+def test_load_state_dict_takes_groups_saved_without_the_later_settings():
+    """A state saved before the groups held ``maximize`` and the precision settings loads
+    with their defaults, and steps as it stepped (descending)."""
+    ps = _params()
+    opt = _stepped(vega.optim.AdamW(ps, lr=1e-2), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    for g in sd["param_groups"]:
+        for key in ("maximize", "master_weights", "stochastic_rounding", "rounding_seed"):
+            g.pop(key, None)
+    again = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    other = vega.optim.AdamW(again, lr=1e-2)
+    other.load_state_dict(sd)
+    assert other.param_groups[0]["maximize"] is False
+    assert other.param_groups[0]["master_weights"] is False
+    _stepped(other, again, steps=1, seed=5)
+    _stepped(opt, ps, steps=1, seed=5)
+    for a, b in zip(again, ps):
+        assert torch.equal(a, b)
+
+
 def test_load_state_dict_says_a_saved_scale_is_not_loaded():
     ps = _params()
     opt = _stepped(vega.optim.AdamW(ps, lr=1e-2, loss_scale=LossScale.dynamic(init=64.0)), ps)
