@@ -574,6 +574,26 @@ def test_state_dict_round_trip_and_resume_bitwise():
     _same_state(opt, model, opt2, model2)
 
 
+def test_a_state_dict_loaded_shares_no_codes_with_the_optimizer_it_came_from():
+    """Loading copies the 8-bit codes and their scales, as it copies float states: a state
+    dict taken from a live optimizer (whose tensors it holds) and loaded into another leaves
+    the two apart, each stepping its own codes."""
+    model = _model()
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    _train(model, opt, 2, seed=1)
+    model2 = _model(seed=5)
+    model2.load_state_dict(model.state_dict())
+    opt2 = vega.optim.AdamW(model2.parameters(), lr=1e-2, state_dtype=U8)
+    opt2.load_state_dict(opt.state_dict())  # (no copy: the live tensors)
+    w, w2 = model[0].weight, model2[0].weight
+    assert opt2.state[w2]["mu"].dtype == U8
+    assert opt2.state[w2]["mu"].data_ptr() != opt.state[w]["mu"].data_ptr()
+    before = {k: v.clone() for k, v in opt.state[w].items()}
+    _train(model2, opt2, 1, seed=2)
+    for k, v in before.items():
+        assert torch.equal(opt.state[w][k], v), k
+
+
 def test_vega_save_and_load_keep_codes_and_scales(tmp_path):
     params = params_of()
     state = vega.adamw.init(params, state_dtype=U8)
