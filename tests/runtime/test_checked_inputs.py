@@ -1774,3 +1774,23 @@ def test_a_functional_step_takes_donate_as_a_bool_only(donate):
     with pytest.raises(ValueError, match=r"^adamw_step: donate=.* must be True or False"):
         vega.adamw_step(params, {"w": torch.ones(3)}, state, donate=donate)
     assert torch.equal(params["w"], torch.ones(3)) and int(state["step"]) == 0
+
+
+def test_a_nan_hyperparameter_without_a_range_is_refused():
+    """NaN is refused for a hyperparameter that has no range (Muon's a, b, c), where the
+    range check does not catch it: at construction, in a group set after it, and by the
+    functional step."""
+    ps = [torch.nn.Parameter(torch.randn(4, 3))]
+    with pytest.raises(ValueError, match=r"Muon: a=nan is not a number"):
+        vega.optim.Muon(ps, a=float("nan"))
+    opt = vega.optim.Muon(ps)
+    opt.param_groups[0]["c"] = float("nan")
+    ps[0].grad = torch.ones(4, 3)
+    before = ps[0].detach().clone()
+    with pytest.raises(ValueError, match=r"c=nan is not a number"):
+        opt.step()
+    assert torch.equal(ps[0].detach(), before)
+    params = {"w": torch.randn(4, 3)}
+    with pytest.raises(ValueError, match=r"b=nan is not a number"):
+        vega.muon_step(params, {"w": torch.ones(4, 3)}, vega.muon_init(params),
+                       b=float("nan"))
