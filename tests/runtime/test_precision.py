@@ -994,3 +994,21 @@ def test_stochastic_rounding_resumes_and_repeats_bitwise_on_any_number_of_thread
     for other in (run(cut=3), run(threads=2), run(cut=2, threads=3)):
         assert all(torch.equal(a, b) for a, b in zip(full, other))
     assert not torch.equal(full[0], run(seed=8)[0])
+
+
+def test_a_master_copy_loads_as_float32_whatever_the_state_dtype():
+    """The master copy is float32 whatever ``state_dtype`` says (float64 for the other
+    states here), on loading as when the step makes it."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 3).to(BF16))
+    opt = vega.optim.AdamW([p], lr=1e-5, master_weights=True, state_dtype=torch.float64)
+    p.grad = torch.randn(4, 3).to(BF16)
+    opt.step()
+    assert opt.state[p]["master"].dtype == torch.float32
+    assert opt.state[p]["mu"].dtype == torch.float64
+    q = torch.nn.Parameter(p.detach().clone())
+    again = vega.optim.AdamW([q], lr=1e-5, master_weights=True, state_dtype=torch.float64)
+    again.load_state_dict(opt.state_dict())
+    assert again.state[q]["master"].dtype == torch.float32
+    assert torch.equal(again.state[q]["master"], opt.state[p]["master"])
+    assert again.state[q]["mu"].dtype == torch.float64
