@@ -173,6 +173,7 @@ INF = float("inf")
 @pytest.mark.parametrize("dtype,bound,want", [
     (torch.float16, 1e5, [1.0, 6e4, INF, -INF]),  # (past float16's range: inf rounds to inf)
     (torch.float16, 65519.0, [1.0, 6e4, 65504.0, -65504.0]),  # (rounds to float16's largest)
+    (torch.float16, 65520.0, [1.0, 6e4, INF, -INF]),  # (a tie: rounds to inf, as to even)
     (torch.bfloat16, 1e39, [1.0, 6e4, INF, -INF]),
     (torch.float32, 1e300, [1.0, 6e4, INF, -INF]),
     (torch.float32, 10**400, [1.0, 6e4, INF, -INF]),  # (an int past every float)
