@@ -323,6 +323,21 @@ def test_load_state_dict_refuses_a_step_counter_out_of_range(value, message):
     _unchanged(opt, snap)
 
 
+@pytest.mark.parametrize("value", [torch.tensor(0, dtype=torch.int32),
+                                   torch.tensor(2**31 - 1, dtype=torch.int32),
+                                   torch.tensor(float(2**31 - 1), dtype=torch.float64)],
+                         ids=["0", "int32 max", "float64 2**31 - 1"])
+def test_load_state_dict_takes_a_step_counter_at_the_ends_of_its_range(value):
+    """The counts an int32 counter holds, 0 and 2**31 - 1 included, load (as int32)."""
+    ps = _params()
+    opt = _stepped(vega.optim.Adam(ps, lr=0.1), ps)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["step"] = value
+    opt.load_state_dict(sd)
+    step = opt.state[ps[0]]["step"]
+    assert step.dtype == torch.int32 and int(step) == int(value)
+
+
 def test_load_state_dict_takes_torch_adams_float_step_counter():
     ps = _params()
     opt = _stepped(vega.optim.Adam(ps, lr=0.1), ps)
