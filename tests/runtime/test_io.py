@@ -664,3 +664,19 @@ def test_a_field_of_a_key_that_is_no_string_is_named_as_its_leaves_are(tmp_path)
     back = vega.load(tmp_path / "s.safetensors", like=state)
     assert torch.equal(back[1], state[1]) and torch.equal(back["a"][2], state["a"][2])
     assert torch.equal(vega.get_leaf(state, "1"), state[1])
+
+
+@pytest.mark.parametrize("stored", [torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.int32)],
+                         ids=["last dim 3", "int32 pairs"])
+def test_a_leaf_marked_complex_that_is_no_real_view_is_refused(tmp_path, stored):
+    """A leaf the metadata marks complex is a real view (a trailing dimension of 2, a float
+    dtype): one that is not is named, not viewed as complex deep inside the load."""
+    from safetensors.torch import save_file
+    like = {"mu": {"z": torch.zeros(4, dtype=torch.complex64)}}
+    path = tmp_path / "marked.safetensors"
+    save_file({"mu.z": stored}, str(path),
+              metadata={"vega": vio.FORMAT, "vega.version": vio.FORMAT_VERSION,
+                        "vega.complex": json.dumps(["mu.z"])})
+    with pytest.raises(ValueError, match=r"leaf 'mu\.z' in .*marked\.safetensors' is marked "
+                                         r"complex but is torch\."):
+        vega.load(path, like=like)
