@@ -1798,6 +1798,8 @@ def test_a_nan_hyperparameter_without_a_range_is_refused():
     ps = [torch.nn.Parameter(torch.randn(4, 3))]
     with pytest.raises(ValueError, match=r"Muon: a=nan is not a number"):
         vega.optim.Muon(ps, a=float("nan"))
+    with pytest.raises(ValueError, match=r"Muon: a=.*nan.* is not a number"):
+        vega.optim.Muon(ps, a=np.float32("nan"))  # (a number, not a float)
     opt = vega.optim.Muon(ps)
     opt.param_groups[0]["c"] = float("nan")
     ps[0].grad = torch.ones(4, 3)
