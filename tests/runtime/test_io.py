@@ -680,3 +680,14 @@ def test_a_leaf_marked_complex_that_is_no_real_view_is_refused(tmp_path, stored)
     with pytest.raises(ValueError, match=r"leaf 'mu\.z' in .*marked\.safetensors' is marked "
                                          r"complex but is torch\."):
         vega.load(path, like=like)
+
+
+def test_a_conjugate_view_leaf_is_saved_as_its_values(tmp_path):
+    """A complex leaf that is a conjugate view (``z.conj()``, which ``view_as_real``
+    refuses) is saved as the values it shows, and loads as them."""
+    z = torch.tensor([1 + 2j, -3 - 0.5j], dtype=torch.complex64)
+    state = {"mu": {"z": z.conj()}, "step": torch.tensor(2, dtype=torch.int32)}
+    vega.save(tmp_path / "c.safetensors", state)
+    back = vega.load(tmp_path / "c.safetensors", like=state)
+    assert not back["mu"]["z"].is_conj()
+    assert torch.equal(back["mu"]["z"], z.conj().resolve_conj())
