@@ -794,7 +794,8 @@ def test_codes_without_any_scales_or_with_misshaped_ones_refused_on_loading(keep
     _train(model, opt, 1, seed=2)
 
 
-@pytest.mark.parametrize("wrong", ["codes cast to float32", "a negative scale"])
+@pytest.mark.parametrize("wrong", ["codes cast to float32", "a negative scale",
+                                   "scales cast to uint8"])
 @pytest.mark.parametrize("keeps", [None, U8])
 def test_codes_cast_to_a_float_or_negative_scales_refused_on_loading(keeps, wrong):
     """A saved 8-bit state whose codes were cast to float32 beside their scales (read as
@@ -808,6 +809,10 @@ def test_codes_cast_to_a_float_or_negative_scales_refused_on_loading(keeps, wron
         st["nu"] = st["nu"].float()
         words = (r"state 'nu' of parameter \d+ is torch.float32 beside its 8-bit scales "
                  r"'nu_absmax': 8-bit codes are torch.uint8")
+    elif wrong == "scales cast to uint8":  # (their fractions dropped: other values)
+        st["nu_absmax"] = st["nu_absmax"].to(torch.uint8)
+        words = (r"the scales 'nu_absmax' of state 'nu' of parameter \d+ are torch.uint8, "
+                 r"not floating-point")
     else:
         st["nu_absmax"] = st["nu_absmax"].clone()
         st["nu_absmax"][0] = -st["nu_absmax"][0]
