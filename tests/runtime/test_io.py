@@ -395,6 +395,16 @@ def test_saved_file_has_ordinary_permissions(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+def test_saving_over_a_file_keeps_its_permissions(tmp_path):
+    """A file saved over keeps the permissions it had (the rename puts a new file in its
+    place, made with the umask's)."""
+    path = tmp_path / "s"
+    path.write_bytes(b"")
+    os.chmod(path, 0o640)
+    vega.save(path, vega.adamw_init(make_params()))
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
 # -- get_leaf / set_leaf ----------------------------------------------------------------
 
 def test_get_leaf_and_suggestions():
@@ -691,3 +701,11 @@ def test_a_conjugate_view_leaf_is_saved_as_its_values(tmp_path):
     back = vega.load(tmp_path / "c.safetensors", like=state)
     assert not back["mu"]["z"].is_conj()
     assert torch.equal(back["mu"]["z"], z.conj().resolve_conj())
+
+
+def test_set_leaf_refuses_a_value_on_another_device():
+    state = vega.adamw_init(make_params())
+    with pytest.raises(ValueError, match=r"leaf 'mu\.layer1\.weight' is on cpu; the value "
+                                         r"given is on meta"):
+        vega.set_leaf(state, "mu.layer1.weight",
+                      torch.zeros_like(state["mu"]["layer1"]["weight"], device="meta"))
