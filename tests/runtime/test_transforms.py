@@ -158,6 +158,9 @@ BAD = [
     (lambda: clip_by_global_norm(grads(), float("nan")), "max_norm=nan"),
     (lambda: clip_by_value(grads(), 0.0), "max=0.0"),
     (lambda: clip_by_value(grads(), -2), "max=-2"),
+    # (an int past the float range on the negative side: below every float, not inf)
+    (lambda: clip_by_global_norm(grads(), -10**400), "max_norm=-1000"),
+    (lambda: clip_by_value(grads(), -10**400), "max=-1000"),
 ]
 
 
