@@ -709,3 +709,22 @@ def test_set_leaf_refuses_a_value_on_another_device():
                                          r"given is on meta"):
         vega.set_leaf(state, "mu.layer1.weight",
                       torch.zeros_like(state["mu"]["layer1"]["weight"], device="meta"))
+
+
+def test_set_leaf_refuses_a_bool_for_an_integer_counter():
+    """True is an int to Python, but no step count: ``set_leaf(state, "step", True)`` is
+    refused as for a float leaf."""
+    state = vega.adamw_init(make_params())
+    with pytest.raises(ValueError, match=r"leaf 'step' is torch.int32; True does not fit it"):
+        vega.set_leaf(state, "step", True)
+
+
+def test_load_refuses_a_state_of_another_format_version(tmp_path):
+    from safetensors.torch import save_file
+    like = {"step": torch.zeros((), dtype=torch.int32)}
+    path = tmp_path / "v2.safetensors"
+    save_file({"step": torch.ones((), dtype=torch.int32)}, str(path),
+              metadata={"vega": vio.FORMAT, "vega.version": "2", "vega.complex": "[]"})
+    with pytest.raises(ValueError, match=r"v2\.safetensors' is a vega state of format version "
+                                         r"'2'; this vega reads version '1'"):
+        vega.load(path, like=like)
