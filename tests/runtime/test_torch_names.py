@@ -814,3 +814,17 @@ def test_a_class_torch_has_takes_its_defaults(name):
     shared = [k for k in torch_group if k != "params" and k in group]
     assert "lr" in shared
     assert {k: group[k] for k in shared} == {k: torch_group[k] for k in shared}
+
+
+def test_torch_state_with_differentiable_true_is_refused():
+    """torch.optim's state of a differentiable optimizer (whose steps keep a graph) is
+    refused by name: vega's fused step is not differentiable."""
+    ps = _params()
+    opt = torch.optim.Adam(ps, lr=1e-2, differentiable=True)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    mine = vega.optim.Adam(_params(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"group 0 of torch.optim.Adam's state has "
+                                         r"differentiable=True, which vega's fused step is not"):
+        mine.load_state_dict(opt.state_dict())
