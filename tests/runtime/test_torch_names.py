@@ -828,3 +828,26 @@ def test_torch_state_with_differentiable_true_is_refused():
     with pytest.raises(ValueError, match=r"group 0 of torch.optim.Adam's state has "
                                          r"differentiable=True, which vega's fused step is not"):
         mine.load_state_dict(opt.state_dict())
+
+
+def test_torch_state_loads_with_each_groups_own_settings():
+    """Loading torch.optim's state gives each group the backend and precision settings of
+    this optimizer's group of the same position (torch's state has none), and no 8-bit
+    state_dtype for the saved states: an 8-bit optimizer quantizes torch's float states,
+    whole-numbered ones too (which as states saved in 8 bits would be codes cast to floats)."""
+    a, b = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(2)]
+    theirs = torch.optim.Adam([{"params": [a]}, {"params": [b]}], lr=1e-2)
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    theirs.step()
+    sd = copy.deepcopy(theirs.state_dict())
+    for st in sd["state"].values():  # (whole numbers from 0 to 255, as codes are)
+        st["exp_avg"].copy_(torch.randint(0, 256, st["exp_avg"].shape))
+    mine = vega.optim.Adam([{"params": [a], "backend": "reference"},
+                            {"params": [b], "backend": "c", "master_weights": True}],
+                           lr=1e-2, state_dtype=torch.uint8)
+    with pytest.warns(UserWarning, match=r"quantized to 8 bits"):
+        mine.load_state_dict(sd)
+    assert [g["backend"] for g in mine.param_groups] == ["reference", "c"]
+    assert [g["master_weights"] for g in mine.param_groups] == [False, True]
+    assert mine.state[b]["mu"].dtype == torch.uint8
