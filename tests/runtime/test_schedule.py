@@ -457,3 +457,17 @@ def test_a_torch_lr_scheduler_over_a_vega_schedule_is_told_why_it_cannot(schedul
                lambda s: s / 2, lambda s: s + 1, lambda s: -s, float):
         with pytest.raises(TypeError, match="is a vega schedule"):
             op(sched)
+
+
+def test_a_growing_schedule_that_overflows_where_the_range_has_no_bound_is_taken():
+    """lr's range [0, inf) has no upper bound: an exponential growth that reaches inf only
+    at a count past the float range is taken (by the class and the functional step), as a
+    step reaches it only there; one that goes below 0 is refused."""
+    import vega
+    grow = schedule.exponential_decay(1e-3, 2.0, 1)  # (inf from step 1024 on)
+    p = [torch.nn.Parameter(torch.randn(3))]
+    vega.optim.SGD(p, lr=grow)
+    params = {"w": torch.randn(3)}
+    vega.sgd_step(params, {"w": torch.ones(3)}, vega.sgd_init(params), lr=grow)
+    with pytest.raises(ValueError, match=r"outside lr's range"):
+        vega.optim.SGD(p, lr=schedule.linear(1e-3, -1e-3, 10))
