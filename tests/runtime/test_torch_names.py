@@ -851,3 +851,12 @@ def test_torch_state_loads_with_each_groups_own_settings():
     assert [g["backend"] for g in mine.param_groups] == ["reference", "c"]
     assert [g["master_weights"] for g in mine.param_groups] == [False, True]
     assert mine.state[b]["mu"].dtype == torch.uint8
+
+
+def test_torch_state_dict_holds_only_torchs_entries():
+    """torch_state_dict() is torch's format: without vega's loss scale and rule name."""
+    ps = [torch.nn.Parameter(torch.randn(3))]
+    opt = vega.optim.AdamW(ps, lr=1e-2, loss_scale=vega.LossScale.dynamic())
+    ps[0].grad = torch.ones(3)
+    opt.step()
+    assert opt.torch_state_dict().keys() == {"state", "param_groups"}
