@@ -296,3 +296,19 @@ def test_a_long_leaf_stored_in_another_order_is_not_copied():
     stepped = torch.randn(2**16, generator=gen)[::3]
     assert global_norm([stepped]).item() == pytest.approx(
         torch.linalg.vector_norm(stepped.double()).item(), rel=1e-6)
+
+
+def test_clip_by_global_norm_with_a_tensor_bound_and_bfloat16_leaves():
+    """A 0-d tensor bound clips as a number does (the identity below it, never a scale-up),
+    and a bfloat16 leaf is scaled in float32 and rounded once, as a float16 one is."""
+    g = {"w": torch.tensor([0.3, 0.4])}  # norm 0.5
+    out = clip_by_global_norm(g, torch.tensor(2.0))["w"]
+    assert torch.equal(out, g["w"])
+    out = clip_by_global_norm(g, torch.tensor(0.25))["w"]
+    assert torch.allclose(out, g["w"] / 2)
+    b = {"w": torch.linspace(-3.0, 5.0, 65, dtype=torch.bfloat16)}
+    norm = torch.linalg.vector_norm(b["w"], dtype=torch.float32)
+    coef = 1.0 / norm
+    out = clip_by_global_norm(b, 1.0)["w"]
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, (b["w"].float() * coef).bfloat16())
