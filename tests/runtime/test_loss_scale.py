@@ -556,3 +556,24 @@ def test_a_scale_made_without_a_device_outlives_parameters_made_on_meta(backend)
     assert ours_scale.loss_scale.device.type == "cpu" and float(ours_scale.loss_scale) == 64.0
     for p, q in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(p.detach(), q.detach())
+
+
+def test_a_scale_is_one_optimizers_while_it_lives():
+    """Each step adjusts the optimizer's scale in place: one scale given to two optimizers
+    is refused (the second would unscale by a scale the loss was not scaled by, and the
+    counter would advance twice a step), and taken once the first is gone."""
+    import gc
+    ls = LossScale.dynamic(init=8.0)
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    first = vega.optim.AdamW([p], lr=1e-2, loss_scale=ls)
+    p.grad = q.grad = torch.ones(3)
+    first.step()
+    with pytest.raises(ValueError, match=r"loss_scale is the loss scale of another optimizer "
+                                         r"\(AdamW\)"):
+        vega.optim.AdamW([q], lr=1e-2, loss_scale=ls).step()
+    assert ls.good_steps.item() == 1
+    del first
+    gc.collect()
+    third = vega.optim.AdamW([q], lr=1e-2, loss_scale=ls)
+    third.step()
+    assert ls.good_steps.item() == 2
