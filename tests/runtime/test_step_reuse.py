@@ -350,3 +350,22 @@ def test_a_frozen_parameter_and_two_programs_keep_the_one_pass_gather(backend, m
             assert opt.state.get(p, {}).keys() == twin.state.get(q, {}).keys()
             for name, x in opt.state.get(p, {}).items():
                 assert torch.equal(x, twin.state[q][name]), name
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_a_bool_hyperparameter_changed_between_steps_picks_its_program(backend):
+    """A group's bool hyperparameter (LARS's nesterov, which no value condition reads)
+    changed after a step picks the program it selects at the next step, as the functional
+    step with the same values does: the step's remembered plan is of the old program."""
+    w = torch.nn.Parameter(torch.tensor([[1.0, -2.0], [3.0, 0.5]]))
+    opt = vega.optim.LARS([w], lr=0.1, backend=backend)
+    params = {"w": w.detach().clone()}
+    state = vega.lars_init(params)
+    for k, nesterov in enumerate((False, True, True, False)):
+        g = torch.tensor([[0.5, 1.0], [-1.5, 0.25]]) * (k + 1)
+        opt.param_groups[0]["nesterov"] = nesterov
+        w.grad = g.clone()
+        opt.step()
+        params, state = vega.lars_step(params, {"w": g}, state, lr=0.1, nesterov=nesterov,
+                                       backend=backend)
+        assert torch.equal(w.detach(), params["w"]), k
