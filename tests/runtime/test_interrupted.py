@@ -223,3 +223,16 @@ def test_a_first_step_interrupted_before_it_writes_keeps_no_state(where, monkeyp
         opt.step()
     assert not any(opt.state.get(p) for p in params)
     assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_a_first_step_its_kernel_refuses_leaves_no_state():
+    """A first step of one call on the C backend, whose kernel checks its own tensors (here
+    a gradient that is its parameter's memory), refuses it before writing anything, and the
+    state that step made is dropped: the next step starts from no state, as a step refused
+    earlier does."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = vega.optim.AdamW([p], lr=0.1, backend="c")
+    p.grad = p.data
+    with pytest.raises(ValueError, match=r"shares memory with parameter 0 of group 0"):
+        opt.step()
+    assert not opt.state and torch.equal(p.detach(), torch.ones(3))
