@@ -1362,3 +1362,64 @@ def test_the_kernel_choices_of_the_environment_changed_mid_process_change_no_val
             assert render.split_min() == ("16384" if then == "1" else "INT64_MAX")
             for a, b in zip(got, want):
                 assert torch.equal(bits(a), bits(b)), (name, kw, first)
+
+
+KEPT_HYPERS = r"""
+import sys
+import torch
+import vega
+from torch.func import functionalize
+from vega.codegen.c import launch, native
+how, path = sys.argv[1:3]
+if path == "python":
+    native.module = lambda wait=None: None
+gen = torch.Generator().manual_seed(0)
+w = torch.randn(4, 5, dtype=torch.float64, generator=gen)
+g = torch.randn(4, 5, dtype=torch.float64, generator=gen)
+want, _ = vega.adamw_step({"w": w}, {"w": g}, vega.adamw_init({"w": w}), lr=0.3,
+                          backend="reference")
+if how == "meta":  # a step under a default device other than the CPU
+    with torch.device("meta"):
+        got, _ = vega.adamw_step({"w": w}, {"w": g}, vega.adamw_init({"w": w}), lr=0.3,
+                                 backend="c")
+    assert got["w"].device.type == "cpu"
+    torch.testing.assert_close(got["w"], want["w"], rtol=1e-12, atol=1e-14)
+else:  # the hyperparameter array of a call made under functionalize, as a step makes it
+    seen = []
+    made = launch.Kernel._hyper_tables
+    launch.Kernel._hyper_tables = lambda self, values: seen.append((self, values)) or \
+        made(self, values)
+    vega.adamw_step({"w": w}, {"w": g}, vega.adamw_init({"w": w}), lr=0.3, backend="c")
+    launch.Kernel._hyper_tables = made
+    kernel, values = seen[-1]
+    kernel._hyp_cache.clear()
+    functionalize(lambda x: (kernel._hyper_tables(values), x)[1])(torch.zeros(2))
+got, _ = vega.adamw_step({"w": w}, {"w": g}, vega.adamw_init({"w": w}), lr=0.3, backend="c")
+torch.testing.assert_close(got["w"], want["w"], rtol=1e-12, atol=1e-14)
+p = torch.nn.Parameter(w.clone())
+p.grad = g.clone()
+vega.optim.AdamW([p], lr=0.3, backend="c").step()
+torch.testing.assert_close(p.detach(), want["w"], rtol=1e-12, atol=1e-14)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+@pytest.mark.parametrize("how", ["meta", "functionalize"])
+def test_a_hyperparameter_array_made_under_a_mode_is_not_kept(how, path):
+    """A kernel's hyperparameter arrays, kept across its calls, are plain CPU tensors: one made
+    under ``torch.device("meta")`` (or a default device set so) was a meta tensor, and one
+    made under ``torch.func.functionalize`` a wrapper without memory, both of address 0,
+    kept for every later step of the kernel, of any optimizer, which read its
+    hyperparameters there and crashed (a segmentation fault, in the native operator or the
+    Python path). In a fresh process: the crash would take the test session with it."""
+    if cbuild.compiler() is None:
+        pytest.skip("no C compiler here")
+    if path == "native" and native.module(wait=True) is None:
+        pytest.skip(native.status())
+    repo = os.path.abspath(os.path.join(os.path.dirname(vega.__file__), ".."))
+    env = {**os.environ, "PYTHONPATH": repo, "VEGA_NATIVE": "sync"}
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", KEPT_HYPERS, how, path],
+                         capture_output=True, text=True, timeout=300, env=env,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], run.stderr[-3000:]

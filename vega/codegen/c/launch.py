@@ -28,7 +28,7 @@ from vega.codegen.steps import (Done, axis_part, finish_combined, finished, run_
 from vega.codegen.c.staged import NGEO, AxesSource, line_lengths, materialized
 from vega.codegen.tensors import (as_runs, copy_back, has_own_ops, meeting, memory_order,
                                   own_ops_words, readable, refuse_inplace, roles, shared_pair,
-                                  sorted_spans)
+                                  sorted_spans, wrapped)
 from vega.dsl.ir import AXIS_REDUCTIONS, QBLOCK, SCALAR_STATE, Program
 from vega.tracing import untraced
 
@@ -387,10 +387,10 @@ class Kernel:
                 continue
             grids.append((grid,
                           torch.tensor([views[i].weight if views[i] is not None else 1.0
-                                        for i in idx], dtype=torch.float64),
+                                        for i in idx], dtype=torch.float64, device="cpu"),
                           torch.tensor([math.prod(views[i].full.full if views[i] is not None
                                                   else params[i].shape) for i in idx],
-                                       dtype=torch.float64)))
+                                       dtype=torch.float64, device="cpu")))
         at = 0
         for k, phase in enumerate(phases):
             cols = list(range(at, at + len(phase)))
@@ -454,7 +454,8 @@ class Kernel:
         except ValueError:
             return None
         return [(self.library(tuple(key.split())), table,
-                 torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64), idx)
+                 torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64,
+                             device="cpu"), idx)
                 for key, table, idx in groups]
 
     def _staged_axes(self, params, grads, states, steps, values, donate, pre, views):
@@ -488,9 +489,10 @@ class Kernel:
             ct = torch.float64 if params[idx[0]].dtype == torch.float64 else torch.float32
             sizes = [[max(1, math.prod(geos[i].shape(m.dom))) for m in mats] for i in idx]
             split = [[bool(spans.get((i, j))) for j in range(len(mats))] for i in idx]
-            buf = torch.empty(max(1, sum(map(sum, sizes))), dtype=ct)
+            buf = torch.empty(max(1, sum(map(sum, sizes))), dtype=ct, device="cpu")
             raw = torch.zeros(max(1, sum(n for ns, ss in zip(sizes, split)
-                                         for n, s in zip(ns, ss) if s)), dtype=torch.float64)
+                                         for n, s in zip(ns, ss) if s)), dtype=torch.float64,
+                              device="cpu")
             esize, lo, q_lo = buf.element_size(), 0, 0  # (where the next value starts)
             addresses, bufs = [], {}
             for i, ns, ss in zip(idx, sizes, split):
@@ -502,8 +504,9 @@ class Kernel:
                         q_lo += n
                     lo += n
                 addresses.append(row or [0])
-            mtab = torch.tensor(addresses, dtype=torch.int64)
-            red = torch.zeros((len(idx), max(1, len(slots))), dtype=torch.float64)
+            mtab = torch.tensor(addresses, dtype=torch.int64, device="cpu")
+            red = torch.zeros((len(idx), max(1, len(slots))), dtype=torch.float64,
+                              device="cpu")
             work.append((lib, table, (buf, raw, bufs), mtab, red, idx))
         for k in range(axes.nstages):
             gathers, reds = axes.stage(k)
@@ -733,7 +736,8 @@ class Kernel:
         out = []
         for key, idx in groups:
             table = _from_numpy(every if len(idx) == n else every[idx])
-            red = torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64)
+            red = torch.empty(max(1, len(idx) * self._nred), dtype=torch.float64,
+                              device="cpu")
             out.append((self.library(key), table, red, idx))
         return out
 
@@ -801,7 +805,8 @@ class Kernel:
                 any(isinstance(v, torch.Tensor) for v in parts):  # (a float as it is)
             return torch.stack([v.detach().to(device="cpu", dtype=torch.float64).reshape(())
                                 if isinstance(v, torch.Tensor) else
-                                torch.tensor(float(v), dtype=torch.float64) for v in parts])
+                                torch.tensor(float(v), dtype=torch.float64, device="cpu")
+                                for v in parts])
         numbers = tuple(map(float, parts)) or (0.0,)
         if torch.compiler.is_compiling():  # a graph constant: a cache filled while tracing
             return torch.tensor(numbers, dtype=torch.float64)  # would fail the next guards
@@ -813,9 +818,15 @@ class Kernel:
             struct.pack(f"<{len(numbers)}d", *numbers)
         arr = self._hyp_cache.get(key)
         if arr is None:
-            if len(self._hyp_cache) >= _HYP_CACHE:
-                self._hyp_cache.clear()
-            arr = self._hyp_cache[key] = torch.tensor(numbers, dtype=torch.float64)
+            # on the CPU whatever the default device (``with torch.device("meta")``); kept
+            # only where it is a plain tensor with memory: one made under a mode or transform
+            # (functionalize's wrapper, a FakeTensor) has none, and every later step of this
+            # kernel, of any optimizer, read its hyperparameters at address 0
+            arr = torch.tensor(numbers, dtype=torch.float64, device="cpu")
+            if _keepable(arr):
+                if len(self._hyp_cache) >= _HYP_CACHE:
+                    self._hyp_cache.clear()
+                self._hyp_cache[key] = arr
         return arr
 
 
@@ -904,6 +915,14 @@ def _row_addresses(hyp: list[torch.Tensor]) -> list[int]:
     return out
 
 
+def _keepable(t: torch.Tensor) -> bool:
+    """Whether a tensor a kernel made for itself may serve later calls: a plain CPU tensor
+    with memory of its own, not one a mode or transform made in its place (a FakeTensor, a
+    functionalized or batched wrapper, whose address is 0 or refused)."""
+    return type(t) is torch.Tensor and t.is_cpu and not torch._is_functional_tensor(t) \
+        and not wrapped(t) and t.data_ptr() != 0
+
+
 def _remember(cache: dict, key, value, size: int = 8):
     """``cache[key] = value``, dropping the oldest entry beyond ``size``; the value."""
     if len(cache) >= size:
@@ -917,7 +936,7 @@ def _int64s(values: list) -> torch.Tensor:
     normal tensor even when made under torch.inference_mode (an inference tensor could
     not be written outside it)."""
     with torch.inference_mode(False):
-        return torch.tensor(values, dtype=torch.int64)
+        return torch.tensor(values, dtype=torch.int64, device="cpu")
 
 
 def _table(rows: list[list[int]]) -> torch.Tensor:
