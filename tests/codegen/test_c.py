@@ -1423,3 +1423,92 @@ def test_a_hyperparameter_array_made_under_a_mode_is_not_kept(how, path):
                          capture_output=True, text=True, timeout=300, env=env,
                          stdin=subprocess.DEVNULL)
     assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], run.stderr[-3000:]
+
+
+NO_MEMORY = r"""
+import sys
+import torch
+import vega
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functionalize
+from vega.codegen.c import launch, native
+how, path = sys.argv[1:3]
+if path == "python":
+    native.module = lambda wait=None: None
+gen = torch.Generator().manual_seed(0)
+w = torch.randn(4, 5, dtype=torch.float64, generator=gen)
+g = torch.randn(4, 5, dtype=torch.float64, generator=gen)
+want, _ = vega.adamw_step({"w": w}, {"w": g}, vega.adamw_init({"w": w}), lr=0.3,
+                          backend="reference")
+p = torch.nn.Parameter(w.clone())
+p.grad = g.clone()
+opt = vega.optim.AdamW([p], lr=0.3, backend="c")
+refused = None
+if how == "fake-functional":  # a functional step of real tensors under FakeTensorMode
+    state = vega.adamw_init({"w": w})
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            vega.adamw_step({"w": w}, {"w": g}, state, lr=0.3, backend="c")
+    except ValueError as e:
+        refused = str(e)
+elif how == "fake-class":  # a class step there, after one outside (its tables kept), of
+    q = torch.nn.Parameter(w.clone())  # a new lr (its hyperparameters' array made there)
+    q.grad = g.clone()
+    other = vega.optim.AdamW([q], lr=0.2, backend="c")
+    other.step()
+    other.param_groups[0]["lr"] = 0.25
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            other.step()
+    except ValueError as e:
+        refused = str(e)
+else:  # the operator given a hyperparameter row or a step counter without memory
+    mod = native.module(wait=True)
+    seen = []
+    made = launch.Kernel._hyper_tables
+    launch.Kernel._hyper_tables = lambda self, values: seen.append((self, made(self, values)))\
+        or seen[-1][1]
+    vega.adamw_step({"w": w}, {"w": g}, vega.adamw_init({"w": w}), lr=0.3, backend="c")
+    launch.Kernel._hyper_tables = made
+    kernel, (hyp, _) = seen[-1]
+    x, s = w.clone(), [torch.zeros_like(w), torch.zeros_like(w)]
+    plain = torch.zeros((), dtype=torch.int32)
+
+    def call(_):  # (a tensor made here is functionalize's wrapper, of address 0)
+        rows = [torch.tensor(hyp[0].tolist(), dtype=torch.float64)] if how == "hyper" else hyp
+        counter = torch.zeros((), dtype=torch.int32) if how == "counter" else plain
+        mod.step(kernel.id, [x], [g], s, [counter], [0], rows, None, None, [], [])
+        return _
+    try:
+        functionalize(call)(torch.zeros(2))
+    except ValueError as e:
+        refused = str(e)
+    assert refused is not None and "no storage" in refused, refused
+    assert torch.equal(x, w)
+if how.startswith("fake"):
+    assert refused is not None and "FakeTensor" in refused, refused
+got, _ = vega.adamw_step({"w": w}, {"w": g}, vega.adamw_init({"w": w}), lr=0.3, backend="c")
+torch.testing.assert_close(got["w"], want["w"], rtol=1e-12, atol=1e-14)
+opt.step()
+torch.testing.assert_close(p.detach(), want["w"], rtol=1e-12, atol=1e-14)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("how,path", [("hyper", "native"), ("counter", "native")])
+def test_a_step_of_tensors_without_memory_is_refused_by_name(how, path):
+    """A step whose own tensors have no memory (a hyperparameter row or step counter that
+    functionalize wraps, handed to the native operator) is refused with a ValueError, and
+    later steps step as ever: the kernels read and wrote at address 0
+    (a segmentation fault, in the native operator or the Python path). In a fresh process:
+    the crash would take the test session with it."""
+    if cbuild.compiler() is None:
+        pytest.skip("no C compiler here")
+    if path == "native" and native.module(wait=True) is None:
+        pytest.skip(native.status())
+    repo = os.path.abspath(os.path.join(os.path.dirname(vega.__file__), ".."))
+    env = {**os.environ, "PYTHONPATH": repo, "VEGA_NATIVE": "sync"}
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", NO_MEMORY, how, path],
+                         capture_output=True, text=True, timeout=600, env=env,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], run.stderr[-3000:]

@@ -509,6 +509,8 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
             fail("backend 'c': an inference tensor cannot be written in place outside "
                  "inference mode");
         step_at[j] = reinterpret_cast<intptr_t>(t.data_ptr());
+        // (a tensor without memory, functionalize's wrapper: address 0)
+        if (step_at[j] == 0) fail("backend 'c': a step counter has no storage");
         __builtin_prefetch(reinterpret_cast<const void *>(step_at[j]), 1);
         if (in_place) spans[n * (ns + 1) + j] = span_at(static_cast<uintptr_t>(step_at[j]), t);
     });
@@ -522,6 +524,7 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
             fail("backend 'c': hyperparameters must be contiguous float64 CPU rows of " +
                  std::to_string(k->nhyper));
         auto base = reinterpret_cast<intptr_t>(h.data_ptr());
+        if (base == 0) fail("backend 'c': a hyperparameter row has no storage");
         int64_t rows = h.dim() == 1 ? 1 : h.size(0), width = h.size(-1) * 8;
         for (int64_t r = 0; r < rows; r++) hyp_at.push_back(base + r * width);
     }
