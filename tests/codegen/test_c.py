@@ -1495,11 +1495,14 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("how,path", [("hyper", "native"), ("counter", "native")])
+@pytest.mark.parametrize("how,path", [("fake-functional", "native"), ("fake-functional", "python"),
+                                      ("fake-class", "native"), ("fake-class", "python"),
+                                      ("hyper", "native"), ("counter", "native")])
 def test_a_step_of_tensors_without_memory_is_refused_by_name(how, path):
-    """A step whose own tensors have no memory (a hyperparameter row or step counter that
-    functionalize wraps, handed to the native operator) is refused with a ValueError, and
-    later steps step as ever: the kernels read and wrote at address 0
+    """A step whose own tensors have no memory (its outputs, step counters and
+    hyperparameter rows made under FakeTensorMode, of real parameters; a row or counter
+    that functionalize wraps, handed to the native operator) is refused with a ValueError
+    naming the tensor, and later steps step as ever: the kernels read and wrote at address 0
     (a segmentation fault, in the native operator or the Python path). In a fresh process:
     the crash would take the test session with it."""
     if cbuild.compiler() is None:

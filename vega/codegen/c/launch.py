@@ -722,6 +722,12 @@ class Kernel:
             self._check_readable([("parameter", params), ("gradient", grads),
                                   *((f"state '{s.name}'", col)
                                     for s, col in zip(self.program.states, states))])
+        # and the counters, the hyperparameter rows and the outputs a step out of place writes
+        # (made by the step: under a mode such as FakeTensorMode, tensors without memory)
+        if n and not (every[:, cols.step:cols.hyper + 1].all() and
+                      (in_place or every[:, cols.p_out:].all())):
+            self._check_readable([("step counter", steps), ("hyperparameter array", hyp),
+                                  *([] if in_place else [("output", outs)])])
         if in_place:
             written = [*params, *flat_states, *steps]
             lo = np.array([*columns[cols.p], *(a for col in columns[cols.state:cols.step]
@@ -865,6 +871,8 @@ class _Plan:
         hyp_ptrs = [h.data_ptr() for h in hyp]
         if hyp_ptrs != self.hyp_ptrs or (hyp_index is not self.hyp_index
                                          and hyp_index != self.hyp_index):
+            if 0 in hyp_ptrs:  # (made under a mode: no memory; named)
+                Kernel._check_readable([("hyperparameter array", hyp)])
             at = _row_addresses(hyp)
             _write_column(self.views, hyp_col, [at[r] for r in hyp_index])
             self.hyp_ptrs, self.hyp_index = hyp_ptrs, hyp_index
