@@ -1462,6 +1462,17 @@ elif how == "fake-class":  # a class step there, after one outside (its tables k
             other.step()
     except ValueError as e:
         refused = str(e)
+elif how == "fake-record":  # a clipped class step there, after one outside (the prelude's
+    q = torch.nn.Parameter(w.clone())  # tables kept): its record made there
+    q.grad = g.clone()
+    other = vega.optim.AdamW([q], lr=0.3, backend="c", max_grad_norm=1.0)
+    other.step()
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            other.step()
+    except ValueError as e:
+        refused = str(e)
+    assert "the prelude's record" in refused, refused
 else:  # the operator given a hyperparameter row or a step counter without memory
     mod = native.module(wait=True)
     seen = []
@@ -1477,13 +1488,14 @@ else:  # the operator given a hyperparameter row or a step counter without memor
     def call(_):  # (a tensor made here is functionalize's wrapper, of address 0)
         rows = [torch.tensor(hyp[0].tolist(), dtype=torch.float64)] if how == "hyper" else hyp
         counter = torch.zeros((), dtype=torch.int32) if how == "counter" else plain
-        mod.step(kernel.id, [x], [g], s, [counter], [0], rows, None, None, [], [])
+        record = torch.zeros(8, dtype=torch.float64) if how == "record" else None
+        mod.step(kernel.id, [x], [g], s, [counter], [0], rows, None, record, [], [])
         return _
     try:
         functionalize(call)(torch.zeros(2))
     except ValueError as e:
         refused = str(e)
-    assert refused is not None and "no storage" in refused, refused
+    assert refused is not None and ("no storage" in refused or "record" in refused), refused
     assert torch.equal(x, w)
 if how.startswith("fake"):
     assert refused is not None and "FakeTensor" in refused, refused
@@ -1497,11 +1509,13 @@ print("ok")
 
 @pytest.mark.parametrize("how,path", [("fake-functional", "native"), ("fake-functional", "python"),
                                       ("fake-class", "native"), ("fake-class", "python"),
-                                      ("hyper", "native"), ("counter", "native")])
+                                      ("fake-record", "native"), ("fake-record", "python"),
+                                      ("hyper", "native"), ("counter", "native"),
+                                      ("record", "native")])
 def test_a_step_of_tensors_without_memory_is_refused_by_name(how, path):
-    """A step whose own tensors have no memory (its outputs, step counters and
-    hyperparameter rows made under FakeTensorMode, of real parameters; a row or counter
-    that functionalize wraps, handed to the native operator) is refused with a ValueError
+    """A step whose own tensors have no memory (its outputs, step counters, hyperparameter
+    rows and prelude's record made under FakeTensorMode, of real parameters; a row, counter
+    or record that functionalize wraps, handed to the native operator) is refused with a ValueError
     naming the tensor, and later steps step as ever: the kernels read and wrote at address 0
     (a segmentation fault, in the native operator or the Python path). In a fresh process:
     the crash would take the test session with it."""

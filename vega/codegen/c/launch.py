@@ -47,6 +47,13 @@ def _ptr(x: torch.Tensor | None):
     return ctypes.c_void_p(x.data_ptr()) if x is not None else None
 
 
+def _check_record(pre: torch.Tensor | None) -> None:
+    """ValueError for a prelude's record without memory (one made under FakeTensorMode for a
+    step of real tensors), which the kernels would write at address 0; before any runs."""
+    if pre is not None and pre.data_ptr() == 0:
+        Kernel._check_readable([("the prelude's record", [pre])])
+
+
 def _refuse_off_cpu(params) -> None:
     off = next((p for p in params if not p.is_cpu), None)
     if off is not None:
@@ -246,6 +253,7 @@ class Kernel:
     def _prelude(self, grads, pre: torch.Tensor) -> None:
         """The body of ``vega::c_prelude``. The tables of gradients of the same sizes, dtypes
         and devices as a recent call's serve again, with their addresses rewritten."""
+        _check_record(pre)
         grads = readable(grads)
         ptrs = list(map(torch.Tensor.data_ptr, grads))
         if 0 in ptrs:  # (an empty tensor may have no address; a wrapper subclass has none)
@@ -367,6 +375,7 @@ class Kernel:
         and are sent back combined over all processes, finished here (a norm's square
         root, a mean's division by the whole tensor's count) for the next phase and the
         update to read. A program over a matrix view: ``_staged_axes``."""
+        _check_record(pre)
         if self._axes:
             yield from self._staged_axes(params, grads, states, steps, values, donate, pre,
                                          views)
@@ -782,6 +791,7 @@ class Kernel:
     def _launch(self, tables, step_ptrs, pre, nth):
         """Every phase and the update of each dtype group, then the step counters (at the
         addresses ``step_ptrs``)."""
+        _check_record(pre)
         for lib, table, red, _ in tables:
             n = table.shape[0]
             if self._axes:

@@ -332,7 +332,7 @@ double *record_of(const c10::optional<at::Tensor> &pre) {
     if (!pre.has_value() || !pre->defined()) return nullptr;
     const at::Tensor &r = *pre;
     if (r.layout() != c10::kStrided || !r.device().is_cpu() || !r.is_contiguous() ||
-        r.scalar_type() != c10::ScalarType::Double || r.numel() < 5)
+        r.scalar_type() != c10::ScalarType::Double || r.numel() < 5 || r.data_ptr() == nullptr)
         fail("backend 'c': the prelude's record must be a contiguous float64 CPU tensor");
     return r.data_ptr<double>();
 }
