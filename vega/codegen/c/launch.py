@@ -937,8 +937,8 @@ def _keepable(t: torch.Tensor) -> bool:
     """Whether a tensor a kernel made for itself may serve later calls: a plain CPU tensor
     with memory of its own, not one a mode or transform made in its place (a FakeTensor, a
     functionalized or batched wrapper, whose address is 0 or refused)."""
-    return type(t) is torch.Tensor and t.is_cpu and not torch._is_functional_tensor(t) \
-        and not wrapped(t) and t.data_ptr() != 0
+    return type(t) is torch.Tensor and t.is_cpu and not wrapped(t) and t.data_ptr() != 0
+    # (a functionalized tensor's address is 0: asked before, a batched one's is refused)
 
 
 def _remember(cache: dict, key, value, size: int = 8):
