@@ -1012,3 +1012,38 @@ def test_a_master_copy_loads_as_float32_whatever_the_state_dtype():
     assert again.state[q]["master"].dtype == torch.float32
     assert torch.equal(again.state[q]["master"], opt.state[p]["master"])
     assert again.state[q]["mu"].dtype == torch.float64
+
+
+def test_modes_of_complex_parameters_switch_both_parts_as_their_real_pairs():
+    """A complex parameter steps as its real pairs; eval() and train() and the functional
+    mode switch it alike (a conjugate too): the mode's arithmetic in the real compute dtype
+    dropped the imaginary part (with torch's warning) and wrote the real part alone."""
+    import warnings
+
+    torch.manual_seed(0)
+    spec = vega.schedule_free_adamw
+    z = torch.randn(6, dtype=torch.complex64)
+    pc = z.clone().requires_grad_(True)
+    pr = torch.view_as_real(z).clone().requires_grad_(True)
+    opts = [vega.optim.ScheduleFreeAdamW([p], lr=1e-2) for p in (pc, pr)]
+    params, state = [z.clone()], spec.init([z.clone()])
+    for _ in range(3):
+        g = torch.randn(6, dtype=torch.complex64)
+        pc.grad, pr.grad = g.clone(), torch.view_as_real(g).clone()
+        for opt in opts:
+            opt.step()
+        params, state = spec.step(params, [g], state, lr=1e-2)
+    conj = {k: v if k == "step" else [x.conj() for x in v] for k, v in state.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (torch's: casting complex values to real)
+        got = spec.mode("eval", params, state, lr=1e-2)[0]
+        got_conj = spec.mode("eval", [params[0].conj()], conj, lr=1e-2)[0]
+        for opt in opts:
+            opt.eval()
+    want = torch.view_as_complex(pr.detach().clone())
+    assert torch.equal(pc.detach(), want)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got_conj.resolve_conj(), got.conj().resolve_conj())
+    for opt in opts:
+        opt.train()
+    assert torch.equal(torch.view_as_real(pc.detach()), pr.detach())

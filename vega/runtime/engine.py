@@ -946,6 +946,21 @@ def _check_complex_call(owner: str, program: Program, params, states, name) -> N
         raise
 
 
+def mode(program: Program, name: str, params, states, values) -> None:
+    """Set ``params`` in place to their values in mode ``name`` (the reference kernel's
+    ``mode``), read with ``states`` (a list per state of the program): complex parameters as
+    their real pairs, as the step steps them (``as_real``; a conjugate as a copy copied
+    back), where the kernel's arithmetic in the real compute dtype would drop their
+    imaginary parts."""
+    kern = codegen.kernel("reference", program)
+    if not any_complex(params):
+        kern.mode(name, params, states, values, keep_master=True)
+        return
+    real_p, _, real_s = as_real(program, params, [], states, True)
+    kern.mode(name, real_p, real_s, values, keep_master=True)
+    as_complex(params, states, real_p, real_s, real_p, real_s, True)
+
+
 def as_real(program: Program, params, grads, states, donate: bool):
     """(params, grads, states) of a step over complex parameters, each complex tensor as its
     real view, checked first (``check_complexness``: a real view of a complex state would

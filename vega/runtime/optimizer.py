@@ -918,9 +918,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                         p.copy_(st[engine.MASTER])
                     continue
                 vals = [engine.at_step(values, st["step"]) for st in sts]
-                codegen.kernel("reference", program).mode(
-                    name, ps, [[st[n] for st in sts] for n in program.state_names], vals,
-                    keep_master=True)
+                engine.mode(program, name, ps,
+                            [[st[n] for st in sts] for n in program.state_names], vals)
             group["mode"] = name
 
     def _check_mode_states(self, owner: str, p, st: dict, program) -> None:

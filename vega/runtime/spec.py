@@ -374,10 +374,9 @@ class CompiledSpec:
                         _check_state_leaf(owner, lambda s=s, i=i: _label(
                             s.name, lambda: _paths(params, p_leaves)[i]),
                             p_leaves[i], columns[s.name][i], s.dom)
-                codegen.kernel("reference", program).mode(
-                    name, [out[i] for i in ids],
-                    [[columns[n][i] for i in ids] for n in program.state_names],
-                    [vals] * len(ids), keep_master=True)
+                engine.mode(program, name, [out[i] for i in ids],
+                            [[columns[n][i] for i in ids] for n in program.state_names],
+                            [vals] * len(ids))
         return unflatten(out, p_spec)
 
     # -- torch.optim ----------------------------------------------------------
