@@ -831,3 +831,21 @@ def test_rsqrt_of_a_subnormal_float32_is_finite_as_a_gpu_computes_it(monkeypatch
     _, state = spec.step({"x": p}, {"x": g}, spec.init({"x": p}), backend="triton")
     torch.testing.assert_close(state["r"]["x"], torch.rsqrt(g), rtol=4e-7, atol=0,
                                equal_nan=True)
+
+
+def test_a_last_partial_block_writes_nothing_past_its_tensor():
+    """A tensor of BLOCK - 1 (or 2 BLOCK - 1) elements: its last block is partial and
+    masked, so a step in place writes nothing past its end, even where the memory after it
+    is another tensor's (here, the rest of one buffer), and steps as the reference."""
+    block = triton_runtime.block_size()  # (sgd's update: no narrower blocks)
+    spec = vega.builtin("sgd")
+    for n in (block - 1, 2 * block - 1):
+        buf = torch.arange(n + 8, dtype=torch.float32, device=DEVICE)
+        gbuf = torch.ones(n + 8, dtype=torch.float32, device=DEVICE)
+        params, grads = {"x": buf[:n]}, {"x": gbuf[:n]}
+        want = spec.step({"x": buf[:n].clone()}, grads, spec.init(params), backend="reference",
+                         lr=0.5)[0]["x"]
+        spec.step(params, grads, spec.init(params), backend="triton", lr=0.5, donate=True)
+        assert_same(buf[:n], want, f"{n} elements")
+        assert torch.equal(buf[n:], torch.arange(n, n + 8, dtype=torch.float32,
+                                                 device=DEVICE)), (n, buf[n:])
