@@ -849,3 +849,18 @@ def test_a_last_partial_block_writes_nothing_past_its_tensor():
         assert_same(buf[:n], want, f"{n} elements")
         assert torch.equal(buf[n:], torch.arange(n, n + 8, dtype=torch.float32,
                                                  device=DEVICE)), (n, buf[n:])
+
+
+def test_reductions_of_values_not_zero_at_zero_take_only_the_tensors_elements():
+    """sum, mean, norm and max of values that are not 0 where g is 0 (g + 1, -1 - g * g):
+    a block's lanes past the tensor's end (its loads masked to 0) count for nothing."""
+    spec = vega.compile("optimizer reds() {\n    state s = zeros\n"
+                        "    s = sum(g + 1) + mean(g * 0 + 2) + norm(g - 3) + max(-1 - g * g)\n"
+                        "    p = p\n}")
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.zeros(n, device=DEVICE) for k, n in (("a", 1000), ("b", 7))}
+    grads = {k: torch.randn(len(v), generator=gen).to(DEVICE) for k, v in params.items()}
+    got = spec.step(params, grads, spec.init(params), backend="triton")[1]["s"]
+    want = spec.step(params, grads, spec.init(params), backend="reference")[1]["s"]
+    for k in params:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=0, msg=k)
