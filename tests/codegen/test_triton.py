@@ -201,6 +201,22 @@ def test_bfloat16_rounds_to_nearest_even():
     assert out[:2].tolist() == [1.0, 1.015625]
 
 
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_a_nan_of_any_payload_stays_a_nan_in_bfloat16(stochastic):
+    """A float32 NaN whose payload is all ones (0x7FFFFFFF, 0xFFFFFFFF), or only its low
+    bits (0x7F800001), stored as bfloat16 is a NaN, as torch's cast gives, rounded to
+    nearest or stochastically: its bits plus the rounding's carry into the sign (-0.0) or
+    clear the payload (inf)."""
+    spec = vega.compile("optimizer o() { p = g }")
+    bits = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000], dtype=torch.int32)
+    g = bits.view(torch.float32).to(DEVICE)
+    p = torch.zeros(len(g), dtype=torch.bfloat16, device=DEVICE)
+    kw = {"stochastic_rounding": True, "rounding_seed": 3} if stochastic else {}
+    out, _ = spec.step(p, g, spec.init(p), backend="triton", **kw)
+    assert out.isnan().all(), out.view(torch.int16).tolist()
+
+
 EVERY_OP = """
     optimizer odd(lr = 0.1, k = 1.5, c = 2.0) {
         state m = zeros
