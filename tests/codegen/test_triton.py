@@ -880,3 +880,22 @@ def test_reductions_of_values_not_zero_at_zero_take_only_the_tensors_elements():
     want = spec.step(params, grads, spec.init(params), backend="reference")[1]["s"]
     for k in params:
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=0, msg=k)
+
+
+def test_the_prelude_reads_nothing_past_a_gradients_end():
+    """Gradients that are slices of a buffer whose next element is inf: the prelude's norm
+    and non-finite count take only the gradients' own elements (the step is not skipped,
+    and clips as the reference's)."""
+    spec = vega.builtin("sgd")
+    params = {k: torch.ones(n, device=DEVICE) for k, n in (("a", 1000), ("b", 7))}
+    grads = {}
+    for k, p in params.items():
+        buf = torch.full((len(p) + 1,), float("inf"), device=DEVICE)
+        buf[:-1] = torch.arange(len(p), dtype=torch.float32) / len(p)
+        grads[k] = buf[:-1]
+    options = {"max_grad_norm": 1.0, "skip_nonfinite": True, "lr": 0.5}
+    got = spec.step(params, grads, spec.init(params), backend="triton", **options)[0]
+    want = spec.step(params, grads, spec.init(params), backend="reference", **options)[0]
+    for k in params:
+        assert not torch.equal(got[k], params[k]), k
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7, msg=k)
