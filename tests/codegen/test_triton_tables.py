@@ -209,3 +209,23 @@ def test_the_step_takes_what_its_prelude_found_only_of_the_same_gradients(change
     assert given == [True]  # (offered: triton_rows decides)
     assert len(tables) == 1 and len(tables[0]) == 1  # (one dtype group)
     assert tables[0][0][:, 2].tolist() == used[0]
+
+
+def test_a_step_in_place_on_the_python_path_advances_the_parameters_versions(monkeypatch):
+    """A gradient the native checks refuse (non-contiguous): the Python path's step in place
+    advances the parameters' versions too, so a graph that saved one refuses backward."""
+    calls = []
+    real = triton_runtime._native_step
+    monkeypatch.setattr(triton_runtime, "_native_step",
+                        lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    w = torch.randn(30, 40, device=DEVICE).requires_grad_(True)
+    params, grads = {"w": w}, {"w": torch.randn(40, 30, device=DEVICE).t()}
+    state = vega.adamw_init(params)
+    loss = (w * w).sum()
+    version = w._version
+    with torch.no_grad():
+        vega.adamw_step(params, grads, state, lr=0.1, backend="triton", donate=True)
+    assert calls == [False]
+    assert w._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
