@@ -584,6 +584,13 @@ def functions_over_group() -> None:
     assert all(type(g).__name__ == "DTensor" for g in clipped)
     out["dtensor-clip"] = max((a.full_tensor() - b).abs().max().item() for a, b in zip(
         clipped, vega.clip_by_global_norm([p.grad for p in plain.parameters()], 1.0)))
+    # a replicated DTensor leaf counts once, beside a sharded one (each rank holds all of it)
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = grads[0].device_mesh
+    placed = [distribute_tensor(every[0], mesh, [Replicate()]),
+              distribute_tensor(every[2], mesh, [Shard(0)])]
+    out["dtensor-replicated-norm"] = abs(vega.global_norm(placed)
+                                         - vega.global_norm([every[0], every[2]])).item()
     assert vega.grads_finite(grads).item()
     if RANK == WORLD - 1:
         grads[0].to_local().view(-1)[0] = float("nan")

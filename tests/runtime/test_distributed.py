@@ -118,7 +118,8 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     # global_norm, clip_by_global_norm, lbfgs_step and LBFGS under ZeRO, over reduce_group
     # and over DTensor leaves (the script checks the skips and counts the collectives)
     assert set(found[0]["functions"]) == {"norm", "clip", "lbfgs", "lbfgs-zero",
-                                          "dtensor-norm", "dtensor-clip"}
+                                          "dtensor-norm", "dtensor-clip",
+                                          "dtensor-replicated-norm"}
     assert all(d <= 1e-9 for d in found[0]["functions"].values())
     # ranks of float32 and float64 leaves, and a rank without any, reduce alike (to
     # float32's precision: the script checks each rank's answer)
