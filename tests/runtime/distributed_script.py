@@ -499,6 +499,16 @@ def functions_over_group() -> None:
     every = [torch.randn(n, generator=gen, dtype=torch.float64) for n in (5, 3, 8, 1, 4)]
     mine = every[RANK::WORLD]
     out = {}
+    # torch.distributed initialized, a reduce_group that is no process group is refused by name
+    for call in (lambda: vega.global_norm(mine, reduce_group="world"),
+                 lambda: vega.optim.AdamW([torch.zeros(2, requires_grad=True)],
+                                          reduce_group=dist.group)):
+        try:
+            call()
+        except ValueError as e:
+            assert "must be a torch.distributed process group" in str(e), e
+        else:
+            raise AssertionError("a reduce_group that is no process group was taken")
     with Counted() as c:
         norm = vega.global_norm(mine, reduce_group=group)
     assert c.n == 1, c.n
