@@ -204,6 +204,29 @@ def without_prelude() -> None:
     found["without-prelude"] = counts
 
 
+def mixed_placements() -> None:
+    """A step over DTensors of one mesh placed differently, one sharded and one replicated
+    (a tensor-parallel layer's weight and bias), clips by their global norm, each
+    replicated value counted once: the same step as over the whole tensors in one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (WORLD,))
+    gen = torch.Generator().manual_seed(11)
+    whole = [torch.randn(4 * WORLD, 3, generator=gen, dtype=torch.float64),
+             torch.randn(5, generator=gen, dtype=torch.float64)]
+    grads = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in whole]
+    places = ([Shard(0)], [Replicate()])
+    params = [distribute_tensor(x, mesh, pl) for x, pl in zip(whole, places)]
+    dgrads = [distribute_tensor(g, mesh, pl) for g, pl in zip(grads, places)]
+    state, want_state = vega.sgd_init(params), vega.sgd_init(whole)
+    for _ in range(2):
+        params, state = vega.sgd_step(params, dgrads, state, lr=0.1, max_grad_norm=0.5)
+        whole, want_state = vega.sgd_step(whole, grads, want_state, lr=0.1,
+                                            max_grad_norm=0.5)
+    found["mixed-placements"] = max((a.full_tensor() - b).abs().max().item()
+                                    for a, b in zip(params, whole))
+
+
 def nan_skips() -> None:
     """A NaN in one rank's shard: every rank skips (parameters, state and counters kept),
     with AdamW and with LAMB (whose norms a shard splits: the C kernels' staged step)."""
@@ -843,7 +866,7 @@ def main() -> None:
              "dcp-ddp": lambda: dcp_resume("ddp"), "docs": docs_example,
              "functions": functions_over_group, "muon-fsdp": muon_refused,
              "uneven": uneven_refused, "split": split_refused,
-             "without-prelude": without_prelude,
+             "without-prelude": without_prelude, "mixed-placements": mixed_placements,
              "q8": q8_shards, "q8-load": q8_loads,
              "q8-hsdp": lambda: q8_shards(hybrid=True),
              "q8-move-save": lambda: q8_move("save"), "q8-move-load": lambda: q8_move("load"),

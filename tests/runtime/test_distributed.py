@@ -79,7 +79,7 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
                        "dcp-ddp", "zero", "docs", "functions", "Prodigy", "zero-prodigy",
                        "muon-fsdp", "uneven", "q8", "q8-load", "dcp-q8", "full-AdamW",
                        "full-Prodigy", "full-DAdaptAdamW", "full-ScheduleFreeAdamW",
-                       "full-AdamW-q8", "without-prelude",
+                       "full-AdamW-q8", "without-prelude", "mixed-placements",
                        "zero-save-AdamW", "zero-save-LBFGS"],
                    tmp_path)
     assert found[0] == found[1]  # every rank saw the same
@@ -99,6 +99,9 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
     assert found[0]["nan"] == "skipped"
     # no max_grad_norm, loss scale or skip_nonfinite: no prelude (docs/distributed.md)
     assert found[0]["without-prelude"] == {"AdamW": 0, "LAMB": 1}
+    # a sharded and a replicated DTensor in one step: the norm of each kind of placement,
+    # weighted by its replicas, summed
+    assert found[0]["mixed-placements"] <= 1e-9
     assert found[0]["dcp-fsdp"] == found[0]["dcp-ddp"] == "bitwise"
     assert found[0]["docs"] == "learns"  # docs/distributed.md's example
     assert found[0]["zero"]["diff"] <= 1e-9
