@@ -471,3 +471,58 @@ def test_a_growing_schedule_that_overflows_where_the_range_has_no_bound_is_taken
     vega.sgd_step(params, {"w": torch.ones(3)}, vega.sgd_init(params), lr=grow)
     with pytest.raises(ValueError, match=r"outside lr's range"):
         vega.optim.SGD(p, lr=schedule.linear(1e-3, -1e-3, 10))
+
+
+def test_ramps_end_exactly_on_their_end_values():
+    """A linear ramp reaches its end value exactly at its last step, and a warmup ends
+    exactly on the peak: ``init + (end - init) * k / n`` at ``k = n`` misses it by a
+    rounding (0.7 + (0.1 - 0.7) is 0.09999999999999998; a cosine decay's first value,
+    ``end + (peak - end) * 1``, is 0.0010000000000000009 for a peak of 1e-3 above an end
+    of 0.1). Both paths."""
+    for s, k, want in ((schedule.linear(0.7, 0.1, 5), 5, 0.1),
+                       (schedule.warmup_cosine(0.7, 0.1, 5), 5, 0.1),
+                       (schedule.warmup_cosine(0.7, 0.1, 5), 6, 0.1),
+                       (schedule.warmup_cosine_decay(0.7, 0.1, 5, 10), 5, 0.1),
+                       (schedule.warmup_cosine_decay(0.0, 1e-3, 3, 5, end_value=0.1), 3, 1e-3),
+                       (schedule.one_cycle(1e-3, 10, div_factor=1e-3 / 0.1,
+                                           final_div_factor=1e-2, pct_start=0.5), 5, 1e-3)):
+        assert s(k) == want, s
+        assert s(torch.tensor(k)).item() == want, s
+
+
+def test_one_cycle_warms_up_for_the_floor_of_pct_start_steps():
+    """``w = floor(pct_start * total_steps)``: 0.3 of 9 steps is a warmup of 2 (not 3, as
+    rounding 2.7 would make it), the peak at step 2 and the cosine from step 3."""
+    s = schedule.one_cycle(1.0, 9, div_factor=10.0, final_div_factor=100.0, pct_start=0.3)
+    check(s, [0.1, 0.55, 1.0] + [0.01 + 0.99 * 0.5 * (1 + c(pi * j / 7)) for j in range(1, 7)]
+          + [0.01, 0.01])
+
+
+def test_the_longest_length_and_the_last_boundary_are_taken():
+    """A length or a boundary of 2**63 - 1, an int64 step's largest, is taken (2**63 is not:
+    ``test_bad_arguments_raise``)."""
+    s = schedule.linear(0.0, 1.0, 2**63 - 1)
+    assert s(2**62) == 0.5 and s(torch.tensor(2**62)).item() == 0.5
+    p = schedule.piecewise_constant([2**63 - 1], [1.0, 2.0])
+    assert p(2**63 - 1) == 1.0 and p(torch.tensor(2**63 - 1)).item() == 1.0
+
+
+def test_a_growing_exponential_past_the_float_range_is_inf_on_both_paths():
+    """``decay_rate ** (k / decay_steps)`` past the largest float is inf, as torch gives it,
+    not an OverflowError of Python's ``**`` (which ``reach``, read by the range checks of
+    the hyperparameters, met too)."""
+    s = schedule.exponential_decay(1.0, 2.0, 1)
+    assert s(2000) == math.inf and s(torch.tensor(2000)).item() == math.inf
+    assert s.reach(0, 2000)[-1] == (2000, math.inf)
+
+
+def test_restarts_of_a_t_mul_near_1_stay_in_a_cycle_to_its_last_step():
+    """With t_mul a hair above 1, the closed form's cycle of a cycle's last step can be the
+    next one (its log rounded up): the step is put back into its cycle, at the cycle's low
+    end, not at the next one's top."""
+    t, d = 1.0000000007705232, 8619659
+    s = schedule.cosine_decay_restarts(1.0, d, t_mul=t)
+    for c in (21, 35):
+        last = math.ceil(d * (t**c - 1) / (t - 1)) - 1
+        assert s(last) < 1e-12 and s(last + 1) > 0.99, c
+        assert s(torch.tensor(last)).item() < 1e-12, c
