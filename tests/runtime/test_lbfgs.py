@@ -272,6 +272,18 @@ def test_state_dtypes():
     chosen = lbfgs_init({"a": torch.zeros(3)}, state_dtype=torch.float64)
     assert chosen["params_prev"]["a"].dtype == torch.float64
     assert chosen["weights"].dtype == torch.float64
+    # a complex parameter's state is complex: float64 given, complex128 (not complex64),
+    # and a complex dtype given, a real parameter's is its real counterpart
+    wide = lbfgs_init({"z": torch.zeros(3, dtype=torch.complex64)}, state_dtype=torch.float64)
+    assert wide["diff_params"]["z"].dtype == wide["params_prev"]["z"].dtype == torch.complex128
+    assert wide["weights"].dtype == torch.float64
+    real = lbfgs_init({"a": torch.zeros(3)}, state_dtype=torch.complex128)
+    assert real["diff_updates"]["a"].dtype == torch.float64
+    z = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    opt = LBFGS([z], state_dtype=torch.float64)
+    z.grad = torch.ones(3, dtype=torch.complex64)
+    opt.step()
+    assert opt.state[z]["updates_prev"].dtype == torch.complex128
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
