@@ -477,3 +477,21 @@ def test_an_empty_complex_parameter_steps_as_torch(name, hypers, backend):
         ref.step()
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p.detach(), q.detach())
+
+
+def test_a_leaf_without_a_gradient_takes_its_own_copy_of_the_groups_states():
+    """A leaf that does not step takes the new value of each state of one number per group
+    (Prodigy's d and num) as a tensor of its own, not the stepped leaf's: shared, the next
+    step in place refused the state (two leaves of it share memory), and writing one wrote
+    the other."""
+    spec = vega.builtin("prodigy")
+    gen = torch.Generator().manual_seed(3)
+    params = {"a": torch.randn(3, generator=gen), "b": torch.randn(2, generator=gen)}
+    grads = {"a": torch.randn(3, generator=gen), "b": torch.randn(2, generator=gen)}
+    params, state = spec.step(params, grads, spec.init(params))
+    params, state = spec.step(params, {"a": grads["a"], "b": None}, state)
+    for name in spec.program().group_states:
+        a, b = state[name]["a"], state[name]["b"]
+        assert same_bits(a, b) and a.untyped_storage().data_ptr() != \
+            b.untyped_storage().data_ptr(), name
+    spec.step(params, grads, state, donate=True)
