@@ -154,6 +154,24 @@ def test_lr_as_tensor_and_as_schedule():
              optax_lr=lambda c: 0.9 * 0.95 ** c)
 
 
+def test_a_schedule_of_a_one_element_tensor_keeps_a_0d_parameter_0d():
+    """A schedule may return its value as a tensor of one element of any shape (``(1,)``):
+    a 0-d parameter stays 0-d (the product with it broadcast the parameter to ``(1,)``),
+    stepped as at the same rate given as a number, pure and in place."""
+    def make():
+        return {"s": torch.tensor(2.0, dtype=torch.float64),
+                "v": torch.arange(3.0, dtype=torch.float64)}
+    grads = {"s": torch.tensor(-1.0, dtype=torch.float64),
+             "v": torch.tensor([0.5, -2.0, 1.0], dtype=torch.float64)}
+    want, _ = lbfgs_step(make(), grads, lbfgs_init(make()), lr=0.5)
+    for donate in (False, True):
+        p = make()
+        got, _ = lbfgs_step(p, grads, lbfgs_init(p), donate=donate,
+                            lr=lambda k: torch.full((1,), 0.5, dtype=torch.float64))
+        assert got["s"].shape == () and torch.equal(got["s"], want["s"]), donate
+        assert torch.equal(got["v"], want["v"]), donate
+
+
 def test_vega_schedule_is_evaluated_at_completed_steps():
     """A vega.schedule (float32 values) against optax fed the same float32 values."""
     sched = vega.schedule.linear(init_value=1.0, end_value=0.2, steps=10)
