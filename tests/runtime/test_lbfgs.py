@@ -623,6 +623,14 @@ def test_step_validates_its_inputs():
         lbfgs_step(params, params, vega.adam_init(params))
     with pytest.raises(ValueError, match=r"state\['step'\] must be a 0-d int32 tensor"):
         lbfgs_step(params, params, {**state, "step": torch.tensor(0)})
+    # no curvature pairs (weights of shape (0,)), a counter on another device than the
+    # weights: refused by name (they failed in the recursion's remainder and indexing)
+    with pytest.raises(ValueError, match=r"state\['weights'\] must be a float32 or float64 "
+                                         r"tensor of shape \(memory_size,\)"):
+        lbfgs_step(params, params, {**state, "weights": torch.zeros(0, dtype=torch.float64)})
+    with pytest.raises(ValueError, match=r"state\['step'\] must be a 0-d int32 tensor on cpu"):
+        lbfgs_step(params, params,
+                   {**state, "step": torch.zeros((), dtype=torch.int32, device="meta")})
     with pytest.raises(ValueError, match="state field 'params_prev' does not have the structure"):
         lbfgs_step(params, params, {**state, "params_prev": {"w": params["w"]}})
     other = lbfgs_init({**params, "w": torch.zeros(5, 6, dtype=torch.float64)}, memory_size=4)
