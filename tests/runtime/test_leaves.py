@@ -495,3 +495,67 @@ def test_a_leaf_without_a_gradient_takes_its_own_copy_of_the_groups_states():
         assert same_bits(a, b) and a.untyped_storage().data_ptr() != \
             b.untyped_storage().data_ptr(), name
     spec.step(params, grads, state, donate=True)
+
+
+def test_a_step_in_place_over_two_programs_reads_the_counter_once_and_advances_it_in_place():
+    """Adafactor's matrix and vector step in two programs: in place (``donate=True``) both
+    read the counter as it was, as the pure step does, and the state's own counter tensor
+    advances once (each program stepped a copy of it: the second read the first's advance,
+    and the state's counter was left behind)."""
+    spec = vega.builtin("adafactor")
+    gen = torch.Generator().manual_seed(5)
+    params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+    hypers = {"min_dim_size_to_factor": 2.0}
+    state = spec.init(params, **hypers)
+    want_p, want_s = spec.step(params, grads, state, **hypers)
+    counter = state["step"]
+    for _ in range(2):
+        params, state = spec.step(params, grads, state, donate=True, **hypers)
+        if int(counter) == 1:
+            for k in params:
+                assert same_bits(params[k], want_p[k]), k
+    assert state["step"] is counter and int(counter) == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pure_step_keeps_requires_grad_as_each_parameter_has_it(backend):
+    """A pure step's new parameters require gradients where the given ones did (each a leaf
+    tensor, ready for the next backward pass), and only there."""
+    spec = vega.builtin("adam")
+    params = {"w": torch.randn(3, 2).requires_grad_(), "b": torch.randn(2)}
+    grads = {"w": torch.ones(3, 2), "b": torch.ones(2)}
+    new, _ = spec.step(params, grads, spec.init(params), backend=backend)
+    assert new["w"].requires_grad and new["w"].is_leaf and new["w"] is not params["w"]
+    assert not new["b"].requires_grad
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_functional_step_without_any_gradient_advances_only_the_counter(donate):
+    """Every gradient None: the parameters and the state stay as they were, and the step
+    counter advances once, as a step whose leaves step advances it (one counter for the
+    call, optax's count); in place, the state's own counter."""
+    spec = vega.builtin("adam")
+    params = {"w": torch.randn(3, 2), "b": torch.randn(2)}
+    state = spec.init(params)
+    before = pytree.tree_map(lambda x: x.clone(), (params, state))
+    counter = state["step"]
+    new_p, new_s = spec.step(params, {"w": None, "b": None}, state, donate=donate)
+    assert int(new_s["step"]) == 1 and (new_s["step"] is counter) == donate
+    for k in params:
+        assert same_bits(new_p[k], before[0][k])
+        for f in ("mu", "nu"):
+            assert same_bits(new_s[f][k], before[1][f][k])
+
+
+def test_the_cache_of_flat_structures_stays_bounded():
+    """``flatten`` caches one structure per tuple of keys: a process that flattens trees of
+    ever new keys (a dict per step, keyed by step) keeps at most 64, each still flattened
+    and rebuilt as torch's walk does."""
+    from vega.runtime import tree
+    for k in range(100):
+        d = {f"k{k}": torch.zeros(1), "none": None}
+        leaves, spec = tree.flatten(d)
+        assert leaves[0] is d[f"k{k}"] and leaves[1] is None
+        assert list(tree.unflatten(leaves, spec)) == [f"k{k}", "none"]
+    assert len(tree._FLAT_SPECS) <= 64 and len(tree._FLAT_KEYS) <= 64
