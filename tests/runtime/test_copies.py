@@ -77,3 +77,13 @@ def test_an_optimizer_of_a_compiled_spec_pickles(how):
     assert torch.equal(w2, w)
     assert torch.equal(twin.state[w2]["v"], opt.state[w]["v"])
     assert twin.state[w2]["v"].data_ptr() != opt.state[w]["v"].data_ptr()
+
+
+def test_a_spec_of_its_own_under_a_shipped_name_pickles_as_itself():
+    """A caller's spec named as a shipped one (sgd) is not the shipped one: pickled, it is
+    compiled again from its own text (taken for the shipped spec, it came back as vega's
+    sgd, another rule)."""
+    mine = vega.compile("optimizer sgd(lr = 0.5) {\n  p = p - 2 * lr * g\n}\n", "own.vega")
+    back = _pickled(mine)
+    assert back is not builtin("sgd") and back.source_text == mine.source_text
+    assert back.defaults == {"lr": 0.5} and back._spec.filename == "own.vega"
