@@ -1082,3 +1082,21 @@ def test_a_refused_lr_is_named_before_anything_is_written(api, lr, error, msg):
     flat = [x for x in torch.utils._pytree.tree_leaves(before) if isinstance(x, torch.Tensor)]
     got = [x for x in torch.utils._pytree.tree_leaves(now) if isinstance(x, torch.Tensor)]
     assert len(flat) == len(got) and all(torch.equal(a, b) for a, b in zip(flat, got))
+
+
+def test_the_class_step_without_any_gradient_changes_nothing():
+    """``LBFGS.step`` with no parameter holding a gradient makes no update: no state is
+    made, and a made one keeps its counter and its history (stepped with zero gradients,
+    the counter advanced and a curvature pair of the parameters' last move was recorded)."""
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt = LBFGS([p], lr=0.5, memory_size=3)
+    assert opt.step(lambda: 7.0) == 7.0 and not opt.state
+    p.grad = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    moved = p.detach().clone()
+    p.grad = None
+    opt.step()
+    assert torch.equal(p.detach(), moved)
+    for k, v in opt.state[p].items():
+        assert torch.equal(v, before[k]), k
