@@ -494,7 +494,12 @@ def test_a_leaf_without_a_gradient_takes_its_own_copy_of_the_groups_states():
         a, b = state[name]["a"], state[name]["b"]
         assert same_bits(a, b) and a.untyped_storage().data_ptr() != \
             b.untyped_storage().data_ptr(), name
-    spec.step(params, grads, state, donate=True)
+    params, state = spec.step(params, grads, state, donate=True)
+    # in place too: the leaf's own tensors take the new values
+    own = {name: state[name]["b"] for name in spec.program().group_states}
+    params, state = spec.step(params, {"a": grads["a"], "b": None}, state, donate=True)
+    for name, b in own.items():
+        assert state[name]["b"] is b and same_bits(b, state[name]["a"]), name
 
 
 def test_a_step_in_place_over_two_programs_reads_the_counter_once_and_advances_it_in_place():
