@@ -1364,7 +1364,8 @@ def test_the_kernel_choices_of_the_environment_changed_mid_process_change_no_val
                 assert torch.equal(bits(a), bits(b)), (name, kw, first)
 
 
-KEPT_HYPERS = r"""
+# (the start of the scripts below: a step's tensors, its reference result, the path chosen)
+STEP_SCRIPT = r"""
 import sys
 import torch
 import vega
@@ -1378,6 +1379,10 @@ w = torch.randn(4, 5, dtype=torch.float64, generator=gen)
 g = torch.randn(4, 5, dtype=torch.float64, generator=gen)
 want, _ = vega.adamw_step({"w": w}, {"w": g}, vega.adamw_init({"w": w}), lr=0.3,
                           backend="reference")
+"""
+
+
+KEPT_HYPERS = STEP_SCRIPT + r"""
 if how == "meta":  # a step under a default device other than the CPU
     with torch.device("meta"):
         got, _ = vega.adamw_step({"w": w}, {"w": g}, vega.adamw_init({"w": w}), lr=0.3,
@@ -1425,21 +1430,8 @@ def test_a_hyperparameter_array_made_under_a_mode_is_not_kept(how, path):
     assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], run.stderr[-3000:]
 
 
-NO_MEMORY = r"""
-import sys
-import torch
-import vega
+NO_MEMORY = STEP_SCRIPT + r"""
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.func import functionalize
-from vega.codegen.c import launch, native
-how, path = sys.argv[1:3]
-if path == "python":
-    native.module = lambda wait=None: None
-gen = torch.Generator().manual_seed(0)
-w = torch.randn(4, 5, dtype=torch.float64, generator=gen)
-g = torch.randn(4, 5, dtype=torch.float64, generator=gen)
-want, _ = vega.adamw_step({"w": w}, {"w": g}, vega.adamw_init({"w": w}), lr=0.3,
-                          backend="reference")
 p = torch.nn.Parameter(w.clone())
 p.grad = g.clone()
 opt = vega.optim.AdamW([p], lr=0.3, backend="c")

@@ -211,6 +211,17 @@ def test_float16_with_dynamic_loss_scale_reaches_float32_loss():
 HOST_READS = ["item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__"]
 
 
+def _refuse_host_reads(monkeypatch) -> None:
+    """Each of torch's ways to read a tensor's value on the host (``HOST_READS``) made to
+    fail the test until ``monkeypatch.undo()``."""
+    def refuse(name):
+        def read(*args, **kwargs):
+            raise AssertionError(f"host read Tensor.{name} inside step()")
+        return read
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+
+
 @pytest.mark.parametrize("backend", ["reference", "c"])
 def test_no_step_reads_a_tensor_back_to_the_host(backend, monkeypatch):
     """Any read of a tensor's value into Python during step() fails the test."""
@@ -221,12 +232,7 @@ def test_no_step_reads_a_tensor_back_to_the_host(backend, monkeypatch):
     _set_grads(ps, 0)
     opt.step()  # first step: state made (outside the patched region too)
 
-    def refuse(name):
-        def read(*args, **kwargs):
-            raise AssertionError(f"host read Tensor.{name} inside step()")
-        return read
-    for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    _refuse_host_reads(monkeypatch)
     for step in range(1, 4):
         _set_grads(ps, step, bad=(step == 2))
         opt.step()
@@ -346,12 +352,7 @@ def test_no_step_of_groups_with_tensor_rates_reads_one_back(backend, monkeypatch
     _set_grads(ps, 0)
     opt.step()
 
-    def refuse(name):
-        def read(*args, **kwargs):
-            raise AssertionError(f"host read Tensor.{name} inside step()")
-        return read
-    for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    _refuse_host_reads(monkeypatch)
     for step in range(1, 3):
         _set_grads(ps, step)
         opt.step()
