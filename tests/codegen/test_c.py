@@ -1382,6 +1382,21 @@ want, _ = vega.adamw_step({"w": w}, {"w": g}, vega.adamw_init({"w": w}), lr=0.3,
 """
 
 
+def _run_step_script(script: str, how: str, path: str) -> None:
+    """``script`` (``STEP_SCRIPT``'s) run in a fresh process with ``how`` and ``path``
+    ("native" or "python"); it must print ok."""
+    if cbuild.compiler() is None:
+        pytest.skip("no C compiler here")
+    if path == "native" and native.module(wait=True) is None:
+        pytest.skip(native.status())
+    repo = os.path.abspath(os.path.join(os.path.dirname(vega.__file__), ".."))
+    env = {**os.environ, "PYTHONPATH": repo, "VEGA_NATIVE": "sync"}
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script, how, path],
+                         capture_output=True, text=True, timeout=600, env=env,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], run.stderr[-3000:]
+
+
 KEPT_HYPERS = STEP_SCRIPT + r"""
 if how == "meta":  # a step under a default device other than the CPU
     with torch.device("meta"):
@@ -1418,16 +1433,7 @@ def test_a_hyperparameter_array_made_under_a_mode_is_not_kept(how, path):
     kept for every later step of the kernel, of any optimizer, which read its
     hyperparameters there and crashed (a segmentation fault, in the native operator or the
     Python path). In a fresh process: the crash would take the test session with it."""
-    if cbuild.compiler() is None:
-        pytest.skip("no C compiler here")
-    if path == "native" and native.module(wait=True) is None:
-        pytest.skip(native.status())
-    repo = os.path.abspath(os.path.join(os.path.dirname(vega.__file__), ".."))
-    env = {**os.environ, "PYTHONPATH": repo, "VEGA_NATIVE": "sync"}
-    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", KEPT_HYPERS, how, path],
-                         capture_output=True, text=True, timeout=300, env=env,
-                         stdin=subprocess.DEVNULL)
-    assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], run.stderr[-3000:]
+    _run_step_script(KEPT_HYPERS, how, path)
 
 
 NO_MEMORY = STEP_SCRIPT + r"""
@@ -1511,13 +1517,4 @@ def test_a_step_of_tensors_without_memory_is_refused_by_name(how, path):
     naming the tensor, and later steps step as ever: the kernels read and wrote at address 0
     (a segmentation fault, in the native operator or the Python path). In a fresh process:
     the crash would take the test session with it."""
-    if cbuild.compiler() is None:
-        pytest.skip("no C compiler here")
-    if path == "native" and native.module(wait=True) is None:
-        pytest.skip(native.status())
-    repo = os.path.abspath(os.path.join(os.path.dirname(vega.__file__), ".."))
-    env = {**os.environ, "PYTHONPATH": repo, "VEGA_NATIVE": "sync"}
-    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", NO_MEMORY, how, path],
-                         capture_output=True, text=True, timeout=600, env=env,
-                         stdin=subprocess.DEVNULL)
-    assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], run.stderr[-3000:]
+    _run_step_script(NO_MEMORY, how, path)
