@@ -899,3 +899,46 @@ def test_the_prelude_reads_nothing_past_a_gradients_end():
     for k in params:
         assert not torch.equal(got[k], params[k]), k
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+@pytest.mark.parametrize("how", ["with", "set_default_device"])
+def test_a_step_under_a_meta_default_device_steps_as_outside(how):
+    """The tables a step makes on the host (block maps, the record's settings, the address
+    rows, the inverse loss scale) are on the CPU whatever the default device: made under
+    ``torch.device("meta")`` (or ``torch.set_default_device``), the block map read a meta
+    count and the step crashed inside, having cached the record's settings as a meta tensor
+    that every later step of the process at that ``max_grad_norm`` read, and crashed on. The
+    first step of these lengths and settings is made there: it and one after it, outside,
+    step as the reference."""
+    spec = vega.builtin("adamw")
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(s, generator=gen).to(DEVICE) for k, s in
+              (("w", (23, 29)), ("v", (1013,)))}  # (lengths of no other test's)
+    options = {"max_grad_norm": 0.8125, "skip_nonfinite": True, "lr": 1e-2}
+    scale = vega.LossScale.dynamic(init=4.0, device=DEVICE)
+    ref = tri = (params, spec.init(params))
+    for k in range(2):
+        grads = {n: torch.randn(p.shape, generator=gen).to(DEVICE) for n, p in params.items()}
+        ref = spec.step(*ref[:1], grads, ref[1], backend="reference", **options,
+                        loss_scale=scale)
+        if k == 0 and how == "with":
+            with torch.device("meta"):
+                tri = spec.step(*tri[:1], grads, tri[1], backend="triton", **options,
+                                loss_scale=scale)
+        elif k == 0:
+            torch.set_default_device("meta")
+            try:
+                tri = spec.step(*tri[:1], grads, tri[1], backend="triton", **options,
+                                loss_scale=scale)
+            finally:
+                torch.set_default_device(None)
+        else:
+            tri = spec.step(*tri[:1], grads, tri[1], backend="triton", **options,
+                            loss_scale=scale)
+        for (what, a), (_, b) in zip(leaves(*tri[:2]), leaves(*ref[:2])):
+            assert a.device == b.device and a.dtype == b.dtype, (k, what, a.device)
+            if what == "step":
+                assert torch.equal(a, b), what
+            else:
+                assert_close(a, b, f"step {k} {what}")
+        assert torch.equal(tri[2].loss_scale, ref[2].loss_scale)

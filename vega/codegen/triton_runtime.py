@@ -268,7 +268,7 @@ class Staging:
     allocated pinned while it runs). Each piece taken is the graph's for good."""
 
     def __init__(self, nbytes: int, pin: bool = True):
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
         self.used = 0
 
     def take(self, host: torch.Tensor) -> torch.Tensor:
@@ -316,8 +316,15 @@ def _constants(kept: "Kept", key: tuple, values, device: torch.device) -> torch.
     pinned copy; the compiled graph holds its constants itself)."""
     if torch.compiler.is_compiling():
         return torch.tensor(values, dtype=torch.float64, device=device)
-    return kept.get(key, lambda: _device(torch.tensor(values, dtype=torch.float64), device),
+    return kept.get(key, lambda: _device(_host(values, torch.float64), device),
                     _capturing(device))
+
+
+def _host(values, dtype: torch.dtype) -> torch.Tensor:
+    """A small table of ``values`` on the host: on the CPU whatever device a context makes
+    the default (``with torch.device("meta")``, ``torch.set_default_device``), where a
+    table made there would be cached (``Kept``) for every later step."""
+    return torch.tensor(values, dtype=dtype, device="cpu")
 
 
 def _device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -340,13 +347,14 @@ class BlockMap:
                  capturing: bool = False, every: bool = False):
         # (``every``: an empty tensor has a block too, whose program reads no element)
         numels = _lengths(numels)
-        counts = torch.tensor([max(-(-n // block), int(every)) for n in numels],
-                              dtype=torch.int64)
-        first = torch.zeros(len(numels) + 1, dtype=torch.int64)
+        counts = _host([max(-(-n // block), int(every)) for n in numels], torch.int64)
+        first = torch.zeros(len(numels) + 1, dtype=torch.int64, device="cpu")
         torch.cumsum(counts, 0, out=first[1:])
         self.nblocks = int(first[-1])
-        tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), counts)
-        start = (torch.arange(self.nblocks, dtype=torch.int64) - first[tensor]) * block
+        tensor = torch.repeat_interleave(
+            torch.arange(len(numels), dtype=torch.int64, device="cpu"), counts)
+        start = (torch.arange(self.nblocks, dtype=torch.int64, device="cpu")
+                 - first[tensor]) * block
         host = [tensor.to(torch.int32), start, first]
         if device.type == "cpu":
             self.tensor, self.start, self.first = host
@@ -384,12 +392,12 @@ def _hyper_array(device, nhyper, ndicts, tensors, floats, slots) -> torch.Tensor
     if not slots and len(tensors) == 1 and tensors[0].dim() == 2:  # a HyperRows table
         return tensors[0].to(device=device, dtype=torch.float64).contiguous()
     values = [floats[-1 - s] if s < 0 else 0.0 for s in slots] or [0.0] * (ndicts * width)
-    base = _device(torch.tensor(values, dtype=torch.float64).reshape(ndicts, width), device)
+    base = _device(_host(values, torch.float64).reshape(ndicts, width), device)
     # each tensor's value where its slots are (a mask made once per layout): one operation a
     # tensor (two if it is not float64), where a copy, a stack and a scatter took four
     out = base
     for j in dict.fromkeys(s for s in slots if s >= 0):
-        mask = _device(torch.tensor([s == j for s in slots], dtype=torch.bool)
+        mask = _device(_host([s == j for s in slots], torch.bool)
                        .reshape(ndicts, width), device)
         out = torch.where(mask, tensors[j].detach().to(device, torch.float64).reshape(()), out)
     return out
@@ -458,8 +466,8 @@ def _prelude_impl(kernel: str, grads: list[torch.Tensor], pre: torch.Tensor,
     groups: dict[str, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault(_dtype_key(g, g, g)[0], []).append(g)
-    _prelude_launch(kern, [(gdt, torch.tensor([[g.numel(), g.data_ptr()] for g in gs],
-                                              dtype=torch.int64), tuple(g.numel() for g in gs))
+    _prelude_launch(kern, [(gdt, _host([[g.numel(), g.data_ptr()] for g in gs],
+                                                     torch.int64), tuple(g.numel() for g in gs))
                            for gdt, gs in groups.items()], pre, setting, inv)
 
 
@@ -570,7 +578,7 @@ def _tables(kern, params, states, grads, old_params, old_states, src_t, step_ind
             rows = [row + extra for row, extra in zip(rows, _geometry(
                 kern, [params[i].shape for i in idx],
                 [geos[i] for i in idx] if geos is not None else None))]
-        found.append((key, idx, torch.tensor(rows, dtype=torch.int64), misaligned % 16 == 0,
+        found.append((key, idx, _host(rows, torch.int64), misaligned % 16 == 0,
                       tuple(numels[i] for i in idx)))
     return found, hyp
 
@@ -606,13 +614,13 @@ def _launches(kern, found, params, src_t, steps, finite, pre, hyp, scale_state,
                pre if has_pre else hyp, scal, HAS_PRE=has_pre, BLOCK=SCALAR_BLOCK, num_warps=4)
         work.append((key, idx, mod, table, scal, aligned, numels))
     if counters is None and steps:
-        counters = torch.tensor([[a.data_ptr(), b.data_ptr()] for a, b in zip(src_t, steps)],
-                                dtype=torch.int64)
+        counters = _host([[a.data_ptr(), b.data_ptr()] for a, b in zip(src_t, steps)],
+                         torch.int64)
     counters = _device(counters, device) if steps else None
     advanced = not steps
     adjust = bool(scale_state) and bool(steps)
-    scale_tab = _device(torch.tensor([t.data_ptr() for t in scale_state],
-                                     dtype=torch.int64), device) if adjust else finite
+    scale_tab = _device(_host([t.data_ptr() for t in scale_state], torch.int64),
+                        device) if adjust else finite
     scale_cfg = scale_config if adjust else finite
     # each element-wise group's blocks and per-tensor reductions (a step over shards steps
     # a group without blocks too: its partial results count, as zeros)
@@ -684,10 +692,10 @@ def _combined(kern, work, maps, views, k, slot):
         # (tables made on the host, copied without blocking: ``_device``)
         weights = [views[i].weight if views[i] is not None else 1.0 for i in idx]
         weight = None if all(w == 1.0 for w in weights) else _device(
-            torch.tensor(weights, dtype=torch.float64), red.device)
-        count = _device(torch.tensor(
+            _host(weights, torch.float64), red.device)
+        count = _device(_host(
             [math.prod(views[i].full.full) if views[i] is not None else n
-             for i, n in zip(idx, _lengths(numels))], dtype=torch.float64), red.device) \
+             for i, n in zip(idx, _lengths(numels))], torch.float64), red.device) \
             if any(n.op is Op.MEAN for n in phase) else None
         for q, node in enumerate(phase):
             parts.append(shard_part(node.op, red[:, slot + q].clone(), weight,
@@ -904,7 +912,9 @@ def prelude(kern, grads, pre: torch.Tensor, init=None) -> None:
             if inv.dtype != torch.float32:
                 inv = inv.to(torch.float64).reciprocal()
         elif inv_scale is not None:
-            inv = torch.as_tensor(inv_scale).detach().reshape(()).to(pre.device, torch.float64)
+            # (the scale's device named: a context's default device would take the tensor)
+            inv = torch.as_tensor(inv_scale, dtype=torch.float64,
+                                  device=pre.device).detach().reshape(())
     if found is not None:
         _prelude_launch(kern, found, pre, setting, inv)
         return
