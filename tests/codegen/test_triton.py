@@ -8,6 +8,7 @@ the environment). On a machine with CUDA it leaves the variable alone and runs
 on the GPU. The interpreter runs every program in Python, about a millisecond
 each: tensors are small and blocks large.
 """
+import contextlib
 import math
 import os
 import re
@@ -935,6 +936,31 @@ def test_a_step_under_a_meta_default_device_steps_as_outside(how):
         else:
             tri = spec.step(*tri[:1], grads, tri[1], backend="triton", **options,
                             loss_scale=scale)
+        for (what, a), (_, b) in zip(leaves(*tri[:2]), leaves(*ref[:2])):
+            assert a.device == b.device and a.dtype == b.dtype, (k, what, a.device)
+            if what == "step":
+                assert torch.equal(a, b), what
+            else:
+                assert_close(a, b, f"step {k} {what}")
+        assert torch.equal(tri[2].loss_scale, ref[2].loss_scale)
+
+
+def test_a_step_whose_record_is_made_before_the_prelude_under_a_meta_device():
+    """Muon's Triton step takes a record made before its prelude (``record.make_pre``, its
+    kernels do not write one whole): the inverse loss scale put into it was a tensor of
+    the default device, under ``torch.device("meta")`` a meta one, and the copy out of it
+    crashed inside. It steps as the reference, there and after."""
+    spec = vega.builtin("muon")
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(s, generator=gen).to(DEVICE) for k, s in
+              (("w", (24, 20)), ("v", (300,)))}
+    scale = vega.LossScale.dynamic(init=4.0, device=DEVICE)
+    ref = tri = (params, spec.init(params))
+    for k in range(2):
+        grads = {n: torch.randn(p.shape, generator=gen).to(DEVICE) for n, p in params.items()}
+        ref = spec.step(*ref[:1], grads, ref[1], backend="reference", loss_scale=scale)
+        with torch.device("meta") if k == 0 else contextlib.nullcontext():
+            tri = spec.step(*tri[:1], grads, tri[1], backend="triton", loss_scale=scale)
         for (what, a), (_, b) in zip(leaves(*tri[:2]), leaves(*ref[:2])):
             assert a.device == b.device and a.dtype == b.dtype, (k, what, a.device)
             if what == "step":

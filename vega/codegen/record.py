@@ -134,8 +134,9 @@ def make_pre(device, inv_scale=None, max_norm=None, check=False) -> torch.Tensor
 def _new_pre(device, inv_scale, max_norm, check) -> torch.Tensor:
     pre = torch.zeros(len(PRE_SLOTS), dtype=torch.float64, device=device)
     if inv_scale is not None:
-        pre[Pre.INV_SCALE:Pre.INV_SCALE + 1].copy_(
-            torch.as_tensor(inv_scale).detach().reshape(1))
+        # (the record's device named: a context's default device would take the tensor)
+        pre[Pre.INV_SCALE:Pre.INV_SCALE + 1].copy_(torch.as_tensor(
+            inv_scale, dtype=torch.float64, device=device).detach().reshape(1))
     else:
         pre[Pre.INV_SCALE] = 1.0
     pre[Pre.MAX_NORM] = float(max_norm) if max_norm is not None else 0.0
