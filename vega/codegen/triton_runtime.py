@@ -220,6 +220,19 @@ def check_device(device: torch.device) -> None:
         raise ValueError(f"backend='triton' runs on CUDA tensors, got tensors on {device}")
 
 
+def check_mode() -> None:
+    """ValueError for a step of real tensors under ``FakeTensorMode``, before anything is
+    made: the tensors a step makes there (its outputs, the prelude's record, the address
+    tables the native operator builds, the tables kept for later steps) are FakeTensors of
+    address 0, which the kernels and the native operator wrote at (a segmentation fault),
+    and a table kept so would serve every later step. While dynamo traces, the custom ops'
+    fake implementations run there instead, and this is not asked."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        raise ValueError("backend 'triton': a step under FakeTensorMode: the tensors it makes "
+                         "there are FakeTensors, without memory for its kernels to write; "
+                         "step outside the mode, or use backend='reference'")
+
+
 def library_interpreted() -> bool:
     """Whether triton.language's own jit functions (tl.sum, ...) run in the interpreter:
     they are decorated when triton is imported, so only if TRITON_INTERPRET was set then."""
