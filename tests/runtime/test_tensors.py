@@ -411,6 +411,29 @@ def test_leaves_that_share_memory_are_refused_in_place_and_fine_when_pure(backen
                         backend=backend, donate=True)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_check_for_shared_memory_steps_under_a_meta_default_device(backend):
+    """The check in place of leaves whose spans of memory meet (interleaved columns: each
+    element's offset listed) makes its offsets on the CPU whatever the default device:
+    under ``torch.device("meta")`` they were meta tensors, and the step crashed inside
+    (``torch.nonzero`` of meta). The columns step as outside; a column given twice is
+    refused by name."""
+    m = _rand(4, 3, seed=5)
+    cols = {str(k): m[:, k] for k in range(3)}
+    grads = {k: _rand(4, seed=6 + int(k)) for k in cols}
+    want, _ = vega.adamw.step(cols, grads, vega.adamw.init(cols), backend="reference")
+    state = vega.adamw.init(cols)
+    with torch.device("meta"):
+        vega.adamw.step(cols, grads, state, backend=backend, donate=True)
+    for k in cols:
+        torch.testing.assert_close(m[:, int(k)], want[k], msg=k)
+    cols["3"], grads["3"] = m[:, 1], grads["1"]
+    state = vega.adamw.init(cols)
+    with torch.device("meta"), pytest.raises(
+            ValueError, match="params leaf '3' shares memory with params leaf '1'"):
+        vega.adamw.step(cols, grads, state, backend=backend, donate=True)
+
+
 def test_the_class_refuses_what_it_cannot_write_before_writing_any_group():
     a = torch.nn.Parameter(_rand(5, seed=1))
     w = torch.nn.Parameter(torch.zeros(1).expand(5))

@@ -365,9 +365,9 @@ def overlaps_itself(t: torch.Tensor) -> bool:
 
 def _offsets(t: torch.Tensor) -> torch.Tensor:
     """The offset in elements from ``t.data_ptr()`` of every element of ``t``."""
-    at = torch.zeros((), dtype=torch.int64)
+    at = torch.zeros((), dtype=torch.int64, device="cpu")  # (whatever the default device)
     for sz, st in zip(t.shape, t.stride()):
-        at = at.unsqueeze(-1) + torch.arange(sz, dtype=torch.int64) * st
+        at = at.unsqueeze(-1) + torch.arange(sz, dtype=torch.int64, device="cpu") * st
     return at.reshape(-1)
 
 
@@ -541,7 +541,8 @@ def _cluster_pair(tensors, members: list[int], lo, hi) -> tuple[int, int] | None
         j = members[1]  # (views of one memory as several dtypes: taken as shared)
         return members[0], j
     at = torch.cat([_offsets(t) + (t.data_ptr() - base) // size for t in ts])
-    who = torch.cat([torch.full((t.numel(),), k, dtype=torch.int64) for k, t in enumerate(ts)])
+    who = torch.cat([torch.full((t.numel(),), k, dtype=torch.int64, device="cpu")
+                     for k, t in enumerate(ts)])
     at, order = torch.sort(at, stable=True)
     who = who[order]
     same = torch.nonzero(at[1:] == at[:-1]).reshape(-1)
