@@ -841,6 +841,81 @@ def q8_move(phase: str) -> None:
     found["q8-move"] = "moved"
 
 
+def q8_other_layout() -> None:
+    """8-bit state saved from a 1-D mesh's row shards (four of 8 x 256 values) and loaded
+    into as many shards cut otherwise (a 2 x 2 mesh's row and column shards, of 16 x 128):
+    the scales' shapes agree, (4, 8), but each row holds the blocks of a saved shard, which
+    here holds other values. load_state_dict refuses it, naming the parameter and both
+    layouts, and leaves the state as it was: through DCP and through a full state dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                         set_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    folder = os.path.join(OUT, "q8-layout")
+    gen = torch.Generator().manual_seed(3)
+    w, g = torch.randn(32, 256, generator=gen), torch.randn(32, 256, generator=gen)
+
+    def make(mesh, places):
+        m = torch.nn.Module()
+        m.w = torch.nn.Parameter(distribute_tensor(w, mesh, places))
+        m.w.grad = distribute_tensor(g, mesh, places)
+        o = vega.optim.AdamW(m.parameters(), lr=1e-2, state_dtype=torch.uint8)
+        o.step()
+        return m, o
+    m1, o1 = make(init_device_mesh("cpu", (WORLD,)), [Shard(0)])
+    msd, osd = get_state_dict(m1, o1)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
+    full = StateDictOptions(full_state_dict=True)
+    whole = get_state_dict(m1, o1, options=full)[1]
+    m2, o2 = make(init_device_mesh("cpu", (2, WORLD // 2)), [Shard(0), Shard(1)])
+    assert o2.state[m2.w]["mu_absmax"].shape == o1.state[m1.w]["mu_absmax"].shape == (4, 8)
+    before = {k: v.to_local().clone() for k, v in o2.state[m2.w].items()
+              if type(v).__name__ == "DTensor"}
+    msd, osd = get_state_dict(m2, o2)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=folder)
+    for given, options in ((state["optim"], None), (whole, full)):
+        for k, v in before.items():  # (dcp.load writes the optimizer's tensors in place)
+            o2.state[m2.w][k].to_local().copy_(v)
+        try:
+            set_state_dict(m2, o2, model_state_dict={}, optim_state_dict=given,
+                           options=options)
+            raise AssertionError("8-bit state loaded into shards cut otherwise")
+        except ValueError as err:
+            assert "parameter w were saved from shards cut as 'Shard(dim=0) over 4'" in \
+                str(err) and "'Shard(dim=0) over 2, Shard(dim=1) over 2'" in str(err), err
+        for k, v in before.items():
+            assert torch.equal(o2.state[m2.w][k].to_local(), v), k
+    # a checkpoint whose groups hold no q8_shards: refused by dcp.load, and loaded on the
+    # same cut with allow_partial_load (docs/distributed.md), bitwise
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+    msd, osd = get_state_dict(m1, o1)
+    for group in osd["param_groups"]:
+        del group[quant.LAYOUT_KEY]
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder + "-without")
+    m3, o3 = make(init_device_mesh("cpu", (WORLD,)), [Shard(0)])
+    o3.step()  # (other state than o1's)
+    for planner in (None, DefaultLoadPlanner(allow_partial_load=True)):
+        msd, osd = get_state_dict(m3, o3)
+        state = {"model": msd, "optim": osd}
+        try:
+            dcp.load(state, checkpoint_id=folder + "-without", planner=planner)
+        except CheckpointException as err:  # (each rank's error)
+            assert planner is None and "Missing key in checkpoint state_dict: " \
+                f"optim.param_groups.0.{quant.LAYOUT_KEY}" in str(err), err
+            continue
+        set_state_dict(m3, o3, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    for k, v in o1.state[m1.w].items():
+        if k != "step":
+            v = v.to_local()
+        assert torch.equal(o3.state[m3.w][k].to_local() if k != "step" else
+                           o3.state[m3.w][k], v), k
+    found["q8-layout"] = "refused"
+
+
 def main() -> None:
     # (the ranks meet through a file of the test's own folder: no port to share)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(OUT, 'rendezvous')}",
@@ -867,7 +942,7 @@ def main() -> None:
              "functions": functions_over_group, "muon-fsdp": muon_refused,
              "uneven": uneven_refused, "split": split_refused,
              "without-prelude": without_prelude, "mixed-placements": mixed_placements,
-             "q8": q8_shards, "q8-load": q8_loads,
+             "q8": q8_shards, "q8-layout": q8_other_layout, "q8-load": q8_loads,
              "q8-hsdp": lambda: q8_shards(hybrid=True),
              "q8-move-save": lambda: q8_move("save"), "q8-move-load": lambda: q8_move("load"),
              "dcp-q8": lambda: dcp_resume("fsdp", q8=True),

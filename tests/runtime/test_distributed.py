@@ -13,8 +13,9 @@ docs/distributed.md trains; ``ZeroRedundancyOptimizer`` with
 (``global_norm``, ``clip_by_global_norm``, ``grads_finite``, ``LossScale.step``) span a
 ``reduce_group`` and DTensor leaves; 8-bit state under FSDP2 and HSDP (each shard's step
 bitwise the plain 8-bit step of the shard; DCP; loads that convert; a move to another mesh
-through float state). Each launch runs its ranks as processes, with a hard timeout,
-and many checks in one process group (``distributed_script.py``)."""
+through float state; a load where as many shards are cut otherwise refused). Each launch
+runs its ranks as processes, with a hard timeout, and many checks in one process group
+(``distributed_script.py``)."""
 import json
 import os
 import subprocess
@@ -152,10 +153,13 @@ def test_fsdp2_on_four_ranks(tmp_path):
     """Four ranks: the 5-row weight's shards hold 2, 2, 1 and 0 rows. And HSDP, a 2 x 2
     mesh (each shard held by two ranks): a replicated value's partial sums count once, and
     each collective runs over both mesh dimensions. 8-bit state on both. A matrix sharded
-    along both of its axes is refused where a factored reduction's result would be split."""
+    along both of its axes is refused where a factored reduction's result would be split.
+    8-bit state saved from a 1-D mesh's four row shards is refused where four shards are
+    cut otherwise (rows and columns of a 2 x 2 mesh), whose scales have the same shape."""
     found = launch(4, ["Adafactor", "hsdp-AdamW", "hsdp-LAMB", "hsdp-Adafactor",
-                       "hsdp-per_tensor", "q8", "q8-hsdp", "split"], tmp_path)
+                       "hsdp-per_tensor", "q8", "q8-hsdp", "split", "q8-layout"], tmp_path)
     assert all(f == found[0] for f in found)
+    assert found[0]["q8-layout"] == "refused"  # (by DCP's set_state_dict and a full one)
     # a matrix sharded along both axes: factored Adafactor refuses it, naming the parameter
     assert found[0]["split"] == "refused"
     assert found[0]["Adafactor"]["diff"] <= 1e-9

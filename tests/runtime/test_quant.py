@@ -574,6 +574,36 @@ def test_state_dict_round_trip_and_resume_bitwise():
     _same_state(opt, model, opt2, model2)
 
 
+def test_8bit_state_saved_from_shards_cut_otherwise_is_refused():
+    """A state dict's group holds, for a DTensor parameter's 8-bit states, how its shards
+    were cut (``quant.LAYOUT_KEY``): a row of the scales holds one shard's blocks. Loaded
+    where the parameter is cut otherwise (here one whole tensor), it is refused, naming the
+    parameter and both layouts, the optimizer left as it was; a malformed entry is refused
+    too. A plain parameter's state dict holds none, and one of its own layout loads."""
+    model = _model()
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    _train(model, opt, 2, seed=1)
+    saved = opt.state_dict()
+    assert all(quant.LAYOUT_KEY not in g for g in saved["param_groups"])
+    opt2 = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    layouts = [None] * len(saved["param_groups"][0]["params"])
+    for value, words in ((["Shard(dim=0) over 4"] + layouts[1:],
+                          r"parameter 0 were saved from shards cut as 'Shard\(dim=0\) over 4', "
+                          "and its shards here are cut as 'one whole tensor'"),
+                         ("Shard(dim=0) over 4", r"q8_shards='Shard\(dim=0\) over 4'"),
+                         (layouts[1:], "a str\\), or None")):
+        bad = {**saved, "param_groups": [{**saved["param_groups"][0],
+                                          quant.LAYOUT_KEY: value}]}
+        with pytest.raises(ValueError, match=words):
+            opt2.load_state_dict(bad)
+        assert not opt2.state and quant.LAYOUT_KEY not in opt2.param_groups[0]
+    same = {**saved, "param_groups": [{**saved["param_groups"][0],
+                                       quant.LAYOUT_KEY: [""] + layouts[1:]}]}
+    opt2.load_state_dict(same)
+    assert quant.LAYOUT_KEY not in opt2.param_groups[0]
+    _same_state(opt, model, opt2, model)
+
+
 def test_a_state_dict_loaded_shares_no_codes_with_the_optimizer_it_came_from():
     """Loading copies the 8-bit codes and their scales, as it copies float states: a state
     dict taken from a live optimizer (whose tensors it holds) and loaded into another leaves

@@ -212,6 +212,29 @@ def scale_placements(p) -> tuple:
     return tuple(Shard(0) if pl.is_shard() else Replicate() for pl in p.placements)
 
 
+# the key of a state dict's group that holds, for each of its parameters, how the shards
+# of its 8-bit states were cut (``shard_layout``; None: no 8-bit DTensor state)
+LAYOUT_KEY = "q8_shards"
+
+
+def shard_layout(p) -> str:
+    """How the shards of DTensor ``p`` are cut, which the rows of its 8-bit scales follow
+    (``scale_shape``): each mesh dimension of more than one rank that splits it, in the
+    mesh's order ("Shard(dim=0) over 4"; replicated dimensions leave the shards as they
+    are); "" for a plain tensor, or a DTensor split nowhere. Under two layouts of one
+    description each row of the scales holds the blocks of the same shard."""
+    if not is_dtensor(p):
+        return ""
+    from torch.distributed.tensor import Shard
+    parts = []
+    for dim, pl in enumerate(p.placements):
+        k = p.device_mesh.size(dim)
+        if pl.is_shard() and k > 1:
+            shown = f"Shard(dim={pl.dim % p.dim()})" if type(pl) is Shard else repr(pl)
+            parts.append(f"{shown} over {k}")
+    return ", ".join(parts)
+
+
 def shard_scales(local: torch.Tensor, numel: int) -> torch.Tensor:
     """A rank's scales of its shard of ``numel`` values: the first blocks of its row
     (``local``, the scales' local tensor: a view the kernels write through)."""

@@ -996,6 +996,12 @@ class SpecOptimizer(torch.optim.Optimizer):
         self._synced_tuples(f"{type(self).__name__}.state_dict")
         out = sharded.without_group_objects(self, super().state_dict())
         out["param_groups"] = engine.saved_groups(out["param_groups"])  # (dtypes by name)
+        for k, group in enumerate(self.param_groups):  # (how 8-bit shards were cut)
+            layouts = [quant.shard_layout(p) if is_dtensor(p) and any(
+                isinstance(v, torch.Tensor) and v.dtype == torch.uint8
+                for v in self.state.get(p, {}).values()) else None for p in group["params"]]
+            if any(x is not None for x in layouts):
+                out["param_groups"][k] = {**out["param_groups"][k], quant.LAYOUT_KEY: layouts}
         out[torch_names.RULE_KEY] = self.spec.name
         if self.loss_scale is not None:
             out["loss_scale"] = dict(zip(LEAVES, self.loss_scale.tensors()))
@@ -1062,6 +1068,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         before, was = (self.state, self.param_groups), None
         try:
             self._check_saved(state_dict)
+            self._check_layouts(state_dict)
             scale = self._load(state_dict)
             self._check_loaded()
             if scale is not None:  # (into the scale's own tensors: the object the caller
@@ -1158,6 +1165,40 @@ class SpecOptimizer(torch.optim.Optimizer):
                        f"{type(self).__name__}" if unknown else "")
                     + f"; {_seems_from(group.keys(), type(self).__name__)}")
 
+    def _check_layouts(self, state_dict: dict) -> None:
+        """ValueError where a parameter's 8-bit states were saved with its shards cut
+        otherwise than they are here (``quant.shard_layout``, which ``state_dict`` keeps in
+        each group under ``quant.LAYOUT_KEY``): a row of the scales holds the blocks of the
+        shard it was saved from, and where the shards are cut otherwise the same row would
+        scale other values (``torch.distributed.checkpoint`` loads it without a word where
+        the scales' shapes agree: as many shards, of as many blocks)."""
+        owner = f"{type(self).__name__}.load_state_dict"
+        params = [p for g in self.param_groups for p in g["params"]]
+        at = 0
+        for k, group in enumerate(state_dict["param_groups"]):
+            ids, saved = list(group["params"]), group.get(quant.LAYOUT_KEY)
+            if saved is not None and (not isinstance(saved, (list, tuple))
+                                      or len(saved) != len(ids) or not all(
+                                          x is None or isinstance(x, str) for x in saved)):
+                raise ValueError(f"{owner}: group {k} of the state has {quant.LAYOUT_KEY}="
+                                 f"{engine.shown(saved)}; state_dict() writes there, for each "
+                                 "parameter of the group, how the shards of its 8-bit states "
+                                 "were cut (a str), or None")
+            for j, (pid, layout) in enumerate(zip(ids, saved or ())):
+                if layout is None or at + j >= len(params) or \
+                        not state_dict["state"].get(pid):
+                    continue
+                now = quant.shard_layout(params[at + j])
+                if now != layout:
+                    raise ValueError(
+                        f"{owner}: the 8-bit states of parameter {pid} were saved from "
+                        f"shards cut as {layout or 'one whole tensor'!r}, and its shards here "
+                        f"are cut as {now or 'one whole tensor'!r}: their scales hold a row "
+                        "of each saved shard's blocks, which here would scale other values. "
+                        "Move 8-bit state to shards cut otherwise through float state "
+                        "(docs/distributed.md)")
+            at += len(ids)
+
     def _load(self, state_dict: dict) -> list | None:
         """torch's loading of ``state_dict`` and vega's conversions of its states; returns
         the saved loss scale's tensors, checked, for the caller to copy into this optimizer's
@@ -1184,8 +1225,11 @@ class SpecOptimizer(torch.optim.Optimizer):
         for k, group in enumerate(state_dict["param_groups"]):  # (before torch's loading,
             self._warn_loaded_tuples(k, group)  # whose __setstate__ takes each tuple)
         mine = [g.get("state_dtype") for g in self.param_groups]
-        super().load_state_dict({k: v for k, v in state_dict.items()
-                                 if k not in ("loss_scale", torch_names.RULE_KEY)})
+        super().load_state_dict({**{k: v for k, v in state_dict.items()
+                                    if k not in ("loss_scale", torch_names.RULE_KEY)},
+                                 "param_groups": [{k: v for k, v in g.items()
+                                                   if k != quant.LAYOUT_KEY}
+                                                  for g in state_dict["param_groups"]]})
         for group, dtype in zip(self.param_groups, mine):  # the dtypes this optimizer keeps
             group["state_dtype"] = dtype
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]

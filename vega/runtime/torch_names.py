@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from vega.codegen import quant
 from vega.runtime import engine
 
 # torch's keywords that choose among its implementations; vega has one, fused
@@ -456,7 +457,8 @@ def to_torch(owner: str, cls_name: str, betas: tuple, state_dict: dict) -> dict:
     groups = []
     for k, group in enumerate(state_dict["param_groups"]):
         out = {key: v for key, v in group.items()
-               if key not in ("backend", "state_dtype", *PRECISION_KEYS, *betas)}
+               if key not in ("backend", "state_dtype", quant.LAYOUT_KEY, *PRECISION_KEYS,
+                              *betas)}
         for key, v in out.items():
             if any(isinstance(x, torch.Tensor) or callable(x)
                    for x in (v if key == "betas" else (v,))):
