@@ -916,6 +916,238 @@ def q8_other_layout() -> None:
     found["q8-layout"] = "refused"
 
 
+def hsdp_against_reference(name: str) -> None:
+    """HSDP over a 2 x (WORLD / 2) mesh against the same model stepped in this process on the
+    reference backend, five steps with max_grad_norm and a dynamic loss scale (a NaN in one
+    rank's shard in the third: every rank skips it, as the plain run does, and the scales
+    agree), parameters and every state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    cls, hypers = OPTIMIZERS[name]
+    mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+    plain = model()
+    net = sharded(copy.deepcopy(plain), mesh)
+    scales = [vega.LossScale.dynamic(init=1024.0, growth_interval=2) for _ in range(2)]
+    opt_plain = cls(plain.parameters(), max_grad_norm=1.0, backend="reference",
+                    loss_scale=scales[0], **hypers)
+    opt = cls(net.parameters(), max_grad_norm=1.0, loss_scale=scales[1], **hypers)
+    for k in range(5):
+        for m, o in ((plain, opt_plain), (net, opt)):
+            o.zero_grad()
+            o.loss_scale.scale(loss_of(m, k)).backward()
+        if k == 2:
+            next(iter(plain.parameters())).grad.view(-1)[0] = float("nan")
+            if RANK == WORLD - 1:
+                next(iter(net.parameters())).grad.to_local().view(-1)[0] = float("nan")
+        opt_plain.step()
+        opt.step()
+    worst = 0.0
+    for (n, p), q in zip(net.named_parameters(), plain.parameters()):
+        worst = max(worst, (p.full_tensor() - q).abs().max().item())
+        assert opt.state[p].keys() == opt_plain.state[q].keys(), (n, opt.state[p].keys())
+        for key, s in opt.state[p].items():
+            ref = opt_plain.state[q][key]
+            if key != "step":
+                s = s.full_tensor()
+            assert s.shape == ref.shape and s.dtype == ref.dtype, (n, key)
+            worst = max(worst, (s.double() - ref.double()).abs().max().item())
+    for a, b in zip(scales[0].tensors(), scales[1].tensors()):
+        assert torch.equal(a, b), (name, a, b)
+    assert int(scales[1].skipped_steps) == 1, scales[1].tensors()
+    found[f"scaled-hsdp-{name}"] = worst
+
+
+def three_placements() -> None:
+    """One 2 x 2 mesh, parameters placed four ways at once: Shard(0) x Replicate (each value
+    on two ranks), Replicate x Replicate (on four), Shard(0) x Shard(1) (on one; Shard(0) x
+    Shard(0) for the rules with reductions along an axis, which refuse a matrix split along
+    both) and Replicate x Shard(0): the global norm, the clip, and three steps with
+    max_grad_norm of a rule of each kind of reduction equal those of the whole tensors in
+    one process (on the reference backend), parameters and every state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (2, WORLD // 2))
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(8, 6), (5,), (8, 8), (6, 3)]
+    places = [[Shard(0), Replicate()], [Replicate(), Replicate()], [Shard(0), Shard(1)],
+              [Replicate(), Shard(0)]]
+    whole = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    grads = [torch.randn(s, generator=gen, dtype=torch.float64) * 3 for s in shapes]
+    dgrads = [distribute_tensor(g, mesh, pl) for g, pl in zip(grads, places)]
+    out = {}
+    out["norm"] = abs(vega.global_norm(dgrads) - vega.global_norm(grads)).item()
+    out["clip"] = max((a.full_tensor() - b).abs().max().item() for a, b in zip(
+        vega.clip_by_global_norm(dgrads, 1.0), vega.clip_by_global_norm(grads, 1.0)))
+    for cname in ("AdamW", "LAMB", "SGD", "per_tensor", "Adafactor", "reductions", "Prodigy"):
+        cls, hypers = OPTIMIZERS[cname]
+        if cname in ("Adafactor", "reductions"):  # (no matrix split along both axes)
+            places[2] = [Shard(0), Shard(0)]
+            dgrads = [distribute_tensor(g, mesh, pl) for g, pl in zip(grads, places)]
+        ps = [torch.nn.Parameter(x.clone()) for x in whole]
+        dps = [torch.nn.Parameter(distribute_tensor(x, mesh, pl)) for x, pl in zip(whole, places)]
+        o1 = cls(ps, max_grad_norm=1.0, backend="reference", **hypers)
+        o2 = cls(dps, max_grad_norm=1.0, **hypers)
+        for k in range(3):
+            for p, g in zip(ps, grads):
+                p.grad = g * (k + 1)
+            for p, g in zip(dps, dgrads):
+                p.grad = g * (k + 1)
+            o1.step()
+            o2.step()
+        worst = 0.0
+        for p, q in zip(dps, ps):
+            worst = max(worst, (p.full_tensor() - q).abs().max().item())
+            for key, s in o2.state[p].items():
+                if key != "step":
+                    s = s.full_tensor()
+                worst = max(worst, (s.double() - o1.state[q][key].double()).abs().max().item())
+        out[cname] = worst
+    for key, worst in out.items():
+        assert worst <= 1e-9, (key, worst)
+    found["three-placements"] = out
+
+
+def scaled_hsdp_q8() -> None:
+    """``hsdp_against_reference`` of 8-bit AdamW (the weight whose shards start on block
+    boundaries; the others in float32), an inf in one rank's shard: its codes and scales
+    equal the reference's too."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+    plain = q8_model()
+    net = sharded(copy.deepcopy(plain), mesh)
+    scales = [vega.LossScale.dynamic(init=1024.0, growth_interval=2) for _ in range(2)]
+    opts = [vega.optim.AdamW([{"params": list(m.parameters())[:1], "state_dtype": torch.uint8},
+                              {"params": list(m.parameters())[1:]}], max_grad_norm=1.0,
+                             lr=1e-2, weight_decay=0.1, loss_scale=s, **kw)
+            for m, s, kw in ((plain, scales[0], {"backend": "reference"}), (net, scales[1], {}))]
+    for k in range(5):
+        for m, o in zip((plain, net), opts):
+            o.zero_grad()
+            o.loss_scale.scale(q8_loss(m, k)).backward()
+        if k == 2:
+            next(iter(plain.parameters())).grad.view(-1)[0] = float("inf")
+            if RANK == 0:
+                next(iter(net.parameters())).grad.to_local().view(-1)[0] = float("inf")
+        for o in opts:
+            o.step()
+    worst = 0.0
+    for p, q in zip(net.parameters(), plain.parameters()):
+        worst = max(worst, (p.full_tensor() - q).abs().max().item())
+        for key, s in opts[1].state[p].items():
+            r = opts[0].state[q][key]
+            if key != "step":
+                s = s.full_tensor()
+            if key.endswith("_absmax"):
+                s = s.reshape(-1)
+            assert s.dtype == r.dtype and s.shape == r.shape, (key, s.shape, r.shape)
+            worst = max(worst, (s.double() - r.double()).abs().max().item())
+    assert opts[1].state[next(iter(net.parameters()))]["mu"].dtype == torch.uint8
+    for a, b in zip(scales[0].tensors(), scales[1].tensors()):
+        assert torch.equal(a, b), (a, b)
+    found["scaled-hsdp-q8"] = worst
+
+
+def dtensor_reduce_group() -> None:
+    """A 2 x 2 mesh (dp, tp): each dp rank holds its own parameters (as under ZeRO), each
+    sharded over the tp submesh; reduce_group the dp group. The clip's norm spans all four
+    shards of both sets; LAMB's per-tensor norms the tp mesh alone; Prodigy's sums over the
+    group both. Against one process over both sets."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh["tp"], mesh.get_group("dp")
+    d = mesh.get_coordinate()[0]
+    gen = torch.Generator().manual_seed(9)
+    sets = [[torch.randn(6, 4, generator=gen, dtype=torch.float64),
+             torch.randn(5, generator=gen, dtype=torch.float64)] for _ in range(2)]
+    grads = [[torch.randn(x.shape, generator=gen, dtype=torch.float64) * 4 for x in s]
+             for s in sets]
+    out = {"norm": abs(vega.global_norm([distribute_tensor(g, tp, [Shard(0)])
+                                         for g in grads[d]], reduce_group=dp)
+                       - vega.global_norm(grads[0] + grads[1])).item()}
+    for cname in ("AdamW", "LAMB", "Prodigy"):
+        cls, hypers = OPTIMIZERS[cname]
+        ps = [torch.nn.Parameter(x.clone()) for x in sets[0] + sets[1]]
+        dps = [torch.nn.Parameter(distribute_tensor(x, tp, [Shard(0)])) for x in sets[d]]
+        o1 = cls(ps, max_grad_norm=1.0, **hypers)
+        o2 = cls(dps, max_grad_norm=1.0, reduce_group=dp, **hypers)
+        for k in range(3):
+            for p, g in zip(ps, grads[0] + grads[1]):
+                p.grad = g * (k + 1)
+            for p, g in zip(dps, grads[d]):
+                p.grad = distribute_tensor(g * (k + 1), tp, [Shard(0)])
+            o1.step()
+            o2.step()
+        out[cname] = max((p.full_tensor() - q).abs().max().item()
+                         for p, q in zip(dps, ps[2 * d:2 * d + 2]))
+    for key, worst in out.items():
+        assert worst <= 1e-9, (key, worst)
+    every = torch.tensor(list(out.values()), dtype=torch.float64)  # (each dp rank its set)
+    dist.all_reduce(every, op=dist.ReduceOp.MAX)
+    found["dtensor-reduce-group"] = dict(zip(out, every.tolist()))
+
+
+def reshard(phase: str, name: str, layout: str = "fsdp") -> None:
+    """A DCP checkpoint moved between 2 and 4 ranks: ``save`` two steps of ``name``'s class
+    under FSDP2 with max_grad_norm; ``load`` on the other number of ranks (the checkpoint
+    of a launch of 4 on 2, of 2 on 4), two more steps: equal to four steps of the same
+    optimizer unsharded, parameters and every state. ``layout``: this launch's mesh, "fsdp"
+    (1-D) or "hsdp" (2 x WORLD / 2). A name ending in ``q8``: the first weight's state in
+    8 bits, whose shards must be cut alike on both (FSDP2's 2 and HSDP's 2 x 2)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    q8 = name.endswith("q8")
+    cls, hypers = OPTIMIZERS[name.removesuffix("q8")]
+    saved = WORLD if phase == "save" else {2: 4, 4: 2}[WORLD]
+    folder = os.path.join(os.path.dirname(OUT.rstrip("/")), f"reshard-{name}-{saved}")
+    mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard")) \
+        if layout == "hsdp" else None
+    make = q8_model if q8 else model
+    loss = q8_loss if q8 else loss_of
+
+    def optimizer(m):
+        ps = list(m.parameters())
+        groups = [{"params": ps[:1], "state_dtype": torch.uint8}, {"params": ps[1:]}] \
+            if q8 else ps
+        return cls(groups, max_grad_norm=1.0, **hypers)
+    net = sharded(make(), mesh)
+    opt = optimizer(net)
+
+    def steps(m, o, ks):
+        for k in ks:
+            o.zero_grad()
+            loss(m, k).backward()
+            o.step()
+    if phase == "save":
+        steps(net, opt, range(2))
+        msd, osd = get_state_dict(net, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
+        found[f"reshard-saved-{name}"] = WORLD
+        return
+    msd, osd = get_state_dict(net, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    steps(net, opt, range(2, 4))
+    plain = make()
+    opt_plain = optimizer(plain)
+    steps(plain, opt_plain, range(4))
+    worst = 0.0
+    for (n, p), q in zip(net.named_parameters(), plain.parameters()):
+        worst = max(worst, (p.full_tensor() - q).abs().max().item())
+        assert opt.state[p].keys() == opt_plain.state[q].keys(), (n, opt.state[p].keys())
+        for key, s in opt.state[p].items():
+            ref = opt_plain.state[q][key]
+            if type(s).__name__ == "DTensor":
+                s = s.full_tensor()
+            if key.endswith("_absmax"):
+                s = s.reshape(-1)
+            assert s.shape == ref.shape, (n, key, s.shape, ref.shape)
+            worst = max(worst, (s.double() - ref.double()).abs().max().item())
+    assert worst <= 1e-9, (name, worst)
+    found[f"reshard-{name}"] = worst
+
+
 def main() -> None:
     # (the ranks meet through a file of the test's own folder: no port to share)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(OUT, 'rendezvous')}",
@@ -934,6 +1166,12 @@ def main() -> None:
             zero_save(check.removeprefix("zero-save-"))
         elif check.startswith("full-"):
             full_state_dict(check.removeprefix("full-"))
+        elif check == "scaled-hsdp-q8":
+            scaled_hsdp_q8()
+        elif check.startswith("scaled-hsdp-"):
+            hsdp_against_reference(check.removeprefix("scaled-hsdp-"))
+        elif check.startswith("reshard-"):
+            reshard(*check.removeprefix("reshard-").split("-"))
         elif check.startswith("triton-"):
             fsdp_against_unsharded(check.removeprefix("triton-"), backend="triton")
         else:
@@ -942,7 +1180,9 @@ def main() -> None:
              "functions": functions_over_group, "muon-fsdp": muon_refused,
              "uneven": uneven_refused, "split": split_refused,
              "without-prelude": without_prelude, "mixed-placements": mixed_placements,
-             "q8": q8_shards, "q8-layout": q8_other_layout, "q8-load": q8_loads,
+             "q8": q8_shards, "q8-layout": q8_other_layout,
+             "three-placements": three_placements,
+             "dtensor-reduce-group": dtensor_reduce_group, "q8-load": q8_loads,
              "q8-hsdp": lambda: q8_shards(hybrid=True),
              "q8-move-save": lambda: q8_move("save"), "q8-move-load": lambda: q8_move("load"),
              "dcp-q8": lambda: dcp_resume("fsdp", q8=True),

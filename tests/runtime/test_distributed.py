@@ -13,9 +13,11 @@ docs/distributed.md trains; ``ZeroRedundancyOptimizer`` with
 (``global_norm``, ``clip_by_global_norm``, ``grads_finite``, ``LossScale.step``) span a
 ``reduce_group`` and DTensor leaves; 8-bit state under FSDP2 and HSDP (each shard's step
 bitwise the plain 8-bit step of the shard; DCP; loads that convert; a move to another mesh
-through float state; a load where as many shards are cut otherwise refused). Each launch
-runs its ranks as processes, with a hard timeout, and many checks in one process group
-(``distributed_script.py``)."""
+through float state; a load where as many shards are cut otherwise refused); on four ranks,
+HSDP with a loss scale against the reference backend, parameters placed four ways on one
+2 x 2 mesh, a reduce_group beside a tensor-parallel mesh, and DCP checkpoints moved between
+2 and 4 ranks. Each launch runs its ranks as processes, with a hard timeout, and many
+checks in one process group (``distributed_script.py``)."""
 import json
 import os
 import subprocess
@@ -155,10 +157,25 @@ def test_fsdp2_on_four_ranks(tmp_path):
     each collective runs over both mesh dimensions. 8-bit state on both. A matrix sharded
     along both of its axes is refused where a factored reduction's result would be split.
     8-bit state saved from a 1-D mesh's four row shards is refused where four shards are
-    cut otherwise (rows and columns of a 2 x 2 mesh), whose scales have the same shape."""
+    cut otherwise (rows and columns of a 2 x 2 mesh), whose scales have the same shape.
+    HSDP with a loss scale and max_grad_norm against the reference backend; parameters
+    placed in three ways and more on one 2 x 2 mesh; DTensors on a tp submesh with the dp
+    group as reduce_group."""
     found = launch(4, ["Adafactor", "hsdp-AdamW", "hsdp-LAMB", "hsdp-Adafactor",
-                       "hsdp-per_tensor", "q8", "q8-hsdp", "split", "q8-layout"], tmp_path)
+                       "hsdp-per_tensor", "q8", "q8-hsdp", "split", "q8-layout",
+                       "scaled-hsdp-AdamW", "scaled-hsdp-q8", "three-placements",
+                       "dtensor-reduce-group"], tmp_path)
     assert all(f == found[0] for f in found)
+    # HSDP with max_grad_norm and a loss scale (a step skipped) against the reference
+    # backend in one process, with 8-bit state too
+    assert found[0]["scaled-hsdp-AdamW"] <= 1e-9 and found[0]["scaled-hsdp-q8"] <= 1e-9
+    # parameters placed four ways on one 2 x 2 mesh: the norm counts each value once
+    assert set(found[0]["three-placements"]) == {
+        "norm", "clip", "AdamW", "LAMB", "SGD", "per_tensor", "Adafactor", "reductions",
+        "Prodigy"}
+    assert all(d <= 1e-9 for d in found[0]["three-placements"].values())
+    # each dp rank its own parameters, sharded over tp: the norm over both, reduce_group
+    assert all(d <= 1e-9 for d in found[0]["dtensor-reduce-group"].values())
     assert found[0]["q8-layout"] == "refused"  # (by DCP's set_state_dict and a full one)
     # a matrix sharded along both axes: factored Adafactor refuses it, naming the parameter
     assert found[0]["split"] == "refused"
@@ -171,14 +188,23 @@ def test_fsdp2_on_four_ranks(tmp_path):
         assert found[0][name]["steps"] == 16 and found[0][name]["aligned"] <= 1e-9, name
 
 
-def test_8bit_state_moves_to_another_mesh_through_float_state(tmp_path):
-    """Saved on 2 ranks, loaded on 4: the 8-bit checkpoint is refused (its scales have a row
-    per shard), the one of float state loads and quantizes (docs/distributed.md)."""
-    (tmp_path / "two").mkdir()
-    (tmp_path / "four").mkdir()
-    assert launch(2, ["q8-move-save"], tmp_path / "two")[0]["q8-move"] == "saved"
-    found = launch(4, ["q8-move-load"], tmp_path / "four")
-    assert all(f["q8-move"] == "moved" for f in found)
+def test_checkpoints_move_between_two_and_four_ranks(tmp_path):
+    """DCP checkpoints moved between 2 and 4 ranks. Float state saved on 4 reshards on 2,
+    and two more steps equal those of the optimizer unsharded (factored Adafactor, whose
+    per-column factor is replicated; Prodigy's states of one number). 8-bit state saved on 2
+    (FSDP2) loads on HSDP's 2 x 2, whose shards are cut alike. Saved on 2 ranks, loaded on
+    4, an 8-bit checkpoint is refused (its scales have a row per shard), the one of float
+    state loads and quantizes (docs/distributed.md)."""
+    for world in ("two", "four", "back"):
+        (tmp_path / world).mkdir()
+    found = launch(2, ["q8-move-save", "reshard-save-AdamWq8"], tmp_path / "two")
+    assert found[0]["q8-move"] == "saved"
+    found = launch(4, ["q8-move-load", "reshard-load-AdamWq8-hsdp", "reshard-save-Adafactor",
+                       "reshard-save-Prodigy"], tmp_path / "four")
+    assert all(f == found[0] for f in found)
+    assert found[0]["q8-move"] == "moved" and found[0]["reshard-AdamWq8"] <= 1e-9
+    found = launch(2, ["reshard-load-Adafactor", "reshard-load-Prodigy"], tmp_path / "back")
+    assert all(found[0][f"reshard-{name}"] <= 1e-9 for name in ("Adafactor", "Prodigy"))
 
 
 def test_reduce_group_is_checked():
