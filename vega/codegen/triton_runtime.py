@@ -226,11 +226,13 @@ def check_mode() -> None:
     tables the native operator builds, the tables kept for later steps) are FakeTensors of
     address 0, which the kernels and the native operator wrote at (a segmentation fault),
     and a table kept so would serve every later step. While dynamo traces, the custom ops'
-    fake implementations run there instead, and this is not asked."""
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
-        raise ValueError("backend 'triton': a step under FakeTensorMode: the tensors it makes "
-                         "there are FakeTensors, without memory for its kernels to write; "
-                         "step outside the mode, or use backend='reference'")
+    fake implementations run there instead, and this is not asked. Asked through torch's
+    public API: a mode that makes its own tensors makes them of a subclass (``FakeTensor``;
+    ``FunctionalTensor`` under non-strict export's mode, refused alike)."""
+    if type(torch.empty(0, device="cpu")) is not torch.Tensor:
+        raise ValueError("backend 'triton': a step under a mode that makes its own tensors "
+                         "(FakeTensorMode, FunctionalTensorMode): they have no memory for its "
+                         "kernels to write; step outside the mode, or use backend='reference'")
 
 
 def library_interpreted() -> bool:
