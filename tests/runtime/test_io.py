@@ -728,3 +728,44 @@ def test_load_refuses_a_state_of_another_format_version(tmp_path):
     with pytest.raises(ValueError, match=r"v2\.safetensors' is a vega state of format version "
                                          r"'2'; this vega reads version '1'"):
         vega.load(path, like=like)
+
+
+def _rewritten(src, dst, **changes) -> None:
+    """The state file ``src`` written again at ``dst`` with its metadata changed (a value
+    of None removes the key), as a vega that wrote other metadata would have written it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(src), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = dict(f.metadata())
+    for k, v in changes.items():
+        metadata.pop(k, None) if v is None else metadata.__setitem__(k, v)
+    save_file(tensors, str(dst), metadata=metadata)
+
+
+def test_8bit_codes_written_under_other_maps_are_refused(tmp_path):
+    """A state file records the version of the maps its 8-bit codes are read with
+    (quant.MAPS): codes of a file written under other maps, or by a vega that did not
+    record them, are refused, where they were read with this vega's map, as other values
+    (AdamW's nu, written in the square-root map before the fourth-root map came, read as
+    values that made the next steps hundreds of times too long). A file of float state
+    without the record loads: its values mean what they meant."""
+    params = {"w": torch.randn(64, 128), "b": torch.randn(16)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    state = vega.adamw_init(params, state_dtype=torch.uint8)
+    _, state = vega.adamw_step(params, grads, state, lr=1e-2)
+    vega.save(tmp_path / "q8.safetensors", state)
+    loaded = vega.load(tmp_path / "q8.safetensors", like=state)
+    assert torch.equal(loaded["nu"]["w"], state["nu"]["w"])
+    for value, written in ((None, "did not record which maps"), ("2", "maps version '2'")):
+        _rewritten(tmp_path / "q8.safetensors", tmp_path / "old.safetensors",
+                   **{"vega.q8_maps": value})
+        with pytest.raises(ValueError, match=rf"old\.safetensors' holds 8-bit codes \(leaf "
+                                             rf"'mu\.w'\) written under .*{written}"):
+            vega.load(tmp_path / "old.safetensors", like=state)
+    floats = vega.adamw_init(params)
+    vega.save(tmp_path / "f.safetensors", floats)
+    _rewritten(tmp_path / "f.safetensors", tmp_path / "old.safetensors",
+               **{"vega.q8_maps": None})
+    assert torch.equal(vega.load(tmp_path / "old.safetensors", like=floats)["step"],
+                       floats["step"])

@@ -41,6 +41,13 @@ from vega.dsl.ir import QBLOCK, Kind, Op, Program, StateVar
 BLOCK = 256  # values a scale
 MIN_NUMEL = 4096  # a smaller tensor keeps its 8-bit states in float32
 SUFFIX = "_absmax"
+# Which map each 8-bit state's codes are read with, as a number that a state file and a
+# state dict record beside their codes: 1, every state the signed map; 2, the unsigned map
+# for a state ``nonnegative`` proves so; 3, that proof taking a bias correction ``1 - b ^
+# t`` as non-negative. Codes written under another number may be read here with the other
+# map, as other values, so they are refused (``vega.load``, ``load_state_dict``): a change
+# to ``nonnegative``, to the maps or to the IR a proof reads raises it.
+MAPS = 3
 # The values quantize_t and dequantize_t take at a time (a multiple of BLOCK): their
 # temporaries, some ten float32 tensors the size of their input, were 36 bytes a value for
 # each 8-bit state at init (72 GB for AdamW's two states of a parameter of 2**31 values;

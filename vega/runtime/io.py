@@ -9,7 +9,9 @@ directory, flushed to disk and renamed into place: an interrupted save leaves
 either the old file or none, never a truncated one. The metadata records each
 leaf's CRC-32, which ``load`` checks: a file whose bytes changed on disk or on the
 way is refused rather than loaded as other values (safetensors itself checks the
-header and the sizes only).
+header and the sizes only). It records too the version of the maps that 8-bit codes are
+read with (``quant.MAPS``), and ``load`` refuses codes written under other maps, or where
+the file does not say: read with another map, they would be other values.
 
 ``load(path, like=state)`` checks the file against ``like`` -- the same names,
 shapes and dtypes, the step counter int32 -- and returns a new state with
@@ -135,7 +137,7 @@ def save(path, state) -> None:
         storages.add(key)
         tensors[name] = t
     metadata = {"vega": FORMAT, "vega.version": FORMAT_VERSION,
-                "vega.complex": json.dumps(complex_names),
+                "vega.complex": json.dumps(complex_names), Q8_MAPS: str(quant.MAPS),
                 CRC: json.dumps({name: _crc(t) for name, t in tensors.items()})}
     target = Path(os.fspath(path))
     directory = target.parent
@@ -245,13 +247,57 @@ def load(path, *, like) -> dict:
     try:
         with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
             out = pytree.tree_unflatten(_read(f, where, named, leaves), spec)
+            maps = (f.metadata() or {}).get(Q8_MAPS)
     except (SafetensorError, OSError) as err:
         raise ValueError(f"vega.load: {where} is not a vega state file (not a readable "
                          f"safetensors file: {err})") from err
+    _check_q8_maps(f"vega.load: {where}", maps, out)
     _check_scales(f"vega.load: {where}", out)
     _check_scale_kinds(f"vega.load: {where}", out)
     _check_q8_scales(f"vega.load: {where}", out)
     return out
+
+
+Q8_MAPS = "vega.q8_maps"  # the metadata key of ``quant.MAPS`` as the file was written
+
+
+def q8_codes(state, at: str = "") -> list[str]:
+    """The names of the leaves of ``state`` that are 8-bit codes: uint8 tensors under a key
+    ``k`` of a dict that also holds ``k + '_absmax'``, their scales."""
+    found = []
+    if isinstance(state, dict):
+        for k, v in state.items():
+            name = f"{at}.{k}" if at else str(k)
+            if isinstance(k, str) and k + quant.SUFFIX in state:
+                found += [".".join([name, *(_key(x) for x in path)]) for path, leaf in
+                          pytree.tree_flatten_with_path(v)[0]
+                          if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.uint8]
+            else:
+                found += q8_codes(v, name)
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            found += q8_codes(v, f"{at}.{i}" if at else str(i))
+    return found
+
+
+def _check_q8_maps(who: str, maps, state) -> None:
+    """A file's 8-bit codes were written under this vega's maps (``quant.MAPS``, recorded
+    as ``Q8_MAPS``): under others a state's codes may be read with another map than the
+    one that formed them, as other values (AdamW's nu, read with the fourth-root map from
+    codes of the square-root map, made steps hundreds of times too long)."""
+    if maps == str(quant.MAPS):
+        return
+    codes = q8_codes(state)
+    if not codes:
+        return
+    written = ("a vega that did not record which maps its 8-bit codes use" if maps is None
+               else f"vega's 8-bit maps version {maps!r}")
+    raise ValueError(f"{who} holds 8-bit codes (leaf {codes[0]!r}) written under {written}; "
+                     f"this vega reads codes with maps version {quant.MAPS}, whose map for a "
+                     "state may differ and read them as other values. Load the file with the "
+                     "vega that wrote it and move the state to floats there (an optimizer of "
+                     "float state, state_dtype=None, loading its state dict dequantizes it), "
+                     "then load that here")
 
 
 def _check_q8_scales(who: str, state) -> None:
