@@ -624,6 +624,38 @@ def test_a_state_dict_loaded_shares_no_codes_with_the_optimizer_it_came_from():
         assert torch.equal(opt.state[w][k], v), k
 
 
+def test_codes_saved_under_other_maps_are_refused_on_loading():
+    """A saved group holding 8-bit codes records the version of the maps they are read with
+    ('vega_q8_maps', in the group, which torch's get_state_dict keeps): codes saved under
+    other maps, or by a vega that did not record them, are refused by an 8-bit optimizer and
+    by one that dequantizes them, changing nothing, where they were read with this vega's
+    map, as other values (AdamW's nu saved in the square-root map before the fourth-root map
+    came made the next steps hundreds of times too long). A group of float state records
+    nothing and needs nothing."""
+    model, _, saved = _saved_8bit(2)
+    assert [g.get("vega_q8_maps") for g in saved["param_groups"]] == [3]
+    for maps, said in ((None, "saved by a vega that did not record which maps"),
+                       (2, "saved under vega's 8-bit maps version 2")):
+        groups = [{k: v for k, v in g.items() if k != "vega_q8_maps"} for g in
+                  saved["param_groups"]]
+        if maps is not None:
+            groups[0]["vega_q8_maps"] = maps
+        for keeps in (U8, None):
+            opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=keeps)
+            with pytest.raises(ValueError, match=rf"AdamW\.load_state_dict: state 'mu' of "
+                                                 rf"parameter id 0 \(group 0\) holds 8-bit "
+                                                 rf"codes {said}"):
+                opt.load_state_dict({**saved, "param_groups": groups})
+            assert not opt.state and "vega_q8_maps" not in opt.param_groups[0]
+    opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    opt.load_state_dict(saved)
+    assert "vega_q8_maps" not in opt.param_groups[0]  # (recorded by state_dict alone)
+    assert "vega_q8_maps" not in opt.torch_state_dict()["param_groups"][0]
+    floats = vega.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, floats, 1, seed=2)
+    assert "vega_q8_maps" not in floats.state_dict()["param_groups"][0]
+
+
 def test_vega_save_and_load_keep_codes_and_scales(tmp_path):
     params = params_of()
     state = vega.adamw.init(params, state_dtype=U8)

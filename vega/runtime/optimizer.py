@@ -995,7 +995,10 @@ class SpecOptimizer(torch.optim.Optimizer):
     def _state_dict(self) -> dict:
         self._synced_tuples(f"{type(self).__name__}.state_dict")
         out = sharded.without_group_objects(self, super().state_dict())
-        out["param_groups"] = engine.saved_groups(out["param_groups"])  # (dtypes by name)
+        out["param_groups"] = [  # (dtypes by name; the maps of any 8-bit codes)
+            {**g, torch_names.Q8_MAPS_KEY: quant.MAPS} if any(
+                _codes_in(out["state"].get(i)) for i in g["params"]) else g
+            for g in engine.saved_groups(out["param_groups"])]
         for k, group in enumerate(self.param_groups):  # (how 8-bit shards were cut)
             layouts = [quant.shard_layout(p) if is_dtensor(p) and any(
                 isinstance(v, torch.Tensor) and v.dtype == torch.uint8
@@ -1153,6 +1156,19 @@ class SpecOptimizer(torch.optim.Optimizer):
             if not isinstance(group, dict) or "params" not in group:
                 raise ValueError(f"{owner}: param_groups[{k}] is not a parameter group (a dict "
                                  "with 'params')")
+            codes = [(i, n) for i in group["params"]
+                     for n in _codes_in(state_dict["state"].get(i))]
+            maps = group.get(torch_names.Q8_MAPS_KEY)
+            if codes and maps != quant.MAPS:
+                i, n = codes[0]
+                raise ValueError(
+                    f"{owner}: state {n!r} of parameter id {i!r} (group {k}) holds 8-bit codes "
+                    + ("saved by a vega that did not record which maps its codes use"
+                       if maps is None else f"saved under vega's 8-bit maps version {maps!r}")
+                    + f"; this vega reads codes with maps version {quant.MAPS}, whose map for "
+                    "a state may differ and read them as other values. Load the state dict "
+                    "with the vega that saved it into an optimizer of float state "
+                    "(state_dtype=None), which dequantizes it, and load that one's here")
             if "state_dtype" in group:  # (this optimizer's own is kept: still a dtype)
                 engine.check_state_dtype(owner, engine.loaded_state_dtype(group["state_dtype"]),
                                          self.spec._spec.state_names)
@@ -1227,9 +1243,10 @@ class SpecOptimizer(torch.optim.Optimizer):
         mine = [g.get("state_dtype") for g in self.param_groups]
         super().load_state_dict({**{k: v for k, v in state_dict.items()
                                     if k not in ("loss_scale", torch_names.RULE_KEY)},
-                                 "param_groups": [{k: v for k, v in g.items()
-                                                   if k != quant.LAYOUT_KEY}
-                                                  for g in state_dict["param_groups"]]})
+                                 "param_groups": [
+                                     {k: v for k, v in g.items()
+                                      if k not in (torch_names.Q8_MAPS_KEY, quant.LAYOUT_KEY)}
+                                     for g in state_dict["param_groups"]]})
         for group, dtype in zip(self.param_groups, mine):  # the dtypes this optimizer keeps
             group["state_dtype"] = dtype
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -1513,6 +1530,15 @@ def _optional_keys(cspec) -> frozenset:
 
 
 _PRECISION_DEFAULTS = torch_names.PRECISION_DEFAULTS
+
+
+def _codes_in(st) -> list:
+    """The names of the states of one parameter's saved state ``st`` that are 8-bit codes
+    (uint8 beside their scales, ``<name>_absmax``)."""
+    if not isinstance(st, dict):
+        return []
+    return [n for n, v in st.items() if isinstance(n, str) and n + quant.SUFFIX in st
+            and isinstance(v, torch.Tensor) and v.dtype == torch.uint8]
 
 
 def _q8(sd, params, state=None) -> list[frozenset] | None:

@@ -360,6 +360,10 @@ class TupleSync:
 # keys at which its rule is vega's (a key absent from a saved group is taken as that value).
 # the entry of vega's state dicts that names the rule (``SpecOptimizer.state_dict``)
 RULE_KEY = "vega_rule"
+# the key of a saved group that holds 8-bit codes: the version of the maps they are read
+# with (``quant.MAPS``), which ``load_state_dict`` checks; in the group, as torch's
+# get_state_dict (DCP) keeps only 'state' and 'param_groups'
+Q8_MAPS_KEY = "vega_q8_maps"
 
 TORCH_STATES = {
     "SGD": {"v": "momentum_buffer", "step": None},
@@ -457,8 +461,8 @@ def to_torch(owner: str, cls_name: str, betas: tuple, state_dict: dict) -> dict:
     groups = []
     for k, group in enumerate(state_dict["param_groups"]):
         out = {key: v for key, v in group.items()
-               if key not in ("backend", "state_dtype", quant.LAYOUT_KEY, *PRECISION_KEYS,
-                              *betas)}
+               if key not in ("backend", "state_dtype", Q8_MAPS_KEY, quant.LAYOUT_KEY,
+                              *PRECISION_KEYS, *betas)}
         for key, v in out.items():
             if any(isinstance(x, torch.Tensor) or callable(x)
                    for x in (v if key == "betas" else (v,))):
