@@ -916,6 +916,30 @@ def test_a_copied_or_unpickled_optimizer_steps_as_the_original(copied):
     assert torch.equal(q.detach(), p.detach())
 
 
+def test_an_optimizer_pickled_without_reduce_group_steps_as_the_original(monkeypatch):
+    """A pickle of torch's entries alone (defaults, state, groups), as a vega whose LBFGS
+    kept no ``reduce_group`` in its ``__getstate__`` wrote it, unpickles into an LBFGS that
+    steps as the original, without a group, as a spec optimizer's such pickle does: its
+    step failed on the missing attribute."""
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
+    opt = LBFGS([p], lr=0.5, memory_size=3)
+    for k in range(2):
+        p.grad = p.detach() * (k + 1)
+        opt.step()
+    with monkeypatch.context() as m:
+        m.setattr(LBFGS, "__getstate__", torch.optim.Optimizer.__getstate__)
+        data = pickle.dumps(opt)
+    twin = pickle.loads(data)
+    assert twin.reduce_group is None
+    q = twin.param_groups[0]["params"][0]
+    for k in range(2, 4):
+        p.grad = p.detach() * (k + 1)
+        q.grad = q.detach() * (k + 1)
+        opt.step()
+        twin.step()
+    assert torch.equal(q.detach(), p.detach())
+
+
 def test_memory_size_changed_after_the_first_step_is_refused():
     """The ring buffers keep the first step's memory_size: another in the group was ignored
     (the step went on with the old history's size), now refused, the state unchanged."""

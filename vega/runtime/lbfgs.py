@@ -700,6 +700,12 @@ class LBFGS(torch.optim.Optimizer):
         (copy.deepcopy, pickle)."""
         return {**super().__getstate__(), "reduce_group": self.reduce_group}
 
+    def __setstate__(self, state: dict) -> None:
+        """torch's, with ``reduce_group`` None where the pickle holds none (one written by a
+        vega whose LBFGS pickled torch's entries alone), as the spec optimizers take one:
+        the step read the missing attribute and failed on it."""
+        super().__setstate__({"reduce_group": None, **state})
+
     def state_dict(self) -> dict:
         """torch's, without a ``reduce_group`` that ``ZeroRedundancyOptimizer`` put in the
         group (``sharded.without_group_objects``), which the state_dict post-hooks see so
