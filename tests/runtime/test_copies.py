@@ -87,3 +87,26 @@ def test_a_spec_of_its_own_under_a_shipped_name_pickles_as_itself():
     back = _pickled(mine)
     assert back is not builtin("sgd") and back.source_text == mine.source_text
     assert back.defaults == {"lr": 0.5} and back._spec.filename == "own.vega"
+
+
+def test_a_spec_pickled_by_its_attributes_is_compiled_again_from_its_text(monkeypatch):
+    """A compiled spec pickled by its attributes, as a vega before specs pickled by their
+    text wrote it (its parse without the attributes this vega's has: no ``flag_states``),
+    unpickles compiled again from its text: it kept the old parse, and its class's first
+    step failed on the missing attribute."""
+    from vega.runtime.spec import CompiledSpec
+    spec = vega.compile(_mine())
+    old = copy.copy(spec._spec)
+    del old.__dict__["flag_states"]
+    made = CompiledSpec.__new__(CompiledSpec)
+    made.__dict__.update({**spec.__dict__, "_spec": old})
+    with monkeypatch.context() as m:
+        m.setattr(CompiledSpec, "__reduce__", object.__reduce__)
+        data = pickle.dumps(made)
+    back = pickle.loads(data)
+    assert back._spec.flag_states == spec._spec.flag_states and back.name == spec.name
+    ps = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    for p, opt in zip(ps, (back.optimizer([ps[0]], lr=0.1), spec.optimizer([ps[1]], lr=0.1))):
+        p.grad = torch.full((3,), 2.0)
+        opt.step()
+    assert torch.equal(ps[0], ps[1])

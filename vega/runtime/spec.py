@@ -60,6 +60,19 @@ class CompiledSpec:
             return builtin, (self.name,)
         return compile, (self._spec.source, self._spec.filename)
 
+    def __setstate__(self, state: dict) -> None:
+        """A spec pickled by its attributes (by a vega before compiled specs pickled by their
+        text, ``__reduce__``) is compiled again from the text it holds, as one pickled now
+        is: the attributes of another vega's parse are not this one's (a spec of one
+        without ``flag_states`` unpickled, and its class's first step failed on it)."""
+        old = state.get("_spec") if isinstance(state, dict) else None
+        source = getattr(old, "source", None)
+        if not isinstance(source, str):
+            raise ValueError("a pickled CompiledSpec holds the text of its spec, which this "
+                             "one does not: compile the spec again (vega.compile)")
+        fresh = compile(source, getattr(old, "filename", None) or "<spec>")
+        self.__dict__.update(fresh.__dict__)
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.defaults.items())
         return f"<vega optimizer {self.name}({args}) from {self._spec.filename}>"
