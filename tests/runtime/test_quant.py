@@ -656,6 +656,39 @@ def test_codes_saved_under_other_maps_are_refused_on_loading():
     assert "vega_q8_maps" not in floats.state_dict()["param_groups"][0]
 
 
+def test_an_8bit_optimizer_pickled_under_other_maps_is_refused(monkeypatch):
+    """A pickled optimizer records the version of the maps its 8-bit codes are read with:
+    one pickled without it (by a vega before the record, whose codes may be of the other
+    map: AdamW's nu before the fourth-root map came) or under other maps is refused when
+    unpickled, where it stepped its codes read as other values; one pickled now steps as
+    the original."""
+    import pickle
+    from vega.runtime import optimizer as vopt
+    model, opt, _ = _saved_8bit(2)
+    twin_model, twin = pickle.loads(pickle.dumps((model, opt)))
+    _train(model, opt, 1, seed=2)
+    _train(twin_model, twin, 1, seed=2)
+    _same_state(opt, model, twin, twin_model)
+    mine = vopt.SpecOptimizer.__getstate__
+    for maps, said in ((None, "pickled by a vega that did not record which maps"),
+                       (2, "pickled under vega's 8-bit maps version 2")):
+        with monkeypatch.context() as m:
+            m.setattr(vopt.SpecOptimizer, "__getstate__", lambda self, maps=maps: {
+                k: v for k, v in mine(self).items() if k != "_vega_q8_maps"}
+                | ({} if maps is None else {"_vega_q8_maps": maps}))
+            data = pickle.dumps(opt)
+        with pytest.raises(ValueError, match=rf"^AdamW: the pickled optimizer's state 'mu' "
+                                             rf"holds 8-bit codes {said}"):
+            pickle.loads(data)
+    floats = vega.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, floats, 1, seed=3)
+    with monkeypatch.context() as m:
+        m.setattr(vopt.SpecOptimizer, "__getstate__", lambda self: {
+            k: v for k, v in mine(self).items() if k != "_vega_q8_maps"})
+        data = pickle.dumps(floats)
+    assert pickle.loads(data).state  # (float state: nothing to check)
+
+
 def test_vega_save_and_load_keep_codes_and_scales(tmp_path):
     params = params_of()
     state = vega.adamw.init(params, state_dtype=U8)

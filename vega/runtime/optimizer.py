@@ -952,7 +952,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         self._synced_tuples(type(self).__name__)
         return {**super().__getstate__(), "max_grad_norm": self.max_grad_norm,
                 "loss_scale": self.loss_scale, "skip_nonfinite": self.skip_nonfinite,
-                "reduce_group": getattr(self, "reduce_group", None)}
+                "reduce_group": getattr(self, "reduce_group", None),
+                _PICKLED_MAPS: quant.MAPS}
 
     def _functional_step(self) -> str:
         """The name of the functional step of this optimizer's rule, for a message."""
@@ -979,7 +980,22 @@ class SpecOptimizer(torch.optim.Optimizer):
         """torch's, then each group's tuples taken as the groups hold them (``__getstate__``
         made them agree), as ``load_state_dict`` takes a loaded group's: a ``b1`` or a
         ``betas`` changed on the copy before its first step is then the one taken, as on the
-        optimizer copied (the memory of what changed is not copied)."""
+        optimizer copied (the memory of what changed is not copied). Its 8-bit codes must
+        have been pickled under this vega's maps (``quant.MAPS``), as ``load_state_dict``
+        checks a state dict's: a ValueError otherwise."""
+        state = dict(state)
+        maps = state.pop(_PICKLED_MAPS, None)
+        codes = [n for st in (state.get("state") or {}).values() for n in _codes_in(st)]
+        if codes and maps != quant.MAPS:
+            raise ValueError(
+                f"{type(self).__name__}: the pickled optimizer's state {codes[0]!r} holds 8-bit "
+                "codes pickled " + ("by a vega that did not record which maps its codes use"
+                                    if maps is None else f"under vega's 8-bit maps version "
+                                                         f"{maps!r}")
+                + f"; this vega reads codes with maps version {quant.MAPS}, whose map for a "
+                "state may differ and read them as other values. Unpickle it with the vega "
+                "that pickled it, load its state_dict() into an optimizer of float state "
+                "(state_dtype=None) there, which dequantizes it, and load that one's here")
         super().__setstate__(state)
         for k, group in enumerate(self.param_groups):
             self._tuples().sync(type(self).__name__, k, group)
@@ -1530,6 +1546,10 @@ def _optional_keys(cspec) -> frozenset:
 
 
 _PRECISION_DEFAULTS = torch_names.PRECISION_DEFAULTS
+
+
+# the entry of a pickled optimizer's state that holds ``quant.MAPS`` (``__getstate__``)
+_PICKLED_MAPS = "_vega_q8_maps"
 
 
 def _codes_in(st) -> list:
