@@ -528,3 +528,64 @@ def test_the_passes_use_the_operator_once_it_is_loaded(monkeypatch):
     monkeypatch.setitem(native._state, "module", sentinel)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert tensors.native_passes() is None
+
+
+@needs_cxx
+def test_the_library_is_keyed_and_built_from_the_source_imported(fresh, monkeypatch, tmp_path):
+    """native.cpp replaced on disk after vega was imported (vega upgraded while a process
+    runs) changes neither the library this process asks for nor what its build compiles: the
+    key read the file at each build and the compiler was given the file, so the running code
+    keyed, built and loaded the new file's operator, whose tables and calls are another
+    version's."""
+    original = native.SOURCE.read_text()
+    name = native._paths()[1].name
+    changed = tmp_path / "native.cpp"
+    changed.write_text(original + "\n#error another vega's operator\n")
+    monkeypatch.setattr(native, "SOURCE", changed)
+    assert native._paths()[1].name == name
+    seen = {}
+
+    def run(args, **kwargs):
+        seen["text"] = open(next(a for a in args if a.endswith(".cpp"))).read()
+        return subprocess.CompletedProcess(args, 1, "", "stopped by the test")
+    monkeypatch.setattr(native.subprocess, "run", run)
+    target = tmp_path / "built" / name
+    target.parent.mkdir()
+    assert "stopped by the test" in native.build(target)
+    assert seen["text"] == original
+    assert not [p for p in target.parent.iterdir() if p.suffix in (".cpp", ".so")]
+
+
+@needs_cxx
+def test_the_background_build_compiles_its_parents_source(tmp_path):
+    """The background build (``python -m vega.codegen.c.native LOCK``) imports vega anew: a
+    vega upgraded since its parent imported it, or another one on its path, has another
+    native.cpp, and its library under the name the parent asked for would be loaded as the
+    parent's. It compiles the source its parent wrote into the lock; a lock that holds none
+    is built only where its name is this vega's key."""
+    repo = os.path.abspath(os.path.join(os.path.dirname(native.__file__), *[".."] * 3))
+    stand_in = tmp_path / "c++"  # (its "library" is the source it was given)
+    stand_in.write_text(f"#!{sys.executable}\nimport shutil, sys\n"
+                        "print('stand-in 1') if sys.argv[1:] == ['--version'] else "
+                        "shutil.copy(next(a for a in sys.argv if a.endswith('.cpp')), "
+                        "sys.argv[-1])\n")
+    stand_in.chmod(0o700)
+    env = {**os.environ, "PYTHONPATH": repo, "VEGA_CACHE_DIR": str(tmp_path),
+           "CXX": str(stand_in)}
+    folder = tmp_path / "native"
+    folder.mkdir()
+    suffix = "".join(native._paths()[1].suffixes)
+    for key, text in (("1" * 32, "// the parent's operator\n"), ("0" * 32, "")):
+        target = folder / f"vega_native-{key}{suffix}"
+        native._lock(target).write_text(text)
+        run = subprocess.run([sys.executable, "-m", "vega.codegen.c.native",
+                              str(native._lock(target))], capture_output=True, text=True,
+                             timeout=600, stdin=subprocess.DEVNULL, env=env)
+        assert not native._lock(target).exists()
+        if text:
+            assert run.returncode == 0, run.stderr[-2000:]
+            assert target.read_text() == text
+        else:
+            assert run.returncode == 1 and "its lock holds no source" in run.stderr, \
+                run.stderr[-2000:]
+            assert not target.exists()

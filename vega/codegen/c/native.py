@@ -43,6 +43,10 @@ import torch
 from vega.codegen.c import build as cbuild
 
 SOURCE = Path(__file__).with_name("native.cpp")
+# The source as this module was imported with it: the one keyed and compiled. A vega
+# upgraded on disk while a process runs must not have the running code's key name, or
+# the running code load, a library of the new file (its tables and calls another ABI's).
+TEXT = SOURCE.read_text()
 # NDEBUG: a release build, without pybind11's and c10's debug checks (a GIL check on every
 # reference count); -fopenmp: at::parallel_for on torch's intra-op threads (``each_apart``); the
 # default target, not -march=native
@@ -55,7 +59,7 @@ _LOADED: list = []  # the module once loaded: a process registers its operators 
 
 
 def _key(cxx: tuple[str, str], include: list[str]) -> str:
-    text = "\0".join([SOURCE.read_text(), cxx[1], *FLAGS, *include, torch.__version__,
+    text = "\0".join([TEXT, cxx[1], *FLAGS, *include, torch.__version__,
                       sys.version, sysconfig.get_config_var("EXT_SUFFIX") or "", cbuild.FORMAT])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -88,7 +92,9 @@ def _why_not() -> str:
 
 
 def _paths():
-    """(command without output, target) or None where it cannot be built (``_why_not``)."""
+    """(command without output, target) or None where it cannot be built (``_why_not``).
+    The command names ``SOURCE`` as the file to compile; ``build`` compiles ``TEXT`` in its
+    place."""
     cxx = _cxx()
     py_include = sysconfig.get_paths().get("include")
     if cxx is None or not py_include or not (Path(py_include) / "Python.h").exists():
@@ -227,10 +233,12 @@ def _placed(target: Path) -> Path:
     return cbuild.safe_dir(target.parent) / target.name
 
 
-def build(target: Path | None = None) -> str | None:
+def build(target: Path | None = None, text: str | None = None) -> str | None:
     """Compile the library into a temporary file and rename it into place (atomic: another
     process sees no library or a whole one) at ``target`` (default: ``_paths``'s, placed
-    by ``_placed``); the compiler's complaint (also written beside the target), or None."""
+    by ``_placed``); the compiler's complaint (also written beside the target), or None.
+    ``text``: the source to compile (default ``TEXT``; the background build's, its parent's,
+    which the target's key names)."""
     found = _paths()
     if found is None:
         return _why_not()
@@ -238,6 +246,10 @@ def build(target: Path | None = None) -> str | None:
     target = _placed(default) if target is None else target
     fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{target.stem}-", dir=target.parent)
     os.close(fd)
+    fd, source = tempfile.mkstemp(suffix=".cpp", prefix=f".{target.stem}-", dir=target.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(TEXT if text is None else text)  # (the text keyed, whatever the file holds)
+    command = [source if c == str(SOURCE) else c for c in command]
     try:
         proc = subprocess.run([*command, "-o", tmp], capture_output=True, text=True,
                               timeout=600, stdin=subprocess.DEVNULL)
@@ -248,8 +260,9 @@ def build(target: Path | None = None) -> str | None:
     except (OSError, subprocess.SubprocessError) as e:
         error = f"the C++ compiler could not run: {e}"
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, source):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     error += f" (kept in {_failed_file(target)}: delete it to try again)"
     _record_failure(target, error)
     return error
@@ -281,11 +294,13 @@ def _spawn(target: Path) -> None:
             return
         cbuild.remove(lock)
         try:
-            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
             made = True
         except FileExistsError:  # another process took it just now
             _state["pending"] = (target, None, None)
             return
+        with os.fdopen(fd, "w") as f:  # the source the target's key names, for the build
+            f.write(TEXT)              # (which imports vega anew: maybe another one)
         log = tempfile.TemporaryFile()
         proc = subprocess.Popen([sys.executable, "-m", "vega.codegen.c.native", str(lock)],
                                 stdout=log, stderr=log, stdin=subprocess.DEVNULL,
@@ -295,6 +310,27 @@ def _spawn(target: Path) -> None:
         if made:
             lock.unlink(missing_ok=True)
         _state["pending"], _state["failed"] = None, f"its build could not start: {e}"
+
+
+def _same_key(lock: Path) -> bool:
+    """Whether the library that ``lock`` asks for is named by this process's key (for a lock
+    that holds no source: a parent that wrote none)."""
+    found = _paths()
+    return found is not None and found[1].name == _target_of(lock).name
+
+
+def _lock_text(lock: Path) -> str | None:
+    """The source a parent's ``_spawn`` wrote into ``lock`` (the text its key names), or None
+    where it holds none."""
+    try:
+        with open(lock, "rb") as f:
+            data = f.read(MAX_SOURCE + 1)
+    except OSError:
+        return None
+    return data.decode(errors="replace") if 0 < len(data) <= MAX_SOURCE else None
+
+
+MAX_SOURCE = 1 << 20  # bytes: native.cpp is some 40 KiB
 
 
 def _forked() -> None:
@@ -426,11 +462,21 @@ def status() -> str:
 
 
 if __name__ == "__main__":  # the background build of ``_spawn``: python -m vega.codegen.c.native LOCK
+    # It imports vega anew: one upgraded since its parent imported it, or another on its
+    # path, has another native.cpp. It compiles the parent's, which the lock holds: another
+    # under the name the parent asked for would be loaded as the parent's.
+    lock = Path(sys.argv[1]) if len(sys.argv) > 1 else None
     try:  # the library goes where the lock is (the cache, or the parent's private directory)
-        message = build(_target_of(Path(sys.argv[1])) if len(sys.argv) > 1 else None)
+        given = None if lock is None else _lock_text(lock)
+        if lock is None or given is not None or _same_key(lock):
+            message = build(None if lock is None else _target_of(lock), given)
+        else:
+            message = (f"not building {_target_of(lock).name}: its lock holds no source, and "
+                       "the vega this build imports has another native.cpp, compiler or torch "
+                       "than that name's key: the library would not be the one it names")
     finally:
-        if len(sys.argv) > 1:
-            Path(sys.argv[1]).unlink(missing_ok=True)
+        if lock is not None:
+            lock.unlink(missing_ok=True)
     if message is not None:
         print(message, file=sys.stderr)
         sys.exit(1)
