@@ -110,3 +110,45 @@ def test_a_spec_pickled_by_its_attributes_is_compiled_again_from_its_text(monkey
         p.grad = torch.full((3,), 2.0)
         opt.step()
     assert torch.equal(ps[0], ps[1])
+
+
+def test_an_optimizer_pickled_before_later_settings_steps_as_the_original(monkeypatch):
+    """An optimizer pickled by a vega whose groups held no maximize nor precision settings,
+    with a loss scale pickled without device_given, unpickles taking their defaults (as
+    load_state_dict takes a group's) and steps as the original; its step failed on the
+    missing keys and attribute. A group without a hyperparameter the rule reads (SGD's
+    dampening, which an older SGD had not) is refused naming it."""
+    from vega.runtime import torch_names
+    from vega.runtime.loss_scale import LossScale
+    from vega.runtime.optimizer import SpecOptimizer
+    mine = SpecOptimizer.__getstate__
+    later = {"maximize", *torch_names.PRECISION_DEFAULTS}
+
+    def old(self, drop=()):
+        state = mine(self)
+        return {**state, "param_groups": [{k: v for k, v in g.items()
+                                           if k not in later and k not in drop}
+                                          for g in state["param_groups"]]}
+    for cls, kwargs, drop in ((vega.optim.AdamW, {"loss_scale": LossScale.dynamic()}, ()),
+                              (vega.optim.SGD, {"momentum": 0.9}, ("dampening",))):
+        p = torch.nn.Parameter(torch.ones(5))
+        opt = cls([p], lr=0.1, **kwargs)
+        p.grad = torch.full((5,), 2.0)
+        opt.step()
+        with monkeypatch.context() as m:
+            m.setattr(SpecOptimizer, "__getstate__", lambda self, drop=drop: old(self, drop))
+            m.setattr(LossScale, "__getstate__", lambda self: (None, {
+                k: getattr(self, k) for k in LossScale.__slots__ if k != "device_given"}),
+                raising=False)
+            data = pickle.dumps((p, opt))
+        if drop:
+            with pytest.raises(ValueError, match=r"^SGD: group 0 of the pickled optimizer has "
+                                                 r"no 'dampening': it was pickled by a vega"):
+                pickle.loads(data)
+            continue
+        q, twin = pickle.loads(data)
+        assert twin.loss_scale.device_given and twin.param_groups[0]["maximize"] is False
+        for o, x in ((opt, p), (twin, q)):
+            x.grad = torch.full((5,), 3.0) * o.loss_scale.loss_scale
+            o.step()
+        assert torch.equal(p, q)

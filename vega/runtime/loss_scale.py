@@ -171,6 +171,16 @@ class LossScale:
                              "one), a dynamic one's counts its good steps from 0")
         self.device_given = True  # (its tensors were given: where they are is meant)
 
+    def __setstate__(self, state) -> None:
+        """The slots as pickled (``copy``, ``pickle``); a scale pickled by a vega before
+        ``device_given`` takes True, its tensors staying where they are, as that vega kept
+        them: its optimizer's first step failed on the missing attribute."""
+        extra, slots = state if isinstance(state, tuple) else (state, None)
+        values = {**(extra or {}), **(slots or {})}
+        values.setdefault("device_given", True)
+        for key, value in values.items():
+            setattr(self, key, value)
+
     # -- construction ----------------------------------------------------------------
 
     @classmethod

@@ -998,6 +998,15 @@ class SpecOptimizer(torch.optim.Optimizer):
                 "(state_dtype=None) there, which dequantizes it, and load that one's here")
         super().__setstate__(state)
         for k, group in enumerate(self.param_groups):
+            group.setdefault("maximize", False)  # (pickled before groups held them, as
+            for key, default in _PRECISION_DEFAULTS.items():  # load_state_dict takes them)
+                group.setdefault(key, default)
+            missing = [h.name for h in self.spec.hypers if h.name not in group]
+            if missing:  # (a step would fail on the first one read)
+                raise ValueError(f"{type(self).__name__}: group {k} of the pickled optimizer "
+                                 f"has no {', '.join(map(repr, missing))}: it was pickled by "
+                                 f"a vega whose {type(self).__name__} had no such setting, "
+                                 "which this one's rule reads")
             self._tuples().sync(type(self).__name__, k, group)
 
     def state_dict(self) -> dict:
