@@ -16,6 +16,7 @@ import torch.distributed as dist  # noqa: E402
 
 import vega  # noqa: E402
 from vega.codegen import quant  # noqa: E402
+from vega.runtime import torch_names  # noqa: E402
 
 RANK, WORLD, OUT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 CHECKS = sys.argv[4:]
@@ -887,13 +888,14 @@ def q8_other_layout() -> None:
                 str(err) and "'Shard(dim=0) over 2, Shard(dim=1) over 2'" in str(err), err
         for k, v in before.items():
             assert torch.equal(o2.state[m2.w][k].to_local(), v), k
-    # a checkpoint whose groups hold no q8_shards: refused by dcp.load, and loaded on the
-    # same cut with allow_partial_load (docs/distributed.md), bitwise
+    # a checkpoint whose groups hold no vega_q8_shards or vega_q8_maps (an older vega's):
+    # refused by dcp.load, and loaded on the same cut with allow_partial_load
+    # (docs/distributed.md), bitwise
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.api import CheckpointException
     msd, osd = get_state_dict(m1, o1)
     for group in osd["param_groups"]:
-        del group[quant.LAYOUT_KEY]
+        del group[quant.LAYOUT_KEY], group[torch_names.Q8_MAPS_KEY]
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder + "-without")
     m3, o3 = make(init_device_mesh("cpu", (WORLD,)), [Shard(0)])
     o3.step()  # (other state than o1's)
@@ -904,7 +906,7 @@ def q8_other_layout() -> None:
             dcp.load(state, checkpoint_id=folder + "-without", planner=planner)
         except CheckpointException as err:  # (each rank's error)
             assert planner is None and "Missing key in checkpoint state_dict: " \
-                f"optim.param_groups.0.{quant.LAYOUT_KEY}" in str(err), err
+                "optim.param_groups.0.vega_q8_" in str(err), err
             continue
         set_state_dict(m3, o3, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])

@@ -590,7 +590,7 @@ def test_8bit_state_saved_from_shards_cut_otherwise_is_refused():
     for value, words in ((["Shard(dim=0) over 4"] + layouts[1:],
                           r"parameter 0 were saved from shards cut as 'Shard\(dim=0\) over 4', "
                           "and its shards here are cut as 'one whole tensor'"),
-                         ("Shard(dim=0) over 4", r"q8_shards='Shard\(dim=0\) over 4'"),
+                         ("Shard(dim=0) over 4", r"vega_q8_shards='Shard\(dim=0\) over 4'"),
                          (layouts[1:], "a str\\), or None")):
         bad = {**saved, "param_groups": [{**saved["param_groups"][0],
                                           quant.LAYOUT_KEY: value}]}

@@ -221,7 +221,7 @@ def scale_placements(p) -> tuple:
 
 # the key of a state dict's group that holds, for each of its parameters, how the shards
 # of its 8-bit states were cut (``shard_layout``; None: no 8-bit DTensor state)
-LAYOUT_KEY = "q8_shards"
+LAYOUT_KEY = "vega_q8_shards"
 
 
 def shard_layout(p) -> str:
