@@ -1,6 +1,7 @@
 """One rank of the distributed checks of ``test_distributed.py``: ``python distributed_script.py
 RANK WORLD OUTDIR CHECK...``. Each check asserts; the rank prints one JSON line of what
 it measured (largest differences, collectives counted) at the end."""
+import contextlib
 import copy
 import functools
 import json
@@ -140,11 +141,14 @@ def sharded(net, mesh=None):
     return net
 
 
-def fsdp_against_unsharded(name: str, hybrid: bool = False, backend=None) -> None:
+def fsdp_against_unsharded(name: str, hybrid: bool = False, backend=None,
+                           meta: bool = False) -> None:
     """``name``'s class under FSDP2 against the same unsharded, five steps; ``hybrid``:
     HSDP over a 2 x (WORLD / 2) mesh, each shard replicated twice (a partial sum of a
     replicated value counting once, each collective once per mesh dimension); ``backend``:
-    both on that backend (Triton's under its interpreter, on CPU tensors)."""
+    both on that backend (Triton's under its interpreter, on CPU tensors); ``meta``: the
+    sharded steps under ``torch.device("meta")`` (the tables of the sharded reductions made
+    on the host, whatever the default device)."""
     cls, hypers = OPTIMIZERS[name]
     if backend is not None:
         hypers = {**hypers, "backend": backend}
@@ -164,7 +168,8 @@ def fsdp_against_unsharded(name: str, hybrid: bool = False, backend=None) -> Non
         norm = sum(q.grad.square().sum() for q in plain.parameters()).sqrt().item()
         assert norm > 1.0, norm  # (the clip acts)
         opt_plain.step()
-        with Counted() as c, Staged() as where:
+        with Counted() as c, Staged() as where, \
+                torch.device("meta") if meta else contextlib.nullcontext():
             opt.step()
         counts.append(c.n)
     worst = 0.0
@@ -185,7 +190,7 @@ def fsdp_against_unsharded(name: str, hybrid: bool = False, backend=None) -> Non
         found[f"hsdp-{name}"] = {"diff": worst, "staged": where.kinds}
         return
     assert counts == [COLLECTIVES[name]] * 5, (name, counts)
-    found[name if backend is None else f"{backend}-{name}"] = {
+    found[f"meta-{name}" if meta else name if backend is None else f"{backend}-{name}"] = {
         "diff": worst, "collectives": counts[0], "staged": where.kinds}
 
 
@@ -1159,6 +1164,8 @@ def main() -> None:
     for check in CHECKS:
         if check in OPTIMIZERS:
             fsdp_against_unsharded(check)
+        elif check.startswith("meta-"):
+            fsdp_against_unsharded(check.removeprefix("meta-"), meta=True)
         elif check.startswith("hsdp-"):
             fsdp_against_unsharded(check.removeprefix("hsdp-"), hybrid=True)
         elif check == "triton-nan":  # (LAMB's norms, split by shards, in Triton's phases)

@@ -83,7 +83,7 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
                        "muon-fsdp", "uneven", "q8", "q8-load", "dcp-q8", "full-AdamW",
                        "full-Prodigy", "full-DAdaptAdamW", "full-ScheduleFreeAdamW",
                        "full-AdamW-q8", "without-prelude", "mixed-placements",
-                       "zero-save-AdamW", "zero-save-LBFGS"],
+                       "zero-save-AdamW", "zero-save-LBFGS", "meta-Adafactor", "meta-LAMB"],
                    tmp_path)
     assert found[0] == found[1]  # every rank saw the same
     for name, collectives, staged in (("AdamW", 1, []), ("LAMB", 2, ["c"]),
@@ -99,6 +99,10 @@ def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
         # combined across ranks), those along an axis too (Adafactor's factored matrices:
         # the C kernels' stages of a program over a matrix view)
         assert found[0][name]["staged"] == staged, name
+    # under torch.device("meta") the steps' reductions split by shards make their tables on
+    # the host (they were meta tensors, which indexed the CPU partial results)
+    for name in ("Adafactor", "LAMB"):
+        assert found[0][f"meta-{name}"] == found[0][name], name
     assert found[0]["nan"] == "skipped"
     # no max_grad_norm, loss scale or skip_nonfinite: no prelude (docs/distributed.md)
     assert found[0]["without-prelude"] == {"AdamW": 0, "LAMB": 1}

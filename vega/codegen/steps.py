@@ -69,18 +69,19 @@ def tensor_parts(node, col: torch.Tensor, views, geos, parts: list, finish: list
         else:
             split.append((r, math.prod(v.full.shape(dom)), v.weight))
 
-    def rows(found) -> torch.Tensor:
-        return move(torch.tensor([x[0] for x in found], dtype=torch.int64))
+    def rows(found) -> torch.Tensor:  # (tables made on the host, whatever the default device)
+        return move(torch.tensor([x[0] for x in found], dtype=torch.int64, device="cpu"))
 
     def counts(found) -> torch.Tensor:
-        return move(torch.tensor([x[1] for x in found], dtype=torch.float64))
+        return move(torch.tensor([x[1] for x in found], dtype=torch.float64, device="cpu"))
     if here:
         at = rows(here)
         col[at] = finished(node.op, col[at], counts(here))
     if split:
         at, weights = rows(split), [x[2] for x in split]
         parts.append(shard_part(node.op, col[at], None if all(w == 1 for w in weights) else
-                                move(torch.tensor(weights, dtype=torch.float64)), None)[:2])
+                                move(torch.tensor(weights, dtype=torch.float64,
+                                                  device="cpu")), None)[:2])
         finish.append((col, at, node.op, counts(split)))
 
 
