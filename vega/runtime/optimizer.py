@@ -1025,9 +1025,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                 _codes_in(out["state"].get(i)) for i in g["params"]) else g
             for g in engine.saved_groups(out["param_groups"])]
         for k, group in enumerate(self.param_groups):  # (how 8-bit shards were cut)
-            layouts = [quant.shard_layout(p) if is_dtensor(p) and any(
-                isinstance(v, torch.Tensor) and v.dtype == torch.uint8
-                for v in self.state.get(p, {}).values()) else None for p in group["params"]]
+            layouts = [quant.shard_layout(p) if is_dtensor(p) and _codes_in(self.state.get(p))
+                       else None for p in group["params"]]
             if any(x is not None for x in layouts):
                 out["param_groups"][k] = {**out["param_groups"][k], quant.LAYOUT_KEY: layouts}
         out[torch_names.RULE_KEY] = self.spec.name
