@@ -558,6 +558,42 @@ def test_a_scale_made_without_a_device_outlives_parameters_made_on_meta(backend)
         assert torch.equal(p.detach(), q.detach())
 
 
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+@pytest.mark.parametrize("how", ["context", "default"])
+def test_a_scale_made_under_a_meta_default_device_keeps_its_values(backend, how):
+    """A scale made without a device where the default device is meta (made with the model
+    inside ``with torch.device("meta")``, or after ``torch.set_default_device("meta")``) is
+    made on the CPU, its values kept, and goes where the parameters are at the first step:
+    its check of ``init`` read a meta tensor (torch's "Tensor.item() cannot be called on meta
+    tensors"), and a scale made there held no values to step with."""
+    def made():
+        if how == "context":
+            with torch.device("meta"):
+                return LossScale.dynamic(init=8.0, growth_interval=1), LossScale.static(4.0)
+        torch.set_default_device("meta")
+        try:
+            return LossScale.dynamic(init=8.0, growth_interval=1), LossScale.static(4.0)
+        finally:
+            torch.set_default_device(None)
+    ours = made()
+    theirs = LossScale.dynamic(init=8.0, growth_interval=1), LossScale.static(4.0)
+    for mine, other in zip(ours, theirs):
+        assert not mine.device_given
+        assert all(a.device.type == "cpu" and torch.equal(a, b)
+                   for a, b in zip(mine.tensors(), other.tensors()))
+    got = []
+    for scale in (ours[0], theirs[0]):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 6))
+        opt = vega.optim.AdamW([p], lr=0.1, loss_scale=scale, backend=backend)
+        for _ in range(3):
+            p.grad = torch.linspace(0.5, 2, 6) * scale.loss_scale
+            opt.step()
+        got.append((p.detach(), scale.loss_scale))
+    assert float(got[0][1]) == 64.0
+    assert all(map(torch.equal, *got))
+
+
 def test_a_scale_is_one_optimizers_while_it_lives():
     """Each step adjusts the optimizer's scale in place: one scale given to two optimizers
     is refused (the second would unscale by a scale the loss was not scaled by, and the

@@ -62,6 +62,16 @@ def _wide(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+def _made_on(device):
+    """Where a scale made with ``device`` puts its tensors: there, or without one the default
+    device, but the CPU where that is the meta device (``with torch.device("meta")`` around
+    a model and its optimizer): a tensor there holds no value, and the optimizer that takes
+    the scale moves it to its parameters' device (``device_given`` stays False)."""
+    if device is None and torch.get_default_device().type == "meta":
+        return torch.device("cpu")
+    return device
+
+
 def _shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
@@ -78,7 +88,7 @@ def _positive_real(who: str, name: str, value) -> float:
 
 def _scale_value(who: str, name: str, value) -> float:
     x = _positive_real(who, name, value)
-    as32 = float(torch.tensor(x, dtype=torch.float32))
+    as32 = float(torch.tensor(x, dtype=torch.float32, device="cpu"))  # (not a default meta)
     if not (math.isfinite(as32) and as32 > 0):
         raise ValueError(f"{who}: {name}={value!r} is not a positive finite float32")
     return x
@@ -193,10 +203,11 @@ class LossScale:
         s = _scale_value("LossScale.static", "s", s)
         # (its values checked above: made without the constructor's check, which reads them
         # back from the device)
-        out = cls._from([torch.full((), s, dtype=torch.float32, device=device),
-                         torch.full((), -1, dtype=torch.int32, device=device),
-                         torch.zeros((), dtype=torch.int32, device=device),
-                         torch.zeros((), dtype=torch.float32, device=device)],
+        at = _made_on(device)
+        out = cls._from([torch.full((), s, dtype=torch.float32, device=at),
+                         torch.full((), -1, dtype=torch.int32, device=at),
+                         torch.zeros((), dtype=torch.int32, device=at),
+                         torch.zeros((), dtype=torch.float32, device=at)],
                         (2000, 2.0, 0.5, False))  # (the constructor's defaults)
         out.device_given = device is not None
         return out
@@ -218,10 +229,11 @@ class LossScale:
         if floor > init:
             raise ValueError(f"LossScale.dynamic: min_scale={min_scale!r} is above "
                              f"init={init!r}")
-        out = cls._from([torch.full((), init, dtype=torch.float32, device=device),
-                         torch.zeros((), dtype=torch.int32, device=device),
-                         torch.zeros((), dtype=torch.int32, device=device),
-                         torch.full((), floor, dtype=torch.float32, device=device)],
+        at = _made_on(device)
+        out = cls._from([torch.full((), init, dtype=torch.float32, device=at),
+                         torch.zeros((), dtype=torch.int32, device=at),
+                         torch.zeros((), dtype=torch.int32, device=at),
+                         torch.full((), floor, dtype=torch.float32, device=at)],
                         (*config, True))  # (checked above, as in static)
         out.device_given = device is not None
         return out
