@@ -594,6 +594,35 @@ def test_a_scale_made_under_a_meta_default_device_keeps_its_values(backend, how)
     assert all(map(torch.equal, *got))
 
 
+@pytest.mark.parametrize("backend", ["reference", "c"])
+@pytest.mark.parametrize("how", ["context", "default"])
+def test_a_loss_scaled_class_step_under_a_meta_default_device_steps_as_outside(backend, how):
+    """A class step with a loss scale under ``torch.device("meta")`` (or a default device set
+    so) of CPU parameters is the step outside it: the prelude's record took the inverse
+    scale through ``torch.as_tensor``, which moved it to the meta device ("Cannot copy out
+    of meta tensor; no data!"); later steps outside match the steps of one never there."""
+    def trained(meta_step):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 6))
+        scale = LossScale.dynamic(init=4.0, growth_interval=2)
+        opt = vega.optim.AdamW([p], lr=0.1, loss_scale=scale, max_grad_norm=1.0,
+                               backend=backend)
+        for k in range(3):
+            p.grad = torch.linspace(0.5, 2, 6) * scale.loss_scale
+            if k == 1 and meta_step and how == "context":
+                with torch.device("meta"):
+                    opt.step()
+            elif k == 1 and meta_step:
+                torch.set_default_device("meta")
+                try:
+                    opt.step()
+                finally:
+                    torch.set_default_device(None)
+            else:
+                opt.step()
+        return [p.detach(), *scale.tensors(), *opt.state[p].values()]
+    assert all(map(torch.equal, trained(True), trained(False)))
+
+
 def test_a_scale_is_one_optimizers_while_it_lives():
     """Each step adjusts the optimizer's scale in place: one scale given to two optimizers
     is refused (the second would unscale by a scale the loss was not scaled by, and the
