@@ -623,6 +623,27 @@ def test_a_loss_scaled_class_step_under_a_meta_default_device_steps_as_outside(b
     assert all(map(torch.equal, trained(True), trained(False)))
 
 
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_a_scale_on_meta_or_over_meta_parameters_is_refused_by_name(backend):
+    """A loss scale on the meta device (``device="meta"``), which holds no values, is refused
+    when the optimizer is made (a step raised torch's "Tensor.item() cannot be called on meta
+    tensors" looking it up); a scale of values over parameters on the meta device is refused
+    at the step, before a state is made (the reference backend's step adjusted the scale in
+    place by meta values: "Cannot copy out of meta tensor", the C backend's named its record)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="AdamW: loss_scale is on the meta device"):
+        vega.optim.AdamW([p], loss_scale=LossScale.dynamic(device="meta"), backend=backend)
+    q = torch.nn.Parameter(torch.empty(3, device="meta"))
+    q.grad = torch.empty(3, device="meta")
+    scale = LossScale.dynamic(init=8.0)
+    opt = vega.optim.AdamW([q], loss_scale=scale, backend=backend)
+    with pytest.raises(ValueError, match="AdamW: the gradients are on the meta device"):
+        opt.step()
+    assert not opt.state and scale.loss_scale.device.type == "cpu"
+    assert float(scale.loss_scale) == 8.0 and int(scale.good_steps) == 0
+
+
 def test_a_scale_is_one_optimizers_while_it_lives():
     """Each step adjusts the optimizer's scale in place: one scale given to two optimizers
     is refused (the second would unscale by a scale the loss was not scaled by, and the

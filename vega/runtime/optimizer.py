@@ -367,6 +367,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                     plain.add(len(found_work))
                 found_work.append((group, found))
             sync.keep(self.param_groups)
+            self._check_scale_values(found_work)
             group_of = getattr(self, "reduce_group", None)
             spread = group_of is not None or any(item[0].spans_group or (
                 k not in plain and sharded.involved(item[2], None))
@@ -498,6 +499,20 @@ class SpecOptimizer(torch.optim.Optimizer):
         if first is not None and first.device.type != "meta":
             ls.to_(first.device)
 
+    def _check_scale_values(self, found_work) -> None:
+        """ValueError where the gradients are on the meta device (so are the parameters: a
+        step computes no values there) and the loss scale holds values, which the step would
+        adjust in place by values it has not."""
+        ls = self.loss_scale
+        g = None if ls is None else next(
+            (g for _, w in found_work for item in w for g in item[3]), None)
+        if g is not None and g.device.type == "meta":
+            raise ValueError(
+                f"{type(self).__name__}: the gradients are on the meta device, where a step "
+                "computes no values, but the loss scale, adjusted in place by the step's, "
+                f"holds values (on {ls.loss_scale.device}); step parameters on the meta "
+                "device without a loss_scale")
+
     def _claim_scale(self) -> None:
         """The loss scale made this optimizer's: its steps adjust it in place, so that one
         shared with another optimizer would be adjusted by each, and the second would unscale
@@ -508,6 +523,12 @@ class SpecOptimizer(torch.optim.Optimizer):
         ls = self.loss_scale
         if ls is None:
             return
+        if any(t.device.type == "meta" for t in ls.tensors()):  # (before the lookup: a key
+            # of the same hash is compared by value, which a meta tensor has not)
+            raise ValueError(
+                f"{type(self).__name__}: loss_scale is on the meta device, which holds no "
+                "values (its scale and counters); make it without a device "
+                "(LossScale.dynamic()), and the optimizer puts it where its parameters are")
         held = _SCALE_OWNERS.get(ls.loss_scale)
         other = held() if held is not None else None
         if other is not None and other is not self and getattr(other, "loss_scale", None) is ls:
