@@ -539,6 +539,34 @@ def test_inference_tensors_are_written_only_inside_inference_mode():
     vega.adamw.step({"w": w}, {"w": torch.ones(6)}, state)
 
 
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_step_left_inside_autocast_steps_as_outside_it(backend, dtype):
+    """A step inside ``torch.autocast`` (left around ``optimizer.step()``, a common slip) is
+    the step outside it, the closure's forward pass still in autocast: Muon's Newton-Schulz
+    products ran in the autocast dtype (bfloat16 products of bf16=False, float16 of either),
+    another update, in the class's step and the functional one."""
+    w, g = _rand(24, 40, seed=1), _rand(24, 40, seed=2)
+
+    def stepped(cast):
+        p = torch.nn.Parameter(w.clone())
+        opt = vega.optim.Muon([p], lr=1e-2, bf16=False, backend=backend)
+        seen = []
+
+        def closure():
+            seen.append(torch.is_autocast_enabled("cpu"))
+            p.grad = g.clone()
+        with torch.autocast("cpu", dtype=dtype, enabled=cast):
+            opt.step(closure)
+            new, _ = vega.muon_step({"w": w}, {"w": g}, vega.muon_init({"w": w}), lr=1e-2,
+                                    bf16=False, backend=backend)
+            assert torch.is_autocast_enabled("cpu") == cast
+        assert seen == [cast]
+        return p.detach(), new["w"], *opt.state[p].values()
+    assert all(map(torch.equal, stepped(True), stepped(False)))
+
+
 def test_a_first_step_refused_in_a_later_group_leaves_no_state():
     """A sparse gradient in group 1 is refused while the step gathers its groups: the
     states group 0's first step made are dropped, and the next step makes them again."""

@@ -7,6 +7,7 @@ saturating add, and nothing is read back to the host.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import numbers
 import sys
@@ -331,6 +332,30 @@ def class_step_transforms(owner: str, rule: str, groups: list) -> None:
             f"the transform, or inside it the functional step of the rule "
             f"({rule() if callable(rule) else rule}), which "
             f"returns the new params and state")
+
+
+# the device types whose autocast a step turns off (``without_autocast``)
+AUTOCAST_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def without_autocast(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with autocast off on each device type where it is on: a step
+    left inside ``torch.autocast`` (around ``optimizer.step()``, a common slip) ran its
+    matrix products (Muon's Newton-Schulz iterations) in the autocast dtype, another update
+    than outside it. One check per type where none is on."""
+    for kind in AUTOCAST_TYPES:
+        if torch.is_autocast_enabled(kind):
+            with torch.autocast(kind, enabled=False):
+                return without_autocast(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def outside_autocast(fn):
+    """``fn`` run by ``without_autocast`` (a functional step)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return without_autocast(fn, *args, **kwargs)
+    return run
 
 
 def zeros(like, shape, dtype, device) -> torch.Tensor:

@@ -344,6 +344,11 @@ class SpecOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # (the update outside autocast, the closure's forward pass in it)
+        return engine.without_autocast(self._update, loss)
+
+    def _update(self, loss):
+        """The update of ``step``, after its closure; returns ``loss``."""
         self._check_settings()
         found_work = []  # (group, its engine.run calls)
         plain = set()  # the positions of those whose tensors are all plain (``_planned_work``)

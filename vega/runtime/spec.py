@@ -182,6 +182,7 @@ class CompiledSpec:
         state["step"] = step
         return state
 
+    @engine.outside_autocast
     def step(self, params, grads, state, *, backend: str | None = None, donate: bool = False,
              max_grad_norm: float | None = None, skip_nonfinite: bool = False,
              loss_scale=None, reduce_group=None, master_weights: bool = False,
