@@ -1460,14 +1460,12 @@ elif how == "fake-class":  # a class step there, after one outside (its tables k
             other.step()
     except ValueError as e:
         refused = str(e)
-elif how == "fake-record":  # a clipped class step there, after one outside (the prelude's
-    q = torch.nn.Parameter(w.clone())  # tables kept): its record made there
-    q.grad = g.clone()
-    other = vega.optim.AdamW([q], lr=0.3, backend="c", max_grad_norm=1.0)
-    other.step()
+elif how == "fake-record":  # a clipped functional step there, after one outside (the
+    state = vega.adamw_init({"w": w})  # prelude's tables kept): its record made there
+    vega.adamw_step({"w": w}, {"w": g}, state, lr=0.3, backend="c", max_grad_norm=1.0)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            other.step()
+            vega.adamw_step({"w": w}, {"w": g}, state, lr=0.3, backend="c", max_grad_norm=1.0)
     except ValueError as e:
         refused = str(e)
     assert "the prelude's record" in refused, refused

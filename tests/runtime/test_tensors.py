@@ -567,6 +567,50 @@ def test_a_step_left_inside_autocast_steps_as_outside_it(backend, dtype):
     assert all(map(torch.equal, stepped(True), stepped(False)))
 
 
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_a_step_in_place_of_real_tensors_under_fake_tensor_mode_is_refused(backend):
+    """Under ``FakeTensorMode(allow_non_fake_inputs=True)`` a step in place of real
+    parameters (a class's, LBFGS's, a functional one with donate=True) is refused by name
+    and changes nothing: the mode's operations gave fake tensors, so the reference backend
+    wrote no parameter, kept fake states in the class (later steps outside it read them:
+    another update) and returned the unwritten inputs from donate=True; steps outside match
+    those of an optimizer never there. Fake parameters step there, as tracing steps them."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    w, g = _rand(4, 5, seed=1), _rand(4, 5, seed=2)
+
+    def stepped(fake):
+        p = torch.nn.Parameter(w.clone())
+        q = torch.nn.Parameter(w.clone())
+        opts = [vega.optim.AdamW([p], lr=0.1, backend=backend), vega.optim.LBFGS([q])]
+        for opt in opts:
+            opt.param_groups[0]["params"][0].grad = g.clone()
+            if fake:
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    with pytest.raises(ValueError, match=rf"{type(opt).__name__}\.step: "
+                                       "called under a FakeTensorMode with parameter 0"):
+                        opt.step()
+                assert not opt.state
+            opt.step()
+            opt.step()
+        state = vega.adamw_init({"w": w})
+        if fake:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                with pytest.raises(ValueError, match="adamw_step: params leaf 'w' is a real "
+                                   "tensor, and a FakeTensorMode is active"):
+                    vega.adamw_step({"w": w}, {"w": g}, state, backend=backend, donate=True)
+        assert int(state["step"]) == 0
+        return p.detach(), q.detach(), *opts[0].state[p].values(), *opts[1].state[q].values()
+    assert all(map(torch.equal, stepped(True), stepped(False)))
+    if backend == "reference":
+        with FakeTensorMode() as mode:
+            p = torch.nn.Parameter(mode.from_tensor(w))
+            p.grad = mode.from_tensor(g)
+            opt = vega.optim.AdamW([p], lr=0.1, backend=backend)
+            opt.step()
+        assert all(isinstance(t, FakeTensor) for t in opt.state[p].values())
+
+
 def test_a_first_step_refused_in_a_later_group_leaves_no_state():
     """A sparse gradient in group 1 is refused while the step gathers its groups: the
     states group 0's first step made are dropped, and the next step makes them again."""

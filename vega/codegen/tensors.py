@@ -389,6 +389,24 @@ INFERENCE_WORDS = ("is an inference tensor (made under torch.inference_mode()), 
                    "in place cannot update outside inference mode (torch: \"Inplace update "
                    "to inference tensor outside InferenceMode is not allowed\"); clone it, "
                    "or step inside torch.inference_mode()")
+FAKE_MODE_WORDS = ("is a real tensor, and a FakeTensorMode is active, whose operations make "
+                   "fake tensors of real ones: a step in place there would write none of it "
+                   "(and keep fake states); step outside the mode, or give it fake tensors")
+
+
+def fake_mode_active() -> bool:
+    """Whether a ``FakeTensorMode`` is active (``FakeTensorMode(allow_non_fake_inputs=True)``
+    takes real tensors in, and its operations give fake ones out)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def first_real(tensors) -> int | None:
+    """The position of the first tensor of ``tensors`` that is not a FakeTensor, or None."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return next((i for i, t in enumerate(tensors)
+                 if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)), None)
+
+
 OVERLAP_WORDS = ("has elements at one memory location (an expanded tensor, a stride 0): a "
                  "step in place cannot write it; pass a contiguous copy (.contiguous())")
 SHARE_WORDS = "shares memory with {other}: a step in place would write that memory twice"
@@ -406,6 +424,10 @@ def inplace_problem(tensors, reads=()) -> tuple[int, int | None, str] | None:
     contiguous tensors (the common case)."""
     tensors = tensors if isinstance(tensors, list) else list(tensors)
     reads = reads if isinstance(reads, list) else list(reads)
+    if not torch.compiler.is_compiling() and fake_mode_active():
+        real = first_real(tensors)
+        if real is not None:
+            return real, None, FAKE_MODE_WORDS
     if not torch.compiler.is_compiling():
         from vega.codegen.c import native  # (the C backend imports this module)
         mod = native.module()

@@ -22,7 +22,8 @@ from vega.codegen import precision, quant
 from vega.codegen.precision import MASTER
 from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
-from vega.codegen.tensors import (any_complex, first_with_own_ops, fit, like, on_one_device,
+from vega.codegen.tensors import (any_complex, fake_mode_active, first_real, first_with_own_ops,
+                                  fit, like, on_one_device,
                                   same, transformed, transforms, uniform, wrapped)
 from vega.errors import shown
 from vega.schedule import KEPT_REACH, Schedule
@@ -314,7 +315,18 @@ def class_step_transforms(owner: str, rule: str, groups: list) -> None:
     batched, before it changes anything: it writes its parameters and its state, tensors
     from outside the transform, in place, which these transforms cannot follow (a state
     made there would hold the transform's tensors, which outlive it). Under ``vmap`` of
-    other tensors it steps its own as outside it."""
+    other tensors it steps its own as outside it. Under a ``FakeTensorMode`` with a real
+    parameter likewise: the mode's operations give fake tensors, so the step wrote none of
+    its parameters and kept fake states, which later steps read."""
+    if fake_mode_active():
+        at = next(((k, i) for k, g in enumerate(groups)
+                   if (i := first_real(g["params"])) is not None), None)
+        if at is not None:
+            raise ValueError(
+                f"{owner}.step: called under a FakeTensorMode with parameter {at[1]} of group "
+                f"{at[0]} a real tensor: the mode's operations make fake tensors of real ones, "
+                f"so the step would write none of its parameters and keep fake states; call "
+                f"step() outside the mode, or give the optimizer fake parameters")
     keys = transforms()
     if not keys:
         return
