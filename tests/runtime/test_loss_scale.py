@@ -644,6 +644,28 @@ def test_a_scale_on_meta_or_over_meta_parameters_is_refused_by_name(backend):
     assert float(scale.loss_scale) == 8.0 and int(scale.good_steps) == 0
 
 
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_a_scale_made_under_inference_mode_is_refused_before_the_step_writes(backend):
+    """A loss scale made under ``torch.inference_mode()`` holds inference tensors, which a
+    class step outside inference mode cannot adjust in place: refused by name before
+    anything is written (the step wrote the parameters and states, then raised torch's
+    "Inplace update to inference tensor outside InferenceMode", the scale not adjusted);
+    inside inference mode it steps."""
+    with torch.inference_mode():
+        scale = LossScale.dynamic(init=4.0)
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 3))
+    opt = vega.optim.AdamW([p], lr=0.1, loss_scale=scale, max_grad_norm=1.0, backend=backend)
+    p.grad = torch.full((3,), 4.0)
+    with pytest.raises(ValueError, match="AdamW: loss_scale holds inference tensors"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.linspace(-1, 1, 3)) and not opt.state
+    assert int(scale.good_steps) == 0
+    with torch.inference_mode():
+        opt.step()
+    assert int(scale.good_steps) == 1 and int(opt.state[p]["step"]) == 1
+
+
 def test_a_scale_is_one_optimizers_while_it_lives():
     """Each step adjusts the optimizer's scale in place: one scale given to two optimizers
     is refused (the second would unscale by a scale the loss was not scaled by, and the
