@@ -47,7 +47,7 @@ from vega.codegen.record import finite_of
 from vega.codegen.steps import (Done, axis_part, finish_combined, finished, shard_part,
                                 tensor_parts)
 from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, memory_order,
-                                  own_ops_words, readable, refuse_inplace)
+                                  mode_tensors, own_ops_words, readable, refuse_inplace)
 from vega.dsl.ir import AXIS_REDUCTIONS, QBLOCK, SCALAR_STATE, Op
 
 # on a GPU: warps a program, and bytes of its narrowest tensor each thread reads or writes
@@ -226,10 +226,9 @@ def check_mode() -> None:
     tables the native operator builds, the tables kept for later steps) are FakeTensors of
     address 0, which the kernels and the native operator wrote at (a segmentation fault),
     and a table kept so would serve every later step. While dynamo traces, the custom ops'
-    fake implementations run there instead, and this is not asked. Asked through torch's
-    public API: a mode that makes its own tensors makes them of a subclass (``FakeTensor``;
-    ``FunctionalTensor`` under non-strict export's mode, refused alike)."""
-    if type(torch.empty(0, device="cpu")) is not torch.Tensor:
+    fake implementations run there instead, and this is not asked. ``FunctionalTensorMode``
+    (non-strict export's) is refused alike (``mode_tensors``)."""
+    if mode_tensors() is not None:
         raise ValueError("backend 'triton': a step under a mode that makes its own tensors "
                          "(FakeTensorMode, FunctionalTensorMode): they have no memory for its "
                          "kernels to write; step outside the mode, or use backend='reference'")

@@ -22,9 +22,9 @@ from vega.codegen import precision, quant
 from vega.codegen.precision import MASTER
 from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
-from vega.codegen.tensors import (any_complex, fake_mode_active, first_real, first_with_own_ops,
-                                  fit, like, on_one_device,
-                                  same, transformed, transforms, uniform, wrapped)
+from vega.codegen.tensors import (any_complex, first_real, first_with_own_ops, fit, like,
+                                  mode_tensors, on_one_device, same, transformed, transforms,
+                                  uniform, wrapped)
 from vega.errors import shown
 from vega.schedule import KEPT_REACH, Schedule
 from vega.dsl.ir import SCALAR_STATE, HyperParam, Program
@@ -318,9 +318,10 @@ def class_step_transforms(owner: str, rule: str, groups: list) -> None:
     other tensors it steps its own as outside it. Under a ``FakeTensorMode`` with a real
     parameter likewise: the mode's operations give fake tensors, so the step wrote none of
     its parameters and kept fake states, which later steps read."""
-    if fake_mode_active():
+    made = mode_tensors()
+    if made is not None:
         at = next(((k, i) for k, g in enumerate(groups)
-                   if (i := first_real(g["params"])) is not None), None)
+                   if (i := first_real(g["params"], made)) is not None), None)
         if at is not None:
             raise ValueError(
                 f"{owner}.step: called under a FakeTensorMode with parameter {at[1]} of group "
