@@ -508,17 +508,19 @@ class SpecOptimizer(torch.optim.Optimizer):
         """ValueError where the loss scale holds inference tensors outside inference mode
         (torch refuses their update in place), or where the gradients are on the meta device
         (so are the parameters: a step computes no values there) and the loss scale holds
-        values, which the step would adjust in place by values it has not."""
+        values, which the step would adjust in place by values it has not. Not asked while
+        dynamo traces the step (it cannot trace ``torch.is_inference_mode_enabled``)."""
         ls = self.loss_scale
-        if ls is not None and not torch.is_inference_mode_enabled() and any(
+        if ls is None or torch.compiler.is_compiling():
+            return
+        if not torch.is_inference_mode_enabled() and any(
                 t.is_inference() for t in ls.tensors()[:3]):
             raise ValueError(
                 f"{type(self).__name__}: loss_scale holds inference tensors (made under "
                 "torch.inference_mode()), which the step, adjusting them in place, cannot "
                 "update outside inference mode; make the scale outside inference mode, or "
                 "step inside it")
-        g = None if ls is None else next(
-            (g for _, w in found_work for item in w for g in item[3]), None)
+        g = next((g for _, w in found_work for item in w for g in item[3]), None)
         if g is not None and g.device.type == "meta":
             raise ValueError(
                 f"{type(self).__name__}: the gradients are on the meta device, where a step "
