@@ -167,6 +167,47 @@ def test_a_state_saved_after_a_cycled_momentum_resumes():
         assert other.param_groups[0]["b1"] == group["b1"] == group["betas"][0]
 
 
+@pytest.mark.parametrize("when", ["before the scheduler", "between steps"])
+@pytest.mark.parametrize("scheduler", ["OneCycleLR", "CyclicLR"])
+def test_a_b2_set_by_hand_under_a_scheduler_cycling_betas_is_kept(scheduler, when):
+    """A scheduler that cycles momentum writes betas[0] (as it is made, and after each step);
+    b2 set by hand meanwhile is another value of the tuple: both are taken, as torch's class
+    takes betas[1] set by hand, where the step refused the two as disagreeing."""
+    def make(opt):
+        if scheduler == "OneCycleLR":
+            return _one_cycle(opt)
+        return torch.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-3, max_lr=0.05,
+                                                 step_size_up=2, base_momentum=0.6,
+                                                 max_momentum=0.95)
+
+    def run(cls, set_b2):
+        params = [p.clone().requires_grad_(True) for p in _params()]
+        opt = cls([{"params": params[:2]}, {"params": params[2:], "lr": 0.02}], lr=0.05)
+        if when == "before the scheduler":
+            set_b2(opt)
+        sched = make(opt)
+        for k in range(STEPS):
+            if when == "between steps" and k == 2:
+                set_b2(opt)
+            for p, g in zip(params, _grads(k)):
+                p.grad = g.clone()
+            opt.step()
+            sched.step()
+        return params, opt
+
+    def ours(opt):
+        for group in opt.param_groups:
+            group["b2"] = 0.99
+
+    def theirs(opt):
+        for group in opt.param_groups:
+            group["betas"] = (group["betas"][0], 0.99)
+    mine = run(vega.optim.Adam, ours)
+    _same_run(mine, run(lambda ps, **kw: torch.optim.Adam(ps, foreach=False, **kw), theirs),
+              ADAM_STATE)
+    assert all(g["b2"] == 0.99 and g["betas"][1] == 0.99 for g in mine[1].param_groups)
+
+
 def test_a_b1_changed_before_saving_is_saved():
     """b1 changed by hand, then the state saved (or the optimizer copied) before a step:
     the groups are made to agree first, so the loaded group steps with the new b1."""

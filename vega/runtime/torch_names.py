@@ -318,12 +318,14 @@ class TupleSync:
             self.seen = {k: v for k, v in self.seen.items() if k in now}
 
     def sync(self, owner: str, k: int, group: dict) -> None:
-        """Make each of ``group``'s tuples and the hyperparameters it names agree, taking the
-        one changed since the last step; ValueError where both changed to values that
-        disagree. A group not seen before (loaded from a state dict, or of a copied or
-        unpickled optimizer) takes the tuple, as torch's classes read it: a scheduler that
-        cycles momentum (``OneCycleLR``) writes ``betas`` between steps, so a state saved
-        after it disagrees with ``b1`` until the next step."""
+        """Make each of ``group``'s tuples and the hyperparameters it names agree, taking,
+        value by value, the one changed since the last step (a ``betas[0]`` a scheduler
+        wrote and a ``b2`` set by hand are both taken); ValueError where one value changed
+        by both names, to values that disagree. A group not seen before (loaded from a
+        state dict, or of a copied or unpickled optimizer) takes the tuple, as torch's
+        classes read it: a scheduler that cycles momentum (``OneCycleLR``) writes ``betas``
+        between steps, so a state saved after it disagrees with ``b1`` until the next
+        step."""
         if not self.keys:
             return
         seen = self.seen.get(id(group))
@@ -339,17 +341,24 @@ class TupleSync:
                                  f"{_shown_betas(names)}")
             elif not same_betas(ours, theirs):
                 last = lasts.get(key) if lasts is not None else None
-                if last is not None and same_betas(ours, last):  # the tuple changed
+                if last is None:  # (not seen: the tuple, as torch reads it)
                     group.update(zip(names, theirs))
-                elif last is not None and same_betas(theirs, last):  # its names changed
-                    group[key] = ours
-                elif last is None:  # (not seen: the tuple, as torch reads it)
-                    group.update(zip(names, theirs))
-                else:
-                    mine = ", ".join(f"{n}={engine.shown(v)}" for n, v in zip(names, ours))
-                    raise ValueError(f"{owner}: group {k} has {key}="
-                                     f"{engine.shown(tuple(theirs))} but {mine}; {key} is "
-                                     f"{_shown_betas(names)}: change one of the two")
+                    continue
+                # value by value, the one changed: a scheduler's betas[0] (OneCycleLR's) and
+                # a b2 set by hand both since the last step are both taken
+                now = []
+                for our, their, was in zip(ours, theirs, last):
+                    if _same(our, their) or _same(our, was):
+                        now.append(their)
+                    elif _same(their, was):
+                        now.append(our)
+                    else:
+                        mine = ", ".join(f"{n}={engine.shown(v)}" for n, v in zip(names, ours))
+                        raise ValueError(f"{owner}: group {k} has {key}="
+                                         f"{engine.shown(tuple(theirs))} but {mine}; {key} is "
+                                         f"{_shown_betas(names)}: change one of the two")
+                group.update(zip(names, now))
+                group[key] = tuple(now)
         self.remember(group)
 
 
