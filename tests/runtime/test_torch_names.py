@@ -456,6 +456,53 @@ def test_torch_format_of_a_rule_torch_has_not():
         opt.torch_state_dict()
 
 
+@pytest.mark.parametrize("name, kw", [("AdamW", {"weight_decay": 0.05}),
+                                      ("SGD", {"momentum": 0.9})])
+def test_torch_format_of_a_tensor_lr_under_a_scheduler(name, kw):
+    """A tensor lr (which a torch scheduler fills in place; the scheduler keeps a tensor
+    initial_lr beside it) is a value torch's groups hold too: the state in torch's format,
+    loaded into torch's class with the scheduler's state, resumes as torch's own run, where
+    torch_state_dict refused it as not a plain number. A tensor where torch's class takes
+    only a number (eps, dampening) is still refused, naming what takes a tensor."""
+    def make(mod, params):
+        extra = {"foreach": False} if mod is torch.optim else {}
+        opt = getattr(mod, name)([{"params": params[:2], "lr": torch.tensor(0.05,
+                                                                           dtype=torch.float64)},
+                                  {"params": params[2:], "lr": torch.tensor(0.02,
+                                                                           dtype=torch.float64)}],
+                                 **kw, **extra)
+        return opt, torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=4)
+
+    def steps(opt, sched, params, ks):
+        for k in ks:
+            for p, g in zip(params, _grads(k)):
+                p.grad = g.clone()
+            opt.step()
+            sched.step()
+    theirs = [p.clone().requires_grad_(True) for p in _params()]
+    ref, ref_sched = make(torch.optim, theirs)
+    steps(ref, ref_sched, theirs, range(2 * STEPS))
+    ours = [p.clone().requires_grad_(True) for p in _params()]
+    opt, sched = make(vega.optim, ours)
+    steps(opt, sched, ours, range(STEPS))
+    saved, saved_sched = copy.deepcopy(opt.torch_state_dict()), sched.state_dict()
+    assert isinstance(saved["param_groups"][0]["lr"], torch.Tensor)
+    resumed = [p.detach().clone().requires_grad_(True) for p in ours]
+    torch_opt, torch_sched = make(torch.optim, resumed)
+    torch_opt.load_state_dict(saved)
+    torch_sched.load_state_dict(saved_sched)
+    steps(torch_opt, torch_sched, resumed, range(STEPS, 2 * STEPS))
+    for p, q in zip(resumed, theirs):
+        assert_close(p.detach(), q.detach(), rtol=1e-10)
+    assert float(torch_opt.param_groups[1]["lr"]) == float(ref.param_groups[1]["lr"])
+    key = "eps" if name == "AdamW" else "dampening"
+    opt.param_groups[0][key] = torch.tensor(0.0 if key == "dampening" else 1e-8,
+                                            dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"group 0 has {key}=.*torch\.optim\.{name} takes "
+                                         rf"{key} as a plain number \(a tensor only for "):
+        opt.torch_state_dict()
+
+
 def test_decoupled_weight_decay_as_torchs_classes_take_it():
     """torch.optim.Adam(decoupled_weight_decay=False) is torch's default, and vega's Adam's
     rule: taken (it was an unexpected hyperparameter); True is AdamW's rule, refused with a

@@ -459,24 +459,32 @@ def from_torch(owner: str, cls_name: str, state_dict: dict, current: list) -> di
 def to_torch(owner: str, cls_name: str, betas: tuple, state_dict: dict) -> dict:
     """vega's state dict of ``cls_name`` in torch.optim's format, for torch.optim's class
     of the same name (``betas``: the spec's b1, b2, ..., which torch calls betas); ValueError
-    where a hyperparameter is not a plain number (a tensor or
-    a schedule: torch's groups hold its own kinds) or the class has no torch counterpart."""
+    where a group holds a schedule, or a tensor for a keyword that torch's class takes only as
+    a number (its ``lr``, SGD's ``weight_decay``, Adam's ``betas`` may be tensors, as torch's
+    own groups hold them; so may a scheduler's ``initial_lr`` beside a tensor ``lr``), or the
+    class has no torch counterpart."""
     if cls_name not in TORCH_STATES:
         raise ValueError(f"{owner}: vega.optim.{cls_name}'s state is not converted to torch's "
                          f"format; it is for {', '.join(sorted(TORCH_STATES))}")
     names = TORCH_STATES[cls_name]
     rules = _TORCH_RULES.get(cls_name, {})
     takes = inspect.signature(getattr(torch.optim, cls_name).__init__).parameters
+    tensors = {key for key, p in takes.items() if "Tensor" in str(p.annotation)}
     groups = []
     for k, group in enumerate(state_dict["param_groups"]):
         out = {key: v for key, v in group.items()
                if key not in ("backend", "state_dtype", Q8_MAPS_KEY, quant.LAYOUT_KEY,
                               *PRECISION_KEYS, *betas)}
         for key, v in out.items():
-            if any(isinstance(x, torch.Tensor) or callable(x)
-                   for x in (v if key == "betas" else (v,))):
+            values = v if key == "betas" else (v,)
+            if any(callable(x) for x in values):
                 raise ValueError(f"{owner}: group {k} has {key}={engine.shown(v)}; torch's "
                                  "state format holds plain numbers")
+            if key in takes and key not in tensors and any(isinstance(x, torch.Tensor)
+                                                           for x in values):
+                raise ValueError(f"{owner}: group {k} has {key}={engine.shown(v)}; torch.optim."
+                                 f"{cls_name} takes {key} as a plain number (a tensor only "
+                                 f"for {', '.join(sorted(tensors - {'params'}))})")
         out.update((key, v) for key, v in dict(foreach=None, fused=None, capturable=False,
                                                differentiable=False).items() if key in takes)
         out.update(rules)
