@@ -938,13 +938,19 @@ def test_a_step_under_a_meta_default_device_steps_as_outside(how):
         else:
             tri = spec.step(*tri[:1], grads, tri[1], backend="triton", **options,
                             loss_scale=scale)
-        for (what, a), (_, b) in zip(leaves(*tri[:2]), leaves(*ref[:2])):
-            assert a.device == b.device and a.dtype == b.dtype, (k, what, a.device)
-            if what == "step":
-                assert torch.equal(a, b), what
-            else:
-                assert_close(a, b, f"step {k} {what}")
-        assert torch.equal(tri[2].loss_scale, ref[2].loss_scale)
+        _alike_after(k, tri, ref)
+
+
+def _alike_after(k: int, tri, ref) -> None:
+    """Step ``k``'s Triton results ``tri`` (params, state, loss scale) are the reference's
+    ``ref``: on their devices and in their dtypes, the counters equal, the rest close."""
+    for (what, a), (_, b) in zip(leaves(*tri[:2]), leaves(*ref[:2])):
+        assert a.device == b.device and a.dtype == b.dtype, (k, what, a.device)
+        if what == "step":
+            assert torch.equal(a, b), what
+        else:
+            assert_close(a, b, f"step {k} {what}")
+    assert torch.equal(tri[2].loss_scale, ref[2].loss_scale)
 
 
 def test_a_step_whose_record_is_made_before_the_prelude_under_a_meta_device():
@@ -963,13 +969,7 @@ def test_a_step_whose_record_is_made_before_the_prelude_under_a_meta_device():
         ref = spec.step(*ref[:1], grads, ref[1], backend="reference", loss_scale=scale)
         with torch.device("meta") if k == 0 else contextlib.nullcontext():
             tri = spec.step(*tri[:1], grads, tri[1], backend="triton", loss_scale=scale)
-        for (what, a), (_, b) in zip(leaves(*tri[:2]), leaves(*ref[:2])):
-            assert a.device == b.device and a.dtype == b.dtype, (k, what, a.device)
-            if what == "step":
-                assert torch.equal(a, b), what
-            else:
-                assert_close(a, b, f"step {k} {what}")
-        assert torch.equal(tri[2].loss_scale, ref[2].loss_scale)
+        _alike_after(k, tri, ref)
 
 
 FAKE_MODE_SCRIPT = r"""

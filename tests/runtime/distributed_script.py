@@ -923,6 +923,28 @@ def q8_other_layout() -> None:
     found["q8-layout"] = "refused"
 
 
+def sharded_from_plain(net, opt, plain, opt_plain, strict: bool = False) -> float:
+    """The largest difference between the parameters and every state of a sharded model's
+    optimizer and those of the same model stepped unsharded (8-bit scales, a row of blocks
+    per shard, compared flat); each parameter holds the same states, of the same shapes
+    (``strict``: and dtypes, each state but the counter a DTensor)."""
+    worst = 0.0
+    for (n, p), q in zip(net.named_parameters(), plain.parameters()):
+        worst = max(worst, (p.full_tensor() - q).abs().max().item())
+        assert opt.state[p].keys() == opt_plain.state[q].keys(), (n, opt.state[p].keys())
+        for key, s in opt.state[p].items():
+            ref = opt_plain.state[q][key]
+            assert not strict or key == "step" or type(s).__name__ == "DTensor", (n, key)
+            if type(s).__name__ == "DTensor":
+                s = s.full_tensor()
+            if key.endswith("_absmax"):
+                s = s.reshape(-1)
+            assert s.shape == ref.shape, (n, key, s.shape, ref.shape)
+            assert not strict or s.dtype == ref.dtype, (n, key, s.dtype, ref.dtype)
+            worst = max(worst, (s.double() - ref.double()).abs().max().item())
+    return worst
+
+
 def hsdp_against_reference(name: str) -> None:
     """HSDP over a 2 x (WORLD / 2) mesh against the same model stepped in this process on the
     reference backend, five steps with max_grad_norm and a dynamic loss scale (a NaN in one
@@ -947,16 +969,7 @@ def hsdp_against_reference(name: str) -> None:
                 next(iter(net.parameters())).grad.to_local().view(-1)[0] = float("nan")
         opt_plain.step()
         opt.step()
-    worst = 0.0
-    for (n, p), q in zip(net.named_parameters(), plain.parameters()):
-        worst = max(worst, (p.full_tensor() - q).abs().max().item())
-        assert opt.state[p].keys() == opt_plain.state[q].keys(), (n, opt.state[p].keys())
-        for key, s in opt.state[p].items():
-            ref = opt_plain.state[q][key]
-            if key != "step":
-                s = s.full_tensor()
-            assert s.shape == ref.shape and s.dtype == ref.dtype, (n, key)
-            worst = max(worst, (s.double() - ref.double()).abs().max().item())
+    worst = sharded_from_plain(net, opt, plain, opt_plain, strict=True)
     for a, b in zip(scales[0].tensors(), scales[1].tensors()):
         assert torch.equal(a, b), (name, a, b)
     assert int(scales[1].skipped_steps) == 1, scales[1].tensors()
@@ -1139,18 +1152,7 @@ def reshard(phase: str, name: str, layout: str = "fsdp") -> None:
     plain = make()
     opt_plain = optimizer(plain)
     steps(plain, opt_plain, range(4))
-    worst = 0.0
-    for (n, p), q in zip(net.named_parameters(), plain.parameters()):
-        worst = max(worst, (p.full_tensor() - q).abs().max().item())
-        assert opt.state[p].keys() == opt_plain.state[q].keys(), (n, opt.state[p].keys())
-        for key, s in opt.state[p].items():
-            ref = opt_plain.state[q][key]
-            if type(s).__name__ == "DTensor":
-                s = s.full_tensor()
-            if key.endswith("_absmax"):
-                s = s.reshape(-1)
-            assert s.shape == ref.shape, (n, key, s.shape, ref.shape)
-            worst = max(worst, (s.double() - ref.double()).abs().max().item())
+    worst = sharded_from_plain(net, opt, plain, opt_plain)
     assert worst <= 1e-9, (name, worst)
     found[f"reshard-{name}"] = worst
 

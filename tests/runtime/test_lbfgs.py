@@ -897,6 +897,18 @@ def test_load_state_dict_hooks_run_as_torchs():
     assert opt.state[lin.weight]["diff_params"].any()  # (the saved dict is the caller's)
 
 
+def _steps_alike(opt, twin) -> None:
+    """Two more steps of LBFGS ``opt`` (of one parameter) and of its copy ``twin``, on the
+    same gradients of their parameters: the parameters agree bitwise."""
+    p, q = opt.param_groups[0]["params"][0], twin.param_groups[0]["params"][0]
+    for k in range(2, 4):
+        p.grad = p.detach() * (k + 1)
+        q.grad = q.detach() * (k + 1)
+        opt.step()
+        twin.step()
+    assert torch.equal(q.detach(), p.detach())
+
+
 @pytest.mark.parametrize("copied", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))])
 def test_a_copied_or_unpickled_optimizer_steps_as_the_original(copied):
     """The copy keeps ``reduce_group``, which a step reads: torch's ``__getstate__`` holds
@@ -907,13 +919,7 @@ def test_a_copied_or_unpickled_optimizer_steps_as_the_original(copied):
         p.grad = p.detach() * (k + 1)
         opt.step()
     twin = copied(opt)
-    q = twin.param_groups[0]["params"][0]
-    for k in range(2, 4):
-        p.grad = p.detach() * (k + 1)
-        q.grad = q.detach() * (k + 1)
-        opt.step()
-        twin.step()
-    assert torch.equal(q.detach(), p.detach())
+    _steps_alike(opt, twin)
 
 
 def test_an_optimizer_pickled_without_reduce_group_steps_as_the_original(monkeypatch):
@@ -931,13 +937,7 @@ def test_an_optimizer_pickled_without_reduce_group_steps_as_the_original(monkeyp
         data = pickle.dumps(opt)
     twin = pickle.loads(data)
     assert twin.reduce_group is None
-    q = twin.param_groups[0]["params"][0]
-    for k in range(2, 4):
-        p.grad = p.detach() * (k + 1)
-        q.grad = q.detach() * (k + 1)
-        opt.step()
-        twin.step()
-    assert torch.equal(q.detach(), p.detach())
+    _steps_alike(opt, twin)
 
 
 def test_memory_size_changed_after_the_first_step_is_refused():

@@ -12,20 +12,10 @@ from torch.optim import swa_utils
 
 import vega.optim
 from tests.oracles import assert_close
+from tests.runtime.test_torch_names import _grads, _params
 
 STEPS = 30
-SHAPES = [(5, 3), (4,), ()]
 LRS = (0.02, 0.005, 0.01)
-
-
-def _params():
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
-
-
-def _grads(step: int):
-    gen = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
 
 
 def _groups(params, tensor_lr: bool):
