@@ -649,11 +649,72 @@ def test_codes_saved_under_other_maps_are_refused_on_loading():
             assert not opt.state and "vega_q8_maps" not in opt.param_groups[0]
     opt = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
     opt.load_state_dict(saved)
-    assert "vega_q8_maps" not in opt.param_groups[0]  # (recorded by state_dict alone)
+    assert opt.param_groups[0]["vega_q8_maps"] == 3  # (for torch's flattened loading)
     assert "vega_q8_maps" not in opt.torch_state_dict()["param_groups"][0]
     floats = vega.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, floats, 1, seed=2)
     assert "vega_q8_maps" not in floats.state_dict()["param_groups"][0]
+
+
+def test_8bit_state_resumes_through_flattened_dcp_state_dicts(tmp_path):
+    """torch's set_state_dict with flatten_optimizer_state_dict=True (torchtitan's way)
+    rebuilds each saved group from the keys of the optimizer's own groups: these hold
+    'vega_q8_maps' where their states hold 8-bit codes (made by a step, or loaded), so the
+    record of the maps comes through and the state loads, bitwise, through dcp.save and
+    dcp.load and in memory, twice, where it was dropped and the load refused as codes
+    saved by a vega that did not record their maps. A group of float state holds no key."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    code = textwrap.dedent("""
+        import os, socket, sys, torch, torch.distributed as dist, vega
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_state_dict, set_state_dict)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        def made(sd=torch.uint8):
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 4))
+            return m, vega.optim.AdamW(m.parameters(), lr=1e-3, state_dtype=sd)
+        m, opt = made()
+        for p in m.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        assert opt.param_groups[0]["vega_q8_maps"] == 3
+        mu = opt.state[m[0].weight]["mu"]
+        _, osd = get_state_dict(m, opt, options=opts)
+        dcp.save({"optim": osd}, checkpoint_id=sys.argv[1])
+        m2, opt2 = made()
+        _, osd2 = get_state_dict(m2, opt2, options=opts)
+        dcp.load({"optim": osd2}, checkpoint_id=sys.argv[1])
+        set_state_dict(m2, opt2, model_state_dict={}, optim_state_dict=osd2, options=opts)
+        assert torch.equal(opt2.state[m2[0].weight]["mu"], mu)
+        for _ in range(2):  # (in memory, into a fresh optimizer and into a loaded one)
+            m3, opt3 = made() if _ == 0 else (m3, opt3)
+            set_state_dict(m3, opt3, model_state_dict={},
+                           optim_state_dict=get_state_dict(m, opt, options=opts)[1],
+                           options=opts)
+            assert torch.equal(opt3.state[m3[0].weight]["mu"], mu)
+        m4, floats = made(None)
+        for p in m4.parameters():
+            p.grad = torch.randn_like(p)
+        floats.step()
+        assert "vega_q8_maps" not in floats.param_groups[0]
+        dist.destroy_process_group()
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt")],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_an_8bit_optimizer_pickled_under_other_maps_is_refused(monkeypatch):

@@ -728,6 +728,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                     fresh.append(p)
                 st = self.state[p] = self._init_state(p, program, values, group, at_zero,
                                                       memo)
+                if fresh is not None and torch_names.Q8_MAPS_KEY not in group and \
+                        _codes_in(st):  # (shown in the group: ``_mark_maps``)
+                    group[torch_names.Q8_MAPS_KEY] = quant.MAPS
                 for name, value in (joined[0] if joined else {}).items():
                     st[name].copy_(value)
             elif st.keys() != want and not self._adapt_state(p, st, want, program, values,
@@ -1134,6 +1137,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             self._check_layouts(state_dict)
             scale = self._load(state_dict)
             self._check_loaded()
+            self._mark_maps()
             if scale is not None:  # (into the scale's own tensors: the object the caller
                 # scales its loss with, and a captured graph replays, stays this optimizer's
                 # scale; in the try, so that one interrupted part way is put back)
@@ -1240,6 +1244,19 @@ class SpecOptimizer(torch.optim.Optimizer):
                     + (f" and has {', '.join(map(repr, unknown))}, unknown to "
                        f"{type(self).__name__}" if unknown else "")
                     + f"; {_seems_from(group.keys(), type(self).__name__)}")
+
+    def _mark_maps(self) -> None:
+        """Each group whose parameters' states hold 8-bit codes holds ``quant.MAPS`` under
+        ``torch_names.Q8_MAPS_KEY`` (set where the step makes such a state), and no other
+        group holds the key: torch's ``set_state_dict`` with
+        ``flatten_optimizer_state_dict=True`` rebuilds a saved group from the keys of this
+        optimizer's groups, so a key in none of them was dropped, and the 8-bit state it
+        loaded was refused as saved without the record of its maps."""
+        for group in self.param_groups:
+            if any(_codes_in(self.state.get(p)) for p in group["params"]):
+                group[torch_names.Q8_MAPS_KEY] = quant.MAPS
+            else:
+                group.pop(torch_names.Q8_MAPS_KEY, None)
 
     def _check_layouts(self, state_dict: dict) -> None:
         """ValueError where a parameter's 8-bit states were saved with its shards cut
