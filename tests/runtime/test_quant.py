@@ -656,6 +656,25 @@ def test_codes_saved_under_other_maps_are_refused_on_loading():
     assert "vega_q8_maps" not in floats.state_dict()["param_groups"][0]
 
 
+@pytest.mark.parametrize("maps", [torch.tensor([3, 3]), torch.tensor(3), "3", 3.0, True],
+                         ids=["tensor2", "tensor", "str", "float", "bool"])
+def test_a_record_of_the_maps_not_an_integer_is_refused_by_name(maps):
+    """A saved group's or a pickle's record of the maps that is not an integer is refused
+    as another version, naming it, the optimizer unchanged: a tensor of two values made the
+    check raise torch's "Boolean value of Tensor with more than one value is ambiguous"."""
+    model, opt, saved = _saved_8bit(2)
+    groups = [{**g, "vega_q8_maps": maps} for g in saved["param_groups"]]
+    fresh = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    with pytest.raises(ValueError, match=r"holds 8-bit codes saved under vega's 8-bit maps "
+                                         r"version "):
+        fresh.load_state_dict({**saved, "param_groups": groups})
+    assert not fresh.state
+    state = {**opt.__getstate__(), "_vega_q8_maps": maps}
+    copy = vega.optim.AdamW.__new__(vega.optim.AdamW)
+    with pytest.raises(ValueError, match=r"codes pickled under vega's 8-bit maps version "):
+        copy.__setstate__(state)
+
+
 def test_8bit_state_resumes_through_flattened_dcp_state_dicts(tmp_path):
     """torch's set_state_dict with flatten_optimizer_state_dict=True (torchtitan's way)
     rebuilds each saved group from the keys of the optimizer's own groups: these hold

@@ -1025,7 +1025,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         state = dict(state)
         maps = state.pop(_PICKLED_MAPS, None)
         codes = [n for st in (state.get("state") or {}).values() for n in _codes_in(st)]
-        if codes and maps != quant.MAPS:
+        if codes and not _this_maps(maps):
             raise ValueError(
                 f"{type(self).__name__}: the pickled optimizer's state {codes[0]!r} holds 8-bit "
                 "codes pickled " + ("by a vega that did not record which maps its codes use"
@@ -1223,7 +1223,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             codes = [(i, n) for i in group["params"]
                      for n in _codes_in(state_dict["state"].get(i))]
             maps = group.get(torch_names.Q8_MAPS_KEY)
-            if codes and maps != quant.MAPS:
+            if codes and not _this_maps(maps):
                 i, n = codes[0]
                 raise ValueError(
                     f"{owner}: state {n!r} of parameter id {i!r} (group {k}) holds 8-bit codes "
@@ -1611,6 +1611,14 @@ _PRECISION_DEFAULTS = torch_names.PRECISION_DEFAULTS
 
 # the entry of a pickled optimizer's state that holds ``quant.MAPS`` (``__getstate__``)
 _PICKLED_MAPS = "_vega_q8_maps"
+
+
+def _this_maps(maps) -> bool:
+    """Whether ``maps``, the version of the maps recorded beside saved 8-bit codes, is this
+    vega's (``quant.MAPS``): an integer, compared as one (a tensor of several values, or
+    another object whose ``!=`` is not a bool, made the check itself raise inside)."""
+    return isinstance(maps, numbers.Integral) and not isinstance(maps, bool) and \
+        int(maps) == quant.MAPS
 
 
 def _codes_in(st) -> list:
