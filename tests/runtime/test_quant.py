@@ -736,6 +736,61 @@ def test_8bit_state_resumes_through_flattened_dcp_state_dicts(tmp_path):
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+def test_8bit_dtensor_cut_otherwise_is_refused_through_flattened_dcp_state_dicts():
+    """(One rank: a DTensor all the same.) An optimizer's group with 8-bit DTensor state
+    holds 'vega_q8_shards' as state_dict saves it, so that torch's set_state_dict with
+    flatten_optimizer_state_dict=True, which rebuilds a saved group from the keys of the
+    optimizer's groups, keeps it: a state saved from shards cut otherwise is refused, where
+    the key was dropped and the state loaded unchecked."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    code = textwrap.dedent("""
+        import os, socket, torch, torch.distributed as dist, vega
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_state_dict, set_state_dict)
+        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.device_mesh import init_device_mesh
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        mesh = init_device_mesh("cpu", (1,))
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        def made():
+            torch.manual_seed(0)
+            m = torch.nn.Linear(128, 64, bias=False)
+            m.weight = torch.nn.Parameter(distribute_tensor(m.weight.detach(), mesh,
+                                                            [Shard(0)]))
+            return m, vega.optim.AdamW(m.parameters(), lr=1e-3, state_dtype=torch.uint8)
+        m, opt = made()
+        m.weight.grad = torch.ones_like(m.weight)
+        opt.step()
+        assert opt.param_groups[0]["vega_q8_shards"] == [""]
+        _, osd = get_state_dict(m, opt, options=opts)
+        m2, opt2 = made()
+        set_state_dict(m2, opt2, model_state_dict={}, optim_state_dict=dict(osd),
+                       options=opts)
+        osd["param_groups.weight.vega_q8_shards"] = ["Shard(dim=0) over 4"]
+        m3, opt3 = made()
+        try:
+            set_state_dict(m3, opt3, model_state_dict={}, optim_state_dict=osd, options=opts)
+        except ValueError as err:
+            assert "saved from shards cut as 'Shard(dim=0) over 4'" in str(err), err
+        else:
+            raise AssertionError("a state saved from shards cut otherwise loaded")
+        dist.destroy_process_group()
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_an_8bit_optimizer_pickled_under_other_maps_is_refused(monkeypatch):
     """A pickled optimizer records the version of the maps its 8-bit codes are read with:
     one pickled without it (by a vega before the record, whose codes may be of the other

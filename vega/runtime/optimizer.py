@@ -372,6 +372,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                     plain.add(len(found_work))
                 found_work.append((group, found))
             sync.keep(self.param_groups)
+            if self.__dict__.get("_vega_fresh"):  # (states made: the records they need)
+                self._mark_maps()
             self._check_scale_values(found_work)
             group_of = getattr(self, "reduce_group", None)
             spread = group_of is not None or any(item[0].spans_group or (
@@ -728,9 +730,6 @@ class SpecOptimizer(torch.optim.Optimizer):
                     fresh.append(p)
                 st = self.state[p] = self._init_state(p, program, values, group, at_zero,
                                                       memo)
-                if fresh is not None and torch_names.Q8_MAPS_KEY not in group and \
-                        _codes_in(st):  # (shown in the group: ``_mark_maps``)
-                    group[torch_names.Q8_MAPS_KEY] = quant.MAPS
                 for name, value in (joined[0] if joined else {}).items():
                     st[name].copy_(value)
             elif st.keys() != want and not self._adapt_state(p, st, want, program, values,
@@ -1059,10 +1058,13 @@ class SpecOptimizer(torch.optim.Optimizer):
     def _state_dict(self) -> dict:
         self._synced_tuples(f"{type(self).__name__}.state_dict")
         out = sharded.without_group_objects(self, super().state_dict())
-        out["param_groups"] = [  # (dtypes by name; the maps of any 8-bit codes)
+        out["param_groups"] = [  # (dtypes by name; the maps of any 8-bit codes, anew:
+            # not the groups' own records, ``_mark_maps``)
             {**g, torch_names.Q8_MAPS_KEY: quant.MAPS} if any(
                 _codes_in(out["state"].get(i)) for i in g["params"]) else g
-            for g in engine.saved_groups(out["param_groups"])]
+            for g in ({k: v for k, v in g.items()
+                       if k not in (torch_names.Q8_MAPS_KEY, quant.LAYOUT_KEY)}
+                      for g in engine.saved_groups(out["param_groups"]))]
         for k, group in enumerate(self.param_groups):  # (how 8-bit shards were cut)
             layouts = [quant.shard_layout(p) if is_dtensor(p) and _codes_in(self.state.get(p))
                        else None for p in group["params"]]
@@ -1247,16 +1249,24 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     def _mark_maps(self) -> None:
         """Each group whose parameters' states hold 8-bit codes holds ``quant.MAPS`` under
-        ``torch_names.Q8_MAPS_KEY`` (set where the step makes such a state), and no other
-        group holds the key: torch's ``set_state_dict`` with
-        ``flatten_optimizer_state_dict=True`` rebuilds a saved group from the keys of this
-        optimizer's groups, so a key in none of them was dropped, and the 8-bit state it
-        loaded was refused as saved without the record of its maps."""
+        ``torch_names.Q8_MAPS_KEY``, and one with such a DTensor state how its shards are
+        cut, under ``quant.LAYOUT_KEY``, as ``state_dict`` saves them (set by a step that
+        makes states, and by ``load_state_dict``); no other group holds them. torch's
+        ``set_state_dict`` with ``flatten_optimizer_state_dict=True`` rebuilds a saved
+        group from the keys of this optimizer's groups: a key in none of them was dropped,
+        so that the 8-bit state it loaded was refused as saved without the record of its
+        maps, and a state saved from shards cut otherwise was loaded unchecked."""
         for group in self.param_groups:
-            if any(_codes_in(self.state.get(p)) for p in group["params"]):
-                group[torch_names.Q8_MAPS_KEY] = quant.MAPS
-            else:
-                group.pop(torch_names.Q8_MAPS_KEY, None)
+            codes = [bool(_codes_in(self.state.get(p))) for p in group["params"]]
+            layouts = [quant.shard_layout(p) if c and is_dtensor(p) else None
+                       for p, c in zip(group["params"], codes)]
+            for key, value, keep in ((torch_names.Q8_MAPS_KEY, quant.MAPS, any(codes)),
+                                     (quant.LAYOUT_KEY, layouts,
+                                      any(x is not None for x in layouts))):
+                if keep:
+                    group[key] = value
+                else:
+                    group.pop(key, None)
 
     def _check_layouts(self, state_dict: dict) -> None:
         """ValueError where a parameter's 8-bit states were saved with its shards cut
