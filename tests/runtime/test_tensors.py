@@ -697,3 +697,32 @@ def test_a_donated_step_over_a_reduce_group_writes_nothing_it_refuses():
         assert torch.equal(m, torch.ones(256, 256)) and int(state["step"]) == 0
         dist.destroy_process_group()
     """)
+
+
+def test_the_fake_tensor_mode_messages_that_optimizers_md_quotes_are_raised():
+    """docs/optimizers.md quotes the refusals of a step of real tensors under FakeTensorMode:
+    each quoted start (up to its '...') begins a message a step raises there (the Triton
+    backend's was quoted as 'a step under FakeTensorMode:', which it no longer says)."""
+    import pathlib
+    import re
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from vega.codegen import triton_runtime
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "optimizers.md").read_text()
+    bullet = page[page.index("- `FakeTensorMode`"):]
+    bullet = " ".join(bullet[:bullet.index("\n\n")].split())
+    quoted = [q[:-len("...")].rstrip(" ,:") for q in re.findall(r"`([^`]*\.\.\.)`", bullet)]
+    assert len(quoted) == 3
+    w = torch.nn.Parameter(_rand(4, 5, seed=1))
+    w.grad = _rand(4, 5, seed=2)
+    opt = vega.optim.AdamW([w], lr=0.1)
+    params, grads = {"w": w.detach().clone()}, {"w": w.grad.clone()}
+    state = vega.adamw_init(params)
+    said = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for call in (opt.step, triton_runtime.check_mode,
+                     lambda: vega.adamw_step(params, grads, state, donate=True)):
+            with pytest.raises(ValueError) as err:
+                call()
+            said.append(str(err.value))
+    for start in quoted:
+        assert any(s.startswith(start) for s in said), (start, said)
