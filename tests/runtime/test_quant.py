@@ -1703,3 +1703,19 @@ def test_c_codes_are_the_maps_codes_bit_for_bit(tmp_path, signed, how):
     differ = ctypes.CDLL(str(lib)).tables_differ
     differ.restype = ctypes.c_int64
     assert differ(ctypes.c_int(int(signed)), ctypes.c_int64(251)) == 0
+
+
+def test_8bit_state_a_compiled_step_made_is_shown_in_the_groups_by_state_dict():
+    """A step that dynamo traces does not set a group's 'vega_q8_maps' (its records, for
+    torch's set_state_dict with flatten_optimizer_state_dict=True); state_dict, which torch's
+    get_state_dict calls on the optimizer that set_state_dict then loads into, sets it:
+    an 8-bit optimizer compiled from its first step kept no key, and a flattened load into
+    it was refused."""
+    torch._dynamo.reset()
+    w = torch.nn.Parameter(torch.randn(64, 128))
+    w.grad = torch.randn(64, 128)
+    opt = vega.optim.AdamW([w], lr=1e-3, state_dtype=U8)
+    torch.compile(opt.step, backend="eager")()
+    assert opt.state[w]["mu"].dtype == U8
+    assert opt.state_dict()["param_groups"][0]["vega_q8_maps"] == 3
+    assert opt.param_groups[0]["vega_q8_maps"] == 3

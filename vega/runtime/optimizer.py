@@ -1057,6 +1057,7 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     def _state_dict(self) -> dict:
         self._synced_tuples(f"{type(self).__name__}.state_dict")
+        self._mark_maps()  # (for states a compiled step made, where the step does not)
         out = sharded.without_group_objects(self, super().state_dict())
         out["param_groups"] = [  # (dtypes by name; the maps of any 8-bit codes, anew:
             # not the groups' own records, ``_mark_maps``)
@@ -1255,7 +1256,9 @@ class SpecOptimizer(torch.optim.Optimizer):
         ``set_state_dict`` with ``flatten_optimizer_state_dict=True`` rebuilds a saved
         group from the keys of this optimizer's groups: a key in none of them was dropped,
         so that the 8-bit state it loaded was refused as saved without the record of its
-        maps, and a state saved from shards cut otherwise was loaded unchecked."""
+        maps, and a state saved from shards cut otherwise was loaded unchecked. (Also by
+        ``state_dict``, which torch's ``get_state_dict`` calls on the optimizer it loads
+        into: a step dynamo traces does not set them.)"""
         for group in self.param_groups:
             codes = [bool(_codes_in(self.state.get(p))) for p in group["params"]]
             layouts = [quant.shard_layout(p) if c and is_dtensor(p) else None
