@@ -23,6 +23,7 @@ import vega
 from vega.codegen import c as c_backend
 from vega.codegen import quant
 from vega.runtime.tree import flatten
+from tests.runtime.test_tensors import _one_rank
 
 needs_c = pytest.mark.skipif(not c_backend.available(), reason="no C compiler")
 BACKENDS = [pytest.param("c", marks=needs_c), "triton"]  # (Triton: its interpreter)
@@ -682,22 +683,11 @@ def test_8bit_state_resumes_through_flattened_dcp_state_dicts(tmp_path):
     record of the maps comes through and the state loads, bitwise, through dcp.save and
     dcp.load and in memory, twice, where it was dropped and the load refused as codes
     saved by a vega that did not record their maps. A group of float state holds no key."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
-    code = textwrap.dedent("""
-        import os, socket, sys, torch, torch.distributed as dist, vega
+    out = _one_rank("""
+        import sys
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_state_dict, set_state_dict)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=0, world_size=1)
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         def made(sd=torch.uint8):
             torch.manual_seed(0)
@@ -729,10 +719,7 @@ def test_8bit_state_resumes_through_flattened_dcp_state_dicts(tmp_path):
         assert "vega_q8_maps" not in floats.param_groups[0]
         dist.destroy_process_group()
         print("ok")
-    """)
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt")],
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(root)})
+    """, str(tmp_path / "ckpt"))
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -742,23 +729,11 @@ def test_8bit_dtensor_cut_otherwise_is_refused_through_flattened_dcp_state_dicts
     flatten_optimizer_state_dict=True, which rebuilds a saved group from the keys of the
     optimizer's groups, keeps it: a state saved from shards cut otherwise is refused, where
     the key was dropped and the state loaded unchecked."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
-    code = textwrap.dedent("""
-        import os, socket, torch, torch.distributed as dist, vega
+    out = _one_rank("""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_state_dict, set_state_dict)
         from torch.distributed.tensor import Shard, distribute_tensor
         from torch.distributed.device_mesh import init_device_mesh
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=0, world_size=1)
         mesh = init_device_mesh("cpu", (1,))
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         def made():
@@ -786,8 +761,6 @@ def test_8bit_dtensor_cut_otherwise_is_refused_through_flattened_dcp_state_dicts
         dist.destroy_process_group()
         print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 

@@ -27,14 +27,31 @@ ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ["c", "reference", *(["triton"] if "triton" in codegen.BACKENDS else [])]
 
 
-def _child(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh Python (this checkout's vega, the scanner waited for)."""
+def _child(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python (this checkout's vega, the scanner waited for), with
+    ``args`` as its ``sys.argv[1:]``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "VEGA_NATIVE": "sync"}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"rc={done.returncode}\n{done.stdout}\n{done.stderr}"
     return done
+
+
+# a child's start as the one rank of a gloo process group (a DTensor on a mesh of one)
+ONE_RANK = """\
+import os, socket, torch, torch.distributed as dist, vega
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+"""
+
+
+def _one_rank(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``_child`` of ``code`` run as the one rank of a gloo process group (``ONE_RANK``)."""
+    return _child(ONE_RANK + textwrap.dedent(code), *args)
 
 
 def _rand(*shape, seed=0, dtype=torch.float32):
@@ -199,13 +216,7 @@ def test_dtensor_steps_its_local_shard():
     clipping, as the plain tensor it holds; a gradient whose local values are partial sums,
     and a complex parameter, are refused by name; never its address 0 given to a kernel.
     (Several ranks: ``test_distributed.py``.)"""
-    out = _child("""
-        import os, socket, torch, torch.distributed as dist, vega
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    out = _one_rank("""
         from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (1,))
@@ -676,13 +687,7 @@ def test_a_donated_step_over_a_reduce_group_writes_nothing_it_refuses():
     expanded vector beside a factored matrix: two programs) is refused by its leaf's name,
     with the matrix and the counter as they were (the first call wrote the matrix, and the
     second refused the vector by its position alone)."""
-    _child("""
-        import os, socket, torch, torch.distributed as dist, vega
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    _one_rank("""
         m, v = torch.ones(256, 256), torch.ones(1).expand(8)
         state = vega.adafactor_init({"m": torch.ones(256, 256), "v": torch.ones(8)})
         try:
