@@ -398,8 +398,11 @@ def mode_tensors() -> type | None:
     """The class of the tensors that the active dispatch modes make in place of real ones
     (``FakeTensor`` under a ``FakeTensorMode``, which with ``allow_non_fake_inputs=True``
     takes real tensors in and gives fake ones out; ``FunctionalTensor`` under non-strict
-    export's mode), or None where they make plain tensors. Asked through torch's public API,
-    by making an empty tensor (some 2 microseconds)."""
+    export's mode), or None where they make plain tensors, and while dynamo traces (the
+    fake implementations of vega's ops run there). Asked through torch's public API, by
+    making an empty tensor (some 2 microseconds)."""
+    if torch.compiler.is_compiling():
+        return None
     made = type(torch.empty(0, device="cpu"))
     return None if made is torch.Tensor else made
 
@@ -428,7 +431,7 @@ def inplace_problem(tensors, reads=()) -> tuple[int, int | None, str] | None:
     contiguous tensors (the common case)."""
     tensors = tensors if isinstance(tensors, list) else list(tensors)
     reads = reads if isinstance(reads, list) else list(reads)
-    made = None if torch.compiler.is_compiling() else mode_tensors()
+    made = mode_tensors()
     if made is not None:
         real = first_real(tensors, made)
         if real is not None:

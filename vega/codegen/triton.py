@@ -1180,8 +1180,7 @@ class Kernel:
         given ``init`` (``(inverse loss scale or None, max_norm, check, loss scale or
         None)``), ``pre`` is new and this writes all of it, no copy of a blank record
         first."""
-        if not torch.compiler.is_compiling():
-            triton_runtime.check_mode()
+        triton_runtime.check_mode()
         triton_runtime.prelude(self, grads, pre, init)
 
     def adjusts(self, params, donate: bool, loss_scale) -> bool:
@@ -1206,8 +1205,7 @@ class Kernel:
     def __call__(self, params, grads, states, steps, values, donate, pre=None, adjust=None):
         """The same contract as ``vega.codegen.reference.Kernel.__call__``; ``adjust``: a
         ``LossScale`` to adjust in place, where ``adjusts`` said so."""
-        if not torch.compiler.is_compiling():
-            triton_runtime.check_mode()
+        triton_runtime.check_mode()
         if self.program.spans_group:  # its reductions over the group, between phases
             kern = self if self.stageable else self._reference
             return run_staged(kern, params, grads, states, steps, values, donate, pre)
@@ -1227,7 +1225,7 @@ class Kernel:
     def staged(self, params, grads, states, steps, values, donate, pre, views):
         """``vega.codegen.reference.Kernel.staged`` in these kernels (where ``stageable``):
         ``triton_runtime.staged``."""
-        triton_runtime.check_mode()  # (never traced: ``stageable``)
+        triton_runtime.check_mode()
         return triton_runtime.staged(self, params, grads, states, steps, values, donate, pre,
                                      views)
 

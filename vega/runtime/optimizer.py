@@ -1057,20 +1057,13 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     def _state_dict(self) -> dict:
         self._synced_tuples(f"{type(self).__name__}.state_dict")
-        self._mark_maps()  # (for states a compiled step made, where the step does not)
+        # each group's records of its 8-bit codes' maps and shards, current (``_mark_maps``:
+        # for states a compiled step made too, where the step does not), saved with it
+        self._mark_maps()
         out = sharded.without_group_objects(self, super().state_dict())
-        out["param_groups"] = [  # (dtypes by name; the maps of any 8-bit codes, anew:
-            # not the groups' own records, ``_mark_maps``)
-            {**g, torch_names.Q8_MAPS_KEY: quant.MAPS} if any(
-                _codes_in(out["state"].get(i)) for i in g["params"]) else g
-            for g in ({k: v for k, v in g.items()
-                       if k not in (torch_names.Q8_MAPS_KEY, quant.LAYOUT_KEY)}
-                      for g in engine.saved_groups(out["param_groups"]))]
-        for k, group in enumerate(self.param_groups):  # (how 8-bit shards were cut)
-            layouts = [quant.shard_layout(p) if is_dtensor(p) and _codes_in(self.state.get(p))
-                       else None for p in group["params"]]
-            if any(x is not None for x in layouts):
-                out["param_groups"][k] = {**out["param_groups"][k], quant.LAYOUT_KEY: layouts}
+        out["param_groups"] = [  # (dtypes by name; a list of the group's own, copied)
+            {**g, quant.LAYOUT_KEY: list(g[quant.LAYOUT_KEY])} if quant.LAYOUT_KEY in g else g
+            for g in engine.saved_groups(out["param_groups"])]
         out[torch_names.RULE_KEY] = self.spec.name
         if self.loss_scale is not None:
             out["loss_scale"] = dict(zip(LEAVES, self.loss_scale.tensors()))
