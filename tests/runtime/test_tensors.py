@@ -622,6 +622,27 @@ def test_a_step_in_place_of_real_tensors_under_fake_tensor_mode_is_refused(backe
         assert all(isinstance(t, FakeTensor) for t in opt.state[p].values())
 
 
+def test_a_step_in_place_under_functional_tensor_mode_names_that_mode():
+    """Non-strict export's ``FunctionalTensorMode`` makes FunctionalTensors of real ones as
+    a FakeTensorMode makes fake ones: a class step and a functional one with donate=True
+    are refused alike, naming the mode that is active, and change nothing."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    w, g = _rand(4, 5, seed=1), _rand(4, 5, seed=2)
+    p = torch.nn.Parameter(w.clone())
+    p.grad = g.clone()
+    opt = vega.optim.AdamW([p], lr=0.1)
+    state = vega.adamw_init({"w": p.detach()})
+    with FunctionalTensorMode():
+        with pytest.raises(ValueError, match=r"AdamW\.step: called under a FunctionalTensorMode "
+                           r"with parameter 0 of group 0 a real tensor: the mode's operations "
+                           r"make FunctionalTensors of real ones"):
+            opt.step()
+        with pytest.raises(ValueError, match="adamw_step: params leaf 'w' is a real tensor, "
+                           "and a FunctionalTensorMode is active"):
+            vega.adamw_step({"w": p.detach()}, {"w": g}, state, donate=True)
+    assert not opt.state and int(state["step"]) == 0 and torch.equal(p.detach(), w)
+
+
 def test_a_first_step_refused_in_a_later_group_leaves_no_state():
     """A sparse gradient in group 1 is refused while the step gathers its groups: the
     states group 0's first step made are dropped, and the next step makes them again."""

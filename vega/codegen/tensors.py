@@ -389,9 +389,9 @@ INFERENCE_WORDS = ("is an inference tensor (made under torch.inference_mode()), 
                    "in place cannot update outside inference mode (torch: \"Inplace update "
                    "to inference tensor outside InferenceMode is not allowed\"); clone it, "
                    "or step inside torch.inference_mode()")
-FAKE_MODE_WORDS = ("is a real tensor, and a FakeTensorMode is active, whose operations make "
-                   "fake tensors of real ones: a step in place there would write none of it "
-                   "(and keep fake states); step outside the mode, or give it fake tensors")
+FAKE_MODE_WORDS = ("is a real tensor, and a {mode} is active, whose operations make "
+                   "{made}s of real ones: a step in place there would write none of it "
+                   "(and keep {made} states); step outside the mode, or give it {made}s")
 
 
 def mode_tensors() -> type | None:
@@ -405,6 +405,13 @@ def mode_tensors() -> type | None:
         return None
     made = type(torch.empty(0, device="cpu"))
     return None if made is torch.Tensor else made
+
+
+def mode_words(made: type) -> dict[str, str]:
+    """The names of ``made`` (``mode_tensors``'s class) and of the mode that makes it, for
+    a refusal's words: ``FakeTensor`` and ``FakeTensorMode``, ``FunctionalTensor`` and
+    ``FunctionalTensorMode``."""
+    return {"made": made.__name__, "mode": made.__name__ + "Mode"}
 
 
 def first_real(tensors, made: type) -> int | None:
@@ -435,7 +442,7 @@ def inplace_problem(tensors, reads=()) -> tuple[int, int | None, str] | None:
     if made is not None:
         real = first_real(tensors, made)
         if real is not None:
-            return real, None, FAKE_MODE_WORDS
+            return real, None, FAKE_MODE_WORDS.format(**mode_words(made))
     if not torch.compiler.is_compiling():
         from vega.codegen.c import native  # (the C backend imports this module)
         mod = native.module()

@@ -23,8 +23,8 @@ from vega.codegen.precision import MASTER
 from vega.codegen.record import PRE_SLOTS, make_pre
 from vega.codegen.steps import memo
 from vega.codegen.tensors import (any_complex, first_real, first_with_own_ops, fit, like,
-                                  mode_tensors, on_one_device, same, transformed, transforms,
-                                  uniform, wrapped)
+                                  mode_tensors, mode_words, on_one_device, same, transformed,
+                                  transforms, uniform, wrapped)
 from vega.errors import shown
 from vega.schedule import KEPT_REACH, Schedule
 from vega.dsl.ir import SCALAR_STATE, HyperParam, Program
@@ -323,11 +323,13 @@ def class_step_transforms(owner: str, rule: str, groups: list) -> None:
         at = next(((k, i) for k, g in enumerate(groups)
                    if (i := first_real(g["params"], made)) is not None), None)
         if at is not None:
+            words = mode_words(made)
             raise ValueError(
-                f"{owner}.step: called under a FakeTensorMode with parameter {at[1]} of group "
-                f"{at[0]} a real tensor: the mode's operations make fake tensors of real ones, "
-                f"so the step would write none of its parameters and keep fake states; call "
-                f"step() outside the mode, or give the optimizer fake parameters")
+                f"{owner}.step: called under a {words['mode']} with parameter {at[1]} of group "
+                f"{at[0]} a real tensor: the mode's operations make {words['made']}s of real "
+                f"ones, so the step would write none of its parameters and keep "
+                f"{words['made']} states; call step() outside the mode, or give the optimizer "
+                f"{words['made']} parameters")
     keys = transforms()
     if not keys:
         return
