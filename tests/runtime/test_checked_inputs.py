@@ -1726,7 +1726,9 @@ def test_the_base_class_without_a_rule_says_so():
 
 def test_a_state_of_its_own_class_missing_a_key_names_no_other_class():
     """AdamW's own state with 'lr' taken out was said to seem vega.optim.Adam's (whose keys
-    are AdamW's): where the optimizer's own class fits as well as any, none is named."""
+    are AdamW's): where the optimizer's own class fits as well as any, none is named. The
+    message says how to load a state saved before the class had the setting (an SGD state
+    of a vega before SGD had 'dampening' was refused with only the question)."""
     p = torch.nn.Parameter(torch.ones(3))
     opt = vega.optim.AdamW([p])
     p.grad = torch.ones(3)
@@ -1735,8 +1737,22 @@ def test_a_state_of_its_own_class_missing_a_key_names_no_other_class():
     del saved["param_groups"][0]["lr"]
     with pytest.raises(ValueError, match=r"^AdamW.load_state_dict: group 0 of the state has no "
                                          r"'lr'; was it saved from another optimizer than "
-                                         r"vega.optim.AdamW\?$"):
+                                         r"vega.optim.AdamW\? If not \(a vega whose class had "
+                                         r"no such setting saved it\), set 'lr' \(this "
+                                         r"optimizer's default: 0.001\) in each saved group to "
+                                         r"what that run used, and load it again$"):
         vega.optim.AdamW([p]).load_state_dict(saved)
+    sgd = vega.optim.SGD([p], lr=0.1, momentum=0.9)
+    sgd.step()
+    saved = sgd.state_dict()
+    del saved["param_groups"][0]["dampening"]
+    again = vega.optim.SGD([p], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"no 'dampening'; .* set 'dampening' \(this "
+                                         r"optimizer's default: 0.0\) in each saved group"):
+        again.load_state_dict(saved)
+    saved["param_groups"][0]["dampening"] = 0.0
+    again.load_state_dict(saved)
+    assert torch.equal(again.state[p]["v"], sgd.state[p]["v"])
 
 
 @pytest.mark.parametrize("name", ["AdamW", "DAdaptAdamW", "Muon"])

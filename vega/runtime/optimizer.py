@@ -1239,7 +1239,12 @@ class SpecOptimizer(torch.optim.Optimizer):
                     f"{owner}: group {k} of the state has no {', '.join(map(repr, missing))}"
                     + (f" and has {', '.join(map(repr, unknown))}, unknown to "
                        f"{type(self).__name__}" if unknown else "")
-                    + f"; {_seems_from(group.keys(), type(self).__name__)}")
+                    + f"; {_seems_from(group.keys(), type(self).__name__)}"
+                    + ("" if unknown or not all(m in self.defaults for m in missing) else
+                       " If not (a vega whose class had no such setting saved it), set "
+                       + ", ".join(f"{m!r} (this optimizer's default: {self.defaults[m]!r})"
+                                   for m in missing)
+                       + " in each saved group to what that run used, and load it again"))
 
     def _mark_maps(self) -> None:
         """Each group whose parameters' states hold 8-bit codes holds ``quant.MAPS`` under
