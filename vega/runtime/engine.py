@@ -389,6 +389,8 @@ def check_fused(owner: str, max_grad_norm, skip_nonfinite, loss_scale=None) -> N
     if loss_scale is not None and not isinstance(loss_scale, LossScale):
         raise ValueError(f"{owner}: loss_scale={loss_scale!r} must be a vega.LossScale "
                          "(LossScale.dynamic() or LossScale.static(s)) or None")
+    if loss_scale is not None:  # (as adjust checks them, before a step writes anything)
+        loss_scale.check_settings(f"{owner}: loss_scale")
     if max_grad_norm is not None:
         if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
                 or not positive_finite(max_grad_norm):

@@ -241,6 +241,12 @@ class LossScale:
     def _config(self) -> tuple:
         return (self.growth_interval, self.growth_factor, self.backoff_factor, self.is_dynamic)
 
+    def check_settings(self, who: str) -> None:
+        """ValueError where this scale's settings, as they are now (an attribute set after
+        it was made, ``ls.growth_interval = 0``), are ones ``adjust`` refuses: a step checks
+        them before it writes anything, rather than adjusting the scale after its update."""
+        _check_config(who, self.growth_interval, self.growth_factor, self.backoff_factor)
+
     @classmethod
     def _from(cls, leaves, config) -> LossScale:
         """Unchecked: pytree maps may put anything in the leaves."""

@@ -34,6 +34,8 @@ from vega.runtime.loss_scale import LEAVES, check_scale_values
 
 # a loss scale's tensor -> (a weak reference to) the optimizer that adjusts it (``_claim_scale``)
 _SCALE_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# the loss scale's settings its ``adjust`` checks (``_check_settings`` checks them before a step)
+_SCALE_SETTINGS = ("growth_interval", "growth_factor", "backoff_factor")
 _LAYOUT = operator.attrgetter("layout")
 _GRAD = operator.attrgetter("grad")
 
@@ -483,16 +485,19 @@ class SpecOptimizer(torch.optim.Optimizer):
         """``check_fused`` of the settings as the step finds them (an attribute set after
         construction, ``opt.max_grad_norm = 0.0``, is checked as the constructor's
         argument), once for each value: the last ones checked are kept."""
-        now = (self.max_grad_norm, self.skip_nonfinite, self.loss_scale)
+        ls = self.loss_scale
+        now = (self.max_grad_norm, self.skip_nonfinite, ls)
         if torch.compiler.is_compiling():  # (constants to dynamo: nothing kept, no guard)
             engine.check_fused(type(self).__name__, *now)
             return
+        # (the scale's settings too: ``adjust`` refuses them after the update has written)
+        config = tuple(getattr(ls, k, None) for k in _SCALE_SETTINGS)
         last = self.__dict__.get("_vega_checked")
-        if last is not None and all(map(operator.is_, now, last)):
+        if last is not None and all(map(operator.is_, now + config, last)):
             return
         engine.check_fused(type(self).__name__, *now)
         self._claim_scale()
-        self.__dict__["_vega_checked"] = now
+        self.__dict__["_vega_checked"] = now + config
 
     def _place_scale(self) -> None:
         """A loss scale made without a device lives where the parameters are (no copy a
