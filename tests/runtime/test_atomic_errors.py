@@ -327,3 +327,49 @@ def test_a_refused_save_leaves_the_file_as_it_was(tmp_path):
     with pytest.raises(ValueError, match="leaf 'mu.w' is a float"):
         vega.save(path, {**state, "mu": {**state["mu"], "w": 1.0}})
     assert path.read_bytes() == was and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+# -- LBFGS --------------------------------------------------------------------------------
+
+def _lbfgs(steps):
+    def make():
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(5, 3, generator=gen)),
+                  torch.nn.Parameter(torch.randn(7, generator=gen))]
+        opt = vega.optim.LBFGS(params, lr=0.1, memory_size=4)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            _grads(params, gen)
+            opt.step()
+        _grads(params, gen)
+        return params, opt
+    return make
+
+
+LBFGS = [
+    ("memory_size 0", _set(_group(0), "memory_size", 0), ValueError, "memory_size=0"),
+    ("memory_size -1", _set(_group(0), "memory_size", -1), ValueError, "memory_size=-1"),
+    ("memory_size 'x'", _set(_group(0), "memory_size", "x"), ValueError, "memory_size='x'"),
+    ("memory_size 2.5", _set(_group(0), "memory_size", 2.5), ValueError, "memory_size=2.5"),
+    ("lr", _set(_group(0), "lr", -1.0), ValueError, "lr=-1.0"),
+    ("scale_init_precond", _set(_group(0), "scale_init_precond", 3), ValueError,
+     "scale_init_precond=3"),
+    ("a gradient that is its parameter", lambda ps, o: _aliased(ps[1]), ValueError,
+     "parameter 1 of group 0"),
+]
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+@pytest.mark.parametrize("name, change, error, words", LBFGS, ids=[c[0] for c in LBFGS])
+def test_a_refused_lbfgs_step_changes_nothing(name, change, error, words, steps):
+    """A first step refused leaves no state either (memory_size=0 made an empty history,
+    which every later step refused)."""
+    _refused(_lbfgs(steps), change, None, error, words)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda sd: sd["param_groups"][0].update(memory_size=6), "needs (6, 5, 3)"),
+    (lambda sd: sd["state"][1].update(diff_params=torch.zeros(4, 3)), "diff_params"),
+])
+def test_a_refused_lbfgs_load_changes_nothing(edit, words):
+    _refused(_lbfgs(3), lambda ps, o: (lambda: None), _saved(edit), ValueError, words)

@@ -676,15 +676,30 @@ class LBFGS(torch.optim.Optimizer):
                 raise ValueError(    # values were truncated to integers)
                     f"LBFGS: parameter {i} of group 0 is of dtype {p.dtype}; LBFGS can only "
                     "optimize float or complex tensors")
-        shared = self._shared(group)
-        states = [self._param_state(p, group) for p in params]
-        m = _check_weights_step("LBFGS", shared.get("weights"), shared.get("step"),
-                                "the first parameter's state")
-        if _check_memory_size("LBFGS", group["memory_size"]) != m:
-            raise ValueError(f"LBFGS: memory_size={group['memory_size']!r}, but the state "
-                             f"holds {m} curvature pairs: memory_size is fixed by the first "
-                             "step (a new LBFGS starts another history)")
-        _check_class_step(params, states, shared, m)
+        # (checked before a first step makes the state in its shape: memory_size=0 made an
+        # empty history, which every later step refused)
+        given = _check_memory_size("LBFGS", group["memory_size"])
+        made = {p: frozenset(self.state[p]) if p in self.state else None for k, p
+                in enumerate(params) if "diff_params" not in self.state.get(p, ())
+                or (k == 0 and "step" not in self.state.get(p, ()))}  # (what a step makes)
+        try:  # (refused: the state this step made is dropped, the rest is as it was)
+            shared = self._shared(group)
+            states = [self._param_state(p, group) for p in params]
+            m = _check_weights_step("LBFGS", shared.get("weights"), shared.get("step"),
+                                    "the first parameter's state")
+            if given != m:
+                raise ValueError(f"LBFGS: memory_size={group['memory_size']!r}, but the state "
+                                 f"holds {m} curvature pairs: memory_size is fixed by the "
+                                 "first step (a new LBFGS starts another history)")
+            _check_class_step(params, states, shared, m)
+        except BaseException:
+            for p, had in made.items():
+                if had is None:
+                    self.state.pop(p, None)
+                else:
+                    for key in [k for k in self.state[p] if k not in had]:
+                        del self.state[p][key]
+            raise
         resolve = not torch.compiler.is_compiling()
         written = [params, *([st[f] for st in states] for f in TREE_FIELDS)]
         reals = [[_real(x, resolve) for x in col] for col in written]
