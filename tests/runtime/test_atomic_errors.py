@@ -72,16 +72,17 @@ def _grads(params, gen) -> None:
         p.grad = torch.randn(p.shape, generator=gen) * 4
 
 
-def _adamw(backend):
-    """An AdamW of two groups with a dynamic loss scale and clipping, after three steps, its
-    gradients for a fourth set."""
+def _adamw(backend, scaled: bool = True):
+    """An AdamW of two groups with a dynamic loss scale and clipping (``scaled``; else
+    skip_nonfinite alone), after three steps, its gradients for a fourth set."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3, generator=gen)),
               torch.nn.Parameter(torch.randn(7, generator=gen)),
               torch.nn.Parameter(torch.randn(4, generator=gen))]
     opt = vega.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": 2e-2}],
-                           lr=1e-2, backend=backend, max_grad_norm=1.0,
-                           loss_scale=LossScale.dynamic(2.0**4, growth_interval=2))
+                           lr=1e-2, backend=backend, max_grad_norm=1.0 if scaled else None,
+                           loss_scale=LossScale.dynamic(2.0**4, growth_interval=2)
+                           if scaled else None, skip_nonfinite=not scaled)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         _grads(params, gen)
@@ -181,6 +182,14 @@ def _refused(make, change, call, error, words):
 @pytest.mark.parametrize("name, change, call, error, words", STEPS, ids=[s[0] for s in STEPS])
 def test_a_refused_class_step_changes_nothing(name, change, call, error, words, backend):
     _refused(lambda: _adamw(backend), change, call, error, words)
+
+
+@pytest.mark.parametrize("name, change, call, error, words",
+                         [s for s in STEPS if "loss scale" not in s[0]],
+                         ids=[s[0] for s in STEPS if "loss scale" not in s[0]])
+def test_a_refused_class_step_that_skips_without_a_scale_changes_nothing(name, change, call,
+                                                                          error, words):
+    _refused(lambda: _adamw("c", scaled=False), change, call, error, words)
 
 
 @pytest.mark.parametrize("name", ["lr of group 1", "loss scale's growth_interval",
