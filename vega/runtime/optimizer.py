@@ -30,12 +30,10 @@ from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, 
                                   own_ops_words, same)
 from vega.errors import VegaError
 from vega.runtime import engine, sharded, torch_names
-from vega.runtime.loss_scale import LEAVES, check_scale_values
+from vega.runtime.loss_scale import LEAVES, LossScale, check_scale_values
 
 # a loss scale's tensor -> (a weak reference to) the optimizer that adjusts it (``_claim_scale``)
 _SCALE_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# the loss scale's settings its ``adjust`` checks (``_check_settings`` checks them before a step)
-_SCALE_SETTINGS = ("growth_interval", "growth_factor", "backoff_factor")
 _LAYOUT = operator.attrgetter("layout")
 _GRAD = operator.attrgetter("grad")
 
@@ -491,7 +489,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             engine.check_fused(type(self).__name__, *now)
             return
         # (the scale's settings too: ``adjust`` refuses them after the update has written)
-        config = tuple(getattr(ls, k, None) for k in _SCALE_SETTINGS)
+        config = ls._config() if isinstance(ls, LossScale) else ()
         last = self.__dict__.get("_vega_checked")
         if last is not None and all(map(operator.is_, now + config, last)):
             return
