@@ -1841,3 +1841,31 @@ def test_a_nan_hyperparameter_without_a_range_is_refused():
     with pytest.raises(ValueError, match=r"b=nan is not a number"):
         vega.muon_step(params, {"w": torch.ones(4, 3)}, vega.muon_init(params),
                        b=float("nan"))
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.uint8])
+def test_load_state_dict_refuses_state_for_a_lazy_modules_uninitialized_parameter(state_dtype):
+    """An optimizer made over a lazy module before its first forward pass holds uninitialized
+    parameters, whose shapes are not known: a state loaded for one is refused, naming it, and
+    the optimizer is left as it was; loaded once the model's state_dict has initialized them,
+    it steps on as the saved optimizer does."""
+    torch.manual_seed(0)
+    saved = torch.nn.LazyLinear(64)
+    opt = vega.optim.AdamW(saved.parameters(), lr=0.1, state_dtype=state_dtype)
+    x = torch.randn(2, 96)
+    saved(x).square().sum().backward()
+    opt.step()
+    model = torch.nn.LazyLinear(64)
+    fresh = vega.optim.AdamW(model.parameters(), lr=0.5, state_dtype=state_dtype)
+    snap = _snapshot(fresh)
+    with pytest.raises(ValueError, match=r"^AdamW\.load_state_dict: parameter 0 of group 0 is "
+                                         r"uninitialized \(a lazy module's"):
+        fresh.load_state_dict(opt.state_dict())
+    _unchanged(fresh, snap)
+    model.load_state_dict(saved.state_dict())
+    fresh.load_state_dict(opt.state_dict())
+    for m, o in ((saved, opt), (model, fresh)):
+        o.zero_grad()
+        m(x).square().sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), model.parameters()))

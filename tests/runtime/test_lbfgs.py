@@ -762,6 +762,29 @@ def test_load_state_dict_refuses_a_state_that_is_not_dense(kind):
     assert all(torch.equal(opt.state[lin.weight][k], v) for k, v in before.items())
 
 
+def test_load_state_dict_refuses_state_for_a_lazy_modules_uninitialized_parameter():
+    """A state loaded for a lazy module's parameter before its first forward pass (its shape
+    not known) is refused by name, and nothing is loaded; after the model's state_dict it
+    loads and steps on as the saved optimizer does."""
+    torch.manual_seed(0)
+    saved, model = torch.nn.LazyLinear(2), torch.nn.LazyLinear(2)
+    opt, fresh = LBFGS(saved.parameters(), lr=0.5), LBFGS(model.parameters(), lr=0.5)
+    x = torch.randn(3, 4)
+    saved(x).square().sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"^LBFGS.load_state_dict: parameter 0 of group 0 is "
+                                         r"uninitialized \(a lazy module's"):
+        fresh.load_state_dict(opt.state_dict())
+    assert not fresh.state
+    model.load_state_dict(saved.state_dict())
+    fresh.load_state_dict(opt.state_dict())
+    for m, o in ((saved, opt), (model, fresh)):
+        o.zero_grad()
+        m(x).square().sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), model.parameters()))
+
+
 def _torch_lbfgs_state():
     lin = torch.nn.Linear(6, 1, dtype=torch.float64)
     opt = torch.optim.LBFGS(lin.parameters(), lr=0.1)

@@ -62,6 +62,7 @@ import sys
 from functools import partial
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from vega.codegen.steps import advance_steps
 from vega.codegen.tensors import dense, dense_words, inplace_problem, is_dtensor, not_dense
@@ -807,6 +808,12 @@ class LBFGS(torch.optim.Optimizer):
             if not any(f in st for f in TREE_FIELDS):
                 continue
             buffers = True
+            if is_lazy(p):  # (torch loads its state unchecked)
+                raise ValueError(f"{owner}: parameter {i} of group 0 is uninitialized (a lazy "
+                                 "module's, before its first forward pass), so its state "
+                                 "cannot be checked against its shape; run a forward pass, or "
+                                 "load the model's state_dict (which initializes it), before "
+                                 "the optimizer's")
             leaves = {f: st.get(f) for f in TREE_FIELDS}
             _check_state_leaves(owner, partial(str, i), p, leaves, m)
         head = self.state.get(params[0]) or {} if params else {}

@@ -19,6 +19,7 @@ import weakref
 from itertools import repeat
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from vega import codegen
 from vega.codegen import quant
@@ -1352,6 +1353,14 @@ class SpecOptimizer(torch.optim.Optimizer):
         saved_dtypes = {i: engine.loaded_state_dtype(g.get("state_dtype"))
                         for g in state_dict["param_groups"]
                         for i in g["params"]}
+        where = [(i, k) for k, g in enumerate(self.param_groups) for i in range(len(g["params"]))]
+        for pid, (p, _), (i, k) in zip(ids, params, where):
+            if pid in originals and is_lazy(p):  # (torch loads its state unchecked)
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: parameter {i} of group {k} is "
+                    "uninitialized (a lazy module's, before its first forward pass), so its "
+                    "state cannot be checked against its shape; run a forward pass, or load "
+                    "the model's state_dict (which initializes it), before the optimizer's")
         for pid, (p, group) in zip(ids, params):
             if pid not in originals or p not in self.state:
                 continue
