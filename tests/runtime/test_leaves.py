@@ -273,10 +273,20 @@ def test_a_group_value_set_between_steps_is_checked_at_the_step(name, value, mat
 
 def test_add_param_group_refuses_integer_parameters():
     opt = vega.optim.SGD([torch.randn(2, requires_grad=True)])
-    with pytest.raises(ValueError, match=r"SGD can only optimize float or complex tensors, got "
-                                         r"one of dtype torch\.int64"):
-        opt.add_param_group({"params": [torch.arange(3)]})
+    with pytest.raises(ValueError, match=r"^SGD: parameter 1 of group 1 is of dtype torch\.int64; "
+                                         r"SGD can only optimize float or complex tensors"):
+        opt.add_param_group({"params": [torch.randn(3), torch.arange(3)]})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("cls", [vega.optim.AdamW, vega.optim.LBFGS])
+def test_a_modules_integer_buffer_given_as_a_parameter_is_refused_by_position(cls):
+    """A BatchNorm's buffers given with its parameters (``num_batches_tracked`` is int64):
+    the refusal says which of the tensors given it is."""
+    bn = torch.nn.BatchNorm1d(3)
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: parameter 4 of group 0 is of dtype "
+                                         r"torch\.int64; "):
+        cls([*bn.parameters(), *bn.buffers()])
 
 
 def test_constructor_validates_hyperparameters():

@@ -608,8 +608,8 @@ class LBFGS(torch.optim.Optimizer):
         for k, p in enumerate(self.param_groups[-1]["params"]):
             if not is_steppable(p):
                 self.param_groups.pop()
-                raise ValueError(f"LBFGS can only optimize float or complex tensors, got one of "
-                                 f"dtype {p.dtype}")
+                raise ValueError(f"LBFGS: parameter {k} of group 0 is of dtype {p.dtype}; "
+                                 "LBFGS can only optimize float or complex tensors")
             if not dense(p):  # (as the spec optimizers' classes: the step refuses it)
                 self.param_groups.pop()
                 raise ValueError(f"LBFGS: parameter {k} of group 0 is {dense_words(p)}")

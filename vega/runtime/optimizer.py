@@ -187,8 +187,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{owner}: parameter {k} of group {index} is parameter {j} "
                                  f"again: give each parameter once")
             if not p.is_floating_point() and not p.is_complex():
-                raise ValueError(f"{owner} can only optimize float or complex tensors, got one "
-                                 f"of dtype {p.dtype}")
+                raise ValueError(f"{owner}: parameter {k} of group {index} is of dtype "
+                                 f"{p.dtype}; {owner} can only optimize float or "
+                                 "complex tensors")
             if not dense(p):
                 raise ValueError(f"{owner}: parameter {k} of group {index} is "
                                  f"{dense_words(p)}")
