@@ -1869,3 +1869,24 @@ def test_load_state_dict_refuses_state_for_a_lazy_modules_uninitialized_paramete
         m(x).square().sum().backward()
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+def test_a_parameter_made_complex_after_its_8bit_state_is_refused_as_such(backend):
+    """A parameter made complex after its first step with 8-bit state is refused for what is
+    wrong, its states real where it is complex, on the C backend too (which said it did not
+    support state of dtype torch.uint8, which it steps), and nothing is written."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 64, generator=gen))
+    opt = vega.optim.AdamW([p], backend=backend, state_dtype=torch.uint8)
+    p.grad = torch.randn(64, 64, generator=gen)
+    opt.step()
+    assert opt.state[p]["mu"].dtype == torch.uint8
+    p.data = torch.randn(64, 64, dtype=torch.complex64, generator=gen)
+    p.grad = torch.randn(64, 64, dtype=torch.complex64, generator=gen)
+    before = [p.detach().clone(), *(v.clone() for v in opt.state[p].values())]
+    with pytest.raises(ValueError, match=r"^AdamW: parameter 0 of group 0: state 'mu' is of "
+                                         r"dtype torch.uint8, but its parameter is of dtype "
+                                         r"torch.complex64: complex like it"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip([p.detach(), *opt.state[p].values()], before))

@@ -954,7 +954,7 @@ def check_call(owner: str, program: Program, backend: str, params, grads, states
         if bad is None:
             continue
         x, p = col[bad], params[bad]
-        if x.dtype.to_real() in supported and x.dtype != torch.uint8:
+        if x.dtype.to_real() in supported and (x.dtype != torch.uint8 or what[0] == "s"):
             raise ValueError(f"{owner}: {name(bad)}: {what} is of dtype {x.dtype}, but its "
                              f"parameter is of dtype {p.dtype}: "
                              + (like_words(dom, p) if what[0] == "s" else
