@@ -1190,6 +1190,20 @@ def test_a_sparse_or_nested_parameter_is_named_by_init_step_and_the_classes(kind
                           torch.nn.Parameter(_not_dense(kind))], lr=0.1)
 
 
+@pytest.mark.parametrize("name", ["adamw_init", "lbfgs_init"])
+def test_init_names_a_lazy_modules_uninitialized_parameter(name):
+    """``*_init`` over a lazy module's parameters before its first forward pass names the
+    uninitialized leaf (torch's error from inside the init named none)."""
+    init, lazy = getattr(vega, name), torch.nn.LazyLinear(3)
+    with pytest.raises(ValueError, match=rf"^{name}: params leaf 'weight' is "
+                                         r"uninitialized \(a lazy module's, before its first "
+                                         r"forward pass\)"):
+        init(dict(lazy.named_parameters()))
+    lazy(torch.ones(2, 4))
+    state = init(dict(lazy.named_parameters()))
+    assert state["step"].shape == ()
+
+
 @pytest.mark.parametrize("key, value, words", [
     ("maximize", "False", r"group 0: maximize='False' must be True or False"),
     ("backend", "cuda", r"group 0: backend='cuda' is not one of"),

@@ -574,3 +574,29 @@ def test_the_cache_of_flat_structures_stays_bounded():
         assert leaves[0] is d[f"k{k}"] and leaves[1] is None
         assert list(tree.unflatten(leaves, spec)) == [f"k{k}", "none"]
     assert len(tree._FLAT_SPECS) <= 64 and len(tree._FLAT_KEYS) <= 64
+
+
+@pytest.mark.parametrize("backend", ["reference", "c"])
+@pytest.mark.parametrize("make", [lambda: torch.nn.LazyLinear(3),
+                                  lambda: torch.nn.LazyConv2d(3, 3)])
+def test_a_class_made_over_a_lazy_modules_parameters_steps_as_torchs(make, backend):
+    """A class made before a lazy module's first forward pass (its parameters uninitialized)
+    steps, from that pass on, as torch.optim's class does: parameters and every state."""
+    x = torch.randn(2, 4, 6, 6)
+    runs = []
+    for cls, kw in ((vega.optim.Adam, {"backend": backend}), (torch.optim.Adam, {})):
+        torch.manual_seed(0)
+        model = make()
+        opt = cls(model.parameters(), lr=0.01, **kw)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+        runs.append((model, opt))
+    (mine, ours), (theirs, torchs) = runs
+    for a, b in zip(mine.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b)
+    saved, want = ours.torch_state_dict()["state"], torchs.state_dict()["state"]
+    for i, st in want.items():
+        for key, value in st.items():
+            torch.testing.assert_close(saved[i][key].to(value.dtype), value)

@@ -8,6 +8,7 @@ from functools import cached_property, partial
 from pathlib import Path
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from vega import codegen, dsl
 from vega.dsl import ir
@@ -606,12 +607,17 @@ def _check_leaves(owner, what, tree, leaves):
 
 def _check_dense(owner, params, leaves) -> None:
     """Raise ValueError, naming the leaf, for a sparse or nested parameter: its state could
-    not be made like it (torch has no such operations for those layouts), nor stepped."""
-    if all(leaf is None or dense(leaf) for leaf in leaves):
+    not be made like it (torch has no such operations for those layouts), nor stepped; and
+    for a lazy module's parameter not yet initialized, whose shape is not known."""
+    if all(leaf is None or dense(leaf) and not is_lazy(leaf) for leaf in leaves):
         return
     for name, leaf in zip(_paths(params, leaves), leaves):
+        label = f"leaf '{name}'" if name else "leaf"
+        if leaf is not None and is_lazy(leaf):
+            raise ValueError(f"{owner}: params {label} is uninitialized (a lazy module's, "
+                             "before its first forward pass): its shape is not known yet; "
+                             "run a forward pass first")
         if leaf is not None and not dense(leaf):
-            label = f"leaf '{name}'" if name else "leaf"
             raise ValueError(f"{owner}: params {label} is {dense_words(leaf)}")
 
 
