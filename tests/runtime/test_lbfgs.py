@@ -762,6 +762,21 @@ def test_load_state_dict_refuses_a_state_that_is_not_dense(kind):
     assert all(torch.equal(opt.state[lin.weight][k], v) for k, v in before.items())
 
 
+def test_a_sparse_gradient_is_refused_naming_its_parameter():
+    """An embedding's sparse gradient (``sparse=True``) is refused naming which parameter's
+    it is, as the spec optimizers' classes name it, and nothing is written."""
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3, sparse=True), torch.nn.Linear(3, 1))
+    opt = LBFGS([*model[1].parameters(), *model[0].parameters()], lr=0.5)
+    model(torch.tensor([1, 3])).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"^LBFGS does not support sparse gradients: the "
+                                         r"gradient of parameter 2 of group 0 is "
+                                         r"torch.sparse_coo"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not opt.state
+
+
 def test_load_state_dict_refuses_state_for_a_lazy_modules_uninitialized_parameter():
     """A state loaded for a lazy module's parameter before its first forward pass (its shape
     not known) is refused by name, and nothing is loaded; after the model's state_dict it

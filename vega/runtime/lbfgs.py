@@ -672,7 +672,8 @@ class LBFGS(torch.optim.Optimizer):
         _refuse_dtensors("LBFGS", params)
         for i, p in enumerate(params):
             if p.grad is not None and p.grad.is_sparse:
-                raise ValueError("LBFGS does not support sparse gradients")
+                raise ValueError(f"LBFGS does not support sparse gradients: the gradient of "
+                                 f"parameter {i} of group 0 is {p.grad.layout}")
             if not is_steppable(p):  # (made so after it was given, which refuses it; its
                 raise ValueError(    # values were truncated to integers)
                     f"LBFGS: parameter {i} of group 0 is of dtype {p.dtype}; LBFGS can only "
