@@ -112,6 +112,14 @@ def dense_words(t: torch.Tensor) -> str:
     return f"{not_dense(t)}; vega steps dense (strided) parameters"
 
 
+# a lazy module's parameter not yet initialized (``torch.nn.parameter.is_lazy``), refused
+# where its shape is needed
+LAZY_WORDS = "is uninitialized (a lazy module's, before its first forward pass)"
+LAZY_LOAD_WORDS = (f"{LAZY_WORDS}, so its state cannot be checked against its shape; run a "
+                   "forward pass, or load the model's state_dict (which initializes it), "
+                   "before the optimizer's")
+
+
 def floats(tensors: list) -> bool:
     """Whether every item of ``tensors`` is a floating-point tensor (not complex, not another
     object), in one pass of the native module where it is loaded and they are plain."""

@@ -65,7 +65,8 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from vega.codegen.steps import advance_steps
-from vega.codegen.tensors import dense, dense_words, inplace_problem, is_dtensor, not_dense
+from vega.codegen.tensors import (LAZY_LOAD_WORDS, dense, dense_words, inplace_problem,
+                                  is_dtensor, not_dense)
 from vega.runtime import sharded, torch_names
 from vega.dsl.ast import Range
 from vega.runtime.engine import (as_float, check_reach, check_state_dtype,
@@ -810,11 +811,7 @@ class LBFGS(torch.optim.Optimizer):
                 continue
             buffers = True
             if is_lazy(p):  # (torch loads its state unchecked)
-                raise ValueError(f"{owner}: parameter {i} of group 0 is uninitialized (a lazy "
-                                 "module's, before its first forward pass), so its state "
-                                 "cannot be checked against its shape; run a forward pass, or "
-                                 "load the model's state_dict (which initializes it), before "
-                                 "the optimizer's")
+                raise ValueError(f"{owner}: parameter {i} of group 0 {LAZY_LOAD_WORDS}")
             leaves = {f: st.get(f) for f in TREE_FIELDS}
             _check_state_leaves(owner, partial(str, i), p, leaves, m)
         head = self.state.get(params[0]) or {} if params else {}

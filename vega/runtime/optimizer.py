@@ -25,10 +25,10 @@ from vega import codegen
 from vega.codegen import quant
 from vega.codegen.base import distinct, state_shape
 from vega.codegen.record import finite_of
-from vega.codegen.tensors import (NO_GRAD, NOT_PLAIN, NOT_STRIDED, PLAIN_TYPES, dense,
-                                  dense_words, first_with_own_ops, gather, inplace_problem,
-                                  in_memory_order, is_dtensor, like_layout, not_dense,
-                                  own_ops_words, same)
+from vega.codegen.tensors import (LAZY_LOAD_WORDS, NO_GRAD, NOT_PLAIN, NOT_STRIDED,
+                                  PLAIN_TYPES, dense, dense_words, first_with_own_ops, gather,
+                                  inplace_problem, in_memory_order, is_dtensor, like_layout,
+                                  not_dense, own_ops_words, same)
 from vega.errors import VegaError
 from vega.runtime import engine, sharded, torch_names
 from vega.runtime.loss_scale import LEAVES, LossScale, check_scale_values
@@ -1357,11 +1357,8 @@ class SpecOptimizer(torch.optim.Optimizer):
         where = [(i, k) for k, g in enumerate(self.param_groups) for i in range(len(g["params"]))]
         for pid, (p, _), (i, k) in zip(ids, params, where):
             if pid in originals and is_lazy(p):  # (torch loads its state unchecked)
-                raise ValueError(
-                    f"{type(self).__name__}.load_state_dict: parameter {i} of group {k} is "
-                    "uninitialized (a lazy module's, before its first forward pass), so its "
-                    "state cannot be checked against its shape; run a forward pass, or load "
-                    "the model's state_dict (which initializes it), before the optimizer's")
+                raise ValueError(f"{type(self).__name__}.load_state_dict: parameter {i} of "
+                                 f"group {k} {LAZY_LOAD_WORDS}")
         for pid, (p, group) in zip(ids, params):
             if pid not in originals or p not in self.state:
                 continue

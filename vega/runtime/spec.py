@@ -15,7 +15,7 @@ from vega.dsl import ir
 from vega.codegen import quant
 from vega.codegen.base import state_shape
 from vega.codegen.record import finite_of
-from vega.codegen.tensors import (dense, dense_words, first_with_own_ops, floats,
+from vega.codegen.tensors import (LAZY_WORDS, dense, dense_words, first_with_own_ops, floats,
                                   inplace_problem, like, on_one_device, own_ops_words, same)
 from vega.codegen.steps import advance_steps
 from vega.runtime import engine, sharded
@@ -614,9 +614,8 @@ def _check_dense(owner, params, leaves) -> None:
     for name, leaf in zip(_paths(params, leaves), leaves):
         label = f"leaf '{name}'" if name else "leaf"
         if leaf is not None and is_lazy(leaf):
-            raise ValueError(f"{owner}: params {label} is uninitialized (a lazy module's, "
-                             "before its first forward pass): its shape is not known yet; "
-                             "run a forward pass first")
+            raise ValueError(f"{owner}: params {label} {LAZY_WORDS}: its shape is not "
+                             "known yet; run a forward pass first")
         if leaf is not None and not dense(leaf):
             raise ValueError(f"{owner}: params {label} is {dense_words(leaf)}")
 
