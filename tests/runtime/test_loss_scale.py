@@ -685,3 +685,30 @@ def test_a_scale_is_one_optimizers_while_it_lives():
     third = vega.optim.AdamW([q], lr=1e-2, loss_scale=ls)
     third.step()
     assert ls.good_steps.item() == 2
+
+
+@pytest.mark.parametrize("backend", ["reference", "c", "triton"])
+def test_the_counts_at_the_int32_limit_neither_wrap_nor_stop_growth(backend):
+    """A scale whose counts hold 2**31 - 1 (made so, or loaded): a finite step grows it and
+    its good steps go back to 0 (in int32, 2**31 - 1 + 1 wrapped to -2**31: the scale did
+    not grow, and its count went negative), and an overflow leaves its skipped steps at
+    2**31 - 1 (they wrapped to -2**31); the optimizer's state_dict then loads, in
+    LossScale.adjust and in the Triton kernel that adjusts it in place."""
+    last = 2**31 - 1
+
+    def at_limit():
+        return LossScale(torch.tensor(1024.0), torch.tensor(last, dtype=torch.int32),
+                         torch.tensor(last, dtype=torch.int32), growth_interval=2000)
+    grown = at_limit().adjust(True)
+    assert (grown.loss_scale.item(), grown.good_steps.item()) == (2048.0, 0)
+    backed = at_limit().adjust(False)
+    assert (backed.loss_scale.item(), backed.skipped_steps.item()) == (512.0, last)
+    w = torch.nn.Parameter(torch.zeros(300))
+    opt = vega.optim.SGD([w], lr=0.1, backend=backend, loss_scale=at_limit())
+    w.grad = torch.ones(300)
+    opt.step()
+    w.grad = torch.full((300,), float("inf"))
+    opt.step()
+    assert [t.item() for t in opt.loss_scale.tensors()] == [1024.0, 0, last, 0.0]
+    opt.load_state_dict(opt.state_dict())
+    assert [t.item() for t in opt.loss_scale.tensors()] == [1024.0, 0, last, 0.0]

@@ -3,8 +3,8 @@
 A :class:`LossScale` is a value: four 0-d tensors, the scale factor
 ``loss_scale`` (float32), ``good_steps`` (int32: the finite steps since the
 scale last changed; -1 for a static scale), ``skipped_steps`` (int32: how many
-steps ``adjust`` saw overflow; a static scale keeps 0) and ``min_scale``
-(float32: the floor of backing off; 0 for none but TINY), plus its configuration
+steps ``adjust`` saw overflow, saturating at 2**31 - 1; a static scale keeps 0)
+and ``min_scale`` (float32: the floor of backing off; 0 for none but TINY), plus its configuration
 (``growth_interval``, ``growth_factor``, ``backoff_factor``, and whether it is
 dynamic). It is registered as a torch pytree node whose four leaves are those
 tensors and whose context is the configuration, so a compiled training step takes
@@ -356,11 +356,14 @@ class LossScale:
         # below the floor (a subnormal init) stays as it is, never raised by backing off
         floor = torch.minimum(torch.clamp(self.min_scale, min=TINY), s)
         backed = torch.maximum(backed, floor)
-        successful = n + 1
-        at_interval = successful >= interval
+        # (n against interval - 1, not n + 1 against interval: a count of 2**31 - 1, which a
+        # scale made or loaded may hold, wrapped to -2**31 in int32 and never grew; the count
+        # of skipped steps saturates there, as the step counters do, and stays loadable)
+        at_interval = n >= interval - 1
         new_s = torch.where(finite, torch.where(at_interval, grown, s), backed)
-        new_n = torch.where(finite & ~at_interval, successful, torch.zeros_like(n))
-        skipped = self.skipped_steps + (~finite).to(self.skipped_steps.dtype)
+        new_n = torch.where(finite & ~at_interval, n + 1, torch.zeros_like(n))
+        counted = ~finite & (self.skipped_steps < _INT32_MAX)
+        skipped = self.skipped_steps + counted.to(self.skipped_steps.dtype)
         return LossScale._from((new_s, new_n, skipped, self.min_scale), self._config())
 
     def adjust_(self, finite, **settings) -> LossScale:
