@@ -948,3 +948,30 @@ def test_torch_state_dict_holds_only_torchs_entries():
     ps[0].grad = torch.ones(3)
     opt.step()
     assert opt.torch_state_dict().keys() == {"state", "param_groups"}
+
+
+@pytest.mark.parametrize("count", [2**31 - 64, 2**31 - 1])
+def test_a_counter_near_the_int32_limit_goes_through_torchs_format_and_back(count):
+    """A step counter from 2**31 - 64 up is 2**31 in torch's float32 (torch_state_dict
+    writes it so): loaded back, by this class or through torch.optim.AdamW, it is the
+    saturated 2**31 - 1 (it was refused as past the counter's range), and steps on."""
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = vega.optim.AdamW([w], lr=1e-3)
+    w.grad = torch.ones(4)
+    opt.step()
+    opt.state[w]["step"].fill_(count)
+    saved = opt.torch_state_dict()
+    assert saved["state"][0]["step"].item() == 2.0**31
+    theirs = torch.optim.AdamW([w], lr=1e-3)
+    theirs.load_state_dict(saved)
+    for sd in (saved, theirs.state_dict()):
+        mine = vega.optim.AdamW([w], lr=1e-3)
+        mine.load_state_dict(sd)
+        assert mine.state[w]["step"].dtype == torch.int32
+        assert mine.state[w]["step"].item() == 2**31 - 1
+        mine.step()
+        assert mine.state[w]["step"].item() == 2**31 - 1
+        assert torch.isfinite(w).all()
+    with pytest.raises(ValueError, match=r"2147483904.0; a step counter is a whole number"):
+        saved["state"][0]["step"] = torch.tensor(2.0**31 + 256)
+        vega.optim.AdamW([w], lr=1e-3).load_state_dict(saved)

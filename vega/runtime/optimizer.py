@@ -1398,6 +1398,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                     continue
                 if name == "step":  # a copy: the step advances in place
                     _check_step(type(self).__name__, pid, value)
+                    if value.is_floating_point():  # (torch's: 2**31 is as far as it saturates)
+                        value = value.to(torch.float64).clamp(max=_LAST_STEP)
                     self.state[p][name] = value.to(device=p.device, dtype=torch.int32).clone()
                 elif value.is_floating_point() or value.is_complex():
                     value = value.to(device=p.device, dtype=sd)
@@ -1765,17 +1767,23 @@ def _check_q8_scales(owner: str, what: str, codes: torch.Tensor, scales: torch.T
                          "value; a scale is the largest magnitude of its block")
 
 
+_LAST_STEP = 2**31 - 1  # the last count an int32 step counter holds (it saturates there)
+
+
 def _check_step(owner: str, pid, value: torch.Tensor) -> None:
     """A saved step counter (int32 in vega's states, float32 in torch's) holds a count that
-    an int32 counter takes: a whole number in [0, 2**31 - 1]. (A counter of another shape is
-    refused after loading, by ``_check_loaded``.)"""
+    an int32 counter takes: a whole number in [0, 2**31 - 1]; a float one may hold 2**31,
+    which float32 makes of every count from 2**31 - 64 up (``torch_state_dict`` of a counter
+    there), loaded as the saturated 2**31 - 1. (A counter of another shape is refused after
+    loading, by ``_check_loaded``.)"""
     if value.numel() != 1 or value.device.type == "meta":
         return
     if value.is_complex() or value.dtype == torch.bool:
         raise ValueError(f"{owner}.load_state_dict: state 'step' of parameter id {pid!r} is "
                          f"of dtype {value.dtype}; a step counter is a whole number")
     x = value.item()
-    if not (math.isfinite(x) and float(x).is_integer() and 0 <= x <= 2**31 - 1):
+    last = 2**31 if value.is_floating_point() else _LAST_STEP
+    if not (math.isfinite(x) and float(x).is_integer() and 0 <= x <= last):
         raise ValueError(f"{owner}.load_state_dict: state 'step' of parameter id {pid!r} is "
                          f"{x!r}; a step counter is a whole number in [0, 2**31 - 1]")
 
