@@ -221,6 +221,58 @@ def test_a_tensor_of_steps_gives_each_steps_value_bitwise():
     assert not Own(1.0, 0.0, 10).elementwise()
 
 
+POWERS = [schedule.exponential_decay(1.0, 0.5, 1000), schedule.exponential_decay(3e-4, 0.999, 7),
+          schedule.polynomial_decay(1.0, 0.1, 5000, 0.7),
+          schedule.polynomial_decay(1.0, 0.0, 2**31 - 1, 2.5),
+          schedule.cosine_decay_restarts(1.0, 10, 1.0, 0.9),
+          schedule.cosine_decay_restarts(1.0, 3, 1.0000001),
+          schedule.cosine_decay_restarts(1.0, 7, 2.0, 0.5, 0.1)]
+
+
+@pytest.mark.parametrize("s", POWERS, ids=repr)
+def test_the_powers_of_a_tensor_of_many_steps_are_each_steps_alone(s):
+    """The schedules that take powers on a tensor of thousands of steps, and on a tensor of
+    40 equal ones: each value, bit for bit, that step's alone (torch's CPU pow gave the
+    elements of its vectorized loop another last bit than the same step alone: an
+    optimizer class of 16 parameters or more stepped them at a rate a unit in the last
+    place off its functional step's, and off its last parameters', at the same count), and
+    within rounding of the Python path's."""
+    steps = torch.cat([torch.arange(0, 3000), torch.arange(2**31 - 3000, 2**31, 7)])
+    many = s(steps)
+    one = torch.stack([s(k) for k in steps])
+    assert torch.equal(many.view(torch.int64), one.view(torch.int64))
+    for k in (181, 2**31 - 5):
+        same = s(torch.full((40,), k, dtype=torch.int32))
+        assert torch.equal(same, s(torch.tensor(k, dtype=torch.int32)).expand(40))
+    host = torch.tensor([s(int(k)) for k in steps], dtype=torch.float64)
+    torch.testing.assert_close(many, host, rtol=1e-13, atol=1e-15)
+
+
+def test_a_class_of_many_parameters_steps_each_at_its_functional_rate():
+    """A class of 20 parameters at one count with a decaying power for lr steps each as its
+    functional step does, bit for bit (the first 16 were a unit in the last place off)."""
+    import vega
+    lr = schedule.exponential_decay(1.0, 0.5, 1000)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, dtype=torch.float64, generator=gen))
+              for _ in range(20)]
+    opt = vega.optim.AdamW(params, lr=lr, backend="reference", weight_decay=0.0)
+    for p in params:
+        p.grad = torch.zeros(5, dtype=torch.float64)
+    opt.step()
+    for k in (181, 193, 301):
+        for p in params:
+            p.grad = torch.randn(5, dtype=torch.float64, generator=gen)
+            opt.state[p]["step"].fill_(k)
+        before = [(p.detach().clone(), {n: t.clone() for n, t in opt.state[p].items()})
+                  for p in params]
+        opt.step()
+        for p, (q, st) in zip(params, before):
+            alone, _ = vega.adamw_step(q, p.grad, st, lr=lr, backend="reference",
+                                       weight_decay=0.0)
+            assert torch.equal(p.detach(), alone), k
+
+
 def test_compiles_fullgraph_once():
     """Every schedule on a step tensor in one compiled frame: no graph break, no
     recompilation as the step changes, and the eager values. (aot_eager traces what
