@@ -112,19 +112,27 @@ class _Device:
     @staticmethod
     def pow(a, b):
         """``a ** b``, each element by the scalar loop of torch's ``pow`` on a CPU (the
-        one a 0-d tensor takes, and ``math.pow``'s bits): its vectorized loop, which a
-        contiguous tensor takes but for its last few elements (from 16 elements, with
+        one a 0-d tensor takes, and ``math.pow``'s bits): its vectorized loop, which
+        contiguous operands take but for their last few elements (from 16 elements, with
         AVX-512), gives some another last bit than the same element alone, so that an
         optimizer class of 16 parameters or more stepped them at rates a unit in the last
         place off their functional steps', and off its last parameters', at the same
-        count. A view with a stride of 2 is no loop's to vectorize."""
-        return _strided(a) ** _strided(b)
+        count. An operand viewed with a stride of 2 is no loop's to vectorize (one
+        suffices); a GPU's pow is one function of each element."""
+        if _vectorized(b):
+            b = _strided(b)
+        elif _vectorized(a):
+            a = _strided(a)
+        return a ** b
 
 
-def _strided(x):
-    """A tensor ``x``, as a view with a stride of 2 (of a copy); anything else as it is."""
-    if not isinstance(x, torch.Tensor):
-        return x
+def _vectorized(x) -> bool:
+    """Whether ``x`` is a tensor that torch's CPU loops may take several elements at once."""
+    return isinstance(x, torch.Tensor) and x.dim() > 0 and x.device.type == "cpu"
+
+
+def _strided(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a view with a stride of 2 (of a copy)."""
     return torch.stack((x, x), dim=-1)[..., 0]
 
 
