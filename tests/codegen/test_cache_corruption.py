@@ -378,3 +378,45 @@ def test_no_private_directory_either_is_a_clear_error(cache, tmp_path, monkeypat
     monkeypatch.setattr(cbuild.tempfile, "mkdtemp", no_room)
     with pytest.raises(cbuild.CacheError, match="VEGA_CACHE_DIR=.*a-file.*nor can a private"):
         cbuild.build(SOURCE)
+
+
+FORKED_RUN = r"""
+import json, os, sys, time, warnings
+warnings.simplefilter("ignore")
+from vega.codegen.c import build as cbuild
+source = 'const char *vega_key(void) { return "@KEY@"; }\nint vega_answer(void) { return %d; }\n'
+mine = cbuild.build(source % 1)[1].parent.parent
+pid = os.fork()
+if pid == 0:  # a child that builds, then ends as a script does: its exit handlers run
+    print(json.dumps({"child": str(cbuild.build(source % 2)[1].parent.parent)}), flush=True)
+    sys.exit(0)
+deadline = time.monotonic() + 60
+while os.waitpid(pid, os.WNOHANG) == (0, 0):
+    if time.monotonic() > deadline:  # a child that hangs fails the run at once
+        os.kill(pid, 9)
+        sys.exit("the child hung")
+    time.sleep(0.05)
+kept = mine.is_dir()
+_, path, compiled = cbuild.build(source % 3)
+print(json.dumps({"mine": str(mine), "kept": kept, "built": compiled,
+                  "answer": cbuild.library(source % 3).vega_answer()}))
+"""
+
+
+def test_a_forked_child_leaves_its_parents_private_directory(tmp_path):
+    """A child made by ``os.fork`` that ends as a script does (``sys.exit``, not
+    ``os._exit``) runs the exit handlers it inherited: the one that removes its parent's
+    private directory (kept where ``VEGA_CACHE_DIR`` cannot be used) took it from under the
+    parent, whose next build then failed with a bare FileNotFoundError. The child builds
+    into a private directory of its own, removed when it ends, and the parent's stays."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    env = {**os.environ, "VEGA_CACHE_DIR": str(file), "VEGA_NATIVE": "0",
+           "PYTHONPATH": str(REPO)}
+    ran = subprocess.run([sys.executable, "-c", FORKED_RUN], env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    child, parent = (json.loads(line) for line in ran.stdout.splitlines())
+    assert parent["kept"] and parent["built"] and parent["answer"] == 3
+    assert child["child"] != parent["mine"] and not os.path.exists(child["child"])
+    assert not os.path.exists(parent["mine"])  # removed when the parent ended

@@ -209,12 +209,30 @@ def _private_root(directory: Path, problem: str) -> Path:
                 f"vega: the kernel cache directory {directory} ({_named()}) cannot be used: "
                 f"{problem}; nor can a private one be made in {tempfile.gettempdir()} "
                 f"({e.strerror}); set VEGA_CACHE_DIR to a directory of your own") from e
-        atexit.register(shutil.rmtree, _fallback, True)
+        atexit.register(_remove_private, _fallback, os.getpid())
     warn_once(f"vega: not using the kernel cache directory {directory} ({_named()}): "
               f"{problem}; building into {_fallback}, private to this process and removed "
               f"at exit, instead (set VEGA_CACHE_DIR to a directory of your own to keep "
               f"kernels between runs)")
     return _fallback
+
+
+def _remove_private(path: Path, owner: int) -> None:
+    """At exit, remove the private directory ``path`` if this process (pid ``owner``) made
+    it: a child made by ``os.fork`` that ends as a script does runs its parent's exit
+    handlers too, and would take the directory from under its parent."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _forked() -> None:
+    """In a child made by ``os.fork``: its parent's private directory goes when the parent
+    exits, maybe before the child, so the child makes one of its own where it builds."""
+    global _fallback
+    _fallback = None
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def hash_file(path: Path) -> Path:
