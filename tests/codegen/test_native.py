@@ -8,11 +8,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+import vega
 from vega.codegen.c import native
+
+REPO = Path(vega.__file__).resolve().parents[1]
 
 needs_cxx = pytest.mark.skipif(native._paths() is None,
                                reason="no C++ compiler or Python headers here")
@@ -514,6 +518,51 @@ def test_a_forked_child_waits_for_the_build_its_parent_started(fresh):
         log.close()
         os.close(r)
     assert seen == "(None, True)", seen
+
+
+HELD_AT_FORK = r"""
+import json, os, sys, threading, time
+from vega.codegen.c import build as cbuild
+from vega.codegen.c import native
+from vega.runtime import library
+native._paths = lambda: None  # (no operator: module() answers at once, under its lock)
+held, done = threading.Event(), threading.Event()
+
+def builder():  # another thread, in the middle of a build, a native load and a compile
+    with cbuild._loaded_lock, cbuild._lock, native._lock_, library._LOCK:
+        held.set()
+        done.wait()
+threading.Thread(target=builder).start()
+held.wait()
+source = 'const char *vega_key(void) { return "@KEY@"; }\nint vega_answer(void) { return 7; }\n'
+pid = os.fork()
+if pid == 0:
+    answer = cbuild.library(source).vega_answer()
+    native.module(wait=False)
+    name = library.builtin("sgd").name
+    print(json.dumps([answer, name]), flush=True)
+    os._exit(0)
+deadline = time.monotonic() + 30
+while os.waitpid(pid, os.WNOHANG) == (0, 0):
+    if time.monotonic() > deadline:  # a hung child fails the run at once
+        os.kill(pid, 9)
+        print(json.dumps("the child hung"), flush=True)
+        break
+    time.sleep(0.05)
+done.set()
+"""
+
+
+def test_a_forked_child_builds_while_another_thread_of_its_parent_held_the_locks(tmp_path):
+    """A child made by fork while another thread of its parent was building a kernel, loading
+    the native operator or compiling a shipped spec inherited that thread's locks, held by a
+    thread the child does not have: its first build, native load or spec waited for ever.
+    The child takes new locks."""
+    env = {**os.environ, "VEGA_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    ran = subprocess.run([sys.executable, "-c", HELD_AT_FORK], env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert json.loads(ran.stdout) == [7, "sgd"], ran.stdout
 
 
 def test_the_passes_use_the_operator_once_it_is_loaded(monkeypatch):

@@ -1,6 +1,7 @@
 """The specs that ship with vega (``specs/*.vega``, installed as ``vega.specs``)."""
 from __future__ import annotations
 
+import os
 import threading
 from functools import cache
 from importlib.resources import files
@@ -29,6 +30,16 @@ def builtin_names() -> list[str]:
 
 
 _LOCK = threading.Lock()  # a spec first used from two threads at once is compiled once
+
+
+def _forked() -> None:
+    """In a child made by ``os.fork``: a new lock, as one that another thread of the parent
+    held at the fork (compiling a spec) would be held in the child for ever."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def builtin(name: str) -> CompiledSpec:

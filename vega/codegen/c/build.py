@@ -227,9 +227,12 @@ def _remove_private(path: Path, owner: int) -> None:
 
 def _forked() -> None:
     """In a child made by ``os.fork``: its parent's private directory goes when the parent
-    exits, maybe before the child, so the child makes one of its own where it builds."""
-    global _fallback
+    exits, maybe before the child, so the child makes one of its own where it builds. The
+    locks are new: one that another thread of the parent held at the fork (building a
+    kernel) would be held in the child for ever, by a thread the child does not have."""
+    global _fallback, _lock, _loaded_lock
     _fallback = None
+    _lock, _loaded_lock = threading.Lock(), threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forked)

@@ -337,7 +337,11 @@ def _forked() -> None:
     """In a child made by ``os.fork`` (a DataLoader's worker, a pool's process) while its
     parent's build runs: that build is not this process's child, so its exit status cannot
     be waited for (``poll`` would say 0 at once, and the build would be taken as failed);
-    the child waits for it as for another process's, by its lock and its library."""
+    the child waits for it as for another process's, by its lock and its library. Its
+    ``_lock_`` is new: one that another thread of the parent held at the fork would be held
+    in the child for ever."""
+    global _lock_
+    _lock_ = threading.Lock()
     pending = _state["pending"]
     if pending is not None and pending[1] is not None:
         _state["pending"] = (pending[0], None, None)
