@@ -175,6 +175,26 @@ def test_a_failing_compiler_is_said_once_and_remembered(fresh, monkeypatch):
 
 
 @needs_cxx
+def test_a_compiler_killed_by_a_signal_is_not_remembered(fresh, monkeypatch):
+    """A compiler killed by a signal (the kernel's out-of-memory killer: several processes
+    building at once on a small machine) said nothing of the source, but its failure was
+    recorded beside the target: no later process built the operator again until the record
+    was deleted by hand. It is said in this process alone; the next one builds again."""
+    command, target = native._paths()
+    killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    monkeypatch.setattr(native, "_paths", lambda: (killed, target))
+    assert native.module(wait=True) is None
+    assert "killed by signal 9 (SIGKILL)" in native.status()
+    assert not native._failed_file(target).exists()
+    assert not [f for f in os.listdir(target.parent) if f.startswith(".")]  # no temporaries
+    native._state.update(module=None, pending=None, failed=None)
+    says_no = [sys.executable, "-c", "import sys; sys.exit('built again')"]
+    monkeypatch.setattr(native, "_paths", lambda: (says_no, target))
+    assert native.module(wait=True) is None
+    assert "built again" in native.status()  # (a build ran: nothing kept it from trying)
+
+
+@needs_cxx
 def test_a_build_that_cannot_start_leaves_the_python_path(fresh, monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError(errno.EAGAIN, "Resource temporarily unavailable")

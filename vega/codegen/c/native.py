@@ -29,6 +29,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -233,10 +234,19 @@ def _placed(target: Path) -> Path:
     return cbuild.safe_dir(target.parent) / target.name
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown"
+
+
 def build(target: Path | None = None, text: str | None = None) -> str | None:
     """Compile the library into a temporary file and rename it into place (atomic: another
     process sees no library or a whole one) at ``target`` (default: ``_paths``'s, placed
-    by ``_placed``); the compiler's complaint (also written beside the target), or None.
+    by ``_placed``); the compiler's complaint (also written beside the target: later
+    processes do not build it again), or None. A compiler killed by a signal (out of
+    memory) is no complaint about the source: said, not written.
     ``text``: the source to compile (default ``TEXT``; the background build's, its parent's,
     which the target's key names)."""
     found = _paths()
@@ -256,6 +266,9 @@ def build(target: Path | None = None, text: str | None = None) -> str | None:
         if proc.returncode == 0:
             cbuild.install(tmp, target)
             return None
+        if proc.returncode < 0:  # killed (out of memory, a signal): no verdict on the source
+            return (f"the C++ compiler was killed by signal {-proc.returncode} "
+                    f"({_signal_name(-proc.returncode)}); a later process builds it again")
         error = "the C++ compiler failed: " + (proc.stderr or proc.stdout)[-2000:]
     except (OSError, subprocess.SubprocessError) as e:
         error = f"the C++ compiler could not run: {e}"
