@@ -40,6 +40,7 @@ import itertools
 import os
 import platform
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -489,6 +490,13 @@ def target_cpu() -> str:
     return _cpuinfo()
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "an unknown signal"
+
+
 def key_of(source: str) -> str:
     """The cache key of ``source``: a hash of it, the compiler's version, the flags and the
     target CPU."""
@@ -555,6 +563,10 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
                 f.write(source)
             proc = subprocess.run([cc[0], *FLAGS, tmp_c, "-o", tmp_so, "-lm"],
                                   capture_output=True, text=True, timeout=300)
+            if proc.returncode < 0:  # killed (out of memory, a signal): no verdict on it
+                raise CompilerError(f"{cc[0]} was killed by signal {-proc.returncode} "
+                                    f"({_signal_name(-proc.returncode)}) while compiling a "
+                                    f"kernel (out of memory?); a later step compiles it again")
             if proc.returncode != 0:
                 raise CompilerError(toolchain_problem(cc, out_dir) or
                                     f"{cc[0]} failed on a generated kernel (a bug in vega; "

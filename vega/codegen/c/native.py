@@ -238,7 +238,7 @@ def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
     except ValueError:
-        return "unknown"
+        return "an unknown signal"
 
 
 def build(target: Path | None = None, text: str | None = None) -> str | None:
