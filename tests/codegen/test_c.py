@@ -702,16 +702,19 @@ def test_a_toolchain_without_openmp_is_said_with_what_to_do(tmp_path, monkeypatc
     assert cbuild.toolchain_problem((str(fake), "1"), tmp_path / "no-such-directory") is None
 
 
-def test_a_compiler_killed_by_a_signal_is_said_as_such(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["itself", "its program"])
+def test_a_compiler_killed_by_a_signal_is_said_as_such(tmp_path, monkeypatch, how):
     # a compiler killed while it compiles a kernel (the out-of-memory killer, with several
-    # processes building at once): the step said "a bug in vega; please report it", with
-    # nothing of the compiler's to show
+    # processes building at once), or gcc's driver whose cc1 was: the step said "a bug in
+    # vega; please report it"
     real = cbuild.compiler()
     if real is None:
         pytest.skip("no C compiler here")
+    dies = "kill -9 $$" if how == "itself" else \
+        "echo 'cc: fatal error: Killed signal terminated program cc1' >&2; exit 1"
     killed = tmp_path / "cc-killed"  # killed at its first source, a compiler after (probe's)
     killed.write_text(f"#!/bin/sh\ncase \"$*\" in *.c\\ *) [ -e {tmp_path}/once ] || "
-                      f"{{ touch {tmp_path}/once; kill -9 $$; }};; esac\n"
+                      f"{{ touch {tmp_path}/once; {dies}; }};; esac\n"
                       f"exec {real[0]} \"$@\"\n")
     killed.chmod(0o700)
     monkeypatch.setattr(cbuild, "compiler", lambda: (str(killed), "cc-killed 1"))
@@ -719,7 +722,9 @@ def test_a_compiler_killed_by_a_signal_is_said_as_such(tmp_path, monkeypatch):
     with pytest.raises(cbuild.CompilerError) as caught:
         cbuild.build('const char *vega_key(void) { return "@KEY@"; }\n')
     said = str(caught.value)
-    assert "was killed by signal 9 (SIGKILL)" in said and "a bug" not in said, said
+    assert ("was killed by signal 9 (SIGKILL)" if how == "itself" else
+            "had the program it ran killed (Killed signal terminated program)") in said
+    assert "a bug" not in said and "a later step compiles it again" in said, said
     assert [f.name for f in (tmp_path / "cache" / "c").iterdir()] == []  # nothing left
 
 

@@ -174,17 +174,27 @@ def test_a_failing_compiler_is_said_once_and_remembered(fresh, monkeypatch):
     assert native._state["pending"] is None and "the compiler says no" in native.status()
 
 
+KILLED = {  # a compiler killed, and what is said of it
+    "itself": ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+               "was killed by signal 9 (SIGKILL)"),
+    # gcc's driver, whose cc1plus the out-of-memory killer took: it says so and exits 1
+    "its program": ("import sys; sys.exit('c++: fatal error: Killed signal terminated "
+                    "program cc1plus')", "Killed signal terminated program"),
+}
+
+
 @needs_cxx
-def test_a_compiler_killed_by_a_signal_is_not_remembered(fresh, monkeypatch):
+@pytest.mark.parametrize("how", sorted(KILLED))
+def test_a_compiler_killed_by_a_signal_is_not_remembered(fresh, monkeypatch, how):
     """A compiler killed by a signal (the kernel's out-of-memory killer: several processes
     building at once on a small machine) said nothing of the source, but its failure was
     recorded beside the target: no later process built the operator again until the record
     was deleted by hand. It is said in this process alone; the next one builds again."""
     command, target = native._paths()
-    killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
-    monkeypatch.setattr(native, "_paths", lambda: (killed, target))
+    code, said = KILLED[how]
+    monkeypatch.setattr(native, "_paths", lambda: ([sys.executable, "-c", code], target))
     assert native.module(wait=True) is None
-    assert "killed by signal 9 (SIGKILL)" in native.status()
+    assert said in native.status() and "a later process builds it again" in native.status()
     assert not native._failed_file(target).exists()
     assert not [f for f in os.listdir(target.parent) if f.startswith(".")]  # no temporaries
     native._state.update(module=None, pending=None, failed=None)

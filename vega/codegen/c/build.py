@@ -39,6 +39,7 @@ import hashlib
 import itertools
 import os
 import platform
+import re
 import shutil
 import signal
 import stat
@@ -490,11 +491,26 @@ def target_cpu() -> str:
     return _cpuinfo()
 
 
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return "an unknown signal"
+# what a compiler driver says where the program it ran was killed (gcc: "c++: fatal error:
+# Killed signal terminated program cc1plus", and it exits 1; clang: "unable to execute
+# command: Killed"): by the out-of-memory killer, or stopped from outside
+_KILLED = re.compile(r"\b(Killed|Terminated|Interrupt) signal terminated program|"
+                     r"unable to execute command: (Killed|Terminated|Interrupt)")
+
+
+def killed(proc: subprocess.CompletedProcess) -> str | None:
+    """How the compiler run ``proc`` (its output captured as text) was killed by a signal,
+    itself or the program its driver ran (out of memory: no verdict on the source), in
+    words; None where it ran to its end."""
+    if proc.returncode < 0:
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"was killed by signal {-proc.returncode} ({name})"
+    found = _KILLED.search(proc.stderr or "")
+    return None if proc.returncode == 0 or found is None else \
+        f"had the program it ran killed ({found.group(0)})"
 
 
 def key_of(source: str) -> str:
@@ -563,10 +579,10 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
                 f.write(source)
             proc = subprocess.run([cc[0], *FLAGS, tmp_c, "-o", tmp_so, "-lm"],
                                   capture_output=True, text=True, timeout=300)
-            if proc.returncode < 0:  # killed (out of memory, a signal): no verdict on it
-                raise CompilerError(f"{cc[0]} was killed by signal {-proc.returncode} "
-                                    f"({_signal_name(-proc.returncode)}) while compiling a "
-                                    f"kernel (out of memory?); a later step compiles it again")
+            how = killed(proc)
+            if how is not None:
+                raise CompilerError(f"{cc[0]} {how} while compiling a kernel (out of "
+                                    f"memory?); a later step compiles it again")
             if proc.returncode != 0:
                 raise CompilerError(toolchain_problem(cc, out_dir) or
                                     f"{cc[0]} failed on a generated kernel (a bug in vega; "

@@ -29,7 +29,6 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -234,13 +233,6 @@ def _placed(target: Path) -> Path:
     return cbuild.safe_dir(target.parent) / target.name
 
 
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return "an unknown signal"
-
-
 def build(target: Path | None = None, text: str | None = None) -> str | None:
     """Compile the library into a temporary file and rename it into place (atomic: another
     process sees no library or a whole one) at ``target`` (default: ``_paths``'s, placed
@@ -266,9 +258,9 @@ def build(target: Path | None = None, text: str | None = None) -> str | None:
         if proc.returncode == 0:
             cbuild.install(tmp, target)
             return None
-        if proc.returncode < 0:  # killed (out of memory, a signal): no verdict on the source
-            return (f"the C++ compiler was killed by signal {-proc.returncode} "
-                    f"({_signal_name(-proc.returncode)}); a later process builds it again")
+        how = cbuild.killed(proc)
+        if how is not None:  # (out of memory: no verdict on the source)
+            return f"the C++ compiler {how}; a later process builds it again"
         error = "the C++ compiler failed: " + (proc.stderr or proc.stdout)[-2000:]
     except (OSError, subprocess.SubprocessError) as e:
         error = f"the C++ compiler could not run: {e}"
