@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -386,20 +387,37 @@ warnings.simplefilter("ignore")
 from vega.codegen.c import build as cbuild
 source = 'const char *vega_key(void) { return "@KEY@"; }\nint vega_answer(void) { return %d; }\n'
 mine = cbuild.build(source % 1)[1].parent.parent
+
+def waited(pid):  # a child that hangs fails the run at once
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            sys.exit("the child hung")
+        time.sleep(0.05)
+
 pid = os.fork()
 if pid == 0:  # a child that builds, then ends as a script does: its exit handlers run
     print(json.dumps({"child": str(cbuild.build(source % 2)[1].parent.parent)}), flush=True)
     sys.exit(0)
-deadline = time.monotonic() + 60
-while os.waitpid(pid, os.WNOHANG) == (0, 0):
-    if time.monotonic() > deadline:  # a child that hangs fails the run at once
-        os.kill(pid, 9)
-        sys.exit("the child hung")
-    time.sleep(0.05)
+waited(pid)
 kept = mine.is_dir()
 _, path, compiled = cbuild.build(source % 3)
 print(json.dumps({"mine": str(mine), "kept": kept, "built": compiled,
-                  "answer": cbuild.library(source % 3).vega_answer()}))
+                  "answer": cbuild.library(source % 3).vega_answer()}), flush=True)
+if os.fork() == 0:  # a child that outlives its parent, then builds
+    try:
+        deadline = time.monotonic() + 60
+        while mine.is_dir() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        at = cbuild.build(source % 4)[1].parent.parent
+        said = {"orphan": str(at), "answer": cbuild.library(source % 4).vega_answer()}
+    except BaseException as e:
+        said = {"orphan": repr(e)}
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        json.dump(said, f)
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    sys.exit(0)  # (its own directory removed at its exit)
 """
 
 
@@ -407,16 +425,25 @@ def test_a_forked_child_leaves_its_parents_private_directory(tmp_path):
     """A child made by ``os.fork`` that ends as a script does (``sys.exit``, not
     ``os._exit``) runs the exit handlers it inherited: the one that removes its parent's
     private directory (kept where ``VEGA_CACHE_DIR`` cannot be used) took it from under the
-    parent, whose next build then failed with a bare FileNotFoundError. The child builds
-    into a private directory of its own, removed when it ends, and the parent's stays."""
+    parent, whose next build then failed with a bare FileNotFoundError. A child builds into
+    its parent's directory and leaves it; one that outlives its parent makes its own."""
     file = tmp_path / "a-file"
     file.write_text("")
+    said = tmp_path / "orphan.json"
     env = {**os.environ, "VEGA_CACHE_DIR": str(file), "VEGA_NATIVE": "0",
            "PYTHONPATH": str(REPO)}
-    ran = subprocess.run([sys.executable, "-c", FORKED_RUN], env=env, capture_output=True,
-                         text=True, timeout=240)
+    ran = subprocess.run([sys.executable, "-c", FORKED_RUN, str(said)], env=env,
+                         capture_output=True, text=True, timeout=240)
     assert ran.returncode == 0, ran.stderr[-2000:]
     child, parent = (json.loads(line) for line in ran.stdout.splitlines())
     assert parent["kept"] and parent["built"] and parent["answer"] == 3
-    assert child["child"] != parent["mine"] and not os.path.exists(child["child"])
+    assert child["child"] == parent["mine"]
+    deadline = time.monotonic() + 90
+    while not said.exists() and time.monotonic() < deadline:  # (the orphan, still running)
+        time.sleep(0.1)
     assert not os.path.exists(parent["mine"])  # removed when the parent ended
+    orphan = json.loads(said.read_text())
+    assert orphan.get("answer") == 4 and orphan["orphan"] != parent["mine"], orphan
+    while os.path.exists(orphan["orphan"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(orphan["orphan"])

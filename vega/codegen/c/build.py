@@ -203,7 +203,7 @@ def _private_root(directory: Path, problem: str) -> Path:
     of the cache directory ``directory``, which ``problem`` keeps from use: said in one
     warning that names ``VEGA_CACHE_DIR``. Raises ``CacheError`` where it cannot be made."""
     global _fallback
-    if _fallback is None:
+    if _fallback is None or not os.path.isdir(_fallback):  # (gone: a forked child's parent's)
         try:
             _fallback = Path(tempfile.mkdtemp(prefix="vega-cache-"))  # 0o700, a new name
         except OSError as e:
@@ -222,18 +222,18 @@ def _private_root(directory: Path, problem: str) -> Path:
 def _remove_private(path: Path, owner: int) -> None:
     """At exit, remove the private directory ``path`` if this process (pid ``owner``) made
     it: a child made by ``os.fork`` that ends as a script does runs its parent's exit
-    handlers too, and would take the directory from under its parent."""
+    handlers too, and would take the directory from under its parent. A child builds into
+    its parent's directory, or into one of its own once its parent's is gone (the parent
+    ended first)."""
     if os.getpid() == owner:
         shutil.rmtree(path, ignore_errors=True)
 
 
 def _forked() -> None:
-    """In a child made by ``os.fork``: its parent's private directory goes when the parent
-    exits, maybe before the child, so the child makes one of its own where it builds. The
-    locks are new: one that another thread of the parent held at the fork (building a
-    kernel) would be held in the child for ever, by a thread the child does not have."""
-    global _fallback, _lock, _loaded_lock
-    _fallback = None
+    """In a child made by ``os.fork``: new locks, as one that another thread of the parent
+    held at the fork (building a kernel) would be held in the child for ever, by a thread
+    the child does not have."""
+    global _lock, _loaded_lock
     _lock, _loaded_lock = threading.Lock(), threading.Lock()
 
 
