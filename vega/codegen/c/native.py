@@ -237,8 +237,9 @@ def build(target: Path | None = None, text: str | None = None) -> str | None:
     """Compile the library into a temporary file and rename it into place (atomic: another
     process sees no library or a whole one) at ``target`` (default: ``_paths``'s, placed
     by ``_placed``); the compiler's complaint (also written beside the target: later
-    processes do not build it again), or None. A compiler killed by a signal (out of
-    memory) is no complaint about the source: said, not written.
+    processes do not build it again), or None. A compiler killed by a signal, or whose
+    driver says the program it ran was (out of memory), made no complaint about the
+    source: that is said, not written.
     ``text``: the source to compile (default ``TEXT``; the background build's, its parent's,
     which the target's key names)."""
     found = _paths()
