@@ -1,5 +1,7 @@
 """The C backend on programs over a matrix view (row and column reductions, state per row
 or per column) against the reference, on params and every state tensor."""
+import re
+
 import pytest
 import torch
 
@@ -203,6 +205,33 @@ def test_empty_axes():
     (cp, cs), _ = run_both(spec, params, 2, lambda k: randn(shapes, torch.float64, 500 + k))
     assert cs["c"]["empty"].shape == (3,) and cs["r"]["empty"].shape == (0,)
     assert torch.isnan(cs["c"]["empty"]).all()
+
+
+@pytest.mark.parametrize("shape,field,other", [((4, 6), "v_row", (2, 2)),
+                                               ((2, 3, 4), "v_row", (3, 2)),
+                                               ((4, 6), "v_col", (1, 6)),
+                                               ((2, 3, 4), "v_col", (4, 2))])
+def test_a_class_refuses_a_row_or_column_state_of_another_shape(shape, field, other):
+    """A state of one value per row (or column) of another shape, of the same length, is
+    refused by name, as the reference refuses it: the native operator compared only the
+    lengths, and stepped it (a (2, 2) row state for a (4, 6) parameter)."""
+    p = torch.nn.Parameter(torch.randn(shape))
+    opt = vega.optim.Adafactor([p], lr=0.05, min_dim_size_to_factor=2, backend="c")
+    p.grad = torch.randn(shape)
+    opt.step()
+    opt.state[p][field] = opt.state[p][field].reshape(other)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=rf"state '{field}' has shape {re.escape(str(other))}"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+    # and a parameter given another shape whose rows and columns are as many (1, 4, 6)
+    q = torch.nn.Parameter(torch.randn(4, 6))
+    opt = vega.optim.Adafactor([q], lr=0.05, min_dim_size_to_factor=2, backend="c")
+    q.grad = torch.randn(4, 6)
+    opt.step()
+    q.data, q.grad = torch.randn(1, 4, 6), torch.randn(1, 4, 6)
+    with pytest.raises(ValueError, match=r"state 'v_row' has shape \(4,\).*needs \(1, 4\)"):
+        opt.step()
 
 
 # -- fused options, threads -----------------------------------------------------------

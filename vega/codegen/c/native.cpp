@@ -120,14 +120,39 @@ bool as_stored(const at::Tensor &t) {
            dtype_name(t.scalar_type()) != nullptr;
 }
 
-// Whether state ``x`` of parameter ``p`` has the length its domain needs: 0 the parameter's
-// shape, 4 one number (a 0-d tensor), 5 one a block of 256 (8-bit scales), 1-3 the
-// geometry's ``geo[dom]`` (a matrix-view program's; none elsewhere).
+// The axis of ``sizes`` of length ``n`` whose stride in a contiguous tensor is ``inner``
+// (the last such, other than ``skip``), or -1: the row or column axis of a matrix view
+// from its geometry row (``axis_geometry``: Sr, Sc, fr, fc). Where two axes match, every
+// axis from one to the other has length 1, and removing either leaves the same shape.
+int64_t view_axis(c10::IntArrayRef sizes, int64_t n, int64_t inner, int64_t skip) {
+    int64_t stride = 1, found = -1;
+    for (int64_t a = static_cast<int64_t>(sizes.size()) - 1; a >= 0; a--) {
+        if (found < 0 && a != skip && sizes[a] == n && stride == inner) found = a;
+        stride *= sizes[a];
+    }
+    return found;
+}
+
+// Whether state ``x`` of parameter ``p`` has the shape its domain needs: 0 the parameter's
+// shape, 4 one number (a 0-d tensor), 5 one a block of 256 (8-bit scales), 1-3 (one per
+// row, per column, per matrix) the parameter's without its column axis, its row axis or
+// both, as ``geo`` (a matrix-view program's geometry row; none elsewhere) finds them: the
+// length alone took a state of another shape (a row of (2, 2) for a (4, 6) parameter).
 bool state_fits(const at::Tensor &x, const at::Tensor &p, int64_t dom, const int64_t *geo) {
-    return dom == 0 ? x.sizes().equals(p.sizes())
-         : dom == 4 ? x.dim() == 0
-         : dom == 5 ? x.dim() == 1 && x.numel() == (p.numel() + 255) / 256
-                    : geo != nullptr && x.numel() == geo[dom];
+    if (dom == 0) return x.sizes().equals(p.sizes());
+    if (dom == 4) return x.dim() == 0;
+    if (dom == 5) return x.dim() == 1 && x.numel() == (p.numel() + 255) / 256;
+    if (geo == nullptr || x.numel() != geo[dom]) return false;
+    const c10::IntArrayRef sizes = p.sizes();
+    const int64_t c = p.dim() > 0 ? view_axis(sizes, geo[5], geo[7], -1) : -1;
+    const int64_t r = p.dim() > 1 ? view_axis(sizes, geo[4], geo[6], c) : -1;
+    const c10::IntArrayRef have = x.sizes();
+    size_t j = 0;
+    for (int64_t a = 0; a < p.dim(); a++) {
+        if ((a == c && dom != 2) || (a == r && dom != 1)) continue;  // (an axis it lacks)
+        if (j == have.size() || have[j++] != sizes[a]) return false;
+    }
+    return j == have.size();
 }
 
 // Whether ``t`` is a step counter a kernel advances on ``device``: a 0-d int32 tensor.
