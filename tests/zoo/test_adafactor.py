@@ -163,6 +163,7 @@ def test_matches_torch_where_the_definitions_coincide():
     gen = torch.Generator().manual_seed(5)
     start = {"w": torch.randn(5, 7, generator=gen, dtype=torch.float64),
              "c": torch.randn(2, 3, 4, generator=gen, dtype=torch.float64),
+             "k": torch.randn(3, 2, 4, 6, generator=gen, dtype=torch.float64),
              "b": torch.randn(7, generator=gen, dtype=torch.float64)}
     ours = {n: torch.nn.Parameter(v.clone()) for n, v in start.items()}
     theirs = {n: torch.nn.Parameter(v.clone()) for n, v in start.items()}
@@ -184,6 +185,37 @@ def test_matches_torch_where_the_definitions_coincide():
                 assert_close(mine["v_col"], its["col_var"].squeeze(-2), f"v_col.{n}", k + 1)
             else:
                 assert_close(mine["v"], its["variance"], f"v.{n}", k + 1)
+
+
+def test_torch_factors_the_last_two_axes_where_vega_factors_the_two_longest():
+    """A tensor whose last two axes are not its two longest ((8, 2, 10): vega's rows are
+    axis 0, torch's axis 1) is factored otherwise than torch.optim.Adafactor factors it,
+    so the two step it apart (the spec's header and docs/optimizers.md say where they
+    meet); a 2-d matrix whose first axis is the longer steps alike, its factors swapped."""
+    h = dict(lr=0.5, decay_rate=0.7, min_dim_size_to_factor=0.0, clipping_threshold=1.0,
+             eps=0.0, param_scale_min=0.02, relative_step=True)
+    gen = torch.Generator().manual_seed(7)
+    apart = {}
+    for shape in ((8, 2, 10), (9, 3)):
+        start = torch.randn(shape, generator=gen, dtype=torch.float64)
+        ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+        opt = vega.optim.Adafactor([ours], **h)
+        ref = torch.optim.Adafactor([theirs], lr=h["lr"], beta2_decay=-h["decay_rate"],
+                                    eps=(1e-30, h["param_scale_min"]), d=1.0, foreach=False)
+        for _ in range(3):
+            g = torch.randn(shape, generator=gen, dtype=torch.float64)
+            ours.grad, theirs.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+        apart[shape] = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+        mine, its = opt.state[ours], ref.state[theirs]
+        if shape == (8, 2, 10):
+            assert mine["v_row"].shape == (8, 2) and its["row_var"].shape == (8, 2, 1)
+            assert mine["v_col"].shape == (2, 10) and its["col_var"].shape == (8, 1, 10)
+        else:
+            assert_close(mine["v_row"], its["col_var"].squeeze(-2), "v_row", 3)
+            assert_close(mine["v_col"], its["row_var"].squeeze(-1), "v_col", 3)
+    assert apart[(8, 2, 10)] > 1e-3 and apart[(9, 3)] < 1e-12, apart
 
 
 def test_a_state_made_for_other_shape_conditions_is_named():
