@@ -1196,6 +1196,31 @@ def test_bad_8bit_requests(make, words):
         make()
 
 
+def test_named_8bit_states_leave_a_matrix_program_without_them_in_floats():
+    """Muon's AdamW moments named for 8 bits, beside a matrix whose program keeps only
+    ``buf`` (and Adafactor's unfactored ``v`` beside a factored tensor): the vector's
+    moments are 8-bit, the matrix steps in floats. Both were refused, for states the
+    matrix's program does not have; state_dtype=torch.uint8 (each state) still is."""
+    params = {"w": torch.randn(64, 128), "b": torch.randn(8192)}
+    state = vega.muon_init(params, state_dtype={"mu": U8, "nu": U8})
+    assert state["buf"]["w"].dtype == torch.float32 and state["buf"]["b"] is None
+    assert state["mu"]["b"].dtype == U8 and state["mu"]["w"] is None
+    new, state = vega.muon_step(params, grads_of(params, 0), state, lr=0.02)
+    assert state["nu"]["b"].dtype == U8 and torch.isfinite(new["w"]).all()
+    ps = [torch.nn.Parameter(v.clone()) for v in params.values()]
+    opt = vega.optim.Muon(ps, lr=0.02, state_dtype={"mu": U8, "nu": U8})
+    for p in ps:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    assert opt.state[ps[0]].keys() == {"buf", "step"} and opt.state[ps[1]]["mu"].dtype == U8
+    params = {"w": torch.randn(256, 300), "b": torch.randn(8192)}
+    state = vega.adafactor.init(params, state_dtype={"v": U8})
+    assert state["v"]["b"].dtype == U8 and state["v_row"]["w"].dtype == torch.float32
+    with pytest.raises(ValueError, match="8-bit state .* is kept for programs of values one "
+                                         "per element"):
+        vega.muon_init(params, state_dtype=U8)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_nan_makes_its_block_nan_as_on_the_reference(backend):
     def run(backend):

@@ -57,13 +57,19 @@ QUANT_CHUNK = 2**22
 
 def variant(program: Program, names: frozenset[str]) -> Program:
     """``program`` with the states ``names`` kept in 8 bits (each with its scale state);
-    itself where ``names`` is empty. Made once per (program, names)."""
-    if names and (program.uses_axes or program.torch_only):
+    itself where ``names`` is empty. Made once per (program, names). A name the program
+    has no state of asks nothing of it: Muon's AdamW moments named (``{"mu": torch.uint8,
+    "nu": torch.uint8}``) leave its matrices' program, which keeps only ``buf``, as it is
+    (it was refused, for states it does not have); every state (``"*"``) is refused for a
+    program over a matrix view, whichever states it has."""
+    every = "*" in names
+    if every or any(n.startswith("!") for n in names):
+        names = _resolved(program, names)
+    names = names & frozenset(program.state_names)
+    if (names or every) and (program.uses_axes or program.torch_only):
         raise ValueError(f"{program.name}: 8-bit state (state_dtype torch.uint8) is kept for "
                          "programs of values one per element; this one has row, column or "
                          "matrix values: keep its states in a float dtype")
-    if "*" in names or any(n.startswith("!") for n in names):
-        names = _resolved(program, names)
     if not names:
         return program
     key = ("q8", names)
