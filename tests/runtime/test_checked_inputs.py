@@ -1043,7 +1043,7 @@ def test_a_parameter_made_complex_under_row_and_column_reductions_is_refused_by_
     steps is refused by name before the first group is written (it was refused inside the
     second group's run, after the first group had stepped, without naming it)."""
     _made_complex_is_refused("Muon", backend, r"^Muon: parameter 0 of group 1 is of dtype "
-                             r"torch.complex64: muon's row and column reductions step real "
+                             r"torch.complex64: muon's matrix products step real "
                              r"parameters only")
 
 
@@ -1061,7 +1061,7 @@ def test_a_complex_parameter_under_row_and_column_reductions_is_named_at_its_fir
     z.grad = torch.randn(4, 3, dtype=torch.complex64, generator=gen)
     was = real.detach().clone()
     with pytest.raises(ValueError, match=r"^Muon: parameter 0 of group 1 is of dtype "
-                                         r"torch.complex64: muon's row and column reductions"):
+                                         r"torch.complex64: muon's matrix products"):
         opt.step()
     assert torch.equal(real.detach(), was) and not opt.state
 

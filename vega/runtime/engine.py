@@ -632,8 +632,9 @@ def _real(x: torch.Tensor, resolve: bool = True) -> torch.Tensor:
 def complex_axes_words(program: Program, p: torch.Tensor) -> str:
     """Why complex parameter ``p`` cannot step under ``program`` (``uses_axes``), for a
     message that names it."""
-    return (f"is of dtype {p.dtype}: {program.name}'s row and column reductions step real "
-            "parameters only (complex parameters have no matrix view)")
+    what = "matrix products" if program.torch_only else "row and column reductions"
+    return (f"is of dtype {p.dtype}: {program.name}'s {what} step real parameters only "
+            "(complex parameters have no matrix view)")
 
 
 def at_where(where) -> str:
