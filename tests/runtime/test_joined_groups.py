@@ -73,3 +73,44 @@ def test_groups_of_two_programs_are_two_calls(monkeypatch):
     opt.step()
     assert calls == [3, 2, 3]
 
+
+
+def test_scheduled_groups_evaluate_their_own_counters(monkeypatch):
+    """Each group's schedule is evaluated at its own parameters' step counters only: a table
+    of a row a parameter for groups of a schedule each, not every group's row at every
+    counter of the step (which grew as groups times parameters: 3,000 groups, 1.9 GB), and
+    each parameter steps as its group alone does, a group added later (counters behind the
+    others') included."""
+    def groups(seed, n):
+        g = torch.Generator().manual_seed(seed)
+        return [{"params": [torch.nn.Parameter(torch.randn(3, generator=g)) for _ in range(2)],
+                 "lr": schedule.cosine_decay(1e-2 * (1 + k % 5), 20), "weight_decay": 0.01 * k}
+                for k in range(n)]
+    joined, alone = groups(0, 40), groups(0, 40)
+    late, late_alone = groups(1, 3), groups(1, 3)
+    opt = vega.optim.AdamW(joined, backend="c")
+    each = [vega.optim.AdamW([gr], backend="c") for gr in alone]
+    rows = []
+    made = engine.hyper_rows
+    monkeypatch.setattr(engine, "hyper_rows",
+                        lambda *a: (lambda r: rows.append(r.table.shape[0]) or r)(made(*a)))
+    for t in range(4):
+        if t == 2:
+            for gr, ga in zip(late, late_alone):
+                opt.add_param_group(gr)
+                each.append(vega.optim.AdamW([ga], backend="c"))
+        every = [gr for o in (opt,) for gr in o.param_groups]
+        mine = [gr for o in each for gr in o.param_groups]
+        for gj, ga in zip(every, mine):
+            g = torch.Generator().manual_seed(t)
+            for p, q in zip(gj["params"], ga["params"]):
+                p.grad = torch.randn(3, generator=g)
+                q.grad = p.grad.clone()
+        rows.clear()
+        opt.step()
+        for o in each:
+            o.step()
+        assert rows[0] == sum(len(gr["params"]) for gr in every)
+        for gj, ga in zip(every, mine):
+            for p, q in zip(gj["params"], ga["params"]):
+                assert torch.equal(p, q)
