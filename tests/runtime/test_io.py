@@ -306,6 +306,30 @@ def test_a_file_whose_bytes_changed_is_refused(tmp_path):
         vega.load(tmp_path / "garbled.safetensors", like=state)
 
 
+@pytest.mark.parametrize("key", ["vega.crc32", "vega.complex"])
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '"mu.layer1.weight"', "7",
+                                  '{"mu.layer1.weight": 1}', "[1]"])
+def test_a_file_of_crafted_metadata_is_refused_by_name(tmp_path, key, text):
+    """A file from elsewhere whose record of its CRC-32s or of its complex leaves is not
+    the JSON object or list vega.save writes -- arrays nested past Python's stack (json
+    raised RecursionError from inside the load), a string (read as a set of its letters),
+    a number -- is refused as corrupt metadata, naming the file and the key."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    state = vega.adamw_init(make_params())
+    path = tmp_path / "opt.safetensors"
+    vega.save(path, state)
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata()
+    if key == "vega.crc32" and text.startswith("{"):
+        text = '{"mu.layer1.weight": 1.5}'  # (an object, but of other than ints)
+    save_file(tensors, str(tmp_path / "crafted.safetensors"), metadata={**metadata, key: text})
+    with pytest.raises(ValueError, match=rf"crafted\.safetensors' has corrupt "
+                                         rf"'{re.escape(key)}' metadata"):
+        vega.load(tmp_path / "crafted.safetensors", like=state)
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 def test_load_of_a_fifo_or_a_directory_is_refused_without_reading(tmp_path, saved):
     """A FIFO (whose open blocks until a writer comes: vega.load waited for ever) or a

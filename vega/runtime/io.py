@@ -190,7 +190,7 @@ def _checksums(f, where: str) -> dict | None:
         return None
     try:
         out = json.loads(text)
-    except (json.JSONDecodeError, TypeError):
+    except (ValueError, TypeError, RecursionError):  # (arrays nested past Python's stack)
         out = None
     if not isinstance(out, dict) or not all(type(v) is int for v in out.values()):
         raise ValueError(f"vega.load: {where} has corrupt {CRC!r} metadata (each leaf's "
@@ -209,9 +209,14 @@ def _complex_names(f, where: str) -> set[str]:
                          f"{metadata.get('vega.version')!r}; this vega reads version "
                          f"{FORMAT_VERSION!r}")
     try:
-        return set(json.loads(metadata.get("vega.complex", "[]")))
-    except (json.JSONDecodeError, TypeError) as err:
-        raise ValueError(f"vega.load: {where} has corrupt 'vega.complex' metadata") from err
+        names = json.loads(metadata.get("vega.complex", "[]"))
+    except (ValueError, TypeError, RecursionError):  # (arrays nested past Python's stack)
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"vega.load: {where} has corrupt 'vega.complex' metadata (the names "
+                         "of its complex leaves, in a JSON list): load an intact copy of the "
+                         "file")
+    return set(names)
 
 
 def not_regular(mode: int) -> str | None:
