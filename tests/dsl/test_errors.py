@@ -490,6 +490,34 @@ def test_a_repeat_count_of_the_largest_allowed_compiles():
         vega.compile("optimizer o() {\n  repeat 65 {\n    p = p + 1\n  }\n}\n")
 
 
+def test_nested_repeats_that_write_out_too_much_are_refused_where_they_start():
+    """Repeats nested in repeats multiply: four of 64 around one statement, a spec of some
+    100 bytes, would write out 16.7M statements (the checker ran for minutes and gigabytes;
+    three took 15 s). A spec's repeats write out at most 4096 statements in all, the first
+    repeat past that refused at its line and column before anything is written out; 64
+    times 64 one-statement bodies is the most."""
+    def spec(*repeats):
+        return "optimizer o() {\n" + "".join(repeats) + "  p = p\n}\n"
+
+    vega.compile(spec("  repeat 64 { repeat 64 { p = p + 1 } }\n"))
+    vega.compile(spec("  repeat 64 { repeat 32 { p = p + 1 } }\n",
+                      "  repeat 32 { repeat 64 { p = p * 1 } }\n"))
+    with pytest.raises(SpecError) as e:
+        vega.compile(spec("  repeat 64 { repeat 64 { repeat 64 { repeat 64 { p = p + 1 } } } }"
+                          "\n"))
+    assert (e.value.line, e.value.column) == (2, 3)
+    assert "at most 4096 statements in all; with this one, 16777216" in str(e.value)
+    with pytest.raises(SpecError) as e:  # one after another add up
+        vega.compile(spec("  repeat 64 { repeat 64 { p = p + 1 } }\n",
+                          "  if true { repeat 1 { p = p } }\n"))
+    assert (e.value.line, e.value.column) == (3, 13)
+    with pytest.raises(SpecError) as e:  # a repeat on a hyperparameter writes an if each time
+        vega.compile("optimizer o(n = 2.0 in [0, 64]) {\n  repeat 64 {\n    repeat n { p = p + 1 "
+                     "}\n  }\n}\n")
+    assert (e.value.line, e.value.column) == (2, 3)
+    assert "with this one, 8192 " in str(e.value)
+
+
 def test_a_spec_may_have_eight_bool_hyperparameters_and_not_nine():
     def spec(n):
         flags = ", ".join(f"f{k} = false" for k in range(n))

@@ -929,6 +929,9 @@ def _names(e):
 
 
 MAX_REPEAT = 64  # the most times a repeat's body is unrolled
+# the most statements the repeats of a spec write out in all (a repeat nested in a repeat
+# multiplies: four of 64 nested would write out 16.7M copies of the body from 100 bytes)
+MAX_UNROLLED = 4096
 
 
 def unroll(spec: ast.Spec) -> ast.Spec:
@@ -957,6 +960,40 @@ def unroll(spec: ast.Spec) -> ast.Spec:
                             f"must be at most {MAX_REPEAT}: declare it as {c.id} = "
                             f"{ast.number_text(h.default)} in [0, 10]", c.span)
         return None
+
+    def written(stmts) -> int:
+        """How many statements ``stmts`` are once their repeats are written out (an if and
+        a mode count one each, with their blocks; a repeat on a hyperparameter writes an if
+        a time round)."""
+        total = 0
+        for st in stmts:
+            if isinstance(st, ast.Repeat):
+                n = count_of(st)
+                total += written(st.body) * n if n is not None else \
+                    (written(st.body) + 1) * int(math.floor(hypers[st.count.id].range.hi))
+            elif isinstance(st, ast.If):
+                total += 1 + written(st.then) + written(st.orelse)
+            elif isinstance(st, ast.Mode):
+                total += 1 + written(st.body)
+            else:
+                total += 1
+        return total
+
+    def bounded(stmts, total: int = 0) -> int:
+        """Refuse the repeat (outside every other) where the statements that the repeats
+        write out pass ``MAX_UNROLLED``, before any is written out."""
+        for st in stmts:
+            if isinstance(st, ast.Repeat):
+                total += written((st,))
+                if total > MAX_UNROLLED:
+                    raise SpecError(f"a spec's repeats write out at most {MAX_UNROLLED} "
+                                    f"statements in all; with this one, {total} (a repeat "
+                                    "nested in another multiplies its count)", st.span)
+            elif isinstance(st, ast.If):
+                total = bounded(st.orelse, bounded(st.then, total))
+            elif isinstance(st, ast.Mode):
+                total = bounded(st.body, total)
+        return total
 
     def walk(stmts) -> tuple:
         out = []
@@ -989,6 +1026,7 @@ def unroll(spec: ast.Spec) -> ast.Spec:
             else:
                 out.append(st)
         return tuple(out)
+    bounded(spec.body)
     return dataclasses.replace(spec, body=walk(spec.body))
 
 
