@@ -83,14 +83,18 @@ def linearize(program: Program) -> Linear:
     order = walk(roots)
     names: dict[int, str] = {}
     taken: set[str] = set()
+    # base -> the suffix to try first: each below it is taken already (and stays so), so
+    # that a name assigned n times is named in time linear in n, not quadratic
+    tried: dict[str, int] = {}
 
     def fresh(base: str) -> str:
         if base not in taken:
             taken.add(base)
             return base
-        i = 1
+        i = tried.get(base, 1)
         while f"{base}_{i}" in taken:
             i += 1
+        tried[base] = i + 1
         taken.add(f"{base}_{i}")
         return f"{base}_{i}"
 
