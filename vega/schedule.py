@@ -235,6 +235,27 @@ class Schedule:
         # (without what the runtime keeps on the object: ``reach``'s values, checked)
         return {k: v for k, v in self.__dict__.items() if k != KEPT_REACH}
 
+    def __setstate__(self, state):
+        """A schedule of this module unpickled (``pickle``, ``copy``, ``torch.load`` with its
+        class among the safe globals) is made again by its constructor from its fields,
+        checked as they are where given: a file's ``linear`` of ``steps=0`` or of a string
+        value failed deep in a step, one of ``steps=-10`` stepped. A subclass of one's own
+        takes its state as pickle would."""
+        cls = type(self)
+        if cls.__module__ != __name__ or not isinstance(state, dict):
+            state, slots = state if isinstance(state, tuple) and len(state) == 2 else \
+                (state, None)
+            self.__dict__.update(state or {})
+            for k, v in (slots or {}).items():
+                setattr(self, k, v)
+            return
+        missing = [f for f in cls._fields if f not in state]
+        if missing:
+            raise ValueError(f"a pickled {cls._name} schedule has no {', '.join(missing)}; "
+                             f"{cls._name} has {', '.join(cls._fields)}: the file or pickle "
+                             "is not one a vega wrote")
+        cls.__init__(self, **{f: state[f] for f in cls._fields})
+
     def _no_arithmetic(self, *other):
         # A torch LR scheduler scales a group's lr (StepLR: lr * gamma; CosineAnnealingLR:
         # lr - eta_min; ReduceLROnPlateau: float(lr)): say so, where Python would only say

@@ -1,5 +1,6 @@
 """vega.schedule against optax (float64) where the definitions coincide, and against the
 formulas of docs/conventions.md, written out by hand, where they do not."""
+import io
 import math
 import pickle
 import re
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 
+import vega
 from vega import schedule
 
 jax.config.update("jax_enable_x64", True)
@@ -185,6 +187,60 @@ def test_repr_pickle_and_eval():
         assert eval(repr(s), vars(schedule)) == s
     assert repr(schedule.linear(0.0, 1.0, 10)) == \
         "linear(init_value=0.0, end_value=1.0, steps=10)"
+
+
+def _crafted(cls, **fields) -> bytes:
+    """The pickle of a ``cls`` holding ``fields`` as they are (a file's, written by anyone)."""
+    s = cls.__new__(cls)
+    s.__dict__.update(fields)
+    return pickle.dumps(s)
+
+
+def test_a_pickled_schedule_is_checked_by_its_constructor_when_loaded():
+    """A schedule read back from a pickle or a file (an optimizer's state_dict through
+    torch.load, weights_only with the class allowed) is made again by its constructor:
+    values it refuses are refused at the load, naming them, not a ZeroDivisionError or a
+    TypeError from inside a step (steps=0; a string), nor a schedule that steps
+    (steps=-10; boundaries out of order). One of a subclass of one's own loads as it was."""
+    for cls, fields, words in [
+            (schedule.Linear, dict(init_value=1e-3, end_value=0.0, steps=0), "steps=0"),
+            (schedule.Linear, dict(init_value=1e-3, end_value=0.0, steps=-10), "steps=-10"),
+            (schedule.Linear, dict(init_value="1e-3", end_value=0.0, steps=10),
+             "init_value='1e-3'"),
+            (schedule.Linear, dict(init_value=1e-3, end_value=0.0), "has no steps"),
+            (schedule.PiecewiseConstant, dict(boundaries=(5, 2), values=(1.0, 0.1, 0.01)),
+             "strictly increasing"),
+            (schedule.Join, dict(segments=((5, "x"),)), "segment schedule 'x'")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            pickle.loads(_crafted(cls, **fields))
+    model = torch.nn.Linear(3, 2)
+    opt = vega.optim.AdamW(model.parameters(), lr=schedule.linear(1e-3, 0.0, 10))
+    state = opt.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    with torch.serialization.safe_globals([schedule.Linear]):
+        buffer.seek(0)
+        assert torch.load(buffer, weights_only=True)["param_groups"][0]["lr"] == \
+            schedule.linear(1e-3, 0.0, 10)
+        state["param_groups"][0]["lr"] = pickle.loads(_crafted(
+            schedule.Linear, init_value=1e-3, end_value=0.0, steps=10))
+        object.__setattr__(state["param_groups"][0]["lr"], "steps", 0)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        with pytest.raises(ValueError, match=re.escape("linear: steps=0 must be a positive")):
+            torch.load(buffer, weights_only=True)
+    mine = Halved.__new__(Halved)
+    mine.__dict__.update(init_value=1.0, end_value=0.0, steps=4, note="mine")
+    back = pickle.loads(pickle.dumps(mine))
+    assert back.note == "mine" and back(2) == pytest.approx(0.25)
+
+
+class Halved(schedule.Linear):
+    """A subclass of one's own (of another module), with a field of its own."""
+
+    def _at(self, k, ops):
+        return super()._at(k, ops) / 2
 
 
 def test_tensor_step_keeps_device_and_negative_counts_as_zero():
