@@ -423,3 +423,20 @@ def _axis_of(full, ndim: int, axis: int, dom: str):
     if not full.keeps(dom, axis) or ndim == 0:
         return None
     return full.position(axis, dom)
+
+
+def test_a_spec_of_a_long_name_compiles():
+    """A spec's name is as long as one likes, and its kernels' names, vega_<name>_update,
+    longer: the offline compile wrote each kernel's PTX to a file of the kernel's name,
+    which past 255 bytes the system refuses (OSError: File name too long)."""
+    name = "o" * 250
+    spec = vega.compile(f"optimizer {name}(lr = 0.1) {{\n  state m = zeros\n"
+                        "  m = 0.9 * m + g\n  p = p - lr * m\n}\n")
+    params = {"a": torch.randn(1000, device=DEVICE)}
+    grads = {"a": torch.randn(1000, device=DEVICE)}
+    state = spec.init(params)
+    launches = triton_ptx.record(lambda: spec.step(params, grads, state, backend="triton",
+                                                   donate=True))
+    figures = triton_ptx.compile_launches(launches)
+    assert [f.kernel for f in figures] == [x.kernel for x in triton_ptx.distinct(launches)]
+    assert f"vega_{name}_update" in [f.kernel for f in figures]

@@ -279,7 +279,9 @@ def _compile_one(launch: dict, tmp: str) -> dict:
         options["enable_fp_fusion"] = False
     compiled = triton.compile(src, target=GPUTarget(*TARGET), options=options)
     ptx = compiled.asm["ptx"]
-    path = os.path.join(tmp, f"{launch['kernel']}.ptx")
+    # (not named by the kernel: a spec's name, and so its kernels', may be longer than a
+    # file's name may be)
+    path = os.path.join(tmp, "kernel.ptx")
     with open(path, "w") as f:
         f.write(ptx)
     done = subprocess.run([ptxas(), f"-arch={ARCH}", "-v", path, "-o", os.devnull],
