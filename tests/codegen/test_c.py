@@ -678,6 +678,23 @@ def test_compile_failure_names_the_compiler(tmp_path, monkeypatch):
         cbuild.build("this is not C; const char *vega_key(void) { return \"@KEY@\"; }")
 
 
+def test_a_compile_past_its_time_is_a_compiler_error(tmp_path, monkeypatch):
+    """A compiler that does not finish a kernel (a spec of thousands of lines gives
+    megabytes of C) is stopped and said so, as a CompilerError: subprocess's
+    TimeoutExpired, naming a temporary file, came out of the step; nothing is left in
+    the cache."""
+    fake = tmp_path / "slow-cc"
+    fake.write_text("#!/bin/sh\nexec sleep 30\n")
+    fake.chmod(0o700)
+    monkeypatch.setattr(cbuild, "compiler", lambda: (str(fake), "slow-cc 1"))
+    monkeypatch.setattr(cbuild, "COMPILE_TIMEOUT", 0.5)
+    monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(cbuild.CompilerError, match=r"slow-cc did not finish compiling a "
+                                                   r"generated kernel \(\d+ bytes of C\) in 0.5 s"):
+        cbuild.build('const char *vega_key(void) { return "@KEY@"; }\n')
+    assert [f.name for f in (tmp_path / "cache" / "c").iterdir()] == []
+
+
 def test_a_toolchain_without_openmp_is_said_with_what_to_do(tmp_path, monkeypatch):
     # a compiler that answers --version but cannot link -fopenmp (no libgomp, a clang
     # without libomp): the first step said "a bug in vega; please report it"

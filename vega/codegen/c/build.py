@@ -269,6 +269,7 @@ _OPEN = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     getattr(os, "O_NONBLOCK", 0)
 LIBRARY_LIMIT = 64 << 20  # bytes: a kernel's library is some 100 KB, the native operator's a few MB
 HASH_LIMIT = 4096  # bytes: a recorded SHA-256 is one line
+COMPILE_TIMEOUT = 300  # seconds a kernel's compile may take (a shipped spec's: about one)
 _KINDS = ((stat.S_ISLNK, "a symbolic link (a link is not followed)"), (stat.S_ISDIR, "a directory"),
           (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
@@ -577,8 +578,14 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(source)
-            proc = subprocess.run([cc[0], *FLAGS, tmp_c, "-o", tmp_so, "-lm"],
-                                  capture_output=True, text=True, timeout=300)
+            try:
+                proc = subprocess.run([cc[0], *FLAGS, tmp_c, "-o", tmp_so, "-lm"],
+                                      capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                raise CompilerError(
+                    f"{cc[0]} did not finish compiling a generated kernel ({len(source)} "
+                    f"bytes of C) in {COMPILE_TIMEOUT} s, and was stopped; a spec this large "
+                    "steps on backend='reference'") from None
             how = killed(proc)
             if how is not None:
                 raise CompilerError(f"{cc[0]} {how} while compiling a kernel (out of "
