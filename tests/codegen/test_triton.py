@@ -1034,3 +1034,23 @@ def test_a_step_of_real_tensors_under_fake_tensor_mode_is_refused(name):
                          env={**os.environ, "PYTHONPATH": root}, stdin=subprocess.DEVNULL)
     done = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("ok ")]
     assert run.returncode == 0 and done == FAKE_MODE_CASES, (done, run.stderr[-3000:])
+
+
+@pytest.mark.parametrize("exponent", ["16777217", "-16777217", "2147483649", "1e-320", "0.3"])
+def test_a_written_exponent_float32_cannot_hold_is_the_power_as_written(exponent):
+    """On float32 (and half) parameters the C and Triton kernels took a written exponent in
+    float32, as another number: 16777217 as the even 16777216 ((-1) ^ 16777217 was 1, not
+    -1), 1e-320 as 0 ((-2) ^ 1e-320 was 1, not NaN; 0 ^ 1e-320 1, not 0). They compute
+    torch's power by the number as written, as the reference does (``x ** 16777217.0``)."""
+    from vega.codegen import c as c_backend
+    spec = vega.compile(f"optimizer o() {{\n  p = g ^ {exponent}\n}}\n")
+    x = torch.tensor([-1.0, 1.0, -2.0, 0.5, 0.0, -0.0, 1.5, -float("inf")], device=DEVICE)
+    backends = ["triton"] + (["c"] if c_backend.available() and DEVICE == "cpu" else [])
+    for dtype in (torch.float32, torch.bfloat16):
+        p = {"w": torch.zeros_like(x, dtype=dtype)}
+        g = {"w": x.to(dtype)}
+        want = spec.step(p, g, spec.init(p), backend="reference")[0]["w"]
+        for backend in backends:
+            got = spec.step(p, g, spec.init(p), backend=backend)[0]["w"]
+            assert torch.equal(got.isnan(), want.isnan()), (backend, dtype, got, want)
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), (backend, dtype, got, want)

@@ -271,6 +271,9 @@ def _pow(self, node, phase, a, b):
         return f"{a} * {a}"
     if expo.op is Op.CONST and expo.arg == 0.5:
         return self.code_for_op[Op.SQRT](self, node, phase, a)
+    if expo.op is Op.CONST:  # (as written: float32 would make 16777217 even, 1e-320 0)
+        b = self.const(float(expo.arg) or 0.0)  # (x ^ -0.0 is x ^ 0.0: 1)
+        return f"vpow({self.tensor(base, a, phase)}, tl.full((), {b}, tl.float64))"
     return f"vpow({self.tensor(base, a, phase)}, {self.tensor(expo, b, phase)})"
 
 

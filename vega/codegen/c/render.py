@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import struct
 
 from vega.codegen import precision, quant, record
 from vega.codegen.c import build as cbuild
@@ -234,6 +235,26 @@ def _fn(element, scalar):
         f"{scalar if phase == 'scalar' else element}({', '.join(a)})"
 
 
+def _float32_holds(x: float) -> bool:
+    """Whether float32 holds the number ``x`` exactly."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0] == x
+    except OverflowError:  # (past float32's range)
+        return False
+
+
+def _pow(self, node, phase, a, b):
+    """``a ^ b``; a written exponent that the compute type would round to another number
+    (float32: 16777217 to the even 16777216, 1e-320 to 0) is a power of the exponent as
+    written, computed in double as torch computes a power by a number (``x ** 16777217.0``
+    of -1 is -1), and rounded."""
+    expo = node.src[1]
+    if phase != "scalar" and expo.op is Op.CONST and math.isfinite(expo.arg) \
+            and not _float32_holds(expo.arg):
+        return f"((CT)pow((double){a}, {float(expo.arg)!r}))"
+    return f"{'pow' if phase == 'scalar' else 'POW'}({a}, {b})"
+
+
 def _div(self, node, phase, a, b):
     """``a / b``, or ``a`` times the reciprocal of a ``b`` of the scalar phase (of the
     hyperparameters and the step alone) computed once before the loop (a division costs
@@ -248,7 +269,7 @@ class CRenderer(Renderer):
     code_for_op = {
         Op.DIV: _div,
         Op.NEG: lambda self, node, phase, a: f"-{a}",
-        Op.POW: _fn("POW", "pow"),
+        Op.POW: _pow,
         Op.AND: lambda self, node, phase, a, b: f"({a} && {b})",
         Op.OR: lambda self, node, phase, a, b: f"({a} || {b})",
         Op.NOT: lambda self, node, phase, a: f"(!{a})",
