@@ -3,6 +3,7 @@ optimizers of specs compiled by the caller."""
 import copy
 import io
 import pickle
+import re
 
 import pytest
 import torch
@@ -152,3 +153,27 @@ def test_an_optimizer_pickled_before_later_settings_steps_as_the_original(monkey
             x.grad = torch.full((5,), 3.0) * o.loss_scale.loss_scale
             o.step()
         assert torch.equal(p, q)
+
+
+def test_a_pickled_loss_scale_is_checked_as_the_constructor_checks_it():
+    """A LossScale read back from a pickle (a file from elsewhere; torch.load with the class
+    among its safe globals) holds values a scale can take, as the constructor and the state
+    loads check: one of scale -4 stepped every parameter uphill (the unscaled gradient's
+    sign flipped), one without its settings failed on a missing attribute in the step."""
+    from vega.runtime.loss_scale import LossScale
+    good = LossScale.dynamic()
+    back = _pickled(good)
+    assert back.is_dynamic and float(back.loss_scale) == float(good.loss_scale)
+    for slot, value, words in (("loss_scale", torch.tensor(-4.0), "'loss_scale' is -4.0"),
+                               ("loss_scale", torch.tensor(float("nan")), "'loss_scale' is nan"),
+                               ("min_scale", torch.tensor(2.0**20), "'min_scale' is 1048576.0"),
+                               ("growth_factor", 0.5, "growth_factor=0.5 must be above 1")):
+        bad = copy.copy(good)
+        object.__setattr__(bad, slot, value)
+        with pytest.raises(ValueError, match=re.escape(words)):
+            _pickled(bad)
+    state = good.__getstate__()
+    del state[1]["growth_interval"]
+    made = LossScale.__new__(LossScale)
+    with pytest.raises(ValueError, match="a pickled LossScale has no growth_interval"):
+        made.__setstate__(state)

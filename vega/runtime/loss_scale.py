@@ -188,8 +188,18 @@ class LossScale:
         extra, slots = state if isinstance(state, tuple) else (state, None)
         values = {**(extra or {}), **(slots or {})}
         values.setdefault("device_given", True)
+        missing = [k for k in self.__slots__ if k not in values]
+        if missing:
+            raise ValueError(f"a pickled LossScale has no {', '.join(missing)}: the file or "
+                             "pickle is not one a vega wrote")
         for key, value in values.items():
             setattr(self, key, value)
+        # (checked as the constructor checks them: a pickle from elsewhere holding a negative
+        # scale stepped every parameter uphill, a NaN one skipped every step)
+        (self.growth_interval, self.growth_factor,
+         self.backoff_factor) = _check_config("LossScale", self.growth_interval,
+                                              self.growth_factor, self.backoff_factor)
+        check_scale_values("LossScale", self.tensors(), dtypes=False)
 
     # -- construction ----------------------------------------------------------------
 
