@@ -230,7 +230,8 @@ def test_factored_adafactor_compiles_once(backend):
     # init builds the default backend's kernels; others are built on first use, eagerly
     step(params, {n: torch.ones_like(v) for n, v in params.items()},
          vega.adafactor_init(params, **hypers))
-    c_backend.launch._GROUP_KEYS.clear()  # as in a fresh process: the first step is the compiled one
+    # as in a fresh process: the first step is the compiled one
+    c_backend.launch._GROUP_KEYS.clear()
     counter = CompileCounter()
     compiled = torch.compile(step, backend=counter, fullgraph=True)
     comp_p, comp_s = params, vega.adafactor_init(params, **hypers)

@@ -471,7 +471,8 @@ def status() -> str:
         "native operator not started"
 
 
-if __name__ == "__main__":  # the background build of ``_spawn``: python -m vega.codegen.c.native LOCK
+# the background build of ``_spawn``: python -m vega.codegen.c.native LOCK
+if __name__ == "__main__":
     # It imports vega anew: one upgraded since its parent imported it, or another on its
     # path, has another native.cpp. It compiles the parent's, which the lock holds: another
     # under the name the parent asked for would be loaded as the parent's.
