@@ -678,17 +678,23 @@ def test_compile_failure_names_the_compiler(tmp_path, monkeypatch):
         cbuild.build("this is not C; const char *vega_key(void) { return \"@KEY@\"; }")
 
 
+def _fake_compiler(tmp_path, monkeypatch, name: str, script: str) -> None:
+    """Make ``cbuild.build`` compile with the shell ``script`` (a fake compiler named
+    ``name``), into a cache under ``tmp_path``."""
+    fake = tmp_path / name
+    fake.write_text(f"#!/bin/sh\n{script}")
+    fake.chmod(0o700)
+    monkeypatch.setattr(cbuild, "compiler", lambda: (str(fake), f"{name} 1"))
+    monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def test_a_compile_past_its_time_is_a_compiler_error(tmp_path, monkeypatch):
     """A compiler that does not finish a kernel (a spec of thousands of lines gives
     megabytes of C) is stopped and said so, as a CompilerError: subprocess's
     TimeoutExpired, naming a temporary file, came out of the step; nothing is left in
     the cache."""
-    fake = tmp_path / "slow-cc"
-    fake.write_text("#!/bin/sh\nexec sleep 30\n")
-    fake.chmod(0o700)
-    monkeypatch.setattr(cbuild, "compiler", lambda: (str(fake), "slow-cc 1"))
+    _fake_compiler(tmp_path, monkeypatch, "slow-cc", "exec sleep 30\n")
     monkeypatch.setattr(cbuild, "COMPILE_TIMEOUT", 0.5)
-    monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(cbuild.CompilerError, match=r"slow-cc did not finish compiling a "
                                                    r"generated kernel \(\d+ bytes of C\) in 0.5 s"):
         cbuild.build('const char *vega_key(void) { return "@KEY@"; }\n')
@@ -701,13 +707,11 @@ def test_a_toolchain_without_openmp_is_said_with_what_to_do(tmp_path, monkeypatc
     real = cbuild.compiler()
     if real is None:
         pytest.skip("no C compiler here")
+    _fake_compiler(tmp_path, monkeypatch, "cc-without-openmp",
+                   f"for a in \"$@\"; do [ \"$a\" = -fopenmp ] && "
+                   f"echo 'ld: cannot find -lgomp' >&2 && exit 1; done\n"
+                   f"exec {real[0]} \"$@\"\n")
     fake = tmp_path / "cc-without-openmp"
-    fake.write_text(f"#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = -fopenmp ] && "
-                    f"echo 'ld: cannot find -lgomp' >&2 && exit 1; done\n"
-                    f"exec {real[0]} \"$@\"\n")
-    fake.chmod(0o700)
-    monkeypatch.setattr(cbuild, "compiler", lambda: (str(fake), "cc-without-openmp 1"))
-    monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(cbuild.CompilerError) as caught:
         cbuild.build('const char *vega_key(void) { return "@KEY@"; }\n')
     said = str(caught.value)
@@ -729,13 +733,11 @@ def test_a_compiler_killed_by_a_signal_is_said_as_such(tmp_path, monkeypatch, ho
         pytest.skip("no C compiler here")
     dies = "kill -9 $$" if how == "itself" else \
         "echo 'cc: fatal error: Killed signal terminated program cc1' >&2; exit 1"
-    killed = tmp_path / "cc-killed"  # killed at its first source, a compiler after (probe's)
-    killed.write_text(f"#!/bin/sh\ncase \"$*\" in *.c\\ *) [ -e {tmp_path}/once ] || "
-                      f"{{ touch {tmp_path}/once; {dies}; }};; esac\n"
-                      f"exec {real[0]} \"$@\"\n")
-    killed.chmod(0o700)
-    monkeypatch.setattr(cbuild, "compiler", lambda: (str(killed), "cc-killed 1"))
-    monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path / "cache"))
+    # killed at its first source, a compiler after (the toolchain probe's)
+    _fake_compiler(tmp_path, monkeypatch, "cc-killed",
+                   f"case \"$*\" in *.c\\ *) [ -e {tmp_path}/once ] || "
+                   f"{{ touch {tmp_path}/once; {dies}; }};; esac\n"
+                   f"exec {real[0]} \"$@\"\n")
     with pytest.raises(cbuild.CompilerError) as caught:
         cbuild.build('const char *vega_key(void) { return "@KEY@"; }\n')
     said = str(caught.value)
