@@ -204,6 +204,32 @@ def test_a_compiler_killed_by_a_signal_is_not_remembered(fresh, monkeypatch, how
     assert "built again" in native.status()  # (a build ran: nothing kept it from trying)
 
 
+STOPPED = {  # a compiler that could not finish or start now, and what is said of it
+    "past its time": (subprocess.TimeoutExpired(["c++"], 600), "ran past 600 s"),
+    "no memory": (OSError(errno.ENOMEM, "Cannot allocate memory"), "Cannot allocate memory"),
+}
+
+
+@needs_cxx
+@pytest.mark.parametrize("how", sorted(STOPPED))
+def test_a_compiler_stopped_or_not_started_now_is_not_remembered(fresh, monkeypatch, how):
+    """A build stopped at its time limit (several processes building at once on a small
+    machine), or whose compiler could not be forked for want of memory, said nothing of the
+    source, but was recorded beside the target as failed: no later process built the
+    operator again until the record was deleted by hand. The next one builds again."""
+    found = native._paths()
+    error, said = STOPPED[how]
+
+    def stopped(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(native, "_paths", lambda: found)
+    monkeypatch.setattr(native.subprocess, "run", stopped)
+    assert native.module(wait=True) is None
+    assert said in native.status() and "a later process builds it again" in native.status()
+    assert not native._failed_file(found[1]).exists()
+    assert not [f for f in os.listdir(found[1].parent) if f.startswith(".")]
+
+
 @needs_cxx
 def test_a_build_that_cannot_start_leaves_the_python_path(fresh, monkeypatch):
     def refuse(*args, **kwargs):

@@ -25,6 +25,7 @@ recorded SHA-256 (``vega.codegen.c.build``).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -233,13 +234,19 @@ def _placed(target: Path) -> Path:
     return cbuild.safe_dir(target.parent) / target.name
 
 
+# what keeps a compiler from running now but not later: no memory or no process slot to
+# fork it (several processes building at once); not written as the build's failure
+_TRANSIENT = (errno.ENOMEM, errno.EAGAIN)
+
+
 def build(target: Path | None = None, text: str | None = None) -> str | None:
     """Compile the library into a temporary file and rename it into place (atomic: another
     process sees no library or a whole one) at ``target`` (default: ``_paths``'s, placed
     by ``_placed``); the compiler's complaint (also written beside the target: later
     processes do not build it again), or None. A compiler killed by a signal, or whose
-    driver says the program it ran was (out of memory), made no complaint about the
-    source: that is said, not written.
+    driver says the program it ran was (out of memory), or one stopped at the time limit
+    or that could not be started for want of memory or processes, made no complaint about
+    the source: that is said, not written.
     ``text``: the source to compile (default ``TEXT``; the background build's, its parent's,
     which the target's key names)."""
     found = _paths()
@@ -263,7 +270,14 @@ def build(target: Path | None = None, text: str | None = None) -> str | None:
         if how is not None:  # (out of memory: no verdict on the source)
             return f"the C++ compiler {how}; a later process builds it again"
         error = "the C++ compiler failed: " + (proc.stderr or proc.stdout)[-2000:]
-    except (OSError, subprocess.SubprocessError) as e:
+    except subprocess.TimeoutExpired as e:  # (stopped at the limit, on a loaded machine)
+        return (f"the C++ compiler ran past {e.timeout:g} s and was stopped; a later "
+                "process builds it again")
+    except OSError as e:
+        if e.errno in _TRANSIENT:  # (no memory, or no process, to run it now)
+            return f"the C++ compiler could not run now: {e}; a later process builds it again"
+        error = f"the C++ compiler could not run: {e}"
+    except subprocess.SubprocessError as e:
         error = f"the C++ compiler could not run: {e}"
     finally:
         for leftover in (tmp, source):
