@@ -1,4 +1,5 @@
 """The C backend against the reference, over every shipped spec, shape and dtype."""
+import errno
 import math
 import multiprocessing
 import os
@@ -744,6 +745,29 @@ def test_a_compiler_killed_by_a_signal_is_said_as_such(tmp_path, monkeypatch, ho
     assert ("was killed by signal 9 (SIGKILL)" if how == "itself" else
             "had the program it ran killed (Killed signal terminated program)") in said
     assert "a bug" not in said and "a later step compiles it again" in said, said
+    assert [f.name for f in (tmp_path / "cache" / "c").iterdir()] == []  # nothing left
+
+
+def test_a_compiler_not_started_for_want_of_memory_is_said_as_such(tmp_path, monkeypatch):
+    # a kernel's compiler that could not be forked for want of memory (several processes
+    # building at once): the step raised a bare OSError that named no compiler, not a
+    # CompilerError (one stopped at its time limit: test_a_compile_past_its_time_...)
+    real = cbuild.compiler()
+    if real is None:
+        pytest.skip("no C compiler here")
+    run = subprocess.run
+
+    def stopped(args, **kwargs):
+        if any(str(a).endswith(".c") for a in args):  # (a kernel's source)
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return run(args, **kwargs)
+    monkeypatch.setattr(cbuild.subprocess, "run", stopped)
+    monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(cbuild.CompilerError) as caught:
+        cbuild.build('const char *vega_key(void) { return "@KEY@"; }\n')
+    said = str(caught.value)
+    assert "Cannot allocate memory" in said
+    assert real[0] in said and "a later step compiles it again" in said, said
     assert [f.name for f in (tmp_path / "cache" / "c").iterdir()] == []  # nothing left
 
 

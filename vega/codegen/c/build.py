@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import errno
 import hashlib
 import itertools
 import os
@@ -581,11 +582,17 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
             try:
                 proc = subprocess.run([cc[0], *FLAGS, tmp_c, "-o", tmp_so, "-lm"],
                                       capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired:  # (no verdict on the source either)
                 raise CompilerError(
                     f"{cc[0]} did not finish compiling a generated kernel ({len(source)} "
-                    f"bytes of C) in {COMPILE_TIMEOUT} s, and was stopped; a spec this large "
-                    "steps on backend='reference'") from None
+                    f"bytes of C) in {COMPILE_TIMEOUT} s, and was stopped: on a loaded machine a "
+                    "later step compiles it again; a spec this large steps on "
+                    "backend='reference'") from None
+            except OSError as e:
+                if e.errno not in (errno.ENOMEM, errno.EAGAIN):
+                    raise
+                raise CompilerError(f"{cc[0]} could not be started to compile a kernel: "
+                                    f"{e.strerror}; a later step compiles it again") from None
             how = killed(proc)
             if how is not None:
                 raise CompilerError(f"{cc[0]} {how} while compiling a kernel (out of "
