@@ -587,3 +587,18 @@ def test_a_number_changed_between_steps_compiled_with_dynamic_false_recompiles(b
     assert compiled_like_eager(make(lambda: 1e-2), 4, dynamic=False, then=then) == 4
     assert compiled_like_eager(make(lambda: torch.tensor(1e-2)), 4, dynamic=False,
                                then=then) == 2
+
+
+@pytest.mark.parametrize("name", ["adamw_init", "lbfgs_init"])
+def test_an_init_compiles_fullgraph(name):
+    """``*_init`` inside a compiled function (a training step that makes its state): its
+    check for a lazy module's uninitialized parameter is one dynamo evaluates (torch's
+    ``is_lazy``, a torch function returning a bool, broke the graph, which
+    ``fullgraph=True`` refused); the state is the eager one."""
+    init = getattr(vega, name)
+    params = {k: v.detach() for k, v in make_model().named_parameters()}
+    counter = CompileCounter()
+    state = torch.compile(init, backend=counter, fullgraph=True)(params)
+    flat, eager = (torch.utils._pytree.tree_leaves(s) for s in (state, init(params)))
+    assert len(flat) == len(eager) and all(torch.equal(a, b) for a, b in zip(flat, eager))
+    assert counter.frame_count == 1

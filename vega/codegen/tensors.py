@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from vega.dsl.ir import QBLOCK, SCALAR_STATE
 
@@ -112,8 +113,16 @@ def dense_words(t: torch.Tensor) -> str:
     return f"{not_dense(t)}; vega steps dense (strided) parameters"
 
 
-# a lazy module's parameter not yet initialized (``torch.nn.parameter.is_lazy``), refused
-# where its shape is needed
+def uninitialized(t) -> bool:
+    """Whether ``t`` is a lazy module's parameter (or buffer) not yet initialized, whose
+    shape is not known: ``torch.nn.parameter.is_lazy``'s test, written as an ``isinstance``
+    that dynamo evaluates (``is_lazy``, a torch function returning a bool, broke a compiled
+    graph: ``*_init`` inside ``torch.compile(fullgraph=True)`` was refused)."""
+    return isinstance(t, UninitializedTensorMixin)
+
+
+# a lazy module's parameter not yet initialized (``uninitialized``), refused where its shape
+# is needed
 LAZY_WORDS = "is uninitialized (a lazy module's, before its first forward pass)"
 LAZY_LOAD_WORDS = (f"{LAZY_WORDS}, so its state cannot be checked against its shape; run a "
                    "forward pass, or load the model's state_dict (which initializes it), "

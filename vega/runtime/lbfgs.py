@@ -62,11 +62,10 @@ import sys
 from functools import partial
 
 import torch
-from torch.nn.parameter import is_lazy
 
 from vega.codegen.steps import advance_steps
 from vega.codegen.tensors import (LAZY_LOAD_WORDS, dense, dense_words, inplace_problem,
-                                  is_dtensor, not_dense)
+                                  is_dtensor, not_dense, uninitialized)
 from vega.runtime import sharded, torch_names
 from vega.dsl.ast import Range
 from vega.runtime.engine import (as_float, check_reach, check_state_dtype,
@@ -810,7 +809,7 @@ class LBFGS(torch.optim.Optimizer):
             if not any(f in st for f in TREE_FIELDS):
                 continue
             buffers = True
-            if is_lazy(p):  # (torch loads its state unchecked)
+            if uninitialized(p):  # (torch loads its state unchecked)
                 raise ValueError(f"{owner}: parameter {i} of group 0 {LAZY_LOAD_WORDS}")
             leaves = {f: st.get(f) for f in TREE_FIELDS}
             _check_state_leaves(owner, partial(str, i), p, leaves, m)

@@ -19,7 +19,6 @@ import weakref
 from itertools import repeat
 
 import torch
-from torch.nn.parameter import is_lazy
 
 from vega import codegen
 from vega.codegen import quant
@@ -28,7 +27,7 @@ from vega.codegen.record import finite_of
 from vega.codegen.tensors import (LAZY_LOAD_WORDS, NO_GRAD, NOT_PLAIN, NOT_STRIDED,
                                   PLAIN_TYPES, dense, dense_words, first_with_own_ops, gather,
                                   inplace_problem, in_memory_order, is_dtensor, like_layout,
-                                  not_dense, own_ops_words, same)
+                                  not_dense, own_ops_words, same, uninitialized)
 from vega.errors import VegaError
 from vega.runtime import engine, sharded, torch_names
 from vega.runtime.loss_scale import LEAVES, LossScale, check_scale_values
@@ -1356,7 +1355,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                         for i in g["params"]}
         where = [(i, k) for k, g in enumerate(self.param_groups) for i in range(len(g["params"]))]
         for pid, (p, _), (i, k) in zip(ids, params, where):
-            if pid in originals and is_lazy(p):  # (torch loads its state unchecked)
+            if pid in originals and uninitialized(p):  # (torch loads its state unchecked)
                 raise ValueError(f"{type(self).__name__}.load_state_dict: parameter {i} of "
                                  f"group {k} {LAZY_LOAD_WORDS}")
         for pid, (p, group) in zip(ids, params):

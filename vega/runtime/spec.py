@@ -8,7 +8,6 @@ from functools import cached_property, partial
 from pathlib import Path
 
 import torch
-from torch.nn.parameter import is_lazy
 
 from vega import codegen, dsl
 from vega.dsl import ir
@@ -16,7 +15,8 @@ from vega.codegen import quant
 from vega.codegen.base import state_shape
 from vega.codegen.record import finite_of
 from vega.codegen.tensors import (LAZY_WORDS, dense, dense_words, first_with_own_ops, floats,
-                                  inplace_problem, like, on_one_device, own_ops_words, same)
+                                  inplace_problem, like, on_one_device, own_ops_words, same,
+                                  uninitialized)
 from vega.codegen.steps import advance_steps
 from vega.runtime import engine, sharded
 from vega.runtime.io import not_regular
@@ -609,11 +609,11 @@ def _check_dense(owner, params, leaves) -> None:
     """Raise ValueError, naming the leaf, for a sparse or nested parameter: its state could
     not be made like it (torch has no such operations for those layouts), nor stepped; and
     for a lazy module's parameter not yet initialized, whose shape is not known."""
-    if all(leaf is None or dense(leaf) and not is_lazy(leaf) for leaf in leaves):
+    if all(leaf is None or dense(leaf) and not uninitialized(leaf) for leaf in leaves):
         return
     for name, leaf in zip(_paths(params, leaves), leaves):
         label = f"leaf '{name}'" if name else "leaf"
-        if leaf is not None and is_lazy(leaf):
+        if leaf is not None and uninitialized(leaf):
             raise ValueError(f"{owner}: params {label} {LAZY_WORDS}: its shape is not "
                              "known yet; run a forward pass first")
         if leaf is not None and not dense(leaf):
