@@ -724,16 +724,19 @@ def test_a_toolchain_without_openmp_is_said_with_what_to_do(tmp_path, monkeypatc
     assert cbuild.toolchain_problem((str(fake), "1"), tmp_path / "no-such-directory") is None
 
 
-@pytest.mark.parametrize("how", ["itself", "its program"])
+@pytest.mark.parametrize("how", ["itself", "its program", "its program, in a locale"])
 def test_a_compiler_killed_by_a_signal_is_said_as_such(tmp_path, monkeypatch, how):
     # a compiler killed while it compiles a kernel (the out-of-memory killer, with several
-    # processes building at once), or gcc's driver whose cc1 was: the step said "a bug in
-    # vega; please report it"
+    # processes building at once), or gcc's driver whose cc1 was (in the words of the
+    # user's locale, unless it runs in C's): the step said "a bug in vega; please report it"
     real = cbuild.compiler()
     if real is None:
         pytest.skip("no C compiler here")
-    dies = "kill -9 $$" if how == "itself" else \
-        "echo 'cc: fatal error: Killed signal terminated program cc1' >&2; exit 1"
+    english = "echo 'cc: fatal error: Killed signal terminated program cc1' >&2; exit 1"
+    dies = {"itself": "kill -9 $$", "its program": english,
+            "its program, in a locale": f"if [ \"$LC_ALL\" = C ]; then {english}; else echo "
+                                        "'cc: erreur fatale: le signal Killed a termine le "
+                                        "programme cc1' >&2; exit 1; fi"}[how]
     # killed at its first source, a compiler after (the toolchain probe's)
     _fake_compiler(tmp_path, monkeypatch, "cc-killed",
                    f"case \"$*\" in *.c\\ *) [ -e {tmp_path}/once ] || "

@@ -180,6 +180,11 @@ KILLED = {  # a compiler killed, and what is said of it
     # gcc's driver, whose cc1plus the out-of-memory killer took: it says so and exits 1
     "its program": ("import sys; sys.exit('c++: fatal error: Killed signal terminated "
                     "program cc1plus')", "Killed signal terminated program"),
+    # the same driver in another language, as the user's locale has it: it runs in C's
+    "its program, in a locale": (
+        "import os, sys; sys.exit('c++: fatal error: Killed signal terminated program "
+        "cc1plus' if os.environ.get('LC_ALL') == 'C' else 'c++: erreur fatale: le signal "
+        "Killed a terminé le programme cc1plus')", "Killed signal terminated program"),
 }
 
 

@@ -473,6 +473,14 @@ def _cpuinfo() -> str:
 
 
 @cache
+def compiler_env() -> dict[str, str]:
+    """The environment a compiler runs in: this process's, in the C locale, so that what it
+    says is in the words ``killed`` and ``toolchain_problem`` read (a gcc in another
+    language said its program was killed in that language, and the build was recorded as
+    failed)."""
+    return {**os.environ, "LC_ALL": "C"}
+
+
 def target_cpu() -> str:
     """The CPU the kernels are built for: what ``-march=native`` means on this machine, asked
     of the compiler once per process (one preprocessor run, some 20-100 ms), or /proc/cpuinfo's
@@ -484,7 +492,7 @@ def target_cpu() -> str:
         try:
             proc = subprocess.run([cc[0], "-march=native", "-E", "-v", "-x", "c", "-"],
                                   capture_output=True, text=True, timeout=60,
-                                  stdin=subprocess.DEVNULL)
+                                  stdin=subprocess.DEVNULL, env=compiler_env())
             found = _native_target(proc.stderr) if proc.returncode == 0 else None
             if found:
                 return found
@@ -581,7 +589,8 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
                 f.write(source)
             try:
                 proc = subprocess.run([cc[0], *FLAGS, tmp_c, "-o", tmp_so, "-lm"],
-                                      capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
+                                      capture_output=True, text=True, timeout=COMPILE_TIMEOUT,
+                                      env=compiler_env())
             except subprocess.TimeoutExpired:  # (no verdict on the source either)
                 raise CompilerError(
                     f"{cc[0]} did not finish compiling a generated kernel ({len(source)} "
@@ -640,7 +649,8 @@ def toolchain_problem(cc: tuple[str, str], directory: Path) -> str | None:
         with os.fdopen(fd, "w") as f:
             f.write(PROBE)
         proc = subprocess.run([cc[0], *FLAGS, src, "-o", out, "-lm"], capture_output=True,
-                              text=True, timeout=300, stdin=subprocess.DEVNULL)
+                              text=True, timeout=300, stdin=subprocess.DEVNULL,
+                              env=compiler_env())
     except (OSError, subprocess.SubprocessError):  # (a full disk: no word on the compiler)
         return None
     finally:

@@ -262,7 +262,7 @@ def build(target: Path | None = None, text: str | None = None) -> str | None:
     command = [source if c == str(SOURCE) else c for c in command]
     try:
         proc = subprocess.run([*command, "-o", tmp], capture_output=True, text=True,
-                              timeout=600, stdin=subprocess.DEVNULL)
+                              timeout=600, stdin=subprocess.DEVNULL, env=cbuild.compiler_env())
         if proc.returncode == 0:
             cbuild.install(tmp, target)
             return None
