@@ -641,6 +641,10 @@ def test_a_step_in_place_under_functional_tensor_mode_names_that_mode():
                            "and a FunctionalTensorMode is active"):
             vega.adamw_step({"w": p.detach()}, {"w": g}, state, donate=True)
     assert not opt.state and int(state["step"]) == 0 and torch.equal(p.detach(), w)
+    # a mode of the user's is named as a dispatch mode, not after its tensors' class
+    from vega.codegen.tensors import mode_words
+    made = type("Boxed", (torch.Tensor,), {})
+    assert mode_words(made) == {"made": "Boxed", "mode": "dispatch mode"}
 
 
 def test_a_first_step_refused_in_a_later_group_leaves_no_state():

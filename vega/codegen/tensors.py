@@ -427,8 +427,10 @@ def mode_tensors() -> type | None:
 def mode_words(made: type) -> dict[str, str]:
     """The names of ``made`` (``mode_tensors``'s class) and of the mode that makes it, for
     a refusal's words: ``FakeTensor`` and ``FakeTensorMode``, ``FunctionalTensor`` and
-    ``FunctionalTensorMode``."""
-    return {"made": made.__name__, "mode": made.__name__ + "Mode"}
+    ``FunctionalTensorMode``; another's (a mode of the user's) as "dispatch mode"."""
+    name = made.__name__
+    known = name in ("FakeTensor", "FunctionalTensor")
+    return {"made": name, "mode": f"{name}Mode" if known else "dispatch mode"}
 
 
 def first_real(tensors, made: type) -> int | None:
