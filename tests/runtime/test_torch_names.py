@@ -848,6 +848,30 @@ def test_state_dict_post_hooks_see_the_whole_state_dict(cls):
 
 
 @pytest.mark.parametrize("cls", ["AdamW", "LBFGS"])
+def test_a_state_dict_pre_hook_registers_and_saves_as_torchs(cls):
+    """A state_dict pre-hook runs on the optimizer's own hook dicts, as torch's does: one
+    that registered a post-hook (the optimizer having one already) put it in the stand-in
+    that held the post-hooks off during the saving, where it ran once and was then lost
+    with it; a state_dict() called from a pre-hook ran no post-hook."""
+    model = torch.nn.Linear(4, 3)
+    opt = vega.optim.LBFGS(model.parameters()) if cls == "LBFGS" else \
+        vega.optim.AdamW(model.parameters())
+    seen = []
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append("first"))
+
+    def pre(o):
+        if not seen:
+            seen.append("pre")
+            o.register_state_dict_post_hook(lambda o, sd: {**sd, "added": len(seen)})
+            seen.append(sorted(o.state_dict()))
+    opt.register_state_dict_pre_hook(pre)
+    saved = opt.state_dict()
+    assert seen[:3] == ["pre", "first", sorted(saved)] and seen[3] == "first"
+    assert saved["added"] == 4
+    assert opt.state_dict()["added"] == 5 and seen[4:] == ["first"]
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "LBFGS"])
 @pytest.mark.parametrize("first", ["pre", "post"])
 def test_a_load_with_hooks_of_one_kind_keeps_the_others_registrable(cls, first):
     """A load with load_state_dict hooks of one kind only puts back the optimizer's own dict

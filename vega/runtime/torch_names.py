@@ -258,19 +258,26 @@ def loading(opt, state_dict, load) -> None:
 
 def saving(opt, save) -> dict:
     """``opt.state_dict()`` in torch's order around vega's own saving ``save``: the
-    state_dict pre-hooks (``register_state_dict_pre_hook``) run inside it, as torch's saving
-    runs them; the post-hooks are held off there and run on what ``save`` returns, each
-    one's answer replacing it, so that they see (and may change) the whole state dict, the
-    entries vega adds to torch's (the loss scale, the rule's name) too."""
-    post = opt.__dict__.get("_optimizer_state_dict_post_hooks") or {}
-    none = collections.OrderedDict()  # (made before the try: ``loading``)
+    state_dict pre-hooks (``register_state_dict_pre_hook``) first, then ``save`` with the
+    hooks held off (torch's saving inside it would run them again), then the post-hooks on
+    what ``save`` returns, each one's answer replacing it, so that they see (and may change)
+    the whole state dict, the entries vega adds to torch's (the loss scale, the rule's name)
+    too. The pre-hooks run outside the hold, on the optimizer's own dicts: a hook that a
+    pre-hook registers is kept, and a ``state_dict()`` called from one runs its hooks."""
+    for hook in list((opt.__dict__.get("_optimizer_state_dict_pre_hooks") or {}).values()):
+        hook(opt)
+    back = pre, post = tuple(collections.OrderedDict() if hooks is None else hooks for hooks in (
+        opt.__dict__.get("_optimizer_state_dict_pre_hooks"),
+        opt.__dict__.get("_optimizer_state_dict_post_hooks")))
+    # (made before the try, each pair set in one statement: ``loading``)
+    none = (collections.OrderedDict(), collections.OrderedDict()) if pre or post else None
     try:
-        if post:
-            opt._optimizer_state_dict_post_hooks = none
+        if none is not None:
+            opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks = none
         state_dict = save()
     finally:
-        if post:
-            opt._optimizer_state_dict_post_hooks = post
+        if none is not None:
+            opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks = back
     for hook in list(post.values()):
         answer = hook(opt, state_dict)
         if answer is not None:
