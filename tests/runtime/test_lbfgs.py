@@ -1162,3 +1162,45 @@ def test_the_class_step_without_any_gradient_changes_nothing():
     assert torch.equal(p.detach(), moved)
     for k, v in opt.state[p].items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("reorder", ["reversed", "inserted"])
+def test_parameters_reordered_in_the_closure_keep_the_history(reorder):
+    """The shared weights and step counter live in the first parameter's state: a closure
+    (or anything between steps) that reorders the group's parameters made the next step
+    start new ones in the new first parameter's state, a restart of the history, and left
+    the old ones with the old first parameter, to come back over the history when the order
+    did, and to make its state_dict one no LBFGS loads. They move to the new first: the
+    steps are those of the order never changed (their inner products are sums over all the
+    parameters), a parameter inserted first stepping as one appended does."""
+    def run(change):
+        g = torch.Generator().manual_seed(1)
+        ps = [torch.randn(5, generator=g).requires_grad_() for _ in range(3)]
+        extra = torch.randn(4, generator=g).requires_grad_()
+        opt = LBFGS(ps, lr=0.1, memory_size=4)
+        group = opt.param_groups[0]
+        for t in range(6):
+            def closure():
+                if change and t in (2, 4):
+                    if reorder == "reversed":
+                        group["params"] = group["params"][::-1]
+                    elif t == 2:
+                        group["params"].insert(0, extra)
+                elif not change and reorder == "inserted" and t == 2:
+                    group["params"].append(extra)
+                opt.zero_grad()
+                loss = sum(((p - i) ** 2).sum() * (i + 1) for i, p in enumerate([*ps, extra]))
+                loss.backward()
+                return loss
+            opt.step(closure)
+        return [*ps, extra], opt
+    (want, _), (got, opt) = run(False), run(True)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a)
+    params = opt.param_groups[0]["params"]
+    assert int(opt.state[params[0]]["step"]) == 6
+    assert all("step" not in opt.state[p] and "weights" not in opt.state[p]
+               for p in params[1:])
+    other = LBFGS([torch.zeros_like(p) for p in params], lr=0.1, memory_size=4)
+    other.load_state_dict(opt.state_dict())
+    assert int(other.state[other.param_groups[0]["params"][0]]["step"]) == 6

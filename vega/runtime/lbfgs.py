@@ -626,6 +626,24 @@ class LBFGS(torch.optim.Optimizer):
             st["step"] = torch.zeros((), dtype=torch.int32, device=head.device)
         return st
 
+    def _move_shared(self, params) -> None:
+        """The shared ``weights`` and ``step`` moved to the first parameter's state from the
+        parameter that holds them, where the parameters were reordered since the last step
+        (the group's list replaced, sorted or inserted into): the history goes on, its inner
+        products being sums over all the parameters in any order. The first step made new
+        ones instead, a restart with each parameter's history kept, and left the old ones
+        where they were, to come back over that history when the order did."""
+        head = self.state.get(params[0])
+        if head is not None and "step" in head:
+            return
+        for q in params[1:]:
+            st = self.state.get(q)
+            if st is not None and "step" in st and "weights" in st:
+                got = {"weights": st["weights"], "step": st["step"]}
+                self.state[params[0]].update(got)  # (the first's, then the other's dropped)
+                del st["weights"], st["step"]
+                return
+
     def _param_state(self, p, group) -> dict:
         st = self.state[p]
         if "diff_params" not in st:
@@ -681,6 +699,7 @@ class LBFGS(torch.optim.Optimizer):
         # (checked before a first step makes the state in its shape: memory_size=0 made an
         # empty history, which every later step refused)
         given = _check_memory_size("LBFGS", group["memory_size"])
+        self._move_shared(params)
         made = {p: frozenset(self.state[p]) if p in self.state else None for k, p
                 in enumerate(params) if "diff_params" not in self.state.get(p, ())
                 or (k == 0 and "step" not in self.state.get(p, ()))}  # (what a step makes)
