@@ -1204,3 +1204,23 @@ def test_parameters_reordered_in_the_closure_keep_the_history(reorder):
     other = LBFGS([torch.zeros_like(p) for p in params], lr=0.1, memory_size=4)
     other.load_state_dict(opt.state_dict())
     assert int(other.state[other.param_groups[0]["params"][0]]["step"]) == 6
+
+
+def test_a_state_dict_after_the_parameters_were_reordered_loads():
+    """A state_dict taken after the group's parameters were reordered, before a step moved
+    the shared weights and step counter to the new first parameter: they were saved with
+    the old first, and every LBFGS, this one too, refused to load it (the state of parameter
+    1 has 'step' and 'weights')."""
+    ps = [torch.randn(3, requires_grad=True) for _ in range(2)]
+    opt = LBFGS(ps, lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        sum((p ** 2).sum() for p in ps).backward()
+        opt.step()
+    opt.param_groups[0]["params"].reverse()
+    saved = opt.state_dict()
+    assert {"weights", "step"} <= saved["state"][0].keys()
+    opt.load_state_dict(saved)
+    other = LBFGS([torch.zeros(3, requires_grad=True) for _ in range(2)], lr=0.1)
+    other.load_state_dict(saved)
+    assert int(other.state[other.param_groups[0]["params"][0]]["step"]) == 2

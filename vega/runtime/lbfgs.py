@@ -632,9 +632,10 @@ class LBFGS(torch.optim.Optimizer):
         (the group's list replaced, sorted or inserted into): the history goes on, its inner
         products being sums over all the parameters in any order. The first step made new
         ones instead, a restart with each parameter's history kept, and left the old ones
-        where they were, to come back over that history when the order did."""
-        head = self.state.get(params[0])
-        if head is not None and "step" in head:
+        where they were, to come back over that history when the order did. (Also before a
+        state_dict, which a load refuses with them elsewhere.)"""
+        head = self.state.get(params[0]) if params else None
+        if not params or (head is not None and "step" in head):
             return
         for q in params[1:]:
             st = self.state.get(q)
@@ -749,6 +750,7 @@ class LBFGS(torch.optim.Optimizer):
         return torch_names.saving(self, self._state_dict)
 
     def _state_dict(self) -> dict:
+        self._move_shared(self.param_groups[0]["params"])  # (the first holds them, as loaded)
         out = sharded.without_group_objects(self, super().state_dict())
         out["param_groups"] = saved_groups(out["param_groups"])  # (its dtype by name)
         return out
