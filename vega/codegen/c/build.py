@@ -67,6 +67,51 @@ FORMAT = "sha256-recorded"
 _lock = threading.Lock()
 
 
+def share_fenv(source: str) -> str:
+    """``source`` with each OpenMP parallel region's threads computing in the calling
+    thread's floating-point environment (its rounding, and whether it flushes subnormal
+    values to zero: ``torch.set_flush_denormal(True)`` sets that on the calling thread
+    alone, and the pool's other threads would keep their own, so that an element's value
+    depended on which thread computed it, and on the thread count). Each region is wrapped
+    in a block that reads the caller's environment; each thread takes it on entering the
+    region and puts its own back on leaving. A ``parallel for`` becomes a ``parallel``
+    region holding the ``for``: its ``schedule`` and ``simd`` go with the loop."""
+    lines = source.split("\n")
+    out: list[str] = []
+    k = 0
+    while k < len(lines):
+        line = lines[k]
+        m = re.match(r"^(\s*)#pragma omp parallel( for( simd)?)?\b(.*)$", line)
+        if not m:
+            out.append(line)
+            k += 1
+            continue
+        ind, loop, simd, clauses = m.group(1), m.group(2), m.group(3), m.group(4)
+        head = lines[k + 1]
+        if not head.startswith(ind) or head[len(ind):][:1].isspace() or \
+                not head.rstrip().endswith("{") or (not loop and head.strip() != "{"):
+            raise AssertionError(f"a parallel region not followed by its block: {head!r}")
+        end = next(j for j in range(k + 2, len(lines)) if lines[j].startswith(ind + "}")
+                   and not lines[j][len(ind) + 1:].lstrip().startswith(("else", "while")))
+        sched = re.search(r"\bschedule\([^)]*\)", clauses)
+        par = re.sub(r"\s*\bschedule\([^)]*\)", "", clauses)
+        body = lines[k + 1:end + 1]
+        if loop:
+            body = [ind + "{", ind + "    fesetenv(&vega_fe_caller);",
+                    f"{ind}#pragma omp for{simd or ''}{' ' + sched.group(0) if sched else ''}",
+                    *body, ind + "}"]
+        else:
+            body = [body[0], ind + "    fesetenv(&vega_fe_caller);", *body[1:]]
+        # the thread's own environment back (its flags too): before the block's last brace
+        body = [body[0], ind + "    fenv_t vega_fe_own; fegetenv(&vega_fe_own);", *body[1:-1],
+                ind + "    fesetenv(&vega_fe_own);", body[-1]]
+        out += [ind + "{  /* the caller's floating-point environment, in every thread */",
+                ind + "fenv_t vega_fe_caller; fegetenv(&vega_fe_caller);",
+                f"{ind}#pragma omp parallel{par}", *body, ind + "}"]
+        k = end + 1
+    return "\n".join(out)
+
+
 class CompilerError(VegaError):
     """The C compiler rejected a generated kernel (a bug in vega, with the compiler's words),
     or cannot build vega's kernels here at all (``toolchain_problem``: what to install or

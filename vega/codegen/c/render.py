@@ -33,6 +33,7 @@ INCLUDES = """#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include <fenv.h>
 """
 
 HEADER = r"""
@@ -384,7 +385,7 @@ class Source:
             if q8_codes() == "table":
                 out.append(quant.C_TABLE)
         out += self._entries()
-        return "\n".join(out)
+        return cbuild.share_fenv("\n".join(out))
 
     @property
     def columns(self) -> record.Columns:

@@ -21,6 +21,7 @@ _C_TYPES = {torch.float32: "float", torch.float64: "double", torch.bfloat16: "ui
             torch.bool: "uint8_t"}
 
 HEADER = r"""/* vega: an element run of a program with matrix products (vega.codegen.c.runs) */
+#include <fenv.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -82,7 +83,7 @@ def source(loop: runs.Loop) -> str:
              for s in loop.steps]
     stores = [f"        O{k}[i] = {n};" for k, (n, _) in enumerate(made)]
     args = [n for n, _ in (*full, *values)]
-    return "\n".join([
+    return cbuild.share_fenv("\n".join([
         HEADER,
         f"/* {loop.run.name}: {', '.join(n for n, _ in made)} from {', '.join(args)} */",
         "void vega_run(int64_t n, void *const *a, int nth) {",
@@ -93,7 +94,7 @@ def source(loop: runs.Loop) -> str:
         *body, *stores,
         "    }",
         "}",
-        ""])
+        ""]))
 
 
 class CRuns(runs.Runs):
