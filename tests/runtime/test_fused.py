@@ -358,3 +358,69 @@ def test_no_step_of_groups_with_tensor_rates_reads_one_back(backend, monkeypatch
         opt.step()
     monkeypatch.undo()
     assert opt.state[ps[1]]["step"].item() == 3
+
+
+def _made_bytes(fn) -> int:
+    """The bytes of the new storages that torch operations made while ``fn`` ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    made = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor)}
+            out = func(*args, **(kwargs or {}))
+            seen = set()
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    s = t.untyped_storage()
+                    if s.data_ptr() not in given | seen:
+                        seen.add(s.data_ptr())
+                        made[0] += s.nbytes()
+            return out
+    with Count():
+        fn()
+    return made[0]
+
+
+@pytest.mark.parametrize("rule, hypers", [("adamw", {}), ("muon", {"bf16": False})])
+def test_a_donated_fused_step_by_torch_operations_makes_no_copy_of_its_outputs(rule, hypers):
+    """A fused step (max_grad_norm, skip_nonfinite) by the reference kernel's torch operations
+    (every backend's for Muon's matrices), donated, writes each new value into its tensor,
+    chosen there against the old by the finite flag, and squares the prelude's float64 copy
+    in place: it made a copy of each new value (the parameter and every state) for the
+    choice, the scaled gradient twice and the prelude's squares besides, 12 times the
+    parameters' bytes more than the plain step (AdamW), now under 6 times (the prelude's
+    scaled copy and float64 copy, its finite check's, the scaled gradient). The same
+    values, and a step with a NaN gradient leaves the parameters as they were."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 32)] * 4 + [(32,)] * 4
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    nbytes = sum(p.numel() * 4 for p in params)
+    init, step = getattr(vega, rule + "_init"), getattr(vega, rule + "_step")
+    made, got = {}, {}
+    for fused in (False, True):
+        ps = [p.clone() for p in params]
+        state = init(ps)
+        kw = dict(max_grad_norm=0.5, skip_nonfinite=True) if fused else {}
+        for _ in range(2):  # (the second step warm)
+            made[fused] = _made_bytes(lambda: step(ps, grads, state, backend="reference",
+                                                   donate=True, **kw, **hypers))
+        got[fused] = ps
+    assert made[True] - made[False] < 6 * nbytes, (made, nbytes)
+    ps = [p.clone() for p in params]
+    state = init(ps)
+    for _ in range(2):
+        want = step(ps, grads, state, backend="reference", max_grad_norm=0.5,
+                    skip_nonfinite=True, **hypers)
+        ps, state = want
+    assert all(torch.equal(a, b) for a, b in zip(got[True], ps))
+    bad = [g.clone() for g in grads]
+    bad[5][3] = float("nan")
+    before = [p.clone() for p in got[True]]
+    state = init(got[True])
+    step(got[True], bad, state, backend="reference", donate=True, max_grad_norm=0.5,
+         skip_nonfinite=True, **hypers)
+    assert all(torch.equal(a, b) for a, b in zip(got[True], before))

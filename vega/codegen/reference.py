@@ -34,7 +34,7 @@ from vega.codegen.base import (Geometry, Linear, Renderer, ShardView, check_code
 from vega.codegen.record import Pre, finite_of
 from vega.codegen.steps import Done, advance_steps, memo, run_staged
 from vega.codegen.tensors import (PLAIN_TYPES, in_memory_order, like_layout, refuse_inplace,
-                                  watched, wrapped)
+                                  transformed, watched, wrapped)
 from vega.dsl.ir import (AXIS_REDUCTIONS, COMPARISONS, LOGIC, MATRIX_OPS, REDUCTIONS,
                         SCALAR_STATE, Kind, Node, Op, Program, is_global, walk, with_src,
                         with_updates)
@@ -1429,8 +1429,9 @@ class Kernel:
                 for k, v in given:
                     scalars[k] = float(v)
         gc = g.to(cd)
-        if gscale is not None:
-            gc = gc * gscale[0].to(cd) * gscale[1].to(cd)
+        if gscale is not None:  # (the product a new tensor, then scaled in place: one copy)
+            gc = gc * gscale[0].to(cd)
+            gc = gc * gscale[1].to(cd) if transformed() else gc.mul_(gscale[1].to(cd))
         # on contiguous values: a reduction sums in the same order whether the tensors
         # are the caller's (donated, maybe transposed) or a pure step's fresh outputs
         return [p.to(cd).contiguous(), gc.contiguous(), *self._olds(states, i, cd), *scalars]
@@ -1472,12 +1473,17 @@ class Kernel:
         # every new value first, then the writes: a new value may be an input itself
         # (s = p), which an earlier write in place would change
         inputs, news = [p, g, *olds], []
+
+        def kept(new) -> bool:
+            # donated, a new value that is no input, nor another's, is chosen from at the
+            # write, into the old tensor: no copy of each output a step (vmap takes no out=)
+            return not transformed() and not any(_shares(new, x) for x in (*inputs, *news))
         for slot, (old, new) in enumerate(zip([p, *olds], outs)):
             if key is not None and old.dtype == torch.bfloat16:
                 new = precision.round_bf16_t(new.expand(old.shape), precision.bits_t(
                     key, slot, old.numel())).reshape(old.shape)
             new = new.to(old.dtype)
-            if finite is not None:
+            if finite is not None and not (donate and kept(new)):
                 new = torch.where(finite, new, old)
             elif any(_shares(new, x) for x in (*inputs, *news)) or (
                     not donate and not new.is_contiguous()):
@@ -1488,14 +1494,20 @@ class Kernel:
             news.append(new)
         for old, new, sink in zip([p, *olds], news, [new_params, *new_states]):
             if donate:
-                old.copy_(new)
+                if finite is not None and not _shares(new, old):
+                    torch.where(finite, new, old, out=old)
+                else:
+                    old.copy_(new)
                 sink[i] = old
             else:
                 sink[i] = new
 
 
 def add_prelude(grads, pre: torch.Tensor) -> None:
+    # each gradient's scaled copy counted first, then squared in place (in float64, a copy
+    # of its own where the compute dtype is narrower): one or two tensors its size, not five
     for g in grads:
         gc = g.to(compute_dtype(g.dtype)) * pre[Pre.INV_SCALE].to(compute_dtype(g.dtype))
-        pre[Pre.SUM_SQ] += gc.double().square().sum()
-        pre[Pre.NONFINITE] += (~torch.isfinite(gc)).sum()
+        pre[Pre.NONFINITE] += torch.isfinite(gc).logical_not_().sum()
+        wide = gc.double()
+        pre[Pre.SUM_SQ] += wide.mul_(wide).sum()
