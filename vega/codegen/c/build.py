@@ -517,7 +517,6 @@ def _cpuinfo() -> str:
     return f"cpuinfo {platform.machine()} {described or platform.processor()}"
 
 
-@cache
 def compiler_env() -> dict[str, str]:
     """The environment a compiler runs in: this process's, in the C locale, so that what it
     says is in the words ``killed`` and ``toolchain_problem`` read (a gcc in another
@@ -526,6 +525,7 @@ def compiler_env() -> dict[str, str]:
     return {**os.environ, "LC_ALL": "C"}
 
 
+@cache
 def target_cpu() -> str:
     """The CPU the kernels are built for: what ``-march=native`` means on this machine, asked
     of the compiler once per process (one preprocessor run, some 20-100 ms), or /proc/cpuinfo's
