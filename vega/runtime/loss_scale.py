@@ -168,10 +168,9 @@ class LossScale:
             (), dtype=torch.int32, device=loss_scale.device)
         self.min_scale = min_scale if min_scale is not None else torch.zeros(
             (), dtype=torch.float32, device=loss_scale.device)
-        (self.growth_interval, self.growth_factor,
-         self.backoff_factor) = _check_config("LossScale", growth_interval, growth_factor,
-                                              backoff_factor)
-        check_scale_values("LossScale", self.tensors(), dtypes=False)
+        self.growth_interval, self.growth_factor = growth_interval, growth_factor
+        self.backoff_factor = backoff_factor
+        self._check()
         self.is_dynamic = bool(dynamic)
         n = good_steps
         if isinstance(n, torch.Tensor) and n.numel() == 1 and n.device.type != "meta" \
@@ -196,6 +195,11 @@ class LossScale:
             setattr(self, key, value)
         # (checked as the constructor checks them: a pickle from elsewhere holding a negative
         # scale stepped every parameter uphill, a NaN one skipped every step)
+        self._check()
+
+    def _check(self) -> None:
+        """The constructor's checks of the settings (each kept as ``_check_config`` gives it)
+        and of the tensors' values, for a scale made or unpickled."""
         (self.growth_interval, self.growth_factor,
          self.backoff_factor) = _check_config("LossScale", self.growth_interval,
                                               self.growth_factor, self.backoff_factor)

@@ -24,6 +24,7 @@ from vega import codegen
 from vega.codegen import quant
 from vega.codegen.base import distinct, state_shape
 from vega.codegen.record import finite_of
+from vega.codegen.steps import INT32_MAX
 from vega.codegen.tensors import (LAZY_LOAD_WORDS, NO_GRAD, NOT_PLAIN, NOT_STRIDED,
                                   PLAIN_TYPES, dense, dense_words, first_with_own_ops, gather,
                                   inplace_problem, in_memory_order, is_dtensor, like_layout,
@@ -1398,7 +1399,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 if name == "step":  # a copy: the step advances in place
                     _check_step(type(self).__name__, pid, value)
                     if value.is_floating_point():  # (torch's: 2**31 is as far as it saturates)
-                        value = value.to(torch.float64).clamp(max=_LAST_STEP)
+                        value = value.to(torch.float64).clamp(max=INT32_MAX)
                     self.state[p][name] = value.to(device=p.device, dtype=torch.int32).clone()
                 elif value.is_floating_point() or value.is_complex():
                     value = value.to(device=p.device, dtype=sd)
@@ -1766,9 +1767,6 @@ def _check_q8_scales(owner: str, what: str, codes: torch.Tensor, scales: torch.T
                          "value; a scale is the largest magnitude of its block")
 
 
-_LAST_STEP = 2**31 - 1  # the last count an int32 step counter holds (it saturates there)
-
-
 def _check_step(owner: str, pid, value: torch.Tensor) -> None:
     """A saved step counter (int32 in vega's states, float32 in torch's) holds a count that
     an int32 counter takes: a whole number in [0, 2**31 - 1]; a float one may hold 2**31,
@@ -1781,7 +1779,7 @@ def _check_step(owner: str, pid, value: torch.Tensor) -> None:
         raise ValueError(f"{owner}.load_state_dict: state 'step' of parameter id {pid!r} is "
                          f"of dtype {value.dtype}; a step counter is a whole number")
     x = value.item()
-    last = 2**31 if value.is_floating_point() else _LAST_STEP
+    last = 2**31 if value.is_floating_point() else INT32_MAX
     if not (math.isfinite(x) and float(x).is_integer() and 0 <= x <= last):
         raise ValueError(f"{owner}.load_state_dict: state 'step' of parameter id {pid!r} is "
                          f"{x!r}; a step counter is a whole number in [0, 2**31 - 1]")
