@@ -1204,6 +1204,29 @@ def test_init_names_a_lazy_modules_uninitialized_parameter(name):
     assert state["step"].shape == ()
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("name", ["adamw", "muon", "lbfgs"])
+@pytest.mark.parametrize("backend", ["reference", "c"])
+def test_step_names_a_lazy_modules_uninitialized_parameter(name, backend, native, monkeypatch):
+    """A functional step over a lazy module's parameters before its first forward pass (with
+    a state made for an initialized twin) names the uninitialized leaf, as ``*_init`` does:
+    it failed with torch's "Can't access the shape" from inside the step's checks (with the
+    native module's passes or without them)."""
+    if not native:
+        monkeypatch.setattr(vega.codegen.tensors, "native_passes", lambda: None)
+    init, step = getattr(vega, f"{name}_init"), getattr(vega, f"{name}_step")
+    twin = torch.nn.LazyLinear(3)
+    twin(torch.ones(2, 4))
+    state = init(dict(twin.named_parameters()))
+    lazy = torch.nn.LazyLinear(3)
+    grads = {"weight": torch.ones(3, 4), "bias": torch.ones(3)}
+    with pytest.raises(ValueError, match=rf"^{name}_step: params leaf 'weight' is "
+                                         r"uninitialized \(a lazy module's, before its first "
+                                         r"forward pass\): its shape is not known yet"):
+        step(dict(lazy.named_parameters()), grads, state,
+             **({} if name == "lbfgs" else {"backend": backend}))
+
+
 @pytest.mark.parametrize("key, value, words", [
     ("maximize", "False", r"group 0: maximize='False' must be True or False"),
     ("backend", "cuda", r"group 0: backend='cuda' is not one of"),

@@ -153,7 +153,8 @@ def like(refs: list, items: list) -> bool:
     if not refs:
         return True
     device = refs[0].device
-    return all(type(x) in PLAIN_TYPES and dense(x) and dense(r) and x.device == device
+    return all(type(x) in PLAIN_TYPES and dense(x) and dense(r) and not uninitialized(r)
+               and x.device == device
                and r.device == device and x.is_complex() == r.is_complex()
                and x.shape == r.shape for r, x in zip(refs, items))
 

@@ -228,11 +228,15 @@ class CompiledSpec:
                                     present=state.keys()) \
             if isinstance(state, dict) and self._spec.value_hypers else ()
         every_float = floats(p_leaves)
-        progs = engine.programs(owner, self._spec, flags, values,
-                                p_leaves if every_float else
-                                [p if is_steppable(p) else None for p in p_leaves], held,
-                                master=master_weights, seed=seed,
-                                quantized=self._quantized(state, len(p_leaves), owner))
+        try:
+            progs = engine.programs(owner, self._spec, flags, values,
+                                    p_leaves if every_float else
+                                    [p if is_steppable(p) else None for p in p_leaves], held,
+                                    master=master_weights, seed=seed,
+                                    quantized=self._quantized(state, len(p_leaves), owner))
+        except RuntimeError:  # torch's, from a lazy parameter's shape: name the leaf instead
+            _check_dense(owner, params, p_leaves)
+            raise
         names = [f.name for f in self._fields(flags, progs, held)]
         shaped = self._spec.shape_hypers
         columns = _check_state(owner, self, flags, names, state, p_spec, shaped,
@@ -505,8 +509,8 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None,
            if g is not None and is_steppable(p)]
     if states_ok is not None:
         ps, gs = [p_leaves[i] for i in idx], [g_leaves[i] for i in idx]
-        all_dense = all(map(dense, ps))
-        shapes = [p.shape for p in ps] if all_dense else None  # (a nested one has no shape)
+        all_dense = all(dense(p) and not uninitialized(p) for p in ps)
+        shapes = [p.shape for p in ps] if all_dense else None  # (nor nested nor lazy ones)
         if all_dense and all(isinstance(g, torch.Tensor) and dense(g) for g in gs) \
                 and [g.shape for g in gs] == shapes \
                 and on_one_device(ps + gs) \
@@ -526,6 +530,8 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None,
         if g is None or not is_steppable(p):
             continue
         name = partial(name_of, i)
+        if uninitialized(p):
+            raise ValueError(f"{owner}: params leaf '{name()}' {_LAZY_SHAPE}")
         if not dense(p):
             raise ValueError(f"{owner}: params leaf '{name()}' is {dense_words(p)}")
         _check_grad(owner, name, p, g)
@@ -605,6 +611,9 @@ def _check_leaves(owner, what, tree, leaves):
             raise ValueError(f"{owner}: {what} {label} is a {type(leaf).__name__}, not a tensor")
 
 
+_LAZY_SHAPE = f"{LAZY_WORDS}: its shape is not known yet; run a forward pass first"
+
+
 def _check_dense(owner, params, leaves) -> None:
     """Raise ValueError, naming the leaf, for a sparse or nested parameter: its state could
     not be made like it (torch has no such operations for those layouts), nor stepped; and
@@ -614,8 +623,7 @@ def _check_dense(owner, params, leaves) -> None:
     for name, leaf in zip(_paths(params, leaves), leaves):
         label = f"leaf '{name}'" if name else "leaf"
         if leaf is not None and uninitialized(leaf):
-            raise ValueError(f"{owner}: params {label} {LAZY_WORDS}: its shape is not "
-                             "known yet; run a forward pass first")
+            raise ValueError(f"{owner}: params {label} {_LAZY_SHAPE}")
         if leaf is not None and not dense(leaf):
             raise ValueError(f"{owner}: params {label} is {dense_words(leaf)}")
 
