@@ -724,7 +724,8 @@ def test_a_toolchain_without_openmp_is_said_with_what_to_do(tmp_path, monkeypatc
     assert cbuild.toolchain_problem((str(fake), "1"), tmp_path / "no-such-directory") is None
 
 
-@pytest.mark.parametrize("how", ["itself", "its program", "its program, in a locale"])
+@pytest.mark.parametrize("how", ["itself", "its program", "its program, in a locale",
+                                 "under a shell"])
 def test_a_compiler_killed_by_a_signal_is_said_as_such(tmp_path, monkeypatch, how):
     # a compiler killed while it compiles a kernel (the out-of-memory killer, with several
     # processes building at once), or gcc's driver whose cc1 was (in the words of the
@@ -733,7 +734,9 @@ def test_a_compiler_killed_by_a_signal_is_said_as_such(tmp_path, monkeypatch, ho
     if real is None:
         pytest.skip("no C compiler here")
     english = "echo 'cc: fatal error: Killed signal terminated program cc1' >&2; exit 1"
+    # (under a shell: a wrapper script whose compiler was killed ends with 128 + 9)
     dies = {"itself": "kill -9 $$", "its program": english,
+            "under a shell": "sh -c 'kill -9 $$'; exit $?",
             "its program, in a locale": f"if [ \"$LC_ALL\" = C ]; then {english}; else echo "
                                         "'cc: erreur fatale: le signal Killed a termine le "
                                         "programme cc1' >&2; exit 1; fi"}[how]
@@ -745,8 +748,10 @@ def test_a_compiler_killed_by_a_signal_is_said_as_such(tmp_path, monkeypatch, ho
     with pytest.raises(cbuild.CompilerError) as caught:
         cbuild.build('const char *vega_key(void) { return "@KEY@"; }\n')
     said = str(caught.value)
-    assert ("was killed by signal 9 (SIGKILL)" if how == "itself" else
-            "had the program it ran killed (Killed signal terminated program)") in said
+    assert {"itself": "was killed by signal 9 (SIGKILL)",
+            "under a shell": "ended with status 137, a shell's word for a program killed by "
+                             "signal 9 (SIGKILL)"}.get(
+        how, "had the program it ran killed (Killed signal terminated program)") in said
     assert "a bug" not in said and "a later step compiles it again" in said, said
     assert [f.name for f in (tmp_path / "cache" / "c").iterdir()] == []  # nothing left
 

@@ -180,6 +180,9 @@ KILLED = {  # a compiler killed, and what is said of it
     # gcc's driver, whose cc1plus the out-of-memory killer took: it says so and exits 1
     "its program": ("import sys; sys.exit('c++: fatal error: Killed signal terminated "
                     "program cc1plus')", "Killed signal terminated program"),
+    # a wrapper run by a shell (ccache in a script), whose compiler was killed: 128 + 9
+    "under a shell": ("import sys; sys.exit(137)", "ended with status 137, a shell's word for "
+                      "a program killed by signal 9 (SIGKILL)"),
     # the same driver in another language, as the user's locale has it: it runs in C's
     "its program, in a locale": (
         "import os, sys; sys.exit('c++: fatal error: Killed signal terminated program "

@@ -553,16 +553,30 @@ _KILLED = re.compile(r"\b(Killed|Terminated|Interrupt) signal terminated program
                      r"unable to execute command: (Killed|Terminated|Interrupt)")
 
 
+# the signals that kill a compiler from outside (the out-of-memory killer, a time limit, the
+# user): a status of 128 plus one of them is a shell's report of it. Not SIGSEGV or SIGABRT,
+# which are a compiler's own crash, a verdict on the source it was given
+_SHELL_KILLS = {signal.SIGHUP, signal.SIGINT, signal.SIGKILL, signal.SIGTERM}
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return "an unknown signal"
+
+
 def killed(proc: subprocess.CompletedProcess) -> str | None:
     """How the compiler run ``proc`` (its output captured as text) was killed by a signal,
     itself or the program its driver ran (out of memory: no verdict on the source), in
-    words; None where it ran to its end."""
+    words; None where it ran to its end. A wrapper run by a shell (``CC="ccache gcc"`` in a
+    script, a shell function) says a program killed by signal n with the status 128 + n."""
     if proc.returncode < 0:
-        try:
-            name = signal.Signals(-proc.returncode).name
-        except ValueError:
-            name = "an unknown signal"
-        return f"was killed by signal {-proc.returncode} ({name})"
+        return f"was killed by signal {-proc.returncode} ({_signal_name(-proc.returncode)})"
+    if proc.returncode - 128 in _SHELL_KILLS:
+        n = proc.returncode - 128
+        return (f"ended with status {proc.returncode}, a shell's word for a program killed by "
+                f"signal {n} ({_signal_name(n)})")
     found = _KILLED.search(proc.stderr or "")
     return None if proc.returncode == 0 or found is None else \
         f"had the program it ran killed ({found.group(0)})"
