@@ -806,6 +806,34 @@ def test_a_step_of_zero_gradients_keeps_the_estimate(name, backend):
     assert torch.isfinite(p).all() and float(opt.state[p]["d"]) > 1e-5
 
 
+@pytest.mark.parametrize("clip", [True, False])
+@pytest.mark.parametrize("backend", ["reference", "c", "triton"])
+def test_adopt_at_eps_0_reads_no_update_at_its_first_step(clip, backend):
+    """ADOPT's first step only records g^2; it read g / max(sqrt(nu), eps) at nu = 0 all
+    the same and multiplied it by 1 - b1 = 0: at eps = 0 (in its range) that was g / 0,
+    so that 0 * inf made mu NaN in every element without clipping, and in every element
+    whose first gradient was 0 with it (0 / 0), for good (optax's too). It steps as optax
+    at an eps too small to matter, where optax's is finite."""
+    g0 = torch.tensor([1.0, 0.0, -2.0, 0.5, 3.0, 0.0], dtype=torch.float64)
+    if not clip:
+        g0 = g0 + (g0 == 0)  # (optax's step 2 divides by |g0|: finite where g0 is not 0)
+    grads = [g0] + [torch.linspace(-1, 2, 6, dtype=torch.float64) * k for k in (1, 2, 3)]
+    h = dict(lr=0.02, b1=0.8, b2=0.95, nesterov=not clip, use_clipping=clip)
+    params = {"w": torch.ones(6, dtype=torch.float64)}
+    state = vega.adopt_init(params)
+    tx = optax.contrib.adopt(h["lr"], b1=h["b1"], b2=h["b2"], eps=1e-300,
+                             nesterov=h["nesterov"], use_clipping=clip)
+    theirs = jnp.ones(6, dtype=jnp.float64)
+    ostate = tx.init(theirs)
+    for g in grads:
+        params, state = vega.adopt_step(params, {"w": g}, state, eps=0.0, backend=backend,
+                                        **h)
+        update, ostate = tx.update(jnp.asarray(g.numpy()), ostate, theirs)
+        theirs = optax.apply_updates(theirs, update)
+        assert torch.isfinite(state["mu"]["w"]).all(), state["mu"]["w"]
+        assert_close(params["w"], theirs, "p.w against optax", int(state["step"]))
+
+
 def test_schedule_free_warmup_differs_only_in_float32():
     """optax's own warmup_steps computes its schedule in float32: against the float64
     schedule of the comparison, its trajectory parts at float32's precision, no further."""
