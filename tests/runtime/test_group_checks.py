@@ -55,3 +55,27 @@ def test_a_group_moved_to_another_position_is_checked():
     groups[0], groups[2] = groups[2], groups[0]
     with pytest.raises(ValueError, match="lr=-1.0"):
         opt.step()
+
+
+@pytest.mark.parametrize("backend", ["reference", "c", "triton"])
+@pytest.mark.parametrize("name", ["AdamW", "Muon"])
+def test_a_real_number_of_another_type_set_in_a_group_steps_as_its_float(name, backend):
+    """A number the checks take as a real one (a fractions.Fraction, any numbers.Real) set
+    in a group after the constructor steps as its float, as the constructor's and the
+    functional step's do: the step passed the group's own object on, and the reference's
+    torch.full raised a TypeError (every rule on the reference backend; Muon's matrices on
+    every backend), where the C and Triton kernels took it."""
+    from fractions import Fraction
+    cls = getattr(vega.optim, name)
+    start = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    ps = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    opts = [cls([ps[0]], backend=backend), cls([ps[1]], backend=backend)]
+    for k in range(3):
+        if k == 1:
+            opts[0].param_groups[0]["lr"] = Fraction(1, 50)
+            opts[1].param_groups[0]["lr"] = 0.02
+        for p in ps:
+            p.grad = torch.full((4, 3), float(k + 1))
+        for opt in opts:
+            opt.step()
+    assert torch.equal(ps[0].detach(), ps[1].detach())

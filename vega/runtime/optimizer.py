@@ -245,10 +245,12 @@ class SpecOptimizer(torch.optim.Optimizer):
         return sync
 
     def _group_values(self, group, k: int | None = None):
-        """The group's (bool hyperparameters, float hyperparameters), checked. ``k``: the
-        group's position, where a step asks: values of immutable types (numbers, bools)
-        checked at its last step are not checked again while the group holds the same
-        objects (a tensor, which may change in place, or a schedule is checked each step)."""
+        """The group's (bool hyperparameters, float hyperparameters), checked, each as the
+        check takes it (a real number of another type, a ``Fraction``, as its float, as
+        the constructor and the functional step take it). ``k``: the group's position,
+        where a step asks: values of immutable types (numbers, bools) checked at its last
+        step are not checked again while the group holds the same objects (a tensor, which
+        may change in place, or a schedule is checked each step)."""
         hypers = self.spec.hypers
         flags = {h.name: group[h.name] for h in hypers if h.type == "bool"}
         values = {h.name: group[h.name] for h in hypers if h.type == "float"}
@@ -260,7 +262,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             last = kept.get(k)
             if last is not None and same(now, last):
                 return flags, values
-        engine.resolve(type(self).__name__, hypers, {**flags, **values})
+        flags, values = engine.resolve(type(self).__name__, hypers, {**flags, **values})
         if keep:
             kept[k] = now
         return flags, values
