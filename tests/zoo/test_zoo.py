@@ -719,6 +719,24 @@ def test_radam_torch_eps_differs():
     assert not torch.allclose(params["w"], p.detach(), rtol=1e-6, atol=0)
 
 
+def test_radam_torch_threshold_differs_where_rho_t_is_5():
+    """At eps = 0 vega's RAdam parts from torch's only at a step whose rho_t is exactly 5
+    (vega rectifies at rho_t >= 5, torch at rho_t > 5): b2 = 1 - 1e-12 gives rho_3 = 5.0."""
+    start = make_params()["w"]
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    opt = vega.optim.RAdam([ours], lr=0.1, b2=1 - 1e-12, eps=0.0)
+    ref = torch.optim.RAdam([theirs], lr=0.1, betas=(0.9, 1 - 1e-12), eps=0.0, foreach=False)
+    for k in range(3):
+        ours.grad = make_grads(k)["w"].clone()
+        theirs.grad = make_grads(k)["w"].clone()
+        before = ours.detach().clone()
+        opt.step()
+        ref.step()
+        if k < 2:
+            assert_close(ours, theirs, "p.w against torch", k + 1)
+    assert (ours.detach() - before).abs().max() < 1e-5 < (theirs.detach() - before).abs().max()
+
+
 @pytest.mark.parametrize("case", _first_case_per_spec())
 def test_trains_demo_model(case):
     torch.manual_seed(0)
