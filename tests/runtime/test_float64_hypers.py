@@ -55,3 +55,27 @@ def test_a_schedule_on_a_step_tensor_is_float64():
     s = vega.schedule.cosine_decay(1.0 / 3.0, 10)
     v = s(torch.tensor(3, dtype=torch.int32))
     assert v.dtype == torch.float64 and v.item() == s(3)
+
+
+@pytest.mark.parametrize("backend", ["reference", "c", "triton"])
+def test_a_hyperparameter_past_float32s_range_steps_float32_parameters_as_torch(backend):
+    """A float hyperparameter past float32's range (Adagrad's lr_decay=1e39: a rate that
+    falls to nothing after the first step) steps float32 parameters as torch.optim does,
+    its step constants in float64: the state's init made every hyperparameter a float32
+    tensor by torch.full, which raised "value cannot be converted to type float without
+    overflow" for one it does not even read (a number past the range rounds to inf, as
+    the kernels round it)."""
+    start = torch.linspace(-1, 1, 12).reshape(3, 4)
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    opt = vega.optim.Adagrad([ours], lr=0.1, lr_decay=1e39, backend=backend)
+    ref = torch.optim.Adagrad([theirs], lr=0.1, lr_decay=1e39, foreach=False)
+    for k in range(3):
+        g = torch.cos(torch.arange(12.0) * (k + 1)).reshape(3, 4)
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-6, atol=1e-7)
+    assert not torch.equal(ours.detach(), start)
+    params = {"w": start.clone()}
+    state = vega.yogi_init(params, initial_accumulator_value=1e39)
+    assert torch.isinf(state["nu"]["w"]).all()

@@ -1165,10 +1165,12 @@ class Kernel:
         """The float hyperparameters as 0-d tensors of ``dtype``; a number made one by
         ``torch.full``, which dynamo traces with the number an input of the graph (with
         ``torch.as_tensor`` it is a constant: a new value, a torch LR scheduler's, compiled
-        the step again, step after step)."""
+        the step again, step after step). A number is rounded to ``dtype`` as a tensor is:
+        one past its range (1e39 for float32) is infinite, as the kernels round it, where
+        ``torch.full`` in ``dtype`` refuses it."""
         return [v if isinstance(v, torch.Tensor) and v.dtype == dtype and v.device == device
                 else v.to(dtype=dtype, device=device) if isinstance(v, torch.Tensor)
-                else torch.full((), v, dtype=dtype, device=device)
+                else torch.full((), v, dtype=torch.float64, device=device).to(dtype)
                 for v in (values[h] for h in self.program.float_hypers)]
 
     def init(self, p: torch.Tensor, values: dict, state_dtype,
