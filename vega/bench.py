@@ -697,8 +697,8 @@ def report(run: dict, rate: float, say) -> None:
                 f"(its median call, {1e3 * rows[BOUND]:.2f} ms for "
                 f"{res['bound_bytes'] / 1e6:.0f} MB)")
         if rows.get(READ_BOUND) and res.get("read_bytes"):
-            rate = res["read_bytes"] / rows[READ_BOUND] / 1e9
-            say(f"a read-only pass raced with them: {rate:.1f} GB/s")
+            read_rate = res["read_bytes"] / rows[READ_BOUND]
+            say(f"a read-only pass raced with them: {read_rate / 1e9:.1f} GB/s")
         fused = rows["torch AdamW fused"]
         say(f"{'AdamW step':<60} {'median ms':>10} {'/ torch fused':>14}   bytes and bound")
         for label, secs in rows.items():
