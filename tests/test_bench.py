@@ -1,6 +1,7 @@
 """``vega bench``'s machinery on tiny parameter sets (its timings are not asserted)."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ def test_rows_of_a_tiny_run():
     for label in ("vega AdamW", "vega AdamW + unscale, finite check, clip, skip", bench.FUNCTIONAL,
                   "torch AdamW fused", "torch AdamW foreach", "torch AdamW for-loop",
                   "torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW",
-                  "optax adamw under jax.jit (own process)", bench.BF16_STATE):
+                  bench.OPTAX_DONATED, bench.OPTAX_PURE, bench.BF16_STATE):
         assert rows[label] > 0, label
     others = bench.other_rows(shapes, grads, ["sgd", "adafactor"])
     assert [r[0] for r in others] == ["sgd", "adafactor"]
@@ -315,3 +316,23 @@ def test_a_read_only_pass_leaves_the_next_tables_bound_alone():
         "\n".join(second)
     assert any(line.startswith("sgd ") and "1.00x bound" in line for line in second), \
         "\n".join(second)
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_optax_steps_adamw_as_torch_does_and_donates_where_asked(donate):
+    """optax's row steps torch's AdamW (its weight decay 0.01, not optax's default 1e-4),
+    and its donated row gives XLA the old parameters and state to write over (optax's
+    fastest path; the pure row makes new ones, as vega's pure functional step)."""
+    pytest.importorskip("optax")
+    shapes = [(3, 4), (5,)]
+    _, grads = bench._tensors(shapes)
+    ref = torch.optim.AdamW(bench._leaves(shapes, grads), lr=1e-3)
+    step, box = bench.optax_stepper(shapes, donate=donate)
+    first = box[0][0]
+    for _ in range(3):
+        step()
+        ref.step()
+    assert first.is_deleted() == donate
+    for ours, theirs in zip(box[0], ref.param_groups[0]["params"], strict=True):
+        torch.testing.assert_close(torch.from_numpy(np.asarray(ours).copy()), theirs.detach(),
+                                   rtol=0, atol=1e-6)

@@ -371,8 +371,8 @@ def adamw_rows(shapes, grads, compile_torch=True, bound: Stream | None = None):
 
 
 def functional_rows(shapes) -> dict:
-    """vega's functional AdamW step, pure as optax's (new parameters and state each step),
-    raced against torch's fused step in a process of their own, as optax's: the pure
+    """vega's functional AdamW step, pure as optax's pure row (new parameters and state each
+    step), raced against torch's fused step in a process of their own, as optax's: the pure
     step's allocations slowed the rows timed beside it (the allocator returns freed memory
     to the system, and takes it back at a cost a step later), and were slowed by theirs."""
     ours, fused = _in_own_process("functional_seconds", shapes, 2)
@@ -407,39 +407,58 @@ def functional_seconds(shapes) -> tuple[float, float]:
     return times["vega"], times["fused"]
 
 
+OPTAX_DONATED = "optax adamw under jax.jit, donated (own process)"
+OPTAX_PURE = "optax adamw under jax.jit, pure (own process)"
+
+
 def _optax_row(shapes) -> dict:
-    """optax's adamw under jax.jit, timed in a process of its own: XLA's worker threads
-    keep spinning after a step, and slowed every row timed after them here (by 1.5-2x
-    on the many-small set)."""
-    secs, = _in_own_process("optax_seconds", shapes, 1)
-    if math.isnan(secs):
-        return {"optax adamw under jax.jit (not installed)": secs}
-    return {"optax adamw under jax.jit (own process)": secs}
+    """optax's adamw under jax.jit, donated and pure, timed in a process of its own: XLA's
+    worker threads keep spinning after a step, and slowed every row timed after them here
+    (by 1.5-2x on the many-small set)."""
+    donated, pure = _in_own_process("optax_seconds", shapes, 2)
+    if math.isnan(donated):
+        return {"optax adamw under jax.jit (not installed)": donated}
+    return {OPTAX_DONATED: donated, OPTAX_PURE: pure}
 
 
-def optax_seconds(shapes) -> float:
-    """Median seconds of optax's adamw step under jax.jit (NaN without jax and optax)."""
-    try:
-        import jax
-        import jax.numpy as jnp
-        import optax
-    except ImportError:
-        return float("nan")
-    tx = optax.adamw(1e-3)
-    params = [jnp.asarray(p.numpy()) for p in _tensors(shapes)[0]]
-    grads = [jnp.asarray(g.numpy()) for g in _tensors(shapes)[1]]
-    state = tx.init(params)
+def optax_stepper(shapes, donate: bool):
+    """(step, box): optax's adamw step under jax.jit with torch's and vega's AdamW
+    hyperparameters (lr 1e-3, weight decay 0.01, where optax's default decay is 1e-4) from
+    ``_tensors(shapes)``; ``box[0]`` the parameters, ``box[1]`` the state, each call one
+    step, waited for. With ``donate`` the step is given the parameters and state to write
+    its new ones over (``donate_argnums``: in place, optax's fastest path), else it
+    writes new ones each step (pure, as vega's functional step without ``donate``)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    tx = optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+    params, grads = _tensors(shapes)
+    params = [jnp.asarray(p.numpy()) for p in params]
+    grads = [jnp.asarray(g.numpy()) for g in grads]
 
-    @jax.jit
-    def step(params, state, grads):
+    def update(params, state, grads):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
-    box = [params, state]
+    jitted = jax.jit(update, donate_argnums=(0, 1) if donate else ())
+    box = [params, tx.init(params)]
 
-    def run():
-        box[0], box[1] = step(box[0], box[1], grads)
+    def step():
+        box[0], box[1] = jitted(box[0], box[1], grads)
         jax.block_until_ready(box[0])
-    return race({"optax": run})["optax"]
+    return step, box
+
+
+def optax_seconds(shapes) -> tuple[float, float]:
+    """Median seconds of optax's adamw step under jax.jit, donated and pure, each raced
+    alone, the donated first (NaN, NaN without jax and optax)."""
+    import importlib.util
+    if any(importlib.util.find_spec(name) is None for name in ("jax", "optax")):
+        return float("nan"), float("nan")
+    donated, _ = optax_stepper(shapes, donate=True)
+    donated_secs = race({"optax": donated})["optax"]
+    del donated
+    pure, _ = optax_stepper(shapes, donate=False)
+    return donated_secs, race({"optax": pure})["optax"]
 
 
 def _torch_fastest(cls, shapes, grads, kwargs):
@@ -720,7 +739,8 @@ def report(run: dict, rate: float, say) -> None:
                 if mixed:
                     note += f"; {secs / mixed:.2f}x with its gradient pass at the read rate"
             say(f"{label:<60} {1e3 * secs:>10.2f} {secs / base:>13.2f}x" + "*" * alone + note)
-        say(f"* new parameters and state each step, as optax's; raced with torch's fused step "
+        say(f"* new parameters and state each step, as optax's pure row; raced with torch's "
+            f"fused step "
             f"alone ({1e3 * rows[FUNCTIONAL_FUSED]:.2f} ms there)")
         ours_fused = rows["vega AdamW + unscale, finite check, clip, skip"]
         composite = rows["torch GradScaler.unscale_ + clip_grad_norm_ + fused AdamW"]
