@@ -336,3 +336,31 @@ def test_optax_steps_adamw_as_torch_does_and_donates_where_asked(donate):
     for ours, theirs in zip(box[0], ref.param_groups[0]["params"], strict=True):
         torch.testing.assert_close(torch.from_numpy(np.asarray(ours).copy()), theirs.detach(),
                                    rtol=0, atol=1e-6)
+
+
+def test_the_rows_results_are_compared_so_a_wrong_step_cannot_win(monkeypatch):
+    """After a race every row has stepped as often: vega's parameters and the counterpart's
+    must agree, and a row that computes something else (here vega's sgd at ten times the
+    counterpart's rate) is called out, where its time would have been read as a speed-up."""
+    shapes = [(3, 4), (5,)]
+    _, grads = bench._tensors(shapes)
+    checks = {}
+    bench.adamw_rows(shapes, grads, compile_torch=False, checks=checks)
+    bench.other_rows(shapes, grads, ["sgd", "adam", "adafactor"], checks=checks)
+    assert set(checks) == {"vega AdamW", "torch AdamW foreach", "torch AdamW for-loop",
+                           "vega AdamW + unscale, finite check, clip, skip", "sgd", "adam"}
+    assert all(value <= bench.APART_TOL for value in checks.values()), checks
+    wrong = dict(bench.OTHERS)
+    wrong["sgd"] = ({"lr": 1e-1, "momentum": 0.9}, *bench.OTHERS["sgd"][1:])
+    monkeypatch.setattr(bench, "OTHERS", wrong)
+    bench.other_rows(shapes, grads, ["sgd"], checks=checks)
+    assert checks["sgd"] > 100 * bench.APART_TOL
+    lines = []
+    bench.report_apart(checks, lambda text="": lines.append(text))
+    assert [line.split(":")[0] for line in lines if line.startswith("!!")] == ["!! sgd"]
+
+
+def test_apart_is_nan_where_a_parameter_is():
+    a = [torch.tensor([1.0, float("nan")])]
+    assert math.isnan(bench.apart(a, [torch.tensor([1.0, 2.0])]))
+    assert bench.apart([torch.tensor([1.0, 2.5])], [torch.tensor([1.0, 2.0])]) == 0.25

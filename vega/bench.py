@@ -321,7 +321,26 @@ def _bound_note(secs: float, nbytes: int, nparams: int, rate: float) -> str:
     return f"{nbytes:>4} B/param {secs / (nbytes * nparams / rate):>6.2f}x bound"
 
 
-def adamw_rows(shapes, grads, compile_torch=True, bound: Stream | None = None):
+APART_TOL = 1e-4  # the most two rows' parameters may be apart (``apart``) and agree
+
+
+def apart(ours, theirs) -> float:
+    """How far two lists of parameters are apart: the largest absolute difference over the
+    largest magnitude of ``theirs`` (NaN where either holds a NaN)."""
+    diffs = [float((a.detach().double() - b.detach().double()).abs().max())
+             for a, b in zip(ours, theirs, strict=True)]
+    scale = max(float(b.detach().double().abs().max()) for b in theirs)
+    if any(math.isnan(d) for d in diffs) or math.isnan(scale):
+        return float("nan")
+    return max(diffs) / scale if scale > 0 else max(diffs)
+
+
+def _params(opt) -> list:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def adamw_rows(shapes, grads, compile_torch=True, bound: Stream | None = None,
+               checks: dict | None = None):
     # the rows of processes of their own first, while this one holds little memory: on a
     # virtual machine, the fresh pages of a pure step cost up to 4x more when the memory
     # of other processes is large (pages the host has to find again)
@@ -329,18 +348,21 @@ def adamw_rows(shapes, grads, compile_torch=True, bound: Stream | None = None):
     fns = {}
     opt = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3)
     fns["vega AdamW"] = opt.step
+    fns_opts = {"vega AdamW": opt}
     fused_opt = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3, max_grad_norm=1.0,
                                  loss_scale=vega.LossScale.dynamic(init=1.0,
                                                                    growth_interval=10**9))
     fns["vega AdamW + unscale, finite check, clip, skip"] = fused_opt.step
+    fns_opts["vega AdamW + unscale, finite check, clip, skip"] = fused_opt
     fns[BF16_STATE] = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
                                        state_dtype=torch.bfloat16).step
     fns[Q8_STATE] = vega.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
                                      state_dtype=torch.uint8).step
     for label, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}),
                       ("fused", {"fused": True})):
-        fns[f"torch AdamW {label}"] = torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
-                                                        **kw).step
+        fns_opts[f"torch AdamW {label}"] = torch.optim.AdamW(_leaves(shapes, grads), lr=1e-3,
+                                                             **kw)
+        fns[f"torch AdamW {label}"] = fns_opts[f"torch AdamW {label}"].step
     ps = _leaves(shapes, grads)
     t_opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9)
@@ -363,7 +385,13 @@ def adamw_rows(shapes, grads, compile_torch=True, bound: Stream | None = None):
     if bound is not None and bound.fn is not None:
         fns[BOUND] = bound
         fns[READ_BOUND] = bound.read
-    rows = race(fns)
+    rows = race(fns)  # (every row stepped as many times: its parameters can be compared)
+    if checks is not None:
+        fused_ps = _params(fns_opts["torch AdamW fused"])
+        for label, ref in (("vega AdamW", fused_ps), ("torch AdamW foreach", fused_ps),
+                           ("torch AdamW for-loop", fused_ps),
+                           ("vega AdamW + unscale, finite check, clip, skip", ps)):
+            checks[label] = apart(_params(fns_opts[label]), ref)
     rows.update(alone)
     if compile_secs is not None:
         rows["(torch.compile of AdamW: compile time, not a step)"] = compile_secs
@@ -474,9 +502,17 @@ def _torch_fastest(cls, shapes, grads, kwargs):
     return cls(_leaves(shapes, grads), **kwargs, foreach=True), "foreach"
 
 
-def other_rows(shapes, grads, names, bound: Stream | None = None):
+# counterparts whose defaults are another setting of the rule than vega's (torch's
+# Adafactor: the relative step on, every matrix factored over its last two axes): their
+# parameters are not compared
+UNLIKE = {"adafactor"}
+
+
+def other_rows(shapes, grads, names, bound: Stream | None = None, checks: dict | None = None):
     """Per optimizer: (name, vega's median seconds, the counterpart's label, its seconds,
-    the seconds of ``bound`` raced with them: NaN without one)."""
+    the seconds of ``bound`` raced with them: NaN without one). ``checks``: filled with
+    each name's ``apart`` of vega's parameters and the counterpart's after the race (the
+    same steps on both), where the two compute one rule."""
     rows = []
     raced = {"bound": bound} if bound is not None and bound.fn is not None else {}
     for name in names:
@@ -495,6 +531,8 @@ def other_rows(shapes, grads, names, bound: Stream | None = None):
                 label = f"{module}.{cls}"
             times = race({"vega": opt.step, "theirs": ref.step, **raced}, budget=3.0)
             ours, theirs = times["vega"], times["theirs"]
+            if checks is not None and name not in UNLIKE:
+                checks[name] = apart(_params(opt), _params(ref))
         except (ImportError, AttributeError) as err:  # not installed, or no such class
             times = race({"vega": opt.step, **raced}, budget=3.0)
             ours = times["vega"]
@@ -654,12 +692,14 @@ def measure(quick: bool, compile_torch: bool, bound: Stream | None = None) -> di
     out = {}
     for title, shapes in sets.items():
         _, grads = _tensors(shapes)
+        checks: dict = {}
         # torch.compile of 1,000 tensors takes minutes on 2 cores: the large set only
         rows = adamw_rows(shapes, grads, compile_torch=compile_torch and not quick
-                          and len(shapes) < 100, bound=bound)
+                          and len(shapes) < 100, bound=bound, checks=checks)
         names = [n for n in OTHERS if not quick or n in ("sgd", "lamb")]
         out[title] = {"nparams": sum(torch.Size(s).numel() for s in shapes), "rows": rows,
-                      "others": other_rows(shapes, grads, names, bound),
+                      "others": other_rows(shapes, grads, names, bound, checks),
+                      "apart": checks,
                       "muon": muon_rows(shapes, grads)
                       if not quick and any(len(s) == 2 for s in shapes) else None,
                       "eight_bit": eight_bit_rows(shapes, grads)
@@ -702,6 +742,19 @@ def report_state_bytes(say) -> None:
     say("AdamW state, bytes per parameter:")
     for label, nbytes in state_bytes():
         say(f"  {label:<58} {nbytes:>5g}")
+
+
+def report_apart(checks: dict | None, say) -> None:
+    """Each row's parameters after its race against its counterpart's (``apart``); a row
+    past ``APART_TOL`` (or NaN) called out: its time is not one of the same computation."""
+    if not checks:
+        return
+    say("\nparameters after the races, apart from the counterpart's (max |difference| / "
+        "max |p|): " + ", ".join(f"{label} {value:.1e}" for label, value in checks.items()))
+    for label, value in checks.items():
+        if not value <= APART_TOL:
+            say(f"!! {label}: its parameters are {value:.1e} apart from its counterpart's, "
+                f"beyond {APART_TOL:g}: its ratio compares two computations")
 
 
 def report(run: dict, rate: float, say) -> None:
@@ -767,6 +820,7 @@ def report(run: dict, rate: float, say) -> None:
                     say(f"{label:<60} {'-':>10}")
                 else:
                     say(f"{label:<60} {1e3 * secs:>10.2f} {secs / q8[Q8_STATE]:>13.2f}x")
+        report_apart(res.get("apart"), say)
         if res.get("muon"):
             ours, theirs, count, nmat = res["muon"]
             say(f"\n{MUON} ({count} matrices, {nmat / 1e6:.1f}M parameters; Newton-Schulz in "
