@@ -43,8 +43,9 @@ def test_bandwidth_bound_is_measured():
 
 
 def test_bytes_a_step_moves_per_parameter():
-    """Read p, g and each state, write p and each state (4 bytes each); a second read of
-    the inputs before a per-tensor reduction; the fused step's second read of g."""
+    """Read p, g and each state, write p and each state the rule changes (4 bytes each); a
+    second read of what a per-tensor reduction reads, before the update; the fused step's
+    second read of g."""
     assert bench.bytes_per_param("adamw") == 28
     assert bench.bytes_per_param("adamw", fused=True) == 32
     assert bench.bytes_per_param("sgd", {"momentum": 0.9}) == 20
@@ -52,7 +53,13 @@ def test_bytes_a_step_moves_per_parameter():
     assert bench.bytes_per_param("adan") == 44
     assert bench.bytes_per_param("lion") == 20
     assert bench.bytes_per_param("lamb") == 44  # norms of p and of the update first
-    assert bench.bytes_per_param("lars", {"momentum": 0.9}) == 32
+    # lars's norms read p and g (not its momentum): 20 + 8
+    assert bench.bytes_per_param("lars", {"momentum": 0.9}) == 28
+    # novograd's norm reads g alone: 12 + 8 + 4
+    assert bench.bytes_per_param("novograd") == 24
+    # prodigy reads p, g, mu, nu, s and p0, writes p, mu, nu and s (p0 never changes), and
+    # its sums read g, p, p0 and s: 24 + 16 + 16
+    assert bench.bytes_per_param("prodigy") == 56
     # bfloat16 state: p and g 4 bytes, each state 2, read and written
     assert bench.bytes_per_param("adamw", state_itemsize=2) == 20
 

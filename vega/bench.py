@@ -27,7 +27,7 @@ import torch
 import vega
 from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
-from vega.dsl.ir import REDUCTIONS, walk
+from vega.dsl.ir import REDUCTIONS, Op, walk
 
 # torch.optim or pytorch-optimizer counterparts of the other shipped specs:
 # (vega hyperparameters, where the counterpart lives, its class, its kwargs)
@@ -269,20 +269,30 @@ BOUND = "(the bandwidth bound, raced with the rows: an AdamW-like loop)"
 def bytes_per_param(name: str, hypers: dict | None = None, fused: bool = False,
                     itemsize: int = 4, state_itemsize: int | None = None) -> int:
     """The bytes a step of shipped spec ``name`` must move for each parameter, all tensors
-    of ``itemsize`` bytes (the states of ``state_itemsize``, where given): read p, g and
-    every state, write p and every state; a rule with per-tensor reductions (lamb's and
-    lars's norms, adafactor's update RMS) reads its inputs once more before the update;
-    ``fused`` (loss scale, finite check, clip) reads the gradients once more before it."""
+    of ``itemsize`` bytes (the states of ``state_itemsize``, where given), counted from the
+    rule: read p, g and every state, write p and every state the rule changes (Prodigy's
+    ``p0`` is read, never written); a rule with per-tensor reductions (lamb's and lars's
+    norms, adafactor's update RMS) reads once more, before the update, what its
+    reductions read (lamb's norm of the update: p, g and both moments; lars's norms: p
+    and g; novograd's: g alone); ``fused`` (loss scale, finite check, clip) reads the
+    gradients once more before it."""
     hypers = hypers or {}
     spec = vega.builtin(name)
     flags = {h.name: hypers[h.name] for h in spec.hypers if h.type == "bool" and h.name in hypers}
     program = spec.program(shape=(768, 768), **flags, **{
         k: v for k, v in hypers.items() if k not in flags and k in spec._spec.shape_hypers})
-    states = sum(1 for st in program.states if st.dom == "rc")
+    arrays = {st.name for st in program.states if st.dom == "rc"}
     ratio = (state_itemsize or itemsize) / itemsize  # a state's bytes, in tensors of itemsize
-    reads, writes = 2 + states * ratio, 1 + states * ratio
-    if any(n.op in REDUCTIONS for n in walk(node for _, node in program.updates)):
-        reads += 2 + states * ratio
+    written = {n for n, node in program.updates if n in arrays
+               and not (node.op is Op.STATE and node.arg == n)}
+    reads, writes = 2 + len(arrays) * ratio, 1 + len(written) * ratio
+    reduced: set = set()  # what the reductions read, p and g and the states like p
+    for node in walk(node for _, node in program.updates):
+        if node.op in REDUCTIONS:
+            reduced |= {"p" if x.op is Op.PARAM else "g" if x.op is Op.GRAD else x.arg
+                        for x in walk(node.src) if x.op in (Op.PARAM, Op.GRAD)
+                        or (x.op is Op.STATE and x.arg in arrays)}
+    reads += sum(1 if x in ("p", "g") else ratio for x in reduced)
     return round((reads + writes + int(fused)) * itemsize)
 
 
