@@ -407,11 +407,11 @@ def adamw_rows(shapes, grads, compile_torch=True, bound: Stream | None = None,
         fns[READ_BOUND] = bound.read
     rows = race(fns)  # (every row stepped as many times: its parameters can be compared)
     if checks is not None:
-        fused_ps = _params(fns_opts["torch AdamW fused"])
+        fused_ps, start = _params(fns_opts["torch AdamW fused"]), _tensors(shapes)[0]
         for label, ref in (("vega AdamW", fused_ps), ("torch AdamW foreach", fused_ps),
                            ("torch AdamW for-loop", fused_ps),
                            ("vega AdamW + unscale, finite check, clip, skip", ps)):
-            checks[label] = apart(_params(fns_opts[label]), ref, _tensors(shapes)[0])
+            checks[label] = apart(_params(fns_opts[label]), ref, start)
     rows.update(alone)
     if compile_secs is not None:
         rows["(torch.compile of AdamW: compile time, not a step)"] = compile_secs
@@ -533,7 +533,7 @@ def other_rows(shapes, grads, names, bound: Stream | None = None, checks: dict |
     the seconds of ``bound`` raced with them: NaN without one). ``checks``: filled with
     each name's ``apart`` of vega's parameters and the counterpart's after the race (the
     same steps on both), where the two compute one rule."""
-    rows = []
+    rows, start = [], []  # (the parameters the races start from, made at the first check)
     raced = {"bound": bound} if bound is not None and bound.fn is not None else {}
     for name in names:
         if name not in vega.builtin_names() or name not in OTHERS:
@@ -552,7 +552,8 @@ def other_rows(shapes, grads, names, bound: Stream | None = None, checks: dict |
             times = race({"vega": opt.step, "theirs": ref.step, **raced}, budget=3.0)
             ours, theirs = times["vega"], times["theirs"]
             if checks is not None and name not in UNLIKE:
-                checks[name] = apart(_params(opt), _params(ref), _tensors(shapes)[0])
+                start = start or _tensors(shapes)[0]
+                checks[name] = apart(_params(opt), _params(ref), start)
         except (ImportError, AttributeError) as err:  # not installed, or no such class
             times = race({"vega": opt.step, **raced}, budget=3.0)
             ours = times["vega"]
