@@ -994,9 +994,6 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
         return True
 
 
-_F32_MAX = float(torch.finfo(torch.float32).max)
-
-
 def _over(number: float, x: torch.Tensor) -> torch.Tensor:
     """``number / x``, one correctly rounded division, as the C and Triton kernels divide:
     torch computes a Python number over a tensor as ``x.reciprocal() * number`` (a unit in
@@ -1045,6 +1042,20 @@ def _atan2(y, x):
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _hyper_tensor(v, dtype, device) -> torch.Tensor:
+    """``v`` (a number) as a 0-d tensor of ``dtype``, rounded as a tensor is (one past the
+    range of ``dtype`` infinite, where ``torch.full`` in ``dtype`` refuses it): made in
+    float64 and rounded only where it is not within that range (a further operation, 10 us
+    a number a step on a CPU), and while dynamo traces (where ``v`` may be symbolic)."""
+    top = _TOP.get(dtype)
+    if top is None or torch.compiler.is_compiling() or not -top <= v <= top:
+        return torch.full((), v, dtype=torch.float64, device=device).to(dtype)
+    return torch.full((), v, dtype=dtype, device=device)
+
+
+_TOP = {torch.float32: _F32_MAX, torch.float64: math.inf}
 
 
 class Kernel:
@@ -1170,7 +1181,7 @@ class Kernel:
         ``torch.full`` in ``dtype`` refuses it."""
         return [v if isinstance(v, torch.Tensor) and v.dtype == dtype and v.device == device
                 else v.to(dtype=dtype, device=device) if isinstance(v, torch.Tensor)
-                else torch.full((), v, dtype=torch.float64, device=device).to(dtype)
+                else _hyper_tensor(v, dtype, device)
                 for v in (values[h] for h in self.program.float_hypers)]
 
     def init(self, p: torch.Tensor, values: dict, state_dtype,
