@@ -89,3 +89,112 @@ def test_two_threads_step_as_one_after_the_other(how, monkeypatch):
         assert int(got[-1]) == int(want[-1]) == 0  # no step skipped: every gradient finite
         for a, b in zip(got[:-1], want[:-1]):
             assert torch.equal(a, b)
+
+
+def test_a_program_first_made_by_two_threads_at_once_is_one(monkeypatch):
+    """Two threads that make a spec's stochastically rounded program at the same moment
+    both step with the one kept first: each tensor draws its rounding bits by its position
+    in its program's call, and a thread that took its own for its first tensor and the
+    other thread's for the rest split its step in two calls, whose bits were not those of
+    the same step alone (nor reproducible). The moment is forced: B has looked for the
+    program and not found it, A makes it, keeps it and steps its first tensor, then B keeps
+    its own, before A looks for the program of its second tensor."""
+    from vega.codegen import precision
+    from vega.runtime.library import _dir
+    text = _dir().joinpath("adamw.vega").read_text()
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(33, generator=gen).to(torch.bfloat16) for _ in range(4)]
+    grads = [torch.randn(33, generator=gen).to(torch.bfloat16) for _ in range(4)]
+
+    def step(spec):
+        state = spec.init(params)
+        new, _ = spec.step(params, grads, state, lr=0.1, stochastic_rounding=True,
+                           rounding_seed=5)
+        return new
+    alone = step(vega.compile(text))
+    spec = vega.compile(text)  # (nothing made yet)
+    b_missed, a_kept, b_kept = threading.Event(), threading.Event(), threading.Event()
+    made, variant = precision.Program, precision.variant
+    names: dict = {}
+
+    def program(*args):  # B, having found no program, waits for A to keep its own
+        if names.get(threading.get_ident()) == "B" and not b_missed.is_set():
+            b_missed.set()
+            assert a_kept.wait(10)
+        return made(*args)
+
+    calls = []
+
+    def looked(program_, master, seed):
+        who = names.get(threading.get_ident())
+        if who == "A":
+            calls.append(1)
+            if len(calls) == 1:
+                assert b_missed.wait(10)
+            elif len(calls) == 2:
+                assert b_kept.wait(10)
+        out = variant(program_, master, seed)
+        if who == "A" and len(calls) == 1:
+            a_kept.set()
+        if who == "B":
+            b_kept.set()
+        return out
+    monkeypatch.setattr(precision, "Program", program)
+    monkeypatch.setattr(precision, "variant", looked)
+    got: dict = {}
+    errors = []
+
+    def worker(name):
+        names[threading.get_ident()] = name
+        try:
+            got[name] = step(spec)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("B", "A")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    assert len(calls) >= 2  # (the moment came)
+    for name in ("A", "B"):
+        for a, b in zip(got[name], alone):
+            assert torch.equal(a, b), name
+
+
+def test_a_spec_lowered_by_two_threads_at_once_keeps_one_program(monkeypatch):
+    """A program lowered by two threads at once is the one kept first for both: another
+    thread lowers it and keeps it while this one lowers it too (forced: within this one's
+    lowering). Programs are told apart by identity: two would split a step's tensors in two
+    calls (``test_a_program_first_made_by_two_threads_at_once_is_one``)."""
+    import vega.dsl as dsl
+    spec = vega.compile("optimizer o(lr = 0.1) {\n    p = p - lr * g\n}")._spec
+    lower, inner = dsl.lower, []
+
+    def lowering(*args):
+        if not inner:
+            inner.append(None)
+            inner[0] = spec.program({})  # (the other thread, at this moment)
+        return lower(*args)
+    monkeypatch.setattr(dsl, "lower", lowering)
+    outer = spec.program({})
+    assert outer is inner[0] is spec.program({})
+
+
+def test_an_8bit_program_made_by_two_threads_at_once_is_one(monkeypatch):
+    """As for a program lowered: the 8-bit variant another thread made and kept while this
+    one made it too (forced: within this one's making) is the one both take."""
+    from vega.codegen import quant
+    program = vega.compile("optimizer o(lr = 0.1) {\n    state mu = zeros\n"
+                           "    mu = 0.9 * mu + g\n    p = p - lr * mu\n}")._spec.program({})
+    made, inner = quant.Program, []
+
+    def making(*args):
+        if not inner:
+            inner.append(None)
+            inner[0] = quant.variant(program, frozenset({"mu"}))  # (the other thread)
+        return made(*args)
+    monkeypatch.setattr(quant, "Program", making)
+    outer = quant.variant(program, frozenset({"mu"}))
+    assert outer is inner[0] is quant.variant(program, frozenset({"mu"}))

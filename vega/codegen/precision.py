@@ -74,8 +74,10 @@ def variant(program: Program, master: bool, seed: int | None) -> Program:
                   program.modes)
     object.__setattr__(out, "master", master)
     object.__setattr__(out, "rounding", seed)
-    program.variants[key] = out
-    return out
+    # (setdefault: of two threads making it at once, both take the one kept first, so that
+    # a step's tensors of one program are not split between two: a stochastically rounded
+    # tensor draws its bits by its position in its program's call)
+    return program.variants.setdefault(key, out)
 
 
 def mix(x: int) -> int:

@@ -96,8 +96,7 @@ def variant(program: Program, names: frozenset[str]) -> Program:
     for attr in ("master", "rounding"):
         object.__setattr__(out, attr, getattr(program, attr))
     object.__setattr__(out, "quant", quant)
-    program.variants[key] = out
-    return out
+    return program.variants.setdefault(key, out)  # (one for two threads: as ``precision``)
 
 
 def _resolved(program: Program, names: frozenset[str]) -> frozenset[str]:

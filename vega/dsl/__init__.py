@@ -82,10 +82,12 @@ class Spec:
         outcomes are false)."""
         n = len(self.shape_conditions)
         key = (tuple(sorted(flags.items())), (tuple(shapes) + (False,) * n)[:n])
-        if key not in self._programs:
-            self._programs[key] = _guard(lambda: lower(self.tree, dict(key[0]), key[1]),
-                                         self.source, self.filename, self.tree)
-        return self._programs[key]
+        found = self._programs.get(key)
+        if found is None:  # (setdefault: two threads lowering it at once both take the one
+            found = self._programs.setdefault(  # kept first: ``precision.variant`` says why)
+                key, _guard(lambda: lower(self.tree, dict(key[0]), key[1]), self.source,
+                            self.filename, self.tree))
+        return found
 
     def shapes(self, values: dict, shape: tuple[int, ...]) -> tuple[bool, ...]:
         """The outcome of each shape condition for a tensor of ``shape``; ``values`` maps
