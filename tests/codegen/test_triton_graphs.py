@@ -140,3 +140,19 @@ def test_each_captured_prelude_counts_its_programs_on_a_counter_of_its_own(monke
     assert eager is again is later
     assert len({id(eager), id(first), id(second)}) == 3
     assert all(c.dtype == torch.int32 and c.tolist() == [0] for c in counters)
+
+
+def test_a_kept_object_dropped_by_another_thread_meanwhile_is_given():
+    """A hit that another thread drops between the lookup and the move to the most recently
+    used end (its own object made past the limit: forced here by the lookup itself) gives the
+    object found, where it raised KeyError out of the step."""
+    from collections import OrderedDict
+
+    class Dropping(OrderedDict):
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            self.pop(key, None)  # (the other thread, at this moment)
+            return found
+    kept = tr.Kept(limit=2)
+    kept.items = Dropping(a="map a")
+    assert kept.get("a", lambda: "made", capturing=False) == "map a"

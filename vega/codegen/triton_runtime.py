@@ -264,7 +264,8 @@ class Kept:
         if value is None:            # of a step's tensors, on a hit, is hashed twice)
             value = make()
         elif not capturing:
-            self.items.move_to_end(key)  # (the most recently used last)
+            with contextlib.suppress(KeyError):  # (the most recently used last; another
+                self.items.move_to_end(key)      # thread may have dropped it just now)
             return value
         if capturing:
             self.items.pop(key, None)
