@@ -198,3 +198,45 @@ def test_an_8bit_program_made_by_two_threads_at_once_is_one(monkeypatch):
     monkeypatch.setattr(quant, "Program", making)
     outer = quant.variant(program, frozenset({"mu"}))
     assert outer is inner[0] is quant.variant(program, frozenset({"mu"}))
+
+
+def test_two_threads_step_on_triton_interpreted_as_one_after_the_other():
+    """Triton's CPU interpreter (``TRITON_INTERPRET=1``) patches triton.language while it runs
+    a kernel: a second thread's launch at that moment failed ("Did you forget to add
+    @triton.jit ?", "x >= grid_dim[0]") or ran with the other's patches; the backend's
+    interpreted launches run one at a time."""
+    from vega import codegen
+    from vega.codegen import triton_runtime
+    if "triton" not in codegen.BACKENDS or not triton_runtime.library_interpreted():
+        pytest.skip("needs triton, imported with TRITON_INTERPRET=1")
+    shapes = [(1000 + 37 * k,) for k in range(3)]
+
+    def run(seed, spec):
+        gen = torch.Generator().manual_seed(seed)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        opt = spec.optimizer(ps, backend="triton", max_grad_norm=0.5)
+        for _ in range(2):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        return ps
+    specs = (vega.adamw, vega.lion)
+    alone = [run(seed, spec) for seed, spec in enumerate(specs)]
+    together: dict = {}
+    errors = []
+
+    def worker(seed, spec):
+        try:
+            together[seed] = run(seed, spec)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=a) for a in enumerate(specs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    for seed, want in enumerate(alone):
+        for a, b in zip(together[seed], want):
+            assert torch.equal(a, b)

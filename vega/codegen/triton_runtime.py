@@ -33,6 +33,7 @@ import linecache
 import math
 import operator
 import os
+import threading
 import weakref
 from collections import OrderedDict
 from itertools import accumulate
@@ -191,12 +192,30 @@ def update_registers(program, dtypes) -> dict:
     return {"maxnreg": UPDATE_REGISTERS}
 
 
+# Triton's interpreter is not thread-safe: while it runs a kernel it patches triton.language
+# (its functions and the program's grid) for the duration, and a second thread's launch at
+# that moment ran with the first's patches, or none ("Did you forget to add @triton.jit ?",
+# "x >= grid_dim[0]"): interpreted launches run one at a time
+_INTERPRETER = threading.Lock()
+
+
+def _forked() -> None:
+    """In a child made by ``os.fork``: a new lock, as one that another thread of the parent
+    held at the fork (running a kernel) would be held in the child for ever."""
+    global _INTERPRETER
+    _INTERPRETER = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def launch(fn, grid, *args, **meta) -> None:
     """Launch one kernel (every launch of the backend goes through here)."""
     if interpreting():
         import numpy as np
 
-        with np.errstate(all="ignore"):  # the interpreter's numpy warns on inf and NaN
+        # (the interpreter's numpy warns on inf and NaN)
+        with _INTERPRETER, np.errstate(all="ignore"):
             fn[grid](*args, **meta)
     else:
         fn[grid](*args, num_warps=meta.pop("num_warps", WARPS_GPU), **meta)
