@@ -133,6 +133,66 @@ def test_if_else_chain_and_boolean_logic():
         assert torch.equal(new, p - factor * g)
 
 
+# x is one value per element where f holds; the other branch makes it narrower (a number,
+# one per row or column, one per tensor), and each reduction counts it as the if made it
+NARROWED = [("x = row_sum(g)", "sum(x)", lambda g: g.sum(-1, keepdim=True).expand_as(g).sum()),
+            ("x = row_sum(g)", "norm(x) ^ 2",
+             lambda g: (g.sum(-1, keepdim=True).expand_as(g) ** 2).sum()),
+            ("x = col_sum(g)", "sum(x)", lambda g: g.sum(0, keepdim=True).expand_as(g).sum()),
+            ("x = row_sum(g)", "global_sum(x)", None),
+            ("x = norm(g)", "global_sum(x)", None),
+            ("x = 2", "global_sum(x)", None)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "c", "triton"])
+@pytest.mark.parametrize("other,reduce,want", NARROWED, ids=lambda v: v if isinstance(v, str)
+                         else "")
+def test_a_reduction_counts_a_value_an_if_narrowed_once_per_element(backend, other, reduce,
+                                                                    want):
+    """docs/language.md: a value assigned one value per element in one branch and a number
+    (or one per row) in the other is one per element after the if, and a reduction of it
+    counts it once per element in every setting: sum(x) of a per-row x is its rows' values
+    each times the number of columns, as the same x spread over the elements sums."""
+    spec = vega.compile(f"optimizer o(f: bool = true) {{\n  if f {{ x = g }} else {{ {other} }}"
+                        f"\n  p = p - {reduce}\n}}\n")
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(3, 5), (6, 4), (7,)]
+    params = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    per_element = []  # x as one value per element, with f false
+    for g in grads:
+        m = g.reshape(1, -1) if g.dim() == 1 else g if g.shape[0] <= g.shape[1] else g.T
+        x = {"x = row_sum(g)": m.sum(1, keepdim=True), "x = col_sum(g)": m.sum(0, keepdim=True),
+             "x = norm(g)": g.norm(), "x = 2": torch.tensor(2.0, dtype=g.dtype)}[other]
+        per_element.append(x.expand_as(m))
+    group = sum(float(x.sum()) for x in per_element)
+    new, _ = spec.step(params, grads, spec.init(params), backend=backend, f=False)
+    for p, x, got in zip(params, per_element, new):
+        r = {"sum(x)": x.sum(), "norm(x) ^ 2": (x * x).sum()}.get(reduce, group)
+        torch.testing.assert_close(got, p - r, rtol=1e-12, atol=1e-12)
+
+
+
+def test_a_number_an_if_made_of_a_per_row_or_per_tensor_value_counts_as_that():
+    """Where the other branch assigns one value per row (per tensor), a number from this
+    one is counted once per row (per tensor), not once per element; a repeat's copies of
+    one reduction each count their own argument."""
+    d = torch.float64
+    params = [torch.zeros(2, 3, dtype=d), torch.zeros(4, dtype=d)]
+    grads = [torch.ones(2, 3, dtype=d), torch.ones(4, dtype=d)]
+    for other, reduce, want in [("x = row_sum(g)", "sum(x)", [-4.0, -2.0]),
+                                ("x = norm(g)", "global_sum(x)", [-4.0, -4.0]),
+                                ("x = col_sum(g)", "global_sum(x)", [-14.0, -14.0])]:
+        spec = vega.compile(f"optimizer o(f: bool = true) {{\n if f {{ {other} }} else "
+                            f"{{ x = 2 }}\n p = p - {reduce}\n}}\n")
+        new, _ = spec.step(params, grads, spec.init(params), f=False, backend="reference")
+        assert [float(w.flatten()[0]) for w in new] == want, (other, reduce)
+    spec = vega.compile("optimizer o() {\n x = row_sum(g)\n s = 0\n"
+                        " repeat 2 { s = 10 * s + sum(x)\n x = g }\n p = p - s\n}\n")
+    new, _ = spec.step(params, grads, spec.init(params), backend="reference")
+    assert [float(w.flatten()[0]) for w in new] == [-66.0, -44.0]
+
+
 def test_where_comparisons_and_functions():
     spec = vega.compile("""optimizer o(lr = 1.0) {
         d = where(g > 0 and g <= 2, sqrt(abs(g)), -exp(log(abs(g) + 1)))

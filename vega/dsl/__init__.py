@@ -21,6 +21,8 @@ class Spec:
     filename: str
     tree: ast.Spec
     hypers: tuple[ir.HyperParam, ...]
+    # the width of each reduction's argument as the check saw it (``check``, ``lower``)
+    widths: dict = field(default_factory=dict, repr=False)
     _programs: dict = field(default_factory=dict, repr=False)
     _chosen: dict = field(default_factory=dict, repr=False)  # see ``chosen``
     # the ifs that test a tensor's shape (ndim(p) >= 2), in source order, and the float
@@ -85,8 +87,8 @@ class Spec:
         found = self._programs.get(key)
         if found is None:  # (setdefault: two threads lowering it at once both take the one
             found = self._programs.setdefault(  # kept first: ``precision.variant`` says why)
-                key, _guard(lambda: lower(self.tree, dict(key[0]), key[1]), self.source,
-                            self.filename, self.tree))
+                key, _guard(lambda: lower(self.tree, dict(key[0]), key[1], self.widths),
+                            self.source, self.filename, self.tree))
         return found
 
     def shapes(self, values: dict, shape: tuple[int, ...]) -> tuple[bool, ...]:
@@ -194,5 +196,6 @@ def load(source: str, filename: str = "<spec>") -> Spec:
         raise TypeError(f"a spec is text, got {type(source).__name__}")
     source = source.replace("\r\n", "\n").replace("\r", "\n")  # (as a file is read)
     tree = _guard(lambda: unroll(parse(source, filename)), source, filename)
-    hypers = _guard(lambda: check(tree), source, filename, tree)
-    return Spec(source, filename, tree, hypers)
+    widths: dict = {}
+    hypers = _guard(lambda: check(tree, widths), source, filename, tree)
+    return Spec(source, filename, tree, hypers, widths)

@@ -121,8 +121,13 @@ def _what(node: Node) -> str:
 
 class _Walker:
     def __init__(self, spec: ast.Spec, flags: dict[str, bool] | None,
-                 shapes: tuple[bool, ...] = ()):
+                 shapes: tuple[bool, ...] = (), widths: dict | None = None):
         self.spec = spec
+        # the kind and domain of each reduction's argument as the check saw it, every
+        # setting at once (the wider value of a name after an if), by the reduction's place:
+        # written by the check, read by the lowering of each setting (``counted``)
+        self.widths = {} if widths is None else widths
+        self.where: tuple = ()  # the place of the statement being walked (``block``)
         self.flags = flags
         self.checking = flags is None
         self.shapes = shapes
@@ -275,7 +280,7 @@ class _Walker:
                     menv[name] = _Binding(leaf, "state", b.span, b.only_if)
             self.in_mode = m.name
             try:
-                menv = self.block(m.body, menv)
+                menv = self.block(m.body, menv, f"mode {m.name}")
             finally:
                 self.in_mode = None
             p = menv["p"].node
@@ -285,9 +290,18 @@ class _Walker:
             out.append((m.name, p))
         return tuple(out)
 
-    def block(self, stmts, env):
-        for stmt in stmts:
-            env = self.stmt(stmt, env)
+    def block(self, stmts, env, tag: str = ""):
+        """Walk ``stmts``, the body (``tag`` ""), a branch of an if ("then", "else") or a
+        mode's block ("mode NAME"); a statement's place is the path of (tag, index) down to
+        it, the same in the check and in every lowering (the copies of a repeat's body have
+        places of their own)."""
+        outer = self.where
+        try:
+            for k, stmt in enumerate(stmts):
+                self.where = outer + ((tag, k),)
+                env = self.stmt(stmt, env)
+        finally:
+            self.where = outer
         return env
 
     def stmt(self, s, env):
@@ -428,14 +442,15 @@ class _Walker:
                             "hyperparameters and ndim(p), nrows(p), ncols(p); to choose "
                             "between values use where(cond, a, b)", s.cond.span)
         if not self.checking:
-            return self.block(s.then if cond.arg else s.orelse, env)
+            return self.block(s.then if cond.arg else s.orelse, env,
+                              "then" if cond.arg else "else")
         return self.both_branches(s, env)
 
     def shape_if(self, s: ast.If, env):
         """An if on the shape of the tensor (ndim, nrows, ncols): chosen per tensor."""
         if not self.checking:
             taken = self.shapes[self.static_index[id(s)]]
-            return self.block(s.then if taken else s.orelse, env)
+            return self.block(s.then if taken else s.orelse, env, "then" if taken else "else")
         if _static_type(s.cond, env) != "bool":
             raise SpecError("the condition of an if must be a bool, but this is a number",
                             s.cond.span)
@@ -446,8 +461,8 @@ class _Walker:
             self.in_shape_if = outer
 
     def both_branches(self, s: ast.If, env):
-        then = self.block(s.then, env)
-        orelse = self.block(s.orelse, env)
+        then = self.block(s.then, env, "then")
+        orelse = self.block(s.orelse, env, "else")
         merged = {}
         for name in then.keys() | orelse.keys():
             a, b = then.get(name), orelse.get(name)
@@ -608,8 +623,8 @@ class _Walker:
             return ir.apply(op, *args, span=e.span)
         for a, node in zip(e.args, args):
             self._need("float", node, a, f"{e.fn}()")
-        if op in ir.REDUCTIONS and args[0].kind != Kind.ELEMENT and not self.checking:
-            args[0] = _spread(args[0], e.span)
+        if op in ir.REDUCTIONS:
+            args[0] = self.counted(args[0], e.span)
         if op in ir.REDUCTIONS and args[0].kind != Kind.ELEMENT:
             raise SpecError(f"{e.fn}() reduces a tensor, but its argument is the same for "
                             "every element", e.args[0].span)
@@ -640,13 +655,41 @@ class _Walker:
                             f"the first step (n = where(t == 1, {e.fn}(...), n))", e.span)
         x = self.expr(e.args[0], env)
         self._need("float", x, e.args[0], f"{e.fn}()")
-        if x.kind < Kind.TENSOR and not self.checking:  # folded by a bool setting
-            x = _spread(x, e.span)
+        x = self.counted(x, e.span)
         if x.kind < Kind.TENSOR:
             raise SpecError(f"{e.fn}() reduces over the tensors of a group, but its argument "
                             "is the same for every tensor (it would count the tensors)",
                             e.args[0].span)
         return ir.global_reduction(GLOBAL_FUNCTIONS[e.fn], x, e.span)
+
+    def counted(self, x: Node, span: Span) -> Node:
+        """The argument ``x`` of the reduction at ``span`` as wide as the check saw it: a
+        setting that takes the branch of an if assigning a number, one per row or one per
+        tensor where the other assigns one per element (or one per row, or per tensor)
+        reduces it as that wider value, each number counted once for each element (row,
+        tensor) it stands for, as in the setting that takes the other branch."""
+        key = (self.where, span)
+        if self.checking:
+            self.widths[key] = (x.kind, x.dom)
+            return x
+        kind, dom = self.widths.get(key, (x.kind, x.dom))
+        if kind == Kind.ELEMENT and dom in ir.DOMAINS and dom != "rc" and \
+                (x.kind < kind or ir.join(x.dom, dom) != x.dom):
+            # one per row, column or matrix: a condition of that domain, by p's sums
+            p = ir.leaf(Op.PARAM, Kind.ELEMENT, "p")
+            if "c" not in dom:
+                p = ir.apply(Op.ROW_SUM, p, span=span)
+            if "r" not in dom:
+                p = ir.apply(Op.COL_SUM, p, span=span)
+            return ir.apply(Op.WHERE, ir.apply(Op.EQ, p, p, span=span), x, x, span=span)
+        if kind == Kind.ELEMENT and (x.kind < kind or ir.join(x.dom, dom) != x.dom):
+            return _spread(x, span)
+        if kind == Kind.TENSOR and x.kind < kind:  # one per tensor: a condition of p's sum
+            s = ir.apply(Op.SUM, ir.leaf(Op.PARAM, Kind.ELEMENT, "p"), span=span)
+            return ir.apply(Op.WHERE, ir.apply(Op.EQ, s, s, span=span), x, x, span=span)
+        if x.kind < Kind.TENSOR:  # (a number, where the check saw none here)
+            return _spread(x, span)
+        return x
 
     def _block(self, span: Span) -> str:
         """The if (or the repeat, where ``unroll`` wrote the if) that starts at ``span``."""
@@ -1049,15 +1092,22 @@ def state_decls(stmts):
             yield from state_decls(st.then + st.orelse)
 
 
-def check(spec: ast.Spec) -> tuple[ir.HyperParam, ...]:
-    """Raise a SpecError (without source attached) for the first mistake in ``spec``."""
-    return _Walker(spec, None).run()
+def check(spec: ast.Spec, widths: dict | None = None) -> tuple[ir.HyperParam, ...]:
+    """Raise a SpecError (without source attached) for the first mistake in ``spec``;
+    ``widths`` (a dict) receives the width of each reduction's argument, for ``lower``."""
+    return _Walker(spec, None, widths=widths).run()
 
 
-def lower(spec: ast.Spec, flags: dict[str, bool], shapes: tuple[bool, ...] = ()) -> ir.Program:
+def lower(spec: ast.Spec, flags: dict[str, bool], shapes: tuple[bool, ...] = (),
+          widths: dict | None = None) -> ir.Program:
     """The program for one setting of the bool hyperparameters and of the shape conditions
-    (``shapes``, one outcome per ``shape_conditions(spec)``); ``spec`` must be checked."""
-    return _Walker(spec, flags, shapes).run()
+    (``shapes``, one outcome per ``shape_conditions(spec)``); ``spec`` must be checked, and
+    ``widths`` is what its check wrote (a reduction of a value that this setting makes
+    narrower counts it as wide as every setting's value)."""
+    if widths is None:
+        widths = {}
+        check(spec, widths)
+    return _Walker(spec, flags, shapes, widths).run()
 
 
 def all_flag_settings(hypers) -> list[dict[str, bool]]:
