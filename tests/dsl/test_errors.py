@@ -52,6 +52,12 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  Repeat 2 {\n    p = p - lr * g\n  }\n}\n",
      "unknown keyword 'Repeat' (did you mean 'repeat'?)", 2, 3),
     ("optimizer o() {\n  p - g\n}\n", "a statement is", 2, 5),
+    # a number with letters in it, at the number (not at the next line's first token)
+    ("optimizer o() {\n  x = 0x10\n  p = p - x * g\n}\n", "'0x10' is not a number", 2, 7),
+    ("optimizer o() {\r\n\tx = 1_000 # é\r\n\tp = p - x * g\r\n}\r\n",
+     "'1_000' is not a number", 2, 6),
+    ("optimizer o() {\n  p = p - g * 1.5e3f\n}\n", "'1.5e3f' is not a number", 2, 15),
+    ("optimizer o(lr = 2x) {\n  p = p - lr * g\n}\n", "'2x' is not a number", 1, 18),
     # names
     ("optimizer o(lr = 1e-3, b1 = 0.9) {\n  state mu = zeros\n  mu = b1 * mu + g\n"
      "  p = p - lr * muu\n}\n", "undefined name 'muu' (did you mean 'mu'?)", 4, 16),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import sys
 from functools import cache
 from importlib.resources import files
@@ -359,6 +360,30 @@ def _misspelled_keyword(err: lark.exceptions.UnexpectedInput) -> SpecError | Non
                      Span(word.line, word.column, word.end_line, word.end_column))
 
 
+def _glued_number(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
+    """A number with letters or '_' in it (``0x10``, ``1_000``, ``2x``): the parse reads the
+    digits as a number and the rest as a name that starts a statement, and fails at the
+    token after that name, on the next line where the number ends one (in the header, at
+    the name, as a missing comma)."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken):
+        return None
+    lines = source_lines(source)
+    for word in (err.token, *_value_stack(err)[-1:]):  # (in the header, the name fails)
+        if isinstance(word, Token) and word.type == "NAME" and 0 < word.line <= len(lines):
+            line = lines[word.line - 1]
+            number = re.search(r"(?<![A-Za-z0-9_.])(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$",
+                               line[:word.column - 1])
+            if number is not None:
+                break
+    else:
+        return None
+    start = number.start()
+    text = line[start:word.end_column - 1]
+    return SpecError(f"'{text}' is not a number: Vega writes a number in decimal digits, "
+                     "with a point and an exponent if any (16, 1000, 0.5, 1e-3)",
+                     Span(word.line, start + 1, word.line, word.end_column))
+
+
 def _check_numbers(tree, source: str, filename: str) -> None:
     """Refuse a number literal that float64 cannot hold: past its range it would read as
     inf, below its smallest value as 0, with no word."""
@@ -381,7 +406,8 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
         tree = _parser().parse(source)
     except lark.exceptions.UnexpectedInput as err:
         # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
-        found = _missing_brace(err, source) or _misspelled_keyword(err)
+        found = _missing_brace(err, source) or _glued_number(err, source) or \
+            _misspelled_keyword(err)
         if found is not None:
             raise found.with_source(source, filename) from None
         bracket = _unbalanced(source)
