@@ -58,6 +58,12 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "'1_000' is not a number", 2, 6),
     ("optimizer o() {\n  p = p - g * 1.5e3f\n}\n", "'1.5e3f' is not a number", 2, 15),
     ("optimizer o(lr = 2x) {\n  p = p - lr * g\n}\n", "'2x' is not a number", 1, 18),
+    # the words of expressions: no name, and where a value must stand, at the word
+    ("optimizer o() {\n  not = g\n  p = p - not\n}\n", "cannot assign 'not': it is a word",
+     2, 3),
+    ("optimizer o(true = 1.0) {\n  p = p - g\n}\n", "'true' cannot name a hyperparameter", 1,
+     13),
+    ("optimizer o() {\n  x = g\n  p = p - not x\n}\n", "unexpected 'not': 'not' negates", 3, 11),
     # names
     ("optimizer o(lr = 1e-3, b1 = 0.9) {\n  state mu = zeros\n  mu = b1 * mu + g\n"
      "  p = p - lr * muu\n}\n", "undefined name 'muu' (did you mean 'mu'?)", 4, 16),

@@ -74,6 +74,11 @@ WRITTEN_OTHERWISE = {
 }
 
 
+# the words of expressions, which the parser reads as names where a word cannot stand
+# (``not = g`` assigned a value 'not', and ``p - not x`` failed at the next statement)
+WORDS = ("and", "or", "not", "true", "false")
+
+
 def _own_name(name: str) -> str:
     """What to do where a name is a function's or a keyword's."""
     return f"give it a name of its own ('{name}_' or a longer one)"
@@ -198,6 +203,9 @@ class _Walker:
             return "a state initializer"
         if name in ast.CONSTANTS:
             return "a number (inf, nan and pi are reserved names)"
+        if name in WORDS:
+            return ("a word of the language (and, or and not combine bools; true and false "
+                    "are bools)")
         return None
 
     # -- body ---------------------------------------------------------------

@@ -384,6 +384,23 @@ def _glued_number(err: lark.exceptions.UnexpectedInput, source: str) -> SpecErro
                      Span(word.line, start + 1, word.line, word.end_column))
 
 
+def _misplaced_word(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
+    """``and``, ``or`` or ``not`` where a value must stand (``p - not x``): the parse reads
+    the word as a name, and fails at a later token (a '}' on the next line)."""
+    for v in _value_stack(err):
+        tokens = [v] if isinstance(v, Token) else \
+            list(v.scan_values(lambda x: isinstance(x, Token))) if hasattr(v, "scan_values") \
+            else []
+        for tok in tokens:
+            if tok.type == "NAME" and str(tok) in ("and", "or", "not"):
+                how = ("'not' negates a bool, and binds more loosely than arithmetic and "
+                       "comparisons: not (a > b), where(not (g > 0), x, y)" if tok == "not"
+                       else f"'{tok}' combines two bools: a > 0 {tok} b > 0")
+                return SpecError(f"unexpected '{tok}': {how}",
+                                 Span(tok.line, tok.column, tok.end_line, tok.end_column))
+    return None
+
+
 def _check_numbers(tree, source: str, filename: str) -> None:
     """Refuse a number literal that float64 cannot hold: past its range it would read as
     inf, below its smallest value as 0, with no word."""
@@ -407,7 +424,7 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
     except lark.exceptions.UnexpectedInput as err:
         # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
         found = _missing_brace(err, source) or _glued_number(err, source) or \
-            _misspelled_keyword(err)
+            _misplaced_word(err) or _misspelled_keyword(err)
         if found is not None:
             raise found.with_source(source, filename) from None
         bracket = _unbalanced(source)
