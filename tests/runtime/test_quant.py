@@ -107,6 +107,31 @@ def test_map_zeros_nan_and_inf():
     assert not back.isfinite().any()  # an inf is not lost either
 
 
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("c", marks=needs_c)])
+def test_a_second_moment_under_the_maps_smallest_step_at_eps_0_divides_by_0(backend):
+    # docs/precision.md: a value under half a map's smallest step reads back as 0, so at
+    # eps = 0 an element whose second moment fell there and whose gradient is then 0 is
+    # divided by 0 (NaN for good), where float32 state (and torch.optim.Adam) steps on;
+    # any positive eps keeps it finite
+    g = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    g[1] = 1e-7
+    ends = {}
+    for state_dtype, eps in [(U8, 0.0), (U8, 1e-30), (None, 0.0), ("torch", 0.0)]:
+        p = torch.zeros(4096, requires_grad=True)
+        opt = (torch.optim.Adam([p], lr=1e-2, eps=eps) if state_dtype == "torch" else
+               vega.optim.Adam([p], lr=1e-2, eps=eps, state_dtype=state_dtype,
+                               backend=backend))
+        for k in range(2):
+            p.grad = g.clone()
+            p.grad[1] = g[1] if k == 0 else 0.0
+            opt.step()
+        ends[state_dtype, eps] = p.detach()[1]
+    assert ends[U8, 0.0].isnan()
+    assert ends[U8, 1e-30] == -1e-2  # (its second step divides 0 by 1e-30)
+    assert torch.allclose(ends[None, 0.0], ends["torch", 0.0], rtol=1e-6)
+    assert -0.0168 < float(ends[None, 0.0]) < -0.0166
+
 class made_sizes(list):
     """(numel, dtype) of each tensor ``fn()`` makes (no view of a tensor given to an
     operation); ``result``: what it returned."""
