@@ -258,3 +258,14 @@ def test_demo_refuses_a_seed_torch_cannot_take(seed, capsys):
         cli.main(["demo", "--seed", seed, "--steps", "1"])
     assert exc.value.code == 2
     assert f"argument --seed: {seed!r} is not a whole number in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,status", [(("list",), 0), (("check", "nope.vega"), 1)],
+                         ids=["list", "check"])
+def test_a_closed_stdout_is_no_traceback(args, status):
+    """``vega list >&-``: Python starts with sys.stdout None where its descriptor is closed;
+    the command's output goes nowhere and it exits with its status, as for a reader that has
+    gone (it was an AttributeError from ``sys.stdout.flush()``, exit 1)."""
+    out = subprocess.run(["sh", "-c", 'exec "$0" -m vega.cli "$@" >&-', sys.executable, *args],
+                         stderr=subprocess.PIPE, text=True, timeout=120)
+    assert "Traceback" not in out.stderr and out.returncode == status, out.stderr
