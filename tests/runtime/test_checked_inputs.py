@@ -761,6 +761,14 @@ def test_program_refuses_a_shape_no_tensor_has():
         with pytest.raises(ValueError, match=rf"^adafactor\.program: shape=.* {message}"):
             vega.adafactor.program(shape)
     assert vega.adafactor.program(torch.Size([3, 4])) is vega.adafactor.program([3, 4])
+    # a shape of 2**61 to 2**63 - 1 elements, which a tensor's element count holds and its
+    # float32 bytes do not, has its program (it was torch's RuntimeError: Storage size
+    # calculation overflowed, a traceback of vega show adafactor --shape 4611686018427387904)
+    factored, plain = vega.adafactor.program((200, 300)), vega.adafactor.program((5,))
+    assert factored is not plain
+    assert vega.adafactor.program((2**55, 128)) is factored
+    for shape in [(2**62,), (2,) * 62, (2**63 - 1,)]:
+        assert vega.adafactor.program(shape) is plain
 
 
 @pytest.mark.parametrize("backend", ["c", "reference"])

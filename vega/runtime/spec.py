@@ -90,8 +90,10 @@ class CompiledSpec:
         if not self._spec.shape_conditions:
             return self._spec.program(flags)
         shape = () if shape is None else _checked_shape(f"{self.name}.program", shape)
-        return engine.programs(self.name, self._spec, flags, values,
-                               [torch.empty(shape, device="meta")])[0]
+        # (a tensor of that shape, of no storage: the programs read its shape alone, and a
+        # meta tensor of float32 storage refuses more than 2**61 elements, its bytes)
+        like = torch.empty_strided(shape, (0,) * len(shape), device="meta")
+        return engine.programs(self.name, self._spec, flags, values, [like])[0]
 
     def source(self, backend: str = "reference", shape=None, **hypers) -> str:
         """The generated source of this optimizer's kernel on ``backend`` (for a parameter of
