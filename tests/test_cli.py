@@ -269,3 +269,16 @@ def test_a_closed_stdout_is_no_traceback(args, status):
     out = subprocess.run(["sh", "-c", 'exec "$0" -m vega.cli "$@" >&-', sys.executable, *args],
                          stderr=subprocess.PIPE, text=True, timeout=120)
     assert "Traceback" not in out.stderr and out.returncode == status, out.stderr
+
+
+def test_a_file_name_the_output_encoding_cannot_spell_is_no_traceback(tmp_path):
+    """``vega check gé.vega`` under an ASCII output encoding (PYTHONIOENCODING=ascii, or a
+    locale whose encoding lacks the name's letters): the name is printed with escapes, as
+    stderr prints it, where it was a UnicodeEncodeError traceback."""
+    good = tmp_path / "gé.vega"
+    good.write_text("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n}\n")
+    out = subprocess.run([sys.executable, "-m", "vega.cli", "check", str(good)],
+                         capture_output=True, timeout=120,
+                         env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert out.returncode == 0 and out.stderr == b""
+    assert out.stdout.endswith(b"g\\xe9.vega: ok: optimizer o(lr=0.001)\n")

@@ -198,11 +198,12 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
                         "and range")
 
 
-def _open_closed_streams() -> None:
-    """A standard stream whose descriptor was closed when the command started (``vega list
-    >&-``), which Python leaves None, is the null device instead: what the command writes
-    there goes nowhere, as for a reader that has gone, and is no traceback at exit
-    (``sys.stdout.flush()`` on None), and no file the command opens takes the descriptor."""
+def _usable_streams() -> None:
+    """Standard streams every command can write to. One whose descriptor was closed when
+    the command started (``vega list >&-``), which Python leaves None, is the null device
+    instead: what the command writes there goes nowhere, as for a reader that has gone, and
+    is no traceback at exit (``sys.stdout.flush()`` on None), and no file the command opens
+    takes the descriptor. Stdout escapes what its encoding cannot spell, as stderr does."""
     for fd, name, flags in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY),
                             (2, "stderr", os.O_WRONLY)):
         if getattr(sys, name) is not None:
@@ -212,10 +213,15 @@ def _open_closed_streams() -> None:
             os.dup2(null, fd)
             os.close(null)
         setattr(sys, name, open(fd, "w" if fd else "r", closefd=False))
+    if getattr(sys.stdout, "errors", None) == "strict" and \
+            hasattr(sys.stdout, "reconfigure"):
+        # (an output encoding that cannot spell a file's name, PYTHONIOENCODING=ascii or a
+        # Latin-1 locale: the name spelled with escapes, as on stderr, not a traceback)
+        sys.stdout.reconfigure(errors="backslashreplace")
 
 
 def main(argv: list[str] | None = None) -> int:
-    _open_closed_streams()
+    _usable_streams()
     parser = argparse.ArgumentParser(prog="vega", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
