@@ -282,3 +282,14 @@ def test_a_file_name_the_output_encoding_cannot_spell_is_no_traceback(tmp_path):
                          env={**os.environ, "PYTHONIOENCODING": "ascii"})
     assert out.returncode == 0 and out.stderr == b""
     assert out.stdout.endswith(b"g\\xe9.vega: ok: optimizer o(lr=0.001)\n")
+
+
+def test_list_gives_each_shipped_optimizer_a_whole_summary(capsys):
+    """``vega list`` shows a spec's first comment line (docs/language.md): for each shipped
+    spec, a sentence, not the start of one cut at the line's end (dadapt_adamw's read
+    "... estimates the distance to the solution")."""
+    assert cli.main(["list"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert [r.split()[0] for r in rows] == vega.builtin_names()
+    for row in rows:
+        assert row.endswith("."), row
