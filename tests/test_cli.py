@@ -293,3 +293,12 @@ def test_list_gives_each_shipped_optimizer_a_whole_summary(capsys):
     assert [r.split()[0] for r in rows] == vega.builtin_names()
     for row in rows:
         assert row.endswith("."), row
+
+
+def test_show_names_a_misspelt_hyperparameter_whatever_its_value(capsys):
+    """``--set momentun=abc`` is a misspelling of momentum: the spec names it and its near
+    name, as for ``--set momentun=0.9``, where it was told to write NAME=NUMBER."""
+    for value in ("abc", "0.9", "true"):
+        assert cli.main(["show", "lars", "--set", f"momentun={value}"]) == 1
+        assert "unexpected hyperparameter 'momentun' (did you mean 'momentum'?)" in \
+            capsys.readouterr().err

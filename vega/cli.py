@@ -55,14 +55,18 @@ def _load(target: str):
     return vega.builtin(target)
 
 
-def _parse_flags(pairs: list[str], hypers=()) -> dict[str, bool | float]:
+def _parse_flags(pairs: list[str], hypers=()) -> dict[str, bool | float | str]:
     """``--set NAME=V`` values, typed by the spec's hyperparameters (``hypers``); an
-    unknown name is left for the spec to name."""
+    unknown name is left for the spec to name, with its value as given (whatever it is,
+    the spec says the name is not its own, and which of its own is near)."""
     types = {h.name: h.type for h in hypers}
-    values: dict[str, bool | float] = {}
+    values: dict[str, bool | float | str] = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
         kind = types.get(name)
+        if kind is None and types:
+            values[name] = value
+            continue
         if value.lower() in ("true", "false") and kind != "float":
             values[name] = value.lower() == "true"
             continue
