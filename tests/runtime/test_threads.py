@@ -17,6 +17,27 @@ SHAPES = [(64 + k,) for k in range(120)]  # the same shapes for both: one kernel
 STEPS = 200
 
 
+def _in_threads(fn, keys, deadline: float = 120.0) -> dict:
+    """``{key: fn(key)}``, each call in a thread of its own, all at once; a call's error is
+    raised here, and a thread still running at the deadline fails the test (never a hang)."""
+    got: dict = {}
+    errors = []
+
+    def worker(key):
+        try:
+            got[key] = fn(key)
+        except BaseException as e:  # noqa: BLE001 (raised below)
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(deadline)
+    assert not any(t.is_alive() for t in threads), f"a thread ran past {deadline} s"
+    assert not errors, errors
+    return got
+
+
 def _grads(seed: int, step: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed * 100003 + step)
     return [torch.randn(s, generator=gen) * (3 if step % 7 == 0 else 1) for s in SHAPES]
@@ -69,21 +90,8 @@ def test_two_threads_step_as_one_after_the_other(how, monkeypatch):
         monkeypatch.setattr(native, "module", lambda wait=None: None)
     make, run = _functional_run() if how == "functional" else _class_run()
     alone = [run(seed, make(seed)) for seed in (1, 2)]
-    made = [make(seed) for seed in (1, 2)]
-    together: dict = {}
-    errors = []
-
-    def worker(seed, m):
-        try:
-            together[seed] = run(seed, m)
-        except BaseException as e:  # noqa: BLE001 (reported below)
-            errors.append(e)
-    threads = [threading.Thread(target=worker, args=(seed, m)) for seed, m in zip((1, 2), made)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    made = {seed: make(seed) for seed in (1, 2)}
+    together = _in_threads(lambda seed: run(seed, made[seed]), (1, 2))
     for seed, want in zip((1, 2), alone):
         got = together[seed]
         assert int(got[-1]) == int(want[-1]) == 0  # no step skipped: every gradient finite
@@ -141,22 +149,11 @@ def test_a_program_first_made_by_two_threads_at_once_is_one(monkeypatch):
         return out
     monkeypatch.setattr(precision, "Program", program)
     monkeypatch.setattr(precision, "variant", looked)
-    got: dict = {}
-    errors = []
 
-    def worker(name):
+    def named(name):
         names[threading.get_ident()] = name
-        try:
-            got[name] = step(spec)
-        except BaseException as e:  # noqa: BLE001 (reported below)
-            errors.append(e)
-    threads = [threading.Thread(target=worker, args=(n,)) for n in ("B", "A")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
-    assert not errors, errors
+        return step(spec)
+    got = _in_threads(named, ("B", "A"), 60)
     assert len(calls) >= 2  # (the moment came)
     for name in ("A", "B"):
         for a, b in zip(got[name], alone):
@@ -222,21 +219,7 @@ def test_two_threads_step_on_triton_interpreted_as_one_after_the_other():
         return ps
     specs = (vega.adamw, vega.lion)
     alone = [run(seed, spec) for seed, spec in enumerate(specs)]
-    together: dict = {}
-    errors = []
-
-    def worker(seed, spec):
-        try:
-            together[seed] = run(seed, spec)
-        except BaseException as e:  # noqa: BLE001 (reported below)
-            errors.append(e)
-    threads = [threading.Thread(target=worker, args=a) for a in enumerate(specs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads)
-    assert not errors, errors
+    together = _in_threads(lambda seed: run(seed, specs[seed]), range(len(specs)))
     for seed, want in enumerate(alone):
         for a, b in zip(together[seed], want):
             assert torch.equal(a, b)
