@@ -374,3 +374,25 @@ def test_apart_is_over_the_change_and_nan_where_a_parameter_is():
     a = [torch.tensor([1.0, float("nan")])]
     assert math.isnan(bench.apart(a, [torch.tensor([1.0, 2.0])], start))
     assert bench.apart([torch.tensor([1.0, 2.25])], [torch.tensor([1.0, 2.0])], start) == 0.25
+
+
+def test_bench_fused_py_races_each_rule_against_torchs_fused_and_foreach_steps(monkeypatch,
+                                                                               capsys):
+    """``bench/fused.py`` (docs/performance.md's race of sgd, adam and adagrad against
+    torch's fused steps), on small sets: a row for each set and rule, vega's parameters
+    within rounding of torch's fused step's after the race."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "fused.py"
+    spec = importlib.util.spec_from_file_location("bench_fused", path)
+    fused = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fused)
+    monkeypatch.setattr(fused.B, "gpt2_like", lambda: [(64, 32), (32,)])
+    monkeypatch.setattr(fused.B, "many_small", lambda n: [(7,), (5, 3)] * 3)
+    fused.main(["--budget", "0.05"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(r[0], r[1]) for r in rows] == [(s, n) for s in ("GPT-2-like", "many-small")
+                                            for n in fused.RULES]
+    assert all(float(r[-1]) < 1e-3 for r in rows), rows
+    with pytest.raises(SystemExit):
+        fused.main(["--budget", "0"])
