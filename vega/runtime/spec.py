@@ -511,8 +511,11 @@ def stepped(owner: str, params, p_leaves, g_leaves, check_state, states_ok=None,
            if g is not None and is_steppable(p)]
     if states_ok is not None:
         ps, gs = [p_leaves[i] for i in idx], [g_leaves[i] for i in idx]
-        all_dense = all(dense(p) and not uninitialized(p) for p in ps)
-        shapes = [p.shape for p in ps] if all_dense else None  # (nor nested nor lazy ones)
+        all_dense = all(map(dense, ps))
+        try:  # (a nested one has no shape, nor a lazy one: the checks below name it)
+            shapes = [p.shape for p in ps] if all_dense else None
+        except RuntimeError:
+            all_dense, shapes = False, None
         if all_dense and all(isinstance(g, torch.Tensor) and dense(g) for g in gs) \
                 and [g.shape for g in gs] == shapes \
                 and on_one_device(ps + gs) \
