@@ -100,6 +100,8 @@ def test_long_tensors_read_in_quarters_match_reference(monkeypatch, name, flags,
     spec = vega.compile(vega.builtin(name).source_text + f"\n# VEGA_C_QUARTERS={quarters}\n")
     assert f"#define SPLIT_MIN {render.split_min()} " in spec.source("c")
     assert render.split_min() == ("16384" if quarters == "1" else "INT64_MAX")
+    # (without the split, the loop alone is rendered: a third less C to compile)
+    assert ("if (e - b >= SPLIT_MIN)" in spec.source("c")) == (quarters == "1")
     gen = torch.Generator().manual_seed(1)
     params = {f"n{n}": torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
               for n in LONG}
