@@ -675,6 +675,60 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch):
     assert len(messages) == 1 and "no C compiler found" in messages[0]
 
 
+def _answering(tmp_path, name: str):
+    """A program ``name`` in a directory of its own that answers ``--version``: a compiler as
+    ``find_compiler`` sees one."""
+    fake = tmp_path / "bin" / name
+    fake.parent.mkdir(exist_ok=True)
+    fake.write_text(f"#!/bin/sh\necho '{name} 1.0'\n")
+    fake.chmod(0o700)
+    return fake
+
+
+@pytest.mark.parametrize("variable", ["CC", "CXX"])
+@pytest.mark.parametrize("value", ["/nonexistent", "no-such-cc", "ccache gcc", "/etc/hostname"])
+def test_a_compiler_named_by_the_environment_that_does_not_run_is_said_once(
+        tmp_path, variable, value):
+    """CC (CXX for the native operator) naming no compiler that runs (none there, not on the
+    PATH, a command with arguments, a file that is not a program): the compiler taken
+    instead is taken with one RuntimeWarning that names the variable, its value and that
+    compiler (it was taken without a word); none where the variable names one that runs or
+    is not set."""
+    first, *others = ("cc", "gcc", "clang") if variable == "CC" else ("c++", "g++", "clang++")
+    fallback = _answering(tmp_path, first)
+    mine = _answering(tmp_path, "my-compiler")
+    find = cbuild.compiler if variable == "CC" else native._cxx
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", str(fallback.parent))
+        try:
+            for setting, want, said in [(value, fallback, True), (str(mine), mine, False),
+                                        (None, fallback, False), ("", fallback, False)]:
+                if setting is None:
+                    mp.delenv(variable, raising=False)
+                else:
+                    mp.setenv(variable, setting)
+                find.cache_clear()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    assert find() == (str(want), f"{want.name} 1.0")
+                    assert find() == (str(want), f"{want.name} 1.0")  # (asked once a process)
+                messages = [str(w.message) for w in caught
+                            if issubclass(w.category, RuntimeWarning)]
+                if said:
+                    assert len(messages) == 1, messages
+                    assert f"{variable}={value!r} names no " in messages[0]
+                    assert f"building with {fallback} instead" in messages[0]
+                else:
+                    assert messages == [], (setting, messages)
+            mp.setenv(variable, value)
+            mp.setenv("PATH", str(tmp_path / "nowhere"))
+            find.cache_clear()
+            with pytest.warns(RuntimeWarning, match=rf"^vega: {variable}=.* and no other "):
+                assert find() is None
+        finally:
+            find.cache_clear()  # (asked again under this process's own environment)
+
+
 def test_compile_failure_names_the_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path))
     with pytest.raises(cbuild.CompilerError, match="failed on a generated kernel"):

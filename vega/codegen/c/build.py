@@ -444,7 +444,28 @@ def load_verified(path: Path, load):
 @cache
 def compiler() -> tuple[str, str] | None:
     """(path, version line) of the C compiler, or None where there is none."""
-    return find_compiler(os.environ.get("CC"), "cc", "gcc", "clang")
+    return named_compiler("CC", "C", "cc", "gcc", "clang")
+
+
+def named_compiler(variable: str, language: str, *others: str) -> tuple[str, str] | None:
+    """``find_compiler`` of the compiler the environment variable ``variable`` names, else of
+    the first of ``others``: a compiler the user named that is not found, or does not run,
+    is passed over with a warning that names the variable and its value, and the compiler
+    taken instead (it had been passed over without a word, and kernels built by another
+    compiler than the one asked for)."""
+    named = os.environ.get(variable)
+    if not named:
+        return find_compiler(*others)
+    found = find_compiler(named)
+    if found is not None:
+        return found
+    found = find_compiler(*others)
+    instead = f"building with {found[0]} instead" if found is not None else \
+        f"and no other {language} compiler ({', '.join(others)}) is found either"
+    warnings.warn(f"vega: {variable}={named!r} names no {language} compiler that runs here (it "
+                  f"is not found on the PATH, or does not answer --version; {variable} names "
+                  f"one program, without arguments); {instead}", RuntimeWarning, stacklevel=4)
+    return found
 
 
 def find_compiler(*names: str | None) -> tuple[str, str] | None:

@@ -68,7 +68,7 @@ def _key(cxx: tuple[str, str], include: list[str]) -> str:
 @cache
 def _cxx() -> tuple[str, str] | None:
     """(path, version line) of the C++ compiler, or None."""
-    return cbuild.find_compiler(os.environ.get("CXX"), "c++", "g++", "clang++")
+    return cbuild.named_compiler("CXX", "C++", "c++", "g++", "clang++")
 
 
 NOT_BUILDABLE = "no C++ compiler, Python headers or torch headers"
