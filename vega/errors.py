@@ -1,6 +1,7 @@
 """Vega's exceptions: one root, and spec errors that point into the source."""
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 
 
@@ -66,11 +67,36 @@ class SpecError(VegaError, ValueError):
         lines = source_lines(self.source)
         if not 1 <= sp.line <= len(lines):
             return head
-        text = lines[sp.line - 1].expandtabs(1)
-        end = sp.end_column if sp.end_line == sp.line else len(text) + 1
-        width = max(1, min(end, len(text) + 1) - sp.column)
-        caret = " " * (sp.column - 1) + "^" * width
-        return f"{head}\n    {text}\n    {caret}"
+        line = lines[sp.line - 1]
+        end = sp.end_column if sp.end_line == sp.line else len(line) + 1
+        shown = [_cell(c) for c in line]
+        before = sum(w for _, w in shown[:sp.column - 1])
+        width = max(1, sum(w for _, w in shown[sp.column - 1:end - 1]))
+        text = "".join(c for c, _ in shown)
+        return f"{head}\n    {text}\n    {' ' * before}{'^' * width}"
+
+
+# what a character of a quoted source line is shown as: a tab or form feed (which the
+# grammar reads as a space) as a space, any other character that is not printed as itself
+# (a control, ESC and NUL among them: a terminal would act on it, move the cursor or hide
+# the rest of the line; a format character: a bidirectional override that reorders the
+# line; a line or paragraph separator; a lone surrogate, which no encoding writes) as '?';
+# the message names the character itself, by its escape
+_BLANK = {"\t": " ", "\f": " ", "\r": " "}
+_UNSHOWN = {"Cc", "Cf", "Cs", "Zl", "Zp"}
+
+
+def _cell(c: str) -> tuple[str, int]:
+    """A character of a quoted source line as it is shown, and the columns of a terminal it
+    takes (0 for a combining mark, 2 for a wide East Asian one), for the caret under it."""
+    if c in _BLANK:
+        return _BLANK[c], 1
+    category = unicodedata.category(c)
+    if category in _UNSHOWN:
+        return "?", 1
+    if category in ("Mn", "Me"):
+        return c, 0
+    return c, 2 if unicodedata.east_asian_width(c) in ("W", "F") else 1
 
 
 def source_lines(text: str) -> list[str]:

@@ -1,12 +1,13 @@
 """Every example mistake gives a SpecError at the right place, in the user's terms."""
 import random
+import unicodedata
 
 import pytest
 import torch
 
 import vega
 from vega.dsl.parse_errors import PARSE_ERROR_EXAMPLES
-from vega.errors import SpecError
+from vega.errors import Span, SpecError
 
 # Example mistakes: each a whole malformed spec with the message, line and column its
 # SpecError must carry.
@@ -471,6 +472,52 @@ def test_an_error_quotes_its_line_whatever_the_line_ends(sep, body, message, quo
     assert head.startswith(f"o.vega:{3 if '#' in sep else 2}:") and head.endswith(message)
     column = int(head.split(":")[2])
     assert line.strip() == quoted and caret.index("^") - 4 == column - 1
+
+
+
+_UNSHOWN = [("\t", " "), ("\f", " "), ("\v", "?"), ("\x1b", "?"), ("\x00", "?"),
+             ("\x7f", "?"), ("\x85", "?"), ("\u202e", "?"), ("\u2028", "?"), ("\ud800", "?"),
+             ("中", "中")]
+_UNSHOWN_IDS = ["tab", "form feed", "vertical tab", "escape", "nul", "del", "nel",
+                "rtl override", "line separator", "lone surrogate", "wide"]
+
+
+def _no_control(text: str) -> bool:
+    return not any(unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp")
+                   for c in text.replace("\n", ""))
+
+
+@pytest.mark.parametrize("char, shown", _UNSHOWN, ids=_UNSHOWN_IDS)
+def test_a_quoted_line_shows_no_control_character_and_its_caret_stays_under_the_fault(
+        char, shown):
+    """A character in the line an error quotes that a terminal would act on (ESC beginning
+    a sequence that recolours or clears the screen, a vertical tab or form feed moving the
+    cursor down, NUL, a bidirectional override reordering the line) is shown as '?' (a tab
+    or form feed, which the grammar reads as a space, as a space), and the caret stays
+    under the fault, the character itself or one after it (it was printed as it was: the
+    terminal acted on it, and the caret stood under another column); a wide character
+    takes two columns, and its caret two carets."""
+    wide = 2 if char == "中" else 1
+    source = f"ab{char}cd{char}ef\n"
+    for column, end, under, before in [(4, 6, "cd", 2 + wide), (3, 4, shown, 2)]:
+        text = str(SpecError("m", Span(1, column, 1, end), source, "o.vega"))
+        head, line, caret = text.split("\n")
+        assert _no_control(text) and line == f"    ab{shown}cd{shown}ef", repr(text)
+        assert caret == " " * (4 + before) + "^" * (len(under) if under != shown else wide)
+        assert line[line.index(under, 4 + len("ab"))] == under[0]
+    # as a spec's error says it: the character, named by its escape in the message, or a
+    # fault after it in the line
+    if shown != " " and char != "\ud800":  # (a blank is read as a space: no fault)
+        with pytest.raises(SpecError) as info:
+            vega.compile(f"optimizer o(lr = 0.1) {{\n  p = p - lr{char} * g\n}}\n", "o.vega")
+        head, line, caret = str(info.value).split("\n")
+        assert _no_control(str(info.value)) and repr(char)[1:-1] in head, str(info.value)
+        assert line == f"      p = p - lr{shown} * g" and caret == " " * 16 + "^" * wide
+    with pytest.raises(SpecError) as info:
+        vega.compile(f"optimizer o(lr = 0.1) {{\n  p = p - lr * qq  # {char}\n}}\n", "o.vega")
+    head, line, caret = str(info.value).split("\n")
+    assert _no_control(str(info.value)) and line == f"      p = p - lr * qq  # {shown}"
+    assert caret == " " * 19 + "^^"
 
 
 @pytest.mark.parametrize("text, column, why", [
