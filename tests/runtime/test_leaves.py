@@ -379,6 +379,32 @@ def test_functional_none_grad_leaves_param_and_state_untouched(name):
     assert int(state2["step"]) == 2  # the functional state has one counter for all leaves
 
 
+def test_a_leaf_without_a_gradient_counts_the_calls_and_a_state_of_its_own_its_steps():
+    """docs/conventions.md: a functional step's leaf whose first gradients are None takes
+    its bias corrections from the one counter of the calls (Adam at lr 0.1, two calls
+    without a gradient, then -3 and -4: 1.1418), where torch.optim and the class count its
+    own steps (1.1997); a state of its own, stepped only where it has a gradient, counts
+    them as the class does."""
+    b = torch.nn.Parameter(torch.ones(4))
+    opt, mine = vega.optim.Adam([b], lr=0.1), torch.optim.Adam([b.detach().clone()], lr=0.1)
+    shared_p, own_p = {"a": torch.ones(3), "b": torch.ones(4)}, {"b": torch.ones(4)}
+    shared, own = vega.adam_init(shared_p), vega.adam_init(own_p)
+    for i in range(4):
+        gb = None if i < 2 else torch.full((4,), -1.0 - i)
+        shared_p, shared = vega.adam_step(shared_p, {"a": torch.ones(3), "b": gb}, shared,
+                                          lr=0.1)
+        if gb is not None:
+            b.grad = mine.param_groups[0]["params"][0].grad = gb
+            opt.step()
+            mine.step()
+            own_p, own = vega.adam_step(own_p, {"b": gb}, own, lr=0.1)
+    assert torch.allclose(shared_p["b"], torch.full((4,), 1.1418), atol=1e-4)
+    assert torch.allclose(b.detach(), torch.full((4,), 1.1997), atol=1e-4)
+    assert torch.allclose(mine.param_groups[0]["params"][0], b.detach(), rtol=1e-6)
+    assert same_bits(own_p["b"], b.detach())
+    assert int(shared["step"]) == 4 and int(own["step"]) == int(opt.state[b]["step"]) == 2
+
+
 def test_nested_trees_flatten_as_torch_walks_them(monkeypatch):
     """A tree of dicts, lists and tuples of plain tensors (a model's layers as a list of
     dicts) flattens to what torch's walk gives, and unflattens to the same containers,

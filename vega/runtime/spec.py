@@ -201,6 +201,11 @@ class CompiledSpec:
         With ``loss_scale`` the step returns ``(params, state, loss_scale)``, the
         scale adjusted for the next step.
 
+        A leaf whose gradient is ``None`` keeps its parameter and state, and the state's
+        one step counter advances for all leaves: a later step of that leaf counts every
+        call, not its own updates (the classes count each parameter's own, as torch does;
+        docs/conventions.md says how to count one leaf's alone).
+
         ``reduce_group`` (a ``torch.distributed`` process group): the gradients' norm and
         finite check span the parameters of every rank of the group, each rank stepping
         its own. DTensor parameters step their local shards, every reduction combined
