@@ -401,6 +401,38 @@ def test_torch_state_dict_loads_and_continues_as_torch(name, kw, states):
     _same_run(_run(vega_make), back, states)
 
 
+def test_a_torch_optimizer_loaded_from_torch_state_dict_shares_its_tensors_as_torchs_do():
+    """docs/optimizers.md: torch.optim's load_state_dict keeps the tensors of
+    ``torch_state_dict()`` as it keeps those of its own ``state_dict()`` (a torch optimizer
+    loaded from another steps the other's exp_avg); a deep copy keeps the two apart, and
+    vega's load_state_dict copies what it loads."""
+    def pair(p):
+        q = p.detach().clone().requires_grad_(True)
+        p.grad = q.grad = torch.ones(4)
+        return q
+    for make, key in [(lambda ps: torch.optim.Adam(ps), "exp_avg"),
+                      (lambda ps: vega.optim.Adam(ps), "mu")]:
+        p = torch.nn.Parameter(torch.randn(4))
+        p.grad = torch.ones(4)
+        opt = make([p])
+        opt.step()
+        saved = opt.torch_state_dict() if key == "mu" else opt.state_dict()
+        q = pair(p)
+        theirs = torch.optim.Adam([q])
+        theirs.load_state_dict(saved)
+        assert theirs.state[q]["exp_avg"] is opt.state[p][key]  # (the same tensor)
+        q = pair(p)
+        apart = torch.optim.Adam([q])
+        apart.load_state_dict(copy.deepcopy(saved))
+        before = opt.state[p][key].clone()
+        apart.step()
+        assert torch.equal(opt.state[p][key], before)
+    q = pair(p)
+    ours = vega.optim.Adam([q])
+    ours.load_state_dict(opt.state_dict())
+    assert ours.state[q]["mu"].data_ptr() != opt.state[p]["mu"].data_ptr()
+
+
 def _loaded(make, saved_params, state_dict):
     params = [p.detach().clone().requires_grad_(True) for p in saved_params]
     opt = make(params)
