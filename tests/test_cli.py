@@ -230,6 +230,32 @@ def test_show_reports_a_file_it_cannot_read(tmp_path, capsys):
         ".vega file\n")
 
 
+def test_show_of_a_shipped_name_is_the_shipped_spec_whatever_the_directory_holds(
+        tmp_path, capsys, monkeypatch):
+    """A file or directory named as a shipped spec in the working directory (``adamw``,
+    ``sgd/``) does not stand in for the spec ``vega show adamw`` names (it was read in its
+    place: an error for any file that was not that spec); a note on stderr says how to name
+    the path, and ``./adamw`` (or ``adamw.vega``, any name not shipped) is the file."""
+    from vega.cli import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adamw").write_text("hello\n")
+    (tmp_path / "sgd").mkdir()
+    (tmp_path / "mine").write_text("optimizer mine(lr = 0.1) {\n  p = p - lr * g\n}\n")
+    for name in ("adamw", "sgd"):
+        assert main(["show", name, "--backend", "reference"]) == 0
+        out = capsys.readouterr()
+        assert out.out.startswith(f"# {name}: reference kernel"), out
+        assert out.err == (f"vega: {name} is the shipped spec's name (for the {name} in this "
+                           f"directory, write ./{name})\n")
+    assert main(["show", "./adamw", "--backend", "reference"]) == 1
+    assert "adamw:1:1: error: unexpected 'hello'" in capsys.readouterr().err
+    assert main(["show", "mine", "--backend", "reference"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("# mine: reference kernel") and out.err == ""
+    assert main(["show", "lion", "--backend", "reference"]) == 0  # (no file of that name)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("shape,message", [
     ("-1,2", "a size is a whole number >= 0, got -1"),
     ("1000000000000000000000000000000", "too large: a tensor has at most 2**63 - 1 elements"),

@@ -49,7 +49,16 @@ def _seed(text: str) -> int:
 
 
 def _load(target: str):
+    """The spec ``vega show`` names: a shipped spec's name is that spec, whatever the
+    working directory holds (a file or directory of that name there, ``adamw`` or ``sgd/``,
+    had been read in its place, and failed), with a note of how to name the path instead
+    (``./adamw``); any other target is a spec file where it ends in ``.vega`` or exists."""
     import vega
+    if target in vega.builtin_names():
+        if os.path.lexists(target):
+            _say(f"vega: {target} is the shipped spec's name (for the {target} in this "
+                 f"directory, write ./{target})", sys.stderr)
+        return vega.builtin(target)
     if Path(target).suffix == ".vega" or Path(target).exists():
         return vega.compile_file(target)
     return vega.builtin(target)
@@ -234,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("show", help="print the kernel a spec compiles to (by default the "
                        "one a CPU step runs)")
-    p.add_argument("target", metavar="FILE|NAME", help="a .vega file or a shipped spec's name")
+    p.add_argument("target", metavar="FILE|NAME",
+                   help="a shipped spec's name, or a spec file (a .vega file, or a path: "
+                   "./adamw for a file named as a shipped spec)")
     p.add_argument("--backend", help="reference, c or triton (default: the kernel a step on "
                    "CPU tensors runs, c where a C compiler is found, else reference)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=V",
