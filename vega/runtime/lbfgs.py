@@ -751,6 +751,7 @@ class LBFGS(torch.optim.Optimizer):
 
     def _state_dict(self) -> dict:
         self._move_shared(self.param_groups[0]["params"])  # (the first holds them, as loaded)
+        torch_names.drop_strays("LBFGS.state_dict", self)
         out = sharded.without_group_objects(self, super().state_dict())
         out["param_groups"] = saved_groups(out["param_groups"])  # (its dtype by name)
         return out

@@ -1067,6 +1067,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         # each group's records of its 8-bit codes' maps and shards, current (``_mark_maps``:
         # for states a compiled step made too, where the step does not), saved with it
         self._mark_maps()
+        torch_names.drop_strays(f"{type(self).__name__}.state_dict", self)
         out = sharded.without_group_objects(self, super().state_dict())
         out["param_groups"] = [  # (dtypes by name; a list of the group's own, copied)
             {**g, quant.LAYOUT_KEY: list(g[quant.LAYOUT_KEY])} if quant.LAYOUT_KEY in g else g

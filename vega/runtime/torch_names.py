@@ -285,6 +285,29 @@ def saving(opt, save) -> dict:
     return state_dict
 
 
+def drop_strays(owner: str, opt) -> None:
+    """Before torch's ``state_dict()`` (which names each state by its parameter's position in
+    the groups, and fails with a bare ``KeyError`` of a tensor's id on one in no group): an
+    empty state of a tensor in no group dropped (``opt.state`` is a defaultdict, and reading
+    the state of a tensor not in the optimizer makes one), and a ValueError naming one that
+    is not empty (a parameter removed from its group's ``params`` after it stepped), which
+    the caller drops or keeps by putting the parameter back: a state dict without it would
+    lose it without a word."""
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    strays = [t for t in opt.state if isinstance(t, torch.Tensor) and id(t) not in ids]
+    for t in strays:
+        st = opt.state[t]
+        if st:
+            raise ValueError(
+                f"{owner}: the state holds {sorted(map(str, st))} of a tensor of shape "
+                f"{tuple(t.shape)} that is in no parameter group (removed from its group's "
+                "'params' after it stepped): a state_dict names each state by its "
+                "parameter's position in the groups, so this one has none; drop it "
+                "(del optimizer.state[p]) or put the parameter back in a group")
+    for t in strays:
+        del opt.state[t]
+
+
 def negated(grads: list) -> list:
     """``grads`` negated (``maximize``), None kept where a parameter has no gradient: a
     new list of new tensors, as torch's foreach step negates them."""
