@@ -882,6 +882,23 @@ def test_load_state_dict_refuses_what_a_step_cannot_read(change, message):
     opt.step()
 
 
+def test_a_group_put_in_param_groups_directly_is_refused_not_left_unstepped():
+    """add_param_group refuses a second group; one appended to param_groups by hand (or the
+    list emptied) was never stepped: the step read the first group alone."""
+    torch.manual_seed(0)
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+    opt = LBFGS([p], lr=0.1)
+    opt.param_groups.append({**opt.param_groups[0], "params": [q]})
+    p.grad, q.grad = torch.ones(3), torch.ones(2)
+    before = p.detach().clone(), q.detach().clone()
+    with pytest.raises(ValueError, match="2 parameter groups.*one group"):
+        opt.step()
+    assert torch.equal(p, before[0]) and torch.equal(q, before[1]) and not opt.state
+    opt.param_groups.clear()
+    with pytest.raises(ValueError, match="0 parameter groups"):
+        opt.step()
+
+
 def test_optimizer_class_validates():
     lin = torch.nn.Linear(2, 1)
     with pytest.raises(ValueError, match="lr=-1"):

@@ -665,6 +665,11 @@ class LBFGS(torch.optim.Optimizer):
         if not torch.compiler.is_compiling():  # (refused under torch.func.grad, jvp,
             class_step_transforms("LBFGS", "vega.lbfgs_step",  # functionalize; vmap of its own)
                                   self.param_groups)
+        if len(self.param_groups) != 1:  # (add_param_group refuses a second: one put in the
+            # list by hand was never stepped, the step reading the first group alone)
+            raise ValueError(f"LBFGS: {len(self.param_groups)} parameter groups; LBFGS steps "
+                             "one group (its curvature pairs span all parameters): put every "
+                             "parameter in param_groups[0]['params']")
         loss = None
         if closure is not None:
             with torch.enable_grad():
