@@ -899,6 +899,28 @@ def test_a_group_put_in_param_groups_directly_is_refused_not_left_unstepped():
         opt.step()
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_plain_dict_assigned_to_state_steps(keep):
+    """``opt.state = {...}`` (a plain dict, not torch's defaultdict: docs/conventions.md says
+    a new mapping works) stepped the spec classes and failed LBFGS's step with a KeyError
+    that printed the whole first parameter."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt, ref = LBFGS(ps, lr=0.1), LBFGS(twin, lr=0.1)
+    for k in range(3):
+        for p, q in zip(ps, twin):
+            p.grad = q.grad = torch.full_like(p, 1.0 + k)
+        opt.step()
+        ref.step()
+        if k == 0:  # (the state kept, as a dict, or started again, as a clear() does)
+            opt.state = dict(opt.state) if keep else {}
+            if not keep:
+                ref.state.clear()
+    for p, q in zip(ps, twin):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 def test_optimizer_class_validates():
     lin = torch.nn.Linear(2, 1)
     with pytest.raises(ValueError, match="lr=-1"):

@@ -617,7 +617,7 @@ class LBFGS(torch.optim.Optimizer):
     def _shared(self, group) -> dict:
         """The state of the first parameter, which holds ``weights`` and ``step``."""
         head = group["params"][0]
-        st = self.state[head]
+        st = self.state.setdefault(head, {})  # (a plain dict assigned to state has no default)
         if "step" not in st:
             sds = [_tree_dtype(p, group["state_dtype"]) for p in group["params"]]
             st["weights"] = torch.zeros(group["memory_size"], device=head.device,
@@ -641,12 +641,13 @@ class LBFGS(torch.optim.Optimizer):
             st = self.state.get(q)
             if st is not None and "step" in st and "weights" in st:
                 got = {"weights": st["weights"], "step": st["step"]}
-                self.state[params[0]].update(got)  # (the first's, then the other's dropped)
+                # (the first's, then the other's dropped)
+                self.state.setdefault(params[0], {}).update(got)
                 del st["weights"], st["step"]
                 return
 
     def _param_state(self, p, group) -> dict:
-        st = self.state[p]
+        st = self.state.setdefault(p, {})
         if "diff_params" not in st:
             sd = _tree_dtype(p, group["state_dtype"])
             m = group["memory_size"]
