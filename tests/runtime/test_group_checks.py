@@ -37,6 +37,25 @@ def test_a_setting_changed_after_steps_is_checked_at_the_next(key, bad, words, k
     assert all(torch.equal(p, b) for p, b in zip(ps, before))
 
 
+@pytest.mark.parametrize("key", ["lr", "b1", "maximize", "amsgrad"])
+def test_a_setting_deleted_from_a_group_is_named_with_its_group(key):
+    """A group without a setting (deleted, or a group appended to param_groups by hand,
+    which add_param_group would have filled from the defaults) failed with a bare KeyError
+    of the key, from deep in the step; the step names the group and its missing keys."""
+    ps, opt = made()
+    before = [p.detach().clone() for p in ps]
+    del opt.param_groups[1][key]
+    with pytest.raises(ValueError, match=f"group 1 has no '{key}'.*add_param_group"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+    q = torch.randn(3, requires_grad=True)
+    q.grad = torch.ones(3)
+    opt.param_groups[1][key] = opt.defaults[key]
+    opt.param_groups.append({"params": [q]})
+    with pytest.raises(ValueError, match=r"group 3 has no 'amsgrad', 'b1', .*'lr'"):
+        opt.step()
+
+
 def test_a_tensor_changed_in_place_is_checked_at_the_next_step():
     ps, opt = made()
     lr = torch.tensor(1e-3)

@@ -383,8 +383,11 @@ class SpecOptimizer(torch.optim.Optimizer):
             spread = group_of is not None or any(item[0].spans_group or (
                 k not in plain and sharded.involved(item[2], None))
                 for k, (_, w) in enumerate(found_work) for item in w)
-        except BaseException:  # (refused, or interrupted: nothing written yet)
+        except BaseException as err:  # (refused, or interrupted: nothing written yet)
             self._refused()
+            missing = self._missing_setting(err)
+            if missing is not None:
+                raise missing from None
             raise
         if spread:
             # DTensors, a reduce_group, or reductions over a group: vega.runtime.sharded
@@ -467,6 +470,23 @@ class SpecOptimizer(torch.optim.Optimizer):
             self.loss_scale.adjust_(finite_of(pre))
         self.__dict__.pop("_vega_fresh", None)
         return loss
+
+    def _missing_setting(self, err: BaseException) -> ValueError | None:
+        """Where ``err`` is the KeyError of a setting a group lacks (deleted from it, or the
+        group appended to ``param_groups`` by hand, which ``add_param_group`` would have
+        filled from the defaults): a ValueError naming the group and the settings it lacks,
+        for the bare KeyError of the key, raised from deep in the step."""
+        if type(err) is not KeyError or len(err.args) != 1 or \
+                not isinstance(err.args[0], str) or err.args[0] not in self.defaults:
+            return None
+        for k, group in enumerate(self.param_groups):
+            if err.args[0] not in group:
+                missing = ", ".join(map(repr, sorted(self.defaults.keys() - group.keys())))
+                return ValueError(
+                    f"{type(self).__name__}: group {k} has no {missing}: a setting deleted "
+                    "from it, or a group put in param_groups by hand (add_param_group fills a "
+                    "new group's settings from the defaults)")
+        return None
 
     def _refused(self) -> None:
         """A step refused before it wrote anything leaves no state it made either: the
