@@ -40,3 +40,15 @@ def test_state_dict_names_the_state_of_a_parameter_removed_from_its_group(name):
     sd = opt.state_dict()
     assert len(sd["param_groups"][0]["params"]) == 1
     opt.step()
+
+
+def test_a_deleted_step_count_is_named_as_deleted_too():
+    # the message guessed only a state written in before the first step
+    ps, opt = _stepped(vo.AdamW)
+    del opt.state[ps[0]]["step"]
+    with pytest.raises(ValueError, match=r"no step count: .*where it had stepped and its "
+                                         r"'step' was deleted, put back its step count"):
+        opt.step()
+    opt.state[ps[0]]["step"] = torch.tensor(1, dtype=torch.int32)
+    opt.step()
+    assert int(opt.state[ps[0]]["step"]) == 2

@@ -772,12 +772,13 @@ class SpecOptimizer(torch.optim.Optimizer):
                         "the state of the optimizer it wraps) is not converted; load it into "
                         f"a vega.optim.{owner} with load_state_dict, which converts torch's "
                         "states, and save that optimizer's state_dict")
-                if "step" not in st:  # (no step made it: written in by hand)
+                if "step" not in st:  # (no step made it: written in by hand, or it was deleted)
                     raise ValueError(
                         f"{owner}: the state of {self._name(p)} has {sorted(st)} and no "
                         "step count: it was written in before the first step made the state "
                         f"({sorted(want)}); write into it after the first step, or into the "
-                        "state of a functional init")
+                        "state of a functional init (or, where it had stepped and its 'step' "
+                        "was deleted, put back its step count, a 0-d int32 tensor)")
                 reshaped = ", or the parameter's shape (now " + str(tuple(p.shape)) + \
                     ")" if self.spec._spec.reads_shape else ""
                 raise ValueError(
