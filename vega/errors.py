@@ -49,10 +49,12 @@ class SpecError(VegaError, ValueError):
 
     @property
     def line(self) -> int | None:
+        """The 1-based line of the mistake in ``source``; None where no place is known."""
         return self.span.line if self.span else None
 
     @property
     def column(self) -> int | None:
+        """The 1-based column of the mistake on its line; None where no place is known."""
         return self.span.column if self.span else None
 
     def with_source(self, source: str, filename: str) -> SpecError:
@@ -60,6 +62,9 @@ class SpecError(VegaError, ValueError):
         return SpecError(self.message, self.span, source, filename)
 
     def render(self) -> str:
+        """The message as ``str(err)`` gives it: ``file:line:col: error: message``, the
+        source line and carets under the offending text (``file: error: message`` where
+        no place is known)."""
         if self.span is None:
             return f"{self.filename}: error: {self.message}"
         sp = self.span

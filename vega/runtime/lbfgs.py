@@ -599,6 +599,9 @@ class LBFGS(torch.optim.Optimizer):
                              "its curvature pairs span all parameters")
 
     def add_param_group(self, param_group: dict) -> None:
+        """torch's, for the one group the constructor makes: a second is a ``ValueError``
+        (the curvature pairs span all parameters), as is a tensor that is not float or
+        complex, or not dense."""
         if self.param_groups:
             raise ValueError("LBFGS does not support per-parameter options (parameter groups): "
                              "its curvature pairs span all parameters")

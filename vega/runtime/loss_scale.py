@@ -153,10 +153,30 @@ def grads_finite(grads, *, reduce_group=None) -> torch.Tensor:
 
 
 class LossScale:
-    """A loss scale: build it with :meth:`static` or :meth:`dynamic`."""
+    """A loss scale: build it with :meth:`static` or :meth:`dynamic`.
 
-    __slots__ = ("loss_scale", "good_steps", "skipped_steps", "min_scale", "growth_interval",
-                 "growth_factor", "backoff_factor", "is_dynamic", "device_given")
+    Its state is four 0-d tensors (``loss_scale``, ``good_steps``, ``skipped_steps``,
+    ``min_scale``; :meth:`tensors`), its configuration plain attributes; the module
+    docstring says how :meth:`adjust` moves them.
+    """
+
+    # (a dict: each attribute's docstring, which help() shows)
+    __slots__ = {
+        "loss_scale": "The scale factor, a 0-d float32 tensor.",
+        "good_steps": "The finite steps since the scale last changed, a 0-d int32 tensor "
+                      "(-1 for a static scale).",
+        "skipped_steps": "How many steps adjust saw overflow, a 0-d int32 tensor saturating "
+                         "at 2**31 - 1 (a static scale keeps 0).",
+        "min_scale": "The floor of backing off, a 0-d float32 tensor (0: none but the "
+                     "smallest normal float32).",
+        "growth_interval": "The finite steps after which the scale grows (an int).",
+        "growth_factor": "What growing multiplies the scale by (above 1).",
+        "backoff_factor": "What an overflow multiplies the scale by (in (0, 1)).",
+        "is_dynamic": "True for a scale made by dynamic(), False for static()'s.",
+        "device_given": "Whether the scale's device was chosen (device= given, its tensors "
+                        "given, to_()): an optimizer moves one made without a device to "
+                        "its parameters'.",
+    }
 
     def __init__(self, loss_scale: torch.Tensor, good_steps: torch.Tensor,
                  skipped_steps: torch.Tensor | None = None, min_scale: torch.Tensor | None = None,
@@ -209,7 +229,9 @@ class LossScale:
 
     @classmethod
     def static(cls, s: float, device=None) -> LossScale:
-        """The fixed scale ``s`` (positive): ``adjust`` returns it unchanged.
+        """The fixed scale ``s`` (positive): ``adjust`` returns it unchanged. ``device``: where
+        its tensors are made (without one, torch's default device; an optimizer given the
+        scale moves it to its parameters').
 
         ``static(1.0)`` makes the loss-scaling plumbing the identity, while
         :meth:`step` still skips the steps whose gradients are not finite.
@@ -233,7 +255,8 @@ class LossScale:
         """A fresh adaptive scale, starting at ``init`` with its counter at 0.
 
         ``min_scale`` (optional, positive): backing off never takes the scale below
-        it (jmp's ``min_loss_scale``; DeepSpeed's ``min_loss_scale``).
+        it (jmp's ``min_loss_scale``; DeepSpeed's ``min_loss_scale``). ``device`` as for
+        :meth:`static`.
         """
         init = _scale_value("LossScale.dynamic", "init", init)
         config = _check_config("LossScale.dynamic", growth_interval, growth_factor,

@@ -158,6 +158,12 @@ class SpecOptimizer(torch.optim.Optimizer):
         self._claim_scale()
 
     def add_param_group(self, param_group: dict) -> None:
+        """torch's, checked before the group is kept: a dict with ``'params'``, its tensors
+        float or complex, dense and each given once, its hyperparameters in their ranges and
+        the whole optimizer's settings (``max_grad_norm``, ...) at the optimizer's values
+        (``ValueError``), and no key that looks like a misspelt hyperparameter
+        (``TypeError``, naming the one meant). A refused group leaves the optimizer as
+        it was."""
         owner = type(self).__name__
         if isinstance(param_group, dict) and "params" not in param_group:
             raise ValueError(f"{owner}: a parameter group is a dict with 'params' (the "

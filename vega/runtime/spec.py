@@ -32,6 +32,10 @@ class CompiledSpec:
       -> (params, state), pure unless ``donate=True``;
     - ``optimizer(params, **hypers)`` -> a ``torch.optim.Optimizer``;
     - ``source(backend)`` -> the generated kernel source.
+
+    Attributes: ``name`` (the spec's, ``"adamw"``), ``class_name`` (its ``vega.optim``
+    class's, ``"AdamW"``), ``doc`` (the spec's leading comment), ``hypers`` (its declared
+    hyperparameters) and ``defaults`` (their defaults by name).
     """
 
     def __init__(self, spec: dsl.Spec):
@@ -80,6 +84,7 @@ class CompiledSpec:
 
     @property
     def source_text(self) -> str:
+        """The text of the spec this optimizer was compiled from."""
         return self._spec.source
 
     def program(self, shape=None, **hypers):
@@ -142,7 +147,9 @@ class CompiledSpec:
         parameter's), or a dict from state names to dtypes (``{"nu": torch.bfloat16}``).
         ``master_weights``: a state ``master``, a float32 copy of each bfloat16 or float16
         parameter (complex64 of a complex32 one), which the step updates
-        (docs/precision.md)."""
+        (docs/precision.md). ``**hypers``: the spec's hyperparameters that decide which
+        states there are (sgd's ``momentum=0`` keeps no buffer); the others are ignored
+        here, and any not given take their defaults."""
         owner = f"{self.name}_init"
         flags, values = engine.resolve(owner, self.hypers, hypers)
         engine.check_state_dtype(owner, state_dtype, self._spec.state_names)
@@ -191,6 +198,12 @@ class CompiledSpec:
              loss_scale=None, reduce_group=None, master_weights: bool = False,
              stochastic_rounding: bool = False, rounding_seed: int = 0, **hypers):
         """One update: returns (params, state). Pure unless ``donate=True``.
+
+        ``**hypers``: the spec's hyperparameters (``defaults`` holds the defaults of those
+        not given; ``help(vega.optim.<its class>)`` lists them with their ranges), each a
+        number, a 0-d tensor or a ``vega.schedule`` of the step counter. ``backend``:
+        ``"reference"``, ``"c"`` or ``"triton"`` (None: by the tensors' device, ``"triton"``
+        on CUDA, ``"c"`` on the CPU where a C compiler is found, else ``"reference"``).
 
         Fused into the same step, in this order: ``loss_scale`` (a
         ``vega.LossScale``) divides the gradients by the scale; ``max_grad_norm``

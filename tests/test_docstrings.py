@@ -1,0 +1,58 @@
+"""The public API documents itself: every public name, method and property has a
+docstring (``help(vega.X)`` says what it is), and the examples in docstrings run."""
+import doctest
+import inspect
+
+import pytest
+
+import vega
+import vega.optim
+import vega.schedule
+from vega.runtime import io, lbfgs, loss_scale, spec, transforms, tree
+
+
+def _public_names():
+    """(label, object) of every public name of vega, vega.optim and vega.schedule (one
+    shipped spec's, the others alike), and of the public members of their classes."""
+    out = []
+    shipped = set(vega._LAZY)
+    for mod, names in ((vega, [n for n in vega.__all__ if n not in shipped]
+                        + ["adamw", "adamw_init", "adamw_step"]),
+                       (vega.optim, ["SpecOptimizer", "AdamW", "LBFGS"]),
+                       (vega.schedule, vega.schedule.__all__)):
+        for name in names:
+            obj = getattr(mod, name)
+            out.append((f"{mod.__name__}.{name}", obj))
+            if not inspect.isclass(obj):
+                continue
+            for cls in obj.__mro__:
+                if not cls.__module__.startswith("vega"):
+                    continue
+                for member, value in vars(cls).items():
+                    if member.startswith("_") or not (
+                            callable(value) or isinstance(value, (property, classmethod,
+                                                                  staticmethod))
+                            or inspect.isdatadescriptor(value)):
+                        continue
+                    out.append((f"{mod.__name__}.{name}.{member}", value))
+    return out
+
+
+@pytest.mark.parametrize("label,obj", _public_names(), ids=lambda x: x if isinstance(x, str)
+                         else "")
+def test_every_public_name_has_a_docstring(label, obj):
+    if isinstance(obj, (classmethod, staticmethod)):
+        obj = obj.__func__
+    # (a slot's is its entry in a __slots__ dict, which inspect.getdoc and help() read;
+    # else the object's own, not one inherited from torch's class)
+    doc = obj.fget.__doc__ if isinstance(obj, property) else inspect.getdoc(obj) \
+        if inspect.ismemberdescriptor(obj) else obj.__doc__
+    assert doc and doc.strip(), f"{label} has no docstring"
+
+
+@pytest.mark.parametrize("module", [vega, vega.optim, vega.schedule, spec, io, lbfgs,
+                                    loss_scale, transforms, tree],
+                         ids=lambda m: m.__name__)
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
