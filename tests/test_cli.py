@@ -328,3 +328,27 @@ def test_show_names_a_misspelt_hyperparameter_whatever_its_value(capsys):
         assert cli.main(["show", "lars", "--set", f"momentun={value}"]) == 1
         assert "unexpected hyperparameter 'momentun' (did you mean 'momentum'?)" in \
             capsys.readouterr().err
+
+
+def test_help_gives_the_exit_statuses_the_commands_return(capsys, tmp_path):
+    """``vega --help`` says what each exit status means, and each is the one returned: 0,
+    1 for a command that failed (a spec with an error), 2 for a usage error."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "exit status: 0 on success, 1 where a command fails" in text
+    assert "2 for a usage error" in text
+    bad = tmp_path / "bad.vega"
+    bad.write_text("optimizer bad\nupdate { p = p - }\n")
+    assert cli.main(["check", str(bad)]) == 1
+    with pytest.raises(SystemExit) as done:
+        cli.main(["check"])  # (a missing argument)
+    assert done.value.code == 2
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "--repeat", "0"])
+    assert done.value.code == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    assert "(default: 1)" in capsys.readouterr().out

@@ -199,6 +199,11 @@ def cmd_bench(args) -> int:
 DEMO_HELP = ("train a small classifier with vega's AdamW and SGD, an AdaBelief spec compiled "
              "on the spot and torch.optim.AdamW")
 BENCH_HELP = "time one optimizer step against torch.optim and optax"
+EPILOG = """\
+exit status: 0 on success, 1 where a command fails (a spec with an error, an unknown
+optimizer, a --set or --shape that cannot be read), 2 for a usage error (an unknown
+command or option, a missing argument, a bad option value).
+"""
 
 
 def add_bench_options(parser: argparse.ArgumentParser) -> None:
@@ -208,7 +213,7 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
                         help="skip torch.compile (slow to build)")
     parser.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
                         help="run the whole comparison N times; print each ratio's median "
-                        "and range")
+                        "and range (default: 1)")
 
 
 def _usable_streams() -> None:
@@ -235,11 +240,12 @@ def _usable_streams() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _usable_streams()
-    parser = argparse.ArgumentParser(prog="vega", description=DESCRIPTION,
+    parser = argparse.ArgumentParser(prog="vega", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("check", help="compile spec files and report errors")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("files", nargs="+", metavar="FILE", help="a .vega spec file; every one is "
+                   "checked, and the status is 1 if any has an error")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("show", help="print the kernel a spec compiles to (by default the "
                        "one a CPU step runs)")
