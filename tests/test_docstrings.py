@@ -13,13 +13,17 @@ from vega.runtime import io, lbfgs, loss_scale, spec, transforms, tree
 
 def _public_names():
     """(label, object) of every public name of vega, vega.optim and vega.schedule (one
-    shipped spec's, the others alike), and of the public members of their classes."""
+    shipped spec's, the others alike; the schedules' classes), and of the public members
+    of their classes."""
     out = []
     shipped = set(vega._LAZY)
     for mod, names in ((vega, [n for n in vega.__all__ if n not in shipped]
                         + ["adamw", "adamw_init", "adamw_step"]),
                        (vega.optim, ["SpecOptimizer", "AdamW", "LBFGS"]),
-                       (vega.schedule, vega.schedule.__all__)):
+                       # (the schedules' classes too, which add_safe_globals names)
+                       (vega.schedule, vega.schedule.__all__ + [
+                           n for n, v in vars(vega.schedule).items()
+                           if inspect.isclass(v) and issubclass(v, vega.schedule.Schedule)])):
         for name in names:
             obj = getattr(mod, name)
             out.append((f"{mod.__name__}.{name}", obj))

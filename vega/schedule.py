@@ -303,6 +303,9 @@ def _length(who: str, name: str, value) -> int:
 # -- the schedules ----------------------------------------------------------------------
 
 class Constant(Schedule):
+    """The schedule that :func:`constant` makes (see it); the class is named for
+    ``torch.serialization.add_safe_globals`` and ``isinstance``."""
+
     _name, _fields = "constant", ("value",)
     _turns = Schedule._ends
 
@@ -314,6 +317,9 @@ class Constant(Schedule):
 
 
 class Linear(Schedule):
+    """The schedule that :func:`linear` makes (see it); the class is named for
+    ``torch.serialization.add_safe_globals`` and ``isinstance``."""
+
     _name, _fields = "linear", ("init_value", "end_value", "steps")
     _turns = Schedule._ends
 
@@ -327,6 +333,9 @@ class Linear(Schedule):
 
 
 class CosineDecay(Schedule):
+    """The schedule that :func:`cosine_decay` makes (see it); the class is named for
+    ``torch.serialization.add_safe_globals`` and ``isinstance``."""
+
     _name, _fields = "cosine_decay", ("init_value", "decay_steps", "alpha")
     _turns = Schedule._ends
 
@@ -341,6 +350,9 @@ class CosineDecay(Schedule):
 
 
 class ExponentialDecay(Schedule):
+    """The schedule that :func:`exponential_decay` makes (see it); the class is named for
+    ``torch.serialization.add_safe_globals`` and ``isinstance``."""
+
     _name, _fields = "exponential_decay", ("init_value", "decay_rate", "decay_steps")
     _turns = Schedule._ends
 
@@ -354,6 +366,9 @@ class ExponentialDecay(Schedule):
 
 
 class PolynomialDecay(Schedule):
+    """The schedule that :func:`polynomial_decay` makes (see it); the class is named for
+    ``torch.serialization.add_safe_globals`` and ``isinstance``."""
+
     _name, _fields = "polynomial_decay", ("init_value", "end_value", "decay_steps", "power")
     _turns = Schedule._ends
 
@@ -369,6 +384,9 @@ class PolynomialDecay(Schedule):
 
 
 class WarmupCosine(Schedule):
+    """The schedule that :func:`warmup_cosine` makes (see it); the class is named for
+    ``torch.serialization.add_safe_globals`` and ``isinstance``."""
+
     _name, _fields = "warmup_cosine", ("init_value", "peak_value", "warmup_steps")
     _turns = Schedule._ends
 
@@ -391,6 +409,9 @@ def _cosine_tail(start, end, j, n, ops):
 
 
 class WarmupCosineDecay(Schedule):
+    """The schedule that :func:`warmup_cosine_decay` makes (see it); the class is named for
+    ``torch.serialization.add_safe_globals`` and ``isinstance``."""
+
     _name = "warmup_cosine_decay"
     _fields = ("init_value", "peak_value", "warmup_steps", "decay_steps", "end_value")
 
@@ -416,6 +437,9 @@ _CYCLES_LISTED = 1024  # (``_turns``: the most cycles listed one by one)
 
 
 class CosineDecayRestarts(Schedule):
+    """The schedule that :func:`cosine_decay_restarts` makes (see it); the class is named for
+    ``torch.serialization.add_safe_globals`` and ``isinstance``."""
+
     _name = "cosine_decay_restarts"
     _fields = ("init_value", "decay_steps", "t_mul", "m_mul", "alpha")
 
@@ -506,6 +530,9 @@ class CosineDecayRestarts(Schedule):
 
 
 class OneCycle(Schedule):
+    """The schedule that :func:`one_cycle` makes (see it); the class is named for
+    ``torch.serialization.add_safe_globals`` and ``isinstance``."""
+
     _name = "one_cycle"
     _fields = ("max_value", "total_steps", "div_factor", "final_div_factor", "pct_start")
 
@@ -538,6 +565,9 @@ class OneCycle(Schedule):
 
 
 class PiecewiseConstant(Schedule):
+    """The schedule that :func:`piecewise_constant` makes (see it); the class is named for
+    ``torch.serialization.add_safe_globals`` and ``isinstance``."""
+
     _name, _fields = "piecewise_constant", ("boundaries", "values")
 
     def __init__(self, boundaries, values):
@@ -571,6 +601,9 @@ class PiecewiseConstant(Schedule):
 
 
 class Join(Schedule):
+    """The schedule that :func:`join` makes (see it); the class is named for
+    ``torch.serialization.add_safe_globals`` and ``isinstance``."""
+
     _name, _fields = "join", ("segments",)
 
     def __init__(self, segments):
@@ -599,9 +632,12 @@ class Join(Schedule):
         return f"join([{', '.join(f'({n}, {s!r})' for n, s in self.segments)}])"
 
     def elementwise(self) -> bool:
+        """:meth:`Schedule.elementwise`: True where every segment's schedule is."""
         return all(isinstance(s, Schedule) and s.elementwise() for _, s in self.segments)
 
     def reach(self, first: int = 0, last: int = LAST_STEP) -> list[tuple[int, float]] | None:
+        """:meth:`Schedule.reach`, from each segment's: None where a segment's schedule is
+        not one of this module (a callable of one's own)."""
         # each segment's, over the steps of the interval it runs (the last, to the end)
         out = []
         offsets = self._offsets()
