@@ -1,7 +1,9 @@
 """The public API documents itself: every public name, method and property has a
 docstring (``help(vega.X)`` says what it is), and the examples in docstrings run."""
+import ast
 import doctest
 import inspect
+import re
 
 import pytest
 
@@ -60,3 +62,33 @@ def test_every_public_name_has_a_docstring(label, obj):
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+
+
+def _listed_defaults(text: str) -> dict:
+    """``name=value`` pairs of a docstring's listing of defaults, the values evaluated."""
+    found = {}
+    for name, value in re.findall(r"\b(\w+)=([^`,;() ]+)", text):
+        try:
+            found[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("cls_name", ["SGD", "AdamW", "Muon", "LBFGS"])
+def test_a_class_docstring_gives_its_signature_defaults(cls_name):
+    """The defaults an optimizer class's docstring lists (its ``Also:`` line, LBFGS's
+    hyperparameters) are its constructor's."""
+    cls = getattr(vega.optim, cls_name)
+    doc = cls.__doc__
+    text = doc.split("Also:", 1)[1] if "Also:" in doc else doc
+    listed = _listed_defaults(text.replace("\n", " "))
+    params = inspect.signature(cls).parameters
+    checked = {n: v for n, v in listed.items() if n in params}
+    assert len(checked) >= 5, (cls_name, listed)
+    for name, value in checked.items():
+        assert params[name].default == value, (cls_name, name, value, params[name].default)
+    # (the hyperparameters listed: the spec's)
+    for h in getattr(getattr(cls, "spec", None), "hypers", ()):
+        shown = str(h.default).lower() if h.type == "bool" else str(h.default)
+        assert f"    {h.name}: {h.type} = {shown}" in doc
