@@ -92,3 +92,21 @@ def test_a_class_docstring_gives_its_signature_defaults(cls_name):
     for h in getattr(getattr(cls, "spec", None), "hypers", ()):
         shown = str(h.default).lower() if h.type == "bool" else str(h.default)
         assert f"    {h.name}: {h.type} = {shown}" in doc
+
+
+def test_init_takes_its_hypers_as_its_docstring_says():
+    """``init``'s docstring: hyperparameters are checked as a step checks them, and decide
+    which states there are and their first values."""
+    import torch
+    params = {"w": torch.ones(3)}
+    doc = " ".join(spec.CompiledSpec.init.__doc__.split())
+    assert "checked as a step checks them" in doc
+    with pytest.raises(ValueError, match="lr=-1.0 is outside its range"):
+        vega.adamw_init(params, lr=-1.0)
+    assert "sgd's ``momentum=0`` keeps no buffer" in doc
+    assert sorted(vega.sgd_init(params, momentum=0.0)) == ["step"]
+    assert "``amsgrad=True`` keeps ``nu_max``" in doc
+    assert "nu_max" in vega.adam_init(params, amsgrad=True)
+    assert "adagrad's ``initial_accumulator_value``" in doc
+    assert torch.equal(vega.adagrad_init(params, initial_accumulator_value=0.5)["acc"]["w"],
+                       torch.full((3,), 0.5))

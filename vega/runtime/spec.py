@@ -147,9 +147,11 @@ class CompiledSpec:
         parameter's), or a dict from state names to dtypes (``{"nu": torch.bfloat16}``).
         ``master_weights``: a state ``master``, a float32 copy of each bfloat16 or float16
         parameter (complex64 of a complex32 one), which the step updates
-        (docs/precision.md). ``**hypers``: the spec's hyperparameters that decide which
-        states there are (sgd's ``momentum=0`` keeps no buffer); the others are ignored
-        here, and any not given take their defaults."""
+        (docs/precision.md). ``**hypers``: the spec's hyperparameters, checked as a step
+        checks them (``ValueError`` outside a range); they decide which states there are
+        (sgd's ``momentum=0`` keeps no buffer, adam's ``amsgrad=True`` keeps ``nu_max``)
+        and their first values (adagrad's ``initial_accumulator_value``); any not given
+        take their defaults."""
         owner = f"{self.name}_init"
         flags, values = engine.resolve(owner, self.hypers, hypers)
         engine.check_state_dtype(owner, state_dtype, self._spec.state_names)
