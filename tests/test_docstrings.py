@@ -110,3 +110,20 @@ def test_init_takes_its_hypers_as_its_docstring_says():
     assert "adagrad's ``initial_accumulator_value``" in doc
     assert torch.equal(vega.adagrad_init(params, initial_accumulator_value=0.5)["acc"]["w"],
                        torch.full((3,), 0.5))
+
+
+def test_step_takes_its_hypers_as_its_docstring_says():
+    """``step``'s docstring: a float hyperparameter is a number, a 0-d tensor or any callable
+    of the step counter (a plain number where an ``if`` reads it); a bool one True or
+    False."""
+    import torch
+    params = {"w": torch.ones(3)}
+    doc = " ".join(spec.CompiledSpec.step.__doc__.split())
+    assert "any callable of the step counter" in doc and "a bool one True or False" in doc
+    state = vega.adamw_init(params)
+    for lr in (1e-3, torch.tensor(1e-3), vega.schedule.constant(1e-3), lambda k: k * 0 + 1e-3):
+        vega.adamw_step(params, params, state, lr=lr, backend="reference")
+    with pytest.raises(ValueError, match="must be True or False"):
+        vega.adamw_step(params, params, state, amsgrad=1, backend="reference")
+    with pytest.raises(ValueError, match="must be a plain number"):
+        vega.sgd_step(params, params, vega.sgd_init(params), momentum=torch.tensor(0.9))

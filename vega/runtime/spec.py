@@ -202,8 +202,10 @@ class CompiledSpec:
         """One update: returns (params, state). Pure unless ``donate=True``.
 
         ``**hypers``: the spec's hyperparameters (``defaults`` holds the defaults of those
-        not given; ``help(vega.optim.<its class>)`` lists them with their ranges), each a
-        number, a 0-d tensor or a ``vega.schedule`` of the step counter. ``backend``:
+        not given; ``help(vega.optim.<its class>)`` lists them with their ranges): a float
+        one a number, a 0-d tensor or a schedule (a ``vega.schedule``, or any callable of
+        the step counter; a plain number where an ``if`` of the spec reads it), a bool one
+        True or False. ``backend``:
         ``"reference"``, ``"c"`` or ``"triton"`` (None: by the tensors' device, ``"triton"``
         on CUDA, ``"c"`` on the CPU where a C compiler is found, else ``"reference"``).
 
