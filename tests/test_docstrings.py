@@ -127,3 +127,11 @@ def test_step_takes_its_hypers_as_its_docstring_says():
         vega.adamw_step(params, params, state, amsgrad=1, backend="reference")
     with pytest.raises(ValueError, match="must be a plain number"):
         vega.sgd_step(params, params, vega.sgd_init(params), momentum=torch.tensor(0.9))
+
+
+def test_the_package_docstring_names_every_public_name():
+    """``help(vega)`` maps the API: every name of ``vega.__all__`` but the shipped specs'
+    (``vega.<name>``, ``_init``, ``_step``, given by pattern) is in the package docstring."""
+    names = [n for n in vega.__all__ if n not in vega._LAZY]
+    missing = [n for n in names if n not in vega.__doc__]
+    assert not missing

@@ -3,6 +3,15 @@
 The functional API follows the OCaml library Vega: ``vega.<name>_init(params)``
 and ``vega.<name>_step(params, grads, state, **hypers)``; ``vega.optim`` has the
 ``torch.optim`` classes; ``vega.compile`` compiles your own spec.
+
+- the shipped specs: ``vega.<name>`` (a :class:`CompiledSpec`), ``vega.<name>_init``,
+  ``vega.<name>_step`` for each of ``builtin_names()``; ``lbfgs_init``, ``lbfgs_step``;
+- your own: ``compile``, ``compile_file`` (``SpecError`` on a mistake; every error
+  vega raises on purpose is a ``VegaError``);
+- gradients: ``global_norm``, ``clip_by_global_norm``, ``clip_by_value``,
+  ``grads_finite``; loss scaling: ``LossScale``;
+- learning-rate schedules: ``vega.schedule``;
+- states: ``state_names``, ``get_leaf``, ``set_leaf``, ``save``, ``load``.
 """
 from vega import optim, schedule
 from vega.errors import SpecError, VegaError
