@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import vega
@@ -104,3 +105,12 @@ def test_a_checkout_on_the_path_compiles_its_own_specs(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert float(run.stdout.split()[-1]) == 7e-3
+
+
+def test_builtin_refuses_a_name_that_is_not_a_shipped_ones_string():
+    # (as its docstring says: ValueError naming the shipped ones; a list was an unhashable
+    # TypeError from the cache, that named neither the argument nor the names)
+    for name in ("nonesuch", ["adam"], None, {"adam": 1}):
+        with pytest.raises(ValueError, match=r"no shipped optimizer .*; there are adabelief"):
+            vega.builtin(name)
+    assert "ValueError" in vega.builtin.__doc__

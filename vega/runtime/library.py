@@ -7,6 +7,7 @@ from functools import cache
 from importlib.resources import files
 from pathlib import Path
 
+from vega.errors import shown
 from vega.runtime.spec import CompiledSpec, compile
 
 _TREE = Path(__file__).resolve().parents[2]  # the directory that holds this package, vega/
@@ -43,15 +44,23 @@ os.register_at_fork(after_in_child=_forked)
 
 
 def builtin(name: str) -> CompiledSpec:
-    """A shipped spec, compiled once, on first use."""
+    """A shipped spec, compiled once, on first use; ``ValueError``, naming the shipped ones,
+    for a name that is not one of :func:`builtin_names`."""
+    if not isinstance(name, str):  # (before the cache, which would hash it)
+        _unknown(name)
     with _LOCK:
         return _compiled(name)
+
+
+def _unknown(name):
+    raise ValueError(f"no shipped optimizer {shown(name)}; there are "
+                     f"{', '.join(builtin_names())}")
 
 
 @cache
 def _compiled(name: str) -> CompiledSpec:
     if name not in builtin_names():
-        raise ValueError(f"no shipped optimizer {name!r}; there are {', '.join(builtin_names())}")
+        _unknown(name)
     path = _dir().joinpath(f"{name}.vega")
     return compile(path.read_text(), f"specs/{name}.vega")
 
