@@ -135,3 +135,10 @@ def test_the_package_docstring_names_every_public_name():
     names = [n for n in vega.__all__ if n not in vega._LAZY]
     missing = [n for n in names if n not in vega.__doc__]
     assert not missing
+
+
+def test_compile_file_refuses_a_path_that_is_not_one():
+    # (as its docstring says; None was os.fspath's TypeError, which named no argument)
+    for path in (None, 3, ["a.vega"]):
+        with pytest.raises(TypeError, match=r"compile_file: path=.* must be a file's path"):
+            vega.compile_file(path)

@@ -842,7 +842,11 @@ def compile_file(path) -> CompiledSpec:
     The file must be a regular file (not a directory, a FIFO or a device: nothing is
     opened that could block or never end) of at most 1 MiB of UTF-8 text; otherwise
     ``vega.SpecError`` ("FILE: error: ..."). A file that cannot be read at all (missing,
-    unreadable) raises ``FileNotFoundError``, naming it."""
+    unreadable) raises ``FileNotFoundError``, naming it; a ``path`` that is not a ``str`` or
+    ``os.PathLike``, ``TypeError``, as ``compile`` of what is not text."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"compile_file: path={engine.shown(path)} must be a file's path (a str or "
+                        "os.PathLike)")
     name = str(Path(path))
     return compile(read_spec_file(name), name)
 
