@@ -40,14 +40,15 @@ size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (size + (512 << 20), resource.RLIM_INFINITY))
 """
 # A later run: build the library (from the cache if it may be), and call it. cbuild alone,
-# without the vega package and torch above it (which take some 20 s to import on a busy
-# machine): it needs neither.
+# without the packages above it (vega.codegen.c's imports torch and dynamo: seconds of a
+# CPU, some 20 s on a busy machine): it needs none of them.
 LATER_RUN = r"""
 import sys, types
-for name in ("vega", "vega.codegen"):
+for name in ("vega", "vega.codegen", "vega.codegen.c"):
     sys.modules[name] = types.ModuleType(name)
     sys.modules[name].__path__ = [name.replace(".", "/")]
 from vega.codegen.c import build as cbuild
+assert "torch" not in sys.modules
 """ + CAP + r"""
 import ctypes, json, sys, warnings
 with warnings.catch_warnings(record=True) as caught:
