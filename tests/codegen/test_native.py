@@ -276,6 +276,50 @@ def test_a_stale_lock_is_taken_over(copying, fresh, monkeypatch):
 
 
 @needs_cxx
+def test_a_build_waited_for_waits_for_another_processes_and_holds_the_lock_for_its_own(
+        copying, fresh, monkeypatch):
+    """VEGA_NATIVE=sync (``wait=True``): where another process holds the build's lock, this
+    one loads that build's library once it is placed, and compiles nothing (every rank of a
+    job, every worker of a test run, had compiled its own at once); where none does, its own
+    build holds the lock (the source in it) until the library is placed."""
+    import threading
+    from vega.codegen.c import build as cbuild
+    _, target = native._paths()
+    target.parent.mkdir(parents=True)
+    lock = native._lock(target)
+    lock.touch()  # another process builds it now
+    built = []
+    real_build = native.build
+    monkeypatch.setattr(native, "build", lambda t=None, text=None: built.append(t))
+
+    def the_other():
+        time.sleep(0.5)
+        tmp = target.with_name(".other.so")
+        tmp.write_bytes(copying.read_bytes())
+        cbuild.install(tmp, target)
+        lock.unlink()
+    other = threading.Thread(target=the_other)
+    other.start()
+    try:
+        assert native.module(wait=True) is not None, native.status()
+    finally:
+        other.join()
+    assert built == [] and target.exists()
+    # no other build: this process's own, the lock held (its source in it) while it runs
+    native._state.update(module=None, pending=None, failed=None)
+    target.unlink()
+    cbuild.hash_file(target).unlink()
+    held = []
+
+    def build(t=None, text=None):
+        held.append(lock.read_text() == native.TEXT)
+        return real_build(t, text)
+    monkeypatch.setattr(native, "build", build)
+    assert native.module(wait=True) is not None, native.status()
+    assert held == [True] and not lock.exists()
+
+
+@needs_cxx
 def test_a_second_library_loads_as_the_first():
     """A process registers the operators once: a rebuilt library at another path gives the
     module already loaded (a second TORCH_LIBRARY of one namespace would be refused)."""

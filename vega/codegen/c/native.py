@@ -21,7 +21,8 @@ the torch and Python versions (it is built for the compiler's default target, no
 kernels are: loaded only if it is this user's, not writable by others and hashes to its
 recorded SHA-256 (``vega.codegen.c.build``).
 
-``VEGA_NATIVE=0`` turns it off; ``VEGA_NATIVE=sync`` builds it on first use, waiting.
+``VEGA_NATIVE=0`` turns it off; ``VEGA_NATIVE=sync`` builds it on first use, waiting (or
+waits for another process's build of it, by the same lock).
 """
 from __future__ import annotations
 
@@ -302,32 +303,44 @@ def checkout_env() -> dict | None:
         [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
+def _taken(target: Path) -> Path | None:
+    """The build lock of ``target``, taken by this process for a build of its own (the source
+    written into it, as ``_spawn`` writes it); None where another process holds it (younger
+    than two minutes: building now)."""
+    lock = _lock(target)
+    if not _stale(lock):
+        return None
+    cbuild.remove(lock)
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:  # another process took it just now
+        return None
+    try:
+        with os.fdopen(fd, "w") as f:  # the source the target's key names, for the build
+            f.write(TEXT)              # (which imports vega anew: maybe another one)
+    except OSError:
+        lock.unlink(missing_ok=True)
+        raise
+    return lock
+
+
 def _spawn(target: Path) -> None:
     """Build in a process of its own (``python -m vega.codegen.c.native``), unless another is
     building it now (its lock file younger than two minutes): it installs the library even
     if this process ends first. A build that cannot start leaves the Python path."""
-    lock = _lock(target)
-    made = False
+    lock = None
     try:
-        if not _stale(lock):
+        lock = _taken(target)
+        if lock is None:
             _state["pending"] = (target, None, None)
             return
-        cbuild.remove(lock)
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            made = True
-        except FileExistsError:  # another process took it just now
-            _state["pending"] = (target, None, None)
-            return
-        with os.fdopen(fd, "w") as f:  # the source the target's key names, for the build
-            f.write(TEXT)              # (which imports vega anew: maybe another one)
         log = tempfile.TemporaryFile()
         proc = subprocess.Popen([sys.executable, "-m", "vega.codegen.c.native", str(lock)],
                                 stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                 env=checkout_env())
         _state["pending"] = (target, proc, log)
     except OSError as e:
-        if made:
+        if lock is not None:
             lock.unlink(missing_ok=True)
         _state["pending"], _state["failed"] = None, f"its build could not start: {e}"
 
@@ -454,7 +467,19 @@ def module(wait: bool | None = None):
                                  f"rebuilding it")
             cbuild.remove(target)  # corrupt or untrusted: rebuilt
         if wait:
-            error = build(target)
+            try:
+                lock = _taken(target)
+            except OSError:  # (no lock can be made there: the build says what it can)
+                lock = False
+            if lock is None:  # another process builds it now: its library, not a second
+                _state["pending"] = (target, None, None)  # build beside it (every rank of
+                _poll(True)                               # a job with VEGA_NATIVE=sync)
+                return _state["module"]
+            try:
+                error = build(target)
+            finally:
+                if lock:
+                    lock.unlink(missing_ok=True)
             if error is None:
                 _state["module"], error = _opened(target)
                 if error == _DIFFERS:
