@@ -257,9 +257,11 @@ def test_a_changed_library_is_rebuilt_with_one_warning(cache, tmp_path, change, 
 # -- the native operator -----------------------------------------------------------
 
 @needs_root
-def test_an_untrusted_native_scanner_is_not_loaded_but_rebuilt(cache, tmp_path, monkeypatch):
+def test_an_untrusted_native_scanner_is_not_loaded_but_rebuilt(request, tmp_path, monkeypatch):
     if native._paths() is None:
         pytest.skip("no C++ compiler or Python headers here")
+    request.getfixturevalue("copying")  # (its rebuild a copy of the session's: the checks
+    request.getfixturevalue("cache")    # are what is tested; a compile takes half a minute)
     saved = dict(native._state)
     monkeypatch.delenv("VEGA_NATIVE", raising=False)
     _, target = native._paths()

@@ -34,25 +34,6 @@ def fresh(monkeypatch, tmp_path):
     native._state.update(saved)
 
 
-@pytest.fixture
-def copying(monkeypatch):
-    """A stand-in for the C++ compiler that copies the session's library (a real build takes
-    a minute): what is tested is how a build is placed, trusted and remembered. Asked for
-    before ``fresh``, which moves the cache."""
-    built = native.module(wait=True)
-    assert built is not None, native.status()
-    session = native._placed(native._paths()[1])
-    assert session.exists()
-    real = native._paths
-
-    def paths():
-        _, target = real()
-        return [sys.executable, "-c", f"import shutil, sys; shutil.copy({str(session)!r}, "
-                                      f"sys.argv[-1])"], target
-    monkeypatch.setattr(native, "_paths", paths)
-    return session
-
-
 @needs_cxx
 def test_built_once_in_the_background_then_loaded_from_the_cache(copying, fresh, monkeypatch,
                                                                   tmp_path):
