@@ -15,9 +15,10 @@ Two halves, in two processes (Triton reads ``TRITON_INTERPRET`` when it is first
   (``vega.codegen.triton_runtime.gpu_sizes``): each launch's kernel, module source, and
   arguments as the launcher specializes them (pointer dtypes, 16-byte alignment, integers
   divisible by 16, constexprs);
-- ``compile_launches(launches)`` compiles each distinct one in a subprocess
-  (``python -m vega.codegen.triton_ptx``, without the interpreter) and returns its figures
-  (``Figures``).
+- ``compile_launches(launches)`` compiles each distinct one in a subprocess (this module's
+  ``main``, without the interpreter, and without vega's packages: the module and
+  ``vega.codegen.sources`` need the standard library and Triton alone) and returns its
+  figures (``Figures``).
 """
 from __future__ import annotations
 
@@ -180,16 +181,27 @@ def distinct(launches) -> list[Launch]:
     return out
 
 
+# The compiling process: this module and vega.codegen.sources, of this vega (the directory
+# given), as modules of packages that are not imported (vega's and vega.codegen's import
+# torch, dynamo and the backends: seconds of a CPU, for a process that needs Triton alone)
+_CHILD = """
+import os, sys, types
+codegen = sys.argv[1]
+for name, path in (("vega", os.path.dirname(codegen)), ("vega.codegen", codegen)):
+    sys.modules[name] = types.ModuleType(name)
+    sys.modules[name].__path__ = [path]
+from vega.codegen import triton_ptx
+triton_ptx.main()
+"""
+
+
 def compile_launches(launches, timeout: float = 600) -> list[Figures]:
     """Each distinct launch compiled for ``ARCH`` in a subprocess without the interpreter."""
     todo = distinct(launches)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # the subprocess imports this vega, wherever it was imported from
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     payload = json.dumps([asdict(x) for x in todo])
-    done = subprocess.run([sys.executable, "-m", "vega.codegen.triton_ptx"], input=payload,
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    done = subprocess.run([sys.executable, "-c", _CHILD, os.path.dirname(os.path.abspath(
+        __file__))], input=payload, capture_output=True, text=True, env=env, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"the offline compile failed:\n{done.stderr[-4000:]}")
     return [Figures(**{**f, "libdevice": tuple(f["libdevice"])})
@@ -264,9 +276,9 @@ def _compile_one(launch: dict, tmp: str) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vega.codegen.triton_runtime import load_module
+    from vega.codegen.sources import run_source
 
-    mod = load_module(launch["source"], launch["module"].strip("<>").replace(" ", "-"))
+    mod = run_source(launch["source"], launch["module"], "vega_triton_offline")
     fn = mod[launch["kernel"]]
     signature = dict((name, ty) for name, ty in launch["signature"])
     constexprs = dict((name, value) for name, value in launch["constexprs"])

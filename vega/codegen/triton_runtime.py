@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
-import linecache
 import math
 import operator
 import os
@@ -45,6 +44,7 @@ from vega.codegen.base import (HyperRows, axis_geometry, check_state_devices, ch
                                distinct, shard_geometries, state_key)
 from vega.codegen.c import native
 from vega.codegen.record import finite_of
+from vega.codegen.sources import run_source
 from vega.codegen.steps import (Done, axis_part, finish_combined, finished, shard_part,
                                 tensor_parts)
 from vega.codegen.tensors import (copy_back, first_with_own_ops, has_own_ops, memory_order,
@@ -171,10 +171,8 @@ def load_module(text: str, name: str) -> dict:
         with contextlib.suppress(KeyError):  # (another thread may have let it go just now)
             _MODULES.move_to_end(key)
         return found
-    filename = f"<vega triton {name}>"
-    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
-    namespace = {"__name__": f"vega_triton_{name.replace('-', '_')}"}
-    exec(compile(text, filename, "exec"), namespace)
+    namespace = run_source(text, f"<vega triton {name}>",
+                           f"vega_triton_{name.replace('-', '_')}")
     _MODULES[key] = namespace
     while len(_MODULES) > _MODULES_KEPT:
         _MODULES.popitem(last=False)
