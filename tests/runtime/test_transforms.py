@@ -142,6 +142,28 @@ def test_clip_by_global_norm_dtypes_and_non_finite():
     assert global_norm(t).item() == pytest.approx(0.5, rel=1e-13)
 
 
+
+def test_a_float32_norm_overflows_where_its_sum_of_squares_does():
+    """docs/training.md: a float32 norm is infinite once the sum of squares passes float32's
+    range, a norm above about 1.8e19 (not 3.4e38): one gradient of 1e20 is scaled to 0 by
+    clip_by_global_norm, as by torch's clip_grad_norm_, and clipped to the norm by the fused
+    step, which sums the squares in float64."""
+    import vega
+    below = {"a": torch.tensor([1.8e19, -0.0])}
+    assert global_norm(below).item() == pytest.approx(1.8e19, rel=1e-6)
+    big = {"a": torch.tensor([1e20, -0.0])}
+    assert global_norm(big).item() == float("inf")
+    assert clip_by_global_norm(big, 1.0)["a"].tolist() == [0.0, 0.0]
+    t = big["a"].clone().requires_grad_()
+    t.grad = big["a"].clone()
+    assert torch.nn.utils.clip_grad_norm_([t], 1.0).item() == float("inf")
+    assert t.grad.tolist() == [0.0, 0.0]
+    for backend in ("reference", "c"):
+        p = {"a": torch.zeros(2)}
+        out = vega.sgd_step(p, big, vega.sgd_init(p), backend=backend, lr=1.0,
+                            max_grad_norm=1.0)[0]["a"]
+        assert out.tolist() == [-1.0, 0.0], backend
+
 def test_clip_by_value():
     g = {"a": torch.tensor([-3.0, -0.5, 0.0, 0.7, 9.0, float("nan")]),
          "c": torch.tensor([3 - 0.25j]), "i": torch.tensor([10, -10])}

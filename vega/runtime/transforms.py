@@ -168,9 +168,10 @@ def clip_by_global_norm(grads, max_norm, *, reduce_group=None):
     when the norm is below ``max_norm``), the coefficient formed at the norm's precision
     and applied at the leaf's dtype (in float32 for half-precision leaves). A non-finite
     norm makes the result non-finite too, so a finite check after clipping still sees
-    the overflow (and finite float32 gradients whose norm passes float32's range, whose
-    norm is infinite there, are scaled to 0, as optax and torch's ``clip_grad_norm_`` do;
-    the fused ``max_grad_norm=`` forms the norm in float64 and clips them). ``max_norm`` is
+    the overflow (and finite float32 gradients whose sum of squares passes float32's
+    range, a norm above about 1.8e19, whose norm is infinite there, are scaled to 0, as
+    optax and torch's ``clip_grad_norm_`` do; the fused ``max_grad_norm=`` sums the
+    squares in float64 and clips them). ``max_norm`` is
     a positive number (``inf``: no clipping) or a 0-d tensor.
     The norm is :func:`global_norm`'s, over ``reduce_group`` too where one is given (and
     over the mesh of DTensor leaves, which stay DTensors).
