@@ -899,6 +899,28 @@ def test_a_group_put_in_param_groups_directly_is_refused_not_left_unstepped():
         opt.step()
 
 
+@pytest.mark.parametrize("key", ["lr", "memory_size", "scale_init_precond", "state_dtype"])
+def test_a_setting_deleted_from_the_group_is_named(key):
+    """A group without one of its settings (deleted from it) failed the step with a bare
+    KeyError of the key, as the spec classes' did: the step names the group and what it
+    lacks, before the closure, and leaves the parameter and state as they were."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = LBFGS([p], lr=0.1, memory_size=3)
+    p.grad = torch.ones(3)
+    opt.step()
+    before = p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
+    value = opt.param_groups[0].pop(key)
+    calls = []
+    with pytest.raises(ValueError, match=rf"^LBFGS: group 0 has no '{key}'"):
+        opt.step(lambda: calls.append(1))
+    assert not calls and torch.equal(p, before[0])
+    assert all(torch.equal(opt.state[p][k], v) for k, v in before[1].items())
+    opt.param_groups[0][key] = value
+    opt.step()
+    assert int(opt.state[p]["step"]) == 2
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_plain_dict_assigned_to_state_steps(keep):
     """``opt.state = {...}`` (a plain dict, not torch's defaultdict: docs/conventions.md says

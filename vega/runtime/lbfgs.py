@@ -82,6 +82,8 @@ __all__ = ["LBFGS", "lbfgs_init", "lbfgs_step"]
 MEMORY_FIELDS = ("diff_params", "diff_updates")
 PREV_FIELDS = ("params_prev", "updates_prev")
 TREE_FIELDS = ("diff_params", "diff_updates", "params_prev", "updates_prev")
+# the settings of the class's group, each read by a step
+_SETTINGS = ("lr", "memory_size", "scale_init_precond", "state_dtype")
 FIELDS = ("diff_params", "diff_updates", "weights", "params_prev", "updates_prev", "step")
 
 
@@ -674,6 +676,11 @@ class LBFGS(torch.optim.Optimizer):
             raise ValueError(f"LBFGS: {len(self.param_groups)} parameter groups; LBFGS steps "
                              "one group (its curvature pairs span all parameters): put every "
                              "parameter in param_groups[0]['params']")
+        # (each setting a step reads: one deleted from the group was a bare KeyError)
+        missing = [k for k in _SETTINGS if k not in self.param_groups[0]]
+        if missing:
+            raise ValueError(f"LBFGS: group 0 has no {', '.join(map(repr, missing))}: a setting "
+                             "deleted from it (the constructor sets each); put it back")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -814,8 +821,7 @@ class LBFGS(torch.optim.Optimizer):
     def _check_loaded(self, owner: str) -> None:
         """ValueError where the loaded groups or states are not what a step reads."""
         group = self.param_groups[0]
-        missing = sorted({"lr", "memory_size", "scale_init_precond", "state_dtype"}
-                         - group.keys())
+        missing = sorted(set(_SETTINGS) - group.keys())
         if missing:
             raise ValueError(f"{owner}: the group of the state has no "
                              f"{', '.join(map(repr, missing))}: it is not the state of "
