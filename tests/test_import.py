@@ -114,3 +114,38 @@ def test_builtin_refuses_a_name_that_is_not_a_shipped_ones_string():
         with pytest.raises(ValueError, match=r"no shipped optimizer .*; there are adabelief"):
             vega.builtin(name)
     assert "ValueError" in vega.builtin.__doc__
+
+
+# The modules that only torch.compile needs (dynamo loads them all: sympy, triton, FSDP and
+# DTensor); vega marks its constants for dynamo from inside a trace (vega.tracing)
+COMPILE_ONLY = ("torch._dynamo", "torch._inductor", "sympy", "triton",
+                "torch.distributed.tensor", "torch.fx.experimental.symbolic_shapes")
+LOADED = r"""
+import contextlib, io, json, sys
+import torch
+names = %r
+seen = {"torch": [m for m in names if m in sys.modules]}
+import vega, vega.optim
+from vega import cli
+seen["import vega"] = [m for m in names if m in sys.modules]
+for argv in (["list"], ["show", "adamw"]):
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(argv) == 0
+p, g = torch.ones(5), torch.ones(5)
+vega.adamw_step([p], [g], vega.adamw_init([p]), lr=0.1)
+seen["vega list, vega show adamw, an eager step"] = [m for m in names if m in sys.modules]
+print(json.dumps(seen))
+"""
+
+
+def test_import_and_eager_use_load_no_compiler_modules():
+    # import vega loaded dynamo (vega.tracing and vega.codegen marked their constants for it
+    # at import), and with it sympy, triton and torch.distributed.tensor: 1.5 s of a CPU
+    # more than torch itself, in every vega command and every process that imports vega
+    run = subprocess.run([sys.executable, "-c", LOADED % (COMPILE_ONLY,)], capture_output=True,
+                         text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.splitlines()[-1])
+    torch_own = set(seen.pop("torch"))
+    for after, loaded in seen.items():
+        assert set(loaded) - torch_own == set(), f"{after}: loaded {sorted(loaded)}"

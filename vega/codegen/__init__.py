@@ -32,12 +32,20 @@ def check_backend(name: str | None) -> None:
                          f"{', '.join(map(repr, BACKENDS))}")
 
 
-@torch.compiler.assume_constant_result
 def default_backend(device_type: str) -> str:
     """The backend for tensors on a device: triton on CUDA, c on the CPU, where built.
 
-    A constant to ``torch.compile``: dynamo calls it while tracing and keeps its answer
-    (it looks for a compiler on the PATH, which dynamo cannot trace)."""
+    A constant to ``torch.compile``: dynamo calls ``chosen_backend`` while tracing and
+    keeps its answer (it looks for a compiler on the PATH, which dynamo cannot trace;
+    ``vega.constants``)."""
+    if torch.compiler.is_compiling():
+        from vega.constants import default_backend as constant
+        return constant(device_type)
+    return chosen_backend(device_type)
+
+
+def chosen_backend(device_type: str) -> str:
+    """``default_backend``, worked out: not to be traced."""
     preferred = {"cuda": "triton", "cpu": "c"}.get(device_type)
     if preferred == "c" and not c.available():
         return "reference"
