@@ -107,6 +107,53 @@ def test_map_zeros_nan_and_inf():
     assert not back.isfinite().any()  # an inf is not lost either
 
 
+# a rule whose two 8-bit states are the gradient (signed map) and its magnitude (unsigned)
+KEEP_G = """
+optimizer keep_g(lr = 0.0 in [0, inf)) {
+    state m = zeros
+    state s = zeros
+    m = g
+    s = abs(g)
+    p = p - lr * (m + s)
+}
+"""
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
+def test_blocks_of_subnormal_values_are_quantized_against_the_maps(backend):
+    # 1 / absmax overflows to inf below about 2.9e-39 (2^-128): every value of a block of
+    # such an absmax was coded as the block's largest (or 0), on every backend. Blocks of
+    # absmax from 2^-149 to 2^-95: each block's codes are those of the same values times
+    # 2^40 (a normal block: the maps do not see a power of two), its scale its absmax, and
+    # its values come back within a step of the map (1/127 of the absmax, and a subnormal's
+    # last place)
+    spec = vega.compile(KEEP_G)
+    x = torch.randn(8192, generator=torch.Generator().manual_seed(0))
+    x = (x / x.reshape(-1, 256).abs().amax(1).repeat_interleave(256)).double()
+    exps = torch.tensor([-149 + 53 * k // 31 for k in range(32)], dtype=torch.float64)
+    x = (x * (2.0 ** exps).repeat_interleave(256)).float()
+    x[256 * 5:256 * 6] = 0.0  # (a block of zeros, whose scale is 0)
+    absmax = x.abs().reshape(-1, 256).amax(1)
+    assert absmax.amax() == 2.0 ** -96 and (absmax > 0).sum() == 31
+    assert (absmax < 2.0 ** -128).sum() == 13  # (1 / absmax is infinite)
+
+    def stepped(grad, backend):
+        params = {"w": torch.zeros(8192)}
+        state = spec.init(params, state_dtype=U8)
+        return spec.step(params, {"w": grad}, state, backend=backend)[1]
+
+    got, big, ref = stepped(x, backend), stepped(x * 2.0 ** 40, backend), stepped(x, "reference")
+    for name, signed, want in (("m", True, x), ("s", False, x.abs())):
+        codes, scales = got[name]["w"], got[name + "_absmax"]["w"]
+        assert torch.equal(scales, absmax) and torch.equal(codes, big[name]["w"]), name
+        back = quant.dequantize_t(codes, scales, signed)
+        step = absmax.repeat_interleave(256) / 127 + 2.0 ** -149
+        assert ((back - want).abs() <= step).all(), name
+        # and the reference's codes but for values on a rounding boundary
+        assert (codes.int() - ref[name]["w"].int()).abs().max() <= 1, name
+        assert (codes != ref[name]["w"]).float().mean() < 2e-3, name
+
+
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("c", marks=needs_c)])
 def test_a_second_moment_under_the_maps_smallest_step_at_eps_0_divides_by_0(backend):

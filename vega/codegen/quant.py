@@ -24,8 +24,10 @@ The maps (``y``: the value over its block's absmax, in [-1, 1]):
   not divide by ``eps`` alone.
 
 ``y`` is formed as ``x * (1 / absmax)`` in float32 (0 where the absmax is not positive, or
-where ``x * (1 / absmax)`` is a NaN). A NaN in a block makes its absmax a NaN, and so
-every value of the block reads back as NaN: a NaN is never lost.
+where ``x * (1 / absmax)`` is a NaN); in a block whose absmax is subnormal, as
+``(x * 2^32) * (1 / (absmax * 2^32))`` (``TINY``), the same number where ``1 / absmax`` is
+finite, where below about 2.9e-39 it is not. A NaN in a block makes its absmax a NaN, and
+so every value of the block reads back as NaN: a NaN is never lost.
 """
 from __future__ import annotations
 
@@ -53,6 +55,13 @@ MAPS = 3
 # each 8-bit state at init (72 GB for AdamW's two states of a parameter of 2**31 values;
 # the states are 4 GB).
 QUANT_CHUNK = 2**22
+# A block whose absmax is subnormal (under TINY, 2^-126, float32's smallest normal number)
+# has its values and absmax taken times TINY_UP (2^32) before y is formed: 1 / absmax
+# overflows to inf below about 2.9e-39, and every value of such a block was read as the
+# block's largest. Both products are exact (a power of two, no overflow), so y is the same
+# float32 number as x * (1 / absmax) wherever that reciprocal is finite.
+TINY = 2.0**-126
+TINY_UP = 2.0**32
 
 
 def variant(program: Program, names: frozenset[str]) -> Program:
@@ -336,8 +345,11 @@ def _quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor
     """(flat codes, scales) of ``x`` (quantize_t's, at once)."""
     scale = absmax_t(x)
     flat = x.reshape(-1).to(torch.float32)
-    inv = torch.where(scale > 0, torch.ones_like(scale) / scale, torch.zeros_like(scale))
-    y = flat * _per_value(inv, flat.numel())
+    # a subnormal block is taken times TINY_UP first (exactly), so that 1 / absmax is finite
+    up = torch.where(scale < TINY, torch.full_like(scale, TINY_UP), torch.ones_like(scale))
+    big = scale * up
+    inv = torch.where(big > 0, torch.ones_like(big) / big, torch.zeros_like(big))
+    y = (flat * _per_value(up, flat.numel())) * _per_value(inv, flat.numel())
     y = torch.where(torch.isnan(y), torch.zeros_like(y), y)
     if signed:
         y = y.clamp(-1.0, 1.0)
@@ -405,12 +417,12 @@ static inline float q8_unsigned(uint8_t c, float s) {
 }
 /* Codes: the reference's clamp of y to [-1, 1] taken after the root (the same codes: the
    root keeps order, and a negative y's unsigned root is a NaN, whose code is that of 0, as
-   the clamp's 0); y is past 1 only by rounding, or infinite where the absmax is subnormal
-   (1 / absmax overflows). Branch-free: a loop of them is a SIMD loop. The signed code is
-   the magnitude's, clamped and rounded, given y's sign: the bits of rint(clamp(copysign(
-   sqrt|y|, y) * 127)) + 127 (rounding and the clamp are symmetric; a NaN y is 0 first, so
-   the clamp is a plain min), with one select where that form took three, whose masks gcc
-   moved through general registers (the loop ran about 1.4x slower) */
+   the clamp's 0); y is past 1 only by rounding (a block of a subnormal absmax is scaled
+   first, q8_tiny: 1 / absmax would overflow). Branch-free: a loop of them is a SIMD loop.
+   The signed code is the magnitude's, clamped and rounded, given y's sign: the bits of
+   rint(clamp(copysign(sqrt|y|, y) * 127)) + 127 (rounding and the clamp are symmetric; a
+   NaN y is 0 first, so the clamp is a plain min), with one select where that form took
+   three, whose masks gcc moved through general registers (the loop ran about 1.4x slower) */
 static inline uint8_t q8_code_signed(float x, float inv) {
     float y = x * inv;
     y = y == y ? y : 0.0f;
@@ -425,6 +437,16 @@ static inline uint8_t q8_code_unsigned(float x, float inv) {
     return (uint8_t)(int)rintf(r);
 }
 static inline float q8_inv(float s) { return s > 0 ? 1.0f / s : 0.0f; }
+/* A block whose absmax s is subnormal (q8_inv(s) is infinite below about 2.9e-39): its n
+   values times 2^32, exactly, and the reciprocal of s * 2^32, so that the codes are those
+   of (x * 2^32) * (1 / (s * 2^32)), the same number as x * (1 / s) where that is finite
+   (quant.TINY). A block at a time, outside the codes' SIMD loop: a normal block pays one
+   comparison. */
+static inline float q8_tiny(float *v, int n, float s) {
+    if (!(s > 0.0f && s < 0x1p-126f)) return q8_inv(s);
+    for (int q = 0; q < n; q++) v[q] *= 0x1p32f;
+    return q8_inv(s * 0x1p32f);
+}
 /* starts() with each tensor's length rounded up to whole blocks: a thread's share, in
    whole blocks, never splits one */
 static int64_t *starts_q(int64_t nt, const int64_t *tab) {
@@ -540,8 +562,11 @@ def q8_store(v, mask, n, codes_ptr, scale_ptr, SIGNED: tl.constexpr, BLOCK: tl.c
     a2 = tl.abs(v2)
     amax = tl.max(a2, axis=1)
     amax = tl.where(tl.max((a2 != a2).to(tl.int32), axis=1) > 0, float("nan"), amax)
-    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax), 0.0)
-    y = v2 * tl.expand_dims(inv, 1)
+    # a block of a subnormal amax times {TINY_UP!r} first, exactly (TINY)
+    up = tl.where(amax < {TINY!r}, {TINY_UP!r}, 1.0)
+    big = amax * up
+    inv = tl.where(big > 0, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), big), 0.0)
+    y = (v2 * tl.expand_dims(up, 1)) * tl.expand_dims(inv, 1)
     if SIGNED:
         r = tl.sqrt_rn(tl.abs(y))
         r = tl.where(y < 0, -r, r) * 127.0

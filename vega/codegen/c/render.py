@@ -785,7 +785,7 @@ class Source:
                       "                    /* a NaN wins, in its own state */",
                       f"                    SO{ks}_[jb_ / QBLOCK] = "
                       "mag_.i > 0x7F800000 ? NAN : mag_.f;",
-                      "                    const float i_ = q8_inv(mag_.f);",
+                      f"                    const float i_ = q8_tiny(B{k}_, nb_, mag_.f);",
                       f"                    uint8_t *c_ = SO{k}_ + jb_;",
                       "                    #pragma omp simd",
                       "                    for (int q = 0; q < nb_; q++)",
