@@ -94,6 +94,8 @@ def test_the_background_build_imports_this_checkouts_vega(fresh, monkeypatch, tm
     seen = {}
 
     class Recorded:
+        pid = os.getpid()  # (a process that runs)
+
         def __init__(self, args, **kwargs):
             seen.update(args=args, env=kwargs.get("env"))
 
@@ -256,6 +258,65 @@ def test_a_stale_lock_is_taken_over(copying, fresh, monkeypatch):
     assert target.exists()
 
 
+def _aged(lock, age):
+    then = time.time() - age
+    os.utime(lock, (then, then))
+
+
+def test_a_lock_is_stale_when_its_builder_is_gone_not_when_it_is_old(tmp_path, monkeypatch):
+    """A build may run for ten minutes (its compiler's limit): a lock older than two minutes
+    was taken as its builder's death, and a second process built beside a live build on a
+    loaded machine. A lock names its builder (pid and machine): it is stale once that
+    process is gone, at once, or once it is older than a build may take, whoever holds it."""
+    target = tmp_path / "vega_native-0.so"
+    lock = native._taken(target)  # this process builds...
+    assert lock == native._lock(target) and native._lock_text(lock) == native.TEXT
+    _aged(lock, 300)  # ... for five minutes now
+    assert not native._stale(lock) and native._taken(target) is None
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    lock.unlink()
+    with monkeypatch.context() as m:
+        m.setattr(native.os, "getpid", lambda: int(gone.stdout))
+        assert native._taken(target) == lock  # a build whose process has died...
+    assert native._stale(lock)  # ... at once
+    assert native._taken(target) == lock and not native._stale(lock)  # (taken over)
+    _aged(lock, native.LOCK_LIMIT + 5)  # a live holder past any build's time
+    assert native._stale(lock)
+    lock.write_text(native.TEXT)  # a lock that names no builder: its age alone
+    assert not native._stale(lock)
+    _aged(lock, native.LOCK_LIMIT + 5)
+    assert native._stale(lock)
+    lock.unlink()
+    os.mkfifo(lock)  # (not opened for a read that would wait for a writer: its age alone)
+    assert not native._stale(lock)
+    _aged(lock, native.LOCK_LIMIT + 5)
+    assert native._stale(lock) and native._taken(target) == lock
+    assert native._lock_text(lock) == native.TEXT
+
+
+def test_a_background_builds_lock_names_its_process(fresh, monkeypatch):
+    """The background build outlives the process that started it: its lock names the
+    build's process, held while that runs, stale once it has ended."""
+    target = fresh / "vega_native-0.so"
+    builds, real = [], subprocess.Popen
+
+    def popen(*args, **kwargs):  # a build that runs until it is ended
+        builds.append(real([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return builds[-1]
+    monkeypatch.setattr(native.subprocess, "Popen", popen)
+    native._spawn(target)
+    lock = native._lock(target)
+    try:
+        assert native._holder(lock)["pid"] == builds[0].pid != os.getpid()
+        assert native._lock_text(lock) == native.TEXT and not native._stale(lock)
+    finally:
+        builds[0].kill()
+        builds[0].wait()
+    assert native._stale(lock)
+    native._state["pending"][2].close()
+
+
 @needs_cxx
 def test_a_build_waited_for_waits_for_another_processes_and_holds_the_lock_for_its_own(
         copying, fresh, monkeypatch):
@@ -293,7 +354,7 @@ def test_a_build_waited_for_waits_for_another_processes_and_holds_the_lock_for_i
     held = []
 
     def build(t=None, text=None):
-        held.append(lock.read_text() == native.TEXT)
+        held.append(native._lock_text(lock) == native.TEXT)
         return real_build(t, text)
     monkeypatch.setattr(native, "build", build)
     assert native.module(wait=True) is not None, native.status()

@@ -30,7 +30,10 @@ import errno
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import os
+import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -222,12 +225,91 @@ def _target_of(lock: Path) -> Path:
     return lock.with_name(lock.name.removesuffix(".building"))
 
 
-def _stale(lock: Path) -> bool:
-    """Whether ``lock`` is missing, or older than a build takes (its builder died)."""
+# seconds: the compiler's time limit (``build``), and the most a lock is held: that limit and
+# the start of the build's process (which imports vega and torch)
+BUILD_LIMIT = 600
+LOCK_LIMIT = BUILD_LIMIT + 60
+# the first line of a lock: the builder, as a C++ comment before the source it compiles
+_HOLDER = "// vega native build: "
+
+
+def _machine() -> str:
+    """This machine and its process-id namespace: where a lock's pid means this process."""
     try:
-        return time.time() - lock.stat().st_mtime > 120
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return f"{socket.gethostname()} {ns}".strip()
+
+
+def _write_lock(path: Path, pid: int, fd: int | None = None) -> None:
+    """Write ``path``, a lock: its builder (``pid`` on this machine), then the source the
+    target's key names (``TEXT``), which the build compiles. Into ``fd`` (the lock just
+    made), or through a new file renamed into place (atomic: a reader sees one builder or
+    the other)."""
+    text = _HOLDER + json.dumps({"pid": pid, "machine": _machine()}) + "\n" + TEXT
+    if fd is not None:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _holder(lock: Path) -> dict | None:
+    """The builder ``lock`` names ({"pid", "machine"}), or None where it names none (a lock
+    being written, or one of a vega that wrote the source alone)."""
+    try:  # (nothing but a regular file read: a FIFO in its place would block)
+        fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            line = f.readline(4096).decode(errors="replace")
+        found = json.loads(line[len(_HOLDER):]) if line.startswith(_HOLDER) else None
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(found, dict) and type(found.get("pid")) is int and found["pid"] > 0 \
+        and isinstance(found.get("machine"), str)
+    return found if ok else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (a zombie, dead but not yet waited for
+    by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's: it runs)
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != b"Z"
+
+
+def _stale(lock: Path) -> bool:
+    """Whether ``lock`` is missing, or its build is over though the lock is left: the
+    process it names on this machine is gone, or it is older than any build takes
+    (``LOCK_LIMIT``: a builder on another machine, one that names none, or a pid since
+    reused). A live build's lock is not stale, however long it has run."""
+    try:
+        age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return True
+    if age > LOCK_LIMIT:
+        return True
+    holder = _holder(lock)
+    return holder is not None and holder["machine"] == _machine() \
+        and not _alive(holder["pid"])
 
 
 def _placed(target: Path) -> Path:
@@ -263,7 +345,8 @@ def build(target: Path | None = None, text: str | None = None) -> str | None:
     command = [source if c == str(SOURCE) else c for c in command]
     try:
         proc = subprocess.run([*command, "-o", tmp], capture_output=True, text=True,
-                              timeout=600, stdin=subprocess.DEVNULL, env=cbuild.compiler_env())
+                              timeout=BUILD_LIMIT, stdin=subprocess.DEVNULL,
+                              env=cbuild.compiler_env())
         if proc.returncode == 0:
             cbuild.install(tmp, target)
             return None
@@ -304,9 +387,9 @@ def checkout_env() -> dict | None:
 
 
 def _taken(target: Path) -> Path | None:
-    """The build lock of ``target``, taken by this process for a build of its own (the source
-    written into it, as ``_spawn`` writes it); None where another process holds it (younger
-    than two minutes: building now)."""
+    """The build lock of ``target``, taken by this process for a build of its own (this
+    process named in it as the builder, and the source, as ``_spawn`` writes it); None
+    where another process holds it (``_stale``: building now)."""
     lock = _lock(target)
     if not _stale(lock):
         return None
@@ -315,9 +398,8 @@ def _taken(target: Path) -> Path | None:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:  # another process took it just now
         return None
-    try:
-        with os.fdopen(fd, "w") as f:  # the source the target's key names, for the build
-            f.write(TEXT)              # (which imports vega anew: maybe another one)
+    try:  # the source the target's key names, for the build (which imports vega anew:
+        _write_lock(lock, os.getpid(), fd)  # maybe another one)
     except OSError:
         lock.unlink(missing_ok=True)
         raise
@@ -326,8 +408,9 @@ def _taken(target: Path) -> Path | None:
 
 def _spawn(target: Path) -> None:
     """Build in a process of its own (``python -m vega.codegen.c.native``), unless another is
-    building it now (its lock file younger than two minutes): it installs the library even
-    if this process ends first. A build that cannot start leaves the Python path."""
+    building it now (its lock not stale): it installs the library even if this process
+    ends first, and is named in the lock as its builder. A build that cannot start leaves
+    the Python path."""
     lock = None
     try:
         lock = _taken(target)
@@ -343,6 +426,12 @@ def _spawn(target: Path) -> None:
         if lock is not None:
             lock.unlink(missing_ok=True)
         _state["pending"], _state["failed"] = None, f"its build could not start: {e}"
+        return
+    try:  # the build, which outlives this process, holds the lock
+        if os.path.lexists(lock):
+            _write_lock(lock, proc.pid)
+    except OSError:  # (it names this process: held while this one runs, or by its age)
+        pass
 
 
 def _same_key(lock: Path) -> bool:
@@ -353,13 +442,15 @@ def _same_key(lock: Path) -> bool:
 
 
 def _lock_text(lock: Path) -> str | None:
-    """The source a parent's ``_spawn`` wrote into ``lock`` (the text its key names), or None
-    where it holds none."""
+    """The source a parent's ``_spawn`` wrote into ``lock`` (the text its key names, after
+    the line that names its builder), or None where it holds none."""
     try:
         with open(lock, "rb") as f:
             data = f.read(MAX_SOURCE + 1)
     except OSError:
         return None
+    if data.startswith(_HOLDER.encode()):
+        data = data.partition(b"\n")[2]
     return data.decode(errors="replace") if 0 < len(data) <= MAX_SOURCE else None
 
 
