@@ -698,7 +698,8 @@ def _answering(tmp_path, name: str):
 def test_a_compiler_named_by_the_environment_that_does_not_run_is_said_once(
         tmp_path, variable, value):
     """CC (CXX for the native operator) naming no compiler that runs (none there, not on the
-    PATH, a command with arguments, a file that is not a program): the compiler taken
+    PATH, a command whose program is not on the PATH, a file that is not a program): the
+    compiler taken
     instead is taken with one RuntimeWarning that names the variable, its value and that
     compiler (it was taken without a word); none where the variable names one that runs or
     is not set."""
@@ -737,7 +738,85 @@ def test_a_compiler_named_by_the_environment_that_does_not_run_is_said_once(
             find.cache_clear()  # (asked again under this process's own environment)
 
 
-def test_compile_failure_names_the_compiler(tmp_path, monkeypatch):
+@pytest.mark.parametrize("variable", ["CC", "CXX"])
+def test_a_compiler_named_by_a_command_with_arguments_is_run_with_them(tmp_path, variable):
+    """CC='ccache gcc' (CXX likewise), a command with arguments as make and setuptools take
+    it, was refused with a warning and another compiler taken: the command is split as a
+    shell splits it, run with its arguments before vega's, and named whole in the cache
+    key; a path with spaces is still one program, and a command whose program does not
+    run is still passed over with the warning."""
+    first = "cc" if variable == "CC" else "c++"
+    fallback = _answering(tmp_path, first)
+    mine = _answering(tmp_path, "my-compiler")
+    spaced = tmp_path / "a dir" / "my-compiler"
+    spaced.parent.mkdir()
+    spaced.write_bytes(mine.read_bytes())
+    spaced.chmod(0o700)
+    wrap = tmp_path / "bin" / "wrap"  # (a wrapper that runs the rest: ccache, env)
+    wrap.write_text('#!/bin/sh\nexec "$@"\n')
+    wrap.chmod(0o700)
+    find = cbuild.compiler if variable == "CC" else native._cxx
+    cbuild.target_cpu()  # (asked of this process's compiler, once, before CC changes)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", str(fallback.parent))
+        try:
+            for setting, want, args in [
+                    ("wrap my-compiler -O1", wrap, ("my-compiler", "-O1")),
+                    (f"'{spaced}' -O1", spaced, ("-O1",)),  # (quoted, as a shell takes it)
+                    (str(spaced), spaced, ()),  # (a path with spaces, unquoted: one program)
+                    ("my-compiler", mine, ())]:
+                mp.setenv(variable, setting)
+                find.cache_clear()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    found = find()
+                assert found == (str(want), "my-compiler 1.0") and found.args == args, setting
+                assert cbuild.command(found) == [str(want), *args]
+                assert (cbuild.shown(found) in cbuild.identity(found)) == bool(args)
+            plain = find()
+            mp.setenv(variable, "wrap my-compiler")
+            find.cache_clear()
+            if variable == "CXX":  # (the native operator's key: another command, another key)
+                assert native._key(find(), []) != native._key(plain, [])
+            else:
+                wrapped = cbuild.key_of("int x;")
+                mp.setenv(variable, "my-compiler")
+                find.cache_clear()
+                assert cbuild.key_of("int x;") != wrapped
+            mp.setenv(variable, "wrap no-such-program")
+            find.cache_clear()
+            with pytest.warns(RuntimeWarning, match=rf"^vega: {variable}='wrap no-such-pro"):
+                assert find() == (str(fallback), f"{first} 1.0")
+        finally:
+            find.cache_clear()  # (asked again under this process's own environment)
+
+
+def test_kernels_build_with_a_compiler_command_and_its_arguments(tmp_path, monkeypatch):
+    """A kernel built under CC='<wrapper> <compiler> <argument>': the wrapper runs the
+    compiler, and the argument (here a macro the source needs) reaches it."""
+    real = cbuild.compiler()
+    if real is None:
+        pytest.skip("no C compiler here")
+    log = tmp_path / "ran"
+    wrap = tmp_path / "wrap"
+    wrap.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec "$@"\n')
+    wrap.chmod(0o700)
+    monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", f"{wrap} {cbuild.shown(real)} -DVEGA_FROM_CC=7")
+    cbuild.compiler.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            lib, path, compiled = cbuild.build(
+                'const char *vega_key(void) { return "@KEY@"; }\n'
+                "int vega_from_cc(void) { return VEGA_FROM_CC; }\n")
+    finally:
+        cbuild.compiler.cache_clear()
+    assert compiled and lib.vega_from_cc() == 7
+    assert any(line.startswith(f"{real[0]} -DVEGA_FROM_CC=7 -O3")
+               for line in log.read_text().splitlines())
+
+
     monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path))
     with pytest.raises(cbuild.CompilerError, match="failed on a generated kernel"):
         cbuild.build("this is not C; const char *vega_key(void) { return \"@KEY@\"; }")
@@ -775,7 +854,7 @@ def test_a_toolchain_without_openmp_is_said_with_what_to_do(tmp_path, monkeypatc
     _fake_compiler(tmp_path, monkeypatch, "cc-without-openmp",
                    f"for a in \"$@\"; do [ \"$a\" = -fopenmp ] && "
                    f"echo 'ld: cannot find -lgomp' >&2 && exit 1; done\n"
-                   f"exec {real[0]} \"$@\"\n")
+                   f"exec {cbuild.shown(real)} \"$@\"\n")
     fake = tmp_path / "cc-without-openmp"
     with pytest.raises(cbuild.CompilerError) as caught:
         cbuild.build('const char *vega_key(void) { return "@KEY@"; }\n')
@@ -808,7 +887,7 @@ def test_a_compiler_killed_by_a_signal_is_said_as_such(tmp_path, monkeypatch, ho
     _fake_compiler(tmp_path, monkeypatch, "cc-killed",
                    f"case \"$*\" in *.c\\ *) [ -e {tmp_path}/once ] || "
                    f"{{ touch {tmp_path}/once; {dies}; }};; esac\n"
-                   f"exec {real[0]} \"$@\"\n")
+                   f"exec {cbuild.shown(real)} \"$@\"\n")
     with pytest.raises(cbuild.CompilerError) as caught:
         cbuild.build('const char *vega_key(void) { return "@KEY@"; }\n')
     said = str(caught.value)

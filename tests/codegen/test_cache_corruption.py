@@ -122,7 +122,8 @@ def key_not_answered(path):
     """Another library in its place, hash recorded: it loads, but reports no key."""
     src = path.with_name("other.c")
     src.write_text("int vega_answer(void) { return 7; }\n")
-    subprocess.run([cbuild.compiler()[0], "-shared", "-fPIC", str(src), "-o", str(path)],
+    subprocess.run([*cbuild.command(cbuild.compiler()), "-shared", "-fPIC", str(src), "-o",
+                    str(path)],
                    check=True, capture_output=True)
     src.unlink()
     os.chmod(path, 0o700)

@@ -49,7 +49,8 @@ def planted(at: Path, key: str, marker: Path) -> Path:
         f"__attribute__((constructor)) static void planted(void) {{\n"
         f"    close(open(\"{marker}\", O_CREAT | O_WRONLY, 0600));\n}}\n"
         f"const char *vega_key(void) {{ return \"{key}\"; }}\n")
-    subprocess.run([cbuild.compiler()[0], "-shared", "-fPIC", str(src), "-o", str(at)],
+    subprocess.run([*cbuild.command(cbuild.compiler()), "-shared", "-fPIC", str(src), "-o",
+                    str(at)],
                    check=True, capture_output=True)
     src.unlink()
     os.chmod(at, 0o700)

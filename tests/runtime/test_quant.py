@@ -1724,14 +1724,15 @@ def test_512_bit_vectors_are_asked_of_gcc_for_x86_only():
     import subprocess
 
     from vega.codegen.c import build
+    cc = build.command(build.compiler())
 
     def preprocessed(*flags: str) -> str:
-        return subprocess.run([build.compiler()[0], "-E", "-P", *flags, "-x", "c", "-"],
+        return subprocess.run([*cc, "-E", "-P", *flags, "-x", "c", "-"],
                               input=quant.C_HELPERS, capture_output=True, text=True,
                               check=True).stdout
     assert "prefer-vector-width" not in preprocessed("-U__x86_64__", "-U__i386__")
     gcc_x86 = subprocess.run(
-        [build.compiler()[0], "-E", "-P", "-x", "c", "-"], capture_output=True, text=True,
+        [*cc, "-E", "-P", "-x", "c", "-"], capture_output=True, text=True,
         input="#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8 && "
               "defined(__x86_64__)\nGCC_X86\n#endif\n", check=True).stdout
     if "GCC_X86" in gcc_x86:  # (this machine's compiler: the option is asked for)
@@ -1762,7 +1763,8 @@ def test_c_codes_are_the_maps_codes_bit_for_bit(tmp_path, signed, how):
     src = tmp_path / "codes.c"
     src.write_text(_CODES_DRIVER % (quant.C_HELPERS + quant.C_TABLE))
     lib = tmp_path / "codes.so"
-    subprocess.run([build.compiler()[0], *build.FLAGS, str(src), "-o", str(lib), "-lm"],
+    subprocess.run([*build.command(build.compiler()), *build.FLAGS, str(src), "-o", str(lib),
+                    "-lm"],
                    check=True, capture_output=True)
     codes = torch.empty_like(want)
     ctypes.CDLL(str(lib)).codes_of(

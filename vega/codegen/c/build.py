@@ -41,6 +41,7 @@ import itertools
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import stat
@@ -441,47 +442,103 @@ def load_verified(path: Path, load):
         os.unlink(copy)
 
 
+class Compiler(tuple):
+    """A compiler found: (path of its program, first line of its ``--version``), and
+    ``args``, the words after the program where ``CC`` or ``CXX`` gives a command
+    (``CC='ccache gcc'``: ``/usr/bin/ccache`` and ``('gcc',)``). Run as ``command(cc)``."""
+
+    def __new__(cls, path: str, version: str, args=()):
+        self = super().__new__(cls, (path, version))
+        self.args = tuple(args)
+        return self
+
+    def __getnewargs__(self):
+        return (self[0], self[1], self.args)
+
+    def __repr__(self) -> str:
+        return f"Compiler({self[0]!r}, {self[1]!r}, args={self.args!r})"
+
+
+def command(cc) -> list[str]:
+    """The words that run compiler ``cc`` (a ``Compiler``, or a (path, version) pair): its
+    program, then the arguments its variable gave."""
+    return [cc[0], *getattr(cc, "args", ())]
+
+
+def shown(cc) -> str:
+    """Compiler ``cc``'s command, as a shell would take it."""
+    return shlex.join(command(cc))
+
+
+def identity(cc) -> str:
+    """What a cache key holds of compiler ``cc``: its version line, and where its variable
+    gave a command with arguments, the whole command (``gcc -O0`` builds other code than
+    ``gcc``; a plain compiler's keys are as they were)."""
+    return cc[1] if not getattr(cc, "args", ()) else f"{cc[1]}\0{shown(cc)}"
+
+
 @cache
-def compiler() -> tuple[str, str] | None:
-    """(path, version line) of the C compiler, or None where there is none."""
+def compiler() -> Compiler | None:
+    """(path, version line) of the C compiler, or None where there is none (a ``Compiler``:
+    ``command`` runs it)."""
     return named_compiler("CC", "C", "cc", "gcc", "clang")
 
 
-def named_compiler(variable: str, language: str, *others: str) -> tuple[str, str] | None:
+def named_compiler(variable: str, language: str, *others: str) -> Compiler | None:
     """``find_compiler`` of the compiler the environment variable ``variable`` names, else of
-    the first of ``others``: a compiler the user named that is not found, or does not run,
-    is passed over with a warning that names the variable and its value, and the compiler
-    taken instead (it had been passed over without a word, and kernels built by another
-    compiler than the one asked for)."""
+    the first of ``others``. The variable names a program (a path, or a name on the PATH;
+    a path with spaces too) or, as make and setuptools take it, a command with arguments,
+    split as a shell splits it (``CC='ccache gcc'``, ``CC='gcc -m32'``): the arguments come
+    before vega's on every run of it. A compiler the user named that is not found, or does
+    not run, is passed over with a warning that names the variable and its value, and the
+    compiler taken instead (it had been passed over without a word, and kernels built by
+    another compiler than the one asked for)."""
     named = os.environ.get(variable)
     if not named:
         return find_compiler(*others)
     found = find_compiler(named)
+    if found is None:
+        try:
+            words = shlex.split(named)
+        except ValueError:  # (an unclosed quote)
+            words = []
+        if words and words != [named]:
+            found = _answers(words)
     if found is not None:
         return found
     found = find_compiler(*others)
     instead = f"building with {found[0]} instead" if found is not None else \
         f"and no other {language} compiler ({', '.join(others)}) is found either"
-    warnings.warn(f"vega: {variable}={named!r} names no {language} compiler that runs here (it "
-                  f"is not found on the PATH, or does not answer --version; {variable} names "
-                  f"one program, without arguments); {instead}", RuntimeWarning, stacklevel=4)
+    warnings.warn(f"vega: {variable}={named!r} names no {language} compiler that runs here (its "
+                  f"program is not found on the PATH, or it does not answer --version); "
+                  f"{instead}", RuntimeWarning, stacklevel=4)
     return found
 
 
-def find_compiler(*names: str | None) -> tuple[str, str] | None:
-    """(path, version line) of the first of ``names`` (None: skipped) that is on the PATH
-    and answers ``--version``, or None."""
+def find_compiler(*names: str | None) -> Compiler | None:
+    """(path, version line) of the first of ``names`` (None: skipped), each one program,
+    that is on the PATH and answers ``--version``, or None."""
     for name in names:
-        path = shutil.which(name) if name else None
-        if path is None:
-            continue
-        try:
-            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if out.returncode == 0:
-            return path, (out.stdout.splitlines() or [""])[0]
+        found = _answers([name]) if name else None
+        if found is not None:
+            return found
     return None
+
+
+def _answers(words: list[str]) -> Compiler | None:
+    """The compiler that the command ``words`` runs, if its program is on the PATH and the
+    command answers ``--version``; else None."""
+    path = shutil.which(words[0])
+    if path is None:
+        return None
+    try:
+        out = subprocess.run([path, *words[1:], "--version"], capture_output=True, text=True,
+                             timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return Compiler(path, (out.stdout.splitlines() or [""])[0], words[1:])
 
 
 _warned = False
@@ -556,7 +613,8 @@ def target_cpu() -> str:
     cc = compiler()
     if cc is not None:
         try:
-            proc = subprocess.run([cc[0], "-march=native", "-E", "-v", "-x", "c", "-"],
+            proc = subprocess.run([*command(cc), "-march=native", "-E", "-v", "-x", "c",
+                                   "-"],
                                   capture_output=True, text=True, timeout=60,
                                   stdin=subprocess.DEVNULL, env=compiler_env())
             found = _native_target(proc.stderr) if proc.returncode == 0 else None
@@ -607,7 +665,7 @@ def key_of(source: str) -> str:
     """The cache key of ``source``: a hash of it, the compiler's version, the flags and the
     target CPU."""
     cc = compiler()
-    text = "\0".join([source, cc[1] if cc else "", *FLAGS, target_cpu(), FORMAT])
+    text = "\0".join([source, identity(cc) if cc else "", *FLAGS, target_cpu(), FORMAT])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -668,27 +726,27 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
             with os.fdopen(fd, "w") as f:
                 f.write(source)
             try:
-                proc = subprocess.run([cc[0], *FLAGS, tmp_c, "-o", tmp_so, "-lm"],
+                proc = subprocess.run([*command(cc), *FLAGS, tmp_c, "-o", tmp_so, "-lm"],
                                       capture_output=True, text=True, timeout=COMPILE_TIMEOUT,
                                       env=compiler_env())
             except subprocess.TimeoutExpired:  # (no verdict on the source either)
                 raise CompilerError(
-                    f"{cc[0]} did not finish compiling a generated kernel ({len(source)} "
+                    f"{shown(cc)} did not finish compiling a generated kernel ({len(source)} "
                     f"bytes of C) in {COMPILE_TIMEOUT} s, and was stopped: on a loaded machine a "
                     "later step compiles it again; a spec this large steps on "
                     "backend='reference'") from None
             except OSError as e:
                 if e.errno not in (errno.ENOMEM, errno.EAGAIN):
                     raise
-                raise CompilerError(f"{cc[0]} could not be started to compile a kernel: "
+                raise CompilerError(f"{shown(cc)} could not be started to compile a kernel: "
                                     f"{e.strerror}; a later step compiles it again") from None
             how = killed(proc)
             if how is not None:
-                raise CompilerError(f"{cc[0]} {how} while compiling a kernel (out of "
+                raise CompilerError(f"{shown(cc)} {how} while compiling a kernel (out of "
                                     f"memory?); a later step compiles it again")
             if proc.returncode != 0:
                 raise CompilerError(toolchain_problem(cc, out_dir) or
-                                    f"{cc[0]} failed on a generated kernel (a bug in vega; "
+                                    f"{shown(cc)} failed on a generated kernel (a bug in vega; "
                                     f"please report it):\n{proc.stderr[-4000:]}")
             install(tmp_so, target)
         finally:
@@ -728,7 +786,8 @@ def toolchain_problem(cc: tuple[str, str], directory: Path) -> str | None:
         out = src[:-2] + ".so"
         with os.fdopen(fd, "w") as f:
             f.write(PROBE)
-        proc = subprocess.run([cc[0], *FLAGS, src, "-o", out, "-lm"], capture_output=True,
+        proc = subprocess.run([*command(cc), *FLAGS, src, "-o", out, "-lm"],
+                              capture_output=True,
                               text=True, timeout=300, stdin=subprocess.DEVNULL,
                               env=compiler_env())
     except (OSError, subprocess.SubprocessError):  # (a full disk: no word on the compiler)
@@ -740,7 +799,7 @@ def toolchain_problem(cc: tuple[str, str], directory: Path) -> str | None:
     if proc.returncode == 0:
         return None
     said = (proc.stderr or proc.stdout)[-2000:]
-    return (f"vega: the C compiler {cc[0]} ({cc[1]}) cannot build vega's C kernels here: it "
+    return (f"vega: the C compiler {shown(cc)} ({cc[1]}) cannot build vega's C kernels here: it "
             f"fails on a minimal OpenMP library with their flags ({' '.join(FLAGS)}) too:\n"
             f"{said.rstrip()}\nInstall what it lacks (for -fopenmp, libgomp with gcc or "
             f"libomp with clang; the C library's headers), set CC to a C compiler that "

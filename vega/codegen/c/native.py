@@ -64,14 +64,14 @@ _LOADED: list = []  # the module once loaded: a process registers its operators 
 
 
 def _key(cxx: tuple[str, str], include: list[str]) -> str:
-    text = "\0".join([TEXT, cxx[1], *FLAGS, *include, torch.__version__,
+    text = "\0".join([TEXT, cbuild.identity(cxx), *FLAGS, *include, torch.__version__,
                       sys.version, sysconfig.get_config_var("EXT_SUFFIX") or "", cbuild.FORMAT])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 @cache
-def _cxx() -> tuple[str, str] | None:
-    """(path, version line) of the C++ compiler, or None."""
+def _cxx() -> cbuild.Compiler | None:
+    """(path, version line) of the C++ compiler, or None (``cbuild.command`` runs it)."""
     return cbuild.named_compiler("CXX", "C++", "c++", "g++", "clang++")
 
 
@@ -119,7 +119,7 @@ def _paths():
     key = _key(cxx, include)
     out_dir = cbuild.cache_dir().parent / "native"
     target = out_dir / f"{NAME}-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
-    return [cxx[0], *FLAGS, *include, str(SOURCE), *libs], target
+    return [*cbuild.command(cxx), *FLAGS, *include, str(SOURCE), *libs], target
 
 
 def _load(path: Path):
