@@ -4,9 +4,9 @@
   zeros exactly, a NaN makes its block NaN and no other;
 - which map a state takes: the unsigned one only where the spec keeps the state >= 0;
 - the reference's step is 8-bit AdamW written out in this file, code for code; the C
-  kernels (and Triton, which hands such programs to the reference) agree with it over
-  several steps, on the parameters and on every code and scale, with clipping, a skipped
-  step and tensors split between threads;
+  and Triton kernels (their own, under the interpreter) agree with it over several steps,
+  on the parameters and on every code and scale, with clipping, a skipped step and
+  tensors split between threads; blocks of a subnormal absmax keep the maps' accuracy;
 - tensors of fewer than 4,096 values keep float32 state; bytes of state per parameter;
 - checkpoints: state_dict, torch.save, vega.save and dcp round trip bitwise and resume
   bitwise; a float state loaded into an 8-bit optimizer is quantized (and back), with a
@@ -51,8 +51,9 @@ def codes_written_out(x, signed):
     pad = (-flat.numel()) % 256
     blocks = torch.cat([flat, flat.new_zeros(pad)]).reshape(-1, 256)
     absmax = blocks.abs().amax(1)
-    inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
-    y = (blocks * inv[:, None]).reshape(-1)[:flat.numel()]
+    up = torch.where(absmax < 2.0 ** -126, 2.0 ** 32, 1.0)  # (a subnormal absmax: 1 / it
+    inv = torch.where(absmax > 0, 1.0 / (absmax * up), torch.zeros_like(absmax))  # overflows)
+    y = ((blocks * up[:, None]) * inv[:, None]).reshape(-1)[:flat.numel()]
     y = torch.nan_to_num(y, nan=0.0, posinf=0.0, neginf=0.0)
     if signed:
         y = y.clamp(-1, 1)
@@ -84,6 +85,8 @@ def test_map_round_trip(signed):
     scale = absmax.repeat_interleave(256)[:x.numel()]
     # within a step of the code at the value: at most 1/127 of the block's absmax
     assert ((back - x).abs() <= scale / 127 + 1e-12).all()
+    tiny = x * 2.0 ** -140  # (blocks of subnormal absmax: written out alike)
+    assert torch.equal(quant.quantize_t(tiny, signed)[0], codes_written_out(tiny, signed)[0])
     # each block's largest magnitude comes back exactly, its sign kept
     blocks = x.reshape(-1, 250)  # (not blocks: just a place to look for the largest)
     k = x.abs().reshape(-1)[:256].argmax()
@@ -1659,10 +1662,14 @@ _CODES_DRIVER = r"""
 %s
 void codes_of(const float *x, const float *absmax, int64_t n, int sgn, int table,
               uint8_t *out) {
-    for (int64_t j = 0; j < n; j++) {
-        const float inv = q8_inv(absmax[j / QBLOCK]);
-        out[j] = table ? (sgn ? q8_table_signed(x[j], inv) : q8_table_unsigned(x[j], inv))
-                       : (sgn ? q8_code_signed(x[j], inv) : q8_code_unsigned(x[j], inv));
+    for (int64_t b = 0; b < n; b += QBLOCK) {  /* a block at a time, as the kernels */
+        const int m = n - b < QBLOCK ? (int)(n - b) : QBLOCK;
+        float v[QBLOCK];
+        for (int q = 0; q < m; q++) v[q] = x[b + q];
+        const float inv = q8_tiny(v, m, absmax[b / QBLOCK]);
+        for (int q = 0; q < m; q++)
+            out[b + q] = table ? (sgn ? q8_table_signed(v[q], inv) : q8_table_unsigned(v[q], inv))
+                               : (sgn ? q8_code_signed(v[q], inv) : q8_code_unsigned(v[q], inv));
     }
 }
 int64_t tables_differ(int sgn, int64_t stride) {  /* floats whose codes the two ways differ */
@@ -1687,7 +1694,7 @@ def _boundary_blocks(signed: bool) -> torch.Tensor:
     up = torch.nextafter(edge, torch.tensor(2.0))
     down = torch.nextafter(edge, torch.tensor(-1.0))
     vals = []
-    for a in (1.0, 3.0, 0.7, 1e-30, 1e30):
+    for a in (1.0, 3.0, 0.7, 1e-30, 1e30, 2.0 ** -130):  # (the last: subnormals)
         vals.append(torch.cat([torch.tensor([a]), edge * a, up * a, down * a]))
     rest = torch.tensor([1.0, 0.0, -0.0, 1e-45, -1e-45, 0.5, float("nan"), 0.25,
                          1.0, float("inf"), 0.5, 0.0, 1e-40, 5e-41, 0.0, 1e-45])
@@ -1705,8 +1712,11 @@ def _codes_correctly_rounded(x: torch.Tensor, absmax: torch.Tensor, signed: bool
     import numpy as np
     with np.errstate(all="ignore"):
         s = absmax.numpy().astype(np.float32)
+        up = np.where(s < np.float32(quant.TINY), np.float32(quant.TINY_UP), np.float32(1))
+        s = (s * up).astype(np.float32)
         inv = np.where(s > 0, np.float32(1) / s, np.float32(0)).astype(np.float32)
-        y = x.numpy().astype(np.float32) * np.repeat(inv, 256)[:x.numel()]
+        y = (x.numpy().astype(np.float32) * np.repeat(up, 256)[:x.numel()]).astype(np.float32)
+        y = y * np.repeat(inv, 256)[:x.numel()]
         y = np.where(np.isnan(y), np.float32(0), y)
         if signed:
             y = np.clip(y, np.float32(-1), np.float32(1))
