@@ -52,3 +52,117 @@ def test_a_deleted_step_count_is_named_as_deleted_too():
     opt.state[ps[0]]["step"] = torch.tensor(1, dtype=torch.int32)
     opt.step()
     assert int(opt.state[ps[0]]["step"]) == 2
+
+
+def _rebuilt_by_a_step_without_gradients(opt, ps):
+    # a step in which one parameter has no gradient plans the group anew, as does the
+    # step after it, with every gradient back
+    g = ps[1].grad
+    ps[1].grad = None
+    opt.step()
+    ps[1].grad = g
+
+
+def _rebuilt_by_a_new_group(opt, ps):
+    q = torch.nn.Parameter(torch.randn(2))
+    q.grad = torch.ones(2)
+    opt.add_param_group({"params": [q]})
+    opt.param_groups.reverse()  # (the first group's plan, by its position, is made anew)
+
+
+def _rebuilt_by_a_load(opt, ps):
+    opt.load_state_dict(opt.state_dict())
+
+
+def _rebuilt_by_another_state_dtype(opt, ps):
+    opt.param_groups[0]["state_dtype"] = torch.float64
+    del opt.state[ps[1]]  # (a new state, in the group's new dtype)
+
+
+@pytest.mark.parametrize("rebuild", [_rebuilt_by_a_step_without_gradients,
+                                     _rebuilt_by_a_new_group, _rebuilt_by_a_load,
+                                     _rebuilt_by_another_state_dtype])
+@pytest.mark.parametrize("name", ["Adam", "SGD"])
+def test_a_key_of_the_callers_own_in_a_state_is_kept_through_every_new_plan(name, rebuild):
+    # torch.optim keeps any entry a caller writes into opt.state[p] (an EMA of the caller's,
+    # a note) and saves it; a class step refused it where its plan was made anew (not where
+    # the last step's was reused), and load_state_dict refused a state dict that held one
+    kw = {"momentum": 0.9} if name == "SGD" else {}
+    ps, opt = _stepped(getattr(vo, name), backend="reference", **kw)
+    ema, note = torch.full((3,), 7.0), 1.5
+    opt.state[ps[0]]["my_ema"] = ema
+    opt.state[ps[0]]["my_note"] = note
+    opt.step()  # (the last step's plan)
+    rebuild(opt, ps)
+    opt.step()
+    st = opt.state[ps[0]]
+    assert torch.equal(st["my_ema"], torch.full((3,), 7.0)) and st["my_note"] == 1.5
+    assert int(st["step"]) == (4 if rebuild is _rebuilt_by_a_step_without_gradients else 3)
+    sd = opt.state_dict()
+    saved = [s for s in sd["state"].values() if "my_note" in s]
+    assert len(saved) == 1 and torch.equal(saved[0]["my_ema"], ema) and \
+        saved[0]["my_note"] == 1.5
+
+
+def test_a_key_of_the_callers_own_is_saved_and_loaded_as_torch_loads_it():
+    ps, opt = _stepped(vo.AdamW, backend="reference")
+    opt.state[ps[0]]["my_ema"] = torch.full((4, 3), 7.0, dtype=torch.float64)
+    opt.state[ps[0]]["my_count"] = torch.tensor(3)  # (an integer tensor: torch keeps it)
+    opt.state[ps[1]]["my_note"] = 0.25
+    sd = opt.state_dict()
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    fresh = vo.AdamW(qs, lr=0.1, backend="reference")
+    fresh.load_state_dict(sd)
+    # as torch.optim.AdamW loads them: a float tensor in its parameter's dtype
+    tq = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=0.1)
+    tq.load_state_dict({"state": {0: {"step": torch.tensor(1.0),
+                                      "my_ema": sd["state"][0]["my_ema"],
+                                      "my_count": sd["state"][0]["my_count"]}},
+                        "param_groups": tq.state_dict()["param_groups"]})
+    want = tq.state[tq.param_groups[0]["params"][0]]
+    got = fresh.state[qs[0]]
+    for key in ("my_ema", "my_count"):  # (torch casts both to the parameter's float32)
+        assert got[key].dtype == want[key].dtype == torch.float32
+        assert torch.equal(got[key], want[key])
+    assert fresh.state[qs[1]]["my_note"] == 0.25
+    for q, p in zip(qs, ps):
+        q.grad = torch.ones_like(q)
+        p.grad = torch.ones_like(p)
+    fresh.step()
+    opt.step()
+    for q, p in zip(qs, ps):
+        assert torch.equal(q, p)
+    assert torch.equal(got["my_ema"], torch.full((4, 3), 7.0))
+
+
+def test_a_key_of_the_callers_own_written_before_the_first_step_is_kept():
+    # (torch.optim.SGD steps such a state; so does a vega class, making its own entries)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = vo.Adam([p], lr=0.1, backend="reference")
+    opt.state[p]["my_ema"] = torch.zeros(3)
+    q = torch.nn.Parameter(torch.ones(2))
+    q.grad = torch.ones(2)
+    opt.add_param_group({"params": [q]})
+    opt.param_groups[1]["lr"] = float("nan")  # (refused after the first group's states)
+    with pytest.raises(ValueError, match="lr=nan"):
+        opt.step()
+    assert list(opt.state[p]) == ["my_ema"]  # (what the refused step made, dropped)
+    opt.param_groups[1]["lr"] = 0.1
+    opt.step()
+    assert sorted(opt.state[p]) == ["mu", "my_ema", "nu", "step"]
+    ref = torch.nn.Parameter(torch.ones(3))
+    ref.grad = torch.ones(3)
+    vo.Adam([ref], lr=0.1, backend="reference").step()
+    assert torch.equal(p, ref)
+
+
+def test_a_state_name_of_the_rule_written_wrong_is_refused_on_every_path():
+    # not a key of the caller's: a state the rule reads, of another shape
+    ps, opt = _stepped(vo.SGD, backend="reference", momentum=0.9)
+    opt.state[ps[0]]["v"] = torch.zeros(5)
+    named = r"(parameter 0 of group 0.*state 'v'|state 'v' of parameter 0 of group 0).*\(5,\)"
+    with pytest.raises(ValueError, match=named):
+        opt.step()
+    with pytest.raises(ValueError, match=named):
+        opt.load_state_dict(opt.state_dict())

@@ -298,7 +298,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         dropped where no longer kept (a stale copy must not come back), its value taken by a
         parameter no longer half. False for any other mismatch."""
         lazy = self._lazy_states()
-        missing, extra = want - st.keys(), st.keys() - want
+        missing, extra = want - st.keys(), (st.keys() & self._rule_keys()) - want
         if not (missing <= lazy and extra <= lazy):
             return False
         undo = self.__dict__.get("_vega_fresh")  # (what ``_refused`` undoes)
@@ -335,6 +335,33 @@ class SpecOptimizer(torch.optim.Optimizer):
         scales = frozenset(n + quant.SUFFIX for n in lazy)  # (8-bit ones')
         return lazy | scales | (
             frozenset() if own else frozenset({engine.MASTER}))
+
+    def _rule_keys(self) -> frozenset:
+        """The entries of a parameter's state that are the rule's: its states (those its ifs
+        turn on or off too), their 8-bit scales, the master copy and the step counter. Any
+        other entry is the caller's own (an average of its own, a note), which a step keeps
+        and never reads, and which ``state_dict`` saves and ``load_state_dict`` loads as
+        torch.optim's do."""
+        names = self.spec._spec.state_names
+        return frozenset({*names, *(n + quant.SUFFIX for n in names), engine.MASTER, "step"})
+
+    def _refuse_torch_state(self, p, st: dict, want: set) -> None:
+        """ValueError where ``st`` holds the entries of a torch.optim class's state, written
+        into this optimizer's without its ``load_state_dict`` (as
+        ZeroRedundancyOptimizer.load_state_dict writes the state of the optimizer it
+        wraps): not converted, and not the caller's own entries either."""
+        theirs = [f"torch.optim.{n}" for n, keys in _TORCH_STATES.items()
+                  if set(keys) == st.keys()]
+        if theirs:
+            owner = type(self).__name__
+            raise ValueError(
+                f"{owner}: the state of {self._name(p)} has {sorted(map(str, st))}, the "
+                f"entries of {' or '.join(theirs)}'s state, where this optimizer "
+                f"keeps {sorted(want)}: a state written into it without its "
+                "load_state_dict (as ZeroRedundancyOptimizer.load_state_dict writes "
+                "the state of the optimizer it wraps) is not converted; load it into "
+                f"a vega.optim.{owner} with load_state_dict, which converts torch's "
+                "states, and save that optimizer's state_dict")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -746,6 +773,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         shaped = "".join(f", or {n} (it picks each tensor's program)"
                          for n in self.spec._spec.shape_hypers)
         wants: dict[int, set[str]] = {}  # id of a program -> the state it needs
+        own = self._rule_keys()
         sts = []  # each parameter's state dict (one lookup: a tensor hashes in Python)
         at_zero: dict = {}
         memo: dict = {}  # (engine.init_leaf's: the group's programs live through the loop)
@@ -755,32 +783,29 @@ class SpecOptimizer(torch.optim.Optimizer):
             if want is None:
                 want = wants[id(program)] = {*program.state_names, "step"}
             st = self.state.get(p)
-            if not st:
+            mine = st.keys() & own if st else None  # (the rule's entries: ``_rule_keys``)
+            if not mine:
+                if st:  # (the caller's own entries alone: kept, the rule's made beside them)
+                    self._refuse_torch_state(p, st, want)
                 if program.group_states and not joined:
                     joined.append(self._group_values_now(group, program))
                 fresh = self.__dict__.get("_vega_fresh")  # (before the state is set: one
-                if fresh is not None:  # interrupted before it is whole is dropped too)
-                    fresh.append(p)
-                st = self.state[p] = self._init_state(p, program, values, group, at_zero,
-                                                      memo)
+                if fresh is not None and not st:  # interrupted before it is whole is
+                    fresh.append(p)  # dropped too)
+                made = self._init_state(p, program, values, group, at_zero, memo)
+                if st:
+                    if fresh is not None:
+                        fresh.append(functools.partial(_pop_all, st, tuple(made)))
+                    st.update(made)
+                else:
+                    st = self.state[p] = made
                 for name, value in (joined[0] if joined else {}).items():
                     st[name].copy_(value)
-            elif st.keys() != want and not self._adapt_state(p, st, want, program, values,
-                                                              group):
-                theirs = [f"torch.optim.{n}" for n, keys in _TORCH_STATES.items()
-                          if set(keys) == st.keys()]
-                if theirs:  # (written in directly: ZeroRedundancyOptimizer's loading)
-                    raise ValueError(
-                        f"{owner}: the state of {self._name(p)} has {sorted(st)}, the "
-                        f"entries of {' or '.join(theirs)}'s state, where this optimizer "
-                        f"keeps {sorted(want)}: a state written into it without its "
-                        "load_state_dict (as ZeroRedundancyOptimizer.load_state_dict writes "
-                        "the state of the optimizer it wraps) is not converted; load it into "
-                        f"a vega.optim.{owner} with load_state_dict, which converts torch's "
-                        "states, and save that optimizer's state_dict")
+            elif mine != want and not self._adapt_state(p, st, want, program, values, group):
+                self._refuse_torch_state(p, st, want)
                 if "step" not in st:  # (no step made it: written in by hand, or it was deleted)
                     raise ValueError(
-                        f"{owner}: the state of {self._name(p)} has {sorted(st)} and no "
+                        f"{owner}: the state of {self._name(p)} has {sorted(map(str, st))} and no "
                         "step count: it was written in before the first step made the state "
                         f"({sorted(want)}); write into it after the first step, or into the "
                         "state of a functional init (or, where it had stepped and its 'step' "
@@ -788,7 +813,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 reshaped = ", or the parameter's shape (now " + str(tuple(p.shape)) + \
                     ")" if self.spec._spec.reads_shape else ""
                 raise ValueError(
-                    f"{owner}: the state of {self._name(p)} has {sorted(st)} but the "
+                    f"{owner}: the state of {self._name(p)} has {sorted(map(str, st))} but the "
                     f"group's settings need {sorted(want)}; was a bool hyperparameter"
                     f"{shaped}{reshaped} changed after the first step?")
             sts.append(st)
@@ -1227,6 +1252,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 isinstance(v, dict) for v in state_dict["state"].values()):
             raise ValueError(f"{owner}: state_dict['state'] must be a dict of each parameter's "
                              "state dict (by parameter id)")
+        own = self._rule_keys()  # (an entry of the caller's own is loaded as torch loads it)
         for pid, entries in state_dict["state"].items():
             for name, value in entries.items():
                 if isinstance(value, torch.Tensor) and value.device.type == "meta":
@@ -1235,7 +1261,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and not dense(value):
                     raise ValueError(f"{owner}: state {name!r} of parameter id {pid!r} is "
                                      f"{not_dense(value)}; a step keeps dense (strided) states")
-                if isinstance(value, torch.Tensor) and name != "step" and \
+                if isinstance(value, torch.Tensor) and name != "step" and name in own and \
                         value.dtype != torch.uint8 and not (value.is_floating_point()
                                                             or value.is_complex()):
                     raise ValueError(f"{owner}: state {name!r} of parameter id {pid!r} is of "
@@ -1380,7 +1406,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 group.setdefault(key, default)
             self._check_group(f"{type(self).__name__}.load_state_dict: group {k}", group)
             self._tuples().sync(f"{type(self).__name__}.load_state_dict", k, group)
-        declared = self.spec._spec.state_names
+        declared, own = self.spec._spec.state_names, self._rule_keys()
         saved_dtypes = {i: engine.loaded_state_dtype(g.get("state_dtype"))
                         for g in state_dict["param_groups"]
                         for i in g["params"]}
@@ -1411,6 +1437,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             laid_out = type(p) in PLAIN_TYPES and not p.is_contiguous() \
                 and in_memory_order(self._loading_program(p, group))
             for name, value in originals[pid].items():
+                if name not in own:  # the caller's own: as torch's loading cast it
+                    continue
                 sd = engine.state_dtype_for(p, sds.get(name) if sds else wanted)
                 if sd == torch.uint8 or name in precise:  # kept in floats here (a tensor too
                     sd = engine.state_dtype_for(p, None)  # small for 8 bits), or at the
@@ -1548,7 +1576,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         take one a value turns on or off, as sgd's ``v``), tensors, each of the shape its
         parameter needs (a kernel would read and write past a smaller one)."""
         owner = type(self).__name__
-        lazy = self._lazy_states()
+        lazy, own = self._lazy_states(), self._rule_keys()
         for k, group in enumerate(self.param_groups):
             engine.check_state_dtype(f"{owner}.load_state_dict", group["state_dtype"],
                                      self.spec._spec.state_names)
@@ -1562,7 +1590,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 where = f"parameter {i} of group {k}"
                 st = self.state[p]
                 want = {*program.state_names, "step"}
-                missing, extra = want - st.keys(), st.keys() - want
+                missing, extra = want - st.keys(), (st.keys() & own) - want
                 if not (missing <= lazy and extra <= lazy):
                     raise ValueError(
                         f"{owner}.load_state_dict: the state of {where} has "
@@ -1570,7 +1598,10 @@ class SpecOptimizer(torch.optim.Optimizer):
                         f"{sorted(want)}" + "".join(
                             f"; {label} {sorted(map(str, names))}"
                             for label, names in (("missing", missing - lazy),
-                                                 ("unknown", extra - lazy)) if names)
+                                                 # (with the caller's own: one of
+                                                 # them may be a state misnamed)
+                                                 ("unknown", st.keys() - want - lazy))
+                            if names)
                         + f"; {_seems_from(st.keys(), owner, states=True)}")
                 for name, dom in [("step", None), *((s.name, s.dom) for s in program.states)]:
                     if name not in st:
@@ -1595,6 +1626,12 @@ _IMMUTABLE = frozenset({float, int, bool})
 # (torch's, its schedulers': OneCycleLR's, SWALR's)
 _GROUP_EXTRAS = frozenset({"params", "param_names", "initial_lr", "max_lr", "min_lr",
                            "max_momentum", "base_momentum", "swa_lr"})
+
+
+def _pop_all(st: dict, names) -> None:
+    """``names`` taken out of the state dict ``st`` (those it holds)."""
+    for name in names:
+        st.pop(name, None)
 
 
 def _per_tensor(values, params) -> list:
