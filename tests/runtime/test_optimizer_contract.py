@@ -166,3 +166,86 @@ def test_a_state_name_of_the_rule_written_wrong_is_refused_on_every_path():
         opt.step()
     with pytest.raises(ValueError, match=named):
         opt.load_state_dict(opt.state_dict())
+
+
+_PRECISION = ("master_weights", "rounding_seed", "stochastic_rounding")
+
+
+def _half(n=3, value=1.0):
+    p = torch.nn.Parameter(torch.full((n,), value, dtype=torch.bfloat16))
+    p.grad = torch.full((n,), 0.5, dtype=torch.bfloat16)
+    return p
+
+
+def test_a_group_put_in_param_groups_without_its_precision_settings_is_named():
+    # read with group.get, a group appended by hand stepped without master weights (its
+    # bfloat16 parameter rounded each step) where the optimizer was made with them
+    p, q = _half(), _half()
+    opt = vo.Adam([p], lr=0.1, master_weights=True, backend="reference")
+    group = {k: v for k, v in opt.param_groups[0].items() if k not in _PRECISION}
+    opt.param_groups.append({**group, "params": [q]})
+    with pytest.raises(ValueError, match=r"^Adam: group 1 has no 'master_weights', "
+                                         r"'rounding_seed', 'stochastic_rounding': .*by hand"):
+        opt.step()
+    assert not opt.state[p] and not opt.state[q] and torch.equal(q, _half())
+    opt.param_groups.pop()
+    opt.add_param_group({"params": [q]})  # (fills them from the defaults)
+    assert opt.param_groups[1]["master_weights"] is True
+    opt.step()
+    assert "master" in opt.state[q]
+
+
+@pytest.mark.parametrize("key", _PRECISION + ("backend", "state_dtype"))
+def test_a_precision_setting_deleted_from_a_group_is_named(key):
+    ps, opt = _stepped(vo.AdamW, backend="reference")
+    opt.step()  # (the plan of the last step, reused where nothing changed)
+    del opt.param_groups[0][key]
+    with pytest.raises(ValueError, match=rf"^AdamW: group 0 has no '{key}': a setting deleted"):
+        opt.step()
+
+
+@pytest.mark.parametrize("name", ["ScheduleFreeAdamW"])
+def test_a_mode_switch_names_a_group_without_its_settings(name):
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = getattr(vo, name)([p], lr=0.1, backend="reference")
+    opt.step()
+    del opt.param_groups[0]["master_weights"]
+    with pytest.raises(ValueError, match=rf"^{name}: group 0 has no 'master_weights'"):
+        opt.eval()
+    assert opt.param_groups[0]["mode"] == "train"
+
+
+def _torch_adam_state(p):
+    tp = torch.nn.Parameter(p.detach().clone())
+    tp.grad = p.grad.clone()
+    t = torch.optim.Adam([tp], lr=0.1)
+    t.step()
+    return t.state_dict()
+
+
+def _older_vega_state(p):
+    old = vo.Adam([torch.nn.Parameter(p.detach().clone())], lr=0.1, backend="reference")
+    old.param_groups[0]["params"][0].grad = p.grad.clone()
+    old.step()
+    sd = old.state_dict()
+    for g in sd["param_groups"]:  # (saved by a vega whose groups had no precision settings)
+        for key in _PRECISION:
+            del g[key]
+    return sd
+
+
+@pytest.mark.parametrize("saved", [_older_vega_state, _torch_adam_state])
+def test_a_state_dict_without_precision_settings_loads_with_the_optimizers_defaults(saved):
+    # (as torch's classes setdefault an option their older states lack): the optimizer made
+    # with master_weights=True keeps them on, making the master copy at its next step
+    p = _half()
+    sd = saved(p)
+    opt = vo.Adam([p], lr=0.1, master_weights=True, stochastic_rounding=True,
+                  rounding_seed=7, backend="reference")
+    opt.load_state_dict(sd)
+    group = opt.param_groups[0]
+    assert (group["master_weights"], group["stochastic_rounding"], group["rounding_seed"]) \
+        == (True, True, 7)
+    opt.step()
+    assert "master" in opt.state[p]

@@ -987,7 +987,31 @@ class SpecOptimizer(torch.optim.Optimizer):
         if name not in modes:
             raise ValueError(f"{owner}: the rule has no mode {name!r} (its modes: "
                              f"{', '.join(map(repr, modes))})")
-        todo = []  # (every group's states checked before any parameter is written)
+        try:
+            todo = self._switching(owner, name)
+        except KeyError as err:  # (a setting missing from a group: named, as a step names it)
+            missing = self._missing_setting(err)
+            if missing is not None:
+                raise missing from None
+            raise
+        for group, values, params, progs in todo:
+            for program, ids in engine.groups(progs):
+                ps = [params[i] for i in ids]
+                sts = [self.state[p] for p in ps]
+                if program.master and name == "train":  # the copies never left mode train
+                    for p, st in zip(ps, sts):
+                        p.copy_(st[engine.MASTER])
+                    continue
+                vals = [engine.at_step(values, st["step"]) for st in sts]
+                engine.mode(program, name, ps,
+                            [[st[n] for st in sts] for n in program.state_names], vals)
+            group["mode"] = name
+
+    def _switching(self, owner: str, name: str) -> list:
+        """What ``_switch`` writes, each group's states checked before any is written:
+        (group, values, its parameters with a state, their programs) a group not in mode
+        ``name``."""
+        todo = []
         for k, group in enumerate(self.param_groups):
             if group.get("mode", "train") == name:
                 continue
@@ -1006,18 +1030,7 @@ class SpecOptimizer(torch.optim.Optimizer):
             for p, program in zip(params, progs):
                 self._check_mode_states(f"{owner}.{name}()", p, self.state[p], program)
             todo.append((group, values, params, progs))
-        for group, values, params, progs in todo:
-            for program, ids in engine.groups(progs):
-                ps = [params[i] for i in ids]
-                sts = [self.state[p] for p in ps]
-                if program.master and name == "train":  # the copies never left mode train
-                    for p, st in zip(ps, sts):
-                        p.copy_(st[engine.MASTER])
-                    continue
-                vals = [engine.at_step(values, st["step"]) for st in sts]
-                engine.mode(program, name, ps,
-                            [[st[n] for st in sts] for n in program.state_names], vals)
-            group["mode"] = name
+        return todo
 
     def _check_mode_states(self, owner: str, p, st: dict, program) -> None:
         """ValueError naming the state of ``p`` that a switch of modes cannot read (as the
@@ -1097,7 +1110,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         for k, group in enumerate(self.param_groups):
             group.setdefault("maximize", False)  # (pickled before groups held them, as
             for key, default in _PRECISION_DEFAULTS.items():  # load_state_dict takes them)
-                group.setdefault(key, default)
+                group.setdefault(key, self.defaults.get(key, default))
             missing = [h.name for h in self.spec.hypers if h.name not in group]
             if missing:  # (a step would fail on the first one read)
                 raise ValueError(f"{type(self).__name__}: group {k} of the pickled optimizer "
@@ -1402,8 +1415,10 @@ class SpecOptimizer(torch.optim.Optimizer):
         params = [(p, g) for g in self.param_groups for p in g["params"]]
         for k, group in enumerate(self.param_groups):
             group.setdefault("maximize", False)  # (a state saved before groups held it)
-            for key, default in _PRECISION_DEFAULTS.items():
-                group.setdefault(key, default)
+            for key, default in _PRECISION_DEFAULTS.items():  # (and the precision settings:
+                # this optimizer's, as torch's classes setdefault an option that a state
+                # saved before they had it lacks)
+                group.setdefault(key, self.defaults.get(key, default))
             self._check_group(f"{type(self).__name__}.load_state_dict: group {k}", group)
             self._tuples().sync(f"{type(self).__name__}.load_state_dict", k, group)
         declared, own = self.spec._spec.state_names, self._rule_keys()
@@ -1745,15 +1760,18 @@ def _settings(group: dict) -> tuple:
     """A group's settings a step reads besides its hyperparameters and precision:
     (maximize, backend, state_dtype, and torch's foreach, fused, capturable,
     differentiable)."""
-    return (group["maximize"], group.get("backend"), group.get("state_dtype"),
+    return (group["maximize"], group["backend"], group["state_dtype"],
             *(group.get(key) for key in torch_names.KEYWORDS[:4]))
 
 
 def _precision(owner: str, group: dict) -> tuple[bool, int | None]:
-    """A group's (master_weights, seed of its stochastic rounding or None), checked."""
-    master = group.get("master_weights", False)
-    return master, engine.check_precision(owner, master, group.get("stochastic_rounding", False),
-                                          group.get("rounding_seed", 0))
+    """A group's (master_weights, seed of its stochastic rounding or None), checked. A
+    group without one of them (appended to ``param_groups`` by hand, or the key deleted) is
+    a KeyError of the key (``SpecOptimizer._missing_setting`` names the group): taken as
+    off, it stepped a group of an optimizer made with master weights without them."""
+    master = group["master_weights"]
+    return master, engine.check_precision(owner, master, group["stochastic_rounding"],
+                                          group["rounding_seed"])
 
 
 def _optimizer_keys() -> dict[str, frozenset]:
