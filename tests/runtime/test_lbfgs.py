@@ -1285,3 +1285,87 @@ def test_a_state_dict_after_the_parameters_were_reordered_loads():
     other = LBFGS([torch.zeros(3, requires_grad=True) for _ in range(2)], lr=0.1)
     other.load_state_dict(saved)
     assert int(other.state[other.param_groups[0]["params"][0]]["step"]) == 2
+
+
+# -- the group's parameters changed after the first step ------------------------------
+
+def _coupled(ps):
+    """A quadratic that couples every parameter (the curvature pairs mix them)."""
+    x = torch.cat([p.reshape(-1) for p in ps])
+    n = x.numel()
+    i = torch.arange(n, dtype=torch.float64)
+    a = torch.eye(n, dtype=torch.float64) * (2 + i) + 0.3 * torch.cos(i[:, None] - i[None])
+    return 0.5 * x @ a @ x - (x * torch.sin(i)).sum()
+
+
+def _lbfgs_steps(opt, every, n):
+    for _ in range(n):
+        opt.zero_grad()
+        _coupled(every).backward()
+        opt.step()
+
+
+def _restarted(every, group_params, n, lr=0.3, m=3):
+    """A new LBFGS over copies of ``group_params`` (the rest of ``every`` held), after ``n``
+    steps: the parameters' values."""
+    copies = {id(p): torch.nn.Parameter(p.detach().clone()) for p in every}
+    opt = LBFGS([copies[id(p)] for p in group_params], lr=lr, memory_size=m)
+    _lbfgs_steps(opt, [copies[id(p)] for p in every], n)
+    return [copies[id(p)].detach() for p in every]
+
+
+def _three():
+    g = torch.Generator().manual_seed(3)
+    return [torch.nn.Parameter(torch.randn(k, generator=g, dtype=torch.float64))
+            for k in (2, 3, 2)]
+
+
+@pytest.mark.parametrize("removed", [0, 1])
+def test_a_parameter_removed_and_put_back_restarts_the_history(removed):
+    """The curvature pairs are of the group's parameters together, each pair's weight the
+    inverse of its inner product over all of them. A parameter removed from the group left
+    the others' pairs with weights of products over it too, and put back it brought its part
+    of the ring buffers, written at other steps, into this step's pairs (and where it had
+    been first, its old weights and counter, which made the state_dict one no LBFGS loads).
+    torch.optim.LBFGS fails on either (its flat history has another size). Either change
+    starts the history again, as a new LBFGS over the group's parameters would (its first
+    step), the step counter going on."""
+    ps = _three()
+    opt = LBFGS(ps, lr=0.3, memory_size=3)
+    group = opt.param_groups[0]
+    _lbfgs_steps(opt, ps, 4)
+    p = group["params"].pop(removed)
+    want = _restarted(ps, group["params"], 2)
+    _lbfgs_steps(opt, ps, 2)
+    for a, b in zip(ps, want):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
+    group["params"].append(p)
+    want = _restarted(ps, group["params"], 2)
+    _lbfgs_steps(opt, ps, 2)
+    for a, b in zip(ps, want):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
+    head = opt.state[group["params"][0]]
+    assert int(head["step"]) == 8
+    assert all({"weights", "step"}.isdisjoint(opt.state[q]) for q in group["params"][1:])
+    other = LBFGS([torch.zeros_like(q) for q in group["params"]], lr=0.3, memory_size=3)
+    other.load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize("change", ["added", "state reset"])
+def test_a_parameter_without_a_history_restarts_it(change):
+    """A parameter added to the group after the first step (or whose state was emptied)
+    had its previous value and gradient taken as zeros: its part of the next curvature pair
+    was its whole value, not its last move."""
+    ps = _three()
+    opt = LBFGS(ps[:2] if change == "added" else ps, lr=0.3, memory_size=3)
+    group = opt.param_groups[0]
+    _lbfgs_steps(opt, ps, 3)
+    if change == "added":
+        group["params"].append(ps[2])
+    else:
+        opt.state[ps[2]] = {}
+    want = _restarted(ps, ps, 3)
+    _lbfgs_steps(opt, ps, 3)
+    for a, b in zip(ps, want):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
+    assert int(opt.state[ps[0]]["step"]) == 6

@@ -59,6 +59,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+import weakref
 from functools import partial
 
 import torch
@@ -336,18 +337,21 @@ def _on(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.to(like.device, like.dtype)
 
 
-def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate, group=None):
+def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate, group=None,
+           restart=False):
     """One step over lists of real tensors (already viewed as real). Returns the new
     params, ring buffers, previous params/grads, weights and step. ``group``: the process
     group every inner product is summed over (each rank holding other parameters): one
-    all-reduce for the curvature pair's products, one for each slot of the recursion."""
+    all-reduce for the curvature pair's products, one for each slot of the recursion.
+    ``restart``: the step is a first step (no curvature pair of the last move, the first
+    step's scale), the history's weights, zero, given by the caller (``LBFGS.step``)."""
     wd, dev = weights.dtype, weights.device
     if callable(lr) and not isinstance(lr, torch.Tensor):  # (evaluated and checked before
         lr = scheduled("lr", lr(step))                      # anything is written)
         if isinstance(lr, torch.Tensor):
             lr = lr.reshape(())  # (one element: a parameter keeps its shape)
     count = step.long()
-    first = step == 0
+    first = torch.ones((), dtype=torch.bool, device=dev) if restart else step == 0
     pos = ~first
     prev_slot = torch.remainder(count - 1, m).reshape(1)
     order = torch.remainder(count + torch.arange(m, device=dev), m)  # oldest slot first
@@ -580,7 +584,10 @@ class LBFGS(torch.optim.Optimizer):
     products span all of them; every rank steps, with or without gradients). Each
     parameter's state holds its
     ``diff_params``, ``diff_updates``, ``params_prev`` and ``updates_prev``; the
-    first parameter's state also holds the shared ``weights`` and ``step``.
+    first parameter's state also holds the shared ``weights`` and ``step``. A change of
+    which parameters the group holds after the first step (one added, removed or put back,
+    or a state emptied) starts the history again, the step counter going on; a reorder
+    keeps it.
     """
 
     def __init__(self, params, lr=1.0, memory_size: int = 10, scale_init_precond: bool = True,
@@ -640,7 +647,19 @@ class LBFGS(torch.optim.Optimizer):
         where they were, to come back over that history when the order did. (Also before a
         state_dict, which a load refuses with them elsewhere.)"""
         head = self.state.get(params[0]) if params else None
-        if not params or (head is not None and "step" in head):
+        if not params:
+            return
+        last = self.__dict__.get("_vega_last")  # (the last step's: ``step``)
+        was = last[1]() if last is not None else None
+        held = self.state.get(was) if was is not None and was is not params[0] else None
+        if held is not None and "step" in held and "weights" in held:
+            # the last step's first parameter, wherever it is now (moved, or removed from
+            # the group: the counter goes on; one put back holds none, old, to come back)
+            self.state.setdefault(params[0], {}).update(
+                {"weights": held["weights"], "step": held["step"]})
+            del held["weights"], held["step"]
+            return
+        if head is not None and "step" in head:
             return
         for q in params[1:]:
             st = self.state.get(q)
@@ -720,6 +739,7 @@ class LBFGS(torch.optim.Optimizer):
         made = {p: frozenset(self.state[p]) if p in self.state else None for k, p
                 in enumerate(params) if "diff_params" not in self.state.get(p, ())
                 or (k == 0 and "step" not in self.state.get(p, ()))}  # (what a step makes)
+        restart = self._restarts(params)
         try:  # (refused: the state this step made is dropped, the rest is as it was)
             shared = self._shared(group)
             states = [self._param_state(p, group) for p in params]
@@ -741,12 +761,33 @@ class LBFGS(torch.optim.Optimizer):
         resolve = not torch.compiler.is_compiling()
         written = [params, *([st[f] for st in states] for f in TREE_FIELDS)]
         reals = [[_real(x, resolve) for x in col] for col in written]
+        if restart:
+            shared["weights"].zero_()
         _, _, _, _, _, _, shared["step"] = _lbfgs(
             reals[0], [_real(_zero_for_none(p, p.grad)) for p in params], *reals[1:],
             shared["weights"], shared["step"], lr, m, group["scale_init_precond"], True,
-            self.reduce_group)
+            self.reduce_group, restart)
         _write_back([x for col in written for x in col], [x for col in reals for x in col])
+        if not torch.compiler.is_compiling():
+            self.__dict__["_vega_last"] = (frozenset(map(id, params)), weakref.ref(params[0]))
         return loss
+
+    def _restarts(self, params) -> bool:
+        """Whether this step starts the history again: the curvature pairs are of the
+        group's parameters together, each pair's weight the inverse of its inner product
+        over all of them, so a parameter added since the last step (or put back, with its
+        part of the ring buffers written at other steps), removed since (the weights are of
+        products over it too), or without a history (its state emptied) makes the pairs
+        the history holds pairs of no problem being solved. A restart is a new LBFGS's
+        first step over the group's parameters, the step counter going on. Not under a
+        ``reduce_group`` (the ranks' pairs are one history: a restart would be of one rank
+        only) or while dynamo traces."""
+        if self.reduce_group is not None or torch.compiler.is_compiling():
+            return False
+        last = self.__dict__.get("_vega_last")
+        if last is not None and last[0] != frozenset(map(id, params)):
+            return True
+        return any("diff_params" not in self.state.get(p, ()) for p in params)
 
     def __getstate__(self) -> dict:
         """torch's (defaults, state, groups) and ``reduce_group``, which a step reads
@@ -817,6 +858,7 @@ class LBFGS(torch.optim.Optimizer):
         except BaseException:  # nothing changes
             self.state, self.param_groups = before
             raise
+        self.__dict__.pop("_vega_last", None)  # (the state loaded is one history)
 
     def _check_loaded(self, owner: str) -> None:
         """ValueError where the loaded groups or states are not what a step reads."""
