@@ -840,8 +840,9 @@ BAD_LOADS = [
     ("weights of another memory", _set("weights", lambda t: t[:2]),
      r"the first parameter's state\['weights'\] must be a float32 or float64 tensor of "
      r"shape \(4,\)"),
-    ("an unknown entry", lambda sd: sd["state"][1].__setitem__("momentum", torch.zeros(1)),
-     r"the state of parameter 1 has .*'momentum'.*; unknown: \['momentum'\]"),
+    ("a shared entry in another parameter's state",
+     lambda sd: sd["state"][1].__setitem__("step", torch.tensor(3, dtype=torch.int32)),
+     r"the state of parameter 1 has .*'step'.*; \['step'\] are the first parameter's alone"),
     ("lr -1", lambda sd: sd["param_groups"][0].__setitem__("lr", -1.0), r"lr=-1\.0 must be"),
     ("memory_size 0", lambda sd: sd["param_groups"][0].__setitem__("memory_size", 0),
      r"memory_size=0 must be a positive integer"),

@@ -249,3 +249,24 @@ def test_a_state_dict_without_precision_settings_loads_with_the_optimizers_defau
         == (True, True, 7)
     opt.step()
     assert "master" in opt.state[p]
+
+
+def test_lbfgs_keeps_a_key_of_the_callers_own_as_torch_does():
+    # its step never read one, but its load_state_dict refused it (unknown: ['my_ema'])
+    ps, opt = _stepped(vo.LBFGS)
+    opt.state[ps[1]]["my_ema"] = torch.full((5,), 7.0, dtype=torch.float64)
+    opt.state[ps[0]]["my_note"] = 0.5
+    opt.step()
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    fresh = vo.LBFGS(qs, lr=0.1)
+    fresh.load_state_dict(opt.state_dict())
+    # (as torch loads it: cast to its parameter's dtype)
+    assert fresh.state[qs[1]]["my_ema"].dtype == torch.float32
+    assert torch.equal(fresh.state[qs[1]]["my_ema"], torch.full((5,), 7.0))
+    assert fresh.state[qs[0]]["my_note"] == 0.5
+    for q, p in zip(qs, ps):
+        q.grad = torch.ones_like(q)
+    fresh.step()
+    opt.step()
+    for q, p in zip(qs, ps):
+        assert torch.equal(q, p)

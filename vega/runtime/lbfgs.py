@@ -852,7 +852,8 @@ class LBFGS(torch.optim.Optimizer):
                 if pid not in originals or p not in self.state:
                     continue
                 for name, value in originals[pid].items():
-                    if isinstance(value, torch.Tensor):
+                    # (the saved dtype kept; an entry of the caller's own as torch cast it)
+                    if isinstance(value, torch.Tensor) and name in FIELDS:
                         self.state[p][name] = value.to(device=p.device, copy=True)
             self._check_loaded(owner)
         except BaseException:  # nothing changes
@@ -876,15 +877,15 @@ class LBFGS(torch.optim.Optimizer):
         buffers = False
         for i, p in enumerate(params):
             st = self.state.get(p) or {}
-            allowed = set(TREE_FIELDS) | ({"weights", "step"} if i == 0 else set())
-            unknown = sorted(map(str, st.keys() - allowed))
-            if unknown:
+            # (an entry whose name is none of the rule's is the caller's own, loaded as
+            # torch loads it; the shared ones belong to the first parameter alone)
+            misplaced = sorted(st.keys() & {"weights", "step"}) if i else []
+            if misplaced:
                 raise ValueError(f"{owner}: the state of parameter {i} has "
                                  f"{sorted(map(str, st))}, but L-BFGS keeps "
-                                 f"{list(TREE_FIELDS)}"
-                                 + (", and the first parameter's also 'weights' and 'step'"
-                                    if i == 0 else "")
-                                 + f"; unknown: {unknown}")
+                                 f"{list(TREE_FIELDS)}, and the first parameter's also "
+                                 f"'weights' and 'step'; {misplaced} are the first "
+                                 "parameter's alone")
             if not any(f in st for f in TREE_FIELDS):
                 continue
             buffers = True
