@@ -270,3 +270,34 @@ def test_lbfgs_keeps_a_key_of_the_callers_own_as_torch_does():
     opt.step()
     for q, p in zip(qs, ps):
         assert torch.equal(q, p)
+
+
+def test_a_group_added_after_the_defaults_betas_were_edited_takes_them():
+    # torch's classes fill a new group from opt.defaults: an edited 'betas' was lost (the
+    # group took b1 and b2 as the optimizer was made, and stepped at them)
+    ps = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.full((3,), 2.0))]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt = vo.Adam(ps[:1], lr=0.1, backend="reference")
+    ref = torch.optim.Adam(theirs[:1], lr=0.1)
+    for o in (opt, ref):
+        o.defaults["betas"] = (0.5, 0.9)
+    opt.add_param_group({"params": ps[1:]})
+    ref.add_param_group({"params": theirs[1:]})
+    group = opt.param_groups[1]
+    assert (group["b1"], group["b2"], group["betas"]) == (0.5, 0.9, (0.5, 0.9))
+    for _ in range(3):
+        for p, q in zip(ps, theirs):
+            p.grad = torch.tensor([1.0, -2.0, 0.5])
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(ps, theirs):
+        torch.testing.assert_close(p.detach(), q.detach())
+    opt.defaults["b2"] = 0.95  # (vega's name, edited: taken too)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    assert opt.param_groups[2]["betas"] == (0.5, 0.95)
+    opt.defaults["b1"], opt.defaults["betas"] = 0.7, (0.6, 0.95)  # (both, disagreeing)
+    with pytest.raises(ValueError, match=r"^Adam: its defaults have betas=\(0\.6, 0\.95\) but "
+                                         r"b1=0\.7, b2=0\.95; .*change one of the two"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    assert len(opt.param_groups) == 3

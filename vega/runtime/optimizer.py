@@ -155,6 +155,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                                   "stochastic_rounding": stochastic_rounding,
                                   "rounding_seed": rounding_seed})
         self.state = _counting(self.state)
+        sync = self._tuples()  # (the defaults' tuples as made: ``TupleSync.sync_defaults``)
+        sync.made = {key: tuple(self.defaults[key]) for key in sync.keys if key in self.defaults}
         self._claim_scale()
 
     def add_param_group(self, param_group: dict) -> None:

@@ -326,15 +326,41 @@ class TupleSync:
     def __init__(self, keys: dict[str, tuple[str, ...]]):
         self.keys = keys
         self.seen: dict[int, tuple] = {}  # id(group) -> (group, {key: its tuple})
+        self.made: dict | None = None  # {key: the defaults' tuple as last made to agree}
 
     def fill(self, owner: str, param_group: dict, defaults: dict) -> None:
         """A group being added: each tuple from its own names (or theirs from the tuple),
-        defaults for the rest; ValueError where the two disagree."""
+        defaults for the rest (``sync_defaults``); ValueError where the two disagree."""
+        self.sync_defaults(owner, defaults)
         for key, names in self.keys.items():
             given = {n: param_group[n] for n in names if n in param_group}
             if key in param_group:
                 param_group.update(split_betas(owner, names, param_group[key], given, key))
             param_group[key] = tuple(param_group.get(n, defaults[n]) for n in names)
+
+    def sync_defaults(self, owner: str, defaults: dict) -> None:
+        """The optimizer's ``defaults`` (from which ``add_param_group`` fills a new group)
+        made to agree as a group's tuples and names are (``sync``), against their values
+        when they last agreed (``made``: the optimizer made, or a group added):
+        ``opt.defaults['betas']`` edited, as torch's classes read it, and a ``b1`` edited
+        are each taken (a group added after took ``b1`` and ``b2`` as they were made, the
+        edited ``betas`` lost); where both changed a value to values that disagree, a
+        ValueError. Without ``made`` (an unpickled or copied optimizer), the tuple, as
+        torch's classes read it."""
+        for key, names in self.keys.items():
+            if key not in defaults or not all(n in defaults for n in names):
+                continue
+            ours, theirs = tuple(defaults[n] for n in names), defaults[key]
+            if not isinstance(theirs, (tuple, list)) or len(theirs) != len(names):
+                raise ValueError(f"{owner}: its defaults have {key}={engine.shown(theirs)}; "
+                                 f"it must be a tuple of {len(names)} values, "
+                                 f"{_shown_betas(names)}")
+            if not same_betas(ours, theirs):
+                last = self.made.get(key) if self.made is not None else None
+                now = _merged(f"{owner}: its defaults have", key, names, ours, theirs, last)
+                defaults.update(zip(names, now))
+                defaults[key] = tuple(now)
+            self.made = {**(self.made or {}), key: tuple(defaults[key])}  # (agreed, as now)
 
     def remember(self, group: dict) -> None:
         if self.keys:
@@ -374,22 +400,30 @@ class TupleSync:
                 if last is None:  # (not seen: the tuple, as torch reads it)
                     group.update(zip(names, theirs))
                     continue
-                # value by value, the one changed: a scheduler's betas[0] (OneCycleLR's) and
-                # a b2 set by hand both since the last step are both taken
-                now = []
-                for our, their, was in zip(ours, theirs, last):
-                    if _same(our, their) or _same(our, was):
-                        now.append(their)
-                    elif _same(their, was):
-                        now.append(our)
-                    else:
-                        mine = ", ".join(f"{n}={engine.shown(v)}" for n, v in zip(names, ours))
-                        raise ValueError(f"{owner}: group {k} has {key}="
-                                         f"{engine.shown(tuple(theirs))} but {mine}; {key} is "
-                                         f"{_shown_betas(names)}: change one of the two")
+                now = _merged(f"{owner}: group {k} has", key, names, ours, theirs, last)
                 group.update(zip(names, now))
                 group[key] = tuple(now)
         self.remember(group)
+
+
+def _merged(where: str, key: str, names: tuple, ours: tuple, theirs, last) -> tuple:
+    """A tuple (``theirs``) and the values it names (``ours``) that disagree, made one:
+    value by value, the one changed since ``last`` (a scheduler's betas[0], OneCycleLR's,
+    and a b2 set by hand are both taken); the tuple where ``last`` is None (as torch's
+    classes read it); ValueError (``where``: whose) where both changed and disagree."""
+    if last is None:
+        return tuple(theirs)
+    now = []
+    for our, their, was in zip(ours, theirs, last):
+        if _same(our, their) or _same(our, was):
+            now.append(their)
+        elif _same(their, was):
+            now.append(our)
+        else:
+            mine = ", ".join(f"{n}={engine.shown(v)}" for n, v in zip(names, ours))
+            raise ValueError(f"{where} {key}={engine.shown(tuple(theirs))} but {mine}; {key} "
+                             f"is {_shown_betas(names)}: change one of the two")
+    return tuple(now)
 
 
 # -- torch.optim's state dicts --------------------------------------------------------------
