@@ -301,3 +301,22 @@ def test_a_group_added_after_the_defaults_betas_were_edited_takes_them():
                                          r"b1=0\.7, b2=0\.95; .*change one of the two"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
     assert len(opt.param_groups) == 3
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_state_deleted_from_a_parameters_state_is_named_as_deleted(reuse):
+    # the message guessed only a bool hyperparameter changed since the first step (Adam's
+    # mu is read by every step, whatever its settings)
+    ps, opt = _stepped(vo.Adam, backend="reference")
+    if reuse:
+        opt.step()
+    mu = opt.state[ps[0]].pop("mu")
+    with pytest.raises(ValueError, match=r"^Adam: the state of parameter 0 of group 0 has "
+                                         r"\['nu', 'step'\] without 'mu', which every step "
+                                         r"of the rule reads \(deleted from it\?\)"):
+        opt.step()
+    opt.state[ps[0]]["mu"] = mu
+    opt.step()
+    del opt.state[ps[0]]
+    opt.step()
+    assert int(opt.state[ps[0]]["step"]) == 1

@@ -812,6 +812,13 @@ class SpecOptimizer(torch.optim.Optimizer):
                         f"({sorted(want)}); write into it after the first step, or into the "
                         "state of a functional init (or, where it had stepped and its 'step' "
                         "was deleted, put back its step count, a 0-d int32 tensor)")
+                gone = sorted(want - st.keys() - self._lazy_states())
+                if gone and not self.spec._spec.reads_shape:  # (states no setting turns off)
+                    raise ValueError(
+                        f"{owner}: the state of {self._name(p)} has {sorted(map(str, st))} "
+                        f"without {', '.join(map(repr, gone))}, which every step of the rule "
+                        "reads (deleted from it?): put it back, or delete the parameter's "
+                        "whole state (del opt.state[p]) for its next step to start it anew")
                 reshaped = ", or the parameter's shape (now " + str(tuple(p.shape)) + \
                     ")" if self.spec._spec.reads_shape else ""
                 raise ValueError(
