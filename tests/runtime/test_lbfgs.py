@@ -1370,3 +1370,25 @@ def test_a_parameter_without_a_history_restarts_it(change):
     for a, b in zip(ps, want):
         torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
     assert int(opt.state[ps[0]]["step"]) == 6
+
+
+@pytest.mark.parametrize("entry", ["step", "weights"])
+def test_a_shared_entry_deleted_is_named_not_made_anew(entry):
+    """The first parameter's state without its step counter (deleted) made a new counter
+    and new, zero weights over the history kept: a restart at step 0 without a word, where
+    one without its weights was refused, as the spec classes refuse a deleted counter."""
+    ps = _three()
+    opt = LBFGS(ps, lr=0.3, memory_size=3)
+    _lbfgs_steps(opt, ps, 3)
+    head = opt.state[ps[0]]
+    kept = head.pop(entry)
+    weights = head.get("weights")
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(ValueError, match=rf"^LBFGS: the first parameter's state\['{entry}'\] "
+                                         r"must be .*, got None"):
+        _lbfgs_steps(opt, ps, 1)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    assert entry not in head and (weights is None or head["weights"] is weights)
+    head[entry] = kept
+    _lbfgs_steps(opt, ps, 1)
+    assert int(head["step"]) == 4

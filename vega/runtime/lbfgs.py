@@ -630,7 +630,8 @@ class LBFGS(torch.optim.Optimizer):
         """The state of the first parameter, which holds ``weights`` and ``step``."""
         head = group["params"][0]
         st = self.state.setdefault(head, {})  # (a plain dict assigned to state has no default)
-        if "step" not in st:
+        if "step" not in st and "weights" not in st:  # (one without the other: deleted, and
+            # named by the step's check; made anew, it restarted the history at step 0)
             sds = [_tree_dtype(p, group["state_dtype"]) for p in group["params"]]
             st["weights"] = torch.zeros(group["memory_size"], device=head.device,
                                         dtype=_scalar_dtype([d.to_real() if d.is_complex else d
