@@ -320,3 +320,20 @@ def test_a_state_deleted_from_a_parameters_state_is_named_as_deleted(reuse):
     del opt.state[ps[0]]
     opt.step()
     assert int(opt.state[ps[0]]["step"]) == 1
+
+
+@pytest.mark.parametrize("name", ["AdamW", "LBFGS"])
+def test_a_sparse_entry_of_the_callers_own_loads_as_torch_loads_it(name):
+    # (refused as a state a step keeps dense, which the caller's own entries are not)
+    ps, opt = _stepped(getattr(vo, name))
+    opt.state[ps[1]]["my_sparse"] = torch.eye(5).to_sparse()
+    fresh = getattr(vo, name)([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=0.1)
+    fresh.load_state_dict(opt.state_dict())
+    st = fresh.state[fresh.param_groups[0]["params"][1]]
+    assert torch.equal(st["my_sparse"].to_dense(), torch.eye(5))
+    fresh.step()
+    sd = opt.state_dict()  # (a state of the rule's: still refused)
+    key = "step" if name == "AdamW" else "diff_params"
+    sd["state"][1][key] = sd["state"][1][key].to_sparse()
+    with pytest.raises(ValueError, match=rf"state '{key}' of parameter id 1 is sparse"):
+        fresh.load_state_dict(sd)

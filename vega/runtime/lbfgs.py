@@ -836,8 +836,8 @@ class LBFGS(torch.optim.Optimizer):
                              "returns")
         originals = {k: dict(v) for k, v in state_dict["state"].items()}
         for pid, entries in originals.items():
-            for name, value in entries.items():
-                if isinstance(value, torch.Tensor) and not dense(value):
+            for name, value in entries.items():  # (the caller's own as torch loads them)
+                if name in FIELDS and isinstance(value, torch.Tensor) and not dense(value):
                     raise ValueError(f"{owner}: state {name!r} of parameter id "
                                      f"{pid!r} is {not_dense(value)}; L-BFGS keeps dense "
                                      "(strided) states")

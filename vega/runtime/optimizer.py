@@ -1280,10 +1280,12 @@ class SpecOptimizer(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and value.device.type == "meta":
                     raise ValueError(f"{owner}: state {name!r} of parameter id {pid!r} is a "
                                      f"meta tensor, which has no values to load")
+                if name not in own:  # (the caller's own, loaded as torch loads it)
+                    continue
                 if isinstance(value, torch.Tensor) and not dense(value):
                     raise ValueError(f"{owner}: state {name!r} of parameter id {pid!r} is "
                                      f"{not_dense(value)}; a step keeps dense (strided) states")
-                if isinstance(value, torch.Tensor) and name != "step" and name in own and \
+                if isinstance(value, torch.Tensor) and name != "step" and \
                         value.dtype != torch.uint8 and not (value.is_floating_point()
                                                             or value.is_complex()):
                     raise ValueError(f"{owner}: state {name!r} of parameter id {pid!r} is of "
