@@ -165,7 +165,16 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    d = g\n  }\n  p = p - lr * d\n}\n",
      "assigned only in one branch of the if on line 2", 5, 16),
     ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    state m = zeros\n  }\n  m = g\n"
-     "  p = p - lr * g\n}\n", "declared only inside the if on line 2", 5, 3),
+     "  p = p - lr * g\n}\n", "declared only inside the if on line 2, so only the tensors and "
+     "settings that take that branch have it; assign it inside that if, or declare it "
+     "before the if", 5, 3),
+    # a state a branch declares, read after the if (or in a later if on the same condition):
+    # declared there, not assigned, so 'assign it before the if' cannot help
+    ("optimizer o(lr = 1e-3) {\n  if ndim(p) >= 2 {\n    state r = zeros\n    r = r + g\n"
+     "  }\n  if ndim(p) >= 2 {\n    d = r\n  } else {\n    d = g\n  }\n  p = p - lr * d\n}\n",
+     "state 'r' is declared only inside the if on line 2, so only the tensors and settings "
+     "that take that branch have it; read it inside that if, or declare it before the if",
+     7, 9),
     ("optimizer o(lr = 1e-3, f = false) {\n  if f {\n    d = g\n  } else {\n    d = g > 0\n  }\n"
      "  p = p - lr * g\n}\n", "a number in one branch", 2, 3),
     # rows, columns and shapes

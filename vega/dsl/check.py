@@ -384,7 +384,9 @@ class _Walker:
                                 "only says how the parameters look (p = ...)", s.name_span)
             elif old.role == "state" and old.only_if is not None:
                 raise SpecError(f"state '{s.name}' is declared only inside "
-                                f"{self._block(old.only_if)}", s.name_span)
+                                f"{self._block(old.only_if)}, so only the tensors and "
+                                "settings that take that branch have it; assign it inside "
+                                "that if, or declare it before the if", s.name_span)
             if value.kind == Kind.ELEMENT and value.dom in ir.MATRIX_DOMAINS and (
                     s.name == "p" or (old is not None and old.role == "state")):
                 if s.name == "p":
@@ -541,6 +543,13 @@ class _Walker:
                                 "whose body a tensor may run no times (by the value of "
                                 f"'{self.repeats[b.only_if]}'); assign it before the repeat",
                                 e.span)
+            if b.only_if is not None and b.role == "state":
+                # (a state is declared, not assigned, in its branch: there is nothing to
+                # assign before the if or in the other branch)
+                raise SpecError(f"state '{e.id}' is declared only inside "
+                                f"{self._block(b.only_if)}, so only the tensors and settings "
+                                "that take that branch have it; read it inside that if, or "
+                                "declare it before the if", e.span)
             if b.only_if is not None:
                 raise SpecError(f"'{e.id}' is assigned only in one branch of the if on line "
                                 f"{b.only_if.line}; assign it before the if or in both "
