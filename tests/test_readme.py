@@ -124,3 +124,14 @@ def test_muon_tutorial_runs_in_order():
     namespace: dict = {}
     for k, block in enumerate(blocks):
         exec(compile(block, f"tutorial_muon.md block {k + 1}", "exec"), namespace)
+
+
+def test_the_language_pages_python_examples_run():
+    # docs/language.md shows a new spec compiled from a file and used as a class and as
+    # functions: it runs as written
+    text = (ROOT / "docs" / "language.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks
+    for block in blocks:
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(block, "language.md", "exec"), {})
