@@ -780,6 +780,9 @@ class Kernel:
         its (row, column) axes where they are not ``shape``'s own (a shard's view)."""
         if not self._axes:
             return ()
+        if torch.compiler.is_compiling():  # not the cache: a traced read of it guards on its
+            # contents, and a first compiled step that filled it would then recompile
+            return (*axis_geometry(shape, axes), *line_lengths(shape, axes))
         key = shape if axes is None else (shape, axes)
         found = _GEOMETRY.get(key)
         if found is None:

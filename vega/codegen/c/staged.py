@@ -65,11 +65,14 @@ def line_lengths(shape, axes: tuple[int | None, int | None] | None = None) \
     for dom in ("rc", "r", "c"):
         kept = [a for a in range(len(shape))
                 if not (a == r and "r" not in dom) and not (a == c and "c" not in dom)]
-        last = max((a for a in kept if a in (r, c)), default=None)
+        # (the last of them, kept being in order: dynamo traces this where a compiled
+        # step meets a shape first, and cannot trace max's default)
+        matrix = [a for a in kept if a in (r, c)]
+        last = matrix[-1] if matrix else None
         if last is None:
-            out.append(max(1, math.prod(shape[a] for a in kept)))
+            out.append(max(1, math.prod([shape[a] for a in kept])))
             continue
-        after = math.prod(shape[a] for a in kept if a > last)
+        after = math.prod([shape[a] for a in kept if a > last])
         out.append(max(1, after if after > 1 else shape[last]))
     return tuple(out)
 
