@@ -756,3 +756,39 @@ def test_the_fake_tensor_mode_messages_that_optimizers_md_quotes_are_raised():
             said.append(str(err.value))
     for start in quoted:
         assert any(s.startswith(start) for s in said), (start, said)
+
+
+@pytest.mark.parametrize("name", ["Prodigy", "DAdaptAdamW"])
+def test_a_class_of_sums_over_a_group_routes_wrapper_subclasses_too(name):
+    """Prodigy's and D-Adaptation's classes (sums over a parameter group: a step in stages)
+    step a TwoTensor parameter on the reference backend where no backend is named, as the
+    other classes and their own functional steps do: each half steps as a plain tensor of
+    its own would. They refused it (``backend 'c': parameter 0 is a TwoTensor``, naming
+    neither the class nor the group), and with a backend named still do, in the class's
+    words, before any state is made."""
+    cls = getattr(vega.optim, name)
+    a, b, c = _rand(6, seed=1), _rand(6, seed=2), _rand(4, 3, seed=3)
+    grads = [(_rand(6, seed=10 + k), _rand(6, seed=20 + k)) for k in range(3)]
+    w = torch.nn.Parameter(TwoTensor(a.clone(), b.clone()))
+    plain = torch.nn.Parameter(c.clone())
+    x, y = torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.clone())
+    opt = cls([{"params": [plain]}, {"params": [w]}], lr=0.5)
+    ox, oy = cls([x], lr=0.5, backend="reference"), cls([y], lr=0.5, backend="reference")
+    for k, (ga, gb) in enumerate(grads):
+        plain.grad = _rand(4, 3, seed=30 + k)
+        w.grad, x.grad, y.grad = TwoTensor(ga.clone(), gb.clone()), ga.clone(), gb.clone()
+        opt.step()
+        ox.step()
+        oy.step()
+    assert type(w) is TwoTensor
+    assert torch.equal(w.a, x) and torch.equal(w.b, y)
+    assert not torch.equal(x, a)
+    for backend in [b for b in BACKENDS if b != "reference"]:
+        p = torch.nn.Parameter(c.clone())
+        two = torch.nn.Parameter(TwoTensor(a.clone(), b.clone()))
+        p.grad, two.grad = _rand(4, 3, seed=5), TwoTensor(a.clone(), b.clone())
+        opt = cls([{"params": [p]}, {"params": [two]}], lr=0.5, backend=backend)
+        with pytest.raises(ValueError, match=rf"{name}: parameter 0 of group 1 is a TwoTensor, "
+                                             rf"a tensor subclass with operations of its own"):
+            opt.step()
+        assert not opt.state and torch.equal(p, c)

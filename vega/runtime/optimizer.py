@@ -427,6 +427,17 @@ class SpecOptimizer(torch.optim.Optimizer):
         if spread:
             # DTensors, a reduce_group, or reductions over a group: vega.runtime.sharded
             check = self.skip_nonfinite or self.loss_scale is not None
+            try:  # (a wrapper subclass, TwoTensor, on the reference backend, as below,
+                # where no DTensor or reduce_group spreads the step, as the functional step
+                # routes it)
+                local = group_of is None and not any(
+                    k not in plain and sharded.involved(item[2], None)
+                    for k, (_, w) in enumerate(found_work) for item in w)
+                found_work = [(group, w if k in plain or not local else self._routed(group, w))
+                              for k, (group, w) in enumerate(found_work)]
+            except BaseException:
+                self._refused()
+                raise
             items = [i for _, w in found_work for i in w]
             all_plain = all(k in plain or PLAIN_TYPES.issuperset(map(type, it[2]))
                             for k, (_, w) in enumerate(found_work) for it in w)
