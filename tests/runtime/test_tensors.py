@@ -792,3 +792,27 @@ def test_a_class_of_sums_over_a_group_routes_wrapper_subclasses_too(name):
                                              rf"a tensor subclass with operations of its own"):
             opt.step()
         assert not opt.state and torch.equal(p, c)
+
+
+def test_a_fused_step_of_sums_over_a_group_names_the_wrapper_gradient_it_refuses():
+    """A fused step (max_grad_norm, skip_nonfinite) refuses a TwoTensor gradient, whose
+    norm is its own: for Prodigy, whose step runs in stages over its group, the message said
+    ``one is a TwoTensor``, naming neither the step nor the gradient, where AdamW's names
+    both; it names them now, and nothing is written."""
+    a, c = _rand(6, seed=1), _rand(4, 3, seed=3)
+    for kw in ({"max_grad_norm": 1.0}, {"skip_nonfinite": True}):
+        p = torch.nn.Parameter(c.clone())
+        two = torch.nn.Parameter(TwoTensor(a.clone(), a.clone()))
+        p.grad, two.grad = _rand(4, 3, seed=5), TwoTensor(a.clone(), a.clone())
+        opt = vega.optim.Prodigy([{"params": [p]}, {"params": [two]}], **kw)
+        with pytest.raises(ValueError, match=r"^Prodigy: the gradient of parameter 0 of group 1 "
+                                             r"is a TwoTensor, a tensor subclass"):
+            opt.step()
+        assert not opt.state and torch.equal(p, c)
+        params = {"w": c.clone(), "b": TwoTensor(a.clone(), a.clone())}
+        state = vega.prodigy_init(params)
+        grads = {"w": _rand(4, 3, seed=5), "b": TwoTensor(a.clone(), a.clone())}
+        with pytest.raises(ValueError, match=r"^prodigy_step: grads leaf 'b' is a TwoTensor, "
+                                             r"a tensor subclass"):
+            vega.prodigy_step(params, grads, state, donate=True, **kw)
+        assert torch.equal(params["w"], c) and int(state["step"]) == 0

@@ -452,7 +452,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                                        [k for k, (_, w) in enumerate(found_work) for _ in w],
                                        spans=self.spec._spec.spans_group,
                                        plain=[k in plain for k, (_, w) in enumerate(found_work)
-                                              for _ in w])
+                                              for _ in w],
+                                       name=lambda j, k: f"{type(self).__name__}: the gradient "
+                                                         f"of {self._name(items[j][2][k])}")
             except (TypeError, ValueError, VegaError):  # (refused, or its kernels not built,
                 self._refused()                          # before anything was written)
                 if len(items) == 1 and all_plain:  # (in the class's words, where it has them)

@@ -407,7 +407,7 @@ class _Local:
 
 
 def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
-          reduce_group=None, group_of=None, spans: bool = False, plain=None):
+          reduce_group=None, group_of=None, spans: bool = False, plain=None, name=None):
     """``engine.prelude`` over every item's gradients and ``engine.run`` of each item
     (``(program, backend, params, grads, states, steps, values)``, values a dict per
     tensor, or one for all), reducing across
@@ -415,7 +415,9 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
     ``group_of``: each item's parameter group, over whose tensors a spec's reductions over
     a group (``global_sum``) run (None: the items are one group). ``spans``: the spec has
     such reductions (a rank without tensors to step knows it so). ``plain``: for each item,
-    whether its every tensor is known to be a plain one, not a DTensor (None: none known)."""
+    whether its every tensor is known to be a plain one, not a DTensor (None: none known).
+    ``name(j, k)``: how a refusal of the prelude names gradient ``k`` of item ``j``
+    (``engine.prelude``)."""
     box: list = []
     locs = [_Local(owner, item, box, plain is not None and plain[k])
             for k, item in enumerate(items)]
@@ -431,10 +433,12 @@ def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
     weights = sorted({v.weight for loc in locs for v in loc.views if v is not None} or {1.0})
     pre = None
     for w in weights:  # (one class of weight, in the common case)
-        part = engine.prelude([(loc.program, loc.backend,
-                                [g for g, v in zip(loc.lg, loc.views)
-                                 if (v.weight if v is not None else 1.0) == w])
-                               for loc in locs], inv_scale, max_norm, check)
+        kept = [[i for i, v in enumerate(loc.views) if (v.weight if v is not None else 1.0) == w]
+                for loc in locs]
+        part = engine.prelude([(loc.program, loc.backend, [loc.lg[i] for i in ks])
+                               for loc, ks in zip(locs, kept)], inv_scale, max_norm, check,
+                              name=None if name is None else
+                              (lambda j, k, kept=kept: name(j, kept[j][k])))
         if part is None:
             break
         if pre is None:

@@ -339,14 +339,16 @@ class CompiledSpec:
                 for (program, ids), item in zip(work, items):
                     engine.check_call(owner, program, backend, *item[2:6],
                                       lambda k, ids=ids: named(k, ids))
+            def grad_name(j, k):  # (gradient k of call j, for a message)
+                return f"{owner}: grads leaf '{_paths(params, p_leaves)[work[j][1][k]]}'"
             if spread or any(program.spans_group for program, _ in work):
                 pre, results = sharded.fused(owner, items, inv, max_grad_norm, check, donate,
-                                             reduce_group, spans=self._spec.spans_group)
+                                             reduce_group, spans=self._spec.spans_group,
+                                             name=grad_name)
             else:
                 pre = engine.prelude(
                     [(item[0], backend, item[3]) for item in items], inv, max_grad_norm, check,
-                    name=lambda j, k: f"{owner}: grads leaf "
-                                      f"'{_paths(params, p_leaves)[work[j][1][k]]}'")
+                    name=grad_name)
                 results = [engine.run(*item, donate, pre) for item in items]
             new_step = None
             for (program, ids), (ps, ss, steps, _) in zip(work, results):
