@@ -1392,3 +1392,33 @@ def test_a_shared_entry_deleted_is_named_not_made_anew(entry):
     head[entry] = kept
     _lbfgs_steps(opt, ps, 1)
     assert int(head["step"]) == 4
+
+
+def test_parameters_on_meta_beside_real_ones_are_refused_by_name_before_any_write():
+    """L-BFGS's inner products span every parameter: one on meta (no values) beside one on the
+    CPU failed inside the first product with torch's ``NotImplementedError: Cannot copy out of
+    meta tensor; no data!``, and the class kept the state its first step had made for both.
+    A ValueError now names the parameter, before anything is written; a step whose
+    parameters are all on meta steps there, as before."""
+    a, b = torch.randn(5, dtype=torch.float64), torch.empty(4, dtype=torch.float64,
+                                                            device="meta")
+    params = {"a": a.clone(), "b": b}
+    state = lbfgs_init(params, memory_size=3)
+    grads = {"a": torch.randn(5, dtype=torch.float64), "b": torch.empty_like(b)}
+    for donate in (False, True):
+        with pytest.raises(ValueError, match=r"^lbfgs_step: params leaf 'b' is on meta, which "
+                                             r"holds no values, and params leaf 'a' on cpu"):
+            lbfgs_step(params, grads, state, lr=0.1, donate=donate)
+        assert torch.equal(params["a"], a) and int(state["step"]) == 0
+    p, q = torch.nn.Parameter(a.clone()), torch.nn.Parameter(b)
+    p.grad, q.grad = grads["a"].clone(), grads["b"]
+    opt = LBFGS([p, q], lr=0.1)
+    with pytest.raises(ValueError, match=r"^LBFGS: parameter 1 of group 0 is on meta, which "
+                                         r"holds no values, and parameter 0 of group 0 on cpu"):
+        opt.step()
+    assert not opt.state and torch.equal(p, a)
+    # all on meta: stepped there
+    metas = {"b": b, "c": torch.empty(2, 3, dtype=torch.float64, device="meta")}
+    new, st = lbfgs_step(metas, {k: torch.empty_like(v) for k, v in metas.items()},
+                         lbfgs_init(metas), lr=0.1)
+    assert new["c"].is_meta and st["weights"].is_meta

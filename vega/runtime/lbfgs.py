@@ -246,6 +246,22 @@ def _check_state_leaves(owner: str, name, p: torch.Tensor, leaves: dict, m: int)
         dtype = s.dtype
 
 
+def _check_meta(owner: str, tensors: list, label) -> None:
+    """ValueError where some of ``tensors`` (a step's parameters, then its ``weights``) are on
+    meta and others are not: the inner products span every parameter, and a meta tensor has
+    no values to add to the others' (torch failed inside the first product: "Cannot copy out
+    of meta tensor; no data!"). ``label(k)`` names tensor ``k``."""
+    first = tensors[0].is_meta if tensors else False
+    k = next((k for k, t in enumerate(tensors) if t.is_meta != first), None)
+    if k is None:
+        return
+    meta, real = (0, k) if first else (k, 0)
+    raise ValueError(f"{owner}: {label(meta)} is on meta, which holds no values, and "
+                     f"{label(real)} on {tensors[real].device}: L-BFGS's inner products span "
+                     "every parameter, so they step on meta all together or not at all (a "
+                     "model made on meta: move it with to_empty, then make its optimizer)")
+
+
 def _zero_for_none(p, g):
     """A gradient of ``None`` for a parameter that steps is a zero gradient (as
     torch.optim.LBFGS takes it): the loss does not depend on the parameter, and the curvature
@@ -450,6 +466,9 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
     idx = stepped(owner, params, p_leaves, g_leaves, lambda i, name, p: _check_state_leaves(
         owner, name, p, {f: cols[f][i] for f in TREE_FIELDS}, m))
     weights, step = state["weights"], state["step"]
+    _check_meta(owner, [*(p_leaves[i] for i in idx), weights],  # (names found for a message)
+                lambda k: f"params leaf '{_paths(params, p_leaves)[idx[k]]}'" if k < len(idx)
+                else "state['weights']")
     if donate and not torch.compiler.is_compiling():  # (before any write)
         _check_donated(owner, params, p_leaves, g_leaves, cols, idx, weights, step)
     resolve = not (donate and torch.compiler.is_compiling())
@@ -536,7 +555,10 @@ def _check_class_step(params, states, shared: dict, m: int) -> None:
     shape, or made complex, after the first step: ``_check_state_leaves``), and a parameter,
     state or counter that a step in place cannot write, or a gradient sharing memory with one
     (an expanded parameter: ``vega.codegen.tensors.inplace_problem``), before anything is
-    written."""
+    written; parameters on meta beside others (``_check_meta``)."""
+    _check_meta("LBFGS", [*params, shared["weights"]],
+                lambda k: f"parameter {k} of group 0" if k < len(params) else
+                "state 'weights' of parameter 0 of group 0")
     for i, (p, st) in enumerate(zip(params, states)):
         try:
             _check_state_leaves("LBFGS", lambda: "", p, {f: st.get(f) for f in TREE_FIELDS},
