@@ -816,3 +816,37 @@ def test_a_fused_step_of_sums_over_a_group_names_the_wrapper_gradient_it_refuses
                                              r"a tensor subclass"):
             vega.prodigy_step(params, grads, state, donate=True, **kw)
         assert torch.equal(params["w"], c) and int(state["step"]) == 0
+
+
+@pytest.mark.parametrize("name", ["Prodigy", "DAdaptAdamW"])
+def test_a_sum_over_a_group_of_parameters_on_meta_beside_others_is_refused(name):
+    """Prodigy's and D-Adaptation's sums over a parameter group add every tensor's part: a
+    parameter on meta (no values) beside one on the CPU, stepped on the reference backend,
+    failed inside the sum (``Tensor on device meta is not on the expected device cpu!``), or
+    for D-Adaptation wrote the CPU parameter and then failed on the meta one's write
+    (``Cannot copy out of meta tensor; no data!``), the class keeping the states it had
+    made. It is a ValueError now, naming the parameter, before anything is written; a group
+    all on meta steps there, as before."""
+    cls = getattr(vega.optim, name)
+    a = _rand(5, seed=1)
+    p, q = torch.nn.Parameter(a.clone()), torch.nn.Parameter(torch.empty(5, device="meta"))
+    p.grad, q.grad = _rand(5, seed=2), torch.empty(5, device="meta")
+    opt = cls([p, q], backend="reference")
+    with pytest.raises(ValueError, match=rf"^{name}: parameter 1 of group 0 is on meta, which "
+                                         rf"holds no values, and parameter 0 of group 0 on cpu"):
+        opt.step()
+    assert not opt.state and torch.equal(p, a)
+    params = {"a": a.clone(), "b": torch.empty(5, device="meta")}
+    state = cls.spec.init(params)
+    grads = {"a": _rand(5, seed=2), "b": torch.empty(5, device="meta")}
+    for donate in (False, True):
+        with pytest.raises(ValueError, match=r"params leaf 'b' is on meta, which holds no "
+                                             r"values, and params leaf 'a' on cpu"):
+            cls.spec.step(params, grads, state, backend="reference", donate=donate)
+        assert torch.equal(params["a"], a) and int(state["step"]) == 0
+    metas = [torch.nn.Parameter(torch.empty(5, device="meta")) for _ in range(2)]
+    for m in metas:
+        m.grad = torch.empty(5, device="meta")
+    opt = cls(metas, backend="reference")
+    opt.step()
+    assert opt.state[metas[0]]["step"].is_meta

@@ -446,6 +446,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                     # (plain parameters, several calls: each checked before the first writes)
                     self._check_writes(items)
                     self._check_work(items)
+                sharded.check_meta_sums(type(self).__name__, items,
+                                        [k for k, (_, w) in enumerate(found_work) for _ in w],
+                                        lambda j, k: self._name(items[j][2][k]))
                 pre, _ = sharded.fused(type(self).__name__, items,
                                        engine.inverse_scale(self.loss_scale),
                                        self.max_grad_norm, check, True, group_of,

@@ -406,6 +406,30 @@ class _Local:
                 new_steps, finite)
 
 
+def check_meta_sums(owner: str, items, group_of, name) -> None:
+    """ValueError, naming a parameter, where a parameter group whose rule sums over it
+    (``spans_group``: Prodigy's, D-Adaptation's) holds parameters on meta beside others: the
+    sum adds every tensor's part, and a meta tensor has none (the reference's step failed
+    inside the sum, or wrote the other parameters before it failed on the meta one's write).
+    ``items``: a step's calls (``fused``'s); ``group_of``: each one's parameter group (None:
+    one group); ``name(j, k)``: parameter ``k`` of call ``j`` in a message."""
+    first: dict = {}  # group -> (is_meta, j, k) of its first parameter
+    for j, item in enumerate(items):
+        if not item[0].spans_group:
+            continue
+        at = group_of[j] if group_of is not None else 0
+        for k, p in enumerate(item[2]):
+            seen = first.setdefault(at, (p.is_meta, j, k))
+            if seen[0] == p.is_meta:
+                continue
+            (mj, mk), (rj, rk) = ((j, k), seen[1:]) if p.is_meta else (seen[1:], (j, k))
+            raise ValueError(f"{owner}: {name(mj, mk)} is on meta, which holds no values, and "
+                             f"{name(rj, rk)} on {items[rj][2][rk].device}: the rule sums over "
+                             "its parameter group, so a group steps on meta all together or "
+                             "not at all (a model made on meta: move it with to_empty, then "
+                             "make its optimizer)")
+
+
 def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
           reduce_group=None, group_of=None, spans: bool = False, plain=None, name=None):
     """``engine.prelude`` over every item's gradients and ``engine.run`` of each item

@@ -342,6 +342,8 @@ class CompiledSpec:
             def grad_name(j, k):  # (gradient k of call j, for a message)
                 return f"{owner}: grads leaf '{_paths(params, p_leaves)[work[j][1][k]]}'"
             if spread or any(program.spans_group for program, _ in work):
+                sharded.check_meta_sums(owner, items, None, lambda j, k: "params leaf "
+                                        f"'{_paths(params, p_leaves)[work[j][1][k]]}'")
                 pre, results = sharded.fused(owner, items, inv, max_grad_norm, check, donate,
                                              reduce_group, spans=self._spec.spans_group,
                                              name=grad_name)
