@@ -641,9 +641,9 @@ def test_grads_whose_inner_containers_differ_say_where(kind, message):
 def test_backend_c_names_parameters_off_the_cpu_before_their_counters():
     """(meta parameters were refused for their step counter's device, which follows theirs)"""
     params = {"w": torch.empty(3, device="meta")}
-    with pytest.raises(ValueError, match=r"^backend 'c' runs on CPU tensors, got "
-                                         r"parameters on meta; use backend='triton' or "
-                                         r"'reference'"):
+    with pytest.raises(ValueError, match=r"^adamw_step: params leaf 'w': backend 'c' runs on "
+                                         r"CPU tensors, got parameters on meta; use "
+                                         r"backend='triton' or 'reference'"):
         vega.adamw_step(params, {"w": torch.empty(3, device="meta")}, vega.adamw_init(params),
                         backend="c")
 

@@ -850,3 +850,21 @@ def test_a_sum_over_a_group_of_parameters_on_meta_beside_others_is_refused(name)
     opt = cls(metas, backend="reference")
     opt.step()
     assert opt.state[metas[0]]["step"].is_meta
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+def test_a_functional_step_names_the_leaf_its_backend_cannot_run_on(backend):
+    """A functional step of one call whose compiled backend cannot run on a leaf's device (a
+    parameter on meta beside ones on the CPU) said only ``backend 'c' runs on CPU tensors,
+    got parameters on meta``, naming neither the step nor the leaf, where the class names
+    both (``AdamW: parameter 1 of group 0: backend 'c' ...``) and a step of several calls
+    checked in place names the leaf: it names them now, pure or in place, and writes
+    nothing."""
+    a = _rand(5, seed=1)
+    params = {"a": a.clone(), "b": torch.empty(5, device="meta")}
+    state = vega.adamw_init(params)
+    grads = {"a": _rand(5, seed=2), "b": torch.empty(5, device="meta")}
+    for donate in (False, True):
+        with pytest.raises(ValueError, match=r"^adamw_step: params leaf 'b': .*meta"):
+            vega.adamw_step(params, grads, state, backend=backend, donate=donate)
+        assert torch.equal(params["a"], a) and int(state["step"]) == 0

@@ -328,17 +328,19 @@ class CompiledSpec:
                       [[columns[n][i] for i in ids] for n in program.state_names],
                       [step if len(work) == 1 or not donate else step.clone()] * len(ids),
                       [values] * len(ids)) for program, ids in work]
-            if donate and len(items) > 1 and checked:
-                # (several calls in place: each checked before the first writes)
-                found: list = []  # (the leaves' names: found only for a message)
+            found: list = []  # (the leaves' names: found only for a message)
 
-                def named(k, ids):
-                    if not found:
-                        found.extend(_paths(params, p_leaves))
-                    return f"params leaf '{found[ids[k]]}'"
+            def named(k, ids):
+                if not found:
+                    found.extend(_paths(params, p_leaves))
+                return f"params leaf '{found[ids[k]]}'"
+
+            def check_calls():  # (each call's tensors as its kernel takes them, by name)
                 for (program, ids), item in zip(work, items):
                     engine.check_call(owner, program, backend, *item[2:6],
                                       lambda k, ids=ids: named(k, ids))
+            if donate and len(items) > 1 and checked:
+                check_calls()  # (several calls in place: each checked before the first writes)
             def grad_name(j, k):  # (gradient k of call j, for a message)
                 return f"{owner}: grads leaf '{_paths(params, p_leaves)[work[j][1][k]]}'"
             if spread or any(program.spans_group for program, _ in work):
@@ -351,7 +353,12 @@ class CompiledSpec:
                 pre = engine.prelude(
                     [(item[0], backend, item[3]) for item in items], inv, max_grad_norm, check,
                     name=grad_name)
-                results = [engine.run(*item, donate, pre) for item in items]
+                try:
+                    results = [engine.run(*item, donate, pre) for item in items]
+                except ValueError:  # (refused by a kernel before it wrote: in the step's words,
+                    if checked:     # naming the leaf, where the checks find what it refused)
+                        check_calls()
+                    raise
             new_step = None
             for (program, ids), (ps, ss, steps, _) in zip(work, results):
                 if new_step is None:
