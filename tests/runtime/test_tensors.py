@@ -868,3 +868,43 @@ def test_a_functional_step_names_the_leaf_its_backend_cannot_run_on(backend):
         with pytest.raises(ValueError, match=r"^adamw_step: params leaf 'b': .*meta"):
             vega.adamw_step(params, grads, state, backend=backend, donate=donate)
         assert torch.equal(params["a"], a) and int(state["step"]) == 0
+
+
+class _RootTwice(torch.Tensor):
+    """A subclass with ``__torch_function__`` alone, whose ``sqrt`` is twice torch's."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 2 if func in (torch.sqrt, torch.Tensor.sqrt) else out
+
+
+def test_a_torch_function_subclass_steps_through_its_operations_on_the_reference_alone():
+    """docs/robustness.md: a parameter of a subclass that overrides ``__torch_function__``
+    alone keeps its storage; the compiled kernels read and write it as a plain tensor (its
+    overrides change nothing), while the reference backend steps it through torch's
+    operations, which call them, as torch.optim's step does (AdamW whose ``sqrt`` is doubled
+    takes half a step there); its states are of its type, as torch.optim's are."""
+    w = _rand(64, seed=1)
+    grads = [_rand(64, seed=2 + k) for k in range(3)]
+    moved = {}
+    for lib, backend in [(torch.optim, None), *((vega.optim, b) for b in BACKENDS)]:
+        p = torch.nn.Parameter(w.clone().as_subclass(_RootTwice))
+        opt = lib.AdamW([p], lr=0.01, **({} if lib is torch.optim else {"backend": backend}))
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        assert type(p) is _RootTwice and type(opt.state[p]["exp_avg_sq" if backend is None
+                                                         else "nu"]) is _RootTwice
+        moved[backend] = p.detach().as_subclass(torch.Tensor) - w
+    q = torch.nn.Parameter(w.clone())
+    opt = vega.optim.AdamW([q], lr=0.01, backend="reference")
+    for g in grads:
+        q.grad = g.clone()
+        opt.step()
+    plain = q.detach() - w
+    torch.testing.assert_close(moved["reference"], moved[None], rtol=1e-5, atol=1e-6)
+    assert (moved["reference"] / plain).median() < 0.6
+    for backend in BACKENDS:
+        if backend != "reference":
+            torch.testing.assert_close(moved[backend], plain, rtol=1e-5, atol=1e-6)
