@@ -908,3 +908,27 @@ def test_a_torch_function_subclass_steps_through_its_operations_on_the_reference
     for backend in BACKENDS:
         if backend != "reference":
             torch.testing.assert_close(moved[backend], plain, rtol=1e-5, atol=1e-6)
+
+
+def test_a_fused_step_names_a_gradient_on_another_device():
+    """A fused step's gradients on two devices (one on meta beside ones on the CPU) were
+    refused with ``a fused step with clipping or loss scaling needs all gradients on one
+    device, got ['cpu', 'meta']``, naming neither the step nor a gradient: it names both,
+    as its other refusals of a gradient do, and writes nothing."""
+    a = _rand(5, seed=1)
+    p, q = torch.nn.Parameter(a.clone()), torch.nn.Parameter(torch.empty(5, device="meta"))
+    p.grad, q.grad = _rand(5, seed=2), torch.empty(5, device="meta")
+    for kw in ({"max_grad_norm": 1.0}, {"skip_nonfinite": True}):
+        opt = vega.optim.AdamW([p, q], backend="reference", **kw)
+        with pytest.raises(ValueError, match=r"^AdamW: the gradient of parameter 1 of group 0 "
+                                             r"is on meta, and the first gradient on cpu: a "
+                                             r"fused step"):
+            opt.step()
+        assert not opt.state and torch.equal(p, a)
+    params = {"a": a.clone(), "b": torch.empty(5, device="meta")}
+    state = vega.adamw_init(params)
+    with pytest.raises(ValueError, match=r"^adamw_step: grads leaf 'b' is on meta, and the "
+                                         r"first gradient on cpu: a fused step"):
+        vega.adamw_step(params, {"a": _rand(5, seed=2), "b": torch.empty(5, device="meta")},
+                        state, backend="reference", max_grad_norm=1.0, donate=True)
+    assert torch.equal(params["a"], a) and int(state["step"]) == 0

@@ -712,8 +712,15 @@ def _check_prelude(parts, every, name=None) -> None:
                 f"step without them, clipping with torch.nn.utils.clip_grad_norm_")
     if not on_one_device(every):
         devices = {g.device for g in every}
-        raise ValueError(f"a fused step with clipping or loss scaling needs all gradients on one "
-                         f"device, got {sorted(map(str, devices))}")
+        words = (f"a fused step with clipping or loss scaling needs all gradients on one "
+                 f"device, got {sorted(map(str, devices))}")
+        first = every[0].device
+        at = next(((j, k) for j, (_, _, grads) in enumerate(parts)
+                   for k, g in enumerate(grads) if g.device != first), None)
+        if name is None or at is None:
+            raise ValueError(words)
+        raise ValueError(f"{name(*at)} is on {parts[at[0]][2][at[1]].device}, and the first "
+                         f"gradient on {first}: {words}")
 
 
 def prelude(parts, inv_scale=None, max_norm=None, check=False,
