@@ -38,7 +38,7 @@ from vega.codegen import quant
 from vega.codegen.base import (Geometry, ShardView, geometry, refuse_split_results,
                                state_shape)
 from vega.codegen.steps import drive
-from vega.codegen.tensors import PLAIN_TYPES, any_complex, is_dtensor
+from vega.codegen.tensors import PLAIN_TYPES, any_complex, is_dtensor, on_one_device
 from vega.dsl.check import matrix_axes
 from vega.dsl.ir import QBLOCK, SCALAR_STATE, walk
 from vega.runtime import engine
@@ -413,6 +413,8 @@ def check_meta_sums(owner: str, items, group_of, name) -> None:
     inside the sum, or wrote the other parameters before it failed on the meta one's write).
     ``items``: a step's calls (``fused``'s); ``group_of``: each one's parameter group (None:
     one group); ``name(j, k)``: parameter ``k`` of call ``j`` in a message."""
+    if on_one_device([p for item in items if item[0].spans_group for p in item[2]]):
+        return  # (the common case: one pass, native where the module is loaded)
     first: dict = {}  # group -> (is_meta, j, k) of its first parameter
     for j, item in enumerate(items):
         if not item[0].spans_group:
