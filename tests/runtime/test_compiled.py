@@ -606,3 +606,38 @@ def test_an_init_compiles_fullgraph(name):
     flat, eager = (torch.utils._pytree.tree_leaves(s) for s in (state, init(params)))
     assert len(flat) == len(eager) and all(torch.equal(a, b) for a, b in zip(flat, eager))
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compiled_step_takes_parameters_and_gradients_in_any_dense_layout(backend, donate):
+    """A compiled functional step whose parameter or gradient is not contiguous (a
+    channels_last convolution's weight, a transposed matrix, a slice) stepped eagerly, but
+    compiled on the C backend failed at its first call: ``backend 'c': parameter 0 is not a
+    contiguous CPU tensor ... holding its values as stored`` (the traced operator takes
+    contiguous tensors, which the eager path makes). It steps as the eager step does."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    cl = torch.channels_last
+    shape = (6, 5, 4, 3)
+    cases = [(lambda t: t.contiguous(memory_format=cl), lambda t: t),
+             (lambda t: t, lambda t: t.contiguous(memory_format=cl)),
+             (lambda t: t.contiguous(memory_format=cl), lambda t: t.contiguous(memory_format=cl)),
+             (lambda t: torch.zeros(6, 5, 4, 6)[..., ::2].copy_(t), lambda t: t)]
+    step = torch.compile(lambda p, g, s: vega.adamw_step(p, g, s, lr=0.01, backend=backend,
+                                                         donate=donate, max_grad_norm=1.0),
+                         backend="eager", fullgraph=True, dynamic=False)
+    for lay_p, lay_g in cases:
+        w = torch.randn(shape, generator=gen)
+        params, twin = {"w": lay_p(w.clone()), "b": torch.ones(3)}, {"w": w.clone(),
+                                                                    "b": torch.ones(3)}
+        state, twin_state = vega.adamw_init(params), vega.adamw_init(twin)
+        for _ in range(2):
+            g = {"w": torch.randn(shape, generator=gen), "b": torch.randn(3, generator=gen)}
+            out, state = step(params, {"w": lay_g(g["w"].clone()), "b": g["b"]}, state)
+            params = params if donate else out
+            twin, twin_state = vega.adamw_step(twin, g, twin_state, lr=0.01, backend="reference",
+                                               max_grad_norm=1.0)
+        torch.testing.assert_close(params["w"], twin["w"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state["nu"]["w"], twin_state["nu"]["w"], rtol=1e-5,
+                                   atol=1e-7)

@@ -1507,8 +1507,13 @@ class Kernel:
             news.append(new)
         for old, new, sink in zip([p, *olds], news, [new_params, *new_states]):
             if donate:
-                if finite is not None and not _shares(new, old):
+                if finite is not None and not _shares(new, old) and (
+                        old.is_contiguous() or not torch.compiler.is_compiling()):
                     torch.where(finite, new, old, out=old)
+                elif finite is not None and not _shares(new, old):
+                    # (dynamo refuses an out= tensor that is not contiguous: channels_last,
+                    # a slice)
+                    old.copy_(torch.where(finite, new, old))
                 else:
                     old.copy_(new)
                 sink[i] = old

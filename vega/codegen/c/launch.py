@@ -228,6 +228,9 @@ class Kernel:
         if torch.compiler.is_compiling():  # traced as one opaque node
             for g in grads:
                 self._group_key(g, g, g.dtype)
+            # (the operators read contiguous tensors: a gradient in another layout as a
+            # contiguous copy, as ``_traced_step`` takes it)
+            grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
             if not untraced(_native_ready, self, tuple({(g.dtype,) * 3 for g in grads})):
                 c_prelude(self.key, list(grads), pre)
                 return
@@ -550,12 +553,23 @@ class Kernel:
         n = len(params)
         sd = [tuple(flat_states[k * n + i].dtype for k in range(len(self.program.states)))
               for i in range(n)] if self.program.states else [(p.dtype,) for p in params]
+        # the operators read contiguous tensors (the eager path makes copies of others): a
+        # parameter, gradient or state in another layout (channels_last, transposed, a
+        # slice) is stepped as a contiguous copy, written back (strides are static in a
+        # trace: the contiguous ones take no copy)
+        written = [*params, *flat_states]
+        works = [t if t.is_contiguous() else t.contiguous() for t in written]
+        params, flat_states = works[:n], works[n:]
+        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
         if not untraced(_native_ready, self, tuple({(p.dtype, g.dtype, d) for p, g, d in
                                                     zip(params, grads, sd)})):
             c_step(self.key, params, grads, flat_states, steps, step_index, hyp, hyp_index, pre)
-            return
-        torch.ops.vega_c.step(self.id, params, grads, flat_states, steps, step_index, hyp,
-                              hyp_index, pre, self._geometries(params), [])
+        else:
+            torch.ops.vega_c.step(self.id, params, grads, flat_states, steps, step_index, hyp,
+                                  hyp_index, pre, self._geometries(params), [])
+        for orig, work in zip(written, works):
+            if work is not orig:
+                orig.copy_(work)
 
     def _geometries(self, params) -> list[int]:
         """Each parameter's ``_geometry``, one after another (none for an element-wise
