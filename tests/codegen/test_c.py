@@ -817,6 +817,7 @@ def test_kernels_build_with_a_compiler_command_and_its_arguments(tmp_path, monke
                for line in log.read_text().splitlines())
 
 
+def test_compile_failure_names_the_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path))
     with pytest.raises(cbuild.CompilerError, match="failed on a generated kernel"):
         cbuild.build("this is not C; const char *vega_key(void) { return \"@KEY@\"; }")
