@@ -609,7 +609,8 @@ class LBFGS(torch.optim.Optimizer):
     first parameter's state also holds the shared ``weights`` and ``step``. A change of
     which parameters the group holds after the first step (one added, removed or put back,
     or a state emptied) starts the history again, the step counter going on; a reorder
-    keeps it.
+    keeps it. Not under a ``reduce_group`` nor in a step compiled with ``torch.compile``,
+    which keep the history over such a change (``_restarts``).
     """
 
     def __init__(self, params, lr=1.0, memory_size: int = 10, scale_init_precond: bool = True,
