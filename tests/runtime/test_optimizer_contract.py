@@ -1,5 +1,8 @@
 """The classes against torch.optim's Optimizer contract: what a caller does to ``state`` and
 ``param_groups`` between steps, and what ``state_dict`` then saves."""
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -301,6 +304,26 @@ def test_a_group_added_after_the_defaults_betas_were_edited_takes_them():
                                          r"b1=0\.7, b2=0\.95; .*change one of the two"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
     assert len(opt.param_groups) == 3
+
+
+@pytest.mark.parametrize("copied", ["deepcopy", "pickle"])
+def test_a_copied_optimizers_defaults_keep_an_edited_b1(copied):
+    # a copy starts without the memory of its defaults' values: a b1 edited on the copy (or
+    # on the optimizer before it was copied) was put back by add_param_group, betas taken
+    # over it without a word
+    def copy_of(opt):
+        return copy.deepcopy(opt) if copied == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    opt = copy_of(vo.Adam([torch.nn.Parameter(torch.ones(3))], lr=0.1))
+    opt.defaults["b1"] = 0.5
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    assert opt.param_groups[1]["betas"] == (0.5, 0.999) and opt.defaults["betas"][0] == 0.5
+    opt.defaults["b2"] = 0.9  # (edited on the optimizer, which is then copied)
+    opt = copy_of(opt)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    assert opt.param_groups[2]["betas"] == (0.5, 0.9)
+    opt.defaults["betas"] = (0.6, 0.9)  # (the tuple, as torch's classes read it)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    assert (opt.param_groups[3]["b1"], opt.param_groups[3]["betas"]) == (0.6, (0.6, 0.9))
 
 
 @pytest.mark.parametrize("reuse", [False, True])

@@ -1083,8 +1083,10 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         """torch's (defaults, state, groups) and the fused-step settings (copy.deepcopy,
-        pickle)."""
+        pickle); the groups' tuples and the defaults' made to agree first, as the next step
+        and ``add_param_group`` would (``TupleSync.sync_defaults``)."""
         self._synced_tuples(type(self).__name__)
+        self._tuples().sync_defaults(type(self).__name__, self.defaults)
         return {**super().__getstate__(), "max_grad_norm": self.max_grad_norm,
                 "loss_scale": self.loss_scale, "skip_nonfinite": self.skip_nonfinite,
                 "reduce_group": getattr(self, "reduce_group", None),
@@ -1143,6 +1145,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                                  f"a vega whose {type(self).__name__} had no such setting, "
                                  "which this one's rule reads")
             self._tuples().sync(type(self).__name__, k, group)
+        # (and the defaults' as they are, which agree: a b1 or betas edited on the copy is
+        # then the one a group added takes, as on the optimizer copied)
+        self._tuples().sync_defaults(type(self).__name__, self.defaults)
 
     def state_dict(self) -> dict:
         """torch's format, plus the loss scale's tensors under ``'loss_scale'`` and the
