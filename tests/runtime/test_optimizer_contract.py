@@ -160,6 +160,33 @@ def test_a_key_of_the_callers_own_written_before_the_first_step_is_kept():
     assert torch.equal(p, ref)
 
 
+@pytest.mark.parametrize("name", ["AdamW", "ScheduleFreeAdamW"])
+def test_a_state_of_the_callers_own_alone_before_the_first_step_saves_loads_and_switches(name):
+    # a parameter whose state holds entries of the caller's own and none of the rule's has
+    # not stepped, as the step takes it: its state_dict was refused by load_state_dict
+    # ('missing ['mu', 'nu', 'step']; unknown ['my_ema']'), and ScheduleFree's eval() and
+    # train() refused it ("state 'step' of parameter 0 of group 0 is None, not a tensor")
+    def made():
+        ps = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+        return ps, getattr(vo, name)(ps, lr=0.1, backend="reference")
+    ps, opt = made()
+    opt.state[ps[0]]["my_ema"] = torch.zeros(3)
+    if name == "ScheduleFreeAdamW":
+        opt.eval()
+        opt.train()
+        assert torch.equal(ps[0], torch.ones(3))
+    qs, other = made()
+    other.load_state_dict(opt.state_dict())
+    assert list(other.state[qs[0]]) == ["my_ema"]
+    for o, params in ((opt, ps), (other, qs)):
+        for p in params:
+            p.grad = torch.full_like(p, 0.5)
+        o.step()
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)
+    assert sorted(other.state[qs[0]]) == sorted({*other.state[qs[1]], "my_ema"})
+
+
 def test_a_state_name_of_the_rule_written_wrong_is_refused_on_every_path():
     # not a key of the caller's: a state the rule reads, of another shape
     ps, opt = _stepped(vo.SGD, backend="reference", momentum=0.9)

@@ -1042,7 +1042,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                 continue
             flags, values = self._group_values(group)
             master, seed = _precision(owner, group)
-            params = [p for p in group["params"] if self.state.get(p)]
+            own = self._rule_keys()  # (a state of the caller's entries alone: not stepped)
+            params = [p for p in group["params"] if self.state.get(p, {}).keys() & own]
             progs = engine.programs(owner, self.spec._spec, flags, values, params,
                                     master=master, seed=seed,
                                     quantized=self._q8(group, params))
@@ -1628,7 +1629,9 @@ class SpecOptimizer(torch.optim.Optimizer):
             engine.check_state_dtype(f"{owner}.load_state_dict", group["state_dtype"],
                                      self.spec._spec.state_names)
             flags, values = self._group_values(group)
-            held = [(i, p) for i, p in enumerate(group["params"]) if self.state.get(p)]
+            held = [(i, p) for i, p in enumerate(group["params"])  # (a state of the
+                    if self.state.get(p, {}).keys() & own]  # caller's entries alone: not
+            # stepped, as the step takes it)
             master, seed = _precision(owner, group)
             progs = engine.programs(owner, self.spec._spec, flags, values, [p for _, p in held],
                                     master=master, seed=seed,
