@@ -437,14 +437,14 @@ static inline uint8_t q8_code_unsigned(float x, float inv) {
     return (uint8_t)(int)rintf(r);
 }
 static inline float q8_inv(float s) { return s > 0 ? 1.0f / s : 0.0f; }
-/* A block whose absmax s is subnormal (q8_inv(s) is infinite below about 2.9e-39): its n
-   values times 2^32, exactly, and the reciprocal of s * 2^32, so that the codes are those
-   of (x * 2^32) * (1 / (s * 2^32)), the same number as x * (1 / s) where that is finite
-   (quant.TINY). A block at a time, outside the codes' SIMD loop: a normal block pays one
-   comparison. */
-static inline float q8_tiny(float *v, int n, float s) {
+/* A block whose absmax s is subnormal (q8_inv(s) is infinite below about 2.9e-39): its nb_
+   values (at most QBLOCK) times 2^32, exactly, and the reciprocal of s * 2^32, so that
+   the codes are those of (x * 2^32) * (1 / (s * 2^32)), the same number as x * (1 / s)
+   where that is finite (quant.TINY). A block at a time, outside the codes' SIMD loop: a
+   normal block pays one comparison. */
+static inline float q8_tiny(float *v, int nb_, float s) {
     if (!(s > 0.0f && s < 0x1p-126f)) return q8_inv(s);
-    for (int q = 0; q < n; q++) v[q] *= 0x1p32f;
+    for (int q = 0; q < nb_; q++) v[q] *= 0x1p32f;
     return q8_inv(s * 0x1p32f);
 }
 /* starts() with each tensor's length rounded up to whole blocks: a thread's share, in
