@@ -330,10 +330,13 @@ class CompiledSpec:
                       [values] * len(ids)) for program, ids in work]
             found: list = []  # (the leaves' names: found only for a message)
 
-            def named(k, ids):
+            def path_of(i):
                 if not found:
                     found.extend(_paths(params, p_leaves))
-                return f"params leaf '{found[ids[k]]}'"
+                return found[i]
+
+            def named(k, ids):
+                return f"params leaf '{path_of(ids[k])}'"
 
             def check_calls():  # (each call's tensors as its kernel takes them, by name)
                 for (program, ids), item in zip(work, items):
@@ -341,11 +344,11 @@ class CompiledSpec:
                                       lambda k, ids=ids: named(k, ids))
             if donate and len(items) > 1 and checked:
                 check_calls()  # (several calls in place: each checked before the first writes)
+
             def grad_name(j, k):  # (gradient k of call j, for a message)
-                return f"{owner}: grads leaf '{_paths(params, p_leaves)[work[j][1][k]]}'"
+                return f"{owner}: grads leaf '{path_of(work[j][1][k])}'"
             if spread or any(program.spans_group for program, _ in work):
-                sharded.check_meta_sums(owner, items, None, lambda j, k: "params leaf "
-                                        f"'{_paths(params, p_leaves)[work[j][1][k]]}'")
+                sharded.check_meta_sums(owner, items, None, lambda j, k: named(k, work[j][1]))
                 pre, results = sharded.fused(owner, items, inv, max_grad_norm, check, donate,
                                              reduce_group, spans=self._spec.spans_group,
                                              name=grad_name)

@@ -312,7 +312,7 @@ def _locked(directory: Path, exclusive: bool):
 
 # not following a link, not inherited by compilers, and not waiting on a FIFO (its open for
 # reading blocks until something writes to it; O_NONBLOCK makes no difference to a file)
-_OPEN = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | \
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | \
     getattr(os, "O_NONBLOCK", 0)
 LIBRARY_LIMIT = 64 << 20  # bytes: a kernel's library is some 100 KB, the native operator's a few MB
 HASH_LIMIT = 4096  # bytes: a recorded SHA-256 is one line
@@ -341,7 +341,7 @@ def read_capped(path: Path, limit: int) -> tuple[bytes | None, str | None]:
     if problem is not None:
         return None, problem
     try:
-        fd = os.open(path, _OPEN)
+        fd = os.open(path, READ_FLAGS)
     except OSError as e:
         return None, f"it cannot be opened ({e.strerror}; a link is not followed)"
     with os.fdopen(fd, "rb") as f:

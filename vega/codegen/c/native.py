@@ -266,7 +266,7 @@ def _holder(lock: Path) -> dict | None:
     """The builder ``lock`` names ({"pid", "machine"}), or None where it names none (a lock
     being written, or one of a vega that wrote the source alone)."""
     try:  # (nothing but a regular file read: a FIFO in its place would block)
-        fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(lock, cbuild.READ_FLAGS)
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 return None
