@@ -4,6 +4,7 @@ per process."""
 import errno
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -263,53 +264,64 @@ def _aged(lock, age):
     os.utime(lock, (then, then))
 
 
-def test_a_lock_is_stale_when_its_builder_is_gone_not_when_it_is_old(tmp_path, monkeypatch):
+def test_a_lock_is_stale_when_its_builder_is_gone_not_when_it_is_old(tmp_path):
     """A build may run for ten minutes (its compiler's limit): a lock older than two minutes
     was taken as its builder's death, and a second process built beside a live build on a
-    loaded machine. A lock names its builder (pid and machine): it is stale once that
-    process is gone, at once, or once it is older than a build may take, whoever holds it."""
+    loaded machine. A lock is held by its builder (a flock) and names its machine: it is
+    stale once no process holds it, at once, or once it is older than a build may take,
+    whoever holds it."""
     target = tmp_path / "vega_native-0.so"
     lock = native._taken(target)  # this process builds...
-    assert lock == native._lock(target) and native._lock_text(lock) == native.TEXT
+    assert lock == native._lock(target)
+    assert native._read_lock(lock) == ({"pid": os.getpid(), "machine": native._machine()},
+                                       native.TEXT)
     _aged(lock, 300)  # ... for five minutes now
     assert not native._stale(lock) and native._taken(target) is None
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
-    lock.unlink()
-    with monkeypatch.context() as m:
-        m.setattr(native.os, "getpid", lambda: int(gone.stdout))
-        assert native._taken(target) == lock  # a build whose process has died...
+    native._release(lock)
+    assert not lock.exists()
+    pid = os.fork()
+    if pid == 0:  # a build whose process dies...
+        os._exit(0 if native._taken(target) == lock else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert native._read_lock(lock)[0]["pid"] == pid
     assert native._stale(lock)  # ... at once
     assert native._taken(target) == lock and not native._stale(lock)  # (taken over)
     _aged(lock, native.LOCK_LIMIT + 5)  # a live holder past any build's time
     assert native._stale(lock)
+    native._release(lock)
     lock.write_text(native.TEXT)  # a lock that names no builder: its age alone
+    assert native._read_lock(lock) == (None, native.TEXT)
     assert not native._stale(lock)
     _aged(lock, native.LOCK_LIMIT + 5)
     assert native._stale(lock)
     lock.unlink()
     os.mkfifo(lock)  # (not opened for a read that would wait for a writer: its age alone)
-    assert not native._stale(lock)
+    assert not native._stale(lock) and native._read_lock(lock) == (None, None)
     _aged(lock, native.LOCK_LIMIT + 5)
     assert native._stale(lock) and native._taken(target) == lock
-    assert native._lock_text(lock) == native.TEXT
+    assert native._read_lock(lock)[1] == native.TEXT
+    native._release(lock)
+    assert not lock.exists()
 
 
-def test_a_background_builds_lock_names_its_process(fresh, monkeypatch):
-    """The background build outlives the process that started it: its lock names the
-    build's process, held while that runs, stale once it has ended."""
+def test_a_background_builds_lock_is_held_by_its_process(fresh, monkeypatch):
+    """The background build outlives the process that started it: its lock is held by the
+    build's process (the flock, its descriptor passed to it), held while that runs, stale
+    once it has ended though the process that started it runs on."""
     target = fresh / "vega_native-0.so"
     builds, real = [], subprocess.Popen
 
-    def popen(*args, **kwargs):  # a build that runs until it is ended
-        builds.append(real([sys.executable, "-c", "import time; time.sleep(60)"]))
+    def popen(args, **kwargs):  # a build that runs until it is ended
+        assert kwargs["pass_fds"] == (int(args[-1]),)
+        builds.append(real([sys.executable, "-c", "import time; time.sleep(60)"],
+                           pass_fds=kwargs["pass_fds"]))
         return builds[-1]
     monkeypatch.setattr(native.subprocess, "Popen", popen)
     native._spawn(target)
     lock = native._lock(target)
     try:
-        assert native._holder(lock)["pid"] == builds[0].pid != os.getpid()
-        assert native._lock_text(lock) == native.TEXT and not native._stale(lock)
+        assert native._held == {}  # (this process's copy let go)
+        assert native._read_lock(lock)[1] == native.TEXT and not native._stale(lock)
     finally:
         builds[0].kill()
         builds[0].wait()
@@ -354,7 +366,7 @@ def test_a_build_waited_for_waits_for_another_processes_and_holds_the_lock_for_i
     held = []
 
     def build(t=None, text=None):
-        held.append(native._lock_text(lock) == native.TEXT)
+        held.append(native._read_lock(lock)[1] == native.TEXT)
         return real_build(t, text)
     monkeypatch.setattr(native, "build", build)
     assert native.module(wait=True) is not None, native.status()
@@ -788,3 +800,108 @@ def test_the_background_build_compiles_its_parents_source(tmp_path):
             assert run.returncode == 1 and "its lock holds no source" in run.stderr, \
                 run.stderr[-2000:]
             assert not target.exists()
+
+
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout)
+
+
+def _stale_lock(target):
+    """A lock left by a build on this machine whose process has died."""
+    lock = native._lock(target)
+    lock.write_text(native._HOLDER + json.dumps({"pid": _dead_pid(),
+                                                 "machine": native._machine()}) + "\n"
+                    + native.TEXT)
+    assert native._stale(lock)
+    return lock
+
+
+def test_processes_that_find_a_lock_stale_at_once_take_it_once(tmp_path):
+    """Processes that found a stale lock at once each removed the lock there and made their
+    own: a later one removed an earlier one's new lock, and each built. One takes it; the
+    others find it held. (Each removes what it found after a wait of its own, so that the
+    order of the removals is fixed.)"""
+    target = tmp_path / "vega_native-0.so"
+    _stale_lock(target)
+    go_r, go_w = os.pipe()
+    took_r, took_w = os.pipe()
+    children = []
+    for i in range(4):
+        pid = os.fork()
+        if pid == 0:  # a process that finds the lock stale, and takes it if it can
+            code = 1
+            try:
+                os.close(go_w)
+                remove = native.cbuild.remove
+
+                def later(path, i=i):
+                    time.sleep(0.2 * (i + 1))
+                    remove(path)
+                native.cbuild.remove = later
+                os.read(go_r, 1)  # (all start at once)
+                if native._taken(target) is not None:
+                    os.write(took_w, b"x")
+                    time.sleep(0.2 * 4 + 1.5)  # building, while the others look
+                code = 0
+            finally:
+                os._exit(code)
+        children.append(pid)
+    os.close(go_w)  # go
+    os.close(took_w)
+    try:
+        statuses = [os.waitpid(pid, 0)[1] for pid in children]
+        taken = b""
+        while chunk := os.read(took_r, 64):
+            taken += chunk
+    finally:
+        os.close(go_r)
+        os.close(took_r)
+    assert statuses == [0] * 4
+    assert taken == b"x", f"{len(taken)} processes took the lock"
+
+
+def test_a_build_that_ends_at_once_leaves_another_processes_lock_as_it_is(fresh, monkeypatch):
+    """The process that starts the background build named that build in the lock once it had
+    started, by replacing the lock if it was there still: where the build had ended and
+    another process had taken the lock in between, that process's lock was replaced by one
+    naming the ended build, stale at once, and a third process built too."""
+    target = fresh / "vega_native-0.so"
+    lock = native._lock(target)
+    r, w = os.pipe()
+    others, ended = [], _dead_pid()
+
+    def popen(*args, **kwargs):
+        lock.unlink()  # the build ended at once, and removed its lock ...
+        pid = os.fork()
+        if pid == 0:  # ... which another process takes, to build
+            said = b"-"
+            try:
+                os.close(r)
+                said = b"x" if native._taken(target) is not None else b"-"
+            except BaseException as e:
+                said = repr(e).encode()
+            finally:
+                os.write(w, said)
+                os.close(w)
+                time.sleep(30) if said == b"x" else None
+                os._exit(0)
+        others.append(pid)
+        os.close(w)
+        assert select.select([r], [], [], 30)[0], "the other process hung"
+        assert os.read(r, 4096) == b"x"
+
+        class Ended:
+            pid = ended
+        return Ended()
+    monkeypatch.setattr(native.subprocess, "Popen", popen)
+    try:
+        native._spawn(target)
+        assert len(others) == 1 and not native._stale(lock)
+    finally:
+        for pid in others:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        os.close(r)
+        if native._state["pending"] is not None:
+            native._state["pending"][2].close()

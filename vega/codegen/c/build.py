@@ -293,7 +293,7 @@ def hash_file(path: Path) -> Path:
 
 
 @contextmanager
-def _locked(directory: Path, exclusive: bool):
+def locked(directory: Path, exclusive: bool):
     """Hold ``directory``'s lock (flock on the directory itself): installs take it
     exclusive, readers shared, so that a reader sees a library and its hash of one build."""
     fd = None
@@ -404,7 +404,7 @@ def install(built: str | Path, target: Path) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(f"{digest}  {target.name}\n")  # as sha256sum writes it
-        with _locked(target.parent, exclusive=True):
+        with locked(target.parent, exclusive=True):
             for path in (hash_file(target), target):  # (a directory there is not replaced)
                 if os.path.isdir(path) and not os.path.islink(path):
                     remove(path)
@@ -426,7 +426,7 @@ def load_verified(path: Path, load):
     once mapped (a file truncated under a mapping kills the process with SIGBUS), and a
     library rebuilt at the same path is not handed the old one (the dynamic loader keeps
     libraries by path, and never unloads a ctypes one)."""
-    with _locked(path.parent, exclusive=False):
+    with locked(path.parent, exclusive=False):
         data, problem = _verified(path)
     if problem is not None:
         return None, problem

@@ -242,41 +242,44 @@ def _machine() -> str:
     return f"{socket.gethostname()} {ns}".strip()
 
 
-def _write_lock(path: Path, pid: int, fd: int | None = None) -> None:
-    """Write ``path``, a lock: its builder (``pid`` on this machine), then the source the
-    target's key names (``TEXT``), which the build compiles. Into ``fd`` (the lock just
-    made), or through a new file renamed into place (atomic: a reader sees one builder or
-    the other)."""
-    text = _HOLDER + json.dumps({"pid": pid, "machine": _machine()}) + "\n" + TEXT
-    if fd is not None:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        return
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+HOLDER_LIMIT = 4096  # bytes: the line that names a lock's builder
+
+
+def _read_lock(lock: Path, fd: int | None = None) -> tuple[dict | None, str | None]:
+    """What ``lock`` holds: the builder it names ({"pid", "machine"}, or None where it names
+    none: a lock being written, or one of a vega that wrote the source alone) and the source
+    after that line (the text the target's key names, which the build compiles; None where
+    it holds none). Read from ``fd`` (the lock as taken) or from a regular file opened
+    without following a link or waiting on a FIFO; anything else reads as neither."""
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-
-
-def _holder(lock: Path) -> dict | None:
-    """The builder ``lock`` names ({"pid", "machine"}), or None where it names none (a lock
-    being written, or one of a vega that wrote the source alone)."""
-    try:  # (nothing but a regular file read: a FIFO in its place would block)
-        fd = os.open(lock, cbuild.READ_FLAGS)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return None
-            line = f.readline(4096).decode(errors="replace")
-        found = json.loads(line[len(_HOLDER):]) if line.startswith(_HOLDER) else None
-    except (OSError, ValueError):
-        return None
+        own = os.open(lock, cbuild.READ_FLAGS) if fd is None else None
+        try:
+            use = fd if own is None else own
+            if not stat.S_ISREG(os.fstat(use).st_mode):
+                return None, None
+            data, want = b"", HOLDER_LIMIT + MAX_SOURCE + 1
+            while len(data) < want:
+                chunk = os.pread(use, want - len(data), len(data))
+                if not chunk:
+                    break
+                data += chunk
+        finally:
+            if own is not None:
+                os.close(own)
+    except OSError:
+        return None, None
+    found = None
+    if data.startswith(_HOLDER.encode()):
+        line, _, data = data.partition(b"\n")
+        try:
+            found = json.loads(line[len(_HOLDER):].decode(errors="replace")) \
+                if len(line) <= HOLDER_LIMIT else None
+        except ValueError:
+            found = None
     ok = isinstance(found, dict) and type(found.get("pid")) is int and found["pid"] > 0 \
         and isinstance(found.get("machine"), str)
-    return found if ok else None
+    text = data.decode(errors="replace") if 0 < len(data) <= MAX_SOURCE else None
+    return (found if ok else None), text
 
 
 def _alive(pid: int) -> bool:
@@ -296,20 +299,53 @@ def _alive(pid: int) -> bool:
     return state != b"Z"
 
 
-def _stale(lock: Path) -> bool:
-    """Whether ``lock`` is missing, or its build is over though the lock is left: the
-    process it names on this machine is gone, or it is older than any build takes
-    (``LOCK_LIMIT``: a builder on another machine, one that names none, or a pid since
-    reused). A live build's lock is not stale, however long it has run."""
+def _held_elsewhere(fd: int) -> bool | None:
+    """Whether a process holds the lock open at ``fd`` (its flock: taken by the process that
+    took the lock, and held by its build while that runs); None where the file system has
+    no such locks."""
+    if cbuild.fcntl is None:
+        return None
     try:
-        age = time.time() - lock.stat().st_mtime
+        cbuild.fcntl.flock(fd, cbuild.fcntl.LOCK_SH | cbuild.fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    cbuild.fcntl.flock(fd, cbuild.fcntl.LOCK_UN)
+    return False
+
+
+def _stale(lock: Path) -> bool:
+    """Whether ``lock`` is missing, or its build is over though the lock is left: no process
+    holds it (its flock, held by the build's process while it runs) and it names this
+    machine, or it is older than any build takes (``LOCK_LIMIT``: a builder on another
+    machine, whose flock this file system may not show; one that names none). A live
+    build's lock is not stale, however long it has run. Where the file system has no
+    flock, the process it names on this machine is gone."""
+    try:
+        fd = os.open(lock, cbuild.READ_FLAGS)
     except FileNotFoundError:
         return True
-    if age > LOCK_LIMIT:
-        return True
-    holder = _holder(lock)
-    return holder is not None and holder["machine"] == _machine() \
-        and not _alive(holder["pid"])
+    except OSError:  # (a link, not followed, or a file that cannot be read: its age alone)
+        try:
+            return time.time() - os.lstat(lock).st_mtime > LOCK_LIMIT
+        except FileNotFoundError:
+            return True
+    try:
+        st = os.fstat(fd)
+        if time.time() - st.st_mtime > LOCK_LIMIT:
+            return True
+        if not stat.S_ISREG(st.st_mode):  # (a FIFO, a directory: its age alone)
+            return False
+        held = _held_elsewhere(fd)
+        if held:
+            return False
+        holder = _read_lock(lock, fd)[0]
+        if holder is None or holder["machine"] != _machine():
+            return False
+        return held is False or not _alive(holder["pid"])
+    finally:
+        os.close(fd)
 
 
 def _placed(target: Path) -> Path:
@@ -386,52 +422,98 @@ def checkout_env() -> dict | None:
         [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
+# the locks this process holds (each its descriptor, flocked): the build's, until it ends
+_held: dict[Path, int] = {}
+
+
 def _taken(target: Path) -> Path | None:
-    """The build lock of ``target``, taken by this process for a build of its own (this
-    process named in it as the builder, and the source, as ``_spawn`` writes it); None
-    where another process holds it (``_stale``: building now)."""
+    """The build lock of ``target``, taken by this process for a build of its own; None where
+    another process holds it (``_stale``: building now). The lock is made whole (this
+    process named in it as its taker, and the source, ``TEXT``, for the build) and flocked
+    (``_held``) before it is linked into place, and the stale lock it replaces is removed
+    and the new one linked under the directory's lock: of processes that find a lock stale
+    at once, one takes it and the others find it held (each had removed the lock there,
+    whoever's, and made its own: each built)."""
     lock = _lock(target)
     if not _stale(lock):
         return None
-    cbuild.remove(lock)
+    fd, tmp = tempfile.mkstemp(prefix=f".{lock.name}-", dir=lock.parent)
+    taken = False
     try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    except FileExistsError:  # another process took it just now
-        return None
-    try:  # the source the target's key names, for the build (which imports vega anew:
-        _write_lock(lock, os.getpid(), fd)  # maybe another one)
-    except OSError:
-        lock.unlink(missing_ok=True)
-        raise
+        if cbuild.fcntl is not None:
+            try:
+                cbuild.fcntl.flock(fd, cbuild.fcntl.LOCK_EX | cbuild.fcntl.LOCK_NB)
+            except OSError:  # (a file system without locks: the pid it names tells)
+                pass
+        data = (_HOLDER + json.dumps({"pid": os.getpid(), "machine": _machine()}) + "\n"
+                + TEXT).encode()
+        while data:
+            data = data[os.write(fd, data):]
+        with cbuild.locked(lock.parent, exclusive=True):
+            if not _stale(lock):
+                return None
+            cbuild.remove(lock)
+            try:
+                os.link(tmp, lock)
+            except FileExistsError:  # (taken just now where the directory has no lock)
+                return None
+            except OSError:  # (a file system without links)
+                if os.path.lexists(lock):
+                    return None
+                os.rename(tmp, lock)
+        taken = True
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        if not taken:
+            os.close(fd)
+    if lock in _held:
+        os.close(_held.pop(lock))
+    _held[lock] = fd
     return lock
+
+
+def _release(lock: Path) -> None:
+    """Remove ``lock``, taken by this process (``_held``), if it is still the lock there (one
+    past ``LOCK_LIMIT`` is replaced by the process that takes it over), and let it go."""
+    fd = _held.pop(lock, None)
+    try:
+        with cbuild.locked(lock.parent, exclusive=True):
+            try:
+                there = os.lstat(lock)
+            except FileNotFoundError:
+                return
+            mine = None if fd is None else os.fstat(fd)
+            if mine is None or (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                lock.unlink(missing_ok=True)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _spawn(target: Path) -> None:
     """Build in a process of its own (``python -m vega.codegen.c.native``), unless another is
     building it now (its lock not stale): it installs the library even if this process
-    ends first, and is named in the lock as its builder. A build that cannot start leaves
-    the Python path."""
+    ends first, and holds the lock while it runs (its descriptor of the lock, and so the
+    flock, passed to it). A build that cannot start leaves the Python path."""
     lock = None
     try:
         lock = _taken(target)
         if lock is None:
             _state["pending"] = (target, None, None)
             return
+        fd = _held[lock]
         log = tempfile.TemporaryFile()
-        proc = subprocess.Popen([sys.executable, "-m", "vega.codegen.c.native", str(lock)],
-                                stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                env=checkout_env())
+        proc = subprocess.Popen([sys.executable, "-m", "vega.codegen.c.native", str(lock),
+                                 str(fd)], stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                env=checkout_env(), pass_fds=(fd,))
         _state["pending"] = (target, proc, log)
     except OSError as e:
         if lock is not None:
-            lock.unlink(missing_ok=True)
+            _release(lock)
         _state["pending"], _state["failed"] = None, f"its build could not start: {e}"
         return
-    try:  # the build, which outlives this process, holds the lock
-        if os.path.lexists(lock):
-            _write_lock(lock, proc.pid)
-    except OSError:  # (it names this process: held while this one runs, or by its age)
-        pass
+    os.close(_held.pop(lock))  # (the build's copy holds it)
 
 
 def _same_key(lock: Path) -> bool:
@@ -439,19 +521,6 @@ def _same_key(lock: Path) -> bool:
     that holds no source: a parent that wrote none)."""
     found = _paths()
     return found is not None and found[1].name == _target_of(lock).name
-
-
-def _lock_text(lock: Path) -> str | None:
-    """The source a parent's ``_spawn`` wrote into ``lock`` (the text its key names, after
-    the line that names its builder), or None where it holds none."""
-    try:
-        with open(lock, "rb") as f:
-            data = f.read(MAX_SOURCE + 1)
-    except OSError:
-        return None
-    if data.startswith(_HOLDER.encode()):
-        data = data.partition(b"\n")[2]
-    return data.decode(errors="replace") if 0 < len(data) <= MAX_SOURCE else None
 
 
 MAX_SOURCE = 1 << 20  # bytes: native.cpp is some 40 KiB
@@ -463,9 +532,13 @@ def _forked() -> None:
     be waited for (``poll`` would say 0 at once, and the build would be taken as failed);
     the child waits for it as for another process's, by its lock and its library. Its
     ``_lock_`` is new: one that another thread of the parent held at the fork would be held
-    in the child for ever."""
+    in the child for ever, and it lets go of its copies of the build locks its parent holds
+    (held by the child, a lock would be held while it runs, after its parent's build)."""
     global _lock_
     _lock_ = threading.Lock()
+    for fd in _held.values():
+        os.close(fd)
+    _held.clear()
     pending = _state["pending"]
     if pending is not None and pending[1] is not None:
         _state["pending"] = (pending[0], None, None)
@@ -570,7 +643,7 @@ def module(wait: bool | None = None):
                 error = build(target)
             finally:
                 if lock:
-                    lock.unlink(missing_ok=True)
+                    _release(lock)
             if error is None:
                 _state["module"], error = _opened(target)
                 if error == _DIFFERS:
@@ -601,14 +674,17 @@ def status() -> str:
         "native operator not started"
 
 
-# the background build of ``_spawn``: python -m vega.codegen.c.native LOCK
+# the background build of ``_spawn``: python -m vega.codegen.c.native LOCK FD, FD its
+# parent's descriptor of the lock (flocked), which it holds until it ends
 if __name__ == "__main__":
     # It imports vega anew: one upgraded since its parent imported it, or another on its
     # path, has another native.cpp. It compiles the parent's, which the lock holds: another
     # under the name the parent asked for would be loaded as the parent's.
     lock = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    if lock is not None and len(sys.argv) > 2:
+        _held[lock] = int(sys.argv[2])
     try:  # the library goes where the lock is (the cache, or the parent's private directory)
-        given = None if lock is None else _lock_text(lock)
+        given = None if lock is None else _read_lock(lock, _held.get(lock))[1]
         if lock is None or given is not None or _same_key(lock):
             message = build(None if lock is None else _target_of(lock), given)
         else:
@@ -617,7 +693,7 @@ if __name__ == "__main__":
                        "than that name's key: the library would not be the one it names")
     finally:
         if lock is not None:
-            lock.unlink(missing_ok=True)
+            _release(lock)
     if message is not None:
         print(message, file=sys.stderr)
         sys.exit(1)
