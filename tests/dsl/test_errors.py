@@ -337,6 +337,16 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "unknown function 'row_min'; the smallest value of each row is -row_max(-x)", 2, 15),
     ("optimizer o(k = 2.0) {\n  p = p - g * mod(t, k)\n}\n",
      "unknown function 'mod'; t mod k is t - k * floor(t / k)", 2, 15),
+    # Python's conditional expression, at its 'if': inside brackets, and after an
+    # assignment's value, where the parse takes 'if' for an if statement
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * (g if g > 0 else -g)\n}\n",
+     "Vega has no conditional expression 'x if c else y': write where(c, x, y)", 2, 19),
+    ("optimizer o(lr = 1e-3) {\n  u = g if g > 0 else -g\n  p = p - lr * u\n}\n",
+     "Vega has no conditional expression 'x if c else y': write where(c, x, y)", 2, 9),
+    ("optimizer o(lr = 1e-3) {\n  p = where(g if g > 0 else p, p, g)\n}\n",
+     "Vega has no conditional expression 'x if c else y'", 2, 15),
+    ("optimizer o(lr = 1 if 2 > 1 else 2) {\n  p = p - lr * g\n}\n",
+     "Vega has no conditional expression 'x if c else y'", 1, 20),
 ]
 
 

@@ -384,6 +384,24 @@ def _glued_number(err: lark.exceptions.UnexpectedInput, source: str) -> SpecErro
                      Span(word.line, start + 1, word.line, word.end_column))
 
 
+def _conditional_expression(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
+    """Python's conditional expression, ``x if c else y``, at its 'if': an 'if' where an
+    expression goes on (inside brackets, a default), or, after an assignment's value, an
+    if statement whose condition 'else' follows (the parse takes 'if' for one)."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken):
+        return None
+    tok = err.token if err.token.type == "IF" else None
+    stack = _value_stack(err)
+    if tok is None and str(err.token) == "else" and len(stack) >= 2 \
+            and isinstance(stack[-2], Token) and stack[-2].type == "IF":
+        tok = stack[-2]
+    if tok is None:
+        return None
+    return SpecError("Vega has no conditional expression 'x if c else y': write "
+                     "where(c, x, y), which chooses element by element",
+                     Span(tok.line, tok.column, tok.end_line, tok.end_column))
+
+
 def _misplaced_word(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
     """``and``, ``or`` or ``not`` where a value must stand (``p - not x``): the parse reads
     the word as a name, and fails at a later token (a '}' on the next line)."""
@@ -423,7 +441,8 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
         tree = _parser().parse(source)
     except lark.exceptions.UnexpectedInput as err:
         # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
-        found = _missing_brace(err, source) or _glued_number(err, source) or \
+        found = _conditional_expression(err) or _missing_brace(err, source) or \
+            _glued_number(err, source) or \
             _misplaced_word(err) or _misspelled_keyword(err)
         if found is not None:
             raise found.with_source(source, filename) from None
