@@ -251,15 +251,8 @@ def _check_meta(owner: str, tensors: list, label) -> None:
     meta and others are not: the inner products span every parameter, and a meta tensor has
     no values to add to the others' (torch failed inside the first product: "Cannot copy out
     of meta tensor; no data!"). ``label(k)`` names tensor ``k``."""
-    first = tensors[0].is_meta if tensors else False
-    k = next((k for k, t in enumerate(tensors) if t.is_meta != first), None)
-    if k is None:
-        return
-    meta, real = (0, k) if first else (k, 0)
-    raise ValueError(f"{owner}: {label(meta)} is on meta, which holds no values, and "
-                     f"{label(real)} on {tensors[real].device}: L-BFGS's inner products span "
-                     "every parameter, so they step on meta all together or not at all (a "
-                     "model made on meta: move it with to_empty, then make its optimizer)")
+    sharded.check_meta(owner, tensors, label,
+                       "L-BFGS's inner products span every parameter, so they step")
 
 
 def _zero_for_none(p, g):

@@ -406,6 +406,25 @@ class _Local:
                 new_steps, finite)
 
 
+def check_meta(owner: str, tensors: list, name, why: str, group_of=None) -> None:
+    """ValueError, naming two of ``tensors``, where those of one group (``group_of(k)``,
+    tensor ``k``'s; None: one group) are some on meta and some not: what ``why`` says spans
+    the group, and a meta tensor has no values to add to the others'. ``name(k)`` names
+    tensor ``k`` in the message; ``why`` ends in who steps on meta all together."""
+    if on_one_device(tensors):
+        return  # (the common case: one pass, native where the module is loaded)
+    first: dict = {}  # group -> (is_meta, k) of its first tensor
+    for k, t in enumerate(tensors):
+        seen = first.setdefault(0 if group_of is None else group_of(k), (t.is_meta, k))
+        if seen[0] == t.is_meta:
+            continue
+        meta, real = (k, seen[1]) if t.is_meta else (seen[1], k)
+        raise ValueError(f"{owner}: {name(meta)} is on meta, which holds no values, and "
+                         f"{name(real)} on {tensors[real].device}: {why} on meta all "
+                         "together or not at all (a model made on meta: move it with "
+                         "to_empty, then make its optimizer)")
+
+
 def check_meta_sums(owner: str, items, group_of, name) -> None:
     """ValueError, naming a parameter, where a parameter group whose rule sums over it
     (``spans_group``: Prodigy's, D-Adaptation's) holds parameters on meta beside others: the
@@ -413,23 +432,14 @@ def check_meta_sums(owner: str, items, group_of, name) -> None:
     inside the sum, or wrote the other parameters before it failed on the meta one's write).
     ``items``: a step's calls (``fused``'s); ``group_of``: each one's parameter group (None:
     one group); ``name(j, k)``: parameter ``k`` of call ``j`` in a message."""
-    if on_one_device([p for item in items if item[0].spans_group for p in item[2]]):
+    tensors = [p for item in items if item[0].spans_group for p in item[2]]
+    if on_one_device(tensors):
         return  # (the common case: one pass, native where the module is loaded)
-    first: dict = {}  # group -> (is_meta, j, k) of its first parameter
-    for j, item in enumerate(items):
-        if not item[0].spans_group:
-            continue
-        at = group_of[j] if group_of is not None else 0
-        for k, p in enumerate(item[2]):
-            seen = first.setdefault(at, (p.is_meta, j, k))
-            if seen[0] == p.is_meta:
-                continue
-            (mj, mk), (rj, rk) = ((j, k), seen[1:]) if p.is_meta else (seen[1:], (j, k))
-            raise ValueError(f"{owner}: {name(mj, mk)} is on meta, which holds no values, and "
-                             f"{name(rj, rk)} on {items[rj][2][rk].device}: the rule sums over "
-                             "its parameter group, so a group steps on meta all together or "
-                             "not at all (a model made on meta: move it with to_empty, then "
-                             "make its optimizer)")
+    at = [(j, k) for j, item in enumerate(items) if item[0].spans_group
+          for k in range(len(item[2]))]
+    check_meta(owner, tensors, lambda i: name(*at[i]),
+               "the rule sums over its parameter group, so a group steps",
+               None if group_of is None else lambda i: group_of[at[i][0]])
 
 
 def fused(owner: str, items, inv_scale, max_norm, check: bool, donate: bool,
