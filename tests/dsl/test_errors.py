@@ -347,6 +347,29 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "Vega has no conditional expression 'x if c else y'", 2, 15),
     ("optimizer o(lr = 1 if 2 > 1 else 2) {\n  p = p - lr * g\n}\n",
      "Vega has no conditional expression 'x if c else y'", 1, 20),
+    # what a newcomer from Python writes says how Vega writes it, where it does
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.abs()\n}\n",
+     "'g.abs()': Vega has no methods; write abs(g)", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.clamp(-1, 1)\n}\n",
+     "'g.clamp()': Vega has no methods; write clamp(g, ...)", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.pow(2)\n}\n",
+     "'g.pow()': Vega has no methods; a power is a ^ b", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.grad\n}\n",
+     "'g.grad': Vega has no attributes", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * math.sqrt(g)\n}\n",
+     "'math.sqrt': Vega has no modules, and its functions are built in; write sqrt(...)",
+     2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * torch.sign(g)\n}\n",
+     "'torch.sign': Vega has no modules, and its functions are built in; write sign(...)",
+     2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * torch.maximum(g, 0)\n}\n",
+     "'torch.maximum': Vega has no modules, and its functions are built in; the larger "
+     "of two values is max(a, b)", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * np.frobnicate(g)\n}\n",
+     "'np.frobnicate': Vega has no modules, and its functions are built in: 'frobnicate' "
+     "is not one of them", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * math.pi * g\n}\n",
+     "'math.pi': Vega has no modules; write pi", 2, 16),
 ]
 
 

@@ -384,6 +384,74 @@ def _glued_number(err: lark.exceptions.UnexpectedInput, source: str) -> SpecErro
                      Span(word.line, start + 1, word.line, word.end_column))
 
 
+# modules a spec written from Python calls into; their constants, and a tensor's methods
+# and attributes in Python, as Vega writes them
+_MODULES = ("math", "cmath", "torch", "np", "numpy", "jnp", "jax", "lax", "F", "nn", "tl",
+            "optax", "scipy")
+_MODULE_CONSTANTS = {"pi": "pi", "inf": "inf", "nan": "nan", "e": "exp(1)"}
+_METHODS = {"min": "the smallest value of x is -max(-x)",
+            "t": "a matrix's transpose is transpose(x)", "neg": "a negation is -x",
+            "reciprocal": "a reciprocal is 1 / x", "item": "a value is read as it is"}
+_ATTRIBUTES = {"grad": "the gradient is g", "data": "the parameter is p",
+               "T": "a matrix's transpose is transpose(x)",
+               "mT": "a matrix's transpose is transpose(x)",
+               "shape": "size(p, k) is the length of axis k",
+               "ndim": "ndim(p) is the number of axes, in an if's condition"}
+
+
+def _dotted(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
+    """A name with a '.' after it, as Python writes a module's function or constant
+    (``math.sqrt(x)``, ``torch.sign(g)``, ``math.pi``) or a tensor's method or attribute
+    (``g.abs()``, ``p.grad``): the lexer finds no token at the '.'. Said at the name, with
+    Vega's spelling where it has one."""
+    from vega.dsl.check import FUNCTIONS, GLOBAL_FUNCTIONS, SHAPE_QUERIES, WRITTEN_OTHERWISE
+    if not isinstance(err, lark.exceptions.UnexpectedCharacters) or err.char != ".":
+        return None
+    lines = source_lines(source)
+    if not 0 < err.line <= len(lines):
+        return None
+    line = lines[err.line - 1]
+    before = re.search(r"[A-Za-z_][A-Za-z0-9_]*$", line[:err.column - 1])
+    after = re.match(r"\.([A-Za-z_][A-Za-z0-9_]*)(\s*\()?", line[err.column - 1:])
+    if before is None or after is None:
+        return None
+    base, attr, called = before.group(), after.group(1), after.group(2) is not None
+    known = {**FUNCTIONS, **dict.fromkeys(GLOBAL_FUNCTIONS, {1: None}),
+             **dict.fromkeys(SHAPE_QUERIES, {1: None})}
+    if base in _MODULES:
+        shown = f"'{base}.{attr}'"
+        if not called:
+            how = f"Vega has no modules; write {_MODULE_CONSTANTS[attr]}" \
+                if attr in _MODULE_CONSTANTS else \
+                "Vega has no modules, and its constants are numbers: pi, inf, nan"
+        elif attr in known:
+            how = f"Vega has no modules, and its functions are built in; write {attr}(...)"
+        elif attr in WRITTEN_OTHERWISE:
+            how = ("Vega has no modules, and its functions are built in; "
+                   f"{WRITTEN_OTHERWISE[attr]}")
+        else:
+            how = (f"Vega has no modules, and its functions are built in: '{attr}' is not "
+                   "one of them (sqrt, exp, log, abs, sign, min, max, clamp, ...; see the "
+                   "language's functions)")
+    elif called:
+        shown = f"'{base}.{attr}()'"
+        if attr in _METHODS:
+            how = f"Vega has no methods; {_METHODS[attr]}"
+        elif attr in known:
+            args = base if 1 in known[attr] else f"{base}, ..."
+            how = f"Vega has no methods; write {attr}({args})"
+        elif attr in WRITTEN_OTHERWISE:
+            how = f"Vega has no methods; {WRITTEN_OTHERWISE[attr]}"
+        else:
+            how = "Vega has no methods: a function takes the value, f(x)"
+    else:
+        shown = f"'{base}.{attr}'"
+        how = "Vega has no attributes" + (f"; {_ATTRIBUTES[attr]}" if attr in _ATTRIBUTES
+                                          else ": a name is one value per element")
+    return SpecError(f"{shown}: {how}", Span(err.line, before.start() + 1, err.line,
+                                             err.column + 1 + len(attr)))
+
+
 def _conditional_expression(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
     """Python's conditional expression, ``x if c else y``, at its 'if': an 'if' where an
     expression goes on (inside brackets, a default), or, after an assignment's value, an
@@ -441,7 +509,8 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
         tree = _parser().parse(source)
     except lark.exceptions.UnexpectedInput as err:
         # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
-        found = _conditional_expression(err) or _missing_brace(err, source) or \
+        found = _conditional_expression(err) or _dotted(err, source) or \
+            _missing_brace(err, source) or \
             _glued_number(err, source) or \
             _misplaced_word(err) or _misspelled_keyword(err)
         if found is not None:
