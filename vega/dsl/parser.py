@@ -452,6 +452,24 @@ def _dotted(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | No
                                              err.column + 1 + len(attr)))
 
 
+def _augmented(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
+    """Python's augmented assignment, ``p -= x`` (``m *= b1``, ``p **= 2``): the parse reads
+    the name as a statement's and fails at the operator, where it wants '='."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken) or err.accepts != {"EQUAL"}:
+        return None
+    stack, lines = _value_stack(err), source_lines(source)
+    if not stack or not isinstance(stack[-1], Token) or stack[-1].type != "NAME" \
+            or not 0 < err.line <= len(lines):
+        return None
+    found = re.match(r"(\*\*|//|[-+*/^@])=", lines[err.line - 1][err.column - 1:])
+    if found is None:
+        return None
+    op, name = found.group(1), stack[-1]
+    value = {"**": f"{name} ^ ...", "//": f"floor({name} / ...)"}.get(op, f"{name} {op} ...")
+    return SpecError(f"Vega has no '{op}=': write '{name} = {value}'",
+                     Span(err.line, err.column, err.line, err.column + len(op) + 1))
+
+
 def _conditional_expression(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
     """Python's conditional expression, ``x if c else y``, at its 'if': an 'if' where an
     expression goes on (inside brackets, a default), or, after an assignment's value, an
@@ -510,7 +528,7 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
     except lark.exceptions.UnexpectedInput as err:
         # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
         found = _conditional_expression(err) or _dotted(err, source) or \
-            _missing_brace(err, source) or \
+            _augmented(err, source) or _missing_brace(err, source) or \
             _glued_number(err, source) or \
             _misplaced_word(err) or _misspelled_keyword(err)
         if found is not None:
