@@ -376,6 +376,10 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "Vega has no '*=': write 'm = m * ...'", 3, 5),
     ("optimizer o(lr = 1e-3) {\n  p **= 2\n}\n", "Vega has no '**=': write 'p = p ^ ...'",
      2, 5),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g[0]\n}\n",
+     "Vega has no indexing: each name is its value at the element a statement runs for", 2, 17),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g // 2\n}\n",
+     "Vega has no '//': floor division is floor(a / b)", 2, 18),
 ]
 
 

@@ -470,6 +470,33 @@ def _augmented(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError |
                      Span(err.line, err.column, err.line, err.column + len(op) + 1))
 
 
+# the tokens after which a '[' would begin a value (a list), not index one
+_BEFORE_A_VALUE = {"EQUAL", "LPAR", "COMMA", "ADD_OP", "MUL_OP", "MINUS", "CIRCUMFLEX",
+                   "COMP_OP", "LBRACE"}
+
+
+def _indexing(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
+    """Python's indexing and floor division in a statement: ``g[0]`` (a '[' after a value,
+    in the body: in the header it begins a range) and ``a // b`` (a '/' after a '/')."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken):
+        return None
+    stack, tok = _value_stack(err), err.token
+    if not stack:
+        return None
+    last = stack[-1]
+    if tok.type == "LSQB" and any(isinstance(v, Token) and v.type == "LBRACE" for v in stack) \
+            and not (isinstance(last, Token) and last.type in _BEFORE_A_VALUE):
+        return SpecError("Vega has no indexing: each name is its value at the element a "
+                         "statement runs for; a reduction reads a whole tensor (sum(x), "
+                         "norm(x), row_sum(x)), and size(p, k) is the length of axis k",
+                         Span(tok.line, tok.column, tok.end_line, tok.end_column))
+    if str(tok) == "/" and isinstance(last, Token) and str(last) == "/" \
+            and (last.end_line, last.end_column) == (tok.line, tok.column):
+        return SpecError("Vega has no '//': floor division is floor(a / b)",
+                         Span(last.line, last.column, tok.end_line, tok.end_column))
+    return None
+
+
 def _conditional_expression(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
     """Python's conditional expression, ``x if c else y``, at its 'if': an 'if' where an
     expression goes on (inside brackets, a default), or, after an assignment's value, an
@@ -528,7 +555,7 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
     except lark.exceptions.UnexpectedInput as err:
         # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
         found = _conditional_expression(err) or _dotted(err, source) or \
-            _augmented(err, source) or _missing_brace(err, source) or \
+            _augmented(err, source) or _indexing(err) or _missing_brace(err, source) or \
             _glued_number(err, source) or \
             _misplaced_word(err) or _misspelled_keyword(err)
         if found is not None:
