@@ -380,6 +380,14 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "Vega has no indexing: each name is its value at the element a statement runs for", 2, 17),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g // 2\n}\n",
      "Vega has no '//': floor division is floor(a / b)", 2, 18),
+    ("optimizer o(lr = 1e-3) {\n  p = where(g is 0, p, p - lr * g)\n}\n",
+     "unexpected 'is': Vega compares with '==' and '!='", 2, 15),
+    ("optimizer o(lr = 1e-3, f = True) {\n  p = p - lr * g\n}\n",
+     "unexpected 'True': Vega writes true", 1, 28),
+    ("optimizer o(lr = 1e-3) {\n  if True {\n    p = p - lr * g\n  }\n}\n",
+     "undefined name 'True': Vega writes true", 2, 6),
+    ("optimizer o(lr = 1e-3) {\n  p = where(False, p, p - lr * g)\n}\n",
+     "undefined name 'False': Vega writes false", 2, 13),
 ]
 
 

@@ -116,8 +116,14 @@ class _Binding:
 
 
 def _suggest(name: str, candidates) -> str:
+    if name in PYTHON_WORDS:
+        return f": Vega writes {PYTHON_WORDS[name]}"
     close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# Python's spellings of Vega's words
+PYTHON_WORDS = {"True": "true", "False": "false"}
 
 
 def _what(node: Node) -> str:

@@ -497,6 +497,23 @@ def _indexing(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
     return None
 
 
+def _python_word(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
+    """A word of Python's where Vega has its own: ``True`` and ``False`` as a default (in
+    the body they are undefined names, which the check says), ``is`` in a comparison."""
+    from vega.dsl.check import PYTHON_WORDS
+    if not isinstance(err, lark.exceptions.UnexpectedToken) or err.token.type != "NAME":
+        return None
+    tok = err.token
+    if str(tok) in PYTHON_WORDS:
+        how = f"Vega writes {PYTHON_WORDS[str(tok)]}"
+    elif str(tok) == "is":
+        how = "Vega compares with '==' and '!='"
+    else:
+        return None
+    return SpecError(f"unexpected '{tok}': {how}",
+                     Span(tok.line, tok.column, tok.end_line, tok.end_column))
+
+
 def _conditional_expression(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
     """Python's conditional expression, ``x if c else y``, at its 'if': an 'if' where an
     expression goes on (inside brackets, a default), or, after an assignment's value, an
@@ -555,8 +572,8 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
     except lark.exceptions.UnexpectedInput as err:
         # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
         found = _conditional_expression(err) or _dotted(err, source) or \
-            _augmented(err, source) or _indexing(err) or _missing_brace(err, source) or \
-            _glued_number(err, source) or \
+            _augmented(err, source) or _indexing(err) or _python_word(err) or \
+            _missing_brace(err, source) or _glued_number(err, source) or \
             _misplaced_word(err) or _misspelled_keyword(err)
         if found is not None:
             raise found.with_source(source, filename) from None
