@@ -388,6 +388,14 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "undefined name 'True': Vega writes true", 2, 6),
     ("optimizer o(lr = 1e-3) {\n  p = where(False, p, p - lr * g)\n}\n",
      "undefined name 'False': Vega writes false", 2, 13),
+    ("optimizer o(lr = 1e-3, f = true) {\n  if f:\n    p = p - lr * g\n}\n",
+     "a block goes in braces, not after ':'; an if's body goes in braces", 2, 7),
+    ("optimizer o(lr = 1e-3, f = true) {\n  if f { p = p } else:\n    p = p - lr * g\n}\n",
+     "a block goes in braces, not after ':'; an else's body goes in braces", 2, 22),
+    ("optimizer o(lr = 1e-3, f = true) {\n  if f and lr > 0:\n    p = p - lr * g\n}\n",
+     "a block goes in braces, not after ':'; an if's body goes in braces", 2, 18),
+    ("optimizer o(lr = 1e-3) {\n  repeat 2:\n    p = p - lr * g\n}\n",
+     "a block goes in braces, not after ':'; a repeat's body goes in braces", 2, 11),
 ]
 
 

@@ -514,6 +514,21 @@ def _python_word(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
                      Span(tok.line, tok.column, tok.end_line, tok.end_column))
 
 
+def _colon_block(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
+    """A block's head ended with Python's ':' (``if f:``, ``else:``, ``repeat 2:``) where
+    its '{' goes: said at the ':'."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken) or err.token.type != "COLON" \
+            or "LBRACE" not in err.accepts:
+        return None
+    head = next((v for v in reversed(_value_stack(err)) if isinstance(v, Token)
+                 and v.type in (*_BLOCK_HEADS, "ELSE", "LBRACE")), None)
+    if head is None or head.type not in BLOCK_LABELS:
+        return None
+    tok = err.token
+    return SpecError(f"a block goes in braces, not after ':'; {BLOCK_LABELS[head.type]}",
+                     Span(tok.line, tok.column, tok.end_line, tok.end_column))
+
+
 def _conditional_expression(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
     """Python's conditional expression, ``x if c else y``, at its 'if': an 'if' where an
     expression goes on (inside brackets, a default), or, after an assignment's value, an
@@ -573,6 +588,7 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
         # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
         found = _conditional_expression(err) or _dotted(err, source) or \
             _augmented(err, source) or _indexing(err) or _python_word(err) or \
+            _colon_block(err) or \
             _missing_brace(err, source) or _glued_number(err, source) or \
             _misplaced_word(err) or _misspelled_keyword(err)
         if found is not None:
