@@ -529,6 +529,54 @@ def _colon_block(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
                      Span(tok.line, tok.column, tok.end_line, tok.end_column))
 
 
+# Python's statements, which a spec has not, and what it does instead
+_FUNCTIONS_BUILT_IN = "its functions (sqrt, exp, sign, ...) are built in"
+_NO_FUNCTIONS = ("a spec defines no functions; a name assigned a value (x = ...) holds it "
+                 "for the statements after")
+_NO_LOOPS = ("a statement runs for every element at once; repeat N { ... } runs a body N "
+             "times")
+_PYTHON_STATEMENTS = {
+    "def": _NO_FUNCTIONS, "lambda": _NO_FUNCTIONS,
+    "import": _FUNCTIONS_BUILT_IN, "from": _FUNCTIONS_BUILT_IN,
+    "return": "a step assigns p its new value (p = ...)",
+    "for": _NO_LOOPS, "while": _NO_LOOPS,
+    "pass": "an empty body is { }",
+}
+
+
+def _python_statement(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
+    """A Python statement (``def``, ``import``, ``return``, ``for``, ``while``, ``pass``,
+    ``elif``) where a statement starts, or before the spec (``import math``): the parse
+    takes its word for a name to assign and fails at the next token. And ``lambda`` with
+    its arguments before the ':' where the parse fails (not a name 'lambda' elsewhere on
+    the line). Said at the word."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken):
+        return None
+    stack, word = _value_stack(err), None
+    if not stack and err.token.type == "NAME" and str(err.token) in ("import", "from"):
+        word = err.token
+    elif err.accepts == {"EQUAL"} and stack and isinstance(stack[-1], Token) \
+            and stack[-1].type == "NAME" \
+            and (str(stack[-1]) in _PYTHON_STATEMENTS or str(stack[-1]) == "elif"):
+        word = stack[-1]
+    elif err.token.type in ("COLON", "COMMA"):  # (lambda x: ..., lambda x, y: ...)
+        for v in reversed(stack):
+            tokens = [v] if isinstance(v, Token) else list(v.scan_values(
+                lambda x: isinstance(x, Token))) if hasattr(v, "scan_values") else []
+            word = next((t for t in tokens if t.type == "NAME" and str(t) == "lambda"
+                         and t.line == err.token.line and re.fullmatch(
+                             r"(\s*[A-Za-z_]\w*\s*(,\s*[A-Za-z_]\w*\s*)*)?|\s*",
+                             source_lines(source)[t.line - 1][t.end_column - 1:
+                                                              err.token.column - 1])), None)
+            if word is not None:
+                break
+    if word is None:
+        return None
+    how = "Vega writes 'else if', not 'elif'" if word == "elif" else \
+        f"Vega has no '{word}': {_PYTHON_STATEMENTS[str(word)]}"
+    return SpecError(how, Span(word.line, word.column, word.end_line, word.end_column))
+
+
 def _conditional_expression(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
     """Python's conditional expression, ``x if c else y``, at its 'if': an 'if' where an
     expression goes on (inside brackets, a default), or, after an assignment's value, an
@@ -588,7 +636,7 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
         # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
         found = _conditional_expression(err) or _dotted(err, source) or \
             _augmented(err, source) or _indexing(err) or _python_word(err) or \
-            _colon_block(err) or \
+            _colon_block(err) or _python_statement(err, source) or \
             _missing_brace(err, source) or _glued_number(err, source) or \
             _misplaced_word(err) or _misspelled_keyword(err)
         if found is not None:
