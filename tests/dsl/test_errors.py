@@ -421,6 +421,11 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "Vega has no 'lambda'", 2, 7),
     ("optimizer o(lr = 1e-3) {\n  pass\n}\n", "Vega has no 'pass': an empty body is { }",
      2, 3),
+    ("optimizer o(lr = 1e-3) {\n  a, b = g, p\n  p = p - lr * a\n}\n",
+     "Vega assigns one name at a time: a = ...; b = ...", 2, 4),
+    ("optimizer o(lr = 1e-3) {\n  state m = zeros\n  state v = zeros\n  m, v , w = g, g, g\n"
+     "  p = p - lr * m * v * w\n}\n", "Vega assigns one name at a time: m = ...; v = ...; "
+     "w = ...", 4, 4),
 ]
 
 

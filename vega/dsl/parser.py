@@ -577,6 +577,26 @@ def _python_statement(err: lark.exceptions.UnexpectedInput, source: str) -> Spec
     return SpecError(how, Span(word.line, word.column, word.end_line, word.end_column))
 
 
+def _tuple_assignment(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
+    """Python's assignment of several names at once, ``a, b = x, y``: the parse reads the
+    first name as a statement's and fails at the ',', where it wants '='."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken) or err.token.type != "COMMA" \
+            or err.accepts != {"EQUAL"}:
+        return None
+    stack, lines = _value_stack(err), source_lines(source)
+    if not stack or not isinstance(stack[-1], Token) or stack[-1].type != "NAME" \
+            or not 0 < stack[-1].line <= len(lines):
+        return None
+    found = re.match(r"[A-Za-z_]\w*(\s*,\s*[A-Za-z_]\w*)+(?=\s*=)",
+                     lines[stack[-1].line - 1][stack[-1].column - 1:])
+    if found is None:
+        return None
+    names = [n.strip() for n in found.group().split(",")]
+    tok = err.token
+    return SpecError("Vega assigns one name at a time: " + "; ".join(f"{n} = ..." for n in names),
+                     Span(tok.line, tok.column, tok.end_line, tok.end_column))
+
+
 def _conditional_expression(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
     """Python's conditional expression, ``x if c else y``, at its 'if': an 'if' where an
     expression goes on (inside brackets, a default), or, after an assignment's value, an
@@ -637,7 +657,8 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
         found = _conditional_expression(err) or _dotted(err, source) or \
             _augmented(err, source) or _indexing(err) or _python_word(err) or \
             _colon_block(err) or _python_statement(err, source) or \
-            _missing_brace(err, source) or _glued_number(err, source) or \
+            _tuple_assignment(err, source) or _missing_brace(err, source) or \
+            _glued_number(err, source) or \
             _misplaced_word(err) or _misspelled_keyword(err)
         if found is not None:
             raise found.with_source(source, filename) from None
