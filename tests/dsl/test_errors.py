@@ -426,6 +426,18 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  state m = zeros\n  state v = zeros\n  m, v , w = g, g, g\n"
      "  p = p - lr * m * v * w\n}\n", "Vega assigns one name at a time: m = ...; v = ...; "
      "w = ...", 4, 4),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * clamp(g, min=-1, max=1)\n}\n",
+     "clamp() takes its arguments in order, without names ('min='): clamp(x, lo, hi)", 2, 25),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g / sum(abs(g), dim=0)\n}\n",
+     "sum() takes its arguments in order, without names ('dim='): sum(x) over a tensor, "
+     "row_sum(x) or col_sum(x) over the matrix view's rows or columns", 2, 32),
+    ("optimizer o(lr = 1e-3) {\n  p = where(g = 0, p, p - lr * g)\n}\n",
+     "where() takes its arguments in order, without names ('g='): where(cond, a, b); "
+     "'==' compares", 2, 13),
+    ("optimizer o(lr = 1e-3) {\n  if lr = 0 {\n    p = p - g\n  }\n}\n",
+     "'=' assigns a name, in a statement of its own; '==' compares", 2, 9),
+    ("optimizer o(lr = 1e-3) {\n  m = u = g\n  p = p - lr * m\n}\n",
+     "'=' assigns a name, in a statement of its own; '==' compares", 2, 9),
 ]
 
 

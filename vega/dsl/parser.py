@@ -597,6 +597,50 @@ def _tuple_assignment(err: lark.exceptions.UnexpectedInput, source: str) -> Spec
                      Span(tok.line, tok.column, tok.end_line, tok.end_column))
 
 
+# how a function's arguments go, for a call that named one
+_SIGNATURES = {
+    "clamp": "clamp(x, lo, hi)", "where": "where(cond, a, b); '==' compares",
+    "size": "size(p, k)", "atan2": "atan2(y, x)", "min": "min(a, b)",
+    "max": "max(a, b), or max(x) over a tensor",
+    "sum": "sum(x) over a tensor, row_sum(x) or col_sum(x) over the matrix view's rows or "
+           "columns",
+    "mean": "mean(x) over a tensor, row_mean(x) or col_mean(x) over the matrix view's rows "
+            "or columns",
+    "norm": "norm(x), the L2 norm of a tensor",
+}
+
+
+def _misused_equal(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
+    """An '=' where an expression goes on: Python's keyword argument (``clamp(g, min=0,
+    max=1)``, ``sum(g, dim=0)``), said at its name with how the function's arguments go;
+    else an '=' meant as '==' (``if lr = 0``) or a second assignment (``m = u = g``)."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken) or err.token.type != "EQUAL" \
+            or "COMP_OP" not in err.accepts:
+        return None
+    stack, tok = _value_stack(err), err.token
+    depth, fn = 0, None
+    for k in range(len(stack) - 1, -1, -1):  # (the call whose arguments the '=' is among)
+        v = stack[k]
+        if isinstance(v, Token) and v.type == "RPAR":
+            depth += 1
+        elif isinstance(v, Token) and v.type == "LPAR":
+            if depth == 0:
+                before = stack[k - 1] if k > 0 else None
+                fn = before if isinstance(before, Token) and before.type == "NAME" else None
+                break
+            depth -= 1
+    name = stack[-1] if stack else None
+    if fn is not None and isinstance(name, Token) and name.type == "NAME" \
+            and isinstance(stack[-2], Token) and stack[-2].type in ("LPAR", "COMMA"):
+        from vega.dsl.check import FUNCTIONS
+        how = _SIGNATURES.get(str(fn)) or (f"{fn}(x)" if 1 in FUNCTIONS.get(str(fn), ())
+                                           else "give the values alone")
+        return SpecError(f"{fn}() takes its arguments in order, without names ('{name}='): "
+                         f"{how}", Span(name.line, name.column, tok.end_line, tok.end_column))
+    return SpecError("'=' assigns a name, in a statement of its own; '==' compares",
+                     Span(tok.line, tok.column, tok.end_line, tok.end_column))
+
+
 def _conditional_expression(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
     """Python's conditional expression, ``x if c else y``, at its 'if': an 'if' where an
     expression goes on (inside brackets, a default), or, after an assignment's value, an
@@ -657,8 +701,8 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
         found = _conditional_expression(err) or _dotted(err, source) or \
             _augmented(err, source) or _indexing(err) or _python_word(err) or \
             _colon_block(err) or _python_statement(err, source) or \
-            _tuple_assignment(err, source) or _missing_brace(err, source) or \
-            _glued_number(err, source) or \
+            _tuple_assignment(err, source) or _misused_equal(err) or \
+            _missing_brace(err, source) or _glued_number(err, source) or \
             _misplaced_word(err) or _misspelled_keyword(err)
         if found is not None:
             raise found.with_source(source, filename) from None
