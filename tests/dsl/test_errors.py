@@ -438,6 +438,11 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "'=' assigns a name, in a statement of its own; '==' compares", 2, 9),
     ("optimizer o(lr = 1e-3) {\n  m = u = g\n  p = p - lr * m\n}\n",
      "'=' assigns a name, in a statement of its own; '==' compares", 2, 9),
+    ("optimizer o(lr = 1e-3) {\n  p = where(g > 0 ? 1 : 0, p, g)\n}\n",
+     "unexpected character '?': Vega writes a choice between values as where(cond, a, b)",
+     2, 19),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g / len(p)\n}\n",
+     "unknown function 'len'; the length of axis k is size(p, k)", 2, 20),
 ]
 
 

@@ -71,6 +71,7 @@ WRITTEN_OTHERWISE = {
     "col_min": "the smallest value of each column is -col_max(-x)",
     "global_min": "the smallest value over the group is -global_max(-x)",
     "numel": "the mean of x is mean(x), and sum(where(p == p, 1, 1)) counts p's values",
+    "len": "the length of axis k is size(p, k)",
 }
 
 

@@ -204,6 +204,7 @@ CHARACTER_HINTS = {
     "&": "Vega writes 'and' ('a > 0 and b > 0')",
     "|": "Vega writes 'or' ('a > 0 or b > 0')",
     "!": "Vega writes 'not' ('not a > 0'; '!=' is 'not equal')",
+    "?": "Vega writes a choice between values as where(cond, a, b)",
 }
 
 
