@@ -443,6 +443,8 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      2, 19),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g / len(p)\n}\n",
      "unknown function 'len'; the length of axis k is size(p, k)", 2, 20),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * max(g, 0, p)\n}\n",
+     "max() takes 1 or 2 arguments, got 3; of more than two values, max(a, max(b, c))", 2, 16),
 ]
 
 

@@ -603,7 +603,9 @@ class _Walker:
             counts = " or ".join(str(n) for n in sorted(arities))
             plural = "" if counts == "1" else "s"
             hint = ("; the smallest value of a tensor is -max(-x)"
-                    if e.fn == "min" and len(e.args) == 1 else "")
+                    if e.fn == "min" and len(e.args) == 1 else
+                    f"; of more than two values, {e.fn}(a, {e.fn}(b, c))"
+                    if e.fn in ("min", "max") and len(e.args) > 2 else "")
             raise SpecError(f"{e.fn}() takes {counts} argument{plural}, got {len(e.args)}"
                             f"{hint}", e.span)
         if e.fn == "size":
