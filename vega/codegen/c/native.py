@@ -432,8 +432,8 @@ def _taken(target: Path) -> Path | None:
     process named in it as its taker, and the source, ``TEXT``, for the build) and flocked
     (``_held``) before it is linked into place, and the stale lock it replaces is removed
     and the new one linked under the directory's lock: of processes that find a lock stale
-    at once, one takes it and the others find it held (each had removed the lock there,
-    whoever's, and made its own: each built)."""
+    at once, one takes it and the others find it held (else each would remove the lock
+    there, whoever's, and make its own: each would build)."""
     lock = _lock(target)
     if not _stale(lock):
         return None
