@@ -445,6 +445,11 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "unknown function 'len'; the length of axis k is size(p, k)", 2, 20),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * max(g, 0, p)\n}\n",
      "max() takes 1 or 2 arguments, got 3; of more than two values, max(a, max(b, c))", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = where(isnan(g), p, p - lr * g)\n}\n",
+     "unknown function 'isnan'; x != x holds where x is NaN", 2, 13),
+    ("optimizer o(lr = 1e-3) {\n  p = where(torch.isfinite(g), p - lr * g, p)\n}\n",
+     "'torch.isfinite': Vega has no modules, and its functions are built in; abs(x) < inf "
+     "holds where x is finite", 2, 13),
 ]
 
 

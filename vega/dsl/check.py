@@ -72,6 +72,8 @@ WRITTEN_OTHERWISE = {
     "global_min": "the smallest value over the group is -global_max(-x)",
     "numel": "the mean of x is mean(x), and sum(where(p == p, 1, 1)) counts p's values",
     "len": "the length of axis k is size(p, k)",
+    "isnan": "x != x holds where x is NaN", "isinf": "abs(x) == inf holds where x is infinite",
+    "isfinite": "abs(x) < inf holds where x is finite",
 }
 
 
