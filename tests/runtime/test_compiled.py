@@ -627,17 +627,22 @@ def test_a_compiled_step_takes_parameters_and_gradients_in_any_dense_layout(back
     step = torch.compile(lambda p, g, s: vega.adamw_step(p, g, s, lr=0.01, backend=backend,
                                                          donate=donate, max_grad_norm=1.0),
                          backend="eager", fullgraph=True, dynamic=False)
-    for lay_p, lay_g in cases:
-        w = torch.randn(shape, generator=gen)
-        params, twin = {"w": lay_p(w.clone()), "b": torch.ones(3)}, {"w": w.clone(),
-                                                                    "b": torch.ones(3)}
-        state, twin_state = vega.adamw_init(params), vega.adamw_init(twin)
-        for _ in range(2):
-            g = {"w": torch.randn(shape, generator=gen), "b": torch.randn(3, generator=gen)}
-            out, state = step(params, {"w": lay_g(g["w"].clone()), "b": g["b"]}, state)
-            params = params if donate else out
-            twin, twin_state = vega.adamw_step(twin, g, twin_state, lr=0.01, backend="reference",
-                                               max_grad_norm=1.0)
-        torch.testing.assert_close(params["w"], twin["w"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(state["nu"]["w"], twin_state["nu"]["w"], rtol=1e-5,
-                                   atol=1e-7)
+    # every case in one step (one compile: each layout of its own, under dynamic=False,
+    # compiled the step again), each case a parameter of its own beside a contiguous one
+    names = [f"w{k}" for k in range(len(cases))]
+    ws = [torch.randn(shape, generator=gen) for _ in cases]
+    params = {**{n: lay_p(w.clone()) for n, (lay_p, _), w in zip(names, cases, ws)},
+              "b": torch.ones(3)}
+    twin = {**{n: w.clone() for n, w in zip(names, ws)}, "b": torch.ones(3)}
+    state, twin_state = vega.adamw_init(params), vega.adamw_init(twin)
+    for _ in range(2):
+        g = {**{n: torch.randn(shape, generator=gen) for n in names},
+             "b": torch.randn(3, generator=gen)}
+        laid = {**{n: lay_g(g[n].clone()) for n, (_, lay_g) in zip(names, cases)}, "b": g["b"]}
+        out, state = step(params, laid, state)
+        params = params if donate else out
+        twin, twin_state = vega.adamw_step(twin, g, twin_state, lr=0.01, backend="reference",
+                                           max_grad_norm=1.0)
+    for n in names:
+        torch.testing.assert_close(params[n], twin[n], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state["nu"][n], twin_state["nu"][n], rtol=1e-5, atol=1e-7)
