@@ -18,6 +18,8 @@ from vega.codegen.c import build as cbuild
 from vega.codegen.c import native
 from vega.codegen.c import render
 
+from tests import forks
+
 # every setting of the bool hyperparameters; and the programs without a momentum buffer
 # (hyper_values gives momentum 0.01); of the programs this backend compiles (one with a
 # state of one number per tensor runs on the reference's, every backend: test_group_language)
@@ -1605,16 +1607,17 @@ want, _ = vega.adamw_step({"w": w}, {"w": g}, vega.adamw_init({"w": w}), lr=0.3,
 
 def _run_step_script(script: str, how: str, path: str) -> None:
     """``script`` (``STEP_SCRIPT``'s) run in a fresh process with ``how`` and ``path``
-    ("native" or "python"); it must print ok."""
+    ("native" or "python"); it must print ok. (A child of a server that has made
+    ``STEP_SCRIPT``'s imports: tests/forks.py.)"""
     if cbuild.compiler() is None:
         pytest.skip("no C compiler here")
     if path == "native" and native.module(wait=True) is None:
         pytest.skip(native.status())
     repo = os.path.abspath(os.path.join(os.path.dirname(vega.__file__), ".."))
     env = {**os.environ, "PYTHONPATH": repo, "VEGA_NATIVE": "sync"}
-    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script, how, path],
-                         capture_output=True, text=True, timeout=600, env=env,
-                         stdin=subprocess.DEVNULL)
+    run = forks.run(script, how, path, env=env, timeout=600,
+                    imports=("torch", "vega", "torch.func", "vega.codegen.c.launch",
+                             "vega.codegen.c.native"))
     assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], run.stderr[-3000:]
 
 

@@ -1,0 +1,126 @@
+"""Fresh processes for scripts that begin by importing torch and vega, without paying for
+those imports (about 3 s of a CPU) each time: a server process imports them once (and runs
+nothing of vega's), then forks a child for each script. The child runs the script as
+``python -X faulthandler -c script args...`` would: in a ``__main__`` of its own, with its
+``sys.argv``, stdin from /dev/null, its stdout and stderr captured, and the atexit functions
+run at the end; its exit status is the script's (minus the signal's number where one ended
+it). A crash of the script (a segmentation fault) ends its child alone.
+
+The state a child starts from is the server's just after its imports, as a fresh process's
+is after the script's own: use it only for scripts whose first lines import those modules
+(and set nothing that the imports read)."""
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+
+SERVER = r"""
+import json, os, sys
+for name in sys.argv[1:]:
+    __import__(name)
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            import atexit, faulthandler, traceback, types
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
+            if job["cwd"] is not None:
+                os.chdir(job["cwd"])
+            faulthandler.enable()
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            sys.argv = ["-c", *job["argv"]]
+            try:
+                exec(compile(job["script"], "<string>", "exec"), main.__dict__)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+                if not isinstance(e.code, int) and e.code is not None:
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+_servers: dict = {}
+
+
+def _server(env: dict, imports: tuple[str, ...]) -> subprocess.Popen:
+    key = (tuple(sorted(env.items())), imports)
+    proc = _servers.get(key)
+    if proc is None or proc.poll() is not None:
+        proc = subprocess.Popen([sys.executable, "-c", SERVER, *imports], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        _servers[key] = proc
+    return proc
+
+
+def _read(proc: subprocess.Popen, deadline: float | None) -> dict:
+    import time
+    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    ready, _, _ = select.select([proc.stdout], [], [], wait)
+    if not ready:
+        raise subprocess.TimeoutExpired("forked script", wait)
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the fork server ended with {proc.wait()}")
+    return json.loads(line)
+
+
+def run(script: str, *args: str, env: dict | None = None, timeout: float | None = None,
+        imports: tuple[str, ...] = ("torch", "vega"), cwd=None) -> subprocess.CompletedProcess:
+    """``script`` run with ``args`` in a child forked from a server that has imported
+    ``imports`` under ``env`` (default: this process's environment), in the directory
+    ``cwd`` (default: the server's, this process's when it started it): a
+    CompletedProcess with its exit status and its stdout and stderr as text. Raises
+    TimeoutExpired (the child killed) where it runs past ``timeout`` seconds."""
+    import time
+    env = dict(os.environ if env is None else env)
+    env.pop("PYTEST_CURRENT_TEST", None)  # (pytest's name of the test: one server for all)
+    proc = _server(env, tuple(imports))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        for path in (out, err):
+            open(path, "w").close()
+        proc.stdin.write(json.dumps({"script": script, "argv": list(args), "stdout": out,
+                                     "stderr": err,
+                                     "cwd": None if cwd is None else str(cwd)}) + "\n")
+        proc.stdin.flush()
+        pid = _read(proc, None)["pid"]
+        try:
+            status = _read(proc, deadline)["status"]
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)
+            _read(proc, None)
+            raise
+        with open(out) as f, open(err) as g:
+            return subprocess.CompletedProcess([sys.executable, "-c", script, *args], status,
+                                               f.read(), g.read())
+
+
+@atexit.register
+def _close() -> None:
+    for proc in _servers.values():
+        if proc.poll() is None:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
