@@ -7,7 +7,6 @@ parameter's version counter, as an in-place torch operation does. A check where 
 is possible runs in a child process."""
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,6 +18,8 @@ import vega
 from vega import codegen
 from vega.codegen import c as c_backend
 
+from tests import forks
+
 pytestmark = pytest.mark.skipif(not c_backend.available(), reason="needs a C compiler")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,11 +30,11 @@ BACKENDS = ["c", "reference", *(["triton"] if "triton" in codegen.BACKENDS else 
 
 def _child(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh Python (this checkout's vega, the scanner waited for), with
-    ``args`` as its ``sys.argv[1:]``."""
+    ``args`` as its ``sys.argv[1:]``. (A child of a server that has imported torch and vega,
+    as every such script does first: tests/forks.py.)"""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "VEGA_NATIVE": "sync"}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    done = forks.run(textwrap.dedent(code), *args, cwd=ROOT, env=env, timeout=timeout)
     assert done.returncode == 0, f"rc={done.returncode}\n{done.stdout}\n{done.stderr}"
     return done
 
