@@ -12,8 +12,6 @@ import contextlib
 import math
 import os
 import re
-import subprocess
-import sys
 
 import torch
 
@@ -30,6 +28,8 @@ from vega import codegen, schedule  # noqa: E402
 from vega.codegen import triton as triton_backend  # noqa: E402
 from vega.codegen import triton_runtime  # noqa: E402
 from vega.codegen.record import make_pre  # noqa: E402
+
+from tests import forks  # noqa: E402
 
 assert codegen.BACKENDS["triton"] is triton_backend
 DEVICE = "cpu" if triton_runtime.interpreting() else "cuda"
@@ -1027,11 +1027,13 @@ def test_a_step_of_real_tensors_under_fake_tensor_mode_is_refused(name):
     later steps. It is refused with a ValueError naming the mode, before anything is made
     or written, and a step outside the mode steps as the reference: pure, donated, a
     class's, clipped. In a fresh process (the crash would take the test session with it),
-    one for the five cases of a rule."""
+    one for the five cases of a rule (a child of a server that has made the script's
+    imports: tests/forks.py; the environment has TRITON_INTERPRET=1 already where there is
+    no GPU, as the session set it)."""
     root = os.path.abspath(os.path.join(os.path.dirname(vega.__file__), ".."))
-    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", FAKE_MODE_SCRIPT, name,
-                          *FAKE_MODE_CASES], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": root}, stdin=subprocess.DEVNULL)
+    run = forks.run(FAKE_MODE_SCRIPT, name, *FAKE_MODE_CASES, timeout=600,
+                    env={**os.environ, "PYTHONPATH": root},
+                    imports=("torch", "vega", "torch._subclasses.fake_tensor"))
     done = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("ok ")]
     assert run.returncode == 0 and done == FAKE_MODE_CASES, (done, run.stderr[-3000:])
 
