@@ -22,6 +22,8 @@ import vega
 from vega import LossScale
 from vega.runtime.engine import shown
 
+from tests import forks
+
 
 def _params(n=2, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -1472,11 +1474,9 @@ def test_a_state_set_by_hand_on_another_device_is_named_before_anything_is_writt
         _meta_state_refused(backend, cls)
         return
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", "from tests.runtime.test_checked_inputs import "
-         f"_meta_state_refused; _meta_state_refused({backend!r}, {cls!r})"],
-        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
-        timeout=300)
+    done = forks.run("from tests.runtime.test_checked_inputs import "  # (tests/forks.py)
+                     f"_meta_state_refused; _meta_state_refused({backend!r}, {cls!r})",
+                     cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -103,9 +103,10 @@ def resumed(tmp_path_factory):
         "module = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(module)\n"
         "module.continue_run(sys.argv[2])\n")
-    done = subprocess.run([sys.executable, "-c", child, __file__, str(directory)],
-                          capture_output=True, text=True, timeout=600, cwd=directory,
-                          check=False)
+    # (forked from a server that has imported torch and vega, as this module does first:
+    # tests/forks.py, imported here, where the child that imports this module need not)
+    from tests import forks
+    done = forks.run(child, __file__, str(directory), timeout=600, cwd=directory)
     assert done.returncode == 0, f"the child process failed:\n{done.stderr[-4000:]}"
     out = {}
     for name in SPECS:

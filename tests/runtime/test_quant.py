@@ -1337,10 +1337,10 @@ def test_a_dtensor_parameter_keeps_8bit_state_as_a_plain_one():
     float DTensor state quantizes and its codes dequantize, each a DTensor. Distributed
     shards: tests/runtime/test_distributed.py."""
     import os
-    import subprocess
-    import sys
     import textwrap
     from pathlib import Path
+
+    from tests import forks
     root = Path(__file__).resolve().parents[2]
     code = textwrap.dedent("""
         import os, socket, torch, torch.distributed as dist, vega
@@ -1400,8 +1400,9 @@ def test_a_dtensor_parameter_keeps_8bit_state_as_a_plain_one():
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
+    # (forked from a server that has imported torch and vega, as the script does first:
+    # tests/forks.py)
+    done = forks.run(code, cwd=root, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "same", done.stdout
     assert "are a DTensor of shape (1, 25), got Tensor of shape (1, 25)" in done.stdout
