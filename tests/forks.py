@@ -58,17 +58,33 @@ for line in sys.stdin:
     print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
 """
 
+# (environment, imports) -> its server, the most recently used last; at most KEEP of them
+# (an idle server holds some 160 MB of its own)
 _servers: dict = {}
+KEEP = 2
 
 
 def _server(env: dict, imports: tuple[str, ...]) -> subprocess.Popen:
     key = (tuple(sorted(env.items())), imports)
-    proc = _servers.get(key)
+    proc = _servers.pop(key, None)
     if proc is None or proc.poll() is not None:
+        while len(_servers) >= KEEP:
+            _stop(_servers.pop(next(iter(_servers))))
         proc = subprocess.Popen([sys.executable, "-c", SERVER, *imports], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        _servers[key] = proc
+    _servers[key] = proc
     return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    proc.stdout.close()
 
 
 def _read(proc: subprocess.Popen, deadline: float | None) -> dict:
@@ -117,10 +133,5 @@ def run(script: str, *args: str, env: dict | None = None, timeout: float | None 
 
 @atexit.register
 def _close() -> None:
-    for proc in _servers.values():
-        if proc.poll() is None:
-            proc.stdin.close()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    while _servers:
+        _stop(_servers.popitem()[1])
