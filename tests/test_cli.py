@@ -330,6 +330,18 @@ def test_show_names_a_misspelt_hyperparameter_whatever_its_value(capsys):
             capsys.readouterr().err
 
 
+def test_show_of_a_spec_without_hyperparameters_names_any_set_as_not_its_own(
+        tmp_path, capsys):
+    """A spec that takes no hyperparameters: ``--set lr=abc`` is refused as a name it does
+    not take, as ``--set lr=0.1`` is, not as a value to write as NAME=NUMBER."""
+    path = tmp_path / "plain.vega"
+    path.write_text("optimizer plain() {\n    p = p - 0.1 * g\n}\n")
+    for value in ("abc", "0.1", "true"):
+        assert cli.main(["show", str(path), "--set", f"lr={value}"]) == 1
+        err = capsys.readouterr().err
+        assert "plain got an unexpected hyperparameter 'lr'; it takes none" in err, err
+
+
 def test_help_gives_the_exit_statuses_the_commands_return(capsys, tmp_path):
     """``vega --help`` says what each exit status means, and each is the one returned: 0,
     1 for a command that failed (a spec with an error), 2 for a usage error."""

@@ -64,16 +64,17 @@ def _load(target: str):
     return vega.builtin(target)
 
 
-def _parse_flags(pairs: list[str], hypers=()) -> dict[str, bool | float | str]:
+def _parse_flags(pairs: list[str], hypers) -> dict[str, bool | float | str]:
     """``--set NAME=V`` values, typed by the spec's hyperparameters (``hypers``); an
     unknown name is left for the spec to name, with its value as given (whatever it is,
-    the spec says the name is not its own, and which of its own is near)."""
+    the spec says the name is not its own, and which of its own is near; of a spec that
+    takes none, that it takes none)."""
     types = {h.name: h.type for h in hypers}
     values: dict[str, bool | float | str] = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
         kind = types.get(name)
-        if kind is None and types:
+        if kind is None:
             values[name] = value
             continue
         if value.lower() in ("true", "false") and kind != "float":
@@ -84,9 +85,8 @@ def _parse_flags(pairs: list[str], hypers=()) -> dict[str, bool | float | str]:
                 raise ValueError
             values[name] = float(value)
         except ValueError:
-            hint = {"bool": f"{name} is a bool: write {name}=true or {name}=false",
-                    "float": f"{name} is a number: write {name}=0.9, say"}.get(
-                        kind, "write NAME=true, NAME=false or NAME=NUMBER")
+            hint = (f"{name} is a bool: write {name}=true or {name}=false" if kind == "bool"
+                    else f"{name} is a number: write {name}=0.9, say")
             raise SystemExit(f"vega: --set {pair!r}: {hint}") from None
     return values
 
