@@ -330,6 +330,19 @@ def test_show_names_a_misspelt_hyperparameter_whatever_its_value(capsys):
             capsys.readouterr().err
 
 
+def test_show_of_a_path_that_is_not_there_says_so(tmp_path, capsys, monkeypatch):
+    """A target with a directory in it (``./adamw``, as the note for a file named as a
+    shipped spec says to write) is a path whatever is there: a missing one is a file that
+    cannot be read, not an unknown shipped optimizer."""
+    monkeypatch.chdir(tmp_path)
+    for target in ("./adamw", "specs/mine", str(tmp_path / "absent")):
+        assert cli.main(["show", target]) == 1
+        err = capsys.readouterr().err
+        assert f"{os.path.normpath(target)}: error: cannot read spec file: No such file" \
+            in err, err
+        assert "no shipped optimizer" not in err, err
+
+
 def test_show_of_a_spec_without_hyperparameters_names_any_set_as_not_its_own(
         tmp_path, capsys):
     """A spec that takes no hyperparameters: ``--set lr=abc`` is refused as a name it does

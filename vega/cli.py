@@ -52,14 +52,17 @@ def _load(target: str):
     """The spec ``vega show`` names: a shipped spec's name is that spec, whatever the
     working directory holds (a file or directory of that name there, ``adamw`` or ``sgd/``,
     had been read in its place, and failed), with a note of how to name the path instead
-    (``./adamw``); any other target is a spec file where it ends in ``.vega`` or exists."""
+    (``./adamw``); any other target is a spec file where it ends in ``.vega``, names a
+    directory (``./adamw``, ``specs/mine``: no shipped name does) or exists."""
     import vega
     if target in vega.builtin_names():
         if os.path.lexists(target):
             _say(f"vega: {target} is the shipped spec's name (for the {target} in this "
                  f"directory, write ./{target})", sys.stderr)
         return vega.builtin(target)
-    if Path(target).suffix == ".vega" or Path(target).exists():
+    if Path(target).suffix == ".vega" or any(sep and sep in target
+                                             for sep in (os.sep, os.altsep)) \
+            or Path(target).exists():
         return vega.compile_file(target)
     return vega.builtin(target)
 
