@@ -449,3 +449,29 @@ def test_a_forked_child_leaves_its_parents_private_directory(tmp_path):
     while os.path.exists(orphan["orphan"]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(orphan["orphan"])
+
+
+@pytest.mark.skipif(cbuild.fcntl is None, reason="no flock here")
+def test_a_child_forked_while_the_directory_lock_is_held_does_not_keep_it(tmp_path):
+    """A flock belongs to the open file, which a child made by ``os.fork`` shares: the
+    directory's lock, let go by closing its descriptor, stayed held by a child forked while
+    it was held (a DataLoader's worker forked while another thread installed a kernel) for
+    as long as that child ran, and every later install or load, in the parent or any other
+    process, waited for it. It is let go itself, whatever copies of it a child has."""
+    r, w = os.pipe()
+    with cbuild.locked(tmp_path, exclusive=True):
+        pid = os.fork()
+        if pid == 0:  # a worker that runs on
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        cbuild.fcntl.flock(fd, cbuild.fcntl.LOCK_EX | cbuild.fcntl.LOCK_NB)
+    except BlockingIOError:
+        pytest.fail("the directory's lock is held by the forked child")
+    finally:
+        os.close(fd)
+        os.close(w)
+        os.close(r)
+        os.waitpid(pid, 0)

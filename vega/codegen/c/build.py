@@ -295,7 +295,10 @@ def hash_file(path: Path) -> Path:
 @contextmanager
 def locked(directory: Path, exclusive: bool):
     """Hold ``directory``'s lock (flock on the directory itself): installs take it
-    exclusive, readers shared, so that a reader sees a library and its hash of one build."""
+    exclusive, readers shared, so that a reader sees a library and its hash of one build.
+    It is let go by unlocking, not by closing its descriptor alone: a flock belongs to the
+    open file, which a child made by ``os.fork`` while it is held (a DataLoader's worker,
+    forked while another thread installs) shares, and would hold while it runs."""
     fd = None
     if fcntl is not None:
         try:
@@ -307,6 +310,10 @@ def locked(directory: Path, exclusive: bool):
         yield
     finally:
         if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
             os.close(fd)
 
 
