@@ -706,3 +706,16 @@ def test_a_spec_may_have_eight_bool_hyperparameters_and_not_nine():
     vega.compile(spec(8))
     with pytest.raises(SpecError, match="at most 8 bool hyperparameters, this one has 9"):
         vega.compile(spec(9))
+
+
+@pytest.mark.parametrize("body,said", [
+    ("state m: True = zeros\n  p = p - lr * g", "not ': True'"),
+    ("repeat True {\n    p = p - lr * g\n  }", "'True' is neither"),
+])
+def test_a_python_word_where_no_value_goes_is_not_answered_with_a_value(body, said):
+    """True is Python's true where a value goes (an undefined name), but no shape, dtype or
+    repeat count: 'not ': True': Vega writes true' said true would do there."""
+    with pytest.raises(SpecError) as info:
+        vega.compile(f"optimizer o(lr = 1e-3) {{\n  {body}\n}}\n")
+    assert said in info.value.message and "Vega writes true" not in info.value.message, \
+        info.value.message

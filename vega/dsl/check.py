@@ -119,14 +119,20 @@ class _Binding:
 
 
 def _suggest(name: str, candidates) -> str:
-    if name in PYTHON_WORDS:
-        return f": Vega writes {PYTHON_WORDS[name]}"
     close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 # Python's spellings of Vega's words
 PYTHON_WORDS = {"True": "true", "False": "false"}
+
+
+def _undefined(name: str, env) -> str:
+    """An undefined name's message: Vega's spelling of a word of Python's (a value where a
+    value goes: true is no shape, dtype or repeat count), else the closest name defined."""
+    how = f": Vega writes {PYTHON_WORDS[name]}" if name in PYTHON_WORDS else \
+        _suggest(name, env)
+    return f"undefined name '{name}'{how}"
 
 
 def _what(node: Node) -> str:
@@ -546,7 +552,7 @@ class _Walker:
                 if e.id.lower() in ast.CONSTANTS:  # Inf, NaN, PI
                     raise SpecError(f"undefined name '{e.id}' (did you mean "
                                     f"'{e.id.lower()}'?)", e.span)
-                raise SpecError(f"undefined name '{e.id}'{_suggest(e.id, env)}", e.span)
+                raise SpecError(_undefined(e.id, env), e.span)
             if b.only_if is not None and b.only_if in self.repeats:
                 raise SpecError(f"'{e.id}' is assigned only inside {self._block(b.only_if)}, "
                                 "whose body a tensor may run no times (by the value of "
@@ -872,7 +878,7 @@ def _static_type(e, env) -> str:
     if isinstance(e, ast.Name):
         b = env.get(e.id)
         if b is None:
-            raise SpecError(f"undefined name '{e.id}'{_suggest(e.id, env)}", e.span)
+            raise SpecError(_undefined(e.id, env), e.span)
         if b.role != "hyper":
             raise SpecError(f"{_SHAPE_COND_USE}; '{e.id}' is not a hyperparameter", e.span)
         return b.node.dtype
