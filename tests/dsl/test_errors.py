@@ -370,6 +370,8 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "is not one of them", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * math.pi * g\n}\n",
      "'math.pi': Vega has no modules; write pi", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - 1e5.abs() * g\n}\n",  # (not e5's method)
+     "unexpected character '.'", 2, 14),
     ("optimizer o(lr = 1e-3) {\n  p -= lr * g\n}\n",
      "Vega has no '-=': write 'p = p - ...'", 2, 5),
     ("optimizer o(lr = 1e-3) {\n  state m = zeros\n  m *= 0.9\n  p = p - lr * m\n}\n",

@@ -412,7 +412,8 @@ def _dotted(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | No
     if not 0 < err.line <= len(lines):
         return None
     line = lines[err.line - 1]
-    before = re.search(r"[A-Za-z_][A-Za-z0-9_]*$", line[:err.column - 1])
+    # (a name, not the tail of a number: 1e5.abs() is no method of e5's)
+    before = re.search(r"(?<![\w.])[A-Za-z_][A-Za-z0-9_]*$", line[:err.column - 1])
     after = re.match(r"\.([A-Za-z_][A-Za-z0-9_]*)(\s*\()?", line[err.column - 1:])
     if before is None or after is None:
         return None
