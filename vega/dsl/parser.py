@@ -499,13 +499,21 @@ def _indexing(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
     return None
 
 
-def _python_word(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
+def _python_word(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
     """A word of Python's where Vega has its own: ``True`` and ``False`` as a default (in
-    the body they are undefined names, which the check says), ``is`` in a comparison."""
+    the body they are undefined names, which the check says), ``is`` in a comparison: where
+    the parse fails at it, or, after an assignment's value on its line (``x = p is g``),
+    where the parse took it for the name of the next statement and fails after it."""
     from vega.dsl.check import PYTHON_WORDS
-    if not isinstance(err, lark.exceptions.UnexpectedToken) or err.token.type != "NAME":
+    if not isinstance(err, lark.exceptions.UnexpectedToken):
         return None
-    tok = err.token
+    tok, stack = err.token, _value_stack(err)
+    if err.accepts == {"EQUAL"} and stack and isinstance(stack[-1], Token) \
+            and stack[-1].type == "NAME" and str(stack[-1]) == "is" \
+            and source_lines(source)[stack[-1].line - 1][:stack[-1].column - 1].strip():
+        tok = stack[-1]
+    if tok.type != "NAME":
+        return None
     if str(tok) in PYTHON_WORDS:
         how = f"Vega writes {PYTHON_WORDS[str(tok)]}"
     elif str(tok) == "is":
@@ -701,7 +709,7 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
     except lark.exceptions.UnexpectedInput as err:
         # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
         found = _conditional_expression(err) or _dotted(err, source) or \
-            _augmented(err, source) or _indexing(err) or _python_word(err) or \
+            _augmented(err, source) or _indexing(err) or _python_word(err, source) or \
             _colon_block(err) or _python_statement(err, source) or \
             _tuple_assignment(err, source) or _misused_equal(err) or \
             _missing_brace(err, source) or _glued_number(err, source) or \
