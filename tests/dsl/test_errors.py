@@ -382,6 +382,14 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "Vega has no indexing: each name is its value at the element a statement runs for", 2, 17),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g // 2\n}\n",
      "Vega has no '//': floor division is floor(a / b)", 2, 18),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  // a step\n}\n",  # (a C comment)
+     "Vega's comments start with '#', not '//'", 3, 3),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  [\n}\n",  # (no value indexed)
+     "'[' is never closed", 3, 3),
+    ("optimizer o(lr = 1e-3, f = true) {\n  if f {\n    p = p - lr * g\n  }[\n}\n",
+     "'[' is never closed", 4, 4),
+    ("optimizer o(lr = 1e-3) {\n  state [ = zeros\n  p = p - lr * g\n}\n",
+     "'[' is never closed", 2, 9),
     ("optimizer o(lr = 1e-3) {\n  p = where(g is 0, p, p - lr * g)\n}\n",
      "unexpected 'is': Vega compares with '==' and '!='", 2, 15),
     ("optimizer o(lr = 1e-3) {\n  c = g is p\n  p = where(c, p, p - lr * g)\n}\n",

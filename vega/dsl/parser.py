@@ -477,9 +477,15 @@ _BEFORE_A_VALUE = {"EQUAL", "LPAR", "COMMA", "ADD_OP", "MUL_OP", "MINUS", "CIRCU
                    "COMP_OP", "LBRACE"}
 
 
-def _indexing(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
-    """Python's indexing and floor division in a statement: ``g[0]`` (a '[' after a value,
-    in the body: in the header it begins a range) and ``a // b`` (a '/' after a '/')."""
+def _first_on_its_line(tok: Token, source: str) -> bool:
+    lines = source_lines(source)
+    return 0 < tok.line <= len(lines) and not lines[tok.line - 1][:tok.column - 1].strip()
+
+
+def _indexing(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
+    """Python's indexing and floor division in a statement: ``g[0]`` (a '[' right after a
+    name, a number or a ')' on its line, in the body: in the header it begins a range) and
+    ``a // b`` (a '/' after a '/'); a '//' that begins its line is a C comment."""
     if not isinstance(err, lark.exceptions.UnexpectedToken):
         return None
     stack, tok = _value_stack(err), err.token
@@ -487,15 +493,17 @@ def _indexing(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
         return None
     last = stack[-1]
     if tok.type == "LSQB" and any(isinstance(v, Token) and v.type == "LBRACE" for v in stack) \
-            and not (isinstance(last, Token) and last.type in _BEFORE_A_VALUE):
+            and isinstance(last, Token) and last.type in ("NAME", "NUMBER", "RPAR", "RSQB") \
+            and not _first_on_its_line(tok, source):
         return SpecError("Vega has no indexing: each name is its value at the element a "
                          "statement runs for; a reduction reads a whole tensor (sum(x), "
                          "norm(x), row_sum(x)), and size(p, k) is the length of axis k",
                          Span(tok.line, tok.column, tok.end_line, tok.end_column))
     if str(tok) == "/" and isinstance(last, Token) and str(last) == "/" \
             and (last.end_line, last.end_column) == (tok.line, tok.column):
-        return SpecError("Vega has no '//': floor division is floor(a / b)",
-                         Span(last.line, last.column, tok.end_line, tok.end_column))
+        how = "Vega's comments start with '#', not '//'" if _first_on_its_line(last, source) \
+            else "Vega has no '//': floor division is floor(a / b)"
+        return SpecError(how, Span(last.line, last.column, tok.end_line, tok.end_column))
     return None
 
 
@@ -709,7 +717,7 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
     except lark.exceptions.UnexpectedInput as err:
         # (before the brackets: a left-out '{' leaves a '}' that closes nothing at the end)
         found = _conditional_expression(err) or _dotted(err, source) or \
-            _augmented(err, source) or _indexing(err) or _python_word(err, source) or \
+            _augmented(err, source) or _indexing(err, source) or _python_word(err, source) or \
             _colon_block(err) or _python_statement(err, source) or \
             _tuple_assignment(err, source) or _misused_equal(err) or \
             _missing_brace(err, source) or _glued_number(err, source) or \
