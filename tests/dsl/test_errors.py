@@ -390,6 +390,10 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "'[' is never closed", 4, 4),
     ("optimizer o(lr = 1e-3) {\n  state [ = zeros\n  p = p - lr * g\n}\n",
      "'[' is never closed", 2, 9),
+    ("optimizer o(lr = if 1e-3) {\n  p = p - lr * g\n}\n",  # (no value before the if)
+     "unexpected 'if': a hyperparameter needs a default", 1, 18),
+    ("optimizer o(lr = 1e-3, f = true) {\n  for if f {\n    p = p - lr * g\n  }\n}\n",
+     "Vega has no 'for'", 2, 3),
     ("optimizer o(lr = 1e-3) {\n  p = where(g is 0, p, p - lr * g)\n}\n",
      "unexpected 'is': Vega compares with '==' and '!='", 2, 15),
     ("optimizer o(lr = 1e-3) {\n  c = g is p\n  p = where(c, p, p - lr * g)\n}\n",

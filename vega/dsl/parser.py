@@ -665,7 +665,10 @@ def _conditional_expression(err: lark.exceptions.UnexpectedInput) -> SpecError |
     if statement whose condition 'else' follows (the parse takes 'if' for one)."""
     if not isinstance(err, lark.exceptions.UnexpectedToken):
         return None
-    tok = err.token if err.token.type == "IF" else None
+    # (an 'if' where a bracket or a default may close or go on: after a value, not where a
+    # value or a statement's '=' goes)
+    tok = err.token if err.token.type == "IF" and err.accepts & {"RPAR", "COMMA", "RSQB"} \
+        else None
     stack = _value_stack(err)
     if tok is None and str(err.token) == "else" and len(stack) >= 2 \
             and isinstance(stack[-2], Token) and stack[-2].type == "IF":
