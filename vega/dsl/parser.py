@@ -335,7 +335,7 @@ def _missing_brace(err: lark.exceptions.UnexpectedInput, source: str) -> SpecErr
             and stack[-1].type == "ELSE":
         tok = stack[-1]
         return SpecError(f"'else' needs '{{' or 'if' after it; {BLOCK_LABELS['ELSE']}",
-                         Span(tok.line, tok.column, tok.end_line, tok.end_column))
+                         _span(tok))
     if err.accepts != {"LBRACE"} or len(stack) < 2 or not isinstance(stack[-2], Token) \
             or stack[-2].type not in _BLOCK_HEADS:
         return None
@@ -345,20 +345,28 @@ def _missing_brace(err: lark.exceptions.UnexpectedInput, source: str) -> SpecErr
                      f"{_BLOCK_HEADS[head.type]}; {BLOCK_LABELS[head.type]}", span)
 
 
-def _misspelled_keyword(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
-    """A statement that starts with a near miss of a keyword (``stat m = zeros``): the
-    parse takes the word for a name to assign and fails at the next token."""
+def _statement_name(err: lark.exceptions.UnexpectedInput) -> Token | None:
+    """The name the parse read as a statement's (the name it assigns) where it then failed,
+    wanting that statement's '=': a word of another language there (``stat``, ``def``,
+    ``p -= x``, ``a, b = ...``) is taken for a name to assign."""
     if not isinstance(err, lark.exceptions.UnexpectedToken) or err.accepts != {"EQUAL"}:
         return None
     stack = _value_stack(err)
-    if not stack or not isinstance(stack[-1], Token) or stack[-1].type != "NAME":
+    last = stack[-1] if stack else None
+    return last if isinstance(last, Token) and last.type == "NAME" else None
+
+
+def _misspelled_keyword(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
+    """A statement that starts with a near miss of a keyword (``stat m = zeros``): the
+    parse takes the word for a name to assign and fails at the next token."""
+    word = _statement_name(err)
+    if word is None:
         return None
-    word = stack[-1]
     close = difflib.get_close_matches(str(word).lower(), _STATEMENT_KEYWORDS, n=1, cutoff=0.6)
     if not close:
         return None
     return SpecError(f"unknown keyword '{word}' (did you mean '{close[0]}'?)",
-                     Span(word.line, word.column, word.end_line, word.end_column))
+                     _span(word))
 
 
 def _glued_number(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
@@ -457,16 +465,13 @@ def _dotted(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | No
 def _augmented(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
     """Python's augmented assignment, ``p -= x`` (``m *= b1``, ``p **= 2``): the parse reads
     the name as a statement's and fails at the operator, where it wants '='."""
-    if not isinstance(err, lark.exceptions.UnexpectedToken) or err.accepts != {"EQUAL"}:
-        return None
-    stack, lines = _value_stack(err), source_lines(source)
-    if not stack or not isinstance(stack[-1], Token) or stack[-1].type != "NAME" \
-            or not 0 < err.line <= len(lines):
+    name, lines = _statement_name(err), source_lines(source)
+    if name is None or not 0 < err.line <= len(lines):
         return None
     found = re.match(r"(\*\*|//|[-+*/^@])=", lines[err.line - 1][err.column - 1:])
     if found is None:
         return None
-    op, name = found.group(1), stack[-1]
+    op = found.group(1)
     value = {"**": f"{name} ^ ...", "//": f"floor({name} / ...)"}.get(op, f"{name} {op} ...")
     return SpecError(f"Vega has no '{op}=': write '{name} = {value}'",
                      Span(err.line, err.column, err.line, err.column + len(op) + 1))
@@ -498,7 +503,7 @@ def _indexing(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | 
         return SpecError("Vega has no indexing: each name is its value at the element a "
                          "statement runs for; a reduction reads a whole tensor (sum(x), "
                          "norm(x), row_sum(x)), and size(p, k) is the length of axis k",
-                         Span(tok.line, tok.column, tok.end_line, tok.end_column))
+                         _span(tok))
     if str(tok) == "/" and isinstance(last, Token) and str(last) == "/" \
             and (last.end_line, last.end_column) == (tok.line, tok.column):
         how = "Vega's comments start with '#', not '//'" if _first_on_its_line(last, source) \
@@ -515,11 +520,9 @@ def _python_word(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError
     from vega.dsl.check import PYTHON_WORDS
     if not isinstance(err, lark.exceptions.UnexpectedToken):
         return None
-    tok, stack = err.token, _value_stack(err)
-    if err.accepts == {"EQUAL"} and stack and isinstance(stack[-1], Token) \
-            and stack[-1].type == "NAME" and str(stack[-1]) == "is" \
-            and source_lines(source)[stack[-1].line - 1][:stack[-1].column - 1].strip():
-        tok = stack[-1]
+    tok, name = err.token, _statement_name(err)
+    if name is not None and str(name) == "is" and not _first_on_its_line(name, source):
+        tok = name
     if tok.type != "NAME":
         return None
     if str(tok) in PYTHON_WORDS:
@@ -528,8 +531,7 @@ def _python_word(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError
         how = "Vega compares with '==' and '!='"
     else:
         return None
-    return SpecError(f"unexpected '{tok}': {how}",
-                     Span(tok.line, tok.column, tok.end_line, tok.end_column))
+    return SpecError(f"unexpected '{tok}': {how}", _span(tok))
 
 
 def _colon_block(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
@@ -544,7 +546,7 @@ def _colon_block(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
         return None
     tok = err.token
     return SpecError(f"a block goes in braces, not after ':'; {BLOCK_LABELS[head.type]}",
-                     Span(tok.line, tok.column, tok.end_line, tok.end_column))
+                     _span(tok))
 
 
 # Python's statements, which a spec has not, and what it does instead
@@ -570,13 +572,11 @@ def _python_statement(err: lark.exceptions.UnexpectedInput, source: str) -> Spec
     the line). Said at the word."""
     if not isinstance(err, lark.exceptions.UnexpectedToken):
         return None
-    stack, word = _value_stack(err), None
+    stack, word, name = _value_stack(err), None, _statement_name(err)
     if not stack and err.token.type == "NAME" and str(err.token) in ("import", "from"):
         word = err.token
-    elif err.accepts == {"EQUAL"} and stack and isinstance(stack[-1], Token) \
-            and stack[-1].type == "NAME" \
-            and (str(stack[-1]) in _PYTHON_STATEMENTS or str(stack[-1]) == "elif"):
-        word = stack[-1]
+    elif name is not None and (str(name) in _PYTHON_STATEMENTS or str(name) == "elif"):
+        word = name
     elif err.token.type in ("COLON", "COMMA"):  # (lambda x: ..., lambda x, y: ...)
         for v in reversed(stack):
             tokens = [v] if isinstance(v, Token) else list(v.scan_values(
@@ -592,27 +592,23 @@ def _python_statement(err: lark.exceptions.UnexpectedInput, source: str) -> Spec
         return None
     how = "Vega writes 'else if', not 'elif'" if word == "elif" else \
         f"Vega has no '{word}': {_PYTHON_STATEMENTS[str(word)]}"
-    return SpecError(how, Span(word.line, word.column, word.end_line, word.end_column))
+    return SpecError(how, _span(word))
 
 
 def _tuple_assignment(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
     """Python's assignment of several names at once, ``a, b = x, y``: the parse reads the
     first name as a statement's and fails at the ',', where it wants '='."""
-    if not isinstance(err, lark.exceptions.UnexpectedToken) or err.token.type != "COMMA" \
-            or err.accepts != {"EQUAL"}:
-        return None
-    stack, lines = _value_stack(err), source_lines(source)
-    if not stack or not isinstance(stack[-1], Token) or stack[-1].type != "NAME" \
-            or not 0 < stack[-1].line <= len(lines):
+    first, lines = _statement_name(err), source_lines(source)
+    if first is None or err.token.type != "COMMA" or not 0 < first.line <= len(lines):
         return None
     found = re.match(r"[A-Za-z_]\w*(\s*,\s*[A-Za-z_]\w*)+(?=\s*=)",
-                     lines[stack[-1].line - 1][stack[-1].column - 1:])
+                     lines[first.line - 1][first.column - 1:])
     if found is None:
         return None
     names = [n.strip() for n in found.group().split(",")]
     tok = err.token
     return SpecError("Vega assigns one name at a time: " + "; ".join(f"{n} = ..." for n in names),
-                     Span(tok.line, tok.column, tok.end_line, tok.end_column))
+                     _span(tok))
 
 
 # how a function's arguments go, for a call that named one
@@ -656,7 +652,7 @@ def _misused_equal(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
         return SpecError(f"{fn}() takes its arguments in order, without names ('{name}='): "
                          f"{how}", Span(name.line, name.column, tok.end_line, tok.end_column))
     return SpecError("'=' assigns a name, in a statement of its own; '==' compares",
-                     Span(tok.line, tok.column, tok.end_line, tok.end_column))
+                     _span(tok))
 
 
 def _conditional_expression(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
@@ -677,7 +673,7 @@ def _conditional_expression(err: lark.exceptions.UnexpectedInput) -> SpecError |
         return None
     return SpecError("Vega has no conditional expression 'x if c else y': write "
                      "where(c, x, y), which chooses element by element",
-                     Span(tok.line, tok.column, tok.end_line, tok.end_column))
+                     _span(tok))
 
 
 def _misplaced_word(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
@@ -693,7 +689,7 @@ def _misplaced_word(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
                        "comparisons: not (a > b), where(not (g > 0), x, y)" if tok == "not"
                        else f"'{tok}' combines two bools: a > 0 {tok} b > 0")
                 return SpecError(f"unexpected '{tok}': {how}",
-                                 Span(tok.line, tok.column, tok.end_line, tok.end_column))
+                                 _span(tok))
     return None
 
 
