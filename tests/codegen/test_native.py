@@ -1,6 +1,7 @@
 """The C backend's native operator is built like the kernels are cached (atomic, a corrupt file
 rebuilt, a failure remembered, off with VEGA_NATIVE=0), in the background, and loaded once
 per process."""
+import contextlib
 import errno
 import json
 import os
@@ -905,3 +906,39 @@ def test_a_build_that_ends_at_once_leaves_another_processes_lock_as_it_is(fresh,
         os.close(r)
         if native._state["pending"] is not None:
             native._state["pending"][2].close()
+
+
+def test_a_child_forked_while_the_lock_is_taken_does_not_hold_it(tmp_path, monkeypatch):
+    """A lock is flocked before it is linked into place, under the directory's lock: a child
+    forked by another thread then (a DataLoader's worker) kept the parent's descriptor,
+    which ``_forked`` lets go only once it is in ``_held``, and so held the lock while it
+    ran; were the build to die without its library, the lock read as held, and no process
+    built it again before it was older than ``LOCK_LIMIT``."""
+    target = tmp_path / "vega_native-0.so"
+    real, children = native.cbuild.locked, []
+    r, w = os.pipe()
+    up_r, up_w = os.pipe()
+
+    @contextlib.contextmanager
+    def locked(directory, exclusive):
+        with real(directory, exclusive):
+            pid = os.fork()
+            if pid == 0:  # a worker that runs on
+                os.close(w)
+                os.write(up_w, b"x")  # (its fork handlers have run)
+                os.read(r, 1)
+                os._exit(0)
+            children.append(pid)
+            os.read(up_r, 1)
+            yield
+    monkeypatch.setattr(native.cbuild, "locked", locked)
+    try:
+        lock = native._taken(target)
+        assert lock is not None and children
+        os.close(native._held.pop(lock))  # the build died, without its library
+        assert native._stale(lock), "the lock is held by the forked child"
+    finally:
+        for fd in (w, r, up_w, up_r):
+            os.close(fd)
+        for pid in children:
+            os.waitpid(pid, 0)

@@ -424,6 +424,8 @@ def checkout_env() -> dict | None:
 
 # the locks this process holds (each its descriptor, flocked): the build's, until it ends
 _held: dict[Path, int] = {}
+# the descriptors of the locks this process is taking (flocked, not yet in ``_held``)
+_taking: set[int] = set()
 
 
 def _taken(target: Path) -> Path | None:
@@ -438,6 +440,7 @@ def _taken(target: Path) -> Path | None:
     if not _stale(lock):
         return None
     fd, tmp = tempfile.mkstemp(prefix=f".{lock.name}-", dir=lock.parent)
+    _taking.add(fd)  # (closed in a child forked before it is held: _forked)
     taken = False
     try:
         if cbuild.fcntl is not None:
@@ -463,6 +466,7 @@ def _taken(target: Path) -> Path | None:
                 os.rename(tmp, lock)
         taken = True
     finally:
+        _taking.discard(fd)
         if os.path.lexists(tmp):
             os.unlink(tmp)
         if not taken:
@@ -533,12 +537,14 @@ def _forked() -> None:
     the child waits for it as for another process's, by its lock and its library. Its
     ``_lock_`` is new: one that another thread of the parent held at the fork would be held
     in the child for ever, and it lets go of its copies of the build locks its parent holds
-    (held by the child, a lock would be held while it runs, after its parent's build)."""
+    or is taking (held by the child, a lock would be held while it runs, after its parent's
+    build)."""
     global _lock_
     _lock_ = threading.Lock()
-    for fd in _held.values():
+    for fd in [*_held.values(), *_taking]:
         os.close(fd)
     _held.clear()
+    _taking.clear()
     pending = _state["pending"]
     if pending is not None and pending[1] is not None:
         _state["pending"] = (pending[0], None, None)
