@@ -12,14 +12,12 @@ is after the script's own: use it only for scripts whose first lines import thos
 import atexit
 import json
 import os
-import select
-import signal
 import subprocess
 import sys
 import tempfile
 
 SERVER = r"""
-import json, os, sys
+import json, os, signal, sys, time
 for name in sys.argv[1:]:
     __import__(name)
 for line in sys.stdin:
@@ -53,9 +51,25 @@ for line in sys.stdin:
             sys.stderr.flush()
         finally:
             os._exit(code)
-    print(json.dumps({"pid": pid}), flush=True)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
+    # (the server waits for its child, and kills it at its deadline before it has waited
+    # for it: the pid is still that child's; one line a job, read once it has ended)
+    late, deadline = False, None if job["timeout"] is None else time.monotonic() + job["timeout"]
+    if deadline is None:
+        _, status = os.waitpid(pid, 0)
+    else:
+        nap = 0.001
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() >= deadline:
+                os.kill(pid, signal.SIGKILL)
+                _, status = os.waitpid(pid, 0)
+                late = True
+                break
+            time.sleep(nap)
+            nap = min(2 * nap, 0.05)
+    print(json.dumps({"status": os.waitstatus_to_exitcode(status), "late": late}), flush=True)
 """
 
 # (environment, imports) -> its server, the most recently used last; at most KEEP of them
@@ -87,12 +101,7 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.stdout.close()
 
 
-def _read(proc: subprocess.Popen, deadline: float | None) -> dict:
-    import time
-    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-    ready, _, _ = select.select([proc.stdout], [], [], wait)
-    if not ready:
-        raise subprocess.TimeoutExpired("forked script", wait)
+def _read(proc: subprocess.Popen) -> dict:
     line = proc.stdout.readline()
     if not line:
         raise RuntimeError(f"the fork server ended with {proc.wait()}")
@@ -106,29 +115,24 @@ def run(script: str, *args: str, env: dict | None = None, timeout: float | None 
     ``cwd`` (default: the server's, this process's when it started it): a
     CompletedProcess with its exit status and its stdout and stderr as text. Raises
     TimeoutExpired (the child killed) where it runs past ``timeout`` seconds."""
-    import time
     env = dict(os.environ if env is None else env)
     env.pop("PYTEST_CURRENT_TEST", None)  # (pytest's name of the test: one server for all)
     proc = _server(env, tuple(imports))
-    deadline = None if timeout is None else time.monotonic() + timeout
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         for path in (out, err):
             open(path, "w").close()
         proc.stdin.write(json.dumps({"script": script, "argv": list(args), "stdout": out,
-                                     "stderr": err,
+                                     "stderr": err, "timeout": timeout,
                                      "cwd": None if cwd is None else str(cwd)}) + "\n")
         proc.stdin.flush()
-        pid = _read(proc, None)["pid"]
-        try:
-            status = _read(proc, deadline)["status"]
-        except subprocess.TimeoutExpired:
-            os.kill(pid, signal.SIGKILL)
-            _read(proc, None)
-            raise
+        done = _read(proc)
         with open(out) as f, open(err) as g:
-            return subprocess.CompletedProcess([sys.executable, "-c", script, *args], status,
-                                               f.read(), g.read())
+            stdout, stderr = f.read(), g.read()
+    cmd = [sys.executable, "-c", script, *args]
+    if done["late"]:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, done["status"], stdout, stderr)
 
 
 @atexit.register
