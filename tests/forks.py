@@ -12,6 +12,7 @@ is after the script's own: use it only for scripts whose first lines import thos
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -84,8 +85,10 @@ def _server(env: dict, imports: tuple[str, ...]) -> subprocess.Popen:
     if proc is None or proc.poll() is not None:
         while len(_servers) >= KEEP:
             _stop(_servers.pop(next(iter(_servers))))
+        # (a session of its own: a group of the server and its children, ended together)
         proc = subprocess.Popen([sys.executable, "-c", SERVER, *imports], env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
     _servers[key] = proc
     return proc
 
@@ -125,8 +128,18 @@ def run(script: str, *args: str, env: dict | None = None, timeout: float | None 
         proc.stdin.write(json.dumps({"script": script, "argv": list(args), "stdout": out,
                                      "stderr": err, "timeout": timeout,
                                      "cwd": None if cwd is None else str(cwd)}) + "\n")
-        proc.stdin.flush()
-        done = _read(proc)
+        try:
+            proc.stdin.flush()
+            done = _read(proc)
+        except BaseException:
+            # interrupted (a signal's handler raised): the server would answer for this
+            # script later, and that answer be read as the next's; it and its child end
+            # (the server not yet waited for: its group is still theirs)
+            _servers.pop(next(k for k, v in _servers.items() if v is proc), None)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            _stop(proc)
+            raise
         with open(out) as f, open(err) as g:
             stdout, stderr = f.read(), g.read()
     cmd = [sys.executable, "-c", script, *args]

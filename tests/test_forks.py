@@ -80,3 +80,37 @@ def test_a_server_ends_with_its_process():
     for pid in map(int, out.split()):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_wait_interrupted_leaves_no_answer_for_the_next_script(tmp_path):
+    """A test interrupted while its script ran (a signal's handler raising, a timeout
+    plugin's): the script and its server are ended, and the next script's answer is its
+    own (the first's status, answered later, was read as the next's, with the next's
+    output not yet written)."""
+    pid_file = tmp_path / "pid"
+
+    def interrupt(*_):
+        raise InterruptedError("interrupted")
+    before = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.alarm(2)
+        with pytest.raises(InterruptedError):
+            run("import os, sys, time\n"
+                "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+                "time.sleep(4)", str(pid_file))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    done = run("print('next')")
+    assert (done.returncode, done.stdout) == (0, "next\n")
+    assert ended(int(pid_file.read_text()))  # (the interrupted script, with its server)
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie its new parent has yet to wait
+    for)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
