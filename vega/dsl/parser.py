@@ -30,6 +30,12 @@ def _join(a: Span, b: Span) -> Span:
     return Span(a.line, a.column, b.end_line, b.end_column)
 
 
+def _line(source: str, n: int) -> str:
+    """Line ``n`` of ``source`` as the parser counts lines; "" past its lines."""
+    lines = source_lines(source)
+    return lines[n - 1] if 0 < n <= len(lines) else ""
+
+
 def _number(tok: Token) -> float:
     """A NUMBER or a CONSTANT (inf, nan, pi) token's value."""
     return ast.CONSTANTS[str(tok)] if tok.type == "CONSTANT" else float(tok)
@@ -416,10 +422,7 @@ def _dotted(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | No
     from vega.dsl.check import FUNCTIONS, GLOBAL_FUNCTIONS, SHAPE_QUERIES, WRITTEN_OTHERWISE
     if not isinstance(err, lark.exceptions.UnexpectedCharacters) or err.char != ".":
         return None
-    lines = source_lines(source)
-    if not 0 < err.line <= len(lines):
-        return None
-    line = lines[err.line - 1]
+    line = _line(source, err.line)
     # (a name, not the tail of a number: 1e5.abs() is no method of e5's)
     before = re.search(r"(?<![\w.])[A-Za-z_][A-Za-z0-9_]*$", line[:err.column - 1])
     after = re.match(r"\.([A-Za-z_][A-Za-z0-9_]*)(\s*\()?", line[err.column - 1:])
@@ -465,10 +468,10 @@ def _dotted(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | No
 def _augmented(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
     """Python's augmented assignment, ``p -= x`` (``m *= b1``, ``p **= 2``): the parse reads
     the name as a statement's and fails at the operator, where it wants '='."""
-    name, lines = _statement_name(err), source_lines(source)
-    if name is None or not 0 < err.line <= len(lines):
+    name = _statement_name(err)
+    if name is None:
         return None
-    found = re.match(r"(\*\*|//|[-+*/^@])=", lines[err.line - 1][err.column - 1:])
+    found = re.match(r"(\*\*|//|[-+*/^@])=", _line(source, err.line)[err.column - 1:])
     if found is None:
         return None
     op = found.group(1)
@@ -572,37 +575,34 @@ def _python_statement(err: lark.exceptions.UnexpectedInput, source: str) -> Spec
     the line). Said at the word."""
     if not isinstance(err, lark.exceptions.UnexpectedToken):
         return None
-    stack, word, name = _value_stack(err), None, _statement_name(err)
-    if not stack and err.token.type == "NAME" and str(err.token) in ("import", "from"):
-        word = err.token
+    word, name = None, _statement_name(err)
+    if not _value_stack(err) and err.token.type == "NAME" \
+            and str(err.token) in ("import", "from"):
+        word, span = str(err.token), _span(err.token)
     elif name is not None and (str(name) in _PYTHON_STATEMENTS or str(name) == "elif"):
-        word = name
+        word, span = str(name), _span(name)
     elif err.token.type in ("COLON", "COMMA"):  # (lambda x: ..., lambda x, y: ...)
-        for v in reversed(stack):
-            tokens = [v] if isinstance(v, Token) else list(v.scan_values(
-                lambda x: isinstance(x, Token))) if hasattr(v, "scan_values") else []
-            word = next((t for t in tokens if t.type == "NAME" and str(t) == "lambda"
-                         and t.line == err.token.line and re.fullmatch(
-                             r"(\s*[A-Za-z_]\w*\s*(,\s*[A-Za-z_]\w*\s*)*)?|\s*",
-                             source_lines(source)[t.line - 1][t.end_column - 1:
-                                                              err.token.column - 1])), None)
-            if word is not None:
-                break
+        tok = err.token
+        found = re.search(r"\blambda\b(?=(\s*[A-Za-z_]\w*\s*(,\s*[A-Za-z_]\w*\s*)*)?\s*$)",
+                          _line(source, tok.line)[:tok.column - 1])
+        if found is not None:
+            word = "lambda"
+            span = Span(tok.line, found.start() + 1, tok.line, found.end() + 1)
     if word is None:
         return None
     how = "Vega writes 'else if', not 'elif'" if word == "elif" else \
-        f"Vega has no '{word}': {_PYTHON_STATEMENTS[str(word)]}"
-    return SpecError(how, _span(word))
+        f"Vega has no '{word}': {_PYTHON_STATEMENTS[word]}"
+    return SpecError(how, span)
 
 
 def _tuple_assignment(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
     """Python's assignment of several names at once, ``a, b = x, y``: the parse reads the
     first name as a statement's and fails at the ',', where it wants '='."""
-    first, lines = _statement_name(err), source_lines(source)
-    if first is None or err.token.type != "COMMA" or not 0 < first.line <= len(lines):
+    first = _statement_name(err)
+    if first is None or err.token.type != "COMMA":
         return None
     found = re.match(r"[A-Za-z_]\w*(\s*,\s*[A-Za-z_]\w*)+(?=\s*=)",
-                     lines[first.line - 1][first.column - 1:])
+                     _line(source, first.line)[first.column - 1:])
     if found is None:
         return None
     names = [n.strip() for n in found.group().split(",")]
