@@ -464,6 +464,9 @@ def _taken(target: Path) -> Path | None:
                 if os.path.lexists(lock):
                     return None
                 os.rename(tmp, lock)
+        if lock in _held:
+            os.close(_held.pop(lock))
+        _held[lock] = fd  # (before it leaves _taking: a fork between would keep it)
         taken = True
     finally:
         _taking.discard(fd)
@@ -471,9 +474,6 @@ def _taken(target: Path) -> Path | None:
             os.unlink(tmp)
         if not taken:
             os.close(fd)
-    if lock in _held:
-        os.close(_held.pop(lock))
-    _held[lock] = fd
     return lock
 
 
