@@ -135,3 +135,78 @@ def test_the_language_pages_python_examples_run():
     for block in blocks:
         with contextlib.redirect_stdout(io.StringIO()):
             exec(compile(block, "language.md", "exec"), {})
+
+
+def _table_rows(page: Path, heading: str) -> list[list[str]]:
+    """The rows of the first table under a heading: each row's cells, stripped."""
+    text = page.read_text().split(f"\n{heading}\n", 1)[1]
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            break
+        if line.startswith("|") and not line.startswith("| ---"):
+            rows.append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return rows[1:]  # (the header's row aside)
+
+
+def _quoted(cell: str) -> list[str]:
+    """The messages a cell quotes: each code span, ``...`` standing for what varies."""
+    return [q for q in re.findall(r"`([^`]+)`", cell) if " " in q]
+
+
+def _says(message: str, quote: str) -> bool:
+    """Whether the message says the quote, its ``...``'s standing for anything."""
+    pattern = ".*".join(re.escape(part) for part in re.split(r"\.\.\.", quote))
+    return re.search(pattern, message) is not None
+
+
+def test_robustness_quotes_what_a_functional_step_says():
+    # docs/robustness.md's tables of a functional step's state and gradients quote the
+    # errors; each input of a row, given, raises the messages that row quotes
+    import torch
+
+    import vega
+
+    def error(params, grads, state, **kw):
+        try:
+            vega.adamw_step(params, grads, state, **kw)
+        except ValueError as e:
+            return str(e)
+        raise AssertionError("no error")
+
+    one = [torch.zeros(4, 3)]
+    s1 = vega.adamw_init(one)
+    p = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    g = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    s = vega.adamw_init(p)
+    ints = {**s, "mu": {**s["mu"], "w": torch.zeros(4, 3, dtype=torch.int32)}}
+    states = [
+        [error(p, g, []), error(p, g, {k: v for k, v in s.items() if k != "nu"})],
+        [error(p, g, {**s, "step": torch.tensor(0)})],
+        [error(one, one, {**s1, "mu": [[1.0]]})],
+        [error(one, one, {**s1, "mu": [1.0]}), error(one, one, {**s1, "mu": [None]})],
+        [error(p, g, {**s, "mu": {**s["mu"], "w": torch.zeros(3)}})],
+        [error(p, g, ints, backend=b) for b in ("reference", "c")],
+    ]
+    meta = {"w": torch.zeros(4, 3), "b": torch.zeros(3, device="meta")}
+    grads = [
+        [error({**p, "c": torch.zeros(1)}, g, vega.adamw_init({**p, "c": torch.zeros(1)}))],
+        [error(p, {**g, "w": 1.0}, s)],
+        [error(p, {**g, "w": torch.zeros(3)}, s),
+         error(meta, {**g, "b": torch.zeros(3)}, vega.adamw_init(meta))],
+        [error(p, {**g, "b": torch.zeros(1, 3).to_sparse_csr()}, s),
+         error(p, {**g, "b": torch.nested.nested_tensor([torch.zeros(3)])}, s)],
+        [error(p, {**g, "w": torch.zeros(4, 3, dtype=torch.complex64)}, s)],
+        [error(p, {**g, "b": torch.zeros(3, dtype=torch.int64)}, s)],
+    ]
+    page = ROOT / "docs" / "robustness.md"
+    wrong = []
+    for heading, said in (("### States of the functional API", states),
+                          ("### Gradients of the functional API", grads)):
+        rows = _table_rows(page, heading)
+        assert len(rows) == len(said), heading
+        for (what, cell), messages in zip(rows, said):
+            wrong += [f"{heading}, '{what}': {quote!r} is not said: {messages}"
+                      for quote in _quoted(cell)
+                      if not any(_says(m, quote) for m in messages)]
+    assert not wrong, "\n".join(wrong)
