@@ -354,6 +354,19 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "'g.clamp()': Vega has no methods; write clamp(g, ...)", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.pow(2)\n}\n",
      "'g.pow()': Vega has no methods; a power is a ^ b", 2, 16),
+    # a reduction's method along an axis is not the reduction of the whole tensor: the
+    # message names the reductions along the matrix view's rows and columns
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.mean(dim=0)\n}\n",
+     "'g.mean(...)': Vega has no methods; mean(x) over a tensor, row_mean(x) or col_mean(x) "
+     "over the matrix view's rows or columns", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g / g.max(1)\n}\n",
+     "'g.max(...)': Vega has no methods; max(a, b), or max(x) over a tensor, row_max(x) or "
+     "col_max(x)", 2, 20),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.sum()\n}\n",
+     "'g.sum()': Vega has no methods; write sum(g)", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * sum(g, 0)\n}\n",
+     "sum() takes 1 argument, got 2; sum(x) over a tensor, row_sum(x) or col_sum(x) over "
+     "the matrix view's rows or columns", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.grad\n}\n",
      "'g.grad': Vega has no attributes", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * math.sqrt(g)\n}\n",

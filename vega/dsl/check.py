@@ -82,6 +82,12 @@ WRITTEN_OTHERWISE = {
 WORDS = ("and", "or", "not", "true", "false")
 
 
+def _axes(fn: str) -> str:
+    """How a reduction goes over a tensor and along its matrix view's axes."""
+    from vega.dsl.parser import _SIGNATURES
+    return _SIGNATURES[fn]
+
+
 def _own_name(name: str) -> str:
     """What to do where a name is a function's or a keyword's."""
     return f"give it a name of its own ('{name}_' or a longer one)"
@@ -613,7 +619,9 @@ class _Walker:
             hint = ("; the smallest value of a tensor is -max(-x)"
                     if e.fn == "min" and len(e.args) == 1 else
                     f"; of more than two values, {e.fn}(a, {e.fn}(b, c))"
-                    if e.fn in ("min", "max") and len(e.args) > 2 else "")
+                    if e.fn in ("min", "max") and len(e.args) > 2 else
+                    f"; {_axes(e.fn)}"
+                    if e.fn in ("sum", "mean", "norm") and len(e.args) > 1 else "")
             raise SpecError(f"{e.fn}() takes {counts} argument{plural}, got {len(e.args)}"
                             f"{hint}", e.span)
         if e.fn == "size":

@@ -414,6 +414,10 @@ _ATTRIBUTES = {"grad": "the gradient is g", "data": "the parameter is p",
                "ndim": "ndim(p) is the number of axes, in an if's condition"}
 
 
+# reductions of a tensor's values, which torch's methods take along an axis too
+_REDUCTIONS = ("sum", "mean", "max", "norm")
+
+
 def _dotted(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
     """A name with a '.' after it, as Python writes a module's function or constant
     (``math.sqrt(x)``, ``torch.sign(g)``, ``math.pi``) or a tensor's method or attribute
@@ -448,7 +452,14 @@ def _dotted(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | No
                    "language's functions)")
     elif called:
         shown = f"'{base}.{attr}()'"
-        if attr in _METHODS:
+        # (a reduction's method given an axis, g.mean(0) or g.sum(dim=1), is no call of
+        # mean(g), which reduces the whole tensor: say how Vega reduces along an axis)
+        axis = attr in _REDUCTIONS and not line[err.column - 1 + after.end():].lstrip() \
+            .startswith(")")
+        if axis:
+            shown = f"'{base}.{attr}(...)'"
+            how = f"Vega has no methods; {_SIGNATURES[attr]}"
+        elif attr in _METHODS:
             how = f"Vega has no methods; {_METHODS[attr]}"
         elif attr in known:
             args = base if 1 in known[attr] else f"{base}, ..."
@@ -615,7 +626,8 @@ def _tuple_assignment(err: lark.exceptions.UnexpectedInput, source: str) -> Spec
 _SIGNATURES = {
     "clamp": "clamp(x, lo, hi)", "where": "where(cond, a, b); '==' compares",
     "size": "size(p, k)", "atan2": "atan2(y, x)", "min": "min(a, b)",
-    "max": "max(a, b), or max(x) over a tensor",
+    "max": "max(a, b), or max(x) over a tensor, row_max(x) or col_max(x) over the matrix "
+           "view's rows or columns",
     "sum": "sum(x) over a tensor, row_sum(x) or col_sum(x) over the matrix view's rows or "
            "columns",
     "mean": "mean(x) over a tensor, row_mean(x) or col_mean(x) over the matrix view's rows "
