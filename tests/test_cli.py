@@ -3,6 +3,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,22 @@ def test_check_good_and_bad(tmp_path):
     assert "^^^" in out.stderr and "Traceback" not in out.stderr
     assert run("check", str(good)).returncode == 0
     assert run("check", str(tmp_path / "nope.vega")).returncode == 1
+
+
+def test_check_prints_each_files_first_error(tmp_path, capsys):
+    # a file with two mistakes: the first is said (a spec stops at its first error), once,
+    # as the README and vega --help say
+    two = tmp_path / "two.vega"
+    two.write_text("optimizer o(lr = 1e-3) {\n  x = sqr(g)\n  y = foo + 1\n  p = p - x * y\n}\n")
+    assert cli.main(["check", str(two)]) == 1
+    err = capsys.readouterr().err
+    assert err.count(": error: ") == 1 and f"{two}:2:7: error: unknown function 'sqr'" in err
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    said = "vega check FILE... compile specs; print each file's first error, exit 1 on any"
+    assert said in " ".join(capsys.readouterr().out.split())
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert said in " ".join(readme.split())
 
 
 def test_python_dash_m_vega_is_the_command():

@@ -12,7 +12,7 @@ DESCRIPTION = """\
 Vega: optimizers written as specs, compiled to fused kernels for PyTorch.
 
 commands:
-  vega check FILE...                   compile spec files; print each error, exit 1 on any
+  vega check FILE...                   compile specs; print each file's first error, exit 1 on any
   vega show FILE|NAME [--backend B] [--set NAME=V] [--shape N,N]
                                        print the kernel a step on CPU tensors runs (C where
                                        a C compiler is found, else the reference)
