@@ -1031,3 +1031,40 @@ def test_a_counter_near_the_int32_limit_goes_through_torchs_format_and_back(coun
     with pytest.raises(ValueError, match=r"2147483904.0; a step counter is a whole number"):
         saved["state"][0]["step"] = torch.tensor(2.0**31 + 256)
         vega.optim.AdamW([w], lr=1e-3).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("name,args,kw", [
+    ("SGD", (0.1,), {"momentum": 0.9, "weight_decay": 1e-4}),  # (torch's ImageNet example)
+    ("SGD", (0.1, 0.9, 0.0, 1e-4, True), {}),
+    ("Adam", (1e-2, (0.8, 0.9), 1e-6, 0.01, True), {}),
+    ("RMSprop", (1e-2, 0.9, 1e-7, 0.0, 0.5, True), {}),
+    ("Adagrad", (1e-2, 0.01), {}),
+])
+def test_hyperparameters_by_position_as_torch_takes_them(name, args, kw):
+    # torch.optim.SGD(model.parameters(), 0.1, momentum=0.9): lr, and the others in the
+    # order of torch's class, by position; the same steps as torch's with them
+    ours = _run(lambda ps: getattr(vega.optim, name)(ps, *args, **kw))
+    theirs = _run(lambda ps: getattr(torch.optim, name)(ps, *args, foreach=False, **kw))
+    for p, q in zip(ours[0], theirs[0]):
+        assert_close(p, q, rtol=1e-9)
+
+
+def test_a_class_torch_has_not_takes_lr_alone_by_position():
+    opt = vega.optim.Lion([torch.zeros(2)], 3e-4)
+    assert opt.param_groups[0]["lr"] == 3e-4
+    assert vega.adabelief.optimizer([torch.zeros(2)], 0.5).param_groups[0]["lr"] == 0.5
+    with pytest.raises(TypeError, match=r"Lion takes 1 hyperparameter by position \(lr\), "
+                                        "but 2 were given"):
+        vega.optim.Lion([torch.zeros(2)], 3e-4, (0.9, 0.99))
+    with pytest.raises(TypeError, match=r"SGD takes 5 hyperparameters by position \(lr, "
+                                        "momentum, dampening, weight_decay, nesterov, in "
+                                        "torch.optim.SGD's order\\), but 6 were given"):
+        vega.optim.SGD([torch.zeros(2)], 0.1, 0.9, 0.0, 0.0, False, 1)
+    with pytest.raises(TypeError, match="AdamW got multiple values for 'lr'"):
+        vega.optim.AdamW([torch.zeros(2)], 0.1, lr=0.2)
+    with pytest.raises(TypeError, match="RMSprop: give capturable by name"):
+        vega.optim.RMSprop([torch.zeros(2)], 0.1, 0.99, 1e-8, 0.0, 0.0, False, True)
+    spec = vega.compile("optimizer o(step_size = 1.0) {\n  p = p - step_size * g\n}\n")
+    with pytest.raises(TypeError, match=r"O takes its hyperparameters by name "
+                                        r"\(step_size=...\), not by position"):
+        spec.optimizer([torch.zeros(2)], 0.1)

@@ -114,7 +114,7 @@ class SpecOptimizer(torch.optim.Optimizer):
     spec = None  # the CompiledSpec, set on each subclass
     _vega_torch_only: dict = {}  # torch_names.torch_only of its rule, set on each subclass
 
-    def __init__(self, params, *, backend: str | None = None,
+    def __init__(self, params, *args, backend: str | None = None,
                  state_dtype=None, max_grad_norm: float | None = None,
                  loss_scale=None, skip_nonfinite: bool = False, maximize: bool = False,
                  foreach: bool | None = None, fused: bool | None = None,
@@ -126,6 +126,8 @@ class SpecOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{owner} has no rule: SpecOptimizer is the base of vega's "
                             "classes; make one of vega.optim's, or a spec's "
                             "(vega.compile(...).optimizer_class)")
+        # (lr, and torch's other hyperparameters, by position: SGD(params, 0.1))
+        torch_names.positional(owner, self.spec.class_name, self.spec, args, hypers)
         codegen.check_backend(backend)
         engine.check_precision(owner, master_weights, stochastic_rounding, rounding_seed)
         engine.check_fused(owner, max_grad_norm, skip_nonfinite, loss_scale)

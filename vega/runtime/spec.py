@@ -443,9 +443,10 @@ class CompiledSpec:
         from vega.runtime.optimizer import optimizer_class
         return optimizer_class(self)
 
-    def optimizer(self, params, **kwargs) -> torch.optim.Optimizer:
-        """A ``torch.optim.Optimizer`` over ``params`` (an iterable or param groups)."""
-        return self.optimizer_class(params, **kwargs)
+    def optimizer(self, params, *args, **kwargs) -> torch.optim.Optimizer:
+        """A ``torch.optim.Optimizer`` over ``params`` (an iterable or param groups); ``lr``
+        may come by position, as torch's classes take it."""
+        return self.optimizer_class(params, *args, **kwargs)
 
 
 def _share_group_states(work, stepped, cols, donate: bool) -> None:

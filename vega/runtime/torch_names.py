@@ -98,6 +98,36 @@ def _torch_keywords(cls_name: str) -> dict:
     return dict(inspect.signature(theirs.__init__).parameters)
 
 
+def positional(owner: str, cls_name: str, spec, args: tuple, hypers: dict) -> None:
+    """Hyperparameters given by position, as torch.optim's classes take them
+    (``SGD(model.parameters(), 0.1, momentum=0.9)``), put into ``hypers`` by name: in the
+    order of torch's class of the name, or ``lr`` alone where torch has none (a spec's
+    own). TypeError for more than that order holds, a name given twice, or a position of
+    a setting the class takes only by name (RMSprop's ``capturable``, ...)."""
+    if not args:
+        return
+    theirs = _torch_keywords(cls_name)
+    order = [n for n, p in theirs.items() if n not in ("self", "params")
+             and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    if not theirs:
+        order = ["lr"] if any(h.name == "lr" for h in spec.hypers) else []
+    if not order:
+        raise TypeError(f"{owner} takes its hyperparameters by name "
+                        f"({', '.join(h.name + '=...' for h in spec.hypers)}), not by position")
+    if len(args) > len(order):
+        named = f"{', '.join(order)}, in torch.optim.{cls_name}'s order" if theirs else "lr"
+        raise TypeError(f"{owner} takes {len(order)} hyperparameter{'s' * (len(order) != 1)} "
+                        f"by position ({named}), but {len(args)} were given: give the others "
+                        "by name")
+    for name, value in zip(order, args):
+        if name in (*_IMPLEMENTATION_KEYWORDS, "maximize", "differentiable"):
+            raise TypeError(f"{owner}: give {name} by name ({name}=...), not by position")
+        if name in hypers:
+            raise TypeError(f"{owner} got multiple values for {name!r}: by position and by "
+                            "name")
+        hypers[name] = value
+
+
 def torch_only(spec) -> dict[str, object]:
     """The keywords of torch.optim's class of the spec's class name that the class does not
     take (neither hyperparameters, ``tuple_keys`` nor torch's implementation keywords), each
