@@ -550,6 +550,28 @@ def test_compile_file_names_the_file(tmp_path):
         vega.compile_file(tmp_path / "missing.vega")
 
 
+def test_a_file_given_for_the_text_and_the_text_for_a_file_say_which_function(tmp_path,
+                                                                              monkeypatch):
+    # vega.compile("mine.vega") read the name as a spec ("unexpected 'mine'"), and
+    # vega.compile_file(text) looked for a file of that name: each says the other reads it
+    path = tmp_path / "mine.vega"
+    path.write_text("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SpecError, match=r"'mine\.vega' is a file's name, not a spec's text: "
+                                        r"vega\.compile takes the text, and "
+                                        r"vega\.compile_file\('mine\.vega'\) reads the file"):
+        vega.compile("mine.vega")
+    with pytest.raises(TypeError, match=r"is a path; vega\.compile takes a spec's text, and "
+                                        r"vega\.compile_file\(path\) reads a spec file"):
+        vega.compile(path)
+    with pytest.raises(FileNotFoundError, match=r"is it a spec's text\? vega\.compile\(text\) "
+                                                "compiles one"):
+        vega.compile_file(path.read_text())
+    with pytest.raises(SpecError, match="unexpected 'mine'"):  # (a word, not a file's name)
+        vega.compile("mine")
+    assert vega.compile_file("mine.vega").name == "o"
+
+
 def test_compile_rejects_non_text():
     with pytest.raises(TypeError, match="a spec is text"):
         vega.compile(b"optimizer o() { p = p }")

@@ -844,8 +844,32 @@ def _check_state_leaf(owner, name, p, s, dom="rc"):
 
 
 def compile(source: str, filename: str = "<spec>") -> CompiledSpec:  # noqa: A001
-    """Compile spec text; raises ``vega.SpecError`` naming the line and column of a mistake."""
-    return CompiledSpec(dsl.load(source, filename))
+    """Compile spec text; raises ``vega.SpecError`` naming the line and column of a mistake.
+    A file's path given in place of the text (``vega.compile("mine.vega")``) is refused
+    with the way to read it, ``vega.compile_file``."""
+    if isinstance(source, os.PathLike):
+        raise TypeError(f"compile: source={engine.shown(source)} is a path; vega.compile takes "
+                        "a spec's text, and vega.compile_file(path) reads a spec file")
+    try:
+        return CompiledSpec(dsl.load(source, filename))
+    except dsl.SpecError:
+        if not _a_path(source):
+            raise
+    raise dsl.SpecError(f"{source.strip()!r} is a file's name, not a spec's text: "
+                        f"vega.compile takes the text, and vega.compile_file({source.strip()!r}) "
+                        "reads the file", filename=filename)
+
+
+def _a_path(source) -> bool:
+    """Whether text that is no spec is a spec file's name: one line, ending in ``.vega`` or
+    naming a file that is there."""
+    text = source.strip() if isinstance(source, str) else ""
+    if not text or "\n" in text or "{" in text:
+        return False
+    try:
+        return text.endswith(".vega") or os.path.isfile(text)
+    except (OSError, ValueError):  # (a name the file system cannot take)
+        return False
 
 
 MAX_SPEC_BYTES = 1 << 20  # 1 MiB: the shipped specs are a few KiB
@@ -870,7 +894,9 @@ def read_spec_file(name: str) -> str:
     """The text of spec file ``name``, its line ends made ``\\n`` (as ``open`` reads text);
     ``compile_file``'s checks."""
     def unreadable(err: OSError):
-        return FileNotFoundError(f"{name}: error: cannot read spec file: {err.strerror}")
+        text = " (is it a spec's text? vega.compile(text) compiles one)" \
+            if "{" in name or "\n" in name else ""
+        return FileNotFoundError(f"{name}: error: cannot read spec file: {err.strerror}{text}")
 
     def refused(why: str):
         return dsl.SpecError(why, filename=name)
