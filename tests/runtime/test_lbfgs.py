@@ -642,6 +642,23 @@ def test_step_validates_its_inputs():
         lbfgs_step(params, params, state, momentum=0.9)
 
 
+@pytest.mark.parametrize("key,value,how", [
+    ("max_grad_norm", 1.0, r"vega\.clip_by_global_norm\(grads, max_norm\) clips them"),
+    ("loss_scale", vega.LossScale.dynamic(), r"LossScale\.unscale\(grads\) unscales them"),
+    ("skip_nonfinite", True, r"vega\.grads_finite\(grads\) checks them"),
+])
+def test_the_spec_optimizers_fused_options_are_refused_saying_what_does_them(key, value, how):
+    # AdamW(..., max_grad_norm=1.0) turned into LBFGS(...) was Python's bare "unexpected
+    # keyword argument": the refusal says L-BFGS has no fused options, and what does each
+    params = {"w": torch.zeros(3)}
+    said = rf"{key}=.* is an option of vega's spec optimizers, fused into their kernels; " \
+           rf"L-BFGS, written in the runtime, takes none of .*: before its step, {how}"
+    with pytest.raises(TypeError, match="LBFGS: " + said):
+        vega.optim.LBFGS([torch.nn.Parameter(torch.zeros(3))], **{key: value})
+    with pytest.raises(TypeError, match="lbfgs_step: " + said):
+        lbfgs_step(params, params, lbfgs_init(params), **{key: value})
+
+
 # -- it trains: full-batch logistic regression, functional and as a torch.optim class ---
 
 def logistic_data():

@@ -429,7 +429,8 @@ def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate, group
 
 
 def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
-               scale_init_precond: bool = True, donate: bool = False, reduce_group=None):
+               scale_init_precond: bool = True, donate: bool = False, reduce_group=None,
+               **others):
     """One L-BFGS update at the rate ``lr``: returns (params, state). Pure unless ``donate=True``.
 
     optax's ``lbfgs(learning_rate=lr, memory_size, scale_init_precond,
@@ -446,6 +447,7 @@ def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
     all-reduces a step; every rank of the group must step).
     """
     owner = "lbfgs_step"
+    _refuse_fused(owner, others, owner)  # (max_grad_norm, ...: the spec steps' options)
     sharded.check_group(owner, reduce_group)
     lr = _check_lr(owner, lr)
     _check_bool(owner, "scale_init_precond", scale_init_precond)
@@ -526,6 +528,27 @@ _TORCH_LBFGS = ("history_size", "max_iter", "max_eval", "tolerance_grad", "toler
                 "line_search_fn")
 
 
+# the fused options of the spec optimizers, which L-BFGS (no kernel of a spec) has not:
+# what does each on the gradients before its step
+_FUSED = {"max_grad_norm": "vega.clip_by_global_norm(grads, max_norm) clips them",
+          "loss_scale": "LossScale.unscale(grads) unscales them and vega.grads_finite(grads) "
+                        "checks them",
+          "skip_nonfinite": "vega.grads_finite(grads) checks them"}
+
+
+def _refuse_fused(owner: str, given: dict, call: str) -> None:
+    """TypeError for a fused option of the spec optimizers (``max_grad_norm``, ...), saying
+    that L-BFGS has none and what does it on the gradients; else Python's own words for an
+    unexpected keyword."""
+    for key in given:
+        if key in _FUSED:
+            raise TypeError(f"{owner}: {key}={shown(given[key])} is an option of vega's spec "
+                            "optimizers, fused into their kernels; L-BFGS, written in the "
+                            "runtime, takes none of max_grad_norm, loss_scale and "
+                            f"skip_nonfinite: before its step, {_FUSED[key]}")
+        raise TypeError(f"{call}() got an unexpected keyword argument {key!r}")
+
+
 def _refuse_torch_keywords(owner: str, given: dict) -> None:
     """TypeError for a keyword the class does not take, saying what torch.optim.LBFGS's
     keywords are here: ``history_size`` is ``memory_size``; the others set its line search
@@ -539,7 +562,7 @@ def _refuse_torch_keywords(owner: str, given: dict) -> None:
                             "torch.optim.LBFGS's line search and inner loop; vega's LBFGS is "
                             "optax's rule at a fixed rate: one update a step from the "
                             "gradients in p.grad, no line search (docs/optimizers.md)")
-        raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {key!r}")
+        _refuse_fused(owner, {key: given[key]}, f"{owner}.__init__")
 
 
 def _check_class_step(params, states, shared: dict, m: int) -> None:
