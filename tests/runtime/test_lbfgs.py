@@ -659,6 +659,17 @@ def test_the_spec_optimizers_fused_options_are_refused_saying_what_does_them(key
         lbfgs_step(params, params, lbfgs_init(params), **{key: value})
 
 
+def test_a_backend_is_refused_saying_lbfgs_has_none():
+    # README.md: every step and class of a spec takes backend=; L-BFGS's are torch operations
+    params = {"w": torch.zeros(3)}
+    said = r"backend='c' chooses the kernels of vega's spec optimizers; L-BFGS, written in " \
+           "the runtime, steps in torch's operations on the parameters' device"
+    with pytest.raises(TypeError, match="LBFGS: " + said):
+        vega.optim.LBFGS([torch.nn.Parameter(torch.zeros(3))], backend="c")
+    with pytest.raises(TypeError, match="lbfgs_step: " + said):
+        lbfgs_step(params, params, lbfgs_init(params), backend="c")
+
+
 # -- it trains: full-batch logistic regression, functional and as a torch.optim class ---
 
 def logistic_data():

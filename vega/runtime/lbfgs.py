@@ -538,9 +538,13 @@ _FUSED = {"max_grad_norm": "vega.clip_by_global_norm(grads, max_norm) clips them
 
 def _refuse_fused(owner: str, given: dict, call: str) -> None:
     """TypeError for a fused option of the spec optimizers (``max_grad_norm``, ...), saying
-    that L-BFGS has none and what does it on the gradients; else Python's own words for an
-    unexpected keyword."""
+    that L-BFGS has none and what does it on the gradients, and for ``backend``, which it
+    has not either; else Python's own words for an unexpected keyword."""
     for key in given:
+        if key == "backend":
+            raise TypeError(f"{owner}: backend={shown(given[key])} chooses the kernels of "
+                            "vega's spec optimizers; L-BFGS, written in the runtime, steps in "
+                            "torch's operations on the parameters' device, and has no backends")
         if key in _FUSED:
             raise TypeError(f"{owner}: {key}={shown(given[key])} is an option of vega's spec "
                             "optimizers, fused into their kernels; L-BFGS, written in the "
