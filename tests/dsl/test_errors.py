@@ -146,7 +146,7 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "unexpected 'pie': a hyperparameter's default is a number, true, false, inf, nan or pi",
      1, 18),
     ("optimizer o(lr = 1 in [0, Inf)) {\n  p = p\n}\n",
-     "unexpected 'Inf': a range's bounds are numbers, inf, -inf or pi", 1, 27),
+     "unexpected 'Inf': a range's bounds are numbers, inf, -inf, pi or -pi", 1, 27),
     # flow
     ("optimizer o(lr = 1e-3) {\n  state m = zeros\n  m = m + g\n}\n", "never assigns p", 1, 11),
     # a state never assigned keeps its start: a misspelled update (mm) is named

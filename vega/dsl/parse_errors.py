@@ -63,7 +63,7 @@ PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
         "optimizer o(b = 0.5 in 0, 1) { p = p }",
         "optimizer o(b = 0.5 in [0 1]) { p = p }",
     ],
-    "a range's bounds are numbers, inf, -inf or pi": [
+    "a range's bounds are numbers, inf, -inf, pi or -pi": [
         "optimizer o(b = 0.5 in [a, 1]) { p = p }",
         "optimizer o(b = 0.5 in [0, a]) { p = p }",
     ],
