@@ -354,6 +354,15 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "'g.clamp()': Vega has no methods; write clamp(g, ...)", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.pow(2)\n}\n",
      "'g.pow()': Vega has no methods; a power is a ^ b", 2, 16),
+    # a value or state named as a keyword that begins a statement cannot be assigned: the
+    # parse read the word as the keyword's and said a bare "unexpected '='"
+    ("optimizer o(lr = 1e-3) {\n  mode = g\n  p = p - lr * mode\n}\n",
+     "'mode' is a keyword ('mode NAME { ... }' begins a mode's block), so no value or state "
+     "can be assigned by that name: give it a name of its own ('mode_' or a longer one)", 2, 3),
+    ("optimizer o(lr = 1e-3) {\n  state repeat = zeros\n  repeat = g\n  p = p - repeat\n}\n",
+     "'repeat' is a keyword ('repeat N { ... }' begins a repeat), so no value or state", 3, 3),
+    ("optimizer o(lr = 1e-3) {\n  state = g\n  p = p - lr * state\n}\n",
+     "'state' is a keyword ('state NAME = INIT' declares a state)", 2, 3),
     # a reduction's method along an axis is not the reduction of the whole tensor: the
     # message names the reductions along the matrix view's rows and columns
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.mean(dim=0)\n}\n",

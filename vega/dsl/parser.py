@@ -362,6 +362,28 @@ def _statement_name(err: lark.exceptions.UnexpectedInput) -> Token | None:
     return last if isinstance(last, Token) and last.type == "NAME" else None
 
 
+# what each keyword that begins a statement does, for a statement that assigns to it
+_KEYWORD_STATEMENTS = {"STATE": "'state NAME = INIT' declares a state",
+                       "IF": "'if COND { ... }' begins an if",
+                       "MODE": "'mode NAME { ... }' begins a mode's block",
+                       "REPEAT": "'repeat N { ... }' begins a repeat"}
+
+
+def _keyword_assigned(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
+    """A statement that assigns to a keyword of the language (``mode = ...``, ``state =
+    ...``; ``state mode = zeros`` then ``mode = g``): the parse reads the word as the
+    keyword's and fails at the '='."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken) or err.token.type != "EQUAL":
+        return None
+    stack = _value_stack(err)
+    word = stack[-1] if stack else None
+    if not isinstance(word, Token) or word.type not in _KEYWORD_STATEMENTS:
+        return None
+    return SpecError(f"'{word}' is a keyword ({_KEYWORD_STATEMENTS[word.type]}), so no value "
+                     f"or state can be assigned by that name: give it a name of its own "
+                     f"('{word}_' or a longer one)", _span(word))
+
+
 def _misspelled_keyword(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
     """A statement that starts with a near miss of a keyword (``stat m = zeros``): the
     parse takes the word for a name to assign and fails at the next token."""
@@ -732,7 +754,7 @@ def parse(source: str, filename: str = "<spec>") -> ast.Spec:
             _colon_block(err) or _python_statement(err, source) or \
             _tuple_assignment(err, source) or _misused_equal(err) or \
             _missing_brace(err, source) or _glued_number(err, source) or \
-            _misplaced_word(err) or _misspelled_keyword(err)
+            _misplaced_word(err) or _keyword_assigned(err) or _misspelled_keyword(err)
         if found is not None:
             raise found.with_source(source, filename) from None
         bracket = _unbalanced(source)
