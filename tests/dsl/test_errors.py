@@ -354,6 +354,16 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "'g.clamp()': Vega has no methods; write clamp(g, ...)", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.pow(2)\n}\n",
      "'g.pow()': Vega has no methods; a power is a ^ b", 2, 16),
+    # torch.optim's code keeps a buffer as m = b1 * m + g: read before it has a value, a
+    # name of its own assignment says to declare a state; grad, param, weight and step say
+    # Vega's p, g and t
+    ("optimizer o(lr = 1e-3, b1 = 0.9) {\n  m = b1 * m + g\n  p = p - lr * m\n}\n",
+     "'m' is read before it has a value; a value kept from one step to the next is a state, "
+     "declared before it is read: state m = zeros", 2, 12),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * grad\n}\n",
+     "undefined name 'grad': the gradient is g", 2, 16),
+    ("optimizer o(lr = 1e-3, b = 0.9) {\n  p = p - lr * g / (1 - b ^ step)\n}\n",
+     "undefined name 'step': the update's index is t (1 at the first step)", 2, 29),
     # a value or state named as a keyword that begins a statement cannot be assigned: the
     # parse read the word as the keyword's and said a bare "unexpected '='"
     ("optimizer o(lr = 1e-3) {\n  mode = g\n  p = p - lr * mode\n}\n",

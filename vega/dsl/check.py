@@ -131,12 +131,18 @@ def _suggest(name: str, candidates) -> str:
 
 # Python's spellings of Vega's words
 PYTHON_WORDS = {"True": "true", "False": "false"}
+# torch.optim's names of what a spec calls p, g and t
+TORCH_WORDS = {"grad": "the gradient is g", "param": "the parameter is p",
+               "weight": "the parameter is p",
+               "step": "the update's index is t (1 at the first step)"}
 
 
 def _undefined(name: str, env) -> str:
     """An undefined name's message: Vega's spelling of a word of Python's (a value where a
-    value goes: true is no shape, dtype or repeat count), else the closest name defined."""
+    value goes: true is no shape, dtype or repeat count) or of torch.optim's (``grad``,
+    ``step``), else the closest name defined."""
     how = f": Vega writes {PYTHON_WORDS[name]}" if name in PYTHON_WORDS else \
+        f": {TORCH_WORDS[name]}" if name in TORCH_WORDS and name not in env else \
         _suggest(name, env)
     return f"undefined name '{name}'{how}"
 
@@ -389,6 +395,14 @@ class _Walker:
             env[s.name] = _Binding(ir.leaf(Op.STATE, Kind.ELEMENT, s.name, s.name_span, dom),
                                    "state", s.name_span)
         elif isinstance(s, ast.Assign):
+            if s.name not in env:
+                # (m = b1 * m + g, as torch.optim's code keeps a buffer: read before it has a
+                # value, the name is one a step keeps, which a state declares)
+                for read in _names(s.value):
+                    if read.id == s.name:
+                        raise SpecError(f"'{s.name}' is read before it has a value; a value "
+                                        "kept from one step to the next is a state, declared "
+                                        f"before it is read: state {s.name} = zeros", read.span)
             value = self.expr(s.value, env)
             old = env.get(s.name)
             if old is None:
