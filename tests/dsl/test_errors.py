@@ -354,6 +354,13 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "'g.clamp()': Vega has no methods; write clamp(g, ...)", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.pow(2)\n}\n",
      "'g.pow()': Vega has no methods; a power is a ^ b", 2, 16),
+    # a header without its brackets, or a typed hyperparameter without a default, said a
+    # bare "unexpected '{'" ("unexpected ')'")
+    ("optimizer o {\n  p = p - g\n}\n",
+     "unexpected '{': the name is followed by its hyperparameters in brackets, () for none",
+     1, 13),
+    ("optimizer o(lr: float) {\n  p = p - lr * g\n}\n",
+     "unexpected ')': a hyperparameter needs a default: NAME = VALUE", 1, 22),
     # torch.optim's code keeps a buffer as m = b1 * m + g: read before it has a value, a
     # name of its own assignment says to declare a state; grad, param, weight and step say
     # Vega's p, g and t

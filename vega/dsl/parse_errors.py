@@ -25,10 +25,17 @@ PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
         "optimizer { p = p }",
         "state m = zeros",
     ],
+    "the name is followed by its hyperparameters in brackets, () for none: "
+    "optimizer NAME(hyperparameters) {": [
+        "optimizer o { p = p }",
+        "optimizer o as O { p = p }",
+    ],
     "a hyperparameter needs a default: NAME = VALUE": [
         "optimizer o(lr) { p = p }",
         "optimizer o(lr, b = 1) { p = p }",
         "optimizer o(lr = ) { p = p }",
+        "optimizer o(lr: float) { p = p }",
+        "optimizer o(b: bool, lr = 1) { p = p }",
     ],
     "a hyperparameter's type is float or bool (k: float = 2)": [
         "optimizer o(k: int = 5) { p = p }",
