@@ -354,6 +354,12 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "'g.clamp()': Vega has no methods; write clamp(g, ...)", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.pow(2)\n}\n",
      "'g.pow()': Vega has no methods; a power is a ^ b", 2, 16),
+    # a name read above the line that gives it its value says so (it was "undefined name")
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * mu\n  state mu = zeros\n  mu = g\n}\n",
+     "undefined name 'mu' here: it is declared as a state on line 3, below; a spec runs top "
+     "to bottom, once a step: give it its value, or declare its state, above this line", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * d\n  d = g\n}\n",
+     "undefined name 'd' here: it is assigned on line 3, below", 2, 16),
     # a header without its brackets, or a typed hyperparameter without a default, said a
     # bare "unexpected '{'" ("unexpected ')'")
     ("optimizer o {\n  p = p - g\n}\n",

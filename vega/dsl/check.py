@@ -572,6 +572,12 @@ class _Walker:
                 if e.id.lower() in ast.CONSTANTS:  # Inf, NaN, PI
                     raise SpecError(f"undefined name '{e.id}' (did you mean "
                                     f"'{e.id.lower()}'?)", e.span)
+                later = None if self.in_mode is not None else \
+                    _defined_later(self.spec.body, e.id, e.span)  # (a mode reads no values)
+                if later is not None:  # (a spec runs top to bottom)
+                    raise SpecError(f"undefined name '{e.id}' here: it is {later}, below; a "
+                                    "spec runs top to bottom, once a step: give it its value, "
+                                    "or declare its state, above this line", e.span)
                 raise SpecError(_undefined(e.id, env), e.span)
             if b.only_if is not None and b.only_if in self.repeats:
                 raise SpecError(f"'{e.id}' is assigned only inside {self._block(b.only_if)}, "
@@ -981,6 +987,21 @@ def matrix_axes(shape) -> tuple[int | None, int | None]:
     if len(order) >= 2:
         return order[-2], order[-1]
     return None, (order[-1] if order else None)
+
+
+def _defined_later(stmts, name: str, read: Span) -> str | None:
+    """How ``name``, read at ``read`` where it has no value, is given one further down the
+    body (``declared as a state on line 5``, ``assigned on line 5``), if it is."""
+    for s in stmts:
+        if isinstance(s, ast.If):
+            found = _defined_later(s.then + s.orelse, name, read)
+            if found is not None:
+                return found
+        elif isinstance(s, (ast.StateDecl, ast.Assign)) and s.name == name \
+                and s.name_span.line > read.line:
+            how = "declared as a state" if isinstance(s, ast.StateDecl) else "assigned"
+            return f"{how} on line {s.name_span.line}"
+    return None
 
 
 def _assigns(stmts, name: str) -> bool:
