@@ -712,3 +712,22 @@ def test_the_counts_at_the_int32_limit_neither_wrap_nor_stop_growth(backend):
     assert [t.item() for t in opt.loss_scale.tensors()] == [1024.0, 0, last, 0.0]
     opt.load_state_dict(opt.state_dict())
     assert [t.item() for t in opt.loss_scale.tensors()] == [1024.0, 0, last, 0.0]
+
+
+def test_adjust_in_place_writes_what_adjust_returns():
+    """``adjust_`` writes into the scale's own tensors the values ``adjust`` returns, at the
+    edges too: the counts at 2**31 - 1, a growth past float32's range, a subnormal scale
+    below its floor, a flag of another dtype."""
+    edges = [(8.0, 0, 0), (8.0, 2**31 - 1, 2**31 - 1), (3e38, 2, 5), (1e-40, 0, 0),
+             (2.0**-126, 1, 2**31 - 2)]
+    for (s, n, k) in edges:
+        for flag in (True, False, torch.tensor(True), torch.tensor(0, dtype=torch.uint8)):
+            ls = LossScale.dynamic(init=s, growth_interval=3)
+            ls.good_steps.fill_(n)
+            ls.skipped_steps.fill_(k)
+            want = ls.adjust(flag)
+            mine = ls.tensors()
+            assert ls.adjust_(flag) is ls
+            assert all(a is b for a, b in zip(ls.tensors(), mine))
+            for a, b in zip(ls.tensors(), want.tensors()):
+                assert a.dtype == b.dtype and torch.equal(a, b), (s, n, k, flag, a, b)

@@ -368,6 +368,35 @@ class LossScale:
         (``ValueError``).
         With a shorter interval than the counter has reached, the scale grows at once.
         """
+        got = self._adjusted(finite, growth_interval, growth_factor, backoff_factor)
+        if got is None:
+            return self
+        scale, backed, finite, reset, counted = got
+        return LossScale._from((torch.where(finite, scale, backed),
+                                (self.good_steps + 1).masked_fill_(reset, 0),
+                                self.skipped_steps + counted, self.min_scale), self._config())
+
+    def adjust_(self, finite, *, growth_interval: int | None = None,
+                growth_factor: float | None = None,
+                backoff_factor: float | None = None) -> LossScale:
+        """:meth:`adjust`, written into this scale's own tensors (in place, each after every
+        value is found): the same tensors, on the same device, step after step, so that a
+        CUDA graph that captured a step keeps adjusting the scale it replays. Returns
+        ``self``."""
+        got = self._adjusted(finite, growth_interval, growth_factor, backoff_factor)
+        if got is not None:
+            scale, backed, finite, reset, counted = got
+            torch.where(finite, scale, backed, out=self.loss_scale)
+            self.good_steps.add_(1).masked_fill_(reset, 0)
+            self.skipped_steps.add_(counted)
+        return self
+
+    def _adjusted(self, finite, growth_interval, growth_factor, backoff_factor):
+        """What ``adjust`` and ``adjust_`` write, from this scale's values before either
+        writes: (the scale where the step is finite, the scale backed off, ``finite`` as a
+        0-d bool tensor, where the good steps go back to 0 (their count where they do not:
+        n + 1), the 0 or 1 the skipped steps advance by); None for a static scale. The
+        settings and ``finite`` are checked first."""
         interval, grow, back = _check_config(
             "LossScale.adjust",
             self.growth_interval if growth_interval is None else growth_interval,
@@ -382,36 +411,26 @@ class LossScale:
         elif finite.dtype != torch.bool:
             finite = finite != 0
         if not self.is_dynamic:
-            return self
+            return None
         s, n = self.loss_scale, self.good_steps
-        wide = _wide(s.device)
-        grown = (s.to(wide) * grow).to(torch.float32)
-        grown = torch.where(torch.isfinite(grown), grown, s)
-        backed = (s.to(wide) * back).to(torch.float32)
+        wide = s.to(_wide(s.device))
+        grown = (wide * grow).to(torch.float32)
+        backed = (wide * back).to(torch.float32)
         # floored at min_scale, and at least at the smallest normal float32 (TINY): a scale
         # of 0 would skip every later step, and no state could hold it; a scale already
         # below the floor (a subnormal init) stays as it is, never raised by backing off
         floor = torch.minimum(torch.clamp(self.min_scale, min=TINY), s)
         backed = torch.maximum(backed, floor)
         # (n against interval - 1, not n + 1 against interval: a count of 2**31 - 1, which a
-        # scale made or loaded may hold, wrapped to -2**31 in int32 and never grew; the count
-        # of skipped steps saturates there, as the step counters do, and stays loadable)
+        # scale made or loaded may hold, wrapped to -2**31 in int32 and never grew; reset
+        # there, its n + 1 is not kept. The count of skipped steps saturates there, as the
+        # step counters do, and stays loadable)
         at_interval = n >= interval - 1
-        new_s = torch.where(finite, torch.where(at_interval, grown, s), backed)
-        new_n = torch.where(finite & ~at_interval, n + 1, torch.zeros_like(n))
-        counted = ~finite & (self.skipped_steps < _INT32_MAX)
-        skipped = self.skipped_steps + counted.to(self.skipped_steps.dtype)
-        return LossScale._from((new_s, new_n, skipped, self.min_scale), self._config())
-
-    def adjust_(self, finite, **settings) -> LossScale:
-        """:meth:`adjust`, written into this scale's own tensors (``copy_``): the same
-        tensors, on the same device, step after step, so that a CUDA graph that captured a
-        step keeps adjusting the scale it replays. Returns ``self``."""
-        new = self.adjust(finite, **settings)
-        if new is not self:
-            for mine, theirs in zip(self.tensors()[:3], new.tensors()[:3]):
-                mine.copy_(theirs)
-        return self
+        # (grown where at the interval, unless growing overflowed float32 to inf)
+        scale = torch.where(at_interval & torch.isfinite(grown), grown, s)
+        bad = ~finite
+        return scale, backed, finite, at_interval | bad, \
+            bad & (self.skipped_steps < _INT32_MAX)
 
     def to_(self, device) -> LossScale:
         """This scale's tensors moved to ``device``, in place of the old ones (before a step
