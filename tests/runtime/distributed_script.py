@@ -1,13 +1,17 @@
 """One rank of the distributed checks of ``test_distributed.py``: ``python distributed_script.py
 RANK WORLD OUTDIR CHECK...``. Each check asserts; the rank prints one JSON line of what
-it measured (largest differences, collectives counted) at the end."""
+it measured (largest differences, collectives counted) at the end. With ``all`` for RANK,
+every rank of WORLD: a process that makes the imports (about 3 s of a CPU) once and forks
+the ranks (see ``fork_ranks``)."""
 import contextlib
 import copy
 import functools
 import json
 import os
+import signal
 import sys
 import tempfile
+import traceback
 
 if any(c.startswith("triton-") for c in sys.argv[4:]):  # (set before triton is imported)
     os.environ["TRITON_INTERPRET"] = "1"
@@ -19,7 +23,8 @@ import vega  # noqa: E402
 from vega.codegen import quant  # noqa: E402
 from vega.runtime import torch_names  # noqa: E402
 
-RANK, WORLD, OUT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+RANK = None if sys.argv[1] == "all" else int(sys.argv[1])  # (all: set in each forked rank)
+WORLD, OUT = int(sys.argv[2]), sys.argv[3]
 CHECKS = sys.argv[4:]
 found: dict = {}
 
@@ -1204,7 +1209,50 @@ def main() -> None:
     print(json.dumps(found))
 
 
+def fork_ranks() -> None:
+    """Every rank, each a child forked from this process (whose imports, and the specs
+    compiled above, the children share), its stdout and stderr in OUT/rank<r>.log. Prints a
+    JSON line [rank, exit status] as each ends (an exception: its traceback, status 1); where
+    one fails, the others, which would wait for it in a collective, are killed at once."""
+    global RANK
+    ranks = {}
+    for r in range(WORLD):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                RANK = r
+                log = os.open(os.path.join(OUT, f"rank{r}.log"),
+                              os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.close(log)
+                tempfile.tempdir = OUT
+                main()
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                # (no interpreter teardown: see below)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        ranks[pid] = r
+    while ranks:
+        pid, status = os.waitpid(-1, 0)
+        code = os.waitstatus_to_exitcode(status)
+        print(json.dumps([ranks.pop(pid), code]), flush=True)
+        if code != 0:
+            for other in ranks:
+                os.kill(other, signal.SIGKILL)
+
+
 if __name__ == "__main__":
+    if RANK is None:
+        fork_ranks()
+        os._exit(0)
     tempfile.tempdir = OUT
     main()
     # (every check ran and its answer is printed: no interpreter teardown, where gloo's threads

@@ -20,9 +20,9 @@ HSDP with a loss scale against the reference backend, parameters placed four way
 checks in one process group (``distributed_script.py``)."""
 import json
 import os
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -39,40 +39,41 @@ pytestmark = pytest.mark.skipif(not c_backend.available(), reason="needs a C com
 def launch(world: int, checks: list[str], tmp_path: Path, timeout: float = 240) -> list[dict]:
     """Run ``distributed_script.py`` on ``world`` ranks; each rank's JSON line. A rank that
     fails, or any still running after ``timeout`` seconds (a hung collective), fails the
-    test at once, with what it printed. The ranks meet through a file in ``tmp_path``
-    (``init_method="file://..."``), not a TCP port: tests of two xdist workers that chose
-    their ports at once could be handed the same one."""
+    test at once, with what it printed. The ranks are forked from one process that has made
+    their imports (``distributed_script.py all``: which kills the others where one fails),
+    in a session of its own, killed whole at the timeout. The ranks meet through a file in
+    ``tmp_path`` (``init_method="file://..."``), not a TCP port: tests of two xdist workers
+    that chose their ports at once could be handed the same one."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    logs = [open(tmp_path / f"rank{r}.log", "w+") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(r), str(world),
-                               str(tmp_path), *checks], stdout=logs[r],
-                              stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path))
-             for r in range(world)]
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-    finally:
-        hung = [r for r, p in enumerate(procs) if p.poll() is None]
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    with open(tmp_path / "ranks.log", "w+") as said:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), "all", str(world),
+                                 str(tmp_path), *checks], stdout=said,
+                                stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path),
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+            late = False
+        except subprocess.TimeoutExpired:
+            late = True
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # (the forked ranks with it)
+                proc.wait()
+        said.seek(0)
+        lines = said.read().splitlines()
+    codes = dict(json.loads(x) for x in lines if x.startswith("["))
+    if proc.returncode != 0 and not late and not codes:  # (before it forked a rank)
+        pytest.fail(f"the ranks' parent failed ({proc.returncode}):\n" + "\n".join(lines)[-3000:])
     texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
-    bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+    for r in range(world):
+        path = tmp_path / f"rank{r}.log"
+        texts.append(path.read_text() if path.exists() else "")
+    bad = [r for r in range(world) if codes.get(r) != 0]
     if bad:
-        why = "still running after the timeout" if hung and time.monotonic() > deadline \
-            else "failed"
+        why = "still running after the timeout" if late else "failed"
         pytest.fail(f"ranks {bad} {why}:\n" + "\n".join(
-            f"--- rank {r}:\n{texts[r][-3000:]}" for r in bad))
+            f"--- rank {r} ({codes.get(r, 'killed')}):\n{texts[r][-3000:]}" for r in bad))
     return [json.loads(t.strip().splitlines()[-1]) for t in texts]
 
 
