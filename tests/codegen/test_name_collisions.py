@@ -21,6 +21,7 @@ import json
 import keyword
 import os
 import re
+import signal
 import subprocess
 import sys
 import tokenize
@@ -322,17 +323,13 @@ def _compare(got, want, names: dict[str, str] | None) -> str | None:
     return None
 
 
-def child(job: dict) -> None:
+def child(job: dict, compiled: dict) -> None:
     """Step every spec of ``job`` on every backend; print a JSON line for each spec (and
     one before it starts, so that a crash names the spec that crashed). A spec labelled
     name:x is compared with the one labelled small, the others with the one labelled
-    plain. The C kernels are built without optimization: the names are the same at -O3,
-    and a build of a spec of the sweep takes ten times as long there."""
+    plain. ``compiled``: the specs compiled so far, by label (``children``)."""
     import vega
-    from vega.codegen.c import build as cbuild
-    cbuild.FLAGS = (*(f for f in cbuild.FLAGS if not f.startswith("-O")), "-O0")
     specs, pairs = job["specs"], {label: names for label, names in job["pairs"]}
-    compiled = {}
     for backend in job["backends"]:
         want = {}
         for label, text in specs.items():
@@ -366,7 +363,7 @@ def child(job: dict) -> None:
 def results(tmp_path_factory):
     """(backend, spec label) -> None or what went wrong, and ("crash", backend) -> how the
     child stepping on backend died. Two children, side by side: the reference and C
-    backends, and Triton's."""
+    backends, and Triton's (forked from one process: ``children``)."""
     specs, pairs, _ = batches()
     job = {"specs": {**specs, **optimizer_specs()}, "pairs": pairs}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
@@ -374,22 +371,35 @@ def results(tmp_path_factory):
     import torch
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    procs = {}
+    tmp = tmp_path_factory.mktemp("names")
+    jobs = []
     for k, backends in enumerate([["reference", "c"], ["triton"]]):
         backends = [b for b in backends if b in _backends()]
         if backends:
-            path = tmp_path_factory.mktemp("names") / f"job{k}.json"
-            path.write_text(json.dumps({**job, "backends": backends}))
-            procs[tuple(backends)] = subprocess.Popen(
-                [sys.executable, __file__, str(path)], env=env, cwd=ROOT,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out: dict = {}
-    for backends, proc in procs.items():
+            path = tmp / f"job{k}.json"
+            path.write_text(json.dumps({**job, "backends": backends,
+                                        "stdout": str(tmp / f"job{k}.out"),
+                                        "stderr": str(tmp / f"job{k}.err")}))
+            jobs.append((tuple(backends), path))
+    with open(tmp / "children.log", "w+") as said:
+        proc = subprocess.Popen([sys.executable, __file__, *(str(p) for _, p in jobs)],
+                                env=env, cwd=ROOT, stdout=said, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            stdout, stderr = proc.communicate(timeout=TIMEOUT)
+            proc.wait(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
+            pass
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # (the children with it)
+                proc.wait()
+        said.seek(0)
+        lines = said.read().splitlines()
+    codes = dict(json.loads(x) for x in lines if x.startswith("["))
+    out: dict = {}
+    for k, (backends, path) in enumerate(jobs):
+        stdout, stderr = ("" if not p.exists() else p.read_text()
+                          for p in (path.with_suffix(".out"), path.with_suffix(".err")))
         started = None
         for line in stdout.splitlines():
             if line.startswith("{"):
@@ -398,10 +408,12 @@ def results(tmp_path_factory):
                     started = tuple(msg["start"])
                 else:
                     out[msg["backend"], msg["label"]] = msg["error"]
-        if proc.returncode != 0:
+        if codes.get(k) != 0:
+            code = codes.get(k, f"killed (its parent: {proc.returncode})")
             for backend in backends:
-                out["crash", backend] = (f"the child exited with {proc.returncode} while "
-                                         f"stepping {started}: {stderr[-2000:]}")
+                out["crash", backend] = (f"the child exited with {code} while "
+                                         f"stepping {started}: {stderr[-2000:]}"
+                                         + ("\n".join(lines)[-2000:] if k not in codes else ""))
     return out, job
 
 
@@ -459,5 +471,47 @@ def test_spec_names_never_meet_generated_names(results, backend):
     assert not bad, f"{backend}: {len(bad)} specs fail:\n" + "\n".join(bad[:20])
 
 
+def children(paths: list[str]) -> None:
+    """A child for each job of ``paths`` (its stdout and stderr in the files the job names),
+    side by side, forked from this process once it has imported vega and compiled the specs
+    (which the children share: about 6 s of a CPU each would spend on them). Prints a JSON
+    line [job, exit status] as each ends. The C kernels are built without optimization: the
+    names are the same at -O3, and a build of a spec of the sweep takes ten times as long
+    there."""
+    import vega
+    from vega.codegen.c import build as cbuild
+    cbuild.FLAGS = (*(f for f in cbuild.FLAGS if not f.startswith("-O")), "-O0")
+    jobs = [json.loads(Path(path).read_text()) for path in paths]
+    compiled = {}
+    for label, text in jobs[0]["specs"].items():
+        try:
+            compiled[label] = vega.compile(text)
+        except Exception:  # noqa: BLE001  (the child compiles it again, and says why)
+            pass
+    pids = {}
+    for k, job in enumerate(jobs):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
+                    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    os.dup2(out, fd)
+                    os.close(out)
+                child(job, compiled)
+                code = 0
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids[pid] = k
+    while pids:
+        pid, status = os.waitpid(-1, 0)
+        print(json.dumps([pids.pop(pid), os.waitstatus_to_exitcode(status)]), flush=True)
+
+
 if __name__ == "__main__":
-    child(json.loads(Path(sys.argv[1]).read_text()))
+    children(sys.argv[1:])
