@@ -1591,6 +1591,7 @@ def test_the_kernel_choices_of_the_environment_changed_mid_process_change_no_val
 STEP_SCRIPT = r"""
 import sys
 import torch
+import torch._dynamo  # (what an optimizer class imports at its first use: once, in the server)
 import vega
 from torch.func import functionalize
 from vega.codegen.c import launch, native
@@ -1616,8 +1617,8 @@ def _run_step_script(script: str, how: str, path: str) -> None:
     repo = os.path.abspath(os.path.join(os.path.dirname(vega.__file__), ".."))
     env = {**os.environ, "PYTHONPATH": repo, "VEGA_NATIVE": "sync"}
     run = forks.run(script, how, path, env=env, timeout=600,
-                    imports=("torch", "vega", "torch.func", "vega.codegen.c.launch",
-                             "vega.codegen.c.native"))
+                    imports=("torch", "torch._dynamo", "vega", "torch.func",
+                             "vega.codegen.c.launch", "vega.codegen.c.native"))
     assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], run.stderr[-3000:]
 
 
