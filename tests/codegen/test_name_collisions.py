@@ -180,28 +180,33 @@ def _sources(text: str) -> dict[str, list[str]]:
 
 
 @cache
+def _loads(text: str) -> bool:
+    """Whether the language accepts ``text`` (``dsl.load``: no SpecError). (Cached: the
+    small spec where a name is a value is the same for each role it is asked in.)"""
+    from vega import SpecError, dsl
+    try:
+        dsl.load(text)
+        return True
+    except SpecError:
+        return False
+
+
+@cache
 def _legal(name: str, role: str) -> bool:
     """Whether the language accepts ``name`` in ``role`` (or as the optimizer's: "name"):
     in a small spec where it is a value, or else in ``spec_text`` with it in that role
     (the header and the places a name takes there: a keyword such as and is a name where
     no operator may stand)."""
-    from vega import SpecError, dsl
     from vega.dsl.check import API_NAMES, BUILTINS, STEP_COUNTER
     if name in BUILTINS:  # (p may be assigned: as a value it is the update)
         return False
     if role == "hyper" and name in API_NAMES or role in ROLES[1:4] and name == STEP_COUNTER:
         return False
-    try:
-        dsl.load((NAME if role == "name" else VALUE).format(x=name))
+    if _loads((NAME if role == "name" else VALUE).format(x=name)):
         return True
-    except SpecError:
-        if role == "name":
-            return False
-    try:
-        dsl.load(spec_text("zz_probe", {**plain_names(1), role: [name]}))
-        return True
-    except SpecError:
+    if role == "name":
         return False
+    return _loads(spec_text("zz_probe", {**plain_names(1), role: [name]}))
 
 
 def _anywhere(name: str) -> bool:
