@@ -124,3 +124,62 @@ def test_shipped_momentum_buffers_exist_only_with_momentum(name, always, buffer)
     # (the buffer's new value, v_<name> in the program, v_v_<name> in C)
     assert f"v_v_{buffer}" not in spec.source("c") and f"v_v_{buffer}" in spec.source(
         "c", momentum=0.9)
+
+
+def _moved(source, params, **hypers):
+    """Each tensor's first value after one step from zeros with a gradient of ones."""
+    spec = vega.compile(source)
+    grads = {k: torch.ones_like(p) for k, p in params.items()}
+    out, _ = spec.step(params, grads, spec.init(params, **hypers), **hypers)
+    return {k: v.flatten()[0].item() for k, v in out.items()}
+
+
+SHAPES = {"v": torch.zeros(5), "m": torch.zeros(2, 4), "s": torch.zeros(()),
+          "t": torch.zeros(3, 1)}
+
+
+def test_shape_conditions_with_or_minus_and_not():
+    """'or', unary minus and 'not' in a condition on the shape decide each tensor's branch
+    as Python would on its ndim, nrows and ncols (the matrix view: a vector is one row, a
+    (3, 1) tensor's columns are its longer axis)."""
+    either = """optimizer o() {
+    if ndim(p) >= 2 or nrows(p) > 3 {
+        p = p - g
+    } else {
+        p = p + g
+    }
+}"""
+    assert _moved(either, SHAPES) == {"v": 1.0, "m": -1.0, "s": 1.0, "t": -1.0}
+    negated = """optimizer o() {
+    if -ndim(p) < -1 and not (ncols(p) > 4) {
+        p = p - g
+    } else {
+        p = p + g
+    }
+}"""
+    assert _moved(negated, SHAPES) == {"v": 1.0, "m": -1.0, "s": 1.0, "t": -1.0}
+    # and the literal false, in an expression
+    literal = "optimizer o() {\n    x = false\n    p = where(x or not x, p - g, p + g)\n}"
+    assert _moved(literal, SHAPES) == dict.fromkeys(SHAPES, -1.0)
+
+
+def test_value_conditions_with_not_and_minus():
+    source = """optimizer o(lr = 1.0, k = 2.0) {
+    if not (lr > 0.5) or -k < -1 {
+        state m = zeros
+        m = m + 1
+        p = p - m * g
+    } else {
+        p = p + g
+    }
+}"""
+    params = {"a": torch.zeros(3)}
+    assert _moved(source, params) == {"a": -1.0}
+    assert _moved(source, params, lr=1.0, k=0.5) == {"a": 1.0}
+    assert _moved(source, params, lr=0.1, k=0.5) == {"a": -1.0}
+    spec = vega.compile(source)
+    # init without the values keeps the state the condition may need; with values that
+    # decide it false, none
+    assert set(spec.init(params)) == {"m", "step"}
+    assert set(spec.init(params, lr=1.0, k=0.5)) == {"step"}
+    assert set(spec.init(params, lr=0.1)) == {"m", "step"}
