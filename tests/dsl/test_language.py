@@ -487,3 +487,17 @@ def test_a_state_never_assigned_reads_what_the_caller_wrote():
                        r"before the first step made the state \(\['h', 'step'\]\); write "
                        r"into it after the first step"):
         opt.step()
+
+
+@pytest.mark.parametrize("cond,taken", [
+    ("true and g > 0", "g"), ("g > 0 and true", "g"), ("false or g > 0", "g"),
+    ("g > 0 or false", "g"), ("false and g > 0", "minus"), ("true or g > 0", "plus")])
+def test_and_or_with_a_literal_side(cond, taken):
+    """'and' and 'or' with a literal true or false on one side fold to the other side or to
+    the literal, as Python reads them."""
+    g = torch.tensor([1.0, -2.0, 3.0])
+    spec = vega.compile(f"optimizer o() {{\n    p = where({cond}, p - g, p + g)\n}}")
+    params = {"a": torch.zeros(3)}
+    out, _ = spec.step(params, {"a": g}, spec.init(params))
+    want = {"g": torch.where(g > 0, -g, g), "plus": -g, "minus": g}[taken]
+    assert torch.equal(out["a"], want)
