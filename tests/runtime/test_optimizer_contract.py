@@ -246,6 +246,52 @@ def test_a_mode_switch_names_a_group_without_its_settings(name):
     assert opt.param_groups[0]["mode"] == "train"
 
 
+def test_a_step_in_mode_eval_is_refused_and_writes_nothing():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 0.5)
+    opt = vo.ScheduleFreeAdamW([p], lr=0.1, backend="reference")
+    opt.step()
+    y = p.detach().clone()
+    opt.eval()
+    x = p.detach().clone()
+    kept = {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(ValueError, match=r"^ScheduleFreeAdamW: step\(\) with the parameters in "
+                                         r"mode 'eval'; call train\(\) before stepping$"):
+        opt.step()
+    assert torch.equal(p.detach(), x)
+    assert all(torch.equal(opt.state[p][k], v) for k, v in kept.items())
+    opt.train()
+    assert torch.equal(p.detach(), y)
+    opt.step()  # (in mode train again)
+    assert not torch.equal(p.detach(), y)
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("z", torch.zeros(2), r"state 'z' of parameter 0 of group 0 has shape \(2,\) on cpu, but "
+                          r"its parameter, of shape \(3,\), needs \(3,\) on cpu"),
+    ("step", 3, r"state 'step' of parameter 0 of group 0 is 3, not a tensor")])
+def test_a_mode_switch_names_a_state_it_cannot_read(field, value, words):
+    """eval() checks every state it reads before it writes a parameter: one of another shape
+    (which may broadcast into the parameter) or not a tensor is named, the mode unchanged."""
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 0.5)
+    opt = vo.ScheduleFreeAdamW([p], lr=0.1, backend="reference")
+    opt.step()
+    y = p.detach().clone()
+    opt.state[p][field] = value
+    with pytest.raises(ValueError, match=rf"^ScheduleFreeAdamW.eval\(\): {words}$"):
+        opt.eval()
+    assert opt.param_groups[0]["mode"] == "train" and torch.equal(p.detach(), y)
+
+
+def test_modes_of_a_rule_without_them_do_nothing():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = vo.Adam([p], lr=0.1)
+    opt.eval()
+    opt.train()
+    assert torch.equal(p.detach(), torch.ones(3)) and "mode" not in opt.param_groups[0]
+
+
 def _torch_adam_state(p):
     tp = torch.nn.Parameter(p.detach().clone())
     tp.grad = p.grad.clone()

@@ -1011,10 +1011,7 @@ class SpecOptimizer(torch.optim.Optimizer):
         if not modes:
             return
         owner = type(self).__name__
-        if name not in modes:
-            raise ValueError(f"{owner}: the rule has no mode {name!r} (its modes: "
-                             f"{', '.join(map(repr, modes))})")
-        try:
+        try:  # (name is 'train' or 'eval', which __init__ saw are the rule's modes)
             todo = self._switching(owner, name)
         except KeyError as err:  # (a setting missing from a group: named, as a step names it)
             missing = self._missing_setting(err)
