@@ -1450,3 +1450,54 @@ def test_parameters_on_meta_beside_real_ones_are_refused_by_name_before_any_writ
     new, st = lbfgs_step(metas, {k: torch.empty_like(v) for k, v in metas.items()},
                          lbfgs_init(metas), lr=0.1)
     assert new["c"].is_meta and st["weights"].is_meta
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "state_dict"])
+def test_a_copy_reordered_before_its_first_step_keeps_the_history(how):
+    """A copy (deepcopy, or a fresh optimizer loaded from a state_dict) knows no last step;
+    its parameters reordered before its first step, the shared weights and step counter are
+    found on the parameter that holds them and moved to the first: it steps as the original,
+    where a restart would have dropped the curvature pairs."""
+    def grads(ps, k):
+        return [torch.sin(p.detach() * (k + 1)) + 0.1 * p.detach() ** 2 for p in ps]
+
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(n, dtype=torch.float64, generator=gen))
+          for n in (5, 3)]
+    opt = LBFGS(ps, lr=0.1, memory_size=3)
+    for k in range(3):
+        for p, g in zip(ps, grads(ps, k)):
+            p.grad = g
+        opt.step()
+    if how == "deepcopy":
+        twin = copy.deepcopy(opt)
+        qs = twin.param_groups[0]["params"]
+    else:
+        qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        twin = LBFGS(qs, lr=0.1, memory_size=3)
+        twin.load_state_dict(opt.state_dict())
+    twin.param_groups[0]["params"] = qs[::-1]
+    for k in range(3, 5):
+        for o, params in ((opt, ps), (twin, qs)):
+            for p, g in zip(params, grads(params, k)):
+                p.grad = g
+            o.step()
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)
+    assert int(twin.state[qs[1]]["step"]) == 5 and "step" not in twin.state[qs[0]]
+
+
+def test_parameter_groups_are_refused_as_torch_refuses_them():
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match=r"^LBFGS does not support per-parameter options"):
+        LBFGS([{"params": [a]}, {"params": [b]}])
+    with pytest.raises(ValueError, match="per-parameter options"):
+        torch.optim.LBFGS([{"params": [a]}, {"params": [b]}])
+
+
+def test_a_complex_state_dtype_keeps_a_real_parameters_state_in_its_real_counterpart():
+    state = lbfgs_init({"a": torch.ones(2), "z": torch.ones(2, dtype=torch.complex64)},
+                       state_dtype=torch.complex128)
+    assert state["params_prev"]["a"].dtype == torch.float64
+    assert state["diff_params"]["z"].dtype == torch.complex128
+    assert state["weights"].dtype == torch.float64
