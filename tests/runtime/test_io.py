@@ -794,3 +794,33 @@ def test_8bit_codes_written_under_other_maps_are_refused(tmp_path):
                **{"vega.q8_maps": None})
     assert torch.equal(vega.load(tmp_path / "old.safetensors", like=floats)["step"],
                        floats["step"])
+
+
+def test_leaves_that_share_memory_are_saved_as_their_own_values(tmp_path):
+    """Two leaves that are one tensor, and views of part of a larger one (safetensors refuses
+    tensors that share memory, and would store a view's whole storage): each saved as its own
+    values and loaded as a tensor of its own."""
+    big = torch.arange(10.0)
+    state = {"a": {"x": big[2:5], "y": big[2:5]}, "b": big,
+             "step": torch.tensor(3, dtype=torch.int32)}
+    path = tmp_path / "s.safetensors"
+    vega.save(path, state)
+    like = {"a": {"x": torch.zeros(3), "y": torch.zeros(3)}, "b": torch.zeros(10),
+            "step": torch.zeros((), dtype=torch.int32)}
+    out = vega.load(path, like=like)
+    assert out["a"]["x"].tolist() == out["a"]["y"].tolist() == [2.0, 3.0, 4.0]
+    assert torch.equal(out["b"], big) and int(out["step"]) == 3
+    assert out["a"]["x"].data_ptr() != out["a"]["y"].data_ptr()
+
+
+def test_a_like_leaf_that_is_no_tensor_and_a_name_that_is_no_string_are_named(saved):
+    path, _, state = saved
+    with pytest.raises(ValueError, match=r"^vega.load: like= leaf 'step' is a int, not a "
+                                         r"tensor$"):
+        vega.load(path, like={**state, "step": 3})
+    with pytest.raises(ValueError, match=r"^vega.get_leaf: a leaf name is a string such as "
+                                         r"'step', got 3$"):
+        vega.get_leaf(state, 3)
+    with pytest.raises(TypeError, match=r"^vega.state_names: a state is the dict of fields "
+                                        r"that <name>_init returns, got list$"):
+        vega.state_names([state])

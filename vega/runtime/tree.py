@@ -143,7 +143,8 @@ def leaf_paths(tree) -> list[str]:
 def state_names(state: dict) -> list[str]:
     """Names of a state's leaves, ``field.param_path``: ``['mu.w', 'mu.b', ..., 'step']``."""
     if not isinstance(state, dict):
-        raise TypeError(f"a state is a dict of fields, got {type(state).__name__}")
+        raise TypeError(f"vega.state_names: a state is the dict of fields that <name>_init "
+                        f"returns, got {type(state).__name__}")
     names = []
     for field, sub in state.items():
         paths = leaf_paths(sub)
