@@ -731,3 +731,17 @@ def test_adjust_in_place_writes_what_adjust_returns():
             assert all(a is b for a, b in zip(ls.tensors(), mine))
             for a, b in zip(ls.tensors(), want.tensors()):
                 assert a.dtype == b.dtype and torch.equal(a, b), (s, n, k, flag, a, b)
+
+
+def test_a_scale_of_meta_tensors_is_made_and_shown_without_its_values():
+    """Meta tensors hold no values: the constructor takes them without reading one (a model
+    and its optimizer made on the meta device) and repr shows the tensors, not values."""
+    meta = torch.device("meta")
+    ls = LossScale(torch.tensor(2.0, device=meta), torch.tensor(0, dtype=torch.int32,
+                                                                device=meta))
+    assert ls.loss_scale.device == meta and ls.is_dynamic
+    shown = repr(ls)
+    assert shown.startswith("LossScale(dynamic, loss_scale=tensor(..., device='meta'")
+    assert "min_scale=tensor(..., device='meta'" in shown
+    assert repr(LossScale.static(4.0, device=meta)).startswith(
+        "LossScale(static, loss_scale=tensor(..., device='meta'")

@@ -183,6 +183,10 @@ BAD = [
     # (an int past the float range on the negative side: below every float, not inf)
     (lambda: clip_by_global_norm(grads(), -10**400), "max_norm=-1000"),
     (lambda: clip_by_value(grads(), -10**400), "max=-1000"),
+    # (no number: a string, a bool)
+    (lambda: clip_by_value(grads(), "1"), "clip_by_value: max='1' must be a positive number"),
+    (lambda: clip_by_global_norm(grads(), True),
+     "clip_by_global_norm: max_norm=True must be a positive number"),
 ]
 
 
