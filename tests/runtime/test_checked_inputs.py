@@ -1938,3 +1938,37 @@ def test_a_parameter_made_complex_after_its_8bit_state_is_refused_as_such(backen
                                          r"torch.complex64: complex like it"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip([p.detach(), *opt.state[p].values()], before))
+
+
+_BY_SHAPE = """optimizer o(lr = 0.1) {
+    if ndim(p) >= 2 {
+        p = p - lr * g
+    } else {
+        p = p - 2 * lr * g
+    }
+}"""
+
+
+@pytest.mark.parametrize("shape,words", [
+    ((2, True), "must be a sequence of whole numbers >= 0"),
+    ((2.5,), "must be a sequence of whole numbers >= 0"),
+    ("ab", "must be a sequence of whole numbers >= 0"),
+    (5, "must be a sequence of whole numbers >= 0"),
+    ((2, -1), "has a negative size"),
+    ((2**40, 2**40), "is too large: a tensor has at most 2\\*\\*63 - 1 elements")])
+def test_a_programs_shape_is_checked(shape, words):
+    """spec.program(shape) of a spec whose ifs read the shape takes whole sizes (ints, 0-d
+    integer tensors), naming any other shape."""
+    spec = vega.compile(_BY_SHAPE)
+    with pytest.raises(ValueError, match=rf"^o.program: shape=.* {words}$"):
+        spec.program(shape)
+    assert spec.program((torch.tensor(2), 3)) == spec.program((2, 3)) != spec.program((6,))
+
+
+def test_a_complex_gradient_of_a_real_parameter_is_named_and_a_spec_shows_itself():
+    spec = vega.compile("optimizer o(lr = 0.1) {\n    p = p - lr * g\n}", "o.vega")
+    assert repr(spec) == "<vega optimizer o(lr=0.1) from o.vega>"
+    params = {"a": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"^o_step: grads leaf 'a' has dtype torch.complex64, "
+                                         r"the parameter torch.float32$"):
+        spec.step(params, {"a": torch.ones(3, dtype=torch.complex64)}, spec.init(params))
