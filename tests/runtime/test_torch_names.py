@@ -1068,3 +1068,37 @@ def test_a_class_torch_has_not_takes_lr_alone_by_position():
     with pytest.raises(TypeError, match=r"O takes its hyperparameters by name "
                                         r"\(step_size=...\), not by position"):
         spec.optimizer([torch.zeros(2)], 0.1)
+
+
+def _copied_adam_steps(lib, change):
+    """Adam's parameter after a step, a deepcopy, ``change`` of the copy's group and two
+    steps of the copy."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = lib.Adam([p], lr=0.1)
+    p.grad = torch.tensor([1.0, -2.0, 0.5])
+    opt.step()
+    twin = copy.deepcopy(opt)
+    q = twin.param_groups[0]["params"][0]
+    change(twin.param_groups[0])
+    for _ in range(2):
+        q.grad = torch.tensor([1.0, -2.0, 0.5])
+        twin.step()
+    return q.detach()
+
+
+@pytest.mark.parametrize("ours,theirs", [
+    (lambda g: g.update(betas=(0.5, 0.9)), lambda g: g.update(betas=(0.5, 0.9))),
+    (lambda g: g.update(betas=[0.5, 0.9]), lambda g: g.update(betas=[0.5, 0.9])),
+    (lambda g: g.pop("betas"), lambda g: None)], ids=["tuple", "list", "deleted"])
+def test_betas_of_a_copy_changed_before_its_first_step_are_taken_as_torch_takes_them(ours,
+                                                                                      theirs):
+    """A copy (which has no memory of what changed) reads a group's betas as torch's classes
+    do, a list as a tuple; a group whose betas were deleted takes them from b1 and b2."""
+    assert_close(_copied_adam_steps(vega.optim, ours), _copied_adam_steps(torch.optim, theirs),
+                 rtol=1e-6)
+
+
+def test_betas_that_are_no_pair_are_named():
+    with pytest.raises(ValueError, match=r"^Adam: group 0 has betas=0.9; it must be a tuple of "
+                                         r"2 values, \(b1, b2\)"):
+        _copied_adam_steps(vega.optim, lambda g: g.update(betas=0.9))
