@@ -824,3 +824,23 @@ def test_a_like_leaf_that_is_no_tensor_and_a_name_that_is_no_string_are_named(sa
     with pytest.raises(TypeError, match=r"^vega.state_names: a state is the dict of fields "
                                         r"that <name>_init returns, got list$"):
         vega.state_names([state])
+
+
+@pytest.mark.parametrize("make,count,kinds", [
+    (lambda: vega.LossScale.dynamic(8.0), -1, "static loss scale, but the scale there is "
+                                              "dynamic"),
+    (lambda: vega.LossScale.static(8.0), 5, "dynamic loss scale, but the scale there is "
+                                            "static")])
+def test_set_leaf_refuses_a_good_step_count_of_the_other_kind_of_scale(tmp_path, make, count,
+                                                                        kinds):
+    """A static scale's good_steps is -1 and a dynamic one's counts from 0: set to the other
+    kind's, the state was taken, saved, and then refused by vega.load (which read the file's
+    count as a scale of the other kind), as the constructor refuses it."""
+    state = {"w": torch.ones(2), "ls": make()}
+    with pytest.raises(ValueError, match=rf"^vega.set_leaf: leaf 'ls.good_steps' would be "
+                                         rf"{count}, the count of a {kinds}"):
+        vega.set_leaf(state, "ls.good_steps", count)
+    good = vega.set_leaf(state, "ls.good_steps", 3 if count == -1 else -1)
+    path = tmp_path / "s.safetensors"
+    vega.save(path, good)
+    assert int(vega.load(path, like=good)["ls"].good_steps) == (3 if count == -1 else -1)

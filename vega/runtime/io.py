@@ -330,6 +330,18 @@ def _check_scale_kinds(who: str, state) -> None:
     a scale's four tensors, ``like=`` its settings, and a static scale's good-step count is
     -1. A dynamic scale loaded as a static one would stop adjusting, and the reverse start
     to; neither is the scale saved."""
+    found = _scale_kind_mismatch(state)
+    if found is not None:
+        name, count, saved, given = found
+        raise ValueError(f"{who}: leaf {name!r} is {count}, the count of a {saved} loss "
+                         f"scale, but like= has a {given} one there; give like= a "
+                         f"LossScale.{saved}(...) to load it (its settings are like='s)")
+
+
+def _scale_kind_mismatch(state):
+    """(the leaf's name, its count, the kind that count is of, the scale's kind) for the
+    first loss scale of ``state`` whose good-step count is of the other kind (-1 in a
+    dynamic scale, another in a static one); None where there is none."""
     from vega.runtime.loss_scale import LossScale
     pairs = pytree.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, LossScale))[0]
     for path, node in pairs:
@@ -338,10 +350,8 @@ def _check_scale_kinds(who: str, state) -> None:
         count = int(node.good_steps)
         if node.is_dynamic == (count == -1):
             saved, given = ("static", "dynamic") if count == -1 else ("dynamic", "static")
-            name = ".".join([*(_key(k) for k in path), "good_steps"])
-            raise ValueError(f"{who}: leaf {name!r} is {count}, the count of a {saved} loss "
-                             f"scale, but like= has a {given} one there; give like= a "
-                             f"LossScale.{saved}(...) to load it (its settings are like='s)")
+            return ".".join([*(_key(k) for k in path), "good_steps"]), count, saved, given
+    return None
 
 
 def _check_scales(who: str, state) -> None:
@@ -468,6 +478,12 @@ def set_leaf(state, name: str, value):
     out[i] = value
     new = pytree.tree_unflatten(out, spec)
     _check_scales(f"{who}: leaf {name!r}", new)
+    found = _scale_kind_mismatch(new)
+    if found is not None and found[0] == name:  # (as vega.load and the constructor refuse)
+        _, count, saved, given = found
+        raise ValueError(f"{who}: leaf {name!r} would be {count}, the count of a {saved} loss "
+                         f"scale, but the scale there is {given}: a static scale's good_steps "
+                         "is -1, a dynamic one's counts its good steps from 0")
     if name.split(".")[0].endswith(quant.SUFFIX):
         _no_negative_scale(f"{who}: the value for leaf", name, value)
     return new
