@@ -940,6 +940,38 @@ def test_vega_load_and_set_leaf_refuse_a_negative_8bit_scale(tmp_path):
     vega.load(tmp_path / "s.safetensors", like=state)
 
 
+@pytest.mark.parametrize("held", ["dict", "list"])
+def test_a_negative_8bit_scale_of_a_state_held_deeper_is_refused(tmp_path, held):
+    """A state saved inside a checkpoint's own tree ({"opt": state, ...}, in a list):
+    its scales are checked there too, as at the top (a negative one loaded unrefused, and
+    the next step gave NaN parameters); a parameter's own name ending in _absmax is no
+    scale."""
+    params = {**params_of(), "w_absmax": torch.randn(300)}
+    state = vega.adamw.init(params, state_dtype=U8)
+    params, state = vega.adamw.step(params, grads_of(params, 0), state)
+    n = next(n for n, t in state["nu_absmax"].items() if t is not None)
+    bad = vega.set_leaf(state, f"nu_absmax.{n}", state["nu_absmax"][n] * 1)  # (a copy)
+    bad["nu_absmax"][n][0] = -1.0
+    wrap = ({"opt": bad, "epoch": torch.tensor(3)} if held == "dict" else
+            {"runs": [torch.tensor(3), bad]})
+    ok = ({"opt": state, "epoch": torch.tensor(3)} if held == "dict" else
+          {"runs": [torch.tensor(3), state]})
+    at = "opt" if held == "dict" else "runs.1"
+    name = f"{at}.nu_absmax.{n}"
+    vega.save(tmp_path / "s.safetensors", wrap)
+    with pytest.raises(ValueError, match=rf"vega.load: .*: leaf '{name}' holds a negative "
+                                         "value; it is a state's 8-bit scales"):
+        vega.load(tmp_path / "s.safetensors", like=ok)
+    with pytest.raises(ValueError, match=rf"vega.set_leaf: the value for leaf '{name}' "
+                                         "holds a negative value"):
+        vega.set_leaf(ok, name, bad["nu_absmax"][n])
+    # a float state of a parameter named w_absmax, negative where the mean moved down
+    mu = f"{at}.mu.w_absmax"
+    vega.set_leaf(ok, mu, -torch.ones(300))
+    vega.save(tmp_path / "s.safetensors", ok)  # (its own scales load)
+    vega.load(tmp_path / "s.safetensors", like=ok)
+
+
 @pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning")
 def test_distributed_checkpoint_round_trip(tmp_path):

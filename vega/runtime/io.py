@@ -306,17 +306,51 @@ def _check_q8_maps(who: str, maps, state) -> None:
 
 
 def _check_q8_scales(who: str, state) -> None:
-    """The 8-bit scales of a state (its fields named ``<state>_absmax``) hold no negative
-    value (``quant.any_negative``), as ``load_state_dict`` checks them: a negative one gave
-    NaN parameters at the next step."""
-    if not isinstance(state, dict):
-        return
-    for key, field in state.items():
-        if not (isinstance(key, str) and key.endswith(quant.SUFFIX)):
+    """The 8-bit scales of a state (``q8_scales``) hold no negative value
+    (``quant.any_negative``), as ``load_state_dict`` checks them: a negative one gave NaN
+    parameters at the next step."""
+    for name, leaf in q8_scales(state):
+        _no_negative_scale(f"{who}: leaf", name, leaf)
+
+
+def q8_scales(state, at: str = "") -> list[tuple[str, object]]:
+    """(name, leaf) of each leaf of ``state`` that is an 8-bit state's scales: under a
+    field ``<state>_absmax`` of a state, or, in a state held deeper (``{"opt": state}``),
+    under a key ``k + '_absmax'`` of a dict whose ``k`` holds their codes (``_scales_of``)."""
+    found = []
+    if isinstance(state, dict):
+        for k, v in state.items():
+            name = f"{at}.{k}" if at else str(k)
+            base = k[:-len(quant.SUFFIX)] if isinstance(k, str) and k.endswith(quant.SUFFIX) \
+                else None
+            if base is not None and (not at or base in state and _scales_of(state[base], v)):
+                found += [(".".join([name, *(_key(x) for x in path)]), leaf)
+                          for path, leaf in pytree.tree_flatten_with_path(v)[0]]
+            else:
+                found += q8_scales(v, name)
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            found += q8_scales(v, f"{at}.{i}" if at else str(i))
+    return found
+
+
+def _scales_of(codes, scales) -> bool:
+    """Whether ``scales``, under ``k + '_absmax'`` beside ``codes`` under ``k`` in a state
+    held deeper, are the 8-bit scales of ``codes``: each of its tensors where ``codes``
+    holds uint8 codes, one value a block of them (``quant.blocks``; a row a shard, 2-D, for
+    a DTensor's), and not a parameter's own state under a name ending in ``_absmax``."""
+    held = dict(pytree.tree_flatten_with_path(codes)[0])
+    found = False
+    for path, leaf in pytree.tree_flatten_with_path(scales)[0]:
+        if leaf is None:
             continue
-        for path, leaf in pytree.tree_flatten_with_path(field)[0]:
-            _no_negative_scale(f"{who}: leaf", key + pytree.keystr(path).replace("['", ".")
-                               .replace("']", ""), leaf)
+        c = held.get(path)
+        if not (isinstance(leaf, torch.Tensor) and isinstance(c, torch.Tensor)
+                and c.dtype == torch.uint8 and leaf.is_floating_point()
+                and (leaf.dim() == 2 or leaf.numel() == quant.blocks(c.numel()))):
+            return False
+        found = True
+    return found
 
 
 def _no_negative_scale(what: str, name: str, leaf) -> None:
@@ -484,6 +518,6 @@ def set_leaf(state, name: str, value):
         raise ValueError(f"{who}: leaf {name!r} would be {count}, the count of a {saved} loss "
                          f"scale, but the scale there is {given}: a static scale's good_steps "
                          "is -1, a dynamic one's counts its good steps from 0")
-    if name.split(".")[0].endswith(quant.SUFFIX):
+    if any(found == name for found, _ in q8_scales(state)):
         _no_negative_scale(f"{who}: the value for leaf", name, value)
     return new
