@@ -745,3 +745,33 @@ def test_a_scale_of_meta_tensors_is_made_and_shown_without_its_values():
     assert "min_scale=tensor(..., device='meta'" in shown
     assert repr(LossScale.static(4.0, device=meta)).startswith(
         "LossScale(static, loss_scale=tensor(..., device='meta'")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_adjust_in_place_keeps_a_scale_of_another_dtype(dtype):
+    """The constructor takes a scale tensor of another float dtype; ``adjust_`` writes
+    ``adjust``'s values into it at its own dtype (torch.where's out= takes only the dtype
+    it computes: a float16 scale was 'Expected out type to be Float but got Half')."""
+    for flag, n in ((True, 0), (True, 2), (False, 1)):
+        ls = LossScale(torch.tensor(1024.0, dtype=dtype), torch.tensor(n, dtype=torch.int32),
+                       growth_interval=3)
+        want = ls.adjust(flag)
+        mine = ls.tensors()
+        assert ls.adjust_(flag) is ls
+        assert all(a is b for a, b in zip(ls.tensors(), mine))
+        assert ls.loss_scale.dtype == dtype
+        assert [float(t) for t in ls.tensors()] == [float(t) for t in want.tensors()]
+
+
+def test_adjust_in_place_of_a_meta_scale_takes_a_flag_on_the_cpu():
+    """A scale on the meta device (a model and its optimizer made there) adjusted with a
+    flag made on the CPU (``grads_finite`` of no float leaf, or ``torch.tensor(True)``):
+    ``adjust`` takes it, and ``adjust_`` does too (torch.where's out= on meta refused the
+    CPU flag: 'Attempting to copy from device cpu to device meta')."""
+    ls = LossScale.dynamic(device="meta")
+    mine = ls.tensors()
+    assert ls.adjust(torch.tensor(True)).loss_scale.device.type == "meta"
+    for flag in (torch.tensor(True), torch.tensor(False), vega.grads_finite([])):
+        assert ls.adjust_(flag) is ls
+    assert all(a is b for a, b in zip(ls.tensors(), mine))
+    assert all(t.device.type == "meta" for t in ls.tensors())

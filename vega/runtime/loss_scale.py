@@ -386,7 +386,12 @@ class LossScale:
         got = self._adjusted(finite, growth_interval, growth_factor, backoff_factor)
         if got is not None:
             scale, backed, finite, reset, counted = got
-            torch.where(finite, scale, backed, out=self.loss_scale)
+            out = self.loss_scale
+            if out.dtype == scale.dtype and finite.device == out.device:
+                torch.where(finite, scale, backed, out=out)
+            else:  # (where's out= takes neither a scale of another dtype, which the
+                # constructor takes, nor, on meta, a flag on the CPU: written by copy_)
+                out.copy_(torch.where(finite, scale, backed))
             self.good_steps.add_(1).masked_fill_(reset, 0)
             self.skipped_steps.add_(counted)
         return self
