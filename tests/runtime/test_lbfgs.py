@@ -1501,3 +1501,24 @@ def test_a_complex_state_dtype_keeps_a_real_parameters_state_in_its_real_counter
     assert state["params_prev"]["a"].dtype == torch.float64
     assert state["diff_params"]["z"].dtype == torch.complex128
     assert state["weights"].dtype == torch.float64
+
+
+def test_torch_lbfgs_positional_hyperparameters_are_refused_as_by_name():
+    """torch.optim.LBFGS(params, lr, max_iter, ...) by position: vega's LBFGS took the
+    third as its memory_size, so LBFGS(params, 1, 20) (torch's default max_iter) kept 20
+    curvature pairs where max_iter=20 by name is refused. lr comes by position, as in
+    torch; what follows it is torch's max_iter, ..., refused naming it."""
+    lin = torch.nn.Linear(2, 1)
+    assert LBFGS(lin.parameters(), 0.5).param_groups[0]["lr"] == 0.5
+    with pytest.raises(TypeError, match=r"LBFGS: 20, by position after lr, is "
+                                        r"torch.optim.LBFGS's max_iter \(its order: lr, "
+                                        r"max_iter, max_eval, .*line search and inner loop.*"
+                                        r"memory_size=\.\.\."):
+        LBFGS(lin.parameters(), 1, 20)
+    with pytest.raises(TypeError, match=r"LBFGS: 5, by position after lr, is "
+                                        r"torch.optim.LBFGS's max_iter"):
+        LBFGS(lin.parameters(), 1, 5, None, 1e-7, 1e-9, 100, "strong_wolfe")
+    with pytest.raises(TypeError, match=r"LBFGS takes 7 hyperparameters by position .*"
+                                        r"but 8 were given"):
+        LBFGS(lin.parameters(), 1, 20, None, 1e-7, 1e-9, 100, None, 3)
+    assert LBFGS(lin.parameters(), 1, memory_size=3).param_groups[0]["memory_size"] == 3

@@ -526,6 +526,9 @@ def _check_donated(owner, params, p_leaves, g_leaves, cols, idx, weights, step) 
 
 _TORCH_LBFGS = ("history_size", "max_iter", "max_eval", "tolerance_grad", "tolerance_change",
                 "line_search_fn")
+# torch.optim.LBFGS's hyperparameters after lr, in its order (by position)
+_TORCH_POSITIONAL = ("max_iter", "max_eval", "tolerance_grad", "tolerance_change",
+                     "history_size", "line_search_fn")
 
 
 # the fused options of the spec optimizers, which L-BFGS (no kernel of a spec) has not:
@@ -567,6 +570,27 @@ def _refuse_torch_keywords(owner: str, given: dict) -> None:
                             "optax's rule at a fixed rate: one update a step from the "
                             "gradients in p.grad, no line search (docs/optimizers.md)")
         _refuse_fused(owner, {key: given[key]}, f"{owner}.__init__")
+
+
+def _refuse_torch_positional(owner: str, args: tuple) -> None:
+    """TypeError for a hyperparameter given by position after ``lr``: in torch.optim.LBFGS's
+    order it is ``max_iter`` (``LBFGS(params, 1, 20)``), a setting of its line search and
+    inner loop, which by name is refused too; ``memory_size`` is taken by name only, as
+    ``lbfgs_init`` and ``lbfgs_step`` take it."""
+    if not args:
+        return
+    order = ("lr", *_TORCH_POSITIONAL)
+    if len(args) > len(_TORCH_POSITIONAL):
+        raise TypeError(f"{owner} takes {len(order)} hyperparameters by position "
+                        f"({', '.join(order)}, torch.optim.LBFGS's), but {len(args) + 1} were "
+                        "given; vega's LBFGS takes lr by position, and memory_size=... and "
+                        "scale_init_precond=... by name")
+    raise TypeError(f"{owner}: {shown(args[0])}, by position after lr, is torch.optim.LBFGS's "
+                    f"{_TORCH_POSITIONAL[0]} (its order: {', '.join(order)}), a setting of its "
+                    "line search and inner loop; vega's LBFGS is optax's rule at a fixed rate "
+                    "(docs/optimizers.md) and takes lr by position, and memory_size=... (the "
+                    "number of curvature pairs kept, torch's history_size) and "
+                    "scale_init_precond=... by name")
 
 
 def _check_class_step(params, states, shared: dict, m: int) -> None:
@@ -633,9 +657,11 @@ class LBFGS(torch.optim.Optimizer):
     which keep the history over such a change (``_restarts``).
     """
 
-    def __init__(self, params, lr=1.0, memory_size: int = 10, scale_init_precond: bool = True,
-                 *, state_dtype: torch.dtype | None = None, reduce_group=None, **torch_only):
+    def __init__(self, params, lr=1.0, *torch_positional, memory_size: int = 10,
+                 scale_init_precond: bool = True, state_dtype: torch.dtype | None = None,
+                 reduce_group=None, **torch_only):
         owner = "LBFGS"
+        _refuse_torch_positional(owner, torch_positional)
         _refuse_torch_keywords(owner, torch_only)
         sharded.check_group(owner, reduce_group)
         self.reduce_group = reduce_group
