@@ -373,6 +373,15 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3, b1 = 0.9) {\n  m = b1 * m + g\n  p = p - lr * m\n}\n",
      "'m' is read before it has a value; a value kept from one step to the next is a state, "
      "declared before it is read: state m = zeros", 2, 12),
+    # ... but where the spec declares its state below, the message says where, as for a
+    # name read above its value ("state m = zeros" was asked for, which the spec has)
+    ("optimizer o(lr = 1e-3, b1 = 0.9) {\n  m = b1 * m + g\n  state m = zeros\n"
+     "  p = p - lr * m\n}\n",
+     "undefined name 'm' here: it is declared as a state on line 3, below; a spec runs top "
+     "to bottom, once a step", 2, 12),
+    ("optimizer o(lr = 1e-3, b1 = 0.9, f = true) {\n  if f { m = b1 * m + g }\n"
+     "  state m = zeros\n  p = p - lr * m\n}\n",
+     "undefined name 'm' here: it is declared as a state on line 3, below", 2, 19),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * grad\n}\n",
      "undefined name 'grad': the gradient is g", 2, 16),
     ("optimizer o(lr = 1e-3, b = 0.9) {\n  p = p - lr * g / (1 - b ^ step)\n}\n",

@@ -400,6 +400,7 @@ class _Walker:
                 # value, the name is one a step keeps, which a state declares)
                 for read in _names(s.value):
                     if read.id == s.name:
+                        self._later(read)  # (declared or assigned below: where)
                         raise SpecError(f"'{s.name}' is read before it has a value; a value "
                                         "kept from one step to the next is a state, declared "
                                         f"before it is read: state {s.name} = zeros", read.span)
@@ -552,6 +553,16 @@ class _Walker:
         finally:
             self.in_init = False
 
+    def _later(self, e: ast.Name) -> None:
+        """SpecError where ``e``, read where it has no value, is declared or assigned further
+        down the body (not in a mode's block, which reads no values wherever it stands)."""
+        later = None if self.in_mode is not None else \
+            _defined_later(self.spec.body, e.id, e.span)
+        if later is not None:  # (a spec runs top to bottom)
+            raise SpecError(f"undefined name '{e.id}' here: it is {later}, below; a spec runs "
+                            "top to bottom, once a step: give it its value, or declare its "
+                            "state, above this line", e.span)
+
     def expr(self, e, env) -> Node:
         if isinstance(e, ast.Num):
             return ir.const(e.value, e.span)
@@ -572,12 +583,7 @@ class _Walker:
                 if e.id.lower() in ast.CONSTANTS:  # Inf, NaN, PI
                     raise SpecError(f"undefined name '{e.id}' (did you mean "
                                     f"'{e.id.lower()}'?)", e.span)
-                later = None if self.in_mode is not None else \
-                    _defined_later(self.spec.body, e.id, e.span)  # (a mode reads no values)
-                if later is not None:  # (a spec runs top to bottom)
-                    raise SpecError(f"undefined name '{e.id}' here: it is {later}, below; a "
-                                    "spec runs top to bottom, once a step: give it its value, "
-                                    "or declare its state, above this line", e.span)
+                self._later(e)
                 raise SpecError(_undefined(e.id, env), e.span)
             if b.only_if is not None and b.only_if in self.repeats:
                 raise SpecError(f"'{e.id}' is assigned only inside {self._block(b.only_if)}, "
