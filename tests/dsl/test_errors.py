@@ -360,6 +360,12 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "to bottom, once a step: give it its value, or declare its state, above this line", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * d\n  d = g\n}\n",
      "undefined name 'd' here: it is assigned on line 3, below", 2, 16),
+    # ... on its own line too (it was a bare "undefined name 'd'")
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * d; d = g\n}\n",
+     "undefined name 'd' here: it is assigned after it on line 2; a spec runs top to "
+     "bottom", 2, 16),
+    ("optimizer o(lr = 1e-3, f = true) {\n  if f { p = p - lr * m; state m = zeros }\n}\n",
+     "undefined name 'm' here: it is declared as a state after it on line 2", 2, 23),
     # a header without its brackets, or a typed hyperparameter without a default, said a
     # bare "unexpected '{'" ("unexpected ')'")
     ("optimizer o {\n  p = p - g\n}\n",

@@ -559,7 +559,7 @@ class _Walker:
         later = None if self.in_mode is not None else \
             _defined_later(self.spec.body, e.id, e.span)
         if later is not None:  # (a spec runs top to bottom)
-            raise SpecError(f"undefined name '{e.id}' here: it is {later}, below; a spec runs "
+            raise SpecError(f"undefined name '{e.id}' here: it is {later}; a spec runs "
                             "top to bottom, once a step: give it its value, or declare its "
                             "state, above this line", e.span)
 
@@ -997,16 +997,19 @@ def matrix_axes(shape) -> tuple[int | None, int | None]:
 
 def _defined_later(stmts, name: str, read: Span) -> str | None:
     """How ``name``, read at ``read`` where it has no value, is given one further down the
-    body (``declared as a state on line 5``, ``assigned on line 5``), if it is."""
+    body (``declared as a state on line 5, below``, ``assigned after it on line 4``: on the
+    line read, after ``;``), if it is."""
     for s in stmts:
         if isinstance(s, ast.If):
             found = _defined_later(s.then + s.orelse, name, read)
             if found is not None:
                 return found
         elif isinstance(s, (ast.StateDecl, ast.Assign)) and s.name == name \
-                and s.name_span.line > read.line:
+                and (s.name_span.line, s.name_span.column) > (read.line, read.column):
             how = "declared as a state" if isinstance(s, ast.StateDecl) else "assigned"
-            return f"{how} on line {s.name_span.line}"
+            if s.name_span.line == read.line:
+                return f"{how} after it on line {read.line}"
+            return f"{how} on line {s.name_span.line}, below"
     return None
 
 
