@@ -397,6 +397,12 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  mode = g\n  p = p - lr * mode\n}\n",
      "'mode' is a keyword ('mode NAME { ... }' begins a mode's block), so no value or state "
      "can be assigned by that name: give it a name of its own ('mode_' or a longer one)", 2, 3),
+    # a state of such a name, never assigned, was told to assign it ("assign it (mode =
+    # ...)"), which the parse refuses
+    ("optimizer o(lr = 1e-3) {\n  state mode = zeros\n  p = p - lr * mode\n}\n",
+     "state 'mode' is never assigned, so it would keep its initial value at every step; "
+     "'mode' is a keyword ('mode NAME { ... }' begins a mode's block), which no assignment "
+     "can name: give the state a name of its own ('mode_' or a longer one)", 2, 9),
     ("optimizer o(lr = 1e-3) {\n  state repeat = zeros\n  repeat = g\n  p = p - repeat\n}\n",
      "'repeat' is a keyword ('repeat N { ... }' begins a repeat), so no value or state", 3, 3),
     ("optimizer o(lr = 1e-3) {\n  state = g\n  p = p - lr * state\n}\n",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from vega.dsl import ast
 from vega.dsl import ir
 from vega.dsl.ir import Kind, Node, Op
-from vega.dsl.parse_errors import MOD
+from vega.dsl.parse_errors import MOD, STATEMENT_KEYWORDS
 from vega.errors import Span, SpecError
 
 # name -> (allowed argument counts, op by argument count)
@@ -289,7 +289,10 @@ class _Walker:
             keeps = any(n.id == "p" or n.id in floats for n in _names(decl.init))
             if keeps and not close:
                 continue
-            hint = (f" (did you mean '{decl.name} = ...' on line {unread[close[0]]}, where "
+            hint = (f"; '{decl.name}' is a keyword ({STATEMENT_KEYWORDS[decl.name]}), which "
+                    f"no assignment can name: give the state a name of its own "
+                    f"('{decl.name}_' or a longer one)" if decl.name in STATEMENT_KEYWORDS else
+                    f" (did you mean '{decl.name} = ...' on line {unread[close[0]]}, where "
                     f"'{close[0]}' is assigned and never read?)" if close else
                     f"; assign it ({decl.name} = ...), or write the constant where it is read")
             raise SpecError(f"state '{decl.name}' is never assigned, so it would keep its "

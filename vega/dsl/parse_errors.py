@@ -93,3 +93,11 @@ PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
         "optimizer o() { repeat 2 p = p }",
     ],
 }
+
+
+# the keywords that begin a statement, and what each begins: no assignment can name one
+# (the parse reads the word as the keyword's), though a state may be declared by it
+STATEMENT_KEYWORDS = {"state": "'state NAME = INIT' declares a state",
+                      "if": "'if COND { ... }' begins an if",
+                      "mode": "'mode NAME { ... }' begins a mode's block",
+                      "repeat": "'repeat N { ... }' begins a repeat"}

@@ -12,7 +12,7 @@ import lark
 from lark import Lark, Token, Transformer, v_args
 
 from vega.dsl import ast
-from vega.dsl.parse_errors import BLOCK_LABELS, MOD, PARSE_ERROR_EXAMPLES
+from vega.dsl.parse_errors import BLOCK_LABELS, MOD, PARSE_ERROR_EXAMPLES, STATEMENT_KEYWORDS
 from vega.errors import Span, SpecError, source_lines
 
 
@@ -363,10 +363,7 @@ def _statement_name(err: lark.exceptions.UnexpectedInput) -> Token | None:
 
 
 # what each keyword that begins a statement does, for a statement that assigns to it
-_KEYWORD_STATEMENTS = {"STATE": "'state NAME = INIT' declares a state",
-                       "IF": "'if COND { ... }' begins an if",
-                       "MODE": "'mode NAME { ... }' begins a mode's block",
-                       "REPEAT": "'repeat N { ... }' begins a repeat"}
+_KEYWORD_STATEMENTS = {word.upper(): does for word, does in STATEMENT_KEYWORDS.items()}
 
 
 def _keyword_assigned(err: lark.exceptions.UnexpectedInput) -> SpecError | None:
