@@ -1064,6 +1064,17 @@ def test_a_class_torch_has_not_takes_lr_alone_by_position():
         vega.optim.AdamW([torch.zeros(2)], 0.1, lr=0.2)
     with pytest.raises(TypeError, match="RMSprop: give capturable by name"):
         vega.optim.RMSprop([torch.zeros(2)], 0.1, 0.99, 1e-8, 0.0, 0.0, False, True)
+    # (torch's settings after the hyperparameters, capturable, foreach, ..., are not counted
+    # among them: "RMSprop takes 10 hyperparameters by position" refused the seventh)
+    with pytest.raises(TypeError, match=r"RMSprop takes 6 hyperparameters by position \(lr, "
+                                        r"alpha, eps, weight_decay, momentum, centered, in "
+                                        r"torch.optim.RMSprop's order\), but 11 were given"):
+        vega.optim.RMSprop([torch.zeros(2)], 0.1, 0.99, 1e-8, 0.0, 0.0, False, False, None,
+                           False, False, 1)
+    with pytest.raises(TypeError, match=r"Adagrad takes 5 hyperparameters by position \(lr, "
+                                        r"lr_decay, weight_decay, initial_accumulator_value, "
+                                        r"eps, in torch.optim.Adagrad's order\), but 7 were"):
+        vega.optim.Adagrad([torch.zeros(2)], 0.1, 0.0, 0.0, 0.0, 1e-10, None, 1)
     spec = vega.compile("optimizer o(step_size = 1.0) {\n  p = p - step_size * g\n}\n")
     with pytest.raises(TypeError, match=r"O takes its hyperparameters by name "
                                         r"\(step_size=...\), not by position"):

@@ -114,13 +114,17 @@ def positional(owner: str, cls_name: str, spec, args: tuple, hypers: dict) -> No
     if not order:
         raise TypeError(f"{owner} takes its hyperparameters by name "
                         f"({', '.join(h.name + '=...' for h in spec.hypers)}), not by position")
+    settings = (*_IMPLEMENTATION_KEYWORDS, "maximize", "differentiable")
+    taken = list(itertools.takewhile(lambda n: n not in settings, order))
     if len(args) > len(order):
-        named = f"{', '.join(order)}, in torch.optim.{cls_name}'s order" if theirs else "lr"
-        raise TypeError(f"{owner} takes {len(order)} hyperparameter{'s' * (len(order) != 1)} "
+        # (torch's settings after its hyperparameters, RMSprop's capturable, foreach, ...,
+        # are not counted: the class takes them by name only)
+        named = f"{', '.join(taken)}, in torch.optim.{cls_name}'s order" if theirs else "lr"
+        raise TypeError(f"{owner} takes {len(taken)} hyperparameter{'s' * (len(taken) != 1)} "
                         f"by position ({named}), but {len(args)} were given: give the others "
                         "by name")
     for name, value in zip(order, args):
-        if name in (*_IMPLEMENTATION_KEYWORDS, "maximize", "differentiable"):
+        if name in settings:
             raise TypeError(f"{owner}: give {name} by name ({name}=...), not by position")
         if name in hypers:
             raise TypeError(f"{owner} got multiple values for {name!r}: by position and by "
