@@ -1039,6 +1039,13 @@ def test_a_counter_near_the_int32_limit_goes_through_torchs_format_and_back(coun
     ("Adam", (1e-2, (0.8, 0.9), 1e-6, 0.01, True), {}),
     ("RMSprop", (1e-2, 0.9, 1e-7, 0.0, 0.5, True), {}),
     ("Adagrad", (1e-2, 0.01), {}),
+    ("Adagrad", (1e-2, 0.01, 0.02, 0.1, 1e-8), {}),
+    ("AdamW", (1e-2, (0.8, 0.9), 1e-6, 0.05, True), {}),
+    ("NAdam", (1e-2, (0.8, 0.9), 1e-6, 0.01, 0.01, True), {}),
+    ("RAdam", (1e-2, [0.8, 0.9], 1e-6, 0, False), {}),
+    ("Adamax", (1e-2, (0.8, 0.9), 1e-6, 0.01), {}),
+    ("Adadelta", (0.5, 0.8, 1e-5, 0.01), {}),
+    ("Rprop", (1e-2, (0.4, 1.3), (1e-5, 10)), {}),
 ])
 def test_hyperparameters_by_position_as_torch_takes_them(name, args, kw):
     # torch.optim.SGD(model.parameters(), 0.1, momentum=0.9): lr, and the others in the
@@ -1047,6 +1054,31 @@ def test_hyperparameters_by_position_as_torch_takes_them(name, args, kw):
     theirs = _run(lambda ps: getattr(torch.optim, name)(ps, *args, foreach=False, **kw))
     for p, q in zip(ours[0], theirs[0]):
         assert_close(p, q, rtol=1e-9)
+
+
+def test_muon_takes_torchs_eight_by_position():
+    """torch.optim.Muon(params, lr, weight_decay, momentum, nesterov, ns_coefficients, eps,
+    ns_steps, adjust_lr_fn): the same steps, and momentum buffers, given so to both (each
+    orthogonalizing in bfloat16: to torch's test's tolerance, at shapes where the two
+    roundings meet)."""
+    args = (1e-2, 0.05, 0.9, False, (3.0, -4.0, 2.0), 1e-6, 4, "match_rms_adamw")
+
+    def run(make):
+        gen = torch.Generator().manual_seed(0)
+        ps = [torch.randn(s, generator=gen, dtype=torch.float64).requires_grad_(True)
+              for s in ((8, 6), (4, 3))]
+        opt = make(ps)
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            opt.step()
+        return ps, opt
+    (ps, ours), (qs, theirs) = run(lambda ps: vega.optim.Muon(ps, *args)), \
+        run(lambda ps: torch.optim.Muon(ps, *args))
+    for p, q in zip(ps, qs):
+        assert_close(p.detach(), q.detach(), rtol=1e-5, scale=1.0)
+        assert_close(ours.state[p]["buf"], theirs.state[q]["momentum_buffer"], rtol=1e-9)
+    assert ours.param_groups[0]["match_rms_adamw"] is True
 
 
 def test_a_class_torch_has_not_takes_lr_alone_by_position():
