@@ -671,6 +671,18 @@ def test_a_file_given_for_the_text_and_the_text_for_a_file_say_which_function(tm
     assert vega.compile_file("mine.vega").name == "o"
 
 
+def test_a_one_line_spec_that_ends_in_dot_vega_keeps_its_own_mistake():
+    """A spec's text on one line without its '{' that happens to end in '.vega' (a value
+    named so) is a spec, not a file's name: its own mistake is said (it was "'optimizer
+    o(lr = 1) p = p - g.vega' is a file's name, not a spec's text")."""
+    with pytest.raises(SpecError, match="unexpected 'p'") as info:
+        vega.compile("optimizer o(lr = 1) p = p - lr * g.vega")
+    assert "file's name" not in str(info.value)
+    with pytest.raises(SpecError) as info:
+        vega.compile("optimizer\to.vega")
+    assert "file's name" not in str(info.value)
+
+
 def test_compile_rejects_non_text():
     with pytest.raises(TypeError, match="a spec is text"):
         vega.compile(b"optimizer o() { p = p }")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import re
 from functools import cached_property, partial
 from pathlib import Path
 
@@ -862,9 +863,10 @@ def compile(source: str, filename: str = "<spec>") -> CompiledSpec:  # noqa: A00
 
 def _a_path(source) -> bool:
     """Whether text that is no spec is a spec file's name: one line, ending in ``.vega`` or
-    naming a file that is there."""
+    naming a file that is there, and not begun as a spec is (``optimizer o(...) p = ...``
+    on one line, its '{' left out, is a spec's text whatever its last word)."""
     text = source.strip() if isinstance(source, str) else ""
-    if not text or "\n" in text or "{" in text:
+    if not text or "\n" in text or "{" in text or re.match(r"optimizer\s", text):
         return False
     try:
         return text.endswith(".vega") or os.path.isfile(text)
