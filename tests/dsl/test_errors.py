@@ -683,6 +683,15 @@ def test_a_one_line_spec_that_ends_in_dot_vega_keeps_its_own_mistake():
     assert "file's name" not in str(info.value)
 
 
+def test_a_spec_file_name_the_file_system_cannot_take_is_named(tmp_path):
+    """compile_file of a name no file can have (a NUL in it, a lone surrogate) said
+    Python's bare 'embedded null byte' (a ValueError of os.stat), naming no file; it is
+    a file that cannot be read, as a missing one is."""
+    for name in ("mine\0.vega", str(tmp_path / "a\ud800.vega")):
+        with pytest.raises(FileNotFoundError, match=r"\.vega: error: cannot read spec file: "):
+            vega.compile_file(name)
+
+
 def test_compile_rejects_non_text():
     with pytest.raises(TypeError, match="a spec is text"):
         vega.compile(b"optimizer o() { p = p }")

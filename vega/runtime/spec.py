@@ -895,16 +895,18 @@ def compile_file(path) -> CompiledSpec:
 def read_spec_file(name: str) -> str:
     """The text of spec file ``name``, its line ends made ``\\n`` (as ``open`` reads text);
     ``compile_file``'s checks."""
-    def unreadable(err: OSError):
+    def unreadable(err: OSError | ValueError):
         text = " (is it a spec's text? vega.compile(text) compiles one)" \
             if "{" in name or "\n" in name else ""
-        return FileNotFoundError(f"{name}: error: cannot read spec file: {err.strerror}{text}")
+        why = getattr(err, "strerror", None) or str(err)  # (a name no file can have: a
+        # ValueError, 'embedded null byte', or a lone surrogate's encoding error)
+        return FileNotFoundError(f"{name}: error: cannot read spec file: {why}{text}")
 
     def refused(why: str):
         return dsl.SpecError(why, filename=name)
     try:
         mode = os.stat(name).st_mode  # (before opening: a FIFO would block the open)
-    except OSError as err:
+    except (OSError, ValueError) as err:
         raise unreadable(err) from err
     _regular(mode, refused)
     try:
