@@ -1145,3 +1145,10 @@ def test_betas_that_are_no_pair_are_named():
     with pytest.raises(ValueError, match=r"^Adam: group 0 has betas=0.9; it must be a tuple of "
                                          r"2 values, \(b1, b2\)"):
         _copied_adam_steps(vega.optim, lambda g: g.update(betas=0.9))
+
+
+    # (a spec of none said "takes its hyperparameters by name (), not by position")
+    none = vega.compile("optimizer o() {\n  p = p - g\n}\n")
+    with pytest.raises(TypeError, match=r"^O takes no hyperparameters, but 1 was given by "
+                                        r"position$"):
+        none.optimizer([torch.zeros(2)], 0.1)

@@ -111,6 +111,9 @@ def positional(owner: str, cls_name: str, spec, args: tuple, hypers: dict) -> No
              and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     if not theirs:
         order = ["lr"] if any(h.name == "lr" for h in spec.hypers) else []
+    if not spec.hypers:
+        raise TypeError(f"{owner} takes no hyperparameters, but {len(args)} "
+                        f"{'was' if len(args) == 1 else 'were'} given by position")
     if not order:
         raise TypeError(f"{owner} takes its hyperparameters by name "
                         f"({', '.join(h.name + '=...' for h in spec.hypers)}), not by position")
