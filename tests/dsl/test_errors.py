@@ -415,6 +415,13 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g / g.max(1)\n}\n",
      "'g.max(...)': Vega has no methods; max(a, b), or max(x) over a tensor, row_max(x) or "
      "col_max(x)", 2, 20),
+    # (min too: g.min(0) was "'g.min()': ... the smallest value of x is -max(-x)", the
+    # whole tensor's)
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.min(dim=0)\n}\n",
+     "'g.min(...)': Vega has no methods; min(a, b), or the smallest value over a tensor "
+     "-max(-x), -row_max(-x) or -col_max(-x) over the matrix view's rows or columns", 2, 16),
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.min()\n}\n",
+     "'g.min()': Vega has no methods; the smallest value of x is -max(-x)", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g.sum()\n}\n",
      "'g.sum()': Vega has no methods; write sum(g)", 2, 16),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * sum(g, 0)\n}\n",

@@ -434,7 +434,10 @@ _ATTRIBUTES = {"grad": "the gradient is g", "data": "the parameter is p",
 
 
 # reductions of a tensor's values, which torch's methods take along an axis too
-_REDUCTIONS = ("sum", "mean", "max", "norm")
+_REDUCTIONS = ("sum", "mean", "max", "norm", "min")
+# how Vega writes one whose signature (_SIGNATURES) does not say it: min(x) is no reduction
+_ALONG_AXES = {"min": "min(a, b), or the smallest value over a tensor -max(-x), -row_max(-x) "
+                      "or -col_max(-x) over the matrix view's rows or columns"}
 
 
 def _dotted(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | None:
@@ -477,7 +480,7 @@ def _dotted(err: lark.exceptions.UnexpectedInput, source: str) -> SpecError | No
             .startswith(")")
         if axis:
             shown = f"'{base}.{attr}(...)'"
-            how = f"Vega has no methods; {_SIGNATURES[attr]}"
+            how = f"Vega has no methods; {_ALONG_AXES.get(attr, _SIGNATURES[attr])}"
         elif attr in _METHODS:
             how = f"Vega has no methods; {_METHODS[attr]}"
         elif attr in known:
