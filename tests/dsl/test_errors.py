@@ -371,6 +371,10 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o {\n  p = p - g\n}\n",
      "unexpected '{': the name is followed by its hyperparameters in brackets, () for none",
      1, 13),
+    # (a class's name after the brackets was a bare "unexpected 'as'")
+    ("optimizer o(lr = 1e-3) as O {\n  p = p - lr * g\n}\n",
+     "unexpected 'as': the class's name comes after the spec's, before the hyperparameters: "
+     "optimizer NAME as CLASS(hyperparameters) {", 1, 24),
     ("optimizer o(lr: float) {\n  p = p - lr * g\n}\n",
      "unexpected ')': a hyperparameter needs a default: NAME = VALUE", 1, 22),
     # torch.optim's code keeps a buffer as m = b1 * m + g: read before it has a value, a

@@ -30,6 +30,11 @@ PARSE_ERROR_EXAMPLES: dict[str, list[str]] = {
         "optimizer o { p = p }",
         "optimizer o as O { p = p }",
     ],
+    "the class's name comes after the spec's, before the hyperparameters: "
+    "optimizer NAME as CLASS(hyperparameters) {": [
+        "optimizer o(lr = 1) as O { p = p }",
+        "optimizer o() as O { p = p }",
+    ],
     "a hyperparameter needs a default: NAME = VALUE": [
         "optimizer o(lr) { p = p }",
         "optimizer o(lr, b = 1) { p = p }",
