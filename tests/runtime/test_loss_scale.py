@@ -775,3 +775,29 @@ def test_adjust_in_place_of_a_meta_scale_takes_a_flag_on_the_cpu():
         assert ls.adjust_(flag) is ls
     assert all(a is b for a, b in zip(ls.tensors(), mine))
     assert all(t.device.type == "meta" for t in ls.tensors())
+
+
+@pytest.mark.parametrize("interval", [1, 2, 2**31 - 2, 2**31 - 1])
+def test_adjust_in_place_at_the_intervals_bounds_is_torchs_update(interval):
+    """``adjust_`` (and ``adjust``) at growth_interval's bounds, 1 and 2**31 - 1, with the
+    good steps just below, at and past the interval, against torch._amp_update_scale_ where
+    torch's int32 count does not wrap; at 2**31 - 1 a finite step grows the scale and
+    restarts the count, and the count never goes negative."""
+    last = 2**31 - 1
+    for n in sorted({0, max(interval - 2, 0), interval - 1, last}):
+        for finite in (True, False):
+            ls = LossScale(torch.tensor(1024.0), torch.tensor(n, dtype=torch.int32),
+                           growth_interval=interval)
+            want = ls.adjust(finite)
+            ls.adjust_(finite)
+            assert [t.item() for t in ls.tensors()] == [t.item() for t in want.tensors()]
+            grows = finite and n >= interval - 1
+            assert ls.loss_scale.item() == (2048.0 if grows else 1024.0 if finite else 512.0)
+            assert ls.good_steps.item() == (n + 1 if finite and not grows else 0)
+            if n < last:
+                scale = torch.tensor(1024.0)
+                tracker = torch.tensor(n, dtype=torch.int32)
+                torch._amp_update_scale_(scale, tracker, torch.tensor(0.0 if finite else 1.0),
+                                         2.0, 0.5, interval)
+                assert (scale.item(), tracker.item()) == (ls.loss_scale.item(),
+                                                          ls.good_steps.item())
