@@ -1081,6 +1081,19 @@ def test_muon_takes_torchs_eight_by_position():
     assert ours.param_groups[0]["match_rms_adamw"] is True
 
 
+def test_the_classes_help_gives_the_order_by_position():
+    """help(vega.optim.SGD) lists the hyperparameters in the spec's order (lr, momentum,
+    nesterov, ...), which is not torch's order by position (lr, momentum, dampening, ...):
+    the help says which order the positions take."""
+    assert "By position after params: lr, momentum, dampening, weight_decay, nesterov, " \
+        "torch.optim.SGD's order; the others by name." in vega.optim.SGD.__doc__
+    assert "By position after params: lr, alpha, eps, weight_decay, momentum, centered, " \
+        "torch.optim.RMSprop's order" in vega.optim.RMSprop.__doc__
+    assert "By position after params: lr; the others by name." in vega.optim.Lion.__doc__
+    mine = vega.compile("optimizer o(step_size = 1.0) {\n  p = p - step_size * g\n}\n")
+    assert "By position" not in mine.optimizer_class.__doc__
+
+
 def test_a_class_torch_has_not_takes_lr_alone_by_position():
     opt = vega.optim.Lion([torch.zeros(2)], 3e-4)
     assert opt.param_groups[0]["lr"] == 3e-4

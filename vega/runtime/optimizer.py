@@ -2000,6 +2000,11 @@ def optimizer_class(spec) -> type:
         rng = f", in {h.range}" if h.range is not None else ""
         default = str(h.default).lower() if h.type == "bool" else h.default
         lines.append(f"    {h.name}: {h.type} = {default}{rng}")
+    order = torch_names.positional_names(spec.class_name, spec)
+    if order:  # (torch's order, not the list's: SGD(params, 0.1, 0.9))
+        whose = f", torch.optim.{spec.class_name}'s order" if order != ["lr"] else ""
+        lines += ["", f"By position after params: {', '.join(order)}{whose}; the others by "
+                  "name."]
     lines += ["", "Also: backend=None|'reference'|'c'|'triton', state_dtype=None (float32 for "
               "bfloat16/float16 parameters;", "a dtype for every state, or a dict by state "
               "name: {'nu': torch.bfloat16}; torch.uint8: 8-bit blockwise),",

@@ -98,6 +98,26 @@ def _torch_keywords(cls_name: str) -> dict:
     return dict(inspect.signature(theirs.__init__).parameters)
 
 
+_SETTINGS = (*_IMPLEMENTATION_KEYWORDS, "maximize", "differentiable")
+
+
+def _torch_order(cls_name: str, spec) -> list[str]:
+    """The names torch.optim's class of ``cls_name`` takes by position after ``params``, its
+    settings (``foreach``, ...) too; ``lr`` alone where torch has no such class and the spec
+    has an ``lr``."""
+    theirs = _torch_keywords(cls_name)
+    if not theirs:
+        return ["lr"] if any(h.name == "lr" for h in spec.hypers) else []
+    return [n for n, p in theirs.items() if n not in ("self", "params")
+            and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+
+
+def positional_names(cls_name: str, spec) -> list[str]:
+    """The hyperparameters a class takes by position after ``params``, in order
+    (``positional``): torch's order up to its first setting, RMSprop's ``capturable``."""
+    return list(itertools.takewhile(lambda n: n not in _SETTINGS, _torch_order(cls_name, spec)))
+
+
 def positional(owner: str, cls_name: str, spec, args: tuple, hypers: dict) -> None:
     """Hyperparameters given by position, as torch.optim's classes take them
     (``SGD(model.parameters(), 0.1, momentum=0.9)``), put into ``hypers`` by name: in the
@@ -107,18 +127,14 @@ def positional(owner: str, cls_name: str, spec, args: tuple, hypers: dict) -> No
     if not args:
         return
     theirs = _torch_keywords(cls_name)
-    order = [n for n, p in theirs.items() if n not in ("self", "params")
-             and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-    if not theirs:
-        order = ["lr"] if any(h.name == "lr" for h in spec.hypers) else []
+    order = _torch_order(cls_name, spec)
     if not spec.hypers:
         raise TypeError(f"{owner} takes no hyperparameters, but {len(args)} "
                         f"{'was' if len(args) == 1 else 'were'} given by position")
     if not order:
         raise TypeError(f"{owner} takes its hyperparameters by name "
                         f"({', '.join(h.name + '=...' for h in spec.hypers)}), not by position")
-    settings = (*_IMPLEMENTATION_KEYWORDS, "maximize", "differentiable")
-    taken = list(itertools.takewhile(lambda n: n not in settings, order))
+    taken = positional_names(cls_name, spec)
     if len(args) > len(order):
         # (torch's settings after its hyperparameters, RMSprop's capturable, foreach, ...,
         # are not counted: the class takes them by name only)
@@ -127,7 +143,7 @@ def positional(owner: str, cls_name: str, spec, args: tuple, hypers: dict) -> No
                         f"by position ({named}), but {len(args)} were given: give the others "
                         "by name")
     for name, value in zip(order, args):
-        if name in settings:
+        if name in _SETTINGS:
             raise TypeError(f"{owner}: give {name} by name ({name}=...), not by position")
         if name in hypers:
             raise TypeError(f"{owner} got multiple values for {name!r}: by position and by "
