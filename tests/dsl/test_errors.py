@@ -266,6 +266,15 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p / t\n  }\n}\n",
      "mode 'eval' cannot read 't': a mode runs outside a step, without an update's index",
      4, 13),
+    # a value of the step, read in a mode, was a bare "undefined name 'u'" though the spec
+    # assigns it
+    ("optimizer o(lr = 1e-3) {\n  u = lr * g\n  p = p - u\n  mode eval {\n    p = p + u\n"
+     "  }\n}\n",
+     "mode 'eval' cannot read 'u', a value of the step (assigned on line 2): a mode runs "
+     "outside a step; it reads p, the states and the hyperparameters", 5, 13),
+    ("optimizer o(lr = 1e-3) {\n  mode eval {\n    p = p + u\n  }\n  u = lr * g\n"
+     "  p = p - u\n}\n",
+     "mode 'eval' cannot read 'u', a value of the step (assigned on line 5)", 3, 13),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    x = p\n  }\n}\n",
      "mode 'eval' never assigns p", 3, 8),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p\n  }\n"

@@ -558,9 +558,16 @@ class _Walker:
 
     def _later(self, e: ast.Name) -> None:
         """SpecError where ``e``, read where it has no value, is declared or assigned further
-        down the body (not in a mode's block, which reads no values wherever it stands)."""
-        later = None if self.in_mode is not None else \
-            _defined_later(self.spec.body, e.id, e.span)
+        down the body; in a mode's block, which reads no values wherever it stands, where it
+        is a value the step assigns."""
+        if self.in_mode is not None:
+            line = _assigned_line(self.spec.body, e.id)
+            if line is not None:  # (a value of the step, which a mode does not see)
+                raise SpecError(f"mode '{self.in_mode}' cannot read '{e.id}', a value of the "
+                                f"step (assigned on line {line}): a mode runs outside a step; "
+                                "it reads p, the states and the hyperparameters", e.span)
+            return
+        later = _defined_later(self.spec.body, e.id, e.span)
         if later is not None:  # (a spec runs top to bottom)
             raise SpecError(f"undefined name '{e.id}' here: it is {later}; a spec runs "
                             "top to bottom, once a step: give it its value, or declare its "
@@ -1013,6 +1020,19 @@ def _defined_later(stmts, name: str, read: Span) -> str | None:
             if s.name_span.line == read.line:
                 return f"{how} after it on line {read.line}"
             return f"{how} on line {s.name_span.line}, below"
+    return None
+
+
+def _assigned_line(stmts, name: str) -> int | None:
+    """The line of the first assignment of value ``name`` in the step's body (in an if's
+    branches too; not in a mode's block), if there is one."""
+    for s in stmts:
+        if isinstance(s, ast.If):
+            found = _assigned_line(s.then + s.orelse, name)
+            if found is not None:
+                return found
+        elif isinstance(s, ast.Assign) and s.name == name:
+            return s.name_span.line
     return None
 
 
