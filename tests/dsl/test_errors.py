@@ -275,6 +275,12 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
     ("optimizer o(lr = 1e-3) {\n  mode eval {\n    p = p + u\n  }\n  u = lr * g\n"
      "  p = p - u\n}\n",
      "mode 'eval' cannot read 'u', a value of the step (assigned on line 5)", 3, 13),
+    # ... and a name read in its own first assignment in a mode was told to be a state,
+    # which a mode cannot assign
+    ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    q = q + p\n    p = q\n"
+     "  }\n}\n",
+     "'q' is read before it has a value: mode 'eval' keeps no value from one call to the next "
+     "and assigns no state; it reads p, the states and the hyperparameters", 4, 9),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    x = p\n  }\n}\n",
      "mode 'eval' never assigns p", 3, 8),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * g\n  mode eval {\n    p = p\n  }\n"

@@ -404,6 +404,11 @@ class _Walker:
                 for read in _names(s.value):
                     if read.id == s.name:
                         self._later(read)  # (declared or assigned below: where)
+                        if self.in_mode is not None:
+                            raise SpecError(f"'{s.name}' is read before it has a value: mode "
+                                            f"'{self.in_mode}' keeps no value from one call "
+                                            "to the next and assigns no state; it reads p, "
+                                            "the states and the hyperparameters", read.span)
                         raise SpecError(f"'{s.name}' is read before it has a value; a value "
                                         "kept from one step to the next is a state, declared "
                                         f"before it is read: state {s.name} = zeros", read.span)
