@@ -409,6 +409,13 @@ ERROR_TABLE: list[tuple[str, str, int, int]] = [
      "undefined name 'm' here: it is declared as a state on line 3, below", 2, 19),
     ("optimizer o(lr = 1e-3) {\n  p = p - lr * grad\n}\n",
      "undefined name 'grad': the gradient is g", 2, 16),
+    # (beside a close name the spec has, which the hint had hidden: 'weight' for a
+    # weight_decay said only that the parameter is p)
+    ("optimizer o(lr = 1e-3, weight_decay = 0.1) {\n  p = p - lr * (g + weight * p)\n}\n",
+     "undefined name 'weight': the parameter is p (or did you mean 'weight_decay'?)", 2, 21),
+    ("optimizer o(step_size = 0.1) {\n  p = p - step * g\n}\n",
+     "undefined name 'step': the update's index is t (1 at the first step) (or did you mean "
+     "'step_size'?)", 2, 11),
     ("optimizer o(lr = 1e-3, b = 0.9) {\n  p = p - lr * g / (1 - b ^ step)\n}\n",
      "undefined name 'step': the update's index is t (1 at the first step)", 2, 29),
     # a value or state named as a keyword that begins a statement cannot be assigned: the

@@ -141,9 +141,10 @@ def _undefined(name: str, env) -> str:
     """An undefined name's message: Vega's spelling of a word of Python's (a value where a
     value goes: true is no shape, dtype or repeat count) or of torch.optim's (``grad``,
     ``step``), else the closest name defined."""
+    close = _suggest(name, env)
     how = f": Vega writes {PYTHON_WORDS[name]}" if name in PYTHON_WORDS else \
-        f": {TORCH_WORDS[name]}" if name in TORCH_WORDS and name not in env else \
-        _suggest(name, env)
+        f": {TORCH_WORDS[name]}{close.replace(' (did', ' (or did')}" \
+        if name in TORCH_WORDS and name not in env else close
     return f"undefined name '{name}'{how}"
 
 
