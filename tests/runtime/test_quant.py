@@ -967,9 +967,27 @@ def test_a_negative_8bit_scale_of_a_state_held_deeper_is_refused(tmp_path, held)
         vega.set_leaf(ok, name, bad["nu_absmax"][n])
     # a float state of a parameter named w_absmax, negative where the mean moved down
     mu = f"{at}.mu.w_absmax"
-    vega.set_leaf(ok, mu, -torch.ones(300))
-    vega.save(tmp_path / "s.safetensors", ok)  # (its own scales load)
-    vega.load(tmp_path / "s.safetensors", like=ok)
+    vega.save(tmp_path / "s.safetensors", vega.set_leaf(ok, mu, -torch.ones(300)))
+    loaded = vega.load(tmp_path / "s.safetensors", like=ok)  # (its own scales load)
+    assert torch.equal(vega.get_leaf(loaded, mu), -torch.ones(300))
+
+
+@pytest.mark.parametrize("shape", [(4, 5), (1, 40)])
+def test_a_2d_state_of_a_parameter_named_absmax_beside_8bit_codes_is_no_scale(tmp_path,
+                                                                              shape):
+    """A matrix parameter 'w_absmax' beside an 8-bit 'w', in a state held in a tree of
+    one's own: its float state ('opt.mu.w_absmax', negative where the mean moved down) is
+    no 8-bit scales, whatever its shape (any 2-D one was taken for a DTensor's), and
+    loads; the scales beside it are still checked."""
+    params = {"w": torch.randn(100, 100), "w_absmax": torch.randn(shape)}
+    ok = {"opt": vega.adamw.init(params, state_dtype=U8)}
+    assert ok["opt"]["mu"]["w_absmax"].dtype == torch.float32
+    mu = vega.set_leaf(ok, "opt.mu.w_absmax", -torch.ones(shape))
+    vega.save(tmp_path / "s.safetensors", mu)
+    loaded = vega.load(tmp_path / "s.safetensors", like=ok)
+    assert torch.equal(vega.get_leaf(loaded, "opt.mu.w_absmax"), -torch.ones(shape))
+    with pytest.raises(ValueError, match=r"leaf 'opt.nu_absmax.w' holds a negative value"):
+        vega.set_leaf(ok, "opt.nu_absmax.w", -torch.ones(40))
 
 
 @pytest.mark.filterwarnings(

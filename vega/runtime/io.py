@@ -337,8 +337,9 @@ def q8_scales(state, at: str = "") -> list[tuple[str, object]]:
 def _scales_of(codes, scales) -> bool:
     """Whether ``scales``, under ``k + '_absmax'`` beside ``codes`` under ``k`` in a state
     held deeper, are the 8-bit scales of ``codes``: each of its tensors where ``codes``
-    holds uint8 codes, one value a block of them (``quant.blocks``; a row a shard, 2-D, for
-    a DTensor's), and not a parameter's own state under a name ending in ``_absmax``."""
+    holds uint8 codes, of the shape of their scales (``quant.scale_shape``: one value a
+    block, or for a DTensor's, a row a shard), and not a parameter's own state under a
+    name ending in ``_absmax`` (a 2-D one is no scales of a plain tensor's codes)."""
     held = dict(pytree.tree_flatten_with_path(codes)[0])
     found = False
     for path, leaf in pytree.tree_flatten_with_path(scales)[0]:
@@ -347,7 +348,7 @@ def _scales_of(codes, scales) -> bool:
         c = held.get(path)
         if not (isinstance(leaf, torch.Tensor) and isinstance(c, torch.Tensor)
                 and c.dtype == torch.uint8 and leaf.is_floating_point()
-                and (leaf.dim() == 2 or leaf.numel() == quant.blocks(c.numel()))):
+                and tuple(leaf.shape) == quant.scale_shape(c)):
             return False
         found = True
     return found
