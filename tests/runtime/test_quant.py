@@ -1883,3 +1883,17 @@ def test_8bit_state_a_compiled_step_made_is_shown_in_the_groups_by_state_dict():
     assert opt.state[w]["mu"].dtype == U8
     assert opt.state_dict()["param_groups"][0]["vega_q8_maps"] == 3
     assert opt.param_groups[0]["vega_q8_maps"] == 3
+
+
+def test_a_specs_own_state_named_absmax_is_no_8bit_scale(tmp_path):
+    """A spec may name a state m_absmax (a float state of its own, beside no 8-bit codes):
+    its negative values are no negative scales, and the state vega.save wrote loads."""
+    spec = vega.compile("optimizer own(lr = 0.1) {\n    state m_absmax = zeros\n"
+                        "    m_absmax = m_absmax - g\n    p = p - lr * m_absmax\n}")
+    params = {"w": torch.ones(10)}
+    _, state = spec.step(params, {"w": torch.ones(10)}, spec.init(params))
+    assert torch.equal(state["m_absmax"]["w"], -torch.ones(10))
+    vega.save(tmp_path / "s.safetensors", state)
+    loaded = vega.load(tmp_path / "s.safetensors", like=state)
+    assert torch.equal(loaded["m_absmax"]["w"], -torch.ones(10))
+    vega.set_leaf(state, "m_absmax.w", -2 * torch.ones(10))

@@ -314,16 +314,17 @@ def _check_q8_scales(who: str, state) -> None:
 
 
 def q8_scales(state, at: str = "") -> list[tuple[str, object]]:
-    """(name, leaf) of each leaf of ``state`` that is an 8-bit state's scales: under a
-    field ``<state>_absmax`` of a state, or, in a state held deeper (``{"opt": state}``),
-    under a key ``k + '_absmax'`` of a dict whose ``k`` holds their codes (``_scales_of``)."""
+    """(name, leaf) of each leaf of ``state`` that is an 8-bit state's scales: under a key
+    ``k + '_absmax'`` of a dict whose ``k`` holds their codes (``_scales_of``), a field of
+    the state or of a state held deeper (``{"opt": state}``); a spec's own state of such a
+    name (``state m_absmax``, a float state beside no codes) is none."""
     found = []
     if isinstance(state, dict):
         for k, v in state.items():
             name = f"{at}.{k}" if at else str(k)
             base = k[:-len(quant.SUFFIX)] if isinstance(k, str) and k.endswith(quant.SUFFIX) \
                 else None
-            if base is not None and (not at or base in state and _scales_of(state[base], v)):
+            if base is not None and base in state and _scales_of(state[base], v):
                 found += [(".".join([name, *(_key(x) for x in path)]), leaf)
                           for path, leaf in pytree.tree_flatten_with_path(v)[0]]
             else:
