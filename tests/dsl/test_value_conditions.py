@@ -135,21 +135,22 @@ def _moved(source, params, **hypers):
 
 
 SHAPES = {"v": torch.zeros(5), "m": torch.zeros(2, 4), "s": torch.zeros(()),
-          "t": torch.zeros(3, 1)}
+          "t": torch.zeros(3, 1), "w": torch.zeros(2, 6)}
 
 
 def test_shape_conditions_with_or_minus_and_not():
     """'or', unary minus and 'not' in a condition on the shape decide each tensor's branch
     as Python would on its ndim, nrows and ncols (the matrix view: a vector is one row, a
-    (3, 1) tensor's columns are its longer axis)."""
+    (3, 1) tensor's columns are its longer axis); the right side of each 'or' and 'and'
+    decides some tensor's branch (v's, w's)."""
     either = """optimizer o() {
-    if ndim(p) >= 2 or nrows(p) > 3 {
+    if ndim(p) >= 2 or ncols(p) > 3 {
         p = p - g
     } else {
         p = p + g
     }
 }"""
-    assert _moved(either, SHAPES) == {"v": 1.0, "m": -1.0, "s": 1.0, "t": -1.0}
+    assert _moved(either, SHAPES) == {"v": -1.0, "m": -1.0, "s": 1.0, "t": -1.0, "w": -1.0}
     negated = """optimizer o() {
     if -ndim(p) < -1 and not (ncols(p) > 4) {
         p = p - g
@@ -157,7 +158,7 @@ def test_shape_conditions_with_or_minus_and_not():
         p = p + g
     }
 }"""
-    assert _moved(negated, SHAPES) == {"v": 1.0, "m": -1.0, "s": 1.0, "t": -1.0}
+    assert _moved(negated, SHAPES) == {"v": 1.0, "m": -1.0, "s": 1.0, "t": -1.0, "w": 1.0}
     # and the literal false, in an expression
     literal = "optimizer o() {\n    x = false\n    p = where(x or not x, p - g, p + g)\n}"
     assert _moved(literal, SHAPES) == dict.fromkeys(SHAPES, -1.0)
