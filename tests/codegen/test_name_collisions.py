@@ -395,8 +395,12 @@ def results(tmp_path_factory):
         except subprocess.TimeoutExpired:
             pass
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # (the children with it)
+            # (the children with it; a parent that failed may have left one running)
+            if proc.poll() is None or proc.returncode != 0:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 proc.wait()
         said.seek(0)
         lines = said.read().splitlines()

@@ -18,11 +18,13 @@ HSDP with a loss scale against the reference backend, parameters placed four way
 2 x 2 mesh, a reduce_group beside a tensor-parallel mesh, and DCP checkpoints moved between
 2 and 4 ranks. Each launch runs its ranks as processes, with a hard timeout, and many
 checks in one process group (``distributed_script.py``)."""
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,8 +59,11 @@ def launch(world: int, checks: list[str], tmp_path: Path, timeout: float = 240) 
         except subprocess.TimeoutExpired:
             late = True
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # (the forked ranks with it)
+            # (the forked ranks with it; a parent that failed may have left ranks running,
+            # waiting for one it never forked: they are still its group's)
+            if proc.poll() is None or proc.returncode != 0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         said.seek(0)
         lines = said.read().splitlines()
@@ -75,6 +80,32 @@ def launch(world: int, checks: list[str], tmp_path: Path, timeout: float = 240) 
         pytest.fail(f"ranks {bad} {why}:\n" + "\n".join(
             f"--- rank {r} ({codes.get(r, 'killed')}):\n{texts[r][-3000:]}" for r in bad))
     return [json.loads(t.strip().splitlines()[-1]) for t in texts]
+
+
+def test_launch_leaves_no_rank_running_where_the_ranks_parent_fails(tmp_path, monkeypatch):
+    """A parent that fails after forking a rank (a fork refused for the next): the rank,
+    which would wait in its rendezvous for the others, is killed with the parent's group,
+    not left running once the test has failed."""
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys, time\npid = os.fork()\nif pid == 0:\n"
+                      "    time.sleep(120)\n    os._exit(0)\n"
+                      "open(os.path.join(sys.argv[3], 'rank0'), 'w').write(str(pid))\n"
+                      "raise OSError('fork refused')\n")
+    monkeypatch.setattr(sys.modules[__name__], "SCRIPT", script)
+    with pytest.raises(pytest.fail.Exception, match=r"the ranks' parent failed \(1\)"):
+        launch(2, [], tmp_path, timeout=60)
+    pid = int((tmp_path / "rank0").read_text())
+    try:
+        for _ in range(100):  # (killed: ended, or a zombie until init reaps it)
+            stat = Path(f"/proc/{pid}/stat")
+            if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in "ZX":
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"rank 0 (pid {pid}) is still running")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_fsdp2_zero_and_checkpoints_on_two_ranks(tmp_path):
