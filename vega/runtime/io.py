@@ -379,13 +379,18 @@ def _scale_kind_mismatch(state):
     first loss scale of ``state`` whose good-step count is of the other kind (-1 in a
     dynamic scale, another in a static one); None where there is none."""
     from vega.runtime.loss_scale import LossScale
-    pairs = pytree.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, LossScale))[0]
-    for path, node in pairs:
-        if not isinstance(node, LossScale) or node.good_steps.device.type == "meta":
+
+    def is_scale(x):
+        return isinstance(x, LossScale)
+
+    for node in pytree.tree_leaves(state, is_leaf=is_scale):  # (named only where one is bad:
+        if not is_scale(node) or node.good_steps.device.type == "meta":  # paths cost more)
             continue
         count = int(node.good_steps)
         if node.is_dynamic == (count == -1):
             saved, given = ("static", "dynamic") if count == -1 else ("dynamic", "static")
+            path = next(p for p, x in pytree.tree_flatten_with_path(state, is_leaf=is_scale)[0]
+                        if x is node)
             return ".".join([*(_key(k) for k in path), "good_steps"]), count, saved, given
     return None
 
@@ -520,6 +525,6 @@ def set_leaf(state, name: str, value):
         raise ValueError(f"{who}: leaf {name!r} would be {count}, the count of a {saved} loss "
                          f"scale, but the scale there is {given}: a static scale's good_steps "
                          "is -1, a dynamic one's counts its good steps from 0")
-    if any(found == name for found, _ in q8_scales(state)):
+    if quant.SUFFIX in name and any(found == name for found, _ in q8_scales(state)):
         _no_negative_scale(f"{who}: the value for leaf", name, value)
     return new
