@@ -800,17 +800,20 @@ def test_leaves_that_share_memory_are_saved_as_their_own_values(tmp_path):
     """Two leaves that are one tensor, and views of part of a larger one (safetensors refuses
     tensors that share memory, and would store a view's whole storage): each saved as its own
     values and loaded as a tensor of its own."""
-    big = torch.arange(10.0)
-    state = {"a": {"x": big[2:5], "y": big[2:5]}, "b": big,
+    big, one = torch.arange(10.0), torch.arange(4.0)
+    state = {"a": {"x": big[2:5], "y": big[2:5]}, "b": big, "c": {"x": one, "y": one},
              "step": torch.tensor(3, dtype=torch.int32)}
     path = tmp_path / "s.safetensors"
     vega.save(path, state)
     like = {"a": {"x": torch.zeros(3), "y": torch.zeros(3)}, "b": torch.zeros(10),
+            "c": {"x": torch.zeros(4), "y": torch.zeros(4)},
             "step": torch.zeros((), dtype=torch.int32)}
     out = vega.load(path, like=like)
     assert out["a"]["x"].tolist() == out["a"]["y"].tolist() == [2.0, 3.0, 4.0]
     assert torch.equal(out["b"], big) and int(out["step"]) == 3
+    assert torch.equal(out["c"]["x"], one) and torch.equal(out["c"]["y"], one)
     assert out["a"]["x"].data_ptr() != out["a"]["y"].data_ptr()
+    assert out["c"]["x"].data_ptr() != out["c"]["y"].data_ptr()
 
 
 def test_a_like_leaf_that_is_no_tensor_and_a_name_that_is_no_string_are_named(saved):
