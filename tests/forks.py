@@ -152,3 +152,46 @@ def run(script: str, *args: str, env: dict | None = None, timeout: float | None 
 def _close() -> None:
     while _servers:
         _stop(_servers.popitem()[1])
+
+
+def fork_each(jobs: list, work, outputs, kill_on_failure: bool = False) -> None:
+    """``work(job)`` for each of ``jobs``, side by side, each in a child forked from this
+    process (which shares what this one has imported and made), its stdout and stderr
+    written to the two paths ``outputs(k, job)`` gives. Prints a JSON line [k, exit status]
+    as each child ends: 0 where ``work`` returned, 1 and its traceback where it raised
+    (``SystemExit``: its code). The children end by ``os._exit``, with no interpreter
+    teardown. With ``kill_on_failure``, the others are killed where one fails (ranks that
+    would wait for it in a collective). Fork only where this process runs no threads of
+    torch's or OpenMP's: a child's first parallel operation would wait for ever."""
+    pids = {}
+    for k, job in enumerate(jobs):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                opened = {}  # (one open file where both go to one path: one offset)
+                for fd, path in zip((1, 2), outputs(k, job)):
+                    if path not in opened:
+                        opened[path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    os.dup2(opened[path], fd)
+                for out in opened.values():
+                    os.close(out)
+                work(job)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids[pid] = k
+    while pids:
+        pid, status = os.waitpid(-1, 0)
+        code = os.waitstatus_to_exitcode(status)
+        print(json.dumps([pids.pop(pid), code]), flush=True)
+        if code != 0 and kill_on_failure:
+            for other in pids:
+                os.kill(other, signal.SIGKILL)

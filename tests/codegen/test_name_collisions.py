@@ -497,29 +497,9 @@ def children(paths: list[str]) -> None:
             compiled[label] = vega.compile(text)
         except Exception:  # noqa: BLE001  (the child compiles it again, and says why)
             pass
-    pids = {}
-    for k, job in enumerate(jobs):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
-                    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                    os.dup2(out, fd)
-                    os.close(out)
-                child(job, compiled)
-                code = 0
-            except BaseException:
-                import traceback
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids[pid] = k
-    while pids:
-        pid, status = os.waitpid(-1, 0)
-        print(json.dumps([pids.pop(pid), os.waitstatus_to_exitcode(status)]), flush=True)
+    from tests import forks
+    forks.fork_each(jobs, lambda job: child(job, compiled),
+                    lambda k, job: (job["stdout"], job["stderr"]))
 
 
 if __name__ == "__main__":

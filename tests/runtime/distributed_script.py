@@ -8,10 +8,8 @@ import copy
 import functools
 import json
 import os
-import signal
 import sys
 import tempfile
-import traceback
 
 if any(c.startswith("triton-") for c in sys.argv[4:]):  # (set before triton is imported)
     os.environ["TRITON_INTERPRET"] = "1"
@@ -1214,39 +1212,16 @@ def fork_ranks() -> None:
     compiled above, the children share), its stdout and stderr in OUT/rank<r>.log. Prints a
     JSON line [rank, exit status] as each ends (an exception: its traceback, status 1); where
     one fails, the others, which would wait for it in a collective, are killed at once."""
-    global RANK
-    ranks = {}
-    for r in range(WORLD):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                RANK = r
-                log = os.open(os.path.join(OUT, f"rank{r}.log"),
-                              os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(log, 1)
-                os.dup2(log, 2)
-                os.close(log)
-                tempfile.tempdir = OUT
-                main()
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                # (no interpreter teardown: see below)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        ranks[pid] = r
-    while ranks:
-        pid, status = os.waitpid(-1, 0)
-        code = os.waitstatus_to_exitcode(status)
-        print(json.dumps([ranks.pop(pid), code]), flush=True)
-        if code != 0:
-            for other in ranks:
-                os.kill(other, signal.SIGKILL)
+    from tests import forks
+
+    def rank(r: int) -> None:
+        global RANK
+        RANK = r
+        tempfile.tempdir = OUT
+        main()
+
+    forks.fork_each(list(range(WORLD)), rank,
+                    lambda k, r: [os.path.join(OUT, f"rank{r}.log")] * 2, kill_on_failure=True)
 
 
 if __name__ == "__main__":
