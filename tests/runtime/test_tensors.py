@@ -266,6 +266,41 @@ def test_dtensor_steps_its_local_shard():
 
 # -- negative and conjugate bits ----------------------------------------------------------
 
+def test_a_state_of_dtensors_is_refused_by_vega_save_and_load_by_name(tmp_path):
+    """A state file holds one process's whole tensors; a DTensor's storage is its rank's
+    shard. vega.save of a sharded state failed with torch's "Attempted to access the data
+    pointer on an invalid python storage", and vega.load with like= a sharded state gave
+    plain tensors back; both name the leaf and send to torch.distributed.checkpoint, and
+    no file is written."""
+    out = _one_rank("""
+        import sys
+        from pathlib import Path
+        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (1,))
+        a = torch.randn(8, 4)
+        sharded = vega.adamw.init({"w": distribute_tensor(a, mesh, [Shard(0)])})
+        path = Path(sys.argv[1]) / "s"
+        for call in (lambda: vega.save(path, sharded),
+                     lambda: vega.load(path, like=sharded)):
+            try:
+                call()
+            except ValueError as err:
+                print(err)
+            else:
+                raise AssertionError("not refused")
+            if not path.exists():  # (save refused: nothing written, no temporary file)
+                assert not list(path.parent.iterdir())
+                vega.save(path, vega.adamw.init({"w": a}))  # (a whole state, for load)
+        dist.destroy_process_group()
+    """, str(tmp_path))
+    said = out.stdout.splitlines()
+    assert said == [f"vega.{f}: {w} leaf 'mu.w' is a DTensor, sharded over ranks; a state "
+                    "file holds one process's whole tensors: save and load a sharded state "
+                    "with torch.distributed.checkpoint (dcp.save and dcp.load, "
+                    "docs/distributed.md)" for f, w in (("save", "state"), ("load", "like="))]
+
+
 def _neg(x: torch.Tensor) -> torch.Tensor:
     """A tensor whose values are ``x``'s, stored negated (its negative bit set)."""
     out = torch._neg_view(-x)

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from torch.utils import _pytree as pytree
 
 from vega.codegen import quant
-from vega.codegen.tensors import dense, not_dense
+from vega.codegen.tensors import dense, is_dtensor, not_dense
 from vega.runtime.tree import state_names
 
 __all__ = ["get_leaf", "load", "save", "set_leaf"]
@@ -123,6 +123,7 @@ def save(path, state) -> None:
         if leaf.device.type == "meta":
             raise ValueError(f"vega.save: state leaf {name!r} is a meta tensor: it has a shape "
                              "but no values to save")
+        _no_dtensor("vega.save: state", name, leaf)
         if leaf.layout != torch.strided:
             raise ValueError(f"vega.save: state leaf {name!r} is a {leaf.layout} tensor; a "
                              "state file holds dense tensors (save its .to_dense())")
@@ -242,6 +243,7 @@ def load(path, *, like) -> dict:
         if not isinstance(leaves[i], torch.Tensor):
             raise ValueError(f"vega.load: like= leaf {name!r} is a "
                              f"{type(leaves[i]).__name__}, not a tensor")
+        _no_dtensor("vega.load: like=", name, leaves[i])
     where = repr(os.fspath(path))
     if not os.path.exists(path):
         raise FileNotFoundError(f"vega.load: no such file {where}")
@@ -353,6 +355,18 @@ def _scales_of(codes, scales) -> bool:
             return False
         found = True
     return found
+
+
+def _no_dtensor(what: str, name: str, leaf) -> None:
+    """ValueError for a DTensor leaf (a state sharded over ranks, FSDP2's): a state file
+    holds one process's whole tensors, and a DTensor's storage is its rank's shard (saved,
+    torch failed with "Attempted to access the data pointer on an invalid python storage";
+    loaded, the leaf came back a plain tensor of the whole shape)."""
+    if is_dtensor(leaf):
+        raise ValueError(f"{what} leaf {name!r} is a DTensor, sharded over ranks; a state file "
+                         "holds one process's whole tensors: save and load a sharded state "
+                         "with torch.distributed.checkpoint (dcp.save and dcp.load, "
+                         "docs/distributed.md)")
 
 
 def _no_negative_scale(what: str, name: str, leaf) -> None:
