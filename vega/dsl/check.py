@@ -567,7 +567,7 @@ class _Walker:
         down the body; in a mode's block, which reads no values wherever it stands, where it
         is a value the step assigns."""
         if self.in_mode is not None:
-            line = _assigned_line(self.spec.body, e.id)
+            line = _assigned_values(self.spec.body).get(e.id)
             if line is not None:  # (a value of the step, which a mode does not see)
                 raise SpecError(f"mode '{self.in_mode}' cannot read '{e.id}', a value of the "
                                 f"step (assigned on line {line}): a mode runs outside a step; "
@@ -1026,19 +1026,6 @@ def _defined_later(stmts, name: str, read: Span) -> str | None:
             if s.name_span.line == read.line:
                 return f"{how} after it on line {read.line}"
             return f"{how} on line {s.name_span.line}, below"
-    return None
-
-
-def _assigned_line(stmts, name: str) -> int | None:
-    """The line of the first assignment of value ``name`` in the step's body (in an if's
-    branches too; not in a mode's block), if there is one."""
-    for s in stmts:
-        if isinstance(s, ast.If):
-            found = _assigned_line(s.then + s.orelse, name)
-            if found is not None:
-                return found
-        elif isinstance(s, ast.Assign) and s.name == name:
-            return s.name_span.line
     return None
 
 

@@ -112,10 +112,12 @@ def _torch_order(cls_name: str, spec) -> list[str]:
             and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
 
 
-def positional_names(cls_name: str, spec) -> list[str]:
+def positional_names(cls_name: str, spec, order: list[str] | None = None) -> list[str]:
     """The hyperparameters a class takes by position after ``params``, in order
-    (``positional``): torch's order up to its first setting, RMSprop's ``capturable``."""
-    return list(itertools.takewhile(lambda n: n not in _SETTINGS, _torch_order(cls_name, spec)))
+    (``positional``): torch's order (``order``, where found already) up to its first
+    setting, RMSprop's ``capturable``."""
+    order = _torch_order(cls_name, spec) if order is None else order
+    return list(itertools.takewhile(lambda n: n not in _SETTINGS, order))
 
 
 def positional(owner: str, cls_name: str, spec, args: tuple, hypers: dict) -> None:
@@ -126,7 +128,6 @@ def positional(owner: str, cls_name: str, spec, args: tuple, hypers: dict) -> No
     a setting the class takes only by name (RMSprop's ``capturable``, ...)."""
     if not args:
         return
-    theirs = _torch_keywords(cls_name)
     order = _torch_order(cls_name, spec)
     if not spec.hypers:
         raise TypeError(f"{owner} takes no hyperparameters, but {len(args)} "
@@ -134,11 +135,12 @@ def positional(owner: str, cls_name: str, spec, args: tuple, hypers: dict) -> No
     if not order:
         raise TypeError(f"{owner} takes its hyperparameters by name "
                         f"({', '.join(h.name + '=...' for h in spec.hypers)}), not by position")
-    taken = positional_names(cls_name, spec)
     if len(args) > len(order):
         # (torch's settings after its hyperparameters, RMSprop's capturable, foreach, ...,
         # are not counted: the class takes them by name only)
-        named = f"{', '.join(taken)}, in torch.optim.{cls_name}'s order" if theirs else "lr"
+        taken = positional_names(cls_name, spec, order)
+        named = f"{', '.join(taken)}, in torch.optim.{cls_name}'s order" \
+            if _torch_keywords(cls_name) else "lr"
         raise TypeError(f"{owner} takes {len(taken)} hyperparameter{'s' * (len(taken) != 1)} "
                         f"by position ({named}), but {len(args)} were given: give the others "
                         "by name")
