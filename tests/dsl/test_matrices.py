@@ -590,6 +590,32 @@ def test_loops_compute_comparisons_selections_and_signs_as_the_reference(backend
 
 
 @pytest.mark.parametrize("backend", LOOP_BACKENDS)
+def test_loops_compute_selections_of_bools_and_bool_numbers_as_the_reference(backend):
+    """A ``where`` whose value is a bool (of two bools, of a bool and ``true`` or ``false``)
+    is a loop's step of its own (the loop's bool form, and ``true`` and ``false`` written
+    as the backend's numbers): bitwise the reference's, for float32, half and bfloat16
+    parameters (their runs computed in float32), over 2 steps, in loops."""
+    text = """
+    optimizer o(lr = 0.1) {
+        state m = zeros
+        state k = zeros
+        m = 0.5 * m + g
+        c = where(g > 0, true, m < -1)
+        d = where(m > 0.25, c, false)
+        k = where(c and d, 1, 0) + where(c, m, -m) + where(where(d, c, m != m), 2, 0)
+        x = bfloat16(k)
+        A = x @ transpose(x)
+        p = p - lr * widen(A @ x)
+    }"""
+    spec = vega.compile(text)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        with torch.device(_device(backend)):
+            results, loops = _loops_and_reference(backend, spec, [(6, 30)], dtype, 2, 8)
+        _alike(results)
+        assert loops == 2 * 2, dtype
+
+
+@pytest.mark.parametrize("backend", LOOP_BACKENDS)
 def test_loops_leave_to_torch_what_torch_rounds_otherwise_and_allocate_on_its_device(backend):
     """A number over a value (``3.0 / x``: Python's ``/`` gives ``x.reciprocal() * 3.0``,
     rounded twice) stays on torch's operations, bitwise the reference's, and so does a
