@@ -303,14 +303,15 @@ def test_a_bias_corrected_step_size_is_known_nonnegative():
     ("where(g > 0, s, g)", "", True), ("where(g > 0, s, g * g)", "", False),
     ("s * g", "", True), ("s * g * g", "", False), ("abs(g) + (1 - b)", "in [0, 1]", False),
     ("abs(g) + (1 - b)", "in [0, 2]", True), ("abs(g) ^ b", "", False), ("g ^ b", "", True),
-    ("abs(g) + -1", "", True),
+    ("abs(g) + -1", "", True), ("s + mean(abs(g))", "", False), ("s + sum(g)", "", True),
+    ("floor(s + g * g)", "", False), ("round(g)", "", True),
 ])
 def test_the_proof_of_a_nonnegative_state_by_operation(expr, rng, signed):
     """Each operation's rule in the proof that a state is never negative (an unsigned map
     where it holds, the signed one where it may fail): max of one value known >= 0, min and
     where of values all known so, a product with each factor of unknown sign an even number
-    of times, a per-tensor max of a value known so, c - h with h at most c, a power of a
-    base known so, a literal's sign."""
+    of times, a per-tensor max, sum or mean of a value known so, c - h with h at most c, a
+    power of a base known so, a rounding of one, a literal's sign."""
     text = f"optimizer o(b = 0.5 {rng}) {{\n  state s = zeros\n  s = {expr}\n  p = p - s\n}}\n"
     q = quant.variant(vega.compile(text).program(), frozenset({"s"}))
     assert q.quant["s"][1] is signed
