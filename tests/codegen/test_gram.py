@@ -92,6 +92,11 @@ def test_a_square_view_keeps_the_iteration_as_written(monkeypatch):
     # B reads more than x x^T (the gradient's own Gram matrix)
     ("optimizer o() {\n x = g\n G = g @ transpose(g)\n repeat 3 {\n A = x @ transpose(x)\n"
      " x = 1.5 * x + (G - A) @ x\n }\n p = p - x\n}", None),
+    # the steps of a tall matrix's form, x (xT x): the products multiply x on the right
+    ("optimizer o() {\n x = g\n repeat 3 {\n C = transpose(x) @ x\n"
+     " x = 1.5 * x + x @ (-0.5 * C)\n }\n p = p - x\n}", None),
+    ("optimizer o() {\n x = g\n repeat 2 {\n C = transpose(x) @ x\n x = x @ C\n }\n"
+     " p = p - x\n}", None),
     # one step only
     ("optimizer o() {\n x = g\n A = x @ transpose(x)\n x = 1.5 * x + (-0.5 * A) @ x\n"
      " p = p - x\n}", None),
