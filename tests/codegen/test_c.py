@@ -819,6 +819,21 @@ def test_kernels_build_with_a_compiler_command_and_its_arguments(tmp_path, monke
                for line in log.read_text().splitlines())
 
 
+def test_a_step_on_c_without_a_compiler_says_what_to_do(tmp_path, monkeypatch):
+    """backend='c' asked for where no C compiler is found: a CompilerError that names the
+    backend and says how to get one (CC, gcc or clang) or what else to step on (it said
+    "no C compiler found"), and the parameter as it was."""
+    monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cbuild, "compiler", lambda: None)
+    spec = vega.compile("optimizer o(lr = 0.5) {\n  p = p - lr * g * 3\n}\n")
+    p = torch.ones(5)
+    with pytest.raises(cbuild.CompilerError, match=r"^backend 'c' compiles its kernels with a "
+                       r"C compiler, and none is found here: set CC, or install gcc or "
+                       r"clang; or step on backend='reference'$"):
+        spec.step([p], [torch.ones(5)], spec.init([p]), backend="c", donate=True)
+    assert torch.equal(p, torch.ones(5))
+
+
 def test_compile_failure_names_the_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("VEGA_CACHE_DIR", str(tmp_path))
     with pytest.raises(cbuild.CompilerError, match="failed on a generated kernel"):

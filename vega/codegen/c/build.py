@@ -714,7 +714,9 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
     """
     cc = compiler()
     if cc is None:
-        raise CompilerError("no C compiler found")
+        raise CompilerError("backend 'c' compiles its kernels with a C compiler, and none is "
+                            "found here: set CC, or install gcc or clang; or step on "
+                            "backend='reference'")
     key = key_of(source)
     source = source.replace("@KEY@", key)
     with _lock:
