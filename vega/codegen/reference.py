@@ -1236,11 +1236,11 @@ class Kernel:
                     x.to(sd).clone(memory_format=torch.contiguous_format)
         return [scales[name] if name in scales else out[name] for name in names]
 
-    def mode(self, name: str, params, states, values, keep_master: bool = False) -> None:
+    def mode(self, name: str, params, states, values) -> None:
         """Set each parameter (in place) to its value in mode ``name`` (``mode NAME {...}``),
         from the states as stored; ``values``: each tensor's hyperparameters, evaluated.
-        With a master copy (``precision``), from the master's value, which is set too unless
-        ``keep_master``."""
+        With a master copy (``precision``), from the master's value, which is kept as it is
+        (the step's state: the mode's value is the parameter's alone)."""
         fn = self._modes[name]
         names = self.program.state_names
         master = names.index(precision.MASTER) if self.program.master else None
@@ -1250,8 +1250,6 @@ class Kernel:
             extra = (geometry(p.shape),) if self.program.uses_axes else ()
             src = p if master is None else states[master][i]  # (the master copy's value)
             new = fn(src.to(cd), *self._olds(states, i, cd), *hv, *extra)
-            if master is not None and not keep_master:
-                states[master][i].copy_(new)
             p.copy_(new.to(p.dtype))
 
     def prelude(self, grads, pre: torch.Tensor) -> None:

@@ -1017,10 +1017,10 @@ def mode(program: Program, name: str, params, states, values) -> None:
     imaginary parts."""
     kern = codegen.kernel("reference", program)
     if not any_complex(params):
-        kern.mode(name, params, states, values, keep_master=True)
+        kern.mode(name, params, states, values)
         return
     real_p, _, real_s = as_real(program, params, [], states, True)
-    kern.mode(name, real_p, real_s, values, keep_master=True)
+    kern.mode(name, real_p, real_s, values)
     as_complex(params, states, real_p, real_s, real_p, real_s, True)
 
 
