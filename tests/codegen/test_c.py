@@ -819,6 +819,23 @@ def test_kernels_build_with_a_compiler_command_and_its_arguments(tmp_path, monke
                for line in log.read_text().splitlines())
 
 
+@pytest.mark.parametrize("exponent", ["1e39", "-1e39", "1e300"])
+def test_a_written_exponent_past_float32s_range_is_the_power_as_written(exponent):
+    """A written exponent beyond float32's range (which float32 cannot hold: struct's pack
+    overflows, c.render._float32_holds) is a power of the number as written, computed in
+    double: bitwise the reference's for float32, bfloat16 and half parameters, of bases
+    below, at and above 1 in magnitude, signed zeros, an infinity and a NaN."""
+    spec = vega.compile(f"optimizer o() {{\n  p = g ^ {exponent}\n}}\n")
+    x = torch.tensor([-1.0, 1.0, -2.0, 0.5, 0.0, -0.0, 1.5, -math.inf, -0.5, math.nan])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        p, g = {"w": torch.zeros_like(x, dtype=dtype)}, {"w": x.to(dtype)}
+        want = spec.step(p, g, spec.init(p), backend="reference")[0]["w"]
+        got = spec.step(p, g, spec.init(p), backend="c")[0]["w"]
+        assert torch.equal(got.isnan(), want.isnan()), (dtype, got, want)
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), (dtype, got, want)
+        assert want.isinf().any() and (want == 0).any()
+
+
 def test_a_step_on_c_without_a_compiler_says_what_to_do(tmp_path, monkeypatch):
     """backend='c' asked for where no C compiler is found: a CompilerError that names the
     backend and says how to get one (CC, gcc or clang) or what else to step on (it said
