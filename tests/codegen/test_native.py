@@ -769,6 +769,26 @@ def test_the_library_is_keyed_and_built_from_the_source_imported(fresh, monkeypa
 
 
 @needs_cxx
+def test_the_library_is_keyed_by_the_python_it_is_built_for(monkeypatch):
+    """The operator is a CPython extension: one cache (``~/.cache/vega``) shared by the
+    virtual environments of two Pythons, or of one Python's two builds (3.13's free-threaded
+    one shares its version), holds a library for each; neither is handed the other's, which
+    it would load and crash in or refuse. Its name ends in the Python's EXT_SUFFIX (an
+    interpreter loads no other) and its key reads the Python's version and ABI."""
+    name = native._paths()[1].name
+    assert name.endswith(native.sysconfig.get_config_var("EXT_SUFFIX"))
+    monkeypatch.setattr(native.sys, "version", native.sys.version + " another build")
+    assert native._paths()[1].name != name
+    monkeypatch.undo()
+    suffix = ".cpython-313t-x86_64-linux-gnu.so"
+    real = native.sysconfig.get_config_var
+    monkeypatch.setattr(native.sysconfig, "get_config_var",
+                        lambda var: suffix if var == "EXT_SUFFIX" else real(var))
+    other = native._paths()[1].name
+    assert other.endswith(suffix) and other[:-len(suffix)] != name.split(".")[0]
+
+
+@needs_cxx
 def test_the_background_build_compiles_its_parents_source(tmp_path):
     """The background build (``python -m vega.codegen.c.native LOCK``) imports vega anew: a
     vega upgraded since its parent imported it, or another one on its path, has another
