@@ -23,27 +23,67 @@ def test_ci_runs_the_readme_test_command():
     assert ci and ci[-1] in (ROOT / "README.md").read_text()
 
 
+def _pins() -> list[tuple[str, str, str]]:
+    """constraints.txt's pins: (name, version, environment marker or "")."""
+    pins = []
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            pin, _, marker = line.partition(";")
+            name, version = pin.split("==")
+            pins.append((name.strip(), version.strip(), marker.strip()))
+    return pins
+
+
+def _readme_python() -> tuple[int, int]:
+    return tuple(map(int, re.search(r"with Python (\d+)\.(\d+)\+",
+                                    (ROOT / "README.md").read_text()).groups()))
+
+
+def test_the_readme_python_is_the_one_pyproject_asks_for():
+    # the README's commands are the set-up for every Python vega supports
+    asked = re.search(r'requires-python = ">=(\d+)\.(\d+)"',
+                      (ROOT / "pyproject.toml").read_text()).groups()
+    assert _readme_python() == tuple(map(int, asked))
+
+
+def _pythons(marker: str) -> list[tuple[int, int]]:
+    """The Pythons, from the README's to 3.13, on which a pin with ``marker`` applies."""
+    from packaging.markers import Marker
+    named = _readme_python()
+    return [(3, minor) for minor in range(named[1], 14)
+            if not marker or Marker(marker).evaluate({"python_version": f"3.{minor}"})]
+
+
+def test_each_pin_names_one_version_for_each_python():
+    # a package pinned on one Python and not another would install unpinned there; two of
+    # its pins on one Python, a conflict pip reports in other words than the Python's
+    pins: dict[str, list] = {}
+    for name, version, marker in _pins():
+        pins.setdefault(name, []).extend(_pythons(marker))
+    named = _readme_python()
+    every = [(3, minor) for minor in range(named[1], 14)]
+    assert {name: sorted(found) for name, found in pins.items() if sorted(found) != every} == {}
+
+
 def test_the_readme_python_is_one_every_pinned_version_installs_on():
     # the README's commands install constraints.txt's pins: each pin installed here must
-    # accept the oldest Python the README names (numpy 2.4.6 and jax 0.10.2 need 3.11)
+    # accept the oldest Python it is pinned for (numpy 2.4.6 and jax 0.10.2 need 3.11, and
+    # are pinned from 3.11 on)
     from importlib import metadata
-    named = tuple(map(int, re.search(r"with Python (\d+)\.(\d+)\+",
-                                     (ROOT / "README.md").read_text()).groups()))
-    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
-                if "==" in line and not line.startswith("#"))
     too_new = []
-    for name, version in pins.items():
+    for name, version, marker in _pins():
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
-        if dist.version.split("+")[0] != version.strip():  # not the pin's metadata
+        if dist.version.split("+")[0] != version:  # not the pin's metadata
             continue
+        oldest = _pythons(marker)[0]
         needs = dist.metadata.get("Requires-Python") or ""
-        too_new += [f"{name}=={version}: Requires-Python {needs}"
+        too_new += [f"{name}=={version}: Requires-Python {needs}, pinned from {oldest}"
                     for m in re.finditer(r">=\s*(\d+)\.(\d+)", needs)
-                    if (int(m[1]), int(m[2])) > named]
-    assert not too_new, f"README says Python {named[0]}.{named[1]}+, but {too_new}"
+                    if (int(m[1]), int(m[2])) > oldest]
+    assert not too_new, f"README says Python {_readme_python()}+, but {too_new}"
 
 
 def _pages():
