@@ -1,14 +1,34 @@
 """Vega's exceptions: one root, and spec errors that point into the source."""
 from __future__ import annotations
 
+import os
+import sys
 import unicodedata
+import warnings
 from dataclasses import dataclass
+
+_VEGA = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def shown(value) -> str:
     """``repr(value)`` for a message, cut short where long (an int of 400 digits)."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the line that called into vega: the first frame, going
+    out, that is neither vega's nor torch's (torch's where vega is called through it, as
+    ``Optimizer.__init__`` calls ``add_param_group``), so that the warning names the caller's
+    file and line, and a filter on the caller's module (``-W error::UserWarning:train``)
+    holds it, at whatever depth in vega it is raised."""
+    torch = sys.modules.get("torch")
+    inside = (_VEGA, *((os.path.dirname(torch.__file__) + os.sep,)
+                       if getattr(torch, "__file__", None) else ()))
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)
 
 
 class VegaError(Exception):

@@ -14,7 +14,6 @@ import inspect
 import math
 import numbers
 import operator
-import warnings
 import weakref
 from itertools import repeat
 
@@ -29,7 +28,7 @@ from vega.codegen.tensors import (LAZY_LOAD_WORDS, NO_GRAD, NOT_PLAIN, NOT_STRID
                                   PLAIN_TYPES, dense, dense_words, first_with_own_ops, gather,
                                   inplace_problem, in_memory_order, is_dtensor, like_layout,
                                   not_dense, own_ops_words, same, uninitialized)
-from vega.errors import VegaError
+from vega.errors import VegaError, warn
 from vega.runtime import engine, sharded, torch_names
 from vega.runtime.loss_scale import LEAVES, LossScale, check_scale_values
 
@@ -1203,8 +1202,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                                                   not quant.nonnegative(program, name))
                     said = True
         if said:
-            warnings.warn(f"{owner}: the 8-bit states are dequantized to float32 (torch.optim "
-                          "keeps float state)", stacklevel=3)
+            warn(f"{owner}: the 8-bit states are dequantized to float32 (torch.optim "
+                 "keeps float state)")
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -1271,12 +1270,12 @@ class SpecOptimizer(torch.optim.Optimizer):
             ours = tuple(group[n] for n in names)
             if not torch_names.same_betas(ours, theirs):
                 mine = ", ".join(f"{n}={engine.shown(v)}" for n, v in zip(names, ours))
-                warnings.warn(
+                warn(
                     f"{type(self).__name__}.load_state_dict: group {k} of the state has "
                     f"{key}={engine.shown(tuple(theirs))} and {mine}, which disagree "
                     f"(state_dict() saves them in agreement: one was changed by hand); it "
                     f"takes {key}, as torch's classes read it: where {mine} was meant, set "
-                    f"{key} too", stacklevel=6)
+                    f"{key} too")
 
     def _check_saved(self, state_dict) -> None:
         """What torch's loading would take without a word but the step cannot: a state_dict
@@ -1424,9 +1423,9 @@ class SpecOptimizer(torch.optim.Optimizer):
         originals = {k: dict(v) for k, v in saved.items()}
         scale = state_dict.get("loss_scale")
         if scale is not None and self.loss_scale is None:
-            warnings.warn(f"{type(self).__name__}.load_state_dict: the state dict holds a loss "
-                          "scale, but this optimizer has none (loss_scale=None): the saved "
-                          "scale is not loaded", stacklevel=3)
+            warn(f"{type(self).__name__}.load_state_dict: the state dict holds a loss "
+                 "scale, but this optimizer has none (loss_scale=None): the saved "
+                 "scale is not loaded")
             scale = None
         elif scale is not None:
             scale = _loaded_scale(f"{type(self).__name__}.load_state_dict", scale,
@@ -1434,10 +1433,10 @@ class SpecOptimizer(torch.optim.Optimizer):
             saved_dynamic = int(scale[1]) != -1  # (good_steps: -1 for a static scale)
             if saved_dynamic != self.loss_scale.is_dynamic:
                 kinds = ("dynamic", "static") if saved_dynamic else ("static", "dynamic")
-                warnings.warn(f"{type(self).__name__}.load_state_dict: the state dict holds a "
-                              f"{kinds[0]} loss scale, but this optimizer's is {kinds[1]}: "
-                              "the saved scale is not loaded (to resume it, make the "
-                              f"optimizer with LossScale.{kinds[0]}(...))", stacklevel=3)
+                warn(f"{type(self).__name__}.load_state_dict: the state dict holds a "
+                     f"{kinds[0]} loss scale, but this optimizer's is {kinds[1]}: "
+                     "the saved scale is not loaded (to resume it, make the "
+                     f"optimizer with LossScale.{kinds[0]}(...))")
                 scale = None
         for k, group in enumerate(state_dict["param_groups"]):  # (before torch's loading,
             self._warn_loaded_tuples(k, group)  # whose __setstate__ takes each tuple)
@@ -1605,9 +1604,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                 signed = program.quant[s.name][1]
                 out[s.name], out[s.name + quant.SUFFIX] = quant.quantize_t(
                     value.to(device=p.device, dtype=torch.float32), signed)
-                warnings.warn(f"{owner}: state '{s.name}' of parameter {pid} was saved in "
-                              f"{value.dtype}; it is quantized to 8 bits, as this optimizer "
-                              "keeps it (state_dtype torch.uint8)", stacklevel=4)
+                warn(f"{owner}: state '{s.name}' of parameter {pid} was saved in "
+                     f"{value.dtype}; it is quantized to 8 bits, as this optimizer "
+                     "keeps it (state_dtype torch.uint8)")
             elif is_codes and s.name not in program.quant:
                 blocks = (value.numel() + quant.BLOCK - 1) // quant.BLOCK
                 if not is_dtensor(value) and (  # (a shard's blocks: each shard's own)
@@ -1620,9 +1619,9 @@ class SpecOptimizer(torch.optim.Optimizer):
                 out[s.name] = quant.dequantize_t(value.to(p.device), scale.to(p.device),
                                                  not quant.nonnegative(base, s.name))
                 del out[s.name + quant.SUFFIX]
-                warnings.warn(f"{owner}: state '{s.name}' of parameter {pid} was saved in 8 "
-                              "bits; it is dequantized to the dtype this optimizer keeps it "
-                              "in", stacklevel=4)
+                warn(f"{owner}: state '{s.name}' of parameter {pid} was saved in 8 "
+                     "bits; it is dequantized to the dtype this optimizer keeps it "
+                     "in")
         return out
 
     def _check_loaded(self) -> None:

@@ -77,16 +77,16 @@ def warn_group_objects(owner: str, optimizer, group: dict) -> None:
     those groups, cannot be saved (a process group cannot be pickled), and a loaded one
     would hold another loss scale object. Given through ``functools.partial``, they stay
     out of the groups."""
-    import warnings
+    from vega.errors import warn
     held = _own_objects(optimizer, group)
     if held:
         given = ", ".join(f"{k}=..." for k in held)
-        warnings.warn(
+        warn(
             f"{owner}: a parameter group holds this optimizer's {' and '.join(held)} (as "
             "ZeroRedundancyOptimizer keeps the keywords it passes on in its groups): a state "
             "dict of such groups cannot be saved (a process group cannot be pickled) or "
             f"loaded; give them with optimizer_class=functools.partial({owner}, {given}) "
-            "(docs/distributed.md)", stacklevel=4)
+            "(docs/distributed.md)")
 
 
 def without_group_objects(optimizer, state_dict: dict) -> dict:

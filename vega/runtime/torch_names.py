@@ -14,11 +14,11 @@ import collections
 import inspect
 import itertools
 import numbers
-import warnings
 
 import torch
 
 from vega.codegen import quant
+from vega.errors import warn
 from vega.runtime import engine
 
 # torch's keywords that choose among its implementations; vega has one, fused
@@ -620,8 +620,8 @@ def to_torch(owner: str, cls_name: str, betas: tuple, state_dict: dict) -> dict:
             new["step"] = new["step"].to(device="cpu", dtype=torch.float32)
         state[pid] = new
     if masters:  # (torch's class would keep it as a state, cast to the parameter's dtype)
-        warnings.warn(f"{owner}: the master copies of the half-precision parameters "
-                      "(master_weights=True) are left out: torch.optim keeps none, and steps "
-                      "the parameters as they are", stacklevel=3)
+        warn(f"{owner}: the master copies of the half-precision parameters "
+             "(master_weights=True) are left out: torch.optim keeps none, and steps "
+             "the parameters as they are")
     return {**{k: v for k, v in state_dict.items() if k not in ("loss_scale", RULE_KEY)},
             "state": state, "param_groups": groups}

@@ -48,7 +48,6 @@ import stat
 import subprocess
 import tempfile
 import threading
-import warnings
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -58,7 +57,7 @@ try:
 except ImportError:  # Windows: installs there are not locked
     fcntl = None
 
-from vega.errors import VegaError
+from vega.errors import VegaError, warn
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
          "-fno-math-errno", "-ffp-contract=off", "-fno-strict-aliasing")
@@ -156,8 +155,8 @@ def warn_once(message: str) -> None:
     global _cache_warned
     if not _cache_warned:
         _cache_warned = True
-        warnings.warn(f"{message} (further such problems in this process are not reported)",
-                      RuntimeWarning, stacklevel=3)
+        warn(f"{message} (further such problems in this process are not reported)",
+             RuntimeWarning)
 
 
 def _unsafe(st: os.stat_result) -> str | None:
@@ -516,9 +515,9 @@ def named_compiler(variable: str, language: str, *others: str) -> Compiler | Non
     found = find_compiler(*others)
     instead = f"building with {found[0]} instead" if found is not None else \
         f"and no other {language} compiler ({', '.join(others)}) is found either"
-    warnings.warn(f"vega: {variable}={named!r} names no {language} compiler that runs here (its "
-                  f"program is not found on the PATH, or it does not answer --version); "
-                  f"{instead}", RuntimeWarning, stacklevel=4)
+    warn(f"vega: {variable}={named!r} names no {language} compiler that runs here (its "
+         f"program is not found on the PATH, or it does not answer --version); "
+         f"{instead}", RuntimeWarning)
     return found
 
 
@@ -557,8 +556,8 @@ def available() -> bool:
     if compiler() is not None:
         return True
     if not _warned:
-        warnings.warn("vega: no C compiler found (set CC, or install gcc or clang); CPU steps "
-                      "run on the slower reference backend", RuntimeWarning, stacklevel=3)
+        warn("vega: no C compiler found (set CC, or install gcc or clang); CPU steps "
+             "run on the slower reference backend", RuntimeWarning)
         _warned = True
     return False
 

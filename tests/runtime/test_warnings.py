@@ -1,0 +1,104 @@
+"""vega's own warnings: each names the caller's line (not a line inside vega or torch), so
+that a filter on the caller's module holds it and the default filter shows it once there."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import vega
+from vega import LossScale
+
+U8 = torch.uint8
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+
+
+def _stepped(opt, model):
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    return opt
+
+
+def _quantized_load():
+    model = _model()
+    theirs = _stepped(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False), model)
+    ours = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    return lambda: ours.load_state_dict(theirs.state_dict())
+
+
+def _dequantized_load():
+    model = _model()
+    ours = _stepped(vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8), model)
+    floats = vega.optim.AdamW(model.parameters(), lr=1e-2)
+    return lambda: floats.load_state_dict(ours.state_dict())
+
+
+def _scale_not_loaded():
+    model = _model()
+    scaled = vega.optim.AdamW(model.parameters(), lr=1e-2,
+                              loss_scale=LossScale.dynamic(init=64.0))
+    other = vega.optim.AdamW(model.parameters(), lr=1e-2)
+    return lambda: other.load_state_dict(copy.deepcopy(scaled.state_dict()))
+
+
+def _scale_of_another_kind():
+    model = _model()
+    scaled = vega.optim.AdamW(model.parameters(), lr=1e-2,
+                              loss_scale=LossScale.dynamic(init=64.0))
+    other = vega.optim.AdamW(model.parameters(), lr=1e-2, loss_scale=LossScale.static(8.0))
+    return lambda: other.load_state_dict(copy.deepcopy(scaled.state_dict()))
+
+
+def _betas_disagree():
+    opt = vega.optim.AdamW(_model().parameters(), lr=1e-2)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["b1"] = 0.5
+    return lambda: opt.load_state_dict(saved)
+
+
+def _torch_state_dict_8bit():
+    model = _model()
+    opt = _stepped(vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8), model)
+    return opt.torch_state_dict
+
+
+def _torch_state_dict_masters():
+    p = torch.nn.Parameter(torch.randn(6, 4).to(torch.bfloat16))
+    opt = vega.optim.AdamW([p], lr=1e-2, master_weights=True)
+    p.grad = torch.randn(6, 4).to(torch.bfloat16)
+    opt.step()
+    return opt.torch_state_dict
+
+
+CASES = {"quantized load": _quantized_load, "dequantized load": _dequantized_load,
+         "scale not loaded": _scale_not_loaded, "scale of another kind": _scale_of_another_kind,
+         "betas disagree": _betas_disagree, "torch_state_dict 8-bit": _torch_state_dict_8bit,
+         "torch_state_dict masters": _torch_state_dict_masters}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_warning_names_the_callers_line(case):
+    """The loading's warnings named torch_names.py (the load_state_dict hooks' wrapper that
+    calls vega's loading), not the caller: a fixed stacklevel counted frames that a later
+    wrapper added to."""
+    call = CASES[case]()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    assert caught, case
+    assert {(w.filename, w.category) for w in caught} == {(__file__, UserWarning)}, \
+        [(w.filename, w.lineno, str(w.message)) for w in caught]
+
+
+def test_a_filter_on_the_callers_module_holds_a_warning():
+    """``-W error::UserWarning:<the training script's module>`` turns vega's warning into an
+    error there (a filter's module is matched against the module the warning names)."""
+    call = _scale_not_loaded()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", category=UserWarning, module=__name__)
+        with pytest.raises(UserWarning, match="the saved scale is not loaded"):
+            call()
