@@ -102,3 +102,23 @@ def test_a_filter_on_the_callers_module_holds_a_warning():
         warnings.filterwarnings("error", category=UserWarning, module=__name__)
         with pytest.raises(UserWarning, match="the saved scale is not loaded"):
             call()
+
+
+@pytest.mark.parametrize("case", ["quantized load", "dequantized load"])
+def test_a_load_converting_many_states_warns_once(case):
+    """A load that quantizes (or dequantizes) the states of many parameters says so in one
+    warning naming how many, not one a state: 24 for this model of 12 matrices, hundreds
+    for a large model's checkpoint."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
+    floats = _stepped(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False), model)
+    eight = vega.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=U8)
+    if case == "dequantized load":
+        eight = _stepped(eight, model)
+        floats = vega.optim.AdamW(model.parameters(), lr=1e-2)
+    into, saved = (eight, floats) if case == "quantized load" else (floats, eight)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        into.load_state_dict(saved.state_dict())
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "24 state(s)" in str(caught[0].message) and "(24 in all)" in str(caught[0].message)

@@ -1464,6 +1464,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                         for g in state_dict["param_groups"]
                         for i in g["params"]}
         where = [(i, k) for k, g in enumerate(self.param_groups) for i in range(len(g["params"]))]
+        converted = {True: [], False: []}  # the states quantized, dequantized (one warning each)
         for pid, (p, _), (i, k) in zip(ids, params, where):
             if pid in originals and uninitialized(p):  # (torch loads its state unchecked)
                 raise ValueError(f"{type(self).__name__}.load_state_dict: parameter {i} of "
@@ -1481,7 +1482,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                     for n, v in originals[pid].items()):
                 # 8-bit states as this optimizer keeps them: codes kept, float values
                 # quantized, codes dequantized where it keeps floats (a warning says which)
-                originals[pid] = self._loaded_q8(pid, p, group, originals[pid])
+                originals[pid] = self._loaded_q8(pid, p, group, originals[pid], converted)
                 for name in [n for n in self.state[p] if n not in originals[pid]]:
                     del self.state[p][name]  # (the scales of a state dequantized)
             # (states in the layout of a parameter stored in another order than its
@@ -1518,6 +1519,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 if is_dtensor(p) and not is_dtensor(self.state[p][name]):
                     self.state[p][name] = self._replicated(p, group, name,
                                                            self.state[p][name])
+        _warn_converted(f"{type(self).__name__}.load_state_dict", converted)
         return scale
 
     def _replicated(self, p, group, name, value: torch.Tensor):
@@ -1581,10 +1583,11 @@ class SpecOptimizer(torch.optim.Optimizer):
         return {s.name for s in self._loading_program(p, group).states
                 if engine.keeps_precision(s)}
 
-    def _loaded_q8(self, pid, p, group, saved: dict) -> dict:
+    def _loaded_q8(self, pid, p, group, saved: dict, converted: dict) -> dict:
         """``saved``, one parameter's loaded state, with its 8-bit states as this optimizer
         keeps them (``vega.codegen.quant``): a float state it keeps in 8 bits quantized, an
-        8-bit one it keeps in floats dequantized (each with a warning naming it)."""
+        8-bit one it keeps in floats dequantized, each named in ``converted[True]`` or
+        ``converted[False]`` (for the load's one warning of each, ``_warn_converted``)."""
         owner = f"{type(self).__name__}.load_state_dict"
         base = self._loading_program(p, group)
         program = self._loading_program(p, group, self._q8(group, [p], fresh=True))
@@ -1604,9 +1607,8 @@ class SpecOptimizer(torch.optim.Optimizer):
                 signed = program.quant[s.name][1]
                 out[s.name], out[s.name + quant.SUFFIX] = quant.quantize_t(
                     value.to(device=p.device, dtype=torch.float32), signed)
-                warn(f"{owner}: state '{s.name}' of parameter {pid} was saved in "
-                     f"{value.dtype}; it is quantized to 8 bits, as this optimizer "
-                     "keeps it (state_dtype torch.uint8)")
+                converted[True].append(f"'{s.name}' of parameter {pid} (saved in "
+                                       f"{value.dtype})")
             elif is_codes and s.name not in program.quant:
                 blocks = (value.numel() + quant.BLOCK - 1) // quant.BLOCK
                 if not is_dtensor(value) and (  # (a shard's blocks: each shard's own)
@@ -1619,9 +1621,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                 out[s.name] = quant.dequantize_t(value.to(p.device), scale.to(p.device),
                                                  not quant.nonnegative(base, s.name))
                 del out[s.name + quant.SUFFIX]
-                warn(f"{owner}: state '{s.name}' of parameter {pid} was saved in 8 "
-                     "bits; it is dequantized to the dtype this optimizer keeps it "
-                     "in")
+                converted[False].append(f"'{s.name}' of parameter {pid}")
         return out
 
     def _check_loaded(self) -> None:
@@ -1885,6 +1885,22 @@ _TORCH_STATES = {
     "NAdam": ("step", "mu_product", "exp_avg", "exp_avg_sq"),
     "RAdam": ("step", "exp_avg", "exp_avg_sq"), "Adadelta": ("step", "square_avg", "acc_delta"),
 }
+
+
+def _warn_converted(owner: str, converted: dict) -> None:
+    """One warning for the states a load quantized (``converted[True]``) and one for those
+    it dequantized (``converted[False]``), each naming how many and the first few: one a
+    state of every parameter made hundreds for a model's checkpoint."""
+    for quantized, names in converted.items():
+        if not names:
+            continue
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+        if quantized:
+            warn(f"{owner}: {len(names)} state(s) saved in floats are quantized to 8 bits, as "
+                 f"this optimizer keeps them (state_dtype torch.uint8): {shown}")
+        else:
+            warn(f"{owner}: {len(names)} state(s) saved in 8 bits are dequantized to the dtype "
+                 f"this optimizer keeps them in: {shown}")
 
 
 def _check_q8_scales(owner: str, what: str, codes: torch.Tensor, scales: torch.Tensor,
