@@ -2,6 +2,7 @@
 and the C backend's native operator built before the first test, so that every C step that
 can go through it does, on every run (not only once a background build has finished)."""
 import os
+import warnings
 
 # Under pytest-xdist each worker takes its share of the cores. Otherwise torch's and the
 # kernels' OpenMP teams of every worker spin on every core, and all of them slow down (the
@@ -23,3 +24,14 @@ if not torch.cuda.is_available():
 def pytest_sessionstart(session):
     from vega.codegen.c import native
     native.module(wait=True)  # None where it cannot be built: the Python path then
+
+
+# torch warns once a process (TORCH_WARN_ONCE) the first time a sparse CSR or a nested tensor
+# is made: "Sparse CSR tensor support is in beta state", "The PyTorch API of nested tensors
+# is in prototype stage". The tests make such tensors to see them refused; made here first,
+# with the notice ignored, they make none under the tests, so that the suite runs with
+# warnings as errors (-W error::UserWarning) whichever test makes the first.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.zeros(1, 1).to_sparse_csr()
+    torch.nested.nested_tensor([torch.zeros(1)])
