@@ -122,3 +122,29 @@ def test_a_load_converting_many_states_warns_once(case):
         into.load_state_dict(saved.state_dict())
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert "24 state(s)" in str(caught[0].message) and "(24 in all)" in str(caught[0].message)
+
+
+@pytest.mark.parametrize("backend", ["c", "reference"])
+def test_training_says_nothing(backend, tmp_path):
+    """Compiling a spec, stepping it (class and functional), saving and loading its state:
+    no warning, so that a run under ``python -W error`` is not stopped by vega."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spec = vega.compile("""
+        optimizer quiet(lr = 1e-2 in [0, inf)) {
+            state m = zeros
+            m = 0.9 * m + g
+            p = p - lr * m
+        }""")
+        model = _model()
+        opt = spec.optimizer_class(model.parameters(), backend=backend)
+        for _ in range(2):
+            model.zero_grad()
+            _stepped(opt, model)
+        opt.load_state_dict(opt.state_dict())
+        params = {"w": torch.randn(8, 6)}
+        state = vega.adamw_init(params)
+        params, state = vega.adamw_step(params, {"w": torch.randn(8, 6)}, state, lr=1e-3,
+                                        backend=backend)
+        vega.save(tmp_path / "state.safetensors", state)
+        vega.load(tmp_path / "state.safetensors", like=state)
