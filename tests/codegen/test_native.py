@@ -228,10 +228,17 @@ def test_a_build_that_cannot_start_leaves_the_python_path(fresh, monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
     monkeypatch.setattr(native.subprocess, "Popen", refuse)
+    logs, make = [], tempfile.TemporaryFile
+
+    def log_file():
+        logs.append(make())
+        return logs[-1]
+    monkeypatch.setattr(native.tempfile, "TemporaryFile", log_file)
     assert native.module() is None
     assert "could not start" in native.status()
     _, target = native._paths()
     assert not native._lock(target).exists()
+    assert logs and all(f.closed for f in logs)  # (left open: a ResourceWarning)
 
 
 @needs_cxx
@@ -758,7 +765,7 @@ def test_the_library_is_keyed_and_built_from_the_source_imported(fresh, monkeypa
     seen = {}
 
     def run(args, **kwargs):
-        seen["text"] = open(next(a for a in args if a.endswith(".cpp"))).read()
+        seen["text"] = Path(next(a for a in args if a.endswith(".cpp"))).read_text()
         return subprocess.CompletedProcess(args, 1, "", "stopped by the test")
     monkeypatch.setattr(native.subprocess, "run", run)
     target = tmp_path / "built" / name

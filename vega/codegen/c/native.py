@@ -500,7 +500,7 @@ def _spawn(target: Path) -> None:
     building it now (its lock not stale): it installs the library even if this process
     ends first, and holds the lock while it runs (its descriptor of the lock, and so the
     flock, passed to it). A build that cannot start leaves the Python path."""
-    lock = None
+    lock = log = None
     try:
         lock = _taken(target)
         if lock is None:
@@ -513,6 +513,8 @@ def _spawn(target: Path) -> None:
                                 env=checkout_env(), pass_fds=(fd,))
         _state["pending"] = (target, proc, log)
     except OSError as e:
+        if log is not None:  # (the build's log, which no build writes)
+            log.close()
         if lock is not None:
             _release(lock)
         _state["pending"], _state["failed"] = None, f"its build could not start: {e}"
