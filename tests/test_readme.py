@@ -3,6 +3,7 @@ docs speak of the project only and link only to files in the repository."""
 import contextlib
 import io
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +28,8 @@ def _pins() -> list[tuple[str, str, str]]:
     """constraints.txt's pins: (name, version, environment marker or "")."""
     pins = []
     for line in (ROOT / "constraints.txt").read_text().splitlines():
-        if "==" in line and not line.startswith("#"):
+        line = line.split("#")[0]  # (a comment, of its own line or after a pin)
+        if "==" in line:
             pin, _, marker = line.partition(";")
             name, version = pin.split("==")
             pins.append((name.strip(), version.strip(), marker.strip()))
@@ -46,12 +48,22 @@ def test_the_readme_python_is_the_one_pyproject_asks_for():
     assert _readme_python() == tuple(map(int, asked))
 
 
-def _pythons(marker: str) -> list[tuple[int, int]]:
-    """The Pythons, from the README's to 3.13, on which a pin with ``marker`` applies."""
-    from packaging.markers import Marker
+def _supported() -> list[tuple[int, int]]:
+    """The Pythons the README's set-up is for: from the README's to 3.13, or to the one
+    running the tests where that is newer."""
     named = _readme_python()
-    return [(3, minor) for minor in range(named[1], 14)
-            if not marker or Marker(marker).evaluate({"python_version": f"3.{minor}"})]
+    return [(3, minor) for minor in range(named[1], max(13, sys.version_info[1]) + 1)]
+
+
+def _shown(python: tuple[int, int]) -> str:
+    return f"{python[0]}.{python[1]}"
+
+
+def _pythons(marker: str) -> list[tuple[int, int]]:
+    """The Pythons of ``_supported`` on which a pin with ``marker`` applies."""
+    from packaging.markers import Marker  # (pytest's dependency)
+    return [v for v in _supported() if not marker or Marker(marker).evaluate(
+        {"python_version": _shown(v), "python_full_version": f"{_shown(v)}.0"})]
 
 
 def test_each_pin_names_one_version_for_each_python():
@@ -60,8 +72,7 @@ def test_each_pin_names_one_version_for_each_python():
     pins: dict[str, list] = {}
     for name, version, marker in _pins():
         pins.setdefault(name, []).extend(_pythons(marker))
-    named = _readme_python()
-    every = [(3, minor) for minor in range(named[1], 14)]
+    every = _supported()
     assert {name: sorted(found) for name, found in pins.items() if sorted(found) != every} == {}
 
 
@@ -78,12 +89,15 @@ def test_the_readme_python_is_one_every_pinned_version_installs_on():
             continue
         if dist.version.split("+")[0] != version:  # not the pin's metadata
             continue
-        oldest = _pythons(marker)[0]
+        pythons = _pythons(marker)
+        if not pythons:  # (a pin for none of them)
+            continue
         needs = dist.metadata.get("Requires-Python") or ""
-        too_new += [f"{name}=={version}: Requires-Python {needs}, pinned from {oldest}"
+        too_new += [f"{name}=={version}: Requires-Python {needs}, pinned from "
+                    f"{_shown(pythons[0])}"
                     for m in re.finditer(r">=\s*(\d+)\.(\d+)", needs)
-                    if (int(m[1]), int(m[2])) > oldest]
-    assert not too_new, f"README says Python {_readme_python()}+, but {too_new}"
+                    if (int(m[1]), int(m[2])) > pythons[0]]
+    assert not too_new, f"README says Python {_shown(_readme_python())}+, but {too_new}"
 
 
 def _pages():
