@@ -74,10 +74,20 @@ def _torch_state_dict_masters():
     return opt.torch_state_dict
 
 
+def _group_holds_the_scale():
+    """The group's warning comes from add_param_group, which torch's Optimizer.__init__
+    calls: the frames between it and the caller are vega's and torch's."""
+    scale = LossScale.static(8.0)
+    params = list(_model().parameters())
+    return lambda: vega.optim.AdamW([{"params": params, "loss_scale": scale}], lr=1e-2,
+                                    loss_scale=scale)
+
+
 CASES = {"quantized load": _quantized_load, "dequantized load": _dequantized_load,
          "scale not loaded": _scale_not_loaded, "scale of another kind": _scale_of_another_kind,
          "betas disagree": _betas_disagree, "torch_state_dict 8-bit": _torch_state_dict_8bit,
-         "torch_state_dict masters": _torch_state_dict_masters}
+         "torch_state_dict masters": _torch_state_dict_masters,
+         "group holds the scale": _group_holds_the_scale}
 
 
 @pytest.mark.parametrize("case", CASES)
