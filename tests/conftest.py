@@ -26,12 +26,14 @@ def pytest_sessionstart(session):
     native.module(wait=True)  # None where it cannot be built: the Python path then
 
 
-# torch warns once a process (TORCH_WARN_ONCE) the first time a sparse CSR or a nested tensor
-# is made: "Sparse CSR tensor support is in beta state", "The PyTorch API of nested tensors
-# is in prototype stage". The tests make such tensors to see them refused; made here first,
-# with the notice ignored, they make none under the tests, so that the suite runs with
+# torch warns once a process (TORCH_WARN_ONCE) the first time a sparse CSR, a nested or a
+# complex32 tensor is made: "Sparse CSR tensor support is in beta state", "The PyTorch API
+# of nested tensors is in prototype stage", "ComplexHalf support is experimental". The tests
+# make the first two to see them refused, and complex32 parameters to step them; made here
+# first, with the notice ignored, they make none under the tests, so that the suite runs with
 # warnings as errors (-W error::UserWarning) whichever test makes the first.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch.zeros(1, 1).to_sparse_csr()
     torch.nested.nested_tensor([torch.zeros(1)])
+    torch.zeros(1, dtype=torch.complex32)
