@@ -922,23 +922,30 @@ def test_vega_save_and_load_keep_codes_and_scales(tmp_path):
                 assert back[field][n].dtype == t.dtype and torch.equal(back[field][n], t)
 
 
+def _with_a_negative_scale(params):
+    """An 8-bit AdamW state of ``params`` after a step, a copy of it whose scales of one
+    parameter's nu hold a negative value, and that parameter's name."""
+    state = vega.adamw.init(params, state_dtype=U8)
+    params, state = vega.adamw.step(params, grads_of(params, 0), state)
+    n = next(n for n, t in state["nu_absmax"].items() if t is not None)
+    bad = vega.set_leaf(state, f"nu_absmax.{n}", state["nu_absmax"][n] * 1)  # (a copy)
+    bad["nu_absmax"][n][0] = -1.0
+    return state, bad, n
+
+
 def test_vega_load_and_set_leaf_refuse_a_negative_8bit_scale(tmp_path):
     """A negative scale (a damaged or edited file) turns its block's values over: the next
     step gave NaN parameters. vega.load and vega.set_leaf refuse it, as load_state_dict
     does, naming the leaf."""
-    params = params_of()
-    state = vega.adamw.init(params, state_dtype=U8)
-    params, state = vega.adamw.step(params, grads_of(params, 0), state)
-    name = next(f"nu_absmax.{n}" for n, t in state["nu_absmax"].items() if t is not None)
-    bad = vega.set_leaf(state, name, state["nu_absmax"][name[10:]] * 1)  # (a copy)
-    bad["nu_absmax"][name[10:]][0] = -1.0
+    state, bad, n = _with_a_negative_scale(params_of())
+    name = f"nu_absmax.{n}"
     vega.save(tmp_path / "s.safetensors", bad)
     with pytest.raises(ValueError, match=rf"vega.load: .*: leaf '{name}' holds a negative "
                                          "value; it is a state's 8-bit scales"):
         vega.load(tmp_path / "s.safetensors", like=state)
     with pytest.raises(ValueError, match=rf"vega.set_leaf: the value for leaf '{name}' "
                                          "holds a negative value"):
-        vega.set_leaf(state, name, bad["nu_absmax"][name[10:]])
+        vega.set_leaf(state, name, bad["nu_absmax"][n])
     vega.save(tmp_path / "s.safetensors", state)  # (its own scales load)
     vega.load(tmp_path / "s.safetensors", like=state)
 
@@ -949,12 +956,7 @@ def test_a_negative_8bit_scale_of_a_state_held_deeper_is_refused(tmp_path, held)
     its scales are checked there too, as at the top (a negative one loaded unrefused, and
     the next step gave NaN parameters); a parameter's own name ending in _absmax is no
     scale."""
-    params = {**params_of(), "w_absmax": torch.randn(300)}
-    state = vega.adamw.init(params, state_dtype=U8)
-    params, state = vega.adamw.step(params, grads_of(params, 0), state)
-    n = next(n for n, t in state["nu_absmax"].items() if t is not None)
-    bad = vega.set_leaf(state, f"nu_absmax.{n}", state["nu_absmax"][n] * 1)  # (a copy)
-    bad["nu_absmax"][n][0] = -1.0
+    state, bad, n = _with_a_negative_scale({**params_of(), "w_absmax": torch.randn(300)})
     wrap = ({"opt": bad, "epoch": torch.tensor(3)} if held == "dict" else
             {"runs": [torch.tensor(3), bad]})
     ok = ({"opt": state, "epoch": torch.tensor(3)} if held == "dict" else

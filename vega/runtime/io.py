@@ -268,23 +268,30 @@ def load(path, *, like) -> dict:
 Q8_MAPS = "vega.q8_maps"  # the metadata key of ``quant.MAPS`` as the file was written
 
 
-def q8_codes(state, at: str = "") -> list[str]:
-    """The names of the leaves of ``state`` that are 8-bit codes: uint8 tensors under a key
-    ``k`` of a dict that also holds ``k + '_absmax'``, their scales."""
+def _q8_leaves(state, held, at: str = "") -> list[tuple[str, object]]:
+    """(name, leaf) of each leaf of ``state``'s values under a key ``k`` of a dict that
+    ``held(dict, k, value)`` accepts, at any depth of dicts, lists and tuples (a state
+    saved inside the user's own tree): the walk of ``q8_codes`` and ``q8_scales``."""
     found = []
     if isinstance(state, dict):
         for k, v in state.items():
             name = f"{at}.{k}" if at else str(k)
-            if isinstance(k, str) and k + quant.SUFFIX in state:
-                found += [".".join([name, *(_key(x) for x in path)]) for path, leaf in
-                          pytree.tree_flatten_with_path(v)[0]
-                          if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.uint8]
+            if isinstance(k, str) and held(state, k, v):
+                found += [(".".join([name, *(_key(x) for x in path)]), leaf)
+                          for path, leaf in pytree.tree_flatten_with_path(v)[0]]
             else:
-                found += q8_codes(v, name)
+                found += _q8_leaves(v, held, name)
     elif isinstance(state, (list, tuple)):
         for i, v in enumerate(state):
-            found += q8_codes(v, f"{at}.{i}" if at else str(i))
+            found += _q8_leaves(v, held, f"{at}.{i}" if at else str(i))
     return found
+
+
+def q8_codes(state) -> list[str]:
+    """The names of the leaves of ``state`` that are 8-bit codes: uint8 tensors under a key
+    ``k`` of a dict that also holds ``k + '_absmax'``, their scales."""
+    return [name for name, leaf in _q8_leaves(state, lambda d, k, v: k + quant.SUFFIX in d)
+            if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.uint8]
 
 
 def _check_q8_maps(who: str, maps, state) -> None:
@@ -315,26 +322,15 @@ def _check_q8_scales(who: str, state) -> None:
         _no_negative_scale(f"{who}: leaf", name, leaf)
 
 
-def q8_scales(state, at: str = "") -> list[tuple[str, object]]:
+def q8_scales(state) -> list[tuple[str, object]]:
     """(name, leaf) of each leaf of ``state`` that is an 8-bit state's scales: under a key
     ``k + '_absmax'`` of a dict whose ``k`` holds their codes (``_scales_of``), a field of
     the state or of a state held deeper (``{"opt": state}``); a spec's own state of such a
     name (``state m_absmax``, a float state beside no codes) is none."""
-    found = []
-    if isinstance(state, dict):
-        for k, v in state.items():
-            name = f"{at}.{k}" if at else str(k)
-            base = k[:-len(quant.SUFFIX)] if isinstance(k, str) and k.endswith(quant.SUFFIX) \
-                else None
-            if base is not None and base in state and _scales_of(state[base], v):
-                found += [(".".join([name, *(_key(x) for x in path)]), leaf)
-                          for path, leaf in pytree.tree_flatten_with_path(v)[0]]
-            else:
-                found += q8_scales(v, name)
-    elif isinstance(state, (list, tuple)):
-        for i, v in enumerate(state):
-            found += q8_scales(v, f"{at}.{i}" if at else str(i))
-    return found
+    def held(d: dict, k: str, v) -> bool:
+        base = k[:-len(quant.SUFFIX)]
+        return k.endswith(quant.SUFFIX) and base in d and _scales_of(d[base], v)
+    return _q8_leaves(state, held)
 
 
 def _scales_of(codes, scales) -> bool:
