@@ -972,3 +972,49 @@ def test_a_child_forked_while_the_lock_is_taken_does_not_hold_it(tmp_path, monke
             os.close(fd)
         for pid in children:
             os.waitpid(pid, 0)
+
+
+@needs_cxx
+@pytest.mark.parametrize("at", ["install", "source"])
+def test_a_build_the_disk_refuses_is_said_and_not_remembered(fresh, monkeypatch, at):
+    """A build whose files could not be written (a full disk, a process out of file
+    descriptors): a library compiled but not installed was said to be a compiler that
+    "could not run" and recorded beside the target as failed, so that no later process built
+    it again; a source that could not be written raised the OSError out of a step made with
+    VEGA_NATIVE=sync (the operator is only a faster path), leaving a temporary file in the
+    cache. Each is said, with the file system's words, in this process alone."""
+    _, target = native._paths()
+    writes = [sys.executable, "-c", "import sys; open(sys.argv[-1], 'wb').write(b'built')"]
+    monkeypatch.setattr(native, "_paths", lambda: (writes, target))
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def refuse(*args, **kwargs):
+        raise full
+    if at == "install":
+        monkeypatch.setattr(native.cbuild, "install", refuse)
+    else:
+        real = os.fdopen
+
+        class Full:  # (the source's file, whose write the disk refuses)
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            write = refuse
+
+        def fdopen(fd, mode="r", *args, **kwargs):
+            f = real(fd, mode, *args, **kwargs)
+            return Full(f) if "w" in mode and f.name == fd and os.readlink(
+                f"/proc/self/fd/{fd}").endswith(".cpp") else f
+        monkeypatch.setattr(native.os, "fdopen", fdopen)
+    assert native.module(wait=True) is None
+    said = native.status()
+    assert "No space left on device" in said and "a later process builds it again" in said
+    assert "could not run" not in said
+    assert not native._failed_file(target).exists()
+    assert not [f for f in os.listdir(target.parent) if f.startswith(".")]  # no temporaries

@@ -365,7 +365,8 @@ def build(target: Path | None = None, text: str | None = None) -> str | None:
     processes do not build it again), or None. A compiler killed by a signal, or whose
     driver says the program it ran was (out of memory), or one stopped at the time limit
     or that could not be started for want of memory or processes, made no complaint about
-    the source: that is said, not written.
+    the source, nor did a build whose files could not be written or installed (a full disk):
+    that is said, not written.
     ``text``: the source to compile (default ``TEXT``; the background build's, its parent's,
     which the target's key names)."""
     found = _paths()
@@ -373,17 +374,22 @@ def build(target: Path | None = None, text: str | None = None) -> str | None:
         return _why_not()
     command, default = found
     target = _placed(default) if target is None else target
-    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{target.stem}-", dir=target.parent)
-    os.close(fd)
-    fd, source = tempfile.mkstemp(suffix=".cpp", prefix=f".{target.stem}-", dir=target.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(TEXT if text is None else text)  # (the text keyed, whatever the file holds)
-    command = [source if c == str(SOURCE) else c for c in command]
+    tmp = source = None
+    doing = "written"  # (what an OSError stopped: writing its files, the compiler, the install)
     try:
+        fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{target.stem}-", dir=target.parent)
+        os.close(fd)
+        fd, source = tempfile.mkstemp(suffix=".cpp", prefix=f".{target.stem}-",
+                                      dir=target.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(TEXT if text is None else text)  # (the text keyed, whatever the file holds)
+        command = [source if c == str(SOURCE) else c for c in command]
+        doing = "run"
         proc = subprocess.run([*command, "-o", tmp], capture_output=True, text=True,
                               timeout=BUILD_LIMIT, stdin=subprocess.DEVNULL,
                               env=cbuild.compiler_env())
         if proc.returncode == 0:
+            doing = "installed"
             cbuild.install(tmp, target)
             return None
         how = cbuild.killed(proc)
@@ -394,6 +400,9 @@ def build(target: Path | None = None, text: str | None = None) -> str | None:
         return (f"the C++ compiler ran past {e.timeout:g} s and was stopped; a later "
                 "process builds it again")
     except OSError as e:
+        if doing != "run":  # (a full disk, no file descriptor left: no verdict on the source)
+            return (f"its files could not be {doing} in {target.parent}: {e}; a later "
+                    "process builds it again")
         if e.errno in _TRANSIENT:  # (no memory, or no process, to run it now)
             return f"the C++ compiler could not run now: {e}; a later process builds it again"
         error = f"the C++ compiler could not run: {e}"
@@ -401,7 +410,7 @@ def build(target: Path | None = None, text: str | None = None) -> str | None:
         error = f"the C++ compiler could not run: {e}"
     finally:
         for leftover in (tmp, source):
-            if os.path.exists(leftover):
+            if leftover is not None and os.path.exists(leftover):
                 os.unlink(leftover)
     error += f" (kept in {_failed_file(target)}: delete it to try again)"
     _record_failure(target, error)
