@@ -1018,3 +1018,25 @@ def test_a_build_the_disk_refuses_is_said_and_not_remembered(fresh, monkeypatch,
     assert "could not run" not in said
     assert not native._failed_file(target).exists()
     assert not [f for f in os.listdir(target.parent) if f.startswith(".")]  # no temporaries
+
+
+@needs_cxx
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_a_background_build_that_dies_says_how(fresh, monkeypatch, how):
+    """A background build killed (the out-of-memory killer, a user's kill), or that ended
+    in failure without a word, was said as "the build failed": nothing of why, nor that a
+    later process builds it again (nothing is recorded beside the target)."""
+    real = subprocess.Popen
+    code = {"killed": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+            "silent": "import os; os._exit(3)"}[how]
+
+    def popen(args, **kwargs):
+        return real([sys.executable, "-c", code], **kwargs)
+    monkeypatch.setattr(native.subprocess, "Popen", popen)
+    assert native.module() is None
+    assert native.module(wait=True) is None
+    said = native.status()
+    assert {"killed": "killed by signal 9 (SIGKILL)", "silent": "status 3"}[how] in said
+    assert "a later process builds it again" in said
+    _, target = native._paths()
+    assert not native._failed_file(target).exists()

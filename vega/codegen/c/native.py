@@ -566,6 +566,9 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
+WAIT_LIMIT = 900  # seconds: the most a step waits for a build (``BUILD_LIMIT`` and more)
+
+
 def _poll(wait: bool) -> None:
     """Load the library if its build has finished (at most twice a second unless waiting)."""
     now = time.monotonic()
@@ -573,17 +576,19 @@ def _poll(wait: bool) -> None:
         return
     _state["next_poll"] = now + 0.5
     target, proc, log = _state["pending"]
+    stopped = False
     if proc is not None:
         if wait:
             try:
-                proc.wait(timeout=900)
+                proc.wait(timeout=WAIT_LIMIT)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+                stopped = True
         elif proc.poll() is None:
             return
     else:  # another process builds it: wait for it (or for its lock to go stale)
-        deadline = now + 900
+        deadline = now + WAIT_LIMIT
         while not os.path.lexists(target) and not _stale(_lock(target)) and not \
                 os.path.lexists(_failed_file(target)) and wait and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -606,6 +611,13 @@ def _poll(wait: bool) -> None:
         if failure is None and log is not None:
             log.seek(0)
             failure = log.read().decode(errors="replace")[-2000:]
+        if proc is not None and (stopped or not failure or proc.returncode < 0):
+            # (killed, or ended without a word: no verdict on the source, none recorded)
+            how = f"ran past {WAIT_LIMIT} s and was stopped" if stopped else cbuild.killed(
+                subprocess.CompletedProcess(proc.args, proc.returncode, "", failure or "")) \
+                or f"ended with status {proc.returncode} without a word"
+            failure = f"its build process {how}; a later process builds it again" + (
+                f":\n{failure}" if failure else "")
         _state["failed"] = failure or "the build failed"
     if log is not None:
         log.close()
