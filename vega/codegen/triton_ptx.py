@@ -196,7 +196,12 @@ triton_ptx.main()
 
 
 def compile_launches(launches, timeout: float = 600) -> list[Figures]:
-    """Each distinct launch compiled for ``ARCH`` in a subprocess without the interpreter."""
+    """Each distinct launch compiled for ``ARCH`` in a subprocess without the interpreter.
+    RuntimeError where Triton's wheel has no ``ptxas`` (``ptxas``), which the compile runs."""
+    if ptxas() is None:
+        raise RuntimeError("the offline compile needs the ptxas of Triton's wheel "
+                           "(triton/backends/nvidia/bin/ptxas), and there is no ptxas to run "
+                           "there: install a Triton with its NVIDIA backend (the wheel from PyPI)")
     todo = distinct(launches)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     payload = json.dumps([asdict(x) for x in todo])
