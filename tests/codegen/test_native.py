@@ -1040,3 +1040,22 @@ def test_a_background_build_that_dies_says_how(fresh, monkeypatch, how):
     assert "a later process builds it again" in said
     _, target = native._paths()
     assert not native._failed_file(target).exists()
+
+
+@needs_cxx
+def test_a_library_that_does_not_load_says_why(copying, fresh, monkeypatch):
+    """A library built that the loader refuses (a cache on a file system mounted noexec:
+    "failed to map segment from shared object"; a symbol torch's libraries lack) was said
+    as "built, but it does not have the operators", the loader's words dropped, and
+    recorded so without saying where, or how to build it again."""
+    def refuse(path):
+        raise ImportError(f"{path}: failed to map segment from shared object")
+    monkeypatch.setattr(native, "_load", refuse)
+    assert native.module(wait=True) is None
+    _, target = native._paths()
+    for said in (native.status(), native._failed_file(target).read_text()):
+        assert "failed to map segment from shared object" in said
+        assert f"kept in {native._failed_file(target)}: delete it to try again" in said
+    native._state.update(module=None, pending=None, failed=None)
+    assert native.module() is None and native._state["pending"] is None  # remembered
+    assert "failed to map segment" in native.status()

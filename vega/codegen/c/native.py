@@ -147,28 +147,39 @@ def _register_fakes() -> None:
     torch.library.register_fake("vega_c::prelude", prelude)
 
 
-_DIFFERS = "built, but it does not have the operators"
+_BUILT = "built, but it "  # (what a library built but not usable is said with: not rebuilt)
 
 
 def _opened(path: Path):
     """(the module of the library at ``path``, None) if it may be loaded (``cbuild.untrusted``:
     checked before it is opened) and has the operators; else (None, why not)."""
-    module, problem = cbuild.load_verified(path, _checked)
+    found, problem = cbuild.load_verified(path, _checked)
     if problem is not None:
         return None, f"{path} is not trusted: {problem}"
-    return (module, None) if module is not None else (None, _DIFFERS)
+    return (found, None) if not isinstance(found, str) else (None, found)
 
 
 def _checked(path: Path):
-    """The module of the library at ``path``, if it registered its operators."""
+    """The module of the library at ``path``, if it loads and registered its operators;
+    else why not, in the loader's words (``_BUILT``)."""
     try:
         module = _load(path)
-    except (ImportError, OSError, AttributeError, TypeError, ValueError, RuntimeError):
-        return None
+    except (ImportError, OSError, AttributeError, TypeError, ValueError, RuntimeError) as e:
+        return f"{_BUILT}does not load ({type(e).__name__}: {e})"
     if not all(hasattr(module, f) for f in ("step", "prelude", "add_kernel", "add_library")) \
             or not hasattr(torch.ops.vega_c, "step"):
-        return None
+        return f"{_BUILT}does not have the operators"
     return module
+
+
+def _unusable(target: Path, problem: str | None) -> str | None:
+    """``problem``, a library at ``target`` built but not usable (``_BUILT``: not worth
+    building again), recorded beside it and said with where; any other as it is."""
+    if problem is None or not problem.startswith(_BUILT):
+        return problem
+    problem += f" (kept in {_failed_file(target)}: delete it to try again)"
+    _record_failure(target, problem)
+    return problem
 
 
 def _failed_file(target: Path) -> Path:
@@ -601,11 +612,9 @@ def _poll(wait: bool) -> None:
     _state["pending"] = None
     if os.path.lexists(target):
         _state["module"], problem = _opened(target)
-        if problem == _DIFFERS:  # not worth building again
-            _record_failure(target, problem)
-        elif problem is not None:
+        if problem is not None and not problem.startswith(_BUILT):
             cbuild.warn_once(f"vega: not loading the native operator: {problem}")
-        _state["failed"] = problem
+        _state["failed"] = _unusable(target, problem)
     else:
         failure = _failure(target)
         if failure is None and log is not None:
@@ -655,7 +664,7 @@ def module(wait: bool | None = None):
             _state["module"], problem = _opened(target)
             if _state["module"] is not None:
                 return _state["module"]
-            if problem != _DIFFERS:
+            if not problem.startswith(_BUILT):
                 cbuild.warn_once(f"vega: not loading the native operator: {problem}; "
                                  f"rebuilding it")
             cbuild.remove(target)  # corrupt or untrusted: rebuilt
@@ -675,9 +684,7 @@ def module(wait: bool | None = None):
                     _release(lock)
             if error is None:
                 _state["module"], error = _opened(target)
-                if error == _DIFFERS:
-                    _record_failure(target, error)
-            _state["failed"] = error
+            _state["failed"] = _unusable(target, error)
             return _state["module"]
         _spawn(target)
         if _state["pending"] is not None and _state["pending"][1] is None:
