@@ -475,3 +475,19 @@ def test_a_child_forked_while_the_directory_lock_is_held_does_not_keep_it(tmp_pa
         os.close(w)
         os.close(r)
         os.waitpid(pid, 0)
+
+
+def test_a_kernel_the_loader_refuses_says_why(cache, monkeypatch):
+    """A kernel compiled that the dynamic loader refuses (a cache on a file system mounted
+    noexec: "failed to map segment from shared object") raised "the compiled kernel ...
+    does not load", the loader's words dropped: nothing said what to change."""
+    real = ctypes.CDLL
+
+    def refuse(name, *args, **kwargs):
+        if str(name).startswith(str(cache)):
+            raise OSError(f"{name}: failed to map segment from shared object")
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(cbuild.ctypes, "CDLL", refuse)
+    with pytest.raises(cbuild.CompilerError, match=r"does not load: the loader refuses it: .*"
+                                                   r"failed to map segment from shared object"):
+        cbuild.build(SOURCE)

@@ -676,14 +676,18 @@ def key_of(source: str) -> str:
 
 
 def _load(path: Path, key: str):
+    """The library at ``path`` if it loads and reports ``key``; else why not, in words (the
+    loader's, where it refuses the file: a cache on a file system mounted noexec)."""
     try:
         lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return f"the loader refuses it: {e}"
+    try:
         lib.vega_key.restype = ctypes.c_char_p
-        if lib.vega_key().decode() == key:
-            return lib
-    except (OSError, AttributeError, UnicodeDecodeError):
-        pass
-    return None
+        found = lib.vega_key().decode()
+    except (AttributeError, UnicodeDecodeError):
+        return "it reports no key"
+    return lib if found == key else f"it reports another key ({found!r})"
 
 
 # cache key -> the library this process loaded for it (``library``)
@@ -723,11 +727,11 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
         target = out_dir / f"{key}.so"
         if os.path.lexists(target):
             lib, problem = load_verified(target, lambda path: _load(path, key))
-            if lib is not None:
+            if problem is None and not isinstance(lib, str):
                 return lib, target, False
             warn_once(f"vega: not loading the cached kernel {target}: "
-                      f"{problem or 'it does not load, or does not report its key'}; "
-                      f"rebuilding it")
+                      f"{problem or f'it does not load, or does not report its key ({lib})'}"
+                      f"; rebuilding it")
         fd, tmp_c = tempfile.mkstemp(suffix=".c", prefix=f".{key}-", dir=out_dir)
         tmp_so = tmp_c[:-2] + ".so"
         try:
@@ -762,9 +766,8 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
                 if os.path.exists(leftover):
                     os.unlink(leftover)
         lib, problem = load_verified(target, lambda path: _load(path, key))
-        if lib is None:
-            raise CompilerError(f"the compiled kernel {target} does not load"
-                                + (f": {problem}" if problem else ""))
+        if problem is not None or isinstance(lib, str):
+            raise CompilerError(f"the compiled kernel {target} does not load: {problem or lib}")
         return lib, target, True
 
 
