@@ -84,3 +84,12 @@ def test_the_sdist_holds_every_file_of_the_repository(built):
         names = {n.partition("/")[2] for n in t.getnames()}
     assert sorted(set(files) - {".gitignore"} - names) == []
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+
+
+def test_the_wheel_is_marked_typed(built):
+    # PEP 561: without vega/py.typed in the installed package, mypy and pyright skip vega's
+    # annotations ('module is installed, but missing library stubs or py.typed marker', an
+    # error on `import vega` under mypy's defaults) and every vega name is Any to them
+    _, wheel, _ = built
+    with zipfile.ZipFile(wheel) as z:
+        assert "vega/py.typed" in z.namelist()
