@@ -2008,7 +2008,7 @@ def _of_spec(spec) -> SpecOptimizer:
     return object.__new__(spec.optimizer_class)
 
 
-def optimizer_class(spec) -> type:
+def optimizer_class(spec) -> type[SpecOptimizer]:
     """A SpecOptimizer subclass for ``spec``, named after its class name."""
     lines = [spec.doc or f"The {spec.name} optimizer.", "", "Hyperparameters (defaults):"]
     for h in spec.hypers:

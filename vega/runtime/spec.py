@@ -21,6 +21,7 @@ from vega.codegen.tensors import (LAZY_WORDS, dense, dense_words, first_with_own
 from vega.codegen.steps import advance_steps
 from vega.runtime import engine, sharded
 from vega.runtime.io import not_regular
+from vega.runtime.optimizer import SpecOptimizer
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, path_name, unflatten
 
 
@@ -439,14 +440,14 @@ class CompiledSpec:
 
     # -- torch.optim ----------------------------------------------------------
     @cached_property
-    def optimizer_class(self) -> type:
-        """This optimizer as a ``torch.optim.Optimizer`` subclass."""
+    def optimizer_class(self) -> type[SpecOptimizer]:
+        """This optimizer as a ``torch.optim.Optimizer`` subclass (of ``SpecOptimizer``)."""
         from vega.runtime.optimizer import optimizer_class
         return optimizer_class(self)
 
-    def optimizer(self, params, *args, **kwargs) -> torch.optim.Optimizer:
-        """A ``torch.optim.Optimizer`` over ``params`` (an iterable or param groups); ``lr``
-        may come by position, as torch's classes take it."""
+    def optimizer(self, params, *args, **kwargs) -> SpecOptimizer:
+        """A ``torch.optim.Optimizer`` (a ``SpecOptimizer``) over ``params`` (an iterable or
+        param groups); ``lr`` may come by position, as torch's classes take it."""
         return self.optimizer_class(params, *args, **kwargs)
 
 

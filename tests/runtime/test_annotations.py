@@ -1,0 +1,67 @@
+"""The public API's annotations as tools read them: ``typing.get_type_hints`` resolves them at
+run time (pydantic, typer, jsonargparse and torch.compile's inspection read them so), and
+what a call gives is what its annotation says, so that a type checker (vega is marked typed,
+``vega/py.typed``) neither refuses the documented uses nor infers a wrong type for them."""
+import functools
+import inspect
+import typing
+
+import torch
+
+import vega
+import vega.optim
+import vega.schedule
+
+# each name a user reaches: vega's, vega.optim's and vega.schedule's (vega.<name>_step and
+# the vega.optim classes are CompiledSpec's methods and SpecOptimizer's subclasses)
+_LAZY = {*vega._LAZY, *vega.optim._SPECS}
+
+
+def _functions(obj, name: str):
+    """``obj`` and, for a class, each function it defines (methods, properties)."""
+    yield name, obj
+    if inspect.isclass(obj):
+        for key, value in vars(obj).items():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            elif isinstance(value, property):
+                value = value.fget
+            elif isinstance(value, functools.cached_property):
+                value = value.func
+            if inspect.isfunction(value):
+                yield f"{name}.{key}", value
+
+
+def test_the_public_annotations_resolve_at_run_time():
+    checked, failed = 0, []
+    for module in (vega, vega.optim, vega.schedule):
+        for name in module.__all__:
+            if name in _LAZY:
+                continue
+            obj = getattr(module, name)
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            for label, fn in _functions(obj, f"{module.__name__}.{name}"):
+                try:
+                    typing.get_type_hints(fn)
+                except Exception as err:  # (a name only a type checker sees: NameError)
+                    failed.append(f"{label}: {type(err).__name__}: {err}")
+                checked += 1
+    assert checked > 100 and not failed, "\n".join(failed)
+
+
+def _is(value, hint) -> bool:
+    return isinstance(value, typing.get_origin(hint) or hint)
+
+
+def test_the_optimizer_a_spec_makes_is_the_class_its_annotations_name():
+    # spec.optimizer(...) was annotated torch.optim.Optimizer, which has none of what the
+    # docs use of vega's optimizers (opt.torch_state_dict(), opt.loss_scale.scale(loss)):
+    # a type checker refused them on the optimizer of one's own spec (vega.compile(...))
+    spec = vega.builtin("adamw")
+    made = typing.get_type_hints(vega.CompiledSpec.optimizer)["return"]
+    cls = typing.get_type_hints(vega.CompiledSpec.optimizer_class.func)["return"]
+    opt = spec.optimizer([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    assert _is(opt, made) and hasattr(made, "torch_state_dict"), made
+    assert typing.get_origin(cls) is type and typing.get_args(cls) == (made,), cls
+    assert issubclass(spec.optimizer_class, made)
