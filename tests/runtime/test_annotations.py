@@ -4,6 +4,7 @@ what a call gives is what its annotation says, so that a type checker (vega is m
 ``vega/py.typed``) neither refuses the documented uses nor infers a wrong type for them."""
 import functools
 import inspect
+import types
 import typing
 
 import torch
@@ -11,6 +12,8 @@ import torch
 import vega
 import vega.optim
 import vega.schedule
+from vega.runtime.loss_scale import LossScale
+from vega.runtime.optimizer import SpecOptimizer
 
 # each name a user reaches: vega's, vega.optim's and vega.schedule's (vega.<name>_step and
 # the vega.optim classes are CompiledSpec's methods and SpecOptimizer's subclasses)
@@ -51,7 +54,9 @@ def test_the_public_annotations_resolve_at_run_time():
 
 
 def _is(value, hint) -> bool:
-    return isinstance(value, typing.get_origin(hint) or hint)
+    """``isinstance`` of an annotation: a class, a union of classes or a generic's origin."""
+    origin = typing.get_origin(hint)
+    return isinstance(value, hint if origin in (None, typing.Union, types.UnionType) else origin)
 
 
 def test_the_optimizer_a_spec_makes_is_the_class_its_annotations_name():
@@ -65,3 +70,18 @@ def test_the_optimizer_a_spec_makes_is_the_class_its_annotations_name():
     assert _is(opt, made) and hasattr(made, "torch_state_dict"), made
     assert typing.get_origin(cls) is type and typing.get_args(cls) == (made,), cls
     assert issubclass(spec.optimizer_class, made)
+
+
+def test_the_fused_step_settings_of_an_optimizer_are_declared_with_their_types():
+    # opt.loss_scale, opt.max_grad_norm and opt.skip_nonfinite, which the docs read and set
+    # (opt.loss_scale.scale(loss).backward(); opt.max_grad_norm = 0.5), were set in
+    # __init__ from unannotated arguments: mypy said 'Cannot determine type of
+    # "loss_scale" [has-type]' in a user's script that read one of a SpecOptimizer
+    declared = typing.get_type_hints(SpecOptimizer)
+    p = torch.nn.Parameter(torch.zeros(2))
+    for settings in ({}, {"loss_scale": LossScale.dynamic(), "max_grad_norm": 1.0},
+                     {"skip_nonfinite": True, "max_grad_norm": 2.0}):
+        opt = vega.optim.AdamW([p], lr=1e-3, **settings)
+        for name in ("loss_scale", "max_grad_norm", "skip_nonfinite"):
+            assert name in declared, name
+            assert _is(getattr(opt, name), declared[name]), (name, getattr(opt, name))

@@ -112,6 +112,10 @@ class SpecOptimizer(torch.optim.Optimizer):
 
     spec = None  # the CompiledSpec, set on each subclass
     _vega_torch_only: dict = {}  # torch_names.torch_only of its rule, set on each subclass
+    # the fused-step settings, as the constructor takes them (set after it, a step checks them)
+    max_grad_norm: float | None
+    loss_scale: LossScale | None
+    skip_nonfinite: bool
 
     def __init__(self, params, *args, backend: str | None = None,
                  state_dtype=None, max_grad_norm: float | None = None,
