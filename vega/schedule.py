@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import overload
 
 import torch
 
@@ -166,7 +167,14 @@ class Schedule:
     _name = "schedule"
     _fields: tuple[str, ...] = ()
 
-    def __call__(self, step):
+    # (on a step tensor a tensor, on a Python int a float: typed so, a checker infers which)
+    @overload
+    def __call__(self, step: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def __call__(self, step: int) -> float: ...
+
+    def __call__(self, step: torch.Tensor | int) -> torch.Tensor | float:
         if isinstance(step, torch.Tensor):
             if step.is_complex() or step.is_floating_point() or step.dtype == torch.bool:
                 raise TypeError(f"a schedule takes an integer step tensor, got {step.dtype}")

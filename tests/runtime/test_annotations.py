@@ -7,6 +7,7 @@ import inspect
 import types
 import typing
 
+import pytest
 import torch
 
 import vega
@@ -85,3 +86,19 @@ def test_the_fused_step_settings_of_an_optimizer_are_declared_with_their_types()
         for name in ("loss_scale", "max_grad_norm", "skip_nonfinite"):
             assert name in declared, name
             assert _is(getattr(opt, name), declared[name]), (name, getattr(opt, name))
+
+
+def test_a_schedule_is_typed_a_tensor_on_a_step_tensor_and_a_float_on_an_int():
+    # Schedule.__call__ was unannotated: a checker took sched(k) as Any, where the value on
+    # a step tensor is a tensor (what a step reads) and on an int a float (for logging)
+    overloads = getattr(typing, "get_overloads", None)
+    if overloads is None:
+        pytest.skip("typing.get_overloads is Python 3.11's")
+    sched = vega.schedule.warmup_cosine_decay(0.0, 1e-3, 10, 90)
+    cases = [typing.get_type_hints(f) for f in overloads(vega.schedule.Schedule.__call__)]
+    assert len(cases) == 2
+    for hints in cases:
+        step = torch.tensor(3) if hints["step"] is torch.Tensor else 3
+        assert _is(step, hints["step"]) and _is(sched(step), hints["return"]), hints
+    hints = typing.get_type_hints(vega.schedule.Schedule.__call__)
+    assert _is(sched(3), hints["return"]) and _is(sched(torch.tensor(3)), hints["return"])
