@@ -102,3 +102,23 @@ def test_a_schedule_is_typed_a_tensor_on_a_step_tensor_and_a_float_on_an_int():
         assert _is(step, hints["step"]) and _is(sched(step), hints["return"]), hints
     hints = typing.get_type_hints(vega.schedule.Schedule.__call__)
     assert _is(sched(3), hints["return"]) and _is(sched(torch.tensor(3)), hints["return"])
+
+
+def test_an_optimizer_step_is_typed_none_without_a_closure_and_its_loss_with_one():
+    # SpecOptimizer.step and LBFGS.step were unannotated: mypy --strict refused opt.step()
+    # in a typed training loop ('Call to untyped function "step" ... [no-untyped-call]'), and
+    # the loss that opt.step(closure) returns was Any
+    overloads = getattr(typing, "get_overloads", None)
+    if overloads is None:
+        pytest.skip("typing.get_overloads is Python 3.11's")
+    for cls in (SpecOptimizer, vega.optim.LBFGS):
+        cases = [typing.get_type_hints(f) for f in overloads(cls.step)]
+        assert [h["closure"] for h in cases][:1] == [type(None)], cls
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = (vega.optim.SGD if cls is SpecOptimizer else cls)([p], lr=0.1)
+        p.grad = torch.ones(3)
+        assert opt.step() is None
+        loss = torch.tensor(2.0)
+        assert opt.step(lambda: loss) is loss
+        # (the closure's type is what the step is typed to return)
+        assert typing.get_args(cases[1]["closure"])[1] is cases[1]["return"]

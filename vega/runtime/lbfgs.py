@@ -61,6 +61,7 @@ import numbers
 import sys
 import weakref
 from functools import partial
+from typing import Callable, TypeVar, overload
 
 import torch
 
@@ -77,6 +78,8 @@ from vega.runtime.spec import (_check_dense, _check_leaves, _label, _paths, flat
                                stepped)
 from vega.runtime.tree import flatten, is_steppable, unflatten
 from vega.schedule import Schedule
+
+_Loss = TypeVar("_Loss")  # what a step's closure returns, and the step (its loss)
 
 __all__ = ["LBFGS", "lbfgs_init", "lbfgs_step"]
 
@@ -753,8 +756,15 @@ class LBFGS(torch.optim.Optimizer):
                           for f in PREV_FIELDS}})
         return st
 
+    # (without a closure None; with one, what it returned: typed so, a checker infers which)
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], _Loss]) -> _Loss: ...
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], _Loss] | None = None) -> _Loss | None:
         """One update of every parameter (a ``None`` gradient is a zero one), unless none
         has a gradient; returns the closure's loss."""
         if not torch.compiler.is_compiling():  # (refused under torch.func.grad, jvp,

@@ -16,6 +16,7 @@ import numbers
 import operator
 import weakref
 from itertools import repeat
+from typing import Callable, TypeVar, overload
 
 import torch
 
@@ -32,6 +33,7 @@ from vega.errors import VegaError, warn
 from vega.runtime import engine, sharded, torch_names
 from vega.runtime.loss_scale import LEAVES, LossScale, check_scale_values
 
+_Loss = TypeVar("_Loss")  # what a step's closure returns, and the step (its loss)
 # a loss scale's tensor -> (a weak reference to) the optimizer that adjusts it (``_claim_scale``)
 _SCALE_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LAYOUT = operator.attrgetter("layout")
@@ -370,8 +372,15 @@ class SpecOptimizer(torch.optim.Optimizer):
                 f"a vega.optim.{owner} with load_state_dict, which converts torch's "
                 "states, and save that optimizer's state_dict")
 
+    # (without a closure None; with one, what it returned: typed so, a checker infers which)
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], _Loss]) -> _Loss: ...
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], _Loss] | None = None) -> _Loss | None:
         """One fused update of every parameter that has a gradient; returns the closure's loss.
 
         With ``loss_scale``: gradients are divided by the scale, and the scale is
