@@ -9,6 +9,7 @@ import typing
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 import vega
 import vega.optim
@@ -122,3 +123,27 @@ def test_an_optimizer_step_is_typed_none_without_a_closure_and_its_loss_with_one
         assert opt.step(lambda: loss) is loss
         # (the closure's type is what the step is typed to return)
         assert typing.get_args(cases[1]["closure"])[1] is cases[1]["return"]
+
+
+def test_the_gradient_transformations_are_typed_to_keep_the_structure_they_take():
+    # clip_by_global_norm, clip_by_value, LossScale.unscale and LossScale.step were
+    # unannotated: mypy --strict refused each call of them in a typed script
+    # ('Call to untyped function "clip_by_global_norm" in typed context'), and what they
+    # return, a pytree of the structure they were given, was Any
+    grads = {"w": torch.ones(2, 2), "b": [torch.ones(2), torch.arange(3)]}
+    ls = LossScale.static(2.0)
+    state = ({"w": torch.zeros(2, 2)}, torch.zeros(()))
+    calls = [(vega.clip_by_global_norm, (grads, 1.0), "grads"),
+             (vega.clip_by_value, (grads, 0.5), "grads"),
+             (ls.unscale, (grads,), "grads")]
+    for fn, args, given in calls:
+        hints = typing.get_type_hints(fn)
+        assert hints["return"] is hints[given], fn
+        got = fn(*args)
+        assert pytree.tree_structure(got) == pytree.tree_structure(args[0]), fn
+    hints = typing.get_type_hints(LossScale.step)
+    assert typing.get_args(hints["return"]) == (hints["state"], LossScale)
+    assert typing.get_args(hints["step_fn"]) == ([hints["grads"]], hints["state"])
+    new, scale = ls.step(grads, lambda g: state, state)
+    assert pytree.tree_structure(new) == pytree.tree_structure(state)
+    assert isinstance(scale, LossScale)

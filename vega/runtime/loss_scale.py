@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Callable, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -39,6 +40,9 @@ from vega.runtime.engine import as_float, positive_finite
 from vega.runtime.tree import path_name
 
 __all__ = ["LossScale", "grads_finite"]
+
+_Tree = TypeVar("_Tree")  # a pytree of gradients, and the one of the same structure made of it
+_State = TypeVar("_State")  # the pytree a step makes of its state (LossScale.step)
 
 TINY = torch.finfo(torch.float32).tiny  # the floor of backing off where min_scale is lower
 
@@ -345,7 +349,7 @@ class LossScale:
                              f"loss, before backward())")
         return _at_dtype(x, self.loss_scale, torch.mul)
 
-    def unscale(self, grads):
+    def unscale(self, grads: _Tree) -> _Tree:
         """Every float leaf of ``grads`` (any pytree) divided by the scale, at its dtype.
 
         Half-precision leaves are divided in float32 and rounded back (as torch's
@@ -446,7 +450,8 @@ class LossScale:
         self.device_given = True
         return self
 
-    def step(self, grads, step_fn, state, *, reduce_group=None):
+    def step(self, grads: _Tree, step_fn: Callable[[_Tree], _State], state: _State, *,
+             reduce_group=None) -> tuple[_State, LossScale]:
         """One loss-scaled step: ``(new state, next loss scale)``.
 
         Divides ``grads`` by the scale, checks them with :func:`grads_finite` (over

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -20,6 +21,8 @@ from vega.errors import shown
 from vega.runtime.engine import as_float
 
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
+
+_Tree = TypeVar("_Tree")  # a pytree of gradients, and the one of the same structure made of it
 
 
 def _float_leaf(x) -> bool:
@@ -161,7 +164,8 @@ def _global_norm(who: str, grads, reduce_group) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
 
 
-def clip_by_global_norm(grads, max_norm, *, reduce_group=None):
+def clip_by_global_norm(grads: _Tree, max_norm: float | torch.Tensor, *,
+                        reduce_group=None) -> _Tree:
     """Rescale all float leaves together so that their joint L2 norm is at most ``max_norm``.
 
     Each leaf becomes ``g * max_norm / max(norm, max_norm)`` (optax's rule: the identity
@@ -208,7 +212,7 @@ def clip_by_global_norm(grads, max_norm, *, reduce_group=None):
     return pytree.tree_map(one, grads)
 
 
-def clip_by_value(grads, max):  # the OCaml library's name, shadowing the builtin here
+def clip_by_value(grads: _Tree, max: float | torch.Tensor) -> _Tree:  # (max: the OCaml name)
     """Clamp every element of every float leaf to ``[-max, max]`` (``max`` positive).
 
     A complex leaf has its real and imaginary parts clamped separately; NaN stays NaN.
