@@ -12,6 +12,7 @@ import math
 import numbers
 import operator
 import sys
+from typing import Callable
 
 import torch
 
@@ -309,7 +310,7 @@ def under_transforms(owner: str, backend, donate: bool, backends: bool = True):
     return "reference" if backends else backend
 
 
-def class_step_transforms(owner: str, rule: str, groups: list) -> None:
+def class_step_transforms(owner: str, rule: str | Callable[[], str], groups: list) -> None:
     """(``rule``: the functional step's name, ``vega.adamw_step``, or a function that gives
     it.) Refuse a class's ``step()`` called under ``torch.func.grad``, ``jvp`` or
     ``functionalize``, or under ``vmap`` with a parameter or gradient of its ``groups``
