@@ -93,3 +93,19 @@ def test_the_wheel_is_marked_typed(built):
     _, wheel, _ = built
     with zipfile.ZipFile(wheel) as z:
         assert "vega/py.typed" in z.namelist()
+
+
+def test_every_subpackage_is_found_by_the_tools_that_walk_the_package():
+    # vega.runtime had no __init__.py (a namespace package): pkgutil.walk_packages, which
+    # stubgen -p vega, pdoc and Sphinx's autosummary walk, did not list it, so stubgen's
+    # stubs of vega held none of its 11 modules (CompiledSpec, LossScale, the optimizer
+    # classes, L-BFGS, the state files), which the stubs of vega itself import from
+    import pkgutil
+
+    import vega
+    found = {m.name for m in pkgutil.walk_packages(vega.__path__, "vega.")}
+    for folder in sorted((ROOT / "vega").rglob("*.py")):
+        rel = folder.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        if name not in ("vega", "vega.__main__"):
+            assert name in found, name
