@@ -4,6 +4,8 @@ Each is a real ``torch.optim.Optimizer``: param groups with their own
 hyperparameters, ``state_dict`` / ``load_state_dict``, ``zero_grad``. A class
 compiles its spec when first used, not when ``vega.optim`` is imported.
 """
+from typing import Any
+
 from vega.runtime.lbfgs import LBFGS
 from vega.runtime.library import builtin
 from vega.runtime.optimizer import SpecOptimizer
@@ -18,7 +20,8 @@ _SPECS = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RAdam": "radam", "LAM
           "DAdaptAdamW": "dadapt_adamw"}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:  # (a SpecOptimizer subclass: Any, so that a checker
+    # takes opt.loss_scale.scale(loss) of one made with a loss_scale, as the README does)
     spec = _SPECS.get(name)
     if spec is None:
         raise AttributeError(f"module 'vega.optim' has no attribute {name!r}")

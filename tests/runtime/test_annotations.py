@@ -159,3 +159,17 @@ def test_a_class_step_gives_its_refusal_under_transforms_what_its_annotation_nam
     hint = typing.get_type_hints(engine.class_step_transforms)["rule"]
     opt = vega.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
     assert _is(opt._functional_step, hint) and _is("vega.lbfgs_step", hint), hint
+
+
+def test_the_names_made_when_first_used_are_typed_to_admit_their_values():
+    # vega.<name>, vega.<name>_init and vega.<name>_step, and vega.optim's classes, are made
+    # by a module __getattr__. Unannotated, pyright inferred vega.__getattr__'s type from its
+    # body, CompiledSpec, and refused the README's first call, vega.adamw_init(params)
+    # ('Object of type "CompiledSpec" is not callable'); vega.optim's gave type[SpecOptimizer],
+    # whose loss_scale, LossScale | None, it refused to call .scale on unchecked, as the
+    # README does of a class made with a loss_scale. Each is Any: its type is its name's
+    for module in (vega, vega.optim):
+        hint = typing.get_type_hints(module.__getattr__)["return"]
+        assert hint is typing.Any, (module, hint)
+    assert isinstance(vega.adamw, vega.CompiledSpec) and callable(vega.adamw_init)
+    assert issubclass(vega.optim.AdamW, SpecOptimizer)
