@@ -173,3 +173,19 @@ def test_the_names_made_when_first_used_are_typed_to_admit_their_values():
         assert hint is typing.Any, (module, hint)
     assert isinstance(vega.adamw, vega.CompiledSpec) and callable(vega.adamw_init)
     assert issubclass(vega.optim.AdamW, SpecOptimizer)
+
+
+def test_a_functional_step_is_typed_a_tuple_of_two_or_of_three():
+    # CompiledSpec.step had no return annotation and an untyped decorator: pyright inferred
+    # its body's, a pair or a triple, and refused the documented
+    # params, state = spec.step(...) ('Tuple size mismatch; expected 2 but received 3')
+    hint = typing.get_type_hints(vega.CompiledSpec.step)["return"]
+    assert typing.get_origin(hint) is tuple and typing.get_args(hint)[1:] == (Ellipsis,)
+    params, grads = {"w": torch.ones(2)}, {"w": torch.ones(2)}
+    state = vega.sgd.init(params)
+    two = vega.sgd.step(params, grads, state, lr=0.1)
+    three = vega.sgd.step(params, grads, state, lr=0.1, loss_scale=LossScale.static(1.0))
+    assert _is(two, hint) and len(two) == 2 and _is(three, hint) and len(three) == 3
+    # (the decorator keeps the step's signature and hints, which vega.sgd_step shows)
+    assert typing.get_type_hints(vega.sgd_step) == typing.get_type_hints(vega.CompiledSpec.step)
+    assert "loss_scale" in inspect.signature(vega.sgd_step).parameters

@@ -12,7 +12,7 @@ import math
 import numbers
 import operator
 import sys
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -367,12 +367,16 @@ def without_autocast(fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def outside_autocast(fn):
-    """``fn`` run by ``without_autocast`` (a functional step)."""
+_F = TypeVar("_F", bound=Callable)
+
+
+def outside_autocast(fn: _F) -> _F:
+    """``fn`` run by ``without_autocast`` (a functional step); of ``fn``'s signature and
+    type, to a type checker too."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         return without_autocast(fn, *args, **kwargs)
-    return run
+    return run  # type: ignore[return-value]
 
 
 def zeros(like, shape, dtype, device) -> torch.Tensor:

@@ -7,6 +7,7 @@ import os
 import re
 from functools import cached_property, partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -200,7 +201,8 @@ class CompiledSpec:
     def step(self, params, grads, state, *, backend: str | None = None, donate: bool = False,
              max_grad_norm: float | None = None, skip_nonfinite: bool = False,
              loss_scale=None, reduce_group=None, master_weights: bool = False,
-             stochastic_rounding: bool = False, rounding_seed: int = 0, **hypers):
+             stochastic_rounding: bool = False, rounding_seed: int = 0,
+             **hypers) -> tuple[Any, ...]:
         """One update: returns (params, state). Pure unless ``donate=True``.
 
         ``**hypers``: the spec's hyperparameters (``defaults`` holds the defaults of those
