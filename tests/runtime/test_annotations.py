@@ -189,3 +189,17 @@ def test_a_functional_step_is_typed_a_tuple_of_two_or_of_three():
     # (the decorator keeps the step's signature and hints, which vega.sgd_step shows)
     assert typing.get_type_hints(vega.sgd_step) == typing.get_type_hints(vega.CompiledSpec.step)
     assert "loss_scale" in inspect.signature(vega.sgd_step).parameters
+
+
+def test_a_mode_is_typed_to_give_the_structure_of_the_params_it_takes():
+    # CompiledSpec.mode ("params as they look in mode name") had no annotations: pyright
+    # inferred its body's return, a list or tuple, and refused indexing its value by a
+    # parameter's name (schedule-free's sf.mode("eval", params, state)["w"])
+    hints = typing.get_type_hints(vega.CompiledSpec.mode)
+    assert hints["return"] is hints["params"]
+    params, grads = {"w": torch.ones(2)}, {"w": torch.ones(2)}
+    spec = vega.builtin("schedule_free_adamw")
+    state = spec.init(params)
+    params, state = spec.step(params, grads, state, lr=1e-3)
+    got = spec.mode("eval", params, state)
+    assert pytree.tree_structure(got) == pytree.tree_structure(params)

@@ -7,7 +7,7 @@ import os
 import re
 from functools import cached_property, partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -24,6 +24,8 @@ from vega.runtime import engine, sharded
 from vega.runtime.io import not_regular
 from vega.runtime.optimizer import SpecOptimizer
 from vega.runtime.tree import flatten, is_steppable, leaf_paths, path_name, unflatten
+
+_Params = TypeVar("_Params")  # a pytree of parameters, and one of its structure
 
 
 class CompiledSpec:
@@ -403,7 +405,8 @@ class CompiledSpec:
         """The modes the spec declares (``mode eval { p = ... }``), in source order."""
         return tuple(m.name for m in self._spec.tree.body if isinstance(m, dsl.ast.Mode))
 
-    def mode(self, name: str, params, state, *, master_weights: bool = False, **hypers):
+    def mode(self, name: str, params: _Params, state, *, master_weights: bool = False,
+             **hypers) -> _Params:
         """``params`` as they look in mode ``name`` of the spec (``mode eval { p = ... }``:
         schedule-free's evaluation point, from the parameters the step keeps), read with
         ``state``: new parameters, a pure function. ``master_weights``: the state holds
