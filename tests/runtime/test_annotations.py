@@ -203,3 +203,15 @@ def test_a_mode_is_typed_to_give_the_structure_of_the_params_it_takes():
     params, state = spec.step(params, grads, state, lr=1e-3)
     got = spec.mode("eval", params, state)
     assert pytree.tree_structure(got) == pytree.tree_structure(params)
+
+
+def test_an_lbfgs_step_is_typed_to_give_the_structure_of_the_params_it_takes():
+    # lbfgs_step had no return annotation: pyright inferred its body's, whose params were a
+    # list or tuple to it, and refused indexing them by a parameter's name
+    # (params, state = vega.lbfgs_step(...); params["w"])
+    hints = typing.get_type_hints(vega.lbfgs_step)
+    assert typing.get_args(hints["return"])[0] is hints["params"]
+    params, grads = {"w": torch.ones(2)}, {"w": torch.ones(2)}
+    got, state = vega.lbfgs_step(params, grads, vega.lbfgs_init(params), lr=0.1)
+    assert pytree.tree_structure(got) == pytree.tree_structure(params)
+    assert _is(state, typing.get_args(hints["return"])[1])

@@ -80,6 +80,7 @@ from vega.runtime.tree import flatten, is_steppable, unflatten
 from vega.schedule import Schedule
 
 _Loss = TypeVar("_Loss")  # what a step's closure returns, and the step (its loss)
+_Params = TypeVar("_Params")  # a pytree of parameters, and one of its structure
 
 __all__ = ["LBFGS", "lbfgs_init", "lbfgs_step"]
 
@@ -431,9 +432,9 @@ def _lbfgs(P, G, DW, DU, PP, UP, weights, step, lr, m, scale_init, donate, group
     return new_p, NDW, NDU, NPP, NUP, NW, new_step
 
 
-def lbfgs_step(params, grads, state, *, lr=1.0, memory_size: int | None = None,
+def lbfgs_step(params: _Params, grads, state, *, lr=1.0, memory_size: int | None = None,
                scale_init_precond: bool = True, donate: bool = False, reduce_group=None,
-               **others):
+               **others) -> tuple[_Params, dict]:
     """One L-BFGS update at the rate ``lr``: returns (params, state). Pure unless ``donate=True``.
 
     optax's ``lbfgs(learning_rate=lr, memory_size, scale_init_precond,
