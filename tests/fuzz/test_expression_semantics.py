@@ -173,3 +173,20 @@ def test_a_division_by_a_value_of_the_step_is_within_two_units(backend):
         assert ((got_p["x"].double() - want.double()).abs() <= 2 * ulp).all()
     else:
         assert_same(got_p["x"], want, f"g / h on {backend}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_float16_state_of_a_float64_step_is_rounded_as_torch_casts(backend):
+    """A float16 state of float64 parameters stores each value as torch's cast does, through
+    float32 (as every backend stores a bfloat16 one): the C and Triton kernels rounded
+    float64 to float16 at once, so at 1 + 2^-11 + 2^-40 (just past a tie of float16, a tie
+    of float32 too) they stored 1.0009765625 where the reference stored 1.0, and 65504
+    where it stored inf at 65519.99999; a fuzzed spec then read the state into a sum of
+    sines and the two parted by 1e-2."""
+    x = torch.tensor([1 + 2 ** -11 + 2 ** -40, -(1 + 2 ** -11 + 2 ** -40), 65519.99999,
+                      1 + 2 ** -11 - 2 ** -40, 2 ** -25 + 2 ** -60, 0.1, math.nan, -0.0],
+                     dtype=torch.float64)
+    text = "optimizer f() {\n    state a: float16 = zeros\n    a = p\n    p = p\n}"
+    _, got = step(text, backend, x, x)
+    assert_same(got["a"]["x"], x.to(torch.float16), "a")
+    assert_same(got["a"]["x"][:3], torch.tensor([1.0, -1.0, math.inf]), "a at the ties")

@@ -754,6 +754,8 @@ class Source:
         st = self.storage[x]
         if st == "bfloat16":
             return f"to_bf16({value})"
+        if st == "float16" and self.ct == "tl.float64":  # (through float32, as torch casts)
+            return f"{value}.to(tl.float32).to(tl.float16)"
         return f"{value}.to({TL[st]})" if TL[st] != self.ct else value
 
     def _scalar_pointer(self, x: str, out: bool, masked: bool) -> str:

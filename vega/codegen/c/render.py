@@ -23,7 +23,8 @@ STORAGE = {
     "float32": ("float", "(CT)({x})", "(float)({x})"),
     "float64": ("double", "(CT)({x})", "(double)({x})"),
     "bfloat16": ("uint16_t", "(CT)bf16_to_f32({x})", "f32_to_bf16((float)({x}))"),
-    "float16": ("_Float16", "(CT)({x})", "(_Float16)({x})"),
+    # (a double through float, as torch casts float64 to float16: rounded twice)
+    "float16": ("_Float16", "(CT)({x})", "(_Float16)(float)({x})"),
     # an 8-bit state's codes: read and written with their block's scale (vega.codegen.quant)
     "uint8": ("uint8_t", "(CT)({x})", "(uint8_t)({x})"),
 }
