@@ -1059,3 +1059,33 @@ def test_a_library_that_does_not_load_says_why(copying, fresh, monkeypatch):
     native._state.update(module=None, pending=None, failed=None)
     assert native.module() is None and native._state["pending"] is None  # remembered
     assert "failed to map segment" in native.status()
+
+
+@pytest.mark.parametrize("wrong", [torch.float64, torch.float16])
+def test_an_output_of_another_dtype_is_refused_by_name(wrong):
+    """The operator's step out of place writes each new tensor in its input's dtype: an
+    output of another dtype (the shape checked alike) is refused, naming it, before anything
+    is written; not written as the input's bytes (a float16 output half a float32's size)."""
+    mod = native.module(wait=True)
+    if mod is None:
+        pytest.skip("the native operator cannot be built here")
+    from vega.codegen.c import launch
+    kern = launch.Kernel(vega.adamw.program())
+    kern._native_call(mod, mod.step, [torch.ones(3)], [torch.ones(3)],
+                      [torch.zeros(3), torch.zeros(3)], [torch.zeros((), dtype=torch.int32)],
+                      [0], [torch.zeros(len(kern.program.float_hypers), dtype=torch.float64)],
+                      [0], None, [], [])  # (its library built and registered)
+    p, g, mu, nu = torch.ones(5), torch.ones(5), torch.zeros(5), torch.zeros(5)
+    step = torch.zeros((), dtype=torch.int32)
+    hyp = torch.full((len(kern.program.float_hypers),), 0.5, dtype=torch.float64)
+    outs = [torch.full((5,), 7.0), torch.full((5,), 7.0, dtype=wrong), torch.full((5,), 7.0)]
+    with pytest.raises(ValueError, match=r"output 1 \(state 0 of parameter 0\) is of dtype "
+                                         rf"{str(wrong).split('.')[1]}, its input's float32"):
+        torch.ops.vega_c.step(kern.id, [p], [g], [mu, nu], [step], [0], [hyp], [0], None,
+                              [], outs)
+    assert all((o == 7).all() for o in outs) and int(step) == 0
+    outs = [torch.full((5,), 7.0, dtype=wrong), torch.full((5,), 7.0), torch.full((5,), 7.0)]
+    with pytest.raises(ValueError, match=r"output 0 \(parameter 0\) is of dtype"):
+        torch.ops.vega_c.step(kern.id, [p], [g], [mu, nu], [step], [0], [hyp], [0], None,
+                              [], outs)
+    assert all((o == 7).all() for o in outs) and int(step) == 0

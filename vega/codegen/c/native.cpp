@@ -605,6 +605,15 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
                                                   in);
             } else if (!outs[s * n + i].sizes().equals(in.sizes())) {
                 fail("backend 'c': an output's shape differs from its input's");
+            } else if (outs[s * n + i].scalar_type() != in.scalar_type()) {
+                // (the kernels write each new tensor in its input's dtype: another would be
+                // reinterpreted, or written past its end)
+                const char *want = dtype_name(in.scalar_type());
+                fail("backend 'c': output " + std::to_string(s * n + i) + " (" +
+                     (s == 0 ? std::string() : "state " + std::to_string(s - 1) + " of ") +
+                     "parameter " + std::to_string(i) + ") is of dtype " +
+                     dtype_name(outs[s * n + i].scalar_type()) + ", its input's " +
+                     (want ? want : "another") + "; each output takes its input's dtype");
             }
         }
         f[0] = p.numel();
