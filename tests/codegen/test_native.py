@@ -1089,3 +1089,36 @@ def test_an_output_of_another_dtype_is_refused_by_name(wrong):
         torch.ops.vega_c.step(kern.id, [p], [g], [mu, nu], [step], [0], [hyp], [0], None,
                               [], outs)
     assert all((o == 7).all() for o in outs) and int(step) == 0
+
+
+@needs_cxx
+def test_a_compiler_that_finds_no_room_is_said_and_not_remembered(fresh, monkeypatch):
+    """A compiler whose files found no room (a full disk or quota: gcc's "fatal error: error
+    writing to /tmp/ccX.s: No space left on device", ld's "final link failed: No space left
+    on device") made no complaint about the source, but its failure was recorded beside the
+    target as the compiler's, so that no later process built the operator again, the disk
+    freed or not."""
+    _, target = native._paths()
+    says = [sys.executable, "-c", "import sys; sys.exit('/usr/bin/ld: final link failed: "
+            "No space left on device\\ncollect2: error: ld returned 1 exit status')"]
+    monkeypatch.setattr(native, "_paths", lambda: (says, target))
+    assert native.module(wait=True) is None
+    said = native.status()
+    assert "final link failed: No space left on device" in said, said
+    assert "a later process builds it again" in said and "kept in" not in said
+    assert not native._failed_file(target).exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full") or native.cbuild.compiler() is None,
+                    reason="needs /dev/full and a C compiler")
+def test_a_compiler_that_finds_no_room_is_read_so(tmp_path):
+    """What a real compiler says writing into a full disk (/dev/full) is read as no room."""
+    src = tmp_path / "x.c"
+    src.write_text("int f(void) { return 1; }\n")
+    cb = native.cbuild
+    proc = subprocess.run([*cb.command(cb.compiler()), "-shared", "-fPIC", str(src), "-o",
+                           "/dev/full"], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, env=cb.compiler_env())
+    assert proc.returncode != 0 and "No space left on device" in cb.no_room(proc), proc.stderr
+    assert cb.no_room(subprocess.CompletedProcess([], 1, "", "x.c:1: error: expected ';'")) \
+        is None

@@ -667,6 +667,19 @@ def killed(proc: subprocess.CompletedProcess) -> str | None:
         f"had the program it ran killed ({found.group(0)})"
 
 
+# what a compiler says where a file it writes found no room (gcc: "fatal error: error
+# writing to /tmp/ccX.s: No space left on device"; ld: "final link failed: No space left on
+# device"; a quota), in the C locale it runs in (``compiler_env``): no verdict on the source
+_NO_ROOM = re.compile(r".*\b(No space left on device|Disk quota exceeded)\b.*")
+
+
+def no_room(proc: subprocess.CompletedProcess) -> str | None:
+    """The line in which the compiler run ``proc`` (its output captured as text) says that a
+    file it wrote found no room (a full disk or quota), where it failed; else None."""
+    found = _NO_ROOM.search(f"{proc.stderr or ''}\n{proc.stdout or ''}")
+    return None if proc.returncode == 0 or found is None else found.group(0).strip()
+
+
 def key_of(source: str) -> str:
     """The cache key of ``source``: a hash of it, the compiler's version, the flags and the
     target CPU."""

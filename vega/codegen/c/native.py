@@ -376,8 +376,8 @@ def build(target: Path | None = None, text: str | None = None) -> str | None:
     processes do not build it again), or None. A compiler killed by a signal, or whose
     driver says the program it ran was (out of memory), or one stopped at the time limit
     or that could not be started for want of memory or processes, made no complaint about
-    the source, nor did a build whose files could not be written or installed (a full disk):
-    that is said, not written.
+    the source, nor did a build whose files could not be written or installed (a full disk,
+    the compiler's files too): that is said, not written.
     ``text``: the source to compile (default ``TEXT``; the background build's, its parent's,
     which the target's key names)."""
     found = _paths()
@@ -406,6 +406,10 @@ def build(target: Path | None = None, text: str | None = None) -> str | None:
         how = cbuild.killed(proc)
         if how is not None:  # (out of memory: no verdict on the source)
             return f"the C++ compiler {how}; a later process builds it again"
+        room = cbuild.no_room(proc)
+        if room is not None:  # (a full disk: no verdict on the source either)
+            return (f"the C++ compiler could not write its files ({room}); a later process "
+                    "builds it again")
         error = "the C++ compiler failed: " + (proc.stderr or proc.stdout)[-2000:]
     except subprocess.TimeoutExpired as e:  # (stopped at the limit, on a loaded machine)
         return (f"the C++ compiler ran past {e.timeout:g} s and was stopped; a later "
