@@ -1776,3 +1776,20 @@ def test_a_step_of_tensors_without_memory_is_refused_by_name(how, path):
     (a segmentation fault, in the native operator or the Python path). In a fresh process:
     the crash would take the test session with it."""
     _run_step_script(NO_MEMORY, how, path)
+
+
+def test_a_compiler_that_finds_no_room_is_said_as_such(tmp_path, monkeypatch):
+    # a kernel's compiler whose files found no room (a full disk or quota): the toolchain
+    # probe, which fails the same way, said the compiler "cannot build vega's C kernels here"
+    # and to install what it lacks (libgomp, the C library's headers); a probe that could not
+    # be written said "a bug in vega; please report it"
+    _fake_compiler(tmp_path, monkeypatch, "cc-full",
+                   "echo '/usr/bin/ld: final link failed: No space left on device' >&2\n"
+                   "echo 'collect2: error: ld returned 1 exit status' >&2; exit 1\n")
+    with pytest.raises(cbuild.CompilerError) as caught:
+        cbuild.build('const char *vega_key(void) { return "@KEY@"; }\n')
+    said = str(caught.value)
+    assert "final link failed: No space left on device" in said, said
+    assert "free some space" in said and "a later step compiles it again" in said, said
+    assert "a bug" not in said and "cannot build vega's C kernels" not in said, said
+    assert [f.name for f in (tmp_path / "cache" / "c").iterdir()] == []  # nothing left

@@ -769,6 +769,11 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
             if how is not None:
                 raise CompilerError(f"{shown(cc)} {how} while compiling a kernel (out of "
                                     f"memory?); a later step compiles it again")
+            room = no_room(proc)
+            if room is not None:  # (a full disk: the probe would fail too)
+                raise CompilerError(f"{shown(cc)} found no room for its files while compiling "
+                                    f"a kernel ({room}): free some space in {out_dir} and the "
+                                    f"temporary directory; a later step compiles it again")
             if proc.returncode != 0:
                 raise CompilerError(toolchain_problem(cc, out_dir) or
                                     f"{shown(cc)} failed on a generated kernel (a bug in vega; "
