@@ -742,9 +742,8 @@ def build(source: str) -> tuple[ctypes.CDLL, Path, bool]:
             lib, problem = load_verified(target, lambda path: _load(path, key))
             if problem is None and not isinstance(lib, str):
                 return lib, target, False
-            warn_once(f"vega: not loading the cached kernel {target}: "
-                      f"{problem or f'it does not load, or does not report its key ({lib})'}"
-                      f"; rebuilding it")
+            warn_once(f"vega: not loading the cached kernel {target}: {problem or lib}; "
+                      f"rebuilding it")
         fd, tmp_c = tempfile.mkstemp(suffix=".c", prefix=f".{key}-", dir=out_dir)
         tmp_so = tmp_c[:-2] + ".so"
         try:
