@@ -1122,3 +1122,29 @@ def test_a_compiler_that_finds_no_room_is_read_so(tmp_path):
     assert proc.returncode != 0 and "No space left on device" in cb.no_room(proc), proc.stderr
     assert cb.no_room(subprocess.CompletedProcess([], 1, "", "x.c:1: error: expected ';'")) \
         is None
+
+
+@needs_cxx
+def test_a_library_whose_copy_the_disk_refuses_is_kept_and_not_loaded_now(copying, fresh,
+                                                                          monkeypatch):
+    """A library is loaded from a copy of the bytes checked, written beside it: where the
+    disk refused that copy (full), the OSError came out of native.module() into the step
+    (the operator is only a faster path). It is said, in this process alone, and the
+    library is kept for a later process, not removed and built again."""
+    assert native.module(wait=True) is not None  # (built into the new cache)
+    _, target = native._paths()
+    native._state.update(module=None, pending=None, failed=None)
+    real = native.cbuild.tempfile.mkstemp
+
+    def mkstemp(*args, prefix=None, **kwargs):
+        if prefix is not None and prefix.startswith(".load-"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, prefix=prefix, **kwargs)
+    monkeypatch.setattr(native.cbuild.tempfile, "mkstemp", mkstemp)
+    assert native.module(wait=True) is None
+    said = native.status()
+    assert "No space left on device" in said and "a later process loads it" in said, said
+    assert target.exists() and not native._failed_file(target).exists()
+    monkeypatch.setattr(native.cbuild.tempfile, "mkstemp", real)
+    native._state.update(module=None, pending=None, failed=None)
+    assert native.module() is not None  # (the room found again: the library kept, loaded)

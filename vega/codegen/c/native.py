@@ -148,12 +148,18 @@ def _register_fakes() -> None:
 
 
 _BUILT = "built, but it "  # (what a library built but not usable is said with: not rebuilt)
+# (what a library that could not be loaded now is said with: kept for a later process, which
+# loads it; neither rebuilt nor recorded)
+_NOW = "built, but not loadable now"
 
 
 def _opened(path: Path):
     """(the module of the library at ``path``, None) if it may be loaded (``cbuild.untrusted``:
     checked before it is opened) and has the operators; else (None, why not)."""
-    found, problem = cbuild.load_verified(path, _checked)
+    try:
+        found, problem = cbuild.load_verified(path, _checked)
+    except OSError as e:  # (its copy could not be written: a full disk, no descriptor left)
+        return None, f"{_NOW} ({e}); a later process loads it"
     if problem is not None:
         return None, f"{path} is not trusted: {problem}"
     return (found, None) if not isinstance(found, str) else (None, found)
@@ -616,7 +622,7 @@ def _poll(wait: bool) -> None:
     _state["pending"] = None
     if os.path.lexists(target):
         _state["module"], problem = _opened(target)
-        if problem is not None and not problem.startswith(_BUILT):
+        if problem is not None and not problem.startswith((_BUILT, _NOW)):
             cbuild.warn_once(f"vega: not loading the native operator: {problem}")
         _state["failed"] = _unusable(target, problem)
     else:
@@ -668,6 +674,9 @@ def module(wait: bool | None = None):
             _state["module"], problem = _opened(target)
             if _state["module"] is not None:
                 return _state["module"]
+            if problem.startswith(_NOW):
+                _state["failed"] = problem
+                return None
             if not problem.startswith(_BUILT):
                 cbuild.warn_once(f"vega: not loading the native operator: {problem}; "
                                  f"rebuilding it")
