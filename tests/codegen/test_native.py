@@ -1148,3 +1148,21 @@ def test_a_library_whose_copy_the_disk_refuses_is_kept_and_not_loaded_now(copyin
     monkeypatch.setattr(native.cbuild.tempfile, "mkstemp", real)
     native._state.update(module=None, pending=None, failed=None)
     assert native.module() is not None  # (the room found again: the library kept, loaded)
+
+
+@needs_cxx
+def test_a_library_the_loader_cannot_map_now_is_not_remembered(copying, fresh, monkeypatch):
+    """A library the loader refused for want of a file descriptor or memory (a process at
+    its limit: "cannot open shared object file: Too many open files") was recorded beside
+    the target as built but unusable, so that no later process loaded it."""
+    def refuse(path):
+        raise ImportError(f"{path}: cannot open shared object file: Too many open files")
+    monkeypatch.setattr(native, "_load", refuse)
+    assert native.module(wait=True) is None
+    said = native.status()
+    assert "Too many open files" in said and "a later process loads it" in said, said
+    _, target = native._paths()
+    assert target.exists() and not native._failed_file(target).exists()
+    native._state.update(module=None, pending=None, failed=None)
+    assert native.module() is None and "Too many open files" in native.status()
+    assert target.exists()  # (kept: neither removed nor rebuilt)

@@ -151,6 +151,9 @@ _BUILT = "built, but it "  # (what a library built but not usable is said with: 
 # (what a library that could not be loaded now is said with: kept for a later process, which
 # loads it; neither rebuilt nor recorded)
 _NOW = "built, but not loadable now"
+# what keeps the loader from mapping a library now but not later: no file descriptor or memory
+# left (a process at its limit), in the loader's words (the strerror of this process's locale)
+_LOAD_NOW = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
 def _opened(path: Path):
@@ -167,11 +170,15 @@ def _opened(path: Path):
 
 def _checked(path: Path):
     """The module of the library at ``path``, if it loads and registered its operators;
-    else why not, in the loader's words (``_BUILT``)."""
+    else why not, in the loader's words (``_BUILT``; ``_NOW`` where it is out of descriptors
+    or memory)."""
     try:
         module = _load(path)
     except (ImportError, OSError, AttributeError, TypeError, ValueError, RuntimeError) as e:
-        return f"{_BUILT}does not load ({type(e).__name__}: {e})"
+        said = f"{type(e).__name__}: {e}"
+        if any(os.strerror(n) in said for n in _LOAD_NOW):
+            return f"{_NOW} ({said}); a later process loads it"
+        return f"{_BUILT}does not load ({said})"
     if not all(hasattr(module, f) for f in ("step", "prelude", "add_kernel", "add_library")) \
             or not hasattr(torch.ops.vega_c, "step"):
         return f"{_BUILT}does not have the operators"
