@@ -1166,3 +1166,22 @@ def test_a_library_the_loader_cannot_map_now_is_not_remembered(copying, fresh, m
     native._state.update(module=None, pending=None, failed=None)
     assert native.module() is None and "Too many open files" in native.status()
     assert target.exists()  # (kept: neither removed nor rebuilt)
+
+
+@needs_cxx
+def test_a_background_build_past_the_wait_limit_is_said_stopped(fresh, monkeypatch):
+    """A background build that a waiting step stops at its limit is said as stopped there
+    (not as killed by SIGKILL, which this process sent), and not recorded."""
+    real = subprocess.Popen
+
+    def popen(args, **kwargs):
+        return real([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs)
+    monkeypatch.setattr(native.subprocess, "Popen", popen)
+    monkeypatch.setattr(native, "WAIT_LIMIT", 0.5)
+    assert native.module() is None
+    assert native.module(wait=True) is None
+    said = native.status()
+    assert "ran past 0.5 s and was stopped; a later process builds it again" in said, said
+    assert "SIGKILL" not in said
+    _, target = native._paths()
+    assert not native._failed_file(target).exists()
