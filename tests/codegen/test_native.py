@@ -1185,3 +1185,24 @@ def test_a_background_build_past_the_wait_limit_is_said_stopped(fresh, monkeypat
     assert "SIGKILL" not in said
     _, target = native._paths()
     assert not native._failed_file(target).exists()
+
+
+@needs_cxx
+def test_a_background_build_killed_after_its_record_says_the_record(fresh, monkeypatch):
+    """A background build killed after it recorded the compiler's complaint beside the
+    target (between the record and its exit): the record stands, and no later process
+    builds it again, as the status said ("its build process was killed by signal 9
+    (SIGKILL); a later process builds it again")."""
+    _, target = native._paths()
+    record = native._failed_file(target)
+    code = (f"import os, signal; os.makedirs({str(target.parent)!r}, exist_ok=True); "
+            f"open({str(record)!r}, 'w').write('the C++ compiler failed: bad'); "
+            f"os.kill(os.getpid(), signal.SIGKILL)")
+    real = subprocess.Popen
+
+    def popen(args, **kwargs):
+        return real([sys.executable, "-c", code], **kwargs)
+    monkeypatch.setattr(native.subprocess, "Popen", popen)
+    assert native.module() is None
+    assert native.module(wait=True) is None
+    assert native.status() == "native operator unavailable: the C++ compiler failed: bad"

@@ -633,11 +633,12 @@ def _poll(wait: bool) -> None:
             cbuild.warn_once(f"vega: not loading the native operator: {problem}")
         _state["failed"] = _unusable(target, problem)
     else:
-        failure = _failure(target)
+        failure = recorded = _failure(target)
         if failure is None and log is not None:
             log.seek(0)
             failure = log.read().decode(errors="replace")[-2000:]
-        if proc is not None and (stopped or not failure or proc.returncode < 0):
+        if proc is not None and recorded is None and (stopped or not failure or
+                                                      proc.returncode < 0):
             # (killed, or ended without a word: no verdict on the source, none recorded)
             how = f"ran past {WAIT_LIMIT} s and was stopped" if stopped else cbuild.killed(
                 subprocess.CompletedProcess(proc.args, proc.returncode, "", failure or "")) \
