@@ -641,7 +641,7 @@ def _poll(wait: bool) -> None:
                                                       proc.returncode < 0):
             # (killed, or ended without a word: no verdict on the source, none recorded)
             how = f"ran past {WAIT_LIMIT} s and was stopped" if stopped else cbuild.killed(
-                subprocess.CompletedProcess(proc.args, proc.returncode, "", failure or "")) \
+                subprocess.CompletedProcess(proc.args, proc.returncode)) \
                 or f"ended with status {proc.returncode} without a word"
             failure = f"its build process {how}; a later process builds it again" + (
                 f":\n{failure}" if failure else "")
