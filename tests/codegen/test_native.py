@@ -975,7 +975,7 @@ def test_a_child_forked_while_the_lock_is_taken_does_not_hold_it(tmp_path, monke
 
 
 @needs_cxx
-@pytest.mark.parametrize("at", ["install", "source"])
+@pytest.mark.parametrize("at", ["install", "source", "temporary"])
 def test_a_build_the_disk_refuses_is_said_and_not_remembered(fresh, monkeypatch, at):
     """A build whose files could not be written (a full disk, a process out of file
     descriptors): a library compiled but not installed was said to be a compiler that
@@ -992,6 +992,10 @@ def test_a_build_the_disk_refuses_is_said_and_not_remembered(fresh, monkeypatch,
         raise full
     if at == "install":
         monkeypatch.setattr(native.cbuild, "install", refuse)
+    elif at == "temporary":  # (the first of its files, the library's: nothing to remove)
+        real_mkstemp = tempfile.mkstemp
+        monkeypatch.setattr(native.tempfile, "mkstemp", lambda *a, suffix=None, **k: refuse()
+                            if suffix == ".so" else real_mkstemp(*a, suffix=suffix, **k))
     else:
         real = os.fdopen
 
