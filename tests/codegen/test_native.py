@@ -1173,6 +1173,19 @@ def test_a_library_the_loader_cannot_map_now_is_not_remembered(copying, fresh, m
 
 
 @needs_cxx
+def test_a_library_without_room_for_its_static_tls_is_remembered(copying, fresh, monkeypatch):
+    """"cannot allocate memory in static TLS block" is the library's own want (libgomp's
+    thread-local storage, loaded late), no errno of the moment: it is recorded as a library
+    that does not load, not taken for a process out of memory."""
+    def refuse(path):
+        raise ImportError("libgomp.so.1: cannot allocate memory in static TLS block")
+    monkeypatch.setattr(native, "_load", refuse)
+    assert native.module(wait=True) is None
+    _, target = native._paths()
+    assert "static TLS block" in native._failed_file(target).read_text()
+
+
+@needs_cxx
 def test_a_background_build_past_the_wait_limit_is_said_stopped(fresh, monkeypatch):
     """A background build that a waiting step stops at its limit is said as stopped there
     (not as killed by SIGKILL, which this process sent), and not recorded."""

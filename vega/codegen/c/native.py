@@ -152,7 +152,8 @@ _BUILT = "built, but it "  # (what a library built but not usable is said with: 
 # loads it; neither rebuilt nor recorded)
 _NOW = "built, but not loadable now"
 # what keeps the loader from mapping a library now but not later: no file descriptor or memory
-# left (a process at its limit), in the loader's words (the strerror of this process's locale)
+# left (a process at its limit), as the loader says an errno (": " and the strerror of this
+# process's locale; not "cannot allocate memory in static TLS block", which is the library's)
 _LOAD_NOW = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
@@ -176,7 +177,7 @@ def _checked(path: Path):
         module = _load(path)
     except (ImportError, OSError, AttributeError, TypeError, ValueError, RuntimeError) as e:
         said = f"{type(e).__name__}: {e}"
-        if any(os.strerror(n) in said for n in _LOAD_NOW):
+        if any(f": {os.strerror(n)}" in said for n in _LOAD_NOW):  # (the loader's errno)
             return f"{_NOW} ({said}); a later process loads it"
         return f"{_BUILT}does not load ({said})"
     if not all(hasattr(module, f) for f in ("step", "prelude", "add_kernel", "add_library")) \
