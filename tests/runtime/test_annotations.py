@@ -116,15 +116,22 @@ def test_an_optimizer_step_is_typed_none_without_a_closure_and_its_loss_with_one
         pytest.skip("typing.get_overloads is Python 3.11's")
     for cls in (SpecOptimizer, vega.optim.LBFGS):
         cases = [typing.get_type_hints(f) for f in overloads(cls.step)]
-        assert [h["closure"] for h in cases][:1] == [type(None)], cls
+        assert len(cases) == 2 and cases[0]["closure"] is type(None), cls
+        assert cases[0]["return"] is type(None), cls
+        # (any object the closure returns, not torch's float: a TypeVar, free)
+        loss_type = cases[1]["return"]
+        assert isinstance(loss_type, typing.TypeVar), (cls, loss_type)
+        assert loss_type.__bound__ is None and not loss_type.__constraints__, cls
+        assert typing.get_args(cases[1]["closure"]) == ([], loss_type), cls
+        impl = typing.get_type_hints(cls.step)["return"]
+        assert set(typing.get_args(impl)) == {loss_type, type(None)}, (cls, impl)
         p = torch.nn.Parameter(torch.ones(3))
         opt = (vega.optim.SGD if cls is SpecOptimizer else cls)([p], lr=0.1)
         p.grad = torch.ones(3)
         assert opt.step() is None
         loss = torch.tensor(2.0)
         assert opt.step(lambda: loss) is loss
-        # (the closure's type is what the step is typed to return)
-        assert typing.get_args(cases[1]["closure"])[1] is cases[1]["return"]
+        assert opt.step(lambda: "a loss of one's own") == "a loss of one's own"
 
 
 def test_the_gradient_transformations_are_typed_to_keep_the_structure_they_take():
@@ -143,6 +150,13 @@ def test_the_gradient_transformations_are_typed_to_keep_the_structure_they_take(
         assert hints["return"] is hints[given], fn
         got = fn(*args)
         assert pytree.tree_structure(got) == pytree.tree_structure(args[0]), fn
+    # (a bound is a number or a 0-d tensor, docs/training.md: both are called with)
+    for fn, bound in ((vega.clip_by_global_norm, "max_norm"), (vega.clip_by_value, "max")):
+        hint = typing.get_type_hints(fn)[bound]
+        for value in (1.0, torch.tensor(1.0)):
+            assert _is(value, hint), (fn, hint)
+            got = fn(grads, value)
+            assert pytree.tree_structure(got) == pytree.tree_structure(grads), fn
     hints = typing.get_type_hints(LossScale.step)
     assert typing.get_args(hints["return"]) == (hints["state"], LossScale)
     assert typing.get_args(hints["step_fn"]) == ([hints["grads"]], hints["state"])
@@ -186,7 +200,11 @@ def test_a_functional_step_is_typed_a_tuple_of_two_or_of_three():
     two = vega.sgd.step(params, grads, state, lr=0.1)
     three = vega.sgd.step(params, grads, state, lr=0.1, loss_scale=LossScale.static(1.0))
     assert _is(two, hint) and len(two) == 2 and _is(three, hint) and len(three) == 3
-    # (the decorator keeps the step's signature and hints, which vega.sgd_step shows)
+    # (the decorator keeps the step's signature and hints, which vega.sgd_step shows, and
+    # is typed to: it gives back its function's own type, where untyped it made the step Any)
+    from vega.runtime import engine
+    deco = typing.get_type_hints(engine.outside_autocast)
+    assert isinstance(deco["fn"], typing.TypeVar) and deco["return"] is deco["fn"], deco
     assert typing.get_type_hints(vega.sgd_step) == typing.get_type_hints(vega.CompiledSpec.step)
     assert "loss_scale" in inspect.signature(vega.sgd_step).parameters
 
