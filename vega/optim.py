@@ -20,8 +20,10 @@ _SPECS = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RAdam": "radam", "LAM
           "DAdaptAdamW": "dadapt_adamw"}
 
 
-def __getattr__(name: str) -> Any:  # (a SpecOptimizer subclass: Any, so that a checker
-    # takes opt.loss_scale.scale(loss) of one made with a loss_scale, as the README does)
+# (-> Any: each class is a SpecOptimizer subclass, but typed type[SpecOptimizer], an
+# optimizer's loss_scale is LossScale | None to a checker, which then refuses the README's
+# opt.loss_scale.scale(loss) of one made with a loss_scale; Any leaves the classes unchecked)
+def __getattr__(name: str) -> Any:
     spec = _SPECS.get(name)
     if spec is None:
         raise AttributeError(f"module 'vega.optim' has no attribute {name!r}")
