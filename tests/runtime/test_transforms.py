@@ -8,6 +8,7 @@ import optax
 import pytest
 import torch
 
+import vega
 from vega.runtime.transforms import clip_by_global_norm, clip_by_value, global_norm
 
 jax.config.update("jax_enable_x64", True)
@@ -338,3 +339,29 @@ def test_clip_by_global_norm_with_a_tensor_bound_and_bfloat16_leaves():
     out = clip_by_global_norm(b, 1.0)["w"]
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, (b["w"].float() * coef).bfloat16())
+
+
+class _Grads(dict):
+    """A dict subclass, which torch's pytree takes as one leaf (it walks dict itself)."""
+
+
+@pytest.mark.parametrize("call", ["global_norm", "clip_by_global_norm", "clip_by_value",
+                                  "grads_finite", "unscale"])
+def test_a_container_torch_does_not_walk_is_refused_not_passed_over(call):
+    # a dict subclass of gradients was one non-tensor leaf to these: its tensors were
+    # passed over, so an overflow read as finite, a norm of 3 as 0, and clipping and
+    # unscaling returned the gradients unchanged
+    grads = _Grads(w=torch.tensor([3.0, float("inf")]))
+    fns = {"global_norm": vega.global_norm,
+           "clip_by_global_norm": lambda g: vega.clip_by_global_norm(g, 1.0),
+           "clip_by_value": lambda g: vega.clip_by_value(g, 1.0),
+           "grads_finite": vega.grads_finite,
+           "unscale": vega.LossScale.static(2.0).unscale}
+    for tree, where in ((grads, "grads"), ({"layer": grads}, "grads leaf 'layer'")):
+        with pytest.raises(ValueError, match=f"{call}: {where} is a _Grads"):
+            fns[call](tree)
+    # (an OrderedDict is walked; None, a number and a torch.Size, no tensor, pass through)
+    import collections
+    tree = collections.OrderedDict(w=grads["w"], n=None, k=3, shape=torch.Size([2]))
+    assert not vega.grads_finite(tree)
+    assert vega.clip_by_value(tree, 1.0)["shape"] == torch.Size([2])

@@ -37,7 +37,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from vega.runtime.engine import as_float, positive_finite
-from vega.runtime.tree import path_name
+from vega.runtime.tree import CONTAINERS, path_name
 
 __all__ = ["LossScale", "grads_finite"]
 
@@ -353,10 +353,16 @@ class LossScale:
         """Every float leaf of ``grads`` (any pytree) divided by the scale, at its dtype.
 
         Half-precision leaves are divided in float32 and rounded back (as torch's
-        GradScaler does); other leaves pass through unchanged.
+        GradScaler does); other leaves pass through unchanged (a container torch's pytree
+        does not walk into, a dict subclass, is refused: ``ValueError``).
         """
         def one(g):
-            return _at_dtype(g, self.loss_scale, torch.div) if _float_leaf(g) else g
+            if _float_leaf(g):
+                return _at_dtype(g, self.loss_scale, torch.div)
+            if isinstance(g, CONTAINERS):
+                from vega.runtime.transforms import refuse_unwalked
+                refuse_unwalked("unscale", grads)
+            return g
         return pytree.tree_map(one, grads)
 
     def adjust(self, finite, *, growth_interval: int | None = None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 
 import torch
 from torch.utils import _pytree as pytree
@@ -115,6 +116,19 @@ def _is_none(x) -> bool:
 
 
 _FLAT_KINDS = frozenset({dict, list, tuple})
+# containers that torch's pytree takes as one leaf where it is not a registered node (a dict
+# subclass, a UserDict, a tuple subclass not a namedtuple): their tensors are not walked
+CONTAINERS = (Mapping, list, tuple)
+
+
+def holds_tensor(x) -> bool:
+    """Whether ``x``, a leaf of torch's pytree, is a container (``CONTAINERS``) with a tensor
+    somewhere in it (not a torch.Size, a tuple of ints)."""
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, CONTAINERS):
+        return any(map(holds_tensor, x.values() if isinstance(x, Mapping) else x))
+    return False
 # (dict, its keys), (list or tuple, its length), or (a nested tree's shape, its count of
 # leaves: ``_nested``) -> its TreeSpec (made by torch's walk, once); the id of such a spec
 # -> those (checked against _FLAT_SPECS on use)
