@@ -1,5 +1,5 @@
 """The public API's annotations as tools read them: ``typing.get_type_hints`` resolves them at
-run time (pydantic, typer, jsonargparse and torch.compile's inspection read them so), and
+run time (pydantic, typer and jsonargparse read them so), and
 what a call gives is what its annotation says, so that a type checker (vega is marked typed,
 ``vega/py.typed``) neither refuses the documented uses nor infers a wrong type for them."""
 import functools
