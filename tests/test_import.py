@@ -149,3 +149,12 @@ def test_import_and_eager_use_load_no_compiler_modules():
     torch_own = set(seen.pop("torch"))
     for after, loaded in seen.items():
         assert set(loaded) - torch_own == set(), f"{after}: loaded {sorted(loaded)}"
+
+
+def test_a_class_name_of_vega_or_vega_optim_is_one_it_exports():
+    # (typing's Any, imported at the top of both for their __getattr__, was vega.optim.Any
+    # in dir(vega.optim) and completion, among the optimizer classes, and vega.Any)
+    import vega.optim
+    for module in (vega, vega.optim):
+        names = [n for n in dir(module) if n[:1].isupper()]
+        assert set(names) <= set(module.__all__), (module.__name__, names)

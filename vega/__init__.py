@@ -13,7 +13,7 @@ and ``vega.<name>_step(params, grads, state, **hypers)``; ``vega.optim`` has the
 - learning-rate schedules: ``vega.schedule``;
 - states: ``state_names``, ``get_leaf``, ``set_leaf``, ``save``, ``load``.
 """
-from typing import Any
+from typing import Any as _Any
 
 from vega import optim, schedule
 from vega.errors import SpecError, VegaError
@@ -33,7 +33,7 @@ _LAZY = {name + suffix: (name, attr) for name in _SHIPPED
          for suffix, attr in (("", None), ("_init", "init"), ("_step", "step"))}
 
 
-def __getattr__(name: str) -> Any:  # (a CompiledSpec, or its init or step, by the name)
+def __getattr__(name: str) -> _Any:  # (a CompiledSpec, or its init or step, by the name)
     found = _LAZY.get(name)
     if found is None:
         raise AttributeError(f"module 'vega' has no attribute {name!r}")

@@ -4,7 +4,7 @@ Each is a real ``torch.optim.Optimizer``: param groups with their own
 hyperparameters, ``state_dict`` / ``load_state_dict``, ``zero_grad``. A class
 compiles its spec when first used, not when ``vega.optim`` is imported.
 """
-from typing import Any
+from typing import Any as _Any
 
 from vega.runtime.lbfgs import LBFGS
 from vega.runtime.library import builtin
@@ -23,7 +23,7 @@ _SPECS = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RAdam": "radam", "LAM
 # (-> Any: each class is a SpecOptimizer subclass, but typed type[SpecOptimizer], an
 # optimizer's loss_scale is LossScale | None to a checker, which then refuses the README's
 # opt.loss_scale.scale(loss) of one made with a loss_scale; Any leaves the classes unchecked)
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     spec = _SPECS.get(name)
     if spec is None:
         raise AttributeError(f"module 'vega.optim' has no attribute {name!r}")
