@@ -1223,3 +1223,44 @@ def test_a_background_build_killed_after_its_record_says_the_record(fresh, monke
     assert native.module() is None
     assert native.module(wait=True) is None
     assert native.status() == "native operator unavailable: the C++ compiler failed: bad"
+
+
+def test_a_pure_step_of_8bit_state_runs_on_the_operator(monkeypatch):
+    """A step out of place of 8-bit state: the operator takes the new codes' uint8 outputs
+    (each output of its input's dtype), where it refused every uint8 output ("not a
+    contiguous CPU tensor of float32, float64, bfloat16 or float16") and each such step
+    built its tables in Python; the values are the Python path's, bit for bit. A uint8
+    output for a float32 input is still refused, naming it."""
+    mod = native.module(wait=True)
+    if mod is None:
+        pytest.skip("the native operator cannot be built here")
+    from vega.codegen.c import launch
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4096), "v": torch.randn(300, 17)}
+    grads = {k: torch.randn_like(x) for k, x in params.items()}
+    state = vega.adamw.init(params, state_dtype=torch.uint8)
+    monkeypatch.setattr(native, "module", lambda wait=False: None)
+    want = vega.adamw.step(params, grads, state, backend="c")
+    monkeypatch.setattr(native, "module", lambda wait=False: mod)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the Python path's tables")
+    monkeypatch.setattr(launch.Kernel, "_tables", refused)
+    got = vega.adamw.step(params, grads, state, backend="c")
+    assert state["mu"]["w"].dtype == torch.uint8
+    for k in params:
+        assert torch.equal(got[0][k], want[0][k])
+        for name, tree in want[1].items():
+            if isinstance(tree, dict) and tree[k] is not None:
+                assert torch.equal(got[1][name][k], tree[k]), (name, k)
+    kern = launch.Kernel(vega.adamw.program())
+    p, g, mu, nu = torch.ones(5), torch.ones(5), torch.zeros(5), torch.zeros(5)
+    step = torch.zeros((), dtype=torch.int32)
+    hyp = torch.full((len(kern.program.float_hypers),), 0.5, dtype=torch.float64)
+    kern._native_call(mod, mod.step, [p], [g], [mu, nu], [step], [0], [hyp], [0], None, [],
+                      [])  # (its library built and registered)
+    outs = [torch.full((5,), 7.0), torch.full((5,), 7, dtype=torch.uint8), torch.full((5,), 7.0)]
+    with pytest.raises(ValueError, match=r"output 1 \(state 0 of parameter 0\) is of dtype "
+                                         "uint8, its input's float32"):
+        torch.ops.vega_c.step(kern.id, [p], [g], [mu, nu], [step], [0], [hyp], [0], None,
+                              [], outs)

@@ -555,7 +555,9 @@ void step_impl(int64_t id, const List &params, const List &grads, const List &st
     }
     double *record = record_of(pre);
     std::vector<int64_t> out_at(outs.size());
-    for (size_t i = 0; i < outs.size(); i++) out_at[i] = check_plain(outs[i], "output", i);
+    // (uint8: an 8-bit state's new codes; each output is checked below to be of its input's
+    // dtype)
+    for (size_t i = 0; i < outs.size(); i++) out_at[i] = check_plain(outs[i], "output", i, true);
     // every tensor checked (``each_apart``: on several threads), what each parameter's
     // rows need kept: its length, the addresses of it, its gradient and its states, and its
     // dtypes packed (``dtype_code``)
