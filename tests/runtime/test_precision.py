@@ -12,9 +12,6 @@
 - the bytes of state per parameter of each configuration;
 - bad values of the options raise ValueError naming them.
 """
-import ctypes
-import importlib.util
-
 import pytest
 import torch
 
@@ -1050,52 +1047,3 @@ def test_modes_of_complex_parameters_switch_both_parts_as_their_real_pairs():
     for opt in opts:
         opt.train()
     assert torch.equal(torch.view_as_real(pc.detach()), pr.detach())
-
-
-_BITS_TRITON = '''import triton
-import triton.language as tl
-{helpers}
-
-@triton.jit
-def bits_of(j_ptr, key_ptr, out_ptr, N: tl.constexpr):
-    o = tl.arange(0, N)
-    key = tl.load(key_ptr).to(tl.uint32)
-    tl.store(out_ptr + o, bits(key, tl.load(j_ptr + o)).to(tl.int64))
-'''
-
-
-def test_stochastic_rounding_bits_of_elements_2_to_the_32_apart_differ(tmp_path, monkeypatch):
-    """An element's random bits are ``bits(k, j)`` of its whole index j, the same on every
-    backend: mix(k ^ j) below 2**32 (as they always were), and those of an element 2**32
-    or more further on, with the same low 32 bits, differ (they were the same bits: the
-    same rounding for every 2**32-th element of a tensor)."""
-    key = precision.mix(0x5EED)
-    j = torch.tensor([0, 1, 7, 2**31, 2**32 - 1], dtype=torch.int64)
-    far = torch.cat([j + 2**32, j + 5 * 2**32, j + 2**40])
-    k = torch.tensor(key, dtype=torch.int64)
-    below, above = precision.bits_at(k, j), precision.bits_at(k, far)
-    assert torch.equal(below, precision.mix_t(k ^ j))
-    assert (above != below.repeat(3)).all() and len(set(above.tolist())) == len(far)
-    every = torch.cat([j, far])
-    if c_backend.available():  # the C kernels' helper
-        from vega.codegen.c import build as cbuild, render
-        lib = cbuild.library(render.INCLUDES + precision.C_HELPERS + """
-const char *vega_key(void) { return "@KEY@"; }
-void bits_of(int64_t n, const int64_t *j, uint32_t k, int64_t *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = vega_bits(k, j[i]);
-}""")
-        out = torch.empty_like(every)
-        lib.bits_of(ctypes.c_int64(len(every)), ctypes.c_void_p(every.data_ptr()),
-                    ctypes.c_uint32(key), ctypes.c_void_p(out.data_ptr()))
-        assert torch.equal(out, precision.bits_at(k, every))
-    # Triton's (interpreted on the CPU)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    path = tmp_path / "vega_bits_of.py"
-    path.write_text(_BITS_TRITON.format(helpers=precision.TRITON_HELPERS))
-    spec = importlib.util.spec_from_file_location("vega_bits_of", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    js = torch.cat([every, every[:12]])  # (32: a power of two)
-    out = torch.empty_like(js)
-    mod.bits_of[(1,)](js, torch.tensor([key], dtype=torch.int64), out, N=len(js))
-    assert torch.equal(out, precision.bits_at(k, js))

@@ -14,17 +14,13 @@ probability equal to ``x``'s distance from the lower one over their gap: its exp
     mix(x)      = lowbias32: x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b;
                   x ^= x >> 16   (uint32 arithmetic, wrapping)
     base        = mix(mix(mix(seed) ^ step) ^ tensor)
-    r(slot, j)  = bits(mix(base + slot), j) & 0xffff
-    bits(k, j)  = mix(k ^ lo) where hi = 0, else mix(mix(k ^ lo) + hi)
+    r(slot, j)  = mix(mix(base + slot) ^ j) & 0xffff
 
 ``seed`` is the optimizer's ``rounding_seed``; ``step`` the tensor's step counter before the
 step (completed steps); ``tensor`` the tensor's position among the tensors of its dtype group
 in the step (see ``group_positions``); ``slot`` 0 for the parameter and 1 + k for state k;
-``j`` the element's index in the tensor, ``lo`` and ``hi`` its low and high 32 bits: the
-elements of a tensor of more than 2**32 have bits of their own (with ``lo`` alone, element j
-took the bits of element j + 2**32), and those of the first 2**32 the bits of ``mix(k ^ j)``.
-The kernels compute ``base`` once per tensor (Triton: in its scalars kernel, stored as two
-16-bit halves) and ``r`` per element.
+``j`` the element's index in the tensor (its low 32 bits). The kernels compute ``base`` once
+per tensor (Triton: in its scalars kernel, stored as two 16-bit halves) and ``r`` per element.
 """
 from __future__ import annotations
 
@@ -119,17 +115,10 @@ def base_t(seed: int, step: torch.Tensor, tensor: int) -> torch.Tensor:
     return mix_t(mix_t(s ^ (step.to(torch.int64) & MASK)) ^ tensor)
 
 
-def bits_at(key: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-    """``bits(key, j)`` (uint32 values in int64) of the int64 element indices ``j``."""
-    r = mix_t(key ^ (j & MASK))
-    hi = j >> 32
-    return torch.where(hi != 0, mix_t(r + hi), r)
-
-
 def bits_t(base: torch.Tensor, slot: int, numel: int) -> torch.Tensor:
     """The 16 random bits of each element of output ``slot`` (int64, flat)."""
-    j = torch.arange(numel, dtype=torch.int64, device=base.device)
-    return bits_at(mix_t(base + slot), j) & 0xFFFF
+    j = torch.arange(numel, dtype=torch.int64, device=base.device) & MASK
+    return mix_t(mix_t(base + slot) ^ j) & 0xFFFF
 
 
 def round_bf16_t(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -157,10 +146,6 @@ C_HELPERS = r"""
 static inline uint32_t vega_mix(uint32_t x) {  /* lowbias32 */
     x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
     return x;
-}
-static inline uint32_t vega_bits(uint32_t k, int64_t j) {  /* an element's random bits */
-    const uint32_t r = vega_mix(k ^ (uint32_t)j), hi = (uint32_t)((uint64_t)j >> 32);
-    return hi ? vega_mix(r + hi) : r;
 }
 static inline uint16_t f32_to_bf16_sr(float f, uint32_t r) {  /* stochastic rounding */
     uint32_t u; memcpy(&u, &f, 4);
@@ -195,21 +180,12 @@ def mix(x):
 
 
 @triton.jit
-def bits(key, j):
-    """The random bits (uint32) of the element of index j under the key (uint32)."""
-    r = mix(key ^ j.to(tl.uint32))
-    hi = (j.to(tl.int64) >> 32).to(tl.uint32)
-    return tl.where(hi != 0, mix(r + hi), r)
-
-
-@triton.jit
 def to_bf16_sr(x, key, j):
-    """float32 -> bfloat16 stochastically rounded: the bits of bits(key, j) (uint32; j the
-    element's index); a float64 value rounded to float32 first, as the C backend and torch
-    cast it."""
+    """float32 -> bfloat16 stochastically rounded: the bits of mix(key ^ j) (uint32); a
+    float64 value rounded to float32 first, as the C backend and torch cast it."""
     x = x.to(tl.float32)
     u = x.to(tl.uint32, bitcast=True)
-    r = bits(key, j) & 0xFFFF
+    r = mix(key ^ j.to(tl.uint32)) & 0xFFFF
     out = (u + r) >> 16
     out = tl.where(x != x, (u >> 16) | 0x40, out)  # NaN stays a quiet NaN
     return out.to(tl.uint16).to(tl.bfloat16, bitcast=True)

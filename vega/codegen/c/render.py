@@ -600,7 +600,7 @@ class Source:
         to, save = ("PO_", "SAVE_P") if target == "p" else (f"SO{slot - 1}_", f"SAVE_S{slot - 1}")
         if slot in self._rounded():
             return (f"{to}[{index}] = f32_to_bf16_sr((float)({value}), "
-                    f"vega_bits(K{slot}_, (int64_t)({index})));")
+                    f"vega_mix(K{slot}_ ^ (uint32_t){index}));")
         return f"{to}[{index}] = {save}({value});"
 
     def _rounded(self) -> list[int]:
