@@ -441,3 +441,20 @@ def test_a_spec_of_a_long_name_compiles():
     assert [f.kernel for f in figures] == [x.kernel for x in triton_ptx.distinct(launches)]
     assert f"vega_{name}_update" in [f.kernel for f in figures]
 
+
+
+def test_a_stochastically_rounded_bfloat16_update_fits_in_64_registers():
+    """AdamW's bfloat16 update with stochastic rounding (uncapped: ``update_registers``)
+    takes 62 registers a thread and spills nothing: an element's bits are one hash of the
+    low 32 bits of its index (docs/precision.md). Taking the high 32 bits per element too
+    (two hashes and an int64 index an element) took it to 110, half the threads an SM
+    holds."""
+    params = {"w": torch.randn(4096, dtype=torch.bfloat16, device=DEVICE)}
+    grads = {"w": torch.randn_like(params["w"])}
+    state = vega.adamw.init(params)
+    launches = _pick(triton_ptx.record(lambda: vega.adamw.step(
+        params, grads, state, backend="triton", donate=True, max_grad_norm=1.0,
+        skip_nonfinite=True, stochastic_rounding=True, rounding_seed=3)), "_update")
+    assert len(launches) == 1 and "to_bf16_sr(" in launches[0].source
+    f, = triton_ptx.compile_launches(launches)
+    assert f.registers <= 64 and f.spill_stores == 0, f
