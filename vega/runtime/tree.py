@@ -129,6 +129,8 @@ def holds_tensor(x) -> bool:
     if isinstance(x, CONTAINERS):
         return any(map(holds_tensor, x.values() if isinstance(x, Mapping) else x))
     return False
+
+
 # (dict, its keys), (list or tuple, its length), or (a nested tree's shape, its count of
 # leaves: ``_nested``) -> its TreeSpec (made by torch's walk, once); the id of such a spec
 # -> those (checked against _FLAT_SPECS on use)
