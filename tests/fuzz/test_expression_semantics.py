@@ -190,3 +190,16 @@ def test_a_float16_state_of_a_float64_step_is_rounded_as_torch_casts(backend):
     _, got = step(text, backend, x, x)
     assert_same(got["a"]["x"], x.to(torch.float16), "a")
     assert_same(got["a"]["x"][:3], torch.tensor([1.0, -1.0, math.inf]), "a at the ties")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_state_read_after_it_is_assigned_is_the_value_before_it_is_stored(backend):
+    """Reading a state after assigning it reads the value computed, not that value rounded to
+    the state's dtype (which happens when it is stored): a float16 state given 960449.4
+    stores inf, and the parameter read from it is 960449.4 on every backend
+    (docs/language.md)."""
+    x = torch.full((1000,), 960.4494)
+    text = "optimizer f() {\n    state a: float16 = zeros\n    a = g * 1000\n    p = a * 1\n}"
+    got_p, got = step(text, backend, torch.zeros_like(x), x)
+    assert_same(got_p["x"], x * 1000, "p")
+    assert_same(got["a"]["x"], torch.full((1000,), math.inf, dtype=torch.float16), "a")
