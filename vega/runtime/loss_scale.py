@@ -37,7 +37,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from vega.runtime.engine import as_float, positive_finite
-from vega.runtime.tree import CONTAINERS, path_name
+from vega.runtime.tree import CONTAINERS, path_name, refuse_unwalked
 
 __all__ = ["LossScale", "grads_finite"]
 
@@ -360,7 +360,6 @@ class LossScale:
             if _float_leaf(g):
                 return _at_dtype(g, self.loss_scale, torch.div)
             if isinstance(g, CONTAINERS):
-                from vega.runtime.transforms import refuse_unwalked
                 refuse_unwalked("unscale", grads)
             return g
         return pytree.tree_map(one, grads)

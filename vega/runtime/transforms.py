@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from vega.codegen.tensors import dense, not_dense
 from vega.errors import shown
 from vega.runtime.engine import as_float
-from vega.runtime.tree import CONTAINERS, holds_tensor, path_name
+from vega.runtime.tree import CONTAINERS, path_name, refuse_unwalked
 
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
 
@@ -30,28 +30,11 @@ def _float_leaf(x) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
-def refuse_unwalked(who: str, grads) -> None:
-    """ValueError naming the first leaf of ``grads`` that is a container torch's pytree does
-    not walk into (``tree.CONTAINERS``) holding a tensor, if any: its gradients would be
-    left out unseen (an overflow read as finite, a norm as 0, clipping and unscaling
-    passing them unchanged)."""
-    pairs, _ = pytree.tree_flatten_with_path(grads)
-    for path, g in pairs:
-        if isinstance(g, CONTAINERS) and holds_tensor(g):
-            where = f"grads leaf {path_name(path)!r}" if path else "grads"
-            raise ValueError(
-                f"{who}: {where} is a {type(g).__name__}, which torch's pytree takes as one "
-                "leaf, not walking into it (it walks dict, list, tuple, OrderedDict, "
-                "defaultdict, namedtuple and registered types, not their subclasses): its "
-                "gradients would be left out. Give a dict, list or tuple of them, or register "
-                "the type with torch.utils._pytree.register_pytree_node")
-
-
 def float_leaves(who: str, grads) -> list:
     """The float (and complex) leaves of ``grads``; ValueError naming one that is sparse or
     nested, which torch's norms and finite checks have no kernel for (a NotImplementedError
     from deep inside torch), or a container torch's pytree does not walk into
-    (``refuse_unwalked``)."""
+    (``tree.refuse_unwalked``)."""
     found = pytree.tree_leaves(grads)
     leaves = [g for g in found if _float_leaf(g)]
     if len(leaves) != len(found) and any(isinstance(g, CONTAINERS) for g in found):

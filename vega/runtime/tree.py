@@ -131,6 +131,23 @@ def holds_tensor(x) -> bool:
     return False
 
 
+def refuse_unwalked(who: str, grads) -> None:
+    """ValueError naming the first leaf of ``grads`` that is a container torch's pytree does
+    not walk into (``CONTAINERS``) holding a tensor, if any: its gradients would be
+    left out unseen (an overflow read as finite, a norm as 0, clipping and unscaling
+    passing them unchanged)."""
+    pairs, _ = pytree.tree_flatten_with_path(grads)
+    for path, g in pairs:
+        if isinstance(g, CONTAINERS) and holds_tensor(g):
+            where = f"grads leaf {path_name(path)!r}" if path else "grads"
+            raise ValueError(
+                f"{who}: {where} is a {type(g).__name__}, which torch's pytree takes as one "
+                "leaf, not walking into it (it walks dict, list, tuple, OrderedDict, "
+                "defaultdict, namedtuple and registered types, not their subclasses): its "
+                "gradients would be left out. Give a dict, list or tuple of them, or register "
+                "the type with torch.utils._pytree.register_pytree_node")
+
+
 # (dict, its keys), (list or tuple, its length), or (a nested tree's shape, its count of
 # leaves: ``_nested``) -> its TreeSpec (made by torch's walk, once); the id of such a spec
 # -> those (checked against _FLAT_SPECS on use)
